@@ -1,0 +1,408 @@
+//! The normalized lifecycle event every source produces and every later stage consumes.
+//!
+//! Sources (eBPF, OTLP, replay) turn what they see into [`LifecycleEvent`]s; nothing downstream
+//! knows where an event came from except through [`Source`]. Events carry identities, timings,
+//! status codes, lengths and token counts only: prompt and completion text never reach this type.
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+/// Nanoseconds since the Unix epoch, in the clock of the node that produced the event.
+pub type UnixNanos = u64;
+
+/// Where in the disaggregated pipeline an event happened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+#[repr(u8)]
+pub enum Stage {
+    Router = 0,
+    Prefill = 1,
+    Transfer = 2,
+    Decode = 3,
+}
+
+impl Stage {
+    pub const ALL: [Stage; 4] = [Stage::Router, Stage::Prefill, Stage::Transfer, Stage::Decode];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Stage::Router => "router",
+            Stage::Prefill => "prefill",
+            Stage::Transfer => "transfer",
+            Stage::Decode => "decode",
+        }
+    }
+
+    pub(crate) fn from_index(i: u8) -> Stage {
+        Stage::ALL[(i & 3) as usize]
+    }
+}
+
+/// What happened to the request at that stage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+#[repr(u8)]
+pub enum Kind {
+    /// The stage accepted the bytes of the request (HTTP request arrived, span started).
+    Received = 0,
+    /// The stage handed the request on to another stage (`to` names which).
+    Dispatched = 1,
+    /// The stage decided it can process the request (scheduled, bootstrapped).
+    Admitted = 2,
+    /// The stage refused the request (capacity, validation); terminal for the attempt.
+    Rejected = 3,
+    /// The stage did work on the request: forward passes, KV transfer, streamed tokens.
+    Work = 4,
+    /// The stage finished the request; `status` tells whether successfully.
+    Completed = 5,
+    /// The stage gave up on the request after admitting it.
+    Aborted = 6,
+    /// Someone else withdrew the request (client disconnect, router cancel, `ABORT` frame).
+    Cancelled = 7,
+    /// Not a request event: the stage reports what it can process (`context_tokens`, limits).
+    Capacity = 8,
+}
+
+impl Kind {
+    pub const ALL: [Kind; 9] = [
+        Kind::Received,
+        Kind::Dispatched,
+        Kind::Admitted,
+        Kind::Rejected,
+        Kind::Work,
+        Kind::Completed,
+        Kind::Aborted,
+        Kind::Cancelled,
+        Kind::Capacity,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Kind::Received => "received",
+            Kind::Dispatched => "dispatched",
+            Kind::Admitted => "admitted",
+            Kind::Rejected => "rejected",
+            Kind::Work => "work",
+            Kind::Completed => "completed",
+            Kind::Aborted => "aborted",
+            Kind::Cancelled => "cancelled",
+            Kind::Capacity => "capacity",
+        }
+    }
+
+    pub(crate) fn from_index(i: u8) -> Kind {
+        Kind::ALL[(i as usize).min(Kind::ALL.len() - 1)]
+    }
+
+    /// Ends the leg of the stage that reports it.
+    pub fn is_terminal(self) -> bool {
+        matches!(self, Kind::Rejected | Kind::Completed | Kind::Aborted | Kind::Cancelled)
+    }
+}
+
+/// Which witness reported the event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+#[repr(u8)]
+pub enum Source {
+    /// Observed from the kernel: what really crossed the wire.
+    Ebpf = 0,
+    /// Reported by the application over OpenTelemetry.
+    Otlp = 1,
+    /// Read back from a recorded events file.
+    Replay = 2,
+}
+
+impl Source {
+    pub const ALL: [Source; 3] = [Source::Ebpf, Source::Otlp, Source::Replay];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Source::Ebpf => "ebpf",
+            Source::Otlp => "otlp",
+            Source::Replay => "replay",
+        }
+    }
+
+    pub(crate) fn from_index(i: u8) -> Source {
+        Source::ALL[(i as usize).min(Source::ALL.len() - 1)]
+    }
+}
+
+macro_rules! impl_from_str_display {
+    ($t:ty, $what:literal) => {
+        impl FromStr for $t {
+            type Err = UnknownName;
+            fn from_str(s: &str) -> Result<Self, Self::Err> {
+                Self::ALL
+                    .iter()
+                    .copied()
+                    .find(|v| v.as_str().eq_ignore_ascii_case(s))
+                    .ok_or_else(|| UnknownName {
+                        what: $what,
+                        got: s.to_owned(),
+                        expected: Self::ALL.iter().map(|v| v.as_str()).collect::<Vec<_>>().join(", "),
+                    })
+            }
+        }
+        impl fmt::Display for $t {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+    };
+}
+impl_from_str_display!(Stage, "stage");
+impl_from_str_display!(Kind, "kind");
+impl_from_str_display!(Source, "source");
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown {what} {got:?} (expected one of: {expected})")]
+pub struct UnknownName {
+    pub what: &'static str,
+    pub got: String,
+    pub expected: String,
+}
+
+/// SGLang's `bootstrap_room`: a u64 that spans carry as a hex string (`"0x314783f6bef71155"`) and
+/// HTTP bodies as a decimal number. Both spellings parse to the same key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BootstrapRoom(pub u64);
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid bootstrap_room {0:?}: expected a u64 as decimal or 0x-prefixed hex")]
+pub struct InvalidRoom(pub String);
+
+impl FromStr for BootstrapRoom {
+    type Err = InvalidRoom;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let t = s.trim();
+        let parsed = match t.strip_prefix("0x").or_else(|| t.strip_prefix("0X")) {
+            Some(hex) => u64::from_str_radix(hex, 16),
+            None => t.parse::<u64>(),
+        };
+        parsed.map(BootstrapRoom).map_err(|_| InvalidRoom(s.to_owned()))
+    }
+}
+
+impl fmt::Display for BootstrapRoom {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+impl Serialize for BootstrapRoom {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_u64(self.0)
+    }
+}
+
+impl<'de> Deserialize<'de> for BootstrapRoom {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl serde::de::Visitor<'_> for V {
+            type Value = BootstrapRoom;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a u64, as a number, a decimal string or a 0x-prefixed hex string")
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<BootstrapRoom, E> {
+                Ok(BootstrapRoom(v))
+            }
+            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<BootstrapRoom, E> {
+                u64::try_from(v)
+                    .map(BootstrapRoom)
+                    .map_err(|_| E::custom(format!("bootstrap_room {v} is negative")))
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<BootstrapRoom, E> {
+                v.parse().map_err(E::custom)
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// The identities an event carries. Any subset may be present.
+///
+/// `request_id` (the client's `x-request-id`) and `trace_id` name the whole client request;
+/// `rid` and `bootstrap_room` name one attempt of it (the router retries with a new room).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Ids {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request_id: Option<Box<str>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trace_id: Option<Box<str>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rid: Option<Box<str>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bootstrap_room: Option<BootstrapRoom>,
+}
+
+impl Ids {
+    pub fn is_empty(&self) -> bool {
+        self.request_id.is_none()
+            && self.trace_id.is_none()
+            && self.rid.is_none()
+            && self.bootstrap_room.is_none()
+    }
+
+    /// True when the event names an attempt, not only the whole request.
+    pub fn names_attempt(&self) -> bool {
+        self.rid.is_some() || self.bootstrap_room.is_some()
+    }
+}
+
+/// One thing that happened to one request (or, for [`Kind::Capacity`], to one worker).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LifecycleEvent {
+    pub time_ns: UnixNanos,
+    pub stage: Stage,
+    pub kind: Kind,
+    pub ids: Ids,
+    pub source: Source,
+    /// The host that observed the event; events from one node share a clock.
+    pub node: Option<Box<str>>,
+    pub pid: Option<u32>,
+    /// The worker (URL or address) the event is about; keys capacity reports.
+    pub worker: Option<Box<str>>,
+    /// HTTP status code or equivalent.
+    pub status: Option<u16>,
+    /// Short machine-made reason (truncated error message, abort reason). Never prompt text.
+    pub reason: Option<Box<str>>,
+    /// Free-form short detail (endpoint, frame type).
+    pub detail: Option<Box<str>>,
+    /// For `dispatched`: the stage the request was sent to.
+    pub to: Option<Stage>,
+    pub input_tokens: Option<u64>,
+    pub context_tokens: Option<u64>,
+    pub max_input_tokens: Option<u64>,
+    pub max_total_tokens: Option<u64>,
+}
+
+impl LifecycleEvent {
+    /// A bare event; fill the optional fields with struct update syntax or the setters below.
+    pub fn new(time_ns: UnixNanos, stage: Stage, kind: Kind, source: Source) -> Self {
+        LifecycleEvent {
+            time_ns,
+            stage,
+            kind,
+            ids: Ids::default(),
+            source,
+            node: None,
+            pid: None,
+            worker: None,
+            status: None,
+            reason: None,
+            detail: None,
+            to: None,
+            input_tokens: None,
+            context_tokens: None,
+            max_input_tokens: None,
+            max_total_tokens: None,
+        }
+    }
+
+    pub fn with_request_id(mut self, v: impl Into<Box<str>>) -> Self {
+        self.ids.request_id = Some(v.into());
+        self
+    }
+    pub fn with_trace_id(mut self, v: impl Into<Box<str>>) -> Self {
+        self.ids.trace_id = Some(v.into());
+        self
+    }
+    pub fn with_rid(mut self, v: impl Into<Box<str>>) -> Self {
+        self.ids.rid = Some(v.into());
+        self
+    }
+    pub fn with_room(mut self, room: u64) -> Self {
+        self.ids.bootstrap_room = Some(BootstrapRoom(room));
+        self
+    }
+    pub fn with_status(mut self, status: u16) -> Self {
+        self.status = Some(status);
+        self
+    }
+    pub fn with_node(mut self, node: impl Into<Box<str>>) -> Self {
+        self.node = Some(node.into());
+        self
+    }
+    pub fn with_worker(mut self, worker: impl Into<Box<str>>) -> Self {
+        self.worker = Some(worker.into());
+        self
+    }
+    pub fn with_reason(mut self, reason: &str) -> Self {
+        self.reason = Some(truncate_reason(reason).into());
+        self
+    }
+    pub fn with_to(mut self, to: Stage) -> Self {
+        self.to = Some(to);
+        self
+    }
+    pub fn with_input_tokens(mut self, n: u64) -> Self {
+        self.input_tokens = Some(n);
+        self
+    }
+}
+
+/// Reasons are short diagnostics, not payloads: cap them so no stage can smuggle large text.
+pub const MAX_REASON_BYTES: usize = 160;
+
+/// Cuts `s` to at most [`MAX_REASON_BYTES`] on a char boundary.
+pub fn truncate_reason(s: &str) -> &str {
+    if s.len() <= MAX_REASON_BYTES {
+        return s;
+    }
+    let mut end = MAX_REASON_BYTES;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn room_hex_and_decimal_are_the_same_key() {
+        let hex: BootstrapRoom = "0x314783f6bef71155".parse().unwrap();
+        let dec: BootstrapRoom = "3550951926993981781".parse().unwrap();
+        assert_eq!(hex, dec);
+        let from_json: BootstrapRoom = serde_json::from_str("3550951926993981781").unwrap();
+        assert_eq!(from_json, hex);
+        let from_json_hex: BootstrapRoom = serde_json::from_str("\"0x314783F6BEF71155\"").unwrap();
+        assert_eq!(from_json_hex, hex);
+    }
+
+    #[test]
+    fn room_rejects_garbage() {
+        assert!("0xzz".parse::<BootstrapRoom>().is_err());
+        assert!("-1".parse::<BootstrapRoom>().is_err());
+        assert!("18446744073709551616".parse::<BootstrapRoom>().is_err());
+        assert!(serde_json::from_str::<BootstrapRoom>("-3").is_err());
+    }
+
+    #[test]
+    fn names_round_trip() {
+        for s in Stage::ALL {
+            assert_eq!(s.as_str().parse::<Stage>().unwrap(), s);
+            assert_eq!(Stage::from_index(s as u8), s);
+        }
+        for k in Kind::ALL {
+            assert_eq!(k.as_str().parse::<Kind>().unwrap(), k);
+            assert_eq!(Kind::from_index(k as u8), k);
+        }
+        let err = "preffill".parse::<Stage>().unwrap_err();
+        assert!(err.to_string().contains("router, prefill, transfer, decode"), "{err}");
+    }
+
+    #[test]
+    fn reasons_are_truncated_on_char_boundaries() {
+        let long = "é".repeat(200);
+        let t = truncate_reason(&long);
+        assert!(t.len() <= MAX_REASON_BYTES);
+        assert!(t.chars().all(|c| c == 'é'));
+    }
+}

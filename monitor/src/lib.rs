@@ -1,0 +1,7 @@
+//! revenant: a runtime invariant monitor for disaggregated (prefill/decode) LLM serving.
+//!
+//! Data flows one way: sources → normalize → correlate → check → sinks.
+
+pub mod event;
+
+pub use event::{BootstrapRoom, Ids, Kind, LifecycleEvent, Source, Stage, UnixNanos};
