@@ -3,5 +3,6 @@
 //! Data flows one way: sources → normalize → correlate → check → sinks.
 
 pub mod event;
+pub mod pipeline;
 
 pub use event::{BootstrapRoom, Ids, Kind, LifecycleEvent, Source, Stage, UnixNanos};
