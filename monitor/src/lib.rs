@@ -3,6 +3,7 @@
 //! Data flows one way: sources → normalize → correlate → check → sinks.
 
 pub mod event;
+pub mod ingest;
 pub mod pipeline;
 
 pub use event::{BootstrapRoom, Ids, Kind, LifecycleEvent, Source, Stage, UnixNanos};

@@ -1,0 +1,3 @@
+//! Sources: everything that produces `LifecycleEvent`s into the pipeline.
+
+pub mod ebpf;
