@@ -6,3 +6,9 @@
 //! few ids we keep out of bodies, and `normalize` turns parsed messages into `LifecycleEvent`s.
 
 pub mod loader;
+pub mod http;
+pub mod json_ids;
+pub mod procs;
+pub mod record;
+pub mod track;
+pub mod zmtp;
