@@ -12,3 +12,8 @@ pub mod procs;
 pub mod record;
 pub mod track;
 pub mod zmtp;
+pub mod source;
+
+pub use loader::{CaptureConfig, LoadError, Probes};
+pub use procs::{Discovery, PidRule, Role, WatchRule};
+pub use source::{EbpfConfig, EbpfSource, EbpfStats};
