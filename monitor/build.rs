@@ -34,5 +34,7 @@ fn main() -> anyhow::Result<()> {
 
 fn which_bpf_linker() -> Option<std::path::PathBuf> {
     let path = std::env::var_os("PATH")?;
-    std::env::split_paths(&path).map(|d| d.join("bpf-linker")).find(|p| p.is_file())
+    std::env::split_paths(&path)
+        .map(|d| d.join("bpf-linker"))
+        .find(|p| p.is_file())
 }

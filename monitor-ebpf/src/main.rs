@@ -103,7 +103,12 @@ fn data_enter(ctx: &TracePointContext, sc: u32) -> Result<u32, u32> {
     if unsafe { SOCKS.get(&sock_key(tgid, fd)) }.is_none() {
         return Ok(0);
     }
-    let call = ActiveCall { ptr: arg(ctx, 1), len: arg(ctx, 2), fd, syscall: sc };
+    let call = ActiveCall {
+        ptr: arg(ctx, 1),
+        len: arg(ctx, 2),
+        fd,
+        syscall: sc,
+    };
     if ACTIVE.insert(&pid_tgid, &call, 0).is_err() {
         count(counter::ACTIVE_FULL, 1);
     }
@@ -158,8 +163,10 @@ fn data_exit(ctx: &TracePointContext) -> Result<u32, u32> {
         syscall::RECVMSG | syscall::SENDMSG => {
             // struct user_msghdr { void *name; int namelen; struct iovec *iov; size_t iovlen; ... }
             let msg = call.ptr as *const u64;
-            let iov = unsafe { aya_ebpf::helpers::bpf_probe_read_user(msg.add(2)) }.map_err(|_| 0u32)?;
-            let n = unsafe { aya_ebpf::helpers::bpf_probe_read_user(msg.add(3)) }.map_err(|_| 0u32)?;
+            let iov =
+                unsafe { aya_ebpf::helpers::bpf_probe_read_user(msg.add(2)) }.map_err(|_| 0u32)?;
+            let n =
+                unsafe { aya_ebpf::helpers::bpf_probe_read_user(msg.add(3)) }.map_err(|_| 0u32)?;
             capture_iov(&cap, iov, n)
         }
         _ => capture_piece(&cap, call.ptr, 0, total),
@@ -204,21 +211,33 @@ fn capture_piece(cap: &Capture, base: u64, off: u64, len: u64) {
         emit(cap, base, off, h_end - off);
     }
     if end > cap.tail_start {
-        let t_off = if off > cap.tail_start { off } else { cap.tail_start };
+        let t_off = if off > cap.tail_start {
+            off
+        } else {
+            cap.tail_start
+        };
         emit(cap, base + (t_off - off), t_off, end - t_off);
     }
 }
 
 #[inline(always)]
 fn emit(cap: &Capture, src: u64, off: u64, len: u64) {
-    let Some(ev) = SCRATCH.get_ptr_mut(0) else { return };
+    let Some(ev) = SCRATCH.get_ptr_mut(0) else {
+        return;
+    };
     let ev = unsafe { &mut *ev };
     let mut n = len as u32;
     if n > MAX_CAPTURE as u32 {
         n = MAX_CAPTURE as u32;
     }
     ev.h = DataHeader {
-        hdr: Header { kind: kind::DATA, tgid: (cap.pid_tgid >> 32) as u32, tid: cap.pid_tgid as u32, _pad: 0, ts_ns: cap.ts_ns },
+        hdr: Header {
+            kind: kind::DATA,
+            tgid: (cap.pid_tgid >> 32) as u32,
+            tid: cap.pid_tgid as u32,
+            _pad: 0,
+            ts_ns: cap.ts_ns,
+        },
         fd: cap.fd,
         syscall: cap.syscall,
         total: cap.total,
@@ -226,7 +245,11 @@ fn emit(cap: &Capture, src: u64, off: u64, len: u64) {
         len: n,
     };
     let rc = unsafe {
-        bpf_probe_read_user(ev.data.as_mut_ptr().cast::<c_void>(), n, src as *const c_void)
+        bpf_probe_read_user(
+            ev.data.as_mut_ptr().cast::<c_void>(),
+            n,
+            src as *const c_void,
+        )
     };
     if rc != 0 {
         count(counter::READ_FAILURES, 1);
@@ -279,7 +302,12 @@ fn sock_enter(ctx: &TracePointContext, sc: u32) -> Result<u32, u32> {
     if !watched((pid_tgid >> 32) as u32) {
         return Ok(0);
     }
-    let call = ActiveCall { ptr: arg(ctx, 1), len: 0, fd: arg(ctx, 0) as u32, syscall: sc };
+    let call = ActiveCall {
+        ptr: arg(ctx, 1),
+        len: 0,
+        fd: arg(ctx, 0) as u32,
+        syscall: sc,
+    };
     if ACTIVE.insert(&pid_tgid, &call, 0).is_err() {
         count(counter::ACTIVE_FULL, 1);
     }
@@ -307,11 +335,17 @@ fn sock_exit(ctx: &TracePointContext) -> Result<u32, u32> {
         }
         (kind::ACCEPT, ret as u32)
     };
-    let mut ev = ConnEvent { hdr: header(k, pid_tgid), fd, ret: ret as i32, ..Default::default() };
+    let mut ev = ConnEvent {
+        hdr: header(k, pid_tgid),
+        fd,
+        ret: ret as i32,
+        ..Default::default()
+    };
     if call.ptr != 0 {
         // sockaddr_in: family u16, port be16, addr[4]; sockaddr_in6: family, port, flowinfo u32, addr[16].
-        let raw: [u8; 24] = unsafe { aya_ebpf::helpers::bpf_probe_read_user(call.ptr as *const [u8; 24]) }
-            .unwrap_or([0; 24]);
+        let raw: [u8; 24] =
+            unsafe { aya_ebpf::helpers::bpf_probe_read_user(call.ptr as *const [u8; 24]) }
+                .unwrap_or([0; 24]);
         let family = u16::from_ne_bytes([raw[0], raw[1]]);
         ev.port = u16::from_be_bytes([raw[2], raw[3]]);
         ev.family = family;
@@ -336,32 +370,46 @@ fn sock_exit(ctx: &TracePointContext) -> Result<u32, u32> {
 
 #[tracepoint]
 pub fn sys_enter_connect(ctx: TracePointContext) -> u32 {
-    match sock_enter(&ctx, syscall::CONNECT) { Ok(r) | Err(r) => r }
+    match sock_enter(&ctx, syscall::CONNECT) {
+        Ok(r) | Err(r) => r,
+    }
 }
 #[tracepoint]
 pub fn sys_exit_connect(ctx: TracePointContext) -> u32 {
-    match sock_exit(&ctx) { Ok(r) | Err(r) => r }
+    match sock_exit(&ctx) {
+        Ok(r) | Err(r) => r,
+    }
 }
 #[tracepoint]
 pub fn sys_enter_accept(ctx: TracePointContext) -> u32 {
-    match sock_enter(&ctx, syscall::ACCEPT) { Ok(r) | Err(r) => r }
+    match sock_enter(&ctx, syscall::ACCEPT) {
+        Ok(r) | Err(r) => r,
+    }
 }
 #[tracepoint]
 pub fn sys_exit_accept(ctx: TracePointContext) -> u32 {
-    match sock_exit(&ctx) { Ok(r) | Err(r) => r }
+    match sock_exit(&ctx) {
+        Ok(r) | Err(r) => r,
+    }
 }
 #[tracepoint]
 pub fn sys_enter_accept4(ctx: TracePointContext) -> u32 {
-    match sock_enter(&ctx, syscall::ACCEPT) { Ok(r) | Err(r) => r }
+    match sock_enter(&ctx, syscall::ACCEPT) {
+        Ok(r) | Err(r) => r,
+    }
 }
 #[tracepoint]
 pub fn sys_exit_accept4(ctx: TracePointContext) -> u32 {
-    match sock_exit(&ctx) { Ok(r) | Err(r) => r }
+    match sock_exit(&ctx) {
+        Ok(r) | Err(r) => r,
+    }
 }
 
 #[tracepoint]
 pub fn sys_enter_close(ctx: TracePointContext) -> u32 {
-    match try_sys_enter_close(&ctx) { Ok(r) | Err(r) => r }
+    match try_sys_enter_close(&ctx) {
+        Ok(r) | Err(r) => r,
+    }
 }
 
 fn try_sys_enter_close(ctx: &TracePointContext) -> Result<u32, u32> {
@@ -372,7 +420,11 @@ fn try_sys_enter_close(ctx: &TracePointContext) -> Result<u32, u32> {
     }
     let fd = arg(ctx, 0) as u32;
     if SOCKS.remove(&sock_key(tgid, fd)).is_ok() {
-        send(&CloseEvent { hdr: header(kind::CLOSE, pid_tgid), fd, _pad: 0 });
+        send(&CloseEvent {
+            hdr: header(kind::CLOSE, pid_tgid),
+            fd,
+            _pad: 0,
+        });
     }
     Ok(0)
 }
@@ -382,7 +434,9 @@ fn try_sys_enter_close(ctx: &TracePointContext) -> Result<u32, u32> {
 
 #[tracepoint]
 pub fn sched_process_fork(ctx: TracePointContext) -> u32 {
-    match try_sched_process_fork(&ctx) { Ok(r) | Err(r) => r }
+    match try_sched_process_fork(&ctx) {
+        Ok(r) | Err(r) => r,
+    }
 }
 
 fn try_sched_process_fork(ctx: &TracePointContext) -> Result<u32, u32> {
@@ -394,24 +448,36 @@ fn try_sched_process_fork(ctx: &TracePointContext) -> Result<u32, u32> {
     let child: u32 = unsafe { ctx.read_at(off) }.map_err(|_| 0u32)?;
     // The child may be a thread (its tgid is the parent's); user space tells them apart.
     let _ = WATCHED.insert(&child, &watch::INHERITED, 0);
-    send(&ProcEvent { hdr: header(kind::FORK, pid_tgid), child, _pad: 0 });
+    send(&ProcEvent {
+        hdr: header(kind::FORK, pid_tgid),
+        child,
+        _pad: 0,
+    });
     Ok(0)
 }
 
 #[tracepoint]
 pub fn sched_process_exec(ctx: TracePointContext) -> u32 {
-    match try_sched_process_exec(&ctx) { Ok(r) | Err(r) => r }
+    match try_sched_process_exec(&ctx) {
+        Ok(r) | Err(r) => r,
+    }
 }
 
 fn try_sched_process_exec(_ctx: &TracePointContext) -> Result<u32, u32> {
     // Every exec on the node: user space matches the new command line against its watch rules.
-    send(&ProcEvent { hdr: header(kind::EXEC, bpf_get_current_pid_tgid()), child: 0, _pad: 0 });
+    send(&ProcEvent {
+        hdr: header(kind::EXEC, bpf_get_current_pid_tgid()),
+        child: 0,
+        _pad: 0,
+    });
     Ok(0)
 }
 
 #[tracepoint]
 pub fn sched_process_exit(ctx: TracePointContext) -> u32 {
-    match try_sched_process_exit(&ctx) { Ok(r) | Err(r) => r }
+    match try_sched_process_exit(&ctx) {
+        Ok(r) | Err(r) => r,
+    }
 }
 
 fn try_sched_process_exit(_ctx: &TracePointContext) -> Result<u32, u32> {
@@ -424,7 +490,11 @@ fn try_sched_process_exit(_ctx: &TracePointContext) -> Result<u32, u32> {
         return Ok(0);
     }
     if WATCHED.remove(&tgid).is_ok() {
-        send(&ProcEvent { hdr: header(kind::EXIT, pid_tgid), child: 0, _pad: 0 });
+        send(&ProcEvent {
+            hdr: header(kind::EXIT, pid_tgid),
+            child: 0,
+            _pad: 0,
+        });
     }
     Ok(0)
 }

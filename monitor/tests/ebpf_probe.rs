@@ -16,11 +16,17 @@ use revenant::ingest::ebpf::{CaptureConfig, Discovery, EbpfConfig, EbpfSource, P
 use revenant::{Kind, LifecycleEvent, Stage};
 
 fn support(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/support").join(name)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/support")
+        .join(name)
 }
 
 fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 fn start_source(cfg: EbpfConfig) -> EbpfSource {
@@ -55,7 +61,11 @@ impl Proc {
             }
         });
         let stdin = child.stdin.take();
-        let mut p = Proc { child, stdin, lines };
+        let mut p = Proc {
+            child,
+            stdin,
+            lines,
+        };
         p.expect_line("READY");
         p
     }
@@ -102,27 +112,66 @@ fn start_pd(canary: &str, request_id: &str, repeat: u32, prompt_bytes: usize) ->
     let (pp, dp, bp, kp) = (free_port(), free_port(), free_port(), free_port());
     let worker = support("fake_worker.py").display().to_string();
     let prefill = Proc::spawn(&[
-        worker.clone(), "--role".into(), "prefill".into(), "--port".into(), pp.to_string(),
-        "--bootstrap-port".into(), bp.to_string(), "--kv-port".into(), kp.to_string(),
+        worker.clone(),
+        "--role".into(),
+        "prefill".into(),
+        "--port".into(),
+        pp.to_string(),
+        "--bootstrap-port".into(),
+        bp.to_string(),
+        "--kv-port".into(),
+        kp.to_string(),
     ]);
-    let decode = Proc::spawn(&[worker, "--role".into(), "decode".into(), "--port".into(), dp.to_string()]);
+    let decode = Proc::spawn(&[
+        worker,
+        "--role".into(),
+        "decode".into(),
+        "--port".into(),
+        dp.to_string(),
+    ]);
     let room = 9066467638188682269u64 - u64::from(pp);
     let router = Proc::spawn(&[
         support("fake_router.py").display().to_string(),
-        "--prefill".into(), pp.to_string(), "--decode".into(), dp.to_string(),
-        "--bootstrap-port".into(), bp.to_string(), "--room".into(), room.to_string(),
-        "--prompt-bytes".into(), prompt_bytes.to_string(), "--canary".into(), canary.into(),
-        "--request-id".into(), request_id.into(), "--repeat".into(), repeat.to_string(),
+        "--prefill".into(),
+        pp.to_string(),
+        "--decode".into(),
+        dp.to_string(),
+        "--bootstrap-port".into(),
+        bp.to_string(),
+        "--room".into(),
+        room.to_string(),
+        "--prompt-bytes".into(),
+        prompt_bytes.to_string(),
+        "--canary".into(),
+        canary.into(),
+        "--request-id".into(),
+        request_id.into(),
+        "--repeat".into(),
+        repeat.to_string(),
     ]);
-    Pd { prefill, decode, router, room }
+    Pd {
+        prefill,
+        decode,
+        router,
+        room,
+    }
 }
 
 fn pd_discovery(pd: &Pd) -> Discovery {
     Discovery {
         pids: vec![
-            revenant::ingest::ebpf::PidRule { role: Role::Prefill, pid: pd.prefill.pid() },
-            revenant::ingest::ebpf::PidRule { role: Role::Decode, pid: pd.decode.pid() },
-            revenant::ingest::ebpf::PidRule { role: Role::Router, pid: pd.router.pid() },
+            revenant::ingest::ebpf::PidRule {
+                role: Role::Prefill,
+                pid: pd.prefill.pid(),
+            },
+            revenant::ingest::ebpf::PidRule {
+                role: Role::Decode,
+                pid: pd.decode.pid(),
+            },
+            revenant::ingest::ebpf::PidRule {
+                role: Role::Router,
+                pid: pd.router.pid(),
+            },
         ],
         watch: vec![],
         conventions: false,
@@ -133,7 +182,11 @@ fn wait_watched(src: &mut EbpfSource, pids: &[u32]) {
     let deadline = Instant::now() + Duration::from_secs(10);
     let mut sink = Vec::new();
     while !pids.iter().all(|p| src.watched().contains_key(p)) {
-        assert!(Instant::now() < deadline, "processes {pids:?} never watched: {:?}", src.watched());
+        assert!(
+            Instant::now() < deadline,
+            "processes {pids:?} never watched: {:?}",
+            src.watched()
+        );
         src.rescan();
         src.drain(&mut sink);
         std::thread::sleep(Duration::from_millis(20));
@@ -141,7 +194,11 @@ fn wait_watched(src: &mut EbpfSource, pids: &[u32]) {
 }
 
 fn has(events: &[LifecycleEvent], stage: Stage, kind: Kind, room: Option<u64>) -> bool {
-    events.iter().any(|e| e.stage == stage && e.kind == kind && (room.is_none() || e.ids.bootstrap_room.map(|r| r.0) == room))
+    events.iter().any(|e| {
+        e.stage == stage
+            && e.kind == kind
+            && (room.is_none() || e.ids.bootstrap_room.map(|r| r.0) == room)
+    })
 }
 
 #[test]
@@ -162,12 +219,22 @@ fn probes_load_and_attach() {
 fn big_prompt_room_at_the_end_prefill_rejects_decode_works() {
     const CANARY: &str = "CANARY-b7e1d2-PROMPT-TEXT";
     let mut pd = start_pd(CANARY, "req-ebpf-big", 1, 300_000);
-    let cfg = EbpfConfig { discovery: pd_discovery(&pd), node: Some("test-node".into()), ..Default::default() };
+    let cfg = EbpfConfig {
+        discovery: pd_discovery(&pd),
+        node: Some("test-node".into()),
+        ..Default::default()
+    };
     let mut src = start_source(cfg);
-    wait_watched(&mut src, &[pd.prefill.pid(), pd.decode.pid(), pd.router.pid()]);
+    wait_watched(
+        &mut src,
+        &[pd.prefill.pid(), pd.decode.pid(), pd.router.pid()],
+    );
     pd.router.go();
     let outcome = pd.router.expect_line("{");
-    assert!(outcome.contains("\"prefill\": 400") && outcome.contains("\"decode\": 200"), "{outcome}");
+    assert!(
+        outcome.contains("\"prefill\": 400") && outcome.contains("\"decode\": 200"),
+        "{outcome}"
+    );
 
     let room = Some(pd.room);
     let want = [
@@ -186,25 +253,49 @@ fn big_prompt_room_at_the_end_prefill_rejects_decode_works() {
         src.drain(&mut events);
         std::thread::sleep(Duration::from_millis(20));
     }
-    let shown: Vec<String> = events.iter().map(|e| format!("{:?}/{:?} room={:?} status={:?} to={:?} detail={:?}", e.stage, e.kind, e.ids.bootstrap_room, e.status, e.to, e.detail)).collect();
+    let shown: Vec<String> = events
+        .iter()
+        .map(|e| {
+            format!(
+                "{:?}/{:?} room={:?} status={:?} to={:?} detail={:?}",
+                e.stage, e.kind, e.ids.bootstrap_room, e.status, e.to, e.detail
+            )
+        })
+        .collect();
     for (s, k, r) in want {
-        assert!(has(&events, s, k, r), "missing {s}/{k} room={r:?}; got:\n{}", shown.join("\n"));
+        assert!(
+            has(&events, s, k, r),
+            "missing {s}/{k} room={r:?}; got:\n{}",
+            shown.join("\n")
+        );
     }
-    let dispatched: Vec<_> = events.iter().filter(|e| e.kind == Kind::Dispatched).collect();
+    let dispatched: Vec<_> = events
+        .iter()
+        .filter(|e| e.kind == Kind::Dispatched)
+        .collect();
     assert_eq!(dispatched.len(), 2, "{shown:#?}");
     assert!(dispatched.iter().any(|e| e.to == Some(Stage::Prefill)));
     assert!(dispatched.iter().any(|e| e.to == Some(Stage::Decode)));
     let rejected = events.iter().find(|e| e.kind == Kind::Rejected).unwrap();
     assert_eq!(rejected.status, Some(400));
-    assert_eq!(rejected.reason.as_deref(), Some("Prefill rejected: over capacity"));
+    assert_eq!(
+        rejected.reason.as_deref(),
+        Some("Prefill rejected: over capacity")
+    );
     for e in events.iter().filter(|e| e.stage != Stage::Transfer) {
         assert_eq!(e.ids.request_id.as_deref(), Some("req-ebpf-big"), "{e:?}");
-        assert_eq!(e.ids.trace_id.as_deref(), Some("0af7651916cd43dd8448eb211c80319c"));
+        assert_eq!(
+            e.ids.trace_id.as_deref(),
+            Some("0af7651916cd43dd8448eb211c80319c")
+        );
     }
     for e in &events {
         assert_eq!(e.source, revenant::Source::Ebpf);
         assert_eq!(e.node.as_deref(), Some("test-node"));
-        assert!(!format!("{e:?}").contains("CANARY"), "prompt text reached an event: {e:?}");
+        assert!(
+            !format!("{e:?}").contains("CANARY"),
+            "prompt text reached an event: {e:?}"
+        );
     }
     src.rescan();
     let stats = src.stats();
@@ -219,13 +310,20 @@ fn big_prompt_room_at_the_end_prefill_rejects_decode_works() {
 fn drops_are_counted_and_degrade_coverage() {
     let mut pd = start_pd("", "req-ebpf-drops", 20, 200_000);
     let cfg = EbpfConfig {
-        capture: CaptureConfig { head_bytes: 4096, tail_bytes: 4096, ring_bytes: 16 * 1024 },
+        capture: CaptureConfig {
+            head_bytes: 4096,
+            tail_bytes: 4096,
+            ring_bytes: 16 * 1024,
+        },
         discovery: pd_discovery(&pd),
         rescan_every: Duration::from_millis(50),
         ..Default::default()
     };
     let mut src = start_source(cfg);
-    wait_watched(&mut src, &[pd.prefill.pid(), pd.decode.pid(), pd.router.pid()]);
+    wait_watched(
+        &mut src,
+        &[pd.prefill.pid(), pd.decode.pid(), pd.router.pid()],
+    );
     let stats = src.stats();
     src.rescan();
     assert!(!stats.coverage_degraded(), "nothing lost yet");
@@ -233,11 +331,20 @@ fn drops_are_counted_and_degrade_coverage() {
     pd.router.go();
     pd.router.expect_line("{");
     src.rescan();
-    assert!(stats.kernel(counter::RINGBUF_DROPS) > 0, "a 16 KiB ring must overflow");
-    assert!(stats.coverage_degraded(), "kernel drops must degrade coverage");
+    assert!(
+        stats.kernel(counter::RINGBUF_DROPS) > 0,
+        "a 16 KiB ring must overflow"
+    );
+    assert!(
+        stats.coverage_degraded(),
+        "kernel drops must degrade coverage"
+    );
 
     // A pipeline that never takes anything: batches are dropped, counted, never waited on.
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
     let (tx, _rx) = tokio::sync::mpsc::channel(1);
     tx.try_send(Vec::new()).unwrap();
     let mut router2 = start_pd("", "req-ebpf-drops-2", 2, 1000);
@@ -250,7 +357,17 @@ fn drops_are_counted_and_degrade_coverage() {
         let shutdown = tokio::time::sleep(Duration::from_millis(500));
         src.run(tx, shutdown).await.expect("run");
     });
-    assert!(stats.batches_dropped.load(std::sync::atomic::Ordering::Relaxed) > 0);
-    assert!(stats.events_dropped.load(std::sync::atomic::Ordering::Relaxed) > 0);
+    assert!(
+        stats
+            .batches_dropped
+            .load(std::sync::atomic::Ordering::Relaxed)
+            > 0
+    );
+    assert!(
+        stats
+            .events_dropped
+            .load(std::sync::atomic::Ordering::Relaxed)
+            > 0
+    );
     assert!(stats.losses() > 0);
 }

@@ -40,7 +40,10 @@ fn dpkg_installed(pkg: &str) -> bool {
         .args(["-W", "-f=${Status}", pkg])
         .stderr(Stdio::null())
         .output()
-        .map(|o| o.status.success() && String::from_utf8_lossy(&o.stdout).contains("install ok installed"))
+        .map(|o| {
+            o.status.success()
+                && String::from_utf8_lossy(&o.stdout).contains("install ok installed")
+        })
         .unwrap_or(false)
 }
 
@@ -74,7 +77,10 @@ fn install_rust_src() -> Result<()> {
             String::from_utf8_lossy(&out.stderr).trim()
         );
     }
-    if String::from_utf8_lossy(&out.stdout).lines().any(|l| l.starts_with("rust-src")) {
+    if String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .any(|l| l.starts_with("rust-src"))
+    {
         println!("setup: rust-src already installed for nightly");
         return Ok(());
     }
@@ -85,7 +91,10 @@ fn install_rust_src() -> Result<()> {
 fn install_bpf_linker() -> Result<()> {
     if let Ok(out) = Command::new("bpf-linker").arg("--version").output() {
         if out.status.success() {
-            println!("setup: {} already installed", String::from_utf8_lossy(&out.stdout).trim());
+            println!(
+                "setup: {} already installed",
+                String::from_utf8_lossy(&out.stdout).trim()
+            );
             return Ok(());
         }
     }
@@ -96,7 +105,12 @@ fn install_bpf_linker() -> Result<()> {
     run_cmd(
         Command::new("cargo")
             .env("LLVM_PREFIX", &prefix)
-            .args(["install", "bpf-linker", "--no-default-features", "--features"])
+            .args([
+                "install",
+                "bpf-linker",
+                "--no-default-features",
+                "--features",
+            ])
             .arg(format!("llvm-{LLVM_VERSION}")),
     )
 }

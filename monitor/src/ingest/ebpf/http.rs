@@ -27,7 +27,9 @@ pub enum HttpEvent {
     /// First body bytes of the current message (for a streamed response: tokens are flowing).
     BodyStarted,
     /// The current message ended; its body window holds what we saw of the body.
-    End { body: BodyWindow },
+    End {
+        body: BodyWindow,
+    },
     /// Framing lost: whatever message was in flight is abandoned.
     Desync,
 }
@@ -83,7 +85,13 @@ pub struct HttpStream {
 
 impl Default for HttpStream {
     fn default() -> Self {
-        HttpStream { side: Side::Unknown, state: State::Desync, head: Vec::new(), body: BodyWindow::default(), body_started: false }
+        HttpStream {
+            side: Side::Unknown,
+            state: State::Desync,
+            head: Vec::new(),
+            body: BodyWindow::default(),
+            body_started: false,
+        }
     }
 }
 
@@ -94,8 +102,17 @@ pub fn detect(data: &[u8]) -> Side {
     if starts(b"HTTP/1.") {
         return Side::Responses;
     }
-    const METHODS: [&[u8]; 9] =
-        [b"GET ", b"POST ", b"PUT ", b"DELETE ", b"HEAD ", b"OPTIONS ", b"PATCH ", b"CONNECT ", b"TRACE "];
+    const METHODS: [&[u8]; 9] = [
+        b"GET ",
+        b"POST ",
+        b"PUT ",
+        b"DELETE ",
+        b"HEAD ",
+        b"OPTIONS ",
+        b"PATCH ",
+        b"CONNECT ",
+        b"TRACE ",
+    ];
     if METHODS.iter().any(|m| starts(m)) {
         return Side::Requests;
     }
@@ -203,11 +220,16 @@ impl HttpStream {
                 match resp.parse(&self.head) {
                     Ok(httparse::Status::Complete(n)) => {
                         let status = resp.code.unwrap_or(0);
-                        let sse = header(resp.headers, "content-type")
-                            .is_some_and(|v| v.to_ascii_lowercase().starts_with("text/event-stream"));
+                        let sse = header(resp.headers, "content-type").is_some_and(|v| {
+                            v.to_ascii_lowercase().starts_with("text/event-stream")
+                        });
                         let no_body = status < 200 || status == 204 || status == 304;
                         let framing = body_framing(resp.headers, true, no_body);
-                        Some((n, HttpEvent::ResponseHead(ResponseHead { status, sse }), framing))
+                        Some((
+                            n,
+                            HttpEvent::ResponseHead(ResponseHead { status, sse }),
+                            framing,
+                        ))
                     }
                     Ok(httparse::Status::Partial) => None,
                     Err(_) => {
@@ -240,7 +262,9 @@ impl HttpStream {
     }
 
     fn feed_body(&mut self, data: &[u8], out: &mut Vec<HttpEvent>) -> usize {
-        let State::Body(body) = &mut self.state else { return data.len() };
+        let State::Body(body) = &mut self.state else {
+            return data.len();
+        };
         match body {
             Body::Length(rem) => {
                 let n = (*rem).min(data.len() as u64) as usize;
@@ -267,7 +291,11 @@ impl HttpStream {
                     };
                     line.extend_from_slice(&data[..nl]);
                     let text = String::from_utf8_lossy(line);
-                    let size = text.trim().split(';').next().and_then(|s| u64::from_str_radix(s.trim(), 16).ok());
+                    let size = text
+                        .trim()
+                        .split(';')
+                        .next()
+                        .and_then(|s| u64::from_str_radix(s.trim(), 16).ok());
                     match size {
                         Some(0) => *chunk = Chunk::Trailer(Vec::new()),
                         Some(s) => *chunk = Chunk::Data(s),
@@ -371,13 +399,19 @@ fn body_framing(headers: &[httparse::Header<'_>], response: bool, no_body: bool)
     if no_body {
         return None;
     }
-    if header(headers, "transfer-encoding").is_some_and(|v| v.to_ascii_lowercase().contains("chunked")) {
+    if header(headers, "transfer-encoding")
+        .is_some_and(|v| v.to_ascii_lowercase().contains("chunked"))
+    {
         return Some(Body::Chunked(Chunk::Size(Vec::new())));
     }
     if let Some(len) = header(headers, "content-length") {
         return len.parse().ok().map(Body::Length).or(Some(Body::Length(0)));
     }
-    if response { Some(Body::UntilClose) } else { None }
+    if response {
+        Some(Body::UntilClose)
+    } else {
+        None
+    }
 }
 
 #[cfg(test)]
@@ -397,13 +431,29 @@ mod tests {
     #[test]
     fn keep_alive_pipelined_requests() {
         let a = b"POST /generate HTTP/1.1\r\nHost: x\r\nX-Request-Id: req-1\r\ncontent-length: 31\r\n\r\n{\"rid\":\"r1\",\"bootstrap_room\":5}";
-        let two = [&a[..], b"GET /health HTTP/1.1\r\n\r\nGET /route?engine_rank=0 HTTP/1.1\r\n\r\n"].concat();
+        let two = [
+            &a[..],
+            b"GET /health HTTP/1.1\r\n\r\nGET /route?engine_rank=0 HTTP/1.1\r\n\r\n",
+        ]
+        .concat();
         let (_, out) = run(&[&two]);
-        let heads: Vec<_> = out.iter().filter_map(|e| match e { HttpEvent::RequestHead(h) => Some(h.clone()), _ => None }).collect();
+        let heads: Vec<_> = out
+            .iter()
+            .filter_map(|e| match e {
+                HttpEvent::RequestHead(h) => Some(h.clone()),
+                _ => None,
+            })
+            .collect();
         assert_eq!(heads.len(), 3);
         assert_eq!(heads[0].request_id.as_deref(), Some("req-1"));
         assert_eq!(heads[2].path, "/route");
-        let ends: Vec<_> = out.iter().filter_map(|e| match e { HttpEvent::End { body } => Some(body.clone()), _ => None }).collect();
+        let ends: Vec<_> = out
+            .iter()
+            .filter_map(|e| match e {
+                HttpEvent::End { body } => Some(body.clone()),
+                _ => None,
+            })
+            .collect();
         assert_eq!(ends.len(), 3);
         assert_eq!(ends[0].request_ids().rid.as_deref(), Some("r1"));
     }
@@ -416,10 +466,22 @@ mod tests {
             let mut out = Vec::new();
             s.feed(&resp[..split], true, &mut out);
             s.feed(&resp[split..], false, &mut out);
-            let statuses: Vec<u16> = out.iter().filter_map(|e| match e { HttpEvent::ResponseHead(h) => Some(h.status), _ => None }).collect();
+            let statuses: Vec<u16> = out
+                .iter()
+                .filter_map(|e| match e {
+                    HttpEvent::ResponseHead(h) => Some(h.status),
+                    _ => None,
+                })
+                .collect();
             assert_eq!(statuses, vec![200, 400], "split at {split}");
-            assert!(matches!(out[0], HttpEvent::ResponseHead(ResponseHead { sse: true, .. })));
-            let ends = out.iter().filter(|e| matches!(e, HttpEvent::End { .. })).count();
+            assert!(matches!(
+                out[0],
+                HttpEvent::ResponseHead(ResponseHead { sse: true, .. })
+            ));
+            let ends = out
+                .iter()
+                .filter(|e| matches!(e, HttpEvent::End { .. }))
+                .count();
             assert_eq!(ends, 1, "the 400 body lacks one byte; split at {split}");
         }
     }
@@ -428,10 +490,16 @@ mod tests {
     fn gap_inside_a_length_body_is_skipped_exactly() {
         let mut s = HttpStream::default();
         let mut out = Vec::new();
-        s.feed(b"POST /generate HTTP/1.1\r\ncontent-length: 1010\r\n\r\n{\"rid\":\"x\",", true, &mut out);
+        s.feed(
+            b"POST /generate HTTP/1.1\r\ncontent-length: 1010\r\n\r\n{\"rid\":\"x\",",
+            true,
+            &mut out,
+        );
         s.gap(1010 - 11 - 20, &mut out);
         s.feed(b"\"bootstrap_room\":77}", false, &mut out);
-        let Some(HttpEvent::End { body }) = out.last() else { panic!("{out:?}") };
+        let Some(HttpEvent::End { body }) = out.last() else {
+            panic!("{out:?}")
+        };
         assert_eq!(body.request_ids().bootstrap_room, Some(77));
         // The next request is framed correctly.
         s.feed(b"GET /x HTTP/1.1\r\n\r\n", true, &mut out);
@@ -445,8 +513,15 @@ mod tests {
         s.feed(b"\x00\x01garbage", true, &mut out);
         s.feed(b"more garbage", false, &mut out);
         assert!(out.is_empty());
-        s.feed(b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\n\r\n", true, &mut out);
-        assert!(matches!(out[0], HttpEvent::ResponseHead(ResponseHead { status: 503, .. })));
+        s.feed(
+            b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\n\r\n",
+            true,
+            &mut out,
+        );
+        assert!(matches!(
+            out[0],
+            HttpEvent::ResponseHead(ResponseHead { status: 503, .. })
+        ));
     }
 
     #[test]

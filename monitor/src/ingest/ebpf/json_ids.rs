@@ -65,7 +65,9 @@ impl BodyWindow {
                 ids.rid = find_string(part, b"rid");
             }
             // The router appends these last: the tail's occurrence wins.
-            if let Some(v) = find_value(part, b"bootstrap_room").and_then(|v| v.parse::<BootstrapRoom>().ok()) {
+            if let Some(v) =
+                find_value(part, b"bootstrap_room").and_then(|v| v.parse::<BootstrapRoom>().ok())
+            {
                 ids.bootstrap_room = Some(v.0);
             }
             if let Some(v) = find_string(part, b"bootstrap_host") {
@@ -83,7 +85,8 @@ impl BodyWindow {
         let mut info = ResponseInfo::default();
         for part in [self.head.as_slice(), self.tail()] {
             if info.prompt_tokens.is_none() {
-                info.prompt_tokens = find_value(part, b"prompt_tokens").and_then(|v| v.parse().ok());
+                info.prompt_tokens =
+                    find_value(part, b"prompt_tokens").and_then(|v| v.parse().ok());
             }
             if info.message.is_none() {
                 info.message = find_string(part, b"message")
@@ -194,7 +197,10 @@ fn parse_value(b: &[u8]) -> Option<Value> {
             None
         }
         c if c.is_ascii_digit() || *c == b'-' => {
-            let n = b.iter().take_while(|c| c.is_ascii_alphanumeric() || matches!(c, b'-' | b'.' | b'+')).count();
+            let n = b
+                .iter()
+                .take_while(|c| c.is_ascii_alphanumeric() || matches!(c, b'-' | b'.' | b'+'))
+                .count();
             // A number cut by the window or a gap is not a number we trust.
             match b.get(n) {
                 Some(b',') | Some(b'}') | Some(b']') => {}
@@ -262,8 +268,13 @@ mod tests {
     #[test]
     fn error_message_and_prompt_tokens() {
         let w = window(&[br#"{"object":"error","message":"Prefill queue is full","code":503}"#]);
-        assert_eq!(w.response_info().message.as_deref(), Some("Prefill queue is full"));
-        let w = window(&[br#"{"text":"hi","meta_info":{"id":"r1","prompt_tokens":17,"completion_tokens":4}}"#]);
+        assert_eq!(
+            w.response_info().message.as_deref(),
+            Some("Prefill queue is full")
+        );
+        let w = window(&[
+            br#"{"text":"hi","meta_info":{"id":"r1","prompt_tokens":17,"completion_tokens":4}}"#,
+        ]);
         assert_eq!(w.response_info().prompt_tokens, Some(17));
     }
 

@@ -61,7 +61,11 @@ pub enum LoadError {
     )]
     TracefsMissing { dirs: String, reason: String },
     #[error("tracepoint {category}/{name} does not exist on this kernel ({path} is missing)")]
-    MissingTracepoint { category: &'static str, name: &'static str, path: PathBuf },
+    MissingTracepoint {
+        category: &'static str,
+        name: &'static str,
+        path: PathBuf,
+    },
     #[error("invalid eBPF configuration: {0}")]
     Config(String),
     #[error("loading the eBPF object failed: {0}")]
@@ -111,7 +115,10 @@ impl CaptureConfig {
             )));
         }
         if self.tail_bytes > max {
-            return Err(LoadError::Config(format!("tail_bytes {} must be at most {max}", self.tail_bytes)));
+            return Err(LoadError::Config(format!(
+                "tail_bytes {} must be at most {max}",
+                self.tail_bytes
+            )));
         }
         if !self.ring_bytes.is_power_of_two() || self.ring_bytes < 4096 {
             return Err(LoadError::Config(format!(
@@ -158,15 +165,26 @@ impl Probes {
         for &(name, category) in PROGRAMS {
             let path = tracefs.join("events").join(category).join(name);
             if !path.is_dir() {
-                return Err(LoadError::MissingTracepoint { category, name, path });
+                return Err(LoadError::MissingTracepoint {
+                    category,
+                    name,
+                    path,
+                });
             }
             let prog: &mut TracePoint = ebpf
                 .program_mut(name)
-                .ok_or_else(|| LoadError::Config(format!("program {name} missing from the object")))?
+                .ok_or_else(|| {
+                    LoadError::Config(format!("program {name} missing from the object"))
+                })?
                 .try_into()
-                .map_err(|source| LoadError::Program { program: name, source })?;
-            prog.load().map_err(|source| classify_program_error(name, source))?;
-            prog.attach(category, name).map_err(|source| classify_program_error(name, source))?;
+                .map_err(|source| LoadError::Program {
+                    program: name,
+                    source,
+                })?;
+            prog.load()
+                .map_err(|source| classify_program_error(name, source))?;
+            prog.attach(category, name)
+                .map_err(|source| classify_program_error(name, source))?;
         }
         tracing::info!(
             programs = PROGRAMS.len(),
@@ -184,14 +202,20 @@ impl Probes {
             .ebpf
             .take_map("EVENTS")
             .ok_or_else(|| LoadError::Config("EVENTS ring buffer already taken".into()))?;
-        RingBuf::try_from(map).map_err(|source| LoadError::Map { name: "EVENTS", source })
+        RingBuf::try_from(map).map_err(|source| LoadError::Map {
+            name: "EVENTS",
+            source,
+        })
     }
 
     /// Starts (or keeps) following `tgid`: the kernel then reports its socket traffic.
     pub fn watch(&mut self, tgid: u32) -> Result<(), LoadError> {
         self.watched()?
             .insert(tgid, watch::EXPLICIT, 0)
-            .map_err(|source| LoadError::Map { name: "WATCHED", source })
+            .map_err(|source| LoadError::Map {
+                name: "WATCHED",
+                source,
+            })
     }
 
     pub fn unwatch(&mut self, tgid: u32) {
@@ -210,45 +234,80 @@ impl Probes {
 
     /// Tells the kernel side that `fd` of `tgid` is a socket that existed before we watched it.
     pub fn track_socket(&mut self, tgid: u32, fd: u32) -> Result<(), LoadError> {
-        let map = self.ebpf.map_mut("SOCKS").ok_or_else(|| LoadError::Config("no SOCKS map".into()))?;
+        let map = self
+            .ebpf
+            .map_mut("SOCKS")
+            .ok_or_else(|| LoadError::Config("no SOCKS map".into()))?;
         let mut m: BpfHashMap<&mut MapData, u64, u32> =
-            BpfHashMap::try_from(map).map_err(|source| LoadError::Map { name: "SOCKS", source })?;
+            BpfHashMap::try_from(map).map_err(|source| LoadError::Map {
+                name: "SOCKS",
+                source,
+            })?;
         m.insert(monitor_common::sock_key(tgid, fd), 0, 0)
-            .map_err(|source| LoadError::Map { name: "SOCKS", source })
+            .map_err(|source| LoadError::Map {
+                name: "SOCKS",
+                source,
+            })
     }
 
     /// Forgets every socket of an exited process.
     pub fn forget_sockets(&mut self, tgid: u32) {
-        let Some(map) = self.ebpf.map_mut("SOCKS") else { return };
-        let Ok(mut m) = BpfHashMap::<&mut MapData, u64, u32>::try_from(map) else { return };
-        let keys: Vec<u64> = m.keys().filter_map(Result::ok).filter(|k| (k >> 32) as u32 == tgid).collect();
+        let Some(map) = self.ebpf.map_mut("SOCKS") else {
+            return;
+        };
+        let Ok(mut m) = BpfHashMap::<&mut MapData, u64, u32>::try_from(map) else {
+            return;
+        };
+        let keys: Vec<u64> = m
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|k| (k >> 32) as u32 == tgid)
+            .collect();
         for k in keys {
             let _ = m.remove(&k);
         }
     }
 
     pub fn counters(&self) -> Result<KernelCounters, LoadError> {
-        let map = self.ebpf.map("COUNTERS").ok_or_else(|| LoadError::Config("no COUNTERS map".into()))?;
+        let map = self
+            .ebpf
+            .map("COUNTERS")
+            .ok_or_else(|| LoadError::Config("no COUNTERS map".into()))?;
         let arr: PerCpuArray<&MapData, u64> =
-            PerCpuArray::try_from(map).map_err(|source| LoadError::Map { name: "COUNTERS", source })?;
+            PerCpuArray::try_from(map).map_err(|source| LoadError::Map {
+                name: "COUNTERS",
+                source,
+            })?;
         let mut out = KernelCounters::default();
         for i in 0..counter::COUNT {
-            let per_cpu = arr.get(&i, 0).map_err(|source| LoadError::Map { name: "COUNTERS", source })?;
+            let per_cpu = arr.get(&i, 0).map_err(|source| LoadError::Map {
+                name: "COUNTERS",
+                source,
+            })?;
             out.0[i as usize] = per_cpu.iter().sum();
         }
         Ok(out)
     }
 
     fn watched(&mut self) -> Result<BpfHashMap<&mut MapData, u32, u32>, LoadError> {
-        let map = self.ebpf.map_mut("WATCHED").ok_or_else(|| LoadError::Config("no WATCHED map".into()))?;
-        BpfHashMap::try_from(map).map_err(|source| LoadError::Map { name: "WATCHED", source })
+        let map = self
+            .ebpf
+            .map_mut("WATCHED")
+            .ok_or_else(|| LoadError::Config("no WATCHED map".into()))?;
+        BpfHashMap::try_from(map).map_err(|source| LoadError::Map {
+            name: "WATCHED",
+            source,
+        })
     }
 }
 
 /// Kernels before 5.11 charge BPF maps to RLIMIT_MEMLOCK; newer ones use memcg and ignore it.
 /// Raising it needs CAP_SYS_RESOURCE, which containers often lack: log and go on.
 fn raise_memlock_rlimit() {
-    let rlim = libc::rlimit { rlim_cur: libc::RLIM_INFINITY, rlim_max: libc::RLIM_INFINITY };
+    let rlim = libc::rlimit {
+        rlim_cur: libc::RLIM_INFINITY,
+        rlim_max: libc::RLIM_INFINITY,
+    };
     // SAFETY: plain syscall with a valid pointer to a local.
     let ret = unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &rlim) };
     if ret != 0 {
@@ -271,7 +330,13 @@ fn ensure_tracefs() -> Result<PathBuf, LoadError> {
     let fstype = c"tracefs";
     // SAFETY: valid NUL-terminated strings; null data is allowed for tracefs.
     let ret = unsafe {
-        libc::mount(fstype.as_ptr(), c_target.as_ptr(), fstype.as_ptr(), 0, std::ptr::null())
+        libc::mount(
+            fstype.as_ptr(),
+            c_target.as_ptr(),
+            fstype.as_ptr(),
+            0,
+            std::ptr::null(),
+        )
     };
     if ret == 0 && Path::new(target).join("events").is_dir() {
         tracing::info!(path = target, "mounted tracefs");
@@ -298,7 +363,9 @@ pub fn parse_field_offset(format: &str, name: &str) -> Option<u32> {
         if field != name {
             return None;
         }
-        let off = line.split(';').find_map(|p| p.trim().strip_prefix("offset:"))?;
+        let off = line
+            .split(';')
+            .find_map(|p| p.trim().strip_prefix("offset:"))?;
         off.trim().parse().ok()
     })
 }
@@ -306,10 +373,10 @@ pub fn parse_field_offset(format: &str, name: &str) -> Option<u32> {
 fn is_eperm(e: &(dyn std::error::Error + 'static)) -> bool {
     let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
     while let Some(err) = cur {
-        if let Some(io) = err.downcast_ref::<io::Error>() {
-            if matches!(io.raw_os_error(), Some(libc::EPERM) | Some(libc::EACCES)) {
-                return true;
-            }
+        if let Some(io) = err.downcast_ref::<io::Error>()
+            && matches!(io.raw_os_error(), Some(libc::EPERM) | Some(libc::EACCES))
+        {
+            return true;
         }
         cur = err.source();
     }
@@ -354,9 +421,15 @@ mod tests {
     #[test]
     fn capture_config_is_validated() {
         assert!(CaptureConfig::default().validate().is_ok());
-        let bad = CaptureConfig { head_bytes: 5000, ..Default::default() };
+        let bad = CaptureConfig {
+            head_bytes: 5000,
+            ..Default::default()
+        };
         assert!(matches!(bad.validate(), Err(LoadError::Config(_))));
-        let bad = CaptureConfig { ring_bytes: 3000, ..Default::default() };
+        let bad = CaptureConfig {
+            ring_bytes: 3000,
+            ..Default::default()
+        };
         assert!(matches!(bad.validate(), Err(LoadError::Config(_))));
     }
 }

@@ -5,14 +5,14 @@
 //! `conn` reassembles per-connection byte streams, `http`/`zmtp` parse them, `json_ids` pulls the
 //! few ids we keep out of bodies, and `normalize` turns parsed messages into `LifecycleEvent`s.
 
-pub mod loader;
 pub mod http;
 pub mod json_ids;
+pub mod loader;
 pub mod procs;
 pub mod record;
+pub mod source;
 pub mod track;
 pub mod zmtp;
-pub mod source;
 
 pub use loader::{CaptureConfig, LoadError, Probes};
 pub use procs::{Discovery, PidRule, Role, WatchRule};

@@ -70,10 +70,17 @@ pub struct WatchRule {
 impl FromStr for WatchRule {
     type Err = RuleError;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let (role, pat) = s.split_once('=').ok_or_else(|| RuleError::NoEquals(s.to_owned()))?;
-        let regex = regex::Regex::new(pat)
-            .map_err(|e| RuleError::Regex { pattern: pat.to_owned(), reason: e.to_string() })?;
-        Ok(WatchRule { role: role.parse()?, regex })
+        let (role, pat) = s
+            .split_once('=')
+            .ok_or_else(|| RuleError::NoEquals(s.to_owned()))?;
+        let regex = regex::Regex::new(pat).map_err(|e| RuleError::Regex {
+            pattern: pat.to_owned(),
+            reason: e.to_string(),
+        })?;
+        Ok(WatchRule {
+            role: role.parse()?,
+            regex,
+        })
     }
 }
 
@@ -87,9 +94,17 @@ pub struct PidRule {
 impl FromStr for PidRule {
     type Err = RuleError;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let (role, pid) = s.split_once('=').ok_or_else(|| RuleError::NoEquals(s.to_owned()))?;
-        let pid = pid.trim().parse().map_err(|_| RuleError::Pid(pid.to_owned()))?;
-        Ok(PidRule { role: role.parse()?, pid })
+        let (role, pid) = s
+            .split_once('=')
+            .ok_or_else(|| RuleError::NoEquals(s.to_owned()))?;
+        let pid = pid
+            .trim()
+            .parse()
+            .map_err(|_| RuleError::Pid(pid.to_owned()))?;
+        Ok(PidRule {
+            role: role.parse()?,
+            pid,
+        })
     }
 }
 
@@ -104,7 +119,10 @@ pub struct Discovery {
 
 impl Discovery {
     pub fn with_conventions() -> Self {
-        Discovery { conventions: true, ..Default::default() }
+        Discovery {
+            conventions: true,
+            ..Default::default()
+        }
     }
 
     /// The role of process `pid` with arguments `args`, if it is to be watched.
@@ -118,7 +136,11 @@ impl Discovery {
                 return Some(r.role);
             }
         }
-        if self.conventions { classify_sglang(args) } else { None }
+        if self.conventions {
+            classify_sglang(args)
+        } else {
+            None
+        }
     }
 }
 
@@ -146,7 +168,10 @@ pub fn classify_sglang(args: &[String]) -> Option<Role> {
         return Some(Role::Router);
     }
     // `python -m sglang_router.launch_router`
-    if args.windows(2).any(|w| w[0] == "-m" && w[1].starts_with("sglang_router")) {
+    if args
+        .windows(2)
+        .any(|w| w[0] == "-m" && w[1].starts_with("sglang_router"))
+    {
         return Some(Role::Router);
     }
     None
@@ -183,33 +208,50 @@ fn parse_url_host_port(url: &str) -> Option<(String, u16)> {
 
 /// NUL-separated `/proc/PID/cmdline` into arguments.
 pub fn split_cmdline(raw: &[u8]) -> Vec<String> {
-    raw.split(|&b| b == 0).filter(|a| !a.is_empty()).map(|a| String::from_utf8_lossy(a).into_owned()).collect()
+    raw.split(|&b| b == 0)
+        .filter(|a| !a.is_empty())
+        .map(|a| String::from_utf8_lossy(a).into_owned())
+        .collect()
 }
 
 pub fn read_cmdline(pid: u32) -> Option<Vec<String>> {
-    std::fs::read(format!("/proc/{pid}/cmdline")).ok().map(|raw| split_cmdline(&raw))
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .ok()
+        .map(|raw| split_cmdline(&raw))
 }
 
 /// Tgid of task `tid`, from `/proc/TID/status` (a forked child may be a thread).
 pub fn tgid_of(tid: u32) -> Option<u32> {
     let s = std::fs::read_to_string(format!("/proc/{tid}/status")).ok()?;
-    s.lines().find_map(|l| l.strip_prefix("Tgid:")).and_then(|v| v.trim().parse().ok())
+    s.lines()
+        .find_map(|l| l.strip_prefix("Tgid:"))
+        .and_then(|v| v.trim().parse().ok())
 }
 
 /// All process ids in /proc.
 pub fn all_pids() -> Vec<u32> {
-    let Ok(dir) = std::fs::read_dir("/proc") else { return Vec::new() };
-    dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok()).collect()
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+        .collect()
 }
 
 /// `(fd, socket inode)` of every socket `pid` holds.
 pub fn socket_fds(pid: u32) -> Vec<(u32, u64)> {
-    let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/fd")) else { return Vec::new() };
+    let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+        return Vec::new();
+    };
     dir.filter_map(|e| {
         let e = e.ok()?;
         let fd: u32 = e.file_name().to_str()?.parse().ok()?;
         let target = std::fs::read_link(e.path()).ok()?;
-        let inode = target.to_str()?.strip_prefix("socket:[")?.strip_suffix(']')?.parse().ok()?;
+        let inode = target
+            .to_str()?
+            .strip_prefix("socket:[")?
+            .strip_suffix(']')?
+            .parse()
+            .ok()?;
         Some((fd, inode))
     })
     .collect()
@@ -247,12 +289,16 @@ fn parse_hex_addr(s: &str) -> Option<SocketAddr> {
     let (ip, port) = s.split_once(':')?;
     let port = u16::from_str_radix(port, 16).ok()?;
     let ip = match ip.len() {
-        8 => IpAddr::V4(Ipv4Addr::from(u32::from_str_radix(ip, 16).ok()?.swap_bytes())),
+        8 => IpAddr::V4(Ipv4Addr::from(
+            u32::from_str_radix(ip, 16).ok()?.swap_bytes(),
+        )),
         32 => {
             // Four host-endian 32-bit words.
             let mut b = [0u8; 16];
             for i in 0..4 {
-                let w = u32::from_str_radix(&ip[8 * i..8 * i + 8], 16).ok()?.swap_bytes();
+                let w = u32::from_str_radix(&ip[8 * i..8 * i + 8], 16)
+                    .ok()?
+                    .swap_bytes();
                 b[4 * i..4 * i + 4].copy_from_slice(&w.to_be_bytes());
             }
             let v6 = Ipv6Addr::from(b);
@@ -286,12 +332,38 @@ mod tests {
 
     #[test]
     fn sglang_conventions() {
-        assert_eq!(classify_sglang(&args("python -m sglang.launch_server --disaggregation-mode prefill --port 30000")), Some(Role::Prefill));
-        assert_eq!(classify_sglang(&args("python -m sglang.launch_server --disaggregation-mode=decode")), Some(Role::Decode));
-        assert_eq!(classify_sglang(&args("/venv/bin/python /venv/bin/smg launch --pd-disaggregation --prefill http://127.0.0.1:31001 8998")), Some(Role::Router));
-        assert_eq!(classify_sglang(&args("python -m sglang_router.launch_router --pd-disaggregation")), Some(Role::Router));
-        assert_eq!(classify_sglang(&args("bash -c sleep 1 --name smgfoo")), None);
-        assert_eq!(classify_sglang(&args("python -m sglang.launch_server --port 30000")), None);
+        assert_eq!(
+            classify_sglang(&args(
+                "python -m sglang.launch_server --disaggregation-mode prefill --port 30000"
+            )),
+            Some(Role::Prefill)
+        );
+        assert_eq!(
+            classify_sglang(&args(
+                "python -m sglang.launch_server --disaggregation-mode=decode"
+            )),
+            Some(Role::Decode)
+        );
+        assert_eq!(
+            classify_sglang(&args(
+                "/venv/bin/python /venv/bin/smg launch --pd-disaggregation --prefill http://127.0.0.1:31001 8998"
+            )),
+            Some(Role::Router)
+        );
+        assert_eq!(
+            classify_sglang(&args(
+                "python -m sglang_router.launch_router --pd-disaggregation"
+            )),
+            Some(Role::Router)
+        );
+        assert_eq!(
+            classify_sglang(&args("bash -c sleep 1 --name smgfoo")),
+            None
+        );
+        assert_eq!(
+            classify_sglang(&args("python -m sglang.launch_server --port 30000")),
+            None
+        );
     }
 
     #[test]
@@ -302,8 +374,14 @@ mod tests {
             conventions: true,
         };
         assert_eq!(d.classify(42, &args("anything")), Some(Role::Router));
-        assert_eq!(d.classify(7, &args("python fake_worker.py --role decode")), Some(Role::Decode));
-        assert_eq!(d.classify(7, &args("python other.py --disaggregation-mode prefill")), Some(Role::Prefill));
+        assert_eq!(
+            d.classify(7, &args("python fake_worker.py --role decode")),
+            Some(Role::Decode)
+        );
+        assert_eq!(
+            d.classify(7, &args("python other.py --disaggregation-mode prefill")),
+            Some(Role::Prefill)
+        );
         assert!("nope".parse::<WatchRule>().is_err());
         assert!("chef=.*".parse::<WatchRule>().is_err());
         assert!("decode=(".parse::<WatchRule>().is_err());
@@ -312,8 +390,16 @@ mod tests {
 
     #[test]
     fn router_worker_urls() {
-        let w = router_workers(&args("smg launch --pd-disaggregation --prefill http://127.0.0.1:31001 8998 --decode http://[::1]:31002 --port 30000"));
-        assert_eq!(w, vec![(Role::Prefill, "127.0.0.1".into(), 31001), (Role::Decode, "::1".into(), 31002)]);
+        let w = router_workers(&args(
+            "smg launch --pd-disaggregation --prefill http://127.0.0.1:31001 8998 --decode http://[::1]:31002 --port 30000",
+        ));
+        assert_eq!(
+            w,
+            vec![
+                (Role::Prefill, "127.0.0.1".into(), 31001),
+                (Role::Decode, "::1".into(), 31002)
+            ]
+        );
     }
 
     #[test]
@@ -325,6 +411,9 @@ mod tests {
         assert!(e[0].listen);
         assert_eq!(e[0].inode, 12345);
         let v6 = "h\n 0: 0000000000000000FFFF00000100007F:1F90 00000000000000000000000000000000:0000 0A 0:0 0:0 0 0 0 99 1\n";
-        assert_eq!(parse_proc_net_tcp(v6)[0].local, "127.0.0.1:8080".parse().unwrap());
+        assert_eq!(
+            parse_proc_net_tcp(v6)[0].local,
+            "127.0.0.1:8080".parse().unwrap()
+        );
     }
 }

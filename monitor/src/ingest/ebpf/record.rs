@@ -69,7 +69,10 @@ impl RecordError {
 fn read<T: Copy>(buf: &[u8]) -> Result<T, RecordError> {
     let need = size_of::<T>();
     if buf.len() < need {
-        return Err(RecordError::Short { got: buf.len(), need });
+        return Err(RecordError::Short {
+            got: buf.len(),
+            need,
+        });
     }
     // SAFETY: length checked; T is a repr(C) struct of integers (every bit pattern is valid);
     // read_unaligned copes with the ring buffer's 8-byte alignment being lost in slicing.
@@ -84,7 +87,10 @@ pub fn decode(buf: &[u8]) -> Result<Record<'_>, RecordError> {
             let payload = &buf[size_of::<DataHeader>()..];
             let len = h.len as usize;
             if payload.len() < len {
-                return Err(RecordError::LengthMismatch { claimed: h.len, got: payload.len() });
+                return Err(RecordError::LengthMismatch {
+                    claimed: h.len,
+                    got: payload.len(),
+                });
             }
             Ok(Record::Data(DataPiece {
                 hdr: h.hdr,
@@ -98,23 +104,39 @@ pub fn decode(buf: &[u8]) -> Result<Record<'_>, RecordError> {
         kind::CONNECT | kind::ACCEPT => {
             let c: ConnEvent = read(buf)?;
             let ip = match c.family {
-                2 => Some(IpAddr::V4(Ipv4Addr::new(c.addr[0], c.addr[1], c.addr[2], c.addr[3]))),
+                2 => Some(IpAddr::V4(Ipv4Addr::new(
+                    c.addr[0], c.addr[1], c.addr[2], c.addr[3],
+                ))),
                 10 => Some(IpAddr::V6(Ipv6Addr::from(c.addr))),
                 _ => None,
             };
-            let conn = Conn { hdr: c.hdr, fd: c.fd, peer: ip.map(|ip| SocketAddr::new(ip, c.port)) };
-            Ok(if hdr.kind == kind::CONNECT { Record::Connect(conn) } else { Record::Accept(conn) })
+            let conn = Conn {
+                hdr: c.hdr,
+                fd: c.fd,
+                peer: ip.map(|ip| SocketAddr::new(ip, c.port)),
+            };
+            Ok(if hdr.kind == kind::CONNECT {
+                Record::Connect(conn)
+            } else {
+                Record::Accept(conn)
+            })
         }
         kind::CLOSE => {
             let c: CloseEvent = read(buf)?;
-            Ok(Record::Close { hdr: c.hdr, fd: c.fd })
+            Ok(Record::Close {
+                hdr: c.hdr,
+                fd: c.fd,
+            })
         }
         kind::EXEC | kind::EXIT | kind::FORK => {
             let p: ProcEvent = read(buf)?;
             Ok(match hdr.kind {
                 kind::EXEC => Record::Exec { hdr: p.hdr },
                 kind::EXIT => Record::Exit { hdr: p.hdr },
-                _ => Record::Fork { hdr: p.hdr, child: p.child },
+                _ => Record::Fork {
+                    hdr: p.hdr,
+                    child: p.child,
+                },
             })
         }
         other => Err(RecordError::UnknownKind(other)),
@@ -134,7 +156,13 @@ mod tests {
     #[test]
     fn decodes_data_with_payload() {
         let h = DataHeader {
-            hdr: Header { kind: kind::DATA, tgid: 7, tid: 8, _pad: 0, ts_ns: 99 },
+            hdr: Header {
+                kind: kind::DATA,
+                tgid: 7,
+                tid: 8,
+                _pad: 0,
+                ts_ns: 99,
+            },
             fd: 3,
             syscall: monitor_common::syscall::RECVFROM,
             total: 1000,
@@ -143,7 +171,9 @@ mod tests {
         };
         let mut buf = bytes_of(&h);
         buf.extend_from_slice(b"hello-extra");
-        let Record::Data(d) = decode(&buf).unwrap() else { panic!() };
+        let Record::Data(d) = decode(&buf).unwrap() else {
+            panic!()
+        };
         assert_eq!(d.bytes, b"hello");
         assert!(d.is_ingress());
         assert_eq!((d.fd, d.total, d.off), (3, 1000, 488));
@@ -151,19 +181,43 @@ mod tests {
 
     #[test]
     fn decodes_connect_v4() {
-        let mut c = ConnEvent { hdr: Header { kind: kind::CONNECT, ..Default::default() }, fd: 9, family: 2, port: 8998, ..Default::default() };
+        let mut c = ConnEvent {
+            hdr: Header {
+                kind: kind::CONNECT,
+                ..Default::default()
+            },
+            fd: 9,
+            family: 2,
+            port: 8998,
+            ..Default::default()
+        };
         c.addr[..4].copy_from_slice(&[127, 0, 0, 1]);
-        let Record::Connect(conn) = decode(&bytes_of(&c)).unwrap() else { panic!() };
+        let Record::Connect(conn) = decode(&bytes_of(&c)).unwrap() else {
+            panic!()
+        };
         assert_eq!(conn.peer, Some("127.0.0.1:8998".parse().unwrap()));
     }
 
     #[test]
     fn rejects_truncated_and_unknown() {
         assert!(matches!(decode(&[1, 0, 0]), Err(RecordError::Short { .. })));
-        let h = Header { kind: 77, ..Default::default() };
+        let h = Header {
+            kind: 77,
+            ..Default::default()
+        };
         assert_eq!(decode(&bytes_of(&h)), Err(RecordError::UnknownKind(77)));
-        let d = DataHeader { hdr: Header { kind: kind::DATA, ..Default::default() }, len: 10, ..Default::default() };
-        assert!(matches!(decode(&bytes_of(&d)), Err(RecordError::LengthMismatch { .. })));
+        let d = DataHeader {
+            hdr: Header {
+                kind: kind::DATA,
+                ..Default::default()
+            },
+            len: 10,
+            ..Default::default()
+        };
+        assert!(matches!(
+            decode(&bytes_of(&d)),
+            Err(RecordError::LengthMismatch { .. })
+        ));
     }
 
     proptest! {

@@ -171,11 +171,25 @@ impl EbpfSource {
 
     /// Runs until `shutdown` resolves: drains the ring buffer when it has data, sends batches
     /// with `try_send` (never waiting on the pipeline), rescans periodically.
-    pub async fn run(mut self, tx: Sender<EventBatch>, shutdown: impl std::future::Future<Output = ()>) -> Result<(), LoadError> {
+    pub async fn run(
+        mut self,
+        tx: Sender<EventBatch>,
+        shutdown: impl std::future::Future<Output = ()>,
+    ) -> Result<(), LoadError> {
         // SAFETY: the fd belongs to `self.ring`, which outlives `afd` (both live in this frame
         // and `afd` is dropped first, at the end of this function).
-        let afd = unsafe { AsyncFd::register_with_interest(Fd(self.ring.as_raw_fd()), tokio::io::Interest::READABLE) }
-            .map_err(|e| LoadError::Config(format!("ring buffer fd cannot be polled: {}", e.into_parts().1)))?;
+        let afd = unsafe {
+            AsyncFd::register_with_interest(
+                Fd(self.ring.as_raw_fd()),
+                tokio::io::Interest::READABLE,
+            )
+        }
+        .map_err(|e| {
+            LoadError::Config(format!(
+                "ring buffer fd cannot be polled: {}",
+                e.into_parts().1
+            ))
+        })?;
         let mut ticker = tokio::time::interval(self.inner.cfg.rescan_every);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         tokio::pin!(shutdown);
@@ -207,18 +221,20 @@ impl Inner {
         if first {
             tracing::info!(pid, role = role.as_str(), "eBPF: watching process");
         }
-        if role == Role::Router {
-            if let Some(args) = procs::read_cmdline(pid) {
-                for (wrole, host, port) in procs::router_workers(&args) {
-                    for addr in resolve(&host, port) {
-                        self.tracker.add_worker(addr, wrole);
-                    }
+        if role == Role::Router
+            && let Some(args) = procs::read_cmdline(pid)
+        {
+            for (wrole, host, port) in procs::router_workers(&args) {
+                for addr in resolve(&host, port) {
+                    self.tracker.add_worker(addr, wrole);
                 }
             }
         }
         let table = procs::tcp_table(Path::new("/proc"));
         for (fd, inode) in procs::socket_fds(pid) {
-            let Some(entry) = table.get(&inode) else { continue };
+            let Some(entry) = table.get(&inode) else {
+                continue;
+            };
             if entry.listen {
                 self.tracker.add_local_listener(entry.local.port(), role);
                 continue;
@@ -226,9 +242,12 @@ impl Inner {
             if let Err(e) = self.probes.track_socket(pid, fd) {
                 tracing::warn!(pid, fd, error = %e, "eBPF: cannot track an existing socket");
             }
-            self.tracker.add_existing_socket(pid, fd, Some(entry.remote));
+            self.tracker
+                .add_existing_socket(pid, fd, Some(entry.remote));
         }
-        self.stats.watched_processes.store(self.watched.len() as u64, Relaxed);
+        self.stats
+            .watched_processes
+            .store(self.watched.len() as u64, Relaxed);
         Ok(())
     }
 
@@ -237,11 +256,13 @@ impl Inner {
             if self.watched.contains_key(&pid) {
                 continue;
             }
-            let Some(args) = procs::read_cmdline(pid) else { continue };
-            if let Some(role) = self.cfg.discovery.classify(pid, &args) {
-                if let Err(e) = self.watch(pid, role) {
-                    tracing::warn!(pid, error = %e, "eBPF: cannot watch process");
-                }
+            let Some(args) = procs::read_cmdline(pid) else {
+                continue;
+            };
+            if let Some(role) = self.cfg.discovery.classify(pid, &args)
+                && let Err(e) = self.watch(pid, role)
+            {
+                tracing::warn!(pid, error = %e, "eBPF: cannot watch process");
             }
         }
         self.scan_listeners();
@@ -299,17 +320,23 @@ impl Inner {
                 self.tracker.remove_process(hdr.tgid, hdr.ts_ns, out);
                 self.probes.forget_sockets(hdr.tgid);
                 if let Some(role) = self.watched.remove(&hdr.tgid) {
-                    tracing::info!(pid = hdr.tgid, role = role.as_str(), "eBPF: watched process exited");
+                    tracing::info!(
+                        pid = hdr.tgid,
+                        role = role.as_str(),
+                        "eBPF: watched process exited"
+                    );
                 }
             }
             Ok(rec) => {
-                if let Record::Connect(c) = &rec {
-                    if c.peer.is_some_and(|p| p.ip().is_loopback()) {
-                        self.listeners_stale = true;
-                    }
+                if let Record::Connect(c) = &rec
+                    && c.peer.is_some_and(|p| p.ip().is_loopback())
+                {
+                    self.listeners_stale = true;
                 }
                 if self.listeners_stale
-                    && self.last_listener_scan.is_none_or(|t| t.elapsed() > Duration::from_millis(100))
+                    && self
+                        .last_listener_scan
+                        .is_none_or(|t| t.elapsed() > Duration::from_millis(100))
                 {
                     self.scan_listeners();
                 }
@@ -324,13 +351,14 @@ impl Inner {
     }
 
     fn on_exec(&mut self, pid: u32) {
-        let Some(args) = procs::read_cmdline(pid) else { return };
-        if let Some(role) = self.cfg.discovery.classify(pid, &args) {
-            if self.watched.get(&pid) != Some(&role) {
-                if let Err(e) = self.watch(pid, role) {
-                    tracing::warn!(pid, error = %e, "eBPF: cannot watch process");
-                }
-            }
+        let Some(args) = procs::read_cmdline(pid) else {
+            return;
+        };
+        if let Some(role) = self.cfg.discovery.classify(pid, &args)
+            && self.watched.get(&pid) != Some(&role)
+            && let Err(e) = self.watch(pid, role)
+        {
+            tracing::warn!(pid, error = %e, "eBPF: cannot watch process");
         }
         // An inherited child that execs something unclassified keeps its parent's role: that
         // is how SGLang's scheduler subprocesses start.
@@ -342,7 +370,9 @@ impl Inner {
                 if let Some(role) = self.watched.get(&parent).copied() {
                     self.watched.insert(child, role);
                     self.tracker.set_role(child, role);
-                    self.stats.watched_processes.store(self.watched.len() as u64, Relaxed);
+                    self.stats
+                        .watched_processes
+                        .store(self.watched.len() as u64, Relaxed);
                 }
             }
             // A thread, or a task already gone: the kernel filters on tgids, drop the entry.
@@ -356,7 +386,11 @@ impl Inner {
 
     fn send(&mut self, tx: &Sender<EventBatch>, batch: &mut EventBatch) {
         while !batch.is_empty() {
-            let rest = if batch.len() > self.cfg.max_batch { batch.split_off(self.cfg.max_batch) } else { Vec::new() };
+            let rest = if batch.len() > self.cfg.max_batch {
+                batch.split_off(self.cfg.max_batch)
+            } else {
+                Vec::new()
+            };
             let chunk = std::mem::replace(batch, rest);
             let n = chunk.len() as u64;
             match tx.try_send(chunk) {
@@ -380,5 +414,8 @@ fn resolve(host: &str, port: u16) -> Vec<SocketAddr> {
     if let Ok(ip) = host.parse::<std::net::IpAddr>() {
         return vec![SocketAddr::new(ip, port)];
     }
-    (host, port).to_socket_addrs().map(|it| it.collect()).unwrap_or_default()
+    (host, port)
+        .to_socket_addrs()
+        .map(|it| it.collect())
+        .unwrap_or_default()
 }

@@ -38,7 +38,10 @@ pub struct Limits {
 
 impl Default for Limits {
     fn default() -> Self {
-        Limits { max_conns: 16_384, max_pending: 64 }
+        Limits {
+            max_conns: 16_384,
+            max_pending: 64,
+        }
     }
 }
 
@@ -62,7 +65,9 @@ impl Clock {
     pub fn now() -> Clock {
         let mono = read_clock(libc::CLOCK_MONOTONIC);
         let real = read_clock(libc::CLOCK_REALTIME);
-        Clock { unix_minus_mono_ns: real - mono }
+        Clock {
+            unix_minus_mono_ns: real - mono,
+        }
     }
     pub fn unix(&self, mono_ns: u64) -> u64 {
         (mono_ns as i128 + self.unix_minus_mono_ns).max(0) as u64
@@ -70,7 +75,10 @@ impl Clock {
 }
 
 fn read_clock(id: libc::clockid_t) -> i128 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
     // SAFETY: valid pointer to a local timespec.
     unsafe { libc::clock_gettime(id, &mut ts) };
     ts.tv_sec as i128 * 1_000_000_000 + ts.tv_nsec as i128
@@ -85,9 +93,11 @@ enum PathKind {
 
 fn path_kind(path: &str) -> PathKind {
     match path {
-        "/generate" | "/v1/completions" | "/v1/chat/completions" | "/v1/generate" | "/v1/responses" => {
-            PathKind::Generate
-        }
+        "/generate"
+        | "/v1/completions"
+        | "/v1/chat/completions"
+        | "/v1/generate"
+        | "/v1/responses" => PathKind::Generate,
         p if p.starts_with("/route") => PathKind::Route,
         _ => PathKind::Other,
     }
@@ -112,7 +122,12 @@ struct Stream {
 
 impl Default for Stream {
     fn default() -> Self {
-        Stream { base: 0, cur: None, expect: 0, proto: Proto::Unknown }
+        Stream {
+            base: 0,
+            cur: None,
+            expect: 0,
+            proto: Proto::Unknown,
+        }
     }
 }
 
@@ -201,7 +216,12 @@ impl Tracker {
     }
 
     pub fn remove_process(&mut self, tgid: u32, now_mono: u64, out: &mut Vec<LifecycleEvent>) {
-        let fds: Vec<u32> = self.conns.keys().filter(|(t, _)| *t == tgid).map(|(_, fd)| *fd).collect();
+        let fds: Vec<u32> = self
+            .conns
+            .keys()
+            .filter(|(t, _)| *t == tgid)
+            .map(|(_, fd)| *fd)
+            .collect();
         for fd in fds {
             self.close(tgid, fd, now_mono, out);
         }
@@ -216,7 +236,12 @@ impl Tracker {
         if !self.conns.contains_key(&(tgid, fd)) && self.conns.len() >= self.limits.max_conns {
             // Evict the least recently active connection: bounded memory beats completeness,
             // and the count says how often it happens.
-            if let Some(old) = self.conns.iter().min_by_key(|(_, c)| c.last_ns).map(|(k, _)| *k) {
+            if let Some(old) = self
+                .conns
+                .iter()
+                .min_by_key(|(_, c)| c.last_ns)
+                .map(|(k, _)| *k)
+            {
                 self.conns.remove(&old);
                 self.stats.conns_evicted += 1;
             }
@@ -319,8 +344,12 @@ impl Tracker {
     fn worker_of(&self, peer: Option<SocketAddr>) -> Option<Worker> {
         let peer = peer?;
         if let Some(w) = self.workers.get(&peer) {
-            let local = w.local || (peer.ip().is_loopback() && self.local_ports.contains_key(&peer.port()));
-            return Some(Worker { role: w.role, local });
+            let local =
+                w.local || (peer.ip().is_loopback() && self.local_ports.contains_key(&peer.port()));
+            return Some(Worker {
+                role: w.role,
+                local,
+            });
         }
         if peer.ip().is_loopback() || peer.ip().is_unspecified() {
             return self.local_ports.get(&peer.port()).copied();
@@ -329,9 +358,20 @@ impl Tracker {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn on_http(&mut self, tgid: u32, fd: u32, role: Role, dir: usize, ts: u64, ev: HttpEvent, out: &mut Vec<LifecycleEvent>) {
+    fn on_http(
+        &mut self,
+        tgid: u32,
+        fd: u32,
+        role: Role,
+        dir: usize,
+        ts: u64,
+        ev: HttpEvent,
+        out: &mut Vec<LifecycleEvent>,
+    ) {
         let max_pending = self.limits.max_pending;
-        let Some(conn) = self.conns.get_mut(&(tgid, fd)) else { return };
+        let Some(conn) = self.conns.get_mut(&(tgid, fd)) else {
+            return;
+        };
         let peer = conn.peer;
         // Requests we receive (ingress) make us the server; requests we send make us the client.
         let client = dir == 1;
@@ -366,47 +406,117 @@ impl Tracker {
         let is_request_stream = stream_side == Side::Requests;
         match ev {
             HttpEvent::End { body } if is_request_stream => {
-                let Some(i) = conn.pending.iter().position(|p| !p.ended) else { return };
+                let Some(i) = conn.pending.iter().position(|p| !p.ended) else {
+                    return;
+                };
                 let p = &mut conn.pending[i];
                 p.ended = true;
                 p.ids = body.request_ids();
-                let (head, ids, start, deferred) = (p.head.clone(), p.ids.clone(), p.start_ns, std::mem::take(&mut p.deferred));
+                let (head, ids, start, deferred) = (
+                    p.head.clone(),
+                    p.ids.clone(),
+                    p.start_ns,
+                    std::mem::take(&mut p.deferred),
+                );
                 if p.done {
                     conn.pending.remove(i);
                 }
                 let client = dir == 1;
                 self.request_event(tgid, role, client, peer, &head, &ids, start, body.len, out);
                 for (kind, ts, status, reason) in deferred {
-                    self.response_event(tgid, role, client, peer, &head, &ids, kind, ts, status, reason.as_deref(), None, out);
+                    self.response_event(
+                        tgid,
+                        role,
+                        client,
+                        peer,
+                        &head,
+                        &ids,
+                        kind,
+                        ts,
+                        status,
+                        reason.as_deref(),
+                        None,
+                        out,
+                    );
                 }
             }
             HttpEvent::BodyStarted if !is_request_stream => {
-                let Some(p) = conn.pending.iter_mut().find(|p| p.status.is_some() && !p.work_emitted) else { return };
+                let Some(p) = conn
+                    .pending
+                    .iter_mut()
+                    .find(|p| p.status.is_some() && !p.work_emitted)
+                else {
+                    return;
+                };
                 p.work_emitted = true;
                 let status = p.status.map(|s| s.0);
                 if status.is_some_and(|s| s < 400) {
-                    self.response_or_defer(tgid, fd, role, !client, peer, Kind::Work, ts, status, None, None, out);
+                    self.response_or_defer(
+                        tgid,
+                        fd,
+                        role,
+                        !client,
+                        peer,
+                        Kind::Work,
+                        ts,
+                        status,
+                        None,
+                        None,
+                        out,
+                    );
                 }
             }
             HttpEvent::End { body } => {
                 // A response ended: it answers the oldest request still waiting for one.
-                let Some(i) = conn.pending.iter().position(|p| p.status.is_some() && !p.done) else { return };
+                let Some(i) = conn
+                    .pending
+                    .iter()
+                    .position(|p| p.status.is_some() && !p.done)
+                else {
+                    return;
+                };
                 let p = &mut conn.pending[i];
                 p.done = true;
                 let ended = p.ended;
-                let Some((status, head_ts)) = p.status else { return };
+                let Some((status, head_ts)) = p.status else {
+                    return;
+                };
                 let info = body.response_info();
                 if status >= 400 {
-                    let reason = info.message.map(|m| truncate_reason(&m).to_owned())
+                    let reason = info
+                        .message
+                        .map(|m| truncate_reason(&m).to_owned())
                         .unwrap_or_else(|| format!("HTTP {status}"));
-                    self.response_or_defer(tgid, fd, role, !client, peer, Kind::Rejected, head_ts, Some(status), Some(reason), None, out);
+                    self.response_or_defer(
+                        tgid,
+                        fd,
+                        role,
+                        !client,
+                        peer,
+                        Kind::Rejected,
+                        head_ts,
+                        Some(status),
+                        Some(reason),
+                        None,
+                        out,
+                    );
                 } else {
-                    self.response_or_defer(tgid, fd, role, !client, peer, Kind::Completed, ts, Some(status), None, info.prompt_tokens, out);
+                    self.response_or_defer(
+                        tgid,
+                        fd,
+                        role,
+                        !client,
+                        peer,
+                        Kind::Completed,
+                        ts,
+                        Some(status),
+                        None,
+                        info.prompt_tokens,
+                        out,
+                    );
                 }
-                if ended {
-                    if let Some(conn) = self.conns.get_mut(&(tgid, fd)) {
-                        conn.pending.remove(i);
-                    }
+                if ended && let Some(conn) = self.conns.get_mut(&(tgid, fd)) {
+                    conn.pending.remove(i);
                 }
             }
             _ => {}
@@ -417,20 +527,52 @@ impl Tracker {
     /// (and so its ids) has been seen.
     #[allow(clippy::too_many_arguments)]
     fn response_or_defer(
-        &mut self, tgid: u32, fd: u32, role: Role, client: bool, peer: Option<SocketAddr>, kind: Kind, ts: u64,
-        status: Option<u16>, reason: Option<String>, tokens: Option<u64>, out: &mut Vec<LifecycleEvent>,
+        &mut self,
+        tgid: u32,
+        fd: u32,
+        role: Role,
+        client: bool,
+        peer: Option<SocketAddr>,
+        kind: Kind,
+        ts: u64,
+        status: Option<u16>,
+        reason: Option<String>,
+        tokens: Option<u64>,
+        out: &mut Vec<LifecycleEvent>,
     ) {
-        let Some(conn) = self.conns.get_mut(&(tgid, fd)) else { return };
-        let Some(p) = conn.pending.iter_mut().find(|p| p.status.is_some()) else { return };
+        let Some(conn) = self.conns.get_mut(&(tgid, fd)) else {
+            return;
+        };
+        let Some(p) = conn.pending.iter_mut().find(|p| p.status.is_some()) else {
+            return;
+        };
         if !p.ended {
             p.deferred.push((kind, ts, status, reason));
             return;
         }
         let (head, ids) = (p.head.clone(), p.ids.clone());
-        self.response_event(tgid, role, client, peer, &head, &ids, kind, ts, status, reason.as_deref(), tokens, out);
+        self.response_event(
+            tgid,
+            role,
+            client,
+            peer,
+            &head,
+            &ids,
+            kind,
+            ts,
+            status,
+            reason.as_deref(),
+            tokens,
+            out,
+        );
     }
 
-    fn with_ids(&self, mut e: LifecycleEvent, head: &RequestHead, ids: &RequestIds) -> LifecycleEvent {
+    fn with_ids(
+        &self,
+        mut e: LifecycleEvent,
+        head: &RequestHead,
+        ids: &RequestIds,
+    ) -> LifecycleEvent {
         if let Some(r) = &head.request_id {
             e = e.with_request_id(r.as_str());
         }
@@ -448,8 +590,16 @@ impl Tracker {
 
     #[allow(clippy::too_many_arguments)]
     fn request_event(
-        &self, tgid: u32, role: Role, client: bool, peer: Option<SocketAddr>, head: &RequestHead, ids: &RequestIds,
-        start: u64, body_len: u64, out: &mut Vec<LifecycleEvent>,
+        &self,
+        tgid: u32,
+        role: Role,
+        client: bool,
+        peer: Option<SocketAddr>,
+        head: &RequestHead,
+        ids: &RequestIds,
+        start: u64,
+        body_len: u64,
+        out: &mut Vec<LifecycleEvent>,
     ) {
         let kind = path_kind(&head.path);
         let detail = format!("{} {} body_bytes={body_len}", head.method, head.path);
@@ -461,8 +611,12 @@ impl Tracker {
                 }
                 e
             }
-            (Role::Prefill | Role::Decode, false, PathKind::Generate) => self.event(start, role.stage(), Kind::Received, tgid),
-            (Role::Decode, true, PathKind::Route) => self.event(start, Stage::Transfer, Kind::Work, tgid),
+            (Role::Prefill | Role::Decode, false, PathKind::Generate) => {
+                self.event(start, role.stage(), Kind::Received, tgid)
+            }
+            (Role::Decode, true, PathKind::Route) => {
+                self.event(start, Stage::Transfer, Kind::Work, tgid)
+            }
             (Role::Prefill, false, PathKind::Route) if !self.has_role(Role::Decode) => {
                 self.event(start, Stage::Transfer, Kind::Work, tgid)
             }
@@ -478,8 +632,18 @@ impl Tracker {
 
     #[allow(clippy::too_many_arguments)]
     fn response_event(
-        &self, tgid: u32, role: Role, client: bool, peer: Option<SocketAddr>, head: &RequestHead, ids: &RequestIds,
-        kind: Kind, ts: u64, status: Option<u16>, reason: Option<&str>, tokens: Option<u64>,
+        &self,
+        tgid: u32,
+        role: Role,
+        client: bool,
+        peer: Option<SocketAddr>,
+        head: &RequestHead,
+        ids: &RequestIds,
+        kind: Kind,
+        ts: u64,
+        status: Option<u16>,
+        reason: Option<&str>,
+        tokens: Option<u64>,
         out: &mut Vec<LifecycleEvent>,
     ) {
         if path_kind(&head.path) != PathKind::Generate {
@@ -509,10 +673,21 @@ impl Tracker {
         out.push(e);
     }
 
-    fn on_zmtp(&mut self, tgid: u32, role: Role, dir: usize, ts: u64, msg: &zmtp::Message, out: &mut Vec<LifecycleEvent>) {
-        let Some(ctl) = zmtp::control(msg) else { return };
+    fn on_zmtp(
+        &mut self,
+        tgid: u32,
+        role: Role,
+        dir: usize,
+        ts: u64,
+        msg: &zmtp::Message,
+        out: &mut Vec<LifecycleEvent>,
+    ) {
+        let Some(ctl) = zmtp::control(msg) else {
+            return;
+        };
         // Decode sends the control messages; prefill reports them only if decode is not watched here.
-        let owner = (role == Role::Decode && dir == 1) || (role == Role::Prefill && dir == 0 && !self.has_role(Role::Decode));
+        let owner = (role == Role::Decode && dir == 1)
+            || (role == Role::Prefill && dir == 0 && !self.has_role(Role::Decode));
         if !owner {
             return;
         }
@@ -526,7 +701,9 @@ impl Tracker {
     }
 
     fn close(&mut self, tgid: u32, fd: u32, ts: u64, out: &mut Vec<LifecycleEvent>) {
-        let Some(mut conn) = self.conns.remove(&(tgid, fd)) else { return };
+        let Some(mut conn) = self.conns.remove(&(tgid, fd)) else {
+            return;
+        };
         let Some(role) = self.role(tgid) else { return };
         let mut sink = Vec::new();
         for s in conn.streams.iter_mut() {
@@ -547,7 +724,11 @@ impl Tracker {
                 (Role::Prefill | Role::Decode, false) => role.stage(),
                 _ => continue,
             };
-            let mut e = self.with_ids(self.event(ts, stage, Kind::Cancelled, tgid), &p.head, &p.ids);
+            let mut e = self.with_ids(
+                self.event(ts, stage, Kind::Cancelled, tgid),
+                &p.head,
+                &p.ids,
+            );
             e = e.with_reason("connection closed before a response");
             if let Some(peer) = conn.peer {
                 e = e.with_worker(peer.to_string());

@@ -24,7 +24,11 @@ pub struct Message {
 enum State {
     Greeting(usize),
     FrameHead(Vec<u8>),
-    FrameBody { remaining: u64, command: bool, more: bool },
+    FrameBody {
+        remaining: u64,
+        command: bool,
+        more: bool,
+    },
     Desync,
 }
 
@@ -42,13 +46,19 @@ pub fn is_greeting(data: &[u8]) -> bool {
 impl ZmtpStream {
     /// A stream whose greeting starts now.
     pub fn from_greeting() -> Self {
-        ZmtpStream { state: State::Greeting(GREETING), msg: Message::default() }
+        ZmtpStream {
+            state: State::Greeting(GREETING),
+            msg: Message::default(),
+        }
     }
 
     /// A stream picked up mid-way (the connection predates us); waits for a syscall that starts
     /// with a plausible frame.
     pub fn mid_stream() -> Self {
-        ZmtpStream { state: State::Desync, msg: Message::default() }
+        ZmtpStream {
+            state: State::Desync,
+            msg: Message::default(),
+        }
     }
 
     pub fn feed(&mut self, mut data: &[u8], syscall_start: bool, out: &mut Vec<Message>) {
@@ -71,7 +81,13 @@ impl ZmtpStream {
                     }
                 }
                 State::FrameHead(h) => {
-                    let need = if h.is_empty() { 2 } else if h[0] & 0x02 != 0 { 9 } else { 2 };
+                    let need = if h.is_empty() {
+                        2
+                    } else if h[0] & 0x02 != 0 {
+                        9
+                    } else {
+                        2
+                    };
                     let n = (need - h.len()).min(data.len());
                     h.extend_from_slice(&data[..n]);
                     data = &data[n..];
@@ -101,19 +117,27 @@ impl ZmtpStream {
                             self.msg.parts.push(Vec::new());
                         }
                     }
-                    self.state = State::FrameBody { remaining: size, command, more };
+                    self.state = State::FrameBody {
+                        remaining: size,
+                        command,
+                        more,
+                    };
                     if size == 0 {
                         self.end_frame(out);
                     }
                 }
-                State::FrameBody { remaining, command, .. } => {
+                State::FrameBody {
+                    remaining, command, ..
+                } => {
                     let n = (*remaining).min(data.len() as u64) as usize;
                     *remaining -= n as u64;
-                    if !*command && self.msg.parts.len() <= KEEP_PARTS && self.msg.part_count as usize <= KEEP_PARTS {
-                        if let Some(p) = self.msg.parts.last_mut() {
-                            let k = (KEEP_BYTES - p.len().min(KEEP_BYTES)).min(n);
-                            p.extend_from_slice(&data[..k]);
-                        }
+                    if !*command
+                        && self.msg.parts.len() <= KEEP_PARTS
+                        && self.msg.part_count as usize <= KEEP_PARTS
+                        && let Some(p) = self.msg.parts.last_mut()
+                    {
+                        let k = (KEEP_BYTES - p.len().min(KEEP_BYTES)).min(n);
+                        p.extend_from_slice(&data[..k]);
                     }
                     data = &data[n..];
                     if *remaining == 0 {
@@ -139,7 +163,9 @@ impl ZmtpStream {
     }
 
     fn end_frame(&mut self, out: &mut Vec<Message>) {
-        let State::FrameBody { command, more, .. } = self.state else { return };
+        let State::FrameBody { command, more, .. } = self.state else {
+            return;
+        };
         self.state = State::FrameHead(Vec::new());
         if command {
             return;
@@ -154,8 +180,12 @@ impl ZmtpStream {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Control {
     /// Decode registered for (and so asked for the KV of) this room.
-    Bootstrap { room: u64 },
-    Abort { room: u64 },
+    Bootstrap {
+        room: u64,
+    },
+    Abort {
+        room: u64,
+    },
 }
 
 /// Reads the verb and room of a KV-transfer control message.
@@ -167,7 +197,9 @@ pub fn control(msg: &Message) -> Option<Control> {
     match first.as_slice() {
         b"BOOTSTRAP" => parse_room(msg.parts.get(1)?).map(|room| Control::Bootstrap { room }),
         b"ABORT" => parse_room(msg.parts.get(1)?).map(|room| Control::Abort { room }),
-        other if msg.part_count >= 2 => parse_room_text(other).map(|room| Control::Bootstrap { room }),
+        other if msg.part_count >= 2 => {
+            parse_room_text(other).map(|room| Control::Bootstrap { room })
+        }
         _ => None,
     }
 }
@@ -233,22 +265,37 @@ mod tests {
             s.feed(&wire[..split], true, &mut out);
             s.feed(&wire[split..], false, &mut out);
             assert_eq!(out.len(), 2, "split {split}");
-            assert_eq!(control(&out[0]), Some(Control::Bootstrap { room: 9066467638188682269 }));
+            assert_eq!(
+                control(&out[0]),
+                Some(Control::Bootstrap {
+                    room: 9066467638188682269
+                })
+            );
             assert_eq!(out[1].part_count, 3);
             assert_eq!(out[1].parts[1].len(), KEEP_BYTES);
             assert_eq!(control(&out[1]), None, "300-byte room is not a room");
         }
         let mut s = ZmtpStream::mid_stream();
         let mut out = Vec::new();
-        s.feed(&[frame(b"ABORT", true), frame(b"42", false)].concat(), true, &mut out);
+        s.feed(
+            &[frame(b"ABORT", true), frame(b"42", false)].concat(),
+            true,
+            &mut out,
+        );
         assert_eq!(control(&out[0]), Some(Control::Abort { room: 42 }));
     }
 
     #[test]
     fn sglang_transfer_info_names_the_room_first() {
-        let msg = Message { parts: vec![b"123".to_vec(), b"10.0.0.1".to_vec()], part_count: 6 };
+        let msg = Message {
+            parts: vec![b"123".to_vec(), b"10.0.0.1".to_vec()],
+            part_count: 6,
+        };
         assert_eq!(control(&msg), Some(Control::Bootstrap { room: 123 }));
-        let msg = Message { parts: vec![b"hello".to_vec(), b"x".to_vec()], part_count: 2 };
+        let msg = Message {
+            parts: vec![b"hello".to_vec(), b"x".to_vec()],
+            part_count: 2,
+        };
         assert_eq!(control(&msg), None);
     }
 

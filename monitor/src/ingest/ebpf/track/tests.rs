@@ -25,22 +25,48 @@ impl Sim {
         t.set_role(DECODE, Role::Decode);
         t.add_local_listener(31001, Role::Prefill);
         t.add_local_listener(31002, Role::Decode);
-        Sim { t, now: 1_000, head: 512, tail: 512, out: Vec::new() }
+        Sim {
+            t,
+            now: 1_000,
+            head: 512,
+            tail: 512,
+            out: Vec::new(),
+        }
     }
 
     fn hdr(&mut self, kind: u32, tgid: u32) -> Header {
         self.now += 10;
-        Header { kind, tgid, tid: tgid, _pad: 0, ts_ns: self.now }
+        Header {
+            kind,
+            tgid,
+            tid: tgid,
+            _pad: 0,
+            ts_ns: self.now,
+        }
     }
 
     fn connect(&mut self, tgid: u32, fd: u32, peer: &str) {
         let hdr = self.hdr(kind::CONNECT, tgid);
-        self.t.on_record(&Record::Connect(Conn { hdr, fd, peer: Some(peer.parse().unwrap()) }), &mut self.out);
+        self.t.on_record(
+            &Record::Connect(Conn {
+                hdr,
+                fd,
+                peer: Some(peer.parse().unwrap()),
+            }),
+            &mut self.out,
+        );
     }
 
     fn accept(&mut self, tgid: u32, fd: u32) {
         let hdr = self.hdr(kind::ACCEPT, tgid);
-        self.t.on_record(&Record::Accept(Conn { hdr, fd, peer: Some("127.0.0.1:40000".parse().unwrap()) }), &mut self.out);
+        self.t.on_record(
+            &Record::Accept(Conn {
+                hdr,
+                fd,
+                peer: Some("127.0.0.1:40000".parse().unwrap()),
+            }),
+            &mut self.out,
+        );
     }
 
     fn close(&mut self, tgid: u32, fd: u32) {
@@ -59,14 +85,24 @@ impl Sim {
                 pieces.push((start, total));
             }
             for (a, b) in pieces {
-                let d = DataPiece { hdr, fd, syscall: sc, total: total as u64, off: a as u32, bytes: &part[a..b] };
+                let d = DataPiece {
+                    hdr,
+                    fd,
+                    syscall: sc,
+                    total: total as u64,
+                    off: a as u32,
+                    bytes: &part[a..b],
+                };
                 self.t.on_record(&Record::Data(d), &mut self.out);
             }
         }
     }
 
     fn kinds(&self) -> Vec<(Stage, Kind, Option<u64>)> {
-        self.out.iter().map(|e| (e.stage, e.kind, e.ids.bootstrap_room.map(|r| r.0))).collect()
+        self.out
+            .iter()
+            .map(|e| (e.stage, e.kind, e.ids.bootstrap_room.map(|r| r.0)))
+            .collect()
     }
 }
 
@@ -125,9 +161,15 @@ fn prefill_rejects_while_decode_works_big_prompt() {
     assert_eq!(s.out[6].input_tokens, Some(1234));
     for e in &s.out {
         assert_eq!(e.ids.request_id.as_deref(), Some("req-7"));
-        assert_eq!(e.ids.trace_id.as_deref(), Some("0af7651916cd43dd8448eb211c80319c"));
+        assert_eq!(
+            e.ids.trace_id.as_deref(),
+            Some("0af7651916cd43dd8448eb211c80319c")
+        );
         assert_eq!(e.source, Source::Ebpf);
-        assert!(!format!("{e:?}").contains("CANARY"), "prompt text leaked: {e:?}");
+        assert!(
+            !format!("{e:?}").contains("CANARY"),
+            "prompt text leaked: {e:?}"
+        );
     }
 }
 
@@ -137,10 +179,22 @@ fn early_rejection_before_the_body_is_read_waits_for_the_ids() {
     let req = generate_request(10_000, 77, "");
     s.accept(PREFILL, 7);
     s.io(PREFILL, 7, syscall::READ, &req[..2000], 4096);
-    s.io(PREFILL, 7, syscall::WRITE, b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\n\r\n", 4096);
+    s.io(
+        PREFILL,
+        7,
+        syscall::WRITE,
+        b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\n\r\n",
+        4096,
+    );
     assert!(s.out.is_empty());
     s.io(PREFILL, 7, syscall::READ, &req[2000..], 4096);
-    assert_eq!(s.kinds(), vec![(Stage::Prefill, Kind::Received, Some(77)), (Stage::Prefill, Kind::Rejected, Some(77))]);
+    assert_eq!(
+        s.kinds(),
+        vec![
+            (Stage::Prefill, Kind::Received, Some(77)),
+            (Stage::Prefill, Kind::Rejected, Some(77))
+        ]
+    );
     assert_eq!(s.out[1].reason.as_deref(), Some("HTTP 503"));
 }
 
@@ -153,7 +207,13 @@ fn router_cancel_and_remote_worker_answers() {
     s.io(ROUTER, 5, syscall::WRITE, &req, 65536);
     s.io(ROUTER, 5, syscall::READ, b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ncontent-type: text/event-stream\r\n\r\n7\r\ndata: 1\r\n", 4096);
     s.connect(ROUTER, 6, "10.1.2.3:30000");
-    s.io(ROUTER, 6, syscall::WRITE, &generate_request(100, 6, ""), 65536);
+    s.io(
+        ROUTER,
+        6,
+        syscall::WRITE,
+        &generate_request(100, 6, ""),
+        65536,
+    );
     s.close(ROUTER, 6);
     assert_eq!(
         s.kinds(),
@@ -172,32 +232,71 @@ fn zmtp_control_from_decode() {
     s.connect(DECODE, 9, "127.0.0.1:17000");
     let mut wire = vec![0xFF, 0, 0, 0, 0, 0, 0, 0, 1, 0x7F, 3, 1];
     wire.resize(64, 0);
-    for (body, more) in [(&b"BOOTSTRAP"[..], true), (b"42", true), (b"127.0.0.1", true), (b"17001", false), (b"ABORT", true), (b"42", false)] {
+    for (body, more) in [
+        (&b"BOOTSTRAP"[..], true),
+        (b"42", true),
+        (b"127.0.0.1", true),
+        (b"17001", false),
+        (b"ABORT", true),
+        (b"42", false),
+    ] {
         wire.push(more as u8);
         wire.push(body.len() as u8);
         wire.extend_from_slice(body);
     }
     s.io(DECODE, 9, syscall::SENDTO, &wire[..10], 4096);
     s.io(DECODE, 9, syscall::SENDTO, &wire[10..], 4096);
-    assert_eq!(s.kinds(), vec![(Stage::Transfer, Kind::Work, Some(42)), (Stage::Transfer, Kind::Cancelled, Some(42))]);
+    assert_eq!(
+        s.kinds(),
+        vec![
+            (Stage::Transfer, Kind::Work, Some(42)),
+            (Stage::Transfer, Kind::Cancelled, Some(42))
+        ]
+    );
 }
 
 #[test]
 fn bootstrap_route_query_is_transfer_work() {
     let mut s = Sim::new();
     s.connect(DECODE, 9, "127.0.0.1:8998");
-    s.io(DECODE, 9, syscall::WRITE, b"GET /route?engine_rank=0&target_dp_group=0 HTTP/1.1\r\nhost: x\r\n\r\n", 4096);
+    s.io(
+        DECODE,
+        9,
+        syscall::WRITE,
+        b"GET /route?engine_rank=0&target_dp_group=0 HTTP/1.1\r\nhost: x\r\n\r\n",
+        4096,
+    );
     assert_eq!(s.kinds(), vec![(Stage::Transfer, Kind::Work, None)]);
 }
 
 #[test]
 fn connections_are_bounded() {
-    let mut t = Tracker::new(None, Clock::default(), Limits { max_conns: 4, max_pending: 2 });
+    let mut t = Tracker::new(
+        None,
+        Clock::default(),
+        Limits {
+            max_conns: 4,
+            max_pending: 2,
+        },
+    );
     t.set_role(1, Role::Prefill);
     let mut out = Vec::new();
     for fd in 0..10 {
-        let hdr = Header { kind: kind::ACCEPT, tgid: 1, tid: 1, _pad: 0, ts_ns: fd as u64 };
-        t.on_record(&Record::Accept(Conn { hdr, fd, peer: None }), &mut out);
+        let hdr = Header {
+            kind: kind::ACCEPT,
+            tgid: 1,
+            tid: 1,
+            _pad: 0,
+            ts_ns: fd as u64,
+        };
+        t.on_record(
+            &Record::Accept(Conn {
+                hdr,
+                fd,
+                peer: None,
+            }),
+            &mut out,
+        );
     }
     assert_eq!(t.conn_count(), 4);
     assert_eq!(t.stats.conns_evicted, 6);
