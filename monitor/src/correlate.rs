@@ -774,6 +774,14 @@ impl Store {
         self.live_requests -= 1;
     }
 
+    /// Heap bytes held by the tombstone tables (capacity-based: what is really reserved).
+    pub fn tombstone_bytes(&self) -> usize {
+        use std::mem::size_of;
+        self.tombs.capacity() * size_of::<Tombstone>()
+            + self.tomb_slots.capacity() * size_of::<Slot>()
+            + self.tomb_alias.capacity() * (size_of::<(u64, u64)>() + 1)
+    }
+
     /// Heap bytes held by the store's tables (capacity, not length), for memory accounting.
     pub fn table_bytes(&self) -> usize {
         use std::mem::size_of;

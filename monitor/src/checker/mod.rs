@@ -238,6 +238,11 @@ impl Checker {
             + self.timers.capacity() * std::mem::size_of::<Reverse<(u64, u32, u32)>>()
     }
 
+    /// Bytes reserved by the tombstone tables alone.
+    pub fn tombstone_bytes(&self) -> usize {
+        self.store.tombstone_bytes()
+    }
+
     pub fn watermark_ns(&self) -> u64 {
         self.stats.watermark_ns
     }
@@ -388,8 +393,11 @@ impl Checker {
             at.worker_key = w;
         }
         let stage_bit = 1u8 << (e.stage as u8);
+        // Transfer is activity between the legs, not a leg that must end on its own.
         match e.kind {
-            Kind::Received | Kind::Admitted | Kind::Work => at.legs_open |= stage_bit,
+            Kind::Received | Kind::Admitted | Kind::Work if e.stage != Stage::Transfer => {
+                at.legs_open |= stage_bit
+            }
             k if k.is_terminal() => at.legs_closed |= stage_bit,
             _ => {}
         }
@@ -517,6 +525,40 @@ impl Checker {
                     out.push(self.violation(f));
                 }
             }
+        }
+        if e.kind.is_terminal() {
+            self.settle(a);
+        }
+    }
+
+    /// After a terminal event: if every pending deadline rule is already satisfied, nothing can
+    /// breach it any more, so the attempt need not stay live until the deadline.
+    fn settle(&mut self, a: u32) {
+        if self.store.attempts[a as usize].due_ns == 0 {
+            return;
+        }
+        let s = self.store.attempt_slots(a);
+        let fired = self.store.attempts[a as usize].fired;
+        let pending = self.rules.iter().enumerate().any(|(ri, r)| {
+            if fired & (1 << ri) != 0 {
+                return false;
+            }
+            let k = r.slots;
+            match &r.rule.shape {
+                Shape::MustFollow(m) => m.breached(
+                    s[k.trigger],
+                    s[k.other],
+                    s[k.other_latest],
+                    k.given.map(|g| s[g]),
+                    self.skew_ns,
+                ),
+                Shape::RequiresBefore(m) => m.breached(s[k.trigger], s[k.other], self.skew_ns),
+                _ => false,
+            }
+        });
+        if !pending {
+            // The queued entry no longer matches `due_ns` and is skipped when popped.
+            self.store.attempts[a as usize].due_ns = 0;
         }
     }
 
