@@ -18,7 +18,11 @@ struct Cli {
 enum Task {
     /// Install the eBPF toolchain (LLVM 22, bpf-linker, nightly rust-src) and mount tracefs;
     /// idempotent. `test` runs it first.
-    Setup,
+    Setup {
+        /// Also install the overhead benchmark's tools (nginx, wrk, bpftrace).
+        #[arg(long)]
+        bench: bool,
+    },
     /// Run the whole test suite (unit, scenario, CLI and end-to-end tests).
     Test {
         /// Extra arguments passed to `cargo test` (e.g. a test name filter).
@@ -29,7 +33,7 @@ enum Task {
 
 fn main() -> ExitCode {
     match Cli::parse().command {
-        Task::Setup => match setup::run() {
+        Task::Setup { bench } => match setup::run().and_then(|()| if bench { setup::bench_tools() } else { Ok(()) }) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("xtask: setup failed: {e:#}");

@@ -34,6 +34,11 @@ pub fn run() -> Result<()> {
     Ok(())
 }
 
+/// Tools of `cargo bench -p revenant --bench ebpf_overhead` (not needed by the tests).
+pub fn bench_tools() -> Result<()> {
+    install_apt_packages(&["nginx-light".into(), "wrk".into(), "bpftrace".into()])
+}
+
 fn dpkg_installed(pkg: &str) -> bool {
     // `dpkg -s` exits 0 also for removed-but-configured packages; the Status line tells.
     Command::new("dpkg-query")
