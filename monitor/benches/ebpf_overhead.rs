@@ -265,7 +265,7 @@ impl Tracer {
                 let thread = std::thread::spawn(move || {
                     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
                     rt.block_on(async move {
-                        let (tx, mut rx) = tokio::sync::mpsc::channel(1024);
+                        let (tx, mut rx) = tokio::sync::mpsc::channel::<revenant::pipeline::EventBatch>(1024);
                         let consumer = tokio::spawn(async move {
                             while let Some(b) = rx.recv().await {
                                 consumed2.fetch_add(b.len() as u64, Relaxed);

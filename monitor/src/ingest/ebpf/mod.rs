@@ -5,6 +5,7 @@
 //! `conn` reassembles per-connection byte streams, `http`/`zmtp` parse them, `json_ids` pulls the
 //! few ids we keep out of bodies, and `normalize` turns parsed messages into `LifecycleEvent`s.
 
+pub mod cli;
 pub mod http;
 pub mod json_ids;
 pub mod loader;
@@ -17,3 +18,4 @@ pub mod zmtp;
 pub use loader::{CaptureConfig, LoadError, Probes};
 pub use procs::{Discovery, PidRule, Role, WatchRule};
 pub use source::{EbpfConfig, EbpfSource, EbpfStats};
+pub use cli::{EbpfArgs, EbpfMode};
