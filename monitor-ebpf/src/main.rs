@@ -34,6 +34,18 @@ static TAIL_BYTES: Global<u32> = Global::new(monitor_common::DEFAULT_TAIL_BYTES)
 #[unsafe(no_mangle)]
 static FORK_CHILD_PID_OFFSET: Global<u32> = Global::new(20);
 
+/// Ring-buffer bytes pending before the consumer is woken; 0 wakes it for every record.
+///
+/// Waking user space costs the traced thread an irq_work and a wakeup per record when the
+/// consumer keeps up; batching wakeups moves that cost off the monitored service. User space
+/// also polls on a short timer, so records below the threshold are still read promptly.
+#[unsafe(no_mangle)]
+static WAKEUP_BYTES: Global<u32> = Global::new(0);
+
+const BPF_RB_NO_WAKEUP: u64 = 1;
+const BPF_RB_FORCE_WAKEUP: u64 = 2;
+const BPF_RB_AVAIL_DATA: u64 = 0;
+
 #[map]
 static WATCHED: HashMap<u32, u32> = HashMap::with_max_entries(8192, 0);
 #[map]
@@ -77,8 +89,30 @@ fn header(kind: u32, pid_tgid: u64) -> Header {
 }
 
 #[inline(always)]
+fn wakeup_flags() -> u64 {
+    let threshold = WAKEUP_BYTES.load() as u64;
+    if threshold == 0 {
+        return 0;
+    }
+    if EVENTS.query(BPF_RB_AVAIL_DATA) >= threshold {
+        BPF_RB_FORCE_WAKEUP
+    } else {
+        BPF_RB_NO_WAKEUP
+    }
+}
+
+/// Process records are rare and user space must act on them quickly (start watching).
+#[inline(always)]
+fn send_now<T>(rec: &T) {
+    match EVENTS.output::<T>(rec, BPF_RB_FORCE_WAKEUP) {
+        Ok(()) => count(counter::SENT, 1),
+        Err(_) => count(counter::RINGBUF_DROPS, 1),
+    }
+}
+
+#[inline(always)]
 fn send<T>(rec: &T) {
-    match EVENTS.output::<T>(rec, 0) {
+    match EVENTS.output::<T>(rec, wakeup_flags()) {
         Ok(()) => count(counter::SENT, 1),
         Err(_) => count(counter::RINGBUF_DROPS, 1),
     }
@@ -258,7 +292,7 @@ fn emit(cap: &Capture, src: u64, off: u64, len: u64) {
     }
     let size = size_of::<DataHeader>() + n as usize;
     let bytes = unsafe { core::slice::from_raw_parts((ev as *const DataEvent).cast::<u8>(), size) };
-    match EVENTS.output::<[u8]>(bytes, 0) {
+    match EVENTS.output::<[u8]>(bytes, wakeup_flags()) {
         Ok(()) => {
             count(counter::SENT, 1);
             count(counter::BYTES_CAPTURED, n as u64);
@@ -448,7 +482,7 @@ fn try_sched_process_fork(ctx: &TracePointContext) -> Result<u32, u32> {
     let child: u32 = unsafe { ctx.read_at(off) }.map_err(|_| 0u32)?;
     // The child may be a thread (its tgid is the parent's); user space tells them apart.
     let _ = WATCHED.insert(&child, &watch::INHERITED, 0);
-    send(&ProcEvent {
+    send_now(&ProcEvent {
         hdr: header(kind::FORK, pid_tgid),
         child,
         _pad: 0,
@@ -465,7 +499,7 @@ pub fn sched_process_exec(ctx: TracePointContext) -> u32 {
 
 fn try_sched_process_exec(_ctx: &TracePointContext) -> Result<u32, u32> {
     // Every exec on the node: user space matches the new command line against its watch rules.
-    send(&ProcEvent {
+    send_now(&ProcEvent {
         hdr: header(kind::EXEC, bpf_get_current_pid_tgid()),
         child: 0,
         _pad: 0,
@@ -490,7 +524,7 @@ fn try_sched_process_exit(_ctx: &TracePointContext) -> Result<u32, u32> {
         return Ok(0);
     }
     if WATCHED.remove(&tgid).is_ok() {
-        send(&ProcEvent {
+        send_now(&ProcEvent {
             hdr: header(kind::EXIT, pid_tgid),
             child: 0,
             _pad: 0,

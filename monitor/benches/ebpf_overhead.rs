@@ -71,6 +71,21 @@ fn main() {
                 kernel_ns.push((prog1.0 - prog0.0) as f64 / calls as f64);
                 rev_rss_kb = rev_rss_kb.max(rss_kb());
                 println!(
+                    "  losses: ringbuf {} active_full {} socks_full {} read_fail {} pipeline {} decode {} evicted {} | desyncs {} gap_bytes {} records {} conns {} rss {} KiB",
+                    st.kernel(counter::RINGBUF_DROPS),
+                    st.kernel(counter::ACTIVE_FULL),
+                    st.kernel(counter::SOCKS_FULL),
+                    st.kernel(counter::READ_FAILURES),
+                    st.events_dropped.load(Relaxed),
+                    st.decode_errors.load(Relaxed),
+                    st.conns_evicted.load(Relaxed),
+                    st.http_desyncs.load(Relaxed),
+                    st.gap_bytes.load(Relaxed),
+                    st.records.load(Relaxed),
+                    st.connections.load(Relaxed),
+                    rss_kb(),
+                );
+                println!(
                     "round {round} {mode:9} wrk {rps:>9.0} req/s ({reqs} reqs)  fixed p99 {lat_p99:>7.0} us  cpu(sat) {:.2}s  events {}  losses {}",
                     (cpu1 - cpu0) as f64 / 1e9,
                     s1.events - s0.events,
@@ -140,14 +155,6 @@ fn rss_kb() -> u64 {
         .ok()
         .and_then(|s| s.lines().find_map(|l| l.strip_prefix("VmRSS:").map(|v| v.trim().trim_end_matches(" kB").trim().parse().unwrap_or(0))))
         .unwrap_or(0)
-}
-
-fn process_cpu_ns() -> u64 {
-    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
-    // SAFETY: valid pointer; RUSAGE_SELF covers every thread of this process (the source runs here).
-    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
-    let us = |t: libc::timeval| t.tv_sec as u64 * 1_000_000 + t.tv_usec as u64;
-    (us(ru.ru_utime) + us(ru.ru_stime)) * 1000
 }
 
 /// Sum of run time (ns) and run count of this object's programs, from the kernel's BPF stats.
@@ -228,7 +235,14 @@ impl Drop for Nginx {
 
 enum Tracer {
     None,
-    Revenant { stop: Arc<AtomicBool>, thread: Option<std::thread::JoinHandle<()>>, stats: Arc<EbpfStats>, consumed: Arc<AtomicU64> },
+    Revenant {
+        stop: Arc<AtomicBool>,
+        thread: Option<std::thread::JoinHandle<()>>,
+        stats: Arc<EbpfStats>,
+        consumed: Arc<AtomicU64>,
+        /// Kernel task id of the thread running the source (and its consumer).
+        tid: Arc<AtomicU64>,
+    },
     Bpftrace(Child),
 }
 
@@ -262,10 +276,14 @@ impl Tracer {
                 let stop = Arc::new(AtomicBool::new(false));
                 let consumed = Arc::new(AtomicU64::new(0));
                 let (stop2, consumed2) = (Arc::clone(&stop), Arc::clone(&consumed));
+                let tid = Arc::new(AtomicU64::new(0));
+                let tid2 = Arc::clone(&tid);
                 let thread = std::thread::spawn(move || {
+                    // SAFETY: plain syscall.
+                    tid2.store(unsafe { libc::gettid() } as u64, Relaxed);
                     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
                     rt.block_on(async move {
-                        let (tx, mut rx) = tokio::sync::mpsc::channel::<revenant::pipeline::EventBatch>(1024);
+                        let (tx, mut rx) = tokio::sync::mpsc::channel::<revenant::pipeline::EventBatch>(64);
                         let consumer = tokio::spawn(async move {
                             while let Some(b) = rx.recv().await {
                                 consumed2.fetch_add(b.len() as u64, Relaxed);
@@ -280,7 +298,10 @@ impl Tracer {
                         let _ = consumer.await;
                     });
                 });
-                Tracer::Revenant { stop, thread: Some(thread), stats, consumed }
+                while tid.load(Relaxed) == 0 {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                Tracer::Revenant { stop, thread: Some(thread), stats, consumed, tid }
             }
             "bpftrace" => {
                 let pid = pids.get(1).or(pids.first()).copied().unwrap();
@@ -316,8 +337,18 @@ impl Tracer {
         }
     }
 
+    /// CPU time of revenant's own thread (the load generator runs in this process too).
     fn cpu_ns(&self) -> u64 {
-        process_cpu_ns()
+        match self {
+            Tracer::Revenant { tid, .. } => {
+                let path = format!("/proc/self/task/{}/schedstat", tid.load(Relaxed));
+                std::fs::read_to_string(path)
+                    .ok()
+                    .and_then(|s| s.split_whitespace().next().and_then(|v| v.parse().ok()))
+                    .unwrap_or(0)
+            }
+            _ => 0,
+        }
     }
 }
 
@@ -332,7 +363,13 @@ impl Drop for Tracer {
                 let _ = consumed.load(Relaxed);
             }
             Tracer::Bpftrace(c) => {
+                // SIGINT lets it detach cleanly; it may then sit printing maps, so bound the wait.
                 unsafe { libc::kill(c.id() as i32, libc::SIGINT) };
+                let deadline = Instant::now() + Duration::from_secs(5);
+                while c.try_wait().ok().flatten().is_none() && Instant::now() < deadline {
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                let _ = c.kill();
                 let _ = c.wait();
             }
             Tracer::None => {}

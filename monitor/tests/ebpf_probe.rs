@@ -314,6 +314,7 @@ fn drops_are_counted_and_degrade_coverage() {
             head_bytes: 4096,
             tail_bytes: 4096,
             ring_bytes: 16 * 1024,
+            wakeup_bytes: 0,
         },
         discovery: pd_discovery(&pd),
         rescan_every: Duration::from_millis(50),

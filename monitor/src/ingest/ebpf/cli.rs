@@ -47,6 +47,7 @@ impl EbpfArgs {
             head_bytes: self.capture_head_bytes,
             tail_bytes: self.capture_tail_bytes,
             ring_bytes: self.ring_bytes,
+            ..Default::default()
         };
         capture.validate()?;
         Ok(EbpfConfig {

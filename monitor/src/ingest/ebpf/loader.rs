@@ -93,7 +93,13 @@ pub struct CaptureConfig {
     pub tail_bytes: u32,
     /// Ring buffer size in bytes: a power of two multiple of the page size.
     pub ring_bytes: u32,
+    /// Pending bytes before the kernel wakes the reader (0: every record). The reader also
+    /// polls every [`POLL_INTERVAL`], so this only bounds latency under load.
+    pub wakeup_bytes: u32,
 }
+
+/// How often the reader drains the ring buffer without being woken.
+pub const POLL_INTERVAL: std::time::Duration = std::time::Duration::from_millis(10);
 
 impl Default for CaptureConfig {
     fn default() -> Self {
@@ -101,6 +107,7 @@ impl Default for CaptureConfig {
             head_bytes: monitor_common::DEFAULT_HEAD_BYTES,
             tail_bytes: monitor_common::DEFAULT_TAIL_BYTES,
             ring_bytes: 16 << 20,
+            wakeup_bytes: 256 << 10,
         }
     }
 }
@@ -124,6 +131,12 @@ impl CaptureConfig {
             return Err(LoadError::Config(format!(
                 "ring_bytes {} must be a power of two of at least 4096",
                 self.ring_bytes
+            )));
+        }
+        if self.wakeup_bytes >= self.ring_bytes / 2 {
+            return Err(LoadError::Config(format!(
+                "wakeup_bytes {} must be below half the ring ({})",
+                self.wakeup_bytes, self.ring_bytes
             )));
         }
         Ok(())
@@ -159,6 +172,7 @@ impl Probes {
             .override_global("HEAD_BYTES", &cfg.head_bytes, true)
             .override_global("TAIL_BYTES", &cfg.tail_bytes, true)
             .override_global("FORK_CHILD_PID_OFFSET", &fork_off, true)
+            .override_global("WAKEUP_BYTES", &cfg.wakeup_bytes, true)
             .map_max_entries("EVENTS", cfg.ring_bytes)
             .load(OBJECT)
             .map_err(classify_object_error)?;

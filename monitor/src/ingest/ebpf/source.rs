@@ -66,6 +66,8 @@ pub struct EbpfStats {
     pub http_desyncs: AtomicU64,
     pub gap_bytes: AtomicU64,
     pub watched_processes: AtomicU64,
+    /// Connections the tracker currently holds state for.
+    pub connections: AtomicU64,
     /// Set while something was lost since the previous check (kernel ring buffer full, pipeline
     /// full, undecodable records, evicted connections).
     pub coverage_degraded: AtomicBool,
@@ -88,6 +90,9 @@ impl EbpfStats {
             + self.conns_evicted.load(Relaxed)
     }
 }
+
+/// Records decoded per drain before the batch is sent on.
+pub const DRAIN_LIMIT: usize = 4096;
 
 struct Fd(RawFd);
 impl AsRawFd for Fd {
@@ -152,11 +157,14 @@ impl EbpfSource {
         self.inner.rescan()
     }
 
-    /// Decodes everything in the ring buffer now; returns how many records it read.
+    /// Decodes what is in the ring buffer now, at most [`DRAIN_LIMIT`] records, so that a full
+    /// ring does not turn into one huge batch; returns how many records it read.
     pub fn drain(&mut self, out: &mut EventBatch) -> usize {
         let mut n = 0;
         let mut execs = Vec::new();
-        while let Some(item) = self.ring.next() {
+        while n < DRAIN_LIMIT
+            && let Some(item) = self.ring.next()
+        {
             n += 1;
             if let Some(pid) = self.inner.handle(&item, out) {
                 execs.push(pid);
@@ -190,6 +198,8 @@ impl EbpfSource {
                 e.into_parts().1
             ))
         })?;
+        let mut poll = tokio::time::interval(super::loader::POLL_INTERVAL);
+        poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut ticker = tokio::time::interval(self.inner.cfg.rescan_every);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         tokio::pin!(shutdown);
@@ -198,17 +208,24 @@ impl EbpfSource {
             tokio::select! {
                 _ = &mut shutdown => break,
                 _ = ticker.tick() => self.inner.rescan(),
+                // Wakeups are batched in the kernel: read what sits below the threshold too.
+                _ = poll.tick() => { self.drain(&mut batch); }
                 guard = afd.readable() => {
                     let mut guard = guard.map_err(|e| LoadError::Config(format!("polling the ring buffer: {e}")))?;
-                    self.drain(&mut batch);
-                    guard.clear_ready();
+                    // Still ready when the drain stopped at its limit: come back right away.
+                    if self.drain(&mut batch) < DRAIN_LIMIT {
+                        guard.clear_ready();
+                    }
                 }
             }
             self.inner.send(&tx, &mut batch);
+            // Let the pipeline's consumer run between drains when it shares this thread.
+            tokio::task::yield_now().await;
         }
         // Whatever is left when asked to stop still goes out.
-        self.drain(&mut batch);
-        self.inner.send(&tx, &mut batch);
+        while self.drain(&mut batch) > 0 {
+            self.inner.send(&tx, &mut batch);
+        }
         Ok(())
     }
 }
@@ -297,6 +314,7 @@ impl Inner {
         self.stats.conns_evicted.store(t.conns_evicted, Relaxed);
         self.stats.http_desyncs.store(t.http_desyncs, Relaxed);
         self.stats.gap_bytes.store(t.gap_bytes, Relaxed);
+        self.stats.connections.store(self.tracker.conn_count() as u64, Relaxed);
         let losses = self.stats.losses();
         let degraded = losses > self.last_losses;
         if degraded {

@@ -19,7 +19,9 @@
 //! end that owns it (requests/responses at the worker, dispatch at the router, transfer control
 //! at decode).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
+
+use foldhash::{HashMap, HashMapExt};
 use std::net::SocketAddr;
 
 use super::http::{HttpEvent, HttpStream, RequestHead, Side, detect};
