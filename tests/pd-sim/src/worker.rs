@@ -704,7 +704,7 @@ impl Worker {
 
 type Shared = Arc<Worker>;
 
-struct BootstrapPort(u16);
+struct BootstrapPort(u16, u16);
 
 pub async fn run(role: Role, args: WorkerArgs) -> anyhow::Result<()> {
     if !(0.0..=1.0).contains(&args.overload_share) {
@@ -783,7 +783,7 @@ pub async fn run(role: Role, args: WorkerArgs) -> anyhow::Result<()> {
         .route("/get_model_info", get(model_info))
         .route("/sim/stats", get(sim_stats))
         .route("/sim/rooms", get(sim_rooms))
-        .layer(axum::Extension(Arc::new(BootstrapPort(boot_port))))
+        .layer(axum::Extension(Arc::new(BootstrapPort(boot_port, http_addr.port()))))
         .with_state(w.clone());
 
     crate::common::print_ready(serde_json::json!({
@@ -871,7 +871,9 @@ async fn route_put(State(addr): State<Arc<Mutex<SocketAddr>>>, body: Bytes) -> R
 }
 
 async fn server_info(State(w): State<Shared>, axum::Extension(bp): axum::Extension<Arc<BootstrapPort>>) -> Response {
-    axum::Json(w.server_info(bp.0)).into_response()
+    let mut v = w.server_info(bp.0);
+    v["port"] = bp.1.into();
+    axum::Json(v).into_response()
 }
 
 async fn model_info(State(w): State<Shared>) -> Response {
