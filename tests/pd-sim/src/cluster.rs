@@ -56,7 +56,12 @@ struct Proc {
 fn command(sub: &str, args: Vec<String>) -> Command {
     let exe = std::env::current_exe().unwrap_or_else(|_| "pd-sim".into());
     let mut c = Command::new(exe);
-    c.arg(sub).args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::inherit()).kill_on_drop(true);
+    c.arg(sub)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true);
     // SAFETY: prctl is async-signal-safe and touches no memory of the parent.
     unsafe {
         c.pre_exec(|| {
@@ -70,7 +75,10 @@ fn command(sub: &str, args: Vec<String>) -> Command {
 async fn start(name: &'static str, sub: &str, args: Vec<String>) -> anyhow::Result<Proc> {
     let mut child = command(sub, args).spawn()?;
     let pid = child.id().unwrap_or(0);
-    let stdout = child.stdout.take().ok_or_else(|| anyhow::anyhow!("{name}: no stdout"))?;
+    let stdout = child
+        .stdout
+        .take()
+        .ok_or_else(|| anyhow::anyhow!("{name}: no stdout"))?;
     let mut lines = BufReader::new(stdout).lines();
     let ready = tokio::time::timeout(Duration::from_secs(30), async {
         while let Some(line) = lines.next_line().await? {
@@ -84,7 +92,12 @@ async fn start(name: &'static str, sub: &str, args: Vec<String>) -> anyhow::Resu
     .map_err(|_| anyhow::anyhow!("{name} not ready within 30 s"))??;
     // Keep draining so a chatty child never blocks on a full pipe.
     tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-    Ok(Proc { name, child, pid, ready })
+    Ok(Proc {
+        name,
+        child,
+        pid,
+        ready,
+    })
 }
 
 fn split(s: &str) -> Vec<String> {
@@ -173,7 +186,10 @@ pub async fn run(a: ClusterArgs) -> anyhow::Result<()> {
             "--port".into(),
             port(a.router_port).to_string(),
             "--mode".into(),
-            serde_json::to_value(a.mode)?.as_str().unwrap_or("correct").to_string(),
+            serde_json::to_value(a.mode)?
+                .as_str()
+                .unwrap_or("correct")
+                .to_string(),
             "--prefill".into(),
             format!("http://{}:{p_port}", a.host),
             "--bootstrap-port".into(),

@@ -24,7 +24,10 @@ pub fn http_client(max_idle_per_host: usize) -> HttpClient {
 }
 
 pub fn now_ns() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0)
 }
 
 /// SGLang request ids are uuid4 hex (32 lowercase hex chars).
@@ -71,7 +74,10 @@ pub fn error_response(status: StatusCode, message: &str) -> Response {
 
 pub fn json_response(status: StatusCode, body: String) -> Response {
     let mut r = (status, body).into_response();
-    r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
     r
 }
 
@@ -183,10 +189,16 @@ mod tests {
 
     #[test]
     fn traceparent_round_trip_and_rejects_garbage() {
-        let tp = TraceParent { trace_id: random_trace_id(), span_id: random_span_id() };
+        let tp = TraceParent {
+            trace_id: random_trace_id(),
+            span_id: random_span_id(),
+        };
         assert_eq!(TraceParent::parse(&tp.header_value()), Some(tp));
         assert_eq!(TraceParent::parse("00-zz-11-01"), None);
-        assert_eq!(TraceParent::parse("00-00000000000000000000000000000000-0000000000000001-01"), None);
+        assert_eq!(
+            TraceParent::parse("00-00000000000000000000000000000000-0000000000000001-01"),
+            None
+        );
         assert_eq!(TraceParent::parse(""), None);
     }
 

@@ -18,9 +18,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
+use std::sync::Mutex;
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{Mutex, mpsc};
+
+use tokio::sync::mpsc;
 
 use crate::zmtp::{self, SocketType};
 
@@ -41,7 +43,10 @@ pub struct Pushers {
 
 impl Pushers {
     pub fn new(stats: Arc<LinkStats>) -> Self {
-        Pushers { inner: Arc::new(Mutex::new(HashMap::new())), stats }
+        Pushers {
+            inner: Arc::new(Mutex::new(HashMap::new())),
+            stats,
+        }
     }
 
     /// Queue one multipart message for `to`. Waits only when that peer's queue is full
@@ -51,7 +56,8 @@ impl Pushers {
         zmtp::encode_message(&mut buf, parts);
         let msg = buf.freeze();
         let tx = {
-            let mut map = self.inner.lock().await;
+            // Held only for a map lookup, never across an await.
+            let mut map = self.inner.lock().expect("pushers lock");
             match map.get(&to) {
                 Some(tx) if !tx.is_closed() => tx.clone(),
                 _ => {

@@ -25,9 +25,18 @@ pub struct Range {
 impl std::str::FromStr for Range {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        let (a, b) = s.split_once("..").ok_or_else(|| format!("expected MIN..MAX, got {s:?}"))?;
-        let min: u64 = a.trim().parse().map_err(|e| format!("bad MIN in {s:?}: {e}"))?;
-        let max: u64 = b.trim().trim_start_matches('=').parse().map_err(|e| format!("bad MAX in {s:?}: {e}"))?;
+        let (a, b) = s
+            .split_once("..")
+            .ok_or_else(|| format!("expected MIN..MAX, got {s:?}"))?;
+        let min: u64 = a
+            .trim()
+            .parse()
+            .map_err(|e| format!("bad MIN in {s:?}: {e}"))?;
+        let max: u64 = b
+            .trim()
+            .trim_start_matches('=')
+            .parse()
+            .map_err(|e| format!("bad MAX in {s:?}: {e}"))?;
         if min > max || min == 0 {
             return Err(format!("need 1 <= MIN <= MAX, got {s:?}"));
         }
@@ -109,9 +118,10 @@ struct Counters {
 }
 
 const VOCAB: [&str; 32] = [
-    "alpha", "river", "stone", "cloud", "maple", "north", "quiet", "ember", "lumen", "orbit", "pixel", "cedar",
-    "delta", "frost", "grove", "harbor", "ivory", "jade", "kite", "lotus", "meadow", "nova", "opal", "prism",
-    "quartz", "raven", "sable", "tide", "umber", "vivid", "willow", "zephyr",
+    "alpha", "river", "stone", "cloud", "maple", "north", "quiet", "ember", "lumen", "orbit",
+    "pixel", "cedar", "delta", "frost", "grove", "harbor", "ivory", "jade", "kite", "lotus",
+    "meadow", "nova", "opal", "prism", "quartz", "raven", "sable", "tide", "umber", "vivid",
+    "willow", "zephyr",
 ];
 
 fn prompt(rng: &mut SmallRng, words: u64, canary: Option<&str>) -> String {
@@ -133,7 +143,11 @@ pub async fn run(args: LoadArgs) -> anyhow::Result<Summary> {
     if args.rate <= 0.0 {
         anyhow::bail!("--rate must be > 0");
     }
-    for (n, v) in [("--over-capacity-share", args.over_capacity_share), ("--stream-share", args.stream_share), ("--chat-share", args.chat_share)] {
+    for (n, v) in [
+        ("--over-capacity-share", args.over_capacity_share),
+        ("--stream-share", args.stream_share),
+        ("--chat-share", args.chat_share),
+    ] {
         if !(0.0..=1.0).contains(&v) {
             anyhow::bail!("{n} must be within 0..=1");
         }
@@ -200,7 +214,11 @@ pub async fn run(args: LoadArgs) -> anyhow::Result<Summary> {
         }
         let permit = sem.clone().acquire_owned().await?;
         let is_over = rng.random::<f64>() < args.over_capacity_share;
-        let r = if is_over { &args.over_capacity_len } else { &args.prompt_len };
+        let r = if is_over {
+            &args.over_capacity_len
+        } else {
+            &args.prompt_len
+        };
         let words = rng.random_range(r.min..=r.max);
         let stream = rng.random::<f64>() < args.stream_share;
         let chat = rng.random::<f64>() < args.chat_share;
@@ -214,7 +232,10 @@ pub async fn run(args: LoadArgs) -> anyhow::Result<Summary> {
                                    "max_tokens": args.max_new_tokens, "stream": stream}),
             )
         } else {
-            ("/generate", serde_json::json!({"text": text, "sampling_params": {"max_new_tokens": args.max_new_tokens}, "stream": stream}))
+            (
+                "/generate",
+                serde_json::json!({"text": text, "sampling_params": {"max_new_tokens": args.max_new_tokens}, "stream": stream}),
+            )
         };
         let req = hyper::Request::post(format!("{base}{path}"))
             .header("content-type", "application/json")
@@ -231,7 +252,10 @@ pub async fn run(args: LoadArgs) -> anyhow::Result<Summary> {
             let res = tokio::time::timeout(timeout, async {
                 let resp = client.request(req).await.map_err(|e| e.to_string())?;
                 let status = resp.status().as_u16();
-                resp.into_body().collect().await.map_err(|e| e.to_string())?;
+                resp.into_body()
+                    .collect()
+                    .await
+                    .map_err(|e| e.to_string())?;
                 Ok::<u16, String>(status)
             })
             .await;
@@ -263,7 +287,12 @@ pub async fn run(args: LoadArgs) -> anyhow::Result<Summary> {
     }
     drop(lat_tx);
     let mut lat = Vec::with_capacity(args.requests as usize);
-    let mut summary = Summary { target_rate: args.rate, over_capacity_sent: over, streamed, ..Default::default() };
+    let mut summary = Summary {
+        target_rate: args.rate,
+        over_capacity_sent: over,
+        streamed,
+        ..Default::default()
+    };
     while let Some((status, el, ok)) = lat_rx.recv().await {
         summary.sent += 1;
         if !ok {
@@ -278,7 +307,13 @@ pub async fn run(args: LoadArgs) -> anyhow::Result<Summary> {
         }
     }
     lat.sort_by(|a, b| a.total_cmp(b));
-    let pct = |q: f64| if lat.is_empty() { 0.0 } else { lat[((lat.len() as f64 - 1.0) * q).round() as usize] };
+    let pct = |q: f64| {
+        if lat.is_empty() {
+            0.0
+        } else {
+            lat[((lat.len() as f64 - 1.0) * q).round() as usize]
+        }
+    };
     summary.latency_ms_p50 = pct(0.5);
     summary.latency_ms_p99 = pct(0.99);
     summary.latency_ms_max = lat.last().copied().unwrap_or(0.0);
@@ -292,7 +327,11 @@ pub async fn run(args: LoadArgs) -> anyhow::Result<Summary> {
 }
 
 fn print_summary(s: &Summary) {
-    let rejected: Vec<String> = s.rejected_by_status.iter().map(|(k, v)| format!("{k}: {v}")).collect();
+    let rejected: Vec<String> = s
+        .rejected_by_status
+        .iter()
+        .map(|(k, v)| format!("{k}: {v}"))
+        .collect();
     eprintln!(
         "pd-sim load: sent {} in {:.2}s ({:.0} req/s, target {:.0}); ok {}; rejected {{{}}}; errors {}; over-capacity sent {}; streamed {}; latency p50 {:.2} ms p99 {:.2} ms max {:.2} ms",
         s.sent,

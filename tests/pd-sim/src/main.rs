@@ -3,7 +3,11 @@ use clap::{Parser, Subcommand};
 use pd_sim::{cluster, load, router, worker};
 
 #[derive(Parser)]
-#[command(name = "pd-sim", about = "PD disaggregated serving simulator (SGLang-shaped)", args_override_self = true)]
+#[command(
+    name = "pd-sim",
+    about = "PD disaggregated serving simulator (SGLang-shaped)",
+    args_override_self = true
+)]
 struct Cli {
     /// Worker threads for the tokio runtime (default: number of CPUs).
     #[arg(long, global = true)]
@@ -31,13 +35,18 @@ fn main() -> std::process::ExitCode {
         Ok(c) => c,
         Err(e) => {
             let _ = e.print();
-            return if e.use_stderr() { std::process::ExitCode::from(2) } else { std::process::ExitCode::SUCCESS };
+            return if e.use_stderr() {
+                std::process::ExitCode::from(2)
+            } else {
+                std::process::ExitCode::SUCCESS
+            };
         }
     };
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("PD_SIM_LOG").unwrap_or_else(|_| "warn,pd_sim=info".into()),
+            tracing_subscriber::EnvFilter::try_from_env("PD_SIM_LOG")
+                .unwrap_or_else(|_| "warn,pd_sim=info".into()),
         )
         .init();
     let mut rt = tokio::runtime::Builder::new_multi_thread();

@@ -30,8 +30,8 @@ use serde::Serialize;
 use tokio::net::TcpListener;
 
 use crate::common::{
-    HttpClient, TraceParent, error_response, http_client, json_response, new_rid, new_room, now_ns, random_span_id,
-    random_trace_id,
+    HttpClient, TraceParent, error_response, http_client, json_response, new_rid, new_room, now_ns,
+    random_span_id, random_trace_id,
 };
 use crate::spans::{Exporter, ExporterConfig, SpanSink, SpanSpec, event, kv_str};
 
@@ -131,6 +131,7 @@ pub async fn run(args: RouterArgs) -> anyhow::Result<()> {
         .route("/get_server_info", get(server_info))
         .route("/model_info", get(model_info))
         .route("/get_model_info", get(model_info))
+        .route("/v1/models", get(models))
         .route("/sim/stats", get(sim_stats))
         .with_state(rt.clone());
     crate::common::print_ready(serde_json::json!({
@@ -141,7 +142,9 @@ pub async fn run(args: RouterArgs) -> anyhow::Result<()> {
         "pid": std::process::id(),
     }));
     tracing::info!(%addr, mode = ?rt.args.mode, "router ready");
-    axum::serve(listener, app).with_graceful_shutdown(crate::common::shutdown_signal()).await?;
+    axum::serve(listener, app)
+        .with_graceful_shutdown(crate::common::shutdown_signal())
+        .await?;
     exporter.shutdown(Duration::from_secs(3)).await;
     Ok(())
 }
@@ -152,7 +155,9 @@ async fn sim_stats(State(rt): State<Shared>) -> Response {
 }
 
 async fn proxy_get(rt: &Rt, path: &str) -> Response {
-    let req = hyper::Request::get(format!("{}{path}", rt.prefill)).body(Full::new(Bytes::new())).expect("static");
+    let req = hyper::Request::get(format!("{}{path}", rt.prefill))
+        .body(Full::new(Bytes::new()))
+        .expect("static");
     match rt.client.request(req).await {
         Ok(resp) => {
             let status = resp.status();
@@ -161,7 +166,10 @@ async fn proxy_get(rt: &Rt, path: &str) -> Response {
                 Err(e) => error_response(StatusCode::BAD_GATEWAY, &format!("prefill body: {e}")),
             }
         }
-        Err(e) => error_response(StatusCode::SERVICE_UNAVAILABLE, &format!("prefill unreachable: {e}")),
+        Err(e) => error_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            &format!("prefill unreachable: {e}"),
+        ),
     }
 }
 
@@ -171,6 +179,10 @@ async fn server_info(State(rt): State<Shared>) -> Response {
 
 async fn model_info(State(rt): State<Shared>) -> Response {
     proxy_get(&rt, "/model_info").await
+}
+
+async fn models(State(rt): State<Shared>) -> Response {
+    proxy_get(&rt, "/v1/models").await
 }
 
 async fn generate(State(rt): State<Shared>, headers: HeaderMap, body: Bytes) -> Response {
@@ -199,8 +211,11 @@ pub fn with_bootstrap(body: &[u8], host: &str, port: u16, room: u64) -> Option<V
         out.push(b',');
     }
     out.extend_from_slice(
-        format!("\"bootstrap_host\":{},\"bootstrap_port\":{port},\"bootstrap_room\":{room}}}", serde_json::Value::from(host))
-            .as_bytes(),
+        format!(
+            "\"bootstrap_host\":{},\"bootstrap_port\":{port},\"bootstrap_room\":{room}}}",
+            serde_json::Value::from(host)
+        )
+        .as_bytes(),
     );
     Some(out)
 }
@@ -210,14 +225,26 @@ enum Leg {
     Failed(String),
 }
 
-async fn send(rt: &Rt, base: &str, path: &str, body: Bytes, request_id: &str, tp: &TraceParent) -> Leg {
+async fn send(
+    rt: &Rt,
+    base: &str,
+    path: &str,
+    body: Bytes,
+    request_id: &str,
+    tp: &TraceParent,
+) -> Leg {
     let req = hyper::Request::post(format!("{base}{path}"))
         .header("content-type", "application/json")
         .header("x-request-id", request_id)
         .header("traceparent", tp.header_value())
         .body(Full::new(body))
         .expect("valid request parts");
-    match tokio::time::timeout(Duration::from_secs(rt.args.request_timeout_secs), rt.client.request(req)).await {
+    match tokio::time::timeout(
+        Duration::from_secs(rt.args.request_timeout_secs),
+        rt.client.request(req),
+    )
+    .await
+    {
         Ok(Ok(r)) => Leg::Resp(r),
         Ok(Err(e)) => Leg::Failed(e.to_string()),
         Err(_) => Leg::Failed("timed out".into()),
@@ -247,7 +274,11 @@ fn pass_through(r: hyper::Response<Incoming>) -> Response {
 
 async fn buffered(r: hyper::Response<Incoming>) -> Response {
     let (parts, body) = r.into_parts();
-    let bytes = body.collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+    let bytes = body
+        .collect()
+        .await
+        .map(|b| b.to_bytes())
+        .unwrap_or_default();
     let mut resp = Response::new(Body::from(bytes));
     *resp.status_mut() = parts.status;
     if let Some(v) = parts.headers.get("content-type") {
@@ -271,7 +302,10 @@ async fn route(rt: Shared, path: &'static str, headers: HeaderMap, body: Bytes) 
         .and_then(|v| v.to_str().ok())
         .map(str::to_owned)
         .unwrap_or_else(new_rid);
-    let incoming = headers.get("traceparent").and_then(|v| v.to_str().ok()).and_then(TraceParent::parse);
+    let incoming = headers
+        .get("traceparent")
+        .and_then(|v| v.to_str().ok())
+        .and_then(TraceParent::parse);
     let mut span = RouterSpan {
         trace_id: incoming.map(|t| t.trace_id).unwrap_or_else(random_trace_id),
         span_id: random_span_id(),
@@ -279,7 +313,10 @@ async fn route(rt: Shared, path: &'static str, headers: HeaderMap, body: Bytes) 
         start: now_ns(),
         events: Vec::new(),
     };
-    let tp = TraceParent { trace_id: span.trace_id, span_id: span.span_id };
+    let tp = TraceParent {
+        trace_id: span.trace_id,
+        span_id: span.span_id,
+    };
     let resp = route_inner(&rt, path, &request_id, &tp, &body, &mut span).await;
     let status = resp.status();
     match status.as_u16() {
@@ -316,14 +353,24 @@ async fn route(rt: Shared, path: &'static str, headers: HeaderMap, body: Bytes) 
 }
 
 fn ev(name: &str, attrs: Vec<(&str, &str)>) -> opentelemetry_proto::tonic::trace::v1::span::Event {
-    let mut a = vec![kv_str("level", "INFO"), kv_str("target", "smg::observability::events")];
+    let mut a = vec![
+        kv_str("level", "INFO"),
+        kv_str("target", "smg::observability::events"),
+    ];
     for (k, v) in attrs {
         a.push(kv_str(k, v));
     }
     event(name, now_ns(), a)
 }
 
-async fn route_inner(rt: &Shared, path: &'static str, request_id: &str, tp: &TraceParent, body: &Bytes, span: &mut RouterSpan) -> Response {
+async fn route_inner(
+    rt: &Shared,
+    path: &'static str,
+    request_id: &str,
+    tp: &TraceParent,
+    body: &Bytes,
+    span: &mut RouterSpan,
+) -> Response {
     // Validate once; the body is forwarded byte for byte plus the bootstrap fields.
     if serde_json::from_slice::<serde::de::IgnoredAny>(body).is_err() {
         return error_response(StatusCode::BAD_REQUEST, "invalid JSON body");
@@ -340,24 +387,37 @@ async fn route_inner(rt: &Shared, path: &'static str, request_id: &str, tp: &Tra
         }
         rt.stats.attempts.fetch_add(1, Ordering::Relaxed);
         let room = new_room();
-        let Some(leg_body) = with_bootstrap(body, &rt.bootstrap_host, rt.args.bootstrap_port, room) else {
-            return error_response(StatusCode::BAD_REQUEST, "request body must be a JSON object");
+        let Some(leg_body) = with_bootstrap(body, &rt.bootstrap_host, rt.args.bootstrap_port, room)
+        else {
+            return error_response(
+                StatusCode::BAD_REQUEST,
+                "request body must be a JSON object",
+            );
         };
         let leg_body = Bytes::from(leg_body);
         let prefill_leg;
         let mut decode_leg = None;
         match mode {
             Mode::ConcurrentNoCancel => {
-                span.events.push(ev("Sending concurrent requests", vec![("prefill_url", &rt.prefill), ("decode_url", &rt.decode)]));
+                span.events.push(ev(
+                    "Sending concurrent requests",
+                    vec![("prefill_url", &rt.prefill), ("decode_url", &rt.decode)],
+                ));
                 rt.stats.decode_legs.fetch_add(1, Ordering::Relaxed);
-                let (rt2, b2, rid2, tp2) = (rt.clone(), leg_body.clone(), request_id.to_owned(), *tp);
+                let (rt2, b2, rid2, tp2) =
+                    (rt.clone(), leg_body.clone(), request_id.to_owned(), *tp);
                 // The decode leg is its own task: nothing cancels it once sent.
-                decode_leg = Some(tokio::spawn(async move { send(&rt2, &rt2.decode, path, b2, &rid2, &tp2).await }));
+                decode_leg = Some(tokio::spawn(async move {
+                    send(&rt2, &rt2.decode, path, b2, &rid2, &tp2).await
+                }));
                 prefill_leg = send(rt, &rt.prefill, path, leg_body.clone(), request_id, tp).await;
                 span.events.push(ev("Received concurrent requests", vec![]));
             }
             Mode::Correct | Mode::HandoffAfterReject => {
-                span.events.push(ev("Sending prefill request", vec![("prefill_url", &rt.prefill)]));
+                span.events.push(ev(
+                    "Sending prefill request",
+                    vec![("prefill_url", &rt.prefill)],
+                ));
                 prefill_leg = send(rt, &rt.prefill, path, leg_body.clone(), request_id, tp).await;
             }
         }
@@ -366,10 +426,15 @@ async fn route_inner(rt: &Shared, path: &'static str, request_id: &str, tp: &Tra
             Leg::Failed(e) => {
                 rt.stats.upstream_errors.fetch_add(1, Ordering::Relaxed);
                 if let Some(d) = decode_leg {
-                    rt.stats.decode_legs_after_prefill_failure.fetch_add(1, Ordering::Relaxed);
+                    rt.stats
+                        .decode_legs_after_prefill_failure
+                        .fetch_add(1, Ordering::Relaxed);
                     drain(async move { d.await.unwrap_or(Leg::Failed("join".into())) });
                 }
-                return error_response(StatusCode::BAD_GATEWAY, &format!("prefill request failed: {e}"));
+                return error_response(
+                    StatusCode::BAD_GATEWAY,
+                    &format!("prefill request failed: {e}"),
+                );
             }
         };
         let pstatus = prefill_resp.status();
@@ -377,15 +442,23 @@ async fn route_inner(rt: &Shared, path: &'static str, request_id: &str, tp: &Tra
             rt.stats.prefill_rejections.fetch_add(1, Ordering::Relaxed);
             match (mode, decode_leg) {
                 (Mode::ConcurrentNoCancel, Some(d)) => {
-                    rt.stats.decode_legs_after_prefill_failure.fetch_add(1, Ordering::Relaxed);
+                    rt.stats
+                        .decode_legs_after_prefill_failure
+                        .fetch_add(1, Ordering::Relaxed);
                     drain(async move { d.await.unwrap_or(Leg::Failed("join".into())) });
                 }
                 (Mode::HandoffAfterReject, _) => {
                     // The bug: the rejected attempt is handed to decode all the same.
-                    span.events.push(ev("Sending decode request", vec![("decode_url", &rt.decode)]));
+                    span.events.push(ev(
+                        "Sending decode request",
+                        vec![("decode_url", &rt.decode)],
+                    ));
                     rt.stats.decode_legs.fetch_add(1, Ordering::Relaxed);
-                    rt.stats.decode_legs_after_prefill_failure.fetch_add(1, Ordering::Relaxed);
-                    let (rt2, b2, rid2, tp2) = (rt.clone(), leg_body.clone(), request_id.to_owned(), *tp);
+                    rt.stats
+                        .decode_legs_after_prefill_failure
+                        .fetch_add(1, Ordering::Relaxed);
+                    let (rt2, b2, rid2, tp2) =
+                        (rt.clone(), leg_body.clone(), request_id.to_owned(), *tp);
                     drain(async move { send(&rt2, &rt2.decode, path, b2, &rid2, &tp2).await });
                 }
                 _ => {}
@@ -402,7 +475,10 @@ async fn route_inner(rt: &Shared, path: &'static str, request_id: &str, tp: &Tra
         let decode_resp = match decode_leg {
             Some(d) => d.await.unwrap_or(Leg::Failed("decode task failed".into())),
             None => {
-                span.events.push(ev("Sending decode request", vec![("decode_url", &rt.decode)]));
+                span.events.push(ev(
+                    "Sending decode request",
+                    vec![("decode_url", &rt.decode)],
+                ));
                 rt.stats.decode_legs.fetch_add(1, Ordering::Relaxed);
                 send(rt, &rt.decode, path, leg_body, request_id, tp).await
             }
@@ -411,11 +487,19 @@ async fn route_inner(rt: &Shared, path: &'static str, request_id: &str, tp: &Tra
             Leg::Resp(r) => pass_through(r),
             Leg::Failed(e) => {
                 rt.stats.upstream_errors.fetch_add(1, Ordering::Relaxed);
-                error_response(StatusCode::BAD_GATEWAY, &format!("decode request failed: {e}"))
+                error_response(
+                    StatusCode::BAD_GATEWAY,
+                    &format!("decode request failed: {e}"),
+                )
             }
         };
     }
-    last.unwrap_or_else(|| error_response(StatusCode::SERVICE_UNAVAILABLE, "The request queue is full."))
+    last.unwrap_or_else(|| {
+        error_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "The request queue is full.",
+        )
+    })
 }
 
 #[cfg(test)]

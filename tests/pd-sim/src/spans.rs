@@ -14,7 +14,9 @@ use http_body_util::{BodyExt, Full};
 use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
 use opentelemetry_proto::tonic::common::v1::{AnyValue, InstrumentationScope, KeyValue, any_value};
 use opentelemetry_proto::tonic::resource::v1::Resource;
-use opentelemetry_proto::tonic::trace::v1::{ResourceSpans, ScopeSpans, Span, Status, span, status};
+use opentelemetry_proto::tonic::trace::v1::{
+    ResourceSpans, ScopeSpans, Span, Status, span, status,
+};
 use prost::Message;
 use serde::Serialize;
 use tokio::sync::mpsc;
@@ -23,11 +25,23 @@ use tokio::task::JoinHandle;
 use crate::common::{HttpClient, http_client};
 
 pub fn kv_str(k: &str, v: impl Into<String>) -> KeyValue {
-    KeyValue { key: k.into(), key_strindex: 0, value: Some(AnyValue { value: Some(any_value::Value::StringValue(v.into())) }) }
+    KeyValue {
+        key: k.into(),
+        key_strindex: 0,
+        value: Some(AnyValue {
+            value: Some(any_value::Value::StringValue(v.into())),
+        }),
+    }
 }
 
 pub fn kv_int(k: &str, v: i64) -> KeyValue {
-    KeyValue { key: k.into(), key_strindex: 0, value: Some(AnyValue { value: Some(any_value::Value::IntValue(v)) }) }
+    KeyValue {
+        key: k.into(),
+        key_strindex: 0,
+        value: Some(AnyValue {
+            value: Some(any_value::Value::IntValue(v)),
+        }),
+    }
 }
 
 /// A finished span, built by the roles from timestamps they took while serving.
@@ -50,7 +64,10 @@ impl SpanSpec<'_> {
         let status = match self.error {
             Some(reason) => {
                 attributes.push(kv_str("reason", reason));
-                Some(Status { message: String::new(), code: status::StatusCode::Error as i32 })
+                Some(Status {
+                    message: String::new(),
+                    code: status::StatusCode::Error as i32,
+                })
             }
             None => Some(Status::default()),
         };
@@ -78,7 +95,12 @@ impl SpanSpec<'_> {
 }
 
 pub fn event(name: &str, time_ns: u64, attributes: Vec<KeyValue>) -> span::Event {
-    span::Event { time_unix_nano: time_ns, name: name.into(), attributes, dropped_attributes_count: 0 }
+    span::Event {
+        time_unix_nano: time_ns,
+        name: name.into(),
+        attributes,
+        dropped_attributes_count: 0,
+    }
 }
 
 #[derive(Default, Debug, Serialize)]
@@ -114,7 +136,10 @@ impl Exporter {
     pub fn start(cfg: ExporterConfig) -> Exporter {
         let stats = Arc::new(ExportStats::default());
         let Some(endpoint) = cfg.endpoint else {
-            return Exporter { sink: SpanSink { tx: None, stats }, task: None };
+            return Exporter {
+                sink: SpanSink { tx: None, stats },
+                task: None,
+            };
         };
         let url = traces_url(&endpoint);
         // Capacity counted in per-request span groups; at 10k req/s this is ~1.6 s of slack.
@@ -125,10 +150,23 @@ impl Exporter {
             kv_str("telemetry.sdk.name", "pd-sim"),
         ];
         resource_attrs.extend(cfg.resource_attrs);
-        let resource = Resource { attributes: resource_attrs, dropped_attributes_count: 0, entity_refs: Vec::new() };
-        let scope = InstrumentationScope { name: cfg.scope_name.into(), ..Default::default() };
+        let resource = Resource {
+            attributes: resource_attrs,
+            dropped_attributes_count: 0,
+            entity_refs: Vec::new(),
+        };
+        let scope = InstrumentationScope {
+            name: cfg.scope_name.into(),
+            ..Default::default()
+        };
         let task = tokio::spawn(export_loop(url, rx, resource, scope, stats.clone()));
-        Exporter { sink: SpanSink { tx: Some(tx), stats }, task: Some(task) }
+        Exporter {
+            sink: SpanSink {
+                tx: Some(tx),
+                stats,
+            },
+            task: Some(task),
+        }
     }
 
     /// Close the queue and give the exporter a bounded time to flush what is left.
@@ -145,7 +183,11 @@ impl Exporter {
 pub fn traces_url(endpoint: &str) -> String {
     let e = endpoint.trim_end_matches('/');
     let after_scheme = e.split_once("://").map(|(_, r)| r).unwrap_or(e);
-    if after_scheme.contains('/') { e.to_string() } else { format!("{e}/v1/traces") }
+    if after_scheme.contains('/') {
+        e.to_string()
+    } else {
+        format!("{e}/v1/traces")
+    }
 }
 
 impl SpanSink {
@@ -161,7 +203,9 @@ impl SpanSink {
                 self.stats.spans_emitted.fetch_add(n, Ordering::Relaxed);
             }
             Err(_) => {
-                self.stats.spans_dropped_queue_full.fetch_add(n, Ordering::Relaxed);
+                self.stats
+                    .spans_dropped_queue_full
+                    .fetch_add(n, Ordering::Relaxed);
             }
         }
     }
@@ -183,7 +227,9 @@ async fn export_loop(
         Err(e) => {
             tracing::error!(%url, error = %e, "invalid OTLP endpoint; spans will be counted as failed");
             while let Some(s) = rx.recv().await {
-                stats.spans_failed.fetch_add(s.len() as u64, Ordering::Relaxed);
+                stats
+                    .spans_failed
+                    .fetch_add(s.len() as u64, Ordering::Relaxed);
             }
             return;
         }
@@ -225,7 +271,11 @@ async fn send_batch(
     let req = ExportTraceServiceRequest {
         resource_spans: vec![ResourceSpans {
             resource: Some(resource.clone()),
-            scope_spans: vec![ScopeSpans { scope: Some(scope.clone()), spans, schema_url: String::new() }],
+            scope_spans: vec![ScopeSpans {
+                scope: Some(scope.clone()),
+                spans,
+                schema_url: String::new(),
+            }],
             schema_url: String::new(),
         }],
     };
@@ -250,7 +300,11 @@ async fn send_batch(
                     return;
                 }
                 if !(status.as_u16() == 429 || status.as_u16() == 503 || status.as_u16() == 502) {
-                    tracing::warn!(status = status.as_u16(), spans = n, "OTLP export rejected (permanent)");
+                    tracing::warn!(
+                        status = status.as_u16(),
+                        spans = n,
+                        "OTLP export rejected (permanent)"
+                    );
                     break;
                 }
             }
@@ -269,9 +323,18 @@ mod tests {
 
     #[test]
     fn traces_url_appends_default_path_only_when_missing() {
-        assert_eq!(traces_url("http://127.0.0.1:4318"), "http://127.0.0.1:4318/v1/traces");
-        assert_eq!(traces_url("http://127.0.0.1:4318/"), "http://127.0.0.1:4318/v1/traces");
-        assert_eq!(traces_url("http://h:1/custom/traces"), "http://h:1/custom/traces");
+        assert_eq!(
+            traces_url("http://127.0.0.1:4318"),
+            "http://127.0.0.1:4318/v1/traces"
+        );
+        assert_eq!(
+            traces_url("http://127.0.0.1:4318/"),
+            "http://127.0.0.1:4318/v1/traces"
+        );
+        assert_eq!(
+            traces_url("http://h:1/custom/traces"),
+            "http://h:1/custom/traces"
+        );
     }
 
     #[test]

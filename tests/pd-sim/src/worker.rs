@@ -129,8 +129,11 @@ pub struct WorkerArgs {
 
 impl WorkerArgs {
     fn max_req_input_len(&self) -> u64 {
-        self.max_req_input_len
-            .unwrap_or_else(|| self.context_length.min(self.max_total_num_tokens).saturating_sub(1))
+        self.max_req_input_len.unwrap_or_else(|| {
+            self.context_length
+                .min(self.max_total_num_tokens)
+                .saturating_sub(1)
+        })
     }
 }
 
@@ -191,7 +194,11 @@ impl RoomLog {
                     self.map.remove(&old);
                 }
                 self.order.push_back(room);
-                self.map.entry(room).or_insert_with(|| RoomRecord { room, outcome: "pending", ..Default::default() })
+                self.map.entry(room).or_insert_with(|| RoomRecord {
+                    room,
+                    outcome: "pending",
+                    ..Default::default()
+                })
             }
         };
         f(rec);
@@ -210,8 +217,16 @@ struct LateTrace {
 }
 
 enum Pending {
-    Request { tokens: u64, done: Option<oneshot::Sender<XferDone>>, late: Option<LateTrace>, since: Instant },
-    Bootstrap { endpoint: SocketAddr, since: Instant },
+    Request {
+        tokens: u64,
+        done: Option<oneshot::Sender<XferDone>>,
+        late: Option<LateTrace>,
+        since: Instant,
+    },
+    Bootstrap {
+        endpoint: SocketAddr,
+        since: Instant,
+    },
 }
 
 struct DecodeWaiter {
@@ -299,7 +314,8 @@ fn text_tokens(v: &serde_json::Value) -> u64 {
 fn parse_body(api: Api, body: &[u8]) -> Result<Parsed, String> {
     match api {
         Api::Generate => {
-            let b: GenerateBody = serde_json::from_slice(body).map_err(|e| format!("invalid request body: {e}"))?;
+            let b: GenerateBody =
+                serde_json::from_slice(body).map_err(|e| format!("invalid request body: {e}"))?;
             let input_tokens = match (&b.text, &b.input_ids) {
                 (Some(t), _) => text_tokens(t),
                 (None, Some(ids)) => ids.len() as u64,
@@ -316,8 +332,14 @@ fn parse_body(api: Api, body: &[u8]) -> Result<Parsed, String> {
             })
         }
         Api::Chat => {
-            let b: ChatBody = serde_json::from_slice(body).map_err(|e| format!("invalid request body: {e}"))?;
-            let input_tokens = b.messages.iter().filter_map(|m| m.content.as_ref()).map(text_tokens).sum();
+            let b: ChatBody =
+                serde_json::from_slice(body).map_err(|e| format!("invalid request body: {e}"))?;
+            let input_tokens = b
+                .messages
+                .iter()
+                .filter_map(|m| m.content.as_ref())
+                .map(text_tokens)
+                .sum();
             Ok(Parsed {
                 api,
                 input_tokens,
@@ -353,7 +375,14 @@ impl ReqTrace {
         }
     }
 
-    fn thread(&mut self, w: &Worker, scheduler: bool, start: u64, end: u64, err: Option<&str>) -> [u8; 8] {
+    fn thread(
+        &mut self,
+        w: &Worker,
+        scheduler: bool,
+        start: u64,
+        end: u64,
+        err: Option<&str>,
+    ) -> [u8; 8] {
         let id = random_span_id();
         if !self.on {
             return id;
@@ -361,11 +390,18 @@ impl ReqTrace {
         let host8 = &w.host_id[..8];
         let (name, label) = if scheduler {
             (
-                format!("{} Scheduler [TP 0] (host:{host8} | pid:{})", w.role.title(), w.pid),
+                format!(
+                    "{} Scheduler [TP 0] (host:{host8} | pid:{})",
+                    w.role.title(),
+                    w.pid
+                ),
                 format!("{} Scheduler", w.role.title()),
             )
         } else {
-            (format!("{}Tokenizer(host:{host8} | pid:{})", w.role.title(), w.pid), format!("{}Tokenizer", w.role.title()))
+            (
+                format!("{}Tokenizer(host:{host8} | pid:{})", w.role.title(), w.pid),
+                format!("{}Tokenizer", w.role.title()),
+            )
         };
         let mut attributes = Vec::with_capacity(5);
         if scheduler {
@@ -474,7 +510,11 @@ impl Worker {
         let overloaded = a.max_queued_requests.is_some_and(|m| queued >= m)
             || (a.overload_share > 0.0 && rand::rng().random::<f64>() < a.overload_share);
         if overloaded {
-            return Some((StatusCode::SERVICE_UNAVAILABLE, "The request queue is full.".into(), true));
+            return Some((
+                StatusCode::SERVICE_UNAVAILABLE,
+                "The request queue is full.".into(),
+                true,
+            ));
         }
         if p.input_tokens > self.max_req_input_len {
             return Some((
@@ -489,7 +529,10 @@ impl Worker {
         if !a.skip_total_tokens_check && p.input_tokens > a.max_total_num_tokens {
             return Some((
                 StatusCode::BAD_REQUEST,
-                format!("Request {rid} exceeds the maximum number of tokens: {} > {}", p.input_tokens, a.max_total_num_tokens),
+                format!(
+                    "Request {rid} exceeds the maximum number of tokens: {} > {}",
+                    p.input_tokens, a.max_total_num_tokens
+                ),
                 true,
             ));
         }
@@ -525,13 +568,27 @@ impl Worker {
 
     // ---- prefill: meeting the admission and decode's BOOTSTRAP --------------------------------
 
-    fn meet_request(self: &Arc<Self>, room: u64, tokens: u64, done: Option<oneshot::Sender<XferDone>>, late: Option<LateTrace>) {
+    fn meet_request(
+        self: &Arc<Self>,
+        room: u64,
+        tokens: u64,
+        done: Option<oneshot::Sender<XferDone>>,
+        late: Option<LateTrace>,
+    ) {
         let endpoint = {
             let mut p = self.pending.lock().expect("pending lock");
             match p.remove(&room) {
                 Some(Pending::Bootstrap { endpoint, .. }) => endpoint,
                 _ => {
-                    p.insert(room, Pending::Request { tokens, done, late, since: Instant::now() });
+                    p.insert(
+                        room,
+                        Pending::Request {
+                            tokens,
+                            done,
+                            late,
+                            since: Instant::now(),
+                        },
+                    );
                     return;
                 }
             }
@@ -543,9 +600,17 @@ impl Worker {
         let (tokens, done, late) = {
             let mut p = self.pending.lock().expect("pending lock");
             match p.remove(&room) {
-                Some(Pending::Request { tokens, done, late, .. }) => (tokens, done, late),
+                Some(Pending::Request {
+                    tokens, done, late, ..
+                }) => (tokens, done, late),
                 _ => {
-                    p.insert(room, Pending::Bootstrap { endpoint, since: Instant::now() });
+                    p.insert(
+                        room,
+                        Pending::Bootstrap {
+                            endpoint,
+                            since: Instant::now(),
+                        },
+                    );
                     return;
                 }
             }
@@ -573,12 +638,19 @@ impl Worker {
             while sent < total || idx == 0 {
                 let n = (total - sent).min(CHUNK);
                 let idx_s = idx.to_string();
-                w.pushers.send(to, &[&b"KV"[..], room_s.as_bytes(), idx_s.as_bytes(), &ZEROS[..n]]).await;
+                w.pushers
+                    .send(
+                        to,
+                        &[&b"KV"[..], room_s.as_bytes(), idx_s.as_bytes(), &ZEROS[..n]],
+                    )
+                    .await;
                 sent += n;
                 idx += 1;
             }
             let tok_s = tokens.to_string();
-            w.pushers.send(to, &[&b"KV_DONE"[..], room_s.as_bytes(), tok_s.as_bytes()]).await;
+            w.pushers
+                .send(to, &[&b"KV_DONE"[..], room_s.as_bytes(), tok_s.as_bytes()])
+                .await;
             let end_ns = now_ns();
             w.stats.kv_transfers.fetch_add(1, Ordering::Relaxed);
             w.stats.kv_chunks.fetch_add(idx as u64, Ordering::Relaxed);
@@ -591,7 +663,9 @@ impl Worker {
                 }
             });
             if let Some(late) = late {
-                w.stats.kv_transfers_after_reject.fetch_add(1, Ordering::Relaxed);
+                w.stats
+                    .kv_transfers_after_reject
+                    .fetch_add(1, Ordering::Relaxed);
                 // The rejected request's root span has ended; the transfer still shows up as
                 // scheduler work under it, which is exactly the evidence a monitor needs.
                 let mut t = ReqTrace {
@@ -615,9 +689,11 @@ impl Worker {
         let verb = parts.first().map(|b| &b[..]).unwrap_or(b"");
         match verb {
             b"BOOTSTRAP" if parts.len() >= 4 => {
-                let (Some(room), Ok(ip), Some(port)) =
-                    (parse_u64(&parts[1]), std::str::from_utf8(&parts[2]).map(|s| s.parse::<IpAddr>()), parse_u64(&parts[3]))
-                else {
+                let (Some(room), Ok(ip), Some(port)) = (
+                    parse_u64(&parts[1]),
+                    std::str::from_utf8(&parts[2]).map(|s| s.parse::<IpAddr>()),
+                    parse_u64(&parts[3]),
+                ) else {
                     self.stats.unknown_frames.fetch_add(1, Ordering::Relaxed);
                     return;
                 };
@@ -651,11 +727,17 @@ impl Worker {
         let room = parts.get(1).and_then(|r| parse_u64(r));
         match (verb, room) {
             (b"KV", Some(room)) => {
-                let known = self.waiters.lock().expect("waiters lock").contains_key(&room);
+                let known = self
+                    .waiters
+                    .lock()
+                    .expect("waiters lock")
+                    .contains_key(&room);
                 if known {
                     self.stats.kv_chunks.fetch_add(1, Ordering::Relaxed);
                 } else {
-                    self.stats.kv_chunks_unmatched.fetch_add(1, Ordering::Relaxed);
+                    self.stats
+                        .kv_chunks_unmatched
+                        .fetch_add(1, Ordering::Relaxed);
                 }
                 self.record(room, |r| r.kv_chunks += 1);
             }
@@ -680,7 +762,9 @@ impl Worker {
         }
         self.stats.route_lookups.fetch_add(1, Ordering::Relaxed);
         let uri = format!("http://{key}/route?engine_rank=0&target_dp_group=0");
-        let req = hyper::Request::get(uri).body(Full::new(Bytes::new())).map_err(|e| e.to_string())?;
+        let req = hyper::Request::get(uri)
+            .body(Full::new(Bytes::new()))
+            .map_err(|e| e.to_string())?;
         let resp = tokio::time::timeout(Duration::from_secs(5), self.client.request(req))
             .await
             .map_err(|_| "bootstrap server timed out".to_string())?
@@ -688,14 +772,22 @@ impl Worker {
         if !resp.status().is_success() {
             return Err(format!("bootstrap server answered {}", resp.status()));
         }
-        let body = resp.into_body().collect().await.map_err(|e| e.to_string())?.to_bytes();
+        let body = resp
+            .into_body()
+            .collect()
+            .await
+            .map_err(|e| e.to_string())?
+            .to_bytes();
         #[derive(Deserialize)]
         struct Info {
             rank_ip: String,
             rank_port: u16,
         }
         let info: Info = serde_json::from_slice(&body).map_err(|e| e.to_string())?;
-        let ip: IpAddr = info.rank_ip.parse().map_err(|e| format!("bad rank_ip: {e}"))?;
+        let ip: IpAddr = info
+            .rank_ip
+            .parse()
+            .map_err(|e| format!("bad rank_ip: {e}"))?;
         let addr = SocketAddr::new(ip, info.rank_port);
         self.routes.lock().expect("routes lock").insert(key, addr);
         Ok(addr)
@@ -720,13 +812,20 @@ pub async fn run(role: Role, args: WorkerArgs) -> anyhow::Result<()> {
     };
     let http_addr = http.local_addr()?;
     let kv_addr = kv.local_addr()?;
-    let boot_port = boot.as_ref().map(|b| b.local_addr().map(|a| a.port())).transpose()?.unwrap_or(0);
+    let boot_port = boot
+        .as_ref()
+        .map(|b| b.local_addr().map(|a| a.port()))
+        .transpose()?
+        .unwrap_or(0);
 
     let exporter = Exporter::start(ExporterConfig {
         endpoint: args.otlp_endpoint.clone(),
         service_name: "sglang",
         scope_name: "sglang server",
-        resource_attrs: vec![kv_str("service.instance.id", format!("pd-sim-{}-{}", role.as_str(), std::process::id()))],
+        resource_attrs: vec![kv_str(
+            "service.instance.id",
+            format!("pd-sim-{}-{}", role.as_str(), std::process::id()),
+        )],
     });
     let link_stats = Arc::new(LinkStats::default());
     let w: Shared = Arc::new(Worker {
@@ -734,7 +833,11 @@ pub async fn run(role: Role, args: WorkerArgs) -> anyhow::Result<()> {
         max_req_input_len: args.max_req_input_len(),
         stats: WorkerStats::default(),
         link_stats: link_stats.clone(),
-        rooms: Mutex::new(RoomLog { cap: args.room_log.max(1), map: HashMap::new(), order: VecDeque::new() }),
+        rooms: Mutex::new(RoomLog {
+            cap: args.room_log.max(1),
+            map: HashMap::new(),
+            order: VecDeque::new(),
+        }),
         spans: exporter.sink.clone(),
         host_id: format!("{:032x}", rand::rng().random::<u128>()),
         pid: std::process::id(),
@@ -760,7 +863,10 @@ pub async fn run(role: Role, args: WorkerArgs) -> anyhow::Result<()> {
         tokio::spawn(sweeper(w.clone()));
     }
     if let Some(boot) = boot {
-        let advertised = SocketAddr::new(kv_addr.ip(), w.args.advertise_kv_port.unwrap_or(kv_addr.port()));
+        let advertised = SocketAddr::new(
+            kv_addr.ip(),
+            w.args.advertise_kv_port.unwrap_or(kv_addr.port()),
+        );
         let app = Router::new()
             .route("/route", get(route_get).put(route_put))
             .route("/health", get(|| async { "OK" }))
@@ -781,9 +887,13 @@ pub async fn run(role: Role, args: WorkerArgs) -> anyhow::Result<()> {
         .route("/get_server_info", get(server_info))
         .route("/model_info", get(model_info))
         .route("/get_model_info", get(model_info))
+        .route("/v1/models", get(models))
         .route("/sim/stats", get(sim_stats))
         .route("/sim/rooms", get(sim_rooms))
-        .layer(axum::Extension(Arc::new(BootstrapPort(boot_port, http_addr.port()))))
+        .layer(axum::Extension(Arc::new(BootstrapPort(
+            boot_port,
+            http_addr.port(),
+        ))))
         .with_state(w.clone());
 
     crate::common::print_ready(serde_json::json!({
@@ -795,7 +905,9 @@ pub async fn run(role: Role, args: WorkerArgs) -> anyhow::Result<()> {
         "pid": std::process::id(),
     }));
     tracing::info!(role = role.as_str(), %http_addr, kv = %kv_addr, bootstrap = boot_port, "worker ready");
-    axum::serve(http, app).with_graceful_shutdown(crate::common::shutdown_signal()).await?;
+    axum::serve(http, app)
+        .with_graceful_shutdown(crate::common::shutdown_signal())
+        .await?;
     exporter.shutdown(Duration::from_secs(3)).await;
     Ok(())
 }
@@ -819,7 +931,9 @@ async fn sweeper(w: Shared) {
                 }
             });
         }
-        w.stats.bootstraps_unmatched.fetch_add(expired_bootstraps, Ordering::Relaxed);
+        w.stats
+            .bootstraps_unmatched
+            .fetch_add(expired_bootstraps, Ordering::Relaxed);
     }
 }
 
@@ -831,21 +945,34 @@ struct RouteQuery {
 
 /// SGLang's bootstrap `GET /route`: `engine_rank=-1&target_dp_group=-1` → parallel info;
 /// otherwise the rank's `{rank_ip, rank_port}`.
-async fn route_get(State(addr): State<Arc<Mutex<SocketAddr>>>, Query(q): Query<RouteQuery>) -> Response {
+async fn route_get(
+    State(addr): State<Arc<Mutex<SocketAddr>>>,
+    Query(q): Query<RouteQuery>,
+) -> Response {
     let (Some(rank), Some(group)) = (q.engine_rank, q.target_dp_group) else {
-        return (StatusCode::BAD_REQUEST, "Missing inputs for bootstrap server.").into_response();
+        return (
+            StatusCode::BAD_REQUEST,
+            "Missing inputs for bootstrap server.",
+        )
+            .into_response();
     };
     let (Ok(rank), Ok(group)) = (rank.parse::<i64>(), group.parse::<i64>()) else {
-        return (StatusCode::BAD_REQUEST, "Missing inputs for bootstrap server.").into_response();
+        return (
+            StatusCode::BAD_REQUEST,
+            "Missing inputs for bootstrap server.",
+        )
+            .into_response();
     };
     if rank == -1 && group == -1 {
-        return axum::Json(serde_json::json!({"prefill_tp_size": 1, "prefill_dp_size": 1})).into_response();
+        return axum::Json(serde_json::json!({"prefill_tp_size": 1, "prefill_dp_size": 1}))
+            .into_response();
     }
     if rank != 0 || group != 0 {
         return (StatusCode::NOT_FOUND, "Bootstrap info not Found").into_response();
     }
     let a = *addr.lock().expect("route lock");
-    axum::Json(serde_json::json!({"rank_ip": a.ip().to_string(), "rank_port": a.port()})).into_response()
+    axum::Json(serde_json::json!({"rank_ip": a.ip().to_string(), "rank_port": a.port()}))
+        .into_response()
 }
 
 /// Registration of a prefill rank (`PUT /route`). The simulator has one rank, registered at
@@ -870,7 +997,10 @@ async fn route_put(State(addr): State<Arc<Mutex<SocketAddr>>>, body: Bytes) -> R
     }
 }
 
-async fn server_info(State(w): State<Shared>, axum::Extension(bp): axum::Extension<Arc<BootstrapPort>>) -> Response {
+async fn server_info(
+    State(w): State<Shared>,
+    axum::Extension(bp): axum::Extension<Arc<BootstrapPort>>,
+) -> Response {
     let mut v = w.server_info(bp.0);
     v["port"] = bp.1.into();
     axum::Json(v).into_response()
@@ -887,6 +1017,15 @@ async fn model_info(State(w): State<Shared>) -> Response {
         "has_audio_understanding": false,
         "model_type": "llama",
         "architectures": ["LlamaForCausalLM"],
+    }))
+    .into_response()
+}
+
+async fn models(State(w): State<Shared>) -> Response {
+    axum::Json(serde_json::json!({
+        "object": "list",
+        "data": [{"id": w.args.model_path, "object": "model", "owned_by": "sglang", "root": w.args.model_path,
+                  "max_model_len": w.args.context_length}],
     }))
     .into_response()
 }
@@ -944,8 +1083,14 @@ async fn serve(w: Shared, api: Api, headers: HeaderMap, body: Bytes) -> Response
     };
     drop(body);
     let rid = p.rid.clone().unwrap_or_else(new_rid);
-    let request_id = headers.get("x-request-id").and_then(|v| v.to_str().ok()).map(str::to_owned);
-    let tp = headers.get("traceparent").and_then(|v| v.to_str().ok()).and_then(TraceParent::parse);
+    let request_id = headers
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    let tp = headers
+        .get("traceparent")
+        .and_then(|v| v.to_str().ok())
+        .and_then(TraceParent::parse);
     let trace = ReqTrace::new(w.spans.enabled(), tp);
     match w.role {
         Role::Prefill => prefill(w, p, rid, request_id, trace, t0).await,
@@ -953,7 +1098,14 @@ async fn serve(w: Shared, api: Api, headers: HeaderMap, body: Bytes) -> Response
     }
 }
 
-async fn prefill(w: Shared, p: Parsed, rid: String, request_id: Option<String>, mut trace: ReqTrace, t0: u64) -> Response {
+async fn prefill(
+    w: Shared,
+    p: Parsed,
+    rid: String,
+    request_id: Option<String>,
+    mut trace: ReqTrace,
+    t0: u64,
+) -> Response {
     let t_tok = now_ns();
     if let Some((status, msg, scheduler_stage)) = w.check(&p, &rid) {
         let t_end = now_ns();
@@ -972,8 +1124,10 @@ async fn prefill(w: Shared, p: Parsed, rid: String, request_id: Option<String>, 
             let th = trace.thread(&w, false, t0, t_end, Some(&msg));
             trace.stage(th, "tokenize", t0, t_tok);
         }
-        let late = (w.args.transfer_after_reject && p.room.is_some())
-            .then(|| LateTrace { trace_id: trace.trace_id, root: trace.root });
+        let late = (w.args.transfer_after_reject && p.room.is_some()).then_some(LateTrace {
+            trace_id: trace.trace_id,
+            root: trace.root,
+        });
         trace.finish(&w, &rid, p.room, t0, t_end);
         if let Some(room) = p.room {
             w.record(room, |r| {
@@ -1006,7 +1160,11 @@ async fn prefill(w: Shared, p: Parsed, rid: String, request_id: Option<String>, 
     let fut = async move {
         let w = w2;
         let _inflight = InflightGuard(&w.inflight);
-        let mut guard = PendingGuard { w: &w, room: p.room, armed: true };
+        let mut guard = PendingGuard {
+            w: &w,
+            room: p.room,
+            armed: true,
+        };
         if w.args.prefill_delay_us > 0 {
             tokio::time::sleep(Duration::from_micros(w.args.prefill_delay_us)).await;
         }
@@ -1016,11 +1174,14 @@ async fn prefill(w: Shared, p: Parsed, rid: String, request_id: Option<String>, 
         if let Some(room) = p.room {
             let (tx, rx) = oneshot::channel();
             w.meet_request(room, p.input_tokens, Some(tx), None);
-            match tokio::time::timeout(Duration::from_millis(w.args.bootstrap_timeout_ms), rx).await {
+            match tokio::time::timeout(Duration::from_millis(w.args.bootstrap_timeout_ms), rx).await
+            {
                 Ok(Ok(x)) => xfer = Some(x),
                 Ok(Err(_)) => {
                     w.stats.cancelled.fetch_add(1, Ordering::Relaxed);
-                    err = Some(format!("Request {rid} aborted: decode aborted the transfer for bootstrap_room={room}"));
+                    err = Some(format!(
+                        "Request {rid} aborted: decode aborted the transfer for bootstrap_room={room}"
+                    ));
                     w.record(room, |r| r.outcome = "aborted");
                 }
                 Err(_) => {
@@ -1050,9 +1211,21 @@ async fn prefill(w: Shared, p: Parsed, rid: String, request_id: Option<String>, 
         trace.finish(&w, &rid, p.room, t0, t_end);
         w.stats.completed.fetch_add(1, Ordering::Relaxed);
         let secs = (t_end - t0) as f64 / 1e9;
-        Ok::<Bytes, Infallible>(render_final(&p, &rid, &w.args.model_path, "", 1, err.as_deref(), secs))
+        Ok::<Bytes, Infallible>(render_final(
+            &p,
+            &rid,
+            &w.args.model_path,
+            "",
+            1,
+            err.as_deref(),
+            secs,
+        ))
     };
-    let ct = if stream { "text/event-stream" } else { "application/json" };
+    let ct = if stream {
+        "text/event-stream"
+    } else {
+        "application/json"
+    };
     Response::builder()
         .status(StatusCode::OK)
         .header("content-type", ct)
@@ -1096,7 +1269,11 @@ impl Drop for DecodeGuard {
         if !self.armed {
             return;
         }
-        self.w.waiters.lock().expect("waiters lock").remove(&self.room);
+        self.w
+            .waiters
+            .lock()
+            .expect("waiters lock")
+            .remove(&self.room);
         self.w.stats.cancelled.fetch_add(1, Ordering::Relaxed);
         self.w.record(self.room, |r| r.outcome = "cancelled");
         if let Some(to) = self.prefill {
@@ -1104,13 +1281,22 @@ impl Drop for DecodeGuard {
             let room = self.room;
             tokio::spawn(async move {
                 let room_s = room.to_string();
-                w.pushers.send(to, &[&b"ABORT"[..], room_s.as_bytes()]).await;
+                w.pushers
+                    .send(to, &[&b"ABORT"[..], room_s.as_bytes()])
+                    .await;
             });
         }
     }
 }
 
-async fn decode(w: Shared, p: Parsed, rid: String, request_id: Option<String>, mut trace: ReqTrace, t0: u64) -> Response {
+async fn decode(
+    w: Shared,
+    p: Parsed,
+    rid: String,
+    request_id: Option<String>,
+    mut trace: ReqTrace,
+    t0: u64,
+) -> Response {
     let t_tok = now_ns();
     if let Some((status, msg, _)) = w.check(&p, &rid) {
         let t_end = now_ns();
@@ -1146,8 +1332,16 @@ async fn decode(w: Shared, p: Parsed, rid: String, request_id: Option<String>, m
             r.input_tokens = p.input_tokens;
         });
         let (tx, rx) = oneshot::channel();
-        w.waiters.lock().expect("waiters lock").insert(room, DecodeWaiter { done: tx });
-        let mut g = DecodeGuard { w: w.clone(), room, prefill: None, armed: true };
+        w.waiters
+            .lock()
+            .expect("waiters lock")
+            .insert(room, DecodeWaiter { done: tx });
+        let mut g = DecodeGuard {
+            w: w.clone(),
+            room,
+            prefill: None,
+            armed: true,
+        };
         let endpoint = match &p.bootstrap {
             Some((host, port)) => w.prefill_endpoint(host, *port).await,
             None => Err("request has bootstrap_room but no bootstrap_host/bootstrap_port".into()),
@@ -1159,14 +1353,27 @@ async fn decode(w: Shared, p: Parsed, rid: String, request_id: Option<String>, m
                 w.waiters.lock().expect("waiters lock").remove(&room);
                 err = Some((
                     StatusCode::INTERNAL_SERVER_ERROR,
-                    format!("Failed to get bootstrap info for request rid={rid} bootstrap_room={room}: {e}"),
+                    format!(
+                        "Failed to get bootstrap info for request rid={rid} bootstrap_room={room}: {e}"
+                    ),
                 ));
             }
             Ok(to) => {
                 g.prefill = Some(to);
                 let kv = w.kv_addr.lock().expect("kv addr").expect("bound at start");
-                let (room_s, ip_s, port_s) = (room.to_string(), kv.ip().to_string(), kv.port().to_string());
-                w.pushers.send(to, &[&b"BOOTSTRAP"[..], room_s.as_bytes(), ip_s.as_bytes(), port_s.as_bytes()]).await;
+                let (room_s, ip_s, port_s) =
+                    (room.to_string(), kv.ip().to_string(), kv.port().to_string());
+                w.pushers
+                    .send(
+                        to,
+                        &[
+                            &b"BOOTSTRAP"[..],
+                            room_s.as_bytes(),
+                            ip_s.as_bytes(),
+                            port_s.as_bytes(),
+                        ],
+                    )
+                    .await;
                 w.record(room, |r| r.bootstrap_frames += 1);
                 t_boot = now_ns();
                 match tokio::time::timeout(Duration::from_millis(w.args.kv_timeout_ms), rx).await {
@@ -1175,7 +1382,6 @@ async fn decode(w: Shared, p: Parsed, rid: String, request_id: Option<String>, m
                         t_kv = now_ns();
                     }
                     _ => {
-                        // Timed out: tell prefill to forget the room, like an abort.
                         w.stats.kv_timeouts.fetch_add(1, Ordering::Relaxed);
                         err = Some((
                             StatusCode::INTERNAL_SERVER_ERROR,
@@ -1191,17 +1397,13 @@ async fn decode(w: Shared, p: Parsed, rid: String, request_id: Option<String>, m
         guard = Some(g);
     }
     if let Some((status, msg)) = err {
-        // Disarm quietly: the outcome is a timeout/failure, not a client cancel; still tell
-        // prefill to drop the room.
-        if let Some(mut g) = guard.take() {
-            if g.armed {
-                g.armed = false;
-                w.waiters.lock().expect("waiters lock").remove(&g.room);
-                if let Some(to) = g.prefill {
-                    let room_s = g.room.to_string();
-                    w.pushers.send(to, &[&b"ABORT"[..], room_s.as_bytes()]).await;
-                }
-            }
+        // A KV timeout is a local failure, not a cancel: like SGLang's decode, no ABORT goes
+        // to prefill (its pending entry for the room expires on its own).
+        if let Some(mut g) = guard.take()
+            && g.armed
+        {
+            g.armed = false;
+            w.waiters.lock().expect("waiters lock").remove(&g.room);
         }
         let t_end = now_ns();
         let th = trace.thread(&w, false, t0, t_tok, None);
@@ -1213,13 +1415,20 @@ async fn decode(w: Shared, p: Parsed, rid: String, request_id: Option<String>, m
         if let Some(room) = p.room {
             w.record(room, |r| {
                 r.status = status.as_u16();
-                r.outcome = if status == StatusCode::INTERNAL_SERVER_ERROR { "kv-failed" } else { "failed" };
+                r.outcome = if status == StatusCode::INTERNAL_SERVER_ERROR {
+                    "kv-failed"
+                } else {
+                    "failed"
+                };
             });
         }
         return error_response(status, &msg);
     }
     drop(guard);
-    let n = p.max_new_tokens.unwrap_or(w.args.default_max_new_tokens).max(1);
+    let n = p
+        .max_new_tokens
+        .unwrap_or(w.args.default_max_new_tokens)
+        .max(1);
     let delay = Duration::from_micros(w.args.decode_token_delay_us);
     let room = p.room;
     if !p.stream {
@@ -1227,7 +1436,9 @@ async fn decode(w: Shared, p: Parsed, rid: String, request_id: Option<String>, m
             tokio::time::sleep(delay * n as u32).await;
         }
         let t_end = now_ns();
-        finish_decode_spans(&w, trace, &rid, room, t0, t_tok, t_sched, t_boot, t_kv, t_end);
+        finish_decode_spans(
+            &w, trace, &rid, room, t0, t_tok, t_sched, t_boot, t_kv, t_end,
+        );
         if let Some(room) = room {
             w.record(room, |r| {
                 r.status = 200;
@@ -1237,9 +1448,25 @@ async fn decode(w: Shared, p: Parsed, rid: String, request_id: Option<String>, m
         }
         w.stats.completed.fetch_add(1, Ordering::Relaxed);
         let text = gen_text(n);
-        let body = render_final(&p, &rid, &w.args.model_path, &text, n, None, (t_end - t0) as f64 / 1e9);
-        let ct = if p.api == Api::Generate || !p.stream { "application/json" } else { "text/event-stream" };
-        return Response::builder().status(200).header("content-type", ct).body(Body::from(body)).expect("static");
+        let body = render_final(
+            &p,
+            &rid,
+            &w.args.model_path,
+            &text,
+            n,
+            None,
+            (t_end - t0) as f64 / 1e9,
+        );
+        let ct = if p.api == Api::Generate || !p.stream {
+            "application/json"
+        } else {
+            "text/event-stream"
+        };
+        return Response::builder()
+            .status(200)
+            .header("content-type", ct)
+            .body(Body::from(body))
+            .expect("static");
     }
     // Streaming: one SSE event per token, produced by a task that stops when the client goes.
     let (tx, rx) = mpsc::channel::<Result<Bytes, Infallible>>(16);
@@ -1254,7 +1481,15 @@ async fn decode(w: Shared, p: Parsed, rid: String, request_id: Option<String>, m
             }
             text.push_str(WORDS[(i as usize) % WORDS.len()]);
             let last = i + 1 == n;
-            let ev = render_chunk(&p, &rid, &w.args.model_path, &text, WORDS[(i as usize) % WORDS.len()], i + 1, last);
+            let ev = render_chunk(
+                &p,
+                &rid,
+                &w.args.model_path,
+                &text,
+                WORDS[(i as usize) % WORDS.len()],
+                i + 1,
+                last,
+            );
             if tx.send(Ok(ev)).await.is_err() {
                 break;
             }
@@ -1262,17 +1497,24 @@ async fn decode(w: Shared, p: Parsed, rid: String, request_id: Option<String>, m
         }
         let _ = tx.send(Ok(Bytes::from_static(b"data: [DONE]\n\n"))).await;
         let t_end = now_ns();
-        finish_decode_spans(&w, trace, &rid, room, t0, t_tok, t_sched, t_boot, t_kv, t_end);
+        finish_decode_spans(
+            &w, trace, &rid, room, t0, t_tok, t_sched, t_boot, t_kv, t_end,
+        );
         if let Some(room) = room {
             w.record(room, |r| {
                 r.status = 200;
                 r.generated_tokens = sent;
-                r.outcome = if sent == n { "generated" } else { "client-gone" };
+                r.outcome = if sent == n {
+                    "generated"
+                } else {
+                    "client-gone"
+                };
             });
         }
         w.stats.completed.fetch_add(1, Ordering::Relaxed);
     });
-    let stream = futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|x| (x, rx)) });
+    let stream =
+        futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|x| (x, rx)) });
     Response::builder()
         .status(200)
         .header("content-type", "text/event-stream")
@@ -1307,13 +1549,23 @@ fn finish_decode_spans(
 }
 
 /// Completion text is fixed filler: the simulator never echoes the prompt anywhere.
-const WORDS: [&str; 8] = [" the", " quick", " brown", " fox", " jumps", " over", " lazy", " dogs"];
+const WORDS: [&str; 8] = [
+    " the", " quick", " brown", " fox", " jumps", " over", " lazy", " dogs",
+];
 
 fn gen_text(n: u64) -> String {
     (0..n as usize).map(|i| WORDS[i % WORDS.len()]).collect()
 }
 
-fn render_final(p: &Parsed, rid: &str, model: &str, text: &str, completion: u64, abort: Option<&str>, secs: f64) -> Bytes {
+fn render_final(
+    p: &Parsed,
+    rid: &str,
+    model: &str,
+    text: &str,
+    completion: u64,
+    abort: Option<&str>,
+    secs: f64,
+) -> Bytes {
     let finish = match abort {
         Some(m) => serde_json::json!({"type": "abort", "message": m}),
         None => serde_json::json!({"type": "length", "length": completion}),
@@ -1348,7 +1600,15 @@ fn render_final(p: &Parsed, rid: &str, model: &str, text: &str, completion: u64,
     }
 }
 
-fn render_chunk(p: &Parsed, rid: &str, model: &str, text: &str, delta: &str, done: u64, last: bool) -> Bytes {
+fn render_chunk(
+    p: &Parsed,
+    rid: &str,
+    model: &str,
+    text: &str,
+    delta: &str,
+    done: u64,
+    last: bool,
+) -> Bytes {
     let v = match p.api {
         Api::Generate => serde_json::json!({
             "text": text,

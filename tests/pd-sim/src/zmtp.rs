@@ -81,7 +81,9 @@ fn check_greeting(g: &[u8; GREETING_LEN]) -> Result<(), ZmtpError> {
     let mech = &g[12..32];
     let end = mech.iter().position(|&b| b == 0).unwrap_or(mech.len());
     if &mech[..end] != b"NULL" {
-        return Err(ZmtpError::BadMechanism(String::from_utf8_lossy(&mech[..end]).into_owned()));
+        return Err(ZmtpError::BadMechanism(
+            String::from_utf8_lossy(&mech[..end]).into_owned(),
+        ));
     }
     Ok(())
 }
@@ -143,7 +145,10 @@ async fn read_frame<R: AsyncRead + Unpin>(r: &mut R) -> Result<Option<RawFrame>,
     }
     let mut body = vec![0u8; len as usize];
     r.read_exact(&mut body).await?;
-    Ok(Some(RawFrame { flags, body: body.into() }))
+    Ok(Some(RawFrame {
+        flags,
+        body: body.into(),
+    }))
 }
 
 fn parse_ready(body: &[u8]) -> Result<Option<String>, ZmtpError> {
@@ -157,7 +162,9 @@ fn parse_ready(body: &[u8]) -> Result<Option<String>, ZmtpError> {
     }
     let name = &b[..n];
     if name != b"READY" {
-        return Err(ZmtpError::ExpectedReady(String::from_utf8_lossy(name).into_owned()));
+        return Err(ZmtpError::ExpectedReady(
+            String::from_utf8_lossy(name).into_owned(),
+        ));
     }
     b.advance(n);
     let mut socket_type = None;
@@ -183,7 +190,10 @@ fn parse_ready(body: &[u8]) -> Result<Option<String>, ZmtpError> {
 
 /// Greeting + READY exchange on a fresh connection. Both sides send first, then read, which
 /// is what libzmq does too (it does not wait for the peer's greeting before sending its own).
-pub async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(s: &mut S, me: SocketType) -> Result<(), ZmtpError> {
+pub async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
+    s: &mut S,
+    me: SocketType,
+) -> Result<(), ZmtpError> {
     let mut hello = BytesMut::with_capacity(GREETING_LEN + 32);
     hello.put_slice(&greeting());
     hello.put_slice(&ready_command(me));
@@ -206,7 +216,9 @@ pub async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(s: &mut S, me: SocketT
 
 /// Read the next complete multipart message; `None` at a clean end of stream. Command frames
 /// (PING and friends) between messages are skipped.
-pub async fn read_message<R: AsyncRead + Unpin>(r: &mut R) -> Result<Option<Vec<Bytes>>, ZmtpError> {
+pub async fn read_message<R: AsyncRead + Unpin>(
+    r: &mut R,
+) -> Result<Option<Vec<Bytes>>, ZmtpError> {
     let mut parts = Vec::new();
     loop {
         let Some(f) = read_frame(r).await? else {
@@ -243,7 +255,8 @@ impl StreamDecoder {
             if self.buf.len() < GREETING_LEN {
                 return Ok(None);
             }
-            let g: [u8; GREETING_LEN] = self.buf[..GREETING_LEN].try_into().expect("length checked");
+            let g: [u8; GREETING_LEN] =
+                self.buf[..GREETING_LEN].try_into().expect("length checked");
             check_greeting(&g)?;
             self.buf.advance(GREETING_LEN);
             self.greeting_done = true;
@@ -257,7 +270,10 @@ impl StreamDecoder {
                 if self.buf.len() < 9 {
                     return Ok(None);
                 }
-                (9usize, u64::from_be_bytes(self.buf[1..9].try_into().expect("8 bytes")))
+                (
+                    9usize,
+                    u64::from_be_bytes(self.buf[1..9].try_into().expect("8 bytes")),
+                )
             } else {
                 (2usize, self.buf[1] as u64)
             };
@@ -299,7 +315,10 @@ mod tests {
         let mut wire = BytesMut::new();
         wire.put_slice(&greeting());
         wire.put_slice(&ready_command(SocketType::Push));
-        encode_message(&mut wire, &[&b"BOOTSTRAP"[..], b"123", b"127.0.0.1", b"4000"]);
+        encode_message(
+            &mut wire,
+            &[&b"BOOTSTRAP"[..], b"123", b"127.0.0.1", b"4000"],
+        );
         encode_message(&mut wire, &[&b"KV"[..], b"123", b"0", &big[..]]);
         // The long frame must use flag 0x02 and an 8-byte size.
         let mut d = StreamDecoder::default();
@@ -312,7 +331,15 @@ mod tests {
             }
         }
         assert_eq!(got.len(), 2);
-        assert_eq!(got[0], vec![Bytes::from_static(b"BOOTSTRAP"), "123".into(), "127.0.0.1".into(), "4000".into()]);
+        assert_eq!(
+            got[0],
+            vec![
+                Bytes::from_static(b"BOOTSTRAP"),
+                "123".into(),
+                "127.0.0.1".into(),
+                "4000".into()
+            ]
+        );
         assert_eq!(got[1][3].len(), 300);
     }
 
@@ -342,7 +369,10 @@ mod tests {
         encode_message(&mut out, &[&b"ABORT"[..], b"42"]);
         a.write_all(&out).await.unwrap();
         let msg = t.await.unwrap();
-        assert_eq!(msg, vec![Bytes::from_static(b"ABORT"), Bytes::from_static(b"42")]);
+        assert_eq!(
+            msg,
+            vec![Bytes::from_static(b"ABORT"), Bytes::from_static(b"42")]
+        );
     }
 
     #[tokio::test]

@@ -75,8 +75,18 @@ impl Cluster {
             }
         };
         let s = |k: &str| ready[k].as_str().expect("url").to_string();
-        let pids = ["router", "prefill", "decode"].iter().map(|k| ready["pids"][k].as_u64().unwrap() as u32).collect();
-        let c = Cluster { router: s("router"), prefill: s("prefill"), decode: s("decode"), child, ready, pids };
+        let pids = ["router", "prefill", "decode"]
+            .iter()
+            .map(|k| ready["pids"][k].as_u64().unwrap() as u32)
+            .collect();
+        let c = Cluster {
+            router: s("router"),
+            prefill: s("prefill"),
+            decode: s("decode"),
+            child,
+            ready,
+            pids,
+        };
         let client = http_client(4);
         for url in [&c.router, &c.prefill, &c.decode] {
             wait_healthy(&client, url).await;
@@ -95,7 +105,9 @@ impl Drop for Cluster {
         loop {
             match self.child.try_wait() {
                 Ok(Some(_)) => break,
-                Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
+                Ok(None) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(20))
+                }
                 _ => {
                     let _ = self.child.kill();
                     let _ = self.child.wait();
@@ -126,13 +138,20 @@ pub async fn wait_healthy(client: &HttpClient, base: &str) {
 }
 
 pub async fn get(client: &HttpClient, url: &str) -> Result<(u16, Bytes), String> {
-    let req = hyper::Request::get(url).body(Full::new(Bytes::new())).map_err(|e| e.to_string())?;
+    let req = hyper::Request::get(url)
+        .body(Full::new(Bytes::new()))
+        .map_err(|e| e.to_string())?;
     let resp = tokio::time::timeout(Duration::from_secs(10), client.request(req))
         .await
         .map_err(|_| "timeout".to_string())?
         .map_err(|e| e.to_string())?;
     let status = resp.status().as_u16();
-    let body = resp.into_body().collect().await.map_err(|e| e.to_string())?.to_bytes();
+    let body = resp
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| e.to_string())?
+        .to_bytes();
     Ok((status, body))
 }
 
@@ -142,13 +161,21 @@ pub async fn get_json(client: &HttpClient, url: &str) -> serde_json::Value {
     serde_json::from_slice(&b).expect("json")
 }
 
-pub async fn post(client: &HttpClient, url: &str, request_id: &str, body: serde_json::Value) -> (u16, Bytes) {
+pub async fn post(
+    client: &HttpClient,
+    url: &str,
+    request_id: &str,
+    body: serde_json::Value,
+) -> (u16, Bytes) {
     let req = hyper::Request::post(url)
         .header("content-type", "application/json")
         .header("x-request-id", request_id)
         .body(Full::new(Bytes::from(body.to_string())))
         .unwrap();
-    let resp = tokio::time::timeout(Duration::from_secs(30), client.request(req)).await.expect("timeout").expect("POST");
+    let resp = tokio::time::timeout(Duration::from_secs(30), client.request(req))
+        .await
+        .expect("timeout")
+        .expect("POST");
     let status = resp.status().as_u16();
     (status, resp.into_body().collect().await.unwrap().to_bytes())
 }
@@ -174,25 +201,42 @@ where
 }
 
 pub async fn rooms(client: &HttpClient, base: &str) -> Vec<serde_json::Value> {
-    get_json(client, &format!("{base}/sim/rooms")).await.as_array().cloned().unwrap_or_default()
+    get_json(client, &format!("{base}/sim/rooms"))
+        .await
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
 }
 
 /// Run the `pd-sim load` binary against the router and return its summary JSON.
 pub fn run_load(router: &str, args: &[&str]) -> serde_json::Value {
-    let dir = std::env::temp_dir().join(format!("pd-sim-load-{}-{}", std::process::id(), rand_suffix()));
+    let dir = std::env::temp_dir().join(format!(
+        "pd-sim-load-{}-{}",
+        std::process::id(),
+        rand_suffix()
+    ));
     let path = dir.with_extension("json");
     let mut cmd = Command::new(BIN);
-    cmd.args(["load", "--router", router, "--quiet", "--summary-json"]).arg(&path).args(args);
+    cmd.args(["load", "--router", router, "--quiet", "--summary-json"])
+        .arg(&path)
+        .args(args);
     pdeathsig(&mut cmd);
     let out = cmd.output().expect("run load");
-    assert!(out.status.success(), "load failed: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "load failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v = serde_json::from_slice(&std::fs::read(&path).expect("summary")).expect("summary json");
     let _ = std::fs::remove_file(&path);
     v
 }
 
 fn rand_suffix() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64
 }
 
 /// A TCP proxy in front of prefill's KV port that decodes the decode→prefill ZMTP stream,
@@ -239,7 +283,11 @@ impl ZmtpTap {
                 });
             }
         });
-        ZmtpTap { port, upstream, messages }
+        ZmtpTap {
+            port,
+            upstream,
+            messages,
+        }
     }
 
     pub fn set_upstream(&self, a: SocketAddr) {
@@ -252,7 +300,10 @@ impl ZmtpTap {
             .unwrap()
             .iter()
             .filter(|m| m.first().map(|v| &v[..] == verb).unwrap_or(false))
-            .filter_map(|m| m.get(1).and_then(|r| std::str::from_utf8(r).ok()?.parse().ok()))
+            .filter_map(|m| {
+                m.get(1)
+                    .and_then(|r| std::str::from_utf8(r).ok()?.parse().ok())
+            })
             .collect()
     }
 }
@@ -268,7 +319,8 @@ impl OtlpReceiver {
         use prost::Message;
         let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", l.local_addr().unwrap());
-        let spans: Arc<Mutex<Vec<(String, opentelemetry_proto::tonic::trace::v1::Span)>>> = Arc::default();
+        let spans: Arc<Mutex<Vec<(String, opentelemetry_proto::tonic::trace::v1::Span)>>> =
+            Arc::default();
         let s2 = spans.clone();
         let app = axum::Router::new().route(
             "/v1/traces",
@@ -313,8 +365,14 @@ impl OtlpReceiver {
 }
 
 pub fn attr<'a>(s: &'a opentelemetry_proto::tonic::trace::v1::Span, key: &str) -> Option<&'a str> {
-    s.attributes.iter().find(|kv| kv.key == key).and_then(|kv| kv.value.as_ref()).and_then(|v| match &v.value {
-        Some(opentelemetry_proto::tonic::common::v1::any_value::Value::StringValue(s)) => Some(s.as_str()),
-        _ => None,
-    })
+    s.attributes
+        .iter()
+        .find(|kv| kv.key == key)
+        .and_then(|kv| kv.value.as_ref())
+        .and_then(|v| match &v.value {
+            Some(opentelemetry_proto::tonic::common::v1::any_value::Value::StringValue(s)) => {
+                Some(s.as_str())
+            }
+            _ => None,
+        })
 }
