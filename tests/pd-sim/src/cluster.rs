@@ -44,6 +44,9 @@ pub struct ClusterArgs {
     pub decode_args: String,
     #[arg(long, default_value = "", allow_hyphen_values = true)]
     pub router_args: String,
+    /// Start only prefill and decode (put another router, e.g. the real sglang-router, in front).
+    #[arg(long)]
+    pub no_router: bool,
 }
 
 struct Proc {
@@ -180,6 +183,9 @@ pub async fn run(a: ClusterArgs) -> anyhow::Result<()> {
         let d_port = decode.ready["port"].as_u64().unwrap_or(0);
         procs.push(decode);
 
+        if a.no_router {
+            return Ok::<(), anyhow::Error>(());
+        }
         let mut rargs = vec![
             "--host".into(),
             a.host.clone(),
@@ -208,31 +214,45 @@ pub async fn run(a: ClusterArgs) -> anyhow::Result<()> {
         stop_all(&mut procs).await;
         return Err(e);
     }
+    let find = |n: &str| procs.iter().find(|p| p.name == n);
+    let field = |n: &str, k: &str| {
+        find(n)
+            .map(|p| p.ready[k].clone())
+            .unwrap_or(serde_json::Value::Null)
+    };
     let ready = serde_json::json!({
         "role": "cluster",
-        "mode": a.mode,
-        "router": procs[2].ready["http"],
-        "prefill": procs[0].ready["http"],
-        "decode": procs[1].ready["http"],
-        "bootstrap_port": procs[0].ready["bootstrap_port"],
-        "prefill_kv_port": procs[0].ready["kv_port"],
-        "decode_kv_port": procs[1].ready["kv_port"],
-        "pids": {"router": procs[2].pid, "prefill": procs[0].pid, "decode": procs[1].pid},
+        "mode": if a.no_router { serde_json::Value::Null } else { serde_json::to_value(a.mode)? },
+        "router": field("router", "http"),
+        "prefill": field("prefill", "http"),
+        "decode": field("decode", "http"),
+        "bootstrap_port": field("prefill", "bootstrap_port"),
+        "prefill_kv_port": field("prefill", "kv_port"),
+        "decode_kv_port": field("decode", "kv_port"),
+        "pids": {"router": field("router", "pid"), "prefill": field("prefill", "pid"), "decode": field("decode", "pid")},
     });
     crate::common::print_ready(ready.clone());
     eprintln!(
-        "pd-sim cluster ({:?}) ready: router {} prefill {} decode {} bootstrap port {}",
-        a.mode, ready["router"], ready["prefill"], ready["decode"], ready["bootstrap_port"]
+        "pd-sim cluster ({}) ready: router {} prefill {} decode {} bootstrap port {}",
+        if a.no_router {
+            "no router".to_string()
+        } else {
+            format!("{:?}", a.mode)
+        },
+        ready["router"],
+        ready["prefill"],
+        ready["decode"],
+        ready["bootstrap_port"]
     );
 
     let exited = {
-        let (a0, rest) = procs.split_at_mut(1);
-        let (a1, a2) = rest.split_at_mut(1);
+        let waits = procs.iter_mut().map(|p| {
+            let name = p.name;
+            Box::pin(async move { (name, p.child.wait().await) })
+        });
         tokio::select! {
             _ = crate::common::shutdown_signal() => None,
-            s = a0[0].child.wait() => Some(("prefill", s)),
-            s = a1[0].child.wait() => Some(("decode", s)),
-            s = a2[0].child.wait() => Some(("router", s)),
+            ((name, s), _, _) = futures_util::future::select_all(waits) => Some((name, s)),
         }
     };
     stop_all(&mut procs).await;

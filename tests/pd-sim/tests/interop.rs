@@ -10,17 +10,35 @@ use std::time::Duration;
 #[test]
 #[ignore = "needs PD_SIM_PYTHON pointing at a Python with pyzmq"]
 fn pyzmq_interop() {
-    let python = std::env::var("PD_SIM_PYTHON").expect("set PD_SIM_PYTHON to a Python with pyzmq installed");
+    let python =
+        std::env::var("PD_SIM_PYTHON").expect("set PD_SIM_PYTHON to a Python with pyzmq installed");
     let mut prefill = Command::new(env!("CARGO_BIN_EXE_pd-sim"))
-        .args(["prefill", "--port", "0", "--disaggregation-bootstrap-port", "0", "--kv-port", "0"])
-        .args(["--transfer-after-reject", "--max-req-input-len", "100", "--kv-bytes-per-token", "64"])
+        .args([
+            "prefill",
+            "--port",
+            "0",
+            "--disaggregation-bootstrap-port",
+            "0",
+            "--kv-port",
+            "0",
+        ])
+        .args([
+            "--transfer-after-reject",
+            "--max-req-input-len",
+            "100",
+            "--kv-bytes-per-token",
+            "64",
+        ])
         .env("PD_SIM_LOG", "warn")
         .stdout(Stdio::piped())
         .spawn()
         .expect("spawn prefill");
     let mut line = String::new();
-    BufReader::new(prefill.stdout.take().unwrap()).read_line(&mut line).unwrap();
-    let ready: serde_json::Value = serde_json::from_str(line.trim().strip_prefix("READY ").expect("READY")).unwrap();
+    BufReader::new(prefill.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let ready: serde_json::Value =
+        serde_json::from_str(line.trim().strip_prefix("READY ").expect("READY")).unwrap();
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/interop/zmq_interop.py");
     let mut py = Command::new(python)
         .arg(script)

@@ -74,10 +74,10 @@ impl Cluster {
                 panic!("cluster not ready within 60 s");
             }
         };
-        let s = |k: &str| ready[k].as_str().expect("url").to_string();
+        let s = |k: &str| ready[k].as_str().unwrap_or("").to_string();
         let pids = ["router", "prefill", "decode"]
             .iter()
-            .map(|k| ready["pids"][k].as_u64().unwrap() as u32)
+            .filter_map(|k| ready["pids"][k].as_u64().map(|p| p as u32))
             .collect();
         let c = Cluster {
             router: s("router"),
@@ -88,7 +88,10 @@ impl Cluster {
             pids,
         };
         let client = http_client(4);
-        for url in [&c.router, &c.prefill, &c.decode] {
+        for url in [&c.router, &c.prefill, &c.decode]
+            .into_iter()
+            .filter(|u| !u.is_empty())
+        {
             wait_healthy(&client, url).await;
         }
         c
