@@ -76,7 +76,8 @@ pub struct RouterArgs {
 pub struct RouterStats {
     pub requests: AtomicU64,
     pub attempts: AtomicU64,
-    pub retries_503: AtomicU64,
+    /// Attempts after the first (prefill 503, or decode 5xx in concurrent-no-cancel).
+    pub retries: AtomicU64,
     pub prefill_rejections: AtomicU64,
     pub decode_legs: AtomicU64,
     /// Decode legs left running after prefill failed (concurrent-no-cancel, handoff).
@@ -381,7 +382,7 @@ async fn route_inner(
     let mut last: Option<Response> = None;
     for attempt in 0..attempts {
         if attempt > 0 {
-            rt.stats.retries_503.fetch_add(1, Ordering::Relaxed);
+            rt.stats.retries.fetch_add(1, Ordering::Relaxed);
             tokio::time::sleep(backoff).await;
             backoff = (backoff * 2).min(Duration::from_secs(5));
         }
@@ -411,7 +412,6 @@ async fn route_inner(
                     send(&rt2, &rt2.decode, path, b2, &rid2, &tp2).await
                 }));
                 prefill_leg = send(rt, &rt.prefill, path, leg_body.clone(), request_id, tp).await;
-                span.events.push(ev("Received concurrent requests", vec![]));
             }
             Mode::Correct | Mode::HandoffAfterReject => {
                 span.events.push(ev(
@@ -445,6 +445,29 @@ async fn route_inner(
                     rt.stats
                         .decode_legs_after_prefill_failure
                         .fetch_add(1, Ordering::Relaxed);
+                    if pstatus != StatusCode::SERVICE_UNAVAILABLE {
+                        // smg 0.3.2 joins both legs: a decode 5xx (its KV never came) wins
+                        // over prefill's 4xx and is retried with a new room, as observed with
+                        // the real router in front of this simulator (tests/real_router.rs).
+                        let prefill_err = buffered(prefill_resp).await;
+                        let decoded = d.await.unwrap_or(Leg::Failed("decode task failed".into()));
+                        span.events.push(ev("Received concurrent requests", vec![]));
+                        match decoded {
+                            Leg::Resp(r) if r.status().is_server_error() => {
+                                let resp = buffered(r).await;
+                                if attempt + 1 < attempts {
+                                    last = Some(resp);
+                                    continue;
+                                }
+                                return resp;
+                            }
+                            other => {
+                                drain(async move { other });
+                                return prefill_err;
+                            }
+                        }
+                    }
+                    span.events.push(ev("Received concurrent requests", vec![]));
                     drain(async move { d.await.unwrap_or(Leg::Failed("join".into())) });
                 }
                 (Mode::HandoffAfterReject, _) => {
@@ -473,7 +496,11 @@ async fn route_inner(
         // Prefill admitted: its body finishes when the KV transfer is done; read it aside.
         drain(async move { Leg::Resp(prefill_resp) });
         let decode_resp = match decode_leg {
-            Some(d) => d.await.unwrap_or(Leg::Failed("decode task failed".into())),
+            Some(d) => {
+                let r = d.await.unwrap_or(Leg::Failed("decode task failed".into()));
+                span.events.push(ev("Received concurrent requests", vec![]));
+                r
+            }
             None => {
                 span.events.push(ev(
                     "Sending decode request",
