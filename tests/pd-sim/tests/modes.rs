@@ -448,3 +448,50 @@ fn is_zombie(pid: u32) -> bool {
         .map(|s| s.contains(") Z "))
         .unwrap_or(true)
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_misconfigured_prefill_admits_over_capacity_requests_and_says_so_in_server_info() {
+    let c = Cluster::start(
+        "correct",
+        &["--prefill-args", "--context-length 16384 --max-total-num-tokens 8192 --max-req-input-len 16000 --skip-total-tokens-check"],
+    )
+    .await;
+    let client = http_client(8);
+    let info = get_json(&client, &format!("{}/server_info", c.prefill)).await;
+    assert_eq!(info["context_length"], 16384);
+    assert_eq!(info["max_total_num_tokens"], 8192);
+    assert_eq!(info["max_req_input_len"], 16000);
+    let (status, _) = post(
+        &client,
+        &format!("{}/generate", c.router),
+        "big-1",
+        json!({"text": words(9000)}),
+    )
+    .await;
+    assert_eq!(status, 200, "admitted although 9000 > max_total_num_tokens");
+    let p = rooms(&client, &c.prefill).await;
+    let rec = p.iter().find(|r| r["request_id"] == "big-1").unwrap();
+    assert_eq!(rec["input_tokens"], 9000);
+    assert_eq!(rec["status"], 200);
+    // Without the misconfiguration the same request is refused with SGLang's message.
+    let c2 = Cluster::start(
+        "correct",
+        &[
+            "--prefill-args",
+            "--context-length 16384 --max-total-num-tokens 8192 --max-req-input-len 16000",
+        ],
+    )
+    .await;
+    let (status, body) = post(
+        &client,
+        &format!("{}/generate", c2.router),
+        "big-2",
+        json!({"text": words(9000)}),
+    )
+    .await;
+    assert_eq!(status, 400);
+    assert!(
+        String::from_utf8_lossy(&body)
+            .contains("exceeds the maximum number of tokens: 9000 > 8192")
+    );
+}
