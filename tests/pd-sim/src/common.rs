@@ -139,9 +139,11 @@ impl TraceParent {
 }
 
 pub fn hex(b: &[u8]) -> String {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
     let mut s = String::with_capacity(b.len() * 2);
     for x in b {
-        s.push_str(&format!("{x:02x}"));
+        s.push(DIGITS[(x >> 4) as usize] as char);
+        s.push(DIGITS[(x & 0xf) as usize] as char);
     }
     s
 }
@@ -200,6 +202,11 @@ mod tests {
             None
         );
         assert_eq!(TraceParent::parse(""), None);
+    }
+
+    #[test]
+    fn hex_is_lowercase_and_padded() {
+        assert_eq!(hex(&[0x00, 0x0f, 0xab, 0xff]), "000fabff");
     }
 
     #[test]

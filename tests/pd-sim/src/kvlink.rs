@@ -35,9 +35,12 @@ pub struct LinkStats {
     pub bad_connections: AtomicU64,
 }
 
+/// Encoded bytes plus how many ZMTP messages they hold (for the counters).
+type Queue = mpsc::Sender<(Bytes, u64)>;
+
 #[derive(Clone)]
 pub struct Pushers {
-    inner: Arc<Mutex<HashMap<SocketAddr, mpsc::Sender<Bytes>>>>,
+    inner: Arc<Mutex<HashMap<SocketAddr, Queue>>>,
     pub stats: Arc<LinkStats>,
 }
 
@@ -54,7 +57,11 @@ impl Pushers {
     pub async fn send<B: AsRef<[u8]>>(&self, to: SocketAddr, parts: &[B]) {
         let mut buf = BytesMut::new();
         zmtp::encode_message(&mut buf, parts);
-        let msg = buf.freeze();
+        self.send_encoded(to, buf.freeze(), 1).await;
+    }
+
+    /// Queue already-encoded messages (`count` of them) as one unit: one wakeup, one write.
+    pub async fn send_encoded(&self, to: SocketAddr, msg: Bytes, count: u64) {
         let tx = {
             // Held only for a map lookup, never across an await.
             let mut map = self.inner.lock().expect("pushers lock");
@@ -68,8 +75,8 @@ impl Pushers {
                 }
             }
         };
-        if tx.send(msg).await.is_err() {
-            self.stats.messages_lost.fetch_add(1, Ordering::Relaxed);
+        if tx.send((msg, count)).await.is_err() {
+            self.stats.messages_lost.fetch_add(count, Ordering::Relaxed);
         }
     }
 }
@@ -88,15 +95,15 @@ async fn connect(to: SocketAddr) -> std::io::Result<TcpStream> {
     Err(last.unwrap_or_else(|| std::io::Error::other("connect failed")))
 }
 
-async fn writer(to: SocketAddr, mut rx: mpsc::Receiver<Bytes>, stats: Arc<LinkStats>) {
+async fn writer(to: SocketAddr, mut rx: mpsc::Receiver<(Bytes, u64)>, stats: Arc<LinkStats>) {
     let stream = match connect(to).await {
         Ok(s) => s,
         Err(e) => {
             tracing::warn!(%to, error = %e, "KV link connect failed");
             stats.connect_failures.fetch_add(1, Ordering::Relaxed);
             rx.close();
-            while rx.recv().await.is_some() {
-                stats.messages_lost.fetch_add(1, Ordering::Relaxed);
+            while let Some((_, n)) = rx.recv().await {
+                stats.messages_lost.fetch_add(n, Ordering::Relaxed);
             }
             return;
         }
@@ -113,16 +120,15 @@ async fn writer(to: SocketAddr, mut rx: mpsc::Receiver<Bytes>, stats: Arc<LinkSt
         return;
     }
     let mut out = BytesMut::with_capacity(64 * 1024);
-    while let Some(first) = rx.recv().await {
+    while let Some((first, mut n)) = rx.recv().await {
         out.extend_from_slice(&first);
-        let mut n = 1u64;
         // Coalesce whatever is already queued into one write: at high rates this is the
         // difference between one syscall per message and one per batch.
         while out.len() < 256 * 1024 {
             match rx.try_recv() {
-                Ok(m) => {
+                Ok((m, k)) => {
                     out.extend_from_slice(&m);
-                    n += 1;
+                    n += k;
                 }
                 Err(_) => break,
             }
@@ -131,8 +137,8 @@ async fn writer(to: SocketAddr, mut rx: mpsc::Receiver<Bytes>, stats: Arc<LinkSt
             tracing::warn!(%to, error = %e, "KV link write failed");
             stats.messages_lost.fetch_add(n, Ordering::Relaxed);
             rx.close();
-            while rx.recv().await.is_some() {
-                stats.messages_lost.fetch_add(1, Ordering::Relaxed);
+            while let Some((_, n)) = rx.recv().await {
+                stats.messages_lost.fetch_add(n, Ordering::Relaxed);
             }
             return;
         }

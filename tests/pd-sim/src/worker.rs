@@ -633,23 +633,28 @@ impl Worker {
             const CHUNK: usize = 64 * 1024;
             static ZEROS: [u8; CHUNK] = [0u8; CHUNK];
             let room_s = room.to_string();
+            // The whole transfer is encoded up front and queued as one unit (one write on the
+            // socket for small transfers); frames are still separate ZMTP messages.
+            let mut buf = bytes::BytesMut::with_capacity(total + 64);
             let mut sent = 0usize;
             let mut idx = 0u32;
             while sent < total || idx == 0 {
                 let n = (total - sent).min(CHUNK);
                 let idx_s = idx.to_string();
-                w.pushers
-                    .send(
-                        to,
-                        &[&b"KV"[..], room_s.as_bytes(), idx_s.as_bytes(), &ZEROS[..n]],
-                    )
-                    .await;
+                crate::zmtp::encode_message(
+                    &mut buf,
+                    &[&b"KV"[..], room_s.as_bytes(), idx_s.as_bytes(), &ZEROS[..n]],
+                );
                 sent += n;
                 idx += 1;
             }
             let tok_s = tokens.to_string();
+            crate::zmtp::encode_message(
+                &mut buf,
+                &[&b"KV_DONE"[..], room_s.as_bytes(), tok_s.as_bytes()],
+            );
             w.pushers
-                .send(to, &[&b"KV_DONE"[..], room_s.as_bytes(), tok_s.as_bytes()])
+                .send_encoded(to, buf.freeze(), idx as u64 + 1)
                 .await;
             let end_ns = now_ns();
             w.stats.kv_transfers.fetch_add(1, Ordering::Relaxed);
