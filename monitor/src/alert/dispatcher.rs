@@ -336,7 +336,7 @@ async fn deliver_with_retry(
                     latencies: &latencies,
                 }
                 .emit(metrics);
-                ack_all(q, name, batch, spool);
+                ack_all(q, name, batch, spool, metrics);
                 return;
             }
             Err(SinkError::Permanent { reason, status }) => {
@@ -357,7 +357,7 @@ async fn deliver_with_retry(
                     retry_in: None,
                 }
                 .emit(metrics);
-                ack_all(q, name, batch, spool);
+                ack_all(q, name, batch, spool, metrics);
                 return;
             }
             Err(SinkError::Retryable {
@@ -384,7 +384,7 @@ async fn deliver_with_retry(
     }
 }
 
-fn ack_all(q: &SinkQueue, name: &str, batch: &[(u64, Arc<Notification>)], spool: &Spool) {
+fn ack_all(q: &SinkQueue, name: &str, batch: &[(u64, Arc<Notification>)], spool: &Spool, metrics: &Metrics) {
     for (seq, _) in batch {
         if let Err(e) = spool.ack(*seq, name) {
             // The entry stays on disk and is redelivered after a restart: duplicates, not loss.
@@ -392,4 +392,6 @@ fn ack_all(q: &SinkQueue, name: &str, batch: &[(u64, Arc<Notification>)], spool:
         }
     }
     q.outstanding.fetch_sub(batch.len(), Ordering::SeqCst);
+    let (entries, bytes) = spool.size();
+    SpoolSize { entries, bytes }.emit(metrics);
 }

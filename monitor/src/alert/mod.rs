@@ -54,6 +54,14 @@ pub struct AlertConfig {
     pub node: Option<String>,
     /// Capacity of the violation channel into the dispatcher.
     pub channel_capacity: usize,
+    /// First retry delay after a failed delivery (doubles up to `retry_max`, with jitter).
+    #[serde(with = "flood::humantime_serde_compat")]
+    pub retry_initial: Duration,
+    #[serde(with = "flood::humantime_serde_compat")]
+    pub retry_max: Duration,
+    /// On shutdown, how long to keep delivering; what is left stays spooled for the next start.
+    #[serde(with = "flood::humantime_serde_compat")]
+    pub drain_timeout: Duration,
 }
 
 impl Default for AlertConfig {
@@ -68,6 +76,9 @@ impl Default for AlertConfig {
             cluster: "default".into(),
             node: None,
             channel_capacity: 4096,
+            retry_initial: Duration::from_millis(500),
+            retry_max: Duration::from_secs(30),
+            drain_timeout: Duration::from_secs(5),
         }
     }
 }
@@ -107,6 +118,9 @@ impl AlertConfig {
             if !matches!(p.scheme(), "http" | "https") {
                 return Err(c(format!("external_url {u:?}: scheme must be http or https")));
             }
+        }
+        if self.retry_initial.is_zero() || self.retry_max < self.retry_initial {
+            return Err(c("retry_initial must be > 0 and <= retry_max".into()));
         }
         if self.channel_capacity == 0 {
             return Err(c("channel_capacity must be > 0".into()));
@@ -309,7 +323,12 @@ impl AlertPipeline {
         }
         let spool_dir = spool.dir().to_path_buf();
         let mut d = Dispatcher::new(
-            DispatchConfig::default(),
+            DispatchConfig {
+                retry_initial: cfg.retry_initial,
+                retry_max: cfg.retry_max,
+                drain_timeout: cfg.drain_timeout,
+                ..DispatchConfig::default()
+            },
             cfg.flood.clone(),
             LinkBase(cfg.external_url.clone()),
             spool,
