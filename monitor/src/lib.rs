@@ -6,3 +6,5 @@ pub mod event;
 pub mod pipeline;
 
 pub use event::{BootstrapRoom, Ids, Kind, LifecycleEvent, Source, Stage, UnixNanos};
+pub mod normalize;
+pub mod ingest;
