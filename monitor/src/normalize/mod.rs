@@ -334,8 +334,14 @@ impl Normalizer {
     }
 
     /// Expires orphans and old span-tree entries. Driven by the receiver's timer.
-    pub fn tick(&mut self, now_ns: u64, tally: &mut Tally) {
-        self.tree.tick(now_ns, tally);
+    pub fn tick(&mut self, now_ns: u64, out: &mut Vec<LifecycleEvent>, tally: &mut Tally) {
+        let before = out.len();
+        self.tree.tick(now_ns, out, tally);
+        tally.events += (out.len() - before) as u64;
+    }
+
+    pub fn pending_completions(&self) -> usize {
+        self.tree.pending_completions()
     }
 
     pub fn orphans_waiting(&self) -> usize {
@@ -395,3 +401,6 @@ pub(crate) mod serde_duration {
         super::parse_duration(&s).map_err(serde::de::Error::custom)
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -41,6 +41,10 @@ pub struct TreeConfig {
     /// Most resolved spans remembered per retention half-window.
     #[serde(default = "default_max_known")]
     pub max_known: usize,
+    /// A request root ends in a different process than the scheduler that may abort it, so
+    /// its "completed" waits this long for an abort from below before it is believed.
+    #[serde(default = "default_completion_grace", with = "super::serde_duration")]
+    pub completion_grace: Duration,
 }
 
 fn default_orphan_ttl() -> Duration {
@@ -55,6 +59,9 @@ fn default_retention() -> Duration {
 fn default_max_known() -> usize {
     1_000_000
 }
+fn default_completion_grace() -> Duration {
+    Duration::from_secs(5)
+}
 
 impl Default for TreeConfig {
     fn default() -> Self {
@@ -63,6 +70,7 @@ impl Default for TreeConfig {
             max_orphans: default_max_orphans(),
             retention: default_retention(),
             max_known: default_max_known(),
+            completion_grace: default_completion_grace(),
         }
     }
 }
@@ -155,6 +163,9 @@ pub struct SpanTree {
     queue: VecDeque<(u64, SpanRef, SpanRef)>,
     orphans: usize,
     last_rotate_ns: u64,
+    /// Root completions waiting out `completion_grace`: (deadline, attempt, event).
+    completions: VecDeque<(u64, AttemptId, LifecycleEvent)>,
+    now_ns: u64,
 }
 
 impl SpanTree {
@@ -173,6 +184,8 @@ impl SpanTree {
             queue: VecDeque::new(),
             orphans: 0,
             last_rotate_ns: 0,
+            completions: VecDeque::new(),
+            now_ns: 0,
         })
     }
 
@@ -188,6 +201,7 @@ impl SpanTree {
         if self.last_rotate_ns == 0 {
             self.last_rotate_ns = now_ns;
         }
+        self.now_ns = now_ns;
         if let Class::Anchor { rid, room, role, .. } = &node.class {
             let mut attempt = Attempt { rid: rid.clone(), room: *room, role: *role, errored: false };
             // An old-style request root sits under its "Bootstrap Room" span: inherit the room.
@@ -266,7 +280,20 @@ impl SpanTree {
         true
     }
 
-    pub fn tick(&mut self, now_ns: u64, tally: &mut Tally) {
+    pub fn pending_completions(&self) -> usize {
+        self.completions.len()
+    }
+
+    /// Gives up on expired orphans and releases root completions whose grace has passed (unless
+    /// an abort arrived meanwhile).
+    pub fn tick(&mut self, now_ns: u64, out: &mut Vec<LifecycleEvent>, tally: &mut Tally) {
+        while self.completions.front().is_some_and(|(d, _, _)| *d <= now_ns) {
+            let Some((_, id, e)) = self.completions.pop_front() else { break };
+            let errored = self.known.attempt(id).is_none_or(|a| a.errored);
+            if !errored {
+                out.push(e);
+            }
+        }
         while let Some((deadline, _, _)) = self.queue.front() {
             if *deadline > now_ns {
                 break;
@@ -332,7 +359,9 @@ impl SpanTree {
                     a.errored = true;
                     out.push(e);
                 } else if !a.errored {
-                    out.push(mk(n.end, stage, Kind::Completed, a));
+                    let e = mk(n.end, stage, Kind::Completed, a);
+                    let deadline = self.now_ns.saturating_add(self.cfg.completion_grace.as_nanos() as u64);
+                    self.completions.push_back((deadline, id, e));
                 }
             }
             Class::Anchor { .. } | Class::Structural => {

@@ -16,12 +16,22 @@ use serde::de::{self, Deserializer, Visitor};
 use serde::Deserialize;
 use std::fmt;
 
+/// The export must be a JSON object (serde would take `[]` for an empty struct).
+fn object(body: &[u8]) -> Result<(), serde_json::Error> {
+    match body.iter().find(|b| !b.is_ascii_whitespace()) {
+        Some(b'{') => Ok(()),
+        _ => Err(serde::de::Error::custom("an OTLP/JSON export must be a JSON object")),
+    }
+}
+
 pub fn decode_traces(body: &[u8]) -> Result<ExportTraceServiceRequest, serde_json::Error> {
+    object(body)?;
     let req: TracesReq = serde_json::from_slice(body)?;
     Ok(req.into())
 }
 
 pub fn decode_logs(body: &[u8]) -> Result<ExportLogsServiceRequest, serde_json::Error> {
+    object(body)?;
     let req: LogsReq = serde_json::from_slice(body)?;
     Ok(req.into())
 }
@@ -479,7 +489,7 @@ mod tests {
 
     #[test]
     fn hex_and_base64_ids_and_enum_names() {
-        let hex = r#"{"resourceSpans":[{"scopeSpans":[{"spans":[{"traceId":"f9a84eb02ad3bbf06c3f398bd391a50a","spanId":"2cde1e06e06c4370","name":"x","kind":1,"startTimeUnixNano":5,"endTimeUnixNano":"6","status":{"code":2}}]}]}]}"#;
+        let hex = r#"{"resourceSpans":[{"scopeSpans":[{"spans":[{"traceId":"fa084eb02ad3bbf06c3f398bd391a50a","spanId":"2cde1e06e06c4370","name":"x","kind":1,"startTimeUnixNano":5,"endTimeUnixNano":"6","status":{"code":2}}]}]}]}"#;
         let b64 = r#"{"resourceSpans":[{"scopeSpans":[{"spans":[{"traceId":"+ghOsCrTu/BsPzmL05GlCg==","spanId":"LN4eBuBsQ3A=","name":"x","kind":"SPAN_KIND_INTERNAL","startTimeUnixNano":"5","endTimeUnixNano":6,"status":{"code":"STATUS_CODE_ERROR"},"unknownField":[1,2]}]}]}]}"#;
         let a = decode_traces(hex.as_bytes()).unwrap();
         let b = decode_traces(b64.as_bytes()).unwrap();

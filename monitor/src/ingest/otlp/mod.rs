@@ -107,12 +107,14 @@ impl Ingest {
         Ok(events)
     }
 
-    /// Gives up on orphans past their deadline; the run loop calls it about once a second.
-    pub fn tick(&self) {
+    /// Gives up on orphans past their deadline and releases deferred completions; the run loop
+    /// calls it about once a second. Waits for channel room (it is the only sender that may).
+    pub async fn tick(&self) {
         let mut tally = Tally::default();
+        let mut out = Vec::new();
         let waiting = {
             let mut n = self.normalizer.lock().unwrap_or_else(|p| p.into_inner());
-            n.tick(now_ns(), &mut tally);
+            n.tick(now_ns(), &mut out, &mut tally);
             n.orphans_waiting()
         };
         self.stats.add_tally(&tally);
@@ -120,6 +122,9 @@ impl Ingest {
         let given_up = tally.total_unmapped();
         if given_up > 0 {
             tracing::warn!(count = given_up, "otlp: gave up on orphan spans whose attempt root never arrived");
+        }
+        if !out.is_empty() && self.tx.send(out).await.is_err() {
+            tracing::warn!("otlp: pipeline closed, deferred completions not delivered");
         }
     }
 }
