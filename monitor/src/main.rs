@@ -10,6 +10,11 @@ use std::time::Duration;
 use clap::{Parser, Subcommand};
 
 use revenant::checker::{Checker, CheckerConfig, RuleSet};
+
+// The OTLP path allocates many small strings per span; glibc malloc showed as ~45% of the
+// receiver's profile, mimalloc is much cheaper for that pattern.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use revenant::replay;
 
 #[derive(Parser)]

@@ -13,7 +13,7 @@
 //! attempt is therefore resolved through its parent chain; spans whose ancestors have not arrived
 //! wait as orphans, bounded in time and count, and are counted when given up.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::time::Duration;
 
 use opentelemetry_proto::tonic::common::v1::KeyValue;
@@ -75,6 +75,8 @@ impl Default for TreeConfig {
     }
 }
 
+type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::FixedState>;
+
 /// (trace id, span id): span ids are only unique within a trace.
 type SpanRef = (u128, u64);
 type AttemptId = u64;
@@ -94,8 +96,8 @@ enum Class {
     Anchor { rid: Option<Box<str>>, room: Option<BootstrapRoom>, role: Option<Stage>, request_root: bool },
     /// A per-thread span; only interesting when it carries an abort.
     Thread { stage: Option<Stage> },
-    /// A stage slice that maps to an event.
-    Slice { stage: Stage, kind: Kind },
+    /// A stage slice that maps to an event; `detail` is its canonical name.
+    Slice { stage: Stage, kind: Kind, detail: &'static str },
     /// A slice that only structures the tree (tokenize, dispatch, …).
     Structural,
 }
@@ -106,11 +108,11 @@ struct Node {
     key: SpanRef,
     parent: Option<u64>,
     class: Class,
-    name: Box<str>,
+    /// The span name, kept only for spans that report an error (it goes into `detail`).
+    name: Option<Box<str>>,
     start: u64,
     end: u64,
     error_reason: Option<Box<str>>,
-    trace_id: Option<Box<str>>,
     node: Option<Box<str>>,
     pid: Option<u32>,
     input_tokens: Option<u64>,
@@ -180,7 +182,7 @@ impl SpanTree {
             cfg,
             known: Generations::default(),
             next_attempt: 1,
-            waiting: HashMap::new(),
+            waiting: HashMap::default(),
             queue: VecDeque::new(),
             orphans: 0,
             last_rotate_ns: 0,
@@ -339,7 +341,7 @@ impl SpanTree {
             let mut e = LifecycleEvent::new(time, stage, kind, Source::Otlp);
             e.ids.rid = a.rid.clone();
             e.ids.bootstrap_room = a.room;
-            e.ids.trace_id = n.trace_id.clone();
+            e.ids.trace_id = if n.key.0 == 0 { None } else { Some(format!("{:032x}", n.key.0).into()) };
             e.node = n.node.clone();
             e.pid = n.pid;
             e.input_tokens = n.input_tokens;
@@ -369,7 +371,7 @@ impl SpanTree {
                     let stage = role.unwrap_or(Stage::Prefill);
                     let mut e = mk(n.end, stage, error_kind(reason), a);
                     e.reason = Some(reason.clone());
-                    e.detail = Some(n.name.clone());
+                    e.detail = n.name.clone();
                     a.errored = true;
                     out.push(e);
                 } else if matches!(n.class, Class::Structural) {
@@ -386,10 +388,10 @@ impl SpanTree {
                 }
                 None => tally.unmapped(P, Unmapped::UnknownSpan),
             },
-            Class::Slice { stage, kind } => {
+            Class::Slice { stage, kind, detail } => {
                 // Work is reported when the slice ends: by then it certainly happened.
                 let mut e = mk(n.end, *stage, *kind, a);
-                e.detail = Some(n.name.clone());
+                e.detail = Some((*detail).into());
                 if let Some(reason) = &n.error_reason {
                     e.kind = error_kind(reason);
                     e.reason = Some(reason.clone());
@@ -431,29 +433,48 @@ pub fn tokens_from_reason(reason: &str) -> Option<(u64, u64)> {
 }
 
 /// Slice name → (stage, kind). Names from `RequestStage` in 0.5.2x and the older enum.
-pub fn slice_mapping(name: &str) -> Option<(Stage, Kind)> {
+pub fn slice_mapping(name: &str) -> Option<(Stage, Kind, &'static str)> {
     use Kind::*;
     use Stage::*;
-    Some(match name {
-        "prefill_bootstrap" => (Prefill, Admitted),
-        "prefill_waiting" => (Prefill, Admitted),
-        "prefill_forward" | "chunked_prefill" => (Prefill, Work),
-        "prefill_transfer_kv_cache" => (Transfer, Work),
-        "decode_prepare" => (Decode, Received),
-        "decode_bootstrap" | "decode_waiting" => (Decode, Admitted),
-        "decode_transferred" => (Transfer, Work),
-        "decode_forward" | "decode_loop" | "fake_output" | "quick_finish" => (Decode, Work),
-        n if n.starts_with("mooncake_") => (Transfer, Work),
-        n if n.starts_with("nixl_") => (Transfer, Work),
-        _ => return None,
-    })
+    const TABLE: &[(&str, Stage, Kind)] = &[
+        ("prefill_bootstrap", Prefill, Admitted),
+        ("prefill_waiting", Prefill, Admitted),
+        ("prefill_forward", Prefill, Work),
+        ("chunked_prefill", Prefill, Work),
+        ("prefill_transfer_kv_cache", Transfer, Work),
+        ("decode_prepare", Decode, Received),
+        ("decode_bootstrap", Decode, Admitted),
+        ("decode_waiting", Decode, Admitted),
+        ("decode_transferred", Transfer, Work),
+        ("decode_forward", Decode, Work),
+        ("decode_loop", Decode, Work),
+        ("fake_output", Decode, Work),
+        ("quick_finish", Decode, Work),
+        ("mooncake_send", Transfer, Work),
+        ("mooncake_recv", Transfer, Work),
+        ("mooncake_worker_send", Transfer, Work),
+        ("mooncake_worker_send_session", Transfer, Work),
+        ("mooncake_worker_recv", Transfer, Work),
+    ];
+    if let Some((n, st, k)) = TABLE.iter().find(|(n, _, _)| *n == name) {
+        return Some((*st, *k, n));
+    }
+    // Transfer engines add slices over time; their prefix is enough to call it KV transfer.
+    if name.starts_with("mooncake_") {
+        return Some((Transfer, Work, "mooncake"));
+    }
+    if name.starts_with("nixl_") {
+        return Some((Transfer, Work, "nixl"));
+    }
+    None
 }
 
 fn role_from_name(name: &str) -> Option<Stage> {
-    let lower = name.trim_start().get(..7).unwrap_or("").to_ascii_lowercase();
-    if lower.starts_with("prefill") {
+    let b = name.trim_start().as_bytes();
+    let starts = |p: &[u8]| b.len() >= p.len() && b[..p.len()].eq_ignore_ascii_case(p);
+    if starts(b"prefill") {
         Some(Stage::Prefill)
-    } else if lower.starts_with("decode") {
+    } else if starts(b"decode") {
         Some(Stage::Decode)
     } else {
         None
@@ -484,8 +505,8 @@ fn extract(ctx: &SpanCtx<'_>, span: &Span) -> Option<Node> {
     } else if attrs::has(a, "thread_label") || name.contains("(host:") {
         let label = attrs::str(a, "thread_label").unwrap_or(name);
         Class::Thread { stage: role_from_name(label) }
-    } else if let Some((stage, kind)) = slice_mapping(name) {
-        Class::Slice { stage, kind }
+    } else if let Some((stage, kind, detail)) = slice_mapping(name) {
+        Class::Slice { stage, kind, detail }
     } else {
         Class::Structural
     };
@@ -507,11 +528,10 @@ fn extract(ctx: &SpanCtx<'_>, span: &Span) -> Option<Node> {
         key: (trace, span_id),
         parent: attrs::span_key(&span.parent_span_id),
         class,
-        name: attrs::clip_id(name).into(),
+        name: error_reason.is_some().then(|| attrs::clip_id(name).into()),
         start: span.start_time_unix_nano,
         end: span.end_time_unix_nano,
         error_reason,
-        trace_id: attrs::trace_id_hex(&span.trace_id),
         node: ctx.node.map(Into::into).or_else(|| attrs::str(a, "host_id").map(|h| attrs::clip_id(h).into())),
         pid: attrs::u64(a, "pid").and_then(|p| u32::try_from(p).ok()),
         input_tokens,
