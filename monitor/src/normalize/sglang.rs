@@ -54,7 +54,8 @@ fn default_max_orphans() -> usize {
     100_000
 }
 fn default_retention() -> Duration {
-    Duration::from_secs(600)
+    // Exporters flush every few hundred ms; a minute covers slow processes with margin.
+    Duration::from_secs(60)
 }
 fn default_max_known() -> usize {
     1_000_000
@@ -315,9 +316,15 @@ impl SpanTree {
         let mut deferred: Vec<Node> = Vec::new();
         let mut work = vec![node];
         while let Some(n) = work.pop() {
-            self.known.cur.insert(n.key, id);
-            if self.known.cur.len() > self.cfg.max_known {
-                self.known.rotate();
+            // Only roots and thread spans can still get children after they were exported:
+            // other processes attach their thread spans to the root; within one thread children
+            // end, so are exported, before their parent. Remembering only these keeps the table
+            // at ~2 entries per attempt instead of one per span.
+            if matches!(n.class, Class::Anchor { .. } | Class::Thread { .. }) {
+                self.known.cur.insert(n.key, id);
+                if self.known.cur.len() > self.cfg.max_known {
+                    self.known.rotate();
+                }
             }
             if let Some(children) = self.waiting.remove(&n.key) {
                 self.orphans -= children.len();
