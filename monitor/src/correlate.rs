@@ -54,6 +54,8 @@ pub struct Attempt {
     /// Earliest pending deadline in the timer queue (0 = none); compaction waits for it.
     pub due_ns: u64,
     pub input_tokens: u32,
+    /// Worker (or node) of the latest event naming one: keys capacity look-ups on re-judgement.
+    pub worker_key: u64,
     /// Bit per stage: a leg started (received/admitted/work) / ended (terminal kind).
     pub legs_open: u8,
     pub legs_closed: u8,
@@ -454,6 +456,7 @@ impl Store {
             last_ns: 0,
             due_ns: 0,
             input_tokens: 0,
+            worker_key: 0,
             legs_open: 0,
             legs_closed: 0,
             live: true,
@@ -769,6 +772,14 @@ impl Store {
         r.generation = r.generation.wrapping_add(1);
         self.free_requests.push(i);
         self.live_requests -= 1;
+    }
+
+    /// Heap bytes held by the tombstone tables (capacity-based: what is really reserved).
+    pub fn tombstone_bytes(&self) -> usize {
+        use std::mem::size_of;
+        self.tombs.capacity() * size_of::<Tombstone>()
+            + self.tomb_slots.capacity() * size_of::<Slot>()
+            + self.tomb_alias.capacity() * (size_of::<(u64, u64)>() + 1)
     }
 
     /// Heap bytes held by the store's tables (capacity, not length), for memory accounting.

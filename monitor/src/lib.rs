@@ -10,6 +10,7 @@ pub mod event;
 pub mod pipeline;
 pub mod replay;
 pub mod violation;
+pub mod workload;
 
 pub use checker::{Checker, CheckerConfig, RuleSet};
 pub use event::{BootstrapRoom, Ids, Kind, LifecycleEvent, Source, Stage, UnixNanos};

@@ -131,7 +131,7 @@ pub struct Checker {
     store: Store,
     timers: BinaryHeap<Reverse<(u64, u32, u32)>>,
     nodes: FixedMap<Box<str>, NodeId>,
-    capacity: FixedMap<(Box<str>, Stage), Capacity>,
+    capacity: FixedMap<(u64, Stage), Capacity>,
     worker_fired: HashSet<u64, FixedState>,
     skew_ns: u64,
     lateness_ns: u64,
@@ -238,6 +238,11 @@ impl Checker {
             + self.timers.capacity() * std::mem::size_of::<Reverse<(u64, u32, u32)>>()
     }
 
+    /// Bytes reserved by the tombstone tables alone.
+    pub fn tombstone_bytes(&self) -> usize {
+        self.store.tombstone_bytes()
+    }
+
     pub fn watermark_ns(&self) -> u64 {
         self.stats.watermark_ns
     }
@@ -330,15 +335,16 @@ impl Checker {
         id
     }
 
-    fn capacity_key(e: &LifecycleEvent) -> Option<(Box<str>, Stage)> {
+    /// Capacity is per worker (or, without a worker, per node) and stage.
+    fn worker_key(e: &LifecycleEvent) -> Option<u64> {
         e.worker
             .as_deref()
             .or(e.node.as_deref())
-            .map(|w| (w.into(), e.stage))
+            .map(|w| violation::fnv1a(&[w.as_bytes()]))
     }
 
     fn record_capacity(&mut self, e: &LifecycleEvent) {
-        let Some(key) = Self::capacity_key(e) else {
+        let Some(key) = Self::worker_key(e).map(|w| (w, e.stage)) else {
             return;
         };
         let report = Capacity::from_event(e);
@@ -352,8 +358,7 @@ impl Checker {
     }
 
     fn capacity_for(&self, e: &LifecycleEvent) -> Option<Capacity> {
-        let w = e.worker.as_deref().or(e.node.as_deref())?;
-        self.capacity.get(&(Box::<str>::from(w), e.stage)).copied()
+        self.capacity.get(&(Self::worker_key(e)?, e.stage)).copied()
     }
 
     fn observe_attempt(
@@ -378,12 +383,21 @@ impl Checker {
         }
         let at = &mut self.store.attempts[a as usize];
         at.last_ns = at.last_ns.max(e.time_ns);
+        let mut facts_changed = false;
         if let Some(n) = e.input_tokens {
-            at.input_tokens = at.input_tokens.max(n.min(u32::MAX as u64) as u32);
+            let n = n.min(u32::MAX as u64) as u32;
+            facts_changed = n > at.input_tokens;
+            at.input_tokens = at.input_tokens.max(n);
+        }
+        if let Some(w) = Self::worker_key(e) {
+            at.worker_key = w;
         }
         let stage_bit = 1u8 << (e.stage as u8);
+        // Transfer is activity between the legs, not a leg that must end on its own.
         match e.kind {
-            Kind::Received | Kind::Admitted | Kind::Work => at.legs_open |= stage_bit,
+            Kind::Received | Kind::Admitted | Kind::Work if e.stage != Stage::Transfer => {
+                at.legs_open |= stage_bit
+            }
             k if k.is_terminal() => at.legs_closed |= stage_bit,
             _ => {}
         }
@@ -465,7 +479,16 @@ impl Checker {
                     }
                 }
                 (Shape::Predicate(p), _) => {
-                    if !p.on.iter().any(|m| m.matches(e)) {
+                    let matched = hit & (1 << slots.trigger) != 0;
+                    if !matched {
+                        // A new fact (the input length) may make an earlier admission a breach.
+                        let first = self.store.attempt_slots(a)[slots.trigger];
+                        if facts_changed
+                            && first.is_set()
+                            && self.store.attempts[a as usize].fired & bit == 0
+                        {
+                            self.schedule(a, first.time());
+                        }
                         continue;
                     }
                     let known = Known {
@@ -473,30 +496,69 @@ impl Checker {
                             .filter(|&n| n > 0),
                         capacity: self.capacity_for(e),
                     };
-                    if let Some(breach) = p.evaluate(e, known) {
-                        if self.store.attempts[a as usize].fired & bit != 0 {
-                            self.stats.repeats += 1;
-                            continue;
+                    let Some(breach) = p.evaluate(e, known) else {
+                        // Not (yet) a breach: judge again once everything up to this event arrived.
+                        if self.store.attempts[a as usize].fired & bit == 0 {
+                            self.schedule(a, e.time_ns);
                         }
-                        self.store.attempts[a as usize].fired |= bit;
-                        let f = Finding {
-                            rule: ri,
-                            request,
-                            attempt: self.attempt_aliases(a),
-                            worker: e.worker.as_deref(),
-                            trigger: None,
-                            trigger_reason: None,
-                            offender: Some(slot_event(e)),
-                            offender_reason: e.reason.as_deref().map(str::to_owned),
-                            expected: None,
-                            context: None,
-                            breach: Some(breach),
-                            detected_at_ns: e.time_ns,
-                        };
-                        out.push(self.violation(f));
+                        continue;
+                    };
+                    if self.store.attempts[a as usize].fired & bit != 0 {
+                        self.stats.repeats += 1;
+                        continue;
                     }
+                    self.store.attempts[a as usize].fired |= bit;
+                    let f = Finding {
+                        rule: ri,
+                        request,
+                        attempt: self.attempt_aliases(a),
+                        worker: None,
+                        trigger: None,
+                        trigger_reason: None,
+                        offender: Some(slot_event(e)),
+                        offender_reason: e.reason.as_deref().map(str::to_owned),
+                        expected: None,
+                        context: None,
+                        breach: Some(breach),
+                        detected_at_ns: e.time_ns,
+                    };
+                    out.push(self.violation(f));
                 }
             }
+        }
+        if e.kind.is_terminal() {
+            self.settle(a);
+        }
+    }
+
+    /// After a terminal event: if every pending deadline rule is already satisfied, nothing can
+    /// breach it any more, so the attempt need not stay live until the deadline.
+    fn settle(&mut self, a: u32) {
+        if self.store.attempts[a as usize].due_ns == 0 {
+            return;
+        }
+        let s = self.store.attempt_slots(a);
+        let fired = self.store.attempts[a as usize].fired;
+        let pending = self.rules.iter().enumerate().any(|(ri, r)| {
+            if fired & (1 << ri) != 0 {
+                return false;
+            }
+            let k = r.slots;
+            match &r.rule.shape {
+                Shape::MustFollow(m) => m.breached(
+                    s[k.trigger],
+                    s[k.other],
+                    s[k.other_latest],
+                    k.given.map(|g| s[g]),
+                    self.skew_ns,
+                ),
+                Shape::RequiresBefore(m) => m.breached(s[k.trigger], s[k.other], self.skew_ns),
+                _ => false,
+            }
+        });
+        if !pending {
+            // The queued entry no longer matches `due_ns` and is skipped when popped.
+            self.store.attempts[a as usize].due_ns = 0;
         }
     }
 
@@ -788,6 +850,38 @@ impl Checker {
                         context: None,
                         breach: None,
                         detected_at_ns: due,
+                    }
+                }
+                Shape::Predicate(p) => {
+                    let first = s[slots.trigger];
+                    let Some(ev) = first.get() else { continue };
+                    if ev.time_ns > wm {
+                        next = Some(next.map_or(ev.time_ns, |n| n.min(ev.time_ns)));
+                        continue;
+                    }
+                    let at = &self.store.attempts[a as usize];
+                    let mut probe = LifecycleEvent::new(ev.time_ns, ev.stage, ev.kind, ev.source);
+                    probe.status = ev.status;
+                    let known = Known {
+                        input_tokens: Some(at.input_tokens as u64).filter(|&n| n > 0),
+                        capacity: self.capacity.get(&(at.worker_key, ev.stage)).copied(),
+                    };
+                    let Some(breach) = p.evaluate(&probe, known) else {
+                        continue;
+                    };
+                    Finding {
+                        rule: ri,
+                        request: None,
+                        attempt: AttemptAliases::default(),
+                        worker: None,
+                        trigger: None,
+                        trigger_reason: None,
+                        offender: Some(ev),
+                        offender_reason: None,
+                        expected: None,
+                        context: None,
+                        breach: Some(breach),
+                        detected_at_ns: wm.max(ev.time_ns),
                     }
                 }
                 _ => continue,

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use super::slots::SlotLayout;
+use super::slots::{self, SlotLayout};
 use crate::event::Stage;
 
 pub use must_follow::MustFollow;
@@ -410,7 +410,12 @@ pub fn compile(
             Shape::NeverAfter(s) => s.slots(rule.scope, attempt, request),
             Shape::MustFollow(s) => s.slots(attempt),
             Shape::RequiresBefore(s) => s.slots(attempt),
-            Shape::Predicate(_) => RuleSlots::default(),
+            // The earliest matching event is re-judged at the watermark, so facts that arrive
+            // later (the input length, a capacity report) still count.
+            Shape::Predicate(p) => RuleSlots {
+                trigger: attempt.slot(&p.on, slots::Keep::Earliest),
+                ..Default::default()
+            },
         };
         out.push(CompiledRule {
             index,
