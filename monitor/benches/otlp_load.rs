@@ -24,6 +24,10 @@ use opentelemetry_proto::tonic::common::v1::{AnyValue, InstrumentationScope, Key
 use opentelemetry_proto::tonic::resource::v1::Resource;
 use opentelemetry_proto::tonic::trace::v1::{ResourceSpans, ScopeSpans, Span, Status, span::Event};
 
+// Same allocator as the revenant binary, so the in-process figures compare.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 struct Args {
     seconds: u64,
     warmup: u64,
@@ -154,8 +158,50 @@ fn status_kb(pid: &str, key: &str) -> u64 {
         .unwrap_or(0)
 }
 
+/// In-process, one thread: protobuf decode + normalize (profile, span tree) only, on pre-encoded
+/// exports — the receiver-side CPU cost without network, checker or contention.
+fn inproc(args: &Args) {
+    use prost::Message;
+    let base = 1_800_000_000_000_000_000u64;
+    let encoded: Vec<(bytes::Bytes, usize)> = (0..64u64)
+        .map(|i| {
+            let (req, n) = build_batch(args.batch, 1 + i * 1000, base);
+            (bytes::Bytes::from(req.encode_to_vec()), n)
+        })
+        .collect();
+    let mut n = revenant::normalize::Normalizer::new(&Default::default()).unwrap();
+    let mut total = 0usize;
+    let mut events = 0usize;
+    let start = Instant::now();
+    let cpu0 = cpu_seconds("self");
+    let mut round = 0u64;
+    while start.elapsed() < Duration::from_secs(args.seconds.min(5)) {
+        for (b, spans) in &encoded {
+            let req = ExportTraceServiceRequest::decode(b.clone()).unwrap();
+            let mut out = Vec::with_capacity(spans * 2);
+            n.traces(&req, round + 1, &mut out, &mut revenant::normalize::Tally::default());
+            events += out.len();
+            total += spans;
+        }
+        round += 1;
+    }
+    let el = start.elapsed().as_secs_f64();
+    let cpu = cpu_seconds("self") - cpu0;
+    println!(
+        "otlp_load --inproc: decode + normalize, one thread: {:.0} spans/s wall, {:.2} CPU s per million spans ({:.0} spans per CPU second), {} events",
+        total as f64 / el,
+        cpu / (total as f64 / 1e6),
+        total as f64 / cpu,
+        events
+    );
+}
+
 fn main() {
     let args = parse_args();
+    if std::env::args().any(|a| a == "--inproc") {
+        inproc(&args);
+        return;
+    }
     let dir = std::env::temp_dir().join(format!("revenant-otlp-load-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let ready = dir.join("ready.json");
