@@ -422,7 +422,8 @@ pub async fn run_async(p: Prepared, ready_file: Option<PathBuf>, pause_file: Opt
             }
         })
     };
-    drop(ingest);
+    // Kept only for the shutdown accounting; the receivers hold their own handles.
+    let ingest_for_shutdown = ingest;
 
     let ready = serde_json::Value::Object(bound);
     eprintln!("revenant: ready {ready}");
@@ -449,6 +450,12 @@ pub async fn run_async(p: Prepared, ready_file: Option<PathBuf>, pause_file: Opt
             };
         }
         let _ = ticker.await;
+        let pending = ingest_for_shutdown.pending_completions();
+        if pending > 0 {
+            // Not believed yet (an abort from another process could still have come): not sent.
+            tracing::warn!(count = pending, "shutdown: SGLang root completions still in their grace period were not reported");
+        }
+        drop(ingest_for_shutdown);
         // Every sender is gone now: the checker drains what is queued, then returns.
         checker.await
     };
@@ -497,4 +504,74 @@ async fn futures_select_all(
         std::task::Poll::Pending
     })
     .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(config: Option<PathBuf>) -> RunArgs {
+        RunArgs {
+            config,
+            otlp_grpc: None,
+            otlp_http: None,
+            alerts_jsonl: None,
+            events_jsonl: None,
+            rules: None,
+            channel_capacity: None,
+            max_message_bytes: None,
+            clock_skew: None,
+            drain_timeout: None,
+            ready_file: None,
+            pause_file: None,
+        }
+    }
+
+    fn write(name: &str, text: &str) -> PathBuf {
+        let p = std::env::temp_dir().join(format!("revenant-run-cfg-{}-{name}.yaml", std::process::id()));
+        std::fs::write(&p, text).unwrap();
+        p
+    }
+
+    #[test]
+    fn example_config_is_valid() {
+        let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/otlp/run-config.yaml");
+        let prepared = prepare(&args(Some(p))).unwrap();
+        assert_eq!(prepared.cfg.otlp.grpc, Some("127.0.0.1:4317".parse().unwrap()));
+        assert_eq!(prepared.cfg.normalize.generic.len(), 1);
+        assert_eq!(prepared.cfg.normalize.sglang.completion_grace, Duration::from_secs(5));
+    }
+
+    #[test]
+    fn defaults_and_flag_overrides() {
+        let p = prepare(&args(None)).unwrap();
+        assert_eq!(p.cfg.otlp.grpc, Some("127.0.0.1:4317".parse().unwrap()));
+        assert_eq!(p.cfg.otlp.http, Some("127.0.0.1:4318".parse().unwrap()));
+        assert_eq!(p.cfg.otlp.max_message_bytes, 8 << 20);
+        let mut a = args(None);
+        a.otlp_grpc = Some("off".into());
+        a.otlp_http = Some("127.0.0.1:9999".into());
+        a.max_message_bytes = Some(64 << 20);
+        let p = prepare(&a).unwrap();
+        assert_eq!(p.cfg.otlp.grpc, None);
+        assert_eq!(p.cfg.otlp.http, Some("127.0.0.1:9999".parse().unwrap()));
+        assert!(p.cfg.otlp.max_decompressed_bytes >= 64 << 20);
+    }
+
+    #[test]
+    fn bad_configs_are_refused_before_binding() {
+        let typo = write("typo", "otlp:\n  grcp: 127.0.0.1:1\n");
+        let e = prepare(&args(Some(typo))).err().unwrap().to_string();
+        assert!(e.contains("grcp"), "{e}");
+        let zero = write("zero", "channel_capacity: 0\n");
+        assert!(matches!(prepare(&args(Some(zero))), Err(RunConfigError::Capacity)));
+        let same = write("same", "otlp:\n  grpc: 127.0.0.1:7000\n  http: 127.0.0.1:7000\n");
+        assert!(matches!(prepare(&args(Some(same))), Err(RunConfigError::Otlp(_))));
+        let profile = write("profile", "normalize:\n  by_service_name: { x: sglangg }\n");
+        assert!(matches!(prepare(&args(Some(profile))), Err(RunConfigError::Normalize(_))));
+        let mut a = args(None);
+        a.otlp_grpc = Some("localhost".into());
+        assert!(matches!(prepare(&a), Err(RunConfigError::Addr { .. })));
+        assert!(matches!(prepare(&args(Some("/nonexistent/revenant.yaml".into()))), Err(RunConfigError::Read { .. })));
+    }
 }

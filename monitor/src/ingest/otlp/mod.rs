@@ -129,5 +129,12 @@ impl Ingest {
     }
 }
 
+impl Ingest {
+    /// SGLang root completions still inside their grace period (not yet believed).
+    pub fn pending_completions(&self) -> usize {
+        self.normalizer.lock().unwrap_or_else(|p| p.into_inner()).pending_completions()
+    }
+}
+
 /// Retry-After sent with 503: long enough for the checker to drain a full channel.
 pub const RETRY_AFTER: Duration = Duration::from_secs(1);
