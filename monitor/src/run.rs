@@ -225,6 +225,7 @@ async fn checker_task(
     mut alerts: Box<dyn Write + Send>,
     mut events: Option<Box<dyn Write + Send>>,
     pause_file: Option<PathBuf>,
+    mut close: watch::Receiver<bool>,
 ) -> std::io::Result<CheckerTotals> {
     let mut totals = CheckerTotals::default();
     let mut tick = tokio::time::interval(Duration::from_secs(1));
@@ -238,6 +239,13 @@ async fn checker_task(
             }
         }
         let batch = tokio::select! {
+            // Shutdown: refuse new batches (senders see "closed" and answer UNAVAILABLE), keep
+            // draining what is already queued until recv returns None.
+            r = close.wait_for(|v| *v), if !*close.borrow() => {
+                drop(r);
+                rx.close();
+                continue;
+            }
             b = rx.recv() => match b {
                 Some(b) => b,
                 None => break,
@@ -383,7 +391,8 @@ pub async fn run_async(p: Prepared, ready_file: Option<PathBuf>, pause_file: Opt
         let _ = rx.wait_for(|v| *v).await;
     };
 
-    let checker = tokio::spawn(checker_task(p.checker, rx, alerts, events, pause_file));
+    let (close_tx, close_rx) = watch::channel(false);
+    let checker = tokio::spawn(checker_task(p.checker, rx, alerts, events, pause_file, close_rx));
 
     let mut servers = Vec::new();
     let mut bound = serde_json::Map::new();
@@ -441,25 +450,34 @@ pub async fn run_async(p: Prepared, ready_file: Option<PathBuf>, pause_file: Opt
     }
     let started = Instant::now();
     let _ = stop_tx.send(true);
-    let drain = async {
-        for s in servers {
-            match s.await {
-                Ok(Err(e)) => failure.get_or_insert(e),
-                Err(e) => failure.get_or_insert(e.to_string()),
-                Ok(Ok(())) => continue,
-            };
+    // Receivers get half the drain budget to finish in-flight requests; a client that keeps its
+    // connection open past that is cut off (its unacknowledged export will be retried by it).
+    let server_grace = cfg.drain_timeout / 2;
+    for mut s in servers {
+        match tokio::time::timeout(server_grace, &mut s).await {
+            Ok(Ok(Err(e))) => {
+                failure.get_or_insert(e);
+            }
+            Ok(Err(e)) => {
+                failure.get_or_insert(e.to_string());
+            }
+            Ok(Ok(Ok(()))) => {}
+            Err(_) => {
+                tracing::warn!(grace = ?server_grace, "shutdown: a receiver still had open connections; closing them");
+                s.abort();
+            }
         }
-        let _ = ticker.await;
-        let pending = ingest_for_shutdown.pending_completions();
-        if pending > 0 {
-            // Not believed yet (an abort from another process could still have come): not sent.
-            tracing::warn!(count = pending, "shutdown: SGLang root completions still in their grace period were not reported");
-        }
-        drop(ingest_for_shutdown);
-        // Every sender is gone now: the checker drains what is queued, then returns.
-        checker.await
-    };
-    let totals = match tokio::time::timeout(cfg.drain_timeout, drain).await {
+    }
+    let _ = ticker.await;
+    let pending = ingest_for_shutdown.pending_completions();
+    if pending > 0 {
+        // Not believed yet (an abort from another process could still have come): not sent.
+        tracing::warn!(count = pending, "shutdown: SGLang root completions still in their grace period were not reported");
+    }
+    drop(ingest_for_shutdown);
+    let _ = close_tx.send(true);
+    let remaining = cfg.drain_timeout.saturating_sub(started.elapsed()).max(Duration::from_millis(100));
+    let totals = match tokio::time::timeout(remaining, checker).await {
         Err(_) => return Err(RunError::DrainTimeout(cfg.drain_timeout)),
         Ok(Err(e)) => return Err(RunError::Receiver(format!("checker task: {e}"))),
         Ok(Ok(r)) => r.map_err(RunError::Output)?,

@@ -281,3 +281,63 @@ fn saturated_pipeline_makes_grpc_sdk_retry_and_loses_nothing() {
 fn saturated_pipeline_makes_http_sdk_retry_and_loses_nothing() {
     backpressure("http-protobuf");
 }
+
+/// Sends `msg` (any prost message) as the request of the OTLP trace Export method.
+async fn raw_export<M: prost::Message + Default + Send + Sync + 'static>(addr: &str, msg: M) -> Result<(), tonic::Status> {
+    use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceResponse;
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}")).unwrap().connect().await.unwrap();
+    let mut grpc = tonic::client::Grpc::new(channel);
+    grpc.ready().await.unwrap();
+    let codec = tonic_prost::ProstCodec::<M, ExportTraceServiceResponse>::default();
+    let path = http::uri::PathAndQuery::from_static("/opentelemetry.proto.collector.trace.v1.TraceService/Export");
+    grpc.unary(tonic::Request::new(msg), path, codec).await.map(|_| ())
+}
+
+#[test]
+fn malformed_and_oversized_grpc_get_error_codes_and_are_counted() {
+    use opentelemetry_proto::tonic::collector::trace::v1::{ExportTracePartialSuccess, ExportTraceServiceRequest};
+    use opentelemetry_proto::tonic::trace::v1::{ResourceSpans, ScopeSpans, Span};
+    let mut rv = Revenant::start("grpc-bad", &["--max-message-bytes", "2000"]);
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        // Field 1 of ExportTraceServiceRequest is a message; here it arrives as a varint.
+        let bad = raw_export(&rv.grpc, ExportTracePartialSuccess { rejected_spans: 7, error_message: String::new() }).await;
+        assert_eq!(bad.unwrap_err().code(), tonic::Code::Internal);
+        let big = ExportTraceServiceRequest {
+            resource_spans: vec![ResourceSpans {
+                scope_spans: vec![ScopeSpans {
+                    spans: vec![Span { name: "x".repeat(5000), ..Default::default() }],
+                    ..Default::default()
+                }],
+                ..Default::default()
+            }],
+        };
+        let too_big = raw_export(&rv.grpc, big).await;
+        // tonic answers an over-limit message with OUT_OF_RANGE (not retryable: resending cannot help).
+        assert_eq!(too_big.unwrap_err().code(), tonic::Code::OutOfRange);
+        // The receiver still serves well-formed exports afterwards.
+        let ok = raw_export(&rv.grpc, ExportTraceServiceRequest::default()).await;
+        assert!(ok.is_ok(), "{ok:?}");
+    });
+    assert!(rv.stop().success());
+    let stderr = rv.stderr();
+    assert!(stderr.contains("revenant_otlp_grpc_error_responses_total{code=\"13\"} 1"), "{stderr}");
+    assert!(stderr.contains("revenant_otlp_grpc_error_responses_total{code=\"11\"} 1"), "{stderr}");
+    assert!(stderr.contains("revenant_otlp_requests_accepted_total{transport=\"grpc\"} 1"), "{stderr}");
+}
+
+#[test]
+fn broken_config_exits_2_without_binding() {
+    let dir = std::env::temp_dir().join(format!("revenant-otlp-badcfg-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("bad.yaml");
+    std::fs::write(&cfg, "otlp:\n  grpc: 127.0.0.1:0\n  bogus: 1\n").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_revenant")).args(["run", "--config"]).arg(&cfg).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("bogus"), "{err}");
+    assert!(!err.contains("ready"), "no port may be bound: {err}");
+    let out = Command::new(env!("CARGO_BIN_EXE_revenant")).args(["run", "--otlp-http", "not-an-addr"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -1,7 +1,7 @@
 //! OTLP/gRPC: the generated `TraceService` / `LogsService` servers from `opentelemetry-proto`.
 //!
 //! tonic enforces the message size limit on the compressed frame and while decompressing
-//! (decompression-bomb guard) and answers those with RESOURCE_EXHAUSTED; decode errors with
+//! (decompression-bomb guard) and answers those with OUT_OF_RANGE; decode errors with
 //! INTERNAL. A response layer counts every non-OK status by code, including those tonic
 //! produced before our handler ran.
 
