@@ -389,3 +389,27 @@ fn bad_times_are_counted_not_mapped() {
     assert!(ev.is_empty());
     assert_eq!(tally.unmapped_count(ProfileLabel::Smg, Unmapped::BadTime), 1);
 }
+
+#[test]
+fn logs_map_through_generic_mappings_only_and_bodies_are_dropped() {
+    let cfg: NormalizeConfig = serde_saphyr::from_str(
+        "generic:\n  - name: logs\n    select: { service_name: my-decode }\n    ids: { rid: [rid] }\n    rules:\n      - { name: kv_received, stage: transfer, kind: work }\n      - { name: abort, stage: decode, kind: aborted }\n",
+    )
+    .unwrap();
+    let mut n = Normalizer::new(&cfg).unwrap();
+    let doc = r#"{"resourceLogs":[{"resource":{"attributes":[{"key":"service.name","value":{"stringValue":"my-decode"}}]},
+      "scopeLogs":[{"scope":{"name":"x"},"logRecords":[
+        {"timeUnixNano":"100","eventName":"kv_received","body":{"stringValue":"PROMPT TEXT"},"attributes":[{"key":"rid","value":{"stringValue":"r1"}}]},
+        {"timeUnixNano":"200","severityNumber":"SEVERITY_NUMBER_ERROR","attributes":[{"key":"event.name","value":{"stringValue":"abort"}},{"key":"rid","value":{"stringValue":"r1"}}]},
+        {"timeUnixNano":"300","eventName":"chatter","attributes":[{"key":"rid","value":{"stringValue":"r1"}}]}]}]},
+      {"resource":{"attributes":[{"key":"service.name","value":{"stringValue":"sglang"}}]},"scopeLogs":[{"logRecords":[{"timeUnixNano":"1"}]}]}]}"#;
+    let req = json::decode_logs(doc.as_bytes()).unwrap();
+    assert!(req.resource_logs[0].scope_logs[0].log_records[0].body.is_none(), "the JSON decoder drops bodies");
+    let mut out = Vec::new();
+    let mut tally = Tally::default();
+    n.logs(&req, &mut out, &mut tally);
+    let got: Vec<_> = out.iter().map(|e| (e.stage, e.kind, e.time_ns, e.ids.rid.as_deref())).collect();
+    assert_eq!(got, vec![(Stage::Transfer, Kind::Work, 100, Some("r1")), (Stage::Decode, Kind::Aborted, 200, Some("r1"))]);
+    assert_eq!(tally.unmapped_count(ProfileLabel::Generic, Unmapped::UnknownSpan), 1);
+    assert_eq!(tally.unmapped_count(ProfileLabel::Sglang, Unmapped::LogNotMapped), 1);
+}
