@@ -20,7 +20,9 @@ use std::time::{Duration, Instant};
 
 use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
 use opentelemetry_proto::tonic::collector::trace::v1::trace_service_client::TraceServiceClient;
-use opentelemetry_proto::tonic::common::v1::{AnyValue, InstrumentationScope, KeyValue, any_value::Value};
+use opentelemetry_proto::tonic::common::v1::{
+    AnyValue, InstrumentationScope, KeyValue, any_value::Value,
+};
 use opentelemetry_proto::tonic::resource::v1::Resource;
 use opentelemetry_proto::tonic::trace::v1::{ResourceSpans, ScopeSpans, Span, Status, span::Event};
 
@@ -41,9 +43,21 @@ fn parse_args() -> Args {
     // `cargo bench` passes --bench; `cargo test --all-targets` runs this binary without it: then
     // only a short smoke run proves the tool and the pipeline work.
     let mut a = if argv.iter().any(|a| a == "--bench") {
-        Args { seconds: 20, warmup: 3, connections: 4, batch: 1000, channel_capacity: 16 }
+        Args {
+            seconds: 20,
+            warmup: 3,
+            connections: 4,
+            batch: 1000,
+            channel_capacity: 16,
+        }
     } else {
-        Args { seconds: 1, warmup: 0, connections: 1, batch: 120, channel_capacity: 16 }
+        Args {
+            seconds: 1,
+            warmup: 0,
+            connections: 1,
+            batch: 120,
+            channel_capacity: 16,
+        }
     };
     let mut i = 1;
     while i < argv.len() {
@@ -65,17 +79,33 @@ fn parse_args() -> Args {
 }
 
 fn kv(k: &str, v: Value) -> KeyValue {
-    KeyValue { key: k.into(), value: Some(AnyValue { value: Some(v) }), key_strindex: 0 }
+    KeyValue {
+        key: k.into(),
+        value: Some(AnyValue { value: Some(v) }),
+        key_strindex: 0,
+    }
 }
 fn s(k: &str, v: String) -> KeyValue {
     kv(k, Value::StringValue(v))
 }
 
-fn span(trace: u128, id: u64, parent: u64, name: String, start: u64, end: u64, attributes: Vec<KeyValue>) -> Span {
+fn span(
+    trace: u128,
+    id: u64,
+    parent: u64,
+    name: String,
+    start: u64,
+    end: u64,
+    attributes: Vec<KeyValue>,
+) -> Span {
     Span {
         trace_id: trace.to_be_bytes().to_vec(),
         span_id: id.to_be_bytes().to_vec(),
-        parent_span_id: if parent == 0 { vec![] } else { parent.to_be_bytes().to_vec() },
+        parent_span_id: if parent == 0 {
+            vec![]
+        } else {
+            parent.to_be_bytes().to_vec()
+        },
         name,
         kind: 1,
         start_time_unix_nano: start,
@@ -86,7 +116,13 @@ fn span(trace: u128, id: u64, parent: u64, name: String, start: u64, end: u64, a
 }
 
 fn resource(service: &str) -> Option<Resource> {
-    Some(Resource { attributes: vec![s("service.name", service.into()), s("host.name", format!("{service}-node"))], ..Default::default() })
+    Some(Resource {
+        attributes: vec![
+            s("service.name", service.into()),
+            s("host.name", format!("{service}-node")),
+        ],
+        ..Default::default()
+    })
 }
 
 /// One export of about `n` spans: whole attempts (5 SGLang spans) plus their router spans.
@@ -100,22 +136,76 @@ fn build_batch(n: usize, first_attempt: u64, now: u64) -> (ExportTraceServiceReq
         let t0 = now + a % 1000;
         let root = a << 8 | 1;
         let thread = a << 8 | 2;
-        for (k, name) in ["prefill_bootstrap", "prefill_forward", "prefill_transfer_kv_cache"].iter().enumerate() {
+        for (k, name) in [
+            "prefill_bootstrap",
+            "prefill_forward",
+            "prefill_transfer_kv_cache",
+        ]
+        .iter()
+        .enumerate()
+        {
             let k = k as u64;
-            sg.push(span(trace, a << 8 | (3 + k), thread, (*name).into(), t0 + 10 + k * 10, t0 + 15 + k * 10, vec![]));
+            sg.push(span(
+                trace,
+                a << 8 | (3 + k),
+                thread,
+                (*name).into(),
+                t0 + 10 + k * 10,
+                t0 + 15 + k * 10,
+                vec![],
+            ));
         }
-        let mut th = span(trace, thread, root, "Prefill Scheduler [TP 0] (host:bench | pid:1)".into(), t0 + 5, t0 + 50, vec![s("thread_label", "Prefill Scheduler".into()), kv("pid", Value::IntValue(1))]);
+        let mut th = span(
+            trace,
+            thread,
+            root,
+            "Prefill Scheduler [TP 0] (host:bench | pid:1)".into(),
+            t0 + 5,
+            t0 + 50,
+            vec![
+                s("thread_label", "Prefill Scheduler".into()),
+                kv("pid", Value::IntValue(1)),
+            ],
+        );
         if a % 50 == 0 {
-            th.attributes.push(s("reason", format!("Request {rid} exceeds the maximum number of tokens: 9000 > 8192")));
-            th.status = Some(Status { message: String::new(), code: 2 });
+            th.attributes.push(s(
+                "reason",
+                format!("Request {rid} exceeds the maximum number of tokens: 9000 > 8192"),
+            ));
+            th.status = Some(Status {
+                message: String::new(),
+                code: 2,
+            });
         }
         sg.push(th);
-        sg.push(span(trace, root, 0, format!("prefill Req {}", &rid[..8]), t0, t0 + 60, vec![s("rid", rid), s("bootstrap_room", format!("{a:#x}"))]));
-        let mut r = span(trace ^ 1, a << 8 | 9, 0, "http_request".into(), t0, t0 + 70, vec![s("request_id", format!("bench-{a}")), s("status_code", "200".into())]);
+        sg.push(span(
+            trace,
+            root,
+            0,
+            format!("prefill Req {}", &rid[..8]),
+            t0,
+            t0 + 60,
+            vec![s("rid", rid), s("bootstrap_room", format!("{a:#x}"))],
+        ));
+        let mut r = span(
+            trace ^ 1,
+            a << 8 | 9,
+            0,
+            "http_request".into(),
+            t0,
+            t0 + 70,
+            vec![
+                s("request_id", format!("bench-{a}")),
+                s("status_code", "200".into()),
+            ],
+        );
         r.events.push(Event {
             time_unix_nano: t0 + 1,
             name: "Sending concurrent requests".into(),
-            attributes: vec![s("prefill_url", "http://p:1".into()), s("decode_url", "http://d:1".into())],
+            attributes: vec![
+                s("prefill_url", "http://p:1".into()),
+                s("decode_url", "http://d:1".into()),
+            ],
             dropped_attributes_count: 0,
         });
         rt.push(r);
@@ -125,12 +215,26 @@ fn build_batch(n: usize, first_attempt: u64, now: u64) -> (ExportTraceServiceReq
         resource_spans: vec![
             ResourceSpans {
                 resource: resource("sglang"),
-                scope_spans: vec![ScopeSpans { scope: Some(InstrumentationScope { name: "sglang server".into(), ..Default::default() }), spans: sg, schema_url: String::new() }],
+                scope_spans: vec![ScopeSpans {
+                    scope: Some(InstrumentationScope {
+                        name: "sglang server".into(),
+                        ..Default::default()
+                    }),
+                    spans: sg,
+                    schema_url: String::new(),
+                }],
                 schema_url: String::new(),
             },
             ResourceSpans {
                 resource: resource("smg"),
-                scope_spans: vec![ScopeSpans { scope: Some(InstrumentationScope { name: "smg".into(), ..Default::default() }), spans: rt, schema_url: String::new() }],
+                scope_spans: vec![ScopeSpans {
+                    scope: Some(InstrumentationScope {
+                        name: "smg".into(),
+                        ..Default::default()
+                    }),
+                    spans: rt,
+                    schema_url: String::new(),
+                }],
                 schema_url: String::new(),
             },
         ],
@@ -179,7 +283,12 @@ fn inproc(args: &Args) {
         for (b, spans) in &encoded {
             let req = ExportTraceServiceRequest::decode(b.clone()).unwrap();
             let mut out = Vec::with_capacity(spans * 2);
-            n.traces(&req, round + 1, &mut out, &mut revenant::normalize::Tally::default());
+            n.traces(
+                &req,
+                round + 1,
+                &mut out,
+                &mut revenant::normalize::Tally::default(),
+            );
             events += out.len();
             total += spans;
         }
@@ -211,7 +320,12 @@ fn main() {
         .arg(&ready)
         .arg("--alerts-jsonl")
         .arg(dir.join("alerts.jsonl"))
-        .args(["--channel-capacity", &args.channel_capacity.to_string(), "--drain-timeout", "60s"])
+        .args([
+            "--channel-capacity",
+            &args.channel_capacity.to_string(),
+            "--drain-timeout",
+            "60s",
+        ])
         .env("REVENANT_LOG", "warn")
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(dir.join("stderr.log")).unwrap())
@@ -228,19 +342,34 @@ fn main() {
     };
     let pid = child.id().to_string();
 
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
     let acked = Arc::new(AtomicU64::new(0));
     let refused = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
     let next_attempt = Arc::new(AtomicU64::new(1));
-    let base = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
+    let base = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64;
 
     let mut tasks = Vec::new();
     for _ in 0..args.connections {
-        let (acked, refused, stop, next) = (acked.clone(), refused.clone(), stop.clone(), next_attempt.clone());
+        let (acked, refused, stop, next) = (
+            acked.clone(),
+            refused.clone(),
+            stop.clone(),
+            next_attempt.clone(),
+        );
         let (addr, batch) = (addr.clone(), args.batch);
         tasks.push(rt.spawn(async move {
-            let mut client = TraceServiceClient::connect(format!("http://{addr}")).await.unwrap().max_encoding_message_size(64 << 20);
+            let mut client = TraceServiceClient::connect(format!("http://{addr}"))
+                .await
+                .unwrap()
+                .max_encoding_message_size(64 << 20);
             while !stop.load(Relaxed) {
                 let attempts = (batch / 6).max(1) as u64;
                 let first = next.fetch_add(attempts, Relaxed);
@@ -266,9 +395,21 @@ fn main() {
     }
 
     std::thread::sleep(Duration::from_secs(args.warmup));
-    let (a0, r0, c0, g0, t0) = (acked.load(Relaxed), refused.load(Relaxed), cpu_seconds(&pid), cpu_seconds("self"), Instant::now());
+    let (a0, r0, c0, g0, t0) = (
+        acked.load(Relaxed),
+        refused.load(Relaxed),
+        cpu_seconds(&pid),
+        cpu_seconds("self"),
+        Instant::now(),
+    );
     std::thread::sleep(Duration::from_secs(args.seconds));
-    let (a1, r1, c1, g1, el) = (acked.load(Relaxed), refused.load(Relaxed), cpu_seconds(&pid), cpu_seconds("self"), t0.elapsed());
+    let (a1, r1, c1, g1, el) = (
+        acked.load(Relaxed),
+        refused.load(Relaxed),
+        cpu_seconds(&pid),
+        cpu_seconds("self"),
+        t0.elapsed(),
+    );
     stop.store(true, Relaxed);
     rt.block_on(async {
         for t in tasks {
@@ -282,14 +423,34 @@ fn main() {
 
     let spans = (a1 - a0) as f64;
     let secs = el.as_secs_f64();
-    println!("otlp_load: {} connections, {} spans/export, channel capacity {}, {} s measured after {} s warmup", args.connections, args.batch, args.channel_capacity, args.seconds, args.warmup);
-    println!("  sustained:          {:.0} spans/s acknowledged ({:.0} spans total)", spans / secs, spans);
+    println!(
+        "otlp_load: {} connections, {} spans/export, channel capacity {}, {} s measured after {} s warmup",
+        args.connections, args.batch, args.channel_capacity, args.seconds, args.warmup
+    );
+    println!(
+        "  sustained:          {:.0} spans/s acknowledged ({:.0} spans total)",
+        spans / secs,
+        spans
+    );
     println!("  refused (retried):  {} UNAVAILABLE answers", r1 - r0);
-    println!("  revenant CPU:       {:.2} s over {:.1} s = {:.2} CPU s per million spans", c1 - c0, secs, (c1 - c0) / (spans / 1e6));
-    println!("  generator CPU:      {:.2} s (same machine, shares the cores)", g1 - g0);
+    println!(
+        "  revenant CPU:       {:.2} s over {:.1} s = {:.2} CPU s per million spans",
+        c1 - c0,
+        secs,
+        (c1 - c0) / (spans / 1e6)
+    );
+    println!(
+        "  generator CPU:      {:.2} s (same machine, shares the cores)",
+        g1 - g0
+    );
     println!("  revenant peak RSS:  {:.1} MiB", hwm as f64 / 1024.0);
     println!("  revenant exit:      {st}");
-    for l in stderr.lines().filter(|l| l.starts_with("revenant: stopped") || l.contains("spans_received") || l.contains("rejected_total") || l.contains("events_emitted")) {
+    for l in stderr.lines().filter(|l| {
+        l.starts_with("revenant: stopped")
+            || l.contains("spans_received")
+            || l.contains("rejected_total")
+            || l.contains("events_emitted")
+    }) {
         println!("  | {l}");
     }
     let _ = std::fs::remove_dir_all(&dir);

@@ -119,7 +119,10 @@ impl Default for RunConfig {
 #[derive(Debug, thiserror::Error)]
 pub enum RunConfigError {
     #[error("reading config {path}: {source}")]
-    Read { path: PathBuf, source: std::io::Error },
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("config {path}: {msg}")]
     Parse { path: PathBuf, msg: String },
     #[error("--{flag}: {value:?} is not an address (HOST:PORT or `off`)")]
@@ -140,7 +143,10 @@ fn parse_addr(flag: &'static str, v: &str) -> Result<Option<SocketAddr>, RunConf
     if v.eq_ignore_ascii_case("off") {
         return Ok(None);
     }
-    v.parse().map(Some).map_err(|_| RunConfigError::Addr { flag, value: v.to_owned() })
+    v.parse().map(Some).map_err(|_| RunConfigError::Addr {
+        flag,
+        value: v.to_owned(),
+    })
 }
 
 /// Everything validated and built, no port bound yet.
@@ -151,9 +157,17 @@ pub struct Prepared {
 }
 
 pub fn load_config(path: Option<&Path>) -> Result<RunConfig, RunConfigError> {
-    let Some(path) = path else { return Ok(RunConfig::default()) };
-    let text = std::fs::read_to_string(path).map_err(|source| RunConfigError::Read { path: path.into(), source })?;
-    serde_saphyr::from_str(&text).map_err(|e| RunConfigError::Parse { path: path.into(), msg: e.to_string() })
+    let Some(path) = path else {
+        return Ok(RunConfig::default());
+    };
+    let text = std::fs::read_to_string(path).map_err(|source| RunConfigError::Read {
+        path: path.into(),
+        source,
+    })?;
+    serde_saphyr::from_str(&text).map_err(|e| RunConfigError::Parse {
+        path: path.into(),
+        msg: e.to_string(),
+    })
 }
 
 pub fn prepare(args: &RunArgs) -> Result<Prepared, RunConfigError> {
@@ -195,17 +209,31 @@ pub fn prepare(args: &RunArgs) -> Result<Prepared, RunConfigError> {
         Some(p) => RuleSet::from_file(p)?,
         None => RuleSet::embedded_defaults(),
     };
-    let ccfg = CheckerConfig { clock_skew: cfg.clock_skew, allowed_lateness: cfg.clock_skew, ..CheckerConfig::default() };
+    let ccfg = CheckerConfig {
+        clock_skew: cfg.clock_skew,
+        allowed_lateness: cfg.clock_skew,
+        ..CheckerConfig::default()
+    };
     ccfg.validate()?;
-    Ok(Prepared { checker: Checker::new(rules, ccfg), normalizer, cfg })
+    Ok(Prepared {
+        checker: Checker::new(rules, ccfg),
+        normalizer,
+        cfg,
+    })
 }
 
 fn wall_ns() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0)
 }
 
 fn open_append(p: &Path) -> std::io::Result<Box<dyn Write + Send>> {
-    let f = std::fs::OpenOptions::new().create(true).append(true).open(p)?;
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(p)?;
     Ok(Box::new(std::io::BufWriter::with_capacity(1 << 16, f)))
 }
 
@@ -304,7 +332,9 @@ async fn checker_task(
 async fn shutdown_signal() {
     #[cfg(unix)]
     {
-        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        let mut term = match tokio::signal::unix::signal(
+            tokio::signal::unix::SignalKind::terminate(),
+        ) {
             Ok(s) => s,
             Err(e) => {
                 tracing::warn!(error = %e, "cannot listen for SIGTERM; only Ctrl-C stops revenant");
@@ -329,7 +359,11 @@ pub fn run(args: RunArgs) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let rt = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("revenant: cannot start the runtime: {e}");
@@ -348,9 +382,16 @@ pub fn run(args: RunArgs) -> ExitCode {
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
     #[error("binding {what} on {addr}: {source}")]
-    Bind { what: &'static str, addr: SocketAddr, source: std::io::Error },
+    Bind {
+        what: &'static str,
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
     #[error("opening {path}: {source}")]
-    Open { path: PathBuf, source: std::io::Error },
+    Open {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("writing readiness file: {0}")]
     Ready(std::io::Error),
     #[error("checker output failed: {0}")]
@@ -361,18 +402,30 @@ pub enum RunError {
     Receiver(String),
 }
 
-pub async fn run_async(p: Prepared, ready_file: Option<PathBuf>, pause_file: Option<PathBuf>) -> Result<(), RunError> {
+pub async fn run_async(
+    p: Prepared,
+    ready_file: Option<PathBuf>,
+    pause_file: Option<PathBuf>,
+) -> Result<(), RunError> {
     let cfg = p.cfg;
     let alerts: Box<dyn Write + Send> = match &cfg.alerts_jsonl {
-        Some(path) => open_append(path).map_err(|source| RunError::Open { path: path.clone(), source })?,
+        Some(path) => open_append(path).map_err(|source| RunError::Open {
+            path: path.clone(),
+            source,
+        })?,
         None => Box::new(std::io::BufWriter::new(std::io::stdout())),
     };
     let events = match &cfg.events_jsonl {
-        Some(path) => Some(open_append(path).map_err(|source| RunError::Open { path: path.clone(), source })?),
+        Some(path) => Some(open_append(path).map_err(|source| RunError::Open {
+            path: path.clone(),
+            source,
+        })?),
         None => None,
     };
     let bind = |what: &'static str, addr: SocketAddr| async move {
-        tokio::net::TcpListener::bind(addr).await.map_err(|source| RunError::Bind { what, addr, source })
+        tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(|source| RunError::Bind { what, addr, source })
     };
     let grpc_l = match cfg.otlp.grpc {
         Some(a) => Some(bind("otlp-grpc", a).await?),
@@ -385,32 +438,60 @@ pub async fn run_async(p: Prepared, ready_file: Option<PathBuf>, pause_file: Opt
 
     let (tx, rx) = mpsc::channel::<EventBatch>(cfg.channel_capacity);
     let stats = Arc::new(OtlpStats::default());
-    let ingest = Arc::new(Ingest::new(tx, p.normalizer, stats.clone(), cfg.otlp.max_items_per_request));
+    let ingest = Arc::new(Ingest::new(
+        tx,
+        p.normalizer,
+        stats.clone(),
+        cfg.otlp.max_items_per_request,
+    ));
     let (stop_tx, stop_rx) = watch::channel(false);
     let stopped = |mut rx: watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|v| *v).await;
     };
 
     let (close_tx, close_rx) = watch::channel(false);
-    let checker = tokio::spawn(checker_task(p.checker, rx, alerts, events, pause_file, close_rx));
+    let checker = tokio::spawn(checker_task(
+        p.checker, rx, alerts, events, pause_file, close_rx,
+    ));
 
     let mut servers = Vec::new();
     let mut bound = serde_json::Map::new();
     if let Some(l) = grpc_l {
-        let addr = l.local_addr().map_err(|source| RunError::Bind { what: "otlp-grpc", addr: cfg.otlp.grpc.unwrap_or(([0, 0, 0, 0], 0).into()), source })?;
+        let addr = l.local_addr().map_err(|source| RunError::Bind {
+            what: "otlp-grpc",
+            addr: cfg.otlp.grpc.unwrap_or(([0, 0, 0, 0], 0).into()),
+            source,
+        })?;
         bound.insert("otlp_grpc".into(), addr.to_string().into());
-        let (ing, max, stop) = (ingest.clone(), cfg.otlp.max_message_bytes, stopped(stop_rx.clone()));
+        let (ing, max, stop) = (
+            ingest.clone(),
+            cfg.otlp.max_message_bytes,
+            stopped(stop_rx.clone()),
+        );
         servers.push(tokio::spawn(async move {
-            otlp::grpc::serve(l, ing, max, stop).await.map_err(|e| e.to_string())
+            otlp::grpc::serve(l, ing, max, stop)
+                .await
+                .map_err(|e| e.to_string())
         }));
         tracing::info!(%addr, "otlp/grpc listening");
     }
     if let Some(l) = http_l {
-        let addr = l.local_addr().map_err(|source| RunError::Bind { what: "otlp-http", addr: cfg.otlp.http.unwrap_or(([0, 0, 0, 0], 0).into()), source })?;
+        let addr = l.local_addr().map_err(|source| RunError::Bind {
+            what: "otlp-http",
+            addr: cfg.otlp.http.unwrap_or(([0, 0, 0, 0], 0).into()),
+            source,
+        })?;
         bound.insert("otlp_http".into(), addr.to_string().into());
-        let (ing, max, maxd, stop) = (ingest.clone(), cfg.otlp.max_message_bytes, cfg.otlp.max_decompressed_bytes, stopped(stop_rx.clone()));
+        let (ing, max, maxd, stop) = (
+            ingest.clone(),
+            cfg.otlp.max_message_bytes,
+            cfg.otlp.max_decompressed_bytes,
+            stopped(stop_rx.clone()),
+        );
         servers.push(tokio::spawn(async move {
-            otlp::http::serve(l, ing, max, maxd, stop).await.map_err(|e| e.to_string())
+            otlp::http::serve(l, ing, max, maxd, stop)
+                .await
+                .map_err(|e| e.to_string())
         }));
         tracing::info!(%addr, "otlp/http listening");
     }
@@ -439,7 +520,9 @@ pub async fn run_async(p: Prepared, ready_file: Option<PathBuf>, pause_file: Opt
     if let Some(path) = &ready_file {
         // Write then rename: a reader never sees a half-written file.
         let tmp = path.with_extension("tmp");
-        std::fs::write(&tmp, ready.to_string()).and_then(|_| std::fs::rename(&tmp, path)).map_err(RunError::Ready)?;
+        std::fs::write(&tmp, ready.to_string())
+            .and_then(|_| std::fs::rename(&tmp, path))
+            .map_err(RunError::Ready)?;
     }
 
     // Run until a signal, or until a receiver dies.
@@ -472,11 +555,17 @@ pub async fn run_async(p: Prepared, ready_file: Option<PathBuf>, pause_file: Opt
     let pending = ingest_for_shutdown.pending_completions();
     if pending > 0 {
         // Not believed yet (an abort from another process could still have come): not sent.
-        tracing::warn!(count = pending, "shutdown: SGLang root completions still in their grace period were not reported");
+        tracing::warn!(
+            count = pending,
+            "shutdown: SGLang root completions still in their grace period were not reported"
+        );
     }
     drop(ingest_for_shutdown);
     let _ = close_tx.send(true);
-    let remaining = cfg.drain_timeout.saturating_sub(started.elapsed()).max(Duration::from_millis(100));
+    let remaining = cfg
+        .drain_timeout
+        .saturating_sub(started.elapsed())
+        .max(Duration::from_millis(100));
     let totals = match tokio::time::timeout(remaining, checker).await {
         Err(_) => return Err(RunError::DrainTimeout(cfg.drain_timeout)),
         Ok(Err(e)) => return Err(RunError::Receiver(format!("checker task: {e}"))),
@@ -512,7 +601,11 @@ async fn futures_first(servers: &mut [tokio::task::JoinHandle<Result<(), String>
 
 async fn futures_select_all(
     servers: &mut [tokio::task::JoinHandle<Result<(), String>>],
-) -> (Result<Result<(), String>, tokio::task::JoinError>, usize, ()) {
+) -> (
+    Result<Result<(), String>, tokio::task::JoinError>,
+    usize,
+    (),
+) {
     std::future::poll_fn(|cx| {
         for (i, s) in servers.iter_mut().enumerate() {
             if let std::task::Poll::Ready(r) = std::pin::Pin::new(s).poll(cx) {
@@ -546,7 +639,10 @@ mod tests {
     }
 
     fn write(name: &str, text: &str) -> PathBuf {
-        let p = std::env::temp_dir().join(format!("revenant-run-cfg-{}-{name}.yaml", std::process::id()));
+        let p = std::env::temp_dir().join(format!(
+            "revenant-run-cfg-{}-{name}.yaml",
+            std::process::id()
+        ));
         std::fs::write(&p, text).unwrap();
         p
     }
@@ -555,9 +651,15 @@ mod tests {
     fn example_config_is_valid() {
         let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/otlp/run-config.yaml");
         let prepared = prepare(&args(Some(p))).unwrap();
-        assert_eq!(prepared.cfg.otlp.grpc, Some("127.0.0.1:4317".parse().unwrap()));
+        assert_eq!(
+            prepared.cfg.otlp.grpc,
+            Some("127.0.0.1:4317".parse().unwrap())
+        );
         assert_eq!(prepared.cfg.normalize.generic.len(), 1);
-        assert_eq!(prepared.cfg.normalize.sglang.completion_grace, Duration::from_secs(5));
+        assert_eq!(
+            prepared.cfg.normalize.sglang.completion_grace,
+            Duration::from_secs(5)
+        );
     }
 
     #[test]
@@ -582,14 +684,29 @@ mod tests {
         let e = prepare(&args(Some(typo))).err().unwrap().to_string();
         assert!(e.contains("grcp"), "{e}");
         let zero = write("zero", "channel_capacity: 0\n");
-        assert!(matches!(prepare(&args(Some(zero))), Err(RunConfigError::Capacity)));
-        let same = write("same", "otlp:\n  grpc: 127.0.0.1:7000\n  http: 127.0.0.1:7000\n");
-        assert!(matches!(prepare(&args(Some(same))), Err(RunConfigError::Otlp(_))));
+        assert!(matches!(
+            prepare(&args(Some(zero))),
+            Err(RunConfigError::Capacity)
+        ));
+        let same = write(
+            "same",
+            "otlp:\n  grpc: 127.0.0.1:7000\n  http: 127.0.0.1:7000\n",
+        );
+        assert!(matches!(
+            prepare(&args(Some(same))),
+            Err(RunConfigError::Otlp(_))
+        ));
         let profile = write("profile", "normalize:\n  by_service_name: { x: sglangg }\n");
-        assert!(matches!(prepare(&args(Some(profile))), Err(RunConfigError::Normalize(_))));
+        assert!(matches!(
+            prepare(&args(Some(profile))),
+            Err(RunConfigError::Normalize(_))
+        ));
         let mut a = args(None);
         a.otlp_grpc = Some("localhost".into());
         assert!(matches!(prepare(&a), Err(RunConfigError::Addr { .. })));
-        assert!(matches!(prepare(&args(Some("/nonexistent/revenant.yaml".into()))), Err(RunConfigError::Read { .. })));
+        assert!(matches!(
+            prepare(&args(Some("/nonexistent/revenant.yaml".into()))),
+            Err(RunConfigError::Read { .. })
+        ));
     }
 }

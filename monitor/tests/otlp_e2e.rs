@@ -10,7 +10,10 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf()
 }
 
 /// Creates (once) the venv with the OpenTelemetry SDK and exporters; idempotent.
@@ -38,13 +41,20 @@ fn venv_python() -> PathBuf {
     let lock = target.join("otlp-venv.lock");
     let deadline = Instant::now() + Duration::from_secs(600);
     while std::fs::create_dir(&lock).is_err() {
-        assert!(Instant::now() < deadline, "timed out waiting for another test to build the venv");
+        assert!(
+            Instant::now() < deadline,
+            "timed out waiting for another test to build the venv"
+        );
         std::thread::sleep(Duration::from_millis(200));
         if py.exists() && probe(&py) {
             return py;
         }
     }
-    let ok = Command::new("python3").args(["-m", "venv"]).arg(&venv).status().is_ok_and(|s| s.success())
+    let ok = Command::new("python3")
+        .args(["-m", "venv"])
+        .arg(&venv)
+        .status()
+        .is_ok_and(|s| s.success())
         && Command::new(venv.join("bin/pip"))
             .args([
                 "install",
@@ -56,7 +66,11 @@ fn venv_python() -> PathBuf {
             .status()
             .is_ok_and(|s| s.success());
     let _ = std::fs::remove_dir(&lock);
-    assert!(ok && probe(&py), "could not create the OpenTelemetry test venv at {}", venv.display());
+    assert!(
+        ok && probe(&py),
+        "could not create the OpenTelemetry test venv at {}",
+        venv.display()
+    );
     py
 }
 
@@ -69,12 +83,19 @@ struct Revenant {
 
 impl Revenant {
     fn start(name: &str, extra: &[&str]) -> Revenant {
-        let dir = std::env::temp_dir().join(format!("revenant-otlp-e2e-{name}-{}", std::process::id()));
+        let dir =
+            std::env::temp_dir().join(format!("revenant-otlp-e2e-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         let ready = dir.join("ready.json");
         let child = Command::new(env!("CARGO_BIN_EXE_revenant"))
-            .args(["run", "--otlp-grpc", "127.0.0.1:0", "--otlp-http", "127.0.0.1:0"])
+            .args([
+                "run",
+                "--otlp-grpc",
+                "127.0.0.1:0",
+                "--otlp-http",
+                "127.0.0.1:0",
+            ])
             .arg("--ready-file")
             .arg(&ready)
             .arg("--events-jsonl")
@@ -86,7 +107,12 @@ impl Revenant {
             .stderr(std::fs::File::create(dir.join("stderr.log")).unwrap())
             .spawn()
             .expect("spawn revenant");
-        let mut r = Revenant { child, dir, grpc: String::new(), http: String::new() };
+        let mut r = Revenant {
+            child,
+            dir,
+            grpc: String::new(),
+            http: String::new(),
+        };
         let deadline = Instant::now() + Duration::from_secs(20);
         let doc = loop {
             if let Ok(t) = std::fs::read_to_string(&ready) {
@@ -95,7 +121,11 @@ impl Revenant {
             if let Ok(Some(st)) = r.child.try_wait() {
                 panic!("revenant exited early ({st}): {}", r.stderr());
             }
-            assert!(Instant::now() < deadline, "revenant not ready in time: {}", r.stderr());
+            assert!(
+                Instant::now() < deadline,
+                "revenant not ready in time: {}",
+                r.stderr()
+            );
             std::thread::sleep(Duration::from_millis(20));
         };
         let v: serde_json::Value = serde_json::from_str(&doc).unwrap();
@@ -110,7 +140,9 @@ impl Revenant {
 
     /// SIGTERM, then wait (bounded) for the drain to finish.
     fn stop(&mut self) -> std::process::ExitStatus {
-        let _ = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status();
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
             if let Some(st) = self.child.try_wait().unwrap() {
@@ -177,7 +209,14 @@ fn rejected_then_decoded_raises_activity_after_rejection_over_every_transport() 
     let mut sent = Vec::new();
     for (i, transport) in ["grpc", "http-protobuf", "http-json"].iter().enumerate() {
         let tag = format!("{:04x}", 0xa0 + i);
-        let (ok, out, err) = rv.emit(&["--transport", transport, "--scenario", "reject-then-decode", "--tag", &tag]);
+        let (ok, out, err) = rv.emit(&[
+            "--transport",
+            transport,
+            "--scenario",
+            "reject-then-decode",
+            "--tag",
+            &tag,
+        ]);
         assert!(ok, "{transport}: {out} {err}");
         sent.push((transport.to_string(), out));
     }
@@ -191,46 +230,86 @@ fn rejected_then_decoded_raises_activity_after_rejection_over_every_transport() 
         let mine: Vec<_> = events.iter().filter(|e| e["ids"]["rid"] == rid).collect();
         let has = |stage: &str, kind: &str| {
             mine.iter().any(|e| {
-                e["stage"] == stage && e["kind"] == kind && e["ids"]["bootstrap_room"] == room && e["source"] == "otlp"
+                e["stage"] == stage
+                    && e["kind"] == kind
+                    && e["ids"]["bootstrap_room"] == room
+                    && e["source"] == "otlp"
             })
         };
-        assert!(has("prefill", "received") && has("prefill", "rejected"), "{transport}: {mine:#?}");
-        assert!(has("decode", "received") && has("decode", "work") && has("transfer", "work"), "{transport}: {mine:#?}");
+        assert!(
+            has("prefill", "received") && has("prefill", "rejected"),
+            "{transport}: {mine:#?}"
+        );
+        assert!(
+            has("decode", "received") && has("decode", "work") && has("transfer", "work"),
+            "{transport}: {mine:#?}"
+        );
         let rej = mine.iter().find(|e| e["kind"] == "rejected").unwrap();
         assert_eq!(rej["input_tokens"], 9000);
         assert_eq!(rej["max_input_tokens"], 8192);
         // The prefill root must not claim success after its scheduler aborted it.
         assert!(
-            !mine.iter().any(|e| e["stage"] == "prefill" && e["kind"] == "completed"),
+            !mine
+                .iter()
+                .any(|e| e["stage"] == "prefill" && e["kind"] == "completed"),
             "{transport}: {mine:#?}"
         );
         let request_id = out["request_id"].as_str().unwrap();
-        let router: Vec<_> = events.iter().filter(|e| e["ids"]["request_id"] == request_id).collect();
+        let router: Vec<_> = events
+            .iter()
+            .filter(|e| e["ids"]["request_id"] == request_id)
+            .collect();
         assert!(
-            router.iter().any(|e| e["stage"] == "router" && e["kind"] == "dispatched" && e["to"] == "decode"),
+            router.iter().any(|e| e["stage"] == "router"
+                && e["kind"] == "dispatched"
+                && e["to"] == "decode"),
             "{transport}: {router:#?}"
         );
-        assert!(router.iter().any(|e| e["kind"] == "completed" && e["status"] == 400), "{transport}: {router:#?}");
+        assert!(
+            router
+                .iter()
+                .any(|e| e["kind"] == "completed" && e["status"] == 400),
+            "{transport}: {router:#?}"
+        );
         let alert = alerts
             .iter()
             .find(|a| a["rule"] == "activity-after-rejection" && a.to_string().contains(rid))
-            .unwrap_or_else(|| panic!("{transport}: no activity-after-rejection for {rid}: {alerts:#?}"));
+            .unwrap_or_else(|| {
+                panic!("{transport}: no activity-after-rejection for {rid}: {alerts:#?}")
+            });
         assert!(alert.to_string().contains("otlp"));
     }
     let stderr = rv.stderr();
-    assert!(stderr.contains("revenant_otlp_requests_accepted_total{transport=\"grpc\"}"), "{stderr}");
-    assert!(stderr.contains("revenant_otlp_requests_accepted_total{transport=\"http\"}"), "{stderr}");
+    assert!(
+        stderr.contains("revenant_otlp_requests_accepted_total{transport=\"grpc\"}"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("revenant_otlp_requests_accepted_total{transport=\"http\"}"),
+        "{stderr}"
+    );
 }
 
 fn backpressure(transport: &str) {
     let name = format!("bp-{transport}");
-    let dir = std::env::temp_dir().join(format!("revenant-otlp-e2e-pause-{transport}-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!(
+        "revenant-otlp-e2e-pause-{transport}-{}",
+        std::process::id()
+    ));
     std::fs::create_dir_all(&dir).unwrap();
     let pause = dir.join("pause");
     std::fs::write(&pause, "").unwrap();
     let marker = dir.join("transient");
     let _ = std::fs::remove_file(&marker);
-    let mut rv = Revenant::start(&name, &["--channel-capacity", "1", "--pause-file", pause.to_str().unwrap()]);
+    let mut rv = Revenant::start(
+        &name,
+        &[
+            "--channel-capacity",
+            "1",
+            "--pause-file",
+            pause.to_str().unwrap(),
+        ],
+    );
     let count = 12;
     // Un-pause once the SDK has reported its first retryable error (bounded wait).
     let unpause = {
@@ -255,20 +334,37 @@ fn backpressure(transport: &str) {
         marker.to_str().unwrap(),
     ]);
     let saw_transient = unpause.join().unwrap();
-    assert!(saw_transient, "the SDK never saw a retryable error: {out} {err}");
-    assert!(ok, "every export must succeed once the pipeline drains: {out} {err}");
+    assert!(
+        saw_transient,
+        "the SDK never saw a retryable error: {out} {err}"
+    );
+    assert!(
+        ok,
+        "every export must succeed once the pipeline drains: {out} {err}"
+    );
     assert!(out["transient_errors"].as_u64().unwrap() >= 1, "{out}");
     let st = rv.stop();
     assert!(st.success(), "{}", rv.stderr());
     let events = rv.lines("events.jsonl");
     for id in out["request_ids"].as_array().unwrap() {
-        let n = events.iter().filter(|e| e["ids"]["request_id"] == *id).count();
-        assert_eq!(n, 2, "request {id}: received + completed, nothing lost or duplicated");
+        let n = events
+            .iter()
+            .filter(|e| e["ids"]["request_id"] == *id)
+            .count();
+        assert_eq!(
+            n, 2,
+            "request {id}: received + completed, nothing lost or duplicated"
+        );
     }
     let stderr = rv.stderr();
     let wire = if transport == "grpc" { "grpc" } else { "http" };
-    let needle = format!("revenant_otlp_requests_rejected_total{{transport=\"{wire}\",reason=\"pipeline_full\"}}");
-    assert!(stderr.contains(&needle), "refusals must be counted: {stderr}");
+    let needle = format!(
+        "revenant_otlp_requests_rejected_total{{transport=\"{wire}\",reason=\"pipeline_full\"}}"
+    );
+    assert!(
+        stderr.contains(&needle),
+        "refusals must be counted: {stderr}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -283,30 +379,56 @@ fn saturated_pipeline_makes_http_sdk_retry_and_loses_nothing() {
 }
 
 /// Sends `msg` (any prost message) as the request of the OTLP trace Export method.
-async fn raw_export<M: prost::Message + Default + Send + Sync + 'static>(addr: &str, msg: M) -> Result<(), tonic::Status> {
+async fn raw_export<M: prost::Message + Default + Send + Sync + 'static>(
+    addr: &str,
+    msg: M,
+) -> Result<(), tonic::Status> {
     use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceResponse;
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}")).unwrap().connect().await.unwrap();
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
     let mut grpc = tonic::client::Grpc::new(channel);
     grpc.ready().await.unwrap();
     let codec = tonic_prost::ProstCodec::<M, ExportTraceServiceResponse>::default();
-    let path = http::uri::PathAndQuery::from_static("/opentelemetry.proto.collector.trace.v1.TraceService/Export");
-    grpc.unary(tonic::Request::new(msg), path, codec).await.map(|_| ())
+    let path = http::uri::PathAndQuery::from_static(
+        "/opentelemetry.proto.collector.trace.v1.TraceService/Export",
+    );
+    grpc.unary(tonic::Request::new(msg), path, codec)
+        .await
+        .map(|_| ())
 }
 
 #[test]
 fn malformed_and_oversized_grpc_get_error_codes_and_are_counted() {
-    use opentelemetry_proto::tonic::collector::trace::v1::{ExportTracePartialSuccess, ExportTraceServiceRequest};
+    use opentelemetry_proto::tonic::collector::trace::v1::{
+        ExportTracePartialSuccess, ExportTraceServiceRequest,
+    };
     use opentelemetry_proto::tonic::trace::v1::{ResourceSpans, ScopeSpans, Span};
     let mut rv = Revenant::start("grpc-bad", &["--max-message-bytes", "2000"]);
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
     rt.block_on(async {
         // Field 1 of ExportTraceServiceRequest is a message; here it arrives as a varint.
-        let bad = raw_export(&rv.grpc, ExportTracePartialSuccess { rejected_spans: 7, error_message: String::new() }).await;
+        let bad = raw_export(
+            &rv.grpc,
+            ExportTracePartialSuccess {
+                rejected_spans: 7,
+                error_message: String::new(),
+            },
+        )
+        .await;
         assert_eq!(bad.unwrap_err().code(), tonic::Code::Internal);
         let big = ExportTraceServiceRequest {
             resource_spans: vec![ResourceSpans {
                 scope_spans: vec![ScopeSpans {
-                    spans: vec![Span { name: "x".repeat(5000), ..Default::default() }],
+                    spans: vec![Span {
+                        name: "x".repeat(5000),
+                        ..Default::default()
+                    }],
                     ..Default::default()
                 }],
                 ..Default::default()
@@ -321,9 +443,18 @@ fn malformed_and_oversized_grpc_get_error_codes_and_are_counted() {
     });
     assert!(rv.stop().success());
     let stderr = rv.stderr();
-    assert!(stderr.contains("revenant_otlp_grpc_error_responses_total{code=\"13\"} 1"), "{stderr}");
-    assert!(stderr.contains("revenant_otlp_grpc_error_responses_total{code=\"11\"} 1"), "{stderr}");
-    assert!(stderr.contains("revenant_otlp_requests_accepted_total{transport=\"grpc\"} 1"), "{stderr}");
+    assert!(
+        stderr.contains("revenant_otlp_grpc_error_responses_total{code=\"13\"} 1"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("revenant_otlp_grpc_error_responses_total{code=\"11\"} 1"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("revenant_otlp_requests_accepted_total{transport=\"grpc\"} 1"),
+        "{stderr}"
+    );
 }
 
 #[test]
@@ -332,12 +463,19 @@ fn broken_config_exits_2_without_binding() {
     std::fs::create_dir_all(&dir).unwrap();
     let cfg = dir.join("bad.yaml");
     std::fs::write(&cfg, "otlp:\n  grpc: 127.0.0.1:0\n  bogus: 1\n").unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_revenant")).args(["run", "--config"]).arg(&cfg).output().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_revenant"))
+        .args(["run", "--config"])
+        .arg(&cfg)
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("bogus"), "{err}");
     assert!(!err.contains("ready"), "no port may be bound: {err}");
-    let out = Command::new(env!("CARGO_BIN_EXE_revenant")).args(["run", "--otlp-http", "not-an-addr"]).output().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_revenant"))
+        .args(["run", "--otlp-http", "not-an-addr"])
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(2));
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -5,17 +5,25 @@
 use std::sync::Arc;
 
 use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
-use opentelemetry_proto::tonic::common::v1::{AnyValue, InstrumentationScope, KeyValue, any_value::Value};
+use opentelemetry_proto::tonic::common::v1::{
+    AnyValue, InstrumentationScope, KeyValue, any_value::Value,
+};
 use opentelemetry_proto::tonic::resource::v1::Resource;
 use opentelemetry_proto::tonic::trace::v1::{ResourceSpans, ScopeSpans, Span, Status, span::Event};
 use proptest::prelude::*;
 use prost::Message;
 use revenant::ingest::otlp::{Ingest, OtlpStats, json};
-use revenant::normalize::{NormalizeConfig, Normalizer, ProfileLabel, Tally, Unmapped, sglang::TreeConfig};
+use revenant::normalize::{
+    NormalizeConfig, Normalizer, ProfileLabel, Tally, Unmapped, sglang::TreeConfig,
+};
 use revenant::replay::ReplayRecord;
 
 fn kv(k: &str, v: Value) -> KeyValue {
-    KeyValue { key: k.into(), value: Some(AnyValue { value: Some(v) }), key_strindex: 0 }
+    KeyValue {
+        key: k.into(),
+        value: Some(AnyValue { value: Some(v) }),
+        key_strindex: 0,
+    }
 }
 
 const NAMES: &[&str] = &[
@@ -61,7 +69,10 @@ fn value() -> impl Strategy<Value = Value> {
 }
 
 fn attrs() -> impl Strategy<Value = Vec<KeyValue>> {
-    prop::collection::vec((prop::sample::select(KEYS), value()).prop_map(|(k, v)| kv(k, v)), 0..6)
+    prop::collection::vec(
+        (prop::sample::select(KEYS), value()).prop_map(|(k, v)| kv(k, v)),
+        0..6,
+    )
 }
 
 fn span() -> impl Strategy<Value = Span> {
@@ -76,29 +87,49 @@ fn span() -> impl Strategy<Value = Span> {
         0i32..4,
         prop::collection::vec((prop::sample::select(NAMES), any::<u64>(), attrs()), 0..3),
     )
-        .prop_map(|(name, trace, id, parent, start, dur, attributes, code, events)| Span {
-            trace_id: if trace == 0 { vec![] } else { vec![trace; 16] },
-            span_id: id.to_be_bytes().to_vec(),
-            parent_span_id: if parent == 0 { vec![] } else { parent.to_be_bytes().to_vec() },
-            name: name.into(),
-            start_time_unix_nano: start,
-            end_time_unix_nano: start.saturating_add(dur),
-            attributes,
-            events: events
-                .into_iter()
-                .map(|(n, t, a)| Event { time_unix_nano: t, name: n.into(), attributes: a, dropped_attributes_count: 0 })
-                .collect(),
-            status: Some(Status { message: "x".repeat(code as usize * 100), code: code % 3 }),
-            ..Default::default()
-        })
+        .prop_map(
+            |(name, trace, id, parent, start, dur, attributes, code, events)| Span {
+                trace_id: if trace == 0 { vec![] } else { vec![trace; 16] },
+                span_id: id.to_be_bytes().to_vec(),
+                parent_span_id: if parent == 0 {
+                    vec![]
+                } else {
+                    parent.to_be_bytes().to_vec()
+                },
+                name: name.into(),
+                start_time_unix_nano: start,
+                end_time_unix_nano: start.saturating_add(dur),
+                attributes,
+                events: events
+                    .into_iter()
+                    .map(|(n, t, a)| Event {
+                        time_unix_nano: t,
+                        name: n.into(),
+                        attributes: a,
+                        dropped_attributes_count: 0,
+                    })
+                    .collect(),
+                status: Some(Status {
+                    message: "x".repeat(code as usize * 100),
+                    code: code % 3,
+                }),
+                ..Default::default()
+            },
+        )
 }
 
 fn export(service: &str, scope: &str, spans: Vec<Span>) -> ExportTraceServiceRequest {
     ExportTraceServiceRequest {
         resource_spans: vec![ResourceSpans {
-            resource: Some(Resource { attributes: vec![kv("service.name", Value::StringValue(service.into()))], ..Default::default() }),
+            resource: Some(Resource {
+                attributes: vec![kv("service.name", Value::StringValue(service.into()))],
+                ..Default::default()
+            }),
             scope_spans: vec![ScopeSpans {
-                scope: Some(InstrumentationScope { name: scope.into(), ..Default::default() }),
+                scope: Some(InstrumentationScope {
+                    name: scope.into(),
+                    ..Default::default()
+                }),
                 spans,
                 schema_url: String::new(),
             }],
@@ -109,7 +140,11 @@ fn export(service: &str, scope: &str, spans: Vec<Span>) -> ExportTraceServiceReq
 
 fn small_tree() -> NormalizeConfig {
     NormalizeConfig {
-        sglang: TreeConfig { max_orphans: 8, max_known: 16, ..Default::default() },
+        sglang: TreeConfig {
+            max_orphans: 8,
+            max_known: 16,
+            ..Default::default()
+        },
         ..Default::default()
     }
 }
@@ -243,15 +278,40 @@ fn json_doc() -> impl Strategy<Value = serde_json::Value> {
         "[a-zA-Z0-9+/=_]{0,40}".prop_map(serde_json::Value::String),
     ];
     let keys = prop::sample::select(vec![
-        "resourceSpans", "scopeSpans", "spans", "resource", "attributes", "key", "value", "stringValue", "intValue",
-        "traceId", "spanId", "parentSpanId", "name", "kind", "startTimeUnixNano", "endTimeUnixNano", "status", "code",
-        "events", "timeUnixNano", "scope", "arrayValue", "kvlistValue", "values", "doubleValue",
+        "resourceSpans",
+        "scopeSpans",
+        "spans",
+        "resource",
+        "attributes",
+        "key",
+        "value",
+        "stringValue",
+        "intValue",
+        "traceId",
+        "spanId",
+        "parentSpanId",
+        "name",
+        "kind",
+        "startTimeUnixNano",
+        "endTimeUnixNano",
+        "status",
+        "code",
+        "events",
+        "timeUnixNano",
+        "scope",
+        "arrayValue",
+        "kvlistValue",
+        "values",
+        "doubleValue",
     ]);
     let inner = leaf.prop_recursive(5, 64, 6, move |inner| {
         prop_oneof![
             prop::collection::vec(inner.clone(), 0..4).prop_map(serde_json::Value::Array),
-            prop::collection::vec((keys.clone(), inner), 0..5)
-                .prop_map(|kvs| serde_json::Value::Object(kvs.into_iter().map(|(k, v)| (k.to_string(), v)).collect())),
+            prop::collection::vec((keys.clone(), inner), 0..5).prop_map(|kvs| {
+                serde_json::Value::Object(
+                    kvs.into_iter().map(|(k, v)| (k.to_string(), v)).collect(),
+                )
+            }),
         ]
     });
     prop::collection::vec(inner, 0..2).prop_map(|v| serde_json::json!({ "resourceSpans": v }))
@@ -264,6 +324,10 @@ fn unmapped_reasons_have_stable_labels() {
         assert!(p.as_str().chars().all(|c| c.is_ascii_lowercase()));
     }
     for u in Unmapped::ALL {
-        assert!(u.as_str().chars().all(|c| c.is_ascii_lowercase() || c == '_'));
+        assert!(
+            u.as_str()
+                .chars()
+                .all(|c| c.is_ascii_lowercase() || c == '_')
+        );
     }
 }

@@ -120,7 +120,11 @@ pub fn trace_key(bytes: &[u8]) -> u128 {
 
 #[cfg(test)]
 pub(crate) fn kv(key: &str, v: Value) -> KeyValue {
-    KeyValue { key: key.into(), value: Some(AnyValue { value: Some(v) }), key_strindex: 0 }
+    KeyValue {
+        key: key.into(),
+        value: Some(AnyValue { value: Some(v) }),
+        key_strindex: 0,
+    }
 }
 
 #[cfg(test)]
@@ -153,7 +157,10 @@ mod tests {
     fn ids() {
         assert_eq!(trace_id_hex(&[0; 16]), None);
         assert_eq!(trace_id_hex(&[1; 3]), None);
-        assert_eq!(trace_id_hex(&[0xab; 16]).as_deref(), Some("abababababababababababababababab"));
+        assert_eq!(
+            trace_id_hex(&[0xab; 16]).as_deref(),
+            Some("abababababababababababababababab")
+        );
         assert_eq!(span_key(&[0; 8]), None);
         assert_eq!(span_key(&[0, 0, 0, 0, 0, 0, 0, 1]), Some(1));
         let long = "x".repeat(1000);

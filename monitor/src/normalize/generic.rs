@@ -73,7 +73,12 @@ fn yes() -> bool {
 
 impl Default for IdKeys {
     fn default() -> Self {
-        IdKeys { request_id: vec![], rid: vec![], bootstrap_room: vec![], trace_id: true }
+        IdKeys {
+            request_id: vec![],
+            rid: vec![],
+            bootstrap_room: vec![],
+            trace_id: true,
+        }
     }
 }
 
@@ -120,7 +125,10 @@ pub struct Rule {
 
 impl Mapping {
     pub fn validate(&self) -> Result<(), ConfigError> {
-        let err = |msg: &str| ConfigError::Generic { name: self.name.clone(), msg: msg.into() };
+        let err = |msg: &str| ConfigError::Generic {
+            name: self.name.clone(),
+            msg: msg.into(),
+        };
         if self.name.is_empty() {
             return Err(err("name must not be empty"));
         }
@@ -128,11 +136,19 @@ impl Mapping {
             return Err(err("needs at least one rule"));
         }
         for (i, r) in self.rules.iter().enumerate() {
-            if r.name.is_none() && r.name_prefix.is_none() && r.attributes.is_empty() && r.has_attributes.is_empty() {
-                return Err(err(&format!("rule {i} matches everything: give name, name_prefix or attributes")));
+            if r.name.is_none()
+                && r.name_prefix.is_none()
+                && r.attributes.is_empty()
+                && r.has_attributes.is_empty()
+            {
+                return Err(err(&format!(
+                    "rule {i} matches everything: give name, name_prefix or attributes"
+                )));
             }
             if r.to.is_some() && r.kind != Kind::Dispatched {
-                return Err(err(&format!("rule {i}: `to` only makes sense with kind dispatched")));
+                return Err(err(&format!(
+                    "rule {i}: `to` only makes sense with kind dispatched"
+                )));
             }
         }
         Ok(())
@@ -143,11 +159,18 @@ impl Mapping {
         if s.service_name.is_none() && s.scope_name.is_none() {
             return false;
         }
-        s.service_name.as_deref().is_none_or(|n| ctx.service_name == Some(n))
+        s.service_name
+            .as_deref()
+            .is_none_or(|n| ctx.service_name == Some(n))
             && s.scope_name.as_deref().is_none_or(|n| ctx.scope_name == n)
     }
 
-    fn matching<'r>(&'r self, name: &'r str, a: &'r [KeyValue], error: bool) -> impl Iterator<Item = &'r Rule> + 'r {
+    fn matching<'r>(
+        &'r self,
+        name: &'r str,
+        a: &'r [KeyValue],
+        error: bool,
+    ) -> impl Iterator<Item = &'r Rule> + 'r {
         self.rules.iter().filter(move |r| {
             r.name.as_deref().is_none_or(|n| n == name)
                 && r.name_prefix.as_deref().is_none_or(|p| name.starts_with(p))
@@ -161,7 +184,11 @@ impl Mapping {
         let first_id = |keys: &[String]| keys.iter().find_map(|k| attrs::id(a, k));
         e.ids.request_id = first_id(&self.ids.request_id);
         e.ids.rid = first_id(&self.ids.rid);
-        e.ids.bootstrap_room = self.ids.bootstrap_room.iter().find_map(|k| attrs::room(a, k));
+        e.ids.bootstrap_room = self
+            .ids
+            .bootstrap_room
+            .iter()
+            .find_map(|k| attrs::room(a, k));
         if self.ids.trace_id {
             e.ids.trace_id = attrs::trace_id_hex(trace_id);
         }
@@ -171,10 +198,20 @@ impl Mapping {
         e.max_input_tokens = num(&self.tokens.max_input_tokens);
         e.max_total_tokens = num(&self.tokens.max_total_tokens);
         e.status = num(&self.status).and_then(|s| u16::try_from(s).ok());
-        e.worker = self.worker.iter().find_map(|k| attrs::str(a, k)).map(|w| attrs::clip_id(w).into());
+        e.worker = self
+            .worker
+            .iter()
+            .find_map(|k| attrs::str(a, k))
+            .map(|w| attrs::clip_id(w).into());
     }
 
-    pub fn map_span(&self, ctx: &SpanCtx<'_>, span: &Span, out: &mut Vec<LifecycleEvent>, tally: &mut Tally) {
+    pub fn map_span(
+        &self,
+        ctx: &SpanCtx<'_>,
+        span: &Span,
+        out: &mut Vec<LifecycleEvent>,
+        tally: &mut Tally,
+    ) {
         let error = super::span_is_error(span);
         let before = out.len();
         for r in self.matching(&span.name, &span.attributes, error) {
@@ -187,20 +224,33 @@ impl Mapping {
             e.node = ctx.node.map(Into::into);
             e.to = r.to;
             if error {
-                e.reason = span.status.as_ref().map(|s| crate::event::truncate_reason(&s.message).into());
+                e.reason = span
+                    .status
+                    .as_ref()
+                    .map(|s| crate::event::truncate_reason(&s.message).into());
             }
             out.push(e);
         }
         self.after(before, out, tally);
     }
 
-    pub fn map_log(&self, ctx: &SpanCtx<'_>, rec: &LogRecord, out: &mut Vec<LifecycleEvent>, tally: &mut Tally) {
+    pub fn map_log(
+        &self,
+        ctx: &SpanCtx<'_>,
+        rec: &LogRecord,
+        out: &mut Vec<LifecycleEvent>,
+        tally: &mut Tally,
+    ) {
         let name = if rec.event_name.is_empty() {
             attrs::str(&rec.attributes, "event.name").unwrap_or("")
         } else {
             rec.event_name.as_str()
         };
-        let time = if rec.time_unix_nano != 0 { rec.time_unix_nano } else { rec.observed_time_unix_nano };
+        let time = if rec.time_unix_nano != 0 {
+            rec.time_unix_nano
+        } else {
+            rec.observed_time_unix_nano
+        };
         if time == 0 {
             tally.unmapped(P, Unmapped::BadTime);
             return;

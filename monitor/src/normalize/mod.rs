@@ -190,7 +190,9 @@ pub struct NormalizeConfig {
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("unknown profile {0:?} (expected sglang, smg, vllm or generic:NAME of a configured mapping)")]
+    #[error(
+        "unknown profile {0:?} (expected sglang, smg, vllm or generic:NAME of a configured mapping)"
+    )]
     UnknownProfile(String),
     #[error("generic mapping {name:?}: {msg}")]
     Generic { name: String, msg: String },
@@ -223,7 +225,11 @@ impl Selector {
 pub fn builtin_profile(ctx: &SpanCtx<'_>) -> Option<ProfileId> {
     let svc = ctx.service_name.unwrap_or("");
     let scope = ctx.scope_name;
-    if scope == "smg" || svc == "smg" || svc.starts_with("sglang-router") || svc.starts_with("sglang_router") {
+    if scope == "smg"
+        || svc == "smg"
+        || svc.starts_with("sglang-router")
+        || svc.starts_with("sglang_router")
+    {
         Some(ProfileId::Smg)
     } else if scope.starts_with("sglang") || svc.starts_with("sglang") {
         Some(ProfileId::Sglang)
@@ -269,7 +275,10 @@ impl Normalizer {
             by_scope.insert(k.clone(), resolve(v)?);
         }
         Ok(Normalizer {
-            selector: Selector { by_service, by_scope },
+            selector: Selector {
+                by_service,
+                by_scope,
+            },
             generic: cfg.generic.clone(),
             tree: sglang::SpanTree::new(cfg.sglang.clone())?,
         })
@@ -285,24 +294,36 @@ impl Normalizer {
     ) {
         let before = out.len();
         for rs in &req.resource_spans {
-            let resource = rs.resource.as_ref().map(|r| r.attributes.as_slice()).unwrap_or(&[]);
+            let resource = rs
+                .resource
+                .as_ref()
+                .map(|r| r.attributes.as_slice())
+                .unwrap_or(&[]);
             for ss in &rs.scope_spans {
                 let scope = ss.scope.as_ref().map(|s| s.name.as_str()).unwrap_or("");
                 let ctx = SpanCtx::new(resource, scope);
                 let profile = self.selector.pick(&ctx, &self.generic);
                 for span in &ss.spans {
-                    let label = profile.as_ref().map_or(ProfileLabel::None, ProfileId::label);
+                    let label = profile
+                        .as_ref()
+                        .map_or(ProfileLabel::None, ProfileId::label);
                     tally.seen(label);
-                    if span.start_time_unix_nano == 0 || span.end_time_unix_nano < span.start_time_unix_nano {
+                    if span.start_time_unix_nano == 0
+                        || span.end_time_unix_nano < span.start_time_unix_nano
+                    {
                         tally.unmapped(label, Unmapped::BadTime);
                         continue;
                     }
                     match &profile {
                         None => tally.unmapped(label, Unmapped::NoProfile),
-                        Some(ProfileId::Sglang) => self.tree.observe(&ctx, span, now_ns, out, tally),
+                        Some(ProfileId::Sglang) => {
+                            self.tree.observe(&ctx, span, now_ns, out, tally)
+                        }
                         Some(ProfileId::Smg) => smg::map_span(&ctx, span, out, tally),
                         Some(ProfileId::Vllm) => vllm::map_span(&ctx, span, out, tally),
-                        Some(ProfileId::Generic(i)) => self.generic[*i].map_span(&ctx, span, out, tally),
+                        Some(ProfileId::Generic(i)) => {
+                            self.generic[*i].map_span(&ctx, span, out, tally)
+                        }
                     }
                 }
             }
@@ -312,19 +333,32 @@ impl Normalizer {
 
     /// Log records: only generic mappings read them (by event name / attributes); the built-in
     /// stacks report request lifecycles as spans. Bodies are never read.
-    pub fn logs(&mut self, req: &ExportLogsServiceRequest, out: &mut Vec<LifecycleEvent>, tally: &mut Tally) {
+    pub fn logs(
+        &mut self,
+        req: &ExportLogsServiceRequest,
+        out: &mut Vec<LifecycleEvent>,
+        tally: &mut Tally,
+    ) {
         let before = out.len();
         for rl in &req.resource_logs {
-            let resource = rl.resource.as_ref().map(|r| r.attributes.as_slice()).unwrap_or(&[]);
+            let resource = rl
+                .resource
+                .as_ref()
+                .map(|r| r.attributes.as_slice())
+                .unwrap_or(&[]);
             for sl in &rl.scope_logs {
                 let scope = sl.scope.as_ref().map(|s| s.name.as_str()).unwrap_or("");
                 let ctx = SpanCtx::new(resource, scope);
                 let profile = self.selector.pick(&ctx, &self.generic);
                 for rec in &sl.log_records {
-                    let label = profile.as_ref().map_or(ProfileLabel::None, ProfileId::label);
+                    let label = profile
+                        .as_ref()
+                        .map_or(ProfileLabel::None, ProfileId::label);
                     tally.seen(label);
                     match &profile {
-                        Some(ProfileId::Generic(i)) => self.generic[*i].map_log(&ctx, rec, out, tally),
+                        Some(ProfileId::Generic(i)) => {
+                            self.generic[*i].map_log(&ctx, rec, out, tally)
+                        }
                         _ => tally.unmapped(label, Unmapped::LogNotMapped),
                     }
                 }
@@ -364,7 +398,9 @@ pub(crate) fn otlp_event(
 }
 
 pub(crate) fn span_is_error(span: &Span) -> bool {
-    span.status.as_ref().is_some_and(|s| s.code == StatusCode::Error as i32)
+    span.status
+        .as_ref()
+        .is_some_and(|s| s.code == StatusCode::Error as i32)
 }
 
 /// Token counts in the attribute names used by the gen_ai semantic conventions (current and
@@ -373,7 +409,12 @@ pub(crate) fn apply_token_attrs(e: &mut LifecycleEvent, a: &[KeyValue]) {
     if e.input_tokens.is_none() {
         e.input_tokens = attrs::first_u64(
             a,
-            &["gen_ai.usage.input_tokens", "gen_ai.usage.prompt_tokens", "prompt_tokens", "input_tokens"],
+            &[
+                "gen_ai.usage.input_tokens",
+                "gen_ai.usage.prompt_tokens",
+                "prompt_tokens",
+                "input_tokens",
+            ],
         );
     }
     if e.max_input_tokens.is_none() {

@@ -94,11 +94,20 @@ struct Attempt {
 #[derive(Debug, Clone, PartialEq)]
 enum Class {
     /// Carries the attempt's ids (request root, Bootstrap Room span, mooncake root).
-    Anchor { rid: Option<Box<str>>, room: Option<BootstrapRoom>, role: Option<Stage>, request_root: bool },
+    Anchor {
+        rid: Option<Box<str>>,
+        room: Option<BootstrapRoom>,
+        role: Option<Stage>,
+        request_root: bool,
+    },
     /// A per-thread span; only interesting when it carries an abort.
     Thread { stage: Option<Stage> },
     /// A stage slice that maps to an event; `detail` is its canonical name.
-    Slice { stage: Stage, kind: Kind, detail: &'static str },
+    Slice {
+        stage: Stage,
+        kind: Kind,
+        detail: &'static str,
+    },
     /// A slice that only structures the tree (tokenize, dispatch, …).
     Structural,
 }
@@ -174,10 +183,14 @@ pub struct SpanTree {
 impl SpanTree {
     pub fn new(cfg: TreeConfig) -> Result<Self, ConfigError> {
         if cfg.max_orphans == 0 || cfg.max_known == 0 {
-            return Err(ConfigError::Sglang("max_orphans and max_known must be > 0".into()));
+            return Err(ConfigError::Sglang(
+                "max_orphans and max_known must be > 0".into(),
+            ));
         }
         if cfg.orphan_ttl.is_zero() || cfg.retention.is_zero() {
-            return Err(ConfigError::Sglang("orphan_ttl and retention must be > 0".into()));
+            return Err(ConfigError::Sglang(
+                "orphan_ttl and retention must be > 0".into(),
+            ));
         }
         Ok(SpanTree {
             cfg,
@@ -196,7 +209,14 @@ impl SpanTree {
         self.orphans
     }
 
-    pub fn observe(&mut self, ctx: &SpanCtx<'_>, span: &Span, now_ns: u64, out: &mut Vec<LifecycleEvent>, tally: &mut Tally) {
+    pub fn observe(
+        &mut self,
+        ctx: &SpanCtx<'_>,
+        span: &Span,
+        now_ns: u64,
+        out: &mut Vec<LifecycleEvent>,
+        tally: &mut Tally,
+    ) {
         let Some(node) = extract(ctx, span) else {
             tally.unmapped(P, Unmapped::MissingIds);
             return;
@@ -205,10 +225,21 @@ impl SpanTree {
             self.last_rotate_ns = now_ns;
         }
         self.now_ns = now_ns;
-        if let Class::Anchor { rid, room, role, .. } = &node.class {
-            let mut attempt = Attempt { rid: rid.clone(), room: *room, role: *role, errored: false };
+        if let Class::Anchor {
+            rid, room, role, ..
+        } = &node.class
+        {
+            let mut attempt = Attempt {
+                rid: rid.clone(),
+                room: *room,
+                role: *role,
+                errored: false,
+            };
             // An old-style request root sits under its "Bootstrap Room" span: inherit the room.
-            if let Some(pa) = node.parent.and_then(|p| self.known.lookup(&(node.key.0, p))) {
+            if let Some(pa) = node
+                .parent
+                .and_then(|p| self.known.lookup(&(node.key.0, p)))
+            {
                 if let Some(parent) = self.known.attempt(pa) {
                     attempt.room = attempt.room.or(parent.room);
                     attempt.role = attempt.role.or(parent.role);
@@ -234,14 +265,22 @@ impl SpanTree {
 
     fn park(&mut self, node: Node, parent: u64, now_ns: u64, tally: &mut Tally) {
         let pk = (node.key.0, parent);
-        self.queue.push_back((now_ns.saturating_add(self.cfg.orphan_ttl.as_nanos() as u64), node.key, pk));
+        self.queue.push_back((
+            now_ns.saturating_add(self.cfg.orphan_ttl.as_nanos() as u64),
+            node.key,
+            pk,
+        ));
         self.waiting.entry(pk).or_default().push(node);
         self.orphans += 1;
         tally.orphans_buffered += 1;
         // Resolved orphans leave stale queue entries behind; compact before they pile up.
         if self.queue.len() > 2 * self.cfg.max_orphans + 16 {
             let waiting = &self.waiting;
-            self.queue.retain(|(_, k, pk)| waiting.get(pk).is_some_and(|l| l.iter().any(|n| n.key == *k)));
+            self.queue.retain(|(_, k, pk)| {
+                waiting
+                    .get(pk)
+                    .is_some_and(|l| l.iter().any(|n| n.key == *k))
+            });
         }
         while self.orphans > self.cfg.max_orphans {
             if !self.give_up_front(tally, Unmapped::OrphanEvicted) {
@@ -290,8 +329,14 @@ impl SpanTree {
     /// Gives up on expired orphans and releases root completions whose grace has passed (unless
     /// an abort arrived meanwhile).
     pub fn tick(&mut self, now_ns: u64, out: &mut Vec<LifecycleEvent>, tally: &mut Tally) {
-        while self.completions.front().is_some_and(|(d, _, _)| *d <= now_ns) {
-            let Some((_, id, e)) = self.completions.pop_front() else { break };
+        while self
+            .completions
+            .front()
+            .is_some_and(|(d, _, _)| *d <= now_ns)
+        {
+            let Some((_, id, e)) = self.completions.pop_front() else {
+                break;
+            };
             let errored = self.known.attempt(id).is_none_or(|a| a.errored);
             if !errored {
                 out.push(e);
@@ -304,14 +349,22 @@ impl SpanTree {
             self.give_up_front(tally, Unmapped::OrphanExpired);
         }
         let half = (self.cfg.retention.as_nanos() / 2) as u64;
-        if now_ns.saturating_sub(self.last_rotate_ns) >= half || self.known.cur.len() > self.cfg.max_known {
+        if now_ns.saturating_sub(self.last_rotate_ns) >= half
+            || self.known.cur.len() > self.cfg.max_known
+        {
             self.known.rotate();
             self.last_rotate_ns = now_ns;
         }
     }
 
     /// Emits a span whose attempt is known, then everything that was waiting on it.
-    fn resolve(&mut self, node: Node, id: AttemptId, out: &mut Vec<LifecycleEvent>, tally: &mut Tally) {
+    fn resolve(
+        &mut self,
+        node: Node,
+        id: AttemptId,
+        out: &mut Vec<LifecycleEvent>,
+        tally: &mut Tally,
+    ) {
         // Anchor end events wait until the subtree drained, so they know about child errors.
         let mut deferred: Vec<Node> = Vec::new();
         let mut work = vec![node];
@@ -342,13 +395,19 @@ impl SpanTree {
     }
 
     fn emit(&mut self, n: &Node, id: AttemptId, out: &mut Vec<LifecycleEvent>, tally: &mut Tally) {
-        let Some(a) = self.known.attempt(id) else { return };
+        let Some(a) = self.known.attempt(id) else {
+            return;
+        };
         let role = n.stage_hint.or(a.role);
         let mk = |time: u64, stage: Stage, kind: Kind, a: &Attempt| {
             let mut e = LifecycleEvent::new(time, stage, kind, Source::Otlp);
             e.ids.rid = a.rid.clone();
             e.ids.bootstrap_room = a.room;
-            e.ids.trace_id = if n.key.0 == 0 { None } else { Some(format!("{:032x}", n.key.0).into()) };
+            e.ids.trace_id = if n.key.0 == 0 {
+                None
+            } else {
+                Some(format!("{:032x}", n.key.0).into())
+            };
             e.node = n.node.clone();
             e.pid = n.pid;
             e.input_tokens = n.input_tokens;
@@ -357,7 +416,9 @@ impl SpanTree {
             e
         };
         match &n.class {
-            Class::Anchor { request_root: true, .. } => {
+            Class::Anchor {
+                request_root: true, ..
+            } => {
                 let stage = role.unwrap_or(Stage::Prefill);
                 let mut start = mk(n.start, stage, Kind::Received, a);
                 start.detail = Some("request".into());
@@ -369,7 +430,9 @@ impl SpanTree {
                     out.push(e);
                 } else if !a.errored {
                     let e = mk(n.end, stage, Kind::Completed, a);
-                    let deadline = self.now_ns.saturating_add(self.cfg.completion_grace.as_nanos() as u64);
+                    let deadline = self
+                        .now_ns
+                        .saturating_add(self.cfg.completion_grace.as_nanos() as u64);
                     self.completions.push_back((deadline, id, e));
                 }
             }
@@ -395,7 +458,11 @@ impl SpanTree {
                 }
                 None => tally.unmapped(P, Unmapped::UnknownSpan),
             },
-            Class::Slice { stage, kind, detail } => {
+            Class::Slice {
+                stage,
+                kind,
+                detail,
+            } => {
                 // Work is reported when the slice ends: by then it certainly happened.
                 let mut e = mk(n.end, *stage, *kind, a);
                 e.detail = Some((*detail).into());
@@ -425,7 +492,11 @@ pub fn error_kind(reason: &str) -> Kind {
         "rejected",
     ];
     let lower = reason.to_ascii_lowercase();
-    if REJECT.iter().any(|p| lower.contains(p)) { Kind::Rejected } else { Kind::Aborted }
+    if REJECT.iter().any(|p| lower.contains(p)) {
+        Kind::Rejected
+    } else {
+        Kind::Aborted
+    }
 }
 
 /// "… exceeds the maximum number of tokens: 9000 > 8192" → (9000, 8192).
@@ -434,8 +505,16 @@ pub fn tokens_from_reason(reason: &str) -> Option<(u64, u64)> {
         return None;
     }
     let (l, r) = reason.rsplit_once(" > ")?;
-    let a = l.rsplit(|c: char| !c.is_ascii_digit()).next()?.parse().ok()?;
-    let b = r.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok()?;
+    let a = l
+        .rsplit(|c: char| !c.is_ascii_digit())
+        .next()?
+        .parse()
+        .ok()?;
+    let b = r
+        .split(|c: char| !c.is_ascii_digit())
+        .next()?
+        .parse()
+        .ok()?;
     Some((a, b))
 }
 
@@ -489,9 +568,15 @@ fn role_from_name(name: &str) -> Option<Stage> {
 }
 
 fn reason_of(a: &[KeyValue]) -> Option<&str> {
-    ["reason", "abort_reason", "error", "exception.message", "message"]
-        .iter()
-        .find_map(|k| attrs::str(a, k))
+    [
+        "reason",
+        "abort_reason",
+        "error",
+        "exception.message",
+        "message",
+    ]
+    .iter()
+    .find_map(|k| attrs::str(a, k))
 }
 
 fn extract(ctx: &SpanCtx<'_>, span: &Span) -> Option<Node> {
@@ -504,28 +589,53 @@ fn extract(ctx: &SpanCtx<'_>, span: &Span) -> Option<Node> {
     let class = if rid_attr.is_some() || room_attr.is_some() {
         // The KV-transfer root uses the hex room as its rid.
         let (rid, room) = match rid_attr {
-            Some(r) if r.starts_with("0x") || r.starts_with("0X") => (None, r.parse().ok().or(room_attr)),
+            Some(r) if r.starts_with("0x") || r.starts_with("0X") => {
+                (None, r.parse().ok().or(room_attr))
+            }
             other => (other, room_attr),
         };
         let request_root = rid.is_some() && name.contains("Req");
-        Class::Anchor { rid, room, role: role_from_name(name), request_root }
+        Class::Anchor {
+            rid,
+            room,
+            role: role_from_name(name),
+            request_root,
+        }
     } else if attrs::has(a, "thread_label") || name.contains("(host:") {
         let label = attrs::str(a, "thread_label").unwrap_or(name);
-        Class::Thread { stage: role_from_name(label) }
+        Class::Thread {
+            stage: role_from_name(label),
+        }
     } else if let Some((stage, kind, detail)) = slice_mapping(name) {
-        Class::Slice { stage, kind, detail }
+        Class::Slice {
+            stage,
+            kind,
+            detail,
+        }
     } else {
         Class::Structural
     };
     // An ERROR without any reason is how SGLang flags a slice-name mismatch, not an abort.
     let error_reason = if super::span_is_error(span) {
         reason_of(a)
-            .or_else(|| span.status.as_ref().map(|s| s.message.as_str()).filter(|m| !m.is_empty()))
+            .or_else(|| {
+                span.status
+                    .as_ref()
+                    .map(|s| s.message.as_str())
+                    .filter(|m| !m.is_empty())
+            })
             .map(|r| crate::event::truncate_reason(r).into())
     } else {
         None
     };
-    let mut input_tokens = attrs::first_u64(a, &["gen_ai.usage.input_tokens", "gen_ai.usage.prompt_tokens", "prompt_tokens"]);
+    let mut input_tokens = attrs::first_u64(
+        a,
+        &[
+            "gen_ai.usage.input_tokens",
+            "gen_ai.usage.prompt_tokens",
+            "prompt_tokens",
+        ],
+    );
     let mut max_input_tokens = attrs::first_u64(a, &["max_input_tokens", "max_req_input_len"]);
     if let Some((n, max)) = error_reason.as_deref().and_then(tokens_from_reason) {
         input_tokens = input_tokens.or(Some(n));
@@ -539,7 +649,10 @@ fn extract(ctx: &SpanCtx<'_>, span: &Span) -> Option<Node> {
         start: span.start_time_unix_nano,
         end: span.end_time_unix_nano,
         error_reason,
-        node: ctx.node.map(Into::into).or_else(|| attrs::str(a, "host_id").map(|h| attrs::clip_id(h).into())),
+        node: ctx
+            .node
+            .map(Into::into)
+            .or_else(|| attrs::str(a, "host_id").map(|h| attrs::clip_id(h).into())),
         pid: attrs::u64(a, "pid").and_then(|p| u32::try_from(p).ok()),
         input_tokens,
         max_input_tokens,
@@ -554,9 +667,15 @@ mod tests {
 
     #[test]
     fn reasons() {
-        assert_eq!(error_kind("Request x exceeds the maximum number of tokens: 9000 > 8192"), Kind::Rejected);
+        assert_eq!(
+            error_kind("Request x exceeds the maximum number of tokens: 9000 > 8192"),
+            Kind::Rejected
+        );
         assert_eq!(error_kind("client disconnected"), Kind::Aborted);
-        assert_eq!(tokens_from_reason("Request 8f3c exceeds the maximum number of tokens: 9000 > 8192"), Some((9000, 8192)));
+        assert_eq!(
+            tokens_from_reason("Request 8f3c exceeds the maximum number of tokens: 9000 > 8192"),
+            Some((9000, 8192))
+        );
         assert_eq!(tokens_from_reason("a > b tokens"), None);
         assert_eq!(tokens_from_reason("no numbers"), None);
     }

@@ -41,10 +41,19 @@ pub fn map_span(ctx: &SpanCtx<'_>, span: &Span, out: &mut Vec<LifecycleEvent>, t
         if event.name != EVENT_DISPATCH {
             continue;
         }
-        let t = if event.time_unix_nano == 0 { span.start_time_unix_nano } else { event.time_unix_nano };
-        for (key, to) in [("prefill_url", Stage::Prefill), ("decode_url", Stage::Decode)] {
+        let t = if event.time_unix_nano == 0 {
+            span.start_time_unix_nano
+        } else {
+            event.time_unix_nano
+        };
+        for (key, to) in [
+            ("prefill_url", Stage::Prefill),
+            ("decode_url", Stage::Decode),
+        ] {
             if let Some(url) = attrs::str(&event.attributes, key) {
-                let mut e = ev(t, Kind::Dispatched).with_to(to).with_worker(attrs::clip_id(url));
+                let mut e = ev(t, Kind::Dispatched)
+                    .with_to(to)
+                    .with_worker(attrs::clip_id(url));
                 e.detail = None;
                 out.push(e);
                 dispatched = true;
@@ -63,7 +72,10 @@ pub fn map_span(ctx: &SpanCtx<'_>, span: &Span, out: &mut Vec<LifecycleEvent>, t
     let mut end = ev(span.end_time_unix_nano, kind);
     end.status = status;
     if status.is_none() && super::span_is_error(span) {
-        end.reason = span.status.as_ref().map(|s| crate::event::truncate_reason(&s.message).into());
+        end.reason = span
+            .status
+            .as_ref()
+            .map(|s| crate::event::truncate_reason(&s.message).into());
     }
     out.push(end);
 }

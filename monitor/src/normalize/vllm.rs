@@ -33,7 +33,9 @@ fn secs_to_ns(s: f64) -> Option<u64> {
 fn latency(span: &Span, key: &str) -> Option<u64> {
     match attrs::get(&span.attributes, key)? {
         opentelemetry_proto::tonic::common::v1::any_value::Value::DoubleValue(d) => secs_to_ns(*d),
-        opentelemetry_proto::tonic::common::v1::any_value::Value::IntValue(i) => secs_to_ns(*i as f64),
+        opentelemetry_proto::tonic::common::v1::any_value::Value::IntValue(i) => {
+            secs_to_ns(*i as f64)
+        }
         _ => None,
     }
 }
@@ -50,7 +52,13 @@ pub fn map_span(ctx: &SpanCtx<'_>, span: &Span, out: &mut Vec<LifecycleEvent>, t
         return;
     }
     let stage = ctx.stage_hint.unwrap_or(Stage::Decode);
-    let completion = attrs::first_u64(a, &["gen_ai.usage.completion_tokens", "gen_ai.usage.output_tokens"]);
+    let completion = attrs::first_u64(
+        a,
+        &[
+            "gen_ai.usage.completion_tokens",
+            "gen_ai.usage.output_tokens",
+        ],
+    );
     let ev = |time: u64, stage: Stage, kind: Kind| {
         let mut e = otlp_event(ctx, span, time, stage, kind);
         e.ids.rid = rid.clone();
@@ -78,7 +86,11 @@ pub fn map_span(ctx: &SpanCtx<'_>, span: &Span, out: &mut Vec<LifecycleEvent>, t
         }
     } else {
         for (e, t) in journey {
-            let time = if e.time_unix_nano == 0 { start } else { e.time_unix_nano };
+            let time = if e.time_unix_nano == 0 {
+                start
+            } else {
+                e.time_unix_nano
+            };
             let (kind, detail) = match t {
                 "SCHEDULED" => (Kind::Admitted, "scheduled"),
                 "FIRST_TOKEN" => (Kind::Work, "first_token"),
@@ -100,8 +112,20 @@ pub fn map_span(ctx: &SpanCtx<'_>, span: &Span, out: &mut Vec<LifecycleEvent>, t
         out.push(e);
     }
     let aborted = super::span_is_error(span)
-        || finish_status.is_some_and(|s| s.eq_ignore_ascii_case("abort") || s.eq_ignore_ascii_case("aborted") || s.eq_ignore_ascii_case("error"));
-    let mut end = ev(span.end_time_unix_nano, stage, if aborted { Kind::Aborted } else { Kind::Completed });
+        || finish_status.is_some_and(|s| {
+            s.eq_ignore_ascii_case("abort")
+                || s.eq_ignore_ascii_case("aborted")
+                || s.eq_ignore_ascii_case("error")
+        });
+    let mut end = ev(
+        span.end_time_unix_nano,
+        stage,
+        if aborted {
+            Kind::Aborted
+        } else {
+            Kind::Completed
+        },
+    );
     if let Some(s) = finish_status {
         end.reason = Some(crate::event::truncate_reason(s).into());
     }

@@ -74,7 +74,10 @@ impl OtlpConfig {
             return Err(OtlpConfigError::Zero("max_items_per_request"));
         }
         if self.max_decompressed_bytes < self.max_message_bytes {
-            return Err(OtlpConfigError::DecompressedBelowMessage(self.max_decompressed_bytes, self.max_message_bytes));
+            return Err(OtlpConfigError::DecompressedBelowMessage(
+                self.max_decompressed_bytes,
+                self.max_message_bytes,
+            ));
         }
         if let (Some(g), Some(h)) = (self.grpc, self.http) {
             if g == h && g.port() != 0 {

@@ -9,10 +9,18 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 
-use opentelemetry_proto::tonic::collector::logs::v1::logs_service_server::{LogsService, LogsServiceServer};
-use opentelemetry_proto::tonic::collector::logs::v1::{ExportLogsServiceRequest, ExportLogsServiceResponse};
-use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{TraceService, TraceServiceServer};
-use opentelemetry_proto::tonic::collector::trace::v1::{ExportTraceServiceRequest, ExportTraceServiceResponse};
+use opentelemetry_proto::tonic::collector::logs::v1::logs_service_server::{
+    LogsService, LogsServiceServer,
+};
+use opentelemetry_proto::tonic::collector::logs::v1::{
+    ExportLogsServiceRequest, ExportLogsServiceResponse,
+};
+use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
+    TraceService, TraceServiceServer,
+};
+use opentelemetry_proto::tonic::collector::trace::v1::{
+    ExportTraceServiceRequest, ExportTraceServiceResponse,
+};
 use tonic::codec::CompressionEncoding;
 use tonic::{Request, Response, Status};
 
@@ -33,9 +41,14 @@ fn status(e: AcceptError) -> Status {
 
 #[tonic::async_trait]
 impl TraceService for GrpcReceiver {
-    async fn export(&self, req: Request<ExportTraceServiceRequest>) -> Result<Response<ExportTraceServiceResponse>, Status> {
+    async fn export(
+        &self,
+        req: Request<ExportTraceServiceRequest>,
+    ) -> Result<Response<ExportTraceServiceResponse>, Status> {
         match self.ingest.accept_traces(req.get_ref(), Transport::Grpc) {
-            Ok(_) => Ok(Response::new(ExportTraceServiceResponse { partial_success: None })),
+            Ok(_) => Ok(Response::new(ExportTraceServiceResponse {
+                partial_success: None,
+            })),
             Err(e) => {
                 tracing::debug!(error = %e, "otlp/grpc: traces export refused");
                 Err(status(e))
@@ -46,9 +59,14 @@ impl TraceService for GrpcReceiver {
 
 #[tonic::async_trait]
 impl LogsService for GrpcReceiver {
-    async fn export(&self, req: Request<ExportLogsServiceRequest>) -> Result<Response<ExportLogsServiceResponse>, Status> {
+    async fn export(
+        &self,
+        req: Request<ExportLogsServiceRequest>,
+    ) -> Result<Response<ExportLogsServiceResponse>, Status> {
         match self.ingest.accept_logs(req.get_ref(), Transport::Grpc) {
-            Ok(_) => Ok(Response::new(ExportLogsServiceResponse { partial_success: None })),
+            Ok(_) => Ok(Response::new(ExportLogsServiceResponse {
+                partial_success: None,
+            })),
             Err(e) => {
                 tracing::debug!(error = %e, "otlp/grpc: logs export refused");
                 Err(status(e))
@@ -59,7 +77,12 @@ impl LogsService for GrpcReceiver {
 
 fn count_status<B>(stats: &OtlpStats, resp: &http::Response<B>) {
     // Trailers-only responses (every error of a unary call) carry the status in the headers.
-    if let Some(code) = resp.headers().get("grpc-status").and_then(|v| v.to_str().ok()).and_then(|s| s.parse::<usize>().ok()) {
+    if let Some(code) = resp
+        .headers()
+        .get("grpc-status")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|s| s.parse::<usize>().ok())
+    {
         if code != 0 {
             stats.grpc_error_responses[code.min(16)].fetch_add(1, Relaxed);
             tracing::debug!(code, "otlp/grpc: error response");
@@ -74,7 +97,9 @@ pub async fn serve(
     max_message_bytes: usize,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), tonic::transport::Error> {
-    let recv = GrpcReceiver { ingest: ingest.clone() };
+    let recv = GrpcReceiver {
+        ingest: ingest.clone(),
+    };
     let traces = TraceServiceServer::new(recv.clone())
         .accept_compressed(CompressionEncoding::Gzip)
         .max_decoding_message_size(max_message_bytes);
@@ -82,10 +107,11 @@ pub async fn serve(
         .accept_compressed(CompressionEncoding::Gzip)
         .max_decoding_message_size(max_message_bytes);
     let stats = ingest.stats.clone();
-    let layer = tower::util::MapResponseLayer::new(move |resp: http::Response<tonic::body::Body>| {
-        count_status(&stats, &resp);
-        resp
-    });
+    let layer =
+        tower::util::MapResponseLayer::new(move |resp: http::Response<tonic::body::Body>| {
+            count_status(&stats, &resp);
+            resp
+        });
     let incoming = tokio_stream_from(listener);
     tonic::transport::Server::builder()
         .layer(layer)
@@ -95,9 +121,7 @@ pub async fn serve(
         .await
 }
 
-fn tokio_stream_from(
-    listener: tokio::net::TcpListener,
-) -> tonic::transport::server::TcpIncoming {
+fn tokio_stream_from(listener: tokio::net::TcpListener) -> tonic::transport::server::TcpIncoming {
     tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true))
 }
 

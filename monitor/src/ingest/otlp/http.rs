@@ -8,17 +8,21 @@
 use std::io::Read;
 use std::sync::Arc;
 
+use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
-use axum::Router;
 use prost::Message;
 
 use super::{AcceptError, Ingest, RETRY_AFTER, RejectReason, Transport, json};
-use opentelemetry_proto::tonic::collector::logs::v1::{ExportLogsServiceRequest, ExportLogsServiceResponse};
-use opentelemetry_proto::tonic::collector::trace::v1::{ExportTraceServiceRequest, ExportTraceServiceResponse};
+use opentelemetry_proto::tonic::collector::logs::v1::{
+    ExportLogsServiceRequest, ExportLogsServiceResponse,
+};
+use opentelemetry_proto::tonic::collector::trace::v1::{
+    ExportTraceServiceRequest, ExportTraceServiceResponse,
+};
 
 #[derive(Clone)]
 struct AppState {
@@ -42,12 +46,24 @@ struct Refusal {
 
 impl Refusal {
     fn new(status: StatusCode, reason: RejectReason, msg: impl Into<String>) -> Self {
-        Refusal { status, reason, msg: msg.into() }
+        Refusal {
+            status,
+            reason,
+            msg: msg.into(),
+        }
     }
 }
 
-pub fn router(ingest: Arc<Ingest>, max_message_bytes: usize, max_decompressed_bytes: usize) -> Router {
-    let state = AppState { ingest, max_message_bytes, max_decompressed_bytes };
+pub fn router(
+    ingest: Arc<Ingest>,
+    max_message_bytes: usize,
+    max_decompressed_bytes: usize,
+) -> Router {
+    let state = AppState {
+        ingest,
+        max_message_bytes,
+        max_decompressed_bytes,
+    };
     Router::new()
         .route("/v1/traces", post(traces))
         .route("/v1/logs", post(logs))
@@ -63,14 +79,29 @@ pub async fn serve(
     max_decompressed_bytes: usize,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(ingest, max_message_bytes, max_decompressed_bytes))
-        .with_graceful_shutdown(shutdown)
-        .await
+    axum::serve(
+        listener,
+        router(ingest, max_message_bytes, max_decompressed_bytes),
+    )
+    .with_graceful_shutdown(shutdown)
+    .await
 }
 
-async fn read_body(st: &AppState, headers: &HeaderMap, body: Body) -> Result<(Encoding, Vec<u8>), Refusal> {
-    let ctype = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("");
-    let mime = ctype.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
+async fn read_body(
+    st: &AppState,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<(Encoding, Vec<u8>), Refusal> {
+    let ctype = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    let mime = ctype
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_ascii_lowercase();
     let enc = match mime.as_str() {
         "application/x-protobuf" | "application/protobuf" => Encoding::Protobuf,
         "application/json" => Encoding::Json,
@@ -82,10 +113,21 @@ async fn read_body(st: &AppState, headers: &HeaderMap, body: Body) -> Result<(En
             ));
         }
     };
-    let raw: Bytes = axum::body::to_bytes(body, st.max_message_bytes).await.map_err(|_| {
-        Refusal::new(StatusCode::PAYLOAD_TOO_LARGE, RejectReason::TooLarge, format!("body over {} bytes (or unreadable)", st.max_message_bytes))
-    })?;
-    let cenc = headers.get(header::CONTENT_ENCODING).and_then(|v| v.to_str().ok()).unwrap_or("identity").trim().to_ascii_lowercase();
+    let raw: Bytes = axum::body::to_bytes(body, st.max_message_bytes)
+        .await
+        .map_err(|_| {
+            Refusal::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                RejectReason::TooLarge,
+                format!("body over {} bytes (or unreadable)", st.max_message_bytes),
+            )
+        })?;
+    let cenc = headers
+        .get(header::CONTENT_ENCODING)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("identity")
+        .trim()
+        .to_ascii_lowercase();
     let bytes = match cenc.as_str() {
         "" | "identity" => raw.to_vec(),
         "gzip" | "x-gzip" => gunzip(&raw, st.max_decompressed_bytes)?,
@@ -93,7 +135,10 @@ async fn read_body(st: &AppState, headers: &HeaderMap, body: Body) -> Result<(En
             return Err(Refusal::new(
                 StatusCode::UNSUPPORTED_MEDIA_TYPE,
                 RejectReason::UnsupportedMediaType,
-                format!("content-encoding {:?} not supported (gzip or identity)", crate::event::truncate_reason(other)),
+                format!(
+                    "content-encoding {:?} not supported (gzip or identity)",
+                    crate::event::truncate_reason(other)
+                ),
             ));
         }
     };
@@ -104,8 +149,13 @@ async fn read_body(st: &AppState, headers: &HeaderMap, body: Body) -> Result<(En
 fn gunzip(raw: &[u8], limit: usize) -> Result<Vec<u8>, Refusal> {
     let mut out = Vec::with_capacity(raw.len().saturating_mul(4).min(limit));
     let mut dec = flate2::read::MultiGzDecoder::new(raw).take(limit as u64 + 1);
-    dec.read_to_end(&mut out)
-        .map_err(|e| Refusal::new(StatusCode::BAD_REQUEST, RejectReason::BadEncoding, format!("gzip: {e}")))?;
+    dec.read_to_end(&mut out).map_err(|e| {
+        Refusal::new(
+            StatusCode::BAD_REQUEST,
+            RejectReason::BadEncoding,
+            format!("gzip: {e}"),
+        )
+    })?;
     if out.len() > limit {
         return Err(Refusal::new(
             StatusCode::PAYLOAD_TOO_LARGE,
@@ -126,16 +176,25 @@ fn accept_error(e: AcceptError) -> Response {
     match e {
         AcceptError::Full | AcceptError::Closed => {
             let mut resp = (StatusCode::SERVICE_UNAVAILABLE, e.to_string()).into_response();
-            resp.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(RETRY_AFTER.as_secs()));
+            resp.headers_mut().insert(
+                header::RETRY_AFTER,
+                HeaderValue::from(RETRY_AFTER.as_secs()),
+            );
             resp
         }
-        AcceptError::TooManyItems { .. } => (StatusCode::BAD_REQUEST, e.to_string()).into_response(),
+        AcceptError::TooManyItems { .. } => {
+            (StatusCode::BAD_REQUEST, e.to_string()).into_response()
+        }
     }
 }
 
 fn ok(enc: Encoding, protobuf_body: Vec<u8>) -> Response {
     match enc {
-        Encoding::Protobuf => ([(header::CONTENT_TYPE, "application/x-protobuf")], protobuf_body).into_response(),
+        Encoding::Protobuf => (
+            [(header::CONTENT_TYPE, "application/x-protobuf")],
+            protobuf_body,
+        )
+            .into_response(),
         Encoding::Json => ([(header::CONTENT_TYPE, "application/json")], "{}").into_response(),
     }
 }
@@ -146,15 +205,29 @@ async fn traces(State(st): State<AppState>, headers: HeaderMap, body: Body) -> R
         Err(r) => return refuse(&st, "traces", r),
     };
     let req = match enc {
-        Encoding::Protobuf => ExportTraceServiceRequest::decode(bytes.as_slice()).map_err(|e| e.to_string()),
+        Encoding::Protobuf => {
+            ExportTraceServiceRequest::decode(bytes.as_slice()).map_err(|e| e.to_string())
+        }
         Encoding::Json => json::decode_traces(&bytes).map_err(|e| e.to_string()),
     };
     let req = match req {
         Ok(r) => r,
-        Err(e) => return refuse(&st, "traces", Refusal::new(StatusCode::BAD_REQUEST, RejectReason::Malformed, e)),
+        Err(e) => {
+            return refuse(
+                &st,
+                "traces",
+                Refusal::new(StatusCode::BAD_REQUEST, RejectReason::Malformed, e),
+            );
+        }
     };
     match st.ingest.accept_traces(&req, Transport::Http) {
-        Ok(_) => ok(enc, ExportTraceServiceResponse { partial_success: None }.encode_to_vec()),
+        Ok(_) => ok(
+            enc,
+            ExportTraceServiceResponse {
+                partial_success: None,
+            }
+            .encode_to_vec(),
+        ),
         Err(e) => accept_error(e),
     }
 }
@@ -165,12 +238,20 @@ async fn logs(State(st): State<AppState>, headers: HeaderMap, body: Body) -> Res
         Err(r) => return refuse(&st, "logs", r),
     };
     let req = match enc {
-        Encoding::Protobuf => ExportLogsServiceRequest::decode(bytes.as_slice()).map_err(|e| e.to_string()),
+        Encoding::Protobuf => {
+            ExportLogsServiceRequest::decode(bytes.as_slice()).map_err(|e| e.to_string())
+        }
         Encoding::Json => json::decode_logs(&bytes).map_err(|e| e.to_string()),
     };
     let mut req = match req {
         Ok(r) => r,
-        Err(e) => return refuse(&st, "logs", Refusal::new(StatusCode::BAD_REQUEST, RejectReason::Malformed, e)),
+        Err(e) => {
+            return refuse(
+                &st,
+                "logs",
+                Refusal::new(StatusCode::BAD_REQUEST, RejectReason::Malformed, e),
+            );
+        }
     };
     // Log bodies may hold prompt text: drop them before anything else sees the request.
     for rl in &mut req.resource_logs {
@@ -181,7 +262,13 @@ async fn logs(State(st): State<AppState>, headers: HeaderMap, body: Body) -> Res
         }
     }
     match st.ingest.accept_logs(&req, Transport::Http) {
-        Ok(_) => ok(enc, ExportLogsServiceResponse { partial_success: None }.encode_to_vec()),
+        Ok(_) => ok(
+            enc,
+            ExportLogsServiceResponse {
+                partial_success: None,
+            }
+            .encode_to_vec(),
+        ),
         Err(e) => accept_error(e),
     }
 }

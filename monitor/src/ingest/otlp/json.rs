@@ -12,15 +12,17 @@ use opentelemetry_proto::tonic::common::v1 as common;
 use opentelemetry_proto::tonic::logs::v1 as logs;
 use opentelemetry_proto::tonic::resource::v1::Resource;
 use opentelemetry_proto::tonic::trace::v1 as trace;
-use serde::de::{self, Deserializer, Visitor};
 use serde::Deserialize;
+use serde::de::{self, Deserializer, Visitor};
 use std::fmt;
 
 /// The export must be a JSON object (serde would take `[]` for an empty struct).
 fn object(body: &[u8]) -> Result<(), serde_json::Error> {
     match body.iter().find(|b| !b.is_ascii_whitespace()) {
         Some(b'{') => Ok(()),
-        _ => Err(serde::de::Error::custom("an OTLP/JSON export must be a JSON object")),
+        _ => Err(serde::de::Error::custom(
+            "an OTLP/JSON export must be a JSON object",
+        )),
     }
 }
 
@@ -60,7 +62,10 @@ impl<'de> Deserialize<'de> for Id {
             .decode(s.as_bytes())
             .map_err(|_| de::Error::custom(format!("id {s:?} is neither hex nor base64")))?;
         if v.len() != 16 && v.len() != 8 {
-            return Err(de::Error::custom(format!("id {s:?} decodes to {} bytes (want 8 or 16)", v.len())));
+            return Err(de::Error::custom(format!(
+                "id {s:?} decodes to {} bytes (want 8 or 16)",
+                v.len()
+            )));
         }
         Ok(Id(v))
     }
@@ -82,10 +87,16 @@ impl<'de> Deserialize<'de> for U64 {
                 Ok(U64(v))
             }
             fn visit_i64<E: de::Error>(self, v: i64) -> Result<U64, E> {
-                u64::try_from(v).map(U64).map_err(|_| E::custom("negative value"))
+                u64::try_from(v)
+                    .map(U64)
+                    .map_err(|_| E::custom("negative value"))
             }
             fn visit_f64<E: de::Error>(self, v: f64) -> Result<U64, E> {
-                if v >= 0.0 && v.fract() == 0.0 && v < 1.8e19 { Ok(U64(v as u64)) } else { Err(E::custom("not an integer")) }
+                if v >= 0.0 && v.fract() == 0.0 && v < 1.8e19 {
+                    Ok(U64(v as u64))
+                } else {
+                    Err(E::custom("not an integer"))
+                }
             }
             fn visit_str<E: de::Error>(self, v: &str) -> Result<U64, E> {
                 v.trim().parse().map(U64).map_err(E::custom)
@@ -107,13 +118,19 @@ impl<'de> Deserialize<'de> for I64 {
                 f.write_str("an integer or a decimal string")
             }
             fn visit_u64<E: de::Error>(self, v: u64) -> Result<I64, E> {
-                i64::try_from(v).map(I64).map_err(|_| E::custom("integer out of range"))
+                i64::try_from(v)
+                    .map(I64)
+                    .map_err(|_| E::custom("integer out of range"))
             }
             fn visit_i64<E: de::Error>(self, v: i64) -> Result<I64, E> {
                 Ok(I64(v))
             }
             fn visit_f64<E: de::Error>(self, v: f64) -> Result<I64, E> {
-                if v.fract() == 0.0 && v.abs() < 9.2e18 { Ok(I64(v as i64)) } else { Err(E::custom("not an integer")) }
+                if v.fract() == 0.0 && v.abs() < 9.2e18 {
+                    Ok(I64(v as i64))
+                } else {
+                    Err(E::custom("not an integer"))
+                }
             }
             fn visit_str<E: de::Error>(self, v: &str) -> Result<I64, E> {
                 v.trim().parse().map(I64).map_err(E::custom)
@@ -173,13 +190,19 @@ impl<'de, T: EnumNames> Deserialize<'de> for Enum<T> {
                 f.write_str("an enum integer or name")
             }
             fn visit_u64<E: de::Error>(self, v: u64) -> Result<Enum<T>, E> {
-                i32::try_from(v).map(|v| Enum(v, std::marker::PhantomData)).map_err(|_| E::custom("enum out of range"))
+                i32::try_from(v)
+                    .map(|v| Enum(v, std::marker::PhantomData))
+                    .map_err(|_| E::custom("enum out of range"))
             }
             fn visit_i64<E: de::Error>(self, v: i64) -> Result<Enum<T>, E> {
-                i32::try_from(v).map(|v| Enum(v, std::marker::PhantomData)).map_err(|_| E::custom("enum out of range"))
+                i32::try_from(v)
+                    .map(|v| Enum(v, std::marker::PhantomData))
+                    .map_err(|_| E::custom("enum out of range"))
             }
             fn visit_str<E: de::Error>(self, v: &str) -> Result<Enum<T>, E> {
-                T::from_name(v).map(|v| Enum(v, std::marker::PhantomData)).ok_or_else(|| E::custom(format!("unknown enum name {v:?}")))
+                T::from_name(v)
+                    .map(|v| Enum(v, std::marker::PhantomData))
+                    .ok_or_else(|| E::custom(format!("unknown enum name {v:?}")))
             }
         }
         d.deserialize_any(V(std::marker::PhantomData))
@@ -250,11 +273,21 @@ impl From<AnyValue> for common::AnyValue {
         } else if let Some(d) = v.double_value {
             Some(Value::DoubleValue(d.0))
         } else if let Some(a) = v.array_value {
-            Some(Value::ArrayValue(common::ArrayValue { values: a.values.into_iter().map(Into::into).collect() }))
+            Some(Value::ArrayValue(common::ArrayValue {
+                values: a.values.into_iter().map(Into::into).collect(),
+            }))
         } else if let Some(kv) = v.kvlist_value {
-            Some(Value::KvlistValue(common::KeyValueList { values: kvs(kv.values) }))
+            Some(Value::KvlistValue(common::KeyValueList {
+                values: kvs(kv.values),
+            }))
         } else {
-            v.bytes_value.map(|b| Value::BytesValue(base64::engine::general_purpose::STANDARD.decode(b).unwrap_or_default()))
+            v.bytes_value.map(|b| {
+                Value::BytesValue(
+                    base64::engine::general_purpose::STANDARD
+                        .decode(b)
+                        .unwrap_or_default(),
+                )
+            })
         };
         common::AnyValue { value }
     }
@@ -262,7 +295,11 @@ impl From<AnyValue> for common::AnyValue {
 
 fn kvs(v: Vec<KeyValue>) -> Vec<common::KeyValue> {
     v.into_iter()
-        .map(|kv| common::KeyValue { key: kv.key, value: kv.value.map(Into::into), key_strindex: 0 })
+        .map(|kv| common::KeyValue {
+            key: kv.key,
+            value: kv.value.map(Into::into),
+            key_strindex: 0,
+        })
         .collect()
 }
 
@@ -281,7 +318,11 @@ struct Scope {
 }
 
 fn resource(r: Option<ResourceJ>) -> Option<Resource> {
-    r.map(|r| Resource { attributes: kvs(r.attributes), dropped_attributes_count: 0, entity_refs: vec![] })
+    r.map(|r| Resource {
+        attributes: kvs(r.attributes),
+        dropped_attributes_count: 0,
+        entity_refs: vec![],
+    })
 }
 
 fn scope(s: Option<Scope>) -> Option<common::InstrumentationScope> {
@@ -401,7 +442,10 @@ impl From<SpanJ> for trace::Span {
             dropped_events_count: s.dropped_events_count,
             links: vec![],
             dropped_links_count: s.dropped_links_count,
-            status: s.status.map(|st| trace::Status { message: st.message, code: st.code.0 }),
+            status: s.status.map(|st| trace::Status {
+                message: st.message,
+                code: st.code.0,
+            }),
         }
     }
 }
@@ -493,7 +537,10 @@ mod tests {
         let b64 = r#"{"resourceSpans":[{"scopeSpans":[{"spans":[{"traceId":"+ghOsCrTu/BsPzmL05GlCg==","spanId":"LN4eBuBsQ3A=","name":"x","kind":"SPAN_KIND_INTERNAL","startTimeUnixNano":"5","endTimeUnixNano":6,"status":{"code":"STATUS_CODE_ERROR"},"unknownField":[1,2]}]}]}]}"#;
         let a = decode_traces(hex.as_bytes()).unwrap();
         let b = decode_traces(b64.as_bytes()).unwrap();
-        let (sa, sb) = (&a.resource_spans[0].scope_spans[0].spans[0], &b.resource_spans[0].scope_spans[0].spans[0]);
+        let (sa, sb) = (
+            &a.resource_spans[0].scope_spans[0].spans[0],
+            &b.resource_spans[0].scope_spans[0].spans[0],
+        );
         assert_eq!(sa.trace_id, sb.trace_id);
         assert_eq!(sa.span_id, sb.span_id);
         assert_eq!(sa.status, sb.status);
@@ -503,8 +550,18 @@ mod tests {
 
     #[test]
     fn garbage_is_an_error_not_a_panic() {
-        for bad in [&b"{"[..], b"[]", b"{\"resourceSpans\":3}", b"{\"resourceSpans\":[{\"scopeSpans\":[{\"spans\":[{\"traceId\":\"zz\"}]}]}]}", b"\xff\xfe"] {
-            assert!(decode_traces(bad).is_err(), "{:?}", String::from_utf8_lossy(bad));
+        for bad in [
+            &b"{"[..],
+            b"[]",
+            b"{\"resourceSpans\":3}",
+            b"{\"resourceSpans\":[{\"scopeSpans\":[{\"spans\":[{\"traceId\":\"zz\"}]}]}]}",
+            b"\xff\xfe",
+        ] {
+            assert!(
+                decode_traces(bad).is_err(),
+                "{:?}",
+                String::from_utf8_lossy(bad)
+            );
         }
         assert!(decode_traces(b"{}").unwrap().resource_spans.is_empty());
     }

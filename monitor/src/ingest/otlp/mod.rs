@@ -48,33 +48,65 @@ pub struct Ingest {
 }
 
 fn now_ns() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0)
 }
 
 impl Ingest {
-    pub fn new(tx: mpsc::Sender<EventBatch>, normalizer: Normalizer, stats: Arc<OtlpStats>, max_items_per_request: usize) -> Self {
-        Ingest { tx, normalizer: Mutex::new(normalizer), stats, max_items_per_request }
+    pub fn new(
+        tx: mpsc::Sender<EventBatch>,
+        normalizer: Normalizer,
+        stats: Arc<OtlpStats>,
+        max_items_per_request: usize,
+    ) -> Self {
+        Ingest {
+            tx,
+            normalizer: Mutex::new(normalizer),
+            stats,
+            max_items_per_request,
+        }
     }
 
-    fn reserve(&self, items: usize, transport: Transport) -> Result<mpsc::Permit<'_, EventBatch>, AcceptError> {
+    fn reserve(
+        &self,
+        items: usize,
+        transport: Transport,
+    ) -> Result<mpsc::Permit<'_, EventBatch>, AcceptError> {
         if items > self.max_items_per_request {
-            self.stats.rejected(transport, RejectReason::TooManyItems, items as u64);
-            return Err(AcceptError::TooManyItems { got: items, limit: self.max_items_per_request });
+            self.stats
+                .rejected(transport, RejectReason::TooManyItems, items as u64);
+            return Err(AcceptError::TooManyItems {
+                got: items,
+                limit: self.max_items_per_request,
+            });
         }
         self.tx.try_reserve().map_err(|e| match e {
             mpsc::error::TrySendError::Full(()) => {
-                self.stats.rejected(transport, RejectReason::PipelineFull, items as u64);
+                self.stats
+                    .rejected(transport, RejectReason::PipelineFull, items as u64);
                 AcceptError::Full
             }
             mpsc::error::TrySendError::Closed(()) => {
-                self.stats.rejected(transport, RejectReason::PipelineClosed, items as u64);
+                self.stats
+                    .rejected(transport, RejectReason::PipelineClosed, items as u64);
                 AcceptError::Closed
             }
         })
     }
 
-    pub fn accept_traces(&self, req: &ExportTraceServiceRequest, transport: Transport) -> Result<usize, AcceptError> {
-        let spans: usize = req.resource_spans.iter().flat_map(|r| &r.scope_spans).map(|s| s.spans.len()).sum();
+    pub fn accept_traces(
+        &self,
+        req: &ExportTraceServiceRequest,
+        transport: Transport,
+    ) -> Result<usize, AcceptError> {
+        let spans: usize = req
+            .resource_spans
+            .iter()
+            .flat_map(|r| &r.scope_spans)
+            .map(|s| s.spans.len())
+            .sum();
         let permit = self.reserve(spans, transport)?;
         let mut out = Vec::with_capacity(spans * 2);
         let mut tally = Tally::default();
@@ -90,8 +122,17 @@ impl Ingest {
         Ok(events)
     }
 
-    pub fn accept_logs(&self, req: &ExportLogsServiceRequest, transport: Transport) -> Result<usize, AcceptError> {
-        let records: usize = req.resource_logs.iter().flat_map(|r| &r.scope_logs).map(|s| s.log_records.len()).sum();
+    pub fn accept_logs(
+        &self,
+        req: &ExportLogsServiceRequest,
+        transport: Transport,
+    ) -> Result<usize, AcceptError> {
+        let records: usize = req
+            .resource_logs
+            .iter()
+            .flat_map(|r| &r.scope_logs)
+            .map(|s| s.log_records.len())
+            .sum();
         let permit = self.reserve(records, transport)?;
         let mut out = Vec::new();
         let mut tally = Tally::default();
@@ -118,10 +159,15 @@ impl Ingest {
             n.orphans_waiting()
         };
         self.stats.add_tally(&tally);
-        self.stats.orphans_waiting.store(waiting as u64, std::sync::atomic::Ordering::Relaxed);
+        self.stats
+            .orphans_waiting
+            .store(waiting as u64, std::sync::atomic::Ordering::Relaxed);
         let given_up = tally.total_unmapped();
         if given_up > 0 {
-            tracing::warn!(count = given_up, "otlp: gave up on orphan spans whose attempt root never arrived");
+            tracing::warn!(
+                count = given_up,
+                "otlp: gave up on orphan spans whose attempt root never arrived"
+            );
         }
         if !out.is_empty() && self.tx.send(out).await.is_err() {
             tracing::warn!("otlp: pipeline closed, deferred completions not delivered");
@@ -132,7 +178,10 @@ impl Ingest {
 impl Ingest {
     /// SGLang root completions still inside their grace period (not yet believed).
     pub fn pending_completions(&self) -> usize {
-        self.normalizer.lock().unwrap_or_else(|p| p.into_inner()).pending_completions()
+        self.normalizer
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .pending_completions()
     }
 }
 

@@ -104,7 +104,8 @@ impl OtlpStats {
             }
         }
         self.events_emitted.fetch_add(tally.events, Relaxed);
-        self.orphans_buffered.fetch_add(tally.orphans_buffered, Relaxed);
+        self.orphans_buffered
+            .fetch_add(tally.orphans_buffered, Relaxed);
     }
 
     pub fn accepted(&self, t: Transport, _spans: u64, tally: &Tally) {
@@ -143,40 +144,77 @@ impl OtlpStats {
         for t in Transport::ALL {
             let v = self.requests_accepted[t as usize].load(Relaxed);
             if v != 0 {
-                let _ = writeln!(s, "revenant_otlp_requests_accepted_total{{transport=\"{}\"}} {v}", t.as_str());
+                let _ = writeln!(
+                    s,
+                    "revenant_otlp_requests_accepted_total{{transport=\"{}\"}} {v}",
+                    t.as_str()
+                );
             }
             for r in RejectReason::ALL {
                 let v = self.get_rejected(t, r);
                 if v != 0 {
-                    let _ = writeln!(s, "revenant_otlp_requests_rejected_total{{transport=\"{}\",reason=\"{}\"}} {v}", t.as_str(), r.as_str());
+                    let _ = writeln!(
+                        s,
+                        "revenant_otlp_requests_rejected_total{{transport=\"{}\",reason=\"{}\"}} {v}",
+                        t.as_str(),
+                        r.as_str()
+                    );
                 }
             }
         }
         for (code, c) in self.grpc_error_responses.iter().enumerate() {
             let v = c.load(Relaxed);
             if v != 0 {
-                let _ = writeln!(s, "revenant_otlp_grpc_error_responses_total{{code=\"{code}\"}} {v}");
+                let _ = writeln!(
+                    s,
+                    "revenant_otlp_grpc_error_responses_total{{code=\"{code}\"}} {v}"
+                );
             }
         }
         for p in ProfileLabel::ALL {
             let v = self.spans_received[p as usize].load(Relaxed);
             if v != 0 {
-                let _ = writeln!(s, "revenant_otlp_spans_received_total{{profile=\"{}\"}} {v}", p.as_str());
+                let _ = writeln!(
+                    s,
+                    "revenant_otlp_spans_received_total{{profile=\"{}\"}} {v}",
+                    p.as_str()
+                );
             }
             let v = self.log_records_received[p as usize].load(Relaxed);
             if v != 0 {
-                let _ = writeln!(s, "revenant_otlp_log_records_received_total{{profile=\"{}\"}} {v}", p.as_str());
+                let _ = writeln!(
+                    s,
+                    "revenant_otlp_log_records_received_total{{profile=\"{}\"}} {v}",
+                    p.as_str()
+                );
             }
             for u in Unmapped::ALL {
                 let v = self.get_unmapped(p, u);
                 if v != 0 {
-                    let _ = writeln!(s, "revenant_otlp_spans_unmapped_total{{profile=\"{}\",reason=\"{}\"}} {v}", p.as_str(), u.as_str());
+                    let _ = writeln!(
+                        s,
+                        "revenant_otlp_spans_unmapped_total{{profile=\"{}\",reason=\"{}\"}} {v}",
+                        p.as_str(),
+                        u.as_str()
+                    );
                 }
             }
         }
-        let _ = writeln!(s, "revenant_otlp_events_emitted_total {}", self.events_emitted.load(Relaxed));
-        let _ = writeln!(s, "revenant_otlp_orphans_buffered_total {}", self.orphans_buffered.load(Relaxed));
-        let _ = writeln!(s, "revenant_otlp_orphans_waiting {}", self.orphans_waiting.load(Relaxed));
+        let _ = writeln!(
+            s,
+            "revenant_otlp_events_emitted_total {}",
+            self.events_emitted.load(Relaxed)
+        );
+        let _ = writeln!(
+            s,
+            "revenant_otlp_orphans_buffered_total {}",
+            self.orphans_buffered.load(Relaxed)
+        );
+        let _ = writeln!(
+            s,
+            "revenant_otlp_orphans_waiting {}",
+            self.orphans_waiting.load(Relaxed)
+        );
         s
     }
 }
