@@ -15,7 +15,7 @@ const GAP: u8 = 0;
 const MAX_VALUE: usize = 256;
 
 /// The first and last [`WINDOW`] bytes of a body, gaps marked.
-#[derive(Debug, Default, Clone)]
+#[derive(Default, Clone)]
 pub struct BodyWindow {
     head: Vec<u8>,
     tail: Vec<u8>,
@@ -23,6 +23,17 @@ pub struct BodyWindow {
     pub len: u64,
     /// Some bytes were not captured.
     pub gaps: bool,
+}
+
+/// Lengths only: body bytes (prompts, completions) must never reach a log line.
+impl std::fmt::Debug for BodyWindow {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BodyWindow")
+            .field("len", &self.len)
+            .field("gaps", &self.gaps)
+            .field("kept_bytes", &(self.head.len() + self.tail.len()))
+            .finish()
+    }
 }
 
 impl BodyWindow {
@@ -276,6 +287,12 @@ mod tests {
             br#"{"text":"hi","meta_info":{"id":"r1","prompt_tokens":17,"completion_tokens":4}}"#,
         ]);
         assert_eq!(w.response_info().prompt_tokens, Some(17));
+    }
+
+    #[test]
+    fn debug_output_never_shows_body_bytes() {
+        let w = window(&[br#"{"text": "SECRET-PROMPT"}"#]);
+        assert!(!format!("{w:?}").contains("SECRET"));
     }
 
     #[test]
