@@ -11,15 +11,18 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::time::{Duration, Instant};
 
 use monitor_common::counter;
 use revenant::ingest::ebpf::{Discovery, EbpfConfig, EbpfSource, EbpfStats, Role};
 
 fn env_num(name: &str, default: u64) -> u64 {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
 }
 
 fn main() {
@@ -39,7 +42,10 @@ fn main() {
     let rate = env_num("EBPF_BENCH_RATE", 2000);
     let nginx = Nginx::start();
     let pids = nginx.pids();
-    println!("nginx on 127.0.0.1:{} pids {pids:?}; {rounds} rounds of {secs}s; fixed load {rate} req/s", nginx.port);
+    println!(
+        "nginx on 127.0.0.1:{} pids {pids:?}; {rounds} rounds of {secs}s; fixed load {rate} req/s",
+        nginx.port
+    );
 
     let mut sat: [Vec<f64>; 3] = Default::default();
     let mut p99: [Vec<f64>; 3] = Default::default();
@@ -92,7 +98,9 @@ fn main() {
                     s1.losses - s0.losses
                 );
             } else {
-                println!("round {round} {mode:9} wrk {rps:>9.0} req/s ({reqs} reqs)  fixed p99 {lat_p99:>7.0} us");
+                println!(
+                    "round {round} {mode:9} wrk {rps:>9.0} req/s ({reqs} reqs)  fixed p99 {lat_p99:>7.0} us"
+                );
             }
             drop(tracer);
         }
@@ -100,13 +108,20 @@ fn main() {
     let base = median(&sat[0]);
     let base_p99 = median(&p99[0]);
     println!("\n== summary (medians over {rounds} rounds) ==");
-    println!("untraced:  {:.0} req/s, fixed-load p99 {:.0} us", base, base_p99);
+    println!(
+        "untraced:  {:.0} req/s, fixed-load p99 {:.0} us",
+        base, base_p99
+    );
     for (i, name) in [(1, "revenant"), (2, "bpftrace")] {
         println!(
             "{name:9}: {:.0} req/s = {:.2} of untraced (runs: {}), fixed-load p99 {:.0} us = {:.2}x",
             median(&sat[i]),
             median(&sat[i]) / base,
-            sat[i].iter().map(|r| format!("{:.2}", r / base)).collect::<Vec<_>>().join(" "),
+            sat[i]
+                .iter()
+                .map(|r| format!("{:.2}", r / base))
+                .collect::<Vec<_>>()
+                .join(" "),
             median(&p99[i]),
             median(&p99[i]) / base_p99
         );
@@ -129,13 +144,21 @@ struct Snap {
 }
 
 fn snapshot(s: &EbpfStats) -> Snap {
-    Snap { events: s.events.load(Relaxed), losses: s.losses(), seen: s.kernel(counter::SEEN) }
+    Snap {
+        events: s.events.load(Relaxed),
+        losses: s.losses(),
+        seen: s.kernel(counter::SEEN),
+    }
 }
 
 fn median(v: &[f64]) -> f64 {
     let mut v = v.to_vec();
     v.sort_by(|a, b| a.total_cmp(b));
-    if v.is_empty() { f64::NAN } else { v[v.len() / 2] }
+    if v.is_empty() {
+        f64::NAN
+    } else {
+        v[v.len() / 2]
+    }
 }
 
 fn which(tool: &str) -> Option<PathBuf> {
@@ -147,13 +170,22 @@ fn which(tool: &str) -> Option<PathBuf> {
 }
 
 fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 fn rss_kb() -> u64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
-        .and_then(|s| s.lines().find_map(|l| l.strip_prefix("VmRSS:").map(|v| v.trim().trim_end_matches(" kB").trim().parse().unwrap_or(0))))
+        .and_then(|s| {
+            s.lines().find_map(|l| {
+                l.strip_prefix("VmRSS:")
+                    .map(|v| v.trim().trim_end_matches(" kB").trim().parse().unwrap_or(0))
+            })
+        })
         .unwrap_or(0)
 }
 
@@ -166,7 +198,9 @@ fn program_runtime() -> (u64, u64) {
         .collect();
     let mut t = (0, 0);
     for p in aya::programs::loaded_programs().flatten() {
-        if p.name_as_str().is_some_and(|n| names.iter().any(|x| x == n)) {
+        if p.name_as_str()
+            .is_some_and(|n| names.iter().any(|x| x == n))
+        {
             t.0 += p.run_time().as_nanos() as u64;
             t.1 += p.run_count();
         }
@@ -196,7 +230,12 @@ impl Nginx {
         );
         std::fs::write(dir.join("nginx.conf"), conf).unwrap();
         let child = Command::new(which("nginx").unwrap())
-            .args(["-p", &dir.display().to_string(), "-c", &dir.join("nginx.conf").display().to_string()])
+            .args([
+                "-p",
+                &dir.display().to_string(),
+                "-c",
+                &dir.join("nginx.conf").display().to_string(),
+            ])
             .stderr(Stdio::inherit())
             .spawn()
             .expect("start nginx");
@@ -205,7 +244,11 @@ impl Nginx {
             assert!(Instant::now() < deadline, "nginx did not listen on {port}");
             std::thread::sleep(Duration::from_millis(20));
         }
-        Nginx { child, port, _dir: dir }
+        Nginx {
+            child,
+            port,
+            _dir: dir,
+        }
     }
 
     /// The master and its workers.
@@ -214,7 +257,11 @@ impl Nginx {
         let mut pids = vec![master];
         for pid in revenant::ingest::ebpf::procs::all_pids() {
             let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-            let ppid = stat.rsplit(')').next().and_then(|r| r.split_whitespace().nth(1)).and_then(|p| p.parse::<u32>().ok());
+            let ppid = stat
+                .rsplit(')')
+                .next()
+                .and_then(|r| r.split_whitespace().nth(1))
+                .and_then(|p| p.parse::<u32>().ok());
             if ppid == Some(master) {
                 pids.push(pid);
             }
@@ -264,11 +311,15 @@ impl Tracer {
         match mode {
             "revenant" => {
                 let cfg = EbpfConfig {
-                    discovery: Discovery { conventions: false, ..Default::default() },
+                    discovery: Discovery {
+                        conventions: false,
+                        ..Default::default()
+                    },
                     node: Some("bench".into()),
                     ..Default::default()
                 };
-                let mut src = EbpfSource::start(cfg).expect("eBPF probes must load (root, cargo xtask setup)");
+                let mut src = EbpfSource::start(cfg)
+                    .expect("eBPF probes must load (root, cargo xtask setup)");
                 for &p in pids {
                     src.watch(p, Role::Prefill).expect("watch nginx");
                 }
@@ -281,9 +332,13 @@ impl Tracer {
                 let thread = std::thread::spawn(move || {
                     // SAFETY: plain syscall.
                     tid2.store(unsafe { libc::gettid() } as u64, Relaxed);
-                    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+                    let rt = tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                        .unwrap();
                     rt.block_on(async move {
-                        let (tx, mut rx) = tokio::sync::mpsc::channel::<revenant::pipeline::EventBatch>(64);
+                        let (tx, mut rx) =
+                            tokio::sync::mpsc::channel::<revenant::pipeline::EventBatch>(64);
                         let consumer = tokio::spawn(async move {
                             while let Some(b) = rx.recv().await {
                                 consumed2.fetch_add(b.len() as u64, Relaxed);
@@ -301,7 +356,13 @@ impl Tracer {
                 while tid.load(Relaxed) == 0 {
                     std::thread::sleep(Duration::from_millis(1));
                 }
-                Tracer::Revenant { stop, thread: Some(thread), stats, consumed, tid }
+                Tracer::Revenant {
+                    stop,
+                    thread: Some(thread),
+                    stats,
+                    consumed,
+                    tid,
+                }
             }
             "bpftrace" => {
                 let pid = pids.get(1).or(pids.first()).copied().unwrap();
@@ -355,7 +416,12 @@ impl Tracer {
 impl Drop for Tracer {
     fn drop(&mut self) {
         match self {
-            Tracer::Revenant { stop, thread, consumed, .. } => {
+            Tracer::Revenant {
+                stop,
+                thread,
+                consumed,
+                ..
+            } => {
                 stop.store(true, Relaxed);
                 if let Some(t) = thread.take() {
                     let _ = t.join();
@@ -387,13 +453,31 @@ fn wrk(port: u16, secs: u64) -> (f64, u64) {
     )
     .unwrap();
     let out = Command::new(which("wrk").unwrap())
-        .args(["-t1", "-c32", &format!("-d{secs}s"), "-s", &script.display().to_string()])
+        .args([
+            "-t1",
+            "-c32",
+            &format!("-d{secs}s"),
+            "-s",
+            &script.display().to_string(),
+        ])
         .arg(format!("http://127.0.0.1:{port}/generate"))
         .output()
         .expect("run wrk");
     let text = String::from_utf8_lossy(&out.stdout);
-    let rps = text.lines().find_map(|l| l.strip_prefix("Requests/sec:")).and_then(|v| v.trim().parse().ok()).unwrap_or(0.0);
-    let reqs = text.lines().find_map(|l| l.split_whitespace().next().filter(|_| l.contains("requests in")).and_then(|n| n.parse().ok())).unwrap_or(0);
+    let rps = text
+        .lines()
+        .find_map(|l| l.strip_prefix("Requests/sec:"))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0.0);
+    let reqs = text
+        .lines()
+        .find_map(|l| {
+            l.split_whitespace()
+                .next()
+                .filter(|_| l.contains("requests in"))
+                .and_then(|n| n.parse().ok())
+        })
+        .unwrap_or(0);
     (rps, reqs)
 }
 
@@ -427,7 +511,11 @@ fn fixed_load(port: u16, rate: u64, secs: u64) -> (f64, u64) {
                         got += n;
                         if let Some(h) = buf[..got].windows(4).position(|w| w == b"\r\n\r\n") {
                             let head = String::from_utf8_lossy(&buf[..h]).to_ascii_lowercase();
-                            let len: usize = head.lines().find_map(|l| l.strip_prefix("content-length:")).and_then(|v| v.trim().parse().ok()).unwrap_or(0);
+                            let len: usize = head
+                                .lines()
+                                .find_map(|l| l.strip_prefix("content-length:"))
+                                .and_then(|v| v.trim().parse().ok())
+                                .unwrap_or(0);
                             if got >= h + 4 + len {
                                 break;
                             }
@@ -439,9 +527,15 @@ fn fixed_load(port: u16, rate: u64, secs: u64) -> (f64, u64) {
             })
         })
         .collect();
-    let mut all: Vec<u64> = handles.into_iter().flat_map(|h| h.join().unwrap()).collect();
+    let mut all: Vec<u64> = handles
+        .into_iter()
+        .flat_map(|h| h.join().unwrap())
+        .collect();
     all.sort_unstable();
     let n = all.len() as u64;
-    let p99 = all.get(((all.len() as f64) * 0.99) as usize).copied().unwrap_or(0) as f64;
+    let p99 = all
+        .get(((all.len() as f64) * 0.99) as usize)
+        .copied()
+        .unwrap_or(0) as f64;
     (p99, n)
 }

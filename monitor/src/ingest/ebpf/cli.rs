@@ -98,7 +98,16 @@ mod tests {
 
     #[test]
     fn parses_rules_and_validates_sizes() {
-        let t = T::try_parse_from(["x", "--watch", "decode=fake.*decode", "--pid", "router=12", "--ebpf", "on"]).unwrap();
+        let t = T::try_parse_from([
+            "x",
+            "--watch",
+            "decode=fake.*decode",
+            "--pid",
+            "router=12",
+            "--ebpf",
+            "on",
+        ])
+        .unwrap();
         assert_eq!(t.e.ebpf, EbpfMode::On);
         let cfg = t.e.config(None).unwrap();
         assert_eq!(cfg.discovery.pids[0].pid, 12);

@@ -314,7 +314,9 @@ impl Inner {
         self.stats.conns_evicted.store(t.conns_evicted, Relaxed);
         self.stats.http_desyncs.store(t.http_desyncs, Relaxed);
         self.stats.gap_bytes.store(t.gap_bytes, Relaxed);
-        self.stats.connections.store(self.tracker.conn_count() as u64, Relaxed);
+        self.stats
+            .connections
+            .store(self.tracker.conn_count() as u64, Relaxed);
         let losses = self.stats.losses();
         let degraded = losses > self.last_losses;
         if degraded {
