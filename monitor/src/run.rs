@@ -260,11 +260,11 @@ async fn checker_task(
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     let mut line = Vec::with_capacity(512);
     loop {
-        if let Some(p) = &pause_file {
-            if p.exists() {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-                continue;
-            }
+        if let Some(p) = &pause_file
+            && p.exists()
+        {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            continue;
         }
         let batch = tokio::select! {
             // Shutdown: refuse new batches (senders see "closed" and answer UNAVAILABLE), keep

@@ -239,11 +239,10 @@ impl SpanTree {
             if let Some(pa) = node
                 .parent
                 .and_then(|p| self.known.lookup(&(node.key.0, p)))
+                && let Some(parent) = self.known.attempt(pa)
             {
-                if let Some(parent) = self.known.attempt(pa) {
-                    attempt.room = attempt.room.or(parent.room);
-                    attempt.role = attempt.role.or(parent.role);
-                }
+                attempt.room = attempt.room.or(parent.room);
+                attempt.role = attempt.role.or(parent.role);
             }
             let id = self.next_attempt;
             self.next_attempt += 1;

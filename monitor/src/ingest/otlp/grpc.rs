@@ -82,11 +82,10 @@ fn count_status<B>(stats: &OtlpStats, resp: &http::Response<B>) {
         .get("grpc-status")
         .and_then(|v| v.to_str().ok())
         .and_then(|s| s.parse::<usize>().ok())
+        && code != 0
     {
-        if code != 0 {
-            stats.grpc_error_responses[code.min(16)].fetch_add(1, Relaxed);
-            tracing::debug!(code, "otlp/grpc: error response");
-        }
+        stats.grpc_error_responses[code.min(16)].fetch_add(1, Relaxed);
+        tracing::debug!(code, "otlp/grpc: error response");
     }
 }
 
