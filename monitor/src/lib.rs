@@ -4,6 +4,8 @@
 //! event model ([`event`]), identity correlation ([`correlate`]), the sans-IO streaming checker
 //! ([`checker`]), its verdicts ([`violation`]) and the replay source ([`replay`]).
 
+pub mod admin;
+pub mod alert;
 pub mod checker;
 pub mod correlate;
 pub mod event;
