@@ -383,6 +383,14 @@ async fn raw_export<M: prost::Message + Default + Send + Sync + 'static>(
     addr: &str,
     msg: M,
 ) -> Result<(), tonic::Status> {
+    raw_export_with(addr, msg, false).await
+}
+
+async fn raw_export_with<M: prost::Message + Default + Send + Sync + 'static>(
+    addr: &str,
+    msg: M,
+    gzip: bool,
+) -> Result<(), tonic::Status> {
     use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceResponse;
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
         .unwrap()
@@ -390,6 +398,9 @@ async fn raw_export<M: prost::Message + Default + Send + Sync + 'static>(
         .await
         .unwrap();
     let mut grpc = tonic::client::Grpc::new(channel);
+    if gzip {
+        grpc = grpc.send_compressed(tonic::codec::CompressionEncoding::Gzip);
+    }
     grpc.ready().await.unwrap();
     let codec = tonic_prost::ProstCodec::<M, ExportTraceServiceResponse>::default();
     let path = http::uri::PathAndQuery::from_static(
@@ -434,6 +445,9 @@ fn malformed_and_oversized_grpc_get_error_codes_and_are_counted() {
                 ..Default::default()
             }],
         };
+        // A small gzip frame that inflates past the limit: decompression stops at the limit.
+        let bomb = raw_export_with(&rv.grpc, big.clone(), true).await;
+        assert_eq!(bomb.unwrap_err().code(), tonic::Code::ResourceExhausted);
         let too_big = raw_export(&rv.grpc, big).await;
         // tonic answers an over-limit message with OUT_OF_RANGE (not retryable: resending cannot help).
         assert_eq!(too_big.unwrap_err().code(), tonic::Code::OutOfRange);
@@ -449,6 +463,10 @@ fn malformed_and_oversized_grpc_get_error_codes_and_are_counted() {
     );
     assert!(
         stderr.contains("revenant_otlp_grpc_error_responses_total{code=\"11\"} 1"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("revenant_otlp_grpc_error_responses_total{code=\"8\"} 1"),
         "{stderr}"
     );
     assert!(

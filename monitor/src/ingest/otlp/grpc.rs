@@ -1,8 +1,7 @@
 //! OTLP/gRPC: the generated `TraceService` / `LogsService` servers from `opentelemetry-proto`.
 //!
-//! tonic enforces the message size limit on the compressed frame and while decompressing
-//! (decompression-bomb guard) and answers those with OUT_OF_RANGE; decode errors with
-//! INTERNAL. A response layer counts every non-OK status by code, including those tonic
+//! tonic enforces the message size limit on the frame as sent (OUT_OF_RANGE) and while
+//! decompressing (decompression-bomb guard: RESOURCE_EXHAUSTED); decode errors get INTERNAL. A response layer counts every non-OK status by code, including those tonic
 //! produced before our handler ran.
 
 use std::net::SocketAddr;
