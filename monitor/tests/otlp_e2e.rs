@@ -278,6 +278,15 @@ fn rejected_then_decoded_raises_activity_after_rejection_over_every_transport() 
                 panic!("{transport}: no activity-after-rejection for {rid}: {alerts:#?}")
             });
         assert!(alert.to_string().contains("otlp"));
+        // The decode leg did end (its root completed); its completion, deferred for an abort
+        // that never came, is released at shutdown — so no orphaned-leg false alarm.
+        assert!(has("decode", "completed"), "{transport}: {mine:#?}");
+        assert!(
+            !alerts
+                .iter()
+                .any(|a| a["rule"] == "orphaned-leg" && a.to_string().contains(rid)),
+            "{transport}: {alerts:#?}"
+        );
     }
     let stderr = rv.stderr();
     assert!(

@@ -325,6 +325,15 @@ impl SpanTree {
         self.completions.len()
     }
 
+    /// At shutdown no abort can arrive any more: release every completion still in its grace.
+    pub fn flush_completions(&mut self, out: &mut Vec<LifecycleEvent>) {
+        while let Some((_, id, e)) = self.completions.pop_front() {
+            if self.known.attempt(id).is_some_and(|a| !a.errored) {
+                out.push(e);
+            }
+        }
+    }
+
     /// Gives up on expired orphans and releases root completions whose grace has passed (unless
     /// an abort arrived meanwhile).
     pub fn tick(&mut self, now_ns: u64, out: &mut Vec<LifecycleEvent>, tally: &mut Tally) {

@@ -183,6 +183,25 @@ impl Ingest {
             .unwrap_or_else(|p| p.into_inner())
             .pending_completions()
     }
+
+    /// Shutdown, after the receivers stopped: sends the deferred completions (no abort can
+    /// arrive any more). Returns how many events were sent.
+    pub async fn flush(&self) -> usize {
+        let mut out = Vec::new();
+        self.normalizer
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .flush(&mut out);
+        let n = out.len();
+        if n > 0 && self.tx.send(out).await.is_err() {
+            tracing::warn!(
+                count = n,
+                "shutdown: pipeline closed, deferred completions not delivered"
+            );
+            return 0;
+        }
+        n
+    }
 }
 
 /// Retry-After sent with 503: long enough for the checker to drain a full channel.
