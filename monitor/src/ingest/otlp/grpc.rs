@@ -4,7 +4,6 @@
 //! decompressing (decompression-bomb guard: RESOURCE_EXHAUSTED); decode errors get INTERNAL. A response layer counts every non-OK status by code, including those tonic
 //! produced before our handler ran.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 
@@ -110,19 +109,12 @@ pub async fn serve(
             count_status(&stats, &resp);
             resp
         });
-    let incoming = tokio_stream_from(listener);
+    // Exports are latency-sensitive acks, not bulk streams: no Nagle delay.
+    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
     tonic::transport::Server::builder()
         .layer(layer)
         .add_service(traces)
         .add_service(logs)
         .serve_with_incoming_shutdown(incoming, shutdown)
         .await
-}
-
-fn tokio_stream_from(listener: tokio::net::TcpListener) -> tonic::transport::server::TcpIncoming {
-    tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true))
-}
-
-pub fn local_addr(l: &tokio::net::TcpListener) -> Option<SocketAddr> {
-    l.local_addr().ok()
 }
