@@ -137,7 +137,11 @@ impl RecentEvents {
     }
 
     pub fn len(&self) -> usize {
-        self.inner.lock().unwrap_or_else(|p| p.into_inner()).events.len()
+        self.inner
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .events
+            .len()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -215,7 +219,12 @@ impl TimelineProvider for RecentEvents {
             Alias::Rid(q.clone()),
         ]
         .into_iter()
-        .chain(query.parse::<BootstrapRoom>().ok().map(|r| Alias::Room(r.0)))
+        .chain(
+            query
+                .parse::<BootstrapRoom>()
+                .ok()
+                .map(|r| Alias::Room(r.0)),
+        )
         .filter(|a| g.by_alias.contains_key(a))
         .collect();
         if frontier.is_empty() {
@@ -287,15 +296,25 @@ mod tests {
         let idx = RecentEvents::new(RecentEventsLimits::default());
         let batch = vec![
             ev(1, Stage::Router, Kind::Received).with_request_id("req-1"),
-            ev(2, Stage::Router, Kind::Dispatched).with_request_id("req-1").with_room(0xabc),
-            ev(3, Stage::Prefill, Kind::Rejected).with_rid("p-1").with_room(0xabc).with_status(400),
-            ev(4, Stage::Decode, Kind::Work).with_rid("d-1").with_room(0xabc),
+            ev(2, Stage::Router, Kind::Dispatched)
+                .with_request_id("req-1")
+                .with_room(0xabc),
+            ev(3, Stage::Prefill, Kind::Rejected)
+                .with_rid("p-1")
+                .with_room(0xabc)
+                .with_status(400),
+            ev(4, Stage::Decode, Kind::Work)
+                .with_rid("d-1")
+                .with_room(0xabc),
             ev(5, Stage::Decode, Kind::Work).with_rid("d-1"),
             ev(6, Stage::Router, Kind::Received).with_request_id("other"),
         ];
         idx.record(&batch);
         let t = idx.timeline("req-1").expect("known");
-        assert_eq!(t.events.iter().map(|e| e.time_ns).collect::<Vec<_>>(), vec![1, 2, 3, 4, 5]);
+        assert_eq!(
+            t.events.iter().map(|e| e.time_ns).collect::<Vec<_>>(),
+            vec![1, 2, 3, 4, 5]
+        );
         assert_eq!(t.aliases.bootstrap_rooms, vec!["0xabc".to_string()]);
         // Any alias works, the room in hex or decimal too.
         assert_eq!(idx.timeline("d-1").unwrap().events.len(), 5);
@@ -318,6 +337,9 @@ mod tests {
         assert_eq!(idx.evicted(), 15);
         let t = idx.timeline("r0").unwrap();
         assert!(t.truncated);
-        assert_eq!(t.events.iter().map(|e| e.time_ns).collect::<Vec<_>>(), vec![20, 22, 24]);
+        assert_eq!(
+            t.events.iter().map(|e| e.time_ns).collect::<Vec<_>>(),
+            vec![20, 22, 24]
+        );
     }
 }

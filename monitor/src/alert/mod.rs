@@ -116,7 +116,9 @@ impl AlertConfig {
         if let Some(u) = &self.external_url {
             let p = reqwest::Url::parse(u).map_err(|e| c(format!("external_url {u:?}: {e}")))?;
             if !matches!(p.scheme(), "http" | "https") {
-                return Err(c(format!("external_url {u:?}: scheme must be http or https")));
+                return Err(c(format!(
+                    "external_url {u:?}: scheme must be http or https"
+                )));
             }
         }
         if self.retry_initial.is_zero() || self.retry_max < self.retry_initial {
@@ -138,12 +140,15 @@ impl AlertConfig {
         let c = |e: String| AlertError::Config(e);
         let mut sinks: Vec<Arc<dyn Sink>> = Vec::new();
         for (i, w) in self.webhooks.iter().enumerate() {
-            sinks.push(Arc::new(WebhookSink::new(format!("webhook-{i}"), w).map_err(c)?));
+            sinks.push(Arc::new(
+                WebhookSink::new(format!("webhook-{i}"), w).map_err(c)?,
+            ));
         }
         let node = self.node_name();
         for (i, a) in self.alertmanagers.iter().enumerate() {
             sinks.push(Arc::new(
-                AlertmanagerSink::new(format!("alertmanager-{i}"), a, &node, &self.cluster).map_err(c)?,
+                AlertmanagerSink::new(format!("alertmanager-{i}"), a, &node, &self.cluster)
+                    .map_err(c)?,
             ));
         }
         if let Some(j) = &self.jsonl {
@@ -220,7 +225,10 @@ pub struct AlertArgs {
 impl AlertArgs {
     /// Loads `--alert-config`, applies the flags, validates. `default_external_url` is the admin
     /// server's URL, used for links when no `--external-url` is given.
-    pub fn to_config(&self, default_external_url: Option<String>) -> Result<AlertConfig, AlertError> {
+    pub fn to_config(
+        &self,
+        default_external_url: Option<String>,
+    ) -> Result<AlertConfig, AlertError> {
         let mut cfg = match &self.alert_config {
             Some(p) => {
                 let text = std::fs::read_to_string(p).map_err(|e| AlertError::File {
@@ -312,11 +320,20 @@ impl AlertPipeline {
         let names: Vec<String> = sinks.iter().map(|s| s.name().to_string()).collect();
         let (spool, rec) = Spool::open(&cfg.spool, &names)?;
         if rec.corrupt > 0 {
-            ItemsDropped { point: DropPoint::Spool, reason: "corrupt", count: rec.corrupt as u64 }.emit(&metrics);
+            ItemsDropped {
+                point: DropPoint::Spool,
+                reason: "corrupt",
+                count: rec.corrupt as u64,
+            }
+            .emit(&metrics);
         }
         if rec.orphaned_acks > 0 {
-            ItemsDropped { point: DropPoint::Spool, reason: "sink_removed", count: rec.orphaned_acks as u64 }
-                .emit(&metrics);
+            ItemsDropped {
+                point: DropPoint::Spool,
+                reason: "sink_removed",
+                count: rec.orphaned_acks as u64,
+            }
+            .emit(&metrics);
         }
         if rec.entries > 0 {
             tracing::info!(entries = rec.entries, dir = %spool.dir().display(), "resuming alert delivery from the spool");
@@ -344,7 +361,11 @@ impl AlertPipeline {
         for h in handles {
             h.ready();
         }
-        Ok(AlertPipeline { sender: tx, handle, spool_dir })
+        Ok(AlertPipeline {
+            sender: tx,
+            handle,
+            spool_dir,
+        })
     }
 }
 
@@ -354,11 +375,21 @@ pub fn offer(tx: &mpsc::Sender<Violation>, v: Violation, metrics: &Metrics) -> b
     match tx.try_send(v) {
         Ok(()) => true,
         Err(mpsc::error::TrySendError::Full(_)) => {
-            ItemsDropped { point: DropPoint::ViolationChannel, reason: "full", count: 1 }.emit(metrics);
+            ItemsDropped {
+                point: DropPoint::ViolationChannel,
+                reason: "full",
+                count: 1,
+            }
+            .emit(metrics);
             false
         }
         Err(mpsc::error::TrySendError::Closed(_)) => {
-            ItemsDropped { point: DropPoint::ViolationChannel, reason: "closed", count: 1 }.emit(metrics);
+            ItemsDropped {
+                point: DropPoint::ViolationChannel,
+                reason: "closed",
+                count: 1,
+            }
+            .emit(metrics);
             false
         }
     }

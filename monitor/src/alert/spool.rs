@@ -50,14 +50,20 @@ impl SpoolConfig {
     }
 
     pub fn resolved_dir(&self) -> PathBuf {
-        self.dir.clone().unwrap_or_else(|| default_state_dir().join("spool"))
+        self.dir
+            .clone()
+            .unwrap_or_else(|| default_state_dir().join("spool"))
     }
 }
 
 /// `$STATE_DIRECTORY` (systemd), else `$XDG_STATE_HOME/revenant`, else
 /// `$HOME/.local/state/revenant`, else `/var/lib/revenant`.
 pub fn default_state_dir() -> PathBuf {
-    let env = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty()).map(PathBuf::from);
+    let env = |k: &str| {
+        std::env::var_os(k)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
     if let Some(d) = env("STATE_DIRECTORY") {
         return d;
     }
@@ -157,14 +163,19 @@ impl Spool {
                     rec.corrupt += 1;
                 }
                 "json" => {
-                    let parsed = std::fs::read(&path)
-                        .ok()
-                        .and_then(|b| serde_json::from_slice::<OnDisk>(&b).ok().map(|d| (d, b.len())));
+                    let parsed = std::fs::read(&path).ok().and_then(|b| {
+                        serde_json::from_slice::<OnDisk>(&b)
+                            .ok()
+                            .map(|d| (d, b.len()))
+                    });
                     match parsed {
                         Some((d, len)) => {
                             let before = d.pending.len();
-                            let pending: Vec<String> =
-                                d.pending.into_iter().filter(|p| sinks.contains(p)).collect();
+                            let pending: Vec<String> = d
+                                .pending
+                                .into_iter()
+                                .filter(|p| sinks.contains(p))
+                                .collect();
                             rec.orphaned_acks += before - pending.len();
                             st.next_seq = st.next_seq.max(d.seq + 1);
                             if pending.is_empty() {
@@ -231,7 +242,10 @@ impl Spool {
     }
 
     pub fn get(&self, seq: u64) -> Option<Arc<Notification>> {
-        self.lock().entries.get(&seq).map(|e| e.notification.clone())
+        self.lock()
+            .entries
+            .get(&seq)
+            .map(|e| e.notification.clone())
     }
 
     /// Writes a notification for `sinks` to disk. Blocking I/O: call from `spawn_blocking` or
@@ -385,7 +399,10 @@ mod tests {
         let (s, _) = Spool::open(&cfg, &["a".into(), "gone".into()]).unwrap();
         s.put(note(0), &["a".into(), "gone".into()]).unwrap();
         s.put(note(1), &["gone".into()]).unwrap();
-        assert!(matches!(s.put(note(2), &["a".into()]), Err(SpoolError::Full { .. })));
+        assert!(matches!(
+            s.put(note(2), &["a".into()]),
+            Err(SpoolError::Full { .. })
+        ));
         std::fs::write(dir.path().join("00000000000000ff.json"), b"{not json").unwrap();
         drop(s);
         let (s, rec) = Spool::open(&cfg, &["a".into()]).unwrap();

@@ -575,7 +575,10 @@ impl Checker {
     /// After a terminal event: if every pending deadline rule is already satisfied, nothing can
     /// breach it any more, so the attempt need not stay live until the deadline.
     fn settle(&mut self, a: u32) {
-        if self.store.attempts[a as usize].due_ns == 0 {
+        let wm = self.stats.watermark_ns;
+        let due = self.store.attempts[a as usize].due_ns;
+        // Nothing queued, or a judgement already due at the next watermark step: leave it.
+        if due == 0 || due <= wm {
             return;
         }
         let s = self.store.attempt_slots(a);
@@ -590,8 +593,12 @@ impl Checker {
                     !m.satisfied(s[k.trigger], s[k.other], s[k.other_latest], self.skew_ns)
                 }
                 Shape::RequiresBefore(m) => m.breached(s[k.trigger], s[k.other], self.skew_ns),
-                // Judged at the watermark only: a capacity report may still come.
-                Shape::Predicate(_) => k.per_stage.iter().flatten().any(|&i| s[i].is_set()),
+                // Not judged yet (the watermark has not passed it): a capacity report may still come.
+                Shape::Predicate(_) => k
+                    .per_stage
+                    .iter()
+                    .flatten()
+                    .any(|&i| s[i].is_set() && s[i].time() > wm),
                 _ => false,
             }
         });
