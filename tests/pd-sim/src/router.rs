@@ -134,6 +134,8 @@ pub async fn run(args: RouterArgs) -> anyhow::Result<()> {
         .route("/get_model_info", get(model_info))
         .route("/v1/models", get(models))
         .route("/sim/stats", get(sim_stats))
+        // Last, so it covers every route above.
+        .layer(axum::extract::DefaultBodyLimit::max(crate::worker::BODY_LIMIT))
         .with_state(rt.clone());
     crate::common::print_ready(serde_json::json!({
         "role": "router",
