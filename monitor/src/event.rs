@@ -24,7 +24,12 @@ pub enum Stage {
 }
 
 impl Stage {
-    pub const ALL: [Stage; 4] = [Stage::Router, Stage::Prefill, Stage::Transfer, Stage::Decode];
+    pub const ALL: [Stage; 4] = [
+        Stage::Router,
+        Stage::Prefill,
+        Stage::Transfer,
+        Stage::Decode,
+    ];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -98,7 +103,10 @@ impl Kind {
 
     /// Ends the leg of the stage that reports it.
     pub fn is_terminal(self) -> bool {
-        matches!(self, Kind::Rejected | Kind::Completed | Kind::Aborted | Kind::Cancelled)
+        matches!(
+            self,
+            Kind::Rejected | Kind::Completed | Kind::Aborted | Kind::Cancelled
+        )
     }
 }
 
@@ -143,7 +151,11 @@ macro_rules! impl_from_str_display {
                     .ok_or_else(|| UnknownName {
                         what: $what,
                         got: s.to_owned(),
-                        expected: Self::ALL.iter().map(|v| v.as_str()).collect::<Vec<_>>().join(", "),
+                        expected: Self::ALL
+                            .iter()
+                            .map(|v| v.as_str())
+                            .collect::<Vec<_>>()
+                            .join(", "),
                     })
             }
         }
@@ -183,7 +195,9 @@ impl FromStr for BootstrapRoom {
             Some(hex) => u64::from_str_radix(hex, 16),
             None => t.parse::<u64>(),
         };
-        parsed.map(BootstrapRoom).map_err(|_| InvalidRoom(s.to_owned()))
+        parsed
+            .map(BootstrapRoom)
+            .map_err(|_| InvalidRoom(s.to_owned()))
     }
 }
 
@@ -395,7 +409,11 @@ mod tests {
             assert_eq!(Kind::from_index(k as u8), k);
         }
         let err = "preffill".parse::<Stage>().unwrap_err();
-        assert!(err.to_string().contains("router, prefill, transfer, decode"), "{err}");
+        assert!(
+            err.to_string()
+                .contains("router, prefill, transfer, decode"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -1,1 +1,253 @@
-fn main() {}
+//! The `revenant` command line.
+//!
+//! Exit codes: 0 success (no violations), 1 violations found, 2 usage or input error.
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+
+use revenant::checker::{Checker, CheckerConfig, RuleSet};
+use revenant::replay;
+
+#[derive(Parser)]
+#[command(
+    name = "revenant",
+    version,
+    about = "Runtime invariant monitor for disaggregated (prefill/decode) LLM serving"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Check recorded lifecycle events (JSON Lines) against the rules, offline.
+    Check(CheckArgs),
+    /// Inspect the rule set.
+    Rules {
+        #[command(subcommand)]
+        command: RulesCommand,
+    },
+}
+
+#[derive(Parser)]
+struct CheckArgs {
+    /// Events file in the replay format (JSON Lines); `-` reads standard input.
+    #[arg(long, short = 'e')]
+    events: PathBuf,
+    /// Rules file extending or overriding the embedded defaults.
+    #[arg(long)]
+    rules: Option<PathBuf>,
+    /// Events from different nodes count as later only beyond this skew.
+    #[arg(long, default_value = "50ms", value_parser = humantime::parse_duration)]
+    clock_skew: Duration,
+    /// How late (in event time) an event may arrive and still count for deadline rules.
+    /// Defaults to the clock skew.
+    #[arg(long, value_parser = humantime::parse_duration)]
+    allowed_lateness: Option<Duration>,
+    /// Print a summary (events, violations per rule, state) to standard error at the end.
+    #[arg(long)]
+    stats: bool,
+}
+
+#[derive(Subcommand)]
+enum RulesCommand {
+    /// List the active rules (embedded defaults plus `--rules FILE`).
+    List {
+        #[arg(long)]
+        rules: Option<PathBuf>,
+        /// Print the full rule definitions as YAML instead of a table.
+        #[arg(long)]
+        yaml: bool,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = e.print();
+            return if e.use_stderr() {
+                ExitCode::from(2)
+            } else {
+                ExitCode::SUCCESS
+            };
+        }
+    };
+    match cli.command {
+        Command::Check(args) => check(args),
+        Command::Rules {
+            command: RulesCommand::List { rules, yaml },
+        } => rules_list(rules, yaml),
+    }
+}
+
+fn load_rules(path: Option<&PathBuf>) -> Result<RuleSet, ExitCode> {
+    match path {
+        None => Ok(RuleSet::embedded_defaults()),
+        Some(p) => RuleSet::from_file(p).map_err(|e| {
+            eprintln!("revenant: {e}");
+            ExitCode::from(2)
+        }),
+    }
+}
+
+fn check(args: CheckArgs) -> ExitCode {
+    let rules = match load_rules(args.rules.as_ref()) {
+        Ok(r) => r,
+        Err(code) => return code,
+    };
+    let cfg = CheckerConfig {
+        clock_skew: args.clock_skew,
+        allowed_lateness: args.allowed_lateness.unwrap_or(args.clock_skew),
+        ..CheckerConfig::default()
+    };
+    let lateness = cfg.allowed_lateness;
+    let mut checker = Checker::new(rules, cfg);
+
+    let input: Box<dyn BufRead> = if args.events.as_os_str() == "-" {
+        Box::new(BufReader::with_capacity(1 << 20, std::io::stdin().lock()))
+    } else {
+        match std::fs::File::open(&args.events) {
+            Ok(f) => Box::new(BufReader::with_capacity(1 << 20, f)),
+            Err(e) => {
+                eprintln!(
+                    "revenant: cannot open events file {}: {e}",
+                    args.events.display()
+                );
+                return ExitCode::from(2);
+            }
+        }
+    };
+
+    let stdout = std::io::stdout();
+    let mut out = std::io::BufWriter::with_capacity(1 << 16, stdout.lock());
+    let mut violations = 0u64;
+    let mut bad_lines = 0u64;
+    let mut write_failed = None;
+    let mut emit = |v: &revenant::Violation,
+                    out: &mut std::io::BufWriter<std::io::StdoutLock<'_>>| {
+        violations += 1;
+        let res = serde_json::to_writer(&mut *out, v)
+            .map_err(std::io::Error::from)
+            .and_then(|_| out.write_all(b"\n"));
+        if let Err(e) = res {
+            write_failed.get_or_insert(e);
+        }
+    };
+    let read = replay::read_events(
+        input,
+        |e| {
+            for v in checker.observe(&e) {
+                emit(&v, &mut out);
+            }
+        },
+        |err| {
+            bad_lines += 1;
+            eprintln!("revenant: {}: {err}", args.events.display());
+        },
+    );
+    // Judge what the input can still prove: every deadline up to the last event time.
+    let end = checker
+        .stats()
+        .max_event_ns
+        .saturating_add(lateness.as_nanos() as u64);
+    for v in checker.tick(end) {
+        emit(&v, &mut out);
+    }
+    let flushed = out.flush();
+    if let Err(e) = read {
+        eprintln!("revenant: reading {}: {e}", args.events.display());
+        return ExitCode::from(2);
+    }
+    if let Some(e) = write_failed.or(flushed.err()) {
+        eprintln!("revenant: writing violations: {e}");
+        return ExitCode::from(2);
+    }
+    if args.stats {
+        let s = checker.stats();
+        eprintln!(
+            "revenant: {} events ({} attempt, {} request-only, {} unattributed, {} capacity, {} on tombstones, {} late), {} bad lines",
+            s.events,
+            s.events_attempt,
+            s.events_request_only,
+            s.events_unattributed,
+            s.capacity_reports,
+            s.events_on_tombstones,
+            s.events_late,
+            bad_lines
+        );
+        for (rule, n) in checker.rules().zip(checker.violations_per_rule()) {
+            eprintln!("revenant:   {:<32} {n}", rule.name);
+        }
+        eprintln!(
+            "revenant: {} attempts created, {} live, {} tombstones, {} requests live; evicted {} by ttl, {} by cap",
+            s.correlate.attempts_created,
+            s.live_attempts,
+            s.tombstones,
+            s.live_requests,
+            s.correlate.evicted_ttl,
+            s.correlate.evicted_cap
+        );
+    }
+    if bad_lines > 0 {
+        eprintln!("revenant: {bad_lines} bad line(s) skipped; the rest of the file was checked");
+        return ExitCode::from(2);
+    }
+    if violations > 0 {
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
+    }
+}
+
+fn rules_list(path: Option<PathBuf>, yaml: bool) -> ExitCode {
+    let rules = match load_rules(path.as_ref()) {
+        Ok(r) => r,
+        Err(code) => return code,
+    };
+    if yaml {
+        #[derive(serde::Serialize)]
+        struct Doc {
+            rules: Vec<revenant::checker::rules::RuleDef>,
+        }
+        match serde_saphyr::to_string(&Doc {
+            rules: rules.to_defs(),
+        }) {
+            Ok(s) => print!("{s}"),
+            Err(e) => {
+                eprintln!("revenant: cannot print rules: {e}");
+                return ExitCode::from(2);
+            }
+        }
+        return ExitCode::SUCCESS;
+    }
+    println!(
+        "{:<32} {:<9} {:<8} {:<16} {:<8} DESCRIPTION",
+        "NAME", "SEVERITY", "SCOPE", "SHAPE", "ENABLED"
+    );
+    for r in &rules.rules {
+        let mut desc = r.description.clone();
+        if desc.len() > 80 {
+            let mut cut = 77;
+            while !desc.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            desc.truncate(cut);
+            desc.push_str("...");
+        }
+        println!(
+            "{:<32} {:<9} {:<8} {:<16} {:<8} {desc}",
+            r.name,
+            r.severity.as_str(),
+            r.scope.as_str(),
+            r.shape.kind_name(),
+            if r.enabled { "yes" } else { "no" }
+        );
+    }
+    ExitCode::SUCCESS
+}

@@ -1,0 +1,101 @@
+//! Memory per live attempt and per tombstone, measured with a counting allocator (heap bytes
+//! really allocated, not estimated). Run: `cargo bench -p revenant --bench state_size`.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicIsize, Ordering};
+
+use revenant::checker::{Checker, CheckerConfig, RuleSet};
+use revenant::workload::{Mix, attempt_events};
+
+struct Counting;
+static LIVE_BYTES: AtomicIsize = AtomicIsize::new(0);
+
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+        LIVE_BYTES.fetch_add(l.size() as isize, Ordering::Relaxed);
+        unsafe { System.alloc(l) }
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
+        LIVE_BYTES.fetch_sub(l.size() as isize, Ordering::Relaxed);
+        unsafe { System.dealloc(p, l) }
+    }
+    unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
+        LIVE_BYTES.fetch_add(new as isize - l.size() as isize, Ordering::Relaxed);
+        unsafe { System.realloc(p, l, new) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+fn main() {
+    // `cargo test --all-targets` runs benches once in test mode; keep that quick.
+    let n: u64 = if std::env::args().any(|a| a == "--bench") {
+        100_000
+    } else {
+        2_000
+    };
+    let mix = Mix {
+        attempts: n,
+        reject_every: 100,
+        ..Mix::default()
+    };
+    let mut checker = Checker::new(RuleSet::embedded_defaults(), CheckerConfig::default());
+
+    // Live: every attempt gets all but its last event, so none ends.
+    let mut tails = Vec::with_capacity(n as usize);
+    let mut all = Vec::new();
+    for i in 0..n {
+        let mut evs = attempt_events(&mix, i);
+        tails.push(evs.pop().unwrap());
+        all.extend(evs);
+    }
+    all.sort_by_key(|e| e.time_ns);
+    let before = LIVE_BYTES.load(Ordering::Relaxed);
+    for e in &all {
+        checker.observe(e);
+    }
+    let live_bytes = LIVE_BYTES.load(Ordering::Relaxed) - before;
+    let s = checker.stats();
+    println!(
+        "live: {} attempts, {} requests, {} B heap -> {:.1} B per live attempt (request included)",
+        s.live_attempts,
+        s.live_requests,
+        live_bytes,
+        live_bytes as f64 / s.live_attempts as f64
+    );
+    drop(all);
+
+    // Tombstones: end every attempt, then let the watermark pass the linger so all compact.
+    let before_t = LIVE_BYTES.load(Ordering::Relaxed);
+    for e in &tails {
+        checker.observe(e);
+    }
+    let last = tails.iter().map(|e| e.time_ns).max().unwrap();
+    let mut t = last;
+    while checker.stats().live_attempts > 0 {
+        t += 100_000_000;
+        checker.tick(t + 2_000_000_000);
+        assert!(t < last + 60_000_000_000, "attempts did not compact");
+    }
+    let s = checker.stats();
+    println!(
+        "tombstones: {} (live attempts {}), tombstone tables {} B -> {:.1} B per tombstone (queue, kept slots, alias index at its real capacity)",
+        s.tombstones,
+        s.live_attempts,
+        checker.tombstone_bytes(),
+        checker.tombstone_bytes() as f64 / s.tombstones as f64
+    );
+    let _ = before_t;
+    println!(
+        "engine table bytes (capacity-based): {}",
+        checker.state_bytes()
+    );
+    println!(
+        "sizes: Attempt {} B, Request {} B, Tombstone {} B, Slot {} B",
+        std::mem::size_of::<revenant::correlate::Attempt>(),
+        std::mem::size_of::<revenant::correlate::Request>(),
+        std::mem::size_of::<revenant::correlate::Tombstone>(),
+        std::mem::size_of::<revenant::checker::slots::Slot>()
+    );
+}

@@ -1,0 +1,89 @@
+//! Admin server and logging flags (`#[command(flatten)]` them into `revenant run`).
+
+use std::net::SocketAddr;
+
+use clap::{Args, ValueEnum};
+
+#[derive(Debug, Clone, Args)]
+pub struct AdminArgs {
+    /// Address of the admin server (/metrics, /healthz, /readyz, /api/violations,
+    /// /api/requests/{id}).
+    #[arg(long = "admin", value_name = "ADDR", default_value = "127.0.0.1:9464")]
+    pub admin: SocketAddr,
+    /// Do not start the admin server.
+    #[arg(long)]
+    pub no_admin: bool,
+    /// Violations kept for /api/violations.
+    #[arg(long, default_value_t = 1000, value_name = "N")]
+    pub recent_violations: usize,
+    /// Events kept for /api/requests/{id} (oldest evicted first).
+    #[arg(long, default_value_t = 100_000, value_name = "N")]
+    pub timeline_events: usize,
+    /// A source counts as live in /readyz if it produced an event within this window.
+    #[arg(long, default_value = "60s", value_parser = humantime::parse_duration, value_name = "DURATION")]
+    pub source_live_window: std::time::Duration,
+}
+
+impl Default for AdminArgs {
+    fn default() -> Self {
+        AdminArgs {
+            admin: SocketAddr::from(([127, 0, 0, 1], 9464)),
+            no_admin: false,
+            recent_violations: 1000,
+            timeline_events: 100_000,
+            source_live_window: std::time::Duration::from_secs(60),
+        }
+    }
+}
+
+impl AdminArgs {
+    pub fn validate(&self) -> Result<(), String> {
+        if self.recent_violations == 0 || self.recent_violations > 1_000_000 {
+            return Err("--recent-violations must be within 1..=1000000".into());
+        }
+        if self.timeline_events > 10_000_000 {
+            return Err("--timeline-events must be at most 10000000".into());
+        }
+        Ok(())
+    }
+
+    /// Base URL for links in alerts (`http://ADDR`).
+    pub fn base_url(&self) -> String {
+        format!("http://{}", self.admin)
+    }
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    #[default]
+    Human,
+    Json,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct LogArgs {
+    /// Log format on standard error.
+    #[arg(long, value_enum, default_value_t = LogFormat::Human)]
+    pub log_format: LogFormat,
+    /// Log filter (tracing EnvFilter syntax); `RUST_LOG` overrides it.
+    #[arg(long, default_value = "info", value_name = "FILTER")]
+    pub log_level: String,
+}
+
+impl LogArgs {
+    /// Installs the global subscriber (once per process; a second call is a no-op error).
+    pub fn init(&self) -> Result<(), String> {
+        use tracing_subscriber::EnvFilter;
+        let filter = EnvFilter::try_from_default_env()
+            .or_else(|_| EnvFilter::try_new(&self.log_level))
+            .map_err(|e| format!("invalid --log-level {:?}: {e}", self.log_level))?;
+        let b = tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr);
+        let r = match self.log_format {
+            LogFormat::Human => b.try_init(),
+            LogFormat::Json => b.json().try_init(),
+        };
+        r.map_err(|e| e.to_string())
+    }
+}

@@ -1,0 +1,283 @@
+//! Internal events: one struct per thing that happens to revenant itself. `emit()` writes the log
+//! line and bumps the metric with the same bounded labels, so logs and `/metrics` never disagree.
+
+use std::time::Duration;
+
+use tracing::{debug, error, info, trace, warn};
+
+use super::metrics::{
+    DeliveryLabels, DropLabels, DropPoint, Metrics, Outcome, RuleLabel, RuleLabels, SinkLabel,
+    SourceLabels, UnmappedLabels, event_labels,
+};
+use crate::checker::Severity;
+use crate::event::{LifecycleEvent, Source};
+
+/// A source handed an event to the checker. Hot path: trace-level log only.
+pub struct EventObserved<'a> {
+    pub event: &'a LifecycleEvent,
+    /// Wall clock (unix ns) when the checker received it.
+    pub arrival_ns: u64,
+}
+
+impl EventObserved<'_> {
+    pub fn emit(&self, m: &Metrics) {
+        let e = self.event;
+        trace!(source = e.source.as_str(), stage = e.stage.as_str(), kind = e.kind.as_str(), "event observed");
+        m.events.get_or_create(&event_labels(e.source, e.stage, e.kind)).inc();
+        let src = SourceLabels {
+            source: e.source.as_str(),
+        };
+        // Events stamped in the future (clock skew) count as zero lag, not as a negative value.
+        let lag = self.arrival_ns.saturating_sub(e.time_ns) as f64 / 1e9;
+        m.event_lag.get_or_create(&src).observe(lag);
+        m.source_last_event
+            .get_or_create(&src)
+            .set(self.arrival_ns as f64 / 1e9);
+    }
+}
+
+/// A source could not map records (spans, logs) to lifecycle events.
+pub struct RecordsUnmapped {
+    pub source: Source,
+    pub signal: &'static str,
+    pub count: u64,
+}
+
+impl RecordsUnmapped {
+    pub fn emit(&self, m: &Metrics) {
+        debug!(source = self.source.as_str(), signal = self.signal, count = self.count, "records unmapped");
+        m.unmapped
+            .get_or_create(&UnmappedLabels {
+                source: self.source.as_str(),
+                signal: self.signal,
+            })
+            .inc_by(self.count);
+    }
+}
+
+/// Something was dropped. Every drop in revenant goes through here.
+pub struct ItemsDropped {
+    pub point: DropPoint,
+    /// A short fixed string (`full`, `corrupt`, `sink_removed`, `permanent_error`).
+    pub reason: &'static str,
+    pub count: u64,
+}
+
+impl ItemsDropped {
+    pub fn emit(&self, m: &Metrics) {
+        warn!(point = self.point.as_str(), reason = self.reason, count = self.count, "items dropped");
+        m.dropped
+            .get_or_create(&DropLabels {
+                point: self.point.as_str(),
+                reason: self.reason,
+            })
+            .inc_by(self.count);
+    }
+}
+
+/// Kernel drop counters are absolute totals read from a per-CPU map; this turns a total into an
+/// increment so the exported counter stays monotonic.
+#[derive(Debug, Default)]
+pub struct AbsoluteDrops {
+    last: std::sync::atomic::AtomicU64,
+}
+
+impl AbsoluteDrops {
+    pub fn observe_total(&self, m: &Metrics, point: DropPoint, reason: &'static str, total: u64) {
+        let prev = self.last.swap(total, std::sync::atomic::Ordering::Relaxed);
+        if total > prev {
+            ItemsDropped {
+                point,
+                reason,
+                count: total - prev,
+            }
+            .emit(m);
+        }
+    }
+}
+
+pub struct AlertReceived<'a> {
+    pub rule: &'a str,
+    pub severity: Severity,
+}
+
+impl AlertReceived<'_> {
+    pub fn emit(&self, m: &Metrics) {
+        debug!(rule = self.rule, severity = self.severity.as_str(), "violation received");
+        m.alerts_received
+            .get_or_create(&RuleLabels {
+                rule: self.rule.to_string(),
+                severity: self.severity.as_str(),
+            })
+            .inc();
+    }
+}
+
+pub struct AlertDeduplicated<'a> {
+    pub rule: &'a str,
+    pub fingerprint: &'a str,
+    pub repeats: u64,
+}
+
+impl AlertDeduplicated<'_> {
+    pub fn emit(&self, m: &Metrics) {
+        debug!(rule = self.rule, fingerprint = self.fingerprint, repeats = self.repeats, "violation folded into an open notification");
+        m.alerts_deduplicated
+            .get_or_create(&RuleLabel {
+                rule: self.rule.to_string(),
+            })
+            .inc();
+    }
+}
+
+pub struct AlertRateLimited<'a> {
+    pub rule: &'a str,
+}
+
+impl AlertRateLimited<'_> {
+    pub fn emit(&self, m: &Metrics) {
+        debug!(rule = self.rule, "violation rate-limited; it will be summarised");
+        m.alerts_rate_limited
+            .get_or_create(&RuleLabel {
+                rule: self.rule.to_string(),
+            })
+            .inc();
+    }
+}
+
+pub struct SuppressionSummarised<'a> {
+    pub rule: &'a str,
+    pub suppressed: u64,
+}
+
+impl SuppressionSummarised<'_> {
+    pub fn emit(&self, m: &Metrics) {
+        warn!(rule = self.rule, suppressed = self.suppressed, "rule exceeded its alert rate limit; sending a summary");
+        m.alerts_notified
+            .get_or_create(&RuleLabel {
+                rule: self.rule.to_string(),
+            })
+            .inc();
+    }
+}
+
+pub struct AlertSpooled<'a> {
+    pub rule: &'a str,
+    pub entries: usize,
+    pub bytes: u64,
+}
+
+impl AlertSpooled<'_> {
+    pub fn emit(&self, m: &Metrics) {
+        debug!(rule = self.rule, spool_entries = self.entries, "notification spooled");
+        m.alerts_notified
+            .get_or_create(&RuleLabel {
+                rule: self.rule.to_string(),
+            })
+            .inc();
+        SpoolSize {
+            entries: self.entries,
+            bytes: self.bytes,
+        }
+        .emit(m);
+    }
+}
+
+pub struct SpoolSize {
+    pub entries: usize,
+    pub bytes: u64,
+}
+
+impl SpoolSize {
+    pub fn emit(&self, m: &Metrics) {
+        m.spool_entries.set(self.entries as i64);
+        m.spool_bytes.set(self.bytes as i64);
+    }
+}
+
+/// A sink acknowledged a batch.
+pub struct AlertsDelivered<'a> {
+    pub sink: &'a str,
+    pub count: usize,
+    pub duration: Duration,
+    /// Dispatcher intake → acknowledgement, one per notification.
+    pub latencies: &'a [Duration],
+}
+
+impl AlertsDelivered<'_> {
+    pub fn emit(&self, m: &Metrics) {
+        debug!(sink = self.sink, count = self.count, duration_ms = self.duration.as_secs_f64() * 1e3, "alerts delivered");
+        let sink = SinkLabel {
+            sink: self.sink.to_string(),
+        };
+        m.deliveries
+            .get_or_create(&DeliveryLabels {
+                sink: self.sink.to_string(),
+                outcome: Outcome::Success.as_str(),
+            })
+            .inc();
+        m.delivered_alerts.get_or_create(&sink).inc_by(self.count as u64);
+        m.delivery_duration
+            .get_or_create(&sink)
+            .observe(self.duration.as_secs_f64());
+        let h = m.alert_latency.get_or_create(&sink);
+        for l in self.latencies {
+            h.observe(l.as_secs_f64());
+        }
+    }
+}
+
+/// One delivery attempt failed.
+pub struct AlertDeliveryFailed<'a> {
+    pub sink: &'a str,
+    pub permanent: bool,
+    pub count: usize,
+    pub status: Option<u16>,
+    pub error: &'a str,
+    pub retry_in: Option<Duration>,
+}
+
+impl AlertDeliveryFailed<'_> {
+    pub fn emit(&self, m: &Metrics) {
+        let outcome = if self.permanent {
+            error!(sink = self.sink, count = self.count, status = self.status, error = self.error, "alert delivery refused for good; not retried");
+            ItemsDropped {
+                point: DropPoint::Sink,
+                reason: "permanent_error",
+                count: self.count as u64,
+            }
+            .emit(m);
+            Outcome::PermanentError
+        } else {
+            warn!(sink = self.sink, count = self.count, status = self.status, error = self.error,
+                retry_in_ms = self.retry_in.map(|d| d.as_millis() as u64), "alert delivery failed; will retry");
+            Outcome::RetryableError
+        };
+        m.deliveries
+            .get_or_create(&DeliveryLabels {
+                sink: self.sink.to_string(),
+                outcome: outcome.as_str(),
+            })
+            .inc();
+    }
+}
+
+/// A startup component reported in (or the whole process became ready).
+pub struct ComponentReady<'a> {
+    pub component: &'a str,
+    pub kind: &'static str,
+    pub all_ready: bool,
+}
+
+impl ComponentReady<'_> {
+    pub fn emit(&self, m: &Metrics) {
+        info!(component = self.component, kind = self.kind, all_ready = self.all_ready, "component ready");
+        m.component_ready
+            .get_or_create(&super::metrics::ComponentLabels {
+                component: self.component.to_string(),
+                kind: self.kind,
+            })
+            .set(1);
+        m.ready.set(self.all_ready as i64);
+    }
+}

@@ -1,0 +1,18 @@
+//! revenant's own telemetry and HTTP surface: the metric registry and internal events, the
+//! readiness latch, recent violations and the request timeline index, and the axum server that
+//! exposes them.
+
+pub mod config;
+pub mod events;
+pub mod metrics;
+pub mod ready;
+pub mod server;
+pub mod timeline;
+pub mod violations;
+
+pub use config::{AdminArgs, LogArgs, LogFormat};
+pub use metrics::{DropPoint, Metrics};
+pub use ready::{ComponentKind, Readiness, ReadyHandle};
+pub use server::{AdminError, AdminServer, AdminState};
+pub use timeline::{RecentEvents, RecentEventsLimits, Timeline, TimelineProvider};
+pub use violations::RecentViolations;

@@ -1,0 +1,216 @@
+//! Readiness latch: `/readyz` answers 200 once every component registered at startup reported in.
+//! Components register before anything is spawned, so a component that never starts keeps the
+//! process unready instead of being forgotten.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+use super::events::ComponentReady;
+use super::metrics::{ComponentLabels, Metrics};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ComponentKind {
+    Source,
+    Sink,
+    Server,
+    Other,
+}
+
+impl ComponentKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ComponentKind::Source => "source",
+            ComponentKind::Sink => "sink",
+            ComponentKind::Server => "server",
+            ComponentKind::Other => "other",
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Component {
+    kind: ComponentKind,
+    ready: bool,
+    last_activity: Option<Instant>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    components: BTreeMap<String, Component>,
+    /// A source counts as live if it produced something within this window.
+    live_window: Duration,
+}
+
+#[derive(Clone, Debug)]
+pub struct Readiness {
+    inner: Arc<Mutex<Inner>>,
+    metrics: Arc<Metrics>,
+}
+
+/// Held by one component; `ready()` latches, `activity()` marks a source live.
+#[derive(Clone, Debug)]
+pub struct ReadyHandle {
+    name: String,
+    readiness: Readiness,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ComponentReport {
+    pub name: String,
+    pub kind: ComponentKind,
+    pub ready: bool,
+    /// Sources only: produced an event within the live window.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub live: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub last_activity_age_seconds: Option<f64>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ReadyReport {
+    pub ready: bool,
+    pub pending: Vec<String>,
+    pub live_sources: Vec<String>,
+    pub components: Vec<ComponentReport>,
+}
+
+impl Readiness {
+    pub fn new(metrics: Arc<Metrics>, live_window: Duration) -> Readiness {
+        Readiness {
+            inner: Arc::new(Mutex::new(Inner {
+                components: BTreeMap::new(),
+                live_window,
+            })),
+            metrics,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Registers a component that must report in before the process is ready.
+    pub fn register(&self, name: impl Into<String>, kind: ComponentKind) -> ReadyHandle {
+        let name = name.into();
+        self.lock().components.insert(
+            name.clone(),
+            Component {
+                kind,
+                ready: false,
+                last_activity: None,
+            },
+        );
+        self.metrics
+            .component_ready
+            .get_or_create(&ComponentLabels {
+                component: name.clone(),
+                kind: kind.as_str(),
+            })
+            .set(0);
+        self.metrics.ready.set(0);
+        ReadyHandle {
+            name,
+            readiness: self.clone(),
+        }
+    }
+
+    pub fn is_ready(&self) -> bool {
+        self.lock().components.values().all(|c| c.ready)
+    }
+
+    pub fn report(&self) -> ReadyReport {
+        let g = self.lock();
+        let now = Instant::now();
+        let mut pending = Vec::new();
+        let mut live_sources = Vec::new();
+        let mut components = Vec::new();
+        for (name, c) in &g.components {
+            if !c.ready {
+                pending.push(name.clone());
+            }
+            let age = c.last_activity.map(|t| now.duration_since(t));
+            let live = (c.kind == ComponentKind::Source)
+                .then(|| c.ready && age.is_some_and(|a| a <= g.live_window));
+            if live == Some(true) {
+                live_sources.push(name.clone());
+            }
+            components.push(ComponentReport {
+                name: name.clone(),
+                kind: c.kind,
+                ready: c.ready,
+                live,
+                last_activity_age_seconds: age.map(|a| a.as_secs_f64()),
+            });
+        }
+        ReadyReport {
+            ready: pending.is_empty(),
+            pending,
+            live_sources,
+            components,
+        }
+    }
+}
+
+impl ReadyHandle {
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Latches this component ready (idempotent).
+    pub fn ready(&self) {
+        let (kind, all, changed) = {
+            let mut g = self.readiness.lock();
+            let Some(c) = g.components.get_mut(&self.name) else {
+                return;
+            };
+            let changed = !c.ready;
+            c.ready = true;
+            let kind = c.kind;
+            (kind, g.components.values().all(|c| c.ready), changed)
+        };
+        if changed {
+            ComponentReady {
+                component: &self.name,
+                kind: kind.as_str(),
+                all_ready: all,
+            }
+            .emit(&self.readiness.metrics);
+        }
+    }
+
+    /// Marks activity (a source produced events); cheap enough to call once per batch.
+    pub fn activity(&self) {
+        if let Some(c) = self.readiness.lock().components.get_mut(&self.name) {
+            c.last_activity = Some(Instant::now());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn latch_waits_for_every_component() {
+        let m = Arc::new(Metrics::new());
+        let r = Readiness::new(m.clone(), Duration::from_secs(60));
+        let otlp = r.register("otlp", ComponentKind::Source);
+        let hook = r.register("webhook-0", ComponentKind::Sink);
+        assert!(!r.is_ready());
+        otlp.ready();
+        let rep = r.report();
+        assert!(!rep.ready);
+        assert_eq!(rep.pending, vec!["webhook-0".to_string()]);
+        assert!(rep.live_sources.is_empty(), "no event yet: not live");
+        otlp.activity();
+        hook.ready();
+        let rep = r.report();
+        assert!(rep.ready);
+        assert_eq!(rep.live_sources, vec!["otlp".to_string()]);
+        assert!(m.render().contains("revenant_ready 1"));
+    }
+}

@@ -1,0 +1,135 @@
+//! The admin HTTP server (axum): /metrics, /healthz, /readyz, /api/violations, /api/requests/{id}.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use axum::Json;
+use axum::Router;
+use axum::extract::{Path, Query, State};
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use serde::Deserialize;
+
+use super::metrics::Metrics;
+use super::ready::Readiness;
+use super::timeline::TimelineProvider;
+use super::violations::RecentViolations;
+
+#[derive(Debug, thiserror::Error)]
+pub enum AdminError {
+    #[error("cannot bind the admin server to {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("admin server failed: {0}")]
+    Serve(std::io::Error),
+}
+
+/// What the handlers read. Cheap to clone.
+#[derive(Clone)]
+pub struct AdminState {
+    pub metrics: Arc<Metrics>,
+    pub readiness: Readiness,
+    pub violations: Arc<RecentViolations>,
+    pub timeline: Arc<dyn TimelineProvider>,
+}
+
+pub fn router(state: AdminState) -> Router {
+    Router::new()
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
+        .route("/api/violations", get(violations))
+        .route("/api/requests/{id}", get(request_timeline))
+        .with_state(state)
+}
+
+/// A bound admin server; binding is separate from serving so that `run` can fail fast (exit 2)
+/// on a taken port before starting anything else.
+pub struct AdminServer {
+    listener: tokio::net::TcpListener,
+}
+
+impl AdminServer {
+    pub async fn bind(addr: SocketAddr) -> Result<AdminServer, AdminError> {
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(|source| AdminError::Bind { addr, source })?;
+        Ok(AdminServer { listener })
+    }
+
+    pub fn local_addr(&self) -> SocketAddr {
+        self.listener
+            .local_addr()
+            .expect("a bound TCP listener has an address")
+    }
+
+    /// Serves until `shutdown` completes.
+    pub async fn serve(
+        self,
+        state: AdminState,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> Result<(), AdminError> {
+        tracing::info!(addr = %self.local_addr(), "admin server listening");
+        axum::serve(self.listener, router(state))
+            .with_graceful_shutdown(shutdown)
+            .await
+            .map_err(AdminError::Serve)
+    }
+}
+
+async fn metrics(State(s): State<AdminState>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        s.metrics.render(),
+    )
+        .into_response()
+}
+
+async fn readyz(State(s): State<AdminState>) -> Response {
+    let rep = s.readiness.report();
+    let code = if rep.ready {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (code, Json(rep)).into_response()
+}
+
+#[derive(Debug, Deserialize)]
+struct ViolationQuery {
+    limit: Option<usize>,
+    rule: Option<String>,
+    fingerprint: Option<String>,
+}
+
+async fn violations(State(s): State<AdminState>, Query(q): Query<ViolationQuery>) -> Response {
+    let limit = q.limit.unwrap_or(100).min(10_000);
+    let (items, total) = s
+        .violations
+        .list(limit, q.rule.as_deref(), q.fingerprint.as_deref());
+    Json(serde_json::json!({ "total_seen": total, "violations": items })).into_response()
+}
+
+async fn request_timeline(State(s): State<AdminState>, Path(id): Path<String>) -> Response {
+    if id.is_empty() || id.len() > 256 {
+        return (StatusCode::BAD_REQUEST, "alias must be 1..=256 bytes\n").into_response();
+    }
+    match s.timeline.timeline(&id) {
+        Some(t) => Json(t).into_response(),
+        None => (
+            StatusCode::NOT_FOUND,
+            Json(serde_json::json!({
+                "error": "unknown alias (never seen, or evicted from the recent-events index)",
+                "query": id,
+            })),
+        )
+            .into_response(),
+    }
+}

@@ -1,0 +1,323 @@
+//! `/api/requests/{id}`: the correlated timeline of a request or attempt, looked up by any alias
+//! (x-request-id, trace id, rid, bootstrap room in hex or decimal).
+//!
+//! The admin server only knows the [`TimelineProvider`] trait. [`RecentEvents`] implements it: a
+//! bounded ring of recent events plus an alias index, fed by the run loop with every event it
+//! hands to the checker. Linking follows shared aliases (request → its rooms → their rids), so a
+//! request id finds the decode leg that only carried the room.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::Mutex;
+
+use serde::Serialize;
+
+use crate::event::{BootstrapRoom, Kind, LifecycleEvent, Source, Stage};
+
+/// What the run loop offers the admin server.
+pub trait TimelineProvider: Send + Sync + 'static {
+    /// The events linked to `alias`, ordered by event time; `None` if the alias is unknown.
+    fn timeline(&self, alias: &str) -> Option<Timeline>;
+}
+
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct TimelineEvent {
+    pub time_ns: u64,
+    pub stage: Stage,
+    pub kind: Kind,
+    pub source: Source,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub request_id: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub trace_id: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rid: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bootstrap_room: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub node: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub worker: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub status: Option<u16>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub to: Option<Stage>,
+}
+
+#[derive(Debug, Clone, Default, Serialize, PartialEq, Eq)]
+pub struct Aliases {
+    pub request_ids: Vec<String>,
+    pub trace_ids: Vec<String>,
+    pub rids: Vec<String>,
+    pub bootstrap_rooms: Vec<String>,
+}
+
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct Timeline {
+    pub query: String,
+    pub aliases: Aliases,
+    pub events: Vec<TimelineEvent>,
+    /// More events were linked than the response limit allows; the oldest were left out.
+    pub truncated: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+enum Alias {
+    Request(Box<str>),
+    Trace(Box<str>),
+    Rid(Box<str>),
+    Room(u64),
+}
+
+fn room_text(r: u64) -> String {
+    format!("{:#x}", r)
+}
+
+fn aliases_of(e: &LifecycleEvent) -> impl Iterator<Item = Alias> + '_ {
+    let ids = &e.ids;
+    ids.request_id
+        .iter()
+        .map(|s| Alias::Request(s.clone()))
+        .chain(ids.trace_id.iter().map(|s| Alias::Trace(s.clone())))
+        .chain(ids.rid.iter().map(|s| Alias::Rid(s.clone())))
+        .chain(ids.bootstrap_room.iter().map(|r| Alias::Room(r.0)))
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct RecentEventsLimits {
+    /// Events kept in total (oldest evicted first).
+    pub max_events: usize,
+    /// Events remembered per alias (a hot alias cannot crowd out others).
+    pub max_per_alias: usize,
+    /// Events returned by one lookup.
+    pub max_response_events: usize,
+}
+
+impl Default for RecentEventsLimits {
+    fn default() -> Self {
+        RecentEventsLimits {
+            max_events: 100_000,
+            max_per_alias: 512,
+            max_response_events: 2_000,
+        }
+    }
+}
+
+struct Inner {
+    /// `seq` of `events[0]`; sequence numbers are dense.
+    base: u64,
+    events: VecDeque<(TimelineEvent, Vec<Alias>)>,
+    by_alias: HashMap<Alias, VecDeque<u64>>,
+    evicted: u64,
+}
+
+/// Bounded recent-events index keyed by every alias.
+pub struct RecentEvents {
+    limits: RecentEventsLimits,
+    inner: Mutex<Inner>,
+}
+
+impl RecentEvents {
+    pub fn new(limits: RecentEventsLimits) -> RecentEvents {
+        RecentEvents {
+            limits,
+            inner: Mutex::new(Inner {
+                base: 0,
+                events: VecDeque::new(),
+                by_alias: HashMap::new(),
+                evicted: 0,
+            }),
+        }
+    }
+
+    /// Events pushed out by the bound since start.
+    pub fn evicted(&self) -> u64 {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner()).evicted
+    }
+
+    pub fn len(&self) -> usize {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner()).events.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Records events the run loop handed to the checker (call once per batch).
+    pub fn record<'a>(&self, batch: impl IntoIterator<Item = &'a LifecycleEvent>) {
+        let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        for e in batch {
+            let aliases: Vec<Alias> = aliases_of(e).collect();
+            if aliases.is_empty() {
+                // Nothing could ever look it up.
+                continue;
+            }
+            let seq = g.base + g.events.len() as u64;
+            for a in &aliases {
+                let list = g.by_alias.entry(a.clone()).or_default();
+                list.push_back(seq);
+                if list.len() > self.limits.max_per_alias {
+                    list.pop_front();
+                }
+            }
+            g.events.push_back((to_timeline_event(e), aliases));
+            while g.events.len() > self.limits.max_events {
+                let (_, old) = g.events.pop_front().expect("non-empty");
+                let old_seq = g.base;
+                g.base += 1;
+                g.evicted += 1;
+                for a in old {
+                    if let Some(list) = g.by_alias.get_mut(&a) {
+                        if list.front() == Some(&old_seq) {
+                            list.pop_front();
+                        }
+                        if list.is_empty() {
+                            g.by_alias.remove(&a);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn to_timeline_event(e: &LifecycleEvent) -> TimelineEvent {
+    let s = |v: &Option<Box<str>>| v.as_deref().map(str::to_string);
+    TimelineEvent {
+        time_ns: e.time_ns,
+        stage: e.stage,
+        kind: e.kind,
+        source: e.source,
+        request_id: s(&e.ids.request_id),
+        trace_id: s(&e.ids.trace_id),
+        rid: s(&e.ids.rid),
+        bootstrap_room: e.ids.bootstrap_room.map(|r| room_text(r.0)),
+        node: s(&e.node),
+        worker: s(&e.worker),
+        status: e.status,
+        reason: s(&e.reason),
+        to: e.to,
+    }
+}
+
+/// Alias hops followed from the queried id: request → rooms → rids covers router, prefill and
+/// decode legs; more hops would start joining unrelated requests through shared workers.
+const MAX_HOPS: usize = 3;
+
+impl TimelineProvider for RecentEvents {
+    fn timeline(&self, query: &str) -> Option<Timeline> {
+        let g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        let q: Box<str> = query.into();
+        let mut frontier: Vec<Alias> = [
+            Alias::Request(q.clone()),
+            Alias::Trace(q.clone()),
+            Alias::Rid(q.clone()),
+        ]
+        .into_iter()
+        .chain(query.parse::<BootstrapRoom>().ok().map(|r| Alias::Room(r.0)))
+        .filter(|a| g.by_alias.contains_key(a))
+        .collect();
+        if frontier.is_empty() {
+            return None;
+        }
+        let mut seen_alias: HashSet<Alias> = frontier.iter().cloned().collect();
+        let mut seqs: HashSet<u64> = HashSet::new();
+        for _ in 0..MAX_HOPS {
+            let mut next = Vec::new();
+            for a in &frontier {
+                for &seq in g.by_alias.get(a).into_iter().flatten() {
+                    if !seqs.insert(seq) {
+                        continue;
+                    }
+                    let (_, als) = &g.events[(seq - g.base) as usize];
+                    for b in als {
+                        if seen_alias.insert(b.clone()) {
+                            next.push(b.clone());
+                        }
+                    }
+                }
+            }
+            if next.is_empty() {
+                break;
+            }
+            frontier = next;
+        }
+        let mut seqs: Vec<u64> = seqs.into_iter().collect();
+        seqs.sort_unstable();
+        let truncated = seqs.len() > self.limits.max_response_events;
+        if truncated {
+            seqs.drain(..seqs.len() - self.limits.max_response_events);
+        }
+        let mut events: Vec<TimelineEvent> = seqs
+            .iter()
+            .map(|s| g.events[(s - g.base) as usize].0.clone())
+            .collect();
+        events.sort_by_key(|e| e.time_ns);
+        let mut aliases = Aliases::default();
+        let mut sorted: Vec<&Alias> = seen_alias.iter().collect();
+        sorted.sort_by_key(|a| format!("{a:?}"));
+        for a in sorted {
+            match a {
+                Alias::Request(s) => aliases.request_ids.push(s.to_string()),
+                Alias::Trace(s) => aliases.trace_ids.push(s.to_string()),
+                Alias::Rid(s) => aliases.rids.push(s.to_string()),
+                Alias::Room(r) => aliases.bootstrap_rooms.push(room_text(*r)),
+            }
+        }
+        Some(Timeline {
+            query: query.to_string(),
+            aliases,
+            events,
+            truncated,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ev(t: u64, stage: Stage, kind: Kind) -> LifecycleEvent {
+        LifecycleEvent::new(t, stage, kind, Source::Otlp)
+    }
+
+    #[test]
+    fn request_id_reaches_decode_leg_through_room() {
+        let idx = RecentEvents::new(RecentEventsLimits::default());
+        let batch = vec![
+            ev(1, Stage::Router, Kind::Received).with_request_id("req-1"),
+            ev(2, Stage::Router, Kind::Dispatched).with_request_id("req-1").with_room(0xabc),
+            ev(3, Stage::Prefill, Kind::Rejected).with_rid("p-1").with_room(0xabc).with_status(400),
+            ev(4, Stage::Decode, Kind::Work).with_rid("d-1").with_room(0xabc),
+            ev(5, Stage::Decode, Kind::Work).with_rid("d-1"),
+            ev(6, Stage::Router, Kind::Received).with_request_id("other"),
+        ];
+        idx.record(&batch);
+        let t = idx.timeline("req-1").expect("known");
+        assert_eq!(t.events.iter().map(|e| e.time_ns).collect::<Vec<_>>(), vec![1, 2, 3, 4, 5]);
+        assert_eq!(t.aliases.bootstrap_rooms, vec!["0xabc".to_string()]);
+        // Any alias works, the room in hex or decimal too.
+        assert_eq!(idx.timeline("d-1").unwrap().events.len(), 5);
+        assert_eq!(idx.timeline("2748").unwrap().events.len(), 5);
+        assert!(idx.timeline("nope").is_none());
+    }
+
+    #[test]
+    fn bounded_and_evicts_oldest() {
+        let idx = RecentEvents::new(RecentEventsLimits {
+            max_events: 10,
+            max_per_alias: 4,
+            max_response_events: 3,
+        });
+        let batch: Vec<_> = (0..25)
+            .map(|i| ev(i, Stage::Decode, Kind::Work).with_rid(format!("r{}", i % 2)))
+            .collect();
+        idx.record(&batch);
+        assert_eq!(idx.len(), 10);
+        assert_eq!(idx.evicted(), 15);
+        let t = idx.timeline("r0").unwrap();
+        assert!(t.truncated);
+        assert_eq!(t.events.iter().map(|e| e.time_ns).collect::<Vec<_>>(), vec![20, 22, 24]);
+    }
+}

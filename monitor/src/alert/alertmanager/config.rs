@@ -1,0 +1,51 @@
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::alert::flood::humantime_serde_compat;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AlertmanagerConfig {
+    /// Base URL of Alertmanager (`http://host:9093`); alerts go to `<url>/api/v2/alerts`.
+    pub url: String,
+    /// Active alerts are re-posted this often, like Prometheus' `resend_delay`; each post sets
+    /// `endsAt` four intervals ahead so Alertmanager resolves them if revenant goes away.
+    #[serde(default = "default_resend", with = "humantime_serde_compat")]
+    pub resend_interval: Duration,
+    #[serde(default = "default_timeout", with = "humantime_serde_compat")]
+    pub timeout: Duration,
+}
+
+fn default_resend() -> Duration {
+    Duration::from_secs(60)
+}
+
+fn default_timeout() -> Duration {
+    Duration::from_secs(10)
+}
+
+impl AlertmanagerConfig {
+    pub fn new(url: impl Into<String>) -> AlertmanagerConfig {
+        AlertmanagerConfig {
+            url: url.into(),
+            resend_interval: default_resend(),
+            timeout: default_timeout(),
+        }
+    }
+
+    pub fn validate(&self) -> Result<(), String> {
+        let u = reqwest::Url::parse(&self.url)
+            .map_err(|e| format!("alertmanager url {:?}: {e}", self.url))?;
+        if !matches!(u.scheme(), "http" | "https") {
+            return Err(format!("alertmanager url {:?}: scheme must be http or https", self.url));
+        }
+        if self.resend_interval < Duration::from_secs(1) {
+            return Err("alertmanager resend_interval must be at least 1s".into());
+        }
+        if self.timeout.is_zero() {
+            return Err("alertmanager timeout must be > 0".into());
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,199 @@
+//! Alertmanager sink: `POST /api/v2/alerts`, one alert per fingerprint, re-posted while active.
+//!
+//! Labels: `alertname` (= rule), `severity`, `stage` (of the offending event), `node` (the worker
+//! named by the violation, else this monitor's node), `cluster`, `fingerprint` (what keeps two
+//! requests breaking the same rule apart in Alertmanager) and `source="revenant"`. Annotations:
+//! `summary`, `evidence` (excerpt), `timeline` (link), `request_id`, `bootstrap_room`,
+//! `occurrences`.
+
+pub mod config;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::Serialize;
+
+pub use config::AlertmanagerConfig;
+
+use super::flood::ActiveAlert;
+use super::notification::{Notification, ViolationAlert, evidence_excerpt, now_unix_ns, rfc3339};
+use super::sink::{BoxFuture, Sink, SinkError};
+use super::webhook::{http_client, read_answer, transport_error};
+use crate::violation::Role;
+
+#[derive(Debug, Clone, Serialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct PostableAlert {
+    pub labels: BTreeMap<String, String>,
+    pub annotations: BTreeMap<String, String>,
+    pub starts_at: String,
+    pub ends_at: String,
+    #[serde(rename = "generatorURL", skip_serializing_if = "String::is_empty")]
+    pub generator_url: String,
+}
+
+pub struct AlertmanagerSink {
+    name: String,
+    endpoint: reqwest::Url,
+    resend: Duration,
+    node: String,
+    cluster: String,
+    client: reqwest::Client,
+}
+
+impl AlertmanagerSink {
+    pub fn new(
+        name: impl Into<String>,
+        cfg: &AlertmanagerConfig,
+        node: &str,
+        cluster: &str,
+    ) -> Result<AlertmanagerSink, String> {
+        cfg.validate()?;
+        let base = cfg.url.trim_end_matches('/');
+        Ok(AlertmanagerSink {
+            name: name.into(),
+            endpoint: reqwest::Url::parse(&format!("{base}/api/v2/alerts")).map_err(|e| e.to_string())?,
+            resend: cfg.resend_interval,
+            node: node.to_string(),
+            cluster: cluster.to_string(),
+            client: http_client(cfg.timeout)?,
+        })
+    }
+
+    /// `endsAt` for a firing alert: four resend intervals ahead, as Prometheus does, so that it
+    /// resolves on its own if revenant stops re-posting.
+    fn horizon(&self, now_ns: u64) -> u64 {
+        now_ns + 4 * self.resend.as_nanos() as u64
+    }
+
+    pub fn to_alert(&self, a: &ViolationAlert, repeats: u64, ends_at_ns: u64) -> PostableAlert {
+        let v = &a.violation;
+        let stage = v
+            .evidence
+            .iter()
+            .find(|e| e.role == Role::Offender)
+            .or(v.evidence.last())
+            .map(|e| e.stage.as_str())
+            .unwrap_or("unknown");
+        let mut labels = BTreeMap::new();
+        labels.insert("alertname".into(), v.rule.clone());
+        labels.insert("severity".into(), v.severity.as_str().into());
+        labels.insert("stage".into(), stage.into());
+        labels.insert("node".into(), v.worker.clone().unwrap_or_else(|| self.node.clone()));
+        labels.insert("cluster".into(), self.cluster.clone());
+        labels.insert("fingerprint".into(), v.fingerprint.clone());
+        labels.insert("source".into(), "revenant".into());
+        let mut ann = BTreeMap::new();
+        ann.insert("summary".into(), v.summary.clone());
+        ann.insert("evidence".into(), evidence_excerpt(&v.evidence, 6));
+        ann.insert("occurrences".into(), (a.occurrences + repeats).to_string());
+        if let Some(t) = &a.links.timeline {
+            ann.insert("timeline".into(), t.clone());
+        }
+        if let Some(r) = &v.request.request_id {
+            ann.insert("request_id".into(), r.clone());
+        }
+        if let Some(r) = v.attempt.bootstrap_room {
+            ann.insert("bootstrap_room".into(), format!("{r:#x}"));
+        }
+        PostableAlert {
+            labels,
+            annotations: ann,
+            starts_at: rfc3339(v.detected_at_ns.min(a.received_at_ns).max(1)),
+            ends_at: rfc3339(ends_at_ns),
+            generator_url: a
+                .links
+                .timeline
+                .clone()
+                .or_else(|| a.links.violations.clone())
+                .unwrap_or_default(),
+        }
+    }
+
+    async fn post(&self, alerts: &[PostableAlert]) -> Result<(), SinkError> {
+        if alerts.is_empty() {
+            return Ok(());
+        }
+        let resp = self
+            .client
+            .post(self.endpoint.clone())
+            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .body(serde_json::to_vec(alerts).map_err(|e| SinkError::Permanent {
+                reason: format!("cannot encode alerts: {e}"),
+                status: None,
+            })?)
+            .send()
+            .await
+            .map_err(transport_error)?;
+        read_answer(resp).await
+    }
+}
+
+impl Sink for AlertmanagerSink {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn deliver<'a>(&'a self, batch: &'a [Arc<Notification>]) -> BoxFuture<'a, Result<(), SinkError>> {
+        Box::pin(async move {
+            let now = now_unix_ns();
+            let alerts: Vec<PostableAlert> = batch
+                .iter()
+                .map(|n| match n.as_ref() {
+                    Notification::Violation(a) => self.to_alert(a, 0, self.horizon(now)),
+                    Notification::Suppressed(s) => {
+                        let mut labels = BTreeMap::new();
+                        labels.insert("alertname".into(), "RevenantAlertsSuppressed".into());
+                        labels.insert("rule".into(), s.rule.clone());
+                        labels.insert("severity".into(), "warning".into());
+                        labels.insert("node".into(), self.node.clone());
+                        labels.insert("cluster".into(), self.cluster.clone());
+                        labels.insert("source".into(), "revenant".into());
+                        let mut ann = BTreeMap::new();
+                        ann.insert(
+                            "summary".into(),
+                            format!(
+                                "{} violations of {} were not notified individually (limit {} per window)",
+                                s.suppressed, s.rule, s.limit
+                            ),
+                        );
+                        ann.insert("fingerprints_sample".into(), s.fingerprints_sample.join(", "));
+                        PostableAlert {
+                            labels,
+                            annotations: ann,
+                            starts_at: rfc3339(s.window_start_ns.max(1)),
+                            // A summary is a one-off: it resolves after one horizon.
+                            ends_at: rfc3339(self.horizon(now)),
+                            generator_url: String::new(),
+                        }
+                    }
+                })
+                .collect();
+            self.post(&alerts).await
+        })
+    }
+
+    fn refresh_interval(&self) -> Option<Duration> {
+        Some(self.resend)
+    }
+
+    fn refresh<'a>(
+        &'a self,
+        active: &'a [ActiveAlert],
+        resolved: &'a [ActiveAlert],
+    ) -> BoxFuture<'a, Result<(), SinkError>> {
+        Box::pin(async move {
+            let now = now_unix_ns();
+            let mut alerts: Vec<PostableAlert> = active
+                .iter()
+                .map(|a| self.to_alert(&a.alert, a.repeats, self.horizon(now)))
+                .collect();
+            alerts.extend(resolved.iter().map(|a| self.to_alert(&a.alert, a.repeats, now)));
+            for chunk in alerts.chunks(500) {
+                self.post(chunk).await?;
+            }
+            Ok(())
+        })
+    }
+}

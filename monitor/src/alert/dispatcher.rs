@@ -1,0 +1,397 @@
+//! The dispatcher task: violations in (bounded mpsc), flood control, spool, then one delivery
+//! worker per sink. Layering per sink is queue (the spool) → retry (backoff, Retry-After) →
+//! timeout (the sink's HTTP client), as in OpenTelemetry exporters.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use tokio::sync::{Notify, mpsc};
+use tokio::task::JoinHandle;
+
+use super::flood::{ActiveAlert, Admission, FloodConfig, FloodControl};
+use super::notification::{LinkBase, Notification, now_unix_ns};
+use super::sink::{Backoff, Sink, SinkError};
+use super::spool::{Spool, SpoolError};
+use crate::admin::RecentViolations;
+use crate::admin::events::{
+    AlertDeduplicated, AlertDeliveryFailed, AlertRateLimited, AlertReceived, AlertSpooled,
+    AlertsDelivered, ItemsDropped, SpoolSize, SuppressionSummarised,
+};
+use crate::admin::metrics::{DropPoint, Metrics};
+use crate::violation::Violation;
+
+#[derive(Debug, Clone)]
+pub struct DispatchConfig {
+    pub retry_initial: Duration,
+    pub retry_max: Duration,
+    /// Longest Retry-After honoured; a receiver asking for more gets this.
+    pub max_retry_after: Duration,
+    /// On shutdown, how long to keep delivering what is queued; the rest stays in the spool.
+    pub drain_timeout: Duration,
+    /// How often rate windows and dedup expiry are checked.
+    pub tick: Duration,
+}
+
+impl Default for DispatchConfig {
+    fn default() -> Self {
+        DispatchConfig {
+            retry_initial: Duration::from_millis(500),
+            retry_max: Duration::from_secs(30),
+            max_retry_after: Duration::from_secs(300),
+            drain_timeout: Duration::from_secs(5),
+            tick: Duration::from_secs(1),
+        }
+    }
+}
+
+/// Counts from one dispatcher run (also in the metrics).
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct DispatchReport {
+    pub received: u64,
+    pub notified: u64,
+    pub deduplicated: u64,
+    pub rate_limited: u64,
+    pub spool_dropped: u64,
+    /// Notifications still awaiting a sink when the dispatcher stopped (kept in the spool).
+    pub undelivered_at_exit: usize,
+}
+
+struct SinkQueue {
+    sink: Arc<dyn Sink>,
+    queue: std::sync::Mutex<VecDeque<u64>>,
+    notify: Notify,
+    /// Enqueued and not yet acknowledged.
+    outstanding: AtomicUsize,
+}
+
+impl SinkQueue {
+    fn push(&self, seq: u64) {
+        self.outstanding.fetch_add(1, Ordering::SeqCst);
+        self.queue.lock().unwrap_or_else(|p| p.into_inner()).push_back(seq);
+        self.notify.notify_one();
+    }
+}
+
+pub struct Dispatcher {
+    cfg: DispatchConfig,
+    flood: FloodControl,
+    links: LinkBase,
+    spool: Spool,
+    sinks: Vec<Arc<dyn Sink>>,
+    metrics: Arc<Metrics>,
+    recent: Option<Arc<RecentViolations>>,
+}
+
+impl Dispatcher {
+    pub fn new(
+        cfg: DispatchConfig,
+        flood: FloodConfig,
+        links: LinkBase,
+        spool: Spool,
+        sinks: Vec<Arc<dyn Sink>>,
+        metrics: Arc<Metrics>,
+    ) -> Dispatcher {
+        for s in &sinks {
+            metrics.declare_sink(s.name());
+        }
+        Dispatcher {
+            cfg,
+            flood: FloodControl::new(flood, now_unix_ns()),
+            links,
+            spool,
+            sinks,
+            metrics,
+            recent: None,
+        }
+    }
+
+    /// Also record every received violation for `/api/violations`.
+    pub fn with_recent(mut self, recent: Arc<RecentViolations>) -> Dispatcher {
+        self.recent = Some(recent);
+        self
+    }
+
+    pub fn sink_names(&self) -> Vec<String> {
+        self.sinks.iter().map(|s| s.name().to_string()).collect()
+    }
+
+    /// Runs until `rx` is closed (every sender dropped), then drains for `drain_timeout`.
+    pub async fn run(mut self, mut rx: mpsc::Receiver<Violation>) -> DispatchReport {
+        let names = self.sink_names();
+        let queues: Vec<Arc<SinkQueue>> = self
+            .sinks
+            .iter()
+            .map(|s| {
+                let q = Arc::new(SinkQueue {
+                    sink: s.clone(),
+                    queue: Default::default(),
+                    notify: Notify::new(),
+                    outstanding: AtomicUsize::new(0),
+                });
+                // Resume what a previous run left in the spool.
+                for seq in self.spool.pending_for(s.name()) {
+                    q.push(seq);
+                }
+                q
+            })
+            .collect();
+        let (entries, bytes) = self.spool.size();
+        SpoolSize { entries, bytes }.emit(&self.metrics);
+        let workers: Vec<JoinHandle<()>> = queues
+            .iter()
+            .map(|q| {
+                tokio::spawn(sink_worker(
+                    q.clone(),
+                    self.spool.clone(),
+                    self.metrics.clone(),
+                    self.cfg.clone(),
+                ))
+            })
+            .collect();
+        let mut report = DispatchReport::default();
+        let mut tick = tokio::time::interval(self.cfg.tick);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let start = Instant::now();
+        let mut last_refresh: Vec<Instant> = self.sinks.iter().map(|_| start).collect();
+        let mut resolved_pending: Vec<Vec<ActiveAlert>> = self.sinks.iter().map(|_| Vec::new()).collect();
+        loop {
+            tokio::select! {
+                v = rx.recv() => {
+                    let Some(v) = v else { break };
+                    let now = now_unix_ns();
+                    report.received += 1;
+                    AlertReceived { rule: &v.rule, severity: v.severity }.emit(&self.metrics);
+                    if let Some(r) = &self.recent {
+                        r.push(&v, now);
+                    }
+                    let links = self.links.links(&v);
+                    match self.flood.admit(&v, links, now) {
+                        Admission::Notify(a) => {
+                            let rule = a.violation.rule.clone();
+                            self.spool_and_enqueue(Notification::Violation(a), &rule, &names, &queues, &mut report).await;
+                        }
+                        Admission::Duplicate { repeats } => {
+                            report.deduplicated += 1;
+                            AlertDeduplicated { rule: &v.rule, fingerprint: &v.fingerprint, repeats }.emit(&self.metrics);
+                        }
+                        Admission::RateLimited => {
+                            report.rate_limited += 1;
+                            AlertRateLimited { rule: &v.rule }.emit(&self.metrics);
+                        }
+                    }
+                }
+                _ = tick.tick() => {
+                    let (summaries, resolved) = self.flood.tick(now_unix_ns());
+                    for s in summaries {
+                        SuppressionSummarised { rule: &s.rule, suppressed: s.suppressed }.emit(&self.metrics);
+                        let rule = s.rule.clone();
+                        self.spool_and_enqueue(Notification::Suppressed(s), &rule, &names, &queues, &mut report).await;
+                    }
+                    for (i, sink) in self.sinks.iter().enumerate() {
+                        let Some(every) = sink.refresh_interval() else { continue };
+                        resolved_pending[i].extend(resolved.iter().cloned());
+                        if last_refresh[i].elapsed() < every && resolved_pending[i].is_empty() {
+                            continue;
+                        }
+                        last_refresh[i] = Instant::now();
+                        let active = self.flood.active();
+                        let gone = std::mem::take(&mut resolved_pending[i]);
+                        let sink = sink.clone();
+                        let metrics = self.metrics.clone();
+                        // Refreshes are idempotent re-posts: run them off the intake path, and a
+                        // failed one is simply superseded by the next.
+                        tokio::spawn(async move {
+                            if let Err(e) = sink.refresh(&active, &gone).await {
+                                AlertDeliveryFailed {
+                                    sink: sink.name(), permanent: false, count: active.len() + gone.len(),
+                                    status: e.status(), error: &e.to_string(), retry_in: None,
+                                }.emit(&metrics);
+                            }
+                        });
+                    }
+                }
+            }
+        }
+        // Input closed: summarise what open rate windows suppressed, then drain.
+        for s in self.flood.flush_summaries(now_unix_ns()) {
+            SuppressionSummarised {
+                rule: &s.rule,
+                suppressed: s.suppressed,
+            }
+            .emit(&self.metrics);
+            let rule = s.rule.clone();
+            self.spool_and_enqueue(Notification::Suppressed(s), &rule, &names, &queues, &mut report)
+                .await;
+        }
+        let deadline = Instant::now() + self.cfg.drain_timeout;
+        while Instant::now() < deadline
+            && queues.iter().any(|q| q.outstanding.load(Ordering::SeqCst) > 0)
+        {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        for w in &workers {
+            w.abort();
+        }
+        report.undelivered_at_exit = self.spool.size().0;
+        if report.undelivered_at_exit > 0 {
+            tracing::warn!(
+                entries = report.undelivered_at_exit,
+                dir = %self.spool.dir().display(),
+                "alerts left in the spool; delivery resumes at next start"
+            );
+        }
+        report
+    }
+
+    async fn spool_and_enqueue(
+        &self,
+        n: Notification,
+        rule: &str,
+        names: &[String],
+        queues: &[Arc<SinkQueue>],
+        report: &mut DispatchReport,
+    ) {
+        let spool = self.spool.clone();
+        let names_owned = names.to_vec();
+        // fsync can take milliseconds: keep it off the async workers.
+        let put = tokio::task::spawn_blocking(move || spool.put(n, &names_owned))
+            .await
+            .unwrap_or_else(|e| Err(SpoolError::Write { path: Default::default(), source: std::io::Error::other(e.to_string()) }));
+        match put {
+            Ok(seq) => {
+                report.notified += 1;
+                let (entries, bytes) = self.spool.size();
+                AlertSpooled { rule, entries, bytes }.emit(&self.metrics);
+                for q in queues {
+                    q.push(seq);
+                }
+            }
+            Err(e) => {
+                report.spool_dropped += 1;
+                let reason = match e {
+                    SpoolError::Full { .. } => "full",
+                    _ => "write_error",
+                };
+                tracing::error!(error = %e, rule, "cannot spool alert; dropped");
+                ItemsDropped { point: DropPoint::Spool, reason, count: 1 }.emit(&self.metrics);
+            }
+        }
+    }
+}
+
+async fn sink_worker(q: Arc<SinkQueue>, spool: Spool, metrics: Arc<Metrics>, cfg: DispatchConfig) {
+    let name = q.sink.name().to_string();
+    let max_batch = q.sink.max_batch().max(1);
+    let mut backoff = Backoff::new(cfg.retry_initial, cfg.retry_max);
+    loop {
+        let seqs: Vec<u64> = {
+            let mut g = q.queue.lock().unwrap_or_else(|p| p.into_inner());
+            let n = g.len().min(max_batch);
+            g.drain(..n).collect()
+        };
+        if seqs.is_empty() {
+            q.notify.notified().await;
+            continue;
+        }
+        // Entries acknowledged meanwhile (cannot happen today) are skipped, not resent.
+        let batch: Vec<(u64, Arc<Notification>)> =
+            seqs.iter().filter_map(|s| spool.get(*s).map(|n| (*s, n))).collect();
+        let skipped = seqs.len() - batch.len();
+        if skipped > 0 {
+            q.outstanding.fetch_sub(skipped, Ordering::SeqCst);
+        }
+        deliver_with_retry(&q, &name, &batch, &spool, &metrics, &cfg, &mut backoff).await;
+    }
+}
+
+async fn deliver_with_retry(
+    q: &SinkQueue,
+    name: &str,
+    batch: &[(u64, Arc<Notification>)],
+    spool: &Spool,
+    metrics: &Metrics,
+    cfg: &DispatchConfig,
+    backoff: &mut Backoff,
+) {
+    if batch.is_empty() {
+        return;
+    }
+    let notes: Vec<Arc<Notification>> = batch.iter().map(|(_, n)| n.clone()).collect();
+    loop {
+        let started = Instant::now();
+        match q.sink.deliver(&notes).await {
+            Ok(()) => {
+                backoff.reset();
+                let now = now_unix_ns();
+                let latencies: Vec<Duration> = notes
+                    .iter()
+                    .map(|n| Duration::from_nanos(now.saturating_sub(n.received_at_ns())))
+                    .collect();
+                AlertsDelivered {
+                    sink: name,
+                    count: notes.len(),
+                    duration: started.elapsed(),
+                    latencies: &latencies,
+                }
+                .emit(metrics);
+                ack_all(q, name, batch, spool, metrics);
+                return;
+            }
+            Err(SinkError::Permanent { reason, status }) => {
+                if batch.len() > 1 {
+                    // One bad notification must not take its batch-mates down with it.
+                    tracing::warn!(sink = name, status, "batch refused; retrying its notifications one by one");
+                    for item in batch {
+                        Box::pin(deliver_with_retry(q, name, std::slice::from_ref(item), spool, metrics, cfg, backoff)).await;
+                    }
+                    return;
+                }
+                AlertDeliveryFailed {
+                    sink: name,
+                    permanent: true,
+                    count: 1,
+                    status,
+                    error: &reason,
+                    retry_in: None,
+                }
+                .emit(metrics);
+                ack_all(q, name, batch, spool, metrics);
+                return;
+            }
+            Err(SinkError::Retryable {
+                reason,
+                status,
+                retry_after,
+            }) => {
+                let delay = match retry_after {
+                    Some(d) => d.min(cfg.max_retry_after),
+                    None => backoff.next_delay(),
+                };
+                AlertDeliveryFailed {
+                    sink: name,
+                    permanent: false,
+                    count: notes.len(),
+                    status,
+                    error: &reason,
+                    retry_in: Some(delay),
+                }
+                .emit(metrics);
+                tokio::time::sleep(delay).await;
+            }
+        }
+    }
+}
+
+fn ack_all(q: &SinkQueue, name: &str, batch: &[(u64, Arc<Notification>)], spool: &Spool, metrics: &Metrics) {
+    for (seq, _) in batch {
+        if let Err(e) = spool.ack(*seq, name) {
+            // The entry stays on disk and is redelivered after a restart: duplicates, not loss.
+            tracing::error!(sink = name, error = %e, "cannot record acknowledgement in the spool");
+        }
+    }
+    q.outstanding.fetch_sub(batch.len(), Ordering::SeqCst);
+    let (entries, bytes) = spool.size();
+    SpoolSize { entries, bytes }.emit(metrics);
+}

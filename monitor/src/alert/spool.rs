@@ -1,0 +1,397 @@
+//! Durable alert spool: a notification is written to disk before any sink sees it and removed only
+//! once every sink acknowledged it (or refused it for good). A restart reloads what is left and
+//! delivery resumes. One small JSON file per notification: writes are rare (alerts, not events),
+//! and a file per entry makes acknowledgement a rename or an unlink, with no log compaction.
+//!
+//! File `<seq:016x>.json` = `{"v":1,"seq":N,"pending":["webhook-0",...],"notification":{...}}`,
+//! written to a `.tmp` file, optionally fsynced, then renamed into place (atomic on POSIX).
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use serde::{Deserialize, Serialize};
+
+use super::notification::Notification;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SpoolConfig {
+    /// Directory of the spool; created if missing. Default: `<state dir>/spool`.
+    pub dir: Option<PathBuf>,
+    /// Notifications kept awaiting acknowledgement; beyond this new ones are dropped and counted.
+    pub max_entries: usize,
+    pub max_bytes: u64,
+    /// fsync each new entry (survives power loss, not only a crash of revenant).
+    pub fsync: bool,
+}
+
+impl Default for SpoolConfig {
+    fn default() -> Self {
+        SpoolConfig {
+            dir: None,
+            max_entries: 10_000,
+            max_bytes: 64 << 20,
+            fsync: true,
+        }
+    }
+}
+
+impl SpoolConfig {
+    pub fn validate(&self) -> Result<(), String> {
+        if self.max_entries == 0 {
+            return Err("spool max_entries must be > 0".into());
+        }
+        if self.max_bytes < 4096 {
+            return Err("spool max_bytes must be at least 4096".into());
+        }
+        Ok(())
+    }
+
+    pub fn resolved_dir(&self) -> PathBuf {
+        self.dir.clone().unwrap_or_else(|| default_state_dir().join("spool"))
+    }
+}
+
+/// `$STATE_DIRECTORY` (systemd), else `$XDG_STATE_HOME/revenant`, else
+/// `$HOME/.local/state/revenant`, else `/var/lib/revenant`.
+pub fn default_state_dir() -> PathBuf {
+    let env = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty()).map(PathBuf::from);
+    if let Some(d) = env("STATE_DIRECTORY") {
+        return d;
+    }
+    if let Some(d) = env("XDG_STATE_HOME") {
+        return d.join("revenant");
+    }
+    if let Some(h) = env("HOME") {
+        return h.join(".local/state/revenant");
+    }
+    PathBuf::from("/var/lib/revenant")
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SpoolError {
+    #[error("spool directory {dir}: {source}")]
+    Dir {
+        dir: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("spool write {path}: {source}")]
+    Write {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("spool is full ({entries} entries, {bytes} bytes)")]
+    Full { entries: usize, bytes: u64 },
+    #[error("cannot encode notification: {0}")]
+    Encode(#[from] serde_json::Error),
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct OnDisk {
+    v: u32,
+    seq: u64,
+    pending: Vec<String>,
+    notification: Notification,
+}
+
+#[derive(Debug, Clone)]
+pub struct Entry {
+    pub seq: u64,
+    pub notification: Arc<Notification>,
+    pub pending: Vec<String>,
+    bytes: u64,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    entries: BTreeMap<u64, Entry>,
+    bytes: u64,
+    next_seq: u64,
+}
+
+/// What `open` found on disk.
+#[derive(Debug, Default)]
+pub struct Recovered {
+    pub entries: usize,
+    /// Unreadable files, renamed to `*.corrupt` and counted as drops.
+    pub corrupt: usize,
+    /// Pending acknowledgements for sinks no longer configured (dropped, counted).
+    pub orphaned_acks: usize,
+}
+
+#[derive(Debug, Clone)]
+pub struct Spool {
+    dir: PathBuf,
+    cfg: SpoolConfig,
+    state: Arc<Mutex<State>>,
+}
+
+impl Spool {
+    /// Opens (creating) the spool and reloads what a previous run left. `sinks` are the sink names
+    /// configured now: acknowledgements pending for other names are dropped.
+    pub fn open(cfg: &SpoolConfig, sinks: &[String]) -> Result<(Spool, Recovered), SpoolError> {
+        let dir = cfg.resolved_dir();
+        let derr = |source| SpoolError::Dir {
+            dir: dir.clone(),
+            source,
+        };
+        std::fs::create_dir_all(&dir).map_err(derr)?;
+        let mut st = State::default();
+        let mut rec = Recovered::default();
+        let mut names: Vec<PathBuf> = std::fs::read_dir(&dir)
+            .map_err(derr)?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .collect();
+        names.sort();
+        for path in names {
+            let Some(ext) = path.extension().and_then(|e| e.to_str()) else {
+                continue;
+            };
+            match ext {
+                // A write interrupted before its rename: never acknowledged to anyone upstream
+                // of the spool either, but the dispatcher had accepted it. Counted as corrupt.
+                "tmp" => {
+                    let _ = std::fs::remove_file(&path);
+                    rec.corrupt += 1;
+                }
+                "json" => {
+                    let parsed = std::fs::read(&path)
+                        .ok()
+                        .and_then(|b| serde_json::from_slice::<OnDisk>(&b).ok().map(|d| (d, b.len())));
+                    match parsed {
+                        Some((d, len)) => {
+                            let before = d.pending.len();
+                            let pending: Vec<String> =
+                                d.pending.into_iter().filter(|p| sinks.contains(p)).collect();
+                            rec.orphaned_acks += before - pending.len();
+                            st.next_seq = st.next_seq.max(d.seq + 1);
+                            if pending.is_empty() {
+                                let _ = std::fs::remove_file(&path);
+                                continue;
+                            }
+                            st.bytes += len as u64;
+                            st.entries.insert(
+                                d.seq,
+                                Entry {
+                                    seq: d.seq,
+                                    notification: Arc::new(d.notification),
+                                    pending,
+                                    bytes: len as u64,
+                                },
+                            );
+                            rec.entries += 1;
+                        }
+                        None => {
+                            let _ = std::fs::rename(&path, path.with_extension("corrupt"));
+                            rec.corrupt += 1;
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+        Ok((
+            Spool {
+                dir,
+                cfg: cfg.clone(),
+                state: Arc::new(Mutex::new(st)),
+            },
+            rec,
+        ))
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn path(&self, seq: u64) -> PathBuf {
+        self.dir.join(format!("{seq:016x}.json"))
+    }
+
+    /// (entries, bytes)
+    pub fn size(&self) -> (usize, u64) {
+        let g = self.lock();
+        (g.entries.len(), g.bytes)
+    }
+
+    /// Entries pending for `sink`, oldest first (used at start to resume delivery).
+    pub fn pending_for(&self, sink: &str) -> Vec<u64> {
+        self.lock()
+            .entries
+            .values()
+            .filter(|e| e.pending.iter().any(|p| p == sink))
+            .map(|e| e.seq)
+            .collect()
+    }
+
+    pub fn get(&self, seq: u64) -> Option<Arc<Notification>> {
+        self.lock().entries.get(&seq).map(|e| e.notification.clone())
+    }
+
+    /// Writes a notification for `sinks` to disk. Blocking I/O: call from `spawn_blocking` or
+    /// accept a short stall (a few hundred µs per alert).
+    pub fn put(&self, n: Notification, sinks: &[String]) -> Result<u64, SpoolError> {
+        let seq = {
+            let mut g = self.lock();
+            if g.entries.len() >= self.cfg.max_entries || g.bytes >= self.cfg.max_bytes {
+                return Err(SpoolError::Full {
+                    entries: g.entries.len(),
+                    bytes: g.bytes,
+                });
+            }
+            let s = g.next_seq;
+            g.next_seq += 1;
+            s
+        };
+        let d = OnDisk {
+            v: 1,
+            seq,
+            pending: sinks.to_vec(),
+            notification: n,
+        };
+        let bytes = serde_json::to_vec(&d)?;
+        self.write_atomic(seq, &bytes, self.cfg.fsync)?;
+        let mut g = self.lock();
+        g.bytes += bytes.len() as u64;
+        g.entries.insert(
+            seq,
+            Entry {
+                seq,
+                notification: Arc::new(d.notification),
+                pending: d.pending,
+                bytes: bytes.len() as u64,
+            },
+        );
+        Ok(seq)
+    }
+
+    fn write_atomic(&self, seq: u64, bytes: &[u8], fsync: bool) -> Result<(), SpoolError> {
+        let path = self.path(seq);
+        let tmp = path.with_extension("tmp");
+        let werr = |source| SpoolError::Write {
+            path: path.clone(),
+            source,
+        };
+        let mut f = std::fs::File::create(&tmp).map_err(werr)?;
+        f.write_all(bytes).map_err(werr)?;
+        if fsync {
+            f.sync_data().map_err(werr)?;
+        }
+        drop(f);
+        std::fs::rename(&tmp, &path).map_err(werr)
+    }
+
+    /// Records that `sink` is done with `seq` (delivered, or refused for good). Removes the file
+    /// once no sink is pending; otherwise rewrites it without `sink` (no fsync: losing an ack
+    /// only means one redelivery, which receivers deduplicate by id).
+    pub fn ack(&self, seq: u64, sink: &str) -> Result<(), SpoolError> {
+        let rewrite = {
+            let mut g = self.lock();
+            let Some(e) = g.entries.get_mut(&seq) else {
+                return Ok(());
+            };
+            e.pending.retain(|p| p != sink);
+            if e.pending.is_empty() {
+                let b = e.bytes;
+                g.entries.remove(&seq);
+                g.bytes -= b;
+                None
+            } else {
+                Some(OnDisk {
+                    v: 1,
+                    seq,
+                    pending: e.pending.clone(),
+                    notification: (*e.notification).clone(),
+                })
+            }
+        };
+        match rewrite {
+            None => match std::fs::remove_file(self.path(seq)) {
+                Ok(()) => Ok(()),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+                Err(source) => Err(SpoolError::Write {
+                    path: self.path(seq),
+                    source,
+                }),
+            },
+            Some(d) => {
+                let bytes = serde_json::to_vec(&d)?;
+                self.write_atomic(seq, &bytes, false)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::alert::notification::SuppressedSummary;
+
+    fn note(i: u64) -> Notification {
+        Notification::Suppressed(SuppressedSummary {
+            id: format!("n{i}"),
+            rule: "r".into(),
+            suppressed: i,
+            fingerprints_sample: vec![],
+            window_start_ns: 0,
+            window_end_ns: 1,
+            limit: 1,
+            received_at_ns: 0,
+        })
+    }
+
+    #[test]
+    fn survives_reopen_and_removes_after_all_acks() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = SpoolConfig {
+            dir: Some(dir.path().to_path_buf()),
+            fsync: false,
+            ..Default::default()
+        };
+        let sinks = vec!["a".to_string(), "b".to_string()];
+        let (s, _) = Spool::open(&cfg, &sinks).unwrap();
+        let s0 = s.put(note(0), &sinks).unwrap();
+        let s1 = s.put(note(1), &sinks).unwrap();
+        s.ack(s0, "a").unwrap();
+        s.ack(s1, "a").unwrap();
+        s.ack(s1, "b").unwrap();
+        drop(s);
+        let (s, rec) = Spool::open(&cfg, &sinks).unwrap();
+        assert_eq!(rec.entries, 1);
+        assert_eq!(s.pending_for("a"), Vec::<u64>::new());
+        assert_eq!(s.pending_for("b"), vec![s0]);
+        assert_eq!(s.get(s0).unwrap().id(), "n0");
+        // New entries never collide with a pending one.
+        assert!(s.put(note(2), &sinks).unwrap() > s0);
+        s.ack(s0, "b").unwrap();
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+    }
+
+    #[test]
+    fn bounded_corrupt_and_orphans_are_counted() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = SpoolConfig {
+            dir: Some(dir.path().to_path_buf()),
+            max_entries: 2,
+            fsync: false,
+            ..Default::default()
+        };
+        let (s, _) = Spool::open(&cfg, &["a".into(), "gone".into()]).unwrap();
+        s.put(note(0), &["a".into(), "gone".into()]).unwrap();
+        s.put(note(1), &["gone".into()]).unwrap();
+        assert!(matches!(s.put(note(2), &["a".into()]), Err(SpoolError::Full { .. })));
+        std::fs::write(dir.path().join("00000000000000ff.json"), b"{not json").unwrap();
+        drop(s);
+        let (s, rec) = Spool::open(&cfg, &["a".into()]).unwrap();
+        assert_eq!(rec.corrupt, 1);
+        assert_eq!(rec.orphaned_acks, 2);
+        assert_eq!(rec.entries, 1);
+        assert_eq!(s.size().0, 1);
+    }
+}

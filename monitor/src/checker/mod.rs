@@ -1,0 +1,1109 @@
+//! The streaming checker: a sans-IO, deterministic engine.
+//!
+//! `observe(event)` and `tick(now)` are the only entry points; no clocks, channels or I/O live
+//! here, so the same events give the same verdicts whoever drives it (`revenant check`, `run`,
+//! tests, benchmarks). Event time decides "later"; a watermark (latest event time minus the
+//! allowed lateness, or the driver's clock minus it) decides when a deadline has passed.
+
+pub mod matcher;
+pub mod rules;
+pub mod slots;
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap, HashSet};
+use std::time::Duration;
+
+use foldhash::fast::FixedState;
+
+use crate::correlate::{AttemptRef, CorrelateStats, Limits, NONE, Store};
+use crate::event::{Kind, LifecycleEvent, Stage};
+use crate::violation::{self, AttemptRef as AttemptAliases, Evidence, RequestRef, Role, Violation};
+use rules::predicate::{Breach, Capacity, Known};
+use rules::{CompiledRule, Scope, Shape};
+use slots::{
+    Keep, NODE_LOCAL, NodeId, Slot, SlotEvent, SlotLayout, SlotSpec, SpecIndex, fold_into,
+    spec_slots,
+};
+
+pub use rules::{RuleSet, RulesError, Severity};
+
+/// Engine settings. Defaults suit offline checking; `revenant run` raises `allowed_lateness`
+/// because OTLP exporters batch spans for seconds.
+#[derive(Debug, Clone)]
+pub struct CheckerConfig {
+    /// Events from different nodes are only "later" when later by more than this.
+    pub clock_skew: Duration,
+    /// How long after an event's time another event may still arrive and be counted by deadline
+    /// rules. The watermark trails the newest event (and the driver's clock) by this much.
+    pub allowed_lateness: Duration,
+    /// Hard cap on live attempts; beyond it the oldest-visited attempt is compacted (counted).
+    pub max_attempts: usize,
+    /// Hard cap on tombstones; beyond it the oldest is dropped (counted).
+    pub max_tombstones: usize,
+    /// Live attempts idle this long are compacted even if not ended.
+    pub attempt_ttl: Duration,
+    /// Ended attempts are compacted once quiet this long.
+    pub linger: Duration,
+    /// Tombstones are kept this long so late activity on a rejected attempt is still caught.
+    pub retention: Duration,
+}
+
+impl Default for CheckerConfig {
+    fn default() -> Self {
+        CheckerConfig {
+            clock_skew: Duration::from_millis(50),
+            allowed_lateness: Duration::from_millis(50),
+            max_attempts: 1_000_000,
+            max_tombstones: 2_000_000,
+            attempt_ttl: Duration::from_secs(600),
+            linger: Duration::from_secs(1),
+            retention: Duration::from_secs(600),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{0}")]
+    Invalid(String),
+}
+
+impl CheckerConfig {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.max_attempts == 0 || self.max_tombstones == 0 {
+            return Err(ConfigError::Invalid(
+                "max_attempts and max_tombstones must be at least 1".into(),
+            ));
+        }
+        if self.retention.is_zero() {
+            return Err(ConfigError::Invalid("retention must be positive".into()));
+        }
+        Ok(())
+    }
+}
+
+/// Counters the engine keeps about itself (all monotonic except the gauges at the end).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CheckerStats {
+    pub events: u64,
+    /// Events naming an attempt (room or rid).
+    pub events_attempt: u64,
+    /// Events naming only the request (request_id / trace_id).
+    pub events_request_only: u64,
+    /// Events naming nothing and not capacity reports: only predicate rules see them.
+    pub events_unattributed: u64,
+    pub capacity_reports: u64,
+    /// Events for attempts already compacted to a tombstone.
+    pub events_on_tombstones: u64,
+    /// Events older than the watermark when they arrived (later than the allowed lateness).
+    pub events_late: u64,
+    pub violations: u64,
+    /// Breaches of a rule that already fired for the same attempt (not re-emitted).
+    pub repeats: u64,
+    pub timers_fired: u64,
+    /// Worker-level dedup memory was full; the violation was emitted but may repeat.
+    pub worker_dedup_full: u64,
+    pub correlate: CorrelateStats,
+    pub live_attempts: u64,
+    pub live_requests: u64,
+    pub tombstones: u64,
+    pub watermark_ns: u64,
+    pub max_event_ns: u64,
+}
+
+/// Per-rule violation counts, index-aligned with [`Checker::rules`].
+pub type RuleCounts = Vec<u64>;
+
+type FixedMap<K, V> = HashMap<K, V, FixedState>;
+
+const SEED: u64 = 0x636865636b6572; // "checker"
+const MAX_NODES: usize = 126;
+const MAX_CAPACITY_ENTRIES: usize = 65_536;
+const MAX_WORKER_DEDUP: usize = 100_000;
+/// Attempts examined by housekeeping per observed event (amortised O(1)).
+const SWEEP_PER_EVENT: usize = 2;
+/// Attempts examined by housekeeping per tick.
+const SWEEP_PER_TICK: usize = 4096;
+
+pub struct Checker {
+    rules: Vec<CompiledRule>,
+    attempt_specs: Vec<SlotSpec>,
+    attempt_index: SpecIndex,
+    request_specs: Vec<SlotSpec>,
+    request_index: SpecIndex,
+    /// Request slots that hold triggers (request-level events only update those).
+    request_trigger_mask: u64,
+    store: Store,
+    timers: BinaryHeap<Reverse<(u64, u32, u32)>>,
+    nodes: FixedMap<Box<str>, NodeId>,
+    capacity: FixedMap<(u32, Stage), Capacity>,
+    worker_fired: HashSet<u64, FixedState>,
+    skew_ns: u64,
+    lateness_ns: u64,
+    stats: CheckerStats,
+    per_rule: RuleCounts,
+}
+
+/// Everything a violation is assembled from.
+struct Finding<'a> {
+    rule: usize,
+    request: Option<u32>,
+    attempt: AttemptAliases,
+    worker: Option<&'a str>,
+    trigger: Option<SlotEvent>,
+    trigger_reason: Option<String>,
+    offender: Option<SlotEvent>,
+    offender_reason: Option<String>,
+    expected: Option<SlotEvent>,
+    context: Option<SlotEvent>,
+    breach: Option<Breach>,
+    detected_at_ns: u64,
+}
+
+impl Checker {
+    pub fn new(rules: RuleSet, cfg: CheckerConfig) -> Checker {
+        let mut attempt_layout = SlotLayout::default();
+        let mut request_layout = SlotLayout::default();
+        let compiled = rules::compile(&rules, &mut attempt_layout, &mut request_layout);
+        assert!(attempt_layout.len() <= SlotLayout::MAX && request_layout.len() <= SlotLayout::MAX);
+        let mut request_trigger_mask = 0u64;
+        let mut tomb_slot_map = Vec::new();
+        let mut horizon = Duration::ZERO;
+        for r in &compiled {
+            horizon = horizon.max(r.rule.horizon());
+            if let Shape::NeverAfter(_) = r.rule.shape {
+                match r.rule.scope {
+                    Scope::Request => request_trigger_mask |= 1 << r.slots.trigger,
+                    Scope::Attempt => {
+                        // Pairs stay adjacent so tombstones fold them like live attempts do.
+                        for k in [r.slots.trigger, r.slots.other] {
+                            let width = if attempt_layout.specs[k].keep.is_pair() {
+                                2
+                            } else {
+                                1
+                            };
+                            for j in k..k + width {
+                                if !tomb_slot_map.contains(&j) {
+                                    tomb_slot_map.push(j);
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        let ns = |d: Duration| d.as_nanos().min(u64::MAX as u128) as u64;
+        let lateness_ns = ns(cfg.allowed_lateness);
+        let limits = Limits {
+            max_attempts: cfg.max_attempts.max(1),
+            max_tombstones: cfg.max_tombstones.max(1),
+            // An attempt must outlive its longest deadline, or the deadline could never be judged.
+            attempt_ttl_ns: ns(cfg.attempt_ttl).max(ns(horizon) + lateness_ns + ns(cfg.linger)),
+            linger_ns: ns(cfg.linger).max(lateness_ns),
+            retention_ns: ns(cfg.retention),
+        };
+        let keeps = |l: &SlotLayout| l.specs.iter().map(|s| s.keep).collect::<Vec<Keep>>();
+        let store = Store::new(
+            limits,
+            keeps(&attempt_layout),
+            keeps(&request_layout),
+            tomb_slot_map,
+        );
+        let n = compiled.len();
+        Checker {
+            rules: compiled,
+            attempt_index: SpecIndex::new(&attempt_layout.specs),
+            attempt_specs: attempt_layout.specs,
+            request_index: SpecIndex::new(&request_layout.specs),
+            request_specs: request_layout.specs,
+            request_trigger_mask,
+            store,
+            timers: BinaryHeap::new(),
+            nodes: FixedMap::with_hasher(FixedState::with_seed(SEED)),
+            capacity: FixedMap::with_hasher(FixedState::with_seed(SEED)),
+            worker_fired: HashSet::with_hasher(FixedState::with_seed(SEED)),
+            skew_ns: ns(cfg.clock_skew),
+            lateness_ns,
+            stats: CheckerStats::default(),
+            per_rule: vec![0; n],
+        }
+    }
+
+    pub fn rules(&self) -> impl Iterator<Item = &rules::Rule> {
+        self.rules.iter().map(|r| &r.rule)
+    }
+
+    pub fn stats(&self) -> CheckerStats {
+        let mut s = self.stats.clone();
+        s.correlate = self.store.stats;
+        s.live_attempts = self.store.live_attempts() as u64;
+        s.live_requests = self.store.live_requests() as u64;
+        s.tombstones = self.store.tombstones() as u64;
+        s
+    }
+
+    /// Violations emitted so far, per enabled rule (same order as [`Self::rules`]).
+    pub fn violations_per_rule(&self) -> &[u64] {
+        &self.per_rule
+    }
+
+    /// Bytes held by the engine's state tables (capacity-based; for memory benchmarks).
+    pub fn state_bytes(&self) -> usize {
+        self.store.table_bytes()
+            + self.timers.capacity() * std::mem::size_of::<Reverse<(u64, u32, u32)>>()
+    }
+
+    /// Bytes reserved by the tombstone tables alone.
+    pub fn tombstone_bytes(&self) -> usize {
+        self.store.tombstone_bytes()
+    }
+
+    pub fn watermark_ns(&self) -> u64 {
+        self.stats.watermark_ns
+    }
+
+    /// Feeds one event; returns the violations it proves (each (rule, attempt) at most once).
+    pub fn observe(&mut self, e: &LifecycleEvent) -> Vec<Violation> {
+        let mut out = Vec::new();
+        self.stats.events += 1;
+        if e.time_ns < self.stats.watermark_ns {
+            self.stats.events_late += 1;
+        }
+        let node = self.node_id(e.node.as_deref());
+
+        if e.kind == Kind::Capacity {
+            self.stats.capacity_reports += 1;
+            self.record_capacity(e);
+            self.check_worker_predicates(e, &mut out);
+        } else {
+            let resolved = self.store.resolve(&e.ids, e.time_ns);
+            match resolved.attempt {
+                Some(AttemptRef::Live(a)) => {
+                    self.stats.events_attempt += 1;
+                    self.observe_attempt(a, resolved.request, resolved.linked, e, node, &mut out);
+                }
+                Some(AttemptRef::Tomb(seq)) => {
+                    self.stats.events_attempt += 1;
+                    self.stats.events_on_tombstones += 1;
+                    self.observe_tombstone(seq, resolved.request, e, node, &mut out);
+                }
+                None => match resolved.request {
+                    Some(r) => {
+                        self.stats.events_request_only += 1;
+                        self.observe_request_level(r, e, node, &mut out);
+                    }
+                    None => {
+                        self.stats.events_unattributed += 1;
+                        self.check_worker_predicates(e, &mut out);
+                    }
+                },
+            }
+        }
+
+        if e.time_ns > self.stats.max_event_ns {
+            self.stats.max_event_ns = e.time_ns;
+            self.advance(e.time_ns.saturating_sub(self.lateness_ns), &mut out);
+        }
+        self.store.sweep(self.stats.watermark_ns, SWEEP_PER_EVENT);
+        out
+    }
+
+    /// Advances the watermark to `now_ns - allowed_lateness` (driver's clock) and judges every
+    /// deadline that passed. Call it periodically; offline, call it once with the last event time
+    /// plus the lateness to judge what the input can still prove.
+    pub fn tick(&mut self, now_ns: u64) -> Vec<Violation> {
+        let mut out = Vec::new();
+        self.advance(now_ns.saturating_sub(self.lateness_ns), &mut out);
+        self.store.sweep(self.stats.watermark_ns, SWEEP_PER_TICK);
+        out
+    }
+
+    fn advance(&mut self, wm: u64, out: &mut Vec<Violation>) {
+        if wm <= self.stats.watermark_ns {
+            return;
+        }
+        self.stats.watermark_ns = wm;
+        while let Some(&Reverse((due, a, generation))) = self.timers.peek() {
+            if due > wm {
+                break;
+            }
+            self.timers.pop();
+            let at = &self.store.attempts[a as usize];
+            if at.generation != generation || !at.live || at.due_ns != due {
+                continue; // attempt gone, or superseded by an earlier deadline
+            }
+            self.stats.timers_fired += 1;
+            self.store.attempts[a as usize].due_ns = 0;
+            self.judge_deadlines(a, out);
+        }
+    }
+
+    fn node_id(&mut self, node: Option<&str>) -> NodeId {
+        let Some(n) = node else { return NODE_LOCAL };
+        if let Some(&id) = self.nodes.get(n) {
+            return id;
+        }
+        let id = (self.nodes.len() + 1).min(MAX_NODES + 1) as NodeId;
+        if self.nodes.len() < MAX_NODES {
+            self.nodes.insert(n.into(), id);
+        }
+        id
+    }
+
+    /// Capacity is per worker (or, without a worker, per node) and stage.
+    fn worker_key(e: &LifecycleEvent) -> Option<u32> {
+        e.worker
+            .as_deref()
+            .or(e.node.as_deref())
+            .map(|w| violation::fnv1a(&[w.as_bytes()]) as u32)
+    }
+
+    fn record_capacity(&mut self, e: &LifecycleEvent) {
+        let Some(key) = Self::worker_key(e).map(|w| (w, e.stage)) else {
+            return;
+        };
+        let report = Capacity::from_event(e);
+        if report.is_empty() {
+            return;
+        }
+        if !self.capacity.contains_key(&key) && self.capacity.len() >= MAX_CAPACITY_ENTRIES {
+            return;
+        }
+        self.capacity.entry(key).or_default().update(report);
+    }
+
+    fn capacity_for(&self, e: &LifecycleEvent) -> Option<Capacity> {
+        self.capacity.get(&(Self::worker_key(e)?, e.stage)).copied()
+    }
+
+    fn observe_attempt(
+        &mut self,
+        a: u32,
+        request: Option<u32>,
+        linked: bool,
+        e: &LifecycleEvent,
+        node: NodeId,
+        out: &mut Vec<Violation>,
+    ) {
+        let hit = self.attempt_index.matching(e);
+        let slot = Slot::from_event(e, node);
+        {
+            let slots = self.store.attempt_slots_mut(a);
+            let mut bits = hit;
+            while bits != 0 {
+                let k = bits.trailing_zeros() as usize;
+                bits &= bits - 1;
+                fold_into(slots, k, self.attempt_specs[k].keep, slot);
+            }
+        }
+        let at = &mut self.store.attempts[a as usize];
+        at.last_ns = at.last_ns.max(e.time_ns);
+        let mut facts_changed = false;
+        if let Some(n) = e.input_tokens {
+            let n = n.min(u32::MAX as u64) as u32;
+            facts_changed = n > at.input_tokens;
+            at.input_tokens = at.input_tokens.max(n);
+        }
+        if let Some(w) = Self::worker_key(e) {
+            at.worker_keys[e.stage as usize] = w;
+        }
+        let stage_bit = 1u8 << (e.stage as u8);
+        // Transfer is activity between the legs, not a leg that must end on its own.
+        match e.kind {
+            Kind::Received | Kind::Admitted | Kind::Work if e.stage != Stage::Transfer => {
+                at.legs_open |= stage_bit
+            }
+            k if k.is_terminal() => at.legs_closed |= stage_bit,
+            _ => {}
+        }
+        if e.kind == Kind::Rejected
+            && let Some(r) = &e.reason
+        {
+            self.store.set_reason_once(a, r);
+        }
+
+        for ri in 0..self.rules.len() {
+            let bit = 1u64 << ri;
+            let slots = self.rules[ri].slots;
+            match (&self.rules[ri].rule.shape, self.rules[ri].rule.scope) {
+                (Shape::NeverAfter(rule), Scope::Attempt) => {
+                    if hit & ((1 << slots.trigger) | (1 << slots.other)) == 0 {
+                        continue;
+                    }
+                    let s = self.store.attempt_slots(a);
+                    let keep_t = self.attempt_specs[slots.trigger].keep;
+                    let keep_f = self.attempt_specs[slots.other].keep;
+                    // The current event is a candidate too: with a third node it may not be kept.
+                    let mut triggers: Vec<Slot> = spec_slots(s, slots.trigger, keep_t).collect();
+                    let mut forbidden: Vec<Slot> = spec_slots(s, slots.other, keep_f).collect();
+                    if hit & (1 << slots.trigger) != 0 {
+                        triggers.push(slot);
+                    }
+                    if hit & (1 << slots.other) != 0 {
+                        forbidden.push(slot);
+                    }
+                    if let Some((trig, forb)) =
+                        rule.breaching_pair(&triggers, &forbidden, self.skew_ns)
+                    {
+                        if self.store.attempts[a as usize].fired & bit != 0 {
+                            self.stats.repeats += 1;
+                            continue;
+                        }
+                        self.store.attempts[a as usize].fired |= bit;
+                        let offender_is_current =
+                            forb.time() == e.time_ns && hit & (1 << slots.other) != 0;
+                        let f = Finding {
+                            rule: ri,
+                            request,
+                            attempt: self.attempt_aliases(a),
+                            worker: None,
+                            trigger: trig.get(),
+                            trigger_reason: self.store.reason(a).map(str::to_owned),
+                            offender: forb.get(),
+                            offender_reason: offender_is_current
+                                .then(|| e.reason.as_deref().map(str::to_owned))
+                                .flatten(),
+                            expected: None,
+                            context: None,
+                            breach: None,
+                            detected_at_ns: trig.time().max(forb.time()),
+                        };
+                        out.push(self.violation(f));
+                    }
+                }
+                (Shape::NeverAfter(_), Scope::Request) => {
+                    let Some(r) = request else { continue };
+                    let keep_own = self.attempt_specs[slots.other_latest].keep;
+                    let own: Vec<Slot> =
+                        spec_slots(self.store.attempt_slots(a), slots.other_latest, keep_own)
+                            .collect();
+                    let keep_other = self.request_specs[slots.other].keep;
+                    let mut changed = linked || hit & (1 << slots.other_latest) != 0;
+                    for o in own {
+                        fold_into(self.store.request_slots_mut(r), slots.other, keep_other, o);
+                    }
+                    if self.request_specs[slots.trigger]
+                        .matchers
+                        .iter()
+                        .any(|m| m.matches(e))
+                    {
+                        let keep = self.request_specs[slots.trigger].keep;
+                        changed |=
+                            fold_into(self.store.request_slots_mut(r), slots.trigger, keep, slot);
+                    }
+                    if changed {
+                        self.check_request_rule(ri, r, Some(a), Some(e), out);
+                    }
+                }
+                (Shape::MustFollow(rule), _) => {
+                    if hit & (1 << slots.trigger) != 0 {
+                        let trig = self.store.attempt_slots(a)[slots.trigger];
+                        if let Some(due) = rule.deadline(trig) {
+                            self.schedule(a, due);
+                        }
+                    }
+                }
+                (Shape::RequiresBefore(rule), _) => {
+                    if hit & (1 << slots.trigger) != 0 {
+                        let ev = self.store.attempt_slots(a)[slots.trigger];
+                        if let Some(due) = rule.due(ev) {
+                            self.schedule(a, due);
+                        }
+                    }
+                }
+                (Shape::Predicate(p), _) => {
+                    let matched = hit & slots.stage_mask() != 0;
+                    if !matched {
+                        // A new fact (the input length) may make an earlier admission a breach.
+                        let s = self.store.attempt_slots(a);
+                        let first = slots
+                            .per_stage
+                            .iter()
+                            .flatten()
+                            .map(|&k| s[k])
+                            .filter(|s| s.is_set())
+                            .map(|s| s.time())
+                            .min();
+                        if let Some(first) = first
+                            && facts_changed
+                            && self.store.attempts[a as usize].fired & bit == 0
+                        {
+                            self.schedule(a, first);
+                        }
+                        continue;
+                    }
+                    let known = Known {
+                        input_tokens: Some(self.store.attempts[a as usize].input_tokens as u64)
+                            .filter(|&n| n > 0),
+                        capacity: self.capacity_for(e),
+                    };
+                    let Some(breach) = p.evaluate(e, known) else {
+                        // Not (yet) a breach: judge again once everything up to this event arrived.
+                        if self.store.attempts[a as usize].fired & bit == 0 {
+                            self.schedule(a, e.time_ns);
+                        }
+                        continue;
+                    };
+                    if self.store.attempts[a as usize].fired & bit != 0 {
+                        self.stats.repeats += 1;
+                        continue;
+                    }
+                    self.store.attempts[a as usize].fired |= bit;
+                    let f = Finding {
+                        rule: ri,
+                        request,
+                        attempt: self.attempt_aliases(a),
+                        worker: None,
+                        trigger: None,
+                        trigger_reason: None,
+                        offender: Some(slot_event(e)),
+                        offender_reason: e.reason.as_deref().map(str::to_owned),
+                        expected: None,
+                        context: None,
+                        breach: Some(breach),
+                        detected_at_ns: e.time_ns,
+                    };
+                    out.push(self.violation(f));
+                }
+            }
+        }
+        if e.kind.is_terminal() {
+            self.settle(a);
+        }
+    }
+
+    /// After a terminal event: if every pending deadline rule is already satisfied, nothing can
+    /// breach it any more, so the attempt need not stay live until the deadline.
+    fn settle(&mut self, a: u32) {
+        if self.store.attempts[a as usize].due_ns == 0 {
+            return;
+        }
+        let s = self.store.attempt_slots(a);
+        let fired = self.store.attempts[a as usize].fired;
+        let pending = self.rules.iter().enumerate().any(|(ri, r)| {
+            if fired & (1 << ri) != 0 {
+                return false;
+            }
+            let k = r.slots;
+            match &r.rule.shape {
+                Shape::MustFollow(m) => {
+                    !m.satisfied(s[k.trigger], s[k.other], s[k.other_latest], self.skew_ns)
+                }
+                Shape::RequiresBefore(m) => m.breached(s[k.trigger], s[k.other], self.skew_ns),
+                // Judged at the watermark only: a capacity report may still come.
+                Shape::Predicate(_) => k.per_stage.iter().flatten().any(|&i| s[i].is_set()),
+                _ => false,
+            }
+        });
+        if !pending {
+            // The queued entry no longer matches `due_ns` and is skipped when popped.
+            self.store.attempts[a as usize].due_ns = 0;
+        }
+    }
+
+    /// Late events on a compacted attempt: only never-after rules still apply.
+    fn observe_tombstone(
+        &mut self,
+        seq: u64,
+        request: Option<u32>,
+        e: &LifecycleEvent,
+        node: NodeId,
+        out: &mut Vec<Violation>,
+    ) {
+        let Some(ti) = self.store.tomb_index(seq) else {
+            return;
+        };
+        let hit = self.attempt_index.matching(e);
+        let slot = Slot::from_event(e, node);
+        let map = self.store.tomb_slot_map().to_vec();
+        let mut kept = self.store.tomb_slots_of(ti);
+        for (k, &spec) in map.iter().enumerate() {
+            if hit & (1 << spec) != 0 {
+                fold_into(&mut kept, k, self.attempt_specs[spec].keep, slot);
+            }
+        }
+        self.store.set_tomb_slots(ti, &kept);
+        let attempt = AttemptAliases {
+            bootstrap_room: e.ids.bootstrap_room.map(|r| r.0),
+            rid: e.ids.rid.as_deref().map(str::to_owned),
+        };
+        for ri in 0..self.rules.len() {
+            let bit = 1u64 << ri;
+            let slots = self.rules[ri].slots;
+            match (&self.rules[ri].rule.shape, self.rules[ri].rule.scope) {
+                (Shape::NeverAfter(rule), Scope::Attempt) => {
+                    if hit & ((1 << slots.trigger) | (1 << slots.other)) == 0 {
+                        continue;
+                    }
+                    let pos = |s: usize| {
+                        map.iter()
+                            .position(|&m| m == s)
+                            .expect("never-after slots are kept in tombstones")
+                    };
+                    let (pt, pf) = (pos(slots.trigger), pos(slots.other));
+                    let mut triggers: Vec<Slot> =
+                        spec_slots(&kept, pt, self.attempt_specs[slots.trigger].keep).collect();
+                    let mut forbidden: Vec<Slot> =
+                        spec_slots(&kept, pf, self.attempt_specs[slots.other].keep).collect();
+                    if hit & (1 << slots.trigger) != 0 {
+                        triggers.push(slot);
+                    }
+                    if hit & (1 << slots.other) != 0 {
+                        forbidden.push(slot);
+                    }
+                    if let Some((trig, forb)) =
+                        rule.breaching_pair(&triggers, &forbidden, self.skew_ns)
+                    {
+                        if self.store.tomb(ti).fired & bit != 0 {
+                            self.stats.repeats += 1;
+                            continue;
+                        }
+                        self.store.tomb_mut(ti).fired |= bit;
+                        let f = Finding {
+                            rule: ri,
+                            request,
+                            attempt: attempt.clone(),
+                            worker: None,
+                            trigger: trig.get(),
+                            trigger_reason: (e.kind == Kind::Rejected)
+                                .then(|| e.reason.as_deref().map(str::to_owned))
+                                .flatten(),
+                            offender: forb.get(),
+                            offender_reason: None,
+                            expected: None,
+                            context: None,
+                            breach: None,
+                            detected_at_ns: trig.time().max(forb.time()),
+                        };
+                        out.push(self.violation(f));
+                    }
+                }
+                (Shape::NeverAfter(rule), Scope::Request) => {
+                    let Some(r) = request else { continue };
+                    let mut changed = false;
+                    if rule.forbidden.iter().any(|m| m.matches(e)) {
+                        let keep = self.request_specs[slots.other].keep;
+                        changed |=
+                            fold_into(self.store.request_slots_mut(r), slots.other, keep, slot);
+                    }
+                    if rule.trigger.iter().any(|m| m.matches(e)) {
+                        let keep = self.request_specs[slots.trigger].keep;
+                        changed |=
+                            fold_into(self.store.request_slots_mut(r), slots.trigger, keep, slot);
+                    }
+                    if changed {
+                        self.check_request_rule(ri, r, None, Some(e), out);
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// Events naming only the request: they may trigger request-scope rules, never count as an
+    /// attempt's activity.
+    fn observe_request_level(
+        &mut self,
+        r: u32,
+        e: &LifecycleEvent,
+        node: NodeId,
+        out: &mut Vec<Violation>,
+    ) {
+        let hit = self.request_index.matching(e) & self.request_trigger_mask;
+        if hit != 0 {
+            let slot = Slot::from_event(e, node);
+            let mut bits = hit;
+            while bits != 0 {
+                let k = bits.trailing_zeros() as usize;
+                bits &= bits - 1;
+                let keep = self.request_specs[k].keep;
+                fold_into(self.store.request_slots_mut(r), k, keep, slot);
+            }
+            for ri in 0..self.rules.len() {
+                let rule = &self.rules[ri];
+                if matches!(rule.rule.shape, Shape::NeverAfter(_))
+                    && rule.rule.scope == Scope::Request
+                    && hit & (1 << rule.slots.trigger) != 0
+                {
+                    self.check_request_rule(ri, r, None, Some(e), out);
+                }
+            }
+        }
+        self.check_worker_predicates(e, out);
+    }
+
+    fn check_request_rule(
+        &mut self,
+        ri: usize,
+        r: u32,
+        a: Option<u32>,
+        e: Option<&LifecycleEvent>,
+        out: &mut Vec<Violation>,
+    ) {
+        let Shape::NeverAfter(rule) = &self.rules[ri].rule.shape else {
+            return;
+        };
+        let slots = self.rules[ri].slots;
+        let s = self.store.request_slots(r);
+        let triggers: Vec<Slot> =
+            spec_slots(s, slots.trigger, self.request_specs[slots.trigger].keep).collect();
+        let forbidden: Vec<Slot> =
+            spec_slots(s, slots.other, self.request_specs[slots.other].keep).collect();
+        let Some((trig, forb)) = rule.breaching_pair(&triggers, &forbidden, self.skew_ns) else {
+            return;
+        };
+        let bit = 1u64 << ri;
+        if self.store.requests[r as usize].fired & bit != 0 {
+            self.stats.repeats += 1;
+            return;
+        }
+        self.store.requests[r as usize].fired |= bit;
+        let attempt = match (a, e) {
+            (Some(a), _) => self.attempt_aliases(a),
+            (None, Some(e)) if e.ids.names_attempt() => AttemptAliases {
+                bootstrap_room: e.ids.bootstrap_room.map(|r| r.0),
+                rid: e.ids.rid.as_deref().map(str::to_owned),
+            },
+            _ => AttemptAliases::default(),
+        };
+        let f = Finding {
+            rule: ri,
+            request: Some(r),
+            attempt,
+            worker: None,
+            trigger: trig.get(),
+            trigger_reason: None,
+            offender: forb.get(),
+            offender_reason: None,
+            expected: None,
+            context: None,
+            breach: None,
+            detected_at_ns: trig.time().max(forb.time()),
+        };
+        out.push(self.violation(f));
+    }
+
+    /// Predicate rules on events that belong to no attempt (capacity reports, bare events):
+    /// one violation per (rule, worker, stage).
+    fn check_worker_predicates(&mut self, e: &LifecycleEvent, out: &mut Vec<Violation>) {
+        for ri in 0..self.rules.len() {
+            let Shape::Predicate(p) = &self.rules[ri].rule.shape else {
+                continue;
+            };
+            if !p.on.iter().any(|m| m.matches(e)) {
+                continue;
+            }
+            let known = Known {
+                input_tokens: None,
+                capacity: self.capacity_for(e),
+            };
+            let Some(breach) = p.evaluate(e, known) else {
+                continue;
+            };
+            let who = e.worker.as_deref().or(e.node.as_deref()).unwrap_or("");
+            let key = violation::fnv1a(&[
+                self.rules[ri].rule.name.as_bytes(),
+                who.as_bytes(),
+                e.stage.as_str().as_bytes(),
+            ]);
+            if self.worker_fired.contains(&key) {
+                self.stats.repeats += 1;
+                continue;
+            }
+            if self.worker_fired.len() < MAX_WORKER_DEDUP {
+                self.worker_fired.insert(key);
+            } else {
+                self.stats.worker_dedup_full += 1;
+            }
+            let f = Finding {
+                rule: ri,
+                request: None,
+                attempt: AttemptAliases::default(),
+                worker: Some(who),
+                trigger: None,
+                trigger_reason: None,
+                offender: Some(slot_event(e)),
+                offender_reason: None,
+                expected: None,
+                context: None,
+                breach: Some(breach),
+                detected_at_ns: e.time_ns,
+            };
+            out.push(self.violation(f));
+        }
+    }
+
+    fn schedule(&mut self, a: u32, due: u64) {
+        let at = &mut self.store.attempts[a as usize];
+        if at.due_ns == 0 || due < at.due_ns {
+            at.due_ns = due;
+            self.timers.push(Reverse((due, a, at.generation)));
+        }
+    }
+
+    /// Judges the deadline rules of attempt `a` that are due; re-arms the next one.
+    fn judge_deadlines(&mut self, a: u32, out: &mut Vec<Violation>) {
+        let wm = self.stats.watermark_ns;
+        let mut next: Option<u64> = None;
+        for ri in 0..self.rules.len() {
+            let bit = 1u64 << ri;
+            if self.store.attempts[a as usize].fired & bit != 0 {
+                continue;
+            }
+            let slots = self.rules[ri].slots;
+            let s = self.store.attempt_slots(a);
+            let finding = match &self.rules[ri].rule.shape {
+                Shape::MustFollow(rule) => {
+                    let trig = s[slots.trigger];
+                    let Some(due) = rule.deadline(trig) else {
+                        continue;
+                    };
+                    if due > wm {
+                        next = Some(next.map_or(due, |n| n.min(due)));
+                        continue;
+                    }
+                    let (early, late) = (s[slots.other], s[slots.other_latest]);
+                    let given = slots.given.map(|g| s[g]);
+                    if !rule.breached(trig, early, late, given, self.skew_ns) {
+                        continue;
+                    }
+                    Finding {
+                        rule: ri,
+                        request: None,
+                        attempt: AttemptAliases::default(),
+                        worker: None,
+                        trigger: trig.get(),
+                        trigger_reason: self.store.reason(a).map(str::to_owned),
+                        offender: None,
+                        offender_reason: None,
+                        expected: late.get().filter(|l| l.time_ns > due),
+                        context: given.and_then(|g| g.get()),
+                        breach: None,
+                        detected_at_ns: due,
+                    }
+                }
+                Shape::RequiresBefore(rule) => {
+                    let ev = s[slots.trigger];
+                    let Some(due) = rule.due(ev) else { continue };
+                    if due > wm {
+                        next = Some(next.map_or(due, |n| n.min(due)));
+                        continue;
+                    }
+                    let req = s[slots.other];
+                    if !rule.breached(ev, req, self.skew_ns) {
+                        continue;
+                    }
+                    Finding {
+                        rule: ri,
+                        request: None,
+                        attempt: AttemptAliases::default(),
+                        worker: None,
+                        trigger: None,
+                        trigger_reason: None,
+                        offender: ev.get(),
+                        offender_reason: None,
+                        expected: req.get(),
+                        context: None,
+                        breach: None,
+                        detected_at_ns: due,
+                    }
+                }
+                Shape::Predicate(p) => {
+                    let at = &self.store.attempts[a as usize];
+                    let mut found = None;
+                    for k in slots.per_stage.iter().flatten() {
+                        let Some(ev) = s[*k].get() else { continue };
+                        if ev.time_ns > wm {
+                            next = Some(next.map_or(ev.time_ns, |n| n.min(ev.time_ns)));
+                            continue;
+                        }
+                        let mut probe =
+                            LifecycleEvent::new(ev.time_ns, ev.stage, ev.kind, ev.source);
+                        probe.status = ev.status;
+                        let known = Known {
+                            input_tokens: Some(at.input_tokens as u64).filter(|&n| n > 0),
+                            capacity: self
+                                .capacity
+                                .get(&(at.worker_keys[ev.stage as usize], ev.stage))
+                                .copied(),
+                        };
+                        if let Some(b) = p.evaluate(&probe, known) {
+                            found = Some((ev, b));
+                            break;
+                        }
+                    }
+                    let Some((ev, breach)) = found else { continue };
+                    Finding {
+                        rule: ri,
+                        request: None,
+                        attempt: AttemptAliases::default(),
+                        worker: None,
+                        trigger: None,
+                        trigger_reason: None,
+                        offender: Some(ev),
+                        offender_reason: None,
+                        expected: None,
+                        context: None,
+                        breach: Some(breach),
+                        detected_at_ns: wm.max(ev.time_ns),
+                    }
+                }
+                _ => continue,
+            };
+            self.store.attempts[a as usize].fired |= bit;
+            let request = match self.store.attempts[a as usize].request {
+                NONE => None,
+                r => Some(self.store.find(r)),
+            };
+            let f = Finding {
+                request,
+                attempt: self.attempt_aliases(a),
+                ..finding
+            };
+            out.push(self.violation(f));
+        }
+        if let Some(due) = next {
+            self.schedule(a, due);
+        }
+    }
+
+    fn attempt_aliases(&self, a: u32) -> AttemptAliases {
+        let at = &self.store.attempts[a as usize];
+        AttemptAliases {
+            bootstrap_room: at.room,
+            rid: at.rid.as_deref().map(str::to_owned),
+        }
+    }
+
+    fn violation(&mut self, f: Finding<'_>) -> Violation {
+        let compiled = &self.rules[f.rule];
+        let rule = &compiled.rule;
+        let request = f
+            .request
+            .map(|r| {
+                let r = &self.store.requests[r as usize];
+                RequestRef {
+                    request_id: r.request_id.as_deref().map(str::to_owned),
+                    trace_id: r.trace_id.as_deref().map(str::to_owned),
+                }
+            })
+            .unwrap_or_default();
+        let primary = request
+            .request_id
+            .as_ref()
+            .map(|s| format!("request_id:{s}"))
+            .or_else(|| request.trace_id.as_ref().map(|s| format!("trace_id:{s}")))
+            .or_else(|| f.attempt.bootstrap_room.map(|r| format!("room:{r}")))
+            .or_else(|| f.attempt.rid.as_ref().map(|s| format!("rid:{s}")))
+            .or_else(|| f.worker.map(|w| format!("worker:{w}")))
+            .unwrap_or_default();
+        let fingerprint = format!(
+            "{:016x}",
+            violation::fnv1a(&[rule.name.as_bytes(), primary.as_bytes()])
+        );
+
+        let mut evidence = Vec::new();
+        let mut push = |role, ev: Option<SlotEvent>, reason: Option<String>| {
+            if let Some(ev) = ev {
+                evidence.push(Evidence {
+                    role,
+                    time_ns: ev.time_ns,
+                    stage: ev.stage,
+                    kind: ev.kind,
+                    source: ev.source,
+                    status: ev.status,
+                    reason,
+                });
+            }
+        };
+        push(Role::Trigger, f.trigger, f.trigger_reason.clone());
+        push(Role::Context, f.context, None);
+        push(Role::Offender, f.offender, f.offender_reason.clone());
+        push(Role::Expected, f.expected, None);
+        evidence.sort_by_key(|e| e.time_ns);
+
+        let within = match &rule.shape {
+            Shape::MustFollow(m) => humantime::format_duration(m.within.0).to_string(),
+            _ => String::new(),
+        };
+        let request_text = request
+            .request_id
+            .clone()
+            .or_else(|| request.trace_id.clone())
+            .unwrap_or_else(|| "-".into());
+        let attempt_text = match (&f.attempt.bootstrap_room, &f.attempt.rid) {
+            (Some(room), Some(rid)) => format!("room {room} (rid {rid})"),
+            (Some(room), None) => format!("room {room}"),
+            (None, Some(rid)) => format!("rid {rid}"),
+            (None, None) => "-".into(),
+        };
+        let opt = |v: Option<String>| v.unwrap_or_else(|| "-".into());
+        let summary = violation::render(&rule.output, |k| match k {
+            "rule" => rule.name.clone(),
+            "severity" => rule.severity.as_str().into(),
+            "request" => request_text.clone(),
+            "attempt" => attempt_text.clone(),
+            "worker" => opt(f.worker.map(str::to_owned)),
+            "within" => within.clone(),
+            "delay" => match (f.trigger, f.offender) {
+                (Some(t), Some(o)) => violation::format_nanos(o.time_ns.saturating_sub(t.time_ns)),
+                _ => "-".into(),
+            },
+            "breach" => f
+                .breach
+                .map(|b| {
+                    format!(
+                        "{} {} {} {}",
+                        b.field.as_str(),
+                        b.value,
+                        op_symbol(b.op),
+                        b.limit
+                    )
+                })
+                .unwrap_or_else(|| "-".into()),
+            "trigger.stage" => opt(f.trigger.map(|t| t.stage.to_string())),
+            "trigger.kind" => opt(f.trigger.map(|t| t.kind.to_string())),
+            "trigger.source" => opt(f.trigger.map(|t| t.source.to_string())),
+            "trigger.status" => opt(f.trigger.and_then(|t| t.status).map(|s| s.to_string())),
+            "trigger.reason" => opt(f.trigger_reason.clone()),
+            "event.stage" => opt(f.offender.map(|t| t.stage.to_string())),
+            "event.kind" => opt(f.offender.map(|t| t.kind.to_string())),
+            "event.source" => opt(f.offender.map(|t| t.source.to_string())),
+            "event.status" => opt(f.offender.and_then(|t| t.status).map(|s| s.to_string())),
+            _ => String::new(),
+        });
+        self.stats.violations += 1;
+        self.per_rule[f.rule] += 1;
+        Violation {
+            rule: rule.name.clone(),
+            severity: rule.severity,
+            summary,
+            request,
+            attempt: f.attempt,
+            worker: f.worker.map(str::to_owned),
+            detected_at_ns: f.detected_at_ns,
+            fingerprint,
+            evidence,
+        }
+    }
+}
+
+fn op_symbol(op: &str) -> &'static str {
+    match op {
+        "gt" => ">",
+        "ge" => ">=",
+        "lt" => "<",
+        "le" => "<=",
+        _ => "==",
+    }
+}
+
+fn slot_event(e: &LifecycleEvent) -> SlotEvent {
+    SlotEvent {
+        time_ns: e.time_ns,
+        stage: e.stage,
+        kind: e.kind,
+        source: e.source,
+        status: e.status,
+    }
+}

@@ -1,0 +1,559 @@
+//! Rules are data: a YAML file of named invariants, compiled into slot specs and checks.
+//!
+//! The defaults are embedded in the binary (`monitor/rules/default.yaml`); `--rules FILE` adds
+//! rules or overrides defaults by name (a partial entry such as `{name: stuck-attempt, enabled:
+//! false}` patches the default of that name).
+
+pub mod must_follow;
+pub mod never_after;
+pub mod predicate;
+pub mod requires_before;
+
+use std::path::Path;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use super::slots::SlotLayout;
+use crate::event::Stage;
+
+pub use must_follow::MustFollow;
+pub use never_after::NeverAfter;
+pub use predicate::Predicate;
+pub use requires_before::RequiresBefore;
+
+/// The rules shipped with revenant.
+pub const DEFAULT_RULES_YAML: &str = include_str!("../../../rules/default.yaml");
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Severity {
+    Info,
+    Warning,
+    Critical,
+}
+
+impl Severity {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Severity::Info => "info",
+            Severity::Warning => "warning",
+            Severity::Critical => "critical",
+        }
+    }
+}
+
+/// Whose events a rule relates: one attempt's, or all attempts of one client request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Scope {
+    #[default]
+    Attempt,
+    Request,
+}
+
+impl Scope {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Scope::Attempt => "attempt",
+            Scope::Request => "request",
+        }
+    }
+}
+
+/// One rule as written in YAML. Every field but `name` is optional so that a user file can patch
+/// a default rule; a new rule must give description, severity and exactly one shape.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RuleDef {
+    pub name: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub description: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub severity: Option<Severity>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scope: Option<Scope>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub enabled: Option<bool>,
+    /// Summary template; see [`crate::violation::TEMPLATE_FIELDS`] for the placeholders.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub never_after: Option<NeverAfter>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub must_follow: Option<MustFollow>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub requires_before: Option<RequiresBefore>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub predicate: Option<Predicate>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RulesFile {
+    rules: Vec<RuleDef>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RulesError {
+    #[error("cannot read rules file {path}: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("invalid rules in {origin}: {message}")]
+    Parse { origin: String, message: String },
+    #[error("rule {rule:?} in {origin}: {message}")]
+    Invalid {
+        origin: String,
+        rule: String,
+        message: String,
+    },
+}
+
+/// The shape a rule takes, once validated.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Shape {
+    NeverAfter(NeverAfter),
+    MustFollow(MustFollow),
+    RequiresBefore(RequiresBefore),
+    Predicate(Predicate),
+}
+
+impl Shape {
+    pub fn kind_name(&self) -> &'static str {
+        match self {
+            Shape::NeverAfter(_) => "never_after",
+            Shape::MustFollow(_) => "must_follow",
+            Shape::RequiresBefore(_) => "requires_before",
+            Shape::Predicate(_) => "predicate",
+        }
+    }
+}
+
+/// A complete, validated rule.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Rule {
+    pub name: String,
+    pub description: String,
+    pub severity: Severity,
+    pub scope: Scope,
+    pub enabled: bool,
+    pub output: String,
+    pub shape: Shape,
+}
+
+/// The active rule list: embedded defaults plus any user overrides.
+#[derive(Debug, Clone)]
+pub struct RuleSet {
+    pub rules: Vec<Rule>,
+}
+
+impl RuleSet {
+    pub fn embedded_defaults() -> RuleSet {
+        RuleSet::from_yaml(DEFAULT_RULES_YAML, "embedded default rules")
+            .expect("embedded default rules are valid (covered by tests)")
+    }
+
+    /// Parses a full rules document (no defaults underneath).
+    pub fn from_yaml(text: &str, origin: &str) -> Result<RuleSet, RulesError> {
+        let mut set = RuleSet { rules: Vec::new() };
+        set.apply_yaml(text, origin)?;
+        Ok(set)
+    }
+
+    /// The defaults, extended and overridden by the file at `path`.
+    pub fn from_file(path: &Path) -> Result<RuleSet, RulesError> {
+        let text = std::fs::read_to_string(path).map_err(|source| RulesError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        let mut set = RuleSet::embedded_defaults();
+        set.apply_yaml(&text, &path.display().to_string())?;
+        Ok(set)
+    }
+
+    /// Adds the rules of `text`; an entry named like an existing rule patches it.
+    pub fn apply_yaml(&mut self, text: &str, origin: &str) -> Result<(), RulesError> {
+        let file: RulesFile = serde_saphyr::from_str(text).map_err(|e| RulesError::Parse {
+            origin: origin.to_owned(),
+            message: e.to_string(),
+        })?;
+        let mut seen = std::collections::HashSet::new();
+        for def in file.rules {
+            if !seen.insert(def.name.clone()) {
+                return Err(invalid(
+                    origin,
+                    &def.name,
+                    "defined twice in the same file".into(),
+                ));
+            }
+            match self.rules.iter().position(|r| r.name == def.name) {
+                Some(i) => {
+                    let patched = patch(&self.rules[i], def, origin)?;
+                    self.rules[i] = patched;
+                }
+                None => self.rules.push(build(def, origin)?),
+            }
+        }
+        if self.rules.len() > MAX_RULES {
+            return Err(RulesError::Parse {
+                origin: origin.to_owned(),
+                message: format!(
+                    "{} rules; at most {MAX_RULES} are supported",
+                    self.rules.len()
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    pub fn enabled(&self) -> impl Iterator<Item = &Rule> {
+        self.rules.iter().filter(|r| r.enabled)
+    }
+
+    /// The set as a YAML document (what `revenant rules list --yaml` prints).
+    pub fn to_defs(&self) -> Vec<RuleDef> {
+        self.rules.iter().map(Rule::to_def).collect()
+    }
+}
+
+/// Fired-rule bookkeeping uses a u64 bit set per attempt.
+pub const MAX_RULES: usize = 64;
+
+fn invalid(origin: &str, rule: &str, message: String) -> RulesError {
+    RulesError::Invalid {
+        origin: origin.to_owned(),
+        rule: rule.to_owned(),
+        message,
+    }
+}
+
+fn shape_of(def: &mut RuleDef) -> Result<Option<Shape>, String> {
+    let mut shapes = Vec::new();
+    if let Some(s) = def.never_after.take() {
+        shapes.push(Shape::NeverAfter(s));
+    }
+    if let Some(s) = def.must_follow.take() {
+        shapes.push(Shape::MustFollow(s));
+    }
+    if let Some(s) = def.requires_before.take() {
+        shapes.push(Shape::RequiresBefore(s));
+    }
+    if let Some(s) = def.predicate.take() {
+        shapes.push(Shape::Predicate(s));
+    }
+    match shapes.len() {
+        0 => Ok(None),
+        1 => Ok(shapes.pop()),
+        _ => Err(
+            "a rule takes exactly one of never_after, must_follow, requires_before, predicate"
+                .into(),
+        ),
+    }
+}
+
+fn build(mut def: RuleDef, origin: &str) -> Result<Rule, RulesError> {
+    let name = def.name.clone();
+    validate_name(&name).map_err(|m| invalid(origin, &name, m))?;
+    let shape = shape_of(&mut def)
+        .map_err(|m| invalid(origin, &name, m))?
+        .ok_or_else(|| invalid(origin, &name, "no such default rule to patch, and no shape given (never_after, must_follow, requires_before or predicate)".into()))?;
+    let rule = Rule {
+        description: def
+            .description
+            .ok_or_else(|| invalid(origin, &name, "missing description".into()))?,
+        severity: def
+            .severity
+            .ok_or_else(|| invalid(origin, &name, "missing severity".into()))?,
+        scope: def.scope.unwrap_or_default(),
+        enabled: def.enabled.unwrap_or(true),
+        output: def
+            .output
+            .unwrap_or_else(|| default_output(&shape).to_owned()),
+        shape,
+        name,
+    };
+    validate(&rule).map_err(|m| invalid(origin, &rule.name, m))?;
+    Ok(rule)
+}
+
+fn patch(base: &Rule, mut def: RuleDef, origin: &str) -> Result<Rule, RulesError> {
+    let mut rule = base.clone();
+    if let Some(shape) = shape_of(&mut def).map_err(|m| invalid(origin, &rule.name, m))? {
+        if def.output.is_none() && rule.shape.kind_name() != shape.kind_name() {
+            rule.output = default_output(&shape).to_owned();
+        }
+        rule.shape = shape;
+    }
+    if let Some(v) = def.description {
+        rule.description = v;
+    }
+    if let Some(v) = def.severity {
+        rule.severity = v;
+    }
+    if let Some(v) = def.scope {
+        rule.scope = v;
+    }
+    if let Some(v) = def.enabled {
+        rule.enabled = v;
+    }
+    if let Some(v) = def.output {
+        rule.output = v;
+    }
+    validate(&rule).map_err(|m| invalid(origin, &rule.name, m))?;
+    Ok(rule)
+}
+
+fn validate_name(name: &str) -> Result<(), String> {
+    let ok = !name.is_empty()
+        && name.len() <= 64
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_');
+    if ok {
+        Ok(())
+    } else {
+        Err("names are 1-64 characters of a-z, 0-9, '-' and '_'".into())
+    }
+}
+
+fn validate(rule: &Rule) -> Result<(), String> {
+    crate::violation::validate_template(&rule.output)?;
+    match &rule.shape {
+        Shape::NeverAfter(s) => s.validate(),
+        Shape::MustFollow(s) => s.validate(),
+        Shape::RequiresBefore(s) => s.validate(),
+        Shape::Predicate(s) => s.validate(),
+    }
+}
+
+fn default_output(shape: &Shape) -> &'static str {
+    match shape {
+        Shape::NeverAfter(_) => {
+            "{rule}: {event.stage} {event.kind} ({event.source}) after {trigger.stage} {trigger.kind} of {attempt}"
+        }
+        Shape::MustFollow(_) => {
+            "{rule}: no expected event within the deadline after {trigger.stage} {trigger.kind} of {attempt}"
+        }
+        Shape::RequiresBefore(_) => {
+            "{rule}: {event.stage} {event.kind} of {attempt} without the required earlier event"
+        }
+        Shape::Predicate(_) => {
+            "{rule}: {event.stage} {event.kind} of {attempt} breaks the condition"
+        }
+    }
+}
+
+impl Rule {
+    pub fn to_def(&self) -> RuleDef {
+        let mut def = RuleDef {
+            name: self.name.clone(),
+            description: Some(self.description.clone()),
+            severity: Some(self.severity),
+            scope: Some(self.scope),
+            enabled: Some(self.enabled),
+            output: Some(self.output.clone()),
+            ..Default::default()
+        };
+        match &self.shape {
+            Shape::NeverAfter(s) => def.never_after = Some(s.clone()),
+            Shape::MustFollow(s) => def.must_follow = Some(s.clone()),
+            Shape::RequiresBefore(s) => def.requires_before = Some(s.clone()),
+            Shape::Predicate(s) => def.predicate = Some(s.clone()),
+        }
+        def
+    }
+
+    /// Longest time after its trigger this rule may still need an attempt's live state.
+    pub fn horizon(&self) -> Duration {
+        match &self.shape {
+            Shape::MustFollow(s) => s.within.0,
+            _ => Duration::ZERO,
+        }
+    }
+}
+
+/// Slot indices a compiled rule reads; filled by [`compile`].
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RuleSlots {
+    /// never_after: earliest trigger; must_follow: latest trigger; requires_before: earliest event.
+    pub trigger: usize,
+    /// never_after: latest forbidden; must_follow: earliest expected; requires_before: earliest required.
+    pub other: usize,
+    /// must_follow: latest expected.
+    pub other_latest: usize,
+    /// must_follow: earliest `given` event, when the rule has a `given`.
+    pub given: Option<usize>,
+    /// predicate: the earliest matching event per stage (capacity is per stage).
+    pub per_stage: [Option<usize>; 4],
+}
+
+impl RuleSlots {
+    /// Bit set of the per-stage slots.
+    pub fn stage_mask(&self) -> u64 {
+        self.per_stage
+            .iter()
+            .flatten()
+            .fold(0, |m, &k| m | (1 << k))
+    }
+}
+
+/// A rule ready for the engine.
+#[derive(Debug, Clone)]
+pub struct CompiledRule {
+    pub index: usize,
+    pub rule: Rule,
+    pub slots: RuleSlots,
+}
+
+/// Compiles the enabled rules, sharing identical slots.
+///
+/// Attempt-level slots live in `attempt`; request-scope never-after rules keep their trigger and
+/// forbidden slots in `request` too, because their trigger may be request-level only.
+pub fn compile(
+    set: &RuleSet,
+    attempt: &mut SlotLayout,
+    request: &mut SlotLayout,
+) -> Vec<CompiledRule> {
+    let mut out = Vec::new();
+    for (index, rule) in set.enabled().enumerate() {
+        let slots = match &rule.shape {
+            Shape::NeverAfter(s) => s.slots(rule.scope, attempt, request),
+            Shape::MustFollow(s) => s.slots(attempt),
+            Shape::RequiresBefore(s) => s.slots(attempt),
+            // The earliest matching event per stage is judged again at the watermark, so facts
+            // that arrive later (the input length, a capacity report) still count.
+            Shape::Predicate(p) => p.slots(attempt),
+        };
+        out.push(CompiledRule {
+            index,
+            rule: rule.clone(),
+            slots,
+        });
+    }
+    out
+}
+
+/// Serde helper: durations written as "50ms", "5s", "5m30s".
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct HumanDuration(pub Duration);
+
+impl Serialize for HumanDuration {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&humantime::format_duration(self.0).to_string())
+    }
+}
+
+impl<'de> Deserialize<'de> for HumanDuration {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        humantime::parse_duration(&s)
+            .map(HumanDuration)
+            .map_err(|e| {
+                serde::de::Error::custom(format!(
+                    "invalid duration {s:?}: {e} (write e.g. 50ms, 5s, 5m30s)"
+                ))
+            })
+    }
+}
+
+/// Stages are small; used by shapes that name one.
+pub fn stage_list(stages: &[Stage]) -> String {
+    stages
+        .iter()
+        .map(|s| s.as_str())
+        .collect::<Vec<_>>()
+        .join("|")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn embedded_defaults_have_the_documented_rules() {
+        let set = RuleSet::embedded_defaults();
+        let names: Vec<_> = set.rules.iter().map(|r| r.name.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "activity-after-rejection",
+                "activity-after-request-failed",
+                "orphaned-leg",
+                "over-capacity-admitted",
+                "stuck-attempt",
+                "context-exceeds-capacity"
+            ]
+        );
+        let sev = |n: &str| set.rules.iter().find(|r| r.name == n).unwrap().severity;
+        assert_eq!(sev("activity-after-rejection"), Severity::Critical);
+        assert_eq!(sev("orphaned-leg"), Severity::Warning);
+        assert_eq!(sev("over-capacity-admitted"), Severity::Critical);
+    }
+
+    #[test]
+    fn unknown_fields_report_line_and_column() {
+        let yaml = "rules:\n  - name: x\n    severity: critical\n    descripton: typo\n";
+        let err = RuleSet::from_yaml(yaml, "t.yaml").unwrap_err().to_string();
+        assert!(err.contains("descripton"), "{err}");
+        assert!(err.contains("line 4"), "{err}");
+    }
+
+    #[test]
+    fn user_file_patches_and_extends_defaults() {
+        let mut set = RuleSet::embedded_defaults();
+        set.apply_yaml(
+            "rules:\n  - name: stuck-attempt\n    enabled: false\n  - name: decode-needs-admission\n    description: d\n    severity: warning\n    requires_before:\n      event: [{stage: [decode], kind: [work]}]\n      requires: [{stage: [prefill], kind: [admitted]}]\n",
+            "user.yaml",
+        )
+        .unwrap();
+        assert!(
+            !set.rules
+                .iter()
+                .find(|r| r.name == "stuck-attempt")
+                .unwrap()
+                .enabled
+        );
+        assert!(set.rules.iter().any(|r| r.name == "decode-needs-admission"));
+    }
+
+    #[test]
+    fn new_rule_needs_a_shape_and_a_severity() {
+        let err = RuleSet::embedded_defaults()
+            .apply_yaml(
+                "rules:\n  - name: brand-new\n    description: d\n    severity: info\n",
+                "u.yaml",
+            )
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("no shape given"), "{err}");
+        let err = RuleSet::from_yaml(
+            "rules:\n  - name: n\n    description: d\n    never_after: {trigger: [{kind: [rejected]}], forbidden: [{kind: [work]}]}\n",
+            "u.yaml",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("missing severity"), "{err}");
+    }
+
+    #[test]
+    fn bad_template_and_duration_are_errors() {
+        let err = RuleSet::embedded_defaults()
+            .apply_yaml(
+                "rules:\n  - name: orphaned-leg\n    output: \"{nope}\"\n",
+                "u.yaml",
+            )
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("{nope}"), "{err}");
+        let err = RuleSet::embedded_defaults()
+            .apply_yaml(
+                "rules:\n  - name: x\n    description: d\n    severity: info\n    must_follow: {trigger: [{kind: [admitted]}], expect: [{kind: [completed]}], within: soon}\n",
+                "u.yaml",
+            )
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("invalid duration"), "{err}");
+    }
+}

@@ -1,0 +1,143 @@
+//! `must_follow`: after a trigger, an expected event must come within a deadline (liveness).
+//!
+//! `orphaned-leg` and `stuck-attempt` have this shape. The check runs when the watermark passes
+//! the deadline, so an expected event that arrives late but within the allowed lateness still
+//! counts. The latest trigger sets the deadline: re-admission restarts the clock.
+
+use serde::{Deserialize, Serialize};
+
+use super::{HumanDuration, RuleSlots};
+use crate::checker::matcher::Matcher;
+use crate::checker::slots::{Keep, Slot, SlotLayout};
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MustFollow {
+    pub trigger: Vec<Matcher>,
+    pub expect: Vec<Matcher>,
+    pub within: HumanDuration,
+    /// The rule applies only to attempts that also show one of these events (by the deadline).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub given: Vec<Matcher>,
+    /// Only expected events at or after the trigger count (otherwise any one by the deadline).
+    #[serde(default)]
+    pub after_trigger: bool,
+}
+
+impl MustFollow {
+    pub fn validate(&self) -> Result<(), String> {
+        if self.trigger.is_empty() || self.expect.is_empty() {
+            return Err("must_follow needs at least one trigger and one expect matcher".into());
+        }
+        if self.within.0.is_zero() {
+            return Err("must_follow needs a non-zero `within`".into());
+        }
+        Ok(())
+    }
+
+    pub fn slots(&self, attempt: &mut SlotLayout) -> RuleSlots {
+        RuleSlots {
+            trigger: attempt.slot(&self.trigger, Keep::Latest),
+            other: attempt.slot(&self.expect, Keep::Earliest),
+            other_latest: attempt.slot(&self.expect, Keep::Latest),
+            given: (!self.given.is_empty()).then(|| attempt.slot(&self.given, Keep::Earliest)),
+            per_stage: [None; 4],
+        }
+    }
+
+    pub fn deadline(&self, trigger: Slot) -> Option<u64> {
+        trigger.is_set().then(|| {
+            trigger
+                .time()
+                .saturating_add(self.within.0.as_nanos() as u64)
+        })
+    }
+
+    /// True when an expected event already lies in the window: nothing that arrives later can
+    /// make the rule breached (whatever `given` turns out to be).
+    pub fn satisfied(&self, trigger: Slot, earliest: Slot, latest: Slot, skew_ns: u64) -> bool {
+        let Some(deadline) = self.deadline(trigger) else {
+            return true;
+        };
+        let counts = |s: Slot| {
+            s.is_set()
+                && s.time() <= deadline
+                && (!self.after_trigger || s.time().saturating_add(skew_ns) >= trigger.time())
+        };
+        counts(earliest) || counts(latest)
+    }
+
+    /// Judged once the watermark is past [`Self::deadline`].
+    pub fn breached(
+        &self,
+        trigger: Slot,
+        earliest: Slot,
+        latest: Slot,
+        given: Option<Slot>,
+        skew_ns: u64,
+    ) -> bool {
+        let Some(deadline) = self.deadline(trigger) else {
+            return false;
+        };
+        if let Some(g) = given
+            && (!g.is_set() || g.time() > deadline)
+        {
+            return false;
+        }
+        !self.satisfied(trigger, earliest, latest, skew_ns)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::event::{Kind, LifecycleEvent, Source, Stage};
+    use std::time::Duration;
+
+    fn at(t: u64) -> Slot {
+        Slot::from_event(
+            &LifecycleEvent::new(t, Stage::Decode, Kind::Completed, Source::Otlp),
+            0,
+        )
+    }
+
+    fn rule(after_trigger: bool, given: bool) -> MustFollow {
+        MustFollow {
+            trigger: vec![Matcher::default()],
+            expect: vec![Matcher::default()],
+            within: HumanDuration(Duration::from_nanos(100)),
+            given: if given {
+                vec![Matcher::default()]
+            } else {
+                vec![]
+            },
+            after_trigger,
+        }
+    }
+
+    #[test]
+    fn expected_by_the_deadline_satisfies() {
+        let r = rule(false, false);
+        assert!(!r.breached(at(1000), at(1050), at(1050), None, 0));
+        assert!(!r.breached(at(1000), at(1100), at(1100), None, 0));
+        assert!(r.breached(at(1000), at(1101), at(1101), None, 0));
+        assert!(r.breached(at(1000), Slot::EMPTY, Slot::EMPTY, None, 0));
+    }
+
+    #[test]
+    fn after_trigger_ignores_earlier_ends() {
+        let r = rule(true, false);
+        assert!(r.breached(at(1000), at(900), at(900), None, 0));
+        assert!(!r.breached(at(1000), at(900), at(1010), None, 0));
+        assert!(!r.breached(at(1000), at(990), at(990), None, 20));
+        assert!(!rule(false, false).breached(at(1000), at(900), at(900), None, 0));
+    }
+
+    #[test]
+    fn given_limits_the_rule() {
+        let r = rule(false, true);
+        assert!(!r.breached(at(1000), Slot::EMPTY, Slot::EMPTY, Some(Slot::EMPTY), 0));
+        assert!(r.breached(at(1000), Slot::EMPTY, Slot::EMPTY, Some(at(990)), 0));
+        assert!(!r.breached(at(1000), Slot::EMPTY, Slot::EMPTY, Some(at(1200)), 0));
+    }
+}

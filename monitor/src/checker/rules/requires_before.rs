@@ -1,0 +1,80 @@
+//! `requires_before`: an event is only legitimate if another one happened earlier.
+//!
+//! E.g. decode work requires a prefill admission of the same attempt. Judged when the watermark
+//! passes the event, so a required event that arrives late (within the allowed lateness) counts.
+
+use serde::{Deserialize, Serialize};
+
+use super::RuleSlots;
+use crate::checker::matcher::Matcher;
+use crate::checker::slots::{Keep, Slot, SlotLayout};
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RequiresBefore {
+    pub event: Vec<Matcher>,
+    pub requires: Vec<Matcher>,
+}
+
+impl RequiresBefore {
+    pub fn validate(&self) -> Result<(), String> {
+        if self.event.is_empty() || self.requires.is_empty() {
+            return Err("requires_before needs at least one event and one requires matcher".into());
+        }
+        Ok(())
+    }
+
+    pub fn slots(&self, attempt: &mut SlotLayout) -> RuleSlots {
+        RuleSlots {
+            trigger: attempt.slot(&self.event, Keep::Earliest),
+            other: attempt.slot(&self.requires, Keep::Earliest),
+            ..Default::default()
+        }
+    }
+
+    /// When the check can be judged: once nothing earlier than the event can still arrive.
+    pub fn due(&self, event: Slot) -> Option<u64> {
+        event.is_set().then(|| event.time())
+    }
+
+    pub fn breached(&self, event: Slot, required: Slot, skew_ns: u64) -> bool {
+        if !event.is_set() {
+            return false;
+        }
+        if !required.is_set() {
+            return true;
+        }
+        let tolerance = if event.node() == required.node() {
+            0
+        } else {
+            skew_ns
+        };
+        required.time() > event.time().saturating_add(tolerance)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::event::{Kind, LifecycleEvent, Source, Stage};
+
+    fn at(t: u64, node: u16) -> Slot {
+        Slot::from_event(
+            &LifecycleEvent::new(t, Stage::Prefill, Kind::Admitted, Source::Otlp),
+            node,
+        )
+    }
+
+    #[test]
+    fn required_event_must_come_first() {
+        let r = RequiresBefore {
+            event: vec![Matcher::default()],
+            requires: vec![Matcher::default()],
+        };
+        assert!(!r.breached(at(100, 0), at(90, 0), 0));
+        assert!(!r.breached(at(100, 0), at(100, 0), 0));
+        assert!(r.breached(at(100, 0), at(101, 0), 0));
+        assert!(r.breached(at(100, 0), Slot::EMPTY, 0));
+        assert!(!r.breached(at(100, 0), at(120, 1), 50));
+    }
+}

@@ -1,0 +1,834 @@
+//! Identity correlation: which (request, attempt) does an event belong to?
+//!
+//! `request_id` (x-request-id) and `trace_id` name a client request; `bootstrap_room` and `rid`
+//! name one attempt of it. Aliases are merged incrementally: an attempt holds at most one room (the
+//! router mints a new room per retry, so two rooms are two attempts, never one), while requests
+//! merge freely (union-find). Memory is bounded: live attempts are compacted into tombstones once
+//! ended or idle past a TTL, tombstones expire after a retention window, and hard caps evict with
+//! a counter. This module is sans-IO; the checker owns the per-attempt rule slots stored here.
+
+use std::collections::{HashMap, VecDeque};
+use std::hash::BuildHasher;
+
+use foldhash::fast::FixedState;
+
+use crate::checker::slots::{Keep, Slot, fold_into};
+use crate::event::Ids;
+
+pub const NONE: u32 = u32::MAX;
+
+type Map<V> = HashMap<u64, V, FixedState>;
+
+const HASH_SEED: u64 = 0x7265_7665_6e61_6e74; // "revenant"
+
+/// Tags keep equal strings in different alias namespaces apart.
+#[derive(Clone, Copy, Hash)]
+#[repr(u8)]
+enum AliasKind {
+    RequestId = 1,
+    TraceId = 2,
+    Rid = 3,
+    Room = 4,
+}
+
+fn hasher() -> FixedState {
+    FixedState::with_seed(HASH_SEED)
+}
+
+fn key_str(kind: AliasKind, s: &str) -> u64 {
+    hasher().hash_one((kind, s))
+}
+
+fn key_room(room: u64) -> u64 {
+    hasher().hash_one((AliasKind::Room, room))
+}
+
+/// Live state of one attempt. Rule slots live in [`Store::attempt_slots`] at `index * stride`.
+#[derive(Debug, Clone)]
+pub struct Attempt {
+    pub generation: u32,
+    pub request: u32,
+    pub room: Option<u64>,
+    pub rid: Option<Box<str>>,
+    pub last_ns: u64,
+    /// Earliest pending deadline in the timer queue (0 = none); compaction waits for it.
+    pub due_ns: u64,
+    pub input_tokens: u32,
+    /// Per stage, the worker (or node) of the latest event naming one: keys capacity look-ups
+    /// when a predicate is judged again later.
+    pub worker_keys: [u32; 4],
+    /// Bit per stage: a leg started (received/admitted/work) / ended (terminal kind).
+    pub legs_open: u8,
+    pub legs_closed: u8,
+    pub live: bool,
+    /// Bit per compiled rule that already produced a violation for this attempt.
+    pub fired: u64,
+}
+
+impl Attempt {
+    fn ended(&self) -> bool {
+        self.legs_closed != 0 && self.legs_open & !self.legs_closed == 0
+    }
+}
+
+/// A request: its aliases and request-scope rule slots (at `index * stride`).
+#[derive(Debug, Clone)]
+pub struct Request {
+    pub generation: u32,
+    /// Union-find parent; `NONE` for a root.
+    pub parent: u32,
+    /// Attempts and tombstones that point here.
+    pub refs: u32,
+    pub request_id: Option<Box<str>>,
+    pub trace_id: Option<Box<str>>,
+    pub last_ns: u64,
+    pub live: bool,
+    pub fired: u64,
+}
+
+/// What is left of a finished attempt: enough to catch late activity on a rejected attempt.
+#[derive(Debug, Clone, Copy)]
+pub struct Tombstone {
+    pub request: u32,
+    /// Whole seconds of event time after which the tombstone is dropped.
+    pub expires_s: u32,
+    /// The attempt's fired-rule bits, so late repeats do not fire again.
+    pub fired: u64,
+}
+
+/// Where an event's attempt lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttemptRef {
+    Live(u32),
+    Tomb(u64),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Resolved {
+    pub attempt: Option<AttemptRef>,
+    pub request: Option<u32>,
+    /// The attempt was (re)linked to a request by this event: request-scope state must be folded.
+    pub linked: bool,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CorrelateStats {
+    pub attempts_created: u64,
+    pub attempts_merged: u64,
+    /// An event named a room and a rid that belong to different attempts with different rooms.
+    pub alias_conflicts: u64,
+    pub compacted_ended: u64,
+    pub evicted_ttl: u64,
+    pub evicted_cap: u64,
+    pub tombstones_expired: u64,
+    pub tombstones_evicted_cap: u64,
+    pub requests_created: u64,
+    pub requests_merged: u64,
+    pub requests_expired: u64,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    pub max_attempts: usize,
+    pub max_tombstones: usize,
+    /// Idle live attempts are compacted after this (ns).
+    pub attempt_ttl_ns: u64,
+    /// Ended attempts are compacted once quiet for this long (ns).
+    pub linger_ns: u64,
+    /// Tombstones, and requests nothing points to, are kept this long (ns).
+    pub retention_ns: u64,
+}
+
+/// Folds every slot of `src` into `dst`, spec by spec (pairs as pairs).
+fn fold_all(dst: &mut [Slot], src: &[Slot], keeps: &[Keep]) {
+    for (k, &keep) in keeps.iter().enumerate() {
+        match keep {
+            Keep::PairTail => {}
+            _ if keep.is_pair() => {
+                fold_into(dst, k, keep, src[k]);
+                fold_into(dst, k, keep, src[k + 1]);
+            }
+            _ => {
+                fold_into(dst, k, keep, src[k]);
+            }
+        }
+    }
+}
+
+/// The correlation store.
+pub struct Store {
+    pub limits: Limits,
+    pub attempts: Vec<Attempt>,
+    pub attempt_slots: Vec<Slot>,
+    attempt_keeps: Vec<Keep>,
+    free_attempts: Vec<u32>,
+    live_attempts: usize,
+    attempt_alias: Map<u32>,
+    /// First rejection reason of attempts that have one (about 1% of them).
+    reasons: HashMap<u32, Box<str>, FixedState>,
+
+    pub requests: Vec<Request>,
+    pub request_slots: Vec<Slot>,
+    request_keeps: Vec<Keep>,
+    free_requests: Vec<u32>,
+    live_requests: usize,
+    request_alias: Map<u32>,
+
+    tombs: VecDeque<Tombstone>,
+    /// `tomb_slot_map.len()` slots per tombstone, in the order of `tombs`.
+    tomb_slots: VecDeque<Slot>,
+    /// Which attempt slots a tombstone keeps (those of attempt-scope never-after rules).
+    tomb_slot_map: Vec<usize>,
+    tomb_base: u64,
+    tomb_alias: Map<u64>,
+    tomb_alias_stale: usize,
+
+    attempt_hand: usize,
+    request_hand: usize,
+    pub stats: CorrelateStats,
+}
+
+impl Store {
+    pub fn new(
+        limits: Limits,
+        attempt_keeps: Vec<Keep>,
+        request_keeps: Vec<Keep>,
+        tomb_slot_map: Vec<usize>,
+    ) -> Store {
+        Store {
+            limits,
+            attempts: Vec::new(),
+            attempt_slots: Vec::new(),
+            attempt_keeps,
+            free_attempts: Vec::new(),
+            live_attempts: 0,
+            attempt_alias: Map::with_hasher(hasher()),
+            reasons: HashMap::with_hasher(hasher()),
+            requests: Vec::new(),
+            request_slots: Vec::new(),
+            request_keeps,
+            free_requests: Vec::new(),
+            live_requests: 0,
+            request_alias: Map::with_hasher(hasher()),
+            tombs: VecDeque::new(),
+            tomb_slots: VecDeque::new(),
+            tomb_slot_map,
+            tomb_base: 0,
+            tomb_alias: Map::with_hasher(hasher()),
+            tomb_alias_stale: 0,
+            attempt_hand: 0,
+            request_hand: 0,
+            stats: CorrelateStats::default(),
+        }
+    }
+
+    pub fn live_attempts(&self) -> usize {
+        self.live_attempts
+    }
+    pub fn live_requests(&self) -> usize {
+        self.live_requests
+    }
+    pub fn tombstones(&self) -> usize {
+        self.tombs.len()
+    }
+
+    fn attempt_stride(&self) -> usize {
+        self.attempt_keeps.len()
+    }
+    fn request_stride(&self) -> usize {
+        self.request_keeps.len()
+    }
+
+    pub fn attempt_slots(&self, a: u32) -> &[Slot] {
+        let n = self.attempt_stride();
+        &self.attempt_slots[a as usize * n..(a as usize + 1) * n]
+    }
+    pub fn attempt_slots_mut(&mut self, a: u32) -> &mut [Slot] {
+        let n = self.attempt_stride();
+        &mut self.attempt_slots[a as usize * n..(a as usize + 1) * n]
+    }
+    pub fn request_slots(&self, r: u32) -> &[Slot] {
+        let n = self.request_stride();
+        &self.request_slots[r as usize * n..(r as usize + 1) * n]
+    }
+    pub fn request_slots_mut(&mut self, r: u32) -> &mut [Slot] {
+        let n = self.request_stride();
+        &mut self.request_slots[r as usize * n..(r as usize + 1) * n]
+    }
+
+    pub fn reason(&self, a: u32) -> Option<&str> {
+        self.reasons.get(&a).map(|r| &**r)
+    }
+    pub fn set_reason_once(&mut self, a: u32, reason: &str) {
+        self.reasons.entry(a).or_insert_with(|| reason.into());
+    }
+
+    /// Index into the tombstone queue of tombstone `seq`, if it still exists.
+    pub fn tomb_index(&self, seq: u64) -> Option<usize> {
+        let i = seq.checked_sub(self.tomb_base)? as usize;
+        (i < self.tombs.len()).then_some(i)
+    }
+    pub fn tomb(&self, i: usize) -> &Tombstone {
+        &self.tombs[i]
+    }
+    pub fn tomb_mut(&mut self, i: usize) -> &mut Tombstone {
+        &mut self.tombs[i]
+    }
+    /// Tombstones keep the attempt slots listed in `tomb_slot_map`; `k` indexes that list.
+    pub fn tomb_slot(&self, i: usize, k: usize) -> Slot {
+        self.tomb_slots[i * self.tomb_slot_map.len() + k]
+    }
+    pub fn tomb_slot_mut(&mut self, i: usize, k: usize) -> &mut Slot {
+        let n = self.tomb_slot_map.len();
+        &mut self.tomb_slots[i * n + k]
+    }
+    /// A copy of tombstone `i`'s kept slots, in `tomb_slot_map` order.
+    pub fn tomb_slots_of(&self, i: usize) -> Vec<Slot> {
+        let n = self.tomb_slot_map.len();
+        (0..n).map(|k| self.tomb_slots[i * n + k]).collect()
+    }
+    pub fn set_tomb_slots(&mut self, i: usize, slots: &[Slot]) {
+        let n = self.tomb_slot_map.len();
+        for (k, s) in slots.iter().enumerate().take(n) {
+            self.tomb_slots[i * n + k] = *s;
+        }
+    }
+    pub fn tomb_slot_map(&self) -> &[usize] {
+        &self.tomb_slot_map
+    }
+
+    /// The union-find root of request `r` (path halving keeps chains short).
+    pub fn find(&mut self, mut r: u32) -> u32 {
+        loop {
+            let p = self.requests[r as usize].parent;
+            if p == NONE {
+                return r;
+            }
+            let gp = self.requests[p as usize].parent;
+            if gp != NONE {
+                // Re-point r from p to gp; reference counts follow the pointer.
+                self.requests[r as usize].parent = gp;
+                self.requests[p as usize].refs -= 1;
+                self.requests[gp as usize].refs += 1;
+            }
+            r = p;
+        }
+    }
+
+    /// Finds or creates the request and attempt named by `ids`, merging aliases.
+    pub fn resolve(&mut self, ids: &Ids, time_ns: u64) -> Resolved {
+        let mut request = self.resolve_request(ids, time_ns);
+
+        let room_key = ids.bootstrap_room.map(|r| key_room(r.0));
+        let rid_key = ids.rid.as_deref().map(|s| key_str(AliasKind::Rid, s));
+        if room_key.is_none() && rid_key.is_none() {
+            return Resolved {
+                attempt: None,
+                request,
+                linked: false,
+            };
+        }
+        let by_room = room_key.and_then(|k| self.lookup_attempt(k));
+        // Most events repeat the rid the attempt already has: skip the second table probe.
+        let rid_known = match (by_room, ids.rid.as_deref()) {
+            (Some(AttemptRef::Live(i)), Some(rid)) => {
+                self.attempts[i as usize].rid.as_deref() == Some(rid)
+            }
+            _ => false,
+        };
+        let by_rid = if rid_known {
+            by_room
+        } else {
+            rid_key.and_then(|k| self.lookup_attempt(k))
+        };
+        let attempt = match (by_room, by_rid) {
+            (Some(a), Some(b)) if a == b => a,
+            (Some(a), Some(b)) => self.merge_attempts(a, b),
+            (Some(a), None) => {
+                if let (Some(k), AttemptRef::Live(i)) = (rid_key, a) {
+                    self.attempt_alias.insert(k, i);
+                    let at = &mut self.attempts[i as usize];
+                    if at.rid.is_none() {
+                        at.rid = ids.rid.clone();
+                    }
+                }
+                a
+            }
+            (None, Some(b)) => match (ids.bootstrap_room, b) {
+                (Some(room), AttemptRef::Live(i)) => match self.attempts[i as usize].room {
+                    None => {
+                        self.attempts[i as usize].room = Some(room.0);
+                        self.attempt_alias.insert(key_room(room.0), i);
+                        b
+                    }
+                    Some(other) if other == room.0 => b,
+                    Some(_) => {
+                        // A rid reused across attempts (client-chosen rid, router retry): the room
+                        // decides; the rid stays with the attempt that had it first.
+                        self.stats.alias_conflicts += 1;
+                        AttemptRef::Live(self.new_attempt(Some(room.0), None, room_key, None))
+                    }
+                },
+                _ => b,
+            },
+            (None, None) => AttemptRef::Live(self.new_attempt(
+                ids.bootstrap_room.map(|r| r.0),
+                ids.rid.clone(),
+                room_key,
+                rid_key,
+            )),
+        };
+
+        let mut linked = false;
+        let current = match attempt {
+            AttemptRef::Live(i) => self.attempts[i as usize].request,
+            AttemptRef::Tomb(seq) => self
+                .tomb_index(seq)
+                .map(|i| self.tombs[i].request)
+                .unwrap_or(NONE),
+        };
+        match (request, current) {
+            (Some(r), NONE) => {
+                match attempt {
+                    AttemptRef::Live(i) => self.attempts[i as usize].request = r,
+                    AttemptRef::Tomb(seq) => {
+                        if let Some(i) = self.tomb_index(seq) {
+                            self.tombs[i].request = r;
+                        }
+                    }
+                }
+                self.requests[r as usize].refs += 1;
+                linked = true;
+            }
+            (Some(r), cur) => {
+                let cur = self.find(cur);
+                if cur != r {
+                    request = Some(self.union_requests(cur, r));
+                    linked = true;
+                }
+            }
+            (None, NONE) => {}
+            (None, cur) => request = Some(self.find(cur)),
+        }
+        if let Some(r) = request {
+            let req = &mut self.requests[r as usize];
+            req.last_ns = req.last_ns.max(time_ns);
+        }
+        Resolved {
+            attempt: Some(attempt),
+            request,
+            linked,
+        }
+    }
+
+    fn resolve_request(&mut self, ids: &Ids, time_ns: u64) -> Option<u32> {
+        let keys = [
+            ids.request_id
+                .as_deref()
+                .map(|s| key_str(AliasKind::RequestId, s)),
+            ids.trace_id
+                .as_deref()
+                .map(|s| key_str(AliasKind::TraceId, s)),
+        ];
+        let mut request = None;
+        for key in keys.iter().flatten() {
+            if let Some(&r) = self.request_alias.get(key) {
+                let r = self.find(r);
+                request = Some(match request {
+                    None => r,
+                    Some(into) => self.union_requests(r, into),
+                });
+            }
+        }
+        if request.is_none() && keys.iter().any(Option::is_some) {
+            request = Some(self.new_request());
+        }
+        let r = request?;
+        for (n, key) in keys.iter().enumerate() {
+            let Some(key) = key else { continue };
+            if self.request_alias.contains_key(key) {
+                continue;
+            }
+            self.request_alias.insert(*key, r);
+            let req = &mut self.requests[r as usize];
+            if n == 0 {
+                req.request_id
+                    .get_or_insert_with(|| ids.request_id.clone().unwrap_or_default());
+            } else {
+                req.trace_id
+                    .get_or_insert_with(|| ids.trace_id.clone().unwrap_or_default());
+            }
+        }
+        let req = &mut self.requests[r as usize];
+        req.last_ns = req.last_ns.max(time_ns);
+        Some(r)
+    }
+
+    fn lookup_attempt(&mut self, key: u64) -> Option<AttemptRef> {
+        if let Some(&i) = self.attempt_alias.get(&key) {
+            return Some(AttemptRef::Live(i));
+        }
+        let seq = *self.tomb_alias.get(&key)?;
+        if seq < self.tomb_base {
+            self.tomb_alias.remove(&key);
+            self.tomb_alias_stale = self.tomb_alias_stale.saturating_sub(1);
+            return None;
+        }
+        Some(AttemptRef::Tomb(seq))
+    }
+
+    fn new_attempt(
+        &mut self,
+        room: Option<u64>,
+        rid: Option<Box<str>>,
+        room_key: Option<u64>,
+        rid_key: Option<u64>,
+    ) -> u32 {
+        if self.live_attempts >= self.limits.max_attempts {
+            self.evict_one_attempt();
+        }
+        let fresh = Attempt {
+            generation: 0,
+            request: NONE,
+            room,
+            rid,
+            last_ns: 0,
+            due_ns: 0,
+            input_tokens: 0,
+            worker_keys: [0; 4],
+            legs_open: 0,
+            legs_closed: 0,
+            live: true,
+            fired: 0,
+        };
+        let i = match self.free_attempts.pop() {
+            Some(i) => {
+                let generation = self.attempts[i as usize].generation;
+                self.attempts[i as usize] = Attempt {
+                    generation,
+                    ..fresh
+                };
+                self.attempt_slots_mut(i).fill(Slot::EMPTY);
+                i
+            }
+            None => {
+                self.attempts.push(fresh);
+                let n = self.attempt_stride();
+                self.attempt_slots
+                    .extend(std::iter::repeat_n(Slot::EMPTY, n));
+                (self.attempts.len() - 1) as u32
+            }
+        };
+        for k in [room_key, rid_key].into_iter().flatten() {
+            self.attempt_alias.insert(k, i);
+        }
+        self.live_attempts += 1;
+        self.stats.attempts_created += 1;
+        i
+    }
+
+    fn new_request(&mut self) -> u32 {
+        let fresh = Request {
+            generation: 0,
+            parent: NONE,
+            refs: 0,
+            request_id: None,
+            trace_id: None,
+            last_ns: 0,
+            live: true,
+            fired: 0,
+        };
+        let i = match self.free_requests.pop() {
+            Some(i) => {
+                let generation = self.requests[i as usize].generation;
+                self.requests[i as usize] = Request {
+                    generation,
+                    ..fresh
+                };
+                self.request_slots_mut(i).fill(Slot::EMPTY);
+                i
+            }
+            None => {
+                self.requests.push(fresh);
+                let n = self.request_stride();
+                self.request_slots
+                    .extend(std::iter::repeat_n(Slot::EMPTY, n));
+                (self.requests.len() - 1) as u32
+            }
+        };
+        self.live_requests += 1;
+        self.stats.requests_created += 1;
+        i
+    }
+
+    /// Merges root `from` into root `into`: `from` becomes a forwarding stub.
+    fn union_requests(&mut self, from: u32, into: u32) -> u32 {
+        if from == into {
+            return into;
+        }
+        let src: Vec<Slot> = self.request_slots(from).to_vec();
+        let keeps = self.request_keeps.clone();
+        fold_all(self.request_slots_mut(into), &src, &keeps);
+        let (f, t) = (from as usize, into as usize);
+        self.requests[f].parent = into;
+        self.requests[t].refs += 1;
+        self.requests[t].fired |= self.requests[f].fired;
+        self.requests[t].last_ns = self.requests[t].last_ns.max(self.requests[f].last_ns);
+        if self.requests[t].request_id.is_none() {
+            self.requests[t].request_id = self.requests[f].request_id.clone();
+        }
+        if self.requests[t].trace_id.is_none() {
+            self.requests[t].trace_id = self.requests[f].trace_id.clone();
+        }
+        self.stats.requests_merged += 1;
+        into
+    }
+
+    /// Two attempts turned out to be one (a rid first seen alone, then with its room).
+    fn merge_attempts(&mut self, a: AttemptRef, b: AttemptRef) -> AttemptRef {
+        let (AttemptRef::Live(x), AttemptRef::Live(y)) = (a, b) else {
+            // A live attempt and a tombstone: keep the live one; the tombstone expires on its own.
+            return if matches!(b, AttemptRef::Live(_)) {
+                b
+            } else {
+                a
+            };
+        };
+        let (rx, ry) = (
+            self.attempts[x as usize].room,
+            self.attempts[y as usize].room,
+        );
+        if rx.is_some() && ry.is_some() && rx != ry {
+            self.stats.alias_conflicts += 1;
+            return a; // `a` was found by the event's room: the room decides
+        }
+        let src: Vec<Slot> = self.attempt_slots(y).to_vec();
+        let keeps = self.attempt_keeps.clone();
+        fold_all(self.attempt_slots_mut(x), &src, &keeps);
+        let ya = self.attempts[y as usize].clone();
+        let xa = &mut self.attempts[x as usize];
+        xa.room = xa.room.or(ya.room);
+        if xa.rid.is_none() {
+            xa.rid = ya.rid.clone();
+        }
+        xa.last_ns = xa.last_ns.max(ya.last_ns);
+        xa.input_tokens = xa.input_tokens.max(ya.input_tokens);
+        xa.legs_open |= ya.legs_open;
+        xa.legs_closed |= ya.legs_closed;
+        xa.fired |= ya.fired;
+        xa.due_ns = match (xa.due_ns, ya.due_ns) {
+            (0, d) | (d, 0) => d,
+            (p, q) => p.min(q),
+        };
+        if xa.request == NONE && ya.request != NONE {
+            xa.request = ya.request;
+            self.requests[ya.request as usize].refs += 1;
+        }
+        if let Some(r) = self.reasons.remove(&y) {
+            self.reasons.entry(x).or_insert(r);
+        }
+        self.free_attempt(y);
+        for k in [
+            ya.room.map(key_room),
+            ya.rid.as_deref().map(|s| key_str(AliasKind::Rid, s)),
+        ]
+        .into_iter()
+        .flatten()
+        {
+            self.attempt_alias.insert(k, x);
+        }
+        self.stats.attempts_merged += 1;
+        a
+    }
+
+    /// Forgets live attempt `i` entirely (its aliases, its request reference).
+    fn free_attempt(&mut self, i: u32) {
+        let at = &self.attempts[i as usize];
+        for k in [
+            at.room.map(key_room),
+            at.rid.as_deref().map(|s| key_str(AliasKind::Rid, s)),
+        ]
+        .into_iter()
+        .flatten()
+        {
+            if self.attempt_alias.get(&k) == Some(&i) {
+                self.attempt_alias.remove(&k);
+            }
+        }
+        let request = at.request;
+        if request != NONE {
+            self.requests[request as usize].refs -= 1;
+        }
+        let at = &mut self.attempts[i as usize];
+        at.live = false;
+        at.rid = None;
+        at.request = NONE;
+        at.generation = at.generation.wrapping_add(1);
+        self.reasons.remove(&i);
+        self.free_attempts.push(i);
+        self.live_attempts -= 1;
+    }
+
+    /// Shrinks live attempt `i` to a tombstone indexed by its primary alias (room, else rid).
+    pub fn compact(&mut self, i: u32, watermark_ns: u64) {
+        if self.tombs.len() >= self.limits.max_tombstones {
+            self.pop_tomb();
+            self.stats.tombstones_evicted_cap += 1;
+        }
+        let at = &self.attempts[i as usize];
+        let key = at
+            .room
+            .map(key_room)
+            .or_else(|| at.rid.as_deref().map(|s| key_str(AliasKind::Rid, s)));
+        let expires_s = ((watermark_ns.saturating_add(self.limits.retention_ns)) / 1_000_000_000)
+            .min(u32::MAX as u64) as u32
+            + 1;
+        let tomb = Tombstone {
+            request: at.request,
+            expires_s,
+            fired: at.fired,
+        };
+        let base = i as usize * self.attempt_stride();
+        for &k in &self.tomb_slot_map {
+            self.tomb_slots.push_back(self.attempt_slots[base + k]);
+        }
+        self.tombs.push_back(tomb);
+        if let Some(key) = key {
+            if self
+                .tomb_alias
+                .insert(key, self.tomb_base + self.tombs.len() as u64 - 1)
+                .is_some()
+            {
+                self.tomb_alias_stale = self.tomb_alias_stale.saturating_sub(1);
+            }
+        }
+        // The tombstone inherits the request reference: take it away before freeing.
+        self.attempts[i as usize].request = NONE;
+        self.free_attempt(i);
+    }
+
+    fn pop_tomb(&mut self) {
+        let Some(t) = self.tombs.pop_front() else {
+            return;
+        };
+        for _ in 0..self.tomb_slot_map.len() {
+            self.tomb_slots.pop_front();
+        }
+        if t.request != NONE {
+            self.requests[t.request as usize].refs -= 1;
+        }
+        self.tomb_base += 1;
+        self.tomb_alias_stale += 1;
+        if self.tomb_alias_stale > 1024 && self.tomb_alias_stale > self.tombs.len() {
+            let base = self.tomb_base;
+            self.tomb_alias.retain(|_, seq| *seq >= base);
+            self.tomb_alias_stale = 0;
+        }
+    }
+
+    fn evict_one_attempt(&mut self) {
+        let n = self.attempts.len();
+        for _ in 0..n {
+            let i = self.attempt_hand % n;
+            self.attempt_hand = self.attempt_hand.wrapping_add(1);
+            if self.attempts[i].live {
+                let wm = self.attempts[i].last_ns;
+                self.compact(i as u32, wm);
+                self.stats.evicted_cap += 1;
+                return;
+            }
+        }
+    }
+
+    /// Bounded housekeeping: examines up to `steps` attempts and requests, compacts what ended or
+    /// idled, and drops expired tombstones and unreferenced requests.
+    pub fn sweep(&mut self, watermark_ns: u64, steps: usize) {
+        let wm_s = (watermark_ns / 1_000_000_000) as u32;
+        while self.tombs.front().is_some_and(|t| t.expires_s <= wm_s) {
+            self.pop_tomb();
+            self.stats.tombstones_expired += 1;
+        }
+        let n = self.attempts.len();
+        for _ in 0..steps.min(n) {
+            let i = self.attempt_hand % n;
+            self.attempt_hand = self.attempt_hand.wrapping_add(1);
+            let at = &self.attempts[i];
+            if !at.live || (at.due_ns != 0 && at.due_ns > watermark_ns) {
+                continue;
+            }
+            let idle = watermark_ns.saturating_sub(at.last_ns);
+            if at.ended() && idle > self.limits.linger_ns {
+                self.compact(i as u32, watermark_ns);
+                self.stats.compacted_ended += 1;
+            } else if idle > self.limits.attempt_ttl_ns {
+                self.compact(i as u32, watermark_ns);
+                self.stats.evicted_ttl += 1;
+            }
+        }
+        let n = self.requests.len();
+        for _ in 0..steps.min(n) {
+            let i = self.request_hand % n;
+            self.request_hand = self.request_hand.wrapping_add(1);
+            let r = &self.requests[i];
+            if r.live
+                && r.refs == 0
+                && watermark_ns.saturating_sub(r.last_ns) > self.limits.retention_ns
+            {
+                self.free_request(i as u32);
+                self.stats.requests_expired += 1;
+            }
+        }
+    }
+
+    fn free_request(&mut self, i: u32) {
+        let r = &self.requests[i as usize];
+        let keys = [
+            r.request_id
+                .as_deref()
+                .map(|s| key_str(AliasKind::RequestId, s)),
+            r.trace_id
+                .as_deref()
+                .map(|s| key_str(AliasKind::TraceId, s)),
+        ];
+        for k in keys.into_iter().flatten() {
+            if self.request_alias.get(&k) == Some(&i) {
+                self.request_alias.remove(&k);
+            }
+        }
+        let parent = r.parent;
+        if parent != NONE {
+            self.requests[parent as usize].refs -= 1;
+        }
+        let r = &mut self.requests[i as usize];
+        r.live = false;
+        r.parent = NONE;
+        r.request_id = None;
+        r.trace_id = None;
+        r.generation = r.generation.wrapping_add(1);
+        self.free_requests.push(i);
+        self.live_requests -= 1;
+    }
+
+    /// Heap bytes held by the tombstone tables (capacity-based: what is really reserved).
+    pub fn tombstone_bytes(&self) -> usize {
+        use std::mem::size_of;
+        self.tombs.capacity() * size_of::<Tombstone>()
+            + self.tomb_slots.capacity() * size_of::<Slot>()
+            + self.tomb_alias.capacity() * (size_of::<(u64, u64)>() + 1)
+    }
+
+    /// Heap bytes held by the store's tables (capacity, not length), for memory accounting.
+    pub fn table_bytes(&self) -> usize {
+        use std::mem::size_of;
+        let map = |cap: usize, entry: usize| cap * (entry + 1);
+        self.attempts.capacity() * size_of::<Attempt>()
+            + self.attempt_slots.capacity() * size_of::<Slot>()
+            + map(self.attempt_alias.capacity(), size_of::<(u64, u32)>())
+            + self.requests.capacity() * size_of::<Request>()
+            + self.request_slots.capacity() * size_of::<Slot>()
+            + map(self.request_alias.capacity(), size_of::<(u64, u32)>())
+            + self.tombs.capacity() * size_of::<Tombstone>()
+            + self.tomb_slots.capacity() * size_of::<Slot>()
+            + map(self.tomb_alias.capacity(), size_of::<(u64, u64)>())
+    }
+}

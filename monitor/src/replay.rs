@@ -1,0 +1,227 @@
+//! The replay source: recorded events as JSON Lines, one [`LifecycleEvent`] per line.
+//!
+//! ```json
+//! {"time":"2026-10-26T10:00:00.000000123Z","stage":"prefill","kind":"rejected","ids":{"bootstrap_room":"0x314783f6bef71155"},"status":400,"reason":"exceeds max tokens"}
+//! ```
+//! `time` (RFC 3339, up to ns) or `time_unix_nano` (integer) is required; so are `stage` and
+//! `kind`. Unknown fields are errors, so a typo never silently drops a fact.
+
+use std::io::BufRead;
+
+use serde::{Deserialize, Serialize};
+use time::OffsetDateTime;
+use time::format_description::well_known::Rfc3339;
+
+use crate::event::{Ids, Kind, LifecycleEvent, Source, Stage, truncate_reason};
+
+/// One line of the replay format, as written on disk.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReplayRecord {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub time: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub time_unix_nano: Option<u64>,
+    pub stage: Stage,
+    pub kind: Kind,
+    #[serde(default)]
+    pub ids: Ids,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pid: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source: Option<Source>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status: Option<u16>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub detail: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub to: Option<Stage>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub input_tokens: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub context_tokens: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_input_tokens: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_total_tokens: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub worker: Option<String>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReplayError {
+    #[error("line {line}: {message}")]
+    Line { line: u64, message: String },
+    #[error("reading events: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// Parses one line. Empty lines and `#` comments give `Ok(None)`.
+pub fn parse_line(line: &str) -> Result<Option<LifecycleEvent>, String> {
+    let t = line.trim();
+    if t.is_empty() || t.starts_with('#') {
+        return Ok(None);
+    }
+    let r: ReplayRecord = serde_json::from_str(t).map_err(|e| e.to_string())?;
+    r.into_event().map(Some)
+}
+
+impl ReplayRecord {
+    pub fn into_event(self) -> Result<LifecycleEvent, String> {
+        let time_ns = match (&self.time, self.time_unix_nano) {
+            (Some(_), Some(_)) => {
+                return Err("give either `time` or `time_unix_nano`, not both".into());
+            }
+            (None, Some(ns)) => ns,
+            (Some(s), None) => parse_rfc3339(s)?,
+            (None, None) => return Err("missing `time` (RFC 3339) or `time_unix_nano`".into()),
+        };
+        if self.to.is_some() && self.kind != Kind::Dispatched {
+            return Err("`to` is only meaningful on `dispatched` events".into());
+        }
+        let mut e = LifecycleEvent::new(
+            time_ns,
+            self.stage,
+            self.kind,
+            self.source.unwrap_or(Source::Replay),
+        );
+        e.ids = self.ids;
+        e.node = self.node.map(Into::into);
+        e.pid = self.pid;
+        e.worker = self.worker.map(Into::into);
+        e.status = self.status;
+        e.reason = self.reason.as_deref().map(|r| truncate_reason(r).into());
+        e.detail = self.detail.as_deref().map(|r| truncate_reason(r).into());
+        e.to = self.to;
+        e.input_tokens = self.input_tokens;
+        e.context_tokens = self.context_tokens;
+        e.max_input_tokens = self.max_input_tokens;
+        e.max_total_tokens = self.max_total_tokens;
+        Ok(e)
+    }
+
+    pub fn from_event(e: &LifecycleEvent) -> ReplayRecord {
+        ReplayRecord {
+            time: None,
+            time_unix_nano: Some(e.time_ns),
+            stage: e.stage,
+            kind: e.kind,
+            ids: e.ids.clone(),
+            node: e.node.as_deref().map(Into::into),
+            pid: e.pid,
+            source: Some(e.source),
+            status: e.status,
+            reason: e.reason.as_deref().map(Into::into),
+            detail: e.detail.as_deref().map(Into::into),
+            to: e.to,
+            input_tokens: e.input_tokens,
+            context_tokens: e.context_tokens,
+            max_input_tokens: e.max_input_tokens,
+            max_total_tokens: e.max_total_tokens,
+            worker: e.worker.as_deref().map(Into::into),
+        }
+    }
+}
+
+fn parse_rfc3339(s: &str) -> Result<u64, String> {
+    let t = OffsetDateTime::parse(s, &Rfc3339)
+        .map_err(|e| format!("invalid time {s:?}: {e} (expected RFC 3339)"))?;
+    u64::try_from(t.unix_timestamp_nanos()).map_err(|_| format!("time {s:?} is before 1970"))
+}
+
+/// Reads events line by line, calling `on_event` for each good one and `on_error` for each bad
+/// line (with its 1-based number). Bad lines never stop the rest of the file.
+pub fn read_events(
+    input: impl BufRead,
+    mut on_event: impl FnMut(LifecycleEvent),
+    mut on_error: impl FnMut(ReplayError),
+) -> Result<(), std::io::Error> {
+    let mut line_no = 0u64;
+    let mut buf = String::new();
+    let mut input = input;
+    loop {
+        buf.clear();
+        // Lines that are not UTF-8 are reported, not fatal.
+        let mut raw = Vec::new();
+        let n = input.read_until(b'\n', &mut raw)?;
+        if n == 0 {
+            return Ok(());
+        }
+        line_no += 1;
+        match std::str::from_utf8(&raw) {
+            Ok(s) => buf.push_str(s),
+            Err(_) => {
+                on_error(ReplayError::Line {
+                    line: line_no,
+                    message: "not valid UTF-8".into(),
+                });
+                continue;
+            }
+        }
+        match parse_line(&buf) {
+            Ok(Some(e)) => on_event(e),
+            Ok(None) => {}
+            Err(message) => on_error(ReplayError::Line {
+                line: line_no,
+                message,
+            }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_both_time_forms_and_both_room_spellings() {
+        let a = parse_line(r#"{"time":"2026-10-26T10:00:00.000000123Z","stage":"prefill","kind":"rejected","ids":{"bootstrap_room":"0x314783f6bef71155"},"status":400}"#).unwrap().unwrap();
+        let b = parse_line(r#"{"time_unix_nano":1793008800000000123,"stage":"prefill","kind":"rejected","ids":{"bootstrap_room":3550951926993981781}}"#).unwrap().unwrap();
+        assert_eq!(a.time_ns, b.time_ns);
+        assert_eq!(a.ids.bootstrap_room, b.ids.bootstrap_room);
+        assert_eq!(a.source, Source::Replay);
+        assert_eq!(a.status, Some(400));
+    }
+
+    #[test]
+    fn errors_are_clear() {
+        let e = parse_line(r#"{"stage":"prefill","kind":"rejected"}"#).unwrap_err();
+        assert!(e.contains("missing `time`"), "{e}");
+        let e =
+            parse_line(r#"{"time_unix_nano":1,"stage":"prefil","kind":"rejected"}"#).unwrap_err();
+        assert!(e.contains("prefil"), "{e}");
+        let e = parse_line(r#"{"time_unix_nano":1,"stage":"prefill","kind":"work","colour":1}"#)
+            .unwrap_err();
+        assert!(e.contains("colour"), "{e}");
+        let e =
+            parse_line(r#"{"time_unix_nano":1,"stage":"prefill","kind":"work","ids":{"room":1}}"#)
+                .unwrap_err();
+        assert!(e.contains("room"), "{e}");
+        assert!(parse_line("# comment").unwrap().is_none());
+    }
+
+    #[test]
+    fn bad_lines_do_not_stop_the_file() {
+        let input: &[u8] = b"{\"time_unix_nano\":1,\"stage\":\"router\",\"kind\":\"received\"}\nnot json\n\xff\n{\"time_unix_nano\":2,\"stage\":\"router\",\"kind\":\"completed\"}\n";
+        let mut good = 0;
+        let mut bad = Vec::new();
+        read_events(input, |_| good += 1, |e| bad.push(e.to_string())).unwrap();
+        assert_eq!(good, 2);
+        assert_eq!(bad.len(), 2);
+        assert!(bad[0].starts_with("line 2:"), "{bad:?}");
+    }
+
+    #[test]
+    fn round_trips() {
+        let e = LifecycleEvent::new(42, Stage::Router, Kind::Dispatched, Source::Ebpf)
+            .with_room(7)
+            .with_to(Stage::Decode)
+            .with_request_id("r");
+        let line = serde_json::to_string(&ReplayRecord::from_event(&e)).unwrap();
+        assert_eq!(parse_line(&line).unwrap().unwrap(), e);
+    }
+}

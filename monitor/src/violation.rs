@@ -1,0 +1,213 @@
+//! What the checker concludes: a rule breached by one attempt (or request, or worker), with the
+//! events that prove it.
+
+use std::fmt::Write as _;
+
+use serde::{Deserialize, Serialize};
+
+use crate::checker::rules::Severity;
+use crate::event::{Kind, Source, Stage};
+
+/// The aliases by which the request is known (any subset).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RequestRef {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trace_id: Option<String>,
+}
+
+/// The aliases by which the attempt is known (any subset).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AttemptRef {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bootstrap_room: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rid: Option<String>,
+}
+
+impl AttemptRef {
+    pub fn is_empty(&self) -> bool {
+        self.bootstrap_room.is_none() && self.rid.is_none()
+    }
+}
+
+/// Why an evidence event is in the proof.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// The event that armed the rule (the rejection, the admission).
+    Trigger,
+    /// The event the rule forbids, or that breaks its condition.
+    Offender,
+    /// The expected event, seen too late.
+    Expected,
+    /// Context that makes the rule apply.
+    Context,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Evidence {
+    pub role: Role,
+    pub time_ns: u64,
+    pub stage: Stage,
+    pub kind: Kind,
+    pub source: Source,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status: Option<u16>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Violation {
+    pub rule: String,
+    pub severity: Severity,
+    pub summary: String,
+    pub request: RequestRef,
+    pub attempt: AttemptRef,
+    /// For worker-level rules (capacity reports): the worker or node concerned.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub worker: Option<String>,
+    /// Event time at which the breach became provable (latest evidence, or the missed deadline).
+    pub detected_at_ns: u64,
+    /// Stable across runs: rule plus the request's primary alias. Attempts of one request share it,
+    /// so a retry storm notifies once.
+    pub fingerprint: String,
+    /// Ordered by event time.
+    pub evidence: Vec<Evidence>,
+}
+
+/// 64-bit FNV-1a: stable across builds and platforms, unlike std's hasher.
+pub fn fnv1a(parts: &[&[u8]]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for p in parts {
+        for b in *p {
+            h ^= *b as u64;
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+        h ^= 0xff;
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
+}
+
+/// Placeholders an `output` template may use.
+pub const TEMPLATE_FIELDS: &[&str] = &[
+    "rule",
+    "severity",
+    "request",
+    "attempt",
+    "worker",
+    "delay",
+    "within",
+    "breach",
+    "trigger.stage",
+    "trigger.kind",
+    "trigger.source",
+    "trigger.status",
+    "trigger.reason",
+    "event.stage",
+    "event.kind",
+    "event.source",
+    "event.status",
+];
+
+/// Checks that every `{placeholder}` in `template` is known.
+pub fn validate_template(template: &str) -> Result<(), String> {
+    for name in placeholders(template)? {
+        if !TEMPLATE_FIELDS.contains(&name) {
+            return Err(format!(
+                "unknown placeholder {{{name}}} in output template (known: {})",
+                TEMPLATE_FIELDS.join(", ")
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn placeholders(template: &str) -> Result<Vec<&str>, String> {
+    let mut out = Vec::new();
+    let mut rest = template;
+    while let Some(start) = rest.find('{') {
+        let after = &rest[start + 1..];
+        let end = after
+            .find('}')
+            .ok_or_else(|| format!("unclosed '{{' in output template {template:?}"))?;
+        out.push(&after[..end]);
+        rest = &after[end + 1..];
+    }
+    Ok(out)
+}
+
+/// Fills a template; `value` answers each placeholder (unknown ones were rejected at load).
+pub fn render(template: &str, value: impl Fn(&str) -> String) -> String {
+    let mut out = String::with_capacity(template.len() + 32);
+    let mut rest = template;
+    while let Some(start) = rest.find('{') {
+        out.push_str(&rest[..start]);
+        let after = &rest[start + 1..];
+        match after.find('}') {
+            Some(end) => {
+                out.push_str(&value(&after[..end]));
+                rest = &after[end + 1..];
+            }
+            None => {
+                out.push_str(&rest[start..]);
+                rest = "";
+            }
+        }
+    }
+    out.push_str(rest);
+    out
+}
+
+/// Human text for a nanosecond duration (used for `{delay}` and `{within}`).
+pub fn format_nanos(ns: u64) -> String {
+    let mut s = String::new();
+    if ns >= 1_000_000_000 {
+        let _ = write!(s, "{:.3}s", ns as f64 / 1e9);
+    } else if ns >= 1_000_000 {
+        let _ = write!(s, "{:.3}ms", ns as f64 / 1e6);
+    } else if ns >= 1_000 {
+        let _ = write!(s, "{:.1}µs", ns as f64 / 1e3);
+    } else {
+        let _ = write!(s, "{ns}ns");
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn templates_validate_and_render() {
+        assert!(validate_template("{rule} on {attempt}").is_ok());
+        assert!(
+            validate_template("{rule} {bogus}")
+                .unwrap_err()
+                .contains("{bogus}")
+        );
+        assert!(validate_template("{rule").unwrap_err().contains("unclosed"));
+        assert_eq!(render("a {x} b {y}", |k| k.to_uppercase()), "a X b Y");
+    }
+
+    #[test]
+    fn fingerprint_is_stable() {
+        assert_eq!(fnv1a(&[b"a", b"bc"]), fnv1a(&[b"a", b"bc"]));
+        assert_ne!(fnv1a(&[b"ab", b"c"]), fnv1a(&[b"a", b"bc"]));
+        // Pinned so that a change of the function, which would re-notify every open alert, is seen.
+        assert_eq!(
+            format!("{:016x}", fnv1a(&[b"activity-after-rejection", b"req-1"])),
+            "d6a990e3b13a53f9"
+        );
+    }
+
+    #[test]
+    fn durations_read_well() {
+        assert_eq!(format_nanos(1_500_000_000), "1.500s");
+        assert_eq!(format_nanos(2_000_000), "2.000ms");
+        assert_eq!(format_nanos(999), "999ns");
+    }
+}

@@ -1,0 +1,174 @@
+//! The `revenant` binary's contract: output, exit codes, error messages.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+fn bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_revenant"))
+}
+
+fn scenario(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/scenarios")
+        .join(name)
+}
+
+fn tmp(name: &str, content: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("revenant-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let p = dir.join(name);
+    std::fs::write(&p, content).unwrap();
+    p
+}
+
+fn text(o: &Output) -> (String, String) {
+    (
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn check_exits_1_with_violations_as_json_lines() {
+    let o = bin()
+        .args(["check", "--events"])
+        .arg(scenario("smg-prefill-400-decode-alive.jsonl"))
+        .output()
+        .unwrap();
+    let (out, err) = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    let lines: Vec<serde_json::Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 2);
+    assert_eq!(lines[0]["rule"], "activity-after-rejection");
+    assert_eq!(lines[0]["evidence"][0]["role"], "trigger");
+}
+
+#[test]
+fn check_exits_0_without_violations() {
+    let o = bin()
+        .args(["check", "--events"])
+        .arg(scenario("legit-retry-succeeds.jsonl"))
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(0), "{:?}", text(&o));
+    assert!(o.stdout.is_empty());
+}
+
+#[test]
+fn check_reads_stdin() {
+    let mut child = bin()
+        .args(["check", "--events", "-"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let events = std::fs::read(scenario("handoff-after-reject-out-of-order.jsonl")).unwrap();
+    child.stdin.take().unwrap().write_all(&events).unwrap();
+    let o = child.wait_with_output().unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    assert_eq!(String::from_utf8_lossy(&o.stdout).lines().count(), 1);
+}
+
+#[test]
+fn bad_lines_are_reported_and_the_rest_is_checked() {
+    let good =
+        std::fs::read_to_string(scenario("handoff-after-reject-out-of-order.jsonl")).unwrap();
+    let mut lines: Vec<&str> = good.lines().collect();
+    lines.insert(
+        2,
+        "{\"time_unix_nano\": 1, \"stage\": \"prefil\", \"kind\": \"work\"}",
+    );
+    lines.insert(4, "garbage");
+    let p = tmp("bad.jsonl", &lines.join("\n"));
+    let o = bin().args(["check", "--events"]).arg(&p).output().unwrap();
+    let (out, err) = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("line 3:") && err.contains("prefil"), "{err}");
+    assert!(err.contains("line 5:"), "{err}");
+    assert_eq!(
+        out.lines().count(),
+        1,
+        "the rest of the file was still checked: {out}"
+    );
+}
+
+#[test]
+fn broken_rules_are_usage_errors_with_position() {
+    let p = tmp(
+        "rules.yaml",
+        "rules:\n  - name: orphaned-leg\n    enabeld: false\n",
+    );
+    let o = bin()
+        .args(["check", "--events"])
+        .arg(scenario("legit-retry-succeeds.jsonl"))
+        .arg("--rules")
+        .arg(&p)
+        .output()
+        .unwrap();
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(err.contains("enabeld") && err.contains("line 3"), "{err}");
+    let o = bin()
+        .args(["rules", "list", "--rules"])
+        .arg(&p)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2));
+}
+
+#[test]
+fn rules_file_can_disable_a_default() {
+    let p = tmp(
+        "disable.yaml",
+        "rules:\n  - name: activity-after-rejection\n    enabled: false\n  - name: activity-after-request-failed\n    enabled: false\n",
+    );
+    let o = bin()
+        .args(["check", "--events"])
+        .arg(scenario("smg-prefill-400-decode-alive.jsonl"))
+        .arg("--rules")
+        .arg(&p)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(0), "{:?}", text(&o));
+    let o = bin()
+        .args(["rules", "list", "--rules"])
+        .arg(&p)
+        .output()
+        .unwrap();
+    let (out, _) = text(&o);
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with("activity-after-rejection") && l.contains(" no ")),
+        "{out}"
+    );
+}
+
+#[test]
+fn usage_errors_exit_2() {
+    assert_eq!(
+        bin().args(["check"]).output().unwrap().status.code(),
+        Some(2)
+    );
+    assert_eq!(
+        bin()
+            .args(["check", "--events", "/nonexistent/x.jsonl"])
+            .output()
+            .unwrap()
+            .status
+            .code(),
+        Some(2)
+    );
+    assert_eq!(
+        bin()
+            .args(["check", "--events", "-", "--clock-skew", "soon"])
+            .output()
+            .unwrap()
+            .status
+            .code(),
+        Some(2)
+    );
+}

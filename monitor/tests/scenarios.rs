@@ -1,0 +1,191 @@
+//! Scenario tests: `tests/scenarios/NAME.jsonl` events with `NAME.expected.jsonl` verdicts.
+//!
+//! Each expected line names a rule plus any of bootstrap_room / request_id / worker; every
+//! violation must match exactly one expected line and vice versa. The same verdicts must come out
+//! whatever the arrival order, once lateness covers the whole file.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use revenant::checker::{Checker, CheckerConfig, RuleSet};
+use revenant::{LifecycleEvent, Violation, replay};
+
+fn scenario_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/scenarios")
+}
+
+fn scenarios() -> Vec<PathBuf> {
+    let mut v: Vec<_> = std::fs::read_dir(scenario_dir())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| {
+            p.extension().is_some_and(|e| e == "jsonl")
+                && !p.to_string_lossy().ends_with(".expected.jsonl")
+        })
+        .collect();
+    v.sort();
+    assert!(v.len() >= 8, "scenario files missing: {v:?}");
+    v
+}
+
+fn load(path: &Path) -> Vec<LifecycleEvent> {
+    let text = std::fs::read(path).unwrap();
+    let mut events = Vec::new();
+    replay::read_events(
+        &text[..],
+        |e| events.push(e),
+        |e| panic!("{}: {e}", path.display()),
+    )
+    .unwrap();
+    events
+}
+
+fn run(events: &[LifecycleEvent], cfg: CheckerConfig) -> Vec<Violation> {
+    let lateness = cfg.allowed_lateness;
+    let mut c = Checker::new(RuleSet::embedded_defaults(), cfg);
+    let mut out = Vec::new();
+    for e in events {
+        out.extend(c.observe(e));
+    }
+    let end = c.stats().max_event_ns + lateness.as_nanos() as u64;
+    out.extend(c.tick(end));
+    out
+}
+
+/// The identity of a verdict: rule and what broke it. Request aliases are enrichment known only
+/// once the event linking attempt and request arrived, so they are not part of it.
+/// Request-scope rules are about the request: which attempt's event proved it first is enrichment.
+fn key(v: &Violation) -> (String, Option<u64>, Option<String>) {
+    let set = RuleSet::embedded_defaults();
+    let scope = set.rules.iter().find(|r| r.name == v.rule).unwrap().scope;
+    match scope {
+        revenant::checker::rules::Scope::Attempt => {
+            (v.rule.clone(), v.attempt.bootstrap_room, v.worker.clone())
+        }
+        revenant::checker::rules::Scope::Request => {
+            (v.rule.clone(), None, v.request.request_id.clone())
+        }
+    }
+}
+
+fn matches(expected: &serde_json::Value, v: &Violation) -> bool {
+    let e = expected.as_object().unwrap();
+    e.get("rule").and_then(|r| r.as_str()) == Some(v.rule.as_str())
+        && e.get("bootstrap_room")
+            .is_none_or(|r| r.as_u64() == v.attempt.bootstrap_room)
+        && e.get("request_id")
+            .is_none_or(|r| r.as_str() == v.request.request_id.as_deref())
+        && e.get("worker")
+            .is_none_or(|r| r.as_str() == v.worker.as_deref())
+}
+
+#[test]
+fn every_scenario_yields_exactly_its_expected_verdicts() {
+    for path in scenarios() {
+        let events = load(&path);
+        let got = run(&events, CheckerConfig::default());
+        let exp_path = path.with_extension("expected.jsonl");
+        let expected: Vec<serde_json::Value> = std::fs::read_to_string(&exp_path)
+            .unwrap_or_else(|e| panic!("{}: {e}", exp_path.display()))
+            .lines()
+            .filter(|l| !l.trim().is_empty())
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        let mut unmatched: Vec<&Violation> = got.iter().collect();
+        for exp in &expected {
+            let pos = unmatched.iter().position(|v| matches(exp, v));
+            assert!(
+                pos.is_some(),
+                "{}: expected {exp} not found in {got:#?}",
+                path.display()
+            );
+            unmatched.remove(pos.unwrap());
+        }
+        assert!(
+            unmatched.is_empty(),
+            "{}: unexpected violations {unmatched:#?}",
+            path.display()
+        );
+        for v in &got {
+            assert!(
+                !v.evidence.is_empty(),
+                "{}: violation without evidence: {v:?}",
+                path.display()
+            );
+            assert!(
+                v.evidence.windows(2).all(|w| w[0].time_ns <= w[1].time_ns),
+                "evidence not ordered: {v:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn verdicts_do_not_depend_on_arrival_order() {
+    // Lateness spanning the whole file: any permutation must give the same verdicts.
+    let cfg = || CheckerConfig {
+        allowed_lateness: Duration::from_secs(3600),
+        ..CheckerConfig::default()
+    };
+    for path in scenarios() {
+        let events = load(&path);
+        let reference: BTreeSet<_> = run(&events, cfg()).iter().map(key).collect();
+        let mut rng = 0x9e3779b97f4a7c15u64;
+        for _ in 0..25 {
+            let mut shuffled = events.clone();
+            for i in (1..shuffled.len()).rev() {
+                rng ^= rng << 13;
+                rng ^= rng >> 7;
+                rng ^= rng << 17;
+                shuffled.swap(i, (rng % (i as u64 + 1)) as usize);
+            }
+            let got: BTreeSet<_> = run(&shuffled, cfg()).iter().map(key).collect();
+            assert_eq!(
+                got,
+                reference,
+                "{}: verdicts changed with arrival order",
+                path.display()
+            );
+        }
+    }
+}
+
+#[test]
+fn a_retry_storm_is_one_request_with_one_fingerprint() {
+    let events = load(&scenario_dir().join("smg-503-retry-storm.jsonl"));
+    let got = run(&events, CheckerConfig::default());
+    assert_eq!(got.len(), 5);
+    let rooms: BTreeSet<_> = got
+        .iter()
+        .map(|v| v.attempt.bootstrap_room.unwrap())
+        .collect();
+    assert_eq!(rooms.len(), 5, "five attempts");
+    let fps: BTreeSet<_> = got.iter().map(|v| v.fingerprint.clone()).collect();
+    assert_eq!(
+        fps.len(),
+        1,
+        "attempts of one request share a fingerprint: {fps:?}"
+    );
+    assert!(
+        got.iter()
+            .all(|v| v.request.request_id.as_deref() == Some("storm-1"))
+    );
+}
+
+#[test]
+fn a_shared_trace_id_never_merges_attempts() {
+    // In legit-retry-succeeds both attempts carry the router's trace id; were they merged, the
+    // rejection of the first would make the second's work a violation.
+    let events = load(&scenario_dir().join("legit-retry-succeeds.jsonl"));
+    let mut c = Checker::new(RuleSet::embedded_defaults(), CheckerConfig::default());
+    for e in &events {
+        assert!(c.observe(e).is_empty());
+    }
+    let s = c.stats();
+    assert_eq!(s.correlate.attempts_created, 2);
+    assert_eq!(
+        s.live_requests, 1,
+        "trace id and x-request-id are one request"
+    );
+}
