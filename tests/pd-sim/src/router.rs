@@ -135,7 +135,9 @@ pub async fn run(args: RouterArgs) -> anyhow::Result<()> {
         .route("/v1/models", get(models))
         .route("/sim/stats", get(sim_stats))
         // Last, so it covers every route above.
-        .layer(axum::extract::DefaultBodyLimit::max(crate::worker::BODY_LIMIT))
+        .layer(axum::extract::DefaultBodyLimit::max(
+            crate::worker::BODY_LIMIT,
+        ))
         .with_state(rt.clone());
     crate::common::print_ready(serde_json::json!({
         "role": "router",

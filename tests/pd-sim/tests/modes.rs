@@ -495,3 +495,33 @@ async fn a_misconfigured_prefill_admits_over_capacity_requests_and_says_so_in_se
             .contains("exceeds the maximum number of tokens: 9000 > 8192")
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_otlp_endpoint_never_blocks_serving_and_failures_are_counted() {
+    // Port 9 on loopback: nothing listens, connects are refused.
+    let c = Cluster::start("correct", &["--otlp-endpoint", "http://127.0.0.1:9"]).await;
+    let client = http_client(8);
+    for i in 0..5 {
+        let (status, _) = post(
+            &client,
+            &format!("{}/generate", c.router),
+            &format!("dead-otlp-{i}"),
+            json!({"text": "a b"}),
+        )
+        .await;
+        assert_eq!(status, 200);
+    }
+    for url in [&c.router, &c.prefill, &c.decode] {
+        let s = eventually("export failure counted", Duration::from_secs(15), || {
+            let (client, url) = (client.clone(), url.clone());
+            async move {
+                let s = get_json(&client, &format!("{url}/sim/stats")).await;
+                (s["otlp"]["batches_failed"].as_u64().unwrap_or(0) >= 1).then_some(s)
+            }
+        })
+        .await;
+        assert!(s["otlp"]["spans_failed"].as_u64().unwrap() >= 1, "{s}");
+        assert!(s["otlp"]["export_retries"].as_u64().unwrap() >= 1, "{s}");
+        assert_eq!(s["otlp"]["batches_exported"], 0);
+    }
+}
