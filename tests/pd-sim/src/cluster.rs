@@ -65,9 +65,13 @@ fn command(sub: &str, args: Vec<String>) -> Command {
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .kill_on_drop(true);
-    // SAFETY: prctl is async-signal-safe and touches no memory of the parent.
+    // Own process group: a terminal Ctrl-C reaches only the cluster, which then stops the
+    // children in order (otherwise a child dying of SIGINT first would look like a crash).
+    // PDEATHSIG covers the cluster itself being killed.
+    // SAFETY: setpgid and prctl are async-signal-safe and touch no memory of the parent.
     unsafe {
         c.pre_exec(|| {
+            libc::setpgid(0, 0);
             libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
             Ok(())
         });
