@@ -30,7 +30,7 @@ use serde::Serialize;
 use tokio::net::TcpListener;
 
 use crate::common::{
-    HttpClient, TraceParent, error_response, http_client, json_response, new_rid, new_room, now_ns,
+    HttpClient, TraceParent, error_response, http_client, json_response, new_room, now_ns,
     random_span_id, random_trace_id,
 };
 use crate::spans::{Exporter, ExporterConfig, SpanSink, SpanSpec, event, kv_str};
@@ -198,6 +198,17 @@ async fn chat(State(rt): State<Shared>, headers: HeaderMap, body: Bytes) -> Resp
     route(rt, "/v1/chat/completions", headers, body).await
 }
 
+/// smg names requests without an `x-request-id` `req-` + 24 alphanumerics (seen in its logs).
+fn new_request_id() -> String {
+    use rand::RngExt;
+    const A: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789";
+    let mut rng = rand::rng();
+    let tail: String = (0..24)
+        .map(|_| A[rng.random_range(0..A.len())] as char)
+        .collect();
+    format!("req-{tail}")
+}
+
 /// Append the bootstrap fields at the end of the JSON object, byte for byte, the way the
 /// real router's requests look (see fixtures/logs_prefill.jsonl). `None` if not an object.
 pub fn with_bootstrap(body: &[u8], host: &str, port: u16, room: u64) -> Option<Vec<u8>> {
@@ -306,7 +317,7 @@ async fn route(rt: Shared, path: &'static str, headers: HeaderMap, body: Bytes) 
         .get("x-request-id")
         .and_then(|v| v.to_str().ok())
         .map(str::to_owned)
-        .unwrap_or_else(new_rid);
+        .unwrap_or_else(new_request_id);
     let incoming = headers
         .get("traceparent")
         .and_then(|v| v.to_str().ok())
