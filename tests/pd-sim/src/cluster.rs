@@ -44,6 +44,10 @@ pub struct ClusterArgs {
     pub decode_args: String,
     #[arg(long, default_value = "", allow_hyphen_values = true)]
     pub router_args: String,
+    /// Tokio worker threads of each child. One each measured best on a 2-core box (fewer
+    /// cross-thread wakeups; see bench/throughput.sh).
+    #[arg(long, default_value_t = 1)]
+    pub child_threads: usize,
     /// Start only prefill and decode (put another router, e.g. the real sglang-router, in front).
     #[arg(long)]
     pub no_router: bool,
@@ -133,7 +137,7 @@ async fn stop_all(procs: &mut [Proc]) {
 
 pub async fn run(a: ClusterArgs) -> anyhow::Result<()> {
     let port = |p: u16| if a.ephemeral { 0 } else { p };
-    let mut common = Vec::new();
+    let mut common = vec!["--threads".to_string(), a.child_threads.max(1).to_string()];
     if let Some(e) = &a.otlp_endpoint {
         common.push("--otlp-endpoint".to_string());
         common.push(e.clone());
