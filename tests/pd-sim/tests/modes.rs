@@ -525,3 +525,55 @@ async fn a_dead_otlp_endpoint_never_blocks_serving_and_failures_are_counted() {
         assert_eq!(s["otlp"]["batches_exported"], 0);
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_request_cancelled_while_waiting_for_kv_sends_abort_to_prefill() {
+    let tap = ZmtpTap::start().await;
+    let adv = format!("--advertise-kv-port {}", tap.port);
+    let c = Cluster::start(
+        "correct",
+        &[
+            "--prefill-args",
+            &adv,
+            "--decode-args",
+            "--kv-timeout-ms 10000",
+        ],
+    )
+    .await;
+    tap.set_upstream(
+        (
+            [127, 0, 0, 1],
+            c.ready["prefill_kv_port"].as_u64().unwrap() as u16,
+        )
+            .into(),
+    );
+    let client = http_client(8);
+    let room = 4242u64;
+    // Straight to decode, for a room prefill never admitted: decode bootstraps and waits.
+    let body = json!({"text": "a b", "bootstrap_host": "127.0.0.1", "bootstrap_port": c.ready["bootstrap_port"], "bootstrap_room": room});
+    let url = format!("{}/generate", c.decode);
+    let req = post(&client, &url, "cancel-1", body);
+    // The client gives up: the connection closes and decode drops the request.
+    assert!(
+        tokio::time::timeout(Duration::from_millis(500), req)
+            .await
+            .is_err()
+    );
+    let p = eventually("prefill receives ABORT", Duration::from_secs(10), || {
+        let (client, url) = (client.clone(), c.prefill.clone());
+        async move {
+            let p = get_json(&client, &format!("{url}/sim/rooms?room={room}")).await;
+            (p[0]["abort_frames"] == 1).then_some(p)
+        }
+    })
+    .await;
+    assert_eq!(p[0]["bootstrap_frames"], 1);
+    let d = get_json(&client, &format!("{}/sim/rooms?room={room}", c.decode)).await;
+    assert_eq!(d[0]["outcome"], "cancelled");
+    assert_eq!(tap.rooms_with_verb(b"BOOTSTRAP"), vec![room]);
+    assert_eq!(
+        tap.rooms_with_verb(b"ABORT"),
+        vec![room],
+        "ABORT seen on the wire"
+    );
+}
