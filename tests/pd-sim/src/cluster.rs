@@ -27,9 +27,11 @@ pub struct ClusterArgs {
     pub decode_port: u16,
     #[arg(long, default_value_t = 8998)]
     pub bootstrap_port: u16,
-    #[arg(long, default_value_t = 0)]
+    /// Prefill's ZMTP PULL port (announced by the bootstrap server as `rank_port`).
+    #[arg(long, default_value_t = 30011)]
     pub prefill_kv_port: u16,
-    #[arg(long, default_value_t = 0)]
+    /// Decode's ZMTP PULL port (sent in BOOTSTRAP frames).
+    #[arg(long, default_value_t = 30012)]
     pub decode_kv_port: u16,
     /// Bind every port ephemerally (tests); the READY line tells which ports were taken.
     #[arg(long)]
