@@ -10,6 +10,9 @@ use pd_sim::common::http_client;
 use serde_json::json;
 use support::*;
 
+const SLOW_OK_PREFILL: &str = "--bootstrap-timeout-ms 60000";
+const SLOW_OK_DECODE: &str = "--kv-timeout-ms 60000";
+
 fn room_set(recs: &[serde_json::Value], pred: impl Fn(&serde_json::Value) -> bool) -> HashSet<u64> {
     recs.iter()
         .filter(|r| pred(r))
@@ -19,7 +22,18 @@ fn room_set(recs: &[serde_json::Value], pred: impl Fn(&serde_json::Value) -> boo
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn correct_mode_never_hands_a_rejected_request_to_decode() {
-    let c = Cluster::start("correct", &[]).await;
+    // Generous transfer timeouts: on a loaded CI box slowness must show as latency, not as
+    // KV-timeout failures that would blur the mode's behaviour.
+    let c = Cluster::start(
+        "correct",
+        &[
+            "--prefill-args",
+            SLOW_OK_PREFILL,
+            "--decode-args",
+            SLOW_OK_DECODE,
+        ],
+    )
+    .await;
     let client = http_client(8);
     let s = run_load(
         &c.router,
@@ -84,8 +98,12 @@ async fn correct_mode_never_hands_a_rejected_request_to_decode() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn handoff_after_reject_bootstraps_and_transfers_rejected_rooms() {
     let tap = ZmtpTap::start().await;
-    let adv = format!("--advertise-kv-port {}", tap.port);
-    let c = Cluster::start("handoff-after-reject", &["--prefill-args", &adv]).await;
+    let adv = format!("--advertise-kv-port {} {SLOW_OK_PREFILL}", tap.port);
+    let c = Cluster::start(
+        "handoff-after-reject",
+        &["--prefill-args", &adv, "--decode-args", SLOW_OK_DECODE],
+    )
+    .await;
     let kv_port = c.ready["prefill_kv_port"].as_u64().unwrap() as u16;
     tap.set_upstream(([127, 0, 0, 1], kv_port).into());
     let client = http_client(8);
