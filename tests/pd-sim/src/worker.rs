@@ -102,6 +102,10 @@ pub struct WorkerArgs {
     /// Simulated prefill forward time per request, microseconds.
     #[arg(long, default_value_t = 500)]
     pub prefill_delay_us: u64,
+    /// Decode: time a request queues before it bootstraps (SGLang's prealloc queue),
+    /// microseconds. Models a busy decode whose BOOTSTRAP comes well after prefill answered.
+    #[arg(long, default_value_t = 0)]
+    pub bootstrap_delay_us: u64,
     /// Simulated decode time per generated token, microseconds.
     #[arg(long, default_value_t = 0)]
     pub decode_token_delay_us: u64,
@@ -1366,6 +1370,9 @@ async fn decode(
             prefill: None,
             armed: true,
         };
+        if w.args.bootstrap_delay_us > 0 {
+            tokio::time::sleep(Duration::from_micros(w.args.bootstrap_delay_us)).await;
+        }
         let endpoint = match &p.bootstrap {
             Some((host, port)) => w.prefill_endpoint(host, *port).await,
             None => Err("request has bootstrap_room but no bootstrap_host/bootstrap_port".into()),
