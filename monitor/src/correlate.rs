@@ -12,7 +12,7 @@ use std::hash::BuildHasher;
 
 use foldhash::fast::FixedState;
 
-use crate::checker::slots::{Keep, Slot};
+use crate::checker::slots::{Keep, Slot, fold_into};
 use crate::event::Ids;
 
 pub const NONE: u32 = u32::MAX;
@@ -54,8 +54,9 @@ pub struct Attempt {
     /// Earliest pending deadline in the timer queue (0 = none); compaction waits for it.
     pub due_ns: u64,
     pub input_tokens: u32,
-    /// Worker (or node) of the latest event naming one: keys capacity look-ups on re-judgement.
-    pub worker_key: u64,
+    /// Per stage, the worker (or node) of the latest event naming one: keys capacity look-ups
+    /// when a predicate is judged again later.
+    pub worker_keys: [u32; 4],
     /// Bit per stage: a leg started (received/admitted/work) / ended (terminal kind).
     pub legs_open: u8,
     pub legs_closed: u8,
@@ -136,6 +137,22 @@ pub struct Limits {
     pub linger_ns: u64,
     /// Tombstones, and requests nothing points to, are kept this long (ns).
     pub retention_ns: u64,
+}
+
+/// Folds every slot of `src` into `dst`, spec by spec (pairs as pairs).
+fn fold_all(dst: &mut [Slot], src: &[Slot], keeps: &[Keep]) {
+    for (k, &keep) in keeps.iter().enumerate() {
+        match keep {
+            Keep::PairTail => {}
+            _ if keep.is_pair() => {
+                fold_into(dst, k, keep, src[k]);
+                fold_into(dst, k, keep, src[k + 1]);
+            }
+            _ => {
+                fold_into(dst, k, keep, src[k]);
+            }
+        }
+    }
 }
 
 /// The correlation store.
@@ -265,6 +282,17 @@ impl Store {
         let n = self.tomb_slot_map.len();
         &mut self.tomb_slots[i * n + k]
     }
+    /// A copy of tombstone `i`'s kept slots, in `tomb_slot_map` order.
+    pub fn tomb_slots_of(&self, i: usize) -> Vec<Slot> {
+        let n = self.tomb_slot_map.len();
+        (0..n).map(|k| self.tomb_slots[i * n + k]).collect()
+    }
+    pub fn set_tomb_slots(&mut self, i: usize, slots: &[Slot]) {
+        let n = self.tomb_slot_map.len();
+        for (k, s) in slots.iter().enumerate().take(n) {
+            self.tomb_slots[i * n + k] = *s;
+        }
+    }
     pub fn tomb_slot_map(&self) -> &[usize] {
         &self.tomb_slot_map
     }
@@ -301,7 +329,18 @@ impl Store {
             };
         }
         let by_room = room_key.and_then(|k| self.lookup_attempt(k));
-        let by_rid = rid_key.and_then(|k| self.lookup_attempt(k));
+        // Most events repeat the rid the attempt already has: skip the second table probe.
+        let rid_known = match (by_room, ids.rid.as_deref()) {
+            (Some(AttemptRef::Live(i)), Some(rid)) => {
+                self.attempts[i as usize].rid.as_deref() == Some(rid)
+            }
+            _ => false,
+        };
+        let by_rid = if rid_known {
+            by_room
+        } else {
+            rid_key.and_then(|k| self.lookup_attempt(k))
+        };
         let attempt = match (by_room, by_rid) {
             (Some(a), Some(b)) if a == b => a,
             (Some(a), Some(b)) => self.merge_attempts(a, b),
@@ -456,7 +495,7 @@ impl Store {
             last_ns: 0,
             due_ns: 0,
             input_tokens: 0,
-            worker_key: 0,
+            worker_keys: [0; 4],
             legs_open: 0,
             legs_closed: 0,
             live: true,
@@ -527,11 +566,9 @@ impl Store {
         if from == into {
             return into;
         }
-        for k in 0..self.request_stride() {
-            let other = self.request_slots(from)[k];
-            let keep = self.request_keeps[k];
-            self.request_slots_mut(into)[k].fold(other, keep);
-        }
+        let src: Vec<Slot> = self.request_slots(from).to_vec();
+        let keeps = self.request_keeps.clone();
+        fold_all(self.request_slots_mut(into), &src, &keeps);
         let (f, t) = (from as usize, into as usize);
         self.requests[f].parent = into;
         self.requests[t].refs += 1;
@@ -565,11 +602,9 @@ impl Store {
             self.stats.alias_conflicts += 1;
             return a; // `a` was found by the event's room: the room decides
         }
-        for k in 0..self.attempt_stride() {
-            let other = self.attempt_slots(y)[k];
-            let keep = self.attempt_keeps[k];
-            self.attempt_slots_mut(x)[k].fold(other, keep);
-        }
+        let src: Vec<Slot> = self.attempt_slots(y).to_vec();
+        let keeps = self.attempt_keeps.clone();
+        fold_all(self.attempt_slots_mut(x), &src, &keeps);
         let ya = self.attempts[y as usize].clone();
         let xa = &mut self.attempts[x as usize];
         xa.room = xa.room.or(ya.room);

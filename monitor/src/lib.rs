@@ -17,3 +17,7 @@ pub mod workload;
 pub use checker::{Checker, CheckerConfig, RuleSet};
 pub use event::{BootstrapRoom, Ids, Kind, LifecycleEvent, Source, Stage, UnixNanos};
 pub use violation::Violation;
+
+pub mod ingest;
+pub mod normalize;
+pub mod run;

@@ -20,7 +20,10 @@ use crate::event::{Kind, LifecycleEvent, Stage};
 use crate::violation::{self, AttemptRef as AttemptAliases, Evidence, RequestRef, Role, Violation};
 use rules::predicate::{Breach, Capacity, Known};
 use rules::{CompiledRule, Scope, Shape};
-use slots::{Keep, NODE_LOCAL, NodeId, Slot, SlotEvent, SlotLayout, SlotSpec, matching_specs};
+use slots::{
+    Keep, NODE_LOCAL, NodeId, Slot, SlotEvent, SlotLayout, SlotSpec, SpecIndex, fold_into,
+    spec_slots,
+};
 
 pub use rules::{RuleSet, RulesError, Severity};
 
@@ -125,13 +128,15 @@ const SWEEP_PER_TICK: usize = 4096;
 pub struct Checker {
     rules: Vec<CompiledRule>,
     attempt_specs: Vec<SlotSpec>,
+    attempt_index: SpecIndex,
     request_specs: Vec<SlotSpec>,
+    request_index: SpecIndex,
     /// Request slots that hold triggers (request-level events only update those).
     request_trigger_mask: u64,
     store: Store,
     timers: BinaryHeap<Reverse<(u64, u32, u32)>>,
     nodes: FixedMap<Box<str>, NodeId>,
-    capacity: FixedMap<(u64, Stage), Capacity>,
+    capacity: FixedMap<(u32, Stage), Capacity>,
     worker_fired: HashSet<u64, FixedState>,
     skew_ns: u64,
     lateness_ns: u64,
@@ -170,9 +175,17 @@ impl Checker {
                 match r.rule.scope {
                     Scope::Request => request_trigger_mask |= 1 << r.slots.trigger,
                     Scope::Attempt => {
+                        // Pairs stay adjacent so tombstones fold them like live attempts do.
                         for k in [r.slots.trigger, r.slots.other] {
-                            if !tomb_slot_map.contains(&k) {
-                                tomb_slot_map.push(k);
+                            let width = if attempt_layout.specs[k].keep.is_pair() {
+                                2
+                            } else {
+                                1
+                            };
+                            for j in k..k + width {
+                                if !tomb_slot_map.contains(&j) {
+                                    tomb_slot_map.push(j);
+                                }
                             }
                         }
                     }
@@ -199,7 +212,9 @@ impl Checker {
         let n = compiled.len();
         Checker {
             rules: compiled,
+            attempt_index: SpecIndex::new(&attempt_layout.specs),
             attempt_specs: attempt_layout.specs,
+            request_index: SpecIndex::new(&request_layout.specs),
             request_specs: request_layout.specs,
             request_trigger_mask,
             store,
@@ -336,11 +351,11 @@ impl Checker {
     }
 
     /// Capacity is per worker (or, without a worker, per node) and stage.
-    fn worker_key(e: &LifecycleEvent) -> Option<u64> {
+    fn worker_key(e: &LifecycleEvent) -> Option<u32> {
         e.worker
             .as_deref()
             .or(e.node.as_deref())
-            .map(|w| violation::fnv1a(&[w.as_bytes()]))
+            .map(|w| violation::fnv1a(&[w.as_bytes()]) as u32)
     }
 
     fn record_capacity(&mut self, e: &LifecycleEvent) {
@@ -370,7 +385,7 @@ impl Checker {
         node: NodeId,
         out: &mut Vec<Violation>,
     ) {
-        let hit = matching_specs(&self.attempt_specs, e);
+        let hit = self.attempt_index.matching(e);
         let slot = Slot::from_event(e, node);
         {
             let slots = self.store.attempt_slots_mut(a);
@@ -378,7 +393,7 @@ impl Checker {
             while bits != 0 {
                 let k = bits.trailing_zeros() as usize;
                 bits &= bits - 1;
-                slots[k].fold(slot, self.attempt_specs[k].keep);
+                fold_into(slots, k, self.attempt_specs[k].keep, slot);
             }
         }
         let at = &mut self.store.attempts[a as usize];
@@ -390,7 +405,7 @@ impl Checker {
             at.input_tokens = at.input_tokens.max(n);
         }
         if let Some(w) = Self::worker_key(e) {
-            at.worker_key = w;
+            at.worker_keys[e.stage as usize] = w;
         }
         let stage_bit = 1u8 << (e.stage as u8);
         // Transfer is activity between the legs, not a leg that must end on its own.
@@ -416,8 +431,20 @@ impl Checker {
                         continue;
                     }
                     let s = self.store.attempt_slots(a);
-                    let (trig, forb) = (s[slots.trigger], s[slots.other]);
-                    if rule.breached(trig, forb, self.skew_ns) {
+                    let keep_t = self.attempt_specs[slots.trigger].keep;
+                    let keep_f = self.attempt_specs[slots.other].keep;
+                    // The current event is a candidate too: with a third node it may not be kept.
+                    let mut triggers: Vec<Slot> = spec_slots(s, slots.trigger, keep_t).collect();
+                    let mut forbidden: Vec<Slot> = spec_slots(s, slots.other, keep_f).collect();
+                    if hit & (1 << slots.trigger) != 0 {
+                        triggers.push(slot);
+                    }
+                    if hit & (1 << slots.other) != 0 {
+                        forbidden.push(slot);
+                    }
+                    if let Some((trig, forb)) =
+                        rule.breaching_pair(&triggers, &forbidden, self.skew_ns)
+                    {
                         if self.store.attempts[a as usize].fired & bit != 0 {
                             self.stats.repeats += 1;
                             continue;
@@ -446,17 +473,23 @@ impl Checker {
                 }
                 (Shape::NeverAfter(_), Scope::Request) => {
                     let Some(r) = request else { continue };
-                    let own = self.store.attempt_slots(a)[slots.other_latest];
+                    let keep_own = self.attempt_specs[slots.other_latest].keep;
+                    let own: Vec<Slot> =
+                        spec_slots(self.store.attempt_slots(a), slots.other_latest, keep_own)
+                            .collect();
                     let keep_other = self.request_specs[slots.other].keep;
                     let mut changed = linked || hit & (1 << slots.other_latest) != 0;
-                    self.store.request_slots_mut(r)[slots.other].fold(own, keep_other);
+                    for o in own {
+                        fold_into(self.store.request_slots_mut(r), slots.other, keep_other, o);
+                    }
                     if self.request_specs[slots.trigger]
                         .matchers
                         .iter()
                         .any(|m| m.matches(e))
                     {
                         let keep = self.request_specs[slots.trigger].keep;
-                        changed |= self.store.request_slots_mut(r)[slots.trigger].fold(slot, keep);
+                        changed |=
+                            fold_into(self.store.request_slots_mut(r), slots.trigger, keep, slot);
                     }
                     if changed {
                         self.check_request_rule(ri, r, Some(a), Some(e), out);
@@ -479,15 +512,23 @@ impl Checker {
                     }
                 }
                 (Shape::Predicate(p), _) => {
-                    let matched = hit & (1 << slots.trigger) != 0;
+                    let matched = hit & slots.stage_mask() != 0;
                     if !matched {
                         // A new fact (the input length) may make an earlier admission a breach.
-                        let first = self.store.attempt_slots(a)[slots.trigger];
-                        if facts_changed
-                            && first.is_set()
+                        let s = self.store.attempt_slots(a);
+                        let first = slots
+                            .per_stage
+                            .iter()
+                            .flatten()
+                            .map(|&k| s[k])
+                            .filter(|s| s.is_set())
+                            .map(|s| s.time())
+                            .min();
+                        if let Some(first) = first
+                            && facts_changed
                             && self.store.attempts[a as usize].fired & bit == 0
                         {
-                            self.schedule(a, first.time());
+                            self.schedule(a, first);
                         }
                         continue;
                     }
@@ -545,14 +586,12 @@ impl Checker {
             }
             let k = r.slots;
             match &r.rule.shape {
-                Shape::MustFollow(m) => m.breached(
-                    s[k.trigger],
-                    s[k.other],
-                    s[k.other_latest],
-                    k.given.map(|g| s[g]),
-                    self.skew_ns,
-                ),
+                Shape::MustFollow(m) => {
+                    !m.satisfied(s[k.trigger], s[k.other], s[k.other_latest], self.skew_ns)
+                }
                 Shape::RequiresBefore(m) => m.breached(s[k.trigger], s[k.other], self.skew_ns),
+                // Judged at the watermark only: a capacity report may still come.
+                Shape::Predicate(_) => k.per_stage.iter().flatten().any(|&i| s[i].is_set()),
                 _ => false,
             }
         });
@@ -574,15 +613,16 @@ impl Checker {
         let Some(ti) = self.store.tomb_index(seq) else {
             return;
         };
-        let hit = matching_specs(&self.attempt_specs, e);
+        let hit = self.attempt_index.matching(e);
         let slot = Slot::from_event(e, node);
         let map = self.store.tomb_slot_map().to_vec();
+        let mut kept = self.store.tomb_slots_of(ti);
         for (k, &spec) in map.iter().enumerate() {
             if hit & (1 << spec) != 0 {
-                let keep = self.attempt_specs[spec].keep;
-                self.store.tomb_slot_mut(ti, k).fold(slot, keep);
+                fold_into(&mut kept, k, self.attempt_specs[spec].keep, slot);
             }
         }
+        self.store.set_tomb_slots(ti, &kept);
         let attempt = AttemptAliases {
             bootstrap_room: e.ids.bootstrap_room.map(|r| r.0),
             rid: e.ids.rid.as_deref().map(str::to_owned),
@@ -600,9 +640,20 @@ impl Checker {
                             .position(|&m| m == s)
                             .expect("never-after slots are kept in tombstones")
                     };
-                    let trig = self.store.tomb_slot(ti, pos(slots.trigger));
-                    let forb = self.store.tomb_slot(ti, pos(slots.other));
-                    if rule.breached(trig, forb, self.skew_ns) {
+                    let (pt, pf) = (pos(slots.trigger), pos(slots.other));
+                    let mut triggers: Vec<Slot> =
+                        spec_slots(&kept, pt, self.attempt_specs[slots.trigger].keep).collect();
+                    let mut forbidden: Vec<Slot> =
+                        spec_slots(&kept, pf, self.attempt_specs[slots.other].keep).collect();
+                    if hit & (1 << slots.trigger) != 0 {
+                        triggers.push(slot);
+                    }
+                    if hit & (1 << slots.other) != 0 {
+                        forbidden.push(slot);
+                    }
+                    if let Some((trig, forb)) =
+                        rule.breaching_pair(&triggers, &forbidden, self.skew_ns)
+                    {
                         if self.store.tomb(ti).fired & bit != 0 {
                             self.stats.repeats += 1;
                             continue;
@@ -632,11 +683,13 @@ impl Checker {
                     let mut changed = false;
                     if rule.forbidden.iter().any(|m| m.matches(e)) {
                         let keep = self.request_specs[slots.other].keep;
-                        changed |= self.store.request_slots_mut(r)[slots.other].fold(slot, keep);
+                        changed |=
+                            fold_into(self.store.request_slots_mut(r), slots.other, keep, slot);
                     }
                     if rule.trigger.iter().any(|m| m.matches(e)) {
                         let keep = self.request_specs[slots.trigger].keep;
-                        changed |= self.store.request_slots_mut(r)[slots.trigger].fold(slot, keep);
+                        changed |=
+                            fold_into(self.store.request_slots_mut(r), slots.trigger, keep, slot);
                     }
                     if changed {
                         self.check_request_rule(ri, r, None, Some(e), out);
@@ -656,7 +709,7 @@ impl Checker {
         node: NodeId,
         out: &mut Vec<Violation>,
     ) {
-        let hit = matching_specs(&self.request_specs, e) & self.request_trigger_mask;
+        let hit = self.request_index.matching(e) & self.request_trigger_mask;
         if hit != 0 {
             let slot = Slot::from_event(e, node);
             let mut bits = hit;
@@ -664,7 +717,7 @@ impl Checker {
                 let k = bits.trailing_zeros() as usize;
                 bits &= bits - 1;
                 let keep = self.request_specs[k].keep;
-                self.store.request_slots_mut(r)[k].fold(slot, keep);
+                fold_into(self.store.request_slots_mut(r), k, keep, slot);
             }
             for ri in 0..self.rules.len() {
                 let rule = &self.rules[ri];
@@ -692,10 +745,13 @@ impl Checker {
         };
         let slots = self.rules[ri].slots;
         let s = self.store.request_slots(r);
-        let (trig, forb) = (s[slots.trigger], s[slots.other]);
-        if !rule.breached(trig, forb, self.skew_ns) {
+        let triggers: Vec<Slot> =
+            spec_slots(s, slots.trigger, self.request_specs[slots.trigger].keep).collect();
+        let forbidden: Vec<Slot> =
+            spec_slots(s, slots.other, self.request_specs[slots.other].keep).collect();
+        let Some((trig, forb)) = rule.breaching_pair(&triggers, &forbidden, self.skew_ns) else {
             return;
-        }
+        };
         let bit = 1u64 << ri;
         if self.store.requests[r as usize].fired & bit != 0 {
             self.stats.repeats += 1;
@@ -853,22 +909,30 @@ impl Checker {
                     }
                 }
                 Shape::Predicate(p) => {
-                    let first = s[slots.trigger];
-                    let Some(ev) = first.get() else { continue };
-                    if ev.time_ns > wm {
-                        next = Some(next.map_or(ev.time_ns, |n| n.min(ev.time_ns)));
-                        continue;
-                    }
                     let at = &self.store.attempts[a as usize];
-                    let mut probe = LifecycleEvent::new(ev.time_ns, ev.stage, ev.kind, ev.source);
-                    probe.status = ev.status;
-                    let known = Known {
-                        input_tokens: Some(at.input_tokens as u64).filter(|&n| n > 0),
-                        capacity: self.capacity.get(&(at.worker_key, ev.stage)).copied(),
-                    };
-                    let Some(breach) = p.evaluate(&probe, known) else {
-                        continue;
-                    };
+                    let mut found = None;
+                    for k in slots.per_stage.iter().flatten() {
+                        let Some(ev) = s[*k].get() else { continue };
+                        if ev.time_ns > wm {
+                            next = Some(next.map_or(ev.time_ns, |n| n.min(ev.time_ns)));
+                            continue;
+                        }
+                        let mut probe =
+                            LifecycleEvent::new(ev.time_ns, ev.stage, ev.kind, ev.source);
+                        probe.status = ev.status;
+                        let known = Known {
+                            input_tokens: Some(at.input_tokens as u64).filter(|&n| n > 0),
+                            capacity: self
+                                .capacity
+                                .get(&(at.worker_keys[ev.stage as usize], ev.stage))
+                                .copied(),
+                        };
+                        if let Some(b) = p.evaluate(&probe, known) {
+                            found = Some((ev, b));
+                            break;
+                        }
+                    }
+                    let Some((ev, breach)) = found else { continue };
                     Finding {
                         rule: ri,
                         request: None,

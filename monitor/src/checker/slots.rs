@@ -13,6 +13,75 @@ use super::matcher::{Matcher, any_matches};
 pub enum Keep {
     Earliest,
     Latest,
+    /// The earliest event of each of up to two nodes (clock domains), in this slot and the next.
+    /// "Later" is exact within a node and skew-tolerant across nodes, so one extreme is not
+    /// enough: the earliest trigger of one node may not breach while another node's does.
+    EarliestPerNode,
+    /// The latest event of each of up to two nodes, in this slot and the next.
+    LatestPerNode,
+    /// The second slot of a per-node pair; never matched on its own.
+    PairTail,
+}
+
+impl Keep {
+    pub fn is_pair(self) -> bool {
+        matches!(self, Keep::EarliestPerNode | Keep::LatestPerNode)
+    }
+}
+
+/// Folds `new` into the slot(s) of spec `k`: one slot for `Earliest`/`Latest`, the pair `k, k+1`
+/// for the per-node keeps. With a third node the pair keeps the two most extreme events.
+pub fn fold_into(slots: &mut [Slot], k: usize, keep: Keep, new: Slot) -> bool {
+    match keep {
+        Keep::Earliest | Keep::Latest => slots[k].fold(new, keep),
+        Keep::PairTail => false,
+        Keep::EarliestPerNode | Keep::LatestPerNode => {
+            if !new.is_set() {
+                return false;
+            }
+            let single = if keep == Keep::EarliestPerNode {
+                Keep::Earliest
+            } else {
+                Keep::Latest
+            };
+            for i in [k, k + 1] {
+                if slots[i].is_set() && slots[i].node() == new.node() {
+                    return slots[i].fold(new, single);
+                }
+            }
+            for i in [k, k + 1] {
+                if !slots[i].is_set() {
+                    slots[i] = new;
+                    return true;
+                }
+            }
+            // A third node: replace the less extreme of the two if the new one is more extreme.
+            let (a, b) = (slots[k].time(), slots[k + 1].time());
+            let weaker = match keep {
+                Keep::EarliestPerNode => {
+                    if a >= b {
+                        k
+                    } else {
+                        k + 1
+                    }
+                }
+                _ => {
+                    if a <= b {
+                        k
+                    } else {
+                        k + 1
+                    }
+                }
+            };
+            slots[weaker].fold(new, single)
+        }
+    }
+}
+
+/// The slots a spec occupies (one, or the pair of a per-node keep).
+pub fn spec_slots(slots: &[Slot], k: usize, keep: Keep) -> impl Iterator<Item = Slot> + '_ {
+    let n = if keep.is_pair() { 2 } else { 1 };
+    slots[k..k + n].iter().copied()
 }
 
 /// What one slot tracks: the events matching `matchers`, keeping the earliest or the latest.
@@ -103,8 +172,9 @@ impl Slot {
         }
         let replace = !self.is_set()
             || match keep {
-                Keep::Earliest => other.time() < self.time(),
-                Keep::Latest => other.time() > self.time(),
+                Keep::Earliest | Keep::EarliestPerNode => other.time() < self.time(),
+                Keep::Latest | Keep::LatestPerNode => other.time() > self.time(),
+                Keep::PairTail => false,
             };
         if replace {
             *self = other;
@@ -113,7 +183,8 @@ impl Slot {
     }
 }
 
-/// Returns the bit set of specs whose matchers match `e`.
+/// Returns the bit set of specs whose matchers match `e` (reference implementation; the engine
+/// uses [`SpecIndex`], which must agree with it).
 pub fn matching_specs(specs: &[SlotSpec], e: &LifecycleEvent) -> u64 {
     let mut hit = 0u64;
     for (i, s) in specs.iter().enumerate() {
@@ -122,6 +193,70 @@ pub fn matching_specs(specs: &[SlotSpec], e: &LifecycleEvent) -> u64 {
         }
     }
     hit
+}
+
+const STAGE_KINDS: usize = Stage::ALL.len() * Kind::ALL.len();
+
+fn stage_kind(stage: Stage, kind: Kind) -> usize {
+    stage as usize * Kind::ALL.len() + kind as usize
+}
+
+/// Spec matching as table look-ups: per (stage, kind), the specs that match outright and those
+/// that still need their source/status/target conditions checked. Every event pays this, so it is
+/// one array index instead of walking each spec's matcher lists.
+#[derive(Debug, Clone)]
+pub struct SpecIndex {
+    outright: [u64; STAGE_KINDS],
+    conditional: [u64; STAGE_KINDS],
+    specs: Vec<SlotSpec>,
+}
+
+impl SpecIndex {
+    pub fn new(specs: &[SlotSpec]) -> SpecIndex {
+        let mut outright = [0u64; STAGE_KINDS];
+        let mut conditional = [0u64; STAGE_KINDS];
+        for (i, spec) in specs.iter().enumerate() {
+            for m in &spec.matchers {
+                let plain = m.source.is_empty()
+                    && m.to.is_empty()
+                    && m.status_below.is_none()
+                    && m.status_at_least.is_none();
+                for stage in Stage::ALL {
+                    for kind in Kind::ALL {
+                        if (m.stage.is_empty() || m.stage.contains(&stage))
+                            && (m.kind.is_empty() || m.kind.contains(&kind))
+                        {
+                            let table = if plain {
+                                &mut outright
+                            } else {
+                                &mut conditional
+                            };
+                            table[stage_kind(stage, kind)] |= 1 << i;
+                        }
+                    }
+                }
+            }
+        }
+        SpecIndex {
+            outright,
+            conditional,
+            specs: specs.to_vec(),
+        }
+    }
+
+    pub fn matching(&self, e: &LifecycleEvent) -> u64 {
+        let k = stage_kind(e.stage, e.kind);
+        let mut hit = self.outright[k];
+        let mut rest = self.conditional[k] & !hit;
+        while rest != 0 {
+            let i = rest.trailing_zeros() as usize;
+            rest &= rest - 1;
+            if any_matches(&self.specs[i].matchers, e) {
+                hit |= 1 << i;
+            }
+        }
+        hit
+    }
 }
 
 /// Deduplicating registry of slot specs, filled while compiling rules.
@@ -146,6 +281,13 @@ impl SlotLayout {
             matchers: matchers.to_vec(),
             keep,
         });
+        if keep.is_pair() {
+            self.specs.push(SlotSpec {
+                matchers: Vec::new(),
+                keep: Keep::PairTail,
+            });
+            return self.specs.len() - 2;
+        }
         self.specs.len() - 1
     }
 
@@ -180,6 +322,51 @@ mod tests {
         );
         assert_eq!(s.node(), 5);
         assert_eq!(std::mem::size_of::<Slot>(), 12);
+    }
+
+    #[test]
+    fn spec_index_agrees_with_the_matchers() {
+        let set = crate::checker::RuleSet::embedded_defaults();
+        let (mut a, mut r) = (SlotLayout::default(), SlotLayout::default());
+        crate::checker::rules::compile(&set, &mut a, &mut r);
+        let index = SpecIndex::new(&a.specs);
+        for stage in Stage::ALL {
+            for kind in Kind::ALL {
+                for source in Source::ALL {
+                    for status in [None, Some(200), Some(400), Some(503)] {
+                        for to in [None, Some(Stage::Decode)] {
+                            let mut e = LifecycleEvent::new(1, stage, kind, source);
+                            e.status = status;
+                            e.to = to;
+                            assert_eq!(index.matching(&e), matching_specs(&a.specs, &e), "{e:?}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn per_node_pairs_keep_each_nodes_extreme() {
+        let at = |t, node| {
+            Slot::from_event(
+                &LifecycleEvent::new(t, Stage::Decode, Kind::Work, Source::Ebpf),
+                node,
+            )
+        };
+        let mut s = [Slot::EMPTY; 2];
+        for (t, n) in [(10, 1), (40, 2), (20, 1), (30, 2)] {
+            fold_into(&mut s, 0, Keep::LatestPerNode, at(t, n));
+        }
+        assert_eq!(
+            (s[0].time(), s[0].node(), s[1].time(), s[1].node()),
+            (20, 1, 40, 2)
+        );
+        // A third node replaces the less extreme only when it is more extreme.
+        fold_into(&mut s, 0, Keep::LatestPerNode, at(15, 3));
+        assert_eq!((s[0].time(), s[1].time()), (20, 40));
+        fold_into(&mut s, 0, Keep::LatestPerNode, at(50, 3));
+        assert_eq!((s[0].time(), s[0].node(), s[1].time()), (50, 3, 40));
     }
 
     #[test]

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use super::slots::{self, SlotLayout};
+use super::slots::SlotLayout;
 use crate::event::Stage;
 
 pub use must_follow::MustFollow;
@@ -385,6 +385,18 @@ pub struct RuleSlots {
     pub other_latest: usize,
     /// must_follow: earliest `given` event, when the rule has a `given`.
     pub given: Option<usize>,
+    /// predicate: the earliest matching event per stage (capacity is per stage).
+    pub per_stage: [Option<usize>; 4],
+}
+
+impl RuleSlots {
+    /// Bit set of the per-stage slots.
+    pub fn stage_mask(&self) -> u64 {
+        self.per_stage
+            .iter()
+            .flatten()
+            .fold(0, |m, &k| m | (1 << k))
+    }
 }
 
 /// A rule ready for the engine.
@@ -410,12 +422,9 @@ pub fn compile(
             Shape::NeverAfter(s) => s.slots(rule.scope, attempt, request),
             Shape::MustFollow(s) => s.slots(attempt),
             Shape::RequiresBefore(s) => s.slots(attempt),
-            // The earliest matching event is re-judged at the watermark, so facts that arrive
-            // later (the input length, a capacity report) still count.
-            Shape::Predicate(p) => RuleSlots {
-                trigger: attempt.slot(&p.on, slots::Keep::Earliest),
-                ..Default::default()
-            },
+            // The earliest matching event per stage is judged again at the watermark, so facts
+            // that arrive later (the input length, a capacity report) still count.
+            Shape::Predicate(p) => p.slots(attempt),
         };
         out.push(CompiledRule {
             index,

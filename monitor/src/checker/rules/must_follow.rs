@@ -41,6 +41,7 @@ impl MustFollow {
             other: attempt.slot(&self.expect, Keep::Earliest),
             other_latest: attempt.slot(&self.expect, Keep::Latest),
             given: (!self.given.is_empty()).then(|| attempt.slot(&self.given, Keep::Earliest)),
+            per_stage: [None; 4],
         }
     }
 
@@ -50,6 +51,20 @@ impl MustFollow {
                 .time()
                 .saturating_add(self.within.0.as_nanos() as u64)
         })
+    }
+
+    /// True when an expected event already lies in the window: nothing that arrives later can
+    /// make the rule breached (whatever `given` turns out to be).
+    pub fn satisfied(&self, trigger: Slot, earliest: Slot, latest: Slot, skew_ns: u64) -> bool {
+        let Some(deadline) = self.deadline(trigger) else {
+            return true;
+        };
+        let counts = |s: Slot| {
+            s.is_set()
+                && s.time() <= deadline
+                && (!self.after_trigger || s.time().saturating_add(skew_ns) >= trigger.time())
+        };
+        counts(earliest) || counts(latest)
     }
 
     /// Judged once the watermark is past [`Self::deadline`].
@@ -69,12 +84,7 @@ impl MustFollow {
         {
             return false;
         }
-        let counts = |s: Slot| {
-            s.is_set()
-                && s.time() <= deadline
-                && (!self.after_trigger || s.time().saturating_add(skew_ns) >= trigger.time())
-        };
-        !(counts(earliest) || counts(latest))
+        !self.satisfied(trigger, earliest, latest, skew_ns)
     }
 }
 

@@ -38,19 +38,32 @@ impl NeverAfter {
     ) -> RuleSlots {
         match scope {
             Scope::Attempt => RuleSlots {
-                trigger: attempt.slot(&self.trigger, Keep::Earliest),
-                other: attempt.slot(&self.forbidden, Keep::Latest),
+                trigger: attempt.slot(&self.trigger, Keep::EarliestPerNode),
+                other: attempt.slot(&self.forbidden, Keep::LatestPerNode),
                 ..Default::default()
             },
             // The request keeps both sides; the attempt keeps its own latest forbidden event so
             // that an attempt linked to its request only later still brings its history along.
             Scope::Request => RuleSlots {
-                trigger: request.slot(&self.trigger, Keep::Earliest),
-                other: request.slot(&self.forbidden, Keep::Latest),
-                other_latest: attempt.slot(&self.forbidden, Keep::Latest),
-                given: None,
+                trigger: request.slot(&self.trigger, Keep::EarliestPerNode),
+                other: request.slot(&self.forbidden, Keep::LatestPerNode),
+                other_latest: attempt.slot(&self.forbidden, Keep::LatestPerNode),
+                ..Default::default()
             },
         }
+    }
+
+    /// The first (trigger, forbidden) pair among the candidates that breaches the rule.
+    pub fn breaching_pair(
+        &self,
+        triggers: &[Slot],
+        forbidden: &[Slot],
+        skew_ns: u64,
+    ) -> Option<(Slot, Slot)> {
+        triggers
+            .iter()
+            .flat_map(|t| forbidden.iter().map(move |f| (*t, *f)))
+            .find(|(t, f)| self.breached(*t, *f, skew_ns))
     }
 
     /// True when `forbidden` is later than `trigger` by more than the grace, counting the clock

@@ -6,8 +6,10 @@
 
 use serde::{Deserialize, Serialize};
 
+use super::RuleSlots;
 use crate::checker::matcher::Matcher;
-use crate::event::LifecycleEvent;
+use crate::checker::slots::{Keep, SlotLayout};
+use crate::event::{Kind, LifecycleEvent, Stage};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -177,6 +179,31 @@ pub struct Known {
 }
 
 impl Predicate {
+    /// One slot per stage the rule can match: capacity, and so the verdict, depends on the stage.
+    /// Capacity reports are worker facts, not attempt events, and get no slot.
+    pub fn slots(&self, attempt: &mut SlotLayout) -> RuleSlots {
+        let mut per_stage = [None; 4];
+        for stage in Stage::ALL {
+            let on: Vec<Matcher> = self
+                .on
+                .iter()
+                .filter(|m| m.stage.is_empty() || m.stage.contains(&stage))
+                .filter(|m| m.kind.is_empty() || m.kind.iter().any(|k| *k != Kind::Capacity))
+                .map(|m| Matcher {
+                    stage: vec![stage],
+                    ..m.clone()
+                })
+                .collect();
+            if !on.is_empty() {
+                per_stage[stage as usize] = Some(attempt.slot(&on, Keep::Earliest));
+            }
+        }
+        RuleSlots {
+            per_stage,
+            ..Default::default()
+        }
+    }
+
     pub fn validate(&self) -> Result<(), String> {
         if self.on.is_empty() {
             return Err("predicate needs at least one `on` matcher".into());
@@ -242,7 +269,7 @@ impl Predicate {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::event::{Kind, Source, Stage};
+    use crate::event::Source;
 
     fn over_capacity() -> Predicate {
         Predicate {

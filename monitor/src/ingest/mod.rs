@@ -1,0 +1,3 @@
+//! Sources: everything that produces [`crate::pipeline::EventBatch`]es.
+
+pub mod otlp;

@@ -1,0 +1,189 @@
+//! OTLP receivers: gRPC (tonic, the maintained `opentelemetry-proto` services) and HTTP (axum,
+//! protobuf and JSON, gzip), both feeding one [`Ingest`] core.
+//!
+//! End-to-end acknowledgement: a request is answered OK only after its events were accepted by
+//! the pipeline's bounded channel. The channel slot is reserved *before* the span tree is
+//! touched, so a refused request (gRPC `UNAVAILABLE`, HTTP 503 + Retry-After) leaves no state
+//! behind and the client's retry is processed as if it were the first try.
+
+pub mod config;
+pub mod grpc;
+pub mod http;
+pub mod json;
+pub mod stats;
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use opentelemetry_proto::tonic::collector::logs::v1::ExportLogsServiceRequest;
+use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
+use tokio::sync::mpsc;
+
+pub use config::OtlpConfig;
+pub use stats::{OtlpStats, RejectReason, Transport};
+
+use crate::normalize::{Normalizer, Tally};
+use crate::pipeline::EventBatch;
+
+/// Why an export was not accepted; decides the status code the client sees.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum AcceptError {
+    /// Retryable: the pipeline is full.
+    #[error("pipeline full, retry later")]
+    Full,
+    /// Retryable from the client's view: we are shutting down.
+    #[error("pipeline closed (shutting down)")]
+    Closed,
+    /// Permanent: the export holds more spans or records than one request may.
+    #[error("export holds {got} items, the limit is {limit}")]
+    TooManyItems { got: usize, limit: usize },
+}
+
+/// The part both transports share: limits, the normalizer, the channel and the counters.
+pub struct Ingest {
+    tx: mpsc::Sender<EventBatch>,
+    normalizer: Mutex<Normalizer>,
+    pub stats: Arc<OtlpStats>,
+    pub max_items_per_request: usize,
+}
+
+fn now_ns() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0)
+}
+
+impl Ingest {
+    pub fn new(
+        tx: mpsc::Sender<EventBatch>,
+        normalizer: Normalizer,
+        stats: Arc<OtlpStats>,
+        max_items_per_request: usize,
+    ) -> Self {
+        Ingest {
+            tx,
+            normalizer: Mutex::new(normalizer),
+            stats,
+            max_items_per_request,
+        }
+    }
+
+    fn reserve(
+        &self,
+        items: usize,
+        transport: Transport,
+    ) -> Result<mpsc::Permit<'_, EventBatch>, AcceptError> {
+        if items > self.max_items_per_request {
+            self.stats
+                .rejected(transport, RejectReason::TooManyItems, items as u64);
+            return Err(AcceptError::TooManyItems {
+                got: items,
+                limit: self.max_items_per_request,
+            });
+        }
+        self.tx.try_reserve().map_err(|e| match e {
+            mpsc::error::TrySendError::Full(()) => {
+                self.stats
+                    .rejected(transport, RejectReason::PipelineFull, items as u64);
+                AcceptError::Full
+            }
+            mpsc::error::TrySendError::Closed(()) => {
+                self.stats
+                    .rejected(transport, RejectReason::PipelineClosed, items as u64);
+                AcceptError::Closed
+            }
+        })
+    }
+
+    pub fn accept_traces(
+        &self,
+        req: &ExportTraceServiceRequest,
+        transport: Transport,
+    ) -> Result<usize, AcceptError> {
+        let spans: usize = req
+            .resource_spans
+            .iter()
+            .flat_map(|r| &r.scope_spans)
+            .map(|s| s.spans.len())
+            .sum();
+        let permit = self.reserve(spans, transport)?;
+        let mut out = Vec::with_capacity(spans * 2);
+        let mut tally = Tally::default();
+        {
+            let mut n = self.normalizer.lock().unwrap_or_else(|p| p.into_inner());
+            n.traces(req, now_ns(), &mut out, &mut tally);
+        }
+        self.stats.accepted(transport, spans as u64, &tally);
+        let events = out.len();
+        if !out.is_empty() {
+            permit.send(out);
+        }
+        Ok(events)
+    }
+
+    pub fn accept_logs(
+        &self,
+        req: &ExportLogsServiceRequest,
+        transport: Transport,
+    ) -> Result<usize, AcceptError> {
+        let records: usize = req
+            .resource_logs
+            .iter()
+            .flat_map(|r| &r.scope_logs)
+            .map(|s| s.log_records.len())
+            .sum();
+        let permit = self.reserve(records, transport)?;
+        let mut out = Vec::new();
+        let mut tally = Tally::default();
+        {
+            let mut n = self.normalizer.lock().unwrap_or_else(|p| p.into_inner());
+            n.logs(req, &mut out, &mut tally);
+        }
+        self.stats.accepted_logs(transport, records as u64, &tally);
+        let events = out.len();
+        if !out.is_empty() {
+            permit.send(out);
+        }
+        Ok(events)
+    }
+
+    /// Gives up on orphans past their deadline and releases deferred completions; the run loop
+    /// calls it about once a second. Waits for channel room (it is the only sender that may).
+    pub async fn tick(&self) {
+        let mut tally = Tally::default();
+        let mut out = Vec::new();
+        let waiting = {
+            let mut n = self.normalizer.lock().unwrap_or_else(|p| p.into_inner());
+            n.tick(now_ns(), &mut out, &mut tally);
+            n.orphans_waiting()
+        };
+        self.stats.add_tally(&tally);
+        self.stats
+            .orphans_waiting
+            .store(waiting as u64, std::sync::atomic::Ordering::Relaxed);
+        let given_up = tally.total_unmapped();
+        if given_up > 0 {
+            tracing::warn!(
+                count = given_up,
+                "otlp: gave up on orphan spans whose attempt root never arrived"
+            );
+        }
+        if !out.is_empty() && self.tx.send(out).await.is_err() {
+            tracing::warn!("otlp: pipeline closed, deferred completions not delivered");
+        }
+    }
+}
+
+impl Ingest {
+    /// SGLang root completions still inside their grace period (not yet believed).
+    pub fn pending_completions(&self) -> usize {
+        self.normalizer
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .pending_completions()
+    }
+}
+
+/// Retry-After sent with 503: long enough for the checker to drain a full channel.
+pub const RETRY_AFTER: Duration = Duration::from_secs(1);

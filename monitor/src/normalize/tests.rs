@@ -1,0 +1,728 @@
+//! Profile tests against the real captures in `testdata/` (copied from shared/fixtures) and
+//! against synthetic spans for shapes the captures do not show.
+
+use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
+use opentelemetry_proto::tonic::common::v1::{
+    AnyValue, InstrumentationScope, KeyValue, any_value::Value,
+};
+use opentelemetry_proto::tonic::resource::v1::Resource;
+use opentelemetry_proto::tonic::trace::v1::{
+    ResourceSpans, ScopeSpans, Span, Status, span::Event, status::StatusCode,
+};
+
+use super::*;
+use crate::event::{BootstrapRoom, Kind, LifecycleEvent, Stage};
+use crate::ingest::otlp::json;
+
+const SMG: &str = include_str!("testdata/smg-0.3.2-spans.jsonl");
+const SGLANG: &str = include_str!("testdata/sglang-0.5.23-trace-spans.jsonl");
+
+/// A fixture line is one span plus `_resource` (flat map) and `_scope` (name): wrap it in a
+/// real OTLP/JSON export and decode it with the receiver's decoder.
+fn fixture_export(lines: &[&str]) -> ExportTraceServiceRequest {
+    let mut rs = Vec::new();
+    for line in lines {
+        let mut span: serde_json::Value = serde_json::from_str(line).unwrap();
+        let obj = span.as_object_mut().unwrap();
+        let resource = obj.remove("_resource").unwrap();
+        let scope = obj.remove("_scope").unwrap();
+        let attrs: Vec<_> = resource
+            .as_object()
+            .unwrap()
+            .iter()
+            .map(|(k, v)| serde_json::json!({"key": k, "value": {"stringValue": v}}))
+            .collect();
+        rs.push(serde_json::json!({
+            "resource": {"attributes": attrs},
+            "scopeSpans": [{"scope": {"name": scope}, "spans": [span]}]
+        }));
+    }
+    let doc = serde_json::json!({ "resourceSpans": rs });
+    json::decode_traces(doc.to_string().as_bytes()).unwrap()
+}
+
+fn lines(s: &str) -> Vec<&str> {
+    s.lines().filter(|l| !l.trim().is_empty()).collect()
+}
+
+fn run(
+    n: &mut Normalizer,
+    req: &ExportTraceServiceRequest,
+    now: u64,
+) -> (Vec<LifecycleEvent>, Tally) {
+    let mut out = Vec::new();
+    let mut tally = Tally::default();
+    n.traces(req, now, &mut out, &mut tally);
+    (out, tally)
+}
+
+fn normalizer() -> Normalizer {
+    Normalizer::new(&NormalizeConfig::default()).unwrap()
+}
+
+fn kinds(ev: &[LifecycleEvent]) -> Vec<(Stage, Kind)> {
+    let mut v: Vec<_> = ev.iter().map(|e| (e.stage, e.kind)).collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn smg_fixture_rejected_request() {
+    let (ev, tally) = run(&mut normalizer(), &fixture_export(&lines(SMG)), 1);
+    assert_eq!(tally.spans[ProfileLabel::Smg as usize], 1);
+    assert_eq!(ev.len(), 4, "{ev:#?}");
+    for e in &ev {
+        assert_eq!(e.stage, Stage::Router);
+        assert_eq!(e.ids.request_id.as_deref(), Some("traced-rej2"));
+        assert_eq!(
+            e.ids.trace_id.as_deref(),
+            Some("fa084eb02ad3bbf06c3f398bd391a50a")
+        );
+        assert!(!e.ids.names_attempt(), "router events are request-level");
+    }
+    assert_eq!(
+        (ev[0].kind, ev[0].time_ns),
+        (Kind::Received, 1795986795535483043)
+    );
+    assert_eq!(ev[0].detail.as_deref(), Some("/generate"));
+    assert_eq!(
+        (ev[1].kind, ev[1].to, ev[1].worker.as_deref()),
+        (
+            Kind::Dispatched,
+            Some(Stage::Prefill),
+            Some("http://127.0.0.1:31001")
+        )
+    );
+    assert_eq!(
+        (ev[2].kind, ev[2].to, ev[2].worker.as_deref()),
+        (
+            Kind::Dispatched,
+            Some(Stage::Decode),
+            Some("http://127.0.0.1:31002")
+        )
+    );
+    assert_eq!(ev[1].time_ns, 1795986795535695349);
+    assert_eq!(
+        (ev[3].kind, ev[3].status, ev[3].time_ns),
+        (Kind::Completed, Some(400), 1795986795536964845)
+    );
+}
+
+fn check_sglang_rejection(ev: &[LifecycleEvent]) {
+    assert_eq!(
+        kinds(ev),
+        vec![
+            (Stage::Prefill, Kind::Received),
+            (Stage::Prefill, Kind::Rejected)
+        ],
+        "{ev:#?}"
+    );
+    let room: BootstrapRoom = "0x314783f6bef71155".parse().unwrap();
+    for e in ev {
+        assert_eq!(
+            e.ids.rid.as_deref(),
+            Some("8f3c2b1a9d7e4f60a1b2c3d4e5f60718")
+        );
+        assert_eq!(e.ids.bootstrap_room, Some(room));
+        assert_eq!(
+            e.ids.trace_id.as_deref(),
+            Some("91f2d42643e31dfc9c047a63ebd93b66")
+        );
+    }
+    let rej = ev.iter().find(|e| e.kind == Kind::Rejected).unwrap();
+    // The abort sits on the scheduler thread span: its end time, its pid.
+    assert_eq!(rej.time_ns, 1795986865115326061);
+    assert_eq!(rej.pid, Some(14231));
+    assert!(
+        rej.reason
+            .as_deref()
+            .unwrap()
+            .contains("exceeds the maximum number of tokens")
+    );
+    assert_eq!(
+        (rej.input_tokens, rej.max_input_tokens),
+        (Some(9000), Some(8192))
+    );
+    let rec = ev.iter().find(|e| e.kind == Kind::Received).unwrap();
+    assert_eq!(rec.time_ns, 1795986865114562929);
+}
+
+#[test]
+fn sglang_fixture_children_before_root_in_one_export() {
+    let mut n = normalizer();
+    let (ev, tally) = run(&mut n, &fixture_export(&lines(SGLANG)), 1);
+    check_sglang_rejection(&ev);
+    assert_eq!(tally.spans[ProfileLabel::Sglang as usize], 6);
+    assert_eq!(n.orphans_waiting(), 0);
+    // tokenize, api_server_dispatch, prefill_prepare, the tokenizer thread span: structure only.
+    assert_eq!(
+        tally.unmapped_count(ProfileLabel::Sglang, Unmapped::UnknownSpan),
+        4
+    );
+}
+
+#[test]
+fn sglang_fixture_one_span_per_export_any_order() {
+    let all = lines(SGLANG);
+    let orders: Vec<Vec<usize>> = vec![
+        (0..6).collect(),
+        (0..6).rev().collect(),
+        vec![3, 0, 5, 1, 4, 2],
+    ];
+    for order in orders {
+        let mut n = normalizer();
+        let mut ev = Vec::new();
+        for (t, i) in order.iter().enumerate() {
+            ev.extend(run(&mut n, &fixture_export(&[all[*i]]), t as u64 + 1).0);
+        }
+        // Even when the root came first, the abort below it cancels its completion.
+        n.tick(u64::MAX / 2, &mut ev, &mut Tally::default());
+        check_sglang_rejection(&ev);
+        assert_eq!(n.orphans_waiting(), 0, "order {order:?}");
+    }
+}
+
+#[test]
+fn sglang_orphans_expire_and_are_counted() {
+    let all = lines(SGLANG);
+    let mut n = normalizer();
+    // Everything but the root: 5 spans wait for an attempt that never comes.
+    let (ev, tally) = run(&mut n, &fixture_export(&all[..5]), 1_000);
+    assert!(ev.is_empty());
+    assert_eq!(tally.orphans_buffered, 5);
+    assert_eq!(n.orphans_waiting(), 5);
+    let mut t = Tally::default();
+    let mut none = Vec::new();
+    n.tick(1_000 + 29_000_000_000, &mut none, &mut t);
+    assert_eq!(n.orphans_waiting(), 5, "not before the TTL");
+    n.tick(1_000 + 30_000_000_000, &mut none, &mut t);
+    assert!(none.is_empty());
+    assert_eq!(n.orphans_waiting(), 0);
+    assert_eq!(
+        t.unmapped_count(ProfileLabel::Sglang, Unmapped::OrphanExpired),
+        5
+    );
+    // The root arriving late still yields its own events, but the given-up children are gone.
+    let (mut ev, _) = run(&mut n, &fixture_export(&all[5..]), 40_000_000_000);
+    assert_eq!(kinds(&ev), vec![(Stage::Prefill, Kind::Received)]);
+    // Its completion is believed only after the grace period without an abort from below.
+    n.tick(44_000_000_000, &mut ev, &mut t);
+    assert_eq!(ev.len(), 1);
+    n.tick(45_000_000_000, &mut ev, &mut t);
+    assert_eq!(
+        kinds(&ev),
+        vec![
+            (Stage::Prefill, Kind::Received),
+            (Stage::Prefill, Kind::Completed)
+        ]
+    );
+}
+
+#[test]
+fn sglang_orphans_bounded_in_count() {
+    let cfg = NormalizeConfig {
+        sglang: sglang::TreeConfig {
+            max_orphans: 2,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let mut n = Normalizer::new(&cfg).unwrap();
+    let all = lines(SGLANG);
+    let (_, tally) = run(&mut n, &fixture_export(&all[..5]), 1);
+    assert!(n.orphans_waiting() <= 2);
+    let evicted = tally.unmapped_count(ProfileLabel::Sglang, Unmapped::OrphanEvicted);
+    assert_eq!(
+        evicted as usize + n.orphans_waiting(),
+        5,
+        "every orphan is either waiting or counted"
+    );
+}
+
+// ---- synthetic spans ----
+
+fn kv(k: &str, v: Value) -> KeyValue {
+    KeyValue {
+        key: k.into(),
+        value: Some(AnyValue { value: Some(v) }),
+        key_strindex: 0,
+    }
+}
+fn s(k: &str, v: &str) -> KeyValue {
+    kv(k, Value::StringValue(v.into()))
+}
+
+fn span(
+    trace: u8,
+    id: u64,
+    parent: u64,
+    name: &str,
+    start: u64,
+    end: u64,
+    attrs: Vec<KeyValue>,
+) -> Span {
+    Span {
+        trace_id: vec![trace; 16],
+        span_id: id.to_be_bytes().to_vec(),
+        parent_span_id: if parent == 0 {
+            vec![]
+        } else {
+            parent.to_be_bytes().to_vec()
+        },
+        name: name.into(),
+        start_time_unix_nano: start,
+        end_time_unix_nano: end,
+        attributes: attrs,
+        ..Default::default()
+    }
+}
+
+fn export(service: &str, scope: &str, spans: Vec<Span>) -> ExportTraceServiceRequest {
+    ExportTraceServiceRequest {
+        resource_spans: vec![ResourceSpans {
+            resource: Some(Resource {
+                attributes: vec![s("service.name", service)],
+                ..Default::default()
+            }),
+            scope_spans: vec![ScopeSpans {
+                scope: Some(InstrumentationScope {
+                    name: scope.into(),
+                    ..Default::default()
+                }),
+                spans,
+                schema_url: String::new(),
+            }],
+            schema_url: String::new(),
+        }],
+    }
+}
+
+#[test]
+fn sglang_retries_share_a_trace_but_never_an_attempt() {
+    // Two attempts of one client request in one router trace (same trace id), each with its
+    // own rid and room: the events must keep the attempts apart.
+    let spans = vec![
+        span(
+            7,
+            11,
+            0,
+            "prefill Req aaaa",
+            10,
+            20,
+            vec![s("rid", "aaaa"), s("bootstrap_room", "0x1")],
+        ),
+        span(7, 12, 11, "prefill_forward", 12, 15, vec![]),
+        span(
+            7,
+            21,
+            0,
+            "prefill Req bbbb",
+            30,
+            40,
+            vec![s("rid", "bbbb"), s("bootstrap_room", "0x2")],
+        ),
+        span(7, 22, 21, "prefill_forward", 32, 35, vec![]),
+    ];
+    let (ev, _) = run(
+        &mut normalizer(),
+        &export("sglang", "sglang server", spans),
+        1,
+    );
+    let work: Vec<_> = ev.iter().filter(|e| e.kind == Kind::Work).collect();
+    assert_eq!(work.len(), 2);
+    assert_eq!(work[0].ids.trace_id, work[1].ids.trace_id);
+    let rooms: Vec<_> = work
+        .iter()
+        .map(|e| {
+            (
+                e.ids.rid.as_deref().unwrap(),
+                e.ids.bootstrap_room.unwrap().0,
+            )
+        })
+        .collect();
+    assert!(
+        rooms.contains(&("aaaa", 1)) && rooms.contains(&("bbbb", 2)),
+        "{rooms:?}"
+    );
+}
+
+#[test]
+fn sglang_decode_leg_and_kv_transfer_root() {
+    let spans = vec![
+        // Decode thread + slices exported before the root.
+        span(1, 3, 2, "decode_loop", 50, 60, vec![]),
+        span(1, 4, 2, "decode_transferred", 40, 45, vec![]),
+        span(
+            1,
+            2,
+            1,
+            "Decode Scheduler [TP 0] (host:ab | pid:9)",
+            35,
+            60,
+            vec![
+                s("thread_label", "Decode Scheduler"),
+                kv("pid", Value::IntValue(9)),
+            ],
+        ),
+        span(
+            1,
+            1,
+            0,
+            "decode Req cafe",
+            30,
+            61,
+            vec![s("rid", "cafe"), s("bootstrap_room", "0x2a")],
+        ),
+        // KV transfer under its own root whose rid is the hex room.
+        span(2, 7, 6, "mooncake_send", 41, 44, vec![]),
+        span(2, 6, 0, " Req 0x2a", 40, 45, vec![s("rid", "0x2a")]),
+    ];
+    let mut n = normalizer();
+    let (mut ev, tally) = run(&mut n, &export("sglang-decode", "sglang server", spans), 1);
+    n.tick(10_000_000_000, &mut ev, &mut Tally::default());
+    assert_eq!(
+        kinds(&ev),
+        vec![
+            (Stage::Transfer, Kind::Work),
+            (Stage::Transfer, Kind::Work),
+            (Stage::Decode, Kind::Received),
+            (Stage::Decode, Kind::Work),
+            (Stage::Decode, Kind::Completed),
+        ],
+        "{ev:#?}"
+    );
+    let mc = ev
+        .iter()
+        .find(|e| e.detail.as_deref() == Some("mooncake_send"))
+        .unwrap();
+    assert_eq!(
+        (mc.ids.rid.as_deref(), mc.ids.bootstrap_room),
+        (None, Some(BootstrapRoom(42)))
+    );
+    assert_eq!(mc.time_ns, 44);
+    let dl = ev
+        .iter()
+        .find(|e| e.detail.as_deref() == Some("decode_loop"))
+        .unwrap();
+    assert_eq!(
+        (dl.ids.rid.as_deref(), dl.ids.bootstrap_room),
+        (Some("cafe"), Some(BootstrapRoom(42)))
+    );
+    assert_eq!(tally.orphans_buffered, 4);
+}
+
+#[test]
+fn sglang_old_bootstrap_room_parent_gives_the_room() {
+    // ≤ 0.5.9: the room sits on a "Bootstrap Room" parent; the root has only the rid.
+    let spans = vec![
+        span(
+            3,
+            1,
+            0,
+            "Bootstrap Room 0x5",
+            1,
+            100,
+            vec![s("bootstrap_room", "0x5")],
+        ),
+        span(3, 2, 1, "prefill Req beef", 1, 99, vec![s("rid", "beef")]),
+        span(
+            3,
+            3,
+            2,
+            "Scheduler (host:1 | pid:2)",
+            2,
+            98,
+            vec![s("thread_label", "Scheduler")],
+        ),
+        span(3, 4, 3, "prefill_forward", 3, 10, vec![]),
+    ];
+    let mut n = normalizer();
+    let (mut ev, _) = run(&mut n, &export("sglang", "sglang server", spans), 1);
+    n.tick(10_000_000_000, &mut ev, &mut Tally::default());
+    assert_eq!(
+        kinds(&ev),
+        vec![
+            (Stage::Prefill, Kind::Received),
+            (Stage::Prefill, Kind::Work),
+            (Stage::Prefill, Kind::Completed)
+        ]
+    );
+    assert!(
+        ev.iter()
+            .all(|e| e.ids.bootstrap_room == Some(BootstrapRoom(5))
+                && e.ids.rid.as_deref() == Some("beef"))
+    );
+}
+
+#[test]
+fn smg_router_refusal_is_rejected_and_success_completed() {
+    let refused = span(
+        1,
+        1,
+        0,
+        "http_request",
+        1,
+        2,
+        vec![s("request_id", "r1"), s("status_code", "503")],
+    );
+    let mut ok = span(
+        1,
+        2,
+        0,
+        "http_request",
+        1,
+        9,
+        vec![s("request_id", "r2"), s("status_code", "200")],
+    );
+    ok.events.push(Event {
+        time_unix_nano: 3,
+        name: smg::EVENT_DISPATCH.into(),
+        attributes: vec![s("prefill_url", "http://p"), s("decode_url", "http://d")],
+        dropped_attributes_count: 0,
+    });
+    let other = span(1, 3, 0, "some_internal_span", 1, 2, vec![]);
+    let (ev, tally) = run(
+        &mut normalizer(),
+        &export("smg", "smg", vec![refused, ok, other]),
+        1,
+    );
+    let ends: Vec<_> = ev
+        .iter()
+        .filter(|e| e.kind.is_terminal())
+        .map(|e| (e.ids.request_id.as_deref().unwrap(), e.kind, e.status))
+        .collect();
+    assert_eq!(
+        ends,
+        vec![
+            ("r1", Kind::Rejected, Some(503)),
+            ("r2", Kind::Completed, Some(200))
+        ]
+    );
+    assert_eq!(
+        tally.unmapped_count(ProfileLabel::Smg, Unmapped::UnknownSpan),
+        1
+    );
+}
+
+#[test]
+fn vllm_request_span() {
+    let mut sp = span(
+        4,
+        1,
+        0,
+        "llm_request",
+        1_000_000_000,
+        3_000_000_000,
+        vec![
+            s("gen_ai.request.id", "cmpl-1"),
+            kv("gen_ai.usage.prompt_tokens", Value::IntValue(120)),
+            kv("gen_ai.usage.completion_tokens", Value::IntValue(16)),
+            kv("gen_ai.latency.time_in_queue", Value::DoubleValue(0.25)),
+            kv(
+                "gen_ai.latency.time_to_first_token",
+                Value::DoubleValue(0.5),
+            ),
+        ],
+    );
+    let (ev, _) = run(
+        &mut normalizer(),
+        &export("vllm", "vllm.llm_engine", vec![sp.clone()]),
+        1,
+    );
+    let got: Vec<_> = ev.iter().map(|e| (e.kind, e.time_ns)).collect();
+    assert_eq!(
+        got,
+        vec![
+            (Kind::Received, 1_000_000_000),
+            (Kind::Admitted, 1_250_000_000),
+            (Kind::Work, 1_500_000_000),
+            (Kind::Work, 3_000_000_000),
+            (Kind::Completed, 3_000_000_000)
+        ]
+    );
+    assert!(ev.iter().all(|e| e.ids.rid.as_deref() == Some("cmpl-1")
+        && e.input_tokens == Some(120)
+        && e.stage == Stage::Decode));
+    // A prefill instance says so through its resource; an ERROR status is an abort.
+    sp.status = Some(Status {
+        message: String::new(),
+        code: StatusCode::Error as i32,
+    });
+    let mut req = export("vllm", "vllm.llm_engine", vec![sp]);
+    req.resource_spans[0]
+        .resource
+        .as_mut()
+        .unwrap()
+        .attributes
+        .push(s("revenant.stage", "prefill"));
+    let (ev, _) = run(&mut normalizer(), &req, 1);
+    assert!(ev.iter().all(|e| e.stage == Stage::Prefill));
+    assert_eq!(ev.last().unwrap().kind, Kind::Aborted);
+}
+
+const GENERIC: &str = r#"
+generic:
+  - name: mystack
+    select: { service_name: my-prefill }
+    ids: { request_id: [x-request-id], rid: [req.id], bootstrap_room: [room] }
+    tokens: { input_tokens: [gen_ai.usage.input_tokens], max_input_tokens: [limit] }
+    status: [http.response.status_code]
+    rules:
+      - { name: handle, stage: prefill, kind: received, at: start }
+      - { name: handle, error: true, stage: prefill, kind: rejected }
+      - { name: handle, error: false, stage: prefill, kind: completed }
+      - { name_prefix: "fwd", stage: prefill, kind: work }
+"#;
+
+#[test]
+fn generic_yaml_mapping() {
+    let cfg: NormalizeConfig = serde_saphyr::from_str(GENERIC).unwrap();
+    let mut n = Normalizer::new(&cfg).unwrap();
+    let mut h = span(
+        5,
+        1,
+        0,
+        "handle",
+        10,
+        20,
+        vec![
+            s("x-request-id", "q"),
+            s("req.id", "a1"),
+            s("room", "77"),
+            kv("gen_ai.usage.input_tokens", Value::IntValue(9000)),
+            kv("limit", Value::IntValue(8192)),
+            kv("http.response.status_code", Value::IntValue(400)),
+        ],
+    );
+    h.status = Some(Status {
+        message: "too long".into(),
+        code: StatusCode::Error as i32,
+    });
+    let f = span(5, 2, 1, "fwd_pass", 12, 14, vec![s("req.id", "a1")]);
+    let noids = span(5, 3, 1, "fwd_pass", 12, 14, vec![]);
+    let (ev, tally) = run(&mut n, &export("my-prefill", "x", vec![h, f, noids]), 1);
+    let got: Vec<_> = ev.iter().map(|e| (e.kind, e.time_ns)).collect();
+    // The trace id is still present on the id-less span: it is kept (request-level).
+    assert_eq!(
+        got,
+        vec![
+            (Kind::Received, 10),
+            (Kind::Rejected, 20),
+            (Kind::Work, 14),
+            (Kind::Work, 14)
+        ]
+    );
+    assert_eq!(ev[1].status, Some(400));
+    assert_eq!(
+        (ev[1].input_tokens, ev[1].max_input_tokens),
+        (Some(9000), Some(8192))
+    );
+    assert_eq!(ev[1].ids.bootstrap_room, Some(BootstrapRoom(77)));
+    assert_eq!(tally.spans[ProfileLabel::Generic as usize], 3);
+}
+
+#[test]
+fn generic_yaml_rejects_unknown_fields_and_bad_rules() {
+    let typo = GENERIC.replace("name_prefix", "name_prefx");
+    assert!(serde_saphyr::from_str::<NormalizeConfig>(&typo).is_err());
+    let bad_stage = GENERIC.replace("stage: prefill, kind: work", "stage: prefil, kind: work");
+    assert!(serde_saphyr::from_str::<NormalizeConfig>(&bad_stage).is_err());
+    let catch_all = "generic:\n  - name: x\n    rules:\n      - { stage: prefill, kind: work }\n";
+    let cfg: NormalizeConfig = serde_saphyr::from_str(catch_all).unwrap();
+    assert!(matches!(
+        Normalizer::new(&cfg),
+        Err(ConfigError::Generic { .. })
+    ));
+}
+
+#[test]
+fn profile_choice_can_be_overridden() {
+    let sp = span(
+        6,
+        1,
+        0,
+        "http_request",
+        1,
+        2,
+        vec![s("request_id", "z"), s("status_code", "200")],
+    );
+    // Unknown service: nobody claims it, counted.
+    let (ev, tally) = run(
+        &mut normalizer(),
+        &export("my-router", "whatever", vec![sp.clone()]),
+        1,
+    );
+    assert!(ev.is_empty());
+    assert_eq!(
+        tally.unmapped_count(ProfileLabel::None, Unmapped::NoProfile),
+        1
+    );
+    let mut cfg = NormalizeConfig::default();
+    cfg.by_service_name.insert("my-router".into(), "smg".into());
+    let (ev, _) = run(
+        &mut Normalizer::new(&cfg).unwrap(),
+        &export("my-router", "whatever", vec![sp]),
+        1,
+    );
+    assert_eq!(ev.len(), 2);
+    cfg.by_scope_name.insert("x".into(), "nope".into());
+    assert!(matches!(
+        Normalizer::new(&cfg),
+        Err(ConfigError::UnknownProfile(_))
+    ));
+}
+
+#[test]
+fn bad_times_are_counted_not_mapped() {
+    let sp = span(6, 1, 0, "http_request", 5, 2, vec![s("request_id", "z")]);
+    let (ev, tally) = run(&mut normalizer(), &export("smg", "smg", vec![sp]), 1);
+    assert!(ev.is_empty());
+    assert_eq!(
+        tally.unmapped_count(ProfileLabel::Smg, Unmapped::BadTime),
+        1
+    );
+}
+
+#[test]
+fn logs_map_through_generic_mappings_only_and_bodies_are_dropped() {
+    let cfg: NormalizeConfig = serde_saphyr::from_str(
+        "generic:\n  - name: logs\n    select: { service_name: my-decode }\n    ids: { rid: [rid] }\n    rules:\n      - { name: kv_received, stage: transfer, kind: work }\n      - { name: abort, stage: decode, kind: aborted }\n",
+    )
+    .unwrap();
+    let mut n = Normalizer::new(&cfg).unwrap();
+    let doc = r#"{"resourceLogs":[{"resource":{"attributes":[{"key":"service.name","value":{"stringValue":"my-decode"}}]},
+      "scopeLogs":[{"scope":{"name":"x"},"logRecords":[
+        {"timeUnixNano":"100","eventName":"kv_received","body":{"stringValue":"PROMPT TEXT"},"attributes":[{"key":"rid","value":{"stringValue":"r1"}}]},
+        {"timeUnixNano":"200","severityNumber":"SEVERITY_NUMBER_ERROR","attributes":[{"key":"event.name","value":{"stringValue":"abort"}},{"key":"rid","value":{"stringValue":"r1"}}]},
+        {"timeUnixNano":"300","eventName":"chatter","attributes":[{"key":"rid","value":{"stringValue":"r1"}}]}]}]},
+      {"resource":{"attributes":[{"key":"service.name","value":{"stringValue":"sglang"}}]},"scopeLogs":[{"logRecords":[{"timeUnixNano":"1"}]}]}]}"#;
+    let req = json::decode_logs(doc.as_bytes()).unwrap();
+    assert!(
+        req.resource_logs[0].scope_logs[0].log_records[0]
+            .body
+            .is_none(),
+        "the JSON decoder drops bodies"
+    );
+    let mut out = Vec::new();
+    let mut tally = Tally::default();
+    n.logs(&req, &mut out, &mut tally);
+    let got: Vec<_> = out
+        .iter()
+        .map(|e| (e.stage, e.kind, e.time_ns, e.ids.rid.as_deref()))
+        .collect();
+    assert_eq!(
+        got,
+        vec![
+            (Stage::Transfer, Kind::Work, 100, Some("r1")),
+            (Stage::Decode, Kind::Aborted, 200, Some("r1"))
+        ]
+    );
+    assert_eq!(
+        tally.unmapped_count(ProfileLabel::Generic, Unmapped::UnknownSpan),
+        1
+    );
+    assert_eq!(
+        tally.unmapped_count(ProfileLabel::Sglang, Unmapped::LogNotMapped),
+        1
+    );
+}

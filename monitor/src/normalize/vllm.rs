@@ -1,0 +1,133 @@
+//! vLLM (`--otlp-traces-endpoint`): one `llm_request` span (scope `vllm.llm_engine`) per request,
+//! created when the request finishes, with start time = arrival time.
+//!
+//! Attributes (vllm/tracing.py `SpanAttributes`): `gen_ai.request.id`,
+//! `gen_ai.usage.prompt_tokens`, `gen_ai.usage.completion_tokens`, `gen_ai.request.max_tokens`,
+//! latencies in seconds (`gen_ai.latency.time_in_queue`, `…time_to_first_token`, `…e2e`,
+//! `…time_in_model_prefill`, `…time_in_model_decode`). Newer builds add "journey" span events
+//! with `event.type` ∈ QUEUED / SCHEDULED / FIRST_TOKEN / PREEMPTED / FINISHED and
+//! `finish.status`.
+//!
+//! Coverage: received, admitted (scheduled), prefill work (first token), decode work, completed /
+//! aborted, prompt tokens. Not covered: vLLM emits nothing for requests rejected before the
+//! engine (validation errors answer 400 without a span) and nothing from its KV connectors
+//! (NIXL/LMCache/Mooncake) — PD transfer in vLLM is only visible to the eBPF side. A vLLM
+//! process does not say whether it is a prefill or decode instance: set the resource attribute
+//! `revenant.stage=prefill|decode` (OTEL_RESOURCE_ATTRIBUTES); the default is `decode`, the
+//! stage that generates tokens. `gen_ai.request.id` names one attempt at one instance (the
+//! proxy reuses it on both legs), so it is the event's `rid`.
+
+use opentelemetry_proto::tonic::trace::v1::Span;
+
+use super::{ProfileLabel, SpanCtx, Tally, Unmapped, apply_token_attrs, attrs, otlp_event};
+use crate::event::{Kind, LifecycleEvent, Stage};
+
+const P: ProfileLabel = ProfileLabel::Vllm;
+
+pub const SPAN_NAME: &str = "llm_request";
+
+fn secs_to_ns(s: f64) -> Option<u64> {
+    (s.is_finite() && s >= 0.0 && s < 1e9).then(|| (s * 1e9) as u64)
+}
+
+fn latency(span: &Span, key: &str) -> Option<u64> {
+    match attrs::get(&span.attributes, key)? {
+        opentelemetry_proto::tonic::common::v1::any_value::Value::DoubleValue(d) => secs_to_ns(*d),
+        opentelemetry_proto::tonic::common::v1::any_value::Value::IntValue(i) => {
+            secs_to_ns(*i as f64)
+        }
+        _ => None,
+    }
+}
+
+pub fn map_span(ctx: &SpanCtx<'_>, span: &Span, out: &mut Vec<LifecycleEvent>, tally: &mut Tally) {
+    if span.name != SPAN_NAME {
+        tally.unmapped(P, Unmapped::UnknownSpan);
+        return;
+    }
+    let a = &span.attributes;
+    let rid = attrs::id(a, "gen_ai.request.id");
+    if rid.is_none() && attrs::trace_id_hex(&span.trace_id).is_none() {
+        tally.unmapped(P, Unmapped::MissingIds);
+        return;
+    }
+    let stage = ctx.stage_hint.unwrap_or(Stage::Decode);
+    let completion = attrs::first_u64(
+        a,
+        &[
+            "gen_ai.usage.completion_tokens",
+            "gen_ai.usage.output_tokens",
+        ],
+    );
+    let ev = |time: u64, stage: Stage, kind: Kind| {
+        let mut e = otlp_event(ctx, span, time, stage, kind);
+        e.ids.rid = rid.clone();
+        apply_token_attrs(&mut e, a);
+        e
+    };
+    let start = span.start_time_unix_nano;
+    out.push(ev(start, stage, Kind::Received));
+
+    let journey: Vec<_> = span
+        .events
+        .iter()
+        .filter_map(|e| attrs::str(&e.attributes, "event.type").map(|t| (e, t)))
+        .collect();
+    let mut finish_status: Option<&str> = None;
+    if journey.is_empty() {
+        // Older builds: reconstruct the steps from the latency attributes.
+        if let Some(q) = latency(span, "gen_ai.latency.time_in_queue") {
+            out.push(ev(start.saturating_add(q), stage, Kind::Admitted));
+        }
+        if let Some(t) = latency(span, "gen_ai.latency.time_to_first_token") {
+            let mut e = ev(start.saturating_add(t), stage, Kind::Work);
+            e.detail = Some("first_token".into());
+            out.push(e);
+        }
+    } else {
+        for (e, t) in journey {
+            let time = if e.time_unix_nano == 0 {
+                start
+            } else {
+                e.time_unix_nano
+            };
+            let (kind, detail) = match t {
+                "SCHEDULED" => (Kind::Admitted, "scheduled"),
+                "FIRST_TOKEN" => (Kind::Work, "first_token"),
+                "PREEMPTED" => (Kind::Work, "preempted"),
+                "FINISHED" => {
+                    finish_status = attrs::str(&e.attributes, "finish.status");
+                    continue;
+                }
+                _ => continue,
+            };
+            let mut ev = ev(time, stage, kind);
+            ev.detail = Some(detail.into());
+            out.push(ev);
+        }
+    }
+    if stage == Stage::Decode && completion.is_some_and(|c| c > 1) {
+        let mut e = ev(span.end_time_unix_nano, Stage::Decode, Kind::Work);
+        e.detail = Some("decode".into());
+        out.push(e);
+    }
+    let aborted = super::span_is_error(span)
+        || finish_status.is_some_and(|s| {
+            s.eq_ignore_ascii_case("abort")
+                || s.eq_ignore_ascii_case("aborted")
+                || s.eq_ignore_ascii_case("error")
+        });
+    let mut end = ev(
+        span.end_time_unix_nano,
+        stage,
+        if aborted {
+            Kind::Aborted
+        } else {
+            Kind::Completed
+        },
+    );
+    if let Some(s) = finish_status {
+        end.reason = Some(crate::event::truncate_reason(s).into());
+    }
+    out.push(end);
+}

@@ -1,0 +1,712 @@
+//! `revenant run`: the all-in-one pipeline on one node.
+//!
+//! Fixed order (linkerd2-proxy style): load and validate the config (no port bound) → bind the
+//! OTLP receivers → spawn receivers, the orphan ticker and the checker → announce readiness →
+//! wait for Ctrl-C / SIGTERM → stop accepting, drain the channel through the checker with a
+//! timeout → exit. Exit codes: 0 clean, 1 runtime failure, 2 usage/config error.
+//!
+//! ```text
+//! OTLP gRPC ─┐                         ┌─ checker.observe / tick ─► violations JSONL (stdout | file)
+//! OTLP HTTP ─┴─► normalize ─► bounded mpsc<EventBatch> ─┤
+//!                                                       └─ optional normalized events JSONL (replay format)
+//! ```
+
+use std::io::Write;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use serde::Deserialize;
+use tokio::sync::{mpsc, watch};
+
+use crate::checker::{Checker, CheckerConfig, RuleSet};
+use crate::ingest::otlp::{self, Ingest, OtlpConfig, OtlpStats};
+use crate::normalize::{NormalizeConfig, Normalizer};
+use crate::pipeline::EventBatch;
+use crate::replay::ReplayRecord;
+
+#[derive(Debug, clap::Args)]
+pub struct RunArgs {
+    /// YAML config file (see `RunConfig`); flags override it.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// OTLP/gRPC listen address (`off` disables) [default: 127.0.0.1:4317].
+    #[arg(long, value_name = "ADDR")]
+    pub otlp_grpc: Option<String>,
+    /// OTLP/HTTP listen address (`off` disables) [default: 127.0.0.1:4318].
+    #[arg(long, value_name = "ADDR")]
+    pub otlp_http: Option<String>,
+    /// Write violations as JSON Lines to this file (appending) instead of standard output.
+    #[arg(long, value_name = "PATH")]
+    pub alerts_jsonl: Option<PathBuf>,
+    /// Also record every normalized event, in the replay format `revenant check` reads.
+    #[arg(long, value_name = "PATH")]
+    pub events_jsonl: Option<PathBuf>,
+    /// Rules file extending or overriding the embedded defaults.
+    #[arg(long)]
+    pub rules: Option<PathBuf>,
+    /// Bounded channel between sources and checker, in batches.
+    #[arg(long)]
+    pub channel_capacity: Option<usize>,
+    /// Largest OTLP request body in bytes.
+    #[arg(long)]
+    pub max_message_bytes: Option<usize>,
+    /// Events from different nodes count as later only beyond this skew.
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub clock_skew: Option<Duration>,
+    /// How long shutdown may take to drain queued events through the checker.
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub drain_timeout: Option<Duration>,
+    /// Write the bound addresses as JSON here once every receiver listens (readiness latch for
+    /// scripts and tests that bind port 0).
+    #[arg(long, value_name = "PATH")]
+    pub ready_file: Option<PathBuf>,
+    /// Testing aid: the checker stops taking batches while this file exists (saturates the
+    /// pipeline on purpose to exercise back-pressure).
+    #[arg(long, hide = true)]
+    pub pause_file: Option<PathBuf>,
+}
+
+/// The config file. Unknown keys are errors: a typo never silently keeps a default.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunConfig {
+    #[serde(default)]
+    pub otlp: OtlpConfig,
+    #[serde(default)]
+    pub normalize: NormalizeConfig,
+    #[serde(default = "default_capacity")]
+    pub channel_capacity: usize,
+    #[serde(default = "default_skew", with = "crate::normalize::serde_duration")]
+    pub clock_skew: Duration,
+    #[serde(default = "default_drain", with = "crate::normalize::serde_duration")]
+    pub drain_timeout: Duration,
+    #[serde(default)]
+    pub rules: Option<PathBuf>,
+    #[serde(default)]
+    pub alerts_jsonl: Option<PathBuf>,
+    #[serde(default)]
+    pub events_jsonl: Option<PathBuf>,
+}
+
+fn default_capacity() -> usize {
+    1024
+}
+fn default_skew() -> Duration {
+    Duration::from_millis(50)
+}
+fn default_drain() -> Duration {
+    Duration::from_secs(10)
+}
+
+impl Default for RunConfig {
+    fn default() -> Self {
+        RunConfig {
+            otlp: OtlpConfig::default(),
+            normalize: NormalizeConfig::default(),
+            channel_capacity: default_capacity(),
+            clock_skew: default_skew(),
+            drain_timeout: default_drain(),
+            rules: None,
+            alerts_jsonl: None,
+            events_jsonl: None,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RunConfigError {
+    #[error("reading config {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("config {path}: {msg}")]
+    Parse { path: PathBuf, msg: String },
+    #[error("--{flag}: {value:?} is not an address (HOST:PORT or `off`)")]
+    Addr { flag: &'static str, value: String },
+    #[error(transparent)]
+    Otlp(#[from] otlp::config::OtlpConfigError),
+    #[error("normalize: {0}")]
+    Normalize(#[from] crate::normalize::ConfigError),
+    #[error("rules: {0}")]
+    Rules(#[from] crate::checker::RulesError),
+    #[error("checker: {0}")]
+    Checker(#[from] crate::checker::ConfigError),
+    #[error("channel_capacity must be > 0")]
+    Capacity,
+}
+
+fn parse_addr(flag: &'static str, v: &str) -> Result<Option<SocketAddr>, RunConfigError> {
+    if v.eq_ignore_ascii_case("off") {
+        return Ok(None);
+    }
+    v.parse().map(Some).map_err(|_| RunConfigError::Addr {
+        flag,
+        value: v.to_owned(),
+    })
+}
+
+/// Everything validated and built, no port bound yet.
+pub struct Prepared {
+    pub cfg: RunConfig,
+    pub normalizer: Normalizer,
+    pub checker: Checker,
+}
+
+pub fn load_config(path: Option<&Path>) -> Result<RunConfig, RunConfigError> {
+    let Some(path) = path else {
+        return Ok(RunConfig::default());
+    };
+    let text = std::fs::read_to_string(path).map_err(|source| RunConfigError::Read {
+        path: path.into(),
+        source,
+    })?;
+    serde_saphyr::from_str(&text).map_err(|e| RunConfigError::Parse {
+        path: path.into(),
+        msg: e.to_string(),
+    })
+}
+
+pub fn prepare(args: &RunArgs) -> Result<Prepared, RunConfigError> {
+    let mut cfg = load_config(args.config.as_deref())?;
+    if let Some(v) = &args.otlp_grpc {
+        cfg.otlp.grpc = parse_addr("otlp-grpc", v)?;
+    }
+    if let Some(v) = &args.otlp_http {
+        cfg.otlp.http = parse_addr("otlp-http", v)?;
+    }
+    if let Some(v) = args.max_message_bytes {
+        cfg.otlp.max_message_bytes = v;
+        cfg.otlp.max_decompressed_bytes = cfg.otlp.max_decompressed_bytes.max(v);
+    }
+    if let Some(v) = args.channel_capacity {
+        cfg.channel_capacity = v;
+    }
+    if let Some(v) = args.clock_skew {
+        cfg.clock_skew = v;
+    }
+    if let Some(v) = args.drain_timeout {
+        cfg.drain_timeout = v;
+    }
+    if args.rules.is_some() {
+        cfg.rules = args.rules.clone();
+    }
+    if args.alerts_jsonl.is_some() {
+        cfg.alerts_jsonl = args.alerts_jsonl.clone();
+    }
+    if args.events_jsonl.is_some() {
+        cfg.events_jsonl = args.events_jsonl.clone();
+    }
+    cfg.otlp.validate()?;
+    if cfg.channel_capacity == 0 {
+        return Err(RunConfigError::Capacity);
+    }
+    let normalizer = Normalizer::new(&cfg.normalize)?;
+    let rules = match &cfg.rules {
+        Some(p) => RuleSet::from_file(p)?,
+        None => RuleSet::embedded_defaults(),
+    };
+    let ccfg = CheckerConfig {
+        clock_skew: cfg.clock_skew,
+        allowed_lateness: cfg.clock_skew,
+        ..CheckerConfig::default()
+    };
+    ccfg.validate()?;
+    Ok(Prepared {
+        checker: Checker::new(rules, ccfg),
+        normalizer,
+        cfg,
+    })
+}
+
+fn wall_ns() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0)
+}
+
+fn open_append(p: &Path) -> std::io::Result<Box<dyn Write + Send>> {
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(p)?;
+    Ok(Box::new(std::io::BufWriter::with_capacity(1 << 16, f)))
+}
+
+/// Counts of the checker task, reported at shutdown.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct CheckerTotals {
+    pub batches: u64,
+    pub events: u64,
+    pub violations: u64,
+}
+
+/// The checker loop: batches in, violations out; ticks once a second on wall time so deadline
+/// rules fire without traffic. Returns when every sender is gone and the channel is empty.
+async fn checker_task(
+    mut checker: Checker,
+    mut rx: mpsc::Receiver<EventBatch>,
+    mut alerts: Box<dyn Write + Send>,
+    mut events: Option<Box<dyn Write + Send>>,
+    pause_file: Option<PathBuf>,
+    mut close: watch::Receiver<bool>,
+) -> std::io::Result<CheckerTotals> {
+    let mut totals = CheckerTotals::default();
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    let mut line = Vec::with_capacity(512);
+    loop {
+        if let Some(p) = &pause_file {
+            if p.exists() {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                continue;
+            }
+        }
+        let batch = tokio::select! {
+            // Shutdown: refuse new batches (senders see "closed" and answer UNAVAILABLE), keep
+            // draining what is already queued until recv returns None.
+            r = close.wait_for(|v| *v), if !*close.borrow() => {
+                drop(r);
+                rx.close();
+                continue;
+            }
+            b = rx.recv() => match b {
+                Some(b) => b,
+                None => break,
+            },
+            _ = tick.tick() => {
+                for v in checker.tick(wall_ns()) {
+                    totals.violations += 1;
+                    line.clear();
+                    serde_json::to_writer(&mut line, &v)?;
+                    line.push(b'\n');
+                    alerts.write_all(&line)?;
+                }
+                alerts.flush()?;
+                if let Some(w) = events.as_mut() { w.flush()?; }
+                continue;
+            }
+        };
+        totals.batches += 1;
+        let mut wrote = false;
+        for e in &batch {
+            totals.events += 1;
+            if let Some(w) = events.as_mut() {
+                line.clear();
+                serde_json::to_writer(&mut line, &ReplayRecord::from_event(e))?;
+                line.push(b'\n');
+                w.write_all(&line)?;
+            }
+            for v in checker.observe(e) {
+                totals.violations += 1;
+                wrote = true;
+                line.clear();
+                serde_json::to_writer(&mut line, &v)?;
+                line.push(b'\n');
+                alerts.write_all(&line)?;
+            }
+        }
+        // Alerts are flushed per batch: an operator (or a test) must see them promptly.
+        if wrote {
+            alerts.flush()?;
+        }
+    }
+    // Shutdown: judge every deadline the received events can still prove.
+    let end = checker.stats().max_event_ns.saturating_add(1);
+    for v in checker.tick(end.max(wall_ns())) {
+        totals.violations += 1;
+        serde_json::to_writer(&mut alerts, &v)?;
+        alerts.write_all(b"\n")?;
+    }
+    alerts.flush()?;
+    if let Some(w) = events.as_mut() {
+        w.flush()?;
+    }
+    Ok(totals)
+}
+
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        let mut term = match tokio::signal::unix::signal(
+            tokio::signal::unix::SignalKind::terminate(),
+        ) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot listen for SIGTERM; only Ctrl-C stops revenant");
+                let _ = tokio::signal::ctrl_c().await;
+                return;
+            }
+        };
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = tokio::signal::ctrl_c().await;
+}
+
+pub fn run(args: RunArgs) -> ExitCode {
+    let prepared = match prepare(&args) {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("revenant: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("revenant: cannot start the runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    match rt.block_on(run_async(prepared, args.ready_file, args.pause_file)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("revenant: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error("binding {what} on {addr}: {source}")]
+    Bind {
+        what: &'static str,
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("opening {path}: {source}")]
+    Open {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("writing readiness file: {0}")]
+    Ready(std::io::Error),
+    #[error("checker output failed: {0}")]
+    Output(std::io::Error),
+    #[error("drain did not finish within {0:?}; queued events were not checked")]
+    DrainTimeout(Duration),
+    #[error("a receiver failed: {0}")]
+    Receiver(String),
+}
+
+pub async fn run_async(
+    p: Prepared,
+    ready_file: Option<PathBuf>,
+    pause_file: Option<PathBuf>,
+) -> Result<(), RunError> {
+    let cfg = p.cfg;
+    let alerts: Box<dyn Write + Send> = match &cfg.alerts_jsonl {
+        Some(path) => open_append(path).map_err(|source| RunError::Open {
+            path: path.clone(),
+            source,
+        })?,
+        None => Box::new(std::io::BufWriter::new(std::io::stdout())),
+    };
+    let events = match &cfg.events_jsonl {
+        Some(path) => Some(open_append(path).map_err(|source| RunError::Open {
+            path: path.clone(),
+            source,
+        })?),
+        None => None,
+    };
+    let bind = |what: &'static str, addr: SocketAddr| async move {
+        tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(|source| RunError::Bind { what, addr, source })
+    };
+    let grpc_l = match cfg.otlp.grpc {
+        Some(a) => Some(bind("otlp-grpc", a).await?),
+        None => None,
+    };
+    let http_l = match cfg.otlp.http {
+        Some(a) => Some(bind("otlp-http", a).await?),
+        None => None,
+    };
+
+    let (tx, rx) = mpsc::channel::<EventBatch>(cfg.channel_capacity);
+    let stats = Arc::new(OtlpStats::default());
+    let ingest = Arc::new(Ingest::new(
+        tx,
+        p.normalizer,
+        stats.clone(),
+        cfg.otlp.max_items_per_request,
+    ));
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let stopped = |mut rx: watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|v| *v).await;
+    };
+
+    let (close_tx, close_rx) = watch::channel(false);
+    let checker = tokio::spawn(checker_task(
+        p.checker, rx, alerts, events, pause_file, close_rx,
+    ));
+
+    let mut servers = Vec::new();
+    let mut bound = serde_json::Map::new();
+    if let Some(l) = grpc_l {
+        let addr = l.local_addr().map_err(|source| RunError::Bind {
+            what: "otlp-grpc",
+            addr: cfg.otlp.grpc.unwrap_or(([0, 0, 0, 0], 0).into()),
+            source,
+        })?;
+        bound.insert("otlp_grpc".into(), addr.to_string().into());
+        let (ing, max, stop) = (
+            ingest.clone(),
+            cfg.otlp.max_message_bytes,
+            stopped(stop_rx.clone()),
+        );
+        servers.push(tokio::spawn(async move {
+            otlp::grpc::serve(l, ing, max, stop)
+                .await
+                .map_err(|e| e.to_string())
+        }));
+        tracing::info!(%addr, "otlp/grpc listening");
+    }
+    if let Some(l) = http_l {
+        let addr = l.local_addr().map_err(|source| RunError::Bind {
+            what: "otlp-http",
+            addr: cfg.otlp.http.unwrap_or(([0, 0, 0, 0], 0).into()),
+            source,
+        })?;
+        bound.insert("otlp_http".into(), addr.to_string().into());
+        let (ing, max, maxd, stop) = (
+            ingest.clone(),
+            cfg.otlp.max_message_bytes,
+            cfg.otlp.max_decompressed_bytes,
+            stopped(stop_rx.clone()),
+        );
+        servers.push(tokio::spawn(async move {
+            otlp::http::serve(l, ing, max, maxd, stop)
+                .await
+                .map_err(|e| e.to_string())
+        }));
+        tracing::info!(%addr, "otlp/http listening");
+    }
+    let ticker = {
+        let ing = ingest.clone();
+        let mut stop = stop_rx.clone();
+        tokio::spawn(async move {
+            let mut iv = tokio::time::interval(Duration::from_secs(1));
+            loop {
+                let stopping = tokio::select! {
+                    _ = iv.tick() => false,
+                    r = stop.wait_for(|v| *v) => { drop(r); true }
+                };
+                if stopping {
+                    break;
+                }
+                ing.tick().await;
+            }
+        })
+    };
+    // Kept only for the shutdown accounting; the receivers hold their own handles.
+    let ingest_for_shutdown = ingest;
+
+    let ready = serde_json::Value::Object(bound);
+    eprintln!("revenant: ready {ready}");
+    if let Some(path) = &ready_file {
+        // Write then rename: a reader never sees a half-written file.
+        let tmp = path.with_extension("tmp");
+        std::fs::write(&tmp, ready.to_string())
+            .and_then(|_| std::fs::rename(&tmp, path))
+            .map_err(RunError::Ready)?;
+    }
+
+    // Run until a signal, or until a receiver dies.
+    let mut failure = None;
+    tokio::select! {
+        _ = shutdown_signal() => tracing::info!("shutting down: draining"),
+        r = futures_first(&mut servers) => failure = Some(r),
+    }
+    let started = Instant::now();
+    let _ = stop_tx.send(true);
+    // Receivers get half the drain budget to finish in-flight requests; a client that keeps its
+    // connection open past that is cut off (its unacknowledged export will be retried by it).
+    let server_grace = cfg.drain_timeout / 2;
+    for mut s in servers {
+        match tokio::time::timeout(server_grace, &mut s).await {
+            Ok(Ok(Err(e))) => {
+                failure.get_or_insert(e);
+            }
+            Ok(Err(e)) => {
+                failure.get_or_insert(e.to_string());
+            }
+            Ok(Ok(Ok(()))) => {}
+            Err(_) => {
+                tracing::warn!(grace = ?server_grace, "shutdown: a receiver still had open connections; closing them");
+                s.abort();
+            }
+        }
+    }
+    let _ = ticker.await;
+    let pending = ingest_for_shutdown.pending_completions();
+    if pending > 0 {
+        // Not believed yet (an abort from another process could still have come): not sent.
+        tracing::warn!(
+            count = pending,
+            "shutdown: SGLang root completions still in their grace period were not reported"
+        );
+    }
+    drop(ingest_for_shutdown);
+    let _ = close_tx.send(true);
+    let remaining = cfg
+        .drain_timeout
+        .saturating_sub(started.elapsed())
+        .max(Duration::from_millis(100));
+    let totals = match tokio::time::timeout(remaining, checker).await {
+        Err(_) => return Err(RunError::DrainTimeout(cfg.drain_timeout)),
+        Ok(Err(e)) => return Err(RunError::Receiver(format!("checker task: {e}"))),
+        Ok(Ok(r)) => r.map_err(RunError::Output)?,
+    };
+    eprintln!(
+        "revenant: stopped after draining in {:?}: {} batches, {} events checked, {} violations",
+        started.elapsed(),
+        totals.batches,
+        totals.events,
+        totals.violations
+    );
+    eprint!("{}", stats.render());
+    match failure {
+        Some(e) => Err(RunError::Receiver(e)),
+        None => Ok(()),
+    }
+}
+
+/// Resolves with the error of the first server task that ends (a server only ends early on
+/// failure); pending forever when there is none.
+async fn futures_first(servers: &mut [tokio::task::JoinHandle<Result<(), String>>]) -> String {
+    if servers.is_empty() {
+        return std::future::pending().await;
+    }
+    let (res, _, _) = futures_select_all(servers).await;
+    match res {
+        Ok(Ok(())) => "receiver stopped unexpectedly".into(),
+        Ok(Err(e)) => e,
+        Err(e) => e.to_string(),
+    }
+}
+
+async fn futures_select_all(
+    servers: &mut [tokio::task::JoinHandle<Result<(), String>>],
+) -> (
+    Result<Result<(), String>, tokio::task::JoinError>,
+    usize,
+    (),
+) {
+    std::future::poll_fn(|cx| {
+        for (i, s) in servers.iter_mut().enumerate() {
+            if let std::task::Poll::Ready(r) = std::pin::Pin::new(s).poll(cx) {
+                return std::task::Poll::Ready((r, i, ()));
+            }
+        }
+        std::task::Poll::Pending
+    })
+    .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(config: Option<PathBuf>) -> RunArgs {
+        RunArgs {
+            config,
+            otlp_grpc: None,
+            otlp_http: None,
+            alerts_jsonl: None,
+            events_jsonl: None,
+            rules: None,
+            channel_capacity: None,
+            max_message_bytes: None,
+            clock_skew: None,
+            drain_timeout: None,
+            ready_file: None,
+            pause_file: None,
+        }
+    }
+
+    fn write(name: &str, text: &str) -> PathBuf {
+        let p = std::env::temp_dir().join(format!(
+            "revenant-run-cfg-{}-{name}.yaml",
+            std::process::id()
+        ));
+        std::fs::write(&p, text).unwrap();
+        p
+    }
+
+    #[test]
+    fn example_config_is_valid() {
+        let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/otlp/run-config.yaml");
+        let prepared = prepare(&args(Some(p))).unwrap();
+        assert_eq!(
+            prepared.cfg.otlp.grpc,
+            Some("127.0.0.1:4317".parse().unwrap())
+        );
+        assert_eq!(prepared.cfg.normalize.generic.len(), 1);
+        assert_eq!(
+            prepared.cfg.normalize.sglang.completion_grace,
+            Duration::from_secs(5)
+        );
+    }
+
+    #[test]
+    fn defaults_and_flag_overrides() {
+        let p = prepare(&args(None)).unwrap();
+        assert_eq!(p.cfg.otlp.grpc, Some("127.0.0.1:4317".parse().unwrap()));
+        assert_eq!(p.cfg.otlp.http, Some("127.0.0.1:4318".parse().unwrap()));
+        assert_eq!(p.cfg.otlp.max_message_bytes, 8 << 20);
+        let mut a = args(None);
+        a.otlp_grpc = Some("off".into());
+        a.otlp_http = Some("127.0.0.1:9999".into());
+        a.max_message_bytes = Some(64 << 20);
+        let p = prepare(&a).unwrap();
+        assert_eq!(p.cfg.otlp.grpc, None);
+        assert_eq!(p.cfg.otlp.http, Some("127.0.0.1:9999".parse().unwrap()));
+        assert!(p.cfg.otlp.max_decompressed_bytes >= 64 << 20);
+    }
+
+    #[test]
+    fn bad_configs_are_refused_before_binding() {
+        let typo = write("typo", "otlp:\n  grcp: 127.0.0.1:1\n");
+        let e = prepare(&args(Some(typo))).err().unwrap().to_string();
+        assert!(e.contains("grcp"), "{e}");
+        let zero = write("zero", "channel_capacity: 0\n");
+        assert!(matches!(
+            prepare(&args(Some(zero))),
+            Err(RunConfigError::Capacity)
+        ));
+        let same = write(
+            "same",
+            "otlp:\n  grpc: 127.0.0.1:7000\n  http: 127.0.0.1:7000\n",
+        );
+        assert!(matches!(
+            prepare(&args(Some(same))),
+            Err(RunConfigError::Otlp(_))
+        ));
+        let profile = write("profile", "normalize:\n  by_service_name: { x: sglangg }\n");
+        assert!(matches!(
+            prepare(&args(Some(profile))),
+            Err(RunConfigError::Normalize(_))
+        ));
+        let mut a = args(None);
+        a.otlp_grpc = Some("localhost".into());
+        assert!(matches!(prepare(&a), Err(RunConfigError::Addr { .. })));
+        assert!(matches!(
+            prepare(&args(Some("/nonexistent/revenant.yaml".into()))),
+            Err(RunConfigError::Read { .. })
+        ));
+    }
+}

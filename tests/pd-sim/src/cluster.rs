@@ -1,0 +1,263 @@
+//! `pd-sim cluster`: prefill, decode and router as three child processes of this binary.
+//!
+//! Children are started in dependency order, each one's READY line (stdout) gives its bound
+//! ports, and the cluster prints its own READY line with all of them. On Ctrl-C/SIGTERM, or
+//! when any child dies, every child gets SIGTERM, then SIGKILL after a grace period. Children
+//! also get PR_SET_PDEATHSIG so a killed cluster does not leave strays behind.
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+
+use crate::router::Mode;
+
+#[derive(clap::Args, Clone, Debug)]
+pub struct ClusterArgs {
+    #[arg(long, value_enum, default_value_t = Mode::Correct)]
+    pub mode: Mode,
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    #[arg(long, default_value_t = 30000)]
+    pub router_port: u16,
+    #[arg(long, default_value_t = 30001)]
+    pub prefill_port: u16,
+    #[arg(long, default_value_t = 30002)]
+    pub decode_port: u16,
+    #[arg(long, default_value_t = 8998)]
+    pub bootstrap_port: u16,
+    #[arg(long, default_value_t = 0)]
+    pub prefill_kv_port: u16,
+    #[arg(long, default_value_t = 0)]
+    pub decode_kv_port: u16,
+    /// Bind every port ephemerally (tests); the READY line tells which ports were taken.
+    #[arg(long)]
+    pub ephemeral: bool,
+    /// OTLP/HTTP endpoint given to all three processes.
+    #[arg(long)]
+    pub otlp_endpoint: Option<String>,
+    /// Extra arguments for the prefill worker (whitespace-separated), override the defaults.
+    #[arg(long, default_value = "", allow_hyphen_values = true)]
+    pub prefill_args: String,
+    #[arg(long, default_value = "", allow_hyphen_values = true)]
+    pub decode_args: String,
+    #[arg(long, default_value = "", allow_hyphen_values = true)]
+    pub router_args: String,
+    /// Start only prefill and decode (put another router, e.g. the real sglang-router, in front).
+    #[arg(long)]
+    pub no_router: bool,
+}
+
+struct Proc {
+    name: &'static str,
+    child: Child,
+    pid: u32,
+    ready: serde_json::Value,
+}
+
+fn command(sub: &str, args: Vec<String>) -> Command {
+    let exe = std::env::current_exe().unwrap_or_else(|_| "pd-sim".into());
+    let mut c = Command::new(exe);
+    c.arg(sub)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true);
+    // SAFETY: prctl is async-signal-safe and touches no memory of the parent.
+    unsafe {
+        c.pre_exec(|| {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
+            Ok(())
+        });
+    }
+    c
+}
+
+async fn start(name: &'static str, sub: &str, args: Vec<String>) -> anyhow::Result<Proc> {
+    let mut child = command(sub, args).spawn()?;
+    let pid = child.id().unwrap_or(0);
+    let stdout = child
+        .stdout
+        .take()
+        .ok_or_else(|| anyhow::anyhow!("{name}: no stdout"))?;
+    let mut lines = BufReader::new(stdout).lines();
+    let ready = tokio::time::timeout(Duration::from_secs(30), async {
+        while let Some(line) = lines.next_line().await? {
+            if let Some(j) = line.strip_prefix("READY ") {
+                return Ok::<_, anyhow::Error>(serde_json::from_str::<serde_json::Value>(j)?);
+            }
+        }
+        anyhow::bail!("{name} exited before it was ready")
+    })
+    .await
+    .map_err(|_| anyhow::anyhow!("{name} not ready within 30 s"))??;
+    // Keep draining so a chatty child never blocks on a full pipe.
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    Ok(Proc {
+        name,
+        child,
+        pid,
+        ready,
+    })
+}
+
+fn split(s: &str) -> Vec<String> {
+    s.split_whitespace().map(str::to_owned).collect()
+}
+
+async fn stop_all(procs: &mut [Proc]) {
+    for p in procs.iter() {
+        if p.pid != 0 {
+            // SAFETY: plain kill(2) on a pid we spawned and have not reaped yet.
+            unsafe {
+                libc::kill(p.pid as i32, libc::SIGTERM);
+            }
+        }
+    }
+    for p in procs.iter_mut() {
+        match tokio::time::timeout(Duration::from_secs(5), p.child.wait()).await {
+            Ok(_) => {}
+            Err(_) => {
+                tracing::warn!(name = p.name, "did not stop on SIGTERM; killing");
+                let _ = p.child.kill().await;
+            }
+        }
+    }
+}
+
+pub async fn run(a: ClusterArgs) -> anyhow::Result<()> {
+    let port = |p: u16| if a.ephemeral { 0 } else { p };
+    let mut common = Vec::new();
+    if let Some(e) = &a.otlp_endpoint {
+        common.push("--otlp-endpoint".to_string());
+        common.push(e.clone());
+    }
+    let mut procs: Vec<Proc> = Vec::new();
+    let result = async {
+        // Prefill: a KV pool of 8192 tokens but inputs capped at 4096, so over-capacity
+        // prompts (4097..8191 words) pass the tokenizer and are rejected by the scheduler,
+        // as in the fixtures. Decode is provisioned larger, as decode nodes usually are.
+        let mut pargs = vec![
+            "--host".into(),
+            a.host.clone(),
+            "--port".into(),
+            port(a.prefill_port).to_string(),
+            "--disaggregation-bootstrap-port".into(),
+            port(a.bootstrap_port).to_string(),
+            "--kv-port".into(),
+            port(a.prefill_kv_port).to_string(),
+            "--context-length".into(),
+            "8192".into(),
+            "--max-total-num-tokens".into(),
+            "8192".into(),
+            "--max-req-input-len".into(),
+            "4096".into(),
+        ];
+        if a.mode == Mode::HandoffAfterReject {
+            pargs.push("--transfer-after-reject".into());
+        }
+        pargs.extend(common.clone());
+        pargs.extend(split(&a.prefill_args));
+        let prefill = start("prefill", "prefill", pargs).await?;
+        let p_port = prefill.ready["port"].as_u64().unwrap_or(0);
+        let b_port = prefill.ready["bootstrap_port"].as_u64().unwrap_or(0);
+        procs.push(prefill);
+
+        let mut dargs = vec![
+            "--host".into(),
+            a.host.clone(),
+            "--port".into(),
+            port(a.decode_port).to_string(),
+            "--kv-port".into(),
+            port(a.decode_kv_port).to_string(),
+            "--context-length".into(),
+            "32768".into(),
+            "--max-total-num-tokens".into(),
+            "65536".into(),
+        ];
+        dargs.extend(common.clone());
+        dargs.extend(split(&a.decode_args));
+        let decode = start("decode", "decode", dargs).await?;
+        let d_port = decode.ready["port"].as_u64().unwrap_or(0);
+        procs.push(decode);
+
+        if a.no_router {
+            return Ok::<(), anyhow::Error>(());
+        }
+        let mut rargs = vec![
+            "--host".into(),
+            a.host.clone(),
+            "--port".into(),
+            port(a.router_port).to_string(),
+            "--mode".into(),
+            serde_json::to_value(a.mode)?
+                .as_str()
+                .unwrap_or("correct")
+                .to_string(),
+            "--prefill".into(),
+            format!("http://{}:{p_port}", a.host),
+            "--bootstrap-port".into(),
+            b_port.to_string(),
+            "--decode".into(),
+            format!("http://{}:{d_port}", a.host),
+        ];
+        rargs.extend(common.clone());
+        rargs.extend(split(&a.router_args));
+        let router = start("router", "router", rargs).await?;
+        procs.push(router);
+        Ok::<(), anyhow::Error>(())
+    }
+    .await;
+    if let Err(e) = result {
+        stop_all(&mut procs).await;
+        return Err(e);
+    }
+    let find = |n: &str| procs.iter().find(|p| p.name == n);
+    let field = |n: &str, k: &str| {
+        find(n)
+            .map(|p| p.ready[k].clone())
+            .unwrap_or(serde_json::Value::Null)
+    };
+    let ready = serde_json::json!({
+        "role": "cluster",
+        "mode": if a.no_router { serde_json::Value::Null } else { serde_json::to_value(a.mode)? },
+        "router": field("router", "http"),
+        "prefill": field("prefill", "http"),
+        "decode": field("decode", "http"),
+        "bootstrap_port": field("prefill", "bootstrap_port"),
+        "prefill_kv_port": field("prefill", "kv_port"),
+        "decode_kv_port": field("decode", "kv_port"),
+        "pids": {"router": field("router", "pid"), "prefill": field("prefill", "pid"), "decode": field("decode", "pid")},
+    });
+    crate::common::print_ready(ready.clone());
+    eprintln!(
+        "pd-sim cluster ({}) ready: router {} prefill {} decode {} bootstrap port {}",
+        if a.no_router {
+            "no router".to_string()
+        } else {
+            format!("{:?}", a.mode)
+        },
+        ready["router"],
+        ready["prefill"],
+        ready["decode"],
+        ready["bootstrap_port"]
+    );
+
+    let exited = {
+        let waits = procs.iter_mut().map(|p| {
+            let name = p.name;
+            Box::pin(async move { (name, p.child.wait().await) })
+        });
+        tokio::select! {
+            _ = crate::common::shutdown_signal() => None,
+            ((name, s), _, _) = futures_util::future::select_all(waits) => Some((name, s)),
+        }
+    };
+    stop_all(&mut procs).await;
+    if let Some((name, status)) = exited {
+        anyhow::bail!("{name} exited unexpectedly ({status:?}); cluster stopped");
+    }
+    Ok(())
+}

@@ -1,0 +1,10 @@
+//! PD (prefill/decode) disaggregated serving simulator. See README.md for the wire formats.
+
+pub mod cluster;
+pub mod common;
+pub mod kvlink;
+pub mod load;
+pub mod router;
+pub mod spans;
+pub mod worker;
+pub mod zmtp;

@@ -1,0 +1,374 @@
+//! Open-loop load generator: requests leave on a fixed schedule (rate R) regardless of how
+//! fast answers come back, up to `--max-inflight` outstanding requests.
+
+use std::collections::BTreeMap;
+use std::io::IsTerminal;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use rand::rngs::SmallRng;
+use rand::{RngExt, SeedableRng};
+use serde::Serialize;
+use tokio::sync::Semaphore;
+
+use crate::common::http_client;
+
+#[derive(Clone, Debug)]
+pub struct Range {
+    pub min: u64,
+    pub max: u64,
+}
+
+impl std::str::FromStr for Range {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (a, b) = s
+            .split_once("..")
+            .ok_or_else(|| format!("expected MIN..MAX, got {s:?}"))?;
+        let min: u64 = a
+            .trim()
+            .parse()
+            .map_err(|e| format!("bad MIN in {s:?}: {e}"))?;
+        let max: u64 = b
+            .trim()
+            .trim_start_matches('=')
+            .parse()
+            .map_err(|e| format!("bad MAX in {s:?}: {e}"))?;
+        if min > max || min == 0 {
+            return Err(format!("need 1 <= MIN <= MAX, got {s:?}"));
+        }
+        Ok(Range { min, max })
+    }
+}
+
+#[derive(clap::Args, Clone, Debug)]
+pub struct LoadArgs {
+    /// Router base URL, e.g. http://127.0.0.1:30000
+    #[arg(long)]
+    pub router: String,
+    /// Requests per second (open loop).
+    #[arg(long, default_value_t = 100.0)]
+    pub rate: f64,
+    #[arg(long, default_value_t = 1000)]
+    pub requests: u64,
+    /// Prompt length in words (= tokens) for ordinary requests.
+    #[arg(long, default_value = "16..256")]
+    pub prompt_len: Range,
+    /// Share of requests made over capacity (length drawn from --over-capacity-len).
+    #[arg(long, default_value_t = 0.0)]
+    pub over_capacity_share: f64,
+    /// Prompt length of over-capacity requests. The default sits between the simulator's
+    /// default prefill max_req_input_len (4096, set by `cluster`) and its context length (8192).
+    #[arg(long, default_value = "4200..8000")]
+    pub over_capacity_len: Range,
+    /// Share of requests sent with `"stream": true`.
+    #[arg(long, default_value_t = 0.0)]
+    pub stream_share: f64,
+    /// Share of requests sent to /v1/chat/completions instead of /generate.
+    #[arg(long, default_value_t = 0.0)]
+    pub chat_share: f64,
+    #[arg(long, default_value_t = 8)]
+    pub max_new_tokens: u64,
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// A marker inserted into every prompt, for privacy tests (it must never leave the
+    /// parsing layer of a monitor).
+    #[arg(long)]
+    pub canary: Option<String>,
+    #[arg(long, default_value_t = 4096)]
+    pub max_inflight: usize,
+    /// Prefix of the x-request-id of request i: "{prefix}-{i}".
+    #[arg(long, default_value = "load")]
+    pub request_id_prefix: String,
+    #[arg(long)]
+    pub summary_json: Option<std::path::PathBuf>,
+    /// Per-request timeout, seconds.
+    #[arg(long, default_value_t = 60)]
+    pub timeout_secs: u64,
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+#[derive(Serialize, Debug, Default)]
+pub struct Summary {
+    pub sent: u64,
+    pub ok: u64,
+    pub rejected_by_status: BTreeMap<u16, u64>,
+    pub errors: u64,
+    pub over_capacity_sent: u64,
+    pub streamed: u64,
+    pub duration_s: f64,
+    pub target_rate: f64,
+    pub achieved_rate: f64,
+    pub latency_ms_p50: f64,
+    pub latency_ms_p99: f64,
+    pub latency_ms_max: f64,
+}
+
+#[derive(Default)]
+struct Counters {
+    sent: AtomicU64,
+    done: AtomicU64,
+    ok: AtomicU64,
+    errors: AtomicU64,
+    rejected: AtomicU64,
+}
+
+const VOCAB: [&str; 32] = [
+    "alpha", "river", "stone", "cloud", "maple", "north", "quiet", "ember", "lumen", "orbit",
+    "pixel", "cedar", "delta", "frost", "grove", "harbor", "ivory", "jade", "kite", "lotus",
+    "meadow", "nova", "opal", "prism", "quartz", "raven", "sable", "tide", "umber", "vivid",
+    "willow", "zephyr",
+];
+
+fn prompt(rng: &mut SmallRng, words: u64, canary: Option<&str>) -> String {
+    let mut s = String::with_capacity(words as usize * 7);
+    let canary_at = canary.map(|_| rng.random_range(0..words));
+    for i in 0..words {
+        if i > 0 {
+            s.push(' ');
+        }
+        match (canary_at, canary) {
+            (Some(at), Some(c)) if at == i => s.push_str(c),
+            _ => s.push_str(VOCAB[rng.random_range(0..VOCAB.len())]),
+        }
+    }
+    s
+}
+
+pub async fn run(args: LoadArgs) -> anyhow::Result<Summary> {
+    if args.rate <= 0.0 {
+        anyhow::bail!("--rate must be > 0");
+    }
+    for (n, v) in [
+        ("--over-capacity-share", args.over_capacity_share),
+        ("--stream-share", args.stream_share),
+        ("--chat-share", args.chat_share),
+    ] {
+        if !(0.0..=1.0).contains(&v) {
+            anyhow::bail!("{n} must be within 0..=1");
+        }
+    }
+    if let Some(c) = &args.canary
+        && c.split_whitespace().count() != 1
+    {
+        anyhow::bail!("--canary must be one word (it counts as one token)");
+    }
+    let base = args.router.trim_end_matches('/').to_string();
+    base.parse::<hyper::Uri>()?;
+    let client = http_client(args.max_inflight);
+    let sem = Arc::new(Semaphore::new(args.max_inflight.max(1)));
+    let counters = Arc::new(Counters::default());
+    let (lat_tx, mut lat_rx) = tokio::sync::mpsc::unbounded_channel::<(u16, Duration, bool)>();
+    let mut rng = SmallRng::seed_from_u64(args.seed);
+    let start = Instant::now();
+    let interval = Duration::from_secs_f64(1.0 / args.rate);
+
+    let progress = {
+        let c = counters.clone();
+        let total = args.requests;
+        let quiet = args.quiet;
+        tokio::spawn(async move {
+            let tty = std::io::stderr().is_terminal();
+            let mut tick = tokio::time::interval(Duration::from_secs(1));
+            tick.tick().await;
+            let mut last_done = 0;
+            loop {
+                tick.tick().await;
+                if quiet {
+                    continue;
+                }
+                let done = c.done.load(Ordering::Relaxed);
+                let line = format!(
+                    "[{:>5.1}s] sent {}/{} done {} ok {} rejected {} errors {} ({} req/s)",
+                    start.elapsed().as_secs_f64(),
+                    c.sent.load(Ordering::Relaxed),
+                    total,
+                    done,
+                    c.ok.load(Ordering::Relaxed),
+                    c.rejected.load(Ordering::Relaxed),
+                    c.errors.load(Ordering::Relaxed),
+                    done - last_done
+                );
+                last_done = done;
+                if tty {
+                    eprint!("\r{line}\x1b[K");
+                } else {
+                    eprintln!("{line}");
+                }
+            }
+        })
+    };
+
+    let mut over = 0u64;
+    let mut streamed = 0u64;
+    let mut handles = Vec::with_capacity(args.requests as usize);
+    for i in 0..args.requests {
+        let due = start + interval.mul_f64(i as f64);
+        let now = Instant::now();
+        if due > now {
+            tokio::time::sleep(due - now).await;
+        }
+        let permit = sem.clone().acquire_owned().await?;
+        let is_over = rng.random::<f64>() < args.over_capacity_share;
+        let r = if is_over {
+            &args.over_capacity_len
+        } else {
+            &args.prompt_len
+        };
+        let words = rng.random_range(r.min..=r.max);
+        let stream = rng.random::<f64>() < args.stream_share;
+        let chat = rng.random::<f64>() < args.chat_share;
+        over += is_over as u64;
+        streamed += stream as u64;
+        let text = prompt(&mut rng, words, args.canary.as_deref());
+        let (path, body) = if chat {
+            (
+                "/v1/chat/completions",
+                serde_json::json!({"model": "pd-sim", "messages": [{"role": "user", "content": text}],
+                                   "max_tokens": args.max_new_tokens, "stream": stream}),
+            )
+        } else {
+            (
+                "/generate",
+                serde_json::json!({"text": text, "sampling_params": {"max_new_tokens": args.max_new_tokens}, "stream": stream}),
+            )
+        };
+        let req = hyper::Request::post(format!("{base}{path}"))
+            .header("content-type", "application/json")
+            .header("x-request-id", format!("{}-{i}", args.request_id_prefix))
+            .body(Full::new(Bytes::from(body.to_string())))?;
+        let client = client.clone();
+        let c = counters.clone();
+        let lat_tx = lat_tx.clone();
+        let timeout = Duration::from_secs(args.timeout_secs);
+        c.sent.fetch_add(1, Ordering::Relaxed);
+        handles.push(tokio::spawn(async move {
+            let _permit = permit;
+            let t = Instant::now();
+            let res = tokio::time::timeout(timeout, async {
+                let resp = client.request(req).await.map_err(|e| e.to_string())?;
+                let status = resp.status().as_u16();
+                resp.into_body()
+                    .collect()
+                    .await
+                    .map_err(|e| e.to_string())?;
+                Ok::<u16, String>(status)
+            })
+            .await;
+            let el = t.elapsed();
+            match res {
+                Ok(Ok(status)) => {
+                    if (200..300).contains(&status) {
+                        c.ok.fetch_add(1, Ordering::Relaxed);
+                    } else {
+                        c.rejected.fetch_add(1, Ordering::Relaxed);
+                    }
+                    let _ = lat_tx.send((status, el, true));
+                }
+                _ => {
+                    c.errors.fetch_add(1, Ordering::Relaxed);
+                    let _ = lat_tx.send((0, el, false));
+                }
+            }
+            c.done.fetch_add(1, Ordering::Relaxed);
+        }));
+    }
+    for h in handles {
+        let _ = h.await;
+    }
+    let duration = start.elapsed();
+    progress.abort();
+    if !args.quiet && std::io::stderr().is_terminal() {
+        eprintln!();
+    }
+    drop(lat_tx);
+    let mut lat = Vec::with_capacity(args.requests as usize);
+    let mut summary = Summary {
+        target_rate: args.rate,
+        over_capacity_sent: over,
+        streamed,
+        ..Default::default()
+    };
+    while let Some((status, el, ok)) = lat_rx.recv().await {
+        summary.sent += 1;
+        if !ok {
+            summary.errors += 1;
+            continue;
+        }
+        lat.push(el.as_secs_f64() * 1000.0);
+        if (200..300).contains(&status) {
+            summary.ok += 1;
+        } else {
+            *summary.rejected_by_status.entry(status).or_default() += 1;
+        }
+    }
+    lat.sort_by(|a, b| a.total_cmp(b));
+    let pct = |q: f64| {
+        if lat.is_empty() {
+            0.0
+        } else {
+            lat[((lat.len() as f64 - 1.0) * q).round() as usize]
+        }
+    };
+    summary.latency_ms_p50 = pct(0.5);
+    summary.latency_ms_p99 = pct(0.99);
+    summary.latency_ms_max = lat.last().copied().unwrap_or(0.0);
+    summary.duration_s = duration.as_secs_f64();
+    summary.achieved_rate = summary.sent as f64 / summary.duration_s.max(1e-9);
+    print_summary(&summary);
+    if let Some(p) = &args.summary_json {
+        std::fs::write(p, serde_json::to_vec_pretty(&summary)?)?;
+    }
+    Ok(summary)
+}
+
+fn print_summary(s: &Summary) {
+    let rejected: Vec<String> = s
+        .rejected_by_status
+        .iter()
+        .map(|(k, v)| format!("{k}: {v}"))
+        .collect();
+    eprintln!(
+        "pd-sim load: sent {} in {:.2}s ({:.0} req/s, target {:.0}); ok {}; rejected {{{}}}; errors {}; over-capacity sent {}; streamed {}; latency p50 {:.2} ms p99 {:.2} ms max {:.2} ms",
+        s.sent,
+        s.duration_s,
+        s.achieved_rate,
+        s.target_rate,
+        s.ok,
+        rejected.join(", "),
+        s.errors,
+        s.over_capacity_sent,
+        s.streamed,
+        s.latency_ms_p50,
+        s.latency_ms_p99,
+        s.latency_ms_max
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranges_parse_and_reject_nonsense() {
+        let r: Range = "16..256".parse().unwrap();
+        assert_eq!((r.min, r.max), (16, 256));
+        let r: Range = "5..=5".parse().unwrap();
+        assert_eq!((r.min, r.max), (5, 5));
+        assert!("9..3".parse::<Range>().is_err());
+        assert!("0..3".parse::<Range>().is_err());
+        assert!("x".parse::<Range>().is_err());
+    }
+
+    #[test]
+    fn prompts_have_the_requested_word_count_and_the_canary() {
+        let mut rng = SmallRng::seed_from_u64(7);
+        let p = prompt(&mut rng, 50, Some("CANARY123"));
+        assert_eq!(crate::common::count_tokens(&p), 50);
+        assert!(p.contains("CANARY123"));
+    }
+}

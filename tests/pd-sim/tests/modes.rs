@@ -1,0 +1,497 @@
+//! End-to-end behaviour of the simulator's router modes, observed from outside the processes:
+//! HTTP answers, the simulator's per-room records, the ZMTP bytes on the wire, OTLP spans.
+
+mod support;
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use pd_sim::common::http_client;
+use serde_json::json;
+use support::*;
+
+fn room_set(recs: &[serde_json::Value], pred: impl Fn(&serde_json::Value) -> bool) -> HashSet<u64> {
+    recs.iter()
+        .filter(|r| pred(r))
+        .map(|r| r["room"].as_u64().unwrap())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn correct_mode_never_hands_a_rejected_request_to_decode() {
+    let c = Cluster::start("correct", &[]).await;
+    let client = http_client(8);
+    let s = run_load(
+        &c.router,
+        &[
+            "--rate",
+            "400",
+            "--requests",
+            "300",
+            "--over-capacity-share",
+            "0.3",
+            "--stream-share",
+            "0.3",
+            "--chat-share",
+            "0.2",
+            "--seed",
+            "11",
+        ],
+    );
+    let ok = s["ok"].as_u64().unwrap();
+    let rejected = s["rejected_by_status"]["400"].as_u64().unwrap_or(0);
+    assert_eq!(s["errors"], 0, "{s}");
+    assert_eq!(ok + rejected, 300, "{s}");
+    assert!(
+        rejected > 40,
+        "over-capacity share should produce rejections: {s}"
+    );
+    assert_eq!(
+        rejected,
+        s["over_capacity_sent"].as_u64().unwrap(),
+        "exactly the over-capacity prompts are rejected"
+    );
+
+    let prefill = rooms(&client, &c.prefill).await;
+    let decode = rooms(&client, &c.decode).await;
+    let rejected_rooms = room_set(&prefill, |r| r["status"] == 400);
+    assert_eq!(rejected_rooms.len() as u64, rejected);
+    let decode_rooms = room_set(&decode, |_| true);
+    assert!(
+        rejected_rooms.is_disjoint(&decode_rooms),
+        "decode saw a rejected room"
+    );
+    assert_eq!(
+        decode_rooms.len() as u64,
+        ok,
+        "one decode leg per successful request"
+    );
+    assert!(
+        decode
+            .iter()
+            .all(|r| r["outcome"] == "generated" && r["kv_done"] == true),
+        "{decode:?}"
+    );
+    // Prefill never received decode traffic for a rejected room.
+    assert!(
+        prefill
+            .iter()
+            .filter(|r| r["status"] == 400)
+            .all(|r| r["bootstrap_frames"] == 0 && r["kv_chunks"] == 0)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handoff_after_reject_bootstraps_and_transfers_rejected_rooms() {
+    let tap = ZmtpTap::start().await;
+    let adv = format!("--advertise-kv-port {}", tap.port);
+    let c = Cluster::start("handoff-after-reject", &["--prefill-args", &adv]).await;
+    let kv_port = c.ready["prefill_kv_port"].as_u64().unwrap() as u16;
+    tap.set_upstream(([127, 0, 0, 1], kv_port).into());
+    let client = http_client(8);
+    let s = run_load(
+        &c.router,
+        &[
+            "--rate",
+            "300",
+            "--requests",
+            "120",
+            "--over-capacity-share",
+            "0.3",
+            "--seed",
+            "5",
+        ],
+    );
+    let rejected = s["rejected_by_status"]["400"].as_u64().unwrap_or(0);
+    assert!(rejected > 10, "{s}");
+    assert_eq!(s["errors"], 0);
+
+    // The client was told 400, yet decode works on the room in the background: wait for it.
+    let prefill = rooms(&client, &c.prefill).await;
+    let rejected_rooms = room_set(&prefill, |r| r["status"] == 400);
+    assert_eq!(rejected_rooms.len() as u64, rejected);
+    let decode = eventually(
+        "decode generates every rejected room",
+        Duration::from_secs(20),
+        || {
+            let (client, decode_url, rr) =
+                (client.clone(), c.decode.clone(), rejected_rooms.clone());
+            async move {
+                let d = rooms(&client, &decode_url).await;
+                let done = room_set(&d, |r| r["outcome"] == "generated");
+                rr.is_subset(&done).then_some(d)
+            }
+        },
+    )
+    .await;
+    let by_room: HashMap<u64, &serde_json::Value> = decode
+        .iter()
+        .map(|r| (r["room"].as_u64().unwrap(), r))
+        .collect();
+    for room in &rejected_rooms {
+        let d = by_room[room];
+        assert!(
+            d["kv_chunks"].as_u64().unwrap() >= 1 && d["kv_done"] == true,
+            "{d}"
+        );
+        assert!(d["generated_tokens"].as_u64().unwrap() >= 1);
+    }
+    // Independent witness: the BOOTSTRAP frames for the rejected rooms crossed the wire.
+    let on_wire: HashSet<u64> = tap.rooms_with_verb(b"BOOTSTRAP").into_iter().collect();
+    assert!(
+        rejected_rooms.is_subset(&on_wire),
+        "missing BOOTSTRAP frames on the wire for rejected rooms"
+    );
+    let prefill_stats = get_json(&client, &format!("{}/sim/stats", c.prefill)).await;
+    assert_eq!(
+        prefill_stats["worker"]["kv_transfers_after_reject"]
+            .as_u64()
+            .unwrap(),
+        rejected
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_no_cancel_retries_503_with_new_rooms_under_one_request_id() {
+    let c = Cluster::start(
+        "concurrent-no-cancel",
+        &[
+            "--prefill-args",
+            "--overload-share 1.0",
+            "--decode-args",
+            "--kv-timeout-ms 300",
+            "--router-args",
+            "--retry-initial-backoff-ms 5",
+        ],
+    )
+    .await;
+    let client = http_client(8);
+    let (status, body) = post(
+        &client,
+        &format!("{}/generate", c.router),
+        "storm-1",
+        json!({"text": "hello there", "sampling_params": {"max_new_tokens": 4}}),
+    )
+    .await;
+    assert_eq!(status, 503, "{}", String::from_utf8_lossy(&body));
+    assert!(String::from_utf8_lossy(&body).contains("The request queue is full."));
+    let prefill = rooms(&client, &c.prefill).await;
+    let storm: Vec<_> = prefill
+        .iter()
+        .filter(|r| r["request_id"] == "storm-1")
+        .collect();
+    assert_eq!(storm.len(), 5, "one prefill attempt per retry: {storm:?}");
+    assert!(storm.iter().all(|r| r["status"] == 503));
+    let storm_rooms: HashSet<u64> = storm.iter().map(|r| r["room"].as_u64().unwrap()).collect();
+    assert_eq!(storm_rooms.len(), 5, "a new bootstrap_room per attempt");
+    // Every attempt also had a decode leg, never cancelled: it bootstraps and times out.
+    let decode = eventually(
+        "decode legs of the storm settle",
+        Duration::from_secs(10),
+        || {
+            let (client, url) = (client.clone(), c.decode.clone());
+            async move {
+                let d = rooms(&client, &url).await;
+                let legs: Vec<_> = d
+                    .into_iter()
+                    .filter(|r| r["request_id"] == "storm-1")
+                    .collect();
+                (legs.len() == 5 && legs.iter().all(|r| r["outcome"] == "kv-failed"))
+                    .then_some(legs)
+            }
+        },
+    )
+    .await;
+    assert_eq!(
+        decode
+            .iter()
+            .map(|r| r["room"].as_u64().unwrap())
+            .collect::<HashSet<_>>(),
+        storm_rooms
+    );
+    assert!(
+        decode
+            .iter()
+            .all(|r| r["bootstrap_frames"] == 1 && r["kv_chunks"] == 0)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_no_cancel_leaves_the_decode_leg_of_a_rejected_request_running() {
+    let c = Cluster::start(
+        "concurrent-no-cancel",
+        &[
+            "--decode-args",
+            "--kv-timeout-ms 300",
+            "--router-args",
+            "--retry-initial-backoff-ms 5",
+        ],
+    )
+    .await;
+    let client = http_client(8);
+    let (status, body) = post(
+        &client,
+        &format!("{}/generate", c.router),
+        "rej-1",
+        json!({"text": words(5000), "sampling_params": {"max_new_tokens": 4}}),
+    )
+    .await;
+    // Like smg 0.3.2: the decode leg is joined; its KV never comes, its 500 is retried with a
+    // new room each time, and the client finally sees decode's 500.
+    assert_eq!(status, 500, "{}", String::from_utf8_lossy(&body));
+    assert!(String::from_utf8_lossy(&body).contains("Decode transfer failed"));
+    let prefill = rooms(&client, &c.prefill).await;
+    let attempts: Vec<_> = prefill
+        .iter()
+        .filter(|r| r["request_id"] == "rej-1")
+        .collect();
+    assert_eq!(attempts.len(), 5, "{attempts:?}");
+    for a in &attempts {
+        assert_eq!(a["status"], 400);
+        assert_eq!(
+            a["bootstrap_frames"], 1,
+            "decode bootstrapped the rejected room: {a}"
+        );
+        assert_eq!(
+            a["kv_chunks"], 0,
+            "a correct prefill does not transfer a rejected room"
+        );
+    }
+    let prefill_rooms: HashSet<u64> = attempts
+        .iter()
+        .map(|r| r["room"].as_u64().unwrap())
+        .collect();
+    let decode: Vec<_> = rooms(&client, &c.decode)
+        .await
+        .into_iter()
+        .filter(|r| r["request_id"] == "rej-1")
+        .collect();
+    assert!(
+        decode
+            .iter()
+            .all(|r| r["outcome"] == "kv-failed" && r["bootstrap_frames"] == 1),
+        "{decode:?}"
+    );
+    assert_eq!(
+        decode
+            .iter()
+            .map(|r| r["room"].as_u64().unwrap())
+            .collect::<HashSet<_>>(),
+        prefill_rooms
+    );
+    let (s, b) = post(
+        &client,
+        &format!("{}/generate", c.router),
+        "ok-1",
+        json!({"text": "a b c"}),
+    )
+    .await;
+    assert_eq!(s, 200, "{}", String::from_utf8_lossy(&b));
+    let msg = String::from_utf8_lossy(&b).to_string();
+    assert!(msg.contains("meta_info"), "{msg}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spans_are_sglang_and_smg_shaped_and_share_the_router_trace() {
+    let otlp = OtlpReceiver::start().await;
+    let c = Cluster::start("handoff-after-reject", &["--otlp-endpoint", &otlp.url]).await;
+    let client = http_client(8);
+    let (s1, _) = post(
+        &client,
+        &format!("{}/generate", c.router),
+        "span-ok",
+        json!({"text": "a b c"}),
+    )
+    .await;
+    assert_eq!(s1, 200);
+    let (s2, _) = post(
+        &client,
+        &format!("{}/generate", c.router),
+        "span-rej",
+        json!({"text": words(5000)}),
+    )
+    .await;
+    assert_eq!(s2, 400);
+    let spans = eventually(
+        "spans of both requests, incl. the late transfer",
+        Duration::from_secs(20),
+        || {
+            let spans = otlp.spans.clone();
+            async move {
+                let g = spans.lock().unwrap().clone();
+                let routers = g.iter().filter(|(_, s)| s.name == "http_request").count();
+                let late = g
+                    .iter()
+                    .filter(|(_, s)| s.name == "prefill_transfer_kv_cache")
+                    .count();
+                let decode_roots = g
+                    .iter()
+                    .filter(|(_, s)| s.name.starts_with("decode Req "))
+                    .count();
+                (routers >= 2 && late >= 2 && decode_roots >= 2).then_some(g)
+            }
+        },
+    )
+    .await;
+    let router = spans
+        .iter()
+        .find(|(_, s)| s.name == "http_request" && attr(s, "request_id") == Some("span-rej"))
+        .unwrap();
+    assert_eq!(router.0, "smg");
+    assert_eq!(attr(&router.1, "status_code"), Some("400"));
+    assert!(
+        attr(&router.1, "bootstrap_room").is_none(),
+        "the real router span carries no room"
+    );
+    let trace = router.1.trace_id.clone();
+    let in_trace: Vec<_> = spans.iter().filter(|(_, s)| s.trace_id == trace).collect();
+    let prefill_root = in_trace
+        .iter()
+        .find(|(_, s)| s.name.starts_with("prefill Req "))
+        .expect("prefill root in router trace");
+    assert_eq!(prefill_root.0, "sglang");
+    assert_eq!(
+        prefill_root.1.parent_span_id, router.1.span_id,
+        "worker root is a child of the router span"
+    );
+    let rid = attr(&prefill_root.1, "rid").unwrap();
+    assert_eq!(prefill_root.1.name, format!("prefill Req {}", &rid[..8]));
+    let room_hex = attr(&prefill_root.1, "bootstrap_room").unwrap().to_string();
+    assert!(room_hex.starts_with("0x"));
+    let sched = in_trace
+        .iter()
+        .find(|(_, s)| {
+            s.name.starts_with("Prefill Scheduler [TP 0]")
+                && s.status.as_ref().is_some_and(|st| st.code == 2)
+        })
+        .expect("ERROR scheduler span");
+    assert!(
+        attr(&sched.1, "reason")
+            .unwrap()
+            .contains("exceeds the maximum allowed length")
+    );
+    assert!(
+        in_trace
+            .iter()
+            .any(|(_, s)| s.name == "prefill_transfer_kv_cache"),
+        "late transfer of the rejected room"
+    );
+    let decode_root = in_trace
+        .iter()
+        .find(|(_, s)| s.name.starts_with("decode Req "))
+        .expect("decode root");
+    assert_eq!(
+        attr(&decode_root.1, "bootstrap_room"),
+        Some(room_hex.as_str())
+    );
+    for stage in ["decode_bootstrap", "decode_transferred", "decode_forward"] {
+        assert!(
+            in_trace.iter().any(|(_, s)| s.name == stage),
+            "missing {stage}"
+        );
+    }
+    let stats = get_json(&client, &format!("{}/sim/stats", c.prefill)).await;
+    assert_eq!(stats["otlp"]["spans_dropped_queue_full"], 0);
+    assert_eq!(stats["otlp"]["spans_failed"], 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn garbage_on_the_kv_port_is_refused_without_harm_and_children_are_cleaned_up() {
+    let c = Cluster::start("correct", &[]).await;
+    let client = http_client(8);
+    let kv = c.ready["prefill_kv_port"].as_u64().unwrap() as u16;
+    {
+        use tokio::io::AsyncWriteExt;
+        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", kv))
+            .await
+            .unwrap();
+        let _ = s.write_all(&[0x42; 200]).await;
+    }
+    let stats = eventually("bad connection counted", Duration::from_secs(5), || {
+        let (client, url) = (client.clone(), c.prefill.clone());
+        async move {
+            let s = get_json(&client, &format!("{url}/sim/stats")).await;
+            (s["kv_link"]["bad_connections"].as_u64().unwrap_or(0) >= 1).then_some(s)
+        }
+    })
+    .await;
+    assert_eq!(stats["worker"]["bootstrap_frames"], 0);
+    let (status, _) = post(
+        &client,
+        &format!("{}/generate", c.router),
+        "after-garbage",
+        json!({"text": "a b"}),
+    )
+    .await;
+    assert_eq!(status, 200);
+    let info = get_json(&client, &format!("{}/server_info", c.prefill)).await;
+    assert_eq!(info["disaggregation_mode"], "prefill");
+    for k in [
+        "context_length",
+        "max_total_num_tokens",
+        "max_req_input_len",
+    ] {
+        assert!(info[k].is_u64(), "{k}");
+    }
+    let pids = c.pids.clone();
+    drop(c);
+    for pid in pids {
+        assert!(
+            !std::path::Path::new(&format!("/proc/{pid}")).exists() || is_zombie(pid),
+            "child {pid} survived"
+        );
+    }
+}
+
+fn is_zombie(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| s.contains(") Z "))
+        .unwrap_or(true)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_misconfigured_prefill_admits_over_capacity_requests_and_says_so_in_server_info() {
+    let c = Cluster::start(
+        "correct",
+        &["--prefill-args", "--context-length 16384 --max-total-num-tokens 8192 --max-req-input-len 16000 --skip-total-tokens-check"],
+    )
+    .await;
+    let client = http_client(8);
+    let info = get_json(&client, &format!("{}/server_info", c.prefill)).await;
+    assert_eq!(info["context_length"], 16384);
+    assert_eq!(info["max_total_num_tokens"], 8192);
+    assert_eq!(info["max_req_input_len"], 16000);
+    let (status, _) = post(
+        &client,
+        &format!("{}/generate", c.router),
+        "big-1",
+        json!({"text": words(9000)}),
+    )
+    .await;
+    assert_eq!(status, 200, "admitted although 9000 > max_total_num_tokens");
+    let p = rooms(&client, &c.prefill).await;
+    let rec = p.iter().find(|r| r["request_id"] == "big-1").unwrap();
+    assert_eq!(rec["input_tokens"], 9000);
+    assert_eq!(rec["status"], 200);
+    // Without the misconfiguration the same request is refused with SGLang's message.
+    let c2 = Cluster::start(
+        "correct",
+        &[
+            "--prefill-args",
+            "--context-length 16384 --max-total-num-tokens 8192 --max-req-input-len 16000",
+        ],
+    )
+    .await;
+    let (status, body) = post(
+        &client,
+        &format!("{}/generate", c2.router),
+        "big-2",
+        json!({"text": words(9000)}),
+    )
+    .await;
+    assert_eq!(status, 400);
+    assert!(
+        String::from_utf8_lossy(&body)
+            .contains("exceeds the maximum number of tokens: 9000 > 8192")
+    );
+}

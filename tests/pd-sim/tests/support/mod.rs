@@ -1,0 +1,381 @@
+//! Test harness: start `pd-sim cluster` on ephemeral loopback ports, wait on readiness,
+//! always stop it; a tiny HTTP client; a ZMTP tap; a tiny OTLP/HTTP receiver.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use pd_sim::common::{HttpClient, http_client};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_pd-sim");
+
+pub struct Cluster {
+    child: Child,
+    pub ready: serde_json::Value,
+    pub router: String,
+    pub prefill: String,
+    pub decode: String,
+    pub pids: Vec<u32>,
+}
+
+fn pdeathsig(cmd: &mut Command) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: prctl only, in the forked child before exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            Ok(())
+        });
+    }
+}
+
+impl Cluster {
+    pub async fn start(mode: &str, extra: &[&str]) -> Cluster {
+        let mut cmd = Command::new(BIN);
+        cmd.args(["cluster", "--ephemeral", "--mode", mode])
+            .args(extra)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        if std::env::var_os("PD_SIM_LOG").is_none() {
+            cmd.env("PD_SIM_LOG", "warn");
+        }
+        pdeathsig(&mut cmd);
+        let mut child = cmd.spawn().expect("spawn pd-sim cluster");
+        let stdout = child.stdout.take().expect("stdout");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut r = BufReader::new(stdout);
+            let mut line = String::new();
+            loop {
+                line.clear();
+                match r.read_line(&mut line) {
+                    Ok(0) | Err(_) => return,
+                    Ok(_) => {
+                        if let Some(j) = line.trim().strip_prefix("READY ") {
+                            let _ = tx.send(j.to_string());
+                        }
+                    }
+                }
+            }
+        });
+        let ready = match rx.recv_timeout(Duration::from_secs(60)) {
+            Ok(j) => serde_json::from_str::<serde_json::Value>(&j).expect("READY json"),
+            Err(_) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("cluster not ready within 60 s");
+            }
+        };
+        let s = |k: &str| ready[k].as_str().unwrap_or("").to_string();
+        let pids = ["router", "prefill", "decode"]
+            .iter()
+            .filter_map(|k| ready["pids"][k].as_u64().map(|p| p as u32))
+            .collect();
+        let c = Cluster {
+            router: s("router"),
+            prefill: s("prefill"),
+            decode: s("decode"),
+            child,
+            ready,
+            pids,
+        };
+        let client = http_client(4);
+        for url in [&c.router, &c.prefill, &c.decode]
+            .into_iter()
+            .filter(|u| !u.is_empty())
+        {
+            wait_healthy(&client, url).await;
+        }
+        c
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        // SAFETY: kill(2) on our own child.
+        unsafe {
+            libc::kill(self.child.id() as i32, libc::SIGTERM);
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            match self.child.try_wait() {
+                Ok(Some(_)) => break,
+                Ok(None) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(20))
+                }
+                _ => {
+                    let _ = self.child.kill();
+                    let _ = self.child.wait();
+                    break;
+                }
+            }
+        }
+        for pid in &self.pids {
+            // SAFETY: signal 0 only probes; a stray child gets SIGKILL.
+            unsafe {
+                if libc::kill(*pid as i32, 0) == 0 {
+                    libc::kill(*pid as i32, libc::SIGKILL);
+                }
+            }
+        }
+    }
+}
+
+pub async fn wait_healthy(client: &HttpClient, base: &str) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Ok((200, _)) = get(client, &format!("{base}/health")).await {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{base} not healthy within 30 s");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+pub async fn get(client: &HttpClient, url: &str) -> Result<(u16, Bytes), String> {
+    let req = hyper::Request::get(url)
+        .body(Full::new(Bytes::new()))
+        .map_err(|e| e.to_string())?;
+    let resp = tokio::time::timeout(Duration::from_secs(10), client.request(req))
+        .await
+        .map_err(|_| "timeout".to_string())?
+        .map_err(|e| e.to_string())?;
+    let status = resp.status().as_u16();
+    let body = resp
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| e.to_string())?
+        .to_bytes();
+    Ok((status, body))
+}
+
+pub async fn get_json(client: &HttpClient, url: &str) -> serde_json::Value {
+    let (s, b) = get(client, url).await.expect("GET");
+    assert_eq!(s, 200, "GET {url}");
+    serde_json::from_slice(&b).expect("json")
+}
+
+pub async fn post(
+    client: &HttpClient,
+    url: &str,
+    request_id: &str,
+    body: serde_json::Value,
+) -> (u16, Bytes) {
+    let req = hyper::Request::post(url)
+        .header("content-type", "application/json")
+        .header("x-request-id", request_id)
+        .body(Full::new(Bytes::from(body.to_string())))
+        .unwrap();
+    let resp = tokio::time::timeout(Duration::from_secs(30), client.request(req))
+        .await
+        .expect("timeout")
+        .expect("POST");
+    let status = resp.status().as_u16();
+    (status, resp.into_body().collect().await.unwrap().to_bytes())
+}
+
+pub fn words(n: usize) -> String {
+    vec!["word"; n].join(" ")
+}
+
+/// Poll `f` until it returns Some, bounded.
+pub async fn eventually<T, F, Fut>(what: &str, timeout: Duration, mut f: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+pub async fn rooms(client: &HttpClient, base: &str) -> Vec<serde_json::Value> {
+    get_json(client, &format!("{base}/sim/rooms"))
+        .await
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+}
+
+/// Run the `pd-sim load` binary against the router and return its summary JSON.
+pub fn run_load(router: &str, args: &[&str]) -> serde_json::Value {
+    let dir = std::env::temp_dir().join(format!(
+        "pd-sim-load-{}-{}",
+        std::process::id(),
+        rand_suffix()
+    ));
+    let path = dir.with_extension("json");
+    let mut cmd = Command::new(BIN);
+    cmd.args(["load", "--router", router, "--quiet", "--summary-json"])
+        .arg(&path)
+        .args(args);
+    pdeathsig(&mut cmd);
+    let out = cmd.output().expect("run load");
+    assert!(
+        out.status.success(),
+        "load failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v = serde_json::from_slice(&std::fs::read(&path).expect("summary")).expect("summary json");
+    let _ = std::fs::remove_file(&path);
+    v
+}
+
+fn rand_suffix() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64
+}
+
+/// A TCP proxy in front of prefill's KV port that decodes the decode→prefill ZMTP stream,
+/// so tests see BOOTSTRAP frames on the wire independently of the simulator's bookkeeping.
+pub struct ZmtpTap {
+    pub port: u16,
+    upstream: Arc<Mutex<Option<SocketAddr>>>,
+    pub messages: Arc<Mutex<Vec<Vec<Bytes>>>>,
+}
+
+impl ZmtpTap {
+    pub async fn start() -> ZmtpTap {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = l.local_addr().unwrap().port();
+        let upstream: Arc<Mutex<Option<SocketAddr>>> = Arc::default();
+        let messages: Arc<Mutex<Vec<Vec<Bytes>>>> = Arc::default();
+        let (up, msgs) = (upstream.clone(), messages.clone());
+        tokio::spawn(async move {
+            while let Ok((down, _)) = l.accept().await {
+                let to = up.lock().unwrap().expect("tap upstream set before traffic");
+                let msgs = msgs.clone();
+                tokio::spawn(async move {
+                    let upc = TcpStream::connect(to).await.unwrap();
+                    let (mut dr, mut dw) = down.into_split();
+                    let (mut ur, mut uw) = upc.into_split();
+                    tokio::spawn(async move {
+                        let _ = tokio::io::copy(&mut ur, &mut dw).await;
+                    });
+                    let mut dec = pd_sim::zmtp::StreamDecoder::default();
+                    let mut buf = vec![0u8; 64 * 1024];
+                    loop {
+                        let n = match dr.read(&mut buf).await {
+                            Ok(0) | Err(_) => break,
+                            Ok(n) => n,
+                        };
+                        dec.push(&buf[..n]);
+                        while let Ok(Some(m)) = dec.next_message() {
+                            msgs.lock().unwrap().push(m);
+                        }
+                        if uw.write_all(&buf[..n]).await.is_err() {
+                            break;
+                        }
+                    }
+                });
+            }
+        });
+        ZmtpTap {
+            port,
+            upstream,
+            messages,
+        }
+    }
+
+    pub fn set_upstream(&self, a: SocketAddr) {
+        *self.upstream.lock().unwrap() = Some(a);
+    }
+
+    pub fn rooms_with_verb(&self, verb: &[u8]) -> Vec<u64> {
+        self.messages
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|m| m.first().map(|v| &v[..] == verb).unwrap_or(false))
+            .filter_map(|m| {
+                m.get(1)
+                    .and_then(|r| std::str::from_utf8(r).ok()?.parse().ok())
+            })
+            .collect()
+    }
+}
+
+/// Minimal OTLP/HTTP protobuf receiver: accepts POST /v1/traces and keeps the spans.
+pub struct OtlpReceiver {
+    pub url: String,
+    pub spans: Arc<Mutex<Vec<(String, opentelemetry_proto::tonic::trace::v1::Span)>>>,
+}
+
+impl OtlpReceiver {
+    pub async fn start() -> OtlpReceiver {
+        use prost::Message;
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", l.local_addr().unwrap());
+        let spans: Arc<Mutex<Vec<(String, opentelemetry_proto::tonic::trace::v1::Span)>>> =
+            Arc::default();
+        let s2 = spans.clone();
+        let app = axum::Router::new().route(
+            "/v1/traces",
+            axum::routing::post(move |body: Bytes| {
+                let s2 = s2.clone();
+                async move {
+                    let Ok(req) =
+                        opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest::decode(body)
+                    else {
+                        return axum::http::StatusCode::BAD_REQUEST;
+                    };
+                    let mut g = s2.lock().unwrap();
+                    for rs in req.resource_spans {
+                        let svc = rs
+                            .resource
+                            .iter()
+                            .flat_map(|r| r.attributes.iter())
+                            .find(|kv| kv.key == "service.name")
+                            .and_then(|kv| kv.value.as_ref())
+                            .and_then(|v| match &v.value {
+                                Some(opentelemetry_proto::tonic::common::v1::any_value::Value::StringValue(s)) => {
+                                    Some(s.clone())
+                                }
+                                _ => None,
+                            })
+                            .unwrap_or_default();
+                        for ss in rs.scope_spans {
+                            for sp in ss.spans {
+                                g.push((svc.clone(), sp));
+                            }
+                        }
+                    }
+                    axum::http::StatusCode::OK
+                }
+            }),
+        );
+        tokio::spawn(async move {
+            let _ = axum::serve(l, app).await;
+        });
+        OtlpReceiver { url, spans }
+    }
+}
+
+pub fn attr<'a>(s: &'a opentelemetry_proto::tonic::trace::v1::Span, key: &str) -> Option<&'a str> {
+    s.attributes
+        .iter()
+        .find(|kv| kv.key == key)
+        .and_then(|kv| kv.value.as_ref())
+        .and_then(|v| match &v.value {
+            Some(opentelemetry_proto::tonic::common::v1::any_value::Value::StringValue(s)) => {
+                Some(s.as_str())
+            }
+            _ => None,
+        })
+}
