@@ -71,6 +71,9 @@ async fn prometheus_scrapes_and_every_dashboard_query_has_data() {
     let srv = readiness.register("admin", ComponentKind::Server);
     metrics.declare_source(Source::Otlp);
     metrics.declare_source(Source::Ebpf);
+    // The OTLP receivers' own counters, as `revenant run` attaches them.
+    let otlp = Arc::new(revenant::ingest::otlp::OtlpStats::default());
+    metrics.attach_otlp(otlp.clone());
     let recent = Arc::new(RecentViolations::new(100));
     let timeline = Arc::new(RecentEvents::new(RecentEventsLimits::default()));
     let admin = AdminServer::bind(([127, 0, 0, 1], 0).into()).await.unwrap();
@@ -127,6 +130,15 @@ async fn prometheus_scrapes_and_every_dashboard_query_has_data() {
                 revenant::alert::offer(&tx, v, &m2);
             }
             m2.publish_checker(&checker, now);
+            {
+                use std::sync::atomic::Ordering::Relaxed;
+                use revenant::ingest::otlp::{RejectReason, Transport};
+                otlp.requests_accepted[Transport::Grpc as usize].fetch_add(1, Relaxed);
+                otlp.spans_received[0].fetch_add(batch.len() as u64, Relaxed);
+                if i % 10 == 0 {
+                    otlp.rejected(Transport::Grpc, RejectReason::PipelineFull, 100);
+                }
+            }
             // Sources report in once their first batch went through (later calls are no-ops).
             src.ready();
             ebpf.ready();
@@ -240,7 +252,7 @@ async fn prometheus_scrapes_and_every_dashboard_query_has_data() {
     // The rules loaded into the real Prometheus too.
     let rules: serde_json::Value = http.get(format!("{prom}/api/v1/rules")).send().await.unwrap().json().await.unwrap();
     let n = rules["data"]["groups"][0]["rules"].as_array().map(|a| a.len()).unwrap_or(0);
-    assert_eq!(n, 9, "{rules}");
+    assert_eq!(n, 10, "{rules}");
     eprintln!("{} dashboard queries returned data; {} alerts delivered", exprs.len(), receiver.alerts().len());
 
     feeder.abort();

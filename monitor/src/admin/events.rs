@@ -7,10 +7,10 @@ use tracing::{debug, error, info, trace, warn};
 
 use super::metrics::{
     DeliveryLabels, DropLabels, DropPoint, Metrics, Outcome, RuleLabel, RuleLabels, SinkLabel,
-    SourceLabels, UnmappedLabels, event_labels,
+    SourceLabels, event_labels,
 };
 use crate::checker::Severity;
-use crate::event::{LifecycleEvent, Source};
+use crate::event::LifecycleEvent;
 
 /// A source handed an event to the checker. Hot path: trace-level log only.
 pub struct EventObserved<'a> {
@@ -33,25 +33,6 @@ impl EventObserved<'_> {
         m.source_last_event
             .get_or_create(&src)
             .set(self.arrival_ns as f64 / 1e9);
-    }
-}
-
-/// A source could not map records (spans, logs) to lifecycle events.
-pub struct RecordsUnmapped {
-    pub source: Source,
-    pub signal: &'static str,
-    pub count: u64,
-}
-
-impl RecordsUnmapped {
-    pub fn emit(&self, m: &Metrics) {
-        debug!(source = self.source.as_str(), signal = self.signal, count = self.count, "records unmapped");
-        m.unmapped
-            .get_or_create(&UnmappedLabels {
-                source: self.source.as_str(),
-                signal: self.signal,
-            })
-            .inc_by(self.count);
     }
 }
 
