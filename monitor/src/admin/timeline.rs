@@ -146,6 +146,10 @@ impl RecentEvents {
 
     /// Records events the run loop handed to the checker (call once per batch).
     pub fn record<'a>(&self, batch: impl IntoIterator<Item = &'a LifecycleEvent>) {
+        // `--timeline-events 0` turns the index (and its per-event cost) off.
+        if self.limits.max_events == 0 {
+            return;
+        }
         let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         for e in batch {
             let aliases: Vec<Alias> = aliases_of(e).collect();
