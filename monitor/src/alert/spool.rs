@@ -271,9 +271,8 @@ impl Spool {
         Ok(seq)
     }
 
-    /// Group commit: writes every notification, then makes them all durable with one `syncfs`
-    /// instead of one fsync each (an fsync costs milliseconds on a VM disk; a burst of alerts
-    /// would otherwise queue behind them). Results are in input order.
+    /// Writes a batch of notifications, then makes them durable together (one directory sync for
+    /// the lot). Results are in input order.
     pub fn put_many(&self, ns: Vec<Notification>, sinks: &[String]) -> Vec<Result<u64, SpoolError>> {
         let mut out = Vec::with_capacity(ns.len());
         let mut written = Vec::new();
@@ -342,18 +341,14 @@ impl Spool {
         out
     }
 
+    /// fdatasync of each new file, then one fsync of the directory for all the renames. Not
+    /// `syncfs`: that would also flush every other process's dirty pages on the filesystem (on a
+    /// serving node: model weights, logs) and stall alerting behind them.
     fn sync_all(&self, written: &[(u64, OnDisk, u64)]) -> std::io::Result<()> {
-        use std::os::fd::AsRawFd;
-        let dir = std::fs::File::open(&self.dir)?;
-        // SAFETY: syncfs only reads the descriptor, which `dir` keeps open for the call.
-        if unsafe { libc::syncfs(dir.as_raw_fd()) } == 0 {
-            return Ok(());
-        }
-        // Fallback: file by file, then the directory (for the renames).
         for (seq, _, _) in written {
             std::fs::File::open(self.path(*seq))?.sync_data()?;
         }
-        dir.sync_all()
+        std::fs::File::open(&self.dir)?.sync_all()
     }
 
     fn write_atomic(&self, seq: u64, bytes: &[u8], fsync: bool) -> Result<(), SpoolError> {
