@@ -10,7 +10,6 @@ pub mod config;
 pub mod grpc;
 pub mod http;
 pub mod json;
-pub mod publish;
 pub mod stats;
 
 use std::sync::{Arc, Mutex};
