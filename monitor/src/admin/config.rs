@@ -87,3 +87,34 @@ impl LogArgs {
         r.map_err(|e| e.to_string())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::{CommandFactory, Parser};
+
+    /// The flags `revenant run` will flatten must not collide with each other.
+    #[derive(Parser)]
+    struct Probe {
+        #[command(flatten)]
+        admin: super::AdminArgs,
+        #[command(flatten)]
+        log: super::LogArgs,
+        #[command(flatten)]
+        alert: crate::alert::AlertArgs,
+    }
+
+    #[test]
+    fn flattened_flags_do_not_collide_and_parse() {
+        Probe::command().debug_assert();
+        let p = Probe::try_parse_from([
+            "x", "--admin", "127.0.0.1:0", "--webhook", "http://a/1", "--webhook", "http://b/2",
+            "--alertmanager", "http://am:9093", "--spool-dir", "/tmp/s", "--log-format", "json",
+            "--dedup-window", "2m",
+        ])
+        .unwrap();
+        assert_eq!(p.alert.webhooks.len(), 2);
+        assert_eq!(p.admin.admin.port(), 0);
+        assert_eq!(p.log.log_format, super::LogFormat::Json);
+        assert!(Probe::try_parse_from(["x", "--admin", "nonsense"]).is_err());
+    }
+}

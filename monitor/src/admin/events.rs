@@ -7,10 +7,10 @@ use tracing::{debug, error, info, trace, warn};
 
 use super::metrics::{
     DeliveryLabels, DropLabels, DropPoint, Metrics, Outcome, RuleLabel, RuleLabels, SinkLabel,
-    SourceLabels, UnmappedLabels, event_labels,
+    SourceLabels, event_labels,
 };
 use crate::checker::Severity;
-use crate::event::{LifecycleEvent, Source};
+use crate::event::LifecycleEvent;
 
 /// A source handed an event to the checker. Hot path: trace-level log only.
 pub struct EventObserved<'a> {
@@ -22,15 +22,8 @@ pub struct EventObserved<'a> {
 impl EventObserved<'_> {
     pub fn emit(&self, m: &Metrics) {
         let e = self.event;
-        trace!(
-            source = e.source.as_str(),
-            stage = e.stage.as_str(),
-            kind = e.kind.as_str(),
-            "event observed"
-        );
-        m.events
-            .get_or_create(&event_labels(e.source, e.stage, e.kind))
-            .inc();
+        trace!(source = e.source.as_str(), stage = e.stage.as_str(), kind = e.kind.as_str(), "event observed");
+        m.events.get_or_create(&event_labels(e.source, e.stage, e.kind)).inc();
         let src = SourceLabels {
             source: e.source.as_str(),
         };
@@ -40,30 +33,6 @@ impl EventObserved<'_> {
         m.source_last_event
             .get_or_create(&src)
             .set(self.arrival_ns as f64 / 1e9);
-    }
-}
-
-/// A source could not map records (spans, logs) to lifecycle events.
-pub struct RecordsUnmapped {
-    pub source: Source,
-    pub signal: &'static str,
-    pub count: u64,
-}
-
-impl RecordsUnmapped {
-    pub fn emit(&self, m: &Metrics) {
-        debug!(
-            source = self.source.as_str(),
-            signal = self.signal,
-            count = self.count,
-            "records unmapped"
-        );
-        m.unmapped
-            .get_or_create(&UnmappedLabels {
-                source: self.source.as_str(),
-                signal: self.signal,
-            })
-            .inc_by(self.count);
     }
 }
 
@@ -77,12 +46,7 @@ pub struct ItemsDropped {
 
 impl ItemsDropped {
     pub fn emit(&self, m: &Metrics) {
-        warn!(
-            point = self.point.as_str(),
-            reason = self.reason,
-            count = self.count,
-            "items dropped"
-        );
+        warn!(point = self.point.as_str(), reason = self.reason, count = self.count, "items dropped");
         m.dropped
             .get_or_create(&DropLabels {
                 point: self.point.as_str(),
@@ -120,11 +84,7 @@ pub struct AlertReceived<'a> {
 
 impl AlertReceived<'_> {
     pub fn emit(&self, m: &Metrics) {
-        debug!(
-            rule = self.rule,
-            severity = self.severity.as_str(),
-            "violation received"
-        );
+        debug!(rule = self.rule, severity = self.severity.as_str(), "violation received");
         m.alerts_received
             .get_or_create(&RuleLabels {
                 rule: self.rule.to_string(),
@@ -142,12 +102,7 @@ pub struct AlertDeduplicated<'a> {
 
 impl AlertDeduplicated<'_> {
     pub fn emit(&self, m: &Metrics) {
-        debug!(
-            rule = self.rule,
-            fingerprint = self.fingerprint,
-            repeats = self.repeats,
-            "violation folded into an open notification"
-        );
+        debug!(rule = self.rule, fingerprint = self.fingerprint, repeats = self.repeats, "violation folded into an open notification");
         m.alerts_deduplicated
             .get_or_create(&RuleLabel {
                 rule: self.rule.to_string(),
@@ -162,10 +117,7 @@ pub struct AlertRateLimited<'a> {
 
 impl AlertRateLimited<'_> {
     pub fn emit(&self, m: &Metrics) {
-        debug!(
-            rule = self.rule,
-            "violation rate-limited; it will be summarised"
-        );
+        debug!(rule = self.rule, "violation rate-limited; it will be summarised");
         m.alerts_rate_limited
             .get_or_create(&RuleLabel {
                 rule: self.rule.to_string(),
@@ -181,11 +133,7 @@ pub struct SuppressionSummarised<'a> {
 
 impl SuppressionSummarised<'_> {
     pub fn emit(&self, m: &Metrics) {
-        warn!(
-            rule = self.rule,
-            suppressed = self.suppressed,
-            "rule exceeded its alert rate limit; sending a summary"
-        );
+        warn!(rule = self.rule, suppressed = self.suppressed, "rule exceeded its alert rate limit; sending a summary");
         m.alerts_notified
             .get_or_create(&RuleLabel {
                 rule: self.rule.to_string(),
@@ -202,11 +150,7 @@ pub struct AlertSpooled<'a> {
 
 impl AlertSpooled<'_> {
     pub fn emit(&self, m: &Metrics) {
-        debug!(
-            rule = self.rule,
-            spool_entries = self.entries,
-            "notification spooled"
-        );
+        debug!(rule = self.rule, spool_entries = self.entries, "notification spooled");
         m.alerts_notified
             .get_or_create(&RuleLabel {
                 rule: self.rule.to_string(),
@@ -243,12 +187,7 @@ pub struct AlertsDelivered<'a> {
 
 impl AlertsDelivered<'_> {
     pub fn emit(&self, m: &Metrics) {
-        debug!(
-            sink = self.sink,
-            count = self.count,
-            duration_ms = self.duration.as_secs_f64() * 1e3,
-            "alerts delivered"
-        );
+        debug!(sink = self.sink, count = self.count, duration_ms = self.duration.as_secs_f64() * 1e3, "alerts delivered");
         let sink = SinkLabel {
             sink: self.sink.to_string(),
         };
@@ -258,9 +197,7 @@ impl AlertsDelivered<'_> {
                 outcome: Outcome::Success.as_str(),
             })
             .inc();
-        m.delivered_alerts
-            .get_or_create(&sink)
-            .inc_by(self.count as u64);
+        m.delivered_alerts.get_or_create(&sink).inc_by(self.count as u64);
         m.delivery_duration
             .get_or_create(&sink)
             .observe(self.duration.as_secs_f64());
@@ -284,13 +221,7 @@ pub struct AlertDeliveryFailed<'a> {
 impl AlertDeliveryFailed<'_> {
     pub fn emit(&self, m: &Metrics) {
         let outcome = if self.permanent {
-            error!(
-                sink = self.sink,
-                count = self.count,
-                status = self.status,
-                error = self.error,
-                "alert delivery refused for good; not retried"
-            );
+            error!(sink = self.sink, count = self.count, status = self.status, error = self.error, "alert delivery refused for good; not retried");
             ItemsDropped {
                 point: DropPoint::Sink,
                 reason: "permanent_error",
@@ -299,14 +230,8 @@ impl AlertDeliveryFailed<'_> {
             .emit(m);
             Outcome::PermanentError
         } else {
-            warn!(
-                sink = self.sink,
-                count = self.count,
-                status = self.status,
-                error = self.error,
-                retry_in_ms = self.retry_in.map(|d| d.as_millis() as u64),
-                "alert delivery failed; will retry"
-            );
+            warn!(sink = self.sink, count = self.count, status = self.status, error = self.error,
+                retry_in_ms = self.retry_in.map(|d| d.as_millis() as u64), "alert delivery failed; will retry");
             Outcome::RetryableError
         };
         m.deliveries
@@ -327,12 +252,7 @@ pub struct ComponentReady<'a> {
 
 impl ComponentReady<'_> {
     pub fn emit(&self, m: &Metrics) {
-        info!(
-            component = self.component,
-            kind = self.kind,
-            all_ready = self.all_ready,
-            "component ready"
-        );
+        info!(component = self.component, kind = self.kind, all_ready = self.all_ready, "component ready");
         m.component_ready
             .get_or_create(&super::metrics::ComponentLabels {
                 component: self.component.to_string(),

@@ -29,22 +29,14 @@ pub struct SourceLabels {
     pub source: &'static str,
 }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct UnmappedLabels {
-    pub source: &'static str,
-    /// `span` or `log`.
-    pub signal: &'static str,
-}
-
-/// Where in the pipeline something was dropped.
+/// Where in the pipeline something was dropped. (Refused OTLP exports are counted by the
+/// receivers themselves: `revenant_otlp_requests_rejected_total`.)
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
 pub enum DropPoint {
     /// The kernel ring buffer was full (counted by the probes).
     KernelRingbuf,
     /// A source found the bounded event channel full.
     EventChannel,
-    /// An OTLP export answered UNAVAILABLE / 429 (the client may retry; not yet a loss).
-    OtlpRejected,
     /// The violation channel into the alert dispatcher was full.
     ViolationChannel,
     /// The alert spool was full or held an unreadable entry.
@@ -54,10 +46,9 @@ pub enum DropPoint {
 }
 
 impl DropPoint {
-    pub const ALL: [DropPoint; 6] = [
+    pub const ALL: [DropPoint; 5] = [
         DropPoint::KernelRingbuf,
         DropPoint::EventChannel,
-        DropPoint::OtlpRejected,
         DropPoint::ViolationChannel,
         DropPoint::Spool,
         DropPoint::Sink,
@@ -67,7 +58,6 @@ impl DropPoint {
         match self {
             DropPoint::KernelRingbuf => "kernel_ringbuf",
             DropPoint::EventChannel => "event_channel",
-            DropPoint::OtlpRejected => "otlp_rejected",
             DropPoint::ViolationChannel => "violation_channel",
             DropPoint::Spool => "spool",
             DropPoint::Sink => "sink",
@@ -151,7 +141,6 @@ pub struct Metrics {
     pub events: Family<EventLabels, Counter>,
     pub event_lag: Family<SourceLabels, Histogram, fn() -> Histogram>,
     pub source_last_event: Family<SourceLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
-    pub unmapped: Family<UnmappedLabels, Counter>,
     pub dropped: Family<DropLabels, Counter>,
     pub alerts_received: Family<RuleLabels, Counter>,
     pub alerts_deduplicated: Family<RuleLabel, Counter>,
@@ -166,6 +155,7 @@ pub struct Metrics {
     pub component_ready: Family<ComponentLabels, Gauge>,
     pub ready: Gauge,
     checker: Arc<CheckerCollector>,
+    otlp: Arc<super::otlp::OtlpCollector>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -200,12 +190,6 @@ impl Metrics {
             "revenant_source_last_event_timestamp_seconds",
             "Wall-clock time at which each source last delivered an event",
             source_last_event.clone(),
-        );
-        let unmapped = Family::default();
-        r.register(
-            "revenant_unmapped_records",
-            "Spans or log records that no profile mapped to a lifecycle event",
-            unmapped.clone(),
         );
         let dropped = Family::<DropLabels, Counter>::default();
         r.register(
@@ -295,6 +279,8 @@ impl Metrics {
         r.register("revenant_build_info", "Build information", build);
         let checker = Arc::new(CheckerCollector::default());
         r.register_collector(Box::new(checker.clone()));
+        let otlp = Arc::new(super::otlp::OtlpCollector::default());
+        r.register_collector(Box::new(otlp.clone()));
         // Drop counters exist from the start at 0, so that `increase()` sees the first drop.
         for p in DropPoint::ALL {
             let _ = dropped.get_or_create(&DropLabels {
@@ -307,7 +293,6 @@ impl Metrics {
             events,
             event_lag,
             source_last_event,
-            unmapped,
             dropped,
             alerts_received,
             alerts_deduplicated,
@@ -322,6 +307,7 @@ impl Metrics {
             component_ready,
             ready,
             checker,
+            otlp,
         }
     }
 
@@ -355,10 +341,6 @@ impl Metrics {
         let _ = self.source_last_event.get_or_create(&SourceLabels {
             source: source.as_str(),
         });
-        let _ = self.unmapped.get_or_create(&UnmappedLabels {
-            source: source.as_str(),
-            signal: "span",
-        });
     }
 
     /// Publishes the checker's own counters and state size; the run loop calls this on each tick
@@ -377,6 +359,11 @@ impl Metrics {
         });
     }
 
+    /// Renders the OTLP receivers' counters at every scrape from now on.
+    pub fn attach_otlp(&self, stats: Arc<crate::ingest::otlp::OtlpStats>) {
+        *self.otlp.stats.lock().unwrap_or_else(|p| p.into_inner()) = Some(stats);
+    }
+
     pub fn publish_checker_stats(&self, snap: CheckerSnapshot) {
         *self.checker.last.lock().unwrap_or_else(|p| p.into_inner()) = Some(snap);
     }
@@ -386,7 +373,6 @@ fn default_reason(p: DropPoint) -> &'static str {
     match p {
         DropPoint::KernelRingbuf => "full",
         DropPoint::EventChannel => "full",
-        DropPoint::OtlpRejected => "pipeline_full",
         DropPoint::ViolationChannel => "full",
         DropPoint::Spool => "full",
         DropPoint::Sink => "permanent_error",
@@ -587,6 +573,13 @@ mod tests {
         snap.stats.correlate.evicted_cap = 3;
         snap.per_rule = vec![("activity-after-rejection".into(), Severity::Critical, 2)];
         m.publish_checker_stats(snap);
+        let otlp = Arc::new(crate::ingest::otlp::OtlpStats::default());
+        otlp.rejected(
+            crate::ingest::otlp::Transport::Grpc,
+            crate::ingest::otlp::RejectReason::PipelineFull,
+            10,
+        );
+        m.attach_otlp(otlp);
         let text = m.render();
         for needle in [
             "revenant_events_total{source=\"otlp\",stage=\"prefill\",kind=\"rejected\"} 1",
@@ -596,6 +589,9 @@ mod tests {
             "revenant_checker_evictions_total{what=\"attempt\",reason=\"capacity\"} 3",
             "revenant_checker_violations_total{rule=\"activity-after-rejection\",severity=\"critical\"} 2",
             "revenant_build_info{version=",
+            "revenant_otlp_requests_rejected_total{transport=\"grpc\",reason=\"pipeline_full\"} 1",
+            "revenant_otlp_rejected_items_total{transport=\"grpc\",reason=\"pipeline_full\"} 10",
+            "revenant_otlp_requests_rejected_total{transport=\"http\",reason=\"malformed\"} 0",
         ] {
             assert!(text.contains(needle), "missing {needle} in\n{text}");
         }

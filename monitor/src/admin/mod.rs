@@ -5,6 +5,7 @@
 pub mod config;
 pub mod events;
 pub mod metrics;
+mod otlp;
 pub mod ready;
 pub mod server;
 pub mod timeline;

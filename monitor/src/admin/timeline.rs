@@ -7,6 +7,9 @@
 //! request id finds the decode leg that only carried the room.
 
 use std::collections::{HashMap, HashSet, VecDeque};
+use std::hash::{BuildHasher, Hasher};
+
+use foldhash::fast::FixedState;
 use std::sync::Mutex;
 
 use serde::Serialize;
@@ -74,6 +77,7 @@ fn room_text(r: u64) -> String {
     format!("{:#x}", r)
 }
 
+/// The aliases an event carries, owned (read path only).
 fn aliases_of(e: &LifecycleEvent) -> impl Iterator<Item = Alias> + '_ {
     let ids = &e.ids;
     ids.request_id
@@ -84,11 +88,48 @@ fn aliases_of(e: &LifecycleEvent) -> impl Iterator<Item = Alias> + '_ {
         .chain(ids.bootstrap_room.iter().map(|r| Alias::Room(r.0)))
 }
 
+fn has_alias(e: &LifecycleEvent, a: &Alias) -> bool {
+    let ids = &e.ids;
+    match a {
+        Alias::Request(s) => ids.request_id.as_deref() == Some(&**s),
+        Alias::Trace(s) => ids.trace_id.as_deref() == Some(&**s),
+        Alias::Rid(s) => ids.rid.as_deref() == Some(&**s),
+        Alias::Room(r) => ids.bootstrap_room.map(|b| b.0) == Some(*r),
+    }
+}
+
+const HASH: FixedState = FixedState::with_seed(0x7469_6d65_6c69_6e65); // "timeline"
+
+/// 64-bit key of an alias. The write path hashes borrowed ids (no allocation); a collision only
+/// costs a skipped event on read, where every candidate is checked against the real alias.
+fn key_str(tag: u8, s: &str) -> u64 {
+    let mut h = HASH.build_hasher();
+    h.write_u8(tag);
+    h.write(s.as_bytes());
+    h.finish()
+}
+
+fn key_room(r: u64) -> u64 {
+    let mut h = HASH.build_hasher();
+    h.write_u8(3);
+    h.write_u64(r);
+    h.finish()
+}
+
+fn key(a: &Alias) -> u64 {
+    match a {
+        Alias::Request(s) => key_str(0, s),
+        Alias::Trace(s) => key_str(1, s),
+        Alias::Rid(s) => key_str(2, s),
+        Alias::Room(r) => key_room(*r),
+    }
+}
+
 #[derive(Debug, Clone, Copy)]
 pub struct RecentEventsLimits {
-    /// Events kept in total (oldest evicted first).
+    /// Events kept in total (oldest evicted first); 0 disables the index.
     pub max_events: usize,
-    /// Events remembered per alias (a hot alias cannot crowd out others).
+    /// Events followed per alias on lookup (a hot alias cannot make one lookup unbounded).
     pub max_per_alias: usize,
     /// Events returned by one lookup.
     pub max_response_events: usize,
@@ -104,11 +145,23 @@ impl Default for RecentEventsLimits {
     }
 }
 
+const NONE: u64 = u64::MAX;
+
+/// One indexed event: its alias keys and, per key, the previous event with the same key (a
+/// linked list threaded through the ring, so no per-alias allocation).
+struct Stored {
+    event: LifecycleEvent,
+    keys: [u64; 4],
+    prev: [u64; 4],
+    n: u8,
+}
+
 struct Inner {
     /// `seq` of `events[0]`; sequence numbers are dense.
     base: u64,
-    events: VecDeque<(TimelineEvent, Vec<Alias>)>,
-    by_alias: HashMap<Alias, VecDeque<u64>>,
+    events: VecDeque<Stored>,
+    /// Alias key → newest event carrying it.
+    last: HashMap<u64, u64, FixedState>,
     evicted: u64,
 }
 
@@ -125,7 +178,7 @@ impl RecentEvents {
             inner: Mutex::new(Inner {
                 base: 0,
                 events: VecDeque::new(),
-                by_alias: HashMap::new(),
+                last: HashMap::with_hasher(FixedState::with_seed(0x6c617374)),
                 evicted: 0,
             }),
         }
@@ -137,11 +190,7 @@ impl RecentEvents {
     }
 
     pub fn len(&self) -> usize {
-        self.inner
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .events
-            .len()
+        self.inner.lock().unwrap_or_else(|p| p.into_inner()).events.len()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -150,35 +199,48 @@ impl RecentEvents {
 
     /// Records events the run loop handed to the checker (call once per batch).
     pub fn record<'a>(&self, batch: impl IntoIterator<Item = &'a LifecycleEvent>) {
+        // `--timeline-events 0` turns the index (and its per-event cost) off.
+        if self.limits.max_events == 0 {
+            return;
+        }
         let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         for e in batch {
-            let aliases: Vec<Alias> = aliases_of(e).collect();
-            if aliases.is_empty() {
+            let mut keys = [0u64; 4];
+            let mut n = 0usize;
+            let ids = &e.ids;
+            for (tag, v) in [(0u8, &ids.request_id), (1, &ids.trace_id), (2, &ids.rid)] {
+                if let Some(v) = v {
+                    keys[n] = key_str(tag, v);
+                    n += 1;
+                }
+            }
+            if let Some(r) = ids.bootstrap_room {
+                keys[n] = key_room(r.0);
+                n += 1;
+            }
+            if n == 0 {
                 // Nothing could ever look it up.
                 continue;
             }
             let seq = g.base + g.events.len() as u64;
-            for a in &aliases {
-                let list = g.by_alias.entry(a.clone()).or_default();
-                list.push_back(seq);
-                if list.len() > self.limits.max_per_alias {
-                    list.pop_front();
-                }
+            let mut prev = [NONE; 4];
+            for i in 0..n {
+                prev[i] = g.last.insert(keys[i], seq).unwrap_or(NONE);
             }
-            g.events.push_back((to_timeline_event(e), aliases));
+            g.events.push_back(Stored {
+                event: e.clone(),
+                keys,
+                prev,
+                n: n as u8,
+            });
             while g.events.len() > self.limits.max_events {
-                let (_, old) = g.events.pop_front().expect("non-empty");
+                let old = g.events.pop_front().expect("non-empty");
                 let old_seq = g.base;
                 g.base += 1;
                 g.evicted += 1;
-                for a in old {
-                    if let Some(list) = g.by_alias.get_mut(&a) {
-                        if list.front() == Some(&old_seq) {
-                            list.pop_front();
-                        }
-                        if list.is_empty() {
-                            g.by_alias.remove(&a);
-                        }
+                for k in &old.keys[..old.n as usize] {
+                    if g.last.get(k) == Some(&old_seq) {
+                        g.last.remove(k);
                     }
                 }
             }
@@ -209,6 +271,27 @@ fn to_timeline_event(e: &LifecycleEvent) -> TimelineEvent {
 /// decode legs; more hops would start joining unrelated requests through shared workers.
 const MAX_HOPS: usize = 3;
 
+impl RecentEvents {
+    /// Events carrying `a`, newest first, at most `max_per_alias`.
+    fn walk(&self, g: &Inner, a: &Alias, out: &mut Vec<u64>) {
+        let k = key(a);
+        let Some(&mut_seq) = g.last.get(&k) else { return };
+        let mut seq = mut_seq;
+        let mut steps = 0;
+        while seq != NONE && seq >= g.base && steps < self.limits.max_per_alias {
+            let st = &g.events[(seq - g.base) as usize];
+            let Some(i) = st.keys[..st.n as usize].iter().position(|x| *x == k) else {
+                break;
+            };
+            if has_alias(&st.event, a) {
+                out.push(seq);
+            }
+            seq = st.prev[i];
+            steps += 1;
+        }
+    }
+}
+
 impl TimelineProvider for RecentEvents {
     fn timeline(&self, query: &str) -> Option<Timeline> {
         let g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
@@ -219,30 +302,26 @@ impl TimelineProvider for RecentEvents {
             Alias::Rid(q.clone()),
         ]
         .into_iter()
-        .chain(
-            query
-                .parse::<BootstrapRoom>()
-                .ok()
-                .map(|r| Alias::Room(r.0)),
-        )
-        .filter(|a| g.by_alias.contains_key(a))
+        .chain(query.parse::<BootstrapRoom>().ok().map(|r| Alias::Room(r.0)))
         .collect();
-        if frontier.is_empty() {
-            return None;
-        }
-        let mut seen_alias: HashSet<Alias> = frontier.iter().cloned().collect();
+        let mut seen_alias: HashSet<Alias> = HashSet::new();
         let mut seqs: HashSet<u64> = HashSet::new();
         for _ in 0..MAX_HOPS {
             let mut next = Vec::new();
             for a in &frontier {
-                for &seq in g.by_alias.get(a).into_iter().flatten() {
+                let mut found = Vec::new();
+                self.walk(&g, a, &mut found);
+                if !found.is_empty() {
+                    seen_alias.insert(a.clone());
+                }
+                for seq in found {
                     if !seqs.insert(seq) {
                         continue;
                     }
-                    let (_, als) = &g.events[(seq - g.base) as usize];
-                    for b in als {
-                        if seen_alias.insert(b.clone()) {
-                            next.push(b.clone());
+                    let st = &g.events[(seq - g.base) as usize];
+                    for b in aliases_of(&st.event) {
+                        if !seen_alias.contains(&b) && !next.contains(&b) && !frontier.contains(&b) {
+                            next.push(b);
                         }
                     }
                 }
@@ -252,6 +331,9 @@ impl TimelineProvider for RecentEvents {
             }
             frontier = next;
         }
+        if seqs.is_empty() {
+            return None;
+        }
         let mut seqs: Vec<u64> = seqs.into_iter().collect();
         seqs.sort_unstable();
         let truncated = seqs.len() > self.limits.max_response_events;
@@ -260,7 +342,7 @@ impl TimelineProvider for RecentEvents {
         }
         let mut events: Vec<TimelineEvent> = seqs
             .iter()
-            .map(|s| g.events[(s - g.base) as usize].0.clone())
+            .map(|s| to_timeline_event(&g.events[(s - g.base) as usize].event))
             .collect();
         events.sort_by_key(|e| e.time_ns);
         let mut aliases = Aliases::default();
@@ -296,25 +378,15 @@ mod tests {
         let idx = RecentEvents::new(RecentEventsLimits::default());
         let batch = vec![
             ev(1, Stage::Router, Kind::Received).with_request_id("req-1"),
-            ev(2, Stage::Router, Kind::Dispatched)
-                .with_request_id("req-1")
-                .with_room(0xabc),
-            ev(3, Stage::Prefill, Kind::Rejected)
-                .with_rid("p-1")
-                .with_room(0xabc)
-                .with_status(400),
-            ev(4, Stage::Decode, Kind::Work)
-                .with_rid("d-1")
-                .with_room(0xabc),
+            ev(2, Stage::Router, Kind::Dispatched).with_request_id("req-1").with_room(0xabc),
+            ev(3, Stage::Prefill, Kind::Rejected).with_rid("p-1").with_room(0xabc).with_status(400),
+            ev(4, Stage::Decode, Kind::Work).with_rid("d-1").with_room(0xabc),
             ev(5, Stage::Decode, Kind::Work).with_rid("d-1"),
             ev(6, Stage::Router, Kind::Received).with_request_id("other"),
         ];
         idx.record(&batch);
         let t = idx.timeline("req-1").expect("known");
-        assert_eq!(
-            t.events.iter().map(|e| e.time_ns).collect::<Vec<_>>(),
-            vec![1, 2, 3, 4, 5]
-        );
+        assert_eq!(t.events.iter().map(|e| e.time_ns).collect::<Vec<_>>(), vec![1, 2, 3, 4, 5]);
         assert_eq!(t.aliases.bootstrap_rooms, vec!["0xabc".to_string()]);
         // Any alias works, the room in hex or decimal too.
         assert_eq!(idx.timeline("d-1").unwrap().events.len(), 5);
@@ -337,9 +409,6 @@ mod tests {
         assert_eq!(idx.evicted(), 15);
         let t = idx.timeline("r0").unwrap();
         assert!(t.truncated);
-        assert_eq!(
-            t.events.iter().map(|e| e.time_ns).collect::<Vec<_>>(),
-            vec![20, 22, 24]
-        );
+        assert_eq!(t.events.iter().map(|e| e.time_ns).collect::<Vec<_>>(), vec![20, 22, 24]);
     }
 }

@@ -58,6 +58,9 @@ pub struct DispatchReport {
     pub undelivered_at_exit: usize,
 }
 
+/// Violations taken from the channel per spool group commit.
+const INTAKE_BATCH: usize = 512;
+
 struct SinkQueue {
     sink: Arc<dyn Sink>,
     queue: std::sync::Mutex<VecDeque<u64>>,
@@ -69,10 +72,7 @@ struct SinkQueue {
 impl SinkQueue {
     fn push(&self, seq: u64) {
         self.outstanding.fetch_add(1, Ordering::SeqCst);
-        self.queue
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push_back(seq);
+        self.queue.lock().unwrap_or_else(|p| p.into_inner()).push_back(seq);
         self.notify.notify_one();
     }
 }
@@ -158,41 +158,49 @@ impl Dispatcher {
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let start = Instant::now();
         let mut last_refresh: Vec<Instant> = self.sinks.iter().map(|_| start).collect();
-        let mut resolved_pending: Vec<Vec<ActiveAlert>> =
-            self.sinks.iter().map(|_| Vec::new()).collect();
+        let mut resolved_pending: Vec<Vec<ActiveAlert>> = self.sinks.iter().map(|_| Vec::new()).collect();
         loop {
             tokio::select! {
                 v = rx.recv() => {
                     let Some(v) = v else { break };
+                    // Take what is already queued too: one spool group commit for the lot.
+                    let mut batch = vec![v];
+                    while batch.len() < INTAKE_BATCH {
+                        match rx.try_recv() {
+                            Ok(v) => batch.push(v),
+                            Err(_) => break,
+                        }
+                    }
                     let now = now_unix_ns();
-                    report.received += 1;
-                    AlertReceived { rule: &v.rule, severity: v.severity }.emit(&self.metrics);
-                    if let Some(r) = &self.recent {
-                        r.push(&v, now);
+                    let mut notes = Vec::new();
+                    for v in batch {
+                        report.received += 1;
+                        AlertReceived { rule: &v.rule, severity: v.severity }.emit(&self.metrics);
+                        if let Some(r) = &self.recent {
+                            r.push(&v, now);
+                        }
+                        let links = self.links.links(&v);
+                        match self.flood.admit(&v, links, now) {
+                            Admission::Notify(a) => notes.push(Notification::Violation(a)),
+                            Admission::Duplicate { repeats } => {
+                                report.deduplicated += 1;
+                                AlertDeduplicated { rule: &v.rule, fingerprint: &v.fingerprint, repeats }.emit(&self.metrics);
+                            }
+                            Admission::RateLimited => {
+                                report.rate_limited += 1;
+                                AlertRateLimited { rule: &v.rule }.emit(&self.metrics);
+                            }
+                        }
                     }
-                    let links = self.links.links(&v);
-                    match self.flood.admit(&v, links, now) {
-                        Admission::Notify(a) => {
-                            let rule = a.violation.rule.clone();
-                            self.spool_and_enqueue(Notification::Violation(a), &rule, &names, &queues, &mut report).await;
-                        }
-                        Admission::Duplicate { repeats } => {
-                            report.deduplicated += 1;
-                            AlertDeduplicated { rule: &v.rule, fingerprint: &v.fingerprint, repeats }.emit(&self.metrics);
-                        }
-                        Admission::RateLimited => {
-                            report.rate_limited += 1;
-                            AlertRateLimited { rule: &v.rule }.emit(&self.metrics);
-                        }
-                    }
+                    self.spool_and_enqueue(notes, &names, &queues, &mut report).await;
                 }
                 _ = tick.tick() => {
                     let (summaries, resolved) = self.flood.tick(now_unix_ns());
-                    for s in summaries {
+                    for s in &summaries {
                         SuppressionSummarised { rule: &s.rule, suppressed: s.suppressed }.emit(&self.metrics);
-                        let rule = s.rule.clone();
-                        self.spool_and_enqueue(Notification::Suppressed(s), &rule, &names, &queues, &mut report).await;
                     }
+                    let notes = summaries.into_iter().map(Notification::Suppressed).collect();
+                    self.spool_and_enqueue(notes, &names, &queues, &mut report).await;
                     for (i, sink) in self.sinks.iter().enumerate() {
                         let Some(every) = sink.refresh_interval() else { continue };
                         resolved_pending[i].extend(resolved.iter().cloned());
@@ -219,27 +227,19 @@ impl Dispatcher {
             }
         }
         // Input closed: summarise what open rate windows suppressed, then drain.
-        for s in self.flood.flush_summaries(now_unix_ns()) {
+        let summaries = self.flood.flush_summaries(now_unix_ns());
+        for s in &summaries {
             SuppressionSummarised {
                 rule: &s.rule,
                 suppressed: s.suppressed,
             }
             .emit(&self.metrics);
-            let rule = s.rule.clone();
-            self.spool_and_enqueue(
-                Notification::Suppressed(s),
-                &rule,
-                &names,
-                &queues,
-                &mut report,
-            )
-            .await;
         }
+        let notes = summaries.into_iter().map(Notification::Suppressed).collect();
+        self.spool_and_enqueue(notes, &names, &queues, &mut report).await;
         let deadline = Instant::now() + self.cfg.drain_timeout;
         while Instant::now() < deadline
-            && queues
-                .iter()
-                .any(|q| q.outstanding.load(Ordering::SeqCst) > 0)
+            && queues.iter().any(|q| q.outstanding.load(Ordering::SeqCst) > 0)
         {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
@@ -259,50 +259,45 @@ impl Dispatcher {
 
     async fn spool_and_enqueue(
         &self,
-        n: Notification,
-        rule: &str,
+        notes: Vec<Notification>,
         names: &[String],
         queues: &[Arc<SinkQueue>],
         report: &mut DispatchReport,
     ) {
+        if notes.is_empty() {
+            return;
+        }
+        let rules: Vec<String> = notes.iter().map(|n| n.rule().to_string()).collect();
         let spool = self.spool.clone();
         let names_owned = names.to_vec();
-        // fsync can take milliseconds: keep it off the async workers.
-        let put = tokio::task::spawn_blocking(move || spool.put(n, &names_owned))
+        let n = notes.len();
+        // File writes and the sync can take milliseconds: keep them off the async workers.
+        let results = tokio::task::spawn_blocking(move || spool.put_many(notes, &names_owned))
             .await
             .unwrap_or_else(|e| {
-                Err(SpoolError::Write {
-                    path: Default::default(),
-                    source: std::io::Error::other(e.to_string()),
-                })
+                (0..n)
+                    .map(|_| Err(SpoolError::Write { path: Default::default(), source: std::io::Error::other(e.to_string()) }))
+                    .collect()
             });
-        match put {
-            Ok(seq) => {
-                report.notified += 1;
-                let (entries, bytes) = self.spool.size();
-                AlertSpooled {
-                    rule,
-                    entries,
-                    bytes,
+        for (res, rule) in results.into_iter().zip(&rules) {
+            match res {
+                Ok(seq) => {
+                    report.notified += 1;
+                    let (entries, bytes) = self.spool.size();
+                    AlertSpooled { rule, entries, bytes }.emit(&self.metrics);
+                    for q in queues {
+                        q.push(seq);
+                    }
                 }
-                .emit(&self.metrics);
-                for q in queues {
-                    q.push(seq);
+                Err(e) => {
+                    report.spool_dropped += 1;
+                    let reason = match e {
+                        SpoolError::Full { .. } => "full",
+                        _ => "write_error",
+                    };
+                    tracing::error!(error = %e, rule, "cannot spool alert; dropped");
+                    ItemsDropped { point: DropPoint::Spool, reason, count: 1 }.emit(&self.metrics);
                 }
-            }
-            Err(e) => {
-                report.spool_dropped += 1;
-                let reason = match e {
-                    SpoolError::Full { .. } => "full",
-                    _ => "write_error",
-                };
-                tracing::error!(error = %e, rule, "cannot spool alert; dropped");
-                ItemsDropped {
-                    point: DropPoint::Spool,
-                    reason,
-                    count: 1,
-                }
-                .emit(&self.metrics);
             }
         }
     }
@@ -323,10 +318,8 @@ async fn sink_worker(q: Arc<SinkQueue>, spool: Spool, metrics: Arc<Metrics>, cfg
             continue;
         }
         // Entries acknowledged meanwhile (cannot happen today) are skipped, not resent.
-        let batch: Vec<(u64, Arc<Notification>)> = seqs
-            .iter()
-            .filter_map(|s| spool.get(*s).map(|n| (*s, n)))
-            .collect();
+        let batch: Vec<(u64, Arc<Notification>)> =
+            seqs.iter().filter_map(|s| spool.get(*s).map(|n| (*s, n))).collect();
         let skipped = seqs.len() - batch.len();
         if skipped > 0 {
             q.outstanding.fetch_sub(skipped, Ordering::SeqCst);
@@ -371,22 +364,9 @@ async fn deliver_with_retry(
             Err(SinkError::Permanent { reason, status }) => {
                 if batch.len() > 1 {
                     // One bad notification must not take its batch-mates down with it.
-                    tracing::warn!(
-                        sink = name,
-                        status,
-                        "batch refused; retrying its notifications one by one"
-                    );
+                    tracing::warn!(sink = name, status, "batch refused; retrying its notifications one by one");
                     for item in batch {
-                        Box::pin(deliver_with_retry(
-                            q,
-                            name,
-                            std::slice::from_ref(item),
-                            spool,
-                            metrics,
-                            cfg,
-                            backoff,
-                        ))
-                        .await;
+                        Box::pin(deliver_with_retry(q, name, std::slice::from_ref(item), spool, metrics, cfg, backoff)).await;
                     }
                     return;
                 }
@@ -426,13 +406,7 @@ async fn deliver_with_retry(
     }
 }
 
-fn ack_all(
-    q: &SinkQueue,
-    name: &str,
-    batch: &[(u64, Arc<Notification>)],
-    spool: &Spool,
-    metrics: &Metrics,
-) {
+fn ack_all(q: &SinkQueue, name: &str, batch: &[(u64, Arc<Notification>)], spool: &Spool, metrics: &Metrics) {
     for (seq, _) in batch {
         if let Err(e) = spool.ack(*seq, name) {
             // The entry stays on disk and is redelivered after a restart: duplicates, not loss.

@@ -394,3 +394,66 @@ pub fn offer(tx: &mpsc::Sender<Violation>, v: Violation, metrics: &Metrics) -> b
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn yaml_config_rejects_unknown_fields_and_bad_values() {
+        let ok = AlertConfig::from_yaml(
+            "webhooks:\n  - url: https://hooks.example/revenant\n    secret: s\n    timeout: 3s\nalertmanagers:\n  - url: http://127.0.0.1:9093\n    resend_interval: 30s\nspool:\n  max_entries: 100\nflood:\n  dedup_window: 10m\n  rate_limit: 5\n",
+        )
+        .unwrap();
+        ok.validate().unwrap();
+        assert_eq!(ok.webhooks[0].timeout, Duration::from_secs(3));
+        assert_eq!(ok.flood.dedup_window, Duration::from_secs(600));
+        assert_eq!(ok.spool.max_entries, 100);
+        assert!(ok.spool.fsync, "fsync stays on by default");
+
+        let e = AlertConfig::from_yaml("webhook: []\n").unwrap_err();
+        assert!(e.contains("webhook"), "{e}");
+        let e = AlertConfig::from_yaml("flood:\n  dedup_window: soon\n").unwrap_err();
+        assert!(e.contains("soon") || e.contains("duration") || e.contains("unknown"), "{e}");
+        let bad = AlertConfig {
+            alertmanagers: vec![AlertmanagerConfig::new("gopher://x")],
+            ..AlertConfig::default()
+        };
+        assert!(bad.validate().unwrap_err().to_string().contains("scheme"));
+        let bad = AlertConfig {
+            spool: SpoolConfig { max_entries: 0, ..SpoolConfig::default() },
+            ..AlertConfig::default()
+        };
+        assert!(bad.validate().is_err());
+    }
+
+    #[test]
+    fn flags_add_to_the_file_and_missing_secret_file_is_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("alerts.yaml");
+        std::fs::write(&file, "webhooks:\n  - url: http://127.0.0.1:1/a\ncluster: prod\n").unwrap();
+        let args = AlertArgs {
+            alert_config: Some(file.clone()),
+            webhooks: vec!["http://127.0.0.1:1/b".into()],
+            alerts_jsonl: Some("-".into()),
+            dedup_window: Some(Duration::from_secs(60)),
+            ..AlertArgs::default()
+        };
+        let cfg = args.to_config(Some("http://127.0.0.1:9464".into())).unwrap();
+        assert_eq!(cfg.webhooks.len(), 2);
+        assert_eq!(cfg.cluster, "prod");
+        assert_eq!(cfg.external_url.as_deref(), Some("http://127.0.0.1:9464"));
+        assert_eq!(cfg.build_sinks().unwrap().iter().map(|s| s.name().to_string()).collect::<Vec<_>>(),
+            ["webhook-0", "webhook-1", "jsonl"]);
+        let args = AlertArgs {
+            webhooks: vec!["http://127.0.0.1:1/b".into()],
+            webhook_secret_file: Some(dir.path().join("missing")),
+            ..AlertArgs::default()
+        };
+        assert!(args.to_config(None).unwrap_err().to_string().contains("missing"));
+        std::fs::write(&file, "webhooks: [{url: x, bogus: 1}]\n").unwrap();
+        let args = AlertArgs { alert_config: Some(file), ..AlertArgs::default() };
+        let e = args.to_config(None).unwrap_err().to_string();
+        assert!(e.contains("bogus"), "{e}");
+    }
+}

@@ -285,6 +285,86 @@ impl Spool {
         Ok(seq)
     }
 
+    /// Writes a batch of notifications, then makes them durable together (one directory sync for
+    /// the lot). Results are in input order.
+    pub fn put_many(&self, ns: Vec<Notification>, sinks: &[String]) -> Vec<Result<u64, SpoolError>> {
+        let mut out = Vec::with_capacity(ns.len());
+        let mut written = Vec::new();
+        for n in ns {
+            let seq = {
+                let mut g = self.lock();
+                if g.entries.len() >= self.cfg.max_entries || g.bytes >= self.cfg.max_bytes {
+                    out.push(Err(SpoolError::Full {
+                        entries: g.entries.len(),
+                        bytes: g.bytes,
+                    }));
+                    continue;
+                }
+                let s = g.next_seq;
+                g.next_seq += 1;
+                // Reserve the slot now so the bound holds within the batch.
+                g.entries.insert(
+                    s,
+                    Entry {
+                        seq: s,
+                        notification: Arc::new(n.clone()),
+                        pending: Vec::new(),
+                        bytes: 0,
+                    },
+                );
+                s
+            };
+            let d = OnDisk {
+                v: 1,
+                seq,
+                pending: sinks.to_vec(),
+                notification: n,
+            };
+            let res = serde_json::to_vec(&d)
+                .map_err(SpoolError::from)
+                .and_then(|b| self.write_atomic(seq, &b, false).map(|_| b.len() as u64));
+            match res {
+                Ok(len) => {
+                    written.push((seq, d, len));
+                    out.push(Ok(seq));
+                }
+                Err(e) => {
+                    self.lock().entries.remove(&seq);
+                    out.push(Err(e));
+                }
+            }
+        }
+        if self.cfg.fsync && !written.is_empty() {
+            if let Err(e) = self.sync_all(&written) {
+                tracing::error!(error = %e, dir = %self.dir.display(), "spool sync failed; entries may not survive a power loss");
+            }
+        }
+        let mut g = self.lock();
+        for (seq, d, len) in written {
+            g.bytes += len;
+            g.entries.insert(
+                seq,
+                Entry {
+                    seq,
+                    notification: Arc::new(d.notification),
+                    pending: d.pending,
+                    bytes: len,
+                },
+            );
+        }
+        out
+    }
+
+    /// fdatasync of each new file, then one fsync of the directory for all the renames. Not
+    /// `syncfs`: that would also flush every other process's dirty pages on the filesystem (on a
+    /// serving node: model weights, logs) and stall alerting behind them.
+    fn sync_all(&self, written: &[(u64, OnDisk, u64)]) -> std::io::Result<()> {
+        for (seq, _, _) in written {
+            std::fs::File::open(self.path(*seq))?.sync_data()?;
+        }
+        std::fs::File::open(&self.dir)?.sync_all()
+    }
+
     fn write_atomic(&self, seq: u64, bytes: &[u8], fsync: bool) -> Result<(), SpoolError> {
         let path = self.path(seq);
         let tmp = path.with_extension("tmp");
@@ -298,7 +378,12 @@ impl Spool {
             f.sync_data().map_err(werr)?;
         }
         drop(f);
-        std::fs::rename(&tmp, &path).map_err(werr)
+        std::fs::rename(&tmp, &path).map_err(werr)?;
+        if fsync {
+            // The rename itself is durable only once the directory is.
+            std::fs::File::open(&self.dir).and_then(|d| d.sync_all()).map_err(werr)?;
+        }
+        Ok(())
     }
 
     /// Records that `sink` is done with `seq` (delivered, or refused for good). Removes the file

@@ -1,0 +1,139 @@
+//! Real Alertmanager (Debian `prometheus-alertmanager`) receives revenant's alerts: visible via
+//! its v2 API with the documented labels and annotations, re-posted while active, and forwarded
+//! through Alertmanager's own routing to a webhook receiver.
+//! Run: `cargo test -p revenant --test alertmanager_e2e`.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::process::Command;
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use revenant::admin::Metrics;
+use revenant::alert::{AlertConfig, AlertPipeline, AlertmanagerConfig};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn alertmanager_receives_reposts_and_routes_alerts() {
+    let am_bin = ensure_debian_package("prometheus-alertmanager", "prometheus-alertmanager");
+    let tmp = tempfile::tempdir().unwrap();
+    let hook: SocketAddr = ([127, 0, 0, 1], free_port()).into();
+    let receiver = Receiver::new(None, Duration::ZERO);
+    let hook_task = receiver.serve(hook).await;
+
+    let am_port = free_port();
+    let am_cfg = tmp.path().join("alertmanager.yml");
+    std::fs::write(
+        &am_cfg,
+        format!(
+            "route:\n  receiver: test\n  group_by: ['alertname', 'fingerprint']\n  group_wait: 1s\n  group_interval: 1s\n  repeat_interval: 1h\nreceivers:\n  - name: test\n    webhook_configs:\n      - url: http://{hook}/am\n        send_resolved: true\n"
+        ),
+    )
+    .unwrap();
+    let _am = spawn(
+        Command::new(&am_bin)
+            .arg(format!("--config.file={}", am_cfg.display()))
+            .arg(format!("--storage.path={}", tmp.path().join("am").display()))
+            .arg(format!("--web.listen-address=127.0.0.1:{am_port}"))
+            // No gossip: a single instance on loopback.
+            .arg("--cluster.listen-address=")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(tmp.path().join("am.log")).unwrap()),
+    );
+    let am = format!("http://127.0.0.1:{am_port}");
+    let http = revenant::alert::webhook::http_client(Duration::from_secs(5)).unwrap();
+    wait_for(Duration::from_secs(60), "Alertmanager ready", async || {
+        match http.get(format!("{am}/-/ready")).send().await {
+            Ok(r) if r.status() == 200 => Some(()),
+            _ => None,
+        }
+    })
+    .await;
+
+    let metrics = Arc::new(Metrics::new());
+    let mut amc = AlertmanagerConfig::new(am.clone());
+    amc.resend_interval = Duration::from_secs(1);
+    let mut cfg = AlertConfig {
+        alertmanagers: vec![amc],
+        external_url: Some("http://127.0.0.1:9464".into()),
+        cluster: "test-cluster".into(),
+        node: Some("node-a".into()),
+        ..AlertConfig::default()
+    };
+    cfg.spool.dir = Some(tmp.path().join("spool"));
+    cfg.spool.fsync = false;
+    let p = AlertPipeline::start(&cfg, metrics.clone(), None, None).unwrap();
+    for i in 0..3 {
+        revenant::alert::offer(&p.sender, violation(i), &metrics);
+    }
+
+    let get_alerts = || {
+        let http = http.clone();
+        let am = am.clone();
+        async move {
+            let v: serde_json::Value =
+                http.get(format!("{am}/api/v2/alerts")).send().await.unwrap().json().await.unwrap();
+            v.as_array().cloned().unwrap_or_default()
+        }
+    };
+    let alerts = wait_for(Duration::from_secs(20), "3 alerts in Alertmanager", async || {
+        let a = get_alerts().await;
+        (a.len() == 3).then_some(a)
+    })
+    .await;
+    let mut fps = Vec::new();
+    for a in &alerts {
+        let l = &a["labels"];
+        assert_eq!(l["alertname"], "activity-after-rejection", "{a}");
+        assert_eq!(l["severity"], "critical");
+        assert_eq!(l["stage"], "decode", "offender stage");
+        assert_eq!(l["node"], "node-a");
+        assert_eq!(l["cluster"], "test-cluster");
+        fps.push(l["fingerprint"].as_str().unwrap().to_string());
+        let an = &a["annotations"];
+        assert!(an["summary"].as_str().unwrap().contains("rejected by prefill"));
+        assert!(an["evidence"].as_str().unwrap().contains("prefill/rejected via otlp status=400"), "{an}");
+        assert!(an["timeline"].as_str().unwrap().starts_with("http://127.0.0.1:9464/api/requests/req-"));
+        assert!(a["generatorURL"].as_str().unwrap().starts_with("http://127.0.0.1:9464/"));
+        assert_eq!(a["status"]["state"], "active");
+    }
+    fps.sort();
+    let mut want: Vec<String> = (0..3).map(|i| violation(i).fingerprint).collect();
+    want.sort();
+    assert_eq!(fps, want);
+
+    // Re-posted while active: Alertmanager's updatedAt moves forward.
+    let updated = |a: &[serde_json::Value]| {
+        let mut u: Vec<String> = a.iter().map(|x| x["updatedAt"].as_str().unwrap().to_string()).collect();
+        u.sort();
+        u
+    };
+    let before = updated(&alerts);
+    wait_for(Duration::from_secs(10), "a re-post", async || {
+        let now = updated(&get_alerts().await);
+        (now.len() == 3 && now.iter().zip(&before).all(|(a, b)| a > b)).then_some(())
+    })
+    .await;
+
+    // Routed by Alertmanager to our webhook (its own payload format).
+    let routed = wait_for(Duration::from_secs(20), "Alertmanager webhook notifications", async || {
+        // The receiver unpacks `alerts[]` of Alertmanager's webhook envelope.
+        let got: Vec<String> = receiver
+            .alerts()
+            .iter()
+            .filter(|a| a["status"] == "firing" && a["labels"]["source"] == "revenant")
+            .map(|a| a["labels"]["fingerprint"].as_str().unwrap_or("").to_string())
+            .collect();
+        let mut u = got.clone();
+        u.sort();
+        u.dedup();
+        (u.len() == 3).then_some(u)
+    })
+    .await;
+    assert_eq!(routed, want);
+    drop(p.sender);
+    let report = p.handle.await.unwrap();
+    assert_eq!(report.undelivered_at_exit, 0);
+    hook_task.abort();
+}
