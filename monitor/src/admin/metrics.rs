@@ -322,7 +322,11 @@ impl Metrics {
     /// Sinks and sources known at start get their series at 0 so dashboards show them before
     /// the first delivery or event.
     pub fn declare_sink(&self, sink: &str) {
-        for o in [Outcome::Success, Outcome::RetryableError, Outcome::PermanentError] {
+        for o in [
+            Outcome::Success,
+            Outcome::RetryableError,
+            Outcome::PermanentError,
+        ] {
             let _ = self.deliveries.get_or_create(&DeliveryLabels {
                 sink: sink.to_string(),
                 outcome: o.as_str(),
@@ -474,9 +478,18 @@ impl Collector for CheckerCollector {
             &[
                 ([("what", "attempt"), ("reason", "ttl")], c.evicted_ttl),
                 ([("what", "attempt"), ("reason", "capacity")], c.evicted_cap),
-                ([("what", "tombstone"), ("reason", "expired")], c.tombstones_expired),
-                ([("what", "tombstone"), ("reason", "capacity")], c.tombstones_evicted_cap),
-                ([("what", "request"), ("reason", "expired")], c.requests_expired),
+                (
+                    [("what", "tombstone"), ("reason", "expired")],
+                    c.tombstones_expired,
+                ),
+                (
+                    [("what", "tombstone"), ("reason", "capacity")],
+                    c.tombstones_evicted_cap,
+                ),
+                (
+                    [("what", "request"), ("reason", "expired")],
+                    c.requests_expired,
+                ),
             ],
         )?;
         gauge(
@@ -551,7 +564,9 @@ mod tests {
     #[test]
     fn renders_names_and_checker_snapshot() {
         let m = Metrics::new();
-        m.events.get_or_create(&event_labels(Source::Otlp, Stage::Prefill, Kind::Rejected)).inc();
+        m.events
+            .get_or_create(&event_labels(Source::Otlp, Stage::Prefill, Kind::Rejected))
+            .inc();
         m.declare_sink("webhook-0");
         let mut snap = CheckerSnapshot::default();
         snap.stats.live_attempts = 7;

@@ -49,15 +49,14 @@ impl RecentViolations {
         fingerprint: Option<&str>,
     ) -> (Vec<RecentViolation>, u64) {
         let g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
-        let items = g
-            .0
-            .iter()
-            .rev()
-            .filter(|r| rule.is_none_or(|x| r.violation.rule == x))
-            .filter(|r| fingerprint.is_none_or(|x| r.violation.fingerprint == x))
-            .take(limit)
-            .cloned()
-            .collect();
+        let items =
+            g.0.iter()
+                .rev()
+                .filter(|r| rule.is_none_or(|x| r.violation.rule == x))
+                .filter(|r| fingerprint.is_none_or(|x| r.violation.fingerprint == x))
+                .take(limit)
+                .cloned()
+                .collect();
         (items, g.1)
     }
 }

@@ -66,6 +66,8 @@ pub mod humantime_serde_compat {
     }
 }
 
+// Returned by value once per violation and consumed at once.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq)]
 pub enum Admission {
     /// Notify now.
@@ -156,7 +158,8 @@ impl FloodControl {
             violation: v.clone(),
             links,
         };
-        if self.tracked.len() >= self.cfg.max_tracked && !self.tracked.contains_key(&v.fingerprint) {
+        if self.tracked.len() >= self.cfg.max_tracked && !self.tracked.contains_key(&v.fingerprint)
+        {
             self.expire(now_ns);
         }
         if self.tracked.len() < self.cfg.max_tracked || self.tracked.contains_key(&v.fingerprint) {
@@ -180,10 +183,13 @@ impl FloodControl {
         if self.cfg.rate_limit == 0 {
             return true;
         }
-        let w = self.rules.entry(rule.to_string()).or_insert_with(|| RuleWindow {
-            start_ns: now_ns,
-            ..Default::default()
-        });
+        let w = self
+            .rules
+            .entry(rule.to_string())
+            .or_insert_with(|| RuleWindow {
+                start_ns: now_ns,
+                ..Default::default()
+            });
         if w.sent < self.cfg.rate_limit {
             w.sent += 1;
             true
@@ -304,7 +310,10 @@ mod tests {
 
     const S: u64 = 1_000_000_000;
     fn links() -> Links {
-        Links { timeline: None, violations: None }
+        Links {
+            timeline: None,
+            violations: None,
+        }
     }
 
     #[test]
@@ -317,10 +326,22 @@ mod tests {
             },
             0,
         );
-        assert!(matches!(f.admit(&violation("r", "a"), links(), 0), Admission::Notify(_)));
-        assert_eq!(f.admit(&violation("r", "a"), links(), S), Admission::Duplicate { repeats: 1 });
-        assert_eq!(f.admit(&violation("r", "a"), links(), 2 * S), Admission::Duplicate { repeats: 2 });
-        assert!(matches!(f.admit(&violation("r", "b"), links(), 2 * S), Admission::Notify(_)));
+        assert!(matches!(
+            f.admit(&violation("r", "a"), links(), 0),
+            Admission::Notify(_)
+        ));
+        assert_eq!(
+            f.admit(&violation("r", "a"), links(), S),
+            Admission::Duplicate { repeats: 1 }
+        );
+        assert_eq!(
+            f.admit(&violation("r", "a"), links(), 2 * S),
+            Admission::Duplicate { repeats: 2 }
+        );
+        assert!(matches!(
+            f.admit(&violation("r", "b"), links(), 2 * S),
+            Admission::Notify(_)
+        ));
         // After the window the repeats ride on the next notification.
         match f.admit(&violation("r", "a"), links(), 11 * S) {
             Admission::Notify(a) => assert_eq!(a.occurrences, 3),
@@ -345,13 +366,17 @@ mod tests {
         );
         let mut notified = 0;
         for i in 0..10 {
-            if let Admission::Notify(_) = f.admit(&violation("flood", &format!("f{i}")), links(), i) {
+            if let Admission::Notify(_) = f.admit(&violation("flood", &format!("f{i}")), links(), i)
+            {
                 notified += 1;
             }
         }
         assert_eq!(notified, 2);
         // Another rule is not affected.
-        assert!(matches!(f.admit(&violation("calm", "c"), links(), 10), Admission::Notify(_)));
+        assert!(matches!(
+            f.admit(&violation("calm", "c"), links(), 10),
+            Admission::Notify(_)
+        ));
         let (none, _) = f.tick(30 * S);
         assert!(none.is_empty(), "window still open");
         let (sums, _) = f.tick(61 * S);

@@ -116,7 +116,9 @@ impl AlertConfig {
         if let Some(u) = &self.external_url {
             let p = reqwest::Url::parse(u).map_err(|e| c(format!("external_url {u:?}: {e}")))?;
             if !matches!(p.scheme(), "http" | "https") {
-                return Err(c(format!("external_url {u:?}: scheme must be http or https")));
+                return Err(c(format!(
+                    "external_url {u:?}: scheme must be http or https"
+                )));
             }
         }
         if self.retry_initial.is_zero() || self.retry_max < self.retry_initial {
@@ -138,12 +140,15 @@ impl AlertConfig {
         let c = |e: String| AlertError::Config(e);
         let mut sinks: Vec<Arc<dyn Sink>> = Vec::new();
         for (i, w) in self.webhooks.iter().enumerate() {
-            sinks.push(Arc::new(WebhookSink::new(format!("webhook-{i}"), w).map_err(c)?));
+            sinks.push(Arc::new(
+                WebhookSink::new(format!("webhook-{i}"), w).map_err(c)?,
+            ));
         }
         let node = self.node_name();
         for (i, a) in self.alertmanagers.iter().enumerate() {
             sinks.push(Arc::new(
-                AlertmanagerSink::new(format!("alertmanager-{i}"), a, &node, &self.cluster).map_err(c)?,
+                AlertmanagerSink::new(format!("alertmanager-{i}"), a, &node, &self.cluster)
+                    .map_err(c)?,
             ));
         }
         if let Some(j) = &self.jsonl {
@@ -220,7 +225,10 @@ pub struct AlertArgs {
 impl AlertArgs {
     /// Loads `--alert-config`, applies the flags, validates. `default_external_url` is the admin
     /// server's URL, used for links when no `--external-url` is given.
-    pub fn to_config(&self, default_external_url: Option<String>) -> Result<AlertConfig, AlertError> {
+    pub fn to_config(
+        &self,
+        default_external_url: Option<String>,
+    ) -> Result<AlertConfig, AlertError> {
         let mut cfg = match &self.alert_config {
             Some(p) => {
                 let text = std::fs::read_to_string(p).map_err(|e| AlertError::File {
@@ -312,11 +320,20 @@ impl AlertPipeline {
         let names: Vec<String> = sinks.iter().map(|s| s.name().to_string()).collect();
         let (spool, rec) = Spool::open(&cfg.spool, &names)?;
         if rec.corrupt > 0 {
-            ItemsDropped { point: DropPoint::Spool, reason: "corrupt", count: rec.corrupt as u64 }.emit(&metrics);
+            ItemsDropped {
+                point: DropPoint::Spool,
+                reason: "corrupt",
+                count: rec.corrupt as u64,
+            }
+            .emit(&metrics);
         }
         if rec.orphaned_acks > 0 {
-            ItemsDropped { point: DropPoint::Spool, reason: "sink_removed", count: rec.orphaned_acks as u64 }
-                .emit(&metrics);
+            ItemsDropped {
+                point: DropPoint::Spool,
+                reason: "sink_removed",
+                count: rec.orphaned_acks as u64,
+            }
+            .emit(&metrics);
         }
         if rec.entries > 0 {
             tracing::info!(entries = rec.entries, dir = %spool.dir().display(), "resuming alert delivery from the spool");
@@ -344,7 +361,11 @@ impl AlertPipeline {
         for h in handles {
             h.ready();
         }
-        Ok(AlertPipeline { sender: tx, handle, spool_dir })
+        Ok(AlertPipeline {
+            sender: tx,
+            handle,
+            spool_dir,
+        })
     }
 }
 
@@ -354,11 +375,21 @@ pub fn offer(tx: &mpsc::Sender<Violation>, v: Violation, metrics: &Metrics) -> b
     match tx.try_send(v) {
         Ok(()) => true,
         Err(mpsc::error::TrySendError::Full(_)) => {
-            ItemsDropped { point: DropPoint::ViolationChannel, reason: "full", count: 1 }.emit(metrics);
+            ItemsDropped {
+                point: DropPoint::ViolationChannel,
+                reason: "full",
+                count: 1,
+            }
+            .emit(metrics);
             false
         }
         Err(mpsc::error::TrySendError::Closed(_)) => {
-            ItemsDropped { point: DropPoint::ViolationChannel, reason: "closed", count: 1 }.emit(metrics);
+            ItemsDropped {
+                point: DropPoint::ViolationChannel,
+                reason: "closed",
+                count: 1,
+            }
+            .emit(metrics);
             false
         }
     }
@@ -383,14 +414,20 @@ mod tests {
         let e = AlertConfig::from_yaml("webhook: []\n").unwrap_err();
         assert!(e.contains("webhook"), "{e}");
         let e = AlertConfig::from_yaml("flood:\n  dedup_window: soon\n").unwrap_err();
-        assert!(e.contains("soon") || e.contains("duration") || e.contains("unknown"), "{e}");
+        assert!(
+            e.contains("soon") || e.contains("duration") || e.contains("unknown"),
+            "{e}"
+        );
         let bad = AlertConfig {
             alertmanagers: vec![AlertmanagerConfig::new("gopher://x")],
             ..AlertConfig::default()
         };
         assert!(bad.validate().unwrap_err().to_string().contains("scheme"));
         let bad = AlertConfig {
-            spool: SpoolConfig { max_entries: 0, ..SpoolConfig::default() },
+            spool: SpoolConfig {
+                max_entries: 0,
+                ..SpoolConfig::default()
+            },
             ..AlertConfig::default()
         };
         assert!(bad.validate().is_err());
@@ -400,7 +437,11 @@ mod tests {
     fn flags_add_to_the_file_and_missing_secret_file_is_an_error() {
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("alerts.yaml");
-        std::fs::write(&file, "webhooks:\n  - url: http://127.0.0.1:1/a\ncluster: prod\n").unwrap();
+        std::fs::write(
+            &file,
+            "webhooks:\n  - url: http://127.0.0.1:1/a\ncluster: prod\n",
+        )
+        .unwrap();
         let args = AlertArgs {
             alert_config: Some(file.clone()),
             webhooks: vec!["http://127.0.0.1:1/b".into()],
@@ -408,20 +449,36 @@ mod tests {
             dedup_window: Some(Duration::from_secs(60)),
             ..AlertArgs::default()
         };
-        let cfg = args.to_config(Some("http://127.0.0.1:9464".into())).unwrap();
+        let cfg = args
+            .to_config(Some("http://127.0.0.1:9464".into()))
+            .unwrap();
         assert_eq!(cfg.webhooks.len(), 2);
         assert_eq!(cfg.cluster, "prod");
         assert_eq!(cfg.external_url.as_deref(), Some("http://127.0.0.1:9464"));
-        assert_eq!(cfg.build_sinks().unwrap().iter().map(|s| s.name().to_string()).collect::<Vec<_>>(),
-            ["webhook-0", "webhook-1", "jsonl"]);
+        assert_eq!(
+            cfg.build_sinks()
+                .unwrap()
+                .iter()
+                .map(|s| s.name().to_string())
+                .collect::<Vec<_>>(),
+            ["webhook-0", "webhook-1", "jsonl"]
+        );
         let args = AlertArgs {
             webhooks: vec!["http://127.0.0.1:1/b".into()],
             webhook_secret_file: Some(dir.path().join("missing")),
             ..AlertArgs::default()
         };
-        assert!(args.to_config(None).unwrap_err().to_string().contains("missing"));
+        assert!(
+            args.to_config(None)
+                .unwrap_err()
+                .to_string()
+                .contains("missing")
+        );
         std::fs::write(&file, "webhooks: [{url: x, bogus: 1}]\n").unwrap();
-        let args = AlertArgs { alert_config: Some(file), ..AlertArgs::default() };
+        let args = AlertArgs {
+            alert_config: Some(file),
+            ..AlertArgs::default()
+        };
         let e = args.to_config(None).unwrap_err().to_string();
         assert!(e.contains("bogus"), "{e}");
     }

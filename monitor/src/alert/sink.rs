@@ -44,7 +44,10 @@ pub trait Sink: Send + Sync + 'static {
     }
 
     /// One attempt to deliver `batch`. `Ok` means the destination acknowledged all of it.
-    fn deliver<'a>(&'a self, batch: &'a [std::sync::Arc<Notification>]) -> BoxFuture<'a, Result<(), SinkError>>;
+    fn deliver<'a>(
+        &'a self,
+        batch: &'a [std::sync::Arc<Notification>],
+    ) -> BoxFuture<'a, Result<(), SinkError>>;
 
     /// Sinks with a notion of "still firing" (Alertmanager) are re-sent the active alerts every
     /// interval, plus those that just resolved. Not spooled: a lost refresh is replaced by the next.
@@ -63,7 +66,11 @@ pub trait Sink: Send + Sync + 'static {
 
 /// Classifies an HTTP answer the way the issue prescribes: 2xx ok; 408, 429 and 5xx retryable
 /// (honouring Retry-After); every other status permanent.
-pub fn classify_http(status: u16, retry_after: Option<&str>, body_excerpt: &str) -> Result<(), SinkError> {
+pub fn classify_http(
+    status: u16,
+    retry_after: Option<&str>,
+    body_excerpt: &str,
+) -> Result<(), SinkError> {
     if (200..300).contains(&status) {
         return Ok(());
     }
@@ -141,10 +148,16 @@ mod tests {
     fn http_classes() {
         assert!(classify_http(204, None, "").is_ok());
         for s in [408, 429, 500, 503] {
-            assert!(matches!(classify_http(s, None, ""), Err(SinkError::Retryable { .. })), "{s}");
+            assert!(
+                matches!(classify_http(s, None, ""), Err(SinkError::Retryable { .. })),
+                "{s}"
+            );
         }
         for s in [400, 401, 404, 413, 422] {
-            assert!(matches!(classify_http(s, None, ""), Err(SinkError::Permanent { .. })), "{s}");
+            assert!(
+                matches!(classify_http(s, None, ""), Err(SinkError::Permanent { .. })),
+                "{s}"
+            );
         }
         match classify_http(429, Some("7"), "slow down") {
             Err(SinkError::Retryable { retry_after, .. }) => {
@@ -156,7 +169,10 @@ mod tests {
 
     #[test]
     fn retry_after_http_date_in_the_past_is_zero() {
-        assert_eq!(parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT"), Some(Duration::ZERO));
+        assert_eq!(
+            parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT"),
+            Some(Duration::ZERO)
+        );
         assert_eq!(parse_retry_after("soon"), None);
     }
 

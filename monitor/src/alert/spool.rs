@@ -50,14 +50,20 @@ impl SpoolConfig {
     }
 
     pub fn resolved_dir(&self) -> PathBuf {
-        self.dir.clone().unwrap_or_else(|| default_state_dir().join("spool"))
+        self.dir
+            .clone()
+            .unwrap_or_else(|| default_state_dir().join("spool"))
     }
 }
 
 /// `$STATE_DIRECTORY` (systemd), else `$XDG_STATE_HOME/revenant`, else
 /// `$HOME/.local/state/revenant`, else `/var/lib/revenant`.
 pub fn default_state_dir() -> PathBuf {
-    let env = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty()).map(PathBuf::from);
+    let env = |k: &str| {
+        std::env::var_os(k)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
     if let Some(d) = env("STATE_DIRECTORY") {
         return d;
     }
@@ -157,14 +163,19 @@ impl Spool {
                     rec.corrupt += 1;
                 }
                 "json" => {
-                    let parsed = std::fs::read(&path)
-                        .ok()
-                        .and_then(|b| serde_json::from_slice::<OnDisk>(&b).ok().map(|d| (d, b.len())));
+                    let parsed = std::fs::read(&path).ok().and_then(|b| {
+                        serde_json::from_slice::<OnDisk>(&b)
+                            .ok()
+                            .map(|d| (d, b.len()))
+                    });
                     match parsed {
                         Some((d, len)) => {
                             let before = d.pending.len();
-                            let pending: Vec<String> =
-                                d.pending.into_iter().filter(|p| sinks.contains(p)).collect();
+                            let pending: Vec<String> = d
+                                .pending
+                                .into_iter()
+                                .filter(|p| sinks.contains(p))
+                                .collect();
                             rec.orphaned_acks += before - pending.len();
                             st.next_seq = st.next_seq.max(d.seq + 1);
                             if pending.is_empty() {
@@ -231,7 +242,10 @@ impl Spool {
     }
 
     pub fn get(&self, seq: u64) -> Option<Arc<Notification>> {
-        self.lock().entries.get(&seq).map(|e| e.notification.clone())
+        self.lock()
+            .entries
+            .get(&seq)
+            .map(|e| e.notification.clone())
     }
 
     /// Writes a notification for `sinks` to disk. Blocking I/O: call from `spawn_blocking` or
@@ -273,7 +287,11 @@ impl Spool {
 
     /// Writes a batch of notifications, then makes them durable together (one directory sync for
     /// the lot). Results are in input order.
-    pub fn put_many(&self, ns: Vec<Notification>, sinks: &[String]) -> Vec<Result<u64, SpoolError>> {
+    pub fn put_many(
+        &self,
+        ns: Vec<Notification>,
+        sinks: &[String],
+    ) -> Vec<Result<u64, SpoolError>> {
         let mut out = Vec::with_capacity(ns.len());
         let mut written = Vec::new();
         for n in ns {
@@ -320,10 +338,11 @@ impl Spool {
                 }
             }
         }
-        if self.cfg.fsync && !written.is_empty() {
-            if let Err(e) = self.sync_all(&written) {
-                tracing::error!(error = %e, dir = %self.dir.display(), "spool sync failed; entries may not survive a power loss");
-            }
+        if self.cfg.fsync
+            && !written.is_empty()
+            && let Err(e) = self.sync_all(&written)
+        {
+            tracing::error!(error = %e, dir = %self.dir.display(), "spool sync failed; entries may not survive a power loss");
         }
         let mut g = self.lock();
         for (seq, d, len) in written {
@@ -367,7 +386,9 @@ impl Spool {
         std::fs::rename(&tmp, &path).map_err(werr)?;
         if fsync {
             // The rename itself is durable only once the directory is.
-            std::fs::File::open(&self.dir).and_then(|d| d.sync_all()).map_err(werr)?;
+            std::fs::File::open(&self.dir)
+                .and_then(|d| d.sync_all())
+                .map_err(werr)?;
         }
         Ok(())
     }
@@ -470,7 +491,10 @@ mod tests {
         let (s, _) = Spool::open(&cfg, &["a".into(), "gone".into()]).unwrap();
         s.put(note(0), &["a".into(), "gone".into()]).unwrap();
         s.put(note(1), &["gone".into()]).unwrap();
-        assert!(matches!(s.put(note(2), &["a".into()]), Err(SpoolError::Full { .. })));
+        assert!(matches!(
+            s.put(note(2), &["a".into()]),
+            Err(SpoolError::Full { .. })
+        ));
         std::fs::write(dir.path().join("00000000000000ff.json"), b"{not json").unwrap();
         drop(s);
         let (s, rec) = Spool::open(&cfg, &["a".into()]).unwrap();

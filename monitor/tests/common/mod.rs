@@ -45,7 +45,10 @@ pub fn ensure_debian_package(binary: &str, package: &str) -> String {
     let installed = ok(Command::new("apt-get")
         .args(["install", "-y", "-qq", package])
         .env("DEBIAN_FRONTEND", "noninteractive"));
-    assert!(installed, "apt-get install -y {package} failed: cannot run this test without {binary}");
+    assert!(
+        installed,
+        "apt-get install -y {package} failed: cannot run this test without {binary}"
+    );
     which(binary).unwrap_or_else(|| panic!("{package} installed but {binary} is not on PATH"))
 }
 
@@ -55,13 +58,20 @@ pub fn free_port() -> u16 {
 }
 
 /// Polls `f` every 50 ms until it returns `Some`, or panics after `timeout` with `what`.
-pub async fn wait_for<T>(timeout: Duration, what: &str, mut f: impl AsyncFnMut() -> Option<T>) -> T {
+pub async fn wait_for<T>(
+    timeout: Duration,
+    what: &str,
+    mut f: impl AsyncFnMut() -> Option<T>,
+) -> T {
     let deadline = Instant::now() + timeout;
     loop {
         if let Some(v) = f().await {
             return v;
         }
-        assert!(Instant::now() < deadline, "timed out after {timeout:?} waiting for {what}");
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {timeout:?} waiting for {what}"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
@@ -86,7 +96,10 @@ pub fn violation_rule(rule: &str, i: usize) -> Violation {
         },
         worker: None,
         detected_at_ns: t + 5_000_000,
-        fingerprint: format!("{:016x}", revenant::violation::fnv1a(&[rule.as_bytes(), format!("req-{i}").as_bytes()])),
+        fingerprint: format!(
+            "{:016x}",
+            revenant::violation::fnv1a(&[rule.as_bytes(), format!("req-{i}").as_bytes()])
+        ),
         evidence: vec![
             Evidence {
                 role: Role::Trigger,
@@ -137,8 +150,12 @@ impl Receiver {
     }
 
     pub async fn serve(&self, addr: SocketAddr) -> tokio::task::JoinHandle<()> {
-        let listener = tokio::net::TcpListener::bind(addr).await.expect("bind receiver");
-        let app = Router::new().route("/{*path}", post(receive)).with_state(self.clone());
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .expect("bind receiver");
+        let app = Router::new()
+            .route("/{*path}", post(receive))
+            .with_state(self.clone());
         tokio::spawn(async move {
             let _ = axum::serve(listener, app).await;
         })
@@ -152,7 +169,11 @@ impl Receiver {
     pub fn counts_by(&self, key: &str) -> HashMap<String, usize> {
         let mut m = HashMap::new();
         for a in self.alerts() {
-            let k = a.get(key).and_then(|v| v.as_str()).unwrap_or("").to_string();
+            let k = a
+                .get(key)
+                .and_then(|v| v.as_str())
+                .unwrap_or("")
+                .to_string();
             *m.entry(k).or_insert(0) += 1;
         }
         m
@@ -163,15 +184,29 @@ async fn receive(State(r): State<Receiver>, headers: HeaderMap, body: Bytes) -> 
     *r.requests.lock().unwrap() += 1;
     let mode = r.mode.load(Ordering::SeqCst);
     if mode == 429 {
-        return (StatusCode::TOO_MANY_REQUESTS, [("retry-after", "1")], "slow down").into_response();
+        return (
+            StatusCode::TOO_MANY_REQUESTS,
+            [("retry-after", "1")],
+            "slow down",
+        )
+            .into_response();
     }
     if mode != MODE_OK {
         return (StatusCode::from_u16(mode).unwrap(), "refused").into_response();
     }
     if let Some(secret) = &r.secret {
-        let ts = headers.get("x-revenant-timestamp").and_then(|v| v.to_str().ok()).unwrap_or("");
-        let sig = headers.get("x-revenant-signature").and_then(|v| v.to_str().ok()).unwrap_or("");
-        let want = format!("sha256={}", revenant::alert::webhook::sign(secret, ts, &body));
+        let ts = headers
+            .get("x-revenant-timestamp")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("");
+        let sig = headers
+            .get("x-revenant-signature")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("");
+        let want = format!(
+            "sha256={}",
+            revenant::alert::webhook::sign(secret, ts, &body)
+        );
         if ts.is_empty() || sig != want {
             *r.bad_signatures.lock().unwrap() += 1;
             return (StatusCode::UNAUTHORIZED, "bad signature").into_response();

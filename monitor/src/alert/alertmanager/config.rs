@@ -38,7 +38,10 @@ impl AlertmanagerConfig {
         let u = reqwest::Url::parse(&self.url)
             .map_err(|e| format!("alertmanager url {:?}: {e}", self.url))?;
         if !matches!(u.scheme(), "http" | "https") {
-            return Err(format!("alertmanager url {:?}: scheme must be http or https", self.url));
+            return Err(format!(
+                "alertmanager url {:?}: scheme must be http or https",
+                self.url
+            ));
         }
         if self.resend_interval < Duration::from_secs(1) {
             return Err("alertmanager resend_interval must be at least 1s".into());

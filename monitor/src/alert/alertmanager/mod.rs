@@ -53,7 +53,8 @@ impl AlertmanagerSink {
         let base = cfg.url.trim_end_matches('/');
         Ok(AlertmanagerSink {
             name: name.into(),
-            endpoint: reqwest::Url::parse(&format!("{base}/api/v2/alerts")).map_err(|e| e.to_string())?,
+            endpoint: reqwest::Url::parse(&format!("{base}/api/v2/alerts"))
+                .map_err(|e| e.to_string())?,
             resend: cfg.resend_interval,
             node: node.to_string(),
             cluster: cluster.to_string(),
@@ -80,7 +81,10 @@ impl AlertmanagerSink {
         labels.insert("alertname".into(), v.rule.clone());
         labels.insert("severity".into(), v.severity.as_str().into());
         labels.insert("stage".into(), stage.into());
-        labels.insert("node".into(), v.worker.clone().unwrap_or_else(|| self.node.clone()));
+        labels.insert(
+            "node".into(),
+            v.worker.clone().unwrap_or_else(|| self.node.clone()),
+        );
         labels.insert("cluster".into(), self.cluster.clone());
         labels.insert("fingerprint".into(), v.fingerprint.clone());
         labels.insert("source".into(), "revenant".into());
@@ -119,10 +123,12 @@ impl AlertmanagerSink {
             .client
             .post(self.endpoint.clone())
             .header(reqwest::header::CONTENT_TYPE, "application/json")
-            .body(serde_json::to_vec(alerts).map_err(|e| SinkError::Permanent {
-                reason: format!("cannot encode alerts: {e}"),
-                status: None,
-            })?)
+            .body(
+                serde_json::to_vec(alerts).map_err(|e| SinkError::Permanent {
+                    reason: format!("cannot encode alerts: {e}"),
+                    status: None,
+                })?,
+            )
             .send()
             .await
             .map_err(transport_error)?;
@@ -135,7 +141,10 @@ impl Sink for AlertmanagerSink {
         &self.name
     }
 
-    fn deliver<'a>(&'a self, batch: &'a [Arc<Notification>]) -> BoxFuture<'a, Result<(), SinkError>> {
+    fn deliver<'a>(
+        &'a self,
+        batch: &'a [Arc<Notification>],
+    ) -> BoxFuture<'a, Result<(), SinkError>> {
         Box::pin(async move {
             let now = now_unix_ns();
             let alerts: Vec<PostableAlert> = batch
@@ -189,7 +198,11 @@ impl Sink for AlertmanagerSink {
                 .iter()
                 .map(|a| self.to_alert(&a.alert, a.repeats, self.horizon(now)))
                 .collect();
-            alerts.extend(resolved.iter().map(|a| self.to_alert(&a.alert, a.repeats, now)));
+            alerts.extend(
+                resolved
+                    .iter()
+                    .map(|a| self.to_alert(&a.alert, a.repeats, now)),
+            );
             for chunk in alerts.chunks(500) {
                 self.post(chunk).await?;
             }

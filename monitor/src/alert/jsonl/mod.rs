@@ -51,7 +51,10 @@ impl Sink for JsonlSink {
         256
     }
 
-    fn deliver<'a>(&'a self, batch: &'a [Arc<Notification>]) -> BoxFuture<'a, Result<(), SinkError>> {
+    fn deliver<'a>(
+        &'a self,
+        batch: &'a [Arc<Notification>],
+    ) -> BoxFuture<'a, Result<(), SinkError>> {
         let out = self.out.clone();
         let mut buf = Vec::with_capacity(batch.len() * 512);
         for n in batch {

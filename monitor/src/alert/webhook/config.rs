@@ -44,9 +44,13 @@ impl WebhookConfig {
     }
 
     pub fn validate(&self) -> Result<(), String> {
-        let u = reqwest::Url::parse(&self.url).map_err(|e| format!("webhook url {:?}: {e}", self.url))?;
+        let u = reqwest::Url::parse(&self.url)
+            .map_err(|e| format!("webhook url {:?}: {e}", self.url))?;
         if !matches!(u.scheme(), "http" | "https") {
-            return Err(format!("webhook url {:?}: scheme must be http or https", self.url));
+            return Err(format!(
+                "webhook url {:?}: scheme must be http or https",
+                self.url
+            ));
         }
         if self.secret.is_some() && self.secret_file.is_some() {
             return Err("webhook: set secret or secret_file, not both".into());

@@ -33,7 +33,8 @@ pub struct WebhookSink {
 
 /// Hex HMAC-SHA256 of `"<timestamp>.<body>"`: binding the timestamp stops replay of an old body.
 pub fn sign(secret: &[u8], timestamp: &str, body: &[u8]) -> String {
-    let mut mac = hmac::Hmac::<sha2::Sha256>::new_from_slice(secret).expect("HMAC takes any key length");
+    let mut mac =
+        hmac::Hmac::<sha2::Sha256>::new_from_slice(secret).expect("HMAC takes any key length");
     mac.update(timestamp.as_bytes());
     mac.update(b".");
     mac.update(body);
@@ -100,7 +101,10 @@ impl Sink for WebhookSink {
         self.max_batch
     }
 
-    fn deliver<'a>(&'a self, batch: &'a [Arc<Notification>]) -> BoxFuture<'a, Result<(), SinkError>> {
+    fn deliver<'a>(
+        &'a self,
+        batch: &'a [Arc<Notification>],
+    ) -> BoxFuture<'a, Result<(), SinkError>> {
         Box::pin(async move {
             let body = serde_json::to_vec(&Body {
                 version: PAYLOAD_VERSION,
@@ -139,7 +143,11 @@ mod tests {
         let manual = |msg: &[u8]| {
             let mut mac = hmac::Hmac::<sha2::Sha256>::new_from_slice(b"key").unwrap();
             mac.update(msg);
-            mac.finalize().into_bytes().iter().map(|b| format!("{b:02x}")).collect::<String>()
+            mac.finalize()
+                .into_bytes()
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect::<String>()
         };
         assert_eq!(
             manual(b"The quick brown fox jumps over the lazy dog"),
@@ -153,7 +161,11 @@ mod tests {
     fn config_is_validated() {
         assert!(WebhookConfig::new("ftp://x").validate().is_err());
         assert!(WebhookConfig::new("not a url").validate().is_err());
-        assert!(WebhookConfig::new("http://127.0.0.1:1/hook").validate().is_ok());
+        assert!(
+            WebhookConfig::new("http://127.0.0.1:1/hook")
+                .validate()
+                .is_ok()
+        );
         let e = serde_saphyr::from_str::<WebhookConfig>("url: http://x\nbogus: 1\n").unwrap_err();
         assert!(e.to_string().contains("bogus"), "{e}");
     }
