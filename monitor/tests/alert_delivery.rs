@@ -143,10 +143,9 @@ async fn webhook_down_then_up_delivers_each_fingerprint_exactly_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn honours_retry_after_and_does_not_retry_permanent_refusals() {
     let dir = tempfile::tempdir().unwrap();
-    let addr: SocketAddr = ([127, 0, 0, 1], free_port()).into();
     let rx = Receiver::new(None, Duration::ZERO);
     rx.mode.store(429, Ordering::SeqCst);
-    let server = rx.serve(addr).await;
+    let (addr, server) = rx.serve_any().await;
     let metrics = Arc::new(Metrics::new());
     let cfg = config(dir.path(), &format!("http://{addr}/hook"), None, 10);
     let p = AlertPipeline::start(&cfg, metrics.clone(), None, None).unwrap();
@@ -239,10 +238,9 @@ fn spool_child() {
 async fn sigkill_mid_delivery_loses_nothing() {
     const N: usize = 60;
     let dir = tempfile::tempdir().unwrap();
-    let addr: SocketAddr = ([127, 0, 0, 1], free_port()).into();
     // Slow receiver: each request is recorded on arrival and answered 40 ms later.
     let rx = Receiver::new(None, Duration::from_millis(40));
-    let server = rx.serve(addr).await;
+    let (addr, server) = rx.serve_any().await;
     let child = |produce: usize| {
         let mut c = Command::new(std::env::current_exe().unwrap());
         c.args(["--exact", "spool_child", "--nocapture", "--test-threads=1"])

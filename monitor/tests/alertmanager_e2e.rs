@@ -18,9 +18,8 @@ use revenant::alert::{AlertConfig, AlertPipeline, AlertmanagerConfig};
 async fn alertmanager_receives_reposts_and_routes_alerts() {
     let am_bin = ensure_debian_package("prometheus-alertmanager", "prometheus-alertmanager");
     let tmp = tempfile::tempdir().unwrap();
-    let hook: SocketAddr = ([127, 0, 0, 1], free_port()).into();
     let receiver = Receiver::new(None, Duration::ZERO);
-    let hook_task = receiver.serve(hook).await;
+    let (hook, hook_task) = receiver.serve_any().await;
 
     let am_port = free_port();
     let am_cfg = tmp.path().join("alertmanager.yml");

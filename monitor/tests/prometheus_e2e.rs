@@ -107,9 +107,8 @@ async fn prometheus_scrapes_and_every_dashboard_query_has_data() {
     }));
     srv.ready();
 
-    let hook: SocketAddr = ([127, 0, 0, 1], free_port()).into();
     let receiver = Receiver::new(None, Duration::ZERO);
-    let hook_task = receiver.serve(hook).await;
+    let (hook, hook_task) = receiver.serve_any().await;
     let mut cfg = AlertConfig {
         webhooks: vec![WebhookConfig::new(format!("http://{hook}/hook"))],
         external_url: Some(format!("http://{admin_addr}")),
