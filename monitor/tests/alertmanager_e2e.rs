@@ -5,7 +5,6 @@
 
 mod common;
 
-use std::net::SocketAddr;
 use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;

@@ -5,7 +5,6 @@
 
 mod common;
 
-use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::Command;
 use std::sync::Arc;
