@@ -1,4 +1,197 @@
 //! Records shared between the kernel programs (`monitor-ebpf`) and the daemon (`monitor`).
 //!
 //! Everything here is `#[repr(C)]` with explicit padding so both sides agree byte for byte.
+//! Every ring-buffer record starts with a [`Header`] whose `kind` says which record follows.
 #![no_std]
+
+/// Most payload bytes one data record can carry; the per-CPU scratch buffer is this large.
+pub const MAX_CAPTURE: usize = 4096;
+/// Default number of leading bytes captured per syscall (overridable at load time).
+pub const DEFAULT_HEAD_BYTES: u32 = 512;
+/// Default number of trailing bytes captured per syscall when it moved more than the head.
+///
+/// The router appends `bootstrap_host/port/room` at the very end of a JSON body that can be
+/// hundreds of KB; capturing the tail of every large read/write (as well as its head) keeps the
+/// last bytes of every body, and the bytes on both sides of every syscall boundary.
+pub const DEFAULT_TAIL_BYTES: u32 = 512;
+/// How many iovecs of a readv/writev/sendmsg/recvmsg the kernel side walks.
+pub const MAX_IOVECS: u32 = 8;
+
+/// `Header::kind` values.
+pub mod kind {
+    pub const DATA: u32 = 1;
+    pub const CONNECT: u32 = 2;
+    pub const ACCEPT: u32 = 3;
+    pub const CLOSE: u32 = 4;
+    pub const EXEC: u32 = 5;
+    pub const EXIT: u32 = 6;
+    pub const FORK: u32 = 7;
+}
+
+/// `DataHeader::syscall` values.
+pub mod syscall {
+    pub const READ: u32 = 0;
+    pub const WRITE: u32 = 1;
+    pub const READV: u32 = 2;
+    pub const WRITEV: u32 = 3;
+    pub const RECVFROM: u32 = 4;
+    pub const SENDTO: u32 = 5;
+    pub const RECVMSG: u32 = 6;
+    pub const SENDMSG: u32 = 7;
+    pub const CONNECT: u32 = 8;
+    pub const ACCEPT: u32 = 9;
+
+    /// Names indexed by the values above, for logs and metrics labels.
+    pub const NAMES: [&str; 10] = [
+        "read", "write", "readv", "writev", "recvfrom", "sendto", "recvmsg", "sendmsg", "connect",
+        "accept",
+    ];
+
+    /// True for the syscalls that move bytes into the process.
+    pub const fn is_ingress(s: u32) -> bool {
+        matches!(s, READ | READV | RECVFROM | RECVMSG)
+    }
+}
+
+/// Indexes of the per-CPU `COUNTERS` array.
+pub mod counter {
+    /// Syscalls of watched processes on tracked sockets that the probes looked at.
+    pub const SEEN: u32 = 0;
+    /// Records written to the ring buffer.
+    pub const SENT: u32 = 1;
+    /// Records lost because the ring buffer was full (reserve/output failed).
+    pub const RINGBUF_DROPS: u32 = 2;
+    /// Payload copies that failed (`bpf_probe_read_user` error): record sent without bytes.
+    pub const READ_FAILURES: u32 = 3;
+    /// In-flight syscalls not tracked because the `ACTIVE` map was full.
+    pub const ACTIVE_FULL: u32 = 4;
+    /// Sockets not tracked because the `SOCKS` map was full.
+    pub const SOCKS_FULL: u32 = 5;
+    /// Syscalls with more iovecs than [`crate::MAX_IOVECS`]: the bytes past them are not captured.
+    pub const IOV_TRUNCATED: u32 = 6;
+    /// Payload bytes copied to the ring buffer.
+    pub const BYTES_CAPTURED: u32 = 7;
+    pub const COUNT: u32 = 8;
+
+    pub const NAMES: [&str; COUNT as usize] = [
+        "seen",
+        "sent",
+        "ringbuf_drops",
+        "read_failures",
+        "active_full",
+        "socks_full",
+        "iov_truncated",
+        "bytes_captured",
+    ];
+}
+
+/// `WATCHED` map values.
+pub mod watch {
+    /// Put there by user space (command line matched, `--pid`).
+    pub const EXPLICIT: u32 = 1;
+    /// Inherited by the kernel on fork from a watched parent (may be a thread id).
+    pub const INHERITED: u32 = 2;
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Header {
+    pub kind: u32,
+    pub tgid: u32,
+    pub tid: u32,
+    pub _pad: u32,
+    /// `bpf_ktime_get_ns()`: CLOCK_MONOTONIC.
+    pub ts_ns: u64,
+}
+
+/// One captured piece of one syscall's payload; `len` bytes follow this header.
+///
+/// A syscall that moved `total` bytes yields a piece at offset 0 (the head) and, when `total`
+/// exceeds the head, a piece ending at `total` (the tail); vectored syscalls yield a piece per
+/// iovec. All pieces of one syscall share `hdr.ts_ns` and `hdr.tid`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DataHeader {
+    pub hdr: Header,
+    pub fd: u32,
+    pub syscall: u32,
+    /// Bytes the syscall moved (its return value).
+    pub total: u64,
+    /// Offset of this piece within those bytes.
+    pub off: u32,
+    pub len: u32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct DataEvent {
+    pub h: DataHeader,
+    pub data: [u8; MAX_CAPTURE],
+}
+
+/// A socket the kernel side started tracking: `connect` (outbound) or `accept` (inbound).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ConnEvent {
+    pub hdr: Header,
+    pub fd: u32,
+    /// `connect` return value (0 or -EINPROGRESS); 0 for accept.
+    pub ret: i32,
+    /// AF_INET (2) or AF_INET6 (10); 0 when the peer address was not given (accept with NULL).
+    pub family: u16,
+    /// Peer port, host byte order.
+    pub port: u16,
+    pub _pad: u32,
+    /// Peer address: IPv4 in the first 4 bytes, or IPv6.
+    pub addr: [u8; 16],
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CloseEvent {
+    pub hdr: Header,
+    pub fd: u32,
+    pub _pad: u32,
+}
+
+/// exec / exit / fork of a process; `child` is the new task id for fork, 0 otherwise.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ProcEvent {
+    pub hdr: Header,
+    pub child: u32,
+    pub _pad: u32,
+}
+
+/// A syscall between its enter and exit tracepoints.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ActiveCall {
+    /// Buffer, iovec array, msghdr or sockaddr pointer.
+    pub ptr: u64,
+    /// Buffer length or iovec count.
+    pub len: u64,
+    pub fd: u32,
+    pub syscall: u32,
+}
+
+/// Key of the `SOCKS` map: a socket fd of a watched process.
+#[inline(always)]
+pub const fn sock_key(tgid: u32, fd: u32) -> u64 {
+    ((tgid as u64) << 32) | fd as u64
+}
+
+#[cfg(feature = "user")]
+mod pod {
+    // SAFETY: all these are repr(C), Copy, made only of integers, with explicit padding.
+    unsafe impl aya::Pod for super::ActiveCall {}
+    unsafe impl aya::Pod for super::Header {}
+}
+
+// Layout guards: the kernel and user sides must agree on these sizes.
+const _: () = assert!(core::mem::size_of::<Header>() == 24);
+const _: () = assert!(core::mem::size_of::<DataHeader>() == 48);
+const _: () = assert!(core::mem::size_of::<ConnEvent>() == 56);
+const _: () = assert!(core::mem::size_of::<CloseEvent>() == 32);
+const _: () = assert!(core::mem::size_of::<ProcEvent>() == 32);
+const _: () = assert!(core::mem::size_of::<ActiveCall>() == 24);

@@ -61,6 +61,8 @@ pub struct Attempt {
     pub legs_open: u8,
     pub legs_closed: u8,
     pub live: bool,
+    /// A predicate asked to be judged again (new facts); keeps the attempt live until it is.
+    pub rejudge: bool,
     /// Bit per compiled rule that already produced a violation for this attempt.
     pub fired: u64,
 }
@@ -499,6 +501,7 @@ impl Store {
             legs_open: 0,
             legs_closed: 0,
             live: true,
+            rejudge: false,
             fired: 0,
         };
         let i = match self.free_attempts.pop() {

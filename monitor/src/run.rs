@@ -56,6 +56,10 @@ pub struct RunArgs {
     /// Events from different nodes count as later only beyond this skew.
     #[arg(long, value_parser = humantime::parse_duration)]
     pub clock_skew: Option<Duration>,
+    /// How late (after its event time) an event may arrive and still count for deadline rules.
+    /// OTLP exporters batch for seconds, and SGLang root completions wait out their grace.
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub allowed_lateness: Option<Duration>,
     /// How long shutdown may take to drain queued events through the checker.
     #[arg(long, value_parser = humantime::parse_duration)]
     pub drain_timeout: Option<Duration>,
@@ -81,6 +85,11 @@ pub struct RunConfig {
     pub channel_capacity: usize,
     #[serde(default = "default_skew", with = "crate::normalize::serde_duration")]
     pub clock_skew: Duration,
+    #[serde(
+        default = "default_lateness",
+        with = "crate::normalize::serde_duration"
+    )]
+    pub allowed_lateness: Duration,
     #[serde(default = "default_drain", with = "crate::normalize::serde_duration")]
     pub drain_timeout: Duration,
     #[serde(default)]
@@ -97,6 +106,10 @@ fn default_capacity() -> usize {
 fn default_skew() -> Duration {
     Duration::from_millis(50)
 }
+fn default_lateness() -> Duration {
+    // Python's BatchSpanProcessor flushes every 5 s; SGLang root completions wait 5 s more.
+    Duration::from_secs(15)
+}
 fn default_drain() -> Duration {
     Duration::from_secs(10)
 }
@@ -108,6 +121,7 @@ impl Default for RunConfig {
             normalize: NormalizeConfig::default(),
             channel_capacity: default_capacity(),
             clock_skew: default_skew(),
+            allowed_lateness: default_lateness(),
             drain_timeout: default_drain(),
             rules: None,
             alerts_jsonl: None,
@@ -188,6 +202,9 @@ pub fn prepare(args: &RunArgs) -> Result<Prepared, RunConfigError> {
     if let Some(v) = args.clock_skew {
         cfg.clock_skew = v;
     }
+    if let Some(v) = args.allowed_lateness {
+        cfg.allowed_lateness = v;
+    }
     if let Some(v) = args.drain_timeout {
         cfg.drain_timeout = v;
     }
@@ -211,7 +228,7 @@ pub fn prepare(args: &RunArgs) -> Result<Prepared, RunConfigError> {
     };
     let ccfg = CheckerConfig {
         clock_skew: cfg.clock_skew,
-        allowed_lateness: cfg.clock_skew,
+        allowed_lateness: cfg.allowed_lateness,
         ..CheckerConfig::default()
     };
     ccfg.validate()?;
@@ -254,17 +271,18 @@ async fn checker_task(
     mut events: Option<Box<dyn Write + Send>>,
     pause_file: Option<PathBuf>,
     mut close: watch::Receiver<bool>,
+    lateness: Duration,
 ) -> std::io::Result<CheckerTotals> {
     let mut totals = CheckerTotals::default();
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     let mut line = Vec::with_capacity(512);
     loop {
-        if let Some(p) = &pause_file {
-            if p.exists() {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-                continue;
-            }
+        if let Some(p) = &pause_file
+            && p.exists()
+        {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            continue;
         }
         let batch = tokio::select! {
             // Shutdown: refuse new batches (senders see "closed" and answer UNAVAILABLE), keep
@@ -316,8 +334,13 @@ async fn checker_task(
         }
     }
     // Shutdown: judge every deadline the received events can still prove.
-    let end = checker.stats().max_event_ns.saturating_add(1);
-    for v in checker.tick(end.max(wall_ns())) {
+    // Nothing more will arrive: move the watermark past the lateness window.
+    let end = checker
+        .stats()
+        .max_event_ns
+        .max(wall_ns())
+        .saturating_add(lateness.as_nanos() as u64);
+    for v in checker.tick(end) {
         totals.violations += 1;
         serde_json::to_writer(&mut alerts, &v)?;
         alerts.write_all(b"\n")?;
@@ -451,7 +474,13 @@ pub async fn run_async(
 
     let (close_tx, close_rx) = watch::channel(false);
     let checker = tokio::spawn(checker_task(
-        p.checker, rx, alerts, events, pause_file, close_rx,
+        p.checker,
+        rx,
+        alerts,
+        events,
+        pause_file,
+        close_rx,
+        cfg.allowed_lateness,
     ));
 
     let mut servers = Vec::new();
@@ -552,13 +581,13 @@ pub async fn run_async(
         }
     }
     let _ = ticker.await;
-    let pending = ingest_for_shutdown.pending_completions();
-    if pending > 0 {
-        // Not believed yet (an abort from another process could still have come): not sent.
-        tracing::warn!(
-            count = pending,
-            "shutdown: SGLang root completions still in their grace period were not reported"
-        );
+    // The receivers are closed, so no abort can arrive any more: the completions still waiting
+    // out their grace period are now believed.
+    let budget = cfg.drain_timeout.saturating_sub(started.elapsed());
+    match tokio::time::timeout(budget, ingest_for_shutdown.flush()).await {
+        Ok(0) => {}
+        Ok(n) => tracing::info!(count = n, "shutdown: released deferred SGLang completions"),
+        Err(_) => return Err(RunError::DrainTimeout(cfg.drain_timeout)),
     }
     drop(ingest_for_shutdown);
     let _ = close_tx.send(true);
@@ -632,6 +661,7 @@ mod tests {
             channel_capacity: None,
             max_message_bytes: None,
             clock_skew: None,
+            allowed_lateness: None,
             drain_timeout: None,
             ready_file: None,
             pause_file: None,

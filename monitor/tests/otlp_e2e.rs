@@ -278,6 +278,15 @@ fn rejected_then_decoded_raises_activity_after_rejection_over_every_transport() 
                 panic!("{transport}: no activity-after-rejection for {rid}: {alerts:#?}")
             });
         assert!(alert.to_string().contains("otlp"));
+        // The decode leg did end (its root completed); its completion, deferred for an abort
+        // that never came, is released at shutdown — so no orphaned-leg false alarm.
+        assert!(has("decode", "completed"), "{transport}: {mine:#?}");
+        assert!(
+            !alerts
+                .iter()
+                .any(|a| a["rule"] == "orphaned-leg" && a.to_string().contains(rid)),
+            "{transport}: {alerts:#?}"
+        );
     }
     let stderr = rv.stderr();
     assert!(
@@ -383,6 +392,14 @@ async fn raw_export<M: prost::Message + Default + Send + Sync + 'static>(
     addr: &str,
     msg: M,
 ) -> Result<(), tonic::Status> {
+    raw_export_with(addr, msg, false).await
+}
+
+async fn raw_export_with<M: prost::Message + Default + Send + Sync + 'static>(
+    addr: &str,
+    msg: M,
+    gzip: bool,
+) -> Result<(), tonic::Status> {
     use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceResponse;
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
         .unwrap()
@@ -390,6 +407,9 @@ async fn raw_export<M: prost::Message + Default + Send + Sync + 'static>(
         .await
         .unwrap();
     let mut grpc = tonic::client::Grpc::new(channel);
+    if gzip {
+        grpc = grpc.send_compressed(tonic::codec::CompressionEncoding::Gzip);
+    }
     grpc.ready().await.unwrap();
     let codec = tonic_prost::ProstCodec::<M, ExportTraceServiceResponse>::default();
     let path = http::uri::PathAndQuery::from_static(
@@ -434,6 +454,9 @@ fn malformed_and_oversized_grpc_get_error_codes_and_are_counted() {
                 ..Default::default()
             }],
         };
+        // A small gzip frame that inflates past the limit: decompression stops at the limit.
+        let bomb = raw_export_with(&rv.grpc, big.clone(), true).await;
+        assert_eq!(bomb.unwrap_err().code(), tonic::Code::ResourceExhausted);
         let too_big = raw_export(&rv.grpc, big).await;
         // tonic answers an over-limit message with OUT_OF_RANGE (not retryable: resending cannot help).
         assert_eq!(too_big.unwrap_err().code(), tonic::Code::OutOfRange);
@@ -449,6 +472,10 @@ fn malformed_and_oversized_grpc_get_error_codes_and_are_counted() {
     );
     assert!(
         stderr.contains("revenant_otlp_grpc_error_responses_total{code=\"11\"} 1"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("revenant_otlp_grpc_error_responses_total{code=\"8\"} 1"),
         "{stderr}"
     );
     assert!(

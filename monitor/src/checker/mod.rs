@@ -334,6 +334,7 @@ impl Checker {
             }
             self.stats.timers_fired += 1;
             self.store.attempts[a as usize].due_ns = 0;
+            self.store.attempts[a as usize].rejudge = false;
             self.judge_deadlines(a, out);
         }
     }
@@ -528,6 +529,7 @@ impl Checker {
                             && facts_changed
                             && self.store.attempts[a as usize].fired & bit == 0
                         {
+                            self.store.attempts[a as usize].rejudge = true;
                             self.schedule(a, first);
                         }
                         continue;
@@ -540,6 +542,7 @@ impl Checker {
                     let Some(breach) = p.evaluate(e, known) else {
                         // Not (yet) a breach: judge again once everything up to this event arrived.
                         if self.store.attempts[a as usize].fired & bit == 0 {
+                            self.store.attempts[a as usize].rejudge = true;
                             self.schedule(a, e.time_ns);
                         }
                         continue;
@@ -575,7 +578,11 @@ impl Checker {
     /// After a terminal event: if every pending deadline rule is already satisfied, nothing can
     /// breach it any more, so the attempt need not stay live until the deadline.
     fn settle(&mut self, a: u32) {
-        if self.store.attempts[a as usize].due_ns == 0 {
+        let wm = self.stats.watermark_ns;
+        let due = self.store.attempts[a as usize].due_ns;
+        // Nothing queued, a judgement already due at the next watermark step, or a predicate
+        // waiting to be judged again: leave it.
+        if due == 0 || due <= wm || self.store.attempts[a as usize].rejudge {
             return;
         }
         let s = self.store.attempt_slots(a);
@@ -590,8 +597,12 @@ impl Checker {
                     !m.satisfied(s[k.trigger], s[k.other], s[k.other_latest], self.skew_ns)
                 }
                 Shape::RequiresBefore(m) => m.breached(s[k.trigger], s[k.other], self.skew_ns),
-                // Judged at the watermark only: a capacity report may still come.
-                Shape::Predicate(_) => k.per_stage.iter().flatten().any(|&i| s[i].is_set()),
+                // Not judged yet (the watermark has not passed it): a capacity report may still come.
+                Shape::Predicate(_) => k
+                    .per_stage
+                    .iter()
+                    .flatten()
+                    .any(|&i| s[i].is_set() && s[i].time() > wm),
                 _ => false,
             }
         });
@@ -858,11 +869,14 @@ impl Checker {
                     let Some(due) = rule.deadline(trig) else {
                         continue;
                     };
+                    let (early, late) = (s[slots.other], s[slots.other_latest]);
                     if due > wm {
-                        next = Some(next.map_or(due, |n| n.min(due)));
+                        // Already satisfied: nothing can breach it, no need to wake up for it.
+                        if !rule.satisfied(trig, early, late, self.skew_ns) {
+                            next = Some(next.map_or(due, |n| n.min(due)));
+                        }
                         continue;
                     }
-                    let (early, late) = (s[slots.other], s[slots.other_latest]);
                     let given = slots.given.map(|g| s[g]);
                     if !rule.breached(trig, early, late, given, self.skew_ns) {
                         continue;

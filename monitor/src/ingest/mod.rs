@@ -1,3 +1,4 @@
 //! Sources: everything that produces [`crate::pipeline::EventBatch`]es.
 
+pub mod ebpf;
 pub mod otlp;

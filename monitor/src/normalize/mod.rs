@@ -378,6 +378,11 @@ impl Normalizer {
         self.tree.pending_completions()
     }
 
+    /// Shutdown: releases what `tick` would release later (nothing else can arrive any more).
+    pub fn flush(&mut self, out: &mut Vec<LifecycleEvent>) {
+        self.tree.flush_completions(out);
+    }
+
     pub fn orphans_waiting(&self) -> usize {
         self.tree.orphans_waiting()
     }

@@ -239,11 +239,10 @@ impl SpanTree {
             if let Some(pa) = node
                 .parent
                 .and_then(|p| self.known.lookup(&(node.key.0, p)))
+                && let Some(parent) = self.known.attempt(pa)
             {
-                if let Some(parent) = self.known.attempt(pa) {
-                    attempt.room = attempt.room.or(parent.room);
-                    attempt.role = attempt.role.or(parent.role);
-                }
+                attempt.room = attempt.room.or(parent.room);
+                attempt.role = attempt.role.or(parent.role);
             }
             let id = self.next_attempt;
             self.next_attempt += 1;
@@ -324,6 +323,15 @@ impl SpanTree {
 
     pub fn pending_completions(&self) -> usize {
         self.completions.len()
+    }
+
+    /// At shutdown no abort can arrive any more: release every completion still in its grace.
+    pub fn flush_completions(&mut self, out: &mut Vec<LifecycleEvent>) {
+        while let Some((_, id, e)) = self.completions.pop_front() {
+            if self.known.attempt(id).is_some_and(|a| !a.errored) {
+                out.push(e);
+            }
+        }
     }
 
     /// Gives up on expired orphans and releases root completions whose grace has passed (unless

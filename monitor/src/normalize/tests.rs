@@ -726,3 +726,56 @@ fn logs_map_through_generic_mappings_only_and_bodies_are_dropped() {
         1
     );
 }
+
+#[test]
+fn vllm_journey_events_take_precedence_over_latencies() {
+    let ev = |t: u64, ty: &str, extra: Vec<KeyValue>| {
+        let mut attributes = vec![s("event.type", ty)];
+        attributes.extend(extra);
+        Event {
+            time_unix_nano: t,
+            name: format!("journey.{ty}"),
+            attributes,
+            dropped_attributes_count: 0,
+        }
+    };
+    let mut sp = span(
+        4,
+        1,
+        0,
+        "llm_request",
+        100,
+        900,
+        vec![
+            s("gen_ai.request.id", "r"),
+            kv("gen_ai.latency.time_in_queue", Value::DoubleValue(9.0)),
+        ],
+    );
+    sp.events = vec![
+        ev(110, "QUEUED", vec![]),
+        ev(200, "SCHEDULED", vec![s("schedule.kind", "FIRST")]),
+        ev(300, "FIRST_TOKEN", vec![]),
+        ev(400, "PREEMPTED", vec![]),
+        ev(890, "FINISHED", vec![s("finish.status", "aborted")]),
+    ];
+    let (out, _) = run(
+        &mut normalizer(),
+        &export("vllm", "vllm.llm_engine", vec![sp]),
+        1,
+    );
+    let got: Vec<_> = out
+        .iter()
+        .map(|e| (e.kind, e.time_ns, e.detail.as_deref()))
+        .collect();
+    assert_eq!(
+        got,
+        vec![
+            (Kind::Received, 100, None),
+            (Kind::Admitted, 200, Some("scheduled")),
+            (Kind::Work, 300, Some("first_token")),
+            (Kind::Work, 400, Some("preempted")),
+            (Kind::Aborted, 900, None),
+        ]
+    );
+    assert_eq!(out.last().unwrap().reason.as_deref(), Some("aborted"));
+}

@@ -27,7 +27,7 @@ const P: ProfileLabel = ProfileLabel::Vllm;
 pub const SPAN_NAME: &str = "llm_request";
 
 fn secs_to_ns(s: f64) -> Option<u64> {
-    (s.is_finite() && s >= 0.0 && s < 1e9).then(|| (s * 1e9) as u64)
+    (0.0..1e9).contains(&s).then_some((s * 1e9) as u64)
 }
 
 fn latency(span: &Span, key: &str) -> Option<u64> {

@@ -27,9 +27,11 @@ pub struct ClusterArgs {
     pub decode_port: u16,
     #[arg(long, default_value_t = 8998)]
     pub bootstrap_port: u16,
-    #[arg(long, default_value_t = 0)]
+    /// Prefill's ZMTP PULL port (announced by the bootstrap server as `rank_port`).
+    #[arg(long, default_value_t = 30011)]
     pub prefill_kv_port: u16,
-    #[arg(long, default_value_t = 0)]
+    /// Decode's ZMTP PULL port (sent in BOOTSTRAP frames).
+    #[arg(long, default_value_t = 30012)]
     pub decode_kv_port: u16,
     /// Bind every port ephemerally (tests); the READY line tells which ports were taken.
     #[arg(long)]
@@ -44,6 +46,10 @@ pub struct ClusterArgs {
     pub decode_args: String,
     #[arg(long, default_value = "", allow_hyphen_values = true)]
     pub router_args: String,
+    /// Tokio worker threads of each child. One each measured best on a 2-core box (fewer
+    /// cross-thread wakeups; see bench/throughput.sh).
+    #[arg(long, default_value_t = 1)]
+    pub child_threads: usize,
     /// Start only prefill and decode (put another router, e.g. the real sglang-router, in front).
     #[arg(long)]
     pub no_router: bool,
@@ -65,9 +71,13 @@ fn command(sub: &str, args: Vec<String>) -> Command {
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .kill_on_drop(true);
-    // SAFETY: prctl is async-signal-safe and touches no memory of the parent.
+    // Own process group: a terminal Ctrl-C reaches only the cluster, which then stops the
+    // children in order (otherwise a child dying of SIGINT first would look like a crash).
+    // PDEATHSIG covers the cluster itself being killed.
+    // SAFETY: setpgid and prctl are async-signal-safe and touch no memory of the parent.
     unsafe {
         c.pre_exec(|| {
+            libc::setpgid(0, 0);
             libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
             Ok(())
         });
@@ -129,7 +139,7 @@ async fn stop_all(procs: &mut [Proc]) {
 
 pub async fn run(a: ClusterArgs) -> anyhow::Result<()> {
     let port = |p: u16| if a.ephemeral { 0 } else { p };
-    let mut common = Vec::new();
+    let mut common = vec!["--threads".to_string(), a.child_threads.max(1).to_string()];
     if let Some(e) = &a.otlp_endpoint {
         common.push("--otlp-endpoint".to_string());
         common.push(e.clone());

@@ -2,6 +2,7 @@
 
 pub mod cluster;
 pub mod common;
+pub mod harness;
 pub mod kvlink;
 pub mod load;
 pub mod router;

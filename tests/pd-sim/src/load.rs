@@ -98,6 +98,8 @@ pub struct Summary {
     pub ok: u64,
     pub rejected_by_status: BTreeMap<u16, u64>,
     pub errors: u64,
+    /// Transport failures by kind: connect, request, body, timeout.
+    pub errors_by_kind: BTreeMap<String, u64>,
     pub over_capacity_sent: u64,
     pub streamed: u64,
     pub duration_s: f64,
@@ -162,7 +164,9 @@ pub async fn run(args: LoadArgs) -> anyhow::Result<Summary> {
     let client = http_client(args.max_inflight);
     let sem = Arc::new(Semaphore::new(args.max_inflight.max(1)));
     let counters = Arc::new(Counters::default());
-    let (lat_tx, mut lat_rx) = tokio::sync::mpsc::unbounded_channel::<(u16, Duration, bool)>();
+    let (lat_tx, mut lat_rx) =
+        tokio::sync::mpsc::unbounded_channel::<(Result<u16, &'static str>, Duration)>();
+    let first_error_logged = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let mut rng = SmallRng::seed_from_u64(args.seed);
     let start = Instant::now();
     let interval = Duration::from_secs_f64(1.0 / args.rate);
@@ -246,32 +250,38 @@ pub async fn run(args: LoadArgs) -> anyhow::Result<Summary> {
         let lat_tx = lat_tx.clone();
         let timeout = Duration::from_secs(args.timeout_secs);
         c.sent.fetch_add(1, Ordering::Relaxed);
+        let logged = first_error_logged.clone();
         handles.push(tokio::spawn(async move {
             let _permit = permit;
             let t = Instant::now();
             let res = tokio::time::timeout(timeout, async {
-                let resp = client.request(req).await.map_err(|e| e.to_string())?;
+                let resp = client.request(req).await.map_err(|e| {
+                    let kind = if e.is_connect() { "connect" } else { "request" };
+                    (kind, e.to_string())
+                })?;
                 let status = resp.status().as_u16();
-                resp.into_body()
-                    .collect()
-                    .await
-                    .map_err(|e| e.to_string())?;
-                Ok::<u16, String>(status)
+                resp.into_body().collect().await.map_err(|e| ("body", e.to_string()))?;
+                Ok::<u16, (&'static str, String)>(status)
             })
-            .await;
+            .await
+            .unwrap_or_else(|_| Err(("timeout", "request timed out".to_string())));
             let el = t.elapsed();
             match res {
-                Ok(Ok(status)) => {
+                Ok(status) => {
                     if (200..300).contains(&status) {
                         c.ok.fetch_add(1, Ordering::Relaxed);
                     } else {
                         c.rejected.fetch_add(1, Ordering::Relaxed);
                     }
-                    let _ = lat_tx.send((status, el, true));
+                    let _ = lat_tx.send((Ok(status), el));
                 }
-                _ => {
+                Err((kind, msg)) => {
                     c.errors.fetch_add(1, Ordering::Relaxed);
-                    let _ = lat_tx.send((0, el, false));
+                    // One line for the first failure, not one per request.
+                    if !logged.swap(true, Ordering::Relaxed) {
+                        tracing::warn!(kind, error = %msg, "first failed request (others are only counted)");
+                    }
+                    let _ = lat_tx.send((Err(kind), el));
                 }
             }
             c.done.fetch_add(1, Ordering::Relaxed);
@@ -293,12 +303,16 @@ pub async fn run(args: LoadArgs) -> anyhow::Result<Summary> {
         streamed,
         ..Default::default()
     };
-    while let Some((status, el, ok)) = lat_rx.recv().await {
+    while let Some((res, el)) = lat_rx.recv().await {
         summary.sent += 1;
-        if !ok {
-            summary.errors += 1;
-            continue;
-        }
+        let status = match res {
+            Ok(s) => s,
+            Err(kind) => {
+                summary.errors += 1;
+                *summary.errors_by_kind.entry(kind.to_string()).or_default() += 1;
+                continue;
+            }
+        };
         lat.push(el.as_secs_f64() * 1000.0);
         if (200..300).contains(&status) {
             summary.ok += 1;
@@ -332,8 +346,13 @@ fn print_summary(s: &Summary) {
         .iter()
         .map(|(k, v)| format!("{k}: {v}"))
         .collect();
+    let errors: Vec<String> = s
+        .errors_by_kind
+        .iter()
+        .map(|(k, v)| format!("{k}: {v}"))
+        .collect();
     eprintln!(
-        "pd-sim load: sent {} in {:.2}s ({:.0} req/s, target {:.0}); ok {}; rejected {{{}}}; errors {}; over-capacity sent {}; streamed {}; latency p50 {:.2} ms p99 {:.2} ms max {:.2} ms",
+        "pd-sim load: sent {} in {:.2}s ({:.0} req/s, target {:.0}); ok {}; rejected {{{}}}; errors {} {{{}}}; over-capacity sent {}; streamed {}; latency p50 {:.2} ms p99 {:.2} ms max {:.2} ms",
         s.sent,
         s.duration_s,
         s.achieved_rate,
@@ -341,6 +360,7 @@ fn print_summary(s: &Summary) {
         s.ok,
         rejected.join(", "),
         s.errors,
+        errors.join(", "),
         s.over_capacity_sent,
         s.streamed,
         s.latency_ms_p50,

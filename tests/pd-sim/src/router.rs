@@ -30,7 +30,7 @@ use serde::Serialize;
 use tokio::net::TcpListener;
 
 use crate::common::{
-    HttpClient, TraceParent, error_response, http_client, json_response, new_rid, new_room, now_ns,
+    HttpClient, TraceParent, error_response, http_client, json_response, new_room, now_ns,
     random_span_id, random_trace_id,
 };
 use crate::spans::{Exporter, ExporterConfig, SpanSink, SpanSpec, event, kv_str};
@@ -134,6 +134,10 @@ pub async fn run(args: RouterArgs) -> anyhow::Result<()> {
         .route("/get_model_info", get(model_info))
         .route("/v1/models", get(models))
         .route("/sim/stats", get(sim_stats))
+        // Last, so it covers every route above.
+        .layer(axum::extract::DefaultBodyLimit::max(
+            crate::worker::BODY_LIMIT,
+        ))
         .with_state(rt.clone());
     crate::common::print_ready(serde_json::json!({
         "role": "router",
@@ -192,6 +196,17 @@ async fn generate(State(rt): State<Shared>, headers: HeaderMap, body: Bytes) -> 
 
 async fn chat(State(rt): State<Shared>, headers: HeaderMap, body: Bytes) -> Response {
     route(rt, "/v1/chat/completions", headers, body).await
+}
+
+/// smg names requests without an `x-request-id` `req-` + 24 alphanumerics (seen in its logs).
+fn new_request_id() -> String {
+    use rand::RngExt;
+    const A: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789";
+    let mut rng = rand::rng();
+    let tail: String = (0..24)
+        .map(|_| A[rng.random_range(0..A.len())] as char)
+        .collect();
+    format!("req-{tail}")
 }
 
 /// Append the bootstrap fields at the end of the JSON object, byte for byte, the way the
@@ -302,7 +317,7 @@ async fn route(rt: Shared, path: &'static str, headers: HeaderMap, body: Bytes) 
         .get("x-request-id")
         .and_then(|v| v.to_str().ok())
         .map(str::to_owned)
-        .unwrap_or_else(new_rid);
+        .unwrap_or_else(new_request_id);
     let incoming = headers
         .get("traceparent")
         .and_then(|v| v.to_str().ok())

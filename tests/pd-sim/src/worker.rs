@@ -102,6 +102,10 @@ pub struct WorkerArgs {
     /// Simulated prefill forward time per request, microseconds.
     #[arg(long, default_value_t = 500)]
     pub prefill_delay_us: u64,
+    /// Decode: time a request queues before it bootstraps (SGLang's prealloc queue),
+    /// microseconds. Models a busy decode whose BOOTSTRAP comes well after prefill answered.
+    #[arg(long, default_value_t = 0)]
+    pub bootstrap_delay_us: u64,
     /// Simulated decode time per generated token, microseconds.
     #[arg(long, default_value_t = 0)]
     pub decode_token_delay_us: u64,
@@ -311,11 +315,26 @@ fn text_tokens(v: &serde_json::Value) -> u64 {
     }
 }
 
+/// serde_json's messages can quote the offending value (i.e. prompt text): say only where
+/// and what kind of error it was.
+fn body_error(e: serde_json::Error) -> String {
+    let kind = match e.classify() {
+        serde_json::error::Category::Io => "io",
+        serde_json::error::Category::Syntax => "syntax",
+        serde_json::error::Category::Data => "data",
+        serde_json::error::Category::Eof => "eof",
+    };
+    format!(
+        "invalid request body: {kind} error at line {} column {}",
+        e.line(),
+        e.column()
+    )
+}
+
 fn parse_body(api: Api, body: &[u8]) -> Result<Parsed, String> {
     match api {
         Api::Generate => {
-            let b: GenerateBody =
-                serde_json::from_slice(body).map_err(|e| format!("invalid request body: {e}"))?;
+            let b: GenerateBody = serde_json::from_slice(body).map_err(body_error)?;
             let input_tokens = match (&b.text, &b.input_ids) {
                 (Some(t), _) => text_tokens(t),
                 (None, Some(ids)) => ids.len() as u64,
@@ -332,8 +351,7 @@ fn parse_body(api: Api, body: &[u8]) -> Result<Parsed, String> {
             })
         }
         Api::Chat => {
-            let b: ChatBody =
-                serde_json::from_slice(body).map_err(|e| format!("invalid request body: {e}"))?;
+            let b: ChatBody = serde_json::from_slice(body).map_err(body_error)?;
             let input_tokens = b
                 .messages
                 .iter()
@@ -801,6 +819,9 @@ impl Worker {
 
 type Shared = Arc<Worker>;
 
+/// Long prompts are the point of over-capacity tests; axum's 2 MiB default is too small.
+pub const BODY_LIMIT: usize = 64 << 20;
+
 struct BootstrapPort(u16, u16);
 
 pub async fn run(role: Role, args: WorkerArgs) -> anyhow::Result<()> {
@@ -899,6 +920,8 @@ pub async fn run(role: Role, args: WorkerArgs) -> anyhow::Result<()> {
             boot_port,
             http_addr.port(),
         ))))
+        // Last, so it covers every route above.
+        .layer(axum::extract::DefaultBodyLimit::max(BODY_LIMIT))
         .with_state(w.clone());
 
     crate::common::print_ready(serde_json::json!({
@@ -1347,6 +1370,9 @@ async fn decode(
             prefill: None,
             armed: true,
         };
+        if w.args.bootstrap_delay_us > 0 {
+            tokio::time::sleep(Duration::from_micros(w.args.bootstrap_delay_us)).await;
+        }
         let endpoint = match &p.bootstrap {
             Some((host, port)) => w.prefill_endpoint(host, *port).await,
             None => Err("request has bootstrap_room but no bootstrap_host/bootstrap_port".into()),
@@ -1661,8 +1687,15 @@ mod tests {
     }
 
     #[test]
-    fn garbage_body_is_an_error() {
+    fn garbage_body_is_an_error_that_does_not_quote_the_prompt() {
         assert!(parse_body(Api::Generate, b"\x00\xff").is_err());
+        let Err(msg) = parse_body(
+            Api::Generate,
+            br#"{"text": "secret words", "stream": "CANARY"}"#,
+        ) else {
+            panic!("a string stream flag is invalid")
+        };
+        assert!(!msg.contains("CANARY") && !msg.contains("secret"), "{msg}");
         assert!(parse_body(Api::Generate, b"{}").is_err());
     }
 }

@@ -10,6 +10,9 @@ use pd_sim::common::http_client;
 use serde_json::json;
 use support::*;
 
+const SLOW_OK_PREFILL: &str = "--bootstrap-timeout-ms 60000";
+const SLOW_OK_DECODE: &str = "--kv-timeout-ms 60000";
+
 fn room_set(recs: &[serde_json::Value], pred: impl Fn(&serde_json::Value) -> bool) -> HashSet<u64> {
     recs.iter()
         .filter(|r| pred(r))
@@ -19,7 +22,18 @@ fn room_set(recs: &[serde_json::Value], pred: impl Fn(&serde_json::Value) -> boo
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn correct_mode_never_hands_a_rejected_request_to_decode() {
-    let c = Cluster::start("correct", &[]).await;
+    // Generous transfer timeouts: on a loaded CI box slowness must show as latency, not as
+    // KV-timeout failures that would blur the mode's behaviour.
+    let c = Cluster::start(
+        "correct",
+        &[
+            "--prefill-args",
+            SLOW_OK_PREFILL,
+            "--decode-args",
+            SLOW_OK_DECODE,
+        ],
+    )
+    .await;
     let client = http_client(8);
     let s = run_load(
         &c.router,
@@ -84,8 +98,12 @@ async fn correct_mode_never_hands_a_rejected_request_to_decode() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn handoff_after_reject_bootstraps_and_transfers_rejected_rooms() {
     let tap = ZmtpTap::start().await;
-    let adv = format!("--advertise-kv-port {}", tap.port);
-    let c = Cluster::start("handoff-after-reject", &["--prefill-args", &adv]).await;
+    let adv = format!("--advertise-kv-port {} {SLOW_OK_PREFILL}", tap.port);
+    let c = Cluster::start(
+        "handoff-after-reject",
+        &["--prefill-args", &adv, "--decode-args", SLOW_OK_DECODE],
+    )
+    .await;
     let kv_port = c.ready["prefill_kv_port"].as_u64().unwrap() as u16;
     tap.set_upstream(([127, 0, 0, 1], kv_port).into());
     let client = http_client(8);
@@ -493,5 +511,87 @@ async fn a_misconfigured_prefill_admits_over_capacity_requests_and_says_so_in_se
     assert!(
         String::from_utf8_lossy(&body)
             .contains("exceeds the maximum number of tokens: 9000 > 8192")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_otlp_endpoint_never_blocks_serving_and_failures_are_counted() {
+    // Port 9 on loopback: nothing listens, connects are refused.
+    let c = Cluster::start("correct", &["--otlp-endpoint", "http://127.0.0.1:9"]).await;
+    let client = http_client(8);
+    for i in 0..5 {
+        let (status, _) = post(
+            &client,
+            &format!("{}/generate", c.router),
+            &format!("dead-otlp-{i}"),
+            json!({"text": "a b"}),
+        )
+        .await;
+        assert_eq!(status, 200);
+    }
+    for url in [&c.router, &c.prefill, &c.decode] {
+        let s = eventually("export failure counted", Duration::from_secs(15), || {
+            let (client, url) = (client.clone(), url.clone());
+            async move {
+                let s = get_json(&client, &format!("{url}/sim/stats")).await;
+                (s["otlp"]["batches_failed"].as_u64().unwrap_or(0) >= 1).then_some(s)
+            }
+        })
+        .await;
+        assert!(s["otlp"]["spans_failed"].as_u64().unwrap() >= 1, "{s}");
+        assert!(s["otlp"]["export_retries"].as_u64().unwrap() >= 1, "{s}");
+        assert_eq!(s["otlp"]["batches_exported"], 0);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_request_cancelled_while_waiting_for_kv_sends_abort_to_prefill() {
+    let tap = ZmtpTap::start().await;
+    let adv = format!("--advertise-kv-port {}", tap.port);
+    let c = Cluster::start(
+        "correct",
+        &[
+            "--prefill-args",
+            &adv,
+            "--decode-args",
+            "--kv-timeout-ms 10000",
+        ],
+    )
+    .await;
+    tap.set_upstream(
+        (
+            [127, 0, 0, 1],
+            c.ready["prefill_kv_port"].as_u64().unwrap() as u16,
+        )
+            .into(),
+    );
+    let client = http_client(8);
+    let room = 4242u64;
+    // Straight to decode, for a room prefill never admitted: decode bootstraps and waits.
+    let body = json!({"text": "a b", "bootstrap_host": "127.0.0.1", "bootstrap_port": c.ready["bootstrap_port"], "bootstrap_room": room});
+    let url = format!("{}/generate", c.decode);
+    let req = post(&client, &url, "cancel-1", body);
+    // The client gives up: the connection closes and decode drops the request.
+    assert!(
+        tokio::time::timeout(Duration::from_millis(500), req)
+            .await
+            .is_err()
+    );
+    let p = eventually("prefill receives ABORT", Duration::from_secs(10), || {
+        let (client, url) = (client.clone(), c.prefill.clone());
+        async move {
+            let p = get_json(&client, &format!("{url}/sim/rooms?room={room}")).await;
+            (p[0]["abort_frames"] == 1).then_some(p)
+        }
+    })
+    .await;
+    assert_eq!(p[0]["bootstrap_frames"], 1);
+    let d = get_json(&client, &format!("{}/sim/rooms?room={room}", c.decode)).await;
+    assert_eq!(d[0]["outcome"], "cancelled");
+    assert_eq!(tap.rooms_with_verb(b"BOOTSTRAP"), vec![room]);
+    assert_eq!(
+        tap.rooms_with_verb(b"ABORT"),
+        vec![room],
+        "ABORT seen on the wire"
     );
 }

@@ -79,10 +79,11 @@ impl OtlpConfig {
                 self.max_message_bytes,
             ));
         }
-        if let (Some(g), Some(h)) = (self.grpc, self.http) {
-            if g == h && g.port() != 0 {
-                return Err(OtlpConfigError::SameAddress(g));
-            }
+        if let (Some(g), Some(h)) = (self.grpc, self.http)
+            && g == h
+            && g.port() != 0
+        {
+            return Err(OtlpConfigError::SameAddress(g));
         }
         Ok(())
     }

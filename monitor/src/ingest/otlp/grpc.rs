@@ -1,11 +1,9 @@
 //! OTLP/gRPC: the generated `TraceService` / `LogsService` servers from `opentelemetry-proto`.
 //!
-//! tonic enforces the message size limit on the compressed frame and while decompressing
-//! (decompression-bomb guard) and answers those with OUT_OF_RANGE; decode errors with
-//! INTERNAL. A response layer counts every non-OK status by code, including those tonic
+//! tonic enforces the message size limit on the frame as sent (OUT_OF_RANGE) and while
+//! decompressing (decompression-bomb guard: RESOURCE_EXHAUSTED); decode errors get INTERNAL. A response layer counts every non-OK status by code, including those tonic
 //! produced before our handler ran.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 
@@ -82,11 +80,10 @@ fn count_status<B>(stats: &OtlpStats, resp: &http::Response<B>) {
         .get("grpc-status")
         .and_then(|v| v.to_str().ok())
         .and_then(|s| s.parse::<usize>().ok())
+        && code != 0
     {
-        if code != 0 {
-            stats.grpc_error_responses[code.min(16)].fetch_add(1, Relaxed);
-            tracing::debug!(code, "otlp/grpc: error response");
-        }
+        stats.grpc_error_responses[code.min(16)].fetch_add(1, Relaxed);
+        tracing::debug!(code, "otlp/grpc: error response");
     }
 }
 
@@ -112,19 +109,12 @@ pub async fn serve(
             count_status(&stats, &resp);
             resp
         });
-    let incoming = tokio_stream_from(listener);
+    // Exports are latency-sensitive acks, not bulk streams: no Nagle delay.
+    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
     tonic::transport::Server::builder()
         .layer(layer)
         .add_service(traces)
         .add_service(logs)
         .serve_with_incoming_shutdown(incoming, shutdown)
         .await
-}
-
-fn tokio_stream_from(listener: tokio::net::TcpListener) -> tonic::transport::server::TcpIncoming {
-    tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true))
-}
-
-pub fn local_addr(l: &tokio::net::TcpListener) -> Option<SocketAddr> {
-    l.local_addr().ok()
 }

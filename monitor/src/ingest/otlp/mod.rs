@@ -114,7 +114,7 @@ impl Ingest {
             let mut n = self.normalizer.lock().unwrap_or_else(|p| p.into_inner());
             n.traces(req, now_ns(), &mut out, &mut tally);
         }
-        self.stats.accepted(transport, spans as u64, &tally);
+        self.stats.accepted(transport, &tally);
         let events = out.len();
         if !out.is_empty() {
             permit.send(out);
@@ -140,7 +140,7 @@ impl Ingest {
             let mut n = self.normalizer.lock().unwrap_or_else(|p| p.into_inner());
             n.logs(req, &mut out, &mut tally);
         }
-        self.stats.accepted_logs(transport, records as u64, &tally);
+        self.stats.accepted_logs(transport, &tally);
         let events = out.len();
         if !out.is_empty() {
             permit.send(out);
@@ -182,6 +182,28 @@ impl Ingest {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .pending_completions()
+    }
+
+    /// Shutdown, after the receivers stopped: sends the deferred completions (no abort can
+    /// arrive any more). Returns how many events were sent.
+    pub async fn flush(&self) -> usize {
+        let mut out = Vec::new();
+        self.normalizer
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .flush(&mut out);
+        let n = out.len();
+        self.stats
+            .events_emitted
+            .fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
+        if n > 0 && self.tx.send(out).await.is_err() {
+            tracing::warn!(
+                count = n,
+                "shutdown: pipeline closed, deferred completions not delivered"
+            );
+            return 0;
+        }
+        n
     }
 }
 

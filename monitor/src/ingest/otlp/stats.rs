@@ -73,7 +73,8 @@ pub struct OtlpStats {
     pub requests_accepted: [AtomicU64; NT],
     /// Exports refused, by transport and reason (`revenant_otlp_requests_rejected_total`).
     pub requests_rejected: [[AtomicU64; NRJ]; NT],
-    /// Spans/records in refused exports (what the client must resend).
+    /// Spans/records in refused exports (what the client must resend). HTTP refusals before
+    /// decoding (size, encoding, malformed) count 0 items: the body was never understood.
     pub items_rejected: [[AtomicU64; NRJ]; NT],
     /// gRPC responses with a non-OK status, by status code (0..=16), including those tonic
     /// produced itself before our handler ran (framing, size limit, decode errors).
@@ -108,7 +109,7 @@ impl OtlpStats {
             .fetch_add(tally.orphans_buffered, Relaxed);
     }
 
-    pub fn accepted(&self, t: Transport, _spans: u64, tally: &Tally) {
+    pub fn accepted(&self, t: Transport, tally: &Tally) {
         self.requests_accepted[t as usize].fetch_add(1, Relaxed);
         for p in 0..NP {
             if tally.spans[p] != 0 {
@@ -118,7 +119,7 @@ impl OtlpStats {
         self.add_tally(tally);
     }
 
-    pub fn accepted_logs(&self, t: Transport, _records: u64, tally: &Tally) {
+    pub fn accepted_logs(&self, t: Transport, tally: &Tally) {
         self.requests_accepted[t as usize].fetch_add(1, Relaxed);
         for p in 0..NP {
             if tally.spans[p] != 0 {

@@ -2,22 +2,22 @@
 //! always stop it; a tiny HTTP client; a ZMTP tap; a tiny OTLP/HTTP receiver.
 #![allow(dead_code)]
 
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
+
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
-use pd_sim::common::{HttpClient, http_client};
+use pd_sim::common::HttpClient;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_pd-sim");
 
+/// The cluster under test; dropping it stops every process.
 pub struct Cluster {
-    child: Child,
+    inner: pd_sim::harness::ClusterProcess,
     pub ready: serde_json::Value,
     pub router: String,
     pub prefill: String,
@@ -25,107 +25,33 @@ pub struct Cluster {
     pub pids: Vec<u32>,
 }
 
-fn pdeathsig(cmd: &mut Command) {
-    use std::os::unix::process::CommandExt;
-    // SAFETY: prctl only, in the forked child before exec.
-    unsafe {
-        cmd.pre_exec(|| {
-            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-            Ok(())
-        });
-    }
-}
-
 impl Cluster {
     pub async fn start(mode: &str, extra: &[&str]) -> Cluster {
-        let mut cmd = Command::new(BIN);
-        cmd.args(["cluster", "--ephemeral", "--mode", mode])
-            .args(extra)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit());
-        if std::env::var_os("PD_SIM_LOG").is_none() {
-            cmd.env("PD_SIM_LOG", "warn");
+        let mut args = vec!["--mode", mode];
+        args.extend_from_slice(extra);
+        let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+        let inner = tokio::task::spawn_blocking(move || {
+            let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+            pd_sim::harness::ClusterProcess::start(std::path::Path::new(BIN), &refs)
+        })
+        .await
+        .unwrap()
+        .expect("cluster starts");
+        Cluster {
+            ready: inner.ready.clone(),
+            router: inner.router.clone(),
+            prefill: inner.prefill.clone(),
+            decode: inner.decode.clone(),
+            pids: inner.pids.clone(),
+            inner,
         }
-        pdeathsig(&mut cmd);
-        let mut child = cmd.spawn().expect("spawn pd-sim cluster");
-        let stdout = child.stdout.take().expect("stdout");
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let mut r = BufReader::new(stdout);
-            let mut line = String::new();
-            loop {
-                line.clear();
-                match r.read_line(&mut line) {
-                    Ok(0) | Err(_) => return,
-                    Ok(_) => {
-                        if let Some(j) = line.trim().strip_prefix("READY ") {
-                            let _ = tx.send(j.to_string());
-                        }
-                    }
-                }
-            }
-        });
-        let ready = match rx.recv_timeout(Duration::from_secs(60)) {
-            Ok(j) => serde_json::from_str::<serde_json::Value>(&j).expect("READY json"),
-            Err(_) => {
-                let _ = child.kill();
-                let _ = child.wait();
-                panic!("cluster not ready within 60 s");
-            }
-        };
-        let s = |k: &str| ready[k].as_str().unwrap_or("").to_string();
-        let pids = ["router", "prefill", "decode"]
-            .iter()
-            .filter_map(|k| ready["pids"][k].as_u64().map(|p| p as u32))
-            .collect();
-        let c = Cluster {
-            router: s("router"),
-            prefill: s("prefill"),
-            decode: s("decode"),
-            child,
-            ready,
-            pids,
-        };
-        let client = http_client(4);
-        for url in [&c.router, &c.prefill, &c.decode]
-            .into_iter()
-            .filter(|u| !u.is_empty())
-        {
-            wait_healthy(&client, url).await;
-        }
-        c
     }
 }
 
-impl Drop for Cluster {
-    fn drop(&mut self) {
-        // SAFETY: kill(2) on our own child.
-        unsafe {
-            libc::kill(self.child.id() as i32, libc::SIGTERM);
-        }
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            match self.child.try_wait() {
-                Ok(Some(_)) => break,
-                Ok(None) if Instant::now() < deadline => {
-                    std::thread::sleep(Duration::from_millis(20))
-                }
-                _ => {
-                    let _ = self.child.kill();
-                    let _ = self.child.wait();
-                    break;
-                }
-            }
-        }
-        for pid in &self.pids {
-            // SAFETY: signal 0 only probes; a stray child gets SIGKILL.
-            unsafe {
-                if libc::kill(*pid as i32, 0) == 0 {
-                    libc::kill(*pid as i32, libc::SIGKILL);
-                }
-            }
-        }
+impl std::ops::Deref for Cluster {
+    type Target = pd_sim::harness::ClusterProcess;
+    fn deref(&self) -> &Self::Target {
+        &self.inner
     }
 }
 
@@ -213,33 +139,7 @@ pub async fn rooms(client: &HttpClient, base: &str) -> Vec<serde_json::Value> {
 
 /// Run the `pd-sim load` binary against the router and return its summary JSON.
 pub fn run_load(router: &str, args: &[&str]) -> serde_json::Value {
-    let dir = std::env::temp_dir().join(format!(
-        "pd-sim-load-{}-{}",
-        std::process::id(),
-        rand_suffix()
-    ));
-    let path = dir.with_extension("json");
-    let mut cmd = Command::new(BIN);
-    cmd.args(["load", "--router", router, "--quiet", "--summary-json"])
-        .arg(&path)
-        .args(args);
-    pdeathsig(&mut cmd);
-    let out = cmd.output().expect("run load");
-    assert!(
-        out.status.success(),
-        "load failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v = serde_json::from_slice(&std::fs::read(&path).expect("summary")).expect("summary json");
-    let _ = std::fs::remove_file(&path);
-    v
-}
-
-fn rand_suffix() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos() as u64
+    pd_sim::harness::run_load(std::path::Path::new(BIN), router, args).expect("load runs")
 }
 
 /// A TCP proxy in front of prefill's KV port that decodes the decode→prefill ZMTP stream,

@@ -1,0 +1,544 @@
+//! Kernel side of revenant: syscall capture for watched processes only.
+//!
+//! Only tracepoints are used (kprobes are not compiled into the target kernels and fentry/fexit
+//! fail with EPERM there). Filtering happens here, in the kernel: a syscall of a process whose tgid
+//! is not in `WATCHED`, or on an fd that is not a tracked socket in `SOCKS`, costs two hash lookups
+//! and nothing else. Everything that reaches user space goes through the `EVENTS` ring buffer, and
+//! every record that does not fit is counted in the per-CPU `COUNTERS` (nothing vanishes).
+#![no_std]
+#![no_main]
+
+use core::ffi::c_void;
+use core::mem::size_of;
+
+use aya_ebpf::{
+    EbpfContext, Global,
+    helpers::{bpf_get_current_pid_tgid, bpf_ktime_get_ns, generated::bpf_probe_read_user},
+    macros::{map, tracepoint},
+    maps::{HashMap, PerCpuArray, RingBuf},
+    programs::TracePointContext,
+};
+use monitor_common::{
+    ActiveCall, CloseEvent, ConnEvent, DataEvent, DataHeader, Header, MAX_CAPTURE, MAX_IOVECS,
+    ProcEvent, counter, kind, sock_key, syscall, watch,
+};
+
+/// Leading payload bytes captured per syscall; set by the loader, at most [`MAX_CAPTURE`].
+#[unsafe(no_mangle)]
+static HEAD_BYTES: Global<u32> = Global::new(monitor_common::DEFAULT_HEAD_BYTES);
+/// Trailing payload bytes captured per syscall that moved more than `HEAD_BYTES`.
+#[unsafe(no_mangle)]
+static TAIL_BYTES: Global<u32> = Global::new(monitor_common::DEFAULT_TAIL_BYTES);
+/// Offset of `child_pid` in `sched_process_fork`'s record: it moved between kernel versions, so
+/// the loader reads it from tracefs.
+#[unsafe(no_mangle)]
+static FORK_CHILD_PID_OFFSET: Global<u32> = Global::new(20);
+
+/// Ring-buffer bytes pending before the consumer is woken; 0 wakes it for every record.
+///
+/// Waking user space costs the traced thread an irq_work and a wakeup per record when the
+/// consumer keeps up; batching wakeups moves that cost off the monitored service. User space
+/// also polls on a short timer, so records below the threshold are still read promptly.
+#[unsafe(no_mangle)]
+static WAKEUP_BYTES: Global<u32> = Global::new(0);
+
+const BPF_RB_NO_WAKEUP: u64 = 1;
+const BPF_RB_FORCE_WAKEUP: u64 = 2;
+const BPF_RB_AVAIL_DATA: u64 = 0;
+
+#[map]
+static WATCHED: HashMap<u32, u32> = HashMap::with_max_entries(8192, 0);
+#[map]
+static SOCKS: HashMap<u64, u32> = HashMap::with_max_entries(65536, 0);
+#[map]
+static ACTIVE: HashMap<u64, ActiveCall> = HashMap::with_max_entries(16384, 0);
+#[map]
+static SCRATCH: PerCpuArray<DataEvent> = PerCpuArray::with_max_entries(1, 0);
+#[map]
+static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(counter::COUNT, 0);
+#[map]
+static EVENTS: RingBuf = RingBuf::with_byte_size(16 << 20, 0);
+
+const AF_INET: u16 = 2;
+const AF_INET6: u16 = 10;
+const EINPROGRESS: i64 = 115;
+
+#[inline(always)]
+fn count(idx: u32, n: u64) {
+    if let Some(p) = COUNTERS.get_ptr_mut(idx) {
+        // Per-CPU slot: no other CPU writes it.
+        unsafe { *p += n };
+    }
+}
+
+/// Syscall tracepoint records keep every argument in an 8-byte slot starting at offset 16.
+#[inline(always)]
+fn arg(ctx: &TracePointContext, slot: usize) -> u64 {
+    unsafe { core::ptr::read(ctx.as_ptr().cast::<u8>().add(16 + 8 * slot).cast::<u64>()) }
+}
+
+#[inline(always)]
+fn header(kind: u32, pid_tgid: u64) -> Header {
+    Header {
+        kind,
+        tgid: (pid_tgid >> 32) as u32,
+        tid: pid_tgid as u32,
+        _pad: 0,
+        ts_ns: unsafe { bpf_ktime_get_ns() },
+    }
+}
+
+#[inline(always)]
+fn wakeup_flags() -> u64 {
+    let threshold = WAKEUP_BYTES.load() as u64;
+    if threshold == 0 {
+        return 0;
+    }
+    if EVENTS.query(BPF_RB_AVAIL_DATA) >= threshold {
+        BPF_RB_FORCE_WAKEUP
+    } else {
+        BPF_RB_NO_WAKEUP
+    }
+}
+
+/// Process records are rare and user space must act on them quickly (start watching).
+#[inline(always)]
+fn send_now<T>(rec: &T) {
+    match EVENTS.output::<T>(rec, BPF_RB_FORCE_WAKEUP) {
+        Ok(()) => count(counter::SENT, 1),
+        Err(_) => count(counter::RINGBUF_DROPS, 1),
+    }
+}
+
+#[inline(always)]
+fn send<T>(rec: &T) {
+    match EVENTS.output::<T>(rec, wakeup_flags()) {
+        Ok(()) => count(counter::SENT, 1),
+        Err(_) => count(counter::RINGBUF_DROPS, 1),
+    }
+}
+
+#[inline(always)]
+fn watched(tgid: u32) -> bool {
+    unsafe { WATCHED.get(&tgid) }.is_some()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Payload syscalls: remember the arguments at enter, capture at exit (the bytes are there then).
+
+#[inline(always)]
+fn data_enter(ctx: &TracePointContext, sc: u32) -> Result<u32, u32> {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let tgid = (pid_tgid >> 32) as u32;
+    if !watched(tgid) {
+        return Ok(0);
+    }
+    let fd = arg(ctx, 0) as u32;
+    if unsafe { SOCKS.get(&sock_key(tgid, fd)) }.is_none() {
+        return Ok(0);
+    }
+    let call = ActiveCall {
+        ptr: arg(ctx, 1),
+        len: arg(ctx, 2),
+        fd,
+        syscall: sc,
+    };
+    if ACTIVE.insert(&pid_tgid, &call, 0).is_err() {
+        count(counter::ACTIVE_FULL, 1);
+    }
+    Ok(0)
+}
+
+/// What every piece of one syscall shares.
+struct Capture {
+    pid_tgid: u64,
+    ts_ns: u64,
+    fd: u32,
+    syscall: u32,
+    total: u64,
+    head: u64,
+    /// Start of the tail window; `total` when there is no tail.
+    tail_start: u64,
+}
+
+#[inline(always)]
+fn data_exit(ctx: &TracePointContext) -> Result<u32, u32> {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let call = match unsafe { ACTIVE.get(&pid_tgid) } {
+        Some(c) => *c,
+        None => return Ok(0),
+    };
+    let _ = ACTIVE.remove(&pid_tgid);
+    count(counter::SEEN, 1);
+    let ret = arg(ctx, 0) as i64;
+    if ret <= 0 {
+        return Ok(0);
+    }
+    let total = ret as u64;
+    let head = HEAD_BYTES.load() as u64;
+    let tail = TAIL_BYTES.load() as u64;
+    let tail_start = if total > head {
+        let t = total.saturating_sub(tail);
+        if t > head { t } else { head }
+    } else {
+        total
+    };
+    let cap = Capture {
+        pid_tgid,
+        ts_ns: unsafe { bpf_ktime_get_ns() },
+        fd: call.fd,
+        syscall: call.syscall,
+        total,
+        head,
+        tail_start,
+    };
+    match call.syscall {
+        syscall::READV | syscall::WRITEV => capture_iov(&cap, call.ptr, call.len),
+        syscall::RECVMSG | syscall::SENDMSG => {
+            // struct user_msghdr { void *name; int namelen; struct iovec *iov; size_t iovlen; ... }
+            let msg = call.ptr as *const u64;
+            let iov =
+                unsafe { aya_ebpf::helpers::bpf_probe_read_user(msg.add(2)) }.map_err(|_| 0u32)?;
+            let n =
+                unsafe { aya_ebpf::helpers::bpf_probe_read_user(msg.add(3)) }.map_err(|_| 0u32)?;
+            capture_iov(&cap, iov, n)
+        }
+        _ => capture_piece(&cap, call.ptr, 0, total),
+    }
+    Ok(0)
+}
+
+#[inline(always)]
+fn capture_iov(cap: &Capture, iov: u64, iovcnt: u64) {
+    let mut off = 0u64;
+    let mut i = 0u32;
+    while i < MAX_IOVECS {
+        if i as u64 >= iovcnt || off >= cap.total {
+            return;
+        }
+        let entry = (iov + 16 * i as u64) as *const [u64; 2];
+        let [base, len] = match unsafe { aya_ebpf::helpers::bpf_probe_read_user(entry) } {
+            Ok(v) => v,
+            Err(_) => {
+                count(counter::READ_FAILURES, 1);
+                return;
+            }
+        };
+        let remaining = cap.total - off;
+        let len = if len < remaining { len } else { remaining };
+        capture_piece(cap, base, off, len);
+        off += len;
+        i += 1;
+    }
+    if off < cap.total {
+        count(counter::IOV_TRUNCATED, 1);
+    }
+}
+
+/// A contiguous user buffer holding syscall bytes `[off, off + len)`: send the parts of it that
+/// fall in the head window `[0, head)` or the tail window `[tail_start, total)`.
+#[inline(always)]
+fn capture_piece(cap: &Capture, base: u64, off: u64, len: u64) {
+    let end = off + len;
+    if off < cap.head {
+        let h_end = if end < cap.head { end } else { cap.head };
+        emit(cap, base, off, h_end - off);
+    }
+    if end > cap.tail_start {
+        let t_off = if off > cap.tail_start {
+            off
+        } else {
+            cap.tail_start
+        };
+        emit(cap, base + (t_off - off), t_off, end - t_off);
+    }
+}
+
+#[inline(always)]
+fn emit(cap: &Capture, src: u64, off: u64, len: u64) {
+    let Some(ev) = SCRATCH.get_ptr_mut(0) else {
+        return;
+    };
+    let ev = unsafe { &mut *ev };
+    let mut n = len as u32;
+    if n > MAX_CAPTURE as u32 {
+        n = MAX_CAPTURE as u32;
+    }
+    ev.h = DataHeader {
+        hdr: Header {
+            kind: kind::DATA,
+            tgid: (cap.pid_tgid >> 32) as u32,
+            tid: cap.pid_tgid as u32,
+            _pad: 0,
+            ts_ns: cap.ts_ns,
+        },
+        fd: cap.fd,
+        syscall: cap.syscall,
+        total: cap.total,
+        off: off as u32,
+        len: n,
+    };
+    let rc = unsafe {
+        bpf_probe_read_user(
+            ev.data.as_mut_ptr().cast::<c_void>(),
+            n,
+            src as *const c_void,
+        )
+    };
+    if rc != 0 {
+        count(counter::READ_FAILURES, 1);
+        n = 0;
+        ev.h.len = 0;
+    }
+    let size = size_of::<DataHeader>() + n as usize;
+    let bytes = unsafe { core::slice::from_raw_parts((ev as *const DataEvent).cast::<u8>(), size) };
+    match EVENTS.output::<[u8]>(bytes, wakeup_flags()) {
+        Ok(()) => {
+            count(counter::SENT, 1);
+            count(counter::BYTES_CAPTURED, n as u64);
+        }
+        Err(_) => count(counter::RINGBUF_DROPS, 1),
+    }
+}
+
+macro_rules! data_probes {
+    ($($enter:ident, $try_enter:ident, $exit:ident, $sc:expr;)*) => {$(
+        #[tracepoint]
+        pub fn $enter(ctx: TracePointContext) -> u32 {
+            match $try_enter(&ctx) { Ok(r) | Err(r) => r }
+        }
+        #[inline(always)]
+        fn $try_enter(ctx: &TracePointContext) -> Result<u32, u32> { data_enter(ctx, $sc) }
+        #[tracepoint]
+        pub fn $exit(ctx: TracePointContext) -> u32 {
+            match data_exit(&ctx) { Ok(r) | Err(r) => r }
+        }
+    )*};
+}
+
+data_probes! {
+    sys_enter_read, try_sys_enter_read, sys_exit_read, syscall::READ;
+    sys_enter_write, try_sys_enter_write, sys_exit_write, syscall::WRITE;
+    sys_enter_readv, try_sys_enter_readv, sys_exit_readv, syscall::READV;
+    sys_enter_writev, try_sys_enter_writev, sys_exit_writev, syscall::WRITEV;
+    sys_enter_recvfrom, try_sys_enter_recvfrom, sys_exit_recvfrom, syscall::RECVFROM;
+    sys_enter_sendto, try_sys_enter_sendto, sys_exit_sendto, syscall::SENDTO;
+    sys_enter_recvmsg, try_sys_enter_recvmsg, sys_exit_recvmsg, syscall::RECVMSG;
+    sys_enter_sendmsg, try_sys_enter_sendmsg, sys_exit_sendmsg, syscall::SENDMSG;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sockets: connect and accept start tracking an fd, close ends it.
+
+#[inline(always)]
+fn sock_enter(ctx: &TracePointContext, sc: u32) -> Result<u32, u32> {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    if !watched((pid_tgid >> 32) as u32) {
+        return Ok(0);
+    }
+    let call = ActiveCall {
+        ptr: arg(ctx, 1),
+        len: 0,
+        fd: arg(ctx, 0) as u32,
+        syscall: sc,
+    };
+    if ACTIVE.insert(&pid_tgid, &call, 0).is_err() {
+        count(counter::ACTIVE_FULL, 1);
+    }
+    Ok(0)
+}
+
+#[inline(always)]
+fn sock_exit(ctx: &TracePointContext) -> Result<u32, u32> {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let call = match unsafe { ACTIVE.get(&pid_tgid) } {
+        Some(c) => *c,
+        None => return Ok(0),
+    };
+    let _ = ACTIVE.remove(&pid_tgid);
+    let ret = arg(ctx, 0) as i64;
+    let tgid = (pid_tgid >> 32) as u32;
+    let (k, fd) = if call.syscall == syscall::CONNECT {
+        if ret != 0 && ret != -EINPROGRESS {
+            return Ok(0);
+        }
+        (kind::CONNECT, call.fd)
+    } else {
+        if ret < 0 {
+            return Ok(0);
+        }
+        (kind::ACCEPT, ret as u32)
+    };
+    let mut ev = ConnEvent {
+        hdr: header(k, pid_tgid),
+        fd,
+        ret: ret as i32,
+        ..Default::default()
+    };
+    if call.ptr != 0 {
+        // sockaddr_in: family u16, port be16, addr[4]; sockaddr_in6: family, port, flowinfo u32, addr[16].
+        let raw: [u8; 24] =
+            unsafe { aya_ebpf::helpers::bpf_probe_read_user(call.ptr as *const [u8; 24]) }
+                .unwrap_or([0; 24]);
+        let family = u16::from_ne_bytes([raw[0], raw[1]]);
+        ev.port = u16::from_be_bytes([raw[2], raw[3]]);
+        ev.family = family;
+        if family == AF_INET {
+            ev.addr[..4].copy_from_slice(&raw[4..8]);
+        } else if family == AF_INET6 {
+            ev.addr.copy_from_slice(&raw[8..24]);
+        } else if k == kind::CONNECT {
+            // Unix-domain and other sockets are not the serving traffic we follow.
+            return Ok(0);
+        } else {
+            ev.family = 0;
+            ev.port = 0;
+        }
+    }
+    if SOCKS.insert(&sock_key(tgid, fd), &0u32, 0).is_err() {
+        count(counter::SOCKS_FULL, 1);
+    }
+    send(&ev);
+    Ok(0)
+}
+
+#[tracepoint]
+pub fn sys_enter_connect(ctx: TracePointContext) -> u32 {
+    match sock_enter(&ctx, syscall::CONNECT) {
+        Ok(r) | Err(r) => r,
+    }
+}
+#[tracepoint]
+pub fn sys_exit_connect(ctx: TracePointContext) -> u32 {
+    match sock_exit(&ctx) {
+        Ok(r) | Err(r) => r,
+    }
+}
+#[tracepoint]
+pub fn sys_enter_accept(ctx: TracePointContext) -> u32 {
+    match sock_enter(&ctx, syscall::ACCEPT) {
+        Ok(r) | Err(r) => r,
+    }
+}
+#[tracepoint]
+pub fn sys_exit_accept(ctx: TracePointContext) -> u32 {
+    match sock_exit(&ctx) {
+        Ok(r) | Err(r) => r,
+    }
+}
+#[tracepoint]
+pub fn sys_enter_accept4(ctx: TracePointContext) -> u32 {
+    match sock_enter(&ctx, syscall::ACCEPT) {
+        Ok(r) | Err(r) => r,
+    }
+}
+#[tracepoint]
+pub fn sys_exit_accept4(ctx: TracePointContext) -> u32 {
+    match sock_exit(&ctx) {
+        Ok(r) | Err(r) => r,
+    }
+}
+
+#[tracepoint]
+pub fn sys_enter_close(ctx: TracePointContext) -> u32 {
+    match try_sys_enter_close(&ctx) {
+        Ok(r) | Err(r) => r,
+    }
+}
+
+fn try_sys_enter_close(ctx: &TracePointContext) -> Result<u32, u32> {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let tgid = (pid_tgid >> 32) as u32;
+    if !watched(tgid) {
+        return Ok(0);
+    }
+    let fd = arg(ctx, 0) as u32;
+    if SOCKS.remove(&sock_key(tgid, fd)).is_ok() {
+        send(&CloseEvent {
+            hdr: header(kind::CLOSE, pid_tgid),
+            fd,
+            _pad: 0,
+        });
+    }
+    Ok(0)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Processes: follow children of watched processes, tell user space about every exec.
+
+#[tracepoint]
+pub fn sched_process_fork(ctx: TracePointContext) -> u32 {
+    match try_sched_process_fork(&ctx) {
+        Ok(r) | Err(r) => r,
+    }
+}
+
+fn try_sched_process_fork(ctx: &TracePointContext) -> Result<u32, u32> {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    if !watched((pid_tgid >> 32) as u32) {
+        return Ok(0);
+    }
+    let off = FORK_CHILD_PID_OFFSET.load() as usize;
+    let child: u32 = unsafe { ctx.read_at(off) }.map_err(|_| 0u32)?;
+    // The child may be a thread (its tgid is the parent's); user space tells them apart.
+    let _ = WATCHED.insert(&child, &watch::INHERITED, 0);
+    send_now(&ProcEvent {
+        hdr: header(kind::FORK, pid_tgid),
+        child,
+        _pad: 0,
+    });
+    Ok(0)
+}
+
+#[tracepoint]
+pub fn sched_process_exec(ctx: TracePointContext) -> u32 {
+    match try_sched_process_exec(&ctx) {
+        Ok(r) | Err(r) => r,
+    }
+}
+
+fn try_sched_process_exec(_ctx: &TracePointContext) -> Result<u32, u32> {
+    // Every exec on the node: user space matches the new command line against its watch rules.
+    send_now(&ProcEvent {
+        hdr: header(kind::EXEC, bpf_get_current_pid_tgid()),
+        child: 0,
+        _pad: 0,
+    });
+    Ok(0)
+}
+
+#[tracepoint]
+pub fn sched_process_exit(ctx: TracePointContext) -> u32 {
+    match try_sched_process_exit(&ctx) {
+        Ok(r) | Err(r) => r,
+    }
+}
+
+fn try_sched_process_exit(_ctx: &TracePointContext) -> Result<u32, u32> {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let tgid = (pid_tgid >> 32) as u32;
+    let tid = pid_tgid as u32;
+    if tid != tgid {
+        // A thread of a watched process inherited an entry at clone time.
+        let _ = WATCHED.remove(&tid);
+        return Ok(0);
+    }
+    if WATCHED.remove(&tgid).is_ok() {
+        send_now(&ProcEvent {
+            hdr: header(kind::EXIT, pid_tgid),
+            child: 0,
+            _pad: 0,
+        });
+    }
+    Ok(0)
+}
+
+#[cfg(not(test))]
+#[panic_handler]
+fn panic(_info: &core::panic::PanicInfo) -> ! {
+    loop {}
+}
+
+#[unsafe(link_section = "license")]
+#[unsafe(no_mangle)]
+static LICENSE: [u8; 4] = *b"GPL\0";

@@ -1,0 +1,115 @@
+//! Command-line options of the eBPF source, for `revenant run` / `revenant agent` to flatten in.
+
+use std::time::Duration;
+
+use super::loader::{CaptureConfig, LoadError};
+use super::procs::{Discovery, PidRule, WatchRule};
+use super::source::{EbpfConfig, EbpfSource};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum EbpfMode {
+    On,
+    Off,
+    /// On when the probes load, off (said clearly in the log) when they cannot.
+    #[default]
+    Auto,
+}
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct EbpfArgs {
+    /// Kernel capture of the serving processes' traffic.
+    #[arg(long, value_enum, default_value_t = EbpfMode::Auto)]
+    pub ebpf: EbpfMode,
+    /// Watch processes whose command line matches REGEX, as ROLE (router, prefill, decode). Repeatable.
+    #[arg(long = "watch", value_name = "ROLE=REGEX")]
+    pub watch: Vec<WatchRule>,
+    /// Watch process PID as ROLE. Repeatable.
+    #[arg(long = "pid", value_name = "ROLE=PID")]
+    pub pid: Vec<PidRule>,
+    /// Do not apply the SGLang command-line conventions (only --watch/--pid).
+    #[arg(long)]
+    pub no_sglang_conventions: bool,
+    /// Leading payload bytes captured per syscall (1..=4096).
+    #[arg(long, default_value_t = monitor_common::DEFAULT_HEAD_BYTES)]
+    pub capture_head_bytes: u32,
+    /// Trailing payload bytes captured per syscall that moved more (0..=4096).
+    #[arg(long, default_value_t = monitor_common::DEFAULT_TAIL_BYTES)]
+    pub capture_tail_bytes: u32,
+    /// Kernel ring buffer size in bytes (power of two).
+    #[arg(long, default_value_t = 16 << 20)]
+    pub ring_bytes: u32,
+}
+
+impl EbpfArgs {
+    /// The source configuration, validated (no kernel contact yet).
+    pub fn config(&self, node: Option<String>) -> Result<EbpfConfig, LoadError> {
+        let capture = CaptureConfig {
+            head_bytes: self.capture_head_bytes,
+            tail_bytes: self.capture_tail_bytes,
+            ring_bytes: self.ring_bytes,
+            ..Default::default()
+        };
+        capture.validate()?;
+        Ok(EbpfConfig {
+            capture,
+            discovery: Discovery {
+                watch: self.watch.clone(),
+                pids: self.pid.clone(),
+                conventions: !self.no_sglang_conventions,
+            },
+            node,
+            rescan_every: Duration::from_secs(2),
+            ..Default::default()
+        })
+    }
+
+    /// Starts the source as the mode says: `Ok(None)` when off, or when `auto` and the probes
+    /// cannot load (logged as a warning with the reason); an error only for `on`.
+    pub fn start(&self, node: Option<String>) -> Result<Option<EbpfSource>, LoadError> {
+        if self.ebpf == EbpfMode::Off {
+            tracing::info!("eBPF source: off (--ebpf off)");
+            return Ok(None);
+        }
+        let cfg = self.config(node)?;
+        match EbpfSource::start(cfg) {
+            Ok(src) => {
+                tracing::info!("eBPF source: live");
+                Ok(Some(src))
+            }
+            Err(e) if self.ebpf == EbpfMode::Auto => {
+                tracing::warn!(error = %e, "eBPF source: NOT live (--ebpf auto), continuing without kernel capture");
+                Ok(None)
+            }
+            Err(e) => Err(e),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct T {
+        #[command(flatten)]
+        e: EbpfArgs,
+    }
+
+    #[test]
+    fn parses_rules_and_validates_sizes() {
+        let t = T::try_parse_from(["x", "--watch", "decode=fake.*decode", "--pid", "router=12", "--ebpf", "on"]).unwrap();
+        assert_eq!(t.e.ebpf, EbpfMode::On);
+        let cfg = t.e.config(None).unwrap();
+        assert_eq!(cfg.discovery.pids[0].pid, 12);
+        assert!(T::try_parse_from(["x", "--watch", "chef=x"]).is_err());
+        let t = T::try_parse_from(["x", "--capture-head-bytes", "9000"]).unwrap();
+        assert!(matches!(t.e.config(None), Err(LoadError::Config(_))));
+    }
+
+    #[test]
+    fn off_starts_nothing() {
+        let t = T::try_parse_from(["x", "--ebpf", "off"]).unwrap();
+        assert!(t.e.start(None).unwrap().is_none());
+    }
+}

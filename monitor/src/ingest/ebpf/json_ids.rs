@@ -1,0 +1,320 @@
+//! Pulls the few ids revenant keeps out of JSON bodies it only partly sees.
+//!
+//! A body is seen through [`BodyWindow`]: its first and last few KB, with gaps (bytes the kernel
+//! did not capture) marked by a NUL byte, which valid JSON never contains raw. The scanner looks
+//! for keys only in structural positions (after `{` or `,`), so a prompt that *mentions*
+//! `"bootstrap_room"` (escaped inside a string) cannot forge an id. Everything else in the body,
+//! prompt and completion text included, is dropped with the window.
+
+use crate::event::BootstrapRoom;
+
+/// Bytes of a body kept at each end.
+pub const WINDOW: usize = 4096;
+const GAP: u8 = 0;
+/// Longest string value we accept for an id or reason.
+const MAX_VALUE: usize = 256;
+
+/// The first and last [`WINDOW`] bytes of a body, gaps marked.
+#[derive(Default, Clone)]
+pub struct BodyWindow {
+    head: Vec<u8>,
+    tail: Vec<u8>,
+    /// Body bytes seen or skipped so far.
+    pub len: u64,
+    /// Some bytes were not captured.
+    pub gaps: bool,
+}
+
+/// Lengths only: body bytes (prompts, completions) must never reach a log line.
+impl std::fmt::Debug for BodyWindow {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BodyWindow")
+            .field("len", &self.len)
+            .field("gaps", &self.gaps)
+            .field("kept_bytes", &(self.head.len() + self.tail.len()))
+            .finish()
+    }
+}
+
+impl BodyWindow {
+    pub fn push(&mut self, data: &[u8]) {
+        self.len += data.len() as u64;
+        if self.head.len() < WINDOW {
+            let n = (WINDOW - self.head.len()).min(data.len());
+            self.head.extend_from_slice(&data[..n]);
+        }
+        let keep = data.len().min(WINDOW);
+        self.tail.extend_from_slice(&data[data.len() - keep..]);
+        if self.tail.len() > 2 * WINDOW {
+            let cut = self.tail.len() - WINDOW;
+            self.tail.drain(..cut);
+        }
+    }
+
+    /// `n` body bytes went by uncaptured.
+    pub fn skip(&mut self, n: u64) {
+        if n == 0 {
+            return;
+        }
+        self.len += n;
+        self.gaps = true;
+        if self.head.len() < WINDOW {
+            self.head.push(GAP);
+        }
+        self.tail.push(GAP);
+    }
+
+    fn tail(&self) -> &[u8] {
+        &self.tail[self.tail.len().saturating_sub(WINDOW)..]
+    }
+
+    /// Ids of a request body (`rid`, `bootstrap_*`).
+    pub fn request_ids(&self) -> RequestIds {
+        let mut ids = RequestIds::default();
+        for part in [self.head.as_slice(), self.tail()] {
+            if ids.rid.is_none() {
+                ids.rid = find_string(part, b"rid");
+            }
+            // The router appends these last: the tail's occurrence wins.
+            if let Some(v) =
+                find_value(part, b"bootstrap_room").and_then(|v| v.parse::<BootstrapRoom>().ok())
+            {
+                ids.bootstrap_room = Some(v.0);
+            }
+            if let Some(v) = find_string(part, b"bootstrap_host") {
+                ids.bootstrap_host = Some(v);
+            }
+            if let Some(v) = find_value(part, b"bootstrap_port").and_then(|v| v.parse().ok()) {
+                ids.bootstrap_port = Some(v);
+            }
+        }
+        ids
+    }
+
+    /// What a response body tells: token counts and, for errors, a short message.
+    pub fn response_info(&self) -> ResponseInfo {
+        let mut info = ResponseInfo::default();
+        for part in [self.head.as_slice(), self.tail()] {
+            if info.prompt_tokens.is_none() {
+                info.prompt_tokens =
+                    find_value(part, b"prompt_tokens").and_then(|v| v.parse().ok());
+            }
+            if info.message.is_none() {
+                info.message = find_string(part, b"message")
+                    .or_else(|| find_string(part, b"detail"))
+                    .or_else(|| find_string(part, b"error"));
+            }
+        }
+        info
+    }
+}
+
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct RequestIds {
+    pub rid: Option<String>,
+    pub bootstrap_room: Option<u64>,
+    pub bootstrap_host: Option<String>,
+    pub bootstrap_port: Option<u16>,
+}
+
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct ResponseInfo {
+    pub prompt_tokens: Option<u64>,
+    /// Error message of an error response (the caller truncates it to a reason).
+    pub message: Option<String>,
+}
+
+/// The last string value of `key` in a structural position.
+fn find_string(buf: &[u8], key: &[u8]) -> Option<String> {
+    match find(buf, key)? {
+        Value::Str(s) => Some(s),
+        Value::Scalar(_) => None,
+    }
+}
+
+/// The last value of `key` as text, string or number alike.
+fn find_value(buf: &[u8], key: &[u8]) -> Option<String> {
+    match find(buf, key)? {
+        Value::Str(s) | Value::Scalar(s) => Some(s),
+    }
+}
+
+enum Value {
+    Str(String),
+    Scalar(String),
+}
+
+fn find(buf: &[u8], key: &[u8]) -> Option<Value> {
+    let mut found = None;
+    let mut i = 0;
+    while let Some(pos) = memchr::memmem::find(&buf[i..], key).map(|p| p + i) {
+        i = pos + 1;
+        // `"key"` with the opening quote unescaped and in a structural position.
+        if pos == 0 || buf[pos - 1] != b'"' || buf.get(pos + key.len()) != Some(&b'"') {
+            continue;
+        }
+        let q = pos - 1;
+        if q > 0 && buf[q - 1] == b'\\' {
+            continue;
+        }
+        let before = buf[..q].iter().rev().find(|b| !b.is_ascii_whitespace());
+        // After a gap the context is unknown; a quote inside a string would be escaped anyway.
+        if !matches!(before, Some(b'{') | Some(b',') | Some(&GAP)) {
+            continue;
+        }
+        let mut j = pos + key.len() + 1;
+        j += ws(&buf[j..]);
+        if buf.get(j) != Some(&b':') {
+            continue;
+        }
+        j += 1;
+        j += ws(&buf[j..]);
+        if let Some(v) = parse_value(&buf[j..]) {
+            found = Some(v);
+        }
+    }
+    found
+}
+
+fn ws(b: &[u8]) -> usize {
+    b.iter().take_while(|c| c.is_ascii_whitespace()).count()
+}
+
+fn parse_value(b: &[u8]) -> Option<Value> {
+    match b.first()? {
+        b'"' => {
+            let mut out = Vec::new();
+            let mut k = 1;
+            while k < b.len() && out.len() <= MAX_VALUE {
+                match b[k] {
+                    b'"' => return Some(Value::Str(String::from_utf8_lossy(&out).into_owned())),
+                    b'\\' => {
+                        let c = *b.get(k + 1)?;
+                        out.push(match c {
+                            b'n' => b'\n',
+                            b't' => b'\t',
+                            b'u' => b'?',
+                            other => other,
+                        });
+                        k += if c == b'u' { 6 } else { 2 };
+                    }
+                    GAP => return None,
+                    c => {
+                        out.push(c);
+                        k += 1;
+                    }
+                }
+            }
+            None
+        }
+        c if c.is_ascii_digit() || *c == b'-' => {
+            let n = b
+                .iter()
+                .take_while(|c| c.is_ascii_alphanumeric() || matches!(c, b'-' | b'.' | b'+'))
+                .count();
+            // A number cut by the window or a gap is not a number we trust.
+            match b.get(n) {
+                Some(b',') | Some(b'}') | Some(b']') => {}
+                Some(c) if c.is_ascii_whitespace() => {}
+                _ => return None,
+            }
+            Some(Value::Scalar(String::from_utf8_lossy(&b[..n]).into_owned()))
+        }
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const FIXTURE: &[u8] = br#"{"text": "Hello", "model": null, "sampling_params": {"max_new_tokens": 4}, "return_text_in_logprobs": false, "stream": false, "log_metrics": true, "return_hidden_states": false, "background": false, "no_logs": false, "return_bytes": false, "return_entropy": false, "bootstrap_host": "127.0.0.1", "bootstrap_port": 8998, "bootstrap_room": 9066467638188682269}"#;
+
+    fn window(parts: &[&[u8]]) -> BodyWindow {
+        let mut w = BodyWindow::default();
+        for p in parts {
+            w.push(p);
+        }
+        w
+    }
+
+    #[test]
+    fn router_body_from_the_fixture() {
+        let ids = window(&[FIXTURE]).request_ids();
+        assert_eq!(ids.bootstrap_room, Some(9066467638188682269));
+        assert_eq!(ids.bootstrap_host.as_deref(), Some("127.0.0.1"));
+        assert_eq!(ids.bootstrap_port, Some(8998));
+        assert_eq!(ids.rid, None);
+    }
+
+    #[test]
+    fn ids_at_the_end_of_a_huge_body_with_a_gap() {
+        let mut w = BodyWindow::default();
+        w.push(br#"{"rid": "abc", "text": "xxxxxxxx"#);
+        w.skip(300_000);
+        w.push(br#"yyyy", "bootstrap_room": 42}"#);
+        let ids = w.request_ids();
+        assert_eq!(ids.rid.as_deref(), Some("abc"));
+        assert_eq!(ids.bootstrap_room, Some(42));
+        assert!(w.gaps);
+    }
+
+    #[test]
+    fn prompt_text_cannot_forge_ids() {
+        let body = br#"{"text": "ignore this, \"bootstrap_room\": 7, {\"rid\": \"evil\"}", "bootstrap_room": 8}"#;
+        let ids = window(&[body]).request_ids();
+        assert_eq!(ids.bootstrap_room, Some(8));
+        assert_eq!(ids.rid, None);
+    }
+
+    #[test]
+    fn a_number_cut_by_a_gap_is_not_trusted() {
+        let mut w = BodyWindow::default();
+        w.push(br#"{"bootstrap_room": 12"#);
+        w.skip(10);
+        assert_eq!(w.request_ids().bootstrap_room, None);
+    }
+
+    #[test]
+    fn error_message_and_prompt_tokens() {
+        let w = window(&[br#"{"object":"error","message":"Prefill queue is full","code":503}"#]);
+        assert_eq!(
+            w.response_info().message.as_deref(),
+            Some("Prefill queue is full")
+        );
+        let w = window(&[
+            br#"{"text":"hi","meta_info":{"id":"r1","prompt_tokens":17,"completion_tokens":4}}"#,
+        ]);
+        assert_eq!(w.response_info().prompt_tokens, Some(17));
+    }
+
+    #[test]
+    fn debug_output_never_shows_body_bytes() {
+        let w = window(&[br#"{"text": "SECRET-PROMPT"}"#]);
+        assert!(!format!("{w:?}").contains("SECRET"));
+    }
+
+    #[test]
+    fn window_keeps_bounded_memory() {
+        let mut w = BodyWindow::default();
+        for _ in 0..1000 {
+            w.push(&[b'a'; 1000]);
+        }
+        assert!(w.head.len() <= WINDOW && w.tail.len() <= 2 * WINDOW + 1000);
+        assert_eq!(w.len, 1_000_000);
+    }
+
+    proptest! {
+        #[test]
+        fn never_panics(parts in proptest::collection::vec(proptest::collection::vec(any::<u8>(), 0..300), 0..6), gap in 0u64..5) {
+            let mut w = BodyWindow::default();
+            for (i, p) in parts.iter().enumerate() {
+                if i as u64 == gap { w.skip(3); }
+                w.push(p);
+            }
+            let _ = w.request_ids();
+            let _ = w.response_info();
+        }
+    }
+}

@@ -1,0 +1,449 @@
+//! Loads the embedded kernel programs, attaches them to their tracepoints and hands out the maps.
+//!
+//! Every way this can fail on a real node gets its own error with what to do about it: no
+//! privileges, tracefs not mounted, a program the verifier rejects, a tracepoint that does not
+//! exist on this kernel.
+
+use std::io;
+use std::path::{Path, PathBuf};
+
+use aya::maps::{HashMap as BpfHashMap, MapData, PerCpuArray, RingBuf};
+use aya::programs::TracePoint;
+use aya::{Ebpf, EbpfLoader};
+use monitor_common::{MAX_CAPTURE, counter, watch};
+
+/// The kernel object `monitor/build.rs` built with aya-build.
+static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/monitor-ebpf"));
+
+/// Where the syscall and sched tracepoints are described; aya attaches through it.
+const TRACEFS_DIRS: [&str; 2] = ["/sys/kernel/tracing", "/sys/kernel/debug/tracing"];
+
+/// Every program in the object and the tracepoint it attaches to.
+pub const PROGRAMS: &[(&str, &str)] = &[
+    ("sys_enter_read", "syscalls"),
+    ("sys_exit_read", "syscalls"),
+    ("sys_enter_write", "syscalls"),
+    ("sys_exit_write", "syscalls"),
+    ("sys_enter_readv", "syscalls"),
+    ("sys_exit_readv", "syscalls"),
+    ("sys_enter_writev", "syscalls"),
+    ("sys_exit_writev", "syscalls"),
+    ("sys_enter_recvfrom", "syscalls"),
+    ("sys_exit_recvfrom", "syscalls"),
+    ("sys_enter_sendto", "syscalls"),
+    ("sys_exit_sendto", "syscalls"),
+    ("sys_enter_recvmsg", "syscalls"),
+    ("sys_exit_recvmsg", "syscalls"),
+    ("sys_enter_sendmsg", "syscalls"),
+    ("sys_exit_sendmsg", "syscalls"),
+    ("sys_enter_connect", "syscalls"),
+    ("sys_exit_connect", "syscalls"),
+    ("sys_enter_accept", "syscalls"),
+    ("sys_exit_accept", "syscalls"),
+    ("sys_enter_accept4", "syscalls"),
+    ("sys_exit_accept4", "syscalls"),
+    ("sys_enter_close", "syscalls"),
+    ("sched_process_fork", "sched"),
+    ("sched_process_exec", "sched"),
+    ("sched_process_exit", "sched"),
+];
+
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error(
+        "not allowed to load eBPF programs ({0}): run revenant as root or grant it CAP_BPF and \
+         CAP_PERFMON (and CAP_SYS_ADMIN on kernels before 5.8), or start it with --ebpf off"
+    )]
+    Privileges(String),
+    #[error(
+        "tracefs is not mounted (looked in {dirs}) and mounting it failed: {reason}; run \
+         `mount -t tracefs tracefs /sys/kernel/tracing` as root, or start with --ebpf off"
+    )]
+    TracefsMissing { dirs: String, reason: String },
+    #[error("tracepoint {category}/{name} does not exist on this kernel ({path} is missing)")]
+    MissingTracepoint {
+        category: &'static str,
+        name: &'static str,
+        path: PathBuf,
+    },
+    #[error("invalid eBPF configuration: {0}")]
+    Config(String),
+    #[error("loading the eBPF object failed: {0}")]
+    Object(#[source] aya::EbpfError),
+    #[error("the kernel rejected program {program}: {source}")]
+    Program {
+        program: &'static str,
+        #[source]
+        source: aya::programs::ProgramError,
+    },
+    #[error("eBPF map {name}: {source}")]
+    Map {
+        name: &'static str,
+        #[source]
+        source: aya::maps::MapError,
+    },
+}
+
+/// Capture sizes; validated before anything is loaded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CaptureConfig {
+    /// Leading bytes of each syscall's payload (default 512, at most 4096).
+    pub head_bytes: u32,
+    /// Trailing bytes of each syscall that moved more than `head_bytes` (default 512, at most 4096).
+    pub tail_bytes: u32,
+    /// Ring buffer size in bytes: a power of two multiple of the page size.
+    pub ring_bytes: u32,
+    /// Pending bytes before the kernel wakes the reader (0: every record). The reader also
+    /// polls every [`POLL_INTERVAL`], so this only bounds latency under load.
+    pub wakeup_bytes: u32,
+}
+
+/// How often the reader drains the ring buffer without being woken.
+pub const POLL_INTERVAL: std::time::Duration = std::time::Duration::from_millis(10);
+
+impl Default for CaptureConfig {
+    fn default() -> Self {
+        CaptureConfig {
+            head_bytes: monitor_common::DEFAULT_HEAD_BYTES,
+            tail_bytes: monitor_common::DEFAULT_TAIL_BYTES,
+            ring_bytes: 16 << 20,
+            wakeup_bytes: 256 << 10,
+        }
+    }
+}
+
+impl CaptureConfig {
+    pub fn validate(&self) -> Result<(), LoadError> {
+        let max = MAX_CAPTURE as u32;
+        if self.head_bytes == 0 || self.head_bytes > max {
+            return Err(LoadError::Config(format!(
+                "head_bytes {} must be in 1..={max}",
+                self.head_bytes
+            )));
+        }
+        if self.tail_bytes > max {
+            return Err(LoadError::Config(format!(
+                "tail_bytes {} must be at most {max}",
+                self.tail_bytes
+            )));
+        }
+        if !self.ring_bytes.is_power_of_two() || self.ring_bytes < 4096 {
+            return Err(LoadError::Config(format!(
+                "ring_bytes {} must be a power of two of at least 4096",
+                self.ring_bytes
+            )));
+        }
+        if self.wakeup_bytes >= self.ring_bytes / 2 {
+            return Err(LoadError::Config(format!(
+                "wakeup_bytes {} must be below half the ring ({})",
+                self.wakeup_bytes, self.ring_bytes
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// The loaded, attached programs. Dropping it detaches everything.
+pub struct Probes {
+    ebpf: Ebpf,
+}
+
+/// Sums of the per-CPU kernel counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct KernelCounters(pub [u64; counter::COUNT as usize]);
+
+impl KernelCounters {
+    pub fn get(&self, idx: u32) -> u64 {
+        self.0[idx as usize]
+    }
+}
+
+impl Probes {
+    /// Checks the environment, loads the object with `cfg` and attaches every program.
+    pub fn load(cfg: &CaptureConfig) -> Result<Probes, LoadError> {
+        cfg.validate()?;
+        raise_memlock_rlimit();
+        let tracefs = ensure_tracefs()?;
+        let fork_off = fork_child_pid_offset(&tracefs).unwrap_or_else(|e| {
+            tracing::warn!(error = %e, "reading sched_process_fork format; assuming offset 20");
+            20
+        });
+        let mut ebpf = EbpfLoader::new()
+            .override_global("HEAD_BYTES", &cfg.head_bytes, true)
+            .override_global("TAIL_BYTES", &cfg.tail_bytes, true)
+            .override_global("FORK_CHILD_PID_OFFSET", &fork_off, true)
+            .override_global("WAKEUP_BYTES", &cfg.wakeup_bytes, true)
+            .map_max_entries("EVENTS", cfg.ring_bytes)
+            .load(OBJECT)
+            .map_err(classify_object_error)?;
+        for &(name, category) in PROGRAMS {
+            let path = tracefs.join("events").join(category).join(name);
+            if !path.is_dir() {
+                return Err(LoadError::MissingTracepoint {
+                    category,
+                    name,
+                    path,
+                });
+            }
+            let prog: &mut TracePoint = ebpf
+                .program_mut(name)
+                .ok_or_else(|| {
+                    LoadError::Config(format!("program {name} missing from the object"))
+                })?
+                .try_into()
+                .map_err(|source| LoadError::Program {
+                    program: name,
+                    source,
+                })?;
+            prog.load()
+                .map_err(|source| classify_program_error(name, source))?;
+            prog.attach(category, name)
+                .map_err(|source| classify_program_error(name, source))?;
+        }
+        tracing::info!(
+            programs = PROGRAMS.len(),
+            head_bytes = cfg.head_bytes,
+            tail_bytes = cfg.tail_bytes,
+            ring_bytes = cfg.ring_bytes,
+            "eBPF probes attached"
+        );
+        Ok(Probes { ebpf })
+    }
+
+    /// Takes the ring buffer out (once) for the reader task.
+    pub fn take_ring(&mut self) -> Result<RingBuf<MapData>, LoadError> {
+        let map = self
+            .ebpf
+            .take_map("EVENTS")
+            .ok_or_else(|| LoadError::Config("EVENTS ring buffer already taken".into()))?;
+        RingBuf::try_from(map).map_err(|source| LoadError::Map {
+            name: "EVENTS",
+            source,
+        })
+    }
+
+    /// Starts (or keeps) following `tgid`: the kernel then reports its socket traffic.
+    pub fn watch(&mut self, tgid: u32) -> Result<(), LoadError> {
+        self.watched()?
+            .insert(tgid, watch::EXPLICIT, 0)
+            .map_err(|source| LoadError::Map {
+                name: "WATCHED",
+                source,
+            })
+    }
+
+    pub fn unwatch(&mut self, tgid: u32) {
+        if let Ok(mut m) = self.watched() {
+            let _ = m.remove(&tgid);
+        }
+    }
+
+    /// Tgids (and inherited thread ids) the kernel currently filters on.
+    pub fn watched_ids(&mut self) -> Vec<u32> {
+        match self.watched() {
+            Ok(m) => m.keys().filter_map(Result::ok).collect(),
+            Err(_) => Vec::new(),
+        }
+    }
+
+    /// Tells the kernel side that `fd` of `tgid` is a socket that existed before we watched it.
+    pub fn track_socket(&mut self, tgid: u32, fd: u32) -> Result<(), LoadError> {
+        let map = self
+            .ebpf
+            .map_mut("SOCKS")
+            .ok_or_else(|| LoadError::Config("no SOCKS map".into()))?;
+        let mut m: BpfHashMap<&mut MapData, u64, u32> =
+            BpfHashMap::try_from(map).map_err(|source| LoadError::Map {
+                name: "SOCKS",
+                source,
+            })?;
+        m.insert(monitor_common::sock_key(tgid, fd), 0, 0)
+            .map_err(|source| LoadError::Map {
+                name: "SOCKS",
+                source,
+            })
+    }
+
+    /// Forgets every socket of an exited process.
+    pub fn forget_sockets(&mut self, tgid: u32) {
+        let Some(map) = self.ebpf.map_mut("SOCKS") else {
+            return;
+        };
+        let Ok(mut m) = BpfHashMap::<&mut MapData, u64, u32>::try_from(map) else {
+            return;
+        };
+        let keys: Vec<u64> = m
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|k| (k >> 32) as u32 == tgid)
+            .collect();
+        for k in keys {
+            let _ = m.remove(&k);
+        }
+    }
+
+    pub fn counters(&self) -> Result<KernelCounters, LoadError> {
+        let map = self
+            .ebpf
+            .map("COUNTERS")
+            .ok_or_else(|| LoadError::Config("no COUNTERS map".into()))?;
+        let arr: PerCpuArray<&MapData, u64> =
+            PerCpuArray::try_from(map).map_err(|source| LoadError::Map {
+                name: "COUNTERS",
+                source,
+            })?;
+        let mut out = KernelCounters::default();
+        for i in 0..counter::COUNT {
+            let per_cpu = arr.get(&i, 0).map_err(|source| LoadError::Map {
+                name: "COUNTERS",
+                source,
+            })?;
+            out.0[i as usize] = per_cpu.iter().sum();
+        }
+        Ok(out)
+    }
+
+    fn watched(&mut self) -> Result<BpfHashMap<&mut MapData, u32, u32>, LoadError> {
+        let map = self
+            .ebpf
+            .map_mut("WATCHED")
+            .ok_or_else(|| LoadError::Config("no WATCHED map".into()))?;
+        BpfHashMap::try_from(map).map_err(|source| LoadError::Map {
+            name: "WATCHED",
+            source,
+        })
+    }
+}
+
+/// Kernels before 5.11 charge BPF maps to RLIMIT_MEMLOCK; newer ones use memcg and ignore it.
+/// Raising it needs CAP_SYS_RESOURCE, which containers often lack: log and go on.
+fn raise_memlock_rlimit() {
+    let rlim = libc::rlimit {
+        rlim_cur: libc::RLIM_INFINITY,
+        rlim_max: libc::RLIM_INFINITY,
+    };
+    // SAFETY: plain syscall with a valid pointer to a local.
+    let ret = unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &rlim) };
+    if ret != 0 {
+        tracing::debug!(
+            error = %io::Error::last_os_error(),
+            "could not raise RLIMIT_MEMLOCK (harmless on kernels >= 5.11)"
+        );
+    }
+}
+
+/// Finds tracefs, mounting it when absent (we run as root when loading probes at all).
+fn ensure_tracefs() -> Result<PathBuf, LoadError> {
+    for d in TRACEFS_DIRS {
+        if Path::new(d).join("events").is_dir() {
+            return Ok(PathBuf::from(d));
+        }
+    }
+    let target = TRACEFS_DIRS[0];
+    let c_target = std::ffi::CString::new(target).expect("no NUL");
+    let fstype = c"tracefs";
+    // SAFETY: valid NUL-terminated strings; null data is allowed for tracefs.
+    let ret = unsafe {
+        libc::mount(
+            fstype.as_ptr(),
+            c_target.as_ptr(),
+            fstype.as_ptr(),
+            0,
+            std::ptr::null(),
+        )
+    };
+    if ret == 0 && Path::new(target).join("events").is_dir() {
+        tracing::info!(path = target, "mounted tracefs");
+        return Ok(PathBuf::from(target));
+    }
+    Err(LoadError::TracefsMissing {
+        dirs: TRACEFS_DIRS.join(", "),
+        reason: io::Error::last_os_error().to_string(),
+    })
+}
+
+fn fork_child_pid_offset(tracefs: &Path) -> io::Result<u32> {
+    let fmt = std::fs::read_to_string(tracefs.join("events/sched/sched_process_fork/format"))?;
+    parse_field_offset(&fmt, "child_pid")
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "no child_pid field"))
+}
+
+/// Reads `offset:N` of field `name` from a tracefs `format` file.
+pub fn parse_field_offset(format: &str, name: &str) -> Option<u32> {
+    format.lines().find_map(|line| {
+        let line = line.trim();
+        let decl = line.strip_prefix("field:")?.split(';').next()?;
+        let field = decl.split_whitespace().last()?;
+        if field != name {
+            return None;
+        }
+        let off = line
+            .split(';')
+            .find_map(|p| p.trim().strip_prefix("offset:"))?;
+        off.trim().parse().ok()
+    })
+}
+
+fn is_eperm(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(err) = cur {
+        if let Some(io) = err.downcast_ref::<io::Error>()
+            && matches!(io.raw_os_error(), Some(libc::EPERM) | Some(libc::EACCES))
+        {
+            return true;
+        }
+        cur = err.source();
+    }
+    false
+}
+
+fn classify_object_error(e: aya::EbpfError) -> LoadError {
+    if is_eperm(&e) {
+        LoadError::Privileges(e.to_string())
+    } else {
+        LoadError::Object(e)
+    }
+}
+
+fn classify_program_error(program: &'static str, source: aya::programs::ProgramError) -> LoadError {
+    if is_eperm(&source) {
+        LoadError::Privileges(format!("{program}: {source}"))
+    } else {
+        LoadError::Program { program, source }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const FORK_FORMAT: &str = "name: sched_process_fork\nID: 366\nformat:\n\
+        \tfield:unsigned short common_type;\toffset:0;\tsize:2;\tsigned:0;\n\
+        \tfield:__data_loc char[] parent_comm;\toffset:8;\tsize:4;\tsigned:0;\n\
+        \tfield:pid_t parent_pid;\toffset:12;\tsize:4;\tsigned:1;\n\
+        \tfield:__data_loc char[] child_comm;\toffset:16;\tsize:4;\tsigned:0;\n\
+        \tfield:pid_t child_pid;\toffset:20;\tsize:4;\tsigned:1;\n";
+
+    #[test]
+    fn finds_field_offsets_in_tracefs_formats() {
+        assert_eq!(parse_field_offset(FORK_FORMAT, "child_pid"), Some(20));
+        assert_eq!(parse_field_offset(FORK_FORMAT, "parent_pid"), Some(12));
+        assert_eq!(parse_field_offset(FORK_FORMAT, "pid"), None);
+        assert_eq!(parse_field_offset("garbage;;offset:", "child_pid"), None);
+    }
+
+    #[test]
+    fn capture_config_is_validated() {
+        assert!(CaptureConfig::default().validate().is_ok());
+        let bad = CaptureConfig {
+            head_bytes: 5000,
+            ..Default::default()
+        };
+        assert!(matches!(bad.validate(), Err(LoadError::Config(_))));
+        let bad = CaptureConfig {
+            ring_bytes: 3000,
+            ..Default::default()
+        };
+        assert!(matches!(bad.validate(), Err(LoadError::Config(_))));
+    }
+}

@@ -1,0 +1,419 @@
+//! Which processes to watch and what role each plays.
+//!
+//! Roles come from command lines with SGLang conventions (`--disaggregation-mode prefill|decode`,
+//! the router binary `smg` / module `sglang_router`), overridden by explicit `--watch ROLE=REGEX`
+//! and `--pid ROLE=PID` rules. The pure parts (classification, rule parsing, /proc/net parsing)
+//! are separate from the small functions that read /proc.
+
+use std::collections::HashMap;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::path::Path;
+use std::str::FromStr;
+
+use crate::event::Stage;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Role {
+    Router,
+    Prefill,
+    Decode,
+}
+
+impl Role {
+    pub fn stage(self) -> Stage {
+        match self {
+            Role::Router => Stage::Router,
+            Role::Prefill => Stage::Prefill,
+            Role::Decode => Stage::Decode,
+        }
+    }
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Router => "router",
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RuleError {
+    #[error("expected ROLE=VALUE, got {0:?}")]
+    NoEquals(String),
+    #[error("unknown role {0:?} (expected router, prefill or decode)")]
+    Role(String),
+    #[error("invalid regex {pattern:?}: {reason}")]
+    Regex { pattern: String, reason: String },
+    #[error("invalid pid {0:?}")]
+    Pid(String),
+}
+
+impl FromStr for Role {
+    type Err = RuleError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "router" => Ok(Role::Router),
+            "prefill" => Ok(Role::Prefill),
+            "decode" => Ok(Role::Decode),
+            _ => Err(RuleError::Role(s.to_owned())),
+        }
+    }
+}
+
+/// `--watch ROLE=REGEX`: processes whose command line (arguments joined by spaces) matches.
+#[derive(Debug, Clone)]
+pub struct WatchRule {
+    pub role: Role,
+    pub regex: regex::Regex,
+}
+
+impl FromStr for WatchRule {
+    type Err = RuleError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let (role, pat) = s
+            .split_once('=')
+            .ok_or_else(|| RuleError::NoEquals(s.to_owned()))?;
+        let regex = regex::Regex::new(pat).map_err(|e| RuleError::Regex {
+            pattern: pat.to_owned(),
+            reason: e.to_string(),
+        })?;
+        Ok(WatchRule {
+            role: role.parse()?,
+            regex,
+        })
+    }
+}
+
+/// `--pid ROLE=PID`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PidRule {
+    pub role: Role,
+    pub pid: u32,
+}
+
+impl FromStr for PidRule {
+    type Err = RuleError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let (role, pid) = s
+            .split_once('=')
+            .ok_or_else(|| RuleError::NoEquals(s.to_owned()))?;
+        let pid = pid
+            .trim()
+            .parse()
+            .map_err(|_| RuleError::Pid(pid.to_owned()))?;
+        Ok(PidRule {
+            role: role.parse()?,
+            pid,
+        })
+    }
+}
+
+/// How roles are assigned; the explicit rules win over the SGLang conventions.
+#[derive(Debug, Clone, Default)]
+pub struct Discovery {
+    pub watch: Vec<WatchRule>,
+    pub pids: Vec<PidRule>,
+    /// Apply the SGLang command-line conventions (on unless only explicit rules are wanted).
+    pub conventions: bool,
+}
+
+impl Discovery {
+    pub fn with_conventions() -> Self {
+        Discovery {
+            conventions: true,
+            ..Default::default()
+        }
+    }
+
+    /// The role of process `pid` with arguments `args`, if it is to be watched.
+    pub fn classify(&self, pid: u32, args: &[String]) -> Option<Role> {
+        if let Some(r) = self.pids.iter().find(|r| r.pid == pid) {
+            return Some(r.role);
+        }
+        if !self.watch.is_empty() {
+            let line = args.join(" ");
+            if let Some(r) = self.watch.iter().find(|r| r.regex.is_match(&line)) {
+                return Some(r.role);
+            }
+        }
+        if self.conventions {
+            classify_sglang(args)
+        } else {
+            None
+        }
+    }
+}
+
+/// SGLang conventions: a worker names its mode; the router is `smg` or `sglang_router`.
+pub fn classify_sglang(args: &[String]) -> Option<Role> {
+    for (i, a) in args.iter().enumerate() {
+        let mode = if a == "--disaggregation-mode" {
+            args.get(i + 1).map(String::as_str)
+        } else {
+            a.strip_prefix("--disaggregation-mode=")
+        };
+        match mode {
+            Some("prefill") => return Some(Role::Prefill),
+            Some("decode") => return Some(Role::Decode),
+            _ => {}
+        }
+    }
+    // Only the program and the script it runs name the router (a flag value naming `smg` doesn't).
+    let named_router = |a: &String| {
+        let base = a.rsplit('/').next().unwrap_or(a);
+        base == "smg" || base == "sglang-router" || base.starts_with("sglang_router")
+    };
+    let head: Vec<&String> = args.iter().take(3).collect();
+    if head.iter().any(|a| named_router(a)) {
+        return Some(Role::Router);
+    }
+    // `python -m sglang_router.launch_router`
+    if args
+        .windows(2)
+        .any(|w| w[0] == "-m" && w[1].starts_with("sglang_router"))
+    {
+        return Some(Role::Router);
+    }
+    None
+}
+
+/// Worker addresses a router names on its command line: `--prefill URL [BOOTSTRAP_PORT]`,
+/// `--decode URL` (and `--prefill-url`/`--decode-url` style spellings).
+pub fn router_workers(args: &[String]) -> Vec<(Role, String, u16)> {
+    let mut out = Vec::new();
+    for (i, a) in args.iter().enumerate() {
+        let role = match a.as_str() {
+            "--prefill" | "--prefill-url" | "--prefill-urls" => Role::Prefill,
+            "--decode" | "--decode-url" | "--decode-urls" => Role::Decode,
+            _ => continue,
+        };
+        if let Some((host, port)) = args.get(i + 1).and_then(|u| parse_url_host_port(u)) {
+            out.push((role, host, port));
+        }
+    }
+    out
+}
+
+fn parse_url_host_port(url: &str) -> Option<(String, u16)> {
+    let rest = url.split_once("://").map_or(url, |(_, r)| r);
+    let hostport = rest.split('/').next()?;
+    let (host, port) = if let Some(h) = hostport.strip_prefix('[') {
+        let (h, p) = h.split_once("]:")?;
+        (h, p)
+    } else {
+        hostport.rsplit_once(':')?
+    };
+    Some((host.to_owned(), port.parse().ok()?))
+}
+
+/// NUL-separated `/proc/PID/cmdline` into arguments.
+pub fn split_cmdline(raw: &[u8]) -> Vec<String> {
+    raw.split(|&b| b == 0)
+        .filter(|a| !a.is_empty())
+        .map(|a| String::from_utf8_lossy(a).into_owned())
+        .collect()
+}
+
+pub fn read_cmdline(pid: u32) -> Option<Vec<String>> {
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .ok()
+        .map(|raw| split_cmdline(&raw))
+}
+
+/// Tgid of task `tid`, from `/proc/TID/status` (a forked child may be a thread).
+pub fn tgid_of(tid: u32) -> Option<u32> {
+    let s = std::fs::read_to_string(format!("/proc/{tid}/status")).ok()?;
+    s.lines()
+        .find_map(|l| l.strip_prefix("Tgid:"))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+/// All process ids in /proc.
+pub fn all_pids() -> Vec<u32> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+        .collect()
+}
+
+/// `(fd, socket inode)` of every socket `pid` holds.
+pub fn socket_fds(pid: u32) -> Vec<(u32, u64)> {
+    let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+        return Vec::new();
+    };
+    dir.filter_map(|e| {
+        let e = e.ok()?;
+        let fd: u32 = e.file_name().to_str()?.parse().ok()?;
+        let target = std::fs::read_link(e.path()).ok()?;
+        let inode = target
+            .to_str()?
+            .strip_prefix("socket:[")?
+            .strip_suffix(']')?
+            .parse()
+            .ok()?;
+        Some((fd, inode))
+    })
+    .collect()
+}
+
+/// One line of /proc/net/tcp or tcp6.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TcpEntry {
+    pub local: SocketAddr,
+    pub remote: SocketAddr,
+    pub listen: bool,
+    pub inode: u64,
+}
+
+/// Parses /proc/net/tcp{,6}; malformed lines are skipped.
+pub fn parse_proc_net_tcp(text: &str) -> Vec<TcpEntry> {
+    text.lines()
+        .skip(1)
+        .filter_map(|line| {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            if f.len() < 10 {
+                return None;
+            }
+            Some(TcpEntry {
+                local: parse_hex_addr(f[1])?,
+                remote: parse_hex_addr(f[2])?,
+                listen: f[3] == "0A",
+                inode: f[9].parse().ok()?,
+            })
+        })
+        .collect()
+}
+
+fn parse_hex_addr(s: &str) -> Option<SocketAddr> {
+    let (ip, port) = s.split_once(':')?;
+    let port = u16::from_str_radix(port, 16).ok()?;
+    let ip = match ip.len() {
+        8 => IpAddr::V4(Ipv4Addr::from(
+            u32::from_str_radix(ip, 16).ok()?.swap_bytes(),
+        )),
+        32 => {
+            // Four host-endian 32-bit words.
+            let mut b = [0u8; 16];
+            for i in 0..4 {
+                let w = u32::from_str_radix(&ip[8 * i..8 * i + 8], 16)
+                    .ok()?
+                    .swap_bytes();
+                b[4 * i..4 * i + 4].copy_from_slice(&w.to_be_bytes());
+            }
+            let v6 = Ipv6Addr::from(b);
+            v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4)
+        }
+        _ => return None,
+    };
+    Some(SocketAddr::new(ip, port))
+}
+
+/// Socket inode → TCP entry, for the whole host network namespace.
+pub fn tcp_table(proc_root: &Path) -> HashMap<u64, TcpEntry> {
+    let mut out = HashMap::new();
+    for f in ["net/tcp", "net/tcp6"] {
+        if let Ok(text) = std::fs::read_to_string(proc_root.join(f)) {
+            for e in parse_proc_net_tcp(&text) {
+                out.insert(e.inode, e);
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(s: &str) -> Vec<String> {
+        s.split_whitespace().map(str::to_owned).collect()
+    }
+
+    #[test]
+    fn sglang_conventions() {
+        assert_eq!(
+            classify_sglang(&args(
+                "python -m sglang.launch_server --disaggregation-mode prefill --port 30000"
+            )),
+            Some(Role::Prefill)
+        );
+        assert_eq!(
+            classify_sglang(&args(
+                "python -m sglang.launch_server --disaggregation-mode=decode"
+            )),
+            Some(Role::Decode)
+        );
+        assert_eq!(
+            classify_sglang(&args(
+                "/venv/bin/python /venv/bin/smg launch --pd-disaggregation --prefill http://127.0.0.1:31001 8998"
+            )),
+            Some(Role::Router)
+        );
+        assert_eq!(
+            classify_sglang(&args(
+                "python -m sglang_router.launch_router --pd-disaggregation"
+            )),
+            Some(Role::Router)
+        );
+        assert_eq!(
+            classify_sglang(&args("bash -c sleep 1 --name smgfoo")),
+            None
+        );
+        assert_eq!(
+            classify_sglang(&args("python -m sglang.launch_server --port 30000")),
+            None
+        );
+    }
+
+    #[test]
+    fn explicit_rules_win() {
+        let d = Discovery {
+            watch: vec!["decode=fake_worker.py.*--role decode".parse().unwrap()],
+            pids: vec!["router=42".parse().unwrap()],
+            conventions: true,
+        };
+        assert_eq!(d.classify(42, &args("anything")), Some(Role::Router));
+        assert_eq!(
+            d.classify(7, &args("python fake_worker.py --role decode")),
+            Some(Role::Decode)
+        );
+        assert_eq!(
+            d.classify(7, &args("python other.py --disaggregation-mode prefill")),
+            Some(Role::Prefill)
+        );
+        assert!("nope".parse::<WatchRule>().is_err());
+        assert!("chef=.*".parse::<WatchRule>().is_err());
+        assert!("decode=(".parse::<WatchRule>().is_err());
+        assert!("decode=x".parse::<PidRule>().is_err());
+    }
+
+    #[test]
+    fn router_worker_urls() {
+        let w = router_workers(&args(
+            "smg launch --pd-disaggregation --prefill http://127.0.0.1:31001 8998 --decode http://[::1]:31002 --port 30000",
+        ));
+        assert_eq!(
+            w,
+            vec![
+                (Role::Prefill, "127.0.0.1".into(), 31001),
+                (Role::Decode, "::1".into(), 31002)
+            ]
+        );
+    }
+
+    #[test]
+    fn proc_net_tcp_lines() {
+        let text = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n   0: 0100007F:7919 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 12345 1 0000000000000000 100 0 0 10 0\n   1: garbage\n";
+        let e = parse_proc_net_tcp(text);
+        assert_eq!(e.len(), 1);
+        assert_eq!(e[0].local, "127.0.0.1:31001".parse().unwrap());
+        assert!(e[0].listen);
+        assert_eq!(e[0].inode, 12345);
+        let v6 = "h\n 0: 0000000000000000FFFF00000100007F:1F90 00000000000000000000000000000000:0000 0A 0:0 0:0 0 0 0 99 1\n";
+        assert_eq!(
+            parse_proc_net_tcp(v6)[0].local,
+            "127.0.0.1:8080".parse().unwrap()
+        );
+    }
+}

@@ -1,0 +1,229 @@
+//! Decoding of ring-buffer records (the layouts in `monitor-common`) into typed values.
+//!
+//! Pure and total: any byte string decodes to a record or a [`RecordError`], never a panic, so a
+//! kernel/user version mismatch shows up as counted decode errors rather than a crash.
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+
+use monitor_common::{CloseEvent, ConnEvent, DataHeader, Header, ProcEvent, kind};
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Record<'a> {
+    Data(DataPiece<'a>),
+    Connect(Conn),
+    Accept(Conn),
+    Close { hdr: Header, fd: u32 },
+    Exec { hdr: Header },
+    Exit { hdr: Header },
+    Fork { hdr: Header, child: u32 },
+}
+
+/// One captured piece of one syscall's payload.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DataPiece<'a> {
+    pub hdr: Header,
+    pub fd: u32,
+    pub syscall: u32,
+    /// Bytes the syscall moved.
+    pub total: u64,
+    /// Offset of `bytes` within them.
+    pub off: u32,
+    pub bytes: &'a [u8],
+}
+
+impl DataPiece<'_> {
+    pub fn is_ingress(&self) -> bool {
+        monitor_common::syscall::is_ingress(self.syscall)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Conn {
+    pub hdr: Header,
+    pub fd: u32,
+    /// Peer address when the kernel saw one.
+    pub peer: Option<SocketAddr>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RecordError {
+    #[error("record of {got} bytes is shorter than its {need}-byte header")]
+    Short { got: usize, need: usize },
+    #[error("unknown record kind {0}")]
+    UnknownKind(u32),
+    #[error("data record says {claimed} payload bytes but carries {got}")]
+    LengthMismatch { claimed: u32, got: usize },
+}
+
+impl RecordError {
+    /// Bounded label for metrics.
+    pub fn label(&self) -> &'static str {
+        match self {
+            RecordError::Short { .. } => "short",
+            RecordError::UnknownKind(_) => "unknown_kind",
+            RecordError::LengthMismatch { .. } => "length_mismatch",
+        }
+    }
+}
+
+fn read<T: Copy>(buf: &[u8]) -> Result<T, RecordError> {
+    let need = size_of::<T>();
+    if buf.len() < need {
+        return Err(RecordError::Short {
+            got: buf.len(),
+            need,
+        });
+    }
+    // SAFETY: length checked; T is a repr(C) struct of integers (every bit pattern is valid);
+    // read_unaligned copes with the ring buffer's 8-byte alignment being lost in slicing.
+    Ok(unsafe { std::ptr::read_unaligned(buf.as_ptr().cast::<T>()) })
+}
+
+pub fn decode(buf: &[u8]) -> Result<Record<'_>, RecordError> {
+    let hdr: Header = read(buf)?;
+    match hdr.kind {
+        kind::DATA => {
+            let h: DataHeader = read(buf)?;
+            let payload = &buf[size_of::<DataHeader>()..];
+            let len = h.len as usize;
+            if payload.len() < len {
+                return Err(RecordError::LengthMismatch {
+                    claimed: h.len,
+                    got: payload.len(),
+                });
+            }
+            Ok(Record::Data(DataPiece {
+                hdr: h.hdr,
+                fd: h.fd,
+                syscall: h.syscall,
+                total: h.total,
+                off: h.off,
+                bytes: &payload[..len],
+            }))
+        }
+        kind::CONNECT | kind::ACCEPT => {
+            let c: ConnEvent = read(buf)?;
+            let ip = match c.family {
+                2 => Some(IpAddr::V4(Ipv4Addr::new(
+                    c.addr[0], c.addr[1], c.addr[2], c.addr[3],
+                ))),
+                10 => Some(IpAddr::V6(Ipv6Addr::from(c.addr))),
+                _ => None,
+            };
+            let conn = Conn {
+                hdr: c.hdr,
+                fd: c.fd,
+                peer: ip.map(|ip| SocketAddr::new(ip, c.port)),
+            };
+            Ok(if hdr.kind == kind::CONNECT {
+                Record::Connect(conn)
+            } else {
+                Record::Accept(conn)
+            })
+        }
+        kind::CLOSE => {
+            let c: CloseEvent = read(buf)?;
+            Ok(Record::Close {
+                hdr: c.hdr,
+                fd: c.fd,
+            })
+        }
+        kind::EXEC | kind::EXIT | kind::FORK => {
+            let p: ProcEvent = read(buf)?;
+            Ok(match hdr.kind {
+                kind::EXEC => Record::Exec { hdr: p.hdr },
+                kind::EXIT => Record::Exit { hdr: p.hdr },
+                _ => Record::Fork {
+                    hdr: p.hdr,
+                    child: p.child,
+                },
+            })
+        }
+        other => Err(RecordError::UnknownKind(other)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn bytes_of<T>(v: &T) -> Vec<u8> {
+        // SAFETY: test-only view of a repr(C) integer struct.
+        unsafe { std::slice::from_raw_parts((v as *const T).cast::<u8>(), size_of::<T>()) }.to_vec()
+    }
+
+    #[test]
+    fn decodes_data_with_payload() {
+        let h = DataHeader {
+            hdr: Header {
+                kind: kind::DATA,
+                tgid: 7,
+                tid: 8,
+                _pad: 0,
+                ts_ns: 99,
+            },
+            fd: 3,
+            syscall: monitor_common::syscall::RECVFROM,
+            total: 1000,
+            off: 488,
+            len: 5,
+        };
+        let mut buf = bytes_of(&h);
+        buf.extend_from_slice(b"hello-extra");
+        let Record::Data(d) = decode(&buf).unwrap() else {
+            panic!()
+        };
+        assert_eq!(d.bytes, b"hello");
+        assert!(d.is_ingress());
+        assert_eq!((d.fd, d.total, d.off), (3, 1000, 488));
+    }
+
+    #[test]
+    fn decodes_connect_v4() {
+        let mut c = ConnEvent {
+            hdr: Header {
+                kind: kind::CONNECT,
+                ..Default::default()
+            },
+            fd: 9,
+            family: 2,
+            port: 8998,
+            ..Default::default()
+        };
+        c.addr[..4].copy_from_slice(&[127, 0, 0, 1]);
+        let Record::Connect(conn) = decode(&bytes_of(&c)).unwrap() else {
+            panic!()
+        };
+        assert_eq!(conn.peer, Some("127.0.0.1:8998".parse().unwrap()));
+    }
+
+    #[test]
+    fn rejects_truncated_and_unknown() {
+        assert!(matches!(decode(&[1, 0, 0]), Err(RecordError::Short { .. })));
+        let h = Header {
+            kind: 77,
+            ..Default::default()
+        };
+        assert_eq!(decode(&bytes_of(&h)), Err(RecordError::UnknownKind(77)));
+        let d = DataHeader {
+            hdr: Header {
+                kind: kind::DATA,
+                ..Default::default()
+            },
+            len: 10,
+            ..Default::default()
+        };
+        assert!(matches!(
+            decode(&bytes_of(&d)),
+            Err(RecordError::LengthMismatch { .. })
+        ));
+    }
+
+    proptest! {
+        #[test]
+        fn never_panics(buf in proptest::collection::vec(any::<u8>(), 0..200)) {
+            let _ = decode(&buf);
+        }
+    }
+}

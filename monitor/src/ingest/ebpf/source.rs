@@ -1,0 +1,439 @@
+//! The eBPF source task: drains the ring buffer, follows processes, feeds the tracker and sends
+//! event batches into the pipeline.
+//!
+//! The kernel cannot be back-pressured, so nothing here blocks on the pipeline: a full channel
+//! drops the batch and counts it, the kernel counts what the ring buffer could not hold, and
+//! [`EbpfStats::coverage_degraded`] turns both into one signal.
+
+use std::collections::HashMap;
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::os::fd::{AsRawFd, RawFd};
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::time::{Duration, Instant};
+
+use aya::maps::{MapData, RingBuf};
+use monitor_common::counter;
+use tokio::io::unix::AsyncFd;
+use tokio::sync::mpsc::{Sender, error::TrySendError};
+
+use super::loader::{CaptureConfig, LoadError, Probes};
+use super::procs::{self, Discovery, Role};
+use super::record::{self, Record};
+use super::track::{Clock, Limits, Tracker};
+use crate::pipeline::EventBatch;
+
+#[derive(Debug, Clone)]
+pub struct EbpfConfig {
+    pub capture: CaptureConfig,
+    pub discovery: Discovery,
+    /// Name of this node, stamped on every event.
+    pub node: Option<String>,
+    /// How often /proc is rescanned for new processes and listening ports, and counters read.
+    pub rescan_every: Duration,
+    pub limits: Limits,
+    /// Largest batch sent at once.
+    pub max_batch: usize,
+}
+
+impl Default for EbpfConfig {
+    fn default() -> Self {
+        EbpfConfig {
+            capture: CaptureConfig::default(),
+            discovery: Discovery::with_conventions(),
+            node: None,
+            rescan_every: Duration::from_secs(2),
+            limits: Limits::default(),
+            max_batch: 1024,
+        }
+    }
+}
+
+/// Counters of the eBPF source, for logs and /metrics. Bounded: no request ids.
+#[derive(Debug, Default)]
+pub struct EbpfStats {
+    /// Sums of the kernel's per-CPU counters, indexed by `monitor_common::counter`.
+    pub kernel: [AtomicU64; counter::COUNT as usize],
+    pub records: AtomicU64,
+    pub decode_errors: AtomicU64,
+    pub events: AtomicU64,
+    pub batches_sent: AtomicU64,
+    /// Batches (and their events) dropped because the pipeline channel was full.
+    pub batches_dropped: AtomicU64,
+    pub events_dropped: AtomicU64,
+    pub conns_evicted: AtomicU64,
+    pub http_desyncs: AtomicU64,
+    pub gap_bytes: AtomicU64,
+    pub watched_processes: AtomicU64,
+    /// Connections the tracker currently holds state for.
+    pub connections: AtomicU64,
+    /// Set while something was lost since the previous check (kernel ring buffer full, pipeline
+    /// full, undecodable records, evicted connections).
+    pub coverage_degraded: AtomicBool,
+}
+
+impl EbpfStats {
+    pub fn kernel(&self, idx: u32) -> u64 {
+        self.kernel[idx as usize].load(Relaxed)
+    }
+    pub fn coverage_degraded(&self) -> bool {
+        self.coverage_degraded.load(Relaxed)
+    }
+    /// Everything lost so far, whatever the cause.
+    pub fn losses(&self) -> u64 {
+        self.kernel(counter::RINGBUF_DROPS)
+            + self.kernel(counter::ACTIVE_FULL)
+            + self.kernel(counter::SOCKS_FULL)
+            + self.events_dropped.load(Relaxed)
+            + self.decode_errors.load(Relaxed)
+            + self.conns_evicted.load(Relaxed)
+    }
+}
+
+/// Records decoded per drain before the batch is sent on.
+pub const DRAIN_LIMIT: usize = 4096;
+
+struct Fd(RawFd);
+impl AsRawFd for Fd {
+    fn as_raw_fd(&self) -> RawFd {
+        self.0
+    }
+}
+
+pub struct EbpfSource {
+    ring: RingBuf<MapData>,
+    inner: Inner,
+}
+
+/// Everything but the ring buffer, so that draining it can borrow both.
+struct Inner {
+    probes: Probes,
+    tracker: Tracker,
+    cfg: EbpfConfig,
+    stats: Arc<EbpfStats>,
+    watched: HashMap<u32, Role>,
+    last_losses: u64,
+    last_listener_scan: Option<Instant>,
+    listeners_stale: bool,
+}
+
+impl EbpfSource {
+    /// Loads and attaches the probes, then watches the serving processes already running.
+    pub fn start(cfg: EbpfConfig) -> Result<EbpfSource, LoadError> {
+        let mut probes = Probes::load(&cfg.capture)?;
+        let ring = probes.take_ring()?;
+        let tracker = Tracker::new(cfg.node.clone(), Clock::now(), cfg.limits);
+        let mut src = Inner {
+            probes,
+            tracker,
+            cfg,
+            stats: Arc::new(EbpfStats::default()),
+            watched: HashMap::new(),
+            last_losses: 0,
+            last_listener_scan: None,
+            listeners_stale: true,
+        };
+        src.rescan();
+        Ok(EbpfSource { ring, inner: src })
+    }
+
+    pub fn stats(&self) -> Arc<EbpfStats> {
+        Arc::clone(&self.inner.stats)
+    }
+
+    /// Processes currently watched and their roles.
+    pub fn watched(&self) -> &HashMap<u32, Role> {
+        &self.inner.watched
+    }
+
+    /// Starts watching `pid` in `role`, with the sockets it already holds.
+    pub fn watch(&mut self, pid: u32, role: Role) -> Result<(), LoadError> {
+        self.inner.watch(pid, role)
+    }
+
+    /// Looks for new serving processes and listening ports; reads the kernel counters.
+    pub fn rescan(&mut self) {
+        self.inner.rescan()
+    }
+
+    /// Decodes what is in the ring buffer now, at most [`DRAIN_LIMIT`] records, so that a full
+    /// ring does not turn into one huge batch; returns how many records it read.
+    pub fn drain(&mut self, out: &mut EventBatch) -> usize {
+        let mut n = 0;
+        let mut execs = Vec::new();
+        while n < DRAIN_LIMIT
+            && let Some(item) = self.ring.next()
+        {
+            n += 1;
+            if let Some(pid) = self.inner.handle(&item, out) {
+                execs.push(pid);
+            }
+        }
+        for pid in execs {
+            self.inner.on_exec(pid);
+        }
+        self.inner.stats.records.fetch_add(n as u64, Relaxed);
+        n
+    }
+
+    /// Runs until `shutdown` resolves: drains the ring buffer when it has data, sends batches
+    /// with `try_send` (never waiting on the pipeline), rescans periodically.
+    pub async fn run(
+        mut self,
+        tx: Sender<EventBatch>,
+        shutdown: impl std::future::Future<Output = ()>,
+    ) -> Result<(), LoadError> {
+        // SAFETY: the fd belongs to `self.ring`, which outlives `afd` (both live in this frame
+        // and `afd` is dropped first, at the end of this function).
+        let afd = unsafe {
+            AsyncFd::register_with_interest(
+                Fd(self.ring.as_raw_fd()),
+                tokio::io::Interest::READABLE,
+            )
+        }
+        .map_err(|e| {
+            LoadError::Config(format!(
+                "ring buffer fd cannot be polled: {}",
+                e.into_parts().1
+            ))
+        })?;
+        let mut poll = tokio::time::interval(super::loader::POLL_INTERVAL);
+        poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut ticker = tokio::time::interval(self.inner.cfg.rescan_every);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tokio::pin!(shutdown);
+        let mut batch: EventBatch = Vec::new();
+        loop {
+            tokio::select! {
+                _ = &mut shutdown => break,
+                _ = ticker.tick() => self.inner.rescan(),
+                // Wakeups are batched in the kernel: read what sits below the threshold too.
+                _ = poll.tick() => { self.drain(&mut batch); }
+                guard = afd.readable() => {
+                    let mut guard = guard.map_err(|e| LoadError::Config(format!("polling the ring buffer: {e}")))?;
+                    // Still ready when the drain stopped at its limit: come back right away.
+                    if self.drain(&mut batch) < DRAIN_LIMIT {
+                        guard.clear_ready();
+                    }
+                }
+            }
+            self.inner.send(&tx, &mut batch);
+            // Let the pipeline's consumer run between drains when it shares this thread.
+            tokio::task::yield_now().await;
+        }
+        // Whatever is left when asked to stop still goes out.
+        while self.drain(&mut batch) > 0 {
+            self.inner.send(&tx, &mut batch);
+        }
+        Ok(())
+    }
+}
+
+impl Inner {
+    fn watch(&mut self, pid: u32, role: Role) -> Result<(), LoadError> {
+        self.probes.watch(pid)?;
+        self.tracker.set_role(pid, role);
+        let first = self.watched.insert(pid, role).is_none();
+        if first {
+            tracing::info!(pid, role = role.as_str(), "eBPF: watching process");
+        }
+        if role == Role::Router
+            && let Some(args) = procs::read_cmdline(pid)
+        {
+            for (wrole, host, port) in procs::router_workers(&args) {
+                for addr in resolve(&host, port) {
+                    self.tracker.add_worker(addr, wrole);
+                }
+            }
+        }
+        let table = procs::tcp_table(Path::new("/proc"));
+        for (fd, inode) in procs::socket_fds(pid) {
+            let Some(entry) = table.get(&inode) else {
+                continue;
+            };
+            if entry.listen {
+                self.tracker.add_local_listener(entry.local.port(), role);
+                continue;
+            }
+            if let Err(e) = self.probes.track_socket(pid, fd) {
+                tracing::warn!(pid, fd, error = %e, "eBPF: cannot track an existing socket");
+            }
+            self.tracker
+                .add_existing_socket(pid, fd, Some(entry.remote));
+        }
+        self.stats
+            .watched_processes
+            .store(self.watched.len() as u64, Relaxed);
+        Ok(())
+    }
+
+    fn rescan(&mut self) {
+        for pid in procs::all_pids() {
+            if self.watched.contains_key(&pid) {
+                continue;
+            }
+            let Some(args) = procs::read_cmdline(pid) else {
+                continue;
+            };
+            if let Some(role) = self.cfg.discovery.classify(pid, &args)
+                && let Err(e) = self.watch(pid, role)
+            {
+                tracing::warn!(pid, error = %e, "eBPF: cannot watch process");
+            }
+        }
+        self.scan_listeners();
+        self.refresh_counters();
+    }
+
+    /// Ports that watched processes listen on (servers bind well after they exec).
+    fn scan_listeners(&mut self) {
+        self.last_listener_scan = Some(Instant::now());
+        self.listeners_stale = false;
+        let table = procs::tcp_table(Path::new("/proc"));
+        let watched: Vec<(u32, Role)> = self.watched.iter().map(|(p, r)| (*p, *r)).collect();
+        for (pid, role) in watched {
+            for (_, inode) in procs::socket_fds(pid) {
+                if let Some(e) = table.get(&inode).filter(|e| e.listen) {
+                    self.tracker.add_local_listener(e.local.port(), role);
+                }
+            }
+        }
+    }
+
+    fn refresh_counters(&mut self) {
+        match self.probes.counters() {
+            Ok(k) => {
+                for i in 0..counter::COUNT {
+                    self.stats.kernel[i as usize].store(k.get(i), Relaxed);
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "eBPF: cannot read kernel counters"),
+        }
+        let t = self.tracker.stats;
+        self.stats.conns_evicted.store(t.conns_evicted, Relaxed);
+        self.stats.http_desyncs.store(t.http_desyncs, Relaxed);
+        self.stats.gap_bytes.store(t.gap_bytes, Relaxed);
+        self.stats.connections.store(self.tracker.conn_count() as u64, Relaxed);
+        let losses = self.stats.losses();
+        let degraded = losses > self.last_losses;
+        if degraded {
+            tracing::warn!(
+                lost = losses - self.last_losses,
+                ringbuf_drops = self.stats.kernel(counter::RINGBUF_DROPS),
+                events_dropped = self.stats.events_dropped.load(Relaxed),
+                "eBPF coverage degraded: events were lost"
+            );
+        }
+        self.stats.coverage_degraded.store(degraded, Relaxed);
+        self.last_losses = losses;
+    }
+
+    /// Handles one record; returns the pid of an exec, handled after the drain (it reads /proc).
+    fn handle(&mut self, item: &[u8], out: &mut EventBatch) -> Option<u32> {
+        match record::decode(item) {
+            Ok(Record::Exec { hdr }) => return Some(hdr.tgid),
+            Ok(Record::Fork { hdr, child }) => self.on_fork(hdr.tgid, child),
+            Ok(Record::Exit { hdr }) => {
+                self.tracker.remove_process(hdr.tgid, hdr.ts_ns, out);
+                self.probes.forget_sockets(hdr.tgid);
+                if let Some(role) = self.watched.remove(&hdr.tgid) {
+                    tracing::info!(
+                        pid = hdr.tgid,
+                        role = role.as_str(),
+                        "eBPF: watched process exited"
+                    );
+                }
+            }
+            Ok(rec) => {
+                if let Record::Connect(c) = &rec
+                    && c.peer.is_some_and(|p| p.ip().is_loopback())
+                {
+                    self.listeners_stale = true;
+                }
+                if self.listeners_stale
+                    && self
+                        .last_listener_scan
+                        .is_none_or(|t| t.elapsed() > Duration::from_millis(100))
+                {
+                    self.scan_listeners();
+                }
+                self.tracker.on_record(&rec, out);
+            }
+            Err(e) => {
+                self.stats.decode_errors.fetch_add(1, Relaxed);
+                tracing::debug!(error = %e, kind = e.label(), "eBPF: undecodable record");
+            }
+        }
+        None
+    }
+
+    fn on_exec(&mut self, pid: u32) {
+        let Some(args) = procs::read_cmdline(pid) else {
+            return;
+        };
+        if let Some(role) = self.cfg.discovery.classify(pid, &args)
+            && self.watched.get(&pid) != Some(&role)
+            && let Err(e) = self.watch(pid, role)
+        {
+            tracing::warn!(pid, error = %e, "eBPF: cannot watch process");
+        }
+        // An inherited child that execs something unclassified keeps its parent's role: that
+        // is how SGLang's scheduler subprocesses start.
+    }
+
+    fn on_fork(&mut self, parent: u32, child: u32) {
+        match procs::tgid_of(child) {
+            Some(tgid) if tgid == child => {
+                if let Some(role) = self.watched.get(&parent).copied() {
+                    self.watched.insert(child, role);
+                    self.tracker.set_role(child, role);
+                    self.stats
+                        .watched_processes
+                        .store(self.watched.len() as u64, Relaxed);
+                }
+            }
+            // A thread, or a task already gone: the kernel filters on tgids, drop the entry.
+            _ => {
+                if !self.watched.contains_key(&child) {
+                    self.probes.unwatch(child);
+                }
+            }
+        }
+    }
+
+    fn send(&mut self, tx: &Sender<EventBatch>, batch: &mut EventBatch) {
+        while !batch.is_empty() {
+            let rest = if batch.len() > self.cfg.max_batch {
+                batch.split_off(self.cfg.max_batch)
+            } else {
+                Vec::new()
+            };
+            let chunk = std::mem::replace(batch, rest);
+            let n = chunk.len() as u64;
+            match tx.try_send(chunk) {
+                Ok(()) => {
+                    self.stats.batches_sent.fetch_add(1, Relaxed);
+                    self.stats.events.fetch_add(n, Relaxed);
+                }
+                Err(TrySendError::Full(_)) | Err(TrySendError::Closed(_)) => {
+                    self.stats.batches_dropped.fetch_add(1, Relaxed);
+                    self.stats.events_dropped.fetch_add(n, Relaxed);
+                    if !self.stats.coverage_degraded.swap(true, Relaxed) {
+                        tracing::warn!(events = n, "eBPF: pipeline full, dropped an event batch");
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn resolve(host: &str, port: u16) -> Vec<SocketAddr> {
+    if let Ok(ip) = host.parse::<std::net::IpAddr>() {
+        return vec![SocketAddr::new(ip, port)];
+    }
+    (host, port)
+        .to_socket_addrs()
+        .map(|it| it.collect())
+        .unwrap_or_default()
+}

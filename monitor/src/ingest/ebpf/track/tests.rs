@@ -1,0 +1,320 @@
+use super::*;
+use crate::ingest::ebpf::record::{Conn, DataPiece, Record};
+use monitor_common::{Header, kind, syscall};
+use proptest::prelude::*;
+
+const ROUTER: u32 = 100;
+const PREFILL: u32 = 200;
+const DECODE: u32 = 300;
+
+/// Plays syscalls through the tracker exactly as the kernel side captures them: the head and
+/// the tail of every syscall, nothing in between.
+struct Sim {
+    t: Tracker,
+    now: u64,
+    head: usize,
+    tail: usize,
+    out: Vec<LifecycleEvent>,
+}
+
+impl Sim {
+    fn new() -> Sim {
+        let mut t = Tracker::new(Some("node-a".into()), Clock::default(), Limits::default());
+        t.set_role(ROUTER, Role::Router);
+        t.set_role(PREFILL, Role::Prefill);
+        t.set_role(DECODE, Role::Decode);
+        t.add_local_listener(31001, Role::Prefill);
+        t.add_local_listener(31002, Role::Decode);
+        Sim {
+            t,
+            now: 1_000,
+            head: 512,
+            tail: 512,
+            out: Vec::new(),
+        }
+    }
+
+    fn hdr(&mut self, kind: u32, tgid: u32) -> Header {
+        self.now += 10;
+        Header {
+            kind,
+            tgid,
+            tid: tgid,
+            _pad: 0,
+            ts_ns: self.now,
+        }
+    }
+
+    fn connect(&mut self, tgid: u32, fd: u32, peer: &str) {
+        let hdr = self.hdr(kind::CONNECT, tgid);
+        self.t.on_record(
+            &Record::Connect(Conn {
+                hdr,
+                fd,
+                peer: Some(peer.parse().unwrap()),
+            }),
+            &mut self.out,
+        );
+    }
+
+    fn accept(&mut self, tgid: u32, fd: u32) {
+        let hdr = self.hdr(kind::ACCEPT, tgid);
+        self.t.on_record(
+            &Record::Accept(Conn {
+                hdr,
+                fd,
+                peer: Some("127.0.0.1:40000".parse().unwrap()),
+            }),
+            &mut self.out,
+        );
+    }
+
+    fn close(&mut self, tgid: u32, fd: u32) {
+        let hdr = self.hdr(kind::CLOSE, tgid);
+        self.t.on_record(&Record::Close { hdr, fd }, &mut self.out);
+    }
+
+    /// One syscall moving `bytes`, split into `chunk`-sized syscalls.
+    fn io(&mut self, tgid: u32, fd: u32, sc: u32, bytes: &[u8], chunk: usize) {
+        for part in bytes.chunks(chunk.max(1)) {
+            let hdr = self.hdr(kind::DATA, tgid);
+            let total = part.len();
+            let mut pieces = vec![(0, total.min(self.head))];
+            if total > self.head {
+                let start = total.saturating_sub(self.tail).max(self.head);
+                pieces.push((start, total));
+            }
+            for (a, b) in pieces {
+                let d = DataPiece {
+                    hdr,
+                    fd,
+                    syscall: sc,
+                    total: total as u64,
+                    off: a as u32,
+                    bytes: &part[a..b],
+                };
+                self.t.on_record(&Record::Data(d), &mut self.out);
+            }
+        }
+    }
+
+    fn kinds(&self) -> Vec<(Stage, Kind, Option<u64>)> {
+        self.out
+            .iter()
+            .map(|e| (e.stage, e.kind, e.ids.bootstrap_room.map(|r| r.0)))
+            .collect()
+    }
+}
+
+fn generate_request(prompt_len: usize, room: u64, canary: &str) -> Vec<u8> {
+    let mut prompt = canary.to_string();
+    while prompt.len() < prompt_len {
+        prompt.push_str(" lorem ipsum");
+    }
+    let body = format!(
+        r#"{{"text": "{prompt}", "sampling_params": {{"max_new_tokens": 4}}, "stream": false, "bootstrap_host": "127.0.0.1", "bootstrap_port": 8998, "bootstrap_room": {room}}}"#
+    );
+    format!(
+        "POST /generate HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\nx-request-id: req-7\r\ntraceparent: 00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
+}
+
+#[test]
+fn prefill_rejects_while_decode_works_big_prompt() {
+    let mut s = Sim::new();
+    let req = generate_request(300_000, 9066467638188682269, "CANARY-7f3a");
+    s.connect(ROUTER, 5, "127.0.0.1:31001");
+    s.connect(ROUTER, 6, "127.0.0.1:31002");
+    s.accept(PREFILL, 7);
+    s.accept(DECODE, 8);
+    // hyper writes in 64 KiB slices, the servers read 65536 at a time.
+    s.io(ROUTER, 5, syscall::WRITEV, &req, 65536);
+    s.io(ROUTER, 6, syscall::WRITEV, &req, 65536);
+    s.io(PREFILL, 7, syscall::RECVFROM, &req, 65536);
+    s.io(DECODE, 8, syscall::RECVFROM, &req, 40000);
+    let rej = b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: 52\r\n\r\n{\"object\":\"error\",\"message\":\"Prefill is full\",\"x\":1}";
+    s.io(PREFILL, 7, syscall::SENDTO, rej, 4096);
+    s.io(ROUTER, 5, syscall::RECVFROM, rej, 4096);
+    let ok = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 61\r\n\r\n{\"text\":\"CANARY-7f3a out\",\"meta_info\":{\"prompt_tokens\":1234}}";
+    s.io(DECODE, 8, syscall::SENDTO, ok, 4096);
+    s.io(ROUTER, 6, syscall::RECVFROM, ok, 4096);
+    let room = Some(9066467638188682269);
+    assert_eq!(
+        s.kinds(),
+        vec![
+            (Stage::Router, Kind::Dispatched, room),
+            (Stage::Router, Kind::Dispatched, room),
+            (Stage::Prefill, Kind::Received, room),
+            (Stage::Decode, Kind::Received, room),
+            (Stage::Prefill, Kind::Rejected, room),
+            (Stage::Decode, Kind::Work, room),
+            (Stage::Decode, Kind::Completed, room),
+        ]
+    );
+    assert_eq!(s.out[0].to, Some(Stage::Prefill));
+    assert_eq!(s.out[1].to, Some(Stage::Decode));
+    let rejected = &s.out[4];
+    assert_eq!(rejected.status, Some(400));
+    assert_eq!(rejected.reason.as_deref(), Some("Prefill is full"));
+    assert_eq!(s.out[6].input_tokens, Some(1234));
+    for e in &s.out {
+        assert_eq!(e.ids.request_id.as_deref(), Some("req-7"));
+        assert_eq!(
+            e.ids.trace_id.as_deref(),
+            Some("0af7651916cd43dd8448eb211c80319c")
+        );
+        assert_eq!(e.source, Source::Ebpf);
+        assert!(
+            !format!("{e:?}").contains("CANARY"),
+            "prompt text leaked: {e:?}"
+        );
+    }
+}
+
+#[test]
+fn early_rejection_before_the_body_is_read_waits_for_the_ids() {
+    let mut s = Sim::new();
+    let req = generate_request(10_000, 77, "");
+    s.accept(PREFILL, 7);
+    s.io(PREFILL, 7, syscall::READ, &req[..2000], 4096);
+    s.io(
+        PREFILL,
+        7,
+        syscall::WRITE,
+        b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\n\r\n",
+        4096,
+    );
+    assert!(s.out.is_empty());
+    s.io(PREFILL, 7, syscall::READ, &req[2000..], 4096);
+    assert_eq!(
+        s.kinds(),
+        vec![
+            (Stage::Prefill, Kind::Received, Some(77)),
+            (Stage::Prefill, Kind::Rejected, Some(77))
+        ]
+    );
+    assert_eq!(s.out[1].reason.as_deref(), Some("HTTP 503"));
+}
+
+#[test]
+fn router_cancel_and_remote_worker_answers() {
+    let mut s = Sim::new();
+    s.t.add_worker("10.1.2.3:30000".parse().unwrap(), Role::Decode);
+    let req = generate_request(100, 5, "");
+    s.connect(ROUTER, 5, "10.1.2.3:30000");
+    s.io(ROUTER, 5, syscall::WRITE, &req, 65536);
+    s.io(ROUTER, 5, syscall::READ, b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ncontent-type: text/event-stream\r\n\r\n7\r\ndata: 1\r\n", 4096);
+    s.connect(ROUTER, 6, "10.1.2.3:30000");
+    s.io(
+        ROUTER,
+        6,
+        syscall::WRITE,
+        &generate_request(100, 6, ""),
+        65536,
+    );
+    s.close(ROUTER, 6);
+    assert_eq!(
+        s.kinds(),
+        vec![
+            (Stage::Router, Kind::Dispatched, Some(5)),
+            (Stage::Decode, Kind::Work, Some(5)),
+            (Stage::Router, Kind::Dispatched, Some(6)),
+            (Stage::Decode, Kind::Cancelled, Some(6)),
+        ]
+    );
+}
+
+#[test]
+fn zmtp_control_from_decode() {
+    let mut s = Sim::new();
+    s.connect(DECODE, 9, "127.0.0.1:17000");
+    let mut wire = vec![0xFF, 0, 0, 0, 0, 0, 0, 0, 1, 0x7F, 3, 1];
+    wire.resize(64, 0);
+    for (body, more) in [
+        (&b"BOOTSTRAP"[..], true),
+        (b"42", true),
+        (b"127.0.0.1", true),
+        (b"17001", false),
+        (b"ABORT", true),
+        (b"42", false),
+    ] {
+        wire.push(more as u8);
+        wire.push(body.len() as u8);
+        wire.extend_from_slice(body);
+    }
+    s.io(DECODE, 9, syscall::SENDTO, &wire[..10], 4096);
+    s.io(DECODE, 9, syscall::SENDTO, &wire[10..], 4096);
+    assert_eq!(
+        s.kinds(),
+        vec![
+            (Stage::Transfer, Kind::Work, Some(42)),
+            (Stage::Transfer, Kind::Cancelled, Some(42))
+        ]
+    );
+}
+
+#[test]
+fn bootstrap_route_query_is_transfer_work() {
+    let mut s = Sim::new();
+    s.connect(DECODE, 9, "127.0.0.1:8998");
+    s.io(
+        DECODE,
+        9,
+        syscall::WRITE,
+        b"GET /route?engine_rank=0&target_dp_group=0 HTTP/1.1\r\nhost: x\r\n\r\n",
+        4096,
+    );
+    assert_eq!(s.kinds(), vec![(Stage::Transfer, Kind::Work, None)]);
+}
+
+#[test]
+fn connections_are_bounded() {
+    let mut t = Tracker::new(
+        None,
+        Clock::default(),
+        Limits {
+            max_conns: 4,
+            max_pending: 2,
+        },
+    );
+    t.set_role(1, Role::Prefill);
+    let mut out = Vec::new();
+    for fd in 0..10 {
+        let hdr = Header {
+            kind: kind::ACCEPT,
+            tgid: 1,
+            tid: 1,
+            _pad: 0,
+            ts_ns: fd as u64,
+        };
+        t.on_record(
+            &Record::Accept(Conn {
+                hdr,
+                fd,
+                peer: None,
+            }),
+            &mut out,
+        );
+    }
+    assert_eq!(t.conn_count(), 4);
+    assert_eq!(t.stats.conns_evicted, 6);
+}
+
+proptest! {
+    #[test]
+    fn arbitrary_bytes_on_any_connection_never_panic(
+        chunks in proptest::collection::vec((0u32..3, 0u32..2, any::<bool>(), proptest::collection::vec(any::<u8>(), 0..300)), 0..20)
+    ) {
+        let mut s = Sim::new();
+        s.connect(ROUTER, 0, "127.0.0.1:31001");
+        s.accept(PREFILL, 1);
+        for (who, fd, ingress, bytes) in chunks {
+            let tgid = [ROUTER, PREFILL, DECODE][who as usize];
+            let sc = if ingress { syscall::RECVFROM } else { syscall::SENDTO };
+            s.io(tgid, fd, sc, &bytes, 97);
+        }
+        s.close(ROUTER, 0);
+    }
+}

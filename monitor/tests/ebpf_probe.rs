@@ -1,0 +1,374 @@
+//! Real probe tests: load the kernel programs and watch real processes on loopback.
+//!
+//! They need root (or CAP_BPF + CAP_PERFMON), python3, and what `cargo xtask setup` installs.
+//! They FAIL, loudly, when the probes cannot load: a node where the probes silently do nothing
+//! is exactly what this suite must catch. Run: `cargo test -p revenant --test ebpf_probe`.
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use monitor_common::counter;
+use revenant::ingest::ebpf::{CaptureConfig, Discovery, EbpfConfig, EbpfSource, Probes, Role};
+use revenant::{Kind, LifecycleEvent, Stage};
+
+fn support(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/support")
+        .join(name)
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn start_source(cfg: EbpfConfig) -> EbpfSource {
+    EbpfSource::start(cfg).unwrap_or_else(|e| {
+        panic!("eBPF probes must load on this machine (run as root after `cargo xtask setup`): {e}")
+    })
+}
+
+/// A child process killed when the test ends, however it ends.
+struct Proc {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    lines: mpsc::Receiver<String>,
+}
+
+impl Proc {
+    fn spawn(args: &[String]) -> Proc {
+        let mut child = Command::new("python3")
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("python3 must be installed for the probe tests");
+        let stdout = child.stdout.take().unwrap();
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let stdin = child.stdin.take();
+        let mut p = Proc {
+            child,
+            stdin,
+            lines,
+        };
+        p.expect_line("READY");
+        p
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    fn expect_line(&mut self, prefix: &str) -> String {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(l) if l.starts_with(prefix) => return l,
+                Ok(_) => continue,
+                Err(e) => panic!("process {} never printed {prefix:?}: {e}", self.child.id()),
+            }
+        }
+    }
+
+    fn go(&mut self) {
+        let stdin = self.stdin.as_mut().unwrap();
+        stdin.write_all(b"go\n").unwrap();
+        stdin.flush().unwrap();
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+struct Pd {
+    prefill: Proc,
+    decode: Proc,
+    router: Proc,
+    room: u64,
+}
+
+/// Starts fake prefill (rejecting with 400) and decode workers and a fake router in front.
+fn start_pd(canary: &str, request_id: &str, repeat: u32, prompt_bytes: usize) -> Pd {
+    let (pp, dp, bp, kp) = (free_port(), free_port(), free_port(), free_port());
+    let worker = support("fake_worker.py").display().to_string();
+    let prefill = Proc::spawn(&[
+        worker.clone(),
+        "--role".into(),
+        "prefill".into(),
+        "--port".into(),
+        pp.to_string(),
+        "--bootstrap-port".into(),
+        bp.to_string(),
+        "--kv-port".into(),
+        kp.to_string(),
+    ]);
+    let decode = Proc::spawn(&[
+        worker,
+        "--role".into(),
+        "decode".into(),
+        "--port".into(),
+        dp.to_string(),
+    ]);
+    let room = 9066467638188682269u64 - u64::from(pp);
+    let router = Proc::spawn(&[
+        support("fake_router.py").display().to_string(),
+        "--prefill".into(),
+        pp.to_string(),
+        "--decode".into(),
+        dp.to_string(),
+        "--bootstrap-port".into(),
+        bp.to_string(),
+        "--room".into(),
+        room.to_string(),
+        "--prompt-bytes".into(),
+        prompt_bytes.to_string(),
+        "--canary".into(),
+        canary.into(),
+        "--request-id".into(),
+        request_id.into(),
+        "--repeat".into(),
+        repeat.to_string(),
+    ]);
+    Pd {
+        prefill,
+        decode,
+        router,
+        room,
+    }
+}
+
+fn pd_discovery(pd: &Pd) -> Discovery {
+    Discovery {
+        pids: vec![
+            revenant::ingest::ebpf::PidRule {
+                role: Role::Prefill,
+                pid: pd.prefill.pid(),
+            },
+            revenant::ingest::ebpf::PidRule {
+                role: Role::Decode,
+                pid: pd.decode.pid(),
+            },
+            revenant::ingest::ebpf::PidRule {
+                role: Role::Router,
+                pid: pd.router.pid(),
+            },
+        ],
+        watch: vec![],
+        conventions: false,
+    }
+}
+
+fn wait_watched(src: &mut EbpfSource, pids: &[u32]) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut sink = Vec::new();
+    while !pids.iter().all(|p| src.watched().contains_key(p)) {
+        assert!(
+            Instant::now() < deadline,
+            "processes {pids:?} never watched: {:?}",
+            src.watched()
+        );
+        src.rescan();
+        src.drain(&mut sink);
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn has(events: &[LifecycleEvent], stage: Stage, kind: Kind, room: Option<u64>) -> bool {
+    events.iter().any(|e| {
+        e.stage == stage
+            && e.kind == kind
+            && (room.is_none() || e.ids.bootstrap_room.map(|r| r.0) == room)
+    })
+}
+
+#[test]
+fn probes_load_and_attach() {
+    let mut probes = Probes::load(&CaptureConfig::default()).unwrap_or_else(|e| {
+        panic!("eBPF probes must load on this machine (run as root after `cargo xtask setup`): {e}")
+    });
+    probes.watch(std::process::id()).expect("watch self");
+    assert!(probes.watched_ids().contains(&std::process::id()));
+    probes.counters().expect("kernel counters readable");
+}
+
+/// The disclosed bug, seen from the kernel only: the router sends one 300 KB prompt to prefill and
+/// decode at once with `bootstrap_room` at the very end of the body; prefill rejects it (400) while
+/// decode bootstraps the KV transfer and answers. Also the privacy check: a canary at both ends
+/// of the prompt never shows up in any event.
+#[test]
+fn big_prompt_room_at_the_end_prefill_rejects_decode_works() {
+    const CANARY: &str = "CANARY-b7e1d2-PROMPT-TEXT";
+    let mut pd = start_pd(CANARY, "req-ebpf-big", 1, 300_000);
+    let cfg = EbpfConfig {
+        discovery: pd_discovery(&pd),
+        node: Some("test-node".into()),
+        ..Default::default()
+    };
+    let mut src = start_source(cfg);
+    wait_watched(
+        &mut src,
+        &[pd.prefill.pid(), pd.decode.pid(), pd.router.pid()],
+    );
+    pd.router.go();
+    let outcome = pd.router.expect_line("{");
+    assert!(
+        outcome.contains("\"prefill\": 400") && outcome.contains("\"decode\": 200"),
+        "{outcome}"
+    );
+
+    let room = Some(pd.room);
+    let want = [
+        (Stage::Router, Kind::Dispatched, room),
+        (Stage::Prefill, Kind::Received, room),
+        (Stage::Prefill, Kind::Rejected, room),
+        (Stage::Decode, Kind::Received, room),
+        (Stage::Transfer, Kind::Work, room),
+        (Stage::Transfer, Kind::Work, None),
+        (Stage::Decode, Kind::Work, room),
+        (Stage::Decode, Kind::Completed, room),
+    ];
+    let mut events = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !want.iter().all(|(s, k, r)| has(&events, *s, *k, *r)) && Instant::now() < deadline {
+        src.drain(&mut events);
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let shown: Vec<String> = events
+        .iter()
+        .map(|e| {
+            format!(
+                "{:?}/{:?} room={:?} status={:?} to={:?} detail={:?}",
+                e.stage, e.kind, e.ids.bootstrap_room, e.status, e.to, e.detail
+            )
+        })
+        .collect();
+    for (s, k, r) in want {
+        assert!(
+            has(&events, s, k, r),
+            "missing {s}/{k} room={r:?}; got:\n{}",
+            shown.join("\n")
+        );
+    }
+    let dispatched: Vec<_> = events
+        .iter()
+        .filter(|e| e.kind == Kind::Dispatched)
+        .collect();
+    assert_eq!(dispatched.len(), 2, "{shown:#?}");
+    assert!(dispatched.iter().any(|e| e.to == Some(Stage::Prefill)));
+    assert!(dispatched.iter().any(|e| e.to == Some(Stage::Decode)));
+    let rejected = events.iter().find(|e| e.kind == Kind::Rejected).unwrap();
+    assert_eq!(rejected.status, Some(400));
+    assert_eq!(
+        rejected.reason.as_deref(),
+        Some("Prefill rejected: over capacity")
+    );
+    for e in events.iter().filter(|e| e.stage != Stage::Transfer) {
+        assert_eq!(e.ids.request_id.as_deref(), Some("req-ebpf-big"), "{e:?}");
+        assert_eq!(
+            e.ids.trace_id.as_deref(),
+            Some("0af7651916cd43dd8448eb211c80319c")
+        );
+    }
+    for e in &events {
+        assert_eq!(e.source, revenant::Source::Ebpf);
+        assert_eq!(e.node.as_deref(), Some("test-node"));
+        assert!(
+            !format!("{e:?}").contains("CANARY"),
+            "prompt text reached an event: {e:?}"
+        );
+    }
+    src.rescan();
+    let stats = src.stats();
+    assert_eq!(stats.kernel(counter::RINGBUF_DROPS), 0);
+    assert!(stats.kernel(counter::SENT) > 0);
+    assert!(!stats.coverage_degraded());
+}
+
+/// A stalled consumer: the kernel ring buffer overflows and a full pipeline channel drops
+/// batches; both are counted and raise the "coverage degraded" signal.
+#[test]
+fn drops_are_counted_and_degrade_coverage() {
+    let mut pd = start_pd("", "req-ebpf-drops", 20, 200_000);
+    let cfg = EbpfConfig {
+        capture: CaptureConfig {
+            head_bytes: 4096,
+            tail_bytes: 4096,
+            ring_bytes: 16 * 1024,
+            wakeup_bytes: 0,
+        },
+        discovery: pd_discovery(&pd),
+        rescan_every: Duration::from_millis(50),
+        ..Default::default()
+    };
+    let mut src = start_source(cfg);
+    wait_watched(
+        &mut src,
+        &[pd.prefill.pid(), pd.decode.pid(), pd.router.pid()],
+    );
+    let stats = src.stats();
+    src.rescan();
+    assert!(!stats.coverage_degraded(), "nothing lost yet");
+    // Stall: nobody drains the ring buffer while 40 large requests go by.
+    pd.router.go();
+    pd.router.expect_line("{");
+    src.rescan();
+    assert!(
+        stats.kernel(counter::RINGBUF_DROPS) > 0,
+        "a 16 KiB ring must overflow"
+    );
+    assert!(
+        stats.coverage_degraded(),
+        "kernel drops must degrade coverage"
+    );
+
+    // A pipeline that never takes anything: batches are dropped, counted, never waited on.
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let (tx, _rx) = tokio::sync::mpsc::channel(1);
+    tx.try_send(Vec::new()).unwrap();
+    let mut router2 = start_pd("", "req-ebpf-drops-2", 2, 1000);
+    src.watch(router2.prefill.pid(), Role::Prefill).unwrap();
+    src.watch(router2.decode.pid(), Role::Decode).unwrap();
+    src.watch(router2.router.pid(), Role::Router).unwrap();
+    router2.router.go();
+    router2.router.expect_line("{");
+    rt.block_on(async {
+        let shutdown = tokio::time::sleep(Duration::from_millis(500));
+        src.run(tx, shutdown).await.expect("run");
+    });
+    assert!(
+        stats
+            .batches_dropped
+            .load(std::sync::atomic::Ordering::Relaxed)
+            > 0
+    );
+    assert!(
+        stats
+            .events_dropped
+            .load(std::sync::atomic::Ordering::Relaxed)
+            > 0
+    );
+    assert!(stats.losses() > 0);
+}
