@@ -51,27 +51,44 @@ async fn webhook_down_then_up_delivers_each_fingerprint_exactly_once() {
     let port = free_port();
     let addr: SocketAddr = ([127, 0, 0, 1], port).into();
     let metrics = Arc::new(Metrics::new());
-    let cfg = config(dir.path(), &format!("http://{addr}/hook"), Some("s3cret"), 7);
+    let cfg = config(
+        dir.path(),
+        &format!("http://{addr}/hook"),
+        Some("s3cret"),
+        7,
+    );
     let p = AlertPipeline::start(&cfg, metrics.clone(), None, None).unwrap();
     const N: usize = 40;
     // Every fingerprint three times: repeats fold into the first notification.
     for round in 0..3 {
         for i in 0..N {
-            assert!(revenant::alert::offer(&p.sender, violation(i), &metrics), "round {round}");
+            assert!(
+                revenant::alert::offer(&p.sender, violation(i), &metrics),
+                "round {round}"
+            );
         }
     }
     // Nothing listens yet: wait until delivery has really failed a few times.
     wait_for(Duration::from_secs(20), "connection failures", async || {
-        (metric(&metrics, "revenant_alert_deliveries_total{sink=\"webhook-0\",outcome=\"retryable_error\"}") >= 3.0)
+        (metric(
+            &metrics,
+            "revenant_alert_deliveries_total{sink=\"webhook-0\",outcome=\"retryable_error\"}",
+        ) >= 3.0)
             .then_some(())
     })
     .await;
-    assert_eq!(metric(&metrics, "revenant_spool_entries"), N as f64, "all spooled while down");
+    assert_eq!(
+        metric(&metrics, "revenant_spool_entries"),
+        N as f64,
+        "all spooled while down"
+    );
     let rx = Receiver::new(Some("s3cret"), Duration::ZERO);
     let server = rx.serve(addr).await;
-    wait_for(Duration::from_secs(30), "all fingerprints delivered", async || {
-        (rx.counts_by("fingerprint").len() >= N).then_some(())
-    })
+    wait_for(
+        Duration::from_secs(30),
+        "all fingerprints delivered",
+        async || (rx.counts_by("fingerprint").len() >= N).then_some(()),
+    )
     .await;
     drop(p.sender);
     let report = p.handle.await.unwrap();
@@ -83,50 +100,101 @@ async fn webhook_down_then_up_delivers_each_fingerprint_exactly_once() {
     assert_eq!(report.received, 3 * N as u64);
     assert_eq!(report.deduplicated, 2 * N as u64);
     assert_eq!(report.undelivered_at_exit, 0);
-    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "spool emptied after acks");
+    assert_eq!(
+        std::fs::read_dir(dir.path()).unwrap().count(),
+        0,
+        "spool emptied after acks"
+    );
     // The documented payload fields are present.
     let a = &rx.alerts()[0];
-    for k in ["type", "id", "rule", "severity", "summary", "request", "attempt", "detected_at", "detected_at_ns",
-        "fingerprint", "occurrences", "evidence", "links"] {
+    for k in [
+        "type",
+        "id",
+        "rule",
+        "severity",
+        "summary",
+        "request",
+        "attempt",
+        "detected_at",
+        "detected_at_ns",
+        "fingerprint",
+        "occurrences",
+        "evidence",
+        "links",
+    ] {
         assert!(a.get(k).is_some(), "payload lacks {k}: {a}");
     }
     assert_eq!(a["evidence"][0]["source"], "otlp");
-    assert!(a["links"]["timeline"].as_str().unwrap().starts_with("http://127.0.0.1:9464/api/requests/req-"));
+    assert!(
+        a["links"]["timeline"]
+            .as_str()
+            .unwrap()
+            .starts_with("http://127.0.0.1:9464/api/requests/req-")
+    );
     let text = metrics.render();
-    assert!(text.contains(&format!("revenant_alert_delivered_notifications_total{{sink=\"webhook-0\"}} {N}")), "{text}");
+    assert!(
+        text.contains(&format!(
+            "revenant_alert_delivered_notifications_total{{sink=\"webhook-0\"}} {N}"
+        )),
+        "{text}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn honours_retry_after_and_does_not_retry_permanent_refusals() {
     let dir = tempfile::tempdir().unwrap();
-    let addr: SocketAddr = ([127, 0, 0, 1], free_port()).into();
     let rx = Receiver::new(None, Duration::ZERO);
     rx.mode.store(429, Ordering::SeqCst);
-    let server = rx.serve(addr).await;
+    let (addr, server) = rx.serve_any().await;
     let metrics = Arc::new(Metrics::new());
     let cfg = config(dir.path(), &format!("http://{addr}/hook"), None, 10);
     let p = AlertPipeline::start(&cfg, metrics.clone(), None, None).unwrap();
     revenant::alert::offer(&p.sender, violation(1), &metrics);
-    wait_for(Duration::from_secs(10), "a 429", async || (*rx.requests.lock().unwrap() >= 1).then_some(())).await;
+    wait_for(Duration::from_secs(10), "a 429", async || {
+        (*rx.requests.lock().unwrap() >= 1).then_some(())
+    })
+    .await;
     let t0 = std::time::Instant::now();
-    wait_for(Duration::from_secs(10), "the retry", async || (*rx.requests.lock().unwrap() >= 2).then_some(())).await;
+    wait_for(Duration::from_secs(10), "the retry", async || {
+        (*rx.requests.lock().unwrap() >= 2).then_some(())
+    })
+    .await;
     // Retry-After: 1 beats the 100 ms backoff.
-    assert!(t0.elapsed() >= Duration::from_millis(800), "retried after {:?}", t0.elapsed());
+    assert!(
+        t0.elapsed() >= Duration::from_millis(800),
+        "retried after {:?}",
+        t0.elapsed()
+    );
     rx.mode.store(MODE_OK, Ordering::SeqCst);
-    wait_for(Duration::from_secs(10), "delivery after 429", async || (rx.alerts().len() == 1).then_some(())).await;
+    wait_for(Duration::from_secs(10), "delivery after 429", async || {
+        (rx.alerts().len() == 1).then_some(())
+    })
+    .await;
 
     // 400: counted and dropped, never retried.
     rx.mode.store(400, Ordering::SeqCst);
     for i in 10..13 {
         revenant::alert::offer(&p.sender, violation(i), &metrics);
     }
-    wait_for(Duration::from_secs(10), "permanent drops counted", async || {
-        (metric(&metrics, "revenant_dropped_items_total{point=\"sink\",reason=\"permanent_error\"}") == 3.0).then_some(())
-    })
+    wait_for(
+        Duration::from_secs(10),
+        "permanent drops counted",
+        async || {
+            (metric(
+                &metrics,
+                "revenant_dropped_items_total{point=\"sink\",reason=\"permanent_error\"}",
+            ) == 3.0)
+                .then_some(())
+        },
+    )
     .await;
     let requests = *rx.requests.lock().unwrap();
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    assert_eq!(*rx.requests.lock().unwrap(), requests, "a permanent refusal was retried");
+    assert_eq!(
+        *rx.requests.lock().unwrap(),
+        requests,
+        "a permanent refusal was retried"
+    );
     assert_eq!(metric(&metrics, "revenant_spool_entries"), 0.0);
     drop(p.sender);
     p.handle.await.unwrap();
@@ -141,7 +209,10 @@ fn spool_child() {
         return;
     };
     let url = std::env::var("REVENANT_TEST_URL").unwrap();
-    let produce: usize = std::env::var("REVENANT_TEST_PRODUCE").unwrap().parse().unwrap();
+    let produce: usize = std::env::var("REVENANT_TEST_PRODUCE")
+        .unwrap()
+        .parse()
+        .unwrap();
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async move {
         let metrics = Arc::new(Metrics::new());
@@ -167,10 +238,9 @@ fn spool_child() {
 async fn sigkill_mid_delivery_loses_nothing() {
     const N: usize = 60;
     let dir = tempfile::tempdir().unwrap();
-    let addr: SocketAddr = ([127, 0, 0, 1], free_port()).into();
     // Slow receiver: each request is recorded on arrival and answered 40 ms later.
     let rx = Receiver::new(None, Duration::from_millis(40));
-    let server = rx.serve(addr).await;
+    let (addr, server) = rx.serve_any().await;
     let child = |produce: usize| {
         let mut c = Command::new(std::env::current_exe().unwrap());
         c.args(["--exact", "spool_child", "--nocapture", "--test-threads=1"])
@@ -184,43 +254,83 @@ async fn sigkill_mid_delivery_loses_nothing() {
     // Wait (bounded) for the child to say everything is on disk.
     let out = first.0.stdout.take().unwrap();
     let line = tokio::task::spawn_blocking(move || {
-        std::io::BufReader::new(out).lines().map_while(Result::ok).find_map(|l| l.find("SPOOLED").map(|i| l[i..].to_string()))
+        std::io::BufReader::new(out)
+            .lines()
+            .map_while(Result::ok)
+            .find_map(|l| l.find("SPOOLED").map(|i| l[i..].to_string()))
     });
-    let line = tokio::time::timeout(Duration::from_secs(60), line).await.expect("child never spooled").unwrap();
+    let line = tokio::time::timeout(Duration::from_secs(60), line)
+        .await
+        .expect("child never spooled")
+        .unwrap();
     // libtest prints "test spool_child ... " on the same line.
     assert_eq!(line.as_deref(), Some(format!("SPOOLED {N}").as_str()));
-    wait_for(Duration::from_secs(30), "partial delivery", async || (rx.alerts().len() >= N / 4).then_some(())).await;
+    wait_for(Duration::from_secs(30), "partial delivery", async || {
+        (rx.alerts().len() >= N / 4).then_some(())
+    })
+    .await;
     // SIGKILL: no destructor, no drain.
     let pid = first.0.id() as i32;
     unsafe { libc::kill(pid, libc::SIGKILL) };
     let _ = first.0.wait();
     let before = rx.alerts().len();
-    assert!(before < N, "the kill came too late to test anything ({before} of {N} delivered)");
-    let left = std::fs::read_dir(dir.path()).unwrap().filter(|e| {
-        e.as_ref().unwrap().path().extension().is_some_and(|x| x == "json")
-    }).count();
+    assert!(
+        before < N,
+        "the kill came too late to test anything ({before} of {N} delivered)"
+    );
+    let left = std::fs::read_dir(dir.path())
+        .unwrap()
+        .filter(|e| {
+            e.as_ref()
+                .unwrap()
+                .path()
+                .extension()
+                .is_some_and(|x| x == "json")
+        })
+        .count();
     assert!(left > 0, "spool should still hold undelivered alerts");
 
     let _second = child(0);
-    wait_for(Duration::from_secs(60), "every fingerprint after restart", async || {
-        (rx.counts_by("fingerprint").len() >= N).then_some(())
-    })
+    wait_for(
+        Duration::from_secs(60),
+        "every fingerprint after restart",
+        async || (rx.counts_by("fingerprint").len() >= N).then_some(()),
+    )
     .await;
     wait_for(Duration::from_secs(10), "spool drained", async || {
         (std::fs::read_dir(dir.path()).unwrap().count() == 0).then_some(())
     })
     .await;
-    let ids: HashSet<String> = rx.alerts().iter().map(|a| a["id"].as_str().unwrap().to_string()).collect();
+    let ids: HashSet<String> = rx
+        .alerts()
+        .iter()
+        .map(|a| a["id"].as_str().unwrap().to_string())
+        .collect();
     assert_eq!(ids.len(), N, "every notification id arrived");
     let dup = rx.alerts().len() - N;
     if dup > 0 {
-        let order: Vec<String> = rx.alerts().iter().map(|a| a["id"].as_str().unwrap().rsplit('-').next().unwrap().to_string()).collect();
+        let order: Vec<String> = rx
+            .alerts()
+            .iter()
+            .map(|a| {
+                a["id"]
+                    .as_str()
+                    .unwrap()
+                    .rsplit('-')
+                    .next()
+                    .unwrap()
+                    .to_string()
+            })
+            .collect();
         eprintln!("arrival order (kill after {before}): {order:?}");
     }
     // At least once: what was in flight at the kill (one request, batch of one) arrives again,
     // and under load an ambiguous failure (request arrived, answer lost) can add one more retry.
     // Receivers deduplicate on `id`, which the assertion above shows is stable.
     assert!(dup <= 3, "{dup} duplicates");
-    eprintln!("sigkill: {before} delivered before the kill, {} after restart, {dup} duplicate(s)", rx.alerts().len() - before);
+    eprintln!(
+        "sigkill: {before} delivered before the kill, {} after restart, {dup} duplicate(s)",
+        rx.alerts().len() - before
+    );
     server.abort();
 }

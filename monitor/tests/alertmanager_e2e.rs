@@ -5,7 +5,6 @@
 
 mod common;
 
-use std::net::SocketAddr;
 use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
@@ -18,9 +17,8 @@ use revenant::alert::{AlertConfig, AlertPipeline, AlertmanagerConfig};
 async fn alertmanager_receives_reposts_and_routes_alerts() {
     let am_bin = ensure_debian_package("prometheus-alertmanager", "prometheus-alertmanager");
     let tmp = tempfile::tempdir().unwrap();
-    let hook: SocketAddr = ([127, 0, 0, 1], free_port()).into();
     let receiver = Receiver::new(None, Duration::ZERO);
-    let hook_task = receiver.serve(hook).await;
+    let (hook, hook_task) = receiver.serve_any().await;
 
     let am_port = free_port();
     let am_cfg = tmp.path().join("alertmanager.yml");
@@ -34,7 +32,10 @@ async fn alertmanager_receives_reposts_and_routes_alerts() {
     let _am = spawn(
         Command::new(&am_bin)
             .arg(format!("--config.file={}", am_cfg.display()))
-            .arg(format!("--storage.path={}", tmp.path().join("am").display()))
+            .arg(format!(
+                "--storage.path={}",
+                tmp.path().join("am").display()
+            ))
             .arg(format!("--web.listen-address=127.0.0.1:{am_port}"))
             // No gossip: a single instance on loopback.
             .arg("--cluster.listen-address=")
@@ -43,12 +44,14 @@ async fn alertmanager_receives_reposts_and_routes_alerts() {
     );
     let am = format!("http://127.0.0.1:{am_port}");
     let http = revenant::alert::webhook::http_client(Duration::from_secs(5)).unwrap();
-    wait_for(Duration::from_secs(60), "Alertmanager ready", async || {
-        match http.get(format!("{am}/-/ready")).send().await {
+    wait_for(
+        Duration::from_secs(60),
+        "Alertmanager ready",
+        async || match http.get(format!("{am}/-/ready")).send().await {
             Ok(r) if r.status() == 200 => Some(()),
             _ => None,
-        }
-    })
+        },
+    )
     .await;
 
     let metrics = Arc::new(Metrics::new());
@@ -72,15 +75,25 @@ async fn alertmanager_receives_reposts_and_routes_alerts() {
         let http = http.clone();
         let am = am.clone();
         async move {
-            let v: serde_json::Value =
-                http.get(format!("{am}/api/v2/alerts")).send().await.unwrap().json().await.unwrap();
+            let v: serde_json::Value = http
+                .get(format!("{am}/api/v2/alerts"))
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
             v.as_array().cloned().unwrap_or_default()
         }
     };
-    let alerts = wait_for(Duration::from_secs(20), "3 alerts in Alertmanager", async || {
-        let a = get_alerts().await;
-        (a.len() == 3).then_some(a)
-    })
+    let alerts = wait_for(
+        Duration::from_secs(20),
+        "3 alerts in Alertmanager",
+        async || {
+            let a = get_alerts().await;
+            (a.len() == 3).then_some(a)
+        },
+    )
     .await;
     let mut fps = Vec::new();
     for a in &alerts {
@@ -92,10 +105,31 @@ async fn alertmanager_receives_reposts_and_routes_alerts() {
         assert_eq!(l["cluster"], "test-cluster");
         fps.push(l["fingerprint"].as_str().unwrap().to_string());
         let an = &a["annotations"];
-        assert!(an["summary"].as_str().unwrap().contains("rejected by prefill"));
-        assert!(an["evidence"].as_str().unwrap().contains("prefill/rejected via otlp status=400"), "{an}");
-        assert!(an["timeline"].as_str().unwrap().starts_with("http://127.0.0.1:9464/api/requests/req-"));
-        assert!(a["generatorURL"].as_str().unwrap().starts_with("http://127.0.0.1:9464/"));
+        assert!(
+            an["summary"]
+                .as_str()
+                .unwrap()
+                .contains("rejected by prefill")
+        );
+        assert!(
+            an["evidence"]
+                .as_str()
+                .unwrap()
+                .contains("prefill/rejected via otlp status=400"),
+            "{an}"
+        );
+        assert!(
+            an["timeline"]
+                .as_str()
+                .unwrap()
+                .starts_with("http://127.0.0.1:9464/api/requests/req-")
+        );
+        assert!(
+            a["generatorURL"]
+                .as_str()
+                .unwrap()
+                .starts_with("http://127.0.0.1:9464/")
+        );
         assert_eq!(a["status"]["state"], "active");
     }
     fps.sort();
@@ -105,7 +139,10 @@ async fn alertmanager_receives_reposts_and_routes_alerts() {
 
     // Re-posted while active: Alertmanager's updatedAt moves forward.
     let updated = |a: &[serde_json::Value]| {
-        let mut u: Vec<String> = a.iter().map(|x| x["updatedAt"].as_str().unwrap().to_string()).collect();
+        let mut u: Vec<String> = a
+            .iter()
+            .map(|x| x["updatedAt"].as_str().unwrap().to_string())
+            .collect();
         u.sort();
         u
     };
@@ -117,19 +154,28 @@ async fn alertmanager_receives_reposts_and_routes_alerts() {
     .await;
 
     // Routed by Alertmanager to our webhook (its own payload format).
-    let routed = wait_for(Duration::from_secs(20), "Alertmanager webhook notifications", async || {
-        // The receiver unpacks `alerts[]` of Alertmanager's webhook envelope.
-        let got: Vec<String> = receiver
-            .alerts()
-            .iter()
-            .filter(|a| a["status"] == "firing" && a["labels"]["source"] == "revenant")
-            .map(|a| a["labels"]["fingerprint"].as_str().unwrap_or("").to_string())
-            .collect();
-        let mut u = got.clone();
-        u.sort();
-        u.dedup();
-        (u.len() == 3).then_some(u)
-    })
+    let routed = wait_for(
+        Duration::from_secs(20),
+        "Alertmanager webhook notifications",
+        async || {
+            // The receiver unpacks `alerts[]` of Alertmanager's webhook envelope.
+            let got: Vec<String> = receiver
+                .alerts()
+                .iter()
+                .filter(|a| a["status"] == "firing" && a["labels"]["source"] == "revenant")
+                .map(|a| {
+                    a["labels"]["fingerprint"]
+                        .as_str()
+                        .unwrap_or("")
+                        .to_string()
+                })
+                .collect();
+            let mut u = got.clone();
+            u.sort();
+            u.dedup();
+            (u.len() == 3).then_some(u)
+        },
+    )
     .await;
     assert_eq!(routed, want);
     drop(p.sender);

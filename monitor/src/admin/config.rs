@@ -107,9 +107,21 @@ mod tests {
     fn flattened_flags_do_not_collide_and_parse() {
         Probe::command().debug_assert();
         let p = Probe::try_parse_from([
-            "x", "--admin", "127.0.0.1:0", "--webhook", "http://a/1", "--webhook", "http://b/2",
-            "--alertmanager", "http://am:9093", "--spool-dir", "/tmp/s", "--log-format", "json",
-            "--dedup-window", "2m",
+            "x",
+            "--admin",
+            "127.0.0.1:0",
+            "--webhook",
+            "http://a/1",
+            "--webhook",
+            "http://b/2",
+            "--alertmanager",
+            "http://am:9093",
+            "--spool-dir",
+            "/tmp/s",
+            "--log-format",
+            "json",
+            "--dedup-window",
+            "2m",
         ])
         .unwrap();
         assert_eq!(p.alert.webhooks.len(), 2);

@@ -22,8 +22,15 @@ pub struct EventObserved<'a> {
 impl EventObserved<'_> {
     pub fn emit(&self, m: &Metrics) {
         let e = self.event;
-        trace!(source = e.source.as_str(), stage = e.stage.as_str(), kind = e.kind.as_str(), "event observed");
-        m.events.get_or_create(&event_labels(e.source, e.stage, e.kind)).inc();
+        trace!(
+            source = e.source.as_str(),
+            stage = e.stage.as_str(),
+            kind = e.kind.as_str(),
+            "event observed"
+        );
+        m.events
+            .get_or_create(&event_labels(e.source, e.stage, e.kind))
+            .inc();
         let src = SourceLabels {
             source: e.source.as_str(),
         };
@@ -46,7 +53,12 @@ pub struct ItemsDropped {
 
 impl ItemsDropped {
     pub fn emit(&self, m: &Metrics) {
-        warn!(point = self.point.as_str(), reason = self.reason, count = self.count, "items dropped");
+        warn!(
+            point = self.point.as_str(),
+            reason = self.reason,
+            count = self.count,
+            "items dropped"
+        );
         m.dropped
             .get_or_create(&DropLabels {
                 point: self.point.as_str(),
@@ -84,7 +96,11 @@ pub struct AlertReceived<'a> {
 
 impl AlertReceived<'_> {
     pub fn emit(&self, m: &Metrics) {
-        debug!(rule = self.rule, severity = self.severity.as_str(), "violation received");
+        debug!(
+            rule = self.rule,
+            severity = self.severity.as_str(),
+            "violation received"
+        );
         m.alerts_received
             .get_or_create(&RuleLabels {
                 rule: self.rule.to_string(),
@@ -102,7 +118,12 @@ pub struct AlertDeduplicated<'a> {
 
 impl AlertDeduplicated<'_> {
     pub fn emit(&self, m: &Metrics) {
-        debug!(rule = self.rule, fingerprint = self.fingerprint, repeats = self.repeats, "violation folded into an open notification");
+        debug!(
+            rule = self.rule,
+            fingerprint = self.fingerprint,
+            repeats = self.repeats,
+            "violation folded into an open notification"
+        );
         m.alerts_deduplicated
             .get_or_create(&RuleLabel {
                 rule: self.rule.to_string(),
@@ -117,7 +138,10 @@ pub struct AlertRateLimited<'a> {
 
 impl AlertRateLimited<'_> {
     pub fn emit(&self, m: &Metrics) {
-        debug!(rule = self.rule, "violation rate-limited; it will be summarised");
+        debug!(
+            rule = self.rule,
+            "violation rate-limited; it will be summarised"
+        );
         m.alerts_rate_limited
             .get_or_create(&RuleLabel {
                 rule: self.rule.to_string(),
@@ -133,7 +157,11 @@ pub struct SuppressionSummarised<'a> {
 
 impl SuppressionSummarised<'_> {
     pub fn emit(&self, m: &Metrics) {
-        warn!(rule = self.rule, suppressed = self.suppressed, "rule exceeded its alert rate limit; sending a summary");
+        warn!(
+            rule = self.rule,
+            suppressed = self.suppressed,
+            "rule exceeded its alert rate limit; sending a summary"
+        );
         m.alerts_notified
             .get_or_create(&RuleLabel {
                 rule: self.rule.to_string(),
@@ -150,7 +178,11 @@ pub struct AlertSpooled<'a> {
 
 impl AlertSpooled<'_> {
     pub fn emit(&self, m: &Metrics) {
-        debug!(rule = self.rule, spool_entries = self.entries, "notification spooled");
+        debug!(
+            rule = self.rule,
+            spool_entries = self.entries,
+            "notification spooled"
+        );
         m.alerts_notified
             .get_or_create(&RuleLabel {
                 rule: self.rule.to_string(),
@@ -187,7 +219,12 @@ pub struct AlertsDelivered<'a> {
 
 impl AlertsDelivered<'_> {
     pub fn emit(&self, m: &Metrics) {
-        debug!(sink = self.sink, count = self.count, duration_ms = self.duration.as_secs_f64() * 1e3, "alerts delivered");
+        debug!(
+            sink = self.sink,
+            count = self.count,
+            duration_ms = self.duration.as_secs_f64() * 1e3,
+            "alerts delivered"
+        );
         let sink = SinkLabel {
             sink: self.sink.to_string(),
         };
@@ -197,7 +234,9 @@ impl AlertsDelivered<'_> {
                 outcome: Outcome::Success.as_str(),
             })
             .inc();
-        m.delivered_alerts.get_or_create(&sink).inc_by(self.count as u64);
+        m.delivered_alerts
+            .get_or_create(&sink)
+            .inc_by(self.count as u64);
         m.delivery_duration
             .get_or_create(&sink)
             .observe(self.duration.as_secs_f64());
@@ -221,7 +260,13 @@ pub struct AlertDeliveryFailed<'a> {
 impl AlertDeliveryFailed<'_> {
     pub fn emit(&self, m: &Metrics) {
         let outcome = if self.permanent {
-            error!(sink = self.sink, count = self.count, status = self.status, error = self.error, "alert delivery refused for good; not retried");
+            error!(
+                sink = self.sink,
+                count = self.count,
+                status = self.status,
+                error = self.error,
+                "alert delivery refused for good; not retried"
+            );
             ItemsDropped {
                 point: DropPoint::Sink,
                 reason: "permanent_error",
@@ -230,8 +275,14 @@ impl AlertDeliveryFailed<'_> {
             .emit(m);
             Outcome::PermanentError
         } else {
-            warn!(sink = self.sink, count = self.count, status = self.status, error = self.error,
-                retry_in_ms = self.retry_in.map(|d| d.as_millis() as u64), "alert delivery failed; will retry");
+            warn!(
+                sink = self.sink,
+                count = self.count,
+                status = self.status,
+                error = self.error,
+                retry_in_ms = self.retry_in.map(|d| d.as_millis() as u64),
+                "alert delivery failed; will retry"
+            );
             Outcome::RetryableError
         };
         m.deliveries
@@ -252,7 +303,12 @@ pub struct ComponentReady<'a> {
 
 impl ComponentReady<'_> {
     pub fn emit(&self, m: &Metrics) {
-        info!(component = self.component, kind = self.kind, all_ready = self.all_ready, "component ready");
+        info!(
+            component = self.component,
+            kind = self.kind,
+            all_ready = self.all_ready,
+            "component ready"
+        );
         m.component_ready
             .get_or_create(&super::metrics::ComponentLabels {
                 component: self.component.to_string(),

@@ -19,7 +19,7 @@ pub(super) struct OtlpCollector {
     pub(super) stats: Mutex<Option<Arc<OtlpStats>>>,
 }
 
-fn family<'a>(
+fn family(
     enc: &mut DescriptorEncoder,
     name: &str,
     help: &str,
@@ -42,16 +42,23 @@ impl Collector for OtlpCollector {
             "revenant_otlp_requests_accepted",
             "OTLP exports answered OK, by transport",
             Transport::ALL.map(|t| {
-                (vec![("transport", t.as_str().to_string())], s.requests_accepted[t as usize].load(Relaxed))
+                (
+                    vec![("transport", t.as_str().to_string())],
+                    s.requests_accepted[t as usize].load(Relaxed),
+                )
             }),
         )?;
-        let rej = |arr: &[[std::sync::atomic::AtomicU64; RejectReason::ALL.len()]; Transport::ALL.len()]| {
+        let rej = |arr: &[[std::sync::atomic::AtomicU64; RejectReason::ALL.len()];
+                        Transport::ALL.len()]| {
             Transport::ALL
                 .iter()
                 .flat_map(|t| {
                     RejectReason::ALL.iter().map(move |r| {
                         (
-                            vec![("transport", t.as_str().to_string()), ("reason", r.as_str().to_string())],
+                            vec![
+                                ("transport", t.as_str().to_string()),
+                                ("reason", r.as_str().to_string()),
+                            ],
                             arr[*t as usize][*r as usize].load(Relaxed),
                         )
                     })
@@ -84,14 +91,23 @@ impl Collector for OtlpCollector {
             &mut enc,
             "revenant_otlp_spans_received",
             "Spans received, by profile",
-            ProfileLabel::ALL.map(|p| (vec![("profile", p.as_str().to_string())], s.spans_received[p as usize].load(Relaxed))),
+            ProfileLabel::ALL.map(|p| {
+                (
+                    vec![("profile", p.as_str().to_string())],
+                    s.spans_received[p as usize].load(Relaxed),
+                )
+            }),
         )?;
         family(
             &mut enc,
             "revenant_otlp_log_records_received",
             "Log records received, by profile",
-            ProfileLabel::ALL
-                .map(|p| (vec![("profile", p.as_str().to_string())], s.log_records_received[p as usize].load(Relaxed))),
+            ProfileLabel::ALL.map(|p| {
+                (
+                    vec![("profile", p.as_str().to_string())],
+                    s.log_records_received[p as usize].load(Relaxed),
+                )
+            }),
         )?;
         family(
             &mut enc,
@@ -100,7 +116,10 @@ impl Collector for OtlpCollector {
             ProfileLabel::ALL.iter().flat_map(|p| {
                 Unmapped::ALL.iter().map(move |u| {
                     (
-                        vec![("profile", p.as_str().to_string()), ("reason", u.as_str().to_string())],
+                        vec![
+                            ("profile", p.as_str().to_string()),
+                            ("reason", u.as_str().to_string()),
+                        ],
                         s.unmapped[*p as usize][*u as usize].load(Relaxed),
                     )
                 })

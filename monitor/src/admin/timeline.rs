@@ -190,7 +190,11 @@ impl RecentEvents {
     }
 
     pub fn len(&self) -> usize {
-        self.inner.lock().unwrap_or_else(|p| p.into_inner()).events.len()
+        self.inner
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .events
+            .len()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -275,7 +279,9 @@ impl RecentEvents {
     /// Events carrying `a`, newest first, at most `max_per_alias`.
     fn walk(&self, g: &Inner, a: &Alias, out: &mut Vec<u64>) {
         let k = key(a);
-        let Some(&mut_seq) = g.last.get(&k) else { return };
+        let Some(&mut_seq) = g.last.get(&k) else {
+            return;
+        };
         let mut seq = mut_seq;
         let mut steps = 0;
         while seq != NONE && seq >= g.base && steps < self.limits.max_per_alias {
@@ -302,7 +308,12 @@ impl TimelineProvider for RecentEvents {
             Alias::Rid(q.clone()),
         ]
         .into_iter()
-        .chain(query.parse::<BootstrapRoom>().ok().map(|r| Alias::Room(r.0)))
+        .chain(
+            query
+                .parse::<BootstrapRoom>()
+                .ok()
+                .map(|r| Alias::Room(r.0)),
+        )
         .collect();
         let mut seen_alias: HashSet<Alias> = HashSet::new();
         let mut seqs: HashSet<u64> = HashSet::new();
@@ -320,7 +331,8 @@ impl TimelineProvider for RecentEvents {
                     }
                     let st = &g.events[(seq - g.base) as usize];
                     for b in aliases_of(&st.event) {
-                        if !seen_alias.contains(&b) && !next.contains(&b) && !frontier.contains(&b) {
+                        if !seen_alias.contains(&b) && !next.contains(&b) && !frontier.contains(&b)
+                        {
                             next.push(b);
                         }
                     }
@@ -378,15 +390,25 @@ mod tests {
         let idx = RecentEvents::new(RecentEventsLimits::default());
         let batch = vec![
             ev(1, Stage::Router, Kind::Received).with_request_id("req-1"),
-            ev(2, Stage::Router, Kind::Dispatched).with_request_id("req-1").with_room(0xabc),
-            ev(3, Stage::Prefill, Kind::Rejected).with_rid("p-1").with_room(0xabc).with_status(400),
-            ev(4, Stage::Decode, Kind::Work).with_rid("d-1").with_room(0xabc),
+            ev(2, Stage::Router, Kind::Dispatched)
+                .with_request_id("req-1")
+                .with_room(0xabc),
+            ev(3, Stage::Prefill, Kind::Rejected)
+                .with_rid("p-1")
+                .with_room(0xabc)
+                .with_status(400),
+            ev(4, Stage::Decode, Kind::Work)
+                .with_rid("d-1")
+                .with_room(0xabc),
             ev(5, Stage::Decode, Kind::Work).with_rid("d-1"),
             ev(6, Stage::Router, Kind::Received).with_request_id("other"),
         ];
         idx.record(&batch);
         let t = idx.timeline("req-1").expect("known");
-        assert_eq!(t.events.iter().map(|e| e.time_ns).collect::<Vec<_>>(), vec![1, 2, 3, 4, 5]);
+        assert_eq!(
+            t.events.iter().map(|e| e.time_ns).collect::<Vec<_>>(),
+            vec![1, 2, 3, 4, 5]
+        );
         assert_eq!(t.aliases.bootstrap_rooms, vec!["0xabc".to_string()]);
         // Any alias works, the room in hex or decimal too.
         assert_eq!(idx.timeline("d-1").unwrap().events.len(), 5);
@@ -409,6 +431,9 @@ mod tests {
         assert_eq!(idx.evicted(), 15);
         let t = idx.timeline("r0").unwrap();
         assert!(t.truncated);
-        assert_eq!(t.events.iter().map(|e| e.time_ns).collect::<Vec<_>>(), vec![20, 22, 24]);
+        assert_eq!(
+            t.events.iter().map(|e| e.time_ns).collect::<Vec<_>>(),
+            vec![20, 22, 24]
+        );
     }
 }

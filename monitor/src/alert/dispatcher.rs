@@ -72,7 +72,10 @@ struct SinkQueue {
 impl SinkQueue {
     fn push(&self, seq: u64) {
         self.outstanding.fetch_add(1, Ordering::SeqCst);
-        self.queue.lock().unwrap_or_else(|p| p.into_inner()).push_back(seq);
+        self.queue
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push_back(seq);
         self.notify.notify_one();
     }
 }
@@ -158,7 +161,8 @@ impl Dispatcher {
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let start = Instant::now();
         let mut last_refresh: Vec<Instant> = self.sinks.iter().map(|_| start).collect();
-        let mut resolved_pending: Vec<Vec<ActiveAlert>> = self.sinks.iter().map(|_| Vec::new()).collect();
+        let mut resolved_pending: Vec<Vec<ActiveAlert>> =
+            self.sinks.iter().map(|_| Vec::new()).collect();
         loop {
             tokio::select! {
                 v = rx.recv() => {
@@ -235,11 +239,17 @@ impl Dispatcher {
             }
             .emit(&self.metrics);
         }
-        let notes = summaries.into_iter().map(Notification::Suppressed).collect();
-        self.spool_and_enqueue(notes, &names, &queues, &mut report).await;
+        let notes = summaries
+            .into_iter()
+            .map(Notification::Suppressed)
+            .collect();
+        self.spool_and_enqueue(notes, &names, &queues, &mut report)
+            .await;
         let deadline = Instant::now() + self.cfg.drain_timeout;
         while Instant::now() < deadline
-            && queues.iter().any(|q| q.outstanding.load(Ordering::SeqCst) > 0)
+            && queues
+                .iter()
+                .any(|q| q.outstanding.load(Ordering::SeqCst) > 0)
         {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
@@ -276,7 +286,12 @@ impl Dispatcher {
             .await
             .unwrap_or_else(|e| {
                 (0..n)
-                    .map(|_| Err(SpoolError::Write { path: Default::default(), source: std::io::Error::other(e.to_string()) }))
+                    .map(|_| {
+                        Err(SpoolError::Write {
+                            path: Default::default(),
+                            source: std::io::Error::other(e.to_string()),
+                        })
+                    })
                     .collect()
             });
         for (res, rule) in results.into_iter().zip(&rules) {
@@ -284,7 +299,12 @@ impl Dispatcher {
                 Ok(seq) => {
                     report.notified += 1;
                     let (entries, bytes) = self.spool.size();
-                    AlertSpooled { rule, entries, bytes }.emit(&self.metrics);
+                    AlertSpooled {
+                        rule,
+                        entries,
+                        bytes,
+                    }
+                    .emit(&self.metrics);
                     for q in queues {
                         q.push(seq);
                     }
@@ -296,7 +316,12 @@ impl Dispatcher {
                         _ => "write_error",
                     };
                     tracing::error!(error = %e, rule, "cannot spool alert; dropped");
-                    ItemsDropped { point: DropPoint::Spool, reason, count: 1 }.emit(&self.metrics);
+                    ItemsDropped {
+                        point: DropPoint::Spool,
+                        reason,
+                        count: 1,
+                    }
+                    .emit(&self.metrics);
                 }
             }
         }
@@ -318,8 +343,10 @@ async fn sink_worker(q: Arc<SinkQueue>, spool: Spool, metrics: Arc<Metrics>, cfg
             continue;
         }
         // Entries acknowledged meanwhile (cannot happen today) are skipped, not resent.
-        let batch: Vec<(u64, Arc<Notification>)> =
-            seqs.iter().filter_map(|s| spool.get(*s).map(|n| (*s, n))).collect();
+        let batch: Vec<(u64, Arc<Notification>)> = seqs
+            .iter()
+            .filter_map(|s| spool.get(*s).map(|n| (*s, n)))
+            .collect();
         let skipped = seqs.len() - batch.len();
         if skipped > 0 {
             q.outstanding.fetch_sub(skipped, Ordering::SeqCst);
@@ -364,9 +391,22 @@ async fn deliver_with_retry(
             Err(SinkError::Permanent { reason, status }) => {
                 if batch.len() > 1 {
                     // One bad notification must not take its batch-mates down with it.
-                    tracing::warn!(sink = name, status, "batch refused; retrying its notifications one by one");
+                    tracing::warn!(
+                        sink = name,
+                        status,
+                        "batch refused; retrying its notifications one by one"
+                    );
                     for item in batch {
-                        Box::pin(deliver_with_retry(q, name, std::slice::from_ref(item), spool, metrics, cfg, backoff)).await;
+                        Box::pin(deliver_with_retry(
+                            q,
+                            name,
+                            std::slice::from_ref(item),
+                            spool,
+                            metrics,
+                            cfg,
+                            backoff,
+                        ))
+                        .await;
                     }
                     return;
                 }
@@ -406,7 +446,13 @@ async fn deliver_with_retry(
     }
 }
 
-fn ack_all(q: &SinkQueue, name: &str, batch: &[(u64, Arc<Notification>)], spool: &Spool, metrics: &Metrics) {
+fn ack_all(
+    q: &SinkQueue,
+    name: &str,
+    batch: &[(u64, Arc<Notification>)],
+    spool: &Spool,
+    metrics: &Metrics,
+) {
     for (seq, _) in batch {
         if let Err(e) = spool.ack(*seq, name) {
             // The entry stays on disk and is redelivered after a restart: duplicates, not loss.

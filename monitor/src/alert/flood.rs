@@ -66,6 +66,8 @@ pub mod humantime_serde_compat {
     }
 }
 
+// Returned by value once per violation and consumed at once.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq)]
 pub enum Admission {
     /// Notify now.

@@ -414,14 +414,20 @@ mod tests {
         let e = AlertConfig::from_yaml("webhook: []\n").unwrap_err();
         assert!(e.contains("webhook"), "{e}");
         let e = AlertConfig::from_yaml("flood:\n  dedup_window: soon\n").unwrap_err();
-        assert!(e.contains("soon") || e.contains("duration") || e.contains("unknown"), "{e}");
+        assert!(
+            e.contains("soon") || e.contains("duration") || e.contains("unknown"),
+            "{e}"
+        );
         let bad = AlertConfig {
             alertmanagers: vec![AlertmanagerConfig::new("gopher://x")],
             ..AlertConfig::default()
         };
         assert!(bad.validate().unwrap_err().to_string().contains("scheme"));
         let bad = AlertConfig {
-            spool: SpoolConfig { max_entries: 0, ..SpoolConfig::default() },
+            spool: SpoolConfig {
+                max_entries: 0,
+                ..SpoolConfig::default()
+            },
             ..AlertConfig::default()
         };
         assert!(bad.validate().is_err());
@@ -431,7 +437,11 @@ mod tests {
     fn flags_add_to_the_file_and_missing_secret_file_is_an_error() {
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("alerts.yaml");
-        std::fs::write(&file, "webhooks:\n  - url: http://127.0.0.1:1/a\ncluster: prod\n").unwrap();
+        std::fs::write(
+            &file,
+            "webhooks:\n  - url: http://127.0.0.1:1/a\ncluster: prod\n",
+        )
+        .unwrap();
         let args = AlertArgs {
             alert_config: Some(file.clone()),
             webhooks: vec!["http://127.0.0.1:1/b".into()],
@@ -439,20 +449,36 @@ mod tests {
             dedup_window: Some(Duration::from_secs(60)),
             ..AlertArgs::default()
         };
-        let cfg = args.to_config(Some("http://127.0.0.1:9464".into())).unwrap();
+        let cfg = args
+            .to_config(Some("http://127.0.0.1:9464".into()))
+            .unwrap();
         assert_eq!(cfg.webhooks.len(), 2);
         assert_eq!(cfg.cluster, "prod");
         assert_eq!(cfg.external_url.as_deref(), Some("http://127.0.0.1:9464"));
-        assert_eq!(cfg.build_sinks().unwrap().iter().map(|s| s.name().to_string()).collect::<Vec<_>>(),
-            ["webhook-0", "webhook-1", "jsonl"]);
+        assert_eq!(
+            cfg.build_sinks()
+                .unwrap()
+                .iter()
+                .map(|s| s.name().to_string())
+                .collect::<Vec<_>>(),
+            ["webhook-0", "webhook-1", "jsonl"]
+        );
         let args = AlertArgs {
             webhooks: vec!["http://127.0.0.1:1/b".into()],
             webhook_secret_file: Some(dir.path().join("missing")),
             ..AlertArgs::default()
         };
-        assert!(args.to_config(None).unwrap_err().to_string().contains("missing"));
+        assert!(
+            args.to_config(None)
+                .unwrap_err()
+                .to_string()
+                .contains("missing")
+        );
         std::fs::write(&file, "webhooks: [{url: x, bogus: 1}]\n").unwrap();
-        let args = AlertArgs { alert_config: Some(file), ..AlertArgs::default() };
+        let args = AlertArgs {
+            alert_config: Some(file),
+            ..AlertArgs::default()
+        };
         let e = args.to_config(None).unwrap_err().to_string();
         assert!(e.contains("bogus"), "{e}");
     }

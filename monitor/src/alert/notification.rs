@@ -21,6 +21,8 @@ pub fn now_unix_ns() -> u64 {
         .unwrap_or(0)
 }
 
+// Notifications live behind an `Arc` in the spool; the size difference does not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum Notification {

@@ -287,7 +287,11 @@ impl Spool {
 
     /// Writes a batch of notifications, then makes them durable together (one directory sync for
     /// the lot). Results are in input order.
-    pub fn put_many(&self, ns: Vec<Notification>, sinks: &[String]) -> Vec<Result<u64, SpoolError>> {
+    pub fn put_many(
+        &self,
+        ns: Vec<Notification>,
+        sinks: &[String],
+    ) -> Vec<Result<u64, SpoolError>> {
         let mut out = Vec::with_capacity(ns.len());
         let mut written = Vec::new();
         for n in ns {
@@ -334,10 +338,11 @@ impl Spool {
                 }
             }
         }
-        if self.cfg.fsync && !written.is_empty() {
-            if let Err(e) = self.sync_all(&written) {
-                tracing::error!(error = %e, dir = %self.dir.display(), "spool sync failed; entries may not survive a power loss");
-            }
+        if self.cfg.fsync
+            && !written.is_empty()
+            && let Err(e) = self.sync_all(&written)
+        {
+            tracing::error!(error = %e, dir = %self.dir.display(), "spool sync failed; entries may not survive a power loss");
         }
         let mut g = self.lock();
         for (seq, d, len) in written {
@@ -381,7 +386,9 @@ impl Spool {
         std::fs::rename(&tmp, &path).map_err(werr)?;
         if fsync {
             // The rename itself is durable only once the directory is.
-            std::fs::File::open(&self.dir).and_then(|d| d.sync_all()).map_err(werr)?;
+            std::fs::File::open(&self.dir)
+                .and_then(|d| d.sync_all())
+                .map_err(werr)?;
         }
         Ok(())
     }

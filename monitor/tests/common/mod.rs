@@ -149,10 +149,23 @@ impl Receiver {
         }
     }
 
+    /// Serves on an ephemeral loopback port (no race with other processes for the port).
+    pub async fn serve_any(&self) -> (SocketAddr, tokio::task::JoinHandle<()>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind receiver");
+        let addr = listener.local_addr().unwrap();
+        (addr, self.serve_on(listener))
+    }
+
     pub async fn serve(&self, addr: SocketAddr) -> tokio::task::JoinHandle<()> {
         let listener = tokio::net::TcpListener::bind(addr)
             .await
             .expect("bind receiver");
+        self.serve_on(listener)
+    }
+
+    fn serve_on(&self, listener: tokio::net::TcpListener) -> tokio::task::JoinHandle<()> {
         let app = Router::new()
             .route("/{*path}", post(receive))
             .with_state(self.clone());

@@ -14,15 +14,14 @@ impl JsonlConfig {
         if self.path.as_os_str().is_empty() {
             return Err("alerts jsonl path is empty".into());
         }
-        if self.path.as_os_str() != "-" {
-            if let Some(parent) = self.path.parent().filter(|p| !p.as_os_str().is_empty()) {
-                if !parent.is_dir() {
-                    return Err(format!(
-                        "alerts jsonl: directory {} does not exist",
-                        parent.display()
-                    ));
-                }
-            }
+        if self.path.as_os_str() != "-"
+            && let Some(parent) = self.path.parent().filter(|p| !p.as_os_str().is_empty())
+            && !parent.is_dir()
+        {
+            return Err(format!(
+                "alerts jsonl: directory {} does not exist",
+                parent.display()
+            ));
         }
         Ok(())
     }
