@@ -33,13 +33,15 @@ enum Task {
 
 fn main() -> ExitCode {
     match Cli::parse().command {
-        Task::Setup { bench } => match setup::run().and_then(|()| if bench { setup::bench_tools() } else { Ok(()) }) {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("xtask: setup failed: {e:#}");
-                ExitCode::FAILURE
+        Task::Setup { bench } => {
+            match setup::run().and_then(|()| if bench { setup::bench_tools() } else { Ok(()) }) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("xtask: setup failed: {e:#}");
+                    ExitCode::FAILURE
+                }
             }
-        },
+        }
         Task::Test { args } => {
             // Building `revenant` builds the kernel programs: the toolchain must be there first.
             if let Err(e) = setup::run() {
@@ -54,7 +56,13 @@ fn main() -> ExitCode {
 fn run_tests(args: &[String]) -> ExitCode {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let status = Command::new(&cargo)
-        .args(["test", "--workspace", "--exclude", "monitor-ebpf", "--all-targets"])
+        .args([
+            "test",
+            "--workspace",
+            "--exclude",
+            "monitor-ebpf",
+            "--all-targets",
+        ])
         .args(args)
         .status();
     match status {

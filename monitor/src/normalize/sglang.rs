@@ -657,10 +657,10 @@ fn extract(ctx: &SpanCtx<'_>, span: &Span) -> Option<Node> {
         start: span.start_time_unix_nano,
         end: span.end_time_unix_nano,
         error_reason,
-        node: ctx
-            .node
-            .map(Into::into)
-            .or_else(|| attrs::str(a, "host_id").map(|h| attrs::clip_id(h).into())),
+        // The node (clock domain) comes from the resource only: SGLang puts `host_id` on thread
+        // spans but not on roots and stage spans, and a node known for some events of a process
+        // but not others would make the checker compare one clock as two (skew tolerance).
+        node: ctx.node.map(Into::into),
         pid: attrs::u64(a, "pid").and_then(|p| u32::try_from(p).ok()),
         input_tokens,
         max_input_tokens,

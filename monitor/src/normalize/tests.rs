@@ -145,6 +145,10 @@ fn check_sglang_rejection(ev: &[LifecycleEvent]) {
     );
     let rec = ev.iter().find(|e| e.kind == Kind::Received).unwrap();
     assert_eq!(rec.time_ns, 1795986865114562929);
+    // One process is one clock: the thread span's `host_id` must not give the rejection a node
+    // its root's events lack, or the checker would apply the cross-node skew between them and
+    // miss a handoff a few ms after the rejection.
+    assert!(ev.iter().all(|e| e.node == rec.node), "{ev:#?}");
 }
 
 #[test]
