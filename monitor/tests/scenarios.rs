@@ -189,3 +189,106 @@ fn a_shared_trace_id_never_merges_attempts() {
         "trace id and x-request-id are one request"
     );
 }
+
+/// A rejected attempt whose legs ended is compacted into a tombstone; activity that arrives later
+/// (here 3 s after, past the 1 s linger) must still be caught, and only once.
+#[test]
+fn late_activity_on_a_tombstoned_rejected_attempt_is_caught() {
+    use revenant::{Kind, Source, Stage};
+    const S: u64 = 1_000_000_000;
+    let t0 = 1_795_986_920 * S;
+    let mut c = Checker::new(RuleSet::embedded_defaults(), CheckerConfig::default());
+    let ev = |dt: u64, stage, kind| {
+        LifecycleEvent::new(t0 + dt, stage, kind, Source::Ebpf).with_room(42)
+    };
+    assert!(c.observe(&ev(0, Stage::Prefill, Kind::Received)).is_empty());
+    assert!(
+        c.observe(&ev(500, Stage::Decode, Kind::Received))
+            .is_empty()
+    );
+    assert!(
+        c.observe(&ev(1_000, Stage::Prefill, Kind::Rejected).with_status(400))
+            .is_empty()
+    );
+    assert!(
+        c.observe(&ev(3_000, Stage::Decode, Kind::Cancelled))
+            .is_empty()
+    );
+    // Let the watermark pass the linger so the ended attempt is compacted.
+    assert!(c.tick(t0 + 2 * S).is_empty());
+    let s = c.stats();
+    assert_eq!((s.live_attempts, s.tombstones), (0, 1), "{s:?}");
+    let v = c.observe(&ev(3 * S, Stage::Transfer, Kind::Work));
+    assert_eq!(v.len(), 1, "{v:?}");
+    assert_eq!(v[0].rule, "activity-after-rejection");
+    assert_eq!(v[0].attempt.bootstrap_room, Some(42));
+    assert_eq!(c.stats().events_on_tombstones, 1);
+    // Repeats on the tombstone do not notify again.
+    assert!(
+        c.observe(&ev(3 * S + 1_000, Stage::Decode, Kind::Work))
+            .is_empty()
+    );
+}
+
+/// The other order: activity first, the attempt ends and is compacted, then the rejection that
+/// precedes the activity in event time arrives late.
+#[test]
+fn a_late_rejection_finds_the_tombstoned_activity() {
+    use revenant::{Kind, Source, Stage};
+    const S: u64 = 1_000_000_000;
+    let t0 = 1_795_986_920 * S;
+    let cfg = CheckerConfig {
+        allowed_lateness: Duration::from_secs(5),
+        ..CheckerConfig::default()
+    };
+    let mut c = Checker::new(RuleSet::embedded_defaults(), cfg);
+    let ev =
+        |dt: u64, stage, kind| LifecycleEvent::new(t0 + dt, stage, kind, Source::Ebpf).with_room(7);
+    assert!(
+        c.observe(&ev(10_000, Stage::Decode, Kind::Received))
+            .is_empty()
+    );
+    assert!(
+        c.observe(&ev(20_000, Stage::Decode, Kind::Completed).with_status(200))
+            .is_empty()
+    );
+    // Past the linger (which is at least the allowed lateness): compacted.
+    assert!(c.tick(t0 + 12 * S).is_empty());
+    assert_eq!(c.stats().tombstones, 1);
+    let v = c.observe(&ev(5_000, Stage::Prefill, Kind::Rejected).with_status(400));
+    assert_eq!(v.len(), 1, "{v:?}");
+    assert_eq!(v[0].rule, "activity-after-rejection");
+    assert_eq!(v[0].evidence[0].kind, Kind::Rejected);
+}
+
+/// The hard cap on live attempts evicts (into tombstones) with a counter, and TTL compacts idle
+/// attempts that never end; neither loses a rejected attempt's verdict.
+#[test]
+fn caps_and_ttl_bound_the_state_and_are_counted() {
+    use revenant::{Kind, Source, Stage};
+    const S: u64 = 1_000_000_000;
+    let t0 = 1_795_986_920 * S;
+    let cfg = CheckerConfig {
+        max_attempts: 2,
+        attempt_ttl: Duration::from_secs(600),
+        ..CheckerConfig::default()
+    };
+    let mut c = Checker::new(RuleSet::embedded_defaults(), cfg);
+    let ev = |dt: u64, room, stage, kind| {
+        LifecycleEvent::new(t0 + dt, stage, kind, Source::Ebpf).with_room(room)
+    };
+    c.observe(&ev(0, 1, Stage::Prefill, Kind::Rejected).with_status(400));
+    c.observe(&ev(1, 2, Stage::Prefill, Kind::Received));
+    c.observe(&ev(2, 3, Stage::Prefill, Kind::Received));
+    let s = c.stats();
+    assert_eq!(s.correlate.evicted_cap, 1, "{s:?}");
+    assert_eq!(s.live_attempts, 2);
+    // Room 1 was evicted first; its rejection still convicts later activity via the tombstone.
+    let v = c.observe(&ev(3, 1, Stage::Decode, Kind::Work));
+    assert_eq!(v.len(), 1, "{v:?}");
+    // Idle attempts are compacted after the TTL even though they never ended.
+    c.tick(t0 + 700 * S);
+    let s = c.stats();
+    assert_eq!(s.live_attempts, 0, "{s:?}");
+    assert!(s.correlate.evicted_ttl >= 1, "{s:?}");
+}
