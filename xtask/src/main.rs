@@ -65,6 +65,11 @@ fn run_tests(args: &[String]) -> ExitCode {
         ])
         .args(args)
         .status();
+    // With a filter the caller wants a subset: the real-component suite runs on full runs only.
+    let status = match status {
+        Ok(s) if s.success() && args.is_empty() => real_component_tests(&cargo),
+        other => other,
+    };
     match status {
         Ok(s) if s.success() => ExitCode::SUCCESS,
         Ok(s) => {
@@ -76,4 +81,55 @@ fn run_tests(args: &[String]) -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// Tests against real third-party components that come from PyPI: the `sglang-router` 0.3.2
+/// wheel (`smg`) in front of the simulator, and pyzmq (libzmq) against the simulator's ZMTP.
+/// The venv is created once under `target/`; failing to create it fails the run loudly.
+fn real_component_tests(cargo: &str) -> std::io::Result<std::process::ExitStatus> {
+    let venv = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/xtask-venv");
+    let python = venv.join("bin/python");
+    let smg = venv.join("bin/smg");
+    let ready = smg.exists()
+        && Command::new(&python)
+            .args(["-c", "import zmq"])
+            .status()
+            .is_ok_and(|s| s.success());
+    if !ready {
+        eprintln!(
+            "xtask: creating {} (sglang-router==0.3.2, pyzmq)",
+            venv.display()
+        );
+        let ok = Command::new("python3")
+            .arg("-m")
+            .arg("venv")
+            .arg(&venv)
+            .status()?
+            .success()
+            && Command::new(venv.join("bin/pip"))
+                .args(["install", "--quiet", "sglang-router==0.3.2", "pyzmq"])
+                .status()?
+                .success();
+        if !ok {
+            return Err(std::io::Error::other(
+                "could not create the real-component venv (pip install sglang-router==0.3.2 pyzmq)",
+            ));
+        }
+    }
+    eprintln!("xtask: real-component tests (sglang-router 0.3.2 smg, pyzmq)");
+    Command::new(cargo)
+        .args([
+            "test",
+            "-p",
+            "pd-sim",
+            "--test",
+            "real_router",
+            "--test",
+            "interop",
+            "--",
+            "--ignored",
+        ])
+        .env("PD_SIM_SMG", &smg)
+        .env("PD_SIM_PYTHON", &python)
+        .status()
 }
