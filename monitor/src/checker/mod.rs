@@ -432,17 +432,13 @@ impl Checker {
                         continue;
                     }
                     let s = self.store.attempt_slots(a);
-                    let keep_t = self.attempt_specs[slots.trigger].keep;
-                    let keep_f = self.attempt_specs[slots.other].keep;
-                    // The current event is a candidate too: with a third node it may not be kept.
-                    let mut triggers: Vec<Slot> = spec_slots(s, slots.trigger, keep_t).collect();
-                    let mut forbidden: Vec<Slot> = spec_slots(s, slots.other, keep_f).collect();
-                    if hit & (1 << slots.trigger) != 0 {
-                        triggers.push(slot);
-                    }
-                    if hit & (1 << slots.other) != 0 {
-                        forbidden.push(slot);
-                    }
+                    let (triggers, forbidden) = self.never_after_candidates(
+                        s,
+                        (slots.trigger, slots.other),
+                        slots,
+                        hit,
+                        slot,
+                    );
                     if let Some((trig, forb)) =
                         rule.breaching_pair(&triggers, &forbidden, self.skew_ns)
                     {
@@ -651,17 +647,9 @@ impl Checker {
                             .position(|&m| m == s)
                             .expect("never-after slots are kept in tombstones")
                     };
-                    let (pt, pf) = (pos(slots.trigger), pos(slots.other));
-                    let mut triggers: Vec<Slot> =
-                        spec_slots(&kept, pt, self.attempt_specs[slots.trigger].keep).collect();
-                    let mut forbidden: Vec<Slot> =
-                        spec_slots(&kept, pf, self.attempt_specs[slots.other].keep).collect();
-                    if hit & (1 << slots.trigger) != 0 {
-                        triggers.push(slot);
-                    }
-                    if hit & (1 << slots.other) != 0 {
-                        forbidden.push(slot);
-                    }
+                    let at = (pos(slots.trigger), pos(slots.other));
+                    let (triggers, forbidden) =
+                        self.never_after_candidates(&kept, at, slots, hit, slot);
                     if let Some((trig, forb)) =
                         rule.breaching_pair(&triggers, &forbidden, self.skew_ns)
                     {
@@ -709,6 +697,30 @@ impl Checker {
                 _ => {}
             }
         }
+    }
+
+    /// A never-after rule's candidate triggers and offenders: the kept slots (one, or a per-node
+    /// pair each) at positions `at` of `kept`, plus the current event, which a third node may
+    /// have kept out of a pair.
+    fn never_after_candidates(
+        &self,
+        kept: &[Slot],
+        at: (usize, usize),
+        slots: rules::RuleSlots,
+        hit: u64,
+        current: Slot,
+    ) -> (Vec<Slot>, Vec<Slot>) {
+        let mut triggers: Vec<Slot> =
+            spec_slots(kept, at.0, self.attempt_specs[slots.trigger].keep).collect();
+        let mut forbidden: Vec<Slot> =
+            spec_slots(kept, at.1, self.attempt_specs[slots.other].keep).collect();
+        if hit & (1 << slots.trigger) != 0 {
+            triggers.push(current);
+        }
+        if hit & (1 << slots.other) != 0 {
+            forbidden.push(current);
+        }
+        (triggers, forbidden)
     }
 
     /// Events naming only the request: they may trigger request-scope rules, never count as an
