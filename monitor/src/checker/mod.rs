@@ -160,6 +160,34 @@ struct Finding<'a> {
     detected_at_ns: u64,
 }
 
+impl Finding<'static> {
+    /// A never-after breach: the trigger and the offender prove it, once both are known.
+    fn never_after(
+        rule: usize,
+        request: Option<u32>,
+        attempt: AttemptAliases,
+        trig: Slot,
+        forb: Slot,
+        trigger_reason: Option<String>,
+        offender_reason: Option<String>,
+    ) -> Finding<'static> {
+        Finding {
+            rule,
+            request,
+            attempt,
+            worker: None,
+            trigger: trig.get(),
+            trigger_reason,
+            offender: forb.get(),
+            offender_reason,
+            expected: None,
+            context: None,
+            breach: None,
+            detected_at_ns: trig.time().max(forb.time()),
+        }
+    }
+}
+
 impl Checker {
     pub fn new(rules: RuleSet, cfg: CheckerConfig) -> Checker {
         let mut attempt_layout = SlotLayout::default();
@@ -449,22 +477,17 @@ impl Checker {
                         self.store.attempts[a as usize].fired |= bit;
                         let offender_is_current =
                             forb.time() == e.time_ns && hit & (1 << slots.other) != 0;
-                        let f = Finding {
-                            rule: ri,
+                        let f = Finding::never_after(
+                            ri,
                             request,
-                            attempt: self.attempt_aliases(a),
-                            worker: None,
-                            trigger: trig.get(),
-                            trigger_reason: self.store.reason(a).map(str::to_owned),
-                            offender: forb.get(),
-                            offender_reason: offender_is_current
+                            self.attempt_aliases(a),
+                            trig,
+                            forb,
+                            self.store.reason(a).map(str::to_owned),
+                            offender_is_current
                                 .then(|| e.reason.as_deref().map(str::to_owned))
                                 .flatten(),
-                            expected: None,
-                            context: None,
-                            breach: None,
-                            detected_at_ns: trig.time().max(forb.time()),
-                        };
+                        );
                         out.push(self.violation(f));
                     }
                 }
@@ -658,22 +681,17 @@ impl Checker {
                             continue;
                         }
                         self.store.tomb_mut(ti).fired |= bit;
-                        let f = Finding {
-                            rule: ri,
+                        let f = Finding::never_after(
+                            ri,
                             request,
-                            attempt: attempt.clone(),
-                            worker: None,
-                            trigger: trig.get(),
-                            trigger_reason: (e.kind == Kind::Rejected)
+                            attempt.clone(),
+                            trig,
+                            forb,
+                            (e.kind == Kind::Rejected)
                                 .then(|| e.reason.as_deref().map(str::to_owned))
                                 .flatten(),
-                            offender: forb.get(),
-                            offender_reason: None,
-                            expected: None,
-                            context: None,
-                            breach: None,
-                            detected_at_ns: trig.time().max(forb.time()),
-                        };
+                            None,
+                        );
                         out.push(self.violation(f));
                     }
                 }
@@ -789,20 +807,7 @@ impl Checker {
             },
             _ => AttemptAliases::default(),
         };
-        let f = Finding {
-            rule: ri,
-            request: Some(r),
-            attempt,
-            worker: None,
-            trigger: trig.get(),
-            trigger_reason: None,
-            offender: forb.get(),
-            offender_reason: None,
-            expected: None,
-            context: None,
-            breach: None,
-            detected_at_ns: trig.time().max(forb.time()),
-        };
+        let f = Finding::never_after(ri, Some(r), attempt, trig, forb, None, None);
         out.push(self.violation(f));
     }
 
