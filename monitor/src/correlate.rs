@@ -98,6 +98,14 @@ pub struct Tombstone {
     pub fired: u64,
 }
 
+/// Whose never-after verdict a set of reported evidence sources belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Owner {
+    Attempt(u32),
+    Tomb(u64),
+    Request(u32),
+}
+
 /// Where an event's attempt lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AttemptRef {
@@ -168,6 +176,9 @@ pub struct Store {
     attempt_alias: Map<u32>,
     /// First rejection reason of attempts that have one (about 1% of them).
     reasons: HashMap<u32, Box<str>, FixedState>,
+    /// Per (owner, rule) that fired: a bit per `Source` seen in its reported evidence, so a source
+    /// that saw the breach later corroborates it once. Only owners with fired bits have entries.
+    reported: HashMap<(Owner, u8), u8, FixedState>,
 
     pub requests: Vec<Request>,
     pub request_slots: Vec<Slot>,
@@ -206,6 +217,7 @@ impl Store {
             live_attempts: 0,
             attempt_alias: Map::with_hasher(hasher()),
             reasons: HashMap::with_hasher(hasher()),
+            reported: HashMap::with_hasher(hasher()),
             requests: Vec::new(),
             request_slots: Vec::new(),
             request_keeps,
@@ -263,6 +275,36 @@ impl Store {
     }
     pub fn set_reason_once(&mut self, a: u32, reason: &str) {
         self.reasons.entry(a).or_insert_with(|| reason.into());
+    }
+
+    /// Sources (bit per `Source`) in the evidence reported so far for `rule` of `owner`.
+    pub fn reported(&self, owner: Owner, rule: usize) -> u8 {
+        self.reported
+            .get(&(owner, rule as u8))
+            .copied()
+            .unwrap_or(0)
+    }
+    pub fn add_reported(&mut self, owner: Owner, rule: usize, sources: u8) {
+        *self.reported.entry((owner, rule as u8)).or_default() |= sources;
+    }
+    /// Moves the reported-source bits of the rules in `fired` (merges, compaction).
+    fn move_reported(&mut self, from: Owner, to: Owner, fired: u64) {
+        let mut bits = fired;
+        while bits != 0 {
+            let rule = bits.trailing_zeros() as u8;
+            bits &= bits - 1;
+            if let Some(v) = self.reported.remove(&(from, rule)) {
+                *self.reported.entry((to, rule)).or_default() |= v;
+            }
+        }
+    }
+    fn drop_reported(&mut self, owner: Owner, fired: u64) {
+        let mut bits = fired;
+        while bits != 0 {
+            let rule = bits.trailing_zeros() as u8;
+            bits &= bits - 1;
+            self.reported.remove(&(owner, rule));
+        }
     }
 
     /// Index into the tombstone queue of tombstone `seq`, if it still exists.
@@ -576,6 +618,10 @@ impl Store {
         self.requests[f].parent = into;
         self.requests[t].refs += 1;
         self.requests[t].fired |= self.requests[f].fired;
+        let fired = self.requests[f].fired;
+        if fired != 0 {
+            self.move_reported(Owner::Request(from), Owner::Request(into), fired);
+        }
         self.requests[t].last_ns = self.requests[t].last_ns.max(self.requests[f].last_ns);
         if self.requests[t].request_id.is_none() {
             self.requests[t].request_id = self.requests[f].request_id.clone();
@@ -630,6 +676,9 @@ impl Store {
         if let Some(r) = self.reasons.remove(&y) {
             self.reasons.entry(x).or_insert(r);
         }
+        if ya.fired != 0 {
+            self.move_reported(Owner::Attempt(y), Owner::Attempt(x), ya.fired);
+        }
         self.free_attempt(y);
         for k in [
             ya.room.map(key_room),
@@ -659,8 +708,12 @@ impl Store {
             }
         }
         let request = at.request;
+        let fired = at.fired;
         if request != NONE {
             self.requests[request as usize].refs -= 1;
+        }
+        if fired != 0 {
+            self.drop_reported(Owner::Attempt(i), fired);
         }
         let at = &mut self.attempts[i as usize];
         at.live = false;
@@ -696,6 +749,10 @@ impl Store {
             self.tomb_slots.push_back(self.attempt_slots[base + k]);
         }
         self.tombs.push_back(tomb);
+        let seq = self.tomb_base + self.tombs.len() as u64 - 1;
+        if tomb.fired != 0 {
+            self.move_reported(Owner::Attempt(i), Owner::Tomb(seq), tomb.fired);
+        }
         if let Some(key) = key {
             if self
                 .tomb_alias
@@ -719,6 +776,9 @@ impl Store {
         }
         if t.request != NONE {
             self.requests[t.request as usize].refs -= 1;
+        }
+        if t.fired != 0 {
+            self.drop_reported(Owner::Tomb(self.tomb_base), t.fired);
         }
         self.tomb_base += 1;
         self.tomb_alias_stale += 1;
@@ -799,8 +859,12 @@ impl Store {
             }
         }
         let parent = r.parent;
+        let fired = r.fired;
         if parent != NONE {
             self.requests[parent as usize].refs -= 1;
+        }
+        if fired != 0 {
+            self.drop_reported(Owner::Request(i), fired);
         }
         let r = &mut self.requests[i as usize];
         r.live = false;

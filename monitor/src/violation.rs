@@ -76,6 +76,11 @@ pub struct Violation {
     pub fingerprint: String,
     /// Ordered by event time.
     pub evidence: Vec<Evidence>,
+    /// A follow-up to a violation already emitted for the same (rule, attempt): a source that was
+    /// in none of its evidence (OTLP batches arrive seconds after eBPF) saw the breach too. Same
+    /// fingerprint, the evidence merged with the new event; at most one per new source.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub corroborates: bool,
 }
 
 /// 64-bit FNV-1a: stable across builds and platforms, unlike std's hasher.

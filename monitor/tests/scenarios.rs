@@ -78,6 +78,8 @@ fn matches(expected: &serde_json::Value, v: &Violation) -> bool {
             .is_none_or(|r| r.as_str() == v.request.request_id.as_deref())
         && e.get("worker")
             .is_none_or(|r| r.as_str() == v.worker.as_deref())
+        // A corroborating follow-up must be expected as one; absent means "not a follow-up".
+        && e.get("corroborates").and_then(|c| c.as_bool()).unwrap_or(false) == v.corroborates
 }
 
 #[test]
@@ -291,4 +293,65 @@ fn caps_and_ttl_bound_the_state_and_are_counted() {
     let s = c.stats();
     assert_eq!(s.live_attempts, 0, "{s:?}");
     assert!(s.correlate.evicted_ttl >= 1, "{s:?}");
+}
+
+/// eBPF sees the breach first; OTLP's copy of the rejection, seconds later, corroborates it once:
+/// same fingerprint and attempt, evidence from both sources. OTLP's copy of the decode work adds
+/// no new source and is a plain repeat.
+#[test]
+fn a_second_source_corroborates_a_reported_breach_once() {
+    use revenant::Source;
+    let events = load(&scenario_dir().join("corroborated-by-otlp.jsonl"));
+    let mut c = Checker::new(RuleSet::embedded_defaults(), CheckerConfig::default());
+    let mut per_event = Vec::new();
+    for e in &events {
+        per_event.push(c.observe(e));
+    }
+    let fired: Vec<(usize, &Violation)> = per_event
+        .iter()
+        .enumerate()
+        .flat_map(|(i, vs)| vs.iter().map(move |v| (i, v)))
+        .collect();
+    assert_eq!(fired.len(), 2, "{fired:#?}");
+    let ((i0, first), (i1, follow)) = (fired[0], fired[1]);
+    assert_eq!(events[i0].kind, revenant::Kind::Work);
+    assert_eq!(events[i0].source, Source::Ebpf);
+    assert!(!first.corroborates);
+    assert!(first.evidence.iter().all(|e| e.source == Source::Ebpf));
+    assert_eq!(
+        (events[i1].kind, events[i1].source),
+        (revenant::Kind::Rejected, Source::Otlp)
+    );
+    assert!(follow.corroborates);
+    assert_eq!(follow.fingerprint, first.fingerprint);
+    assert_eq!(follow.attempt.bootstrap_room, first.attempt.bootstrap_room);
+    assert_eq!(follow.rule, first.rule);
+    let sources: BTreeSet<_> = follow.evidence.iter().map(|e| e.source.as_str()).collect();
+    assert_eq!(sources, BTreeSet::from(["ebpf", "otlp"]));
+    // The original pair is kept (its trigger may now carry the reason OTLP brought), the new
+    // event added.
+    let fact = |e: &revenant::violation::Evidence| {
+        (e.role, e.time_ns, e.stage, e.kind, e.source, e.status)
+    };
+    for ev in &first.evidence {
+        assert!(
+            follow.evidence.iter().any(|f| fact(f) == fact(ev)),
+            "{ev:?} missing from {follow:#?}"
+        );
+    }
+    assert_eq!(
+        follow.evidence.len(),
+        first.evidence.len() + 1,
+        "{follow:#?}"
+    );
+    assert_eq!(c.stats().corroborations, 1);
+    // Serialized only when true.
+    let json = serde_json::to_value(follow).unwrap();
+    assert_eq!(json["corroborates"], serde_json::json!(true));
+    assert!(
+        serde_json::to_value(first)
+            .unwrap()
+            .get("corroborates")
+            .is_none()
+    );
 }

@@ -305,6 +305,7 @@ mod tests {
             detected_at_ns: 1,
             fingerprint: fp.into(),
             evidence: vec![],
+            corroborates: false,
         }
     }
 

@@ -15,8 +15,9 @@ use std::time::Duration;
 
 use foldhash::fast::FixedState;
 
+use crate::correlate::Owner;
 use crate::correlate::{AttemptRef, CorrelateStats, Limits, NONE, Store};
-use crate::event::{Kind, LifecycleEvent, Stage};
+use crate::event::{Kind, LifecycleEvent, Source, Stage};
 use crate::violation::{self, AttemptRef as AttemptAliases, Evidence, RequestRef, Role, Violation};
 use rules::predicate::{Breach, Capacity, Known};
 use rules::{CompiledRule, Scope, Shape};
@@ -100,6 +101,8 @@ pub struct CheckerStats {
     pub violations: u64,
     /// Breaches of a rule that already fired for the same attempt (not re-emitted).
     pub repeats: u64,
+    /// Follow-ups emitted because a new source saw an already reported never-after breach.
+    pub corroborations: u64,
     pub timers_fired: u64,
     /// Worker-level dedup memory was full; the violation was emitted but may repeat.
     pub worker_dedup_full: u64,
@@ -158,6 +161,63 @@ struct Finding<'a> {
     context: Option<SlotEvent>,
     breach: Option<Breach>,
     detected_at_ns: u64,
+    /// Set on a follow-up that corroborates an emitted never-after violation.
+    corroboration: Option<Corroboration>,
+}
+
+/// A new source's event that proves an already reported never-after breach again, and the
+/// event it breaches with.
+struct Corroboration {
+    role: Role,
+    event: SlotEvent,
+    reason: Option<String>,
+    partner: SlotEvent,
+}
+
+/// Bit of `source` in the reported-sources sets.
+fn source_bit(source: Source) -> u8 {
+    1 << (source as u8)
+}
+
+/// The event being observed, as a never-after rule sees it.
+#[derive(Clone, Copy)]
+struct Current {
+    slot: Slot,
+    source: Source,
+    as_trigger: bool,
+    as_forbidden: bool,
+}
+
+impl Current {
+    /// The candidate it breaches with, if it takes part in a breach of `rule` (as a trigger
+    /// before some forbidden event, or as a forbidden event after some trigger).
+    fn partner(
+        &self,
+        rule: &rules::NeverAfter,
+        triggers: &[Slot],
+        forbidden: &[Slot],
+        skew_ns: u64,
+    ) -> Option<(Role, Slot)> {
+        let as_trigger = self
+            .as_trigger
+            .then(|| {
+                forbidden
+                    .iter()
+                    .find(|f| rule.breached(self.slot, **f, skew_ns))
+            })
+            .flatten()
+            .map(|f| (Role::Trigger, *f));
+        as_trigger.or_else(|| {
+            self.as_forbidden
+                .then(|| {
+                    triggers
+                        .iter()
+                        .find(|t| rule.breached(**t, self.slot, skew_ns))
+                })
+                .flatten()
+                .map(|t| (Role::Offender, *t))
+        })
+    }
 }
 
 impl Finding<'static> {
@@ -184,7 +244,29 @@ impl Finding<'static> {
             context: None,
             breach: None,
             detected_at_ns: trig.time().max(forb.time()),
+            corroboration: None,
         }
+    }
+
+    /// Turns a never-after finding into a corroborating follow-up that adds `current`.
+    fn corroborated(
+        mut self,
+        current: Current,
+        role: Role,
+        partner: Slot,
+        reason: Option<String>,
+    ) -> Finding<'static> {
+        let (Some(event), Some(partner)) = (current.slot.get(), partner.get()) else {
+            return self;
+        };
+        self.detected_at_ns = self.detected_at_ns.max(event.time_ns).max(partner.time_ns);
+        self.corroboration = Some(Corroboration {
+            role,
+            event,
+            reason,
+            partner,
+        });
+        self
     }
 }
 
@@ -470,10 +552,24 @@ impl Checker {
                     if let Some((trig, forb)) =
                         rule.breaching_pair(&triggers, &forbidden, self.skew_ns)
                     {
-                        if self.store.attempts[a as usize].fired & bit != 0 {
-                            self.stats.repeats += 1;
-                            continue;
-                        }
+                        let current = Current {
+                            slot,
+                            source: e.source,
+                            as_trigger: hit & (1 << slots.trigger) != 0,
+                            as_forbidden: hit & (1 << slots.other) != 0,
+                        };
+                        let owner = Owner::Attempt(a);
+                        let follow_up = if self.store.attempts[a as usize].fired & bit != 0 {
+                            match self.corroboration(ri, owner, current, &triggers, &forbidden) {
+                                Some(c) => Some(c),
+                                None => {
+                                    self.stats.repeats += 1;
+                                    continue;
+                                }
+                            }
+                        } else {
+                            None
+                        };
                         self.store.attempts[a as usize].fired |= bit;
                         let offender_is_current =
                             forb.time() == e.time_ns && hit & (1 << slots.other) != 0;
@@ -488,7 +584,8 @@ impl Checker {
                                 .then(|| e.reason.as_deref().map(str::to_owned))
                                 .flatten(),
                         );
-                        out.push(self.violation(f));
+                        let reason = e.reason.as_deref().map(str::to_owned);
+                        out.push(self.report(owner, f, follow_up, current, reason));
                     }
                 }
                 (Shape::NeverAfter(_), Scope::Request) => {
@@ -498,21 +595,28 @@ impl Checker {
                         spec_slots(self.store.attempt_slots(a), slots.other_latest, keep_own)
                             .collect();
                     let keep_other = self.request_specs[slots.other].keep;
-                    let mut changed = linked || hit & (1 << slots.other_latest) != 0;
+                    let as_forbidden = hit & (1 << slots.other_latest) != 0;
+                    let mut changed = linked || as_forbidden;
                     for o in own {
                         fold_into(self.store.request_slots_mut(r), slots.other, keep_other, o);
                     }
-                    if self.request_specs[slots.trigger]
+                    let as_trigger = self.request_specs[slots.trigger]
                         .matchers
                         .iter()
-                        .any(|m| m.matches(e))
-                    {
+                        .any(|m| m.matches(e));
+                    if as_trigger {
                         let keep = self.request_specs[slots.trigger].keep;
                         changed |=
                             fold_into(self.store.request_slots_mut(r), slots.trigger, keep, slot);
                     }
-                    if changed {
-                        self.check_request_rule(ri, r, Some(a), Some(e), out);
+                    let cur = Current {
+                        slot,
+                        source: e.source,
+                        as_trigger,
+                        as_forbidden,
+                    };
+                    if changed || self.may_corroborate_request(ri, r, cur) {
+                        self.check_request_rule(ri, r, Some(a), Some(e), cur, out);
                     }
                 }
                 (Shape::MustFollow(rule), _) => {
@@ -584,6 +688,7 @@ impl Checker {
                         context: None,
                         breach: Some(breach),
                         detected_at_ns: e.time_ns,
+                        corroboration: None,
                     };
                     out.push(self.violation(f));
                 }
@@ -676,10 +781,24 @@ impl Checker {
                     if let Some((trig, forb)) =
                         rule.breaching_pair(&triggers, &forbidden, self.skew_ns)
                     {
-                        if self.store.tomb(ti).fired & bit != 0 {
-                            self.stats.repeats += 1;
-                            continue;
-                        }
+                        let current = Current {
+                            slot,
+                            source: e.source,
+                            as_trigger: hit & (1 << slots.trigger) != 0,
+                            as_forbidden: hit & (1 << slots.other) != 0,
+                        };
+                        let owner = Owner::Tomb(seq);
+                        let follow_up = if self.store.tomb(ti).fired & bit != 0 {
+                            match self.corroboration(ri, owner, current, &triggers, &forbidden) {
+                                Some(c) => Some(c),
+                                None => {
+                                    self.stats.repeats += 1;
+                                    continue;
+                                }
+                            }
+                        } else {
+                            None
+                        };
                         self.store.tomb_mut(ti).fired |= bit;
                         let f = Finding::never_after(
                             ri,
@@ -692,24 +811,33 @@ impl Checker {
                                 .flatten(),
                             None,
                         );
-                        out.push(self.violation(f));
+                        let reason = e.reason.as_deref().map(str::to_owned);
+                        out.push(self.report(owner, f, follow_up, current, reason));
                     }
                 }
                 (Shape::NeverAfter(rule), Scope::Request) => {
                     let Some(r) = request else { continue };
                     let mut changed = false;
-                    if rule.forbidden.iter().any(|m| m.matches(e)) {
+                    let as_forbidden = rule.forbidden.iter().any(|m| m.matches(e));
+                    let as_trigger = rule.trigger.iter().any(|m| m.matches(e));
+                    if as_forbidden {
                         let keep = self.request_specs[slots.other].keep;
                         changed |=
                             fold_into(self.store.request_slots_mut(r), slots.other, keep, slot);
                     }
-                    if rule.trigger.iter().any(|m| m.matches(e)) {
+                    if as_trigger {
                         let keep = self.request_specs[slots.trigger].keep;
                         changed |=
                             fold_into(self.store.request_slots_mut(r), slots.trigger, keep, slot);
                     }
-                    if changed {
-                        self.check_request_rule(ri, r, None, Some(e), out);
+                    let cur = Current {
+                        slot,
+                        source: e.source,
+                        as_trigger,
+                        as_forbidden,
+                    };
+                    if changed || self.may_corroborate_request(ri, r, cur) {
+                        self.check_request_rule(ri, r, None, Some(e), cur, out);
                     }
                 }
                 _ => {}
@@ -766,7 +894,14 @@ impl Checker {
                     && rule.rule.scope == Scope::Request
                     && hit & (1 << rule.slots.trigger) != 0
                 {
-                    self.check_request_rule(ri, r, None, Some(e), out);
+                    // Request-level events only ever trigger: they are no attempt's activity.
+                    let cur = Current {
+                        slot,
+                        source: e.source,
+                        as_trigger: true,
+                        as_forbidden: false,
+                    };
+                    self.check_request_rule(ri, r, None, Some(e), cur, out);
                 }
             }
         }
@@ -779,6 +914,7 @@ impl Checker {
         r: u32,
         a: Option<u32>,
         e: Option<&LifecycleEvent>,
+        cur: Current,
         out: &mut Vec<Violation>,
     ) {
         let Shape::NeverAfter(rule) = &self.rules[ri].rule.shape else {
@@ -794,10 +930,18 @@ impl Checker {
             return;
         };
         let bit = 1u64 << ri;
-        if self.store.requests[r as usize].fired & bit != 0 {
-            self.stats.repeats += 1;
-            return;
-        }
+        let owner = Owner::Request(r);
+        let follow_up = if self.store.requests[r as usize].fired & bit != 0 {
+            match self.corroboration(ri, owner, cur, &triggers, &forbidden) {
+                Some(c) => Some(c),
+                None => {
+                    self.stats.repeats += 1;
+                    return;
+                }
+            }
+        } else {
+            None
+        };
         self.store.requests[r as usize].fired |= bit;
         let attempt = match (a, e) {
             (Some(a), _) => self.attempt_aliases(a),
@@ -808,7 +952,64 @@ impl Checker {
             _ => AttemptAliases::default(),
         };
         let f = Finding::never_after(ri, Some(r), attempt, trig, forb, None, None);
-        out.push(self.violation(f));
+        let reason = e.and_then(|e| e.reason.as_deref()).map(str::to_owned);
+        out.push(self.report(owner, f, follow_up, cur, reason));
+    }
+
+    /// A request-scope rule that fired may hear of its breach from a new source, even when the
+    /// event changes none of the request's slots (the same rejection, reported again by OTLP).
+    fn may_corroborate_request(&self, ri: usize, r: u32, cur: Current) -> bool {
+        (cur.as_trigger || cur.as_forbidden)
+            && self.store.requests[r as usize].fired & (1 << ri) != 0
+            && self.store.reported(Owner::Request(r), ri) & source_bit(cur.source) == 0
+    }
+
+    /// For a (rule, owner) that already fired: the current event's part in a breach, when its
+    /// source is in none of the evidence reported so far (at most one follow-up per source).
+    fn corroboration(
+        &self,
+        ri: usize,
+        owner: Owner,
+        cur: Current,
+        triggers: &[Slot],
+        forbidden: &[Slot],
+    ) -> Option<(Role, Slot)> {
+        let Shape::NeverAfter(rule) = &self.rules[ri].rule.shape else {
+            return None;
+        };
+        if self.store.reported(owner, ri) & source_bit(cur.source) != 0 {
+            return None;
+        }
+        cur.partner(rule, triggers, forbidden, self.skew_ns)
+    }
+
+    /// Emits a never-after finding (first or corroborating) and remembers its evidence sources.
+    fn report(
+        &mut self,
+        owner: Owner,
+        f: Finding<'static>,
+        follow_up: Option<(Role, Slot)>,
+        cur: Current,
+        reason: Option<String>,
+    ) -> Violation {
+        let ri = f.rule;
+        let mut sources = [f.trigger, f.offender]
+            .into_iter()
+            .flatten()
+            .fold(0, |m, ev| m | source_bit(ev.source));
+        let f = match follow_up {
+            Some((role, partner)) => {
+                sources |= source_bit(cur.source);
+                if let Some(p) = partner.get() {
+                    sources |= source_bit(p.source);
+                }
+                self.stats.corroborations += 1;
+                f.corroborated(cur, role, partner, reason)
+            }
+            None => f,
+        };
+        self.store.add_reported(owner, ri, sources);
+        self.violation(f)
     }
 
     /// Predicate rules on events that belong to no attempt (capacity reports, bare events):
@@ -856,6 +1057,7 @@ impl Checker {
                 context: None,
                 breach: Some(breach),
                 detected_at_ns: e.time_ns,
+                corroboration: None,
             };
             out.push(self.violation(f));
         }
@@ -911,6 +1113,7 @@ impl Checker {
                         context: given.and_then(|g| g.get()),
                         breach: None,
                         detected_at_ns: due,
+                        corroboration: None,
                     }
                 }
                 Shape::RequiresBefore(rule) => {
@@ -937,6 +1140,7 @@ impl Checker {
                         context: None,
                         breach: None,
                         detected_at_ns: due,
+                        corroboration: None,
                     }
                 }
                 Shape::Predicate(p) => {
@@ -977,6 +1181,7 @@ impl Checker {
                         context: None,
                         breach: Some(breach),
                         detected_at_ns: wm.max(ev.time_ns),
+                        corroboration: None,
                     }
                 }
                 _ => continue,
@@ -1051,7 +1256,20 @@ impl Checker {
         push(Role::Context, f.context, None);
         push(Role::Offender, f.offender, f.offender_reason.clone());
         push(Role::Expected, f.expected, None);
+        if let Some(c) = &f.corroboration {
+            let partner_role = match c.role {
+                Role::Trigger => Role::Offender,
+                _ => Role::Trigger,
+            };
+            push(c.role, Some(c.event), c.reason.clone());
+            push(partner_role, Some(c.partner), None);
+        }
+        // The same event may be both in the original pair and the corroborating one.
         evidence.sort_by_key(|e| e.time_ns);
+        evidence.dedup_by(|a, b| {
+            (a.role, a.time_ns, a.stage, a.kind, a.source, a.status)
+                == (b.role, b.time_ns, b.stage, b.kind, b.source, b.status)
+        });
 
         let within = match &rule.shape {
             Shape::MustFollow(m) => humantime::format_duration(m.within.0).to_string(),
@@ -1115,6 +1333,7 @@ impl Checker {
             detected_at_ns: f.detected_at_ns,
             fingerprint,
             evidence,
+            corroborates: f.corroboration.is_some(),
         }
     }
 }
