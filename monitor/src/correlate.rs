@@ -17,8 +17,6 @@ use crate::event::Ids;
 
 pub const NONE: u32 = u32::MAX;
 
-type Map<V> = HashMap<u64, V, FixedState>;
-
 const HASH_SEED: u64 = 0x7265_7665_6e61_6e74; // "revenant"
 
 /// Tags keep equal strings in different alias namespaces apart.
@@ -42,6 +40,226 @@ fn key_str(kind: AliasKind, s: &str) -> u64 {
 fn key_room(room: u64) -> u64 {
     hasher().hash_one((AliasKind::Room, room))
 }
+
+/// One open-addressing table for every alias (room, rid, request id, trace id) → where it points.
+///
+/// Keys are 64-bit hashes of (namespace, alias) (0 is reserved for "empty"); values are a 2-bit
+/// tag plus a 30-bit index. A bucket is 12 bytes, linear probing from a multiply-shift home
+/// (so any capacity works and growth is by half, not doubling), backward-shift deletion (no
+/// tombstone markers). One probe sequence answers "live attempt, tombstone or nothing" for an
+/// event's room, instead of one probe per map.
+mod alias {
+    #[derive(Clone, Copy, Default)]
+    #[repr(C, packed(4))]
+    struct Bucket {
+        key: u64,
+        val: u32,
+    }
+
+    pub const TAG_ATTEMPT: u32 = 0;
+    pub const TAG_TOMB: u32 = 1 << 30;
+    pub const TAG_REQUEST: u32 = 2 << 30;
+    pub const INDEX_MASK: u32 = (1 << 30) - 1;
+    const TAG_MASK: u32 = 3 << 30;
+
+    pub fn tag(v: u32) -> u32 {
+        v & TAG_MASK
+    }
+
+    /// Keys are hashes; 0 marks an empty bucket, so a hash of 0 is moved to 1.
+    pub fn norm(key: u64) -> u64 {
+        key.max(1)
+    }
+
+    #[derive(Default)]
+    pub struct Table {
+        buckets: Vec<Bucket>,
+        len: usize,
+    }
+
+    impl Table {
+        fn home(&self, key: u64) -> usize {
+            ((key as u128 * self.buckets.len() as u128) >> 64) as usize
+        }
+
+        pub fn len(&self) -> usize {
+            self.len
+        }
+
+        pub fn capacity_bytes(&self) -> usize {
+            self.buckets.capacity() * std::mem::size_of::<Bucket>()
+        }
+
+        pub fn get(&self, key: u64) -> Option<u32> {
+            let n = self.buckets.len();
+            if n == 0 {
+                return None;
+            }
+            let key = norm(key);
+            let mut i = self.home(key);
+            loop {
+                let b = self.buckets[i];
+                let k = b.key;
+                if k == key {
+                    return Some(b.val);
+                }
+                if k == 0 {
+                    return None;
+                }
+                i += 1;
+                if i == n {
+                    i = 0;
+                }
+            }
+        }
+
+        /// Inserts or overwrites; returns the previous value.
+        pub fn insert(&mut self, key: u64, val: u32) -> Option<u32> {
+            // Keep the load at most 0.8: probe chains stay within a cache line or two.
+            if (self.len + 1) * 5 > self.buckets.len() * 4 {
+                self.grow();
+            }
+            let key = norm(key);
+            let n = self.buckets.len();
+            let mut i = self.home(key);
+            loop {
+                let k = self.buckets[i].key;
+                if k == key {
+                    let old = self.buckets[i].val;
+                    self.buckets[i].val = val;
+                    return Some(old);
+                }
+                if k == 0 {
+                    self.buckets[i] = Bucket { key, val };
+                    self.len += 1;
+                    return None;
+                }
+                i += 1;
+                if i == n {
+                    i = 0;
+                }
+            }
+        }
+
+        /// Removes `key` if it maps to `val` (an alias re-pointed elsewhere stays).
+        pub fn remove_if(&mut self, key: u64, val: u32) -> bool {
+            let n = self.buckets.len();
+            if n == 0 {
+                return false;
+            }
+            let key = norm(key);
+            let mut i = self.home(key);
+            loop {
+                let b = self.buckets[i];
+                let k = b.key;
+                if k == key {
+                    if b.val != val {
+                        return false;
+                    }
+                    break;
+                }
+                if k == 0 {
+                    return false;
+                }
+                i += 1;
+                if i == n {
+                    i = 0;
+                }
+            }
+            // Backward-shift deletion: pull later entries of the run into the hole when their
+            // home is not between the hole and themselves (cyclically).
+            let mut hole = i;
+            let mut j = i;
+            loop {
+                j += 1;
+                if j == n {
+                    j = 0;
+                }
+                let k = self.buckets[j].key;
+                if k == 0 {
+                    break;
+                }
+                let h = self.home(k);
+                let movable = if hole <= j {
+                    h <= hole || h > j
+                } else {
+                    h <= hole && h > j
+                };
+                if movable {
+                    self.buckets[hole] = self.buckets[j];
+                    hole = j;
+                }
+            }
+            self.buckets[hole] = Bucket::default();
+            self.len -= 1;
+            true
+        }
+
+        /// Drops every entry for which `keep` says no (a full pass; callers amortise it).
+        pub fn retain(&mut self, mut keep: impl FnMut(u32) -> bool) {
+            let old = std::mem::take(&mut self.buckets);
+            let n = old.len();
+            self.buckets = vec![Bucket::default(); n];
+            self.len = 0;
+            for b in old {
+                if b.key != 0 && keep(b.val) {
+                    self.insert(b.key, b.val);
+                }
+            }
+        }
+
+        fn grow(&mut self) {
+            let n = (self.buckets.len() + self.buckets.len() / 2).max(1024);
+            let old = std::mem::replace(&mut self.buckets, vec![Bucket::default(); n]);
+            self.len = 0;
+            for b in old {
+                if b.key != 0 {
+                    self.insert(b.key, b.val);
+                }
+            }
+        }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn insert_get_remove_with_collisions_and_growth() {
+            let mut t = Table::default();
+            let mut rng = 1u64;
+            let mut keys = Vec::new();
+            for i in 0..20_000u32 {
+                rng ^= rng << 13;
+                rng ^= rng >> 7;
+                rng ^= rng << 17;
+                // Few distinct high bits: long shared probe runs.
+                let k = (rng & 0xff00_0000_0000_00ff) | 1;
+                if t.insert(k, i).is_none() {
+                    keys.push((k, i));
+                }
+            }
+            for &(k, _) in &keys {
+                assert!(t.get(k).is_some());
+            }
+            for (n, &(k, _)) in keys.iter().enumerate() {
+                if n % 2 == 0 {
+                    let v = t.get(k).unwrap();
+                    assert!(!t.remove_if(k, v ^ 1));
+                    assert!(t.remove_if(k, v));
+                }
+            }
+            for (n, &(k, _)) in keys.iter().enumerate() {
+                assert_eq!(t.get(k).is_some(), n % 2 == 1, "key {n}");
+            }
+            assert_eq!(t.len(), keys.len() / 2);
+            t.retain(|v| v % 3 != 0);
+            assert!(t.len() < keys.len() / 2);
+        }
+    }
+}
+
+use alias::{INDEX_MASK, TAG_ATTEMPT, TAG_REQUEST, TAG_TOMB, tag};
 
 /// Live state of one attempt. Rule slots live in [`Store::attempt_slots`] at `index * stride`.
 #[derive(Debug, Clone)]
@@ -173,7 +391,8 @@ pub struct Store {
     attempt_keeps: Vec<Keep>,
     free_attempts: Vec<u32>,
     live_attempts: usize,
-    attempt_alias: Map<u32>,
+    /// Every alias: rooms and rids (live attempts, tombstones), request ids and trace ids.
+    aliases: alias::Table,
     /// First rejection reason of attempts that have one (about 1% of them).
     reasons: HashMap<u32, Box<str>, FixedState>,
     /// Per (owner, rule) that fired: a bit per `Source` seen in its reported evidence, so a source
@@ -185,7 +404,6 @@ pub struct Store {
     request_keeps: Vec<Keep>,
     free_requests: Vec<u32>,
     live_requests: usize,
-    request_alias: Map<u32>,
 
     tombs: VecDeque<Tombstone>,
     /// `tomb_slot_map.len()` slots per tombstone, in the order of `tombs`.
@@ -193,7 +411,7 @@ pub struct Store {
     /// Which attempt slots a tombstone keeps (those of attempt-scope never-after rules).
     tomb_slot_map: Vec<usize>,
     tomb_base: u64,
-    tomb_alias: Map<u64>,
+    /// Alias entries that may still point to dropped tombstones (purged in bulk).
     tomb_alias_stale: usize,
 
     attempt_hand: usize,
@@ -208,6 +426,12 @@ impl Store {
         request_keeps: Vec<Keep>,
         tomb_slot_map: Vec<usize>,
     ) -> Store {
+        // Alias values hold 30-bit indices; the tombstone window must stay far below that.
+        let limits = Limits {
+            max_attempts: limits.max_attempts.min(1 << 29),
+            max_tombstones: limits.max_tombstones.min(1 << 28),
+            ..limits
+        };
         Store {
             limits,
             attempts: Vec::new(),
@@ -215,7 +439,7 @@ impl Store {
             attempt_keeps,
             free_attempts: Vec::new(),
             live_attempts: 0,
-            attempt_alias: Map::with_hasher(hasher()),
+            aliases: alias::Table::default(),
             reasons: HashMap::with_hasher(hasher()),
             reported: HashMap::with_hasher(hasher()),
             requests: Vec::new(),
@@ -223,12 +447,10 @@ impl Store {
             request_keeps,
             free_requests: Vec::new(),
             live_requests: 0,
-            request_alias: Map::with_hasher(hasher()),
             tombs: VecDeque::new(),
             tomb_slots: VecDeque::new(),
             tomb_slot_map,
             tomb_base: 0,
-            tomb_alias: Map::with_hasher(hasher()),
             tomb_alias_stale: 0,
             attempt_hand: 0,
             request_hand: 0,
@@ -390,7 +612,7 @@ impl Store {
             (Some(a), Some(b)) => self.merge_attempts(a, b),
             (Some(a), None) => {
                 if let (Some(k), AttemptRef::Live(i)) = (rid_key, a) {
-                    self.attempt_alias.insert(k, i);
+                    self.aliases.insert(k, i);
                     let at = &mut self.attempts[i as usize];
                     if at.rid.is_none() {
                         at.rid = ids.rid.clone();
@@ -402,7 +624,7 @@ impl Store {
                 (Some(room), AttemptRef::Live(i)) => match self.attempts[i as usize].room {
                     None => {
                         self.attempts[i as usize].room = Some(room.0);
-                        self.attempt_alias.insert(key_room(room.0), i);
+                        self.aliases.insert(key_room(room.0), i);
                         b
                     }
                     Some(other) if other == room.0 => b,
@@ -476,7 +698,7 @@ impl Store {
         ];
         let mut request = None;
         for key in keys.iter().flatten() {
-            if let Some(&r) = self.request_alias.get(key) {
+            if let Some(r) = self.request_of(*key) {
                 let r = self.find(r);
                 request = Some(match request {
                     None => r,
@@ -490,10 +712,10 @@ impl Store {
         let r = request?;
         for (n, key) in keys.iter().enumerate() {
             let Some(key) = key else { continue };
-            if self.request_alias.contains_key(key) {
+            if self.aliases.get(*key).is_some() {
                 continue;
             }
-            self.request_alias.insert(*key, r);
+            self.aliases.insert(*key, TAG_REQUEST | r);
             let req = &mut self.requests[r as usize];
             if n == 0 {
                 req.request_id
@@ -508,17 +730,33 @@ impl Store {
         Some(r)
     }
 
+    fn request_of(&self, key: u64) -> Option<u32> {
+        let v = self.aliases.get(key)?;
+        (tag(v) == TAG_REQUEST).then_some(v & INDEX_MASK)
+    }
+
+    /// The tombstone sequence number an alias value names, if that tombstone still exists.
+    /// Values keep 30 bits of it; tombstones are capped well below 2^30 and stale entries are
+    /// purged every `tombs.len()` drops, so the window decides unambiguously.
+    fn tomb_seq(&self, v: u32) -> Option<u64> {
+        let d = (v & INDEX_MASK).wrapping_sub(self.tomb_base as u32) & INDEX_MASK;
+        ((d as usize) < self.tombs.len()).then(|| self.tomb_base + d as u64)
+    }
+
     fn lookup_attempt(&mut self, key: u64) -> Option<AttemptRef> {
-        if let Some(&i) = self.attempt_alias.get(&key) {
-            return Some(AttemptRef::Live(i));
+        let v = self.aliases.get(key)?;
+        match tag(v) {
+            TAG_ATTEMPT => Some(AttemptRef::Live(v)),
+            TAG_TOMB => match self.tomb_seq(v) {
+                Some(seq) => Some(AttemptRef::Tomb(seq)),
+                None => {
+                    self.aliases.remove_if(key, v);
+                    self.tomb_alias_stale = self.tomb_alias_stale.saturating_sub(1);
+                    None
+                }
+            },
+            _ => None,
         }
-        let seq = *self.tomb_alias.get(&key)?;
-        if seq < self.tomb_base {
-            self.tomb_alias.remove(&key);
-            self.tomb_alias_stale = self.tomb_alias_stale.saturating_sub(1);
-            return None;
-        }
-        Some(AttemptRef::Tomb(seq))
     }
 
     fn new_attempt(
@@ -565,7 +803,7 @@ impl Store {
             }
         };
         for k in [room_key, rid_key].into_iter().flatten() {
-            self.attempt_alias.insert(k, i);
+            self.aliases.insert(k, i);
         }
         self.live_attempts += 1;
         self.stats.attempts_created += 1;
@@ -687,7 +925,7 @@ impl Store {
         .into_iter()
         .flatten()
         {
-            self.attempt_alias.insert(k, x);
+            self.aliases.insert(k, x);
         }
         self.stats.attempts_merged += 1;
         a
@@ -703,9 +941,7 @@ impl Store {
         .into_iter()
         .flatten()
         {
-            if self.attempt_alias.get(&k) == Some(&i) {
-                self.attempt_alias.remove(&k);
-            }
+            self.aliases.remove_if(k, i);
         }
         let request = at.request;
         let fired = at.fired;
@@ -753,18 +989,19 @@ impl Store {
         if tomb.fired != 0 {
             self.move_reported(Owner::Attempt(i), Owner::Tomb(seq), tomb.fired);
         }
+        // The tombstone inherits the request reference: take it away before freeing.
+        self.attempts[i as usize].request = NONE;
+        self.free_attempt(i);
         if let Some(key) = key {
+            let val = TAG_TOMB | (seq as u32 & INDEX_MASK);
             if self
-                .tomb_alias
-                .insert(key, self.tomb_base + self.tombs.len() as u64 - 1)
-                .is_some()
+                .aliases
+                .insert(key, val)
+                .is_some_and(|old| tag(old) == TAG_TOMB)
             {
                 self.tomb_alias_stale = self.tomb_alias_stale.saturating_sub(1);
             }
         }
-        // The tombstone inherits the request reference: take it away before freeing.
-        self.attempts[i as usize].request = NONE;
-        self.free_attempt(i);
     }
 
     fn pop_tomb(&mut self) {
@@ -783,8 +1020,11 @@ impl Store {
         self.tomb_base += 1;
         self.tomb_alias_stale += 1;
         if self.tomb_alias_stale > 1024 && self.tomb_alias_stale > self.tombs.len() {
-            let base = self.tomb_base;
-            self.tomb_alias.retain(|_, seq| *seq >= base);
+            let (base, len) = (self.tomb_base as u32, self.tombs.len());
+            self.aliases.retain(|v| {
+                tag(v) != TAG_TOMB
+                    || (((v & INDEX_MASK).wrapping_sub(base) & INDEX_MASK) as usize) < len
+            });
             self.tomb_alias_stale = 0;
         }
     }
@@ -854,9 +1094,7 @@ impl Store {
                 .map(|s| key_str(AliasKind::TraceId, s)),
         ];
         for k in keys.into_iter().flatten() {
-            if self.request_alias.get(&k) == Some(&i) {
-                self.request_alias.remove(&k);
-            }
+            self.aliases.remove_if(k, TAG_REQUEST | i);
         }
         let parent = r.parent;
         let fired = r.fired;
@@ -879,23 +1117,27 @@ impl Store {
     /// Heap bytes held by the tombstone tables (capacity-based: what is really reserved).
     pub fn tombstone_bytes(&self) -> usize {
         use std::mem::size_of;
+        // The alias table is shared: tombstones are charged their share of its entries.
+        let alias_share = if self.aliases.len() == 0 {
+            0
+        } else {
+            self.aliases.capacity_bytes() * self.tombs.len().min(self.aliases.len())
+                / self.aliases.len()
+        };
         self.tombs.capacity() * size_of::<Tombstone>()
             + self.tomb_slots.capacity() * size_of::<Slot>()
-            + self.tomb_alias.capacity() * (size_of::<(u64, u64)>() + 1)
+            + alias_share
     }
 
     /// Heap bytes held by the store's tables (capacity, not length), for memory accounting.
     pub fn table_bytes(&self) -> usize {
         use std::mem::size_of;
-        let map = |cap: usize, entry: usize| cap * (entry + 1);
         self.attempts.capacity() * size_of::<Attempt>()
             + self.attempt_slots.capacity() * size_of::<Slot>()
-            + map(self.attempt_alias.capacity(), size_of::<(u64, u32)>())
+            + self.aliases.capacity_bytes()
             + self.requests.capacity() * size_of::<Request>()
             + self.request_slots.capacity() * size_of::<Slot>()
-            + map(self.request_alias.capacity(), size_of::<(u64, u32)>())
             + self.tombs.capacity() * size_of::<Tombstone>()
             + self.tomb_slots.capacity() * size_of::<Slot>()
-            + map(self.tomb_alias.capacity(), size_of::<(u64, u64)>())
     }
 }
