@@ -607,6 +607,8 @@ impl Store {
         } else {
             rid_key.and_then(|k| self.lookup_attempt(k))
         };
+        // A merge brings the other attempt's history: request-scope state must be folded again.
+        let mut linked = matches!((by_room, by_rid), (Some(a), Some(b)) if a != b);
         let attempt = match (by_room, by_rid) {
             (Some(a), Some(b)) if a == b => a,
             (Some(a), Some(b)) => self.merge_attempts(a, b),
@@ -645,7 +647,6 @@ impl Store {
             )),
         };
 
-        let mut linked = false;
         let current = match attempt {
             AttemptRef::Live(i) => self.attempts[i as usize].request,
             AttemptRef::Tomb(seq) => self

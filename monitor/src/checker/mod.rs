@@ -8,9 +8,9 @@
 pub mod matcher;
 pub mod rules;
 pub mod slots;
+pub mod timers;
 
-use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap, HashSet};
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use foldhash::fast::FixedState;
@@ -22,8 +22,7 @@ use crate::violation::{self, AttemptRef as AttemptAliases, Evidence, RequestRef,
 use rules::predicate::{Breach, Capacity, Known};
 use rules::{CompiledRule, Scope, Shape};
 use slots::{
-    Keep, NODE_LOCAL, NodeId, Slot, SlotEvent, SlotLayout, SlotSpec, SpecIndex, fold_into,
-    spec_slots,
+    Cands, Keep, NODE_LOCAL, NodeId, Slot, SlotEvent, SlotLayout, SlotSpec, SpecIndex, fold_into,
 };
 
 pub use rules::{RuleSet, RulesError, Severity};
@@ -137,7 +136,7 @@ pub struct Checker {
     /// Request slots that hold triggers (request-level events only update those).
     request_trigger_mask: u64,
     store: Store,
-    timers: BinaryHeap<Reverse<(u64, u32, u32)>>,
+    timers: timers::TimerQueue,
     nodes: FixedMap<Box<str>, NodeId>,
     capacity: FixedMap<(u32, Stage), Capacity>,
     worker_fired: HashSet<u64, FixedState>,
@@ -328,7 +327,7 @@ impl Checker {
             request_specs: request_layout.specs,
             request_trigger_mask,
             store,
-            timers: BinaryHeap::new(),
+            timers: timers::TimerQueue::default(),
             nodes: FixedMap::with_hasher(FixedState::with_seed(SEED)),
             capacity: FixedMap::with_hasher(FixedState::with_seed(SEED)),
             worker_fired: HashSet::with_hasher(FixedState::with_seed(SEED)),
@@ -359,8 +358,7 @@ impl Checker {
 
     /// Bytes held by the engine's state tables (capacity-based; for memory benchmarks).
     pub fn state_bytes(&self) -> usize {
-        self.store.table_bytes()
-            + self.timers.capacity() * std::mem::size_of::<Reverse<(u64, u32, u32)>>()
+        self.store.table_bytes() + self.timers.capacity_bytes()
     }
 
     /// Bytes reserved by the tombstone tables alone.
@@ -433,7 +431,7 @@ impl Checker {
             return;
         }
         self.stats.watermark_ns = wm;
-        while let Some(&Reverse((due, a, generation))) = self.timers.peek() {
+        while let Some((due, a, generation)) = self.timers.peek() {
             if due > wm {
                 break;
             }
@@ -591,14 +589,15 @@ impl Checker {
                 (Shape::NeverAfter(_), Scope::Request) => {
                     let Some(r) = request else { continue };
                     let keep_own = self.attempt_specs[slots.other_latest].keep;
-                    let own: Vec<Slot> =
-                        spec_slots(self.store.attempt_slots(a), slots.other_latest, keep_own)
-                            .collect();
+                    let own = Cands::of(self.store.attempt_slots(a), slots.other_latest, keep_own);
                     let keep_other = self.request_specs[slots.other].keep;
                     let as_forbidden = hit & (1 << slots.other_latest) != 0;
                     let mut changed = linked || as_forbidden;
-                    for o in own {
-                        fold_into(self.store.request_slots_mut(r), slots.other, keep_other, o);
+                    // The request already holds what the attempt had before this event.
+                    if changed {
+                        for &o in own.iter() {
+                            fold_into(self.store.request_slots_mut(r), slots.other, keep_other, o);
+                        }
                     }
                     let as_trigger = self.request_specs[slots.trigger]
                         .matchers
@@ -855,11 +854,9 @@ impl Checker {
         slots: rules::RuleSlots,
         hit: u64,
         current: Slot,
-    ) -> (Vec<Slot>, Vec<Slot>) {
-        let mut triggers: Vec<Slot> =
-            spec_slots(kept, at.0, self.attempt_specs[slots.trigger].keep).collect();
-        let mut forbidden: Vec<Slot> =
-            spec_slots(kept, at.1, self.attempt_specs[slots.other].keep).collect();
+    ) -> (Cands, Cands) {
+        let mut triggers = Cands::of(kept, at.0, self.attempt_specs[slots.trigger].keep);
+        let mut forbidden = Cands::of(kept, at.1, self.attempt_specs[slots.other].keep);
         if hit & (1 << slots.trigger) != 0 {
             triggers.push(current);
         }
@@ -922,10 +919,8 @@ impl Checker {
         };
         let slots = self.rules[ri].slots;
         let s = self.store.request_slots(r);
-        let triggers: Vec<Slot> =
-            spec_slots(s, slots.trigger, self.request_specs[slots.trigger].keep).collect();
-        let forbidden: Vec<Slot> =
-            spec_slots(s, slots.other, self.request_specs[slots.other].keep).collect();
+        let triggers = Cands::of(s, slots.trigger, self.request_specs[slots.trigger].keep);
+        let forbidden = Cands::of(s, slots.other, self.request_specs[slots.other].keep);
         let Some((trig, forb)) = rule.breaching_pair(&triggers, &forbidden, self.skew_ns) else {
             return;
         };
@@ -1067,7 +1062,7 @@ impl Checker {
         let at = &mut self.store.attempts[a as usize];
         if at.due_ns == 0 || due < at.due_ns {
             at.due_ns = due;
-            self.timers.push(Reverse((due, a, at.generation)));
+            self.timers.push((due, a, at.generation));
         }
     }
 

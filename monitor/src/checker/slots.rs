@@ -84,6 +84,37 @@ pub fn spec_slots(slots: &[Slot], k: usize, keep: Keep) -> impl Iterator<Item = 
     slots[k..k + n].iter().copied()
 }
 
+/// Up to three candidate slots (a per-node pair plus the current event), without allocating:
+/// never-after checks build these on nearly every event.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Cands {
+    slots: [Slot; 3],
+    n: u8,
+}
+
+impl Cands {
+    /// The slots of spec `k` (one, or a per-node pair).
+    pub fn of(slots: &[Slot], k: usize, keep: Keep) -> Cands {
+        let mut c = Cands::default();
+        for s in spec_slots(slots, k, keep) {
+            c.push(s);
+        }
+        c
+    }
+
+    pub fn push(&mut self, s: Slot) {
+        self.slots[self.n as usize] = s;
+        self.n += 1;
+    }
+}
+
+impl std::ops::Deref for Cands {
+    type Target = [Slot];
+    fn deref(&self) -> &[Slot] {
+        &self.slots[..self.n as usize]
+    }
+}
+
 /// What one slot tracks: the events matching `matchers`, keeping the earliest or the latest.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SlotSpec {
