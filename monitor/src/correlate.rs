@@ -283,6 +283,9 @@ pub struct Attempt {
     pub rejudge: bool,
     /// Bit per compiled rule that already produced a violation for this attempt.
     pub fired: u64,
+    /// `request` is a union-find root as of this union epoch (0 = not known to be one): while no
+    /// union happened since, the request record need not be read (one cache miss per event).
+    request_epoch: u32,
 }
 
 impl Attempt {
@@ -416,6 +419,8 @@ pub struct Store {
 
     attempt_hand: usize,
     request_hand: usize,
+    /// Bumped by every request union (starts at 1; see [`Attempt::request_epoch`]).
+    union_epoch: u32,
     pub stats: CorrelateStats,
 }
 
@@ -454,6 +459,7 @@ impl Store {
             tomb_alias_stale: 0,
             attempt_hand: 0,
             request_hand: 0,
+            union_epoch: 1,
             stats: CorrelateStats::default(),
         }
     }
@@ -654,10 +660,17 @@ impl Store {
                 .map(|i| self.tombs[i].request)
                 .unwrap_or(NONE),
         };
+        // Events of a live attempt whose request is a known root skip the request record: its
+        // idle time is brought up to date when the attempt leaves (`note_request_activity`).
+        let mut touch = true;
         match (request, current) {
             (Some(r), NONE) => {
                 match attempt {
-                    AttemptRef::Live(i) => self.attempts[i as usize].request = r,
+                    AttemptRef::Live(i) => {
+                        let at = &mut self.attempts[i as usize];
+                        at.request = r;
+                        at.request_epoch = self.union_epoch;
+                    }
                     AttemptRef::Tomb(seq) => {
                         if let Some(i) = self.tomb_index(seq) {
                             self.tombs[i].request = r;
@@ -675,9 +688,30 @@ impl Store {
                 }
             }
             (None, NONE) => {}
-            (None, cur) => request = Some(self.find(cur)),
+            (None, cur) => match attempt {
+                AttemptRef::Live(i)
+                    if self.attempts[i as usize].request_epoch == self.union_epoch =>
+                {
+                    request = Some(cur);
+                    touch = false;
+                }
+                AttemptRef::Live(i) => {
+                    let root = self.find(cur);
+                    if root != cur {
+                        // Point the attempt at the root; its reference follows.
+                        self.requests[cur as usize].refs -= 1;
+                        self.requests[root as usize].refs += 1;
+                        self.attempts[i as usize].request = root;
+                    }
+                    self.attempts[i as usize].request_epoch = self.union_epoch;
+                    request = Some(root);
+                }
+                AttemptRef::Tomb(_) => request = Some(self.find(cur)),
+            },
         }
-        if let Some(r) = request {
+        if let Some(r) = request
+            && touch
+        {
             let req = &mut self.requests[r as usize];
             req.last_ns = req.last_ns.max(time_ns);
         }
@@ -784,6 +818,7 @@ impl Store {
             live: true,
             rejudge: false,
             fired: 0,
+            request_epoch: 0,
         };
         let i = match self.free_attempts.pop() {
             Some(i) => {
@@ -849,6 +884,14 @@ impl Store {
     fn union_requests(&mut self, from: u32, into: u32) -> u32 {
         if from == into {
             return into;
+        }
+        // Cached roots may now be stubs.
+        self.union_epoch += 1;
+        if self.union_epoch == u32::MAX {
+            for a in self.attempts.iter_mut() {
+                a.request_epoch = 0;
+            }
+            self.union_epoch = 1;
         }
         let src: Vec<Slot> = self.request_slots(from).to_vec();
         let keeps = self.request_keeps.clone();
@@ -932,8 +975,21 @@ impl Store {
         a
     }
 
+    /// The request of attempt `i` was not touched by its events (cached root): bring its idle
+    /// time up to date before the attempt stops holding it.
+    fn note_request_activity(&mut self, i: u32) {
+        let at = &self.attempts[i as usize];
+        if at.request != NONE {
+            let last = at.last_ns;
+            let root = self.find(at.request);
+            let req = &mut self.requests[root as usize];
+            req.last_ns = req.last_ns.max(last);
+        }
+    }
+
     /// Forgets live attempt `i` entirely (its aliases, its request reference).
     fn free_attempt(&mut self, i: u32) {
+        self.note_request_activity(i);
         let at = &self.attempts[i as usize];
         for k in [
             at.room.map(key_room),
@@ -991,6 +1047,7 @@ impl Store {
             self.move_reported(Owner::Attempt(i), Owner::Tomb(seq), tomb.fired);
         }
         // The tombstone inherits the request reference: take it away before freeing.
+        self.note_request_activity(i);
         self.attempts[i as usize].request = NONE;
         self.free_attempt(i);
         if let Some(key) = key {
