@@ -290,6 +290,82 @@ mod alias {
 
 use alias::{INDEX_MASK, TAG_ATTEMPT, TAG_REQUEST, TAG_TOMB, tag};
 
+/// Fixed-width items in fixed-size chunks: growth adds one chunk instead of doubling (a doubling
+/// Vec reserves up to 2x and copies everything when it grows), and items never move.
+pub struct Chunked<T> {
+    chunks: Vec<Box<[T]>>,
+    width: usize,
+    len: usize,
+}
+
+const CHUNK_BITS: usize = 10;
+const CHUNK_ITEMS: usize = 1 << CHUNK_BITS;
+
+impl<T: Clone> Chunked<T> {
+    pub fn new(width: usize) -> Chunked<T> {
+        Chunked {
+            chunks: Vec::new(),
+            width,
+            len: 0,
+        }
+    }
+
+    /// Number of items.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Appends an item whose elements are all `fill`; returns its index.
+    pub fn push(&mut self, fill: T) -> usize {
+        if self.len == self.chunks.len() << CHUNK_BITS {
+            self.chunks
+                .push(vec![fill.clone(); CHUNK_ITEMS * self.width].into_boxed_slice());
+        }
+        let i = self.len;
+        self.len += 1;
+        self.item_mut(i).fill(fill);
+        i
+    }
+
+    pub fn item(&self, i: usize) -> &[T] {
+        let off = (i & (CHUNK_ITEMS - 1)) * self.width;
+        &self.chunks[i >> CHUNK_BITS][off..off + self.width]
+    }
+
+    pub fn item_mut(&mut self, i: usize) -> &mut [T] {
+        let off = (i & (CHUNK_ITEMS - 1)) * self.width;
+        &mut self.chunks[i >> CHUNK_BITS][off..off + self.width]
+    }
+
+    pub fn iter_mut(&mut self) -> impl Iterator<Item = &mut T> {
+        let n = self.len * self.width;
+        self.chunks.iter_mut().flat_map(|c| c.iter_mut()).take(n)
+    }
+
+    /// Heap bytes reserved.
+    pub fn capacity_bytes(&self) -> usize {
+        self.chunks.len() * CHUNK_ITEMS * self.width * std::mem::size_of::<T>()
+            + self.chunks.capacity() * std::mem::size_of::<Box<[T]>>()
+    }
+}
+
+impl<T: Clone> std::ops::Index<usize> for Chunked<T> {
+    type Output = T;
+    fn index(&self, i: usize) -> &T {
+        &self.item(i)[0]
+    }
+}
+
+impl<T: Clone> std::ops::IndexMut<usize> for Chunked<T> {
+    fn index_mut(&mut self, i: usize) -> &mut T {
+        &mut self.item_mut(i)[0]
+    }
+}
+
 /// Live state of one attempt. Rule slots live in [`Store::attempt_slots`] at `index * stride`.
 #[derive(Debug, Clone)]
 pub struct Attempt {
@@ -418,8 +494,8 @@ fn fold_all(dst: &mut [Slot], src: &[Slot], keeps: &[Keep]) {
 /// The correlation store.
 pub struct Store {
     pub limits: Limits,
-    pub attempts: Vec<Attempt>,
-    pub attempt_slots: Vec<Slot>,
+    pub attempts: Chunked<Attempt>,
+    pub attempt_slots: Chunked<Slot>,
     attempt_keeps: Vec<Keep>,
     free_attempts: Vec<u32>,
     live_attempts: usize,
@@ -431,8 +507,8 @@ pub struct Store {
     /// that saw the breach later corroborates it once. Only owners with fired bits have entries.
     reported: HashMap<(Owner, u8), u8, FixedState>,
 
-    pub requests: Vec<Request>,
-    pub request_slots: Vec<Slot>,
+    pub requests: Chunked<Request>,
+    pub request_slots: Chunked<Slot>,
     request_keeps: Vec<Keep>,
     free_requests: Vec<u32>,
     live_requests: usize,
@@ -468,16 +544,16 @@ impl Store {
         };
         Store {
             limits,
-            attempts: Vec::new(),
-            attempt_slots: Vec::new(),
+            attempts: Chunked::new(1),
+            attempt_slots: Chunked::new(attempt_keeps.len()),
             attempt_keeps,
             free_attempts: Vec::new(),
             live_attempts: 0,
             aliases: alias::Table::default(),
             reasons: HashMap::with_hasher(hasher()),
             reported: HashMap::with_hasher(hasher()),
-            requests: Vec::new(),
-            request_slots: Vec::new(),
+            requests: Chunked::new(1),
+            request_slots: Chunked::new(request_keeps.len()),
             request_keeps,
             free_requests: Vec::new(),
             live_requests: 0,
@@ -503,28 +579,17 @@ impl Store {
         self.tombs.len()
     }
 
-    fn attempt_stride(&self) -> usize {
-        self.attempt_keeps.len()
-    }
-    fn request_stride(&self) -> usize {
-        self.request_keeps.len()
-    }
-
     pub fn attempt_slots(&self, a: u32) -> &[Slot] {
-        let n = self.attempt_stride();
-        &self.attempt_slots[a as usize * n..(a as usize + 1) * n]
+        self.attempt_slots.item(a as usize)
     }
     pub fn attempt_slots_mut(&mut self, a: u32) -> &mut [Slot] {
-        let n = self.attempt_stride();
-        &mut self.attempt_slots[a as usize * n..(a as usize + 1) * n]
+        self.attempt_slots.item_mut(a as usize)
     }
     pub fn request_slots(&self, r: u32) -> &[Slot] {
-        let n = self.request_stride();
-        &self.request_slots[r as usize * n..(r as usize + 1) * n]
+        self.request_slots.item(r as usize)
     }
     pub fn request_slots_mut(&mut self, r: u32) -> &mut [Slot] {
-        let n = self.request_stride();
-        &mut self.request_slots[r as usize * n..(r as usize + 1) * n]
+        self.request_slots.item_mut(r as usize)
     }
 
     pub fn reason(&self, a: u32) -> Option<&str> {
@@ -860,11 +925,8 @@ impl Store {
                 i
             }
             None => {
-                self.attempts.push(fresh);
-                let n = self.attempt_stride();
-                self.attempt_slots
-                    .extend(std::iter::repeat_n(Slot::EMPTY, n));
-                (self.attempts.len() - 1) as u32
+                self.attempt_slots.push(Slot::EMPTY);
+                self.attempts.push(fresh) as u32
             }
         };
         for k in [room_key, rid_key].into_iter().flatten() {
@@ -897,11 +959,8 @@ impl Store {
                 i
             }
             None => {
-                self.requests.push(fresh);
-                let n = self.request_stride();
-                self.request_slots
-                    .extend(std::iter::repeat_n(Slot::EMPTY, n));
-                (self.requests.len() - 1) as u32
+                self.request_slots.push(Slot::EMPTY);
+                self.requests.push(fresh) as u32
             }
         };
         self.live_requests += 1;
@@ -1066,9 +1125,9 @@ impl Store {
             expires_s,
             fired: at.fired,
         };
-        let base = i as usize * self.attempt_stride();
+        let kept = self.attempt_slots.item(i as usize);
         for &k in &self.tomb_slot_map {
-            self.tomb_slots.push_back(self.attempt_slots[base + k]);
+            self.tomb_slots.push_back(kept[k]);
         }
         self.tombs.push_back(tomb);
         let seq = self.tomb_base + self.tombs.len() as u64 - 1;
@@ -1219,11 +1278,11 @@ impl Store {
     /// Heap bytes held by the store's tables (capacity, not length), for memory accounting.
     pub fn table_bytes(&self) -> usize {
         use std::mem::size_of;
-        self.attempts.capacity() * size_of::<Attempt>()
-            + self.attempt_slots.capacity() * size_of::<Slot>()
+        self.attempts.capacity_bytes()
+            + self.attempt_slots.capacity_bytes()
             + self.aliases.capacity_bytes()
-            + self.requests.capacity() * size_of::<Request>()
-            + self.request_slots.capacity() * size_of::<Slot>()
+            + self.requests.capacity_bytes()
+            + self.request_slots.capacity_bytes()
             + self.tombs.capacity() * size_of::<Tombstone>()
             + self.tomb_slots.capacity() * size_of::<Slot>()
     }
