@@ -254,6 +254,32 @@ mod alias {
         use super::*;
 
         #[test]
+        fn rids_keep_their_text() {
+            use super::super::Rid;
+            for s in [
+                "8f3c2b1a9d7e4f60a1b2c3d4e5f60718",
+                "0000000000000000000000000000000a",
+            ] {
+                let r = Rid::new(s);
+                assert!(matches!(r, Rid::Hex(_)), "{s}");
+                assert_eq!(r.to_string_opt().as_deref(), Some(s));
+                assert!(r.matches(s));
+                assert!(!r.matches("8F3C2B1A9D7E4F60A1B2C3D4E5F60718"));
+            }
+            for s in [
+                "rid-1",
+                "8F3C2B1A9D7E4F60A1B2C3D4E5F60718",
+                "cmpl-8f3c2b1a9d7e4f60a1b2c3d4e5f6",
+            ] {
+                let r = Rid::new(s);
+                assert!(matches!(r, Rid::Text(_)), "{s}");
+                assert_eq!(r.to_string_opt().as_deref(), Some(s));
+                assert!(r.matches(s) && !r.matches("other"));
+            }
+            assert_eq!(Rid::None.to_string_opt(), None);
+        }
+
+        #[test]
         fn insert_get_remove_with_collisions_and_growth() {
             let mut t = Table::default();
             let mut rng = 1u64;
@@ -366,13 +392,81 @@ impl<T: Clone> std::ops::IndexMut<usize> for Chunked<T> {
     }
 }
 
+/// An attempt's first rid. SGLang rids are 32 lowercase hex digits (a uuid4 without dashes):
+/// those are kept inline as 16 bytes (no heap string, and comparing one is no pointer chase);
+/// any other rid keeps its text.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum Rid {
+    #[default]
+    None,
+    Hex([u64; 2]),
+    Text(Box<str>),
+}
+
+impl Rid {
+    pub fn new(s: &str) -> Rid {
+        match Self::hex(s) {
+            Some(h) => Rid::Hex(h),
+            None => Rid::Text(s.into()),
+        }
+    }
+
+    /// 32 lowercase hex digits (so that printing gives back the same text), as two words.
+    fn hex(s: &str) -> Option<[u64; 2]> {
+        let b = s.as_bytes();
+        if b.len() != 32 || !b.iter().all(|c| matches!(c, b'0'..=b'9' | b'a'..=b'f')) {
+            return None;
+        }
+        let half = |h: &str| u64::from_str_radix(h, 16).ok();
+        Some([half(&s[..16])?, half(&s[16..])?])
+    }
+
+    pub fn is_none(&self) -> bool {
+        matches!(self, Rid::None)
+    }
+
+    /// Calls `f` with the rid's text (built on the stack for the inline form).
+    fn with_str<R>(&self, f: impl FnOnce(&str) -> R) -> Option<R> {
+        match self {
+            Rid::None => None,
+            Rid::Text(t) => Some(f(t)),
+            Rid::Hex([hi, lo]) => {
+                const DIGITS: &[u8; 16] = b"0123456789abcdef";
+                let mut buf = [0u8; 32];
+                for (i, v) in [hi, lo].into_iter().enumerate() {
+                    for j in 0..16 {
+                        buf[i * 16 + j] = DIGITS[((v >> (60 - 4 * j)) & 0xf) as usize];
+                    }
+                }
+                Some(f(std::str::from_utf8(&buf).expect("hex digits are ASCII")))
+            }
+        }
+    }
+
+    pub fn matches(&self, s: &str) -> bool {
+        match self {
+            Rid::None => false,
+            Rid::Text(t) => **t == *s,
+            Rid::Hex(h) => Self::hex(s) == Some(*h),
+        }
+    }
+
+    pub fn to_string_opt(&self) -> Option<String> {
+        self.with_str(str::to_owned)
+    }
+
+    fn key(&self) -> Option<u64> {
+        self.with_str(|s| key_str(AliasKind::Rid, s))
+    }
+}
+
 /// Live state of one attempt. Rule slots live in [`Store::attempt_slots`] at `index * stride`.
 #[derive(Debug, Clone)]
 pub struct Attempt {
     pub generation: u32,
     pub request: u32,
     pub room: Option<u64>,
-    pub rid: Option<Box<str>>,
+    pub rid: Rid,
     pub last_ns: u64,
     /// Earliest pending deadline in the timer queue (0 = none); compaction waits for it.
     pub due_ns: u64,
@@ -686,8 +780,7 @@ impl Store {
         let mut request = self.resolve_request(ids, time_ns);
 
         let room_key = ids.bootstrap_room.map(|r| key_room(r.0));
-        let rid_key = ids.rid.as_deref().map(|s| key_str(AliasKind::Rid, s));
-        if room_key.is_none() && rid_key.is_none() {
+        if room_key.is_none() && ids.rid.is_none() {
             return Resolved {
                 attempt: None,
                 request,
@@ -697,10 +790,14 @@ impl Store {
         let by_room = room_key.and_then(|k| self.lookup_attempt(k));
         // Most events repeat the rid the attempt already has: skip the second table probe.
         let rid_known = match (by_room, ids.rid.as_deref()) {
-            (Some(AttemptRef::Live(i)), Some(rid)) => {
-                self.attempts[i as usize].rid.as_deref() == Some(rid)
-            }
+            (Some(AttemptRef::Live(i)), Some(rid)) => self.attempts[i as usize].rid.matches(rid),
             _ => false,
+        };
+        // Hashing the rid (32 bytes) is only needed when it is not the attempt's known one.
+        let rid_key = if rid_known {
+            None
+        } else {
+            ids.rid.as_deref().map(|s| key_str(AliasKind::Rid, s))
         };
         let by_rid = if rid_known {
             by_room
@@ -716,8 +813,10 @@ impl Store {
                 if let (Some(k), AttemptRef::Live(i)) = (rid_key, a) {
                     self.aliases.insert(k, i);
                     let at = &mut self.attempts[i as usize];
-                    if at.rid.is_none() {
-                        at.rid = ids.rid.clone();
+                    if at.rid.is_none()
+                        && let Some(rid) = ids.rid.as_deref()
+                    {
+                        at.rid = Rid::new(rid);
                     }
                 }
                 a
@@ -734,14 +833,14 @@ impl Store {
                         // A rid reused across attempts (client-chosen rid, router retry): the room
                         // decides; the rid stays with the attempt that had it first.
                         self.stats.alias_conflicts += 1;
-                        AttemptRef::Live(self.new_attempt(Some(room.0), None, room_key, None))
+                        AttemptRef::Live(self.new_attempt(Some(room.0), Rid::None, room_key, None))
                     }
                 },
                 _ => b,
             },
             (None, None) => AttemptRef::Live(self.new_attempt(
                 ids.bootstrap_room.map(|r| r.0),
-                ids.rid.clone(),
+                ids.rid.as_deref().map_or(Rid::None, Rid::new),
                 room_key,
                 rid_key,
             )),
@@ -891,7 +990,7 @@ impl Store {
     fn new_attempt(
         &mut self,
         room: Option<u64>,
-        rid: Option<Box<str>>,
+        rid: Rid,
         room_key: Option<u64>,
         rid_key: Option<u64>,
     ) -> u32 {
@@ -1050,13 +1149,7 @@ impl Store {
             self.move_reported(Owner::Attempt(y), Owner::Attempt(x), ya.fired);
         }
         self.free_attempt(y);
-        for k in [
-            ya.room.map(key_room),
-            ya.rid.as_deref().map(|s| key_str(AliasKind::Rid, s)),
-        ]
-        .into_iter()
-        .flatten()
-        {
+        for k in [ya.room.map(key_room), ya.rid.key()].into_iter().flatten() {
             self.aliases.insert(k, x);
         }
         self.stats.attempts_merged += 1;
@@ -1079,13 +1172,7 @@ impl Store {
     fn free_attempt(&mut self, i: u32) {
         self.note_request_activity(i);
         let at = &self.attempts[i as usize];
-        for k in [
-            at.room.map(key_room),
-            at.rid.as_deref().map(|s| key_str(AliasKind::Rid, s)),
-        ]
-        .into_iter()
-        .flatten()
-        {
+        for k in [at.room.map(key_room), at.rid.key()].into_iter().flatten() {
             self.aliases.remove_if(k, i);
         }
         let request = at.request;
@@ -1098,7 +1185,7 @@ impl Store {
         }
         let at = &mut self.attempts[i as usize];
         at.live = false;
-        at.rid = None;
+        at.rid = Rid::None;
         at.request = NONE;
         at.generation = at.generation.wrapping_add(1);
         self.reasons.remove(&i);
@@ -1113,10 +1200,7 @@ impl Store {
             self.stats.tombstones_evicted_cap += 1;
         }
         let at = &self.attempts[i as usize];
-        let key = at
-            .room
-            .map(key_room)
-            .or_else(|| at.rid.as_deref().map(|s| key_str(AliasKind::Rid, s)));
+        let key = at.room.map(key_room).or_else(|| at.rid.key());
         let expires_s = ((watermark_ns.saturating_add(self.limits.retention_ns)) / 1_000_000_000)
             .min(u32::MAX as u64) as u32
             + 1;

@@ -1202,7 +1202,7 @@ impl Checker {
         let at = &self.store.attempts[a as usize];
         AttemptAliases {
             bootstrap_room: at.room,
-            rid: at.rid.as_deref().map(str::to_owned),
+            rid: at.rid.to_string_opt(),
         }
     }
 
