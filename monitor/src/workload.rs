@@ -57,14 +57,14 @@ pub fn attempt_events(mix: &Mix, i: u64) -> Vec<LifecycleEvent> {
         ev(MS, Stage::Prefill, Kind::Received, Source::Ebpf),
         ev(MS, Stage::Decode, Kind::Received, Source::Ebpf),
     ];
-    if mix.reject_every > 0 && i % mix.reject_every == 0 {
+    if mix.reject_every > 0 && i.is_multiple_of(mix.reject_every) {
         v.push(
             ev(2 * MS, Stage::Prefill, Kind::Rejected, Source::Otlp)
                 .with_rid(prefill_rid.as_str())
                 .with_status(400)
                 .with_reason("exceeds the maximum number of tokens"),
         );
-        if i % (mix.reject_every * 10) == 0 {
+        if i.is_multiple_of(mix.reject_every * 10) {
             // One rejected attempt in ten is still handed off: the disclosed failure.
             v.extend([
                 ev(20 * MS, Stage::Transfer, Kind::Work, Source::Ebpf),

@@ -163,7 +163,7 @@ impl Slot {
         let tag = (e.stage as u16)
             | ((e.kind as u16) << 2)
             | ((e.source as u16) << 6)
-            | (((node.min(0x7f)) as u16) << 8)
+            | (node.min(0x7f) << 8)
             | OCCUPIED;
         Slot {
             time_lo: e.time_ns as u32,

@@ -31,10 +31,8 @@ impl TimerQueue {
         let mut best: Option<(usize, u64)> = None;
         for (i, r) in self.runs.iter().enumerate() {
             match r.back() {
-                Some(b) if b.0 <= e.0 => {
-                    if best.is_none_or(|(_, d)| b.0 >= d) {
-                        best = Some((i, b.0));
-                    }
+                Some(b) if b.0 <= e.0 && best.is_none_or(|(_, d)| b.0 >= d) => {
+                    best = Some((i, b.0));
                 }
                 None if best.is_none() => best = Some((i, 0)),
                 _ => {}
