@@ -192,6 +192,11 @@ mod alias {
             }
             self.buckets[hole] = Bucket::default();
             self.len -= 1;
+            // Give memory back after a peak (e.g. live attempts compacted): below a third full,
+            // rebuild at about 0.6.
+            if self.buckets.len() > 4096 && self.len * 3 < self.buckets.len() {
+                self.resize(self.len * 5 / 3);
+            }
             true
         }
 
@@ -217,7 +222,11 @@ mod alias {
         }
 
         fn grow(&mut self) {
-            let n = (self.buckets.len() + self.buckets.len() / 2).max(1024);
+            self.resize(self.buckets.len() + self.buckets.len() / 2);
+        }
+
+        fn resize(&mut self, n: usize) {
+            let n = n.max(1024);
             let old = std::mem::replace(&mut self.buckets, Self::buckets(n));
             self.len = 0;
             for b in old {
