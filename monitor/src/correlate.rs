@@ -263,6 +263,35 @@ mod alias {
         use super::*;
 
         #[test]
+        fn chunked_queue_is_a_fifo_across_chunks() {
+            use super::super::ChunkedQueue;
+            let mut q = ChunkedQueue::new(2);
+            let (mut next_in, mut next_out) = (0u32, 0u32);
+            for round in 0..6 {
+                for _ in 0..1500 {
+                    q.push_back(&[next_in, !next_in]);
+                    next_in += 1;
+                }
+                let pops = if round == 5 { q.len() } else { 1100 };
+                for _ in 0..pops {
+                    assert_eq!(q.item(0), &[next_out, !next_out]);
+                    q.pop_front();
+                    next_out += 1;
+                }
+                for i in 0..q.len() {
+                    assert_eq!(q.item(i)[0], next_out + i as u32);
+                }
+            }
+            assert!(q.is_empty());
+            assert!(q.capacity_bytes() < 1024, "chunks freed once emptied");
+            let mut z: ChunkedQueue<u32> = ChunkedQueue::new(0);
+            z.push_back(&[]);
+            assert_eq!((z.len(), z.item(0).len()), (1, 0));
+            z.pop_front();
+            assert!(z.is_empty());
+        }
+
+        #[test]
         fn rids_keep_their_text() {
             use super::super::Rid;
             for s in [
@@ -398,6 +427,89 @@ impl<T: Clone> std::ops::Index<usize> for Chunked<T> {
 impl<T: Clone> std::ops::IndexMut<usize> for Chunked<T> {
     fn index_mut(&mut self, i: usize) -> &mut T {
         &mut self.item_mut(i)[0]
+    }
+}
+
+/// A FIFO of fixed-width items in fixed-size chunks: the tombstone queue. Like [`Chunked`], it
+/// grows by one chunk (a `VecDeque` doubles) and frees a chunk once its last item is popped.
+pub struct ChunkedQueue<T> {
+    chunks: VecDeque<Box<[T]>>,
+    width: usize,
+    /// Items already popped from the first chunk.
+    head: usize,
+    len: usize,
+}
+
+impl<T: Clone> ChunkedQueue<T> {
+    pub fn new(width: usize) -> ChunkedQueue<T> {
+        ChunkedQueue {
+            chunks: VecDeque::new(),
+            width,
+            head: 0,
+            len: 0,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Appends an item (`item.len()` must be the width).
+    pub fn push_back(&mut self, item: &[T]) {
+        debug_assert_eq!(item.len(), self.width);
+        let end = self.head + self.len;
+        if end == self.chunks.len() << CHUNK_BITS {
+            let Some(fill) = item.first() else {
+                // Zero-width items need no storage; only count them.
+                self.len += 1;
+                return;
+            };
+            self.chunks
+                .push_back(vec![fill.clone(); CHUNK_ITEMS * self.width].into_boxed_slice());
+        }
+        self.len += 1;
+        self.item_mut(self.len - 1).clone_from_slice(item);
+    }
+
+    pub fn pop_front(&mut self) {
+        if self.len == 0 {
+            return;
+        }
+        self.len -= 1;
+        self.head += 1;
+        if self.head == CHUNK_ITEMS || self.len == 0 {
+            if self.head == CHUNK_ITEMS || self.width != 0 {
+                self.chunks.pop_front();
+            }
+            self.head = 0;
+        }
+    }
+
+    pub fn item(&self, i: usize) -> &[T] {
+        if self.width == 0 {
+            return &[];
+        }
+        let j = self.head + i;
+        let off = (j & (CHUNK_ITEMS - 1)) * self.width;
+        &self.chunks[j >> CHUNK_BITS][off..off + self.width]
+    }
+
+    pub fn item_mut(&mut self, i: usize) -> &mut [T] {
+        if self.width == 0 {
+            return &mut [];
+        }
+        let j = self.head + i;
+        let off = (j & (CHUNK_ITEMS - 1)) * self.width;
+        &mut self.chunks[j >> CHUNK_BITS][off..off + self.width]
+    }
+
+    pub fn capacity_bytes(&self) -> usize {
+        self.chunks.len() * CHUNK_ITEMS * self.width * std::mem::size_of::<T>()
+            + self.chunks.capacity() * std::mem::size_of::<Box<[T]>>()
     }
 }
 
@@ -616,9 +728,9 @@ pub struct Store {
     free_requests: Vec<u32>,
     live_requests: usize,
 
-    tombs: VecDeque<Tombstone>,
+    tombs: ChunkedQueue<Tombstone>,
     /// `tomb_slot_map.len()` slots per tombstone, in the order of `tombs`.
-    tomb_slots: VecDeque<Slot>,
+    tomb_slots: ChunkedQueue<Slot>,
     /// Which attempt slots a tombstone keeps (those of attempt-scope never-after rules).
     tomb_slot_map: Vec<usize>,
     tomb_base: u64,
@@ -660,8 +772,8 @@ impl Store {
             request_keeps,
             free_requests: Vec::new(),
             live_requests: 0,
-            tombs: VecDeque::new(),
-            tomb_slots: VecDeque::new(),
+            tombs: ChunkedQueue::new(1),
+            tomb_slots: ChunkedQueue::new(tomb_slot_map.len()),
             tomb_slot_map,
             tomb_base: 0,
             tomb_alias_stale: 0,
@@ -738,28 +850,27 @@ impl Store {
         (i < self.tombs.len()).then_some(i)
     }
     pub fn tomb(&self, i: usize) -> &Tombstone {
-        &self.tombs[i]
+        &self.tombs.item(i)[0]
     }
     pub fn tomb_mut(&mut self, i: usize) -> &mut Tombstone {
-        &mut self.tombs[i]
+        &mut self.tombs.item_mut(i)[0]
     }
     /// Tombstones keep the attempt slots listed in `tomb_slot_map`; `k` indexes that list.
     pub fn tomb_slot(&self, i: usize, k: usize) -> Slot {
-        self.tomb_slots[i * self.tomb_slot_map.len() + k]
+        self.tomb_slots.item(i)[k]
     }
     pub fn tomb_slot_mut(&mut self, i: usize, k: usize) -> &mut Slot {
-        let n = self.tomb_slot_map.len();
-        &mut self.tomb_slots[i * n + k]
+        &mut self.tomb_slots.item_mut(i)[k]
     }
     /// A copy of tombstone `i`'s kept slots, in `tomb_slot_map` order.
     pub fn tomb_slots_of(&self, i: usize) -> Vec<Slot> {
         let n = self.tomb_slot_map.len();
-        (0..n).map(|k| self.tomb_slots[i * n + k]).collect()
+        self.tomb_slots.item(i)[..n].to_vec()
     }
     pub fn set_tomb_slots(&mut self, i: usize, slots: &[Slot]) {
         let n = self.tomb_slot_map.len();
         for (k, s) in slots.iter().enumerate().take(n) {
-            self.tomb_slots[i * n + k] = *s;
+            self.tomb_slots.item_mut(i)[k] = *s;
         }
     }
     pub fn tomb_slot_map(&self) -> &[usize] {
@@ -859,7 +970,7 @@ impl Store {
             AttemptRef::Live(i) => self.attempts[i as usize].request,
             AttemptRef::Tomb(seq) => self
                 .tomb_index(seq)
-                .map(|i| self.tombs[i].request)
+                .map(|i| self.tomb(i).request)
                 .unwrap_or(NONE),
         };
         // Events of a live attempt whose request is a known root skip the request record: its
@@ -875,7 +986,7 @@ impl Store {
                     }
                     AttemptRef::Tomb(seq) => {
                         if let Some(i) = self.tomb_index(seq) {
-                            self.tombs[i].request = r;
+                            self.tomb_mut(i).request = r;
                         }
                     }
                 }
@@ -1219,10 +1330,12 @@ impl Store {
             fired: at.fired,
         };
         let kept = self.attempt_slots.item(i as usize);
-        for &k in &self.tomb_slot_map {
-            self.tomb_slots.push_back(kept[k]);
+        let mut buf = [Slot::EMPTY; crate::checker::slots::SlotLayout::MAX];
+        for (j, &k) in self.tomb_slot_map.iter().enumerate() {
+            buf[j] = kept[k];
         }
-        self.tombs.push_back(tomb);
+        self.tomb_slots.push_back(&buf[..self.tomb_slot_map.len()]);
+        self.tombs.push_back(&[tomb]);
         let seq = self.tomb_base + self.tombs.len() as u64 - 1;
         if tomb.fired != 0 {
             self.move_reported(Owner::Attempt(i), Owner::Tomb(seq), tomb.fired);
@@ -1244,12 +1357,12 @@ impl Store {
     }
 
     fn pop_tomb(&mut self) {
-        let Some(t) = self.tombs.pop_front() else {
+        if self.tombs.is_empty() {
             return;
-        };
-        for _ in 0..self.tomb_slot_map.len() {
-            self.tomb_slots.pop_front();
         }
+        let t = *self.tomb(0);
+        self.tombs.pop_front();
+        self.tomb_slots.pop_front();
         if t.request != NONE {
             self.requests[t.request as usize].refs -= 1;
         }
@@ -1286,7 +1399,7 @@ impl Store {
     /// idled, and drops expired tombstones and unreferenced requests.
     pub fn sweep(&mut self, watermark_ns: u64, steps: usize) {
         let wm_s = (watermark_ns / 1_000_000_000) as u32;
-        while self.tombs.front().is_some_and(|t| t.expires_s <= wm_s) {
+        while !self.tombs.is_empty() && self.tomb(0).expires_s <= wm_s {
             self.pop_tomb();
             self.stats.tombstones_expired += 1;
         }
@@ -1355,7 +1468,6 @@ impl Store {
 
     /// Heap bytes held by the tombstone tables (capacity-based: what is really reserved).
     pub fn tombstone_bytes(&self) -> usize {
-        use std::mem::size_of;
         // The alias table is shared: tombstones are charged their share of its entries.
         let alias_share = if self.aliases.len() == 0 {
             0
@@ -1363,20 +1475,17 @@ impl Store {
             self.aliases.capacity_bytes() * self.tombs.len().min(self.aliases.len())
                 / self.aliases.len()
         };
-        self.tombs.capacity() * size_of::<Tombstone>()
-            + self.tomb_slots.capacity() * size_of::<Slot>()
-            + alias_share
+        self.tombs.capacity_bytes() + self.tomb_slots.capacity_bytes() + alias_share
     }
 
     /// Heap bytes held by the store's tables (capacity, not length), for memory accounting.
     pub fn table_bytes(&self) -> usize {
-        use std::mem::size_of;
         self.attempts.capacity_bytes()
             + self.attempt_slots.capacity_bytes()
             + self.aliases.capacity_bytes()
             + self.requests.capacity_bytes()
             + self.request_slots.capacity_bytes()
-            + self.tombs.capacity() * size_of::<Tombstone>()
-            + self.tomb_slots.capacity() * size_of::<Slot>()
+            + self.tombs.capacity_bytes()
+            + self.tomb_slots.capacity_bytes()
     }
 }
