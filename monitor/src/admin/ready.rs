@@ -122,6 +122,21 @@ impl Readiness {
         self.lock().components.values().all(|c| c.ready)
     }
 
+    /// Sources that produced an event within the live window (cheap: no report built).
+    pub fn live_source_count(&self) -> usize {
+        let g = self.lock();
+        let now = Instant::now();
+        g.components
+            .values()
+            .filter(|c| {
+                c.kind == ComponentKind::Source
+                    && c.ready
+                    && c.last_activity
+                        .is_some_and(|t| now.duration_since(t) <= g.live_window)
+            })
+            .count()
+    }
+
     pub fn report(&self) -> ReadyReport {
         let g = self.lock();
         let now = Instant::now();

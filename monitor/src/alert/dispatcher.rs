@@ -10,16 +10,16 @@ use std::time::{Duration, Instant};
 use tokio::sync::{Notify, mpsc};
 use tokio::task::JoinHandle;
 
-use super::flood::{ActiveAlert, Admission, FloodConfig, FloodControl};
+use super::flood::{ActiveAlert, Admission, Corroboration, FloodConfig, FloodControl};
 use super::notification::{LinkBase, Notification, now_unix_ns};
 use super::sink::{Backoff, Sink, SinkError};
 use super::spool::{Spool, SpoolError};
-use crate::admin::RecentViolations;
 use crate::admin::events::{
-    AlertDeduplicated, AlertDeliveryFailed, AlertRateLimited, AlertReceived, AlertSpooled,
-    AlertsDelivered, ItemsDropped, SpoolSize, SuppressionSummarised,
+    AlertCorroborated, AlertDeduplicated, AlertDeliveryFailed, AlertHeld, AlertRateLimited,
+    AlertReceived, AlertSpooled, AlertsDelivered, ItemsDropped, SpoolSize, SuppressionSummarised,
 };
 use crate::admin::metrics::{DropPoint, Metrics};
+use crate::admin::{Readiness, RecentViolations};
 use crate::violation::Violation;
 
 #[derive(Debug, Clone)]
@@ -53,6 +53,8 @@ pub struct DispatchReport {
     pub notified: u64,
     pub deduplicated: u64,
     pub rate_limited: u64,
+    /// Follow-ups from a second source (merged, never counted as repeats).
+    pub corroborated: u64,
     pub spool_dropped: u64,
     /// Notifications still awaiting a sink when the dispatcher stopped (kept in the spool).
     pub undelivered_at_exit: usize,
@@ -88,6 +90,8 @@ pub struct Dispatcher {
     sinks: Vec<Arc<dyn Sink>>,
     metrics: Arc<Metrics>,
     recent: Option<Arc<RecentViolations>>,
+    /// Tells how many sources are live (holding for corroboration only makes sense with two).
+    readiness: Option<Readiness>,
 }
 
 impl Dispatcher {
@@ -110,7 +114,21 @@ impl Dispatcher {
             sinks,
             metrics,
             recent: None,
+            readiness: None,
         }
+    }
+
+    /// Hold first notifications for the corroboration window only while at least two sources
+    /// are live; without readiness, whenever a window is configured.
+    pub fn with_readiness(mut self, readiness: Readiness) -> Dispatcher {
+        self.readiness = Some(readiness);
+        self
+    }
+
+    fn may_hold(&self) -> bool {
+        self.readiness
+            .as_ref()
+            .is_none_or(|r| r.live_source_count() >= 2)
     }
 
     /// Also record every received violation for `/api/violations`.
@@ -163,8 +181,25 @@ impl Dispatcher {
         let mut last_refresh: Vec<Instant> = self.sinks.iter().map(|_| start).collect();
         let mut resolved_pending: Vec<Vec<ActiveAlert>> =
             self.sinks.iter().map(|_| Vec::new()).collect();
+        // A late corroboration changed an active alert's evidence: re-post it without waiting
+        // for the resend interval.
+        let mut refresh_now = false;
         loop {
+            let next_release = self.flood.next_release_ns().map(|due| {
+                tokio::time::Instant::now()
+                    + Duration::from_nanos(due.saturating_sub(now_unix_ns()))
+            });
             tokio::select! {
+                _ = tokio::time::sleep_until(next_release.unwrap_or_else(tokio::time::Instant::now)),
+                    if next_release.is_some() => {
+                    let notes = self
+                        .flood
+                        .release_due(now_unix_ns())
+                        .into_iter()
+                        .map(Notification::Violation)
+                        .collect();
+                    self.spool_and_enqueue(notes, &names, &queues, &mut report).await;
+                }
                 v = rx.recv() => {
                     let Some(v) = v else { break };
                     // Take what is already queued too: one spool group commit for the lot.
@@ -176,6 +211,7 @@ impl Dispatcher {
                         }
                     }
                     let now = now_unix_ns();
+                    let hold = self.may_hold();
                     let mut notes = Vec::new();
                     for v in batch {
                         report.received += 1;
@@ -184,8 +220,20 @@ impl Dispatcher {
                             r.push(&v, now);
                         }
                         let links = self.links.links(&v);
-                        match self.flood.admit(&v, links, now) {
+                        match self.flood.admit(&v, links, now, hold) {
                             Admission::Notify(a) => notes.push(Notification::Violation(a)),
+                            Admission::Held => {
+                                AlertHeld { rule: &v.rule, fingerprint: &v.fingerprint }.emit(&self.metrics);
+                            }
+                            Admission::Corroborated(c) => {
+                                report.corroborated += 1;
+                                AlertCorroborated { rule: &v.rule, fingerprint: &v.fingerprint, outcome: c.outcome() }.emit(&self.metrics);
+                                match c {
+                                    Corroboration::Released(a) => notes.push(Notification::Violation(a)),
+                                    Corroboration::Late { merged: true } => refresh_now = true,
+                                    Corroboration::Late { merged: false } | Corroboration::Unmatched => {}
+                                }
+                            }
                             Admission::Duplicate { repeats } => {
                                 report.deduplicated += 1;
                                 AlertDeduplicated { rule: &v.rule, fingerprint: &v.fingerprint, repeats }.emit(&self.metrics);
@@ -208,7 +256,7 @@ impl Dispatcher {
                     for (i, sink) in self.sinks.iter().enumerate() {
                         let Some(every) = sink.refresh_interval() else { continue };
                         resolved_pending[i].extend(resolved.iter().cloned());
-                        if last_refresh[i].elapsed() < every && resolved_pending[i].is_empty() {
+                        if last_refresh[i].elapsed() < every && resolved_pending[i].is_empty() && !refresh_now {
                             continue;
                         }
                         last_refresh[i] = Instant::now();
@@ -227,10 +275,20 @@ impl Dispatcher {
                             }
                         });
                     }
+                    refresh_now = false;
                 }
             }
         }
-        // Input closed: summarise what open rate windows suppressed, then drain.
+        // Input closed: send what is held for corroboration, summarise what open rate windows
+        // suppressed, then drain.
+        let held = self
+            .flood
+            .release_all()
+            .into_iter()
+            .map(Notification::Violation)
+            .collect();
+        self.spool_and_enqueue(held, &names, &queues, &mut report)
+            .await;
         let summaries = self.flood.flush_summaries(now_unix_ns());
         for s in &summaries {
             SuppressionSummarised {
