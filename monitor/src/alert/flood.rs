@@ -117,6 +117,8 @@ pub enum Admission {
     Corroborated(Corroboration),
 }
 
+// Consumed at once, like `Admission`.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq)]
 pub enum Corroboration {
     /// The original was still held: it goes out now, with the merged evidence.
