@@ -65,7 +65,7 @@ pub struct LogArgs {
     /// Log format on standard error.
     #[arg(long, value_enum, default_value_t = LogFormat::Human)]
     pub log_format: LogFormat,
-    /// Log filter (tracing EnvFilter syntax); `RUST_LOG` overrides it.
+    /// Log filter (tracing EnvFilter syntax); `REVENANT_LOG` (or `RUST_LOG`) overrides it.
     #[arg(long, default_value = "info", value_name = "FILTER")]
     pub log_level: String,
 }
@@ -74,11 +74,15 @@ impl LogArgs {
     /// Installs the global subscriber (once per process; a second call is a no-op error).
     pub fn init(&self) -> Result<(), String> {
         use tracing_subscriber::EnvFilter;
-        let filter = EnvFilter::try_from_default_env()
+        let filter = EnvFilter::try_from_env("REVENANT_LOG")
+            .or_else(|_| EnvFilter::try_from_default_env())
             .or_else(|_| EnvFilter::try_new(&self.log_level))
             .map_err(|e| format!("invalid --log-level {:?}: {e}", self.log_level))?;
+        use std::io::IsTerminal;
         let b = tracing_subscriber::fmt()
             .with_env_filter(filter)
+            // Colour codes only for a person at a terminal, not in files or journald.
+            .with_ansi(std::io::stderr().is_terminal())
             .with_writer(std::io::stderr);
         let r = match self.log_format {
             LogFormat::Human => b.try_init(),

@@ -3,6 +3,7 @@
 //! exposes them.
 
 pub mod config;
+mod ebpf;
 pub mod events;
 pub mod metrics;
 mod otlp;
