@@ -517,9 +517,9 @@ mod tests {
         let (first, _) = Spool::open(&cfg, &sinks).unwrap();
         // flock locks belong to the open file description, so a second open in this process
         // conflicts exactly as another process would.
-        let e = Spool::open(&cfg, &sinks)
-            .err()
-            .expect("second open must fail");
+        let Err(e) = Spool::open(&cfg, &sinks) else {
+            panic!("second open must fail");
+        };
         assert!(matches!(e, SpoolError::InUse { .. }), "{e}");
         assert!(e.to_string().contains("--spool-dir"), "{e}");
         drop(first);
