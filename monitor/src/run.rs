@@ -377,6 +377,8 @@ async fn checker_task(
         };
         totals.batches += 1;
         let arrival_ns = wall_ns();
+        let span = tracing::info_span!("checker.batch", events = batch.len());
+        let _entered = span.enter();
         out.timeline.record(&batch);
         out.activity(&batch);
         for e in &batch {
@@ -515,10 +517,21 @@ async fn shutdown_signal() {
 }
 
 pub fn run(args: RunArgs) -> ExitCode {
-    if let Err(e) = args.log.init() {
-        eprintln!("revenant: {e}");
-        return ExitCode::from(2);
+    let self_traces = match args.log.init() {
+        Ok(g) => g,
+        Err(e) => {
+            eprintln!("revenant: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let code = run_logged(args);
+    if let Some(t) = self_traces {
+        t.shutdown();
     }
+    code
+}
+
+fn run_logged(args: RunArgs) -> ExitCode {
     let prepared = match prepare(&args) {
         Ok(p) => p,
         Err(e) => {

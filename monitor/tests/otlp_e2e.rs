@@ -663,3 +663,52 @@ fn broken_config_exits_2_without_binding() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `--self-traces-otlp`: revenant's own spans (checker batches, alert deliveries) reach a real
+/// OTLP/gRPC receiver — here a second revenant, whose counters show what arrived.
+#[test]
+fn own_spans_are_exported_over_otlp() {
+    let collector = Revenant::start("selftrace-collector", &[]);
+    let endpoint = format!("http://{}", collector.grpc);
+    let mut rv = Revenant::start(
+        "selftrace-source",
+        &[
+            "--self-traces-otlp",
+            &endpoint,
+            "--self-traces-sample-ratio",
+            "1",
+        ],
+    );
+    let (ok, out, err) = rv.emit(&[
+        "--transport",
+        "grpc",
+        "--scenario",
+        "reject-then-decode",
+        "--tag",
+        "00b7",
+    ]);
+    assert!(ok, "{out} {err}");
+    // Shutdown flushes the batch processor: every span ended so far is exported.
+    assert!(rv.stop().success(), "{}", rv.stderr());
+    let received = |metrics: &str| -> u64 {
+        metrics
+            .lines()
+            .filter(|l| l.starts_with("revenant_otlp_spans_received_total"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+            .sum()
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let (_, metrics) = http_get(&collector.admin, "/metrics");
+        if received(&metrics) > 0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no self-trace span reached the collector:\n{metrics}\nsource stderr:\n{}",
+            rv.stderr()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(!rv.stderr().contains("export failed"), "{}", rv.stderr());
+}
