@@ -79,6 +79,28 @@ struct Revenant {
     dir: PathBuf,
     grpc: String,
     http: String,
+    admin: String,
+}
+
+/// Minimal HTTP/1.1 GET (Connection: close) against the admin server; std only.
+fn http_get(addr: &str, path: &str) -> (u16, String) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).expect("connect admin");
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut buf = String::new();
+    s.read_to_string(&mut buf).unwrap();
+    let status = buf
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = buf.split_once("\r\n\r\n").map(|(_, b)| b).unwrap_or("");
+    (status, body.to_string())
 }
 
 impl Revenant {
@@ -102,6 +124,9 @@ impl Revenant {
             .arg(dir.join("events.jsonl"))
             .arg("--alerts-jsonl")
             .arg(dir.join("alerts.jsonl"))
+            .arg("--spool-dir")
+            .arg(dir.join("spool"))
+            .args(["--admin", "127.0.0.1:0", "--ebpf", "off"])
             .args(extra)
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(dir.join("stderr.log")).unwrap())
@@ -112,6 +137,7 @@ impl Revenant {
             dir,
             grpc: String::new(),
             http: String::new(),
+            admin: String::new(),
         };
         let deadline = Instant::now() + Duration::from_secs(20);
         let doc = loop {
@@ -131,6 +157,8 @@ impl Revenant {
         let v: serde_json::Value = serde_json::from_str(&doc).unwrap();
         r.grpc = v["otlp_grpc"].as_str().unwrap().to_owned();
         r.http = v["otlp_http"].as_str().unwrap().to_owned();
+        r.admin = v["admin"].as_str().unwrap().to_owned();
+        assert_eq!(v["ebpf"], "off", "{v}");
         r
     }
 
@@ -220,6 +248,85 @@ fn rejected_then_decoded_raises_activity_after_rejection_over_every_transport() 
         assert!(ok, "{transport}: {out} {err}");
         sent.push((transport.to_string(), out));
     }
+    // While running: every alert reaches the JSONL sink promptly (never-after rules fire on the
+    // offending event, not at shutdown), and the admin API tells the same story.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let alerts = rv.lines("alerts.jsonl");
+        let all = sent.iter().all(|(_, out)| {
+            let rid = out["rid"].as_str().unwrap();
+            alerts
+                .iter()
+                .any(|a| a["rule"] == "activity-after-rejection" && a.to_string().contains(rid))
+        });
+        if all {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "alerts not delivered while running: {alerts:#?}\n{}",
+            rv.stderr()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let (code, ready) = http_get(&rv.admin, "/readyz");
+    assert_eq!(code, 200, "{ready}");
+    let ready: serde_json::Value = serde_json::from_str(&ready).unwrap();
+    assert_eq!(
+        ready["live_sources"],
+        serde_json::json!(["otlp"]),
+        "{ready}"
+    );
+    assert!(
+        ready["disabled"]["ebpf"].as_str().unwrap().contains("off"),
+        "{ready}"
+    );
+    let (code, metrics) = http_get(&rv.admin, "/metrics");
+    assert_eq!(code, 200);
+    for needle in [
+        "revenant_events_total{source=\"otlp\",stage=\"prefill\",kind=\"rejected\"} 3",
+        "revenant_alert_delivered_notifications_total{sink=\"jsonl\"}",
+        "revenant_ready 1",
+        "revenant_dropped_items_total{point=\"event_channel\",reason=\"full\"} 0",
+    ] {
+        assert!(metrics.contains(needle), "{needle} not in:\n{metrics}");
+    }
+    assert!(
+        !metrics.contains(sent[0].1["rid"].as_str().unwrap()),
+        "request ids never become metric labels"
+    );
+    let (code, list) = http_get(&rv.admin, "/api/violations?rule=activity-after-rejection");
+    assert_eq!(code, 200, "{list}");
+    let list: serde_json::Value = serde_json::from_str(&list).unwrap();
+    assert!(list["violations"].as_array().unwrap().len() >= 3, "{list}");
+    // Any alias finds the timeline: the attempt by its rid (both legs), the request by its id.
+    let rid = sent[0].1["rid"].as_str().unwrap();
+    let (code, timeline) = http_get(&rv.admin, &format!("/api/requests/{rid}"));
+    assert_eq!(code, 200, "{timeline}");
+    let timeline: serde_json::Value = serde_json::from_str(&timeline).unwrap();
+    let kinds: Vec<String> = timeline["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| {
+            format!(
+                "{}/{}",
+                e["stage"].as_str().unwrap(),
+                e["kind"].as_str().unwrap()
+            )
+        })
+        .collect();
+    assert!(
+        kinds.contains(&"prefill/rejected".to_string())
+            && kinds.contains(&"decode/work".to_string()),
+        "{kinds:?}"
+    );
+    let request_id = sent[0].1["request_id"].as_str().unwrap();
+    let (code, timeline) = http_get(&rv.admin, &format!("/api/requests/{request_id}"));
+    assert_eq!(code, 200, "{timeline}");
+    assert!(timeline.contains("\"status\":400"), "{timeline}");
+    let (code, _) = http_get(&rv.admin, "/api/requests/never-seen-alias");
+    assert_eq!(code, 404);
     let st = rv.stop();
     assert!(st.success(), "{}", rv.stderr());
     let events = rv.lines("events.jsonl");
@@ -504,5 +611,104 @@ fn broken_config_exits_2_without_binding() {
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
+    // Broken alerting: unknown key in the alert config, an unusable webhook URL, a missing secret.
+    let alert_cfg = dir.join("alerts.yaml");
+    std::fs::write(
+        &alert_cfg,
+        "webhooks:\n  - url: http://127.0.0.1:1/x\n    retires: 3\n",
+    )
+    .unwrap();
+    let missing = dir.join("no-such-secret");
+    for (args, needle) in [
+        (
+            vec![
+                "--alert-config".to_string(),
+                alert_cfg.display().to_string(),
+            ],
+            "retires",
+        ),
+        (vec!["--webhook".into(), "gopher://x".into()], "gopher"),
+        (
+            vec![
+                "--webhook".into(),
+                "http://127.0.0.1:1/x".into(),
+                "--webhook-secret-file".into(),
+                missing.display().to_string(),
+            ],
+            "no-such-secret",
+        ),
+        (vec!["--log-level".into(), "info,[[[".into()], "log-level"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_revenant"))
+            .args([
+                "run",
+                "--otlp-grpc",
+                "127.0.0.1:0",
+                "--otlp-http",
+                "off",
+                "--admin",
+                "127.0.0.1:0",
+                "--ebpf",
+                "off",
+            ])
+            .args(&args)
+            .arg("--spool-dir")
+            .arg(dir.join("spool"))
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(needle), "{args:?}: {err}");
+        assert!(!err.contains("ready"), "no port may be bound: {err}");
+    }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `--self-traces-otlp`: revenant's own spans (checker batches, alert deliveries) reach a real
+/// OTLP/gRPC receiver — here a second revenant, whose counters show what arrived.
+#[test]
+fn own_spans_are_exported_over_otlp() {
+    let collector = Revenant::start("selftrace-collector", &[]);
+    let endpoint = format!("http://{}", collector.grpc);
+    let mut rv = Revenant::start(
+        "selftrace-source",
+        &[
+            "--self-traces-otlp",
+            &endpoint,
+            "--self-traces-sample-ratio",
+            "1",
+        ],
+    );
+    let (ok, out, err) = rv.emit(&[
+        "--transport",
+        "grpc",
+        "--scenario",
+        "reject-then-decode",
+        "--tag",
+        "00b7",
+    ]);
+    assert!(ok, "{out} {err}");
+    // Shutdown flushes the batch processor: every span ended so far is exported.
+    assert!(rv.stop().success(), "{}", rv.stderr());
+    let received = |metrics: &str| -> u64 {
+        metrics
+            .lines()
+            .filter(|l| l.starts_with("revenant_otlp_spans_received_total"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+            .sum()
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let (_, metrics) = http_get(&collector.admin, "/metrics");
+        if received(&metrics) > 0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no self-trace span reached the collector:\n{metrics}\nsource stderr:\n{}",
+            rv.stderr()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(!rv.stderr().contains("export failed"), "{}", rv.stderr());
 }
