@@ -5,6 +5,7 @@ use std::process::{Command, ExitCode};
 
 use clap::{Parser, Subcommand};
 
+mod demo;
 mod setup;
 
 #[derive(Parser)]
@@ -23,6 +24,9 @@ enum Task {
         #[arg(long)]
         bench: bool,
     },
+    /// The simulated PD cluster with the buggy router, revenant watching it: alerts live, then a
+    /// summary. Ctrl-C stops everything.
+    Demo(demo::DemoArgs),
     /// Run the whole test suite (unit, scenario, CLI and end-to-end tests).
     Test {
         /// Extra arguments passed to `cargo test` (e.g. a test name filter).
@@ -42,6 +46,13 @@ fn main() -> ExitCode {
                 }
             }
         }
+        Task::Demo(args) => match demo::run(args) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("xtask: demo failed: {e:#}");
+                ExitCode::FAILURE
+            }
+        },
         Task::Test { args } => {
             // Building `revenant` builds the kernel programs: the toolchain must be there first.
             if let Err(e) = setup::run() {
