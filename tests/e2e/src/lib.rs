@@ -347,7 +347,8 @@ pub fn metric_sum(samples: &[Sample], name: &str, filter: &[(&str, &str)]) -> f6
                 .all(|(k, v)| s.labels.get(*k).map(String::as_str) == Some(*v))
         })
         .map(|s| s.value)
-        .sum()
+        // Not `.sum()`: an empty f64 sum is -0.0.
+        .fold(0.0, |a, b| a + b)
 }
 
 /// A running `revenant run`.
