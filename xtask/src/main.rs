@@ -66,6 +66,15 @@ fn main() -> ExitCode {
 
 fn run_tests(args: &[String]) -> ExitCode {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    // The end-to-end tests (tests/e2e) push thousands of requests through real revenant and
+    // pd-sim processes: release builds, made here and handed over by path.
+    let bins = match e2e::Binaries::build(true) {
+        Ok(b) => b,
+        Err(e) => {
+            eprintln!("xtask: cannot build the end-to-end binaries: {e:#}");
+            return ExitCode::FAILURE;
+        }
+    };
     let status = Command::new(&cargo)
         .args([
             "test",
@@ -75,6 +84,8 @@ fn run_tests(args: &[String]) -> ExitCode {
             "--all-targets",
         ])
         .args(args)
+        .env("REVENANT_BIN", &bins.revenant)
+        .env("PD_SIM_BIN", &bins.pd_sim)
         .status();
     // With a filter the caller wants a subset: the real-component suite runs on full runs only.
     let status = match status {

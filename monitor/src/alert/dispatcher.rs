@@ -522,3 +522,156 @@ fn ack_all(
     let (entries, bytes) = spool.size();
     SpoolSize { entries, bytes }.emit(metrics);
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use super::*;
+    use crate::alert::spool::SpoolConfig;
+    use crate::checker::Severity;
+    use crate::event::{Kind, Source, Stage};
+    use crate::violation::{AttemptRef, Evidence, RequestRef, Role};
+
+    /// Records deliveries and refreshes, like an Alertmanager that re-posts active alerts.
+    #[derive(Default)]
+    struct Recorder {
+        delivered: Mutex<Vec<Notification>>,
+        refreshed: Mutex<Vec<Vec<ActiveAlert>>>,
+    }
+
+    struct RecordingSink(Arc<Recorder>);
+
+    impl Sink for RecordingSink {
+        fn name(&self) -> &str {
+            "recorder"
+        }
+        fn deliver<'a>(
+            &'a self,
+            batch: &'a [Arc<Notification>],
+        ) -> super::super::sink::BoxFuture<'a, Result<(), SinkError>> {
+            let r = self.0.clone();
+            Box::pin(async move {
+                let mut g = r.delivered.lock().unwrap();
+                g.extend(batch.iter().map(|n| (**n).clone()));
+                Ok(())
+            })
+        }
+        fn refresh_interval(&self) -> Option<Duration> {
+            // Only a forced refresh can happen within the test.
+            Some(Duration::from_secs(3600))
+        }
+        fn refresh<'a>(
+            &'a self,
+            active: &'a [ActiveAlert],
+            _resolved: &'a [ActiveAlert],
+        ) -> super::super::sink::BoxFuture<'a, Result<(), SinkError>> {
+            let r = self.0.clone();
+            let active = active.to_vec();
+            Box::pin(async move {
+                r.refreshed.lock().unwrap().push(active);
+                Ok(())
+            })
+        }
+    }
+
+    fn evidence(source: Source, t: u64, stage: Stage, kind: Kind) -> Evidence {
+        Evidence {
+            role: Role::Offender,
+            time_ns: t,
+            stage,
+            kind,
+            source,
+            status: None,
+            reason: None,
+        }
+    }
+
+    async fn until(what: &str, mut f: impl FnMut() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !f() {
+            assert!(Instant::now() < deadline, "timed out waiting for {what}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// Without a corroboration window the notification goes out at once; the second source's
+    /// confirmation then sends nothing new but is re-posted at once as the one active alert
+    /// (what Alertmanager receives), with both sources in its evidence.
+    #[tokio::test]
+    async fn late_corroboration_is_reposted_merged_not_notified_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let spool_cfg = SpoolConfig {
+            dir: Some(dir.path().to_path_buf()),
+            fsync: false,
+            ..SpoolConfig::default()
+        };
+        let (spool, _) = Spool::open(&spool_cfg, &["recorder".to_string()]).unwrap();
+        let rec = Arc::new(Recorder::default());
+        let d = Dispatcher::new(
+            DispatchConfig {
+                tick: Duration::from_millis(20),
+                ..DispatchConfig::default()
+            },
+            FloodConfig::default(),
+            LinkBase::default(),
+            spool,
+            vec![Arc::new(RecordingSink(rec.clone()))],
+            Arc::new(Metrics::new()),
+        );
+        let (tx, rx) = mpsc::channel(16);
+        let handle = tokio::spawn(d.run(rx));
+        let v = Violation {
+            rule: "activity-after-rejection".into(),
+            severity: Severity::Critical,
+            summary: "s".into(),
+            request: RequestRef {
+                request_id: Some("req-1".into()),
+                trace_id: None,
+            },
+            attempt: AttemptRef {
+                bootstrap_room: Some(42),
+                rid: None,
+            },
+            worker: None,
+            detected_at_ns: 2,
+            fingerprint: "fp".into(),
+            evidence: vec![
+                evidence(Source::Otlp, 1, Stage::Prefill, Kind::Rejected),
+                evidence(Source::Otlp, 2, Stage::Transfer, Kind::Work),
+            ],
+            corroborates: false,
+        };
+        tx.send(v.clone()).await.unwrap();
+        until("the first notification", || {
+            rec.delivered.lock().unwrap().len() == 1
+        })
+        .await;
+        assert!(rec.refreshed.lock().unwrap().is_empty());
+        let mut c = v.clone();
+        c.corroborates = true;
+        c.evidence
+            .push(evidence(Source::Ebpf, 3, Stage::Transfer, Kind::Work));
+        tx.send(c).await.unwrap();
+        until("a re-post of the active alert", || {
+            !rec.refreshed.lock().unwrap().is_empty()
+        })
+        .await;
+        let active = rec.refreshed.lock().unwrap()[0].clone();
+        assert_eq!(active.len(), 1, "one alert");
+        assert_eq!(active[0].repeats, 0);
+        let sources: Vec<Source> = active[0]
+            .alert
+            .violation
+            .evidence
+            .iter()
+            .map(|e| e.source)
+            .collect();
+        assert_eq!(sources, [Source::Otlp, Source::Otlp, Source::Ebpf]);
+        drop(tx);
+        let report = handle.await.unwrap();
+        assert_eq!(rec.delivered.lock().unwrap().len(), 1, "not notified again");
+        assert_eq!(report.corroborated, 1);
+        assert_eq!(report.deduplicated, 0);
+    }
+}
