@@ -673,7 +673,6 @@ pub async fn run_async(
         let _ = rx.wait_for(|v| *v).await;
     };
 
-
     let mut bound = serde_json::Map::new();
     // The admin server outlives the sources: scrapes during the drain still answer.
     let (admin_stop_tx, admin_stop_rx) = watch::channel(false);

@@ -10,7 +10,7 @@ mod common;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::process::{Revenant, http_get};
+use common::process::{Revenant, assert_rejected_then_decoded, http_get};
 
 #[test]
 fn rejected_then_decoded_raises_activity_after_rejection_over_every_transport() {
@@ -85,23 +85,7 @@ fn rejected_then_decoded_raises_activity_after_rejection_over_every_transport() 
     let (code, timeline) = http_get(&rv.admin, &format!("/api/requests/{rid}"));
     assert_eq!(code, 200, "{timeline}");
     let timeline: serde_json::Value = serde_json::from_str(&timeline).unwrap();
-    let kinds: Vec<String> = timeline["events"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|e| {
-            format!(
-                "{}/{}",
-                e["stage"].as_str().unwrap(),
-                e["kind"].as_str().unwrap()
-            )
-        })
-        .collect();
-    assert!(
-        kinds.contains(&"prefill/rejected".to_string())
-            && kinds.contains(&"decode/work".to_string()),
-        "{kinds:?}"
-    );
+    assert_rejected_then_decoded(&timeline);
     let request_id = sent[0].1["request_id"].as_str().unwrap();
     let (code, timeline) = http_get(&rv.admin, &format!("/api/requests/{request_id}"));
     assert_eq!(code, 200, "{timeline}");

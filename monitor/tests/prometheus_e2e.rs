@@ -10,7 +10,7 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::process::{Revenant, repo_root, venv_python};
+use common::process::{Revenant, assert_rejected_then_decoded, repo_root, venv_python};
 use common::*;
 
 fn repo() -> PathBuf {
@@ -158,23 +158,7 @@ async fn prometheus_scrapes_and_every_dashboard_query_has_data() {
         .json()
         .await
         .unwrap();
-    let kinds: Vec<String> = t["events"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|e| {
-            format!(
-                "{}/{}",
-                e["stage"].as_str().unwrap(),
-                e["kind"].as_str().unwrap()
-            )
-        })
-        .collect();
-    assert!(
-        kinds.contains(&"prefill/rejected".to_string())
-            && kinds.contains(&"decode/work".to_string()),
-        "{t}"
-    );
+    assert_rejected_then_decoded(&t);
     assert_eq!(
         get(format!("{base}/api/requests/never-seen"))
             .await

@@ -228,3 +228,23 @@ impl Drop for Revenant {
         }
     }
 }
+
+/// A `/api/requests/{alias}` timeline shows the disclosed shape: prefill rejected, decode worked.
+pub fn assert_rejected_then_decoded(timeline: &serde_json::Value) {
+    let kinds: Vec<String> = timeline["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| {
+            format!(
+                "{}/{}",
+                e["stage"].as_str().unwrap(),
+                e["kind"].as_str().unwrap()
+            )
+        })
+        .collect();
+    assert!(
+        kinds.iter().any(|k| k == "prefill/rejected") && kinds.iter().any(|k| k == "decode/work"),
+        "{timeline}"
+    );
+}
