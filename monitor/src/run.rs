@@ -255,8 +255,9 @@ pub fn prepare(args: &RunArgs) -> Result<Prepared, RunConfigError> {
     };
     ccfg.validate()?;
     args.admin.validate().map_err(RunConfigError::Admin)?;
-    let links = (!args.admin.no_admin).then(|| args.admin.base_url());
-    let mut alert = args.alert.to_config(links)?;
+    // Links in alerts default to the admin server's bound address, known only after binding
+    // (`--admin 127.0.0.1:0`): filled in by `run_async`.
+    let mut alert = args.alert.to_config(None)?;
     if alert.webhooks.is_empty() && alert.alertmanagers.is_empty() && alert.jsonl.is_none() {
         // An alert nobody can see is a silent loss: without any sink, alerts go to stdout.
         alert.jsonl = Some(JsonlConfig { path: "-".into() });
@@ -605,6 +606,7 @@ pub async fn run_async(
     pause_file: Option<PathBuf>,
 ) -> Result<(), RunError> {
     let cfg = p.cfg;
+    let mut alert_cfg = p.alert;
     let metrics = Arc::new(Metrics::new());
     let readiness = Readiness::new(metrics.clone(), p.admin.source_live_window);
     let recent = Arc::new(RecentViolations::new(p.admin.recent_violations));
@@ -649,7 +651,7 @@ pub async fn run_async(
     };
     let ebpf = p
         .ebpf
-        .start(Some(p.alert.node_name()))
+        .start(Some(alert_cfg.node_name()))
         .map_err(RunError::Ebpf)?;
 
     let (tx, rx) = mpsc::channel::<EventBatch>(cfg.channel_capacity);
@@ -671,22 +673,15 @@ pub async fn run_async(
         let _ = rx.wait_for(|v| *v).await;
     };
 
-    let alerts = AlertPipeline::start(
-        &p.alert,
-        metrics.clone(),
-        Some(&readiness),
-        Some(recent.clone()),
-    )
-    .map_err(RunError::Alert)?;
-    let alert_handle = alerts.handle;
-    tracing::info!(spool = %alerts.spool_dir.display(), "alert dispatcher started");
-
     let mut bound = serde_json::Map::new();
     // The admin server outlives the sources: scrapes during the drain still answer.
     let (admin_stop_tx, admin_stop_rx) = watch::channel(false);
     let admin_task = match admin {
         Some(server) => {
             bound.insert("admin".into(), server.local_addr().to_string().into());
+            if alert_cfg.external_url.is_none() {
+                alert_cfg.external_url = Some(format!("http://{}", server.local_addr()));
+            }
             let state = AdminState {
                 metrics: metrics.clone(),
                 readiness: readiness.clone(),
@@ -700,6 +695,16 @@ pub async fn run_async(
         }
         None => None,
     };
+
+    let alerts = AlertPipeline::start(
+        &alert_cfg,
+        metrics.clone(),
+        Some(&readiness),
+        Some(recent.clone()),
+    )
+    .map_err(RunError::Alert)?;
+    let alert_handle = alerts.handle;
+    tracing::info!(spool = %alerts.spool_dir.display(), "alert dispatcher started");
 
     let ebpf_state = ebpf_state(&ebpf);
     bound.insert("ebpf".into(), ebpf_state.into());
