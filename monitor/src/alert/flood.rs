@@ -65,6 +65,32 @@ impl FloodConfig {
     }
 }
 
+/// Whether two references name the same attempt: a shared room or rid (each source may know only
+/// some of the aliases), or both empty (request- or worker-scope rules).
+fn same_attempt(a: &crate::violation::AttemptRef, b: &crate::violation::AttemptRef) -> bool {
+    (a.bootstrap_room.is_some() && a.bootstrap_room == b.bootstrap_room)
+        || (a.rid.is_some() && a.rid == b.rid)
+        || (a.is_empty() && b.is_empty())
+}
+
+/// Aliases the confirming source knew and the original did not (the fingerprint stays).
+fn fill_aliases(into: &mut Violation, from: &Violation) {
+    let fill = |a: &mut Option<String>, b: &Option<String>| {
+        if a.is_none() {
+            a.clone_from(b);
+        }
+    };
+    fill(&mut into.request.request_id, &from.request.request_id);
+    fill(&mut into.request.trace_id, &from.request.trace_id);
+    fill(&mut into.attempt.rid, &from.attempt.rid);
+    if into.attempt.bootstrap_room.is_none() {
+        into.attempt.bootstrap_room = from.attempt.bootstrap_room;
+    }
+    if into.worker.is_none() {
+        into.worker.clone_from(&from.worker);
+    }
+}
+
 /// Adds the evidence entries `extra` has and `into` lacks, keeping event-time order. Returns
 /// whether anything was added.
 fn merge_evidence(
@@ -126,7 +152,8 @@ pub enum Corroboration {
     /// The original already went out: the active alert (Alertmanager re-posts) now carries the
     /// merged evidence; no new notification.
     Late { merged: bool },
-    /// No tracked original (rate-limited, or forgotten past the dedup window / `max_tracked`).
+    /// No tracked original about this attempt (rate-limited, or forgotten past the dedup window
+    /// or `max_tracked`).
     Unmatched,
 }
 
@@ -267,14 +294,26 @@ impl FloodControl {
     }
 
     fn corroborate(&mut self, v: &Violation) -> Corroboration {
-        let Some(t) = self.tracked.get_mut(&v.fingerprint) else {
-            return Corroboration::Unmatched;
+        let confirms = |t: &Tracked| {
+            t.alert.violation.rule == v.rule && same_attempt(&t.alert.violation.attempt, &v.attempt)
         };
         // One fingerprint covers every attempt of a request: merge only into the notification
         // about this very attempt (a later attempt's confirmation is not this alert's evidence).
-        let same_attempt =
-            t.alert.violation.rule == v.rule && t.alert.violation.attempt == v.attempt;
-        let merged = same_attempt && merge_evidence(&mut t.alert.violation.evidence, &v.evidence);
+        // The fingerprint may also differ when the second source knew another alias of the
+        // request first (x-request-id vs trace id): then the attempt finds the original.
+        let key = match self.tracked.get(&v.fingerprint) {
+            Some(t) if confirms(t) => Some(v.fingerprint.clone()),
+            _ => self
+                .tracked
+                .iter()
+                .find(|(_, t)| confirms(t))
+                .map(|(k, _)| k.clone()),
+        };
+        let Some(t) = key.and_then(|k| self.tracked.get_mut(&k)) else {
+            return Corroboration::Unmatched;
+        };
+        let merged = merge_evidence(&mut t.alert.violation.evidence, &v.evidence);
+        fill_aliases(&mut t.alert.violation, v);
         if t.held_until_ns.take().is_some() {
             return Corroboration::Released(t.alert.clone());
         }
@@ -602,17 +641,36 @@ mod tests {
             f.admit(&v, links(), 0, false),
             Admission::Notify(_)
         ));
+        // Same fingerprint (another attempt of the request), but no notification about it.
         c.attempt.bootstrap_room = Some(99);
-        assert_eq!(
-            f.admit(&c, links(), S, false),
-            Admission::Corroborated(Corroboration::Late { merged: false })
-        );
-        assert_eq!(f.active()[0].alert.violation.evidence.len(), 1);
-        let (_, c) = pair("never-seen");
         assert_eq!(
             f.admit(&c, links(), S, false),
             Admission::Corroborated(Corroboration::Unmatched)
         );
+        assert_eq!(f.active()[0].alert.violation.evidence.len(), 1);
+        let (_, mut c) = pair("never-seen");
+        c.attempt.bootstrap_room = Some(1234);
+        assert_eq!(
+            f.admit(&c, links(), S, false),
+            Admission::Corroborated(Corroboration::Unmatched)
+        );
+        // Another fingerprint (the other source named the request by another alias) but the
+        // same attempt, known by one shared alias: the original is found and completed.
+        let (_, mut c) = pair("fp-from-trace-id");
+        c.attempt.rid = Some("rid-1".into());
+        c.request.trace_id = Some("trace-1".into());
+        assert_eq!(
+            f.admit(&c, links(), S, false),
+            Admission::Corroborated(Corroboration::Late { merged: true })
+        );
+        let a = &f.active()[0].alert;
+        assert_eq!(
+            a.violation.fingerprint, "a",
+            "the original's fingerprint stays"
+        );
+        assert_eq!(a.violation.attempt.rid.as_deref(), Some("rid-1"));
+        assert_eq!(a.violation.request.trace_id.as_deref(), Some("trace-1"));
+        assert_eq!(a.violation.evidence.len(), 2);
     }
 
     #[test]
