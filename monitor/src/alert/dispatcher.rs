@@ -119,7 +119,7 @@ impl Dispatcher {
     }
 
     /// Hold first notifications for the corroboration window only while at least two sources
-    /// are live; without readiness, whenever a window is configured.
+    /// are live (or just started); without readiness, whenever a window is configured.
     pub fn with_readiness(mut self, readiness: Readiness) -> Dispatcher {
         self.readiness = Some(readiness);
         self
@@ -128,7 +128,7 @@ impl Dispatcher {
     fn may_hold(&self) -> bool {
         self.readiness
             .as_ref()
-            .is_none_or(|r| r.live_source_count() >= 2)
+            .is_none_or(|r| r.presumed_live_source_count() >= 2)
     }
 
     /// Also record every received violation for `/api/violations`.
