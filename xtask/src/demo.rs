@@ -138,7 +138,7 @@ fn run_demo(args: &DemoArgs, bins: &Binaries, dir: &std::path::Path, ebpf: bool)
         rev_args.extend(["--ebpf".into(), "on".into()]);
         rev_args.extend(cluster.pid_args());
         // Both witnesses live: wait briefly for the second one so each alert shows both.
-        rev_args.extend(["--corroboration-window".into(), "2s".into()]);
+        rev_args.extend(["--corroboration-window".into(), "3s".into()]);
     } else {
         rev_args.extend(["--ebpf".into(), "off".into()]);
     }

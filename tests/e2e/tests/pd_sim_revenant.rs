@@ -105,7 +105,7 @@ fn run(mode: &str, sources: Sources, load_args: &[&str]) -> Outcome {
         // Hold each first notification for the other witness (merged into one notification).
         // OTLP evidence can trail the kernel's by seconds (exporter batches, deferred SGLang
         // completions); the run ends with a drain that releases whatever is still held.
-        args.extend(["--corroboration-window".into(), "10s".into()]);
+        args.extend(["--corroboration-window".into(), "3s".into()]);
     }
     let mut revenant =
         Revenant::start(&b.revenant, dir.path(), &args).unwrap_or_else(|e| panic!("{e:#}"));
