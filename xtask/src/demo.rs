@@ -154,14 +154,14 @@ fn run_demo(args: &DemoArgs, bins: &Binaries, dir: &std::path::Path, ebpf: bool)
         revenant.ready["ebpf"].as_str().unwrap_or("?")
     );
     if !ebpf {
+        let how = if e2e::is_root() {
+            "--ebpf off was given; without it"
+        } else {
+            "not root; as root (sudo -E cargo xtask demo)"
+        };
         println!(
-            "demo: eBPF is OFF ({}): revenant sees only what the processes report over OTLP. \
-             Run as root (sudo -E cargo xtask demo) to add the kernel's own evidence.",
-            if e2e::is_root() {
-                "--ebpf off"
-            } else {
-                "not root"
-            }
+            "demo: eBPF is OFF: revenant sees only what the processes report over OTLP ({how} \
+             revenant also loads kernel probes on the simulator's processes)"
         );
     }
     println!("demo: ready in {:.1?}", t0.elapsed());
