@@ -116,14 +116,14 @@ fn install_rust_src() -> Result<()> {
 }
 
 fn install_bpf_linker() -> Result<()> {
-    if let Ok(out) = Command::new("bpf-linker").arg("--version").output() {
-        if out.status.success() {
-            println!(
-                "setup: {} already installed",
-                String::from_utf8_lossy(&out.stdout).trim()
-            );
-            return Ok(());
-        }
+    if let Ok(out) = Command::new("bpf-linker").arg("--version").output()
+        && out.status.success()
+    {
+        println!(
+            "setup: {} already installed",
+            String::from_utf8_lossy(&out.stdout).trim()
+        );
+        return Ok(());
     }
     let prefix = format!("/usr/lib/llvm-{LLVM_VERSION}");
     println!(
