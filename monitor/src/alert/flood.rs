@@ -65,6 +65,18 @@ impl FloodConfig {
     }
 }
 
+/// Index keys of a violation's request aliases (rule-qualified).
+fn alias_keys(v: &Violation) -> Vec<String> {
+    let mut keys = Vec::with_capacity(2);
+    if let Some(r) = &v.request.request_id {
+        keys.push(format!("{}\0request_id\0{r}", v.rule));
+    }
+    if let Some(t) = &v.request.trace_id {
+        keys.push(format!("{}\0trace_id\0{t}", v.rule));
+    }
+    keys
+}
+
 /// Whether two references name the same attempt: a shared room or rid (each source may know only
 /// some of the aliases), or both empty (request- or worker-scope rules).
 fn same_attempt(a: &crate::violation::AttemptRef, b: &crate::violation::AttemptRef) -> bool {
@@ -201,6 +213,11 @@ pub struct ActiveAlert {
 pub struct FloodControl {
     cfg: FloodConfig,
     tracked: HashMap<String, Tracked>,
+    /// (rule, request alias) → tracked fingerprint. A fingerprint hashes the request's primary
+    /// alias as known when the violation fired: a retry storm's first attempt may be named by its
+    /// trace id (the router's span with the x-request-id comes last) and later ones by the
+    /// x-request-id. Any shared alias makes them one notification.
+    by_alias: HashMap<String, String>,
     rules: HashMap<String, RuleWindow>,
     /// Makes notification ids unique within this process; combined with the start time, across
     /// restarts too.
@@ -217,6 +234,7 @@ impl FloodControl {
         FloodControl {
             cfg,
             tracked: HashMap::new(),
+            by_alias: HashMap::new(),
             rules: HashMap::new(),
             seq: 0,
             epoch_ns,
@@ -237,7 +255,12 @@ impl FloodControl {
         }
         let window = self.cfg.dedup_window.as_nanos() as u64;
         let mut occurrences = 1;
-        if let Some(t) = self.tracked.get_mut(&v.fingerprint) {
+        let key = if self.tracked.contains_key(&v.fingerprint) {
+            v.fingerprint.clone()
+        } else {
+            self.alias_owner(v).unwrap_or_else(|| v.fingerprint.clone())
+        };
+        if let Some(t) = self.tracked.get_mut(&key) {
             t.last_seen_ns = now_ns;
             if t.held_until_ns.is_some() {
                 // Not sent yet: the repeat rides on the held notification itself.
@@ -283,6 +306,15 @@ impl FloodControl {
                         .then(|| now_ns + self.cfg.corroboration_window.as_nanos() as u64),
                 },
             );
+            for k in alias_keys(v) {
+                let stale = self
+                    .by_alias
+                    .get(&k)
+                    .is_none_or(|fp| !self.tracked.contains_key(fp) || *fp == v.fingerprint);
+                if stale {
+                    self.by_alias.insert(k, v.fingerprint.clone());
+                }
+            }
             if hold {
                 return Admission::Held;
             }
@@ -291,6 +323,17 @@ impl FloodControl {
             self.untracked += 1;
         }
         Admission::Notify(alert)
+    }
+
+    /// The tracked fingerprint of the same rule that shares a request alias with `v`.
+    fn alias_owner(&self, v: &Violation) -> Option<String> {
+        alias_keys(v).into_iter().find_map(|k| {
+            let fp = self.by_alias.get(&k)?;
+            self.tracked
+                .get(fp)
+                .filter(|t| t.alert.violation.rule == v.rule)
+                .map(|_| fp.clone())
+        })
     }
 
     fn corroborate(&mut self, v: &Violation) -> Corroboration {
@@ -433,6 +476,8 @@ impl FloodControl {
             }
             keep
         });
+        let tracked = &self.tracked;
+        self.by_alias.retain(|_, fp| tracked.contains_key(fp));
         resolved
     }
 
@@ -745,5 +790,44 @@ mod tests {
             Admission::Held
         );
         assert_eq!(f.release_all().len(), 1);
+    }
+
+    #[test]
+    fn a_request_named_by_another_alias_later_is_still_one_notification() {
+        let mut f = FloodControl::new(FloodConfig::default(), 0);
+        // First attempt: only the trace id was known; fingerprint from it.
+        let mut first = violation("r", "fp-trace");
+        first.request = RequestRef {
+            request_id: None,
+            trace_id: Some("t1".into()),
+        };
+        assert!(matches!(
+            f.admit(&first, links(), 0, false),
+            Admission::Notify(_)
+        ));
+        // A later attempt once the x-request-id was known: another fingerprint, same request.
+        let mut later = violation("r", "fp-request-id");
+        later.request = RequestRef {
+            request_id: Some("req-1".into()),
+            trace_id: Some("t1".into()),
+        };
+        assert_eq!(
+            f.admit(&later, links(), S, false),
+            Admission::Duplicate { repeats: 1 }
+        );
+        // Another rule about the same request is its own notification.
+        let mut other = later.clone();
+        other.rule = "other".into();
+        assert!(matches!(
+            f.admit(&other, links(), S, false),
+            Admission::Notify(_)
+        ));
+        // Forgotten with its fingerprint: the index does not outlive it.
+        let _ = f.tick(3600 * S);
+        assert!(f.by_alias.is_empty());
+        assert!(matches!(
+            f.admit(&later, links(), 3601 * S, false),
+            Admission::Notify(_)
+        ));
     }
 }
