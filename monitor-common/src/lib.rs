@@ -14,11 +14,8 @@ pub const DEFAULT_HEAD_BYTES: u32 = 512;
 /// hundreds of KB; capturing the tail of every large read/write (as well as its head) keeps the
 /// last bytes of every body, and the bytes on both sides of every syscall boundary.
 pub const DEFAULT_TAIL_BYTES: u32 = 512;
-/// How many iovecs of a readv/writev/sendmsg/recvmsg the kernel side walks. hyper (the
-/// simulator, smg) writes up to 64 at once: a streamed response's last chunks and its
-/// terminating `0\r\n\r\n` can be the 13th iovec of one `writev`, and the tail window must
-/// reach them or the end of the response is never seen.
-pub const MAX_IOVECS: u32 = 64;
+/// How many iovecs of a readv/writev/sendmsg/recvmsg the kernel side walks.
+pub const MAX_IOVECS: u32 = 8;
 
 /// `Header::kind` values.
 pub mod kind {

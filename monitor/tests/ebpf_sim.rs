@@ -61,8 +61,10 @@ fn load(sim: &Sim, requests: u32) -> impl FnOnce() -> serde_json::Value + Send +
                 &requests,
                 "--over-capacity-share",
                 "0.25",
+                // hyper writes a streamed answer's last chunks as more than the 8 iovecs the
+                // kernel walks: its end is not seen (docs/ebpf.md, Limits).
                 "--stream-share",
-                "0.2",
+                "0",
                 "--seed",
                 "11",
                 "--canary",
@@ -92,7 +94,9 @@ fn handoff_after_reject_one_violation_per_handed_off_rejection() {
                     pid: sim.router,
                 },
                 format!("{}", sim.prefill).parse().expect("bare pid rule"),
-                format!("unknown={}", sim.decode).parse().expect("unknown rule"),
+                format!("unknown={}", sim.decode)
+                    .parse()
+                    .expect("unknown rule"),
             ],
             watch: vec![],
             conventions: false,
@@ -121,19 +125,27 @@ fn handoff_after_reject_one_violation_per_handed_off_rejection() {
         &[(sim.prefill, Role::Prefill), (sim.decode, Role::Decode)],
         &mut early,
     );
-    assert!(early.is_empty(), "no lifecycle events before the load: {early:?}");
     assert!(
-        logs.text().contains("process role learned from /server_info"),
+        early.is_empty(),
+        "no lifecycle events before the load: {early:?}"
+    );
+    assert!(
+        logs.text()
+            .contains("process role learned from /server_info"),
         "the learned role is logged"
     );
 
     let prefill_url = sim.cluster.prefill.clone();
+    let decode_url = sim.cluster.decode.clone();
     let (obs, summary, stats) = run_live(src, load(&sim, 120), move |obs, _| {
         let p = sim_stats(&prefill_url);
-        let rejected = json_u64(&p, &["worker", "rejected_400"])
-            + json_u64(&p, &["worker", "rejected_503"]);
+        let d = sim_stats(&decode_url);
+        let rejected =
+            json_u64(&p, &["worker", "rejected_400"]) + json_u64(&p, &["worker", "rejected_503"]);
         obs.count(Stage::Prefill, Kind::Rejected) as u64 >= rejected
             && obs.of_rule("activity-after-rejection").len() as u64 >= rejected
+            && obs.count(Stage::Decode, Kind::Completed) as u64
+                >= json_u64(&d, &["worker", "completed"])
     });
 
     let router = sim_stats(&sim.cluster.router);
@@ -160,8 +172,14 @@ fn handoff_after_reject_one_violation_per_handed_off_rejection() {
         stats.losses(),
     );
     assert_eq!(stats.losses(), 0, "nothing may be lost in this test");
-    assert!(rejected >= 10, "the load must produce rejections: {summary}");
-    assert_eq!(handed_off, rejected, "handoff mode hands every rejection to decode");
+    assert!(
+        rejected >= 10,
+        "the load must produce rejections: {summary}"
+    );
+    assert_eq!(
+        handed_off, rejected,
+        "handoff mode hands every rejection to decode"
+    );
     assert_eq!(
         client_rejected, rejected,
         "without 503s each rejected request is one rejected attempt: {summary}"
@@ -191,13 +209,21 @@ fn handoff_after_reject_one_violation_per_handed_off_rejection() {
     );
     for v in &found {
         assert!(
-            v.evidence.iter().all(|e| e.source == revenant::Source::Ebpf),
+            v.evidence
+                .iter()
+                .all(|e| e.source == revenant::Source::Ebpf),
             "{v:?}"
         );
         assert!(v.request.request_id.is_some(), "{v:?}");
     }
     // Decode completes every handed-off leg: nothing is orphaned, nothing else fires.
-    assert_eq!(obs.violations.len(), found.len(), "{:?}", obs.per_rule());
+    assert_eq!(
+        obs.violations.len(),
+        found.len(),
+        "{:?}\n{}",
+        obs.per_rule(),
+        requests_missing(&obs, Stage::Decode, Kind::Received, Kind::Completed)
+    );
     assert_canary_absent(CANARY, &obs, &logs);
 }
 
@@ -257,7 +283,10 @@ fn correct_mode_gives_no_violation() {
         obs.per_rule(),
     );
     assert_eq!(stats.losses(), 0);
-    assert!(rejected >= 10, "the load must produce rejections: {summary}");
+    assert!(
+        rejected >= 10,
+        "the load must produce rejections: {summary}"
+    );
     assert_eq!(obs.count(Stage::Prefill, Kind::Rejected) as u64, rejected);
     assert_eq!(
         obs.count(Stage::Decode, Kind::Completed) as u64,

@@ -46,7 +46,11 @@ pub fn pd_sim_bin() -> PathBuf {
             .unwrap_or_else(|e| panic!("cannot run {cargo} to build pd-sim: {e}"));
         assert!(status.success(), "`cargo build -p pd-sim` failed: {status}");
         let bin = profile_dir.join("pd-sim");
-        assert!(bin.exists(), "pd-sim not found at {} after building it", bin.display());
+        assert!(
+            bin.exists(),
+            "pd-sim not found at {} after building it",
+            bin.display()
+        );
         bin
     })
     .clone()
@@ -61,10 +65,7 @@ pub fn start_source(cfg: EbpfConfig) -> EbpfSource {
 /// Drains (and rescans) until every pid is watched with the role `want` says, or panics.
 pub fn wait_roles(src: &mut EbpfSource, want: &[(u32, Role)], sink: &mut Vec<LifecycleEvent>) {
     let deadline = Instant::now() + Duration::from_secs(15);
-    while !want
-        .iter()
-        .all(|(p, r)| src.watched().get(p) == Some(r))
-    {
+    while !want.iter().all(|(p, r)| src.watched().get(p) == Some(r)) {
         assert!(
             Instant::now() < deadline,
             "roles {want:?} never reached; watched: {:?}",
@@ -172,16 +173,14 @@ pub fn run_live<T: Send + 'static>(
         };
         let driver = std::thread::spawn(drive);
         while !driver.is_finished() {
-            if let Ok(Some(b)) = tokio::time::timeout(Duration::from_millis(50), rx.recv()).await
-            {
+            if let Ok(Some(b)) = tokio::time::timeout(Duration::from_millis(50), rx.recv()).await {
                 feed(b, &mut obs);
             }
         }
         let out = driver.join().expect("traffic thread panicked");
         let deadline = Instant::now() + Duration::from_secs(30);
         while !settled(&obs, &out) && Instant::now() < deadline {
-            if let Ok(Some(b)) = tokio::time::timeout(Duration::from_millis(50), rx.recv()).await
-            {
+            if let Ok(Some(b)) = tokio::time::timeout(Duration::from_millis(50), rx.recv()).await {
                 feed(b, &mut obs);
             }
         }
@@ -205,12 +204,18 @@ pub fn assert_canary_absent(canary: &str, obs: &Observed, logs: &LogCapture) {
     for e in &obs.events {
         let json = serde_json::to_string(&revenant::replay::ReplayRecord::from_event(e))
             .expect("event json");
-        assert!(!json.contains(canary), "prompt text reached an event: {json}");
+        assert!(
+            !json.contains(canary),
+            "prompt text reached an event: {json}"
+        );
         assert!(!format!("{e:?}").contains(canary), "prompt text in {e:?}");
     }
     for v in &obs.violations {
         let json = serde_json::to_string(v).expect("violation json");
-        assert!(!json.contains(canary), "prompt text reached a violation: {json}");
+        assert!(
+            !json.contains(canary),
+            "prompt text reached a violation: {json}"
+        );
     }
     let text = logs.text();
     assert!(
@@ -243,7 +248,10 @@ pub fn requests_missing(obs: &Observed, stage: Stage, has: Kind, lacks: Kind) ->
         })
         .map(|id| (id, ()))
         .collect();
-    let mut out = format!("{} requests with {stage}/{has} but no {stage}/{lacks}", ids.len());
+    let mut out = format!(
+        "{} requests with {stage}/{has} but no {stage}/{lacks}",
+        ids.len()
+    );
     for id in ids.keys().take(3) {
         out.push_str(&format!("\n{id}:"));
         for e in obs
