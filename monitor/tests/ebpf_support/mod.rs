@@ -267,3 +267,82 @@ pub fn requests_missing(obs: &Observed, stage: Stage, has: Kind, lacks: Kind) ->
     }
     out
 }
+
+/// Minimal blocking `POST path` with a JSON body and an `x-request-id` (loopback only,
+/// `Connection: close`): the status and the raw response.
+pub fn http_post_json(base: &str, path: &str, request_id: &str, body: &str) -> (u16, String) {
+    use std::io::Read;
+    let host = base
+        .strip_prefix("http://")
+        .unwrap_or_else(|| panic!("not an http URL: {base}"));
+    let mut s = std::net::TcpStream::connect(host).unwrap_or_else(|e| panic!("{base}: {e}"));
+    s.set_read_timeout(Some(Duration::from_secs(120))).ok();
+    write!(
+        s,
+        "POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nx-request-id: {request_id}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .expect("send request");
+    let mut buf = Vec::new();
+    s.read_to_end(&mut buf).expect("read response");
+    let text = String::from_utf8_lossy(&buf).into_owned();
+    let status = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no status line from {base}{path}: {text:.200}"));
+    (status, text)
+}
+
+/// A directory with a minimal WordLevel `tokenizer.json`, so that `smg --model-path` loads a
+/// tokenizer without downloading one.
+pub fn tokenizer_dir() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut vocab = serde_json::Map::new();
+    for (i, w) in ["[UNK]", "a", "b", "c", "the", "quick", "brown", "fox"]
+        .iter()
+        .enumerate()
+    {
+        vocab.insert((*w).into(), i.into());
+    }
+    let tok = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
+        "decoder": null,
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "[UNK]"}
+    });
+    std::fs::write(dir.path().join("tokenizer.json"), tok.to_string()).expect("tokenizer.json");
+    dir
+}
+
+/// A child killed (and reaped) when dropped; it also dies with the test (PDEATHSIG).
+pub struct Child(pub std::process::Child);
+
+impl Child {
+    pub fn spawn(cmd: &mut Command) -> Child {
+        use std::os::unix::process::CommandExt;
+        // SAFETY: prctl only, in the forked child before exec.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                Ok(())
+            });
+        }
+        Child(cmd.spawn().unwrap_or_else(|e| panic!("cannot start {cmd:?}: {e}")))
+    }
+}
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port()
+}
