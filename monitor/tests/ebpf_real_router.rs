@@ -173,9 +173,7 @@ fn decode_legs_ended(obs: &Observed, rid: &str) -> bool {
 fn sim_rooms_of(url: &str, rid: &str) -> Vec<serde_json::Value> {
     let (_, body) = http_get(&format!("{url}/sim/rooms")).expect("/sim/rooms");
     let all: Vec<serde_json::Value> = serde_json::from_slice(&body).expect("rooms json");
-    all.into_iter()
-        .filter(|r| r["request_id"] == rid)
-        .collect()
+    all.into_iter().filter(|r| r["request_id"] == rid).collect()
 }
 
 fn show(events: &[&LifecycleEvent]) -> String {
@@ -203,13 +201,19 @@ fn real_smg_prefill_400_with_live_decode_leg_is_flagged_from_ebpf_alone() {
     let s = setup(
         "",
         "--kv-timeout-ms 6000",
-        &["--retry-max-retries", "1", "--retry-initial-backoff-ms", "10"],
+        &[
+            "--retry-max-retries",
+            "1",
+            "--retry-initial-backoff-ms",
+            "10",
+        ],
     );
     let rid = format!("smg-ebpf-400-{}", std::process::id());
     let mut words = vec!["a"; 5000];
     words[2500] = CANARY;
-    let body = serde_json::json!({"text": words.join(" "), "sampling_params": {"max_new_tokens": 4}})
-        .to_string();
+    let body =
+        serde_json::json!({"text": words.join(" "), "sampling_params": {"max_new_tokens": 4}})
+            .to_string();
     let (router, rid2) = (s.router.clone(), rid.clone());
     let Setup {
         src,
@@ -245,10 +249,16 @@ fn real_smg_prefill_400_with_live_decode_leg_is_flagged_from_ebpf_alone() {
     );
     assert_ne!(status, 200);
     let p_rooms = sim_rooms_of(&cluster.prefill, &rid);
-    assert!(!p_rooms.is_empty() && p_rooms.iter().all(|r| r["status"] == 400), "{p_rooms:?}");
+    assert!(
+        !p_rooms.is_empty() && p_rooms.iter().all(|r| r["status"] == 400),
+        "{p_rooms:?}"
+    );
     assert_eq!(
         rooms(&ev, Stage::Prefill, Kind::Rejected),
-        p_rooms.iter().map(|r| r["room"].as_u64().unwrap()).collect(),
+        p_rooms
+            .iter()
+            .map(|r| r["room"].as_u64().unwrap())
+            .collect(),
         "eBPF saw every prefill rejection, room for room\n{}",
         show(&ev)
     );
@@ -261,7 +271,11 @@ fn real_smg_prefill_400_with_live_decode_leg_is_flagged_from_ebpf_alone() {
         show(&ev)
     );
     for v in &found {
-        assert!(v.evidence.iter().all(|e| e.source == revenant::Source::Ebpf));
+        assert!(
+            v.evidence
+                .iter()
+                .all(|e| e.source == revenant::Source::Ebpf)
+        );
     }
     assert_canary_absent(CANARY, &obs, &logs);
 }
@@ -277,11 +291,16 @@ fn real_smg_503_retry_storm_is_one_request_with_several_attempts() {
     let s = setup(
         "--overload-share 1.0",
         "--kv-timeout-ms 6000",
-        &["--retry-max-retries", "3", "--retry-initial-backoff-ms", "10"],
+        &[
+            "--retry-max-retries",
+            "3",
+            "--retry-initial-backoff-ms",
+            "10",
+        ],
     );
     let rid = format!("smg-ebpf-503-{}", std::process::id());
-    let body = serde_json::json!({"text": "a b c", "sampling_params": {"max_new_tokens": 4}})
-        .to_string();
+    let body =
+        serde_json::json!({"text": "a b c", "sampling_params": {"max_new_tokens": 4}}).to_string();
     let (router, rid2) = (s.router.clone(), rid.clone());
     let Setup {
         src,
@@ -321,10 +340,17 @@ fn real_smg_503_retry_storm_is_one_request_with_several_attempts() {
     assert!(rejected.iter().all(|e| e.status == Some(503)));
     assert_eq!(
         attempt_rooms,
-        p_rooms.iter().map(|r| r["room"].as_u64().unwrap()).collect(),
+        p_rooms
+            .iter()
+            .map(|r| r["room"].as_u64().unwrap())
+            .collect(),
         "one rejected attempt per room the simulator saw"
     );
-    assert_eq!(rejected.len(), attempt_rooms.len(), "a new room per attempt");
+    assert_eq!(
+        rejected.len(),
+        attempt_rooms.len(),
+        "a new room per attempt"
+    );
     // One request: every attempt's violation names it, one fingerprint per rule.
     let violated_rooms: BTreeSet<u64> = found
         .iter()

@@ -328,7 +328,10 @@ impl Child {
                 Ok(())
             });
         }
-        Child(cmd.spawn().unwrap_or_else(|e| panic!("cannot start {cmd:?}: {e}")))
+        Child(
+            cmd.spawn()
+                .unwrap_or_else(|e| panic!("cannot start {cmd:?}: {e}")),
+        )
     }
 }
 
