@@ -404,7 +404,7 @@ impl Tracker {
         self.stats.http_desyncs += desyncs;
         let ts = d.hdr.ts_ns;
         for ev in http_events {
-            self.on_http(tgid, d.fd, role, dir, ts, ev, out);
+            self.on_http((tgid, d.fd), role, dir, ts, ev, out);
         }
         for m in zmtp_msgs {
             self.on_zmtp(tgid, role, dir, ts, &m, out);
@@ -436,8 +436,7 @@ impl Tracker {
 
     fn on_http(
         &mut self,
-        tgid: u32,
-        fd: u32,
+        (tgid, fd): (u32, u32),
         role: Role,
         dir: usize,
         ts: u64,
