@@ -41,6 +41,8 @@ struct Component {
 #[derive(Debug)]
 struct Inner {
     components: BTreeMap<String, Component>,
+    /// Sources (or sinks) that are deliberately or necessarily not running, with why.
+    disabled: BTreeMap<String, String>,
     /// A source counts as live if it produced something within this window.
     live_window: Duration,
 }
@@ -75,6 +77,9 @@ pub struct ReadyReport {
     pub ready: bool,
     pub pending: Vec<String>,
     pub live_sources: Vec<String>,
+    /// Components not running and why (`ebpf: "unavailable: ..."`): they do not hold readiness
+    /// back, but an operator must see that this coverage is missing.
+    pub disabled: BTreeMap<String, String>,
     pub components: Vec<ComponentReport>,
 }
 
@@ -83,6 +88,7 @@ impl Readiness {
         Readiness {
             inner: Arc::new(Mutex::new(Inner {
                 components: BTreeMap::new(),
+                disabled: BTreeMap::new(),
                 live_window,
             })),
             metrics,
@@ -118,6 +124,11 @@ impl Readiness {
         }
     }
 
+    /// Records that `name` is not running, and why (shown in /readyz).
+    pub fn disabled(&self, name: impl Into<String>, why: &str) {
+        self.lock().disabled.insert(name.into(), why.to_string());
+    }
+
     pub fn is_ready(&self) -> bool {
         self.lock().components.values().all(|c| c.ready)
     }
@@ -150,6 +161,7 @@ impl Readiness {
             ready: pending.is_empty(),
             pending,
             live_sources,
+            disabled: g.disabled.clone(),
             components,
         }
     }
