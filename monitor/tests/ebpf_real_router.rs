@@ -31,7 +31,6 @@ struct Setup {
     router: String,
     src: EbpfSource,
     logs: LogCapture,
-    _log: tracing::subscriber::DefaultGuard,
 }
 
 fn smg_bin() -> String {
@@ -62,8 +61,7 @@ fn setup(prefill_args: &str, decode_args: &str, smg_args: &[&str]) -> Setup {
     let pid = |k: &str| cluster.ready["pids"][k].as_u64().expect("pid") as u32;
     let (prefill, decode) = (pid("prefill"), pid("decode"));
     let port = free_port();
-    let logs = LogCapture::default();
-    let log = tracing::subscriber::set_default(logs.subscriber());
+    let logs = LogCapture::global();
     let cfg = EbpfConfig {
         discovery: Discovery {
             // Only this test's smg (its port is in its command line).
@@ -138,7 +136,6 @@ fn setup(prefill_args: &str, decode_args: &str, smg_args: &[&str]) -> Setup {
         router,
         src,
         logs,
-        _log: log,
     }
 }
 
@@ -221,7 +218,6 @@ fn real_smg_prefill_400_with_live_decode_leg_is_flagged_from_ebpf_alone() {
         cluster,
         _smg,
         _model,
-        _log,
         ..
     } = s;
     let (obs, status, stats) = run_live(
@@ -307,7 +303,6 @@ fn real_smg_503_retry_storm_is_one_request_with_several_attempts() {
         cluster,
         _smg,
         _model,
-        _log,
         ..
     } = s;
     let (obs, status, _) = run_live(

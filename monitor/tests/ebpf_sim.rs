@@ -84,8 +84,7 @@ fn load(sim: &Sim, requests: u32) -> impl FnOnce() -> serde_json::Value + Send +
 fn handoff_after_reject_one_violation_per_handed_off_rejection() {
     let t0 = Instant::now();
     let sim = start("handoff-after-reject");
-    let logs = LogCapture::default();
-    let _log = tracing::subscriber::set_default(logs.subscriber());
+    let logs = LogCapture::global();
     let cfg = EbpfConfig {
         discovery: Discovery {
             pids: vec![
@@ -233,8 +232,7 @@ fn handoff_after_reject_one_violation_per_handed_off_rejection() {
 fn correct_mode_gives_no_violation() {
     let t0 = Instant::now();
     let sim = start("correct");
-    let logs = LogCapture::default();
-    let _log = tracing::subscriber::set_default(logs.subscriber());
+    let logs = LogCapture::global();
     let rule = |role: Role, pid: u32| PidRule { role, pid };
     let cfg = EbpfConfig {
         discovery: Discovery {

@@ -86,8 +86,22 @@ impl LogCapture {
         String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
     }
 
-    /// A subscriber at TRACE that writes here; install it on the thread that drives the
-    /// source (`tracing::subscriber::set_default`).
+    /// The capture every thread of this test binary logs into: a global subscriber at TRACE,
+    /// installed once. (A thread-local default misses callsites whose interest another test
+    /// thread, logging to no subscriber, cached first.)
+    pub fn global() -> LogCapture {
+        static CAPTURE: OnceLock<LogCapture> = OnceLock::new();
+        CAPTURE
+            .get_or_init(|| {
+                let c = LogCapture::default();
+                tracing::subscriber::set_global_default(c.subscriber())
+                    .expect("no other global tracing subscriber in this test binary");
+                c
+            })
+            .clone()
+    }
+
+    /// A subscriber at TRACE that writes here.
     pub fn subscriber(&self) -> impl tracing::Subscriber + Send + Sync + use<> {
         tracing_subscriber::fmt()
             .with_writer(self.clone())
@@ -143,8 +157,7 @@ impl Observed {
 }
 
 /// Runs the source as `revenant run` does (its own task, a bounded channel, `try_send`) and
-/// the default rules over what it sends, on a current-thread runtime so that a thread-local
-/// tracing subscriber sees every log line. `drive` runs on a plain thread meanwhile (the
+/// the default rules over what it sends, on a current-thread runtime. `drive` runs on a plain thread meanwhile (the
 /// traffic); afterwards the source keeps running until `settled` holds for what was observed
 /// (or 30 s passed), then the checker's clock is moved past every deadline.
 pub fn run_live<T: Send + 'static>(
@@ -211,10 +224,20 @@ pub fn assert_canary_absent(canary: &str, obs: &Observed, logs: &LogCapture) {
         assert!(!format!("{e:?}").contains(canary), "prompt text in {e:?}");
     }
     for v in &obs.violations {
-        let json = serde_json::to_string(v).expect("violation json");
+        // As the alert sinks send it (JSONL, webhook): the violation plus links.
+        use revenant::alert::notification::{LinkBase, Notification, ViolationAlert, rfc3339};
+        let alert = Notification::Violation(ViolationAlert {
+            id: v.fingerprint.clone(),
+            occurrences: 1,
+            detected_at: rfc3339(v.detected_at_ns),
+            received_at_ns: v.detected_at_ns,
+            links: LinkBase(Some("http://127.0.0.1:9464".into())).links(v),
+            violation: v.clone(),
+        });
+        let json = serde_json::to_string(&alert).expect("alert json");
         assert!(
             !json.contains(canary),
-            "prompt text reached a violation: {json}"
+            "prompt text reached an alert: {json}"
         );
     }
     let text = logs.text();
