@@ -7,8 +7,9 @@
 //! Without `PD_SIM_SMG` it fails, loudly.
 //!
 //! Discovery is what a node agent without configuration would have: the router by a `--watch`
-//! rule on its command line, the workers by pid with their role unknown. smg asks every worker
-//! for `/server_info` when it registers it, and the answers give the workers their roles.
+//! rule on its command line; the workers by pid with their role unknown (400 test), or not at
+//! all (503 test). smg asks every worker for `/server_info` when it registers it: the answers
+//! give the workers their roles, seen from the worker's side or from the router's.
 
 mod ebpf_support;
 
@@ -42,10 +43,20 @@ fn smg_bin() -> String {
     })
 }
 
-/// Workers (`pd-sim cluster --no-router`), the source watching them as unknown and smg by a
-/// --watch rule, then smg; returns once smg is healthy and the workers' roles were learned
+/// How the source first hears of the workers.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Workers {
+    /// `--pid PID`: watched, role unknown; their own `/server_info` answers name it.
+    ByPidRoleUnknown,
+    /// Not at all: the router's traffic names them (smg reads their `/server_info`), and the
+    /// source finds the local processes listening on those ports and starts watching them.
+    FromRouterTraffic,
+}
+
+/// Workers (`pd-sim cluster --no-router`), the source (smg by a --watch rule, the workers as
+/// `workers` says), then smg; returns once smg is healthy and the workers' roles were learned
 /// from the `/server_info` answers smg asked for.
-fn setup(prefill_args: &str, decode_args: &str, smg_args: &[&str]) -> Setup {
+fn setup(workers: Workers, prefill_args: &str, decode_args: &str, smg_args: &[&str]) -> Setup {
     let smg = smg_bin();
     let cluster = ClusterProcess::start(
         &pd_sim_bin(),
@@ -70,10 +81,13 @@ fn setup(prefill_args: &str, decode_args: &str, smg_args: &[&str]) -> Setup {
                     .parse()
                     .expect("watch rule"),
             ],
-            pids: vec![
-                prefill.to_string().parse().expect("pid rule"),
-                decode.to_string().parse().expect("pid rule"),
-            ],
+            pids: match workers {
+                Workers::ByPidRoleUnknown => vec![
+                    prefill.to_string().parse().expect("pid rule"),
+                    decode.to_string().parse().expect("pid rule"),
+                ],
+                Workers::FromRouterTraffic => vec![],
+            },
             conventions: false,
         },
         node: Some("smg-node".into()),
@@ -82,11 +96,14 @@ fn setup(prefill_args: &str, decode_args: &str, smg_args: &[&str]) -> Setup {
     };
     let mut src = start_source(cfg);
     let mut early = Vec::new();
-    wait_roles(
-        &mut src,
-        &[(prefill, Role::Unknown), (decode, Role::Unknown)],
-        &mut early,
-    );
+    match workers {
+        Workers::ByPidRoleUnknown => wait_roles(
+            &mut src,
+            &[(prefill, Role::Unknown), (decode, Role::Unknown)],
+            &mut early,
+        ),
+        Workers::FromRouterTraffic => assert!(src.watched().is_empty()),
+    }
     let model = tokenizer_dir();
     let router = format!("http://127.0.0.1:{port}");
     let bootstrap = cluster.ready["bootstrap_port"].to_string();
@@ -196,6 +213,7 @@ fn real_smg_prefill_400_with_live_decode_leg_is_flagged_from_ebpf_alone() {
     // Decode waits 6 s for KV: longer than orphaned-leg's 5 s. One attempt: smg retries a
     // decode 5xx with a new room, which would only repeat the same story.
     let s = setup(
+        Workers::ByPidRoleUnknown,
         "",
         "--kv-timeout-ms 6000",
         &[
@@ -285,6 +303,7 @@ fn real_smg_prefill_400_with_live_decode_leg_is_flagged_from_ebpf_alone() {
 fn real_smg_503_retry_storm_is_one_request_with_several_attempts() {
     let t0 = Instant::now();
     let s = setup(
+        Workers::FromRouterTraffic,
         "--overload-share 1.0",
         "--kv-timeout-ms 6000",
         &[

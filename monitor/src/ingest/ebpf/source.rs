@@ -116,7 +116,7 @@ struct Inner {
     last_losses: u64,
     last_listener_scan: Option<Instant>,
     listeners_stale: bool,
-    /// `/server_info` findings already logged (bounded by [`MAX_LEARNED_LOGGED`]).
+    /// `/server_info` findings already handled (bounded by [`MAX_LEARNED_LOGGED`]).
     learned_logged: HashSet<Learned>,
 }
 
@@ -384,16 +384,16 @@ impl Inner {
     /// role reaches the process table, its children and its listening ports, and a local server
     /// that was not watched at all (found by the port it answered on) starts being watched.
     fn on_learned(&mut self, from: Learned, role: Option<Role>) {
-        let first =
-            self.learned_logged.len() < MAX_LEARNED_LOGGED && self.learned_logged.insert(from);
-        let mode = role.map_or("null", Role::as_str);
+        // Each finding is acted on (and logged) once: a router re-reading /server_info must
+        // not rescan /proc every time.
+        if self.learned_logged.len() >= MAX_LEARNED_LOGGED || !self.learned_logged.insert(from) {
+            return;
+        }
         let Some(role) = role else {
-            if first {
-                tracing::info!(
-                    ?from,
-                    "eBPF: /server_info says not disaggregated (mode null); role left unknown"
-                );
-            }
+            tracing::info!(
+                ?from,
+                "eBPF: /server_info says not disaggregated (mode null); role left unknown"
+            );
             return;
         };
         let pid = match from {
@@ -404,17 +404,16 @@ impl Inner {
             Learned::Address(_) => None,
         };
         let Some(pid) = pid else {
-            if first {
-                tracing::info!(
-                    ?from,
-                    role = mode,
-                    "eBPF: worker role learned from /server_info"
-                );
-            }
+            tracing::info!(
+                ?from,
+                role = role.as_str(),
+                "eBPF: worker role learned from /server_info"
+            );
             return;
         };
         match self.watched.get(&pid).copied() {
             Some(Role::Unknown) => self.set_learned_role(pid, role),
+            // Watched already with a role its command line or a rule gave: that role stands.
             Some(_) => return,
             None => {
                 if let Err(e) = self.watch(pid, role) {
@@ -423,14 +422,12 @@ impl Inner {
                 }
             }
         }
-        if first {
-            tracing::info!(
-                pid,
-                ?from,
-                role = mode,
-                "eBPF: process role learned from /server_info"
-            );
-        }
+        tracing::info!(
+            pid,
+            ?from,
+            role = role.as_str(),
+            "eBPF: process role learned from /server_info"
+        );
     }
 
     fn set_learned_role(&mut self, pid: u32, role: Role) {

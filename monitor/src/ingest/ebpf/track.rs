@@ -584,23 +584,25 @@ impl Tracker {
 
     /// A `/server_info` answer named the server's `disaggregation_mode`. The server is the
     /// process at this end (when it answered) or the peer (when this end asked). Only a role
-    /// discovery left unknown is assigned: command lines and explicit rules win.
+    /// discovery left unknown is assigned: command lines and explicit rules win. An answer read
+    /// from an address is always reported (with the role that holds for it), so that the source
+    /// can find and watch a local server nobody named.
     fn learn(&mut self, at: &Endpoint, mode: Option<&str>) {
         let Some(role) = mode.and_then(Role::from_disaggregation_mode) else {
             return;
         };
-        let from = if at.client {
+        let finding = if at.client {
             let Some(peer) = at.peer else { return };
-            if self
+            let known = self
                 .worker_of(Some(peer))
-                .is_some_and(|w| w.role != Role::Unknown)
+                .map(|w| w.role)
+                .filter(|r| *r != Role::Unknown);
+            if known.is_none()
+                && let Some(r) = role
             {
-                return;
-            }
-            if let Some(r) = role {
                 self.add_worker(peer, r);
             }
-            Learned::Address(peer)
+            (Learned::Address(peer), known.or(role))
         } else {
             if self.role(at.tgid) != Some(Role::Unknown) {
                 return;
@@ -608,11 +610,11 @@ impl Tracker {
             if let Some(r) = role {
                 self.set_role(at.tgid, r);
             }
-            Learned::Process(at.tgid)
+            (Learned::Process(at.tgid), role)
         };
         // Bounded: the source takes these after every drain.
         if self.learned.len() < MAX_LEARNED {
-            self.learned.push((from, role));
+            self.learned.push(finding);
         }
     }
 

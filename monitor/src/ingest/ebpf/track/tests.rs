@@ -439,6 +439,19 @@ fn server_info_read_by_the_router_names_a_remote_worker() {
         ]
     );
     assert_eq!(s.out[0].to, Some(Stage::Decode));
+    // A worker the router's command line already names keeps its role, and the answer is
+    // still reported (the source may find its process unwatched on this node).
+    s.connect(ROUTER, 6, "127.0.0.1:31001");
+    let (req, resp) = server_info_exchange("decode");
+    s.io(ROUTER, 6, syscall::WRITE, &req, 4096);
+    s.io(ROUTER, 6, syscall::READ, &resp, 4096);
+    assert_eq!(
+        s.t.take_learned(),
+        vec![(
+            Learned::Address("127.0.0.1:31001".parse().unwrap()),
+            Some(Role::Prefill)
+        )]
+    );
 }
 
 #[test]
