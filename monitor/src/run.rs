@@ -423,6 +423,7 @@ async fn checker_task(
 async fn publish_ebpf_drops(
     stats: Arc<EbpfStats>,
     metrics: Arc<Metrics>,
+    readiness: Readiness,
     mut stop: watch::Receiver<bool>,
 ) {
     use monitor_common::counter;
@@ -481,12 +482,20 @@ async fn publish_ebpf_drops(
         if now_degraded != degraded {
             degraded = now_degraded;
             if degraded {
+                let losses = stats.losses();
                 tracing::warn!(
-                    losses = stats.losses(),
+                    losses,
                     "eBPF coverage DEGRADED: kernel capture lost data; verdicts may miss activity"
+                );
+                readiness.set_degraded(
+                    "ebpf",
+                    Some(format!(
+                        "kernel capture lost data ({losses} records/events so far): verdicts may miss activity"
+                    )),
                 );
             } else {
                 tracing::info!("eBPF coverage restored");
+                readiness.set_degraded("ebpf", None);
             }
         }
         if stopping {
@@ -717,6 +726,7 @@ pub async fn run_async(
             ebpf_tasks.push(tokio::spawn(publish_ebpf_drops(
                 src.stats(),
                 metrics.clone(),
+                readiness.clone(),
                 stop_rx.clone(),
             )));
             let (txe, stop) = (tx.clone(), stopped(stop_rx.clone()));

@@ -45,6 +45,8 @@ struct Inner {
     components: BTreeMap<String, Component>,
     /// Sources (or sinks) that are deliberately or necessarily not running, with why.
     disabled: BTreeMap<String, String>,
+    /// Running components that currently lose data, with what they lose.
+    degraded: BTreeMap<String, String>,
     /// A source counts as live if it produced something within this window.
     live_window: Duration,
 }
@@ -82,6 +84,9 @@ pub struct ReadyReport {
     /// Components not running and why (`ebpf: "unavailable: ..."`): they do not hold readiness
     /// back, but an operator must see that this coverage is missing.
     pub disabled: BTreeMap<String, String>,
+    /// Components running but blind in part right now (eBPF losing records): the monitor says so
+    /// instead of reporting a clean bill of health.
+    pub degraded: BTreeMap<String, String>,
     pub components: Vec<ComponentReport>,
 }
 
@@ -91,6 +96,7 @@ impl Readiness {
             inner: Arc::new(Mutex::new(Inner {
                 components: BTreeMap::new(),
                 disabled: BTreeMap::new(),
+                degraded: BTreeMap::new(),
                 live_window,
             })),
             metrics,
@@ -130,6 +136,19 @@ impl Readiness {
     /// Records that `name` is not running, and why (shown in /readyz).
     pub fn disabled(&self, name: impl Into<String>, why: &str) {
         self.lock().disabled.insert(name.into(), why.to_string());
+    }
+
+    /// Marks `name` as losing data (`Some(what)`) or whole again (`None`), shown in /readyz.
+    pub fn set_degraded(&self, name: &str, what: Option<String>) {
+        let mut g = self.lock();
+        match what {
+            Some(w) => {
+                g.degraded.insert(name.to_string(), w);
+            }
+            None => {
+                g.degraded.remove(name);
+            }
+        }
     }
 
     pub fn is_ready(&self) -> bool {
@@ -182,6 +201,7 @@ impl Readiness {
             pending,
             live_sources,
             disabled: g.disabled.clone(),
+            degraded: g.degraded.clone(),
             components,
         }
     }
@@ -245,6 +265,12 @@ mod tests {
         assert!(rep.ready);
         assert_eq!(rep.live_sources, vec!["otlp".to_string()]);
         assert!(m.render().contains("revenant_ready 1"));
+        r.set_degraded("otlp", Some("lost 3".into()));
+        let rep = r.report();
+        assert!(rep.ready, "degraded is not down");
+        assert_eq!(rep.degraded["otlp"], "lost 3");
+        r.set_degraded("otlp", None);
+        assert!(r.report().degraded.is_empty());
     }
 
     #[test]

@@ -108,23 +108,30 @@ impl Revenant {
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         let ready = dir.join("ready.json");
-        let child = Command::new(env!("CARGO_BIN_EXE_revenant"))
-            .args([
-                "run",
-                "--otlp-grpc",
-                "127.0.0.1:0",
-                "--otlp-http",
-                "127.0.0.1:0",
-            ])
-            .arg("--ready-file")
-            .arg(&ready)
-            .arg("--events-jsonl")
-            .arg(dir.join("events.jsonl"))
-            .arg("--alerts-jsonl")
-            .arg(dir.join("alerts.jsonl"))
-            .arg("--spool-dir")
-            .arg(dir.join("spool"))
-            .args(["--admin", "127.0.0.1:0", "--ebpf", "off"])
+        let events = dir.join("events.jsonl").display().to_string();
+        let alerts = dir.join("alerts.jsonl").display().to_string();
+        let spool = dir.join("spool").display().to_string();
+        let ready_arg = ready.display().to_string();
+        // Defaults a test may override by passing the flag itself. Kernel capture stays off
+        // unless asked for: as root, `auto` would watch any SGLang-looking process.
+        let defaults: [(&str, &str); 8] = [
+            ("--otlp-grpc", "127.0.0.1:0"),
+            ("--otlp-http", "127.0.0.1:0"),
+            ("--admin", "127.0.0.1:0"),
+            ("--ebpf", "off"),
+            ("--ready-file", &ready_arg),
+            ("--events-jsonl", &events),
+            ("--alerts-jsonl", &alerts),
+            ("--spool-dir", &spool),
+        ];
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_revenant"));
+        cmd.arg("run");
+        for (flag, value) in defaults {
+            if !extra.contains(&flag) {
+                cmd.args([flag, value]);
+            }
+        }
+        let child = cmd
             .args(extra)
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(dir.join("stderr.log")).unwrap())
@@ -153,10 +160,13 @@ impl Revenant {
             std::thread::sleep(Duration::from_millis(20));
         };
         let v: serde_json::Value = serde_json::from_str(&doc).unwrap();
-        r.grpc = v["otlp_grpc"].as_str().unwrap().to_owned();
-        r.http = v["otlp_http"].as_str().unwrap().to_owned();
-        r.admin = v["admin"].as_str().unwrap().to_owned();
-        assert_eq!(v["ebpf"], "off", "{v}");
+        let field = |k: &str| v[k].as_str().unwrap_or_default().to_owned();
+        r.grpc = field("otlp_grpc");
+        r.http = field("otlp_http");
+        r.admin = field("admin");
+        if !extra.contains(&"--ebpf") {
+            assert_eq!(v["ebpf"], "off", "{v}");
+        }
         r
     }
 
