@@ -320,6 +320,9 @@ fn main() {
         .arg(&ready)
         .arg("--alerts-jsonl")
         .arg(dir.join("alerts.jsonl"))
+        .arg("--spool-dir")
+        .arg(dir.join("spool"))
+        .args(["--admin", "127.0.0.1:0", "--ebpf", "off"])
         .args([
             "--channel-capacity",
             &args.channel_capacity.to_string(),

@@ -87,17 +87,8 @@ fn main() -> ExitCode {
     };
     match cli.command {
         Command::Check(args) => check(args),
-        Command::Run(args) => {
-            // Logs go to stderr; stdout carries violations.
-            let _ = tracing_subscriber::fmt()
-                .with_writer(std::io::stderr)
-                .with_env_filter(
-                    tracing_subscriber::EnvFilter::try_from_env("REVENANT_LOG")
-                        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-                )
-                .try_init();
-            revenant::run::run(args)
-        }
+        // Logging is set up by `run` from its --log-format / --log-level flags.
+        Command::Run(args) => revenant::run::run(args),
         Command::Rules {
             command: RulesCommand::List { rules, yaml },
         } => rules_list(rules, yaml),

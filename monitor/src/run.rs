@@ -1,14 +1,20 @@
 //! `revenant run`: the all-in-one pipeline on one node.
 //!
-//! Fixed order (linkerd2-proxy style): load and validate the config (no port bound) → bind the
-//! OTLP receivers → spawn receivers, the orphan ticker and the checker → announce readiness →
-//! wait for Ctrl-C / SIGTERM → stop accepting, drain the channel through the checker with a
-//! timeout → exit. Exit codes: 0 clean, 1 runtime failure, 2 usage/config error.
+//! Fixed order (linkerd2-proxy style): load and validate every config (no port bound, no probe
+//! loaded) → bind the admin server and the OTLP receivers → load the eBPF probes (per `--ebpf`) →
+//! start the alert dispatcher (resuming its spool) → spawn sources and the checker → announce
+//! readiness → wait for Ctrl-C / SIGTERM → stop the sources, drain the channel through the
+//! checker, drain the dispatcher, each with a timeout → exit.
+//! Exit codes: 0 clean, 1 runtime failure, 2 usage/config error.
 //!
 //! ```text
-//! OTLP gRPC ─┐                         ┌─ checker.observe / tick ─► violations JSONL (stdout | file)
-//! OTLP HTTP ─┴─► normalize ─► bounded mpsc<EventBatch> ─┤
-//!                                                       └─ optional normalized events JSONL (replay format)
+//! OTLP gRPC ─┐
+//! OTLP HTTP ─┼─► normalize ─► bounded mpsc<EventBatch> ─► checker.observe / tick ─► alert dispatcher
+//! eBPF ──────┘                                              │                        (dedup, spool,
+//!                                                           │                         webhook, Alertmanager,
+//!                                                           │                         JSONL)
+//!                                                           ├─► /api/requests timeline, /metrics
+//!                                                           └─► optional events JSONL (replay format)
 //! ```
 
 use std::io::Write;
@@ -21,7 +27,15 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use serde::Deserialize;
 use tokio::sync::{mpsc, watch};
 
+use crate::admin::events::{AbsoluteDrops, EventObserved};
+use crate::admin::{
+    AdminArgs, AdminServer, AdminState, ComponentKind, DropPoint, LogArgs, Metrics, Readiness,
+    ReadyHandle, RecentEvents, RecentEventsLimits, RecentViolations,
+};
+use crate::alert::{AlertArgs, AlertConfig, AlertPipeline, JsonlConfig};
 use crate::checker::{Checker, CheckerConfig, RuleSet};
+use crate::event::Source;
+use crate::ingest::ebpf::{EbpfArgs, EbpfStart, EbpfStats};
 use crate::ingest::otlp::{self, Ingest, OtlpConfig, OtlpStats};
 use crate::normalize::{NormalizeConfig, Normalizer};
 use crate::pipeline::EventBatch;
@@ -38,9 +52,6 @@ pub struct RunArgs {
     /// OTLP/HTTP listen address (`off` disables) [default: 127.0.0.1:4318].
     #[arg(long, value_name = "ADDR")]
     pub otlp_http: Option<String>,
-    /// Write violations as JSON Lines to this file (appending) instead of standard output.
-    #[arg(long, value_name = "PATH")]
-    pub alerts_jsonl: Option<PathBuf>,
     /// Also record every normalized event, in the replay format `revenant check` reads.
     #[arg(long, value_name = "PATH")]
     pub events_jsonl: Option<PathBuf>,
@@ -71,6 +82,14 @@ pub struct RunArgs {
     /// pipeline on purpose to exercise back-pressure).
     #[arg(long, hide = true)]
     pub pause_file: Option<PathBuf>,
+    #[command(flatten)]
+    pub ebpf: EbpfArgs,
+    #[command(flatten)]
+    pub admin: AdminArgs,
+    #[command(flatten)]
+    pub alert: AlertArgs,
+    #[command(flatten)]
+    pub log: LogArgs,
 }
 
 /// The config file. Unknown keys are errors: a typo never silently keeps a default.
@@ -94,8 +113,6 @@ pub struct RunConfig {
     pub drain_timeout: Duration,
     #[serde(default)]
     pub rules: Option<PathBuf>,
-    #[serde(default)]
-    pub alerts_jsonl: Option<PathBuf>,
     #[serde(default)]
     pub events_jsonl: Option<PathBuf>,
 }
@@ -124,7 +141,6 @@ impl Default for RunConfig {
             allowed_lateness: default_lateness(),
             drain_timeout: default_drain(),
             rules: None,
-            alerts_jsonl: None,
             events_jsonl: None,
         }
     }
@@ -151,6 +167,12 @@ pub enum RunConfigError {
     Checker(#[from] crate::checker::ConfigError),
     #[error("channel_capacity must be > 0")]
     Capacity,
+    #[error("alerting: {0}")]
+    Alert(#[from] crate::alert::AlertError),
+    #[error("admin: {0}")]
+    Admin(String),
+    #[error("eBPF: {0}")]
+    Ebpf(#[from] crate::ingest::ebpf::LoadError),
 }
 
 fn parse_addr(flag: &'static str, v: &str) -> Result<Option<SocketAddr>, RunConfigError> {
@@ -168,6 +190,9 @@ pub struct Prepared {
     pub cfg: RunConfig,
     pub normalizer: Normalizer,
     pub checker: Checker,
+    pub alert: AlertConfig,
+    pub admin: AdminArgs,
+    pub ebpf: EbpfArgs,
 }
 
 pub fn load_config(path: Option<&Path>) -> Result<RunConfig, RunConfigError> {
@@ -211,9 +236,6 @@ pub fn prepare(args: &RunArgs) -> Result<Prepared, RunConfigError> {
     if args.rules.is_some() {
         cfg.rules = args.rules.clone();
     }
-    if args.alerts_jsonl.is_some() {
-        cfg.alerts_jsonl = args.alerts_jsonl.clone();
-    }
     if args.events_jsonl.is_some() {
         cfg.events_jsonl = args.events_jsonl.clone();
     }
@@ -232,10 +254,23 @@ pub fn prepare(args: &RunArgs) -> Result<Prepared, RunConfigError> {
         ..CheckerConfig::default()
     };
     ccfg.validate()?;
+    args.admin.validate().map_err(RunConfigError::Admin)?;
+    // Links in alerts default to the admin server's bound address, known only after binding
+    // (`--admin 127.0.0.1:0`): filled in by `run_async`.
+    let mut alert = args.alert.to_config(None)?;
+    if alert.webhooks.is_empty() && alert.alertmanagers.is_empty() && alert.jsonl.is_none() {
+        // An alert nobody can see is a silent loss: without any sink, alerts go to stdout.
+        alert.jsonl = Some(JsonlConfig { path: "-".into() });
+    }
+    // Only the sizes are checked here: loading the probes happens once the ports are bound.
+    args.ebpf.config(None)?;
     Ok(Prepared {
         checker: Checker::new(rules, ccfg),
         normalizer,
         cfg,
+        alert,
+        admin: args.admin.clone(),
+        ebpf: args.ebpf.clone(),
     })
 }
 
@@ -262,13 +297,48 @@ pub struct CheckerTotals {
     pub violations: u64,
 }
 
-/// The checker loop: batches in, violations out; ticks once a second on wall time so deadline
-/// rules fire without traffic. Returns when every sender is gone and the channel is empty.
+/// Where the checker loop sends what it produces.
+struct CheckerOutputs {
+    alerts: mpsc::Sender<crate::violation::Violation>,
+    metrics: Arc<Metrics>,
+    timeline: Arc<RecentEvents>,
+    events: Option<Box<dyn Write + Send>>,
+    otlp_ready: Option<ReadyHandle>,
+    ebpf_ready: Option<ReadyHandle>,
+}
+
+impl CheckerOutputs {
+    fn violation(&self, v: crate::violation::Violation, totals: &mut CheckerTotals) {
+        totals.violations += 1;
+        crate::alert::offer(&self.alerts, v, &self.metrics);
+    }
+
+    /// A source that delivers counts as live in /readyz.
+    fn activity(&self, batch: &EventBatch) {
+        let (mut otlp, mut ebpf) = (false, false);
+        for e in batch {
+            match e.source {
+                Source::Otlp => otlp = true,
+                Source::Ebpf => ebpf = true,
+                Source::Replay => {}
+            }
+        }
+        if otlp && let Some(h) = &self.otlp_ready {
+            h.activity();
+        }
+        if ebpf && let Some(h) = &self.ebpf_ready {
+            h.activity();
+        }
+    }
+}
+
+/// The checker loop: batches in, violations to the alert dispatcher; ticks once a second on wall
+/// time so deadline rules fire without traffic. Returns when every sender is gone and the channel
+/// is empty; dropping `out` then closes the dispatcher's input.
 async fn checker_task(
     mut checker: Checker,
     mut rx: mpsc::Receiver<EventBatch>,
-    mut alerts: Box<dyn Write + Send>,
-    mut events: Option<Box<dyn Write + Send>>,
+    mut out: CheckerOutputs,
     pause_file: Option<PathBuf>,
     mut close: watch::Receiver<bool>,
     lateness: Duration,
@@ -297,59 +367,141 @@ async fn checker_task(
                 None => break,
             },
             _ = tick.tick() => {
-                for v in checker.tick(wall_ns()) {
-                    totals.violations += 1;
-                    line.clear();
-                    serde_json::to_writer(&mut line, &v)?;
-                    line.push(b'\n');
-                    alerts.write_all(&line)?;
+                let now = wall_ns();
+                for v in checker.tick(now) {
+                    out.violation(v, &mut totals);
                 }
-                alerts.flush()?;
-                if let Some(w) = events.as_mut() { w.flush()?; }
+                out.metrics.publish_checker(&checker, now);
+                if let Some(w) = out.events.as_mut() { w.flush()?; }
                 continue;
             }
         };
         totals.batches += 1;
-        let mut wrote = false;
+        let arrival_ns = wall_ns();
+        let span = tracing::info_span!("checker.batch", events = batch.len());
+        let _entered = span.enter();
+        out.timeline.record(&batch);
+        out.activity(&batch);
         for e in &batch {
             totals.events += 1;
-            if let Some(w) = events.as_mut() {
+            EventObserved {
+                event: e,
+                arrival_ns,
+            }
+            .emit(&out.metrics);
+            if let Some(w) = out.events.as_mut() {
                 line.clear();
                 serde_json::to_writer(&mut line, &ReplayRecord::from_event(e))?;
                 line.push(b'\n');
                 w.write_all(&line)?;
             }
             for v in checker.observe(e) {
-                totals.violations += 1;
-                wrote = true;
-                line.clear();
-                serde_json::to_writer(&mut line, &v)?;
-                line.push(b'\n');
-                alerts.write_all(&line)?;
+                out.violation(v, &mut totals);
             }
         }
-        // Alerts are flushed per batch: an operator (or a test) must see them promptly.
-        if wrote {
-            alerts.flush()?;
-        }
     }
-    // Shutdown: judge every deadline the received events can still prove.
-    // Nothing more will arrive: move the watermark past the lateness window.
+    // Nothing more will arrive: move the watermark past the lateness window so that every
+    // deadline the received events can still prove is judged.
+    let now = wall_ns();
     let end = checker
         .stats()
         .max_event_ns
-        .max(wall_ns())
+        .max(now)
         .saturating_add(lateness.as_nanos() as u64);
     for v in checker.tick(end) {
-        totals.violations += 1;
-        serde_json::to_writer(&mut alerts, &v)?;
-        alerts.write_all(b"\n")?;
+        out.violation(v, &mut totals);
     }
-    alerts.flush()?;
-    if let Some(w) = events.as_mut() {
+    out.metrics.publish_checker(&checker, now);
+    if let Some(w) = out.events.as_mut() {
         w.flush()?;
     }
     Ok(totals)
+}
+
+/// Turns the eBPF source's absolute loss counters into the shared drop metric, once a second, so
+/// that `revenant_dropped_items_total` (and the "blind" alert on it) covers the kernel side too.
+async fn publish_ebpf_drops(
+    stats: Arc<EbpfStats>,
+    metrics: Arc<Metrics>,
+    readiness: Readiness,
+    mut stop: watch::Receiver<bool>,
+) {
+    use monitor_common::counter;
+    use std::sync::atomic::Ordering::Relaxed;
+    let ringbuf = AbsoluteDrops::default();
+    let active = AbsoluteDrops::default();
+    let socks = AbsoluteDrops::default();
+    let channel = AbsoluteDrops::default();
+    let undecodable = AbsoluteDrops::default();
+    let evicted = AbsoluteDrops::default();
+    let mut degraded = false;
+    let mut iv = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        let stopping = tokio::select! {
+            _ = iv.tick() => false,
+            r = stop.wait_for(|v| *v) => { drop(r); true }
+        };
+        let m = &metrics;
+        ringbuf.observe_total(
+            m,
+            DropPoint::KernelRingbuf,
+            "full",
+            stats.kernel(counter::RINGBUF_DROPS),
+        );
+        active.observe_total(
+            m,
+            DropPoint::KernelRingbuf,
+            "syscall_table_full",
+            stats.kernel(counter::ACTIVE_FULL),
+        );
+        socks.observe_total(
+            m,
+            DropPoint::KernelRingbuf,
+            "socket_table_full",
+            stats.kernel(counter::SOCKS_FULL),
+        );
+        channel.observe_total(
+            m,
+            DropPoint::EventChannel,
+            "full",
+            stats.events_dropped.load(Relaxed),
+        );
+        undecodable.observe_total(
+            m,
+            DropPoint::EbpfTracker,
+            "undecodable",
+            stats.decode_errors.load(Relaxed),
+        );
+        evicted.observe_total(
+            m,
+            DropPoint::EbpfTracker,
+            "connection_evicted",
+            stats.conns_evicted.load(Relaxed),
+        );
+        let now_degraded = stats.coverage_degraded();
+        if now_degraded != degraded {
+            degraded = now_degraded;
+            if degraded {
+                let losses = stats.losses();
+                tracing::warn!(
+                    losses,
+                    "eBPF coverage DEGRADED: kernel capture lost data; verdicts may miss activity"
+                );
+                readiness.set_degraded(
+                    "ebpf",
+                    Some(format!(
+                        "kernel capture lost data ({losses} records/events so far): verdicts may miss activity"
+                    )),
+                );
+            } else {
+                tracing::info!("eBPF coverage restored");
+                readiness.set_degraded("ebpf", None);
+            }
+        }
+        if stopping {
+            break;
+        }
+    }
 }
 
 async fn shutdown_signal() {
@@ -375,6 +527,21 @@ async fn shutdown_signal() {
 }
 
 pub fn run(args: RunArgs) -> ExitCode {
+    let self_traces = match args.log.init() {
+        Ok(g) => g,
+        Err(e) => {
+            eprintln!("revenant: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let code = run_logged(args);
+    if let Some(t) = self_traces {
+        t.shutdown();
+    }
+    code
+}
+
+fn run_logged(args: RunArgs) -> ExitCode {
     let prepared = match prepare(&args) {
         Ok(p) => p,
         Err(e) => {
@@ -397,7 +564,11 @@ pub fn run(args: RunArgs) -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("revenant: {e}");
-            ExitCode::from(1)
+            match e {
+                // A required source or sink that cannot start is a configuration problem.
+                RunError::Ebpf(_) | RunError::Alert(_) | RunError::Bind { .. } => ExitCode::from(2),
+                _ => ExitCode::from(1),
+            }
         }
     }
 }
@@ -423,6 +594,19 @@ pub enum RunError {
     DrainTimeout(Duration),
     #[error("a receiver failed: {0}")]
     Receiver(String),
+    #[error("eBPF source (--ebpf on): {0}")]
+    Ebpf(crate::ingest::ebpf::LoadError),
+    #[error("alerting: {0}")]
+    Alert(crate::alert::AlertError),
+}
+
+/// How the eBPF source ended up, for the log, /readyz and the ready file.
+fn ebpf_state(start: &EbpfStart) -> &'static str {
+    match start {
+        EbpfStart::Live(_) => "live",
+        EbpfStart::Off => "off",
+        EbpfStart::Unavailable(_) => "unavailable",
+    }
 }
 
 pub async fn run_async(
@@ -431,13 +615,14 @@ pub async fn run_async(
     pause_file: Option<PathBuf>,
 ) -> Result<(), RunError> {
     let cfg = p.cfg;
-    let alerts: Box<dyn Write + Send> = match &cfg.alerts_jsonl {
-        Some(path) => open_append(path).map_err(|source| RunError::Open {
-            path: path.clone(),
-            source,
-        })?,
-        None => Box::new(std::io::BufWriter::new(std::io::stdout())),
-    };
+    let mut alert_cfg = p.alert;
+    let metrics = Arc::new(Metrics::new());
+    let readiness = Readiness::new(metrics.clone(), p.admin.source_live_window);
+    let recent = Arc::new(RecentViolations::new(p.admin.recent_violations));
+    let timeline = Arc::new(RecentEvents::new(RecentEventsLimits {
+        max_events: p.admin.timeline_events,
+        ..Default::default()
+    }));
     let events = match &cfg.events_jsonl {
         Some(path) => Some(open_append(path).map_err(|source| RunError::Open {
             path: path.clone(),
@@ -450,6 +635,21 @@ pub async fn run_async(
             .await
             .map_err(|source| RunError::Bind { what, addr, source })
     };
+    let admin = match p.admin.no_admin {
+        true => None,
+        false => Some(
+            AdminServer::bind(p.admin.admin)
+                .await
+                .map_err(|e| match e {
+                    crate::admin::AdminError::Bind { addr, source } => RunError::Bind {
+                        what: "admin",
+                        addr,
+                        source,
+                    },
+                    other => RunError::Receiver(other.to_string()),
+                })?,
+        ),
+    };
     let grpc_l = match cfg.otlp.grpc {
         Some(a) => Some(bind("otlp-grpc", a).await?),
         None => None,
@@ -458,11 +658,21 @@ pub async fn run_async(
         Some(a) => Some(bind("otlp-http", a).await?),
         None => None,
     };
+    let ebpf = p
+        .ebpf
+        .start(Some(alert_cfg.node_name()))
+        .map_err(RunError::Ebpf)?;
 
     let (tx, rx) = mpsc::channel::<EventBatch>(cfg.channel_capacity);
     let stats = Arc::new(OtlpStats::default());
+    metrics.attach_otlp(stats.clone());
+    let otlp_on = grpc_l.is_some() || http_l.is_some();
+    let otlp_ready = otlp_on.then(|| {
+        metrics.declare_source(Source::Otlp);
+        readiness.register("otlp", ComponentKind::Source)
+    });
     let ingest = Arc::new(Ingest::new(
-        tx,
+        tx.clone(),
         p.normalizer,
         stats.clone(),
         cfg.otlp.max_items_per_request,
@@ -472,19 +682,95 @@ pub async fn run_async(
         let _ = rx.wait_for(|v| *v).await;
     };
 
+    let mut bound = serde_json::Map::new();
+    // The admin server outlives the sources: scrapes during the drain still answer.
+    let (admin_stop_tx, admin_stop_rx) = watch::channel(false);
+    let admin_task = match admin {
+        Some(server) => {
+            bound.insert("admin".into(), server.local_addr().to_string().into());
+            if alert_cfg.external_url.is_none() {
+                alert_cfg.external_url = Some(format!("http://{}", server.local_addr()));
+            }
+            let state = AdminState {
+                metrics: metrics.clone(),
+                readiness: readiness.clone(),
+                violations: recent.clone(),
+                timeline: timeline.clone(),
+            };
+            let handle = readiness.register("admin", ComponentKind::Server);
+            let task = tokio::spawn(server.serve(state, stopped(admin_stop_rx)));
+            handle.ready();
+            Some(task)
+        }
+        None => None,
+    };
+
+    let alerts = AlertPipeline::start(
+        &alert_cfg,
+        metrics.clone(),
+        Some(&readiness),
+        Some(recent.clone()),
+    )
+    .map_err(RunError::Alert)?;
+    let alert_handle = alerts.handle;
+    tracing::info!(spool = %alerts.spool_dir.display(), "alert dispatcher started");
+
+    let ebpf_state = ebpf_state(&ebpf);
+    bound.insert("ebpf".into(), ebpf_state.into());
+    let mut ebpf_tasks = Vec::new();
+    let ebpf_ready = match ebpf {
+        EbpfStart::Live(src) => {
+            metrics.declare_source(Source::Ebpf);
+            metrics.attach_ebpf(src.stats());
+            let handle = readiness.register("ebpf", ComponentKind::Source);
+            ebpf_tasks.push(tokio::spawn(publish_ebpf_drops(
+                src.stats(),
+                metrics.clone(),
+                readiness.clone(),
+                stop_rx.clone(),
+            )));
+            let (txe, stop) = (tx.clone(), stopped(stop_rx.clone()));
+            ebpf_tasks.push(tokio::spawn(async move {
+                if let Err(e) = src.run(txe, stop).await {
+                    tracing::error!(error = %e, "eBPF source stopped: kernel capture is BLIND from now on");
+                }
+            }));
+            handle.ready();
+            Some(handle)
+        }
+        EbpfStart::Off => {
+            readiness.disabled("ebpf", "off (--ebpf off)");
+            None
+        }
+        EbpfStart::Unavailable(e) => {
+            readiness.disabled("ebpf", &format!("unavailable: {e}"));
+            None
+        }
+    };
+    if !otlp_on {
+        readiness.disabled("otlp", "off (--otlp-grpc off --otlp-http off)");
+    }
+    // Only the sources hold senders now: the channel closes once they all stopped.
+    drop(tx);
+
     let (close_tx, close_rx) = watch::channel(false);
     let checker = tokio::spawn(checker_task(
         p.checker,
         rx,
-        alerts,
-        events,
+        CheckerOutputs {
+            alerts: alerts.sender,
+            metrics: metrics.clone(),
+            timeline: timeline.clone(),
+            events,
+            otlp_ready: otlp_ready.clone(),
+            ebpf_ready,
+        },
         pause_file,
         close_rx,
         cfg.allowed_lateness,
     ));
 
     let mut servers = Vec::new();
-    let mut bound = serde_json::Map::new();
     if let Some(l) = grpc_l {
         let addr = l.local_addr().map_err(|source| RunError::Bind {
             what: "otlp-grpc",
@@ -524,6 +810,9 @@ pub async fn run_async(
         }));
         tracing::info!(%addr, "otlp/http listening");
     }
+    if let Some(h) = &otlp_ready {
+        h.ready();
+    }
     let ticker = {
         let ing = ingest.clone();
         let mut stop = stop_rx.clone();
@@ -544,6 +833,14 @@ pub async fn run_async(
     // Kept only for the shutdown accounting; the receivers hold their own handles.
     let ingest_for_shutdown = ingest;
 
+    tracing::info!(
+        otlp = if otlp_on { "live" } else { "off" },
+        ebpf = ebpf_state,
+        "sources"
+    );
+    if !otlp_on && ebpf_state != "live" {
+        tracing::warn!("no source is live: revenant sees nothing (enable OTLP or eBPF)");
+    }
     let ready = serde_json::Value::Object(bound);
     eprintln!("revenant: ready {ready}");
     if let Some(path) = &ready_file {
@@ -580,6 +877,13 @@ pub async fn run_async(
             }
         }
     }
+    // The eBPF source sends what its ring still holds before it returns.
+    for mut t in ebpf_tasks {
+        if tokio::time::timeout(server_grace, &mut t).await.is_err() {
+            tracing::warn!("shutdown: the eBPF source did not stop in time");
+            t.abort();
+        }
+    }
     let _ = ticker.await;
     // The receivers are closed, so no abort can arrive any more: the completions still waiting
     // out their grace period are now believed.
@@ -600,12 +904,28 @@ pub async fn run_async(
         Ok(Err(e)) => return Err(RunError::Receiver(format!("checker task: {e}"))),
         Ok(Ok(r)) => r.map_err(RunError::Output)?,
     };
+    // The checker dropped the dispatcher's sender: it delivers what is queued (bounded by its
+    // own drain timeout) and leaves the rest in the spool for the next start.
+    let report = match alert_handle.await {
+        Ok(r) => r,
+        Err(e) => return Err(RunError::Receiver(format!("alert dispatcher: {e}"))),
+    };
+    let _ = admin_stop_tx.send(true);
+    if let Some(t) = admin_task {
+        let _ = tokio::time::timeout(Duration::from_secs(2), t).await;
+    }
     eprintln!(
-        "revenant: stopped after draining in {:?}: {} batches, {} events checked, {} violations",
+        "revenant: stopped after draining in {:?}: {} batches, {} events checked, {} violations; \
+         alerts: {} notified, {} deduplicated, {} rate-limited, {} dropped by the spool, {} left in the spool",
         started.elapsed(),
         totals.batches,
         totals.events,
-        totals.violations
+        totals.violations,
+        report.notified,
+        report.deduplicated,
+        report.rate_limited,
+        report.spool_dropped,
+        report.undelivered_at_exit,
     );
     eprint!("{}", stats.render());
     match failure {
@@ -650,22 +970,20 @@ async fn futures_select_all(
 mod tests {
     use super::*;
 
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        run: RunArgs,
+    }
+
     fn args(config: Option<PathBuf>) -> RunArgs {
-        RunArgs {
-            config,
-            otlp_grpc: None,
-            otlp_http: None,
-            alerts_jsonl: None,
-            events_jsonl: None,
-            rules: None,
-            channel_capacity: None,
-            max_message_bytes: None,
-            clock_skew: None,
-            allowed_lateness: None,
-            drain_timeout: None,
-            ready_file: None,
-            pause_file: None,
+        use clap::Parser;
+        let mut argv = vec!["revenant".to_string()];
+        if let Some(c) = config {
+            argv.push("--config".into());
+            argv.push(c.display().to_string());
         }
+        Cli::try_parse_from(argv).unwrap().run
     }
 
     fn write(name: &str, text: &str) -> PathBuf {

@@ -41,17 +41,21 @@ pub enum DropPoint {
     ViolationChannel,
     /// The alert spool was full or held an unreadable entry.
     Spool,
+    /// The eBPF source's user-space side: undecodable records, connections evicted from its
+    /// bounded tracking table.
+    EbpfTracker,
     /// A sink refused an alert for good (4xx other than 408/429).
     Sink,
 }
 
 impl DropPoint {
-    pub const ALL: [DropPoint; 5] = [
+    pub const ALL: [DropPoint; 6] = [
         DropPoint::KernelRingbuf,
         DropPoint::EventChannel,
         DropPoint::ViolationChannel,
         DropPoint::Spool,
         DropPoint::Sink,
+        DropPoint::EbpfTracker,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -61,6 +65,7 @@ impl DropPoint {
             DropPoint::ViolationChannel => "violation_channel",
             DropPoint::Spool => "spool",
             DropPoint::Sink => "sink",
+            DropPoint::EbpfTracker => "ebpf_tracker",
         }
     }
 }
@@ -69,6 +74,13 @@ impl DropPoint {
 pub struct DropLabels {
     pub point: &'static str,
     pub reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CorroborationLabels {
+    pub rule: String,
+    /// merged_held | merged_active | late | unmatched
+    pub outcome: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -146,6 +158,8 @@ pub struct Metrics {
     pub alerts_deduplicated: Family<RuleLabel, Counter>,
     pub alerts_rate_limited: Family<RuleLabel, Counter>,
     pub alerts_notified: Family<RuleLabel, Counter>,
+    pub alerts_corroborated: Family<CorroborationLabels, Counter>,
+    pub alerts_held: Family<RuleLabel, Counter>,
     pub deliveries: Family<DeliveryLabels, Counter>,
     pub delivered_alerts: Family<SinkLabel, Counter>,
     pub delivery_duration: HistFamily<SinkLabel>,
@@ -156,6 +170,7 @@ pub struct Metrics {
     pub ready: Gauge,
     checker: Arc<CheckerCollector>,
     otlp: Arc<super::otlp::OtlpCollector>,
+    ebpf: Arc<super::ebpf::EbpfCollector>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -221,6 +236,18 @@ impl Metrics {
             "Notifications written to the spool for delivery, by rule",
             alerts_notified.clone(),
         );
+        let alerts_corroborated = Family::default();
+        r.register(
+            "revenant_alerts_corroborated",
+            "Follow-up violations confirming an earlier one from another source (not repeats), by rule and what became of them",
+            alerts_corroborated.clone(),
+        );
+        let alerts_held = Family::default();
+        r.register(
+            "revenant_alerts_held",
+            "First notifications held for the corroboration window before sending",
+            alerts_held.clone(),
+        );
         let deliveries = Family::default();
         r.register(
             "revenant_alert_deliveries",
@@ -281,6 +308,8 @@ impl Metrics {
         r.register_collector(Box::new(checker.clone()));
         let otlp = Arc::new(super::otlp::OtlpCollector::default());
         r.register_collector(Box::new(otlp.clone()));
+        let ebpf = Arc::new(super::ebpf::EbpfCollector::default());
+        r.register_collector(Box::new(ebpf.clone()));
         // Drop counters exist from the start at 0, so that `increase()` sees the first drop.
         for p in DropPoint::ALL {
             let _ = dropped.get_or_create(&DropLabels {
@@ -298,6 +327,8 @@ impl Metrics {
             alerts_deduplicated,
             alerts_rate_limited,
             alerts_notified,
+            alerts_corroborated,
+            alerts_held,
             deliveries,
             delivered_alerts,
             delivery_duration,
@@ -308,6 +339,7 @@ impl Metrics {
             ready,
             checker,
             otlp,
+            ebpf,
         }
     }
 
@@ -364,6 +396,11 @@ impl Metrics {
         *self.otlp.stats.lock().unwrap_or_else(|p| p.into_inner()) = Some(stats);
     }
 
+    /// Renders the eBPF source's counters at every scrape from now on.
+    pub fn attach_ebpf(&self, stats: Arc<crate::ingest::ebpf::EbpfStats>) {
+        *self.ebpf.stats.lock().unwrap_or_else(|p| p.into_inner()) = Some(stats);
+    }
+
     pub fn publish_checker_stats(&self, snap: CheckerSnapshot) {
         *self.checker.last.lock().unwrap_or_else(|p| p.into_inner()) = Some(snap);
     }
@@ -376,6 +413,7 @@ fn default_reason(p: DropPoint) -> &'static str {
         DropPoint::ViolationChannel => "full",
         DropPoint::Spool => "full",
         DropPoint::Sink => "permanent_error",
+        DropPoint::EbpfTracker => "connection_evicted",
     }
 }
 

@@ -3,10 +3,12 @@
 //! exposes them.
 
 pub mod config;
+mod ebpf;
 pub mod events;
 pub mod metrics;
 mod otlp;
 pub mod ready;
+pub mod self_traces;
 pub mod server;
 pub mod timeline;
 pub mod violations;

@@ -36,11 +36,17 @@ struct Component {
     kind: ComponentKind,
     ready: bool,
     last_activity: Option<Instant>,
+    /// When it latched ready.
+    ready_at: Option<Instant>,
 }
 
 #[derive(Debug)]
 struct Inner {
     components: BTreeMap<String, Component>,
+    /// Sources (or sinks) that are deliberately or necessarily not running, with why.
+    disabled: BTreeMap<String, String>,
+    /// Running components that currently lose data, with what they lose.
+    degraded: BTreeMap<String, String>,
     /// A source counts as live if it produced something within this window.
     live_window: Duration,
 }
@@ -75,6 +81,12 @@ pub struct ReadyReport {
     pub ready: bool,
     pub pending: Vec<String>,
     pub live_sources: Vec<String>,
+    /// Components not running and why (`ebpf: "unavailable: ..."`): they do not hold readiness
+    /// back, but an operator must see that this coverage is missing.
+    pub disabled: BTreeMap<String, String>,
+    /// Components running but blind in part right now (eBPF losing records): the monitor says so
+    /// instead of reporting a clean bill of health.
+    pub degraded: BTreeMap<String, String>,
     pub components: Vec<ComponentReport>,
 }
 
@@ -83,6 +95,8 @@ impl Readiness {
         Readiness {
             inner: Arc::new(Mutex::new(Inner {
                 components: BTreeMap::new(),
+                disabled: BTreeMap::new(),
+                degraded: BTreeMap::new(),
                 live_window,
             })),
             metrics,
@@ -102,6 +116,7 @@ impl Readiness {
                 kind,
                 ready: false,
                 last_activity: None,
+                ready_at: None,
             },
         );
         self.metrics
@@ -118,8 +133,43 @@ impl Readiness {
         }
     }
 
+    /// Records that `name` is not running, and why (shown in /readyz).
+    pub fn disabled(&self, name: impl Into<String>, why: &str) {
+        self.lock().disabled.insert(name.into(), why.to_string());
+    }
+
+    /// Marks `name` as losing data (`Some(what)`) or whole again (`None`), shown in /readyz.
+    pub fn set_degraded(&self, name: &str, what: Option<String>) {
+        let mut g = self.lock();
+        match what {
+            Some(w) => {
+                g.degraded.insert(name.to_string(), w);
+            }
+            None => {
+                g.degraded.remove(name);
+            }
+        }
+    }
+
     pub fn is_ready(&self) -> bool {
         self.lock().components.values().all(|c| c.ready)
+    }
+
+    /// Sources expected to deliver: those that produced an event within the live window, and
+    /// those that became ready less than a window ago (a source just started has had no chance
+    /// to deliver yet, e.g. OTLP exporters batch). Cheap: no report built.
+    pub fn presumed_live_source_count(&self) -> usize {
+        let g = self.lock();
+        let now = Instant::now();
+        let recent = |t: Option<Instant>| t.is_some_and(|t| now.duration_since(t) <= g.live_window);
+        g.components
+            .values()
+            .filter(|c| {
+                c.kind == ComponentKind::Source
+                    && c.ready
+                    && (recent(c.last_activity) || recent(c.ready_at))
+            })
+            .count()
     }
 
     pub fn report(&self) -> ReadyReport {
@@ -150,6 +200,8 @@ impl Readiness {
             ready: pending.is_empty(),
             pending,
             live_sources,
+            disabled: g.disabled.clone(),
+            degraded: g.degraded.clone(),
             components,
         }
     }
@@ -169,6 +221,7 @@ impl ReadyHandle {
             };
             let changed = !c.ready;
             c.ready = true;
+            c.ready_at.get_or_insert_with(Instant::now);
             let kind = c.kind;
             (kind, g.components.values().all(|c| c.ready), changed)
         };
@@ -212,5 +265,32 @@ mod tests {
         assert!(rep.ready);
         assert_eq!(rep.live_sources, vec!["otlp".to_string()]);
         assert!(m.render().contains("revenant_ready 1"));
+        r.set_degraded("otlp", Some("lost 3".into()));
+        let rep = r.report();
+        assert!(rep.ready, "degraded is not down");
+        assert_eq!(rep.degraded["otlp"], "lost 3");
+        r.set_degraded("otlp", None);
+        assert!(r.report().degraded.is_empty());
+    }
+
+    #[test]
+    fn sources_are_presumed_live_when_just_ready_or_active() {
+        let m = Arc::new(Metrics::new());
+        let r = Readiness::new(m, Duration::from_millis(50));
+        let otlp = r.register("otlp", ComponentKind::Source);
+        let ebpf = r.register("ebpf", ComponentKind::Source);
+        r.register("admin", ComponentKind::Server).ready();
+        assert_eq!(r.presumed_live_source_count(), 0, "not ready yet");
+        otlp.ready();
+        ebpf.ready();
+        assert_eq!(r.presumed_live_source_count(), 2, "just started");
+        std::thread::sleep(Duration::from_millis(80));
+        assert_eq!(
+            r.presumed_live_source_count(),
+            0,
+            "silent for a whole window"
+        );
+        ebpf.activity();
+        assert_eq!(r.presumed_live_source_count(), 1);
     }
 }

@@ -88,6 +88,11 @@ pub enum SpoolError {
         path: PathBuf,
         source: std::io::Error,
     },
+    #[error(
+        "spool directory {dir} is in use by another revenant process (holding {dir}/.lock); \
+         give each instance its own --spool-dir"
+    )]
+    InUse { dir: PathBuf },
     #[error("spool is full ({entries} entries, {bytes} bytes)")]
     Full { entries: usize, bytes: u64 },
     #[error("cannot encode notification: {0}")]
@@ -132,6 +137,9 @@ pub struct Spool {
     dir: PathBuf,
     cfg: SpoolConfig,
     state: Arc<Mutex<State>>,
+    /// Exclusive lock on `dir/.lock`, held while the spool is open: two processes resuming and
+    /// deleting each other's entries would deliver twice or lose acknowledgements.
+    _lock: Arc<std::fs::File>,
 }
 
 impl Spool {
@@ -144,6 +152,19 @@ impl Spool {
             source,
         };
         std::fs::create_dir_all(&dir).map_err(derr)?;
+        let lock = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(dir.join(".lock"))
+            .map_err(derr)?;
+        match lock.try_lock() {
+            Ok(()) => {}
+            Err(std::fs::TryLockError::WouldBlock) => {
+                return Err(SpoolError::InUse { dir: dir.clone() });
+            }
+            Err(std::fs::TryLockError::Error(e)) => return Err(derr(e)),
+        }
         let mut st = State::default();
         let mut rec = Recovered::default();
         let mut names: Vec<PathBuf> = std::fs::read_dir(&dir)
@@ -208,6 +229,7 @@ impl Spool {
                 dir,
                 cfg: cfg.clone(),
                 state: Arc::new(Mutex::new(st)),
+                _lock: Arc::new(lock),
             },
             rec,
         ))
@@ -476,7 +498,32 @@ mod tests {
         // New entries never collide with a pending one.
         assert!(s.put(note(2), &sinks).unwrap() > s0);
         s.ack(s0, "b").unwrap();
-        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+        let left = std::fs::read_dir(dir.path())
+            .unwrap()
+            .filter(|e| e.as_ref().unwrap().file_name() != ".lock")
+            .count();
+        assert_eq!(left, 1);
+    }
+
+    #[test]
+    fn a_second_process_cannot_open_the_same_spool() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = SpoolConfig {
+            dir: Some(dir.path().to_path_buf()),
+            fsync: false,
+            ..Default::default()
+        };
+        let sinks = vec!["a".to_string()];
+        let (first, _) = Spool::open(&cfg, &sinks).unwrap();
+        // flock locks belong to the open file description, so a second open in this process
+        // conflicts exactly as another process would.
+        let Err(e) = Spool::open(&cfg, &sinks) else {
+            panic!("second open must fail");
+        };
+        assert!(matches!(e, SpoolError::InUse { .. }), "{e}");
+        assert!(e.to_string().contains("--spool-dir"), "{e}");
+        drop(first);
+        Spool::open(&cfg, &sinks).expect("free again once the first is closed");
     }
 
     #[test]

@@ -20,11 +20,12 @@ pub struct EbpfArgs {
     /// Kernel capture of the serving processes' traffic.
     #[arg(long, value_enum, default_value_t = EbpfMode::Auto)]
     pub ebpf: EbpfMode,
-    /// Watch processes whose command line matches REGEX, as ROLE (router, prefill, decode). Repeatable.
+    /// Watch processes whose command line matches REGEX, as ROLE (router, prefill, decode, or
+    /// unknown: learned from the `disaggregation_mode` of its /server_info answer). Repeatable.
     #[arg(long = "watch", value_name = "ROLE=REGEX")]
     pub watch: Vec<WatchRule>,
-    /// Watch process PID as ROLE. Repeatable.
-    #[arg(long = "pid", value_name = "ROLE=PID")]
+    /// Watch process PID as ROLE (a bare PID: role unknown until /server_info names it). Repeatable.
+    #[arg(long = "pid", value_name = "[ROLE=]PID")]
     pub pid: Vec<PidRule>,
     /// Do not apply the SGLang command-line conventions (only --watch/--pid).
     #[arg(long)]
@@ -63,26 +64,35 @@ impl EbpfArgs {
         })
     }
 
-    /// Starts the source as the mode says: `Ok(None)` when off, or when `auto` and the probes
-    /// cannot load (logged as a warning with the reason); an error only for `on`.
-    pub fn start(&self, node: Option<String>) -> Result<Option<EbpfSource>, LoadError> {
+    /// Starts the source as the mode says. `Unavailable` only in `auto` mode (logged as a warning
+    /// with the reason); with `on`, failing to load is an error.
+    pub fn start(&self, node: Option<String>) -> Result<EbpfStart, LoadError> {
         if self.ebpf == EbpfMode::Off {
             tracing::info!("eBPF source: off (--ebpf off)");
-            return Ok(None);
+            return Ok(EbpfStart::Off);
         }
         let cfg = self.config(node)?;
         match EbpfSource::start(cfg) {
             Ok(src) => {
                 tracing::info!("eBPF source: live");
-                Ok(Some(src))
+                Ok(EbpfStart::Live(Box::new(src)))
             }
             Err(e) if self.ebpf == EbpfMode::Auto => {
                 tracing::warn!(error = %e, "eBPF source: NOT live (--ebpf auto), continuing without kernel capture");
-                Ok(None)
+                Ok(EbpfStart::Unavailable(e))
             }
             Err(e) => Err(e),
         }
     }
+}
+
+/// What `--ebpf` led to.
+pub enum EbpfStart {
+    Live(Box<EbpfSource>),
+    /// `--ebpf off`.
+    Off,
+    /// `--ebpf auto` and the probes could not load, for this reason.
+    Unavailable(LoadError),
 }
 
 #[cfg(test)]
@@ -119,6 +129,6 @@ mod tests {
     #[test]
     fn off_starts_nothing() {
         let t = T::try_parse_from(["x", "--ebpf", "off"]).unwrap();
-        assert!(t.e.start(None).unwrap().is_none());
+        assert!(matches!(t.e.start(None).unwrap(), EbpfStart::Off));
     }
 }

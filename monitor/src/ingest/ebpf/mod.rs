@@ -15,7 +15,7 @@ pub mod source;
 pub mod track;
 pub mod zmtp;
 
-pub use cli::{EbpfArgs, EbpfMode};
+pub use cli::{EbpfArgs, EbpfMode, EbpfStart};
 pub use loader::{CaptureConfig, LoadError, Probes};
 pub use procs::{Discovery, PidRule, Role, WatchRule};
 pub use source::{EbpfConfig, EbpfSource, EbpfStats};
