@@ -117,6 +117,13 @@ fn real_component_tests(cargo: &str) -> std::io::Result<std::process::ExitStatus
         }
     }
     eprintln!("xtask: real-component tests (sglang-router 0.3.2 smg, pyzmq)");
+    // The end-to-end tests run the revenant binary next to their own executable.
+    let built = Command::new(cargo)
+        .args(["build", "-p", "revenant", "--bin", "revenant"])
+        .status()?;
+    if !built.success() {
+        return Ok(built);
+    }
     Command::new(cargo)
         .args([
             "test",
@@ -126,6 +133,10 @@ fn real_component_tests(cargo: &str) -> std::io::Result<std::process::ExitStatus
             "real_router",
             "--test",
             "interop",
+            "--test",
+            "e2e_real_router",
+            "--test",
+            "e2e_capacity",
             "--",
             "--ignored",
         ])

@@ -112,7 +112,7 @@ pub async fn run(args: RouterArgs) -> anyhow::Result<()> {
         endpoint: args.otlp_endpoint.clone(),
         service_name: "smg",
         scope_name: "smg",
-        resource_attrs: vec![],
+        resource_attrs: vec![crate::spans::kv_str("host.name", crate::spans::host_name())],
     });
     let rt: Shared = Arc::new(Rt {
         prefill,

@@ -73,13 +73,11 @@ async fn setup(tag: &str, prefill_args: &str, decode_args: &str) -> Setup {
     let smg = smg_bin();
     let scratch = ScratchDir::new(tag).unwrap();
     let dir = scratch.path().to_path_buf();
-    let revenant = tokio::task::spawn_blocking(move || {
+    let revenant = tokio::task::block_in_place(move || {
         let args = revenant_args(&dir);
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         RevenantProcess::start(&revenant_bin(), &dir, &args)
     })
-    .await
-    .unwrap()
     .unwrap_or_else(|e| panic!("revenant: {e}"));
     let otlp = format!("http://{}", revenant.otlp_http);
     let cluster = Cluster::start(
