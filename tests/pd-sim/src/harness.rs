@@ -386,11 +386,11 @@ impl RevenantProcess {
         let wait = Duration::from_secs(60);
         let deadline = Instant::now() + wait;
         loop {
-            if let Ok(b) = std::fs::read(&ready_path) {
-                if let Ok(v) = serde_json::from_slice::<serde_json::Value>(&b) {
-                    r.ready = v;
-                    break;
-                }
+            if let Ok(b) = std::fs::read(&ready_path)
+                && let Ok(v) = serde_json::from_slice::<serde_json::Value>(&b)
+            {
+                r.ready = v;
+                break;
             }
             if let Some(Ok(Some(status))) = r.child.as_mut().map(|c| c.try_wait()) {
                 return Err(HarnessError::Exited(format!(

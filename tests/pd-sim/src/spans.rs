@@ -329,6 +329,19 @@ async fn send_batch(
     tracing::warn!(spans = n, "OTLP export failed; batch counted as failed");
 }
 
+/// This machine's name for the `host.name` resource attribute (revenant's clock domain), from
+/// gethostname(2); "localhost" if it cannot be read.
+pub fn host_name() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: the buffer is writable for its full length; gethostname NUL-terminates on success.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    if rc != 0 {
+        return "localhost".into();
+    }
+    let n = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    String::from_utf8_lossy(&buf[..n]).into_owned()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -367,17 +380,4 @@ mod tests {
         assert_eq!(s.attributes[0].key, "reason");
         assert_eq!(s.end_time_unix_nano, 10, "end never precedes start");
     }
-}
-
-/// This machine's name for the `host.name` resource attribute (revenant's clock domain), from
-/// gethostname(2); "localhost" if it cannot be read.
-pub fn host_name() -> String {
-    let mut buf = [0u8; 256];
-    // SAFETY: the buffer is writable for its full length; gethostname NUL-terminates on success.
-    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
-    if rc != 0 {
-        return "localhost".into();
-    }
-    let n = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
-    String::from_utf8_lossy(&buf[..n]).into_owned()
 }
