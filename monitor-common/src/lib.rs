@@ -14,8 +14,10 @@ pub const DEFAULT_HEAD_BYTES: u32 = 512;
 /// hundreds of KB; capturing the tail of every large read/write (as well as its head) keeps the
 /// last bytes of every body, and the bytes on both sides of every syscall boundary.
 pub const DEFAULT_TAIL_BYTES: u32 = 512;
-/// How many iovecs of a readv/writev/sendmsg/recvmsg the kernel side walks.
-pub const MAX_IOVECS: u32 = 8;
+/// How many iovecs of a readv/writev/sendmsg/recvmsg the kernel side walks (with `bpf_loop`).
+/// hyper (the simulator, smg) writes up to 64 at once, and the end of a streamed answer is in
+/// the last of them.
+pub const MAX_IOVECS: u32 = 64;
 
 /// `Header::kind` values.
 pub mod kind {

@@ -150,6 +150,8 @@ fn data_enter(ctx: &TracePointContext, sc: u32) -> Result<u32, u32> {
 }
 
 /// What every piece of one syscall shares.
+#[derive(Clone, Copy)]
+#[repr(C)]
 struct Capture {
     pid_tgid: u64,
     ts_ns: u64,
@@ -208,29 +210,62 @@ fn data_exit(ctx: &TracePointContext) -> Result<u32, u32> {
     Ok(0)
 }
 
+/// State of one walk over the iovecs of a vectored syscall, shared with [`iov_step`].
+#[repr(C)]
+struct IovWalk {
+    cap: Capture,
+    iov: u64,
+    iovcnt: u64,
+    /// Syscall offset where the next iovec's bytes start.
+    off: u64,
+}
+
+/// One iovec of a walk (a `bpf_loop` callback, verified once rather than once per iteration:
+/// an unrolled walk of [`MAX_IOVECS`] exceeds the verifier's budget). Returns 1 to stop.
+#[inline(never)]
+extern "C" fn iov_step(i: u64, ctx: *mut c_void) -> i64 {
+    // SAFETY: `ctx` is the `IovWalk` on `capture_iov`'s stack, alive for the whole loop.
+    let w = unsafe { &mut *ctx.cast::<IovWalk>() };
+    if i >= w.iovcnt || w.off >= w.cap.total {
+        return 1;
+    }
+    let entry = (w.iov + 16 * i) as *const [u64; 2];
+    let [base, len] = match unsafe { aya_ebpf::helpers::bpf_probe_read_user(entry) } {
+        Ok(v) => v,
+        Err(_) => {
+            count(counter::READ_FAILURES, 1);
+            return 1;
+        }
+    };
+    let remaining = w.cap.total - w.off;
+    let len = if len < remaining { len } else { remaining };
+    capture_piece(&w.cap, base, w.off, len);
+    w.off += len;
+    0
+}
+
+/// Walks up to [`MAX_IOVECS`] iovecs in order; only their parts in the head or tail window are
+/// sent. hyper writes a streamed answer's last chunks and its terminating `0\r\n\r\n` as the
+/// 13th iovec of one `writev`: the tail window must reach the last iovecs.
 #[inline(always)]
 fn capture_iov(cap: &Capture, iov: u64, iovcnt: u64) {
-    let mut off = 0u64;
-    let mut i = 0u32;
-    while i < MAX_IOVECS {
-        if i as u64 >= iovcnt || off >= cap.total {
-            return;
-        }
-        let entry = (iov + 16 * i as u64) as *const [u64; 2];
-        let [base, len] = match unsafe { aya_ebpf::helpers::bpf_probe_read_user(entry) } {
-            Ok(v) => v,
-            Err(_) => {
-                count(counter::READ_FAILURES, 1);
-                return;
-            }
-        };
-        let remaining = cap.total - off;
-        let len = if len < remaining { len } else { remaining };
-        capture_piece(cap, base, off, len);
-        off += len;
-        i += 1;
+    let mut w = IovWalk {
+        cap: Capture { ..*cap },
+        iov,
+        iovcnt,
+        off: 0,
+    };
+    let walk: *mut IovWalk = &mut w;
+    // SAFETY: bpf_loop calls `iov_step` with `walk` at most MAX_IOVECS times, synchronously.
+    unsafe {
+        aya_ebpf::helpers::generated::bpf_loop(
+            MAX_IOVECS,
+            iov_step as *const () as *mut c_void,
+            walk.cast::<c_void>(),
+            0,
+        );
     }
-    if off < cap.total {
+    if w.off < cap.total && w.iovcnt > MAX_IOVECS as u64 {
         count(counter::IOV_TRUNCATED, 1);
     }
 }

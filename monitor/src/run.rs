@@ -255,8 +255,9 @@ pub fn prepare(args: &RunArgs) -> Result<Prepared, RunConfigError> {
     };
     ccfg.validate()?;
     args.admin.validate().map_err(RunConfigError::Admin)?;
-    let links = (!args.admin.no_admin).then(|| args.admin.base_url());
-    let mut alert = args.alert.to_config(links)?;
+    // Links in alerts default to the admin server's bound address, known only after binding
+    // (`--admin 127.0.0.1:0`): filled in by `run_async`.
+    let mut alert = args.alert.to_config(None)?;
     if alert.webhooks.is_empty() && alert.alertmanagers.is_empty() && alert.jsonl.is_none() {
         // An alert nobody can see is a silent loss: without any sink, alerts go to stdout.
         alert.jsonl = Some(JsonlConfig { path: "-".into() });
@@ -377,6 +378,8 @@ async fn checker_task(
         };
         totals.batches += 1;
         let arrival_ns = wall_ns();
+        let span = tracing::info_span!("checker.batch", events = batch.len());
+        let _entered = span.enter();
         out.timeline.record(&batch);
         out.activity(&batch);
         for e in &batch {
@@ -420,6 +423,7 @@ async fn checker_task(
 async fn publish_ebpf_drops(
     stats: Arc<EbpfStats>,
     metrics: Arc<Metrics>,
+    readiness: Readiness,
     mut stop: watch::Receiver<bool>,
 ) {
     use monitor_common::counter;
@@ -478,12 +482,20 @@ async fn publish_ebpf_drops(
         if now_degraded != degraded {
             degraded = now_degraded;
             if degraded {
+                let losses = stats.losses();
                 tracing::warn!(
-                    losses = stats.losses(),
+                    losses,
                     "eBPF coverage DEGRADED: kernel capture lost data; verdicts may miss activity"
+                );
+                readiness.set_degraded(
+                    "ebpf",
+                    Some(format!(
+                        "kernel capture lost data ({losses} records/events so far): verdicts may miss activity"
+                    )),
                 );
             } else {
                 tracing::info!("eBPF coverage restored");
+                readiness.set_degraded("ebpf", None);
             }
         }
         if stopping {
@@ -515,10 +527,21 @@ async fn shutdown_signal() {
 }
 
 pub fn run(args: RunArgs) -> ExitCode {
-    if let Err(e) = args.log.init() {
-        eprintln!("revenant: {e}");
-        return ExitCode::from(2);
+    let self_traces = match args.log.init() {
+        Ok(g) => g,
+        Err(e) => {
+            eprintln!("revenant: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let code = run_logged(args);
+    if let Some(t) = self_traces {
+        t.shutdown();
     }
+    code
+}
+
+fn run_logged(args: RunArgs) -> ExitCode {
     let prepared = match prepare(&args) {
         Ok(p) => p,
         Err(e) => {
@@ -592,6 +615,7 @@ pub async fn run_async(
     pause_file: Option<PathBuf>,
 ) -> Result<(), RunError> {
     let cfg = p.cfg;
+    let mut alert_cfg = p.alert;
     let metrics = Arc::new(Metrics::new());
     let readiness = Readiness::new(metrics.clone(), p.admin.source_live_window);
     let recent = Arc::new(RecentViolations::new(p.admin.recent_violations));
@@ -636,7 +660,7 @@ pub async fn run_async(
     };
     let ebpf = p
         .ebpf
-        .start(Some(p.alert.node_name()))
+        .start(Some(alert_cfg.node_name()))
         .map_err(RunError::Ebpf)?;
 
     let (tx, rx) = mpsc::channel::<EventBatch>(cfg.channel_capacity);
@@ -658,22 +682,15 @@ pub async fn run_async(
         let _ = rx.wait_for(|v| *v).await;
     };
 
-    let alerts = AlertPipeline::start(
-        &p.alert,
-        metrics.clone(),
-        Some(&readiness),
-        Some(recent.clone()),
-    )
-    .map_err(RunError::Alert)?;
-    let alert_handle = alerts.handle;
-    tracing::info!(spool = %alerts.spool_dir.display(), "alert dispatcher started");
-
     let mut bound = serde_json::Map::new();
     // The admin server outlives the sources: scrapes during the drain still answer.
     let (admin_stop_tx, admin_stop_rx) = watch::channel(false);
     let admin_task = match admin {
         Some(server) => {
             bound.insert("admin".into(), server.local_addr().to_string().into());
+            if alert_cfg.external_url.is_none() {
+                alert_cfg.external_url = Some(format!("http://{}", server.local_addr()));
+            }
             let state = AdminState {
                 metrics: metrics.clone(),
                 readiness: readiness.clone(),
@@ -688,6 +705,16 @@ pub async fn run_async(
         None => None,
     };
 
+    let alerts = AlertPipeline::start(
+        &alert_cfg,
+        metrics.clone(),
+        Some(&readiness),
+        Some(recent.clone()),
+    )
+    .map_err(RunError::Alert)?;
+    let alert_handle = alerts.handle;
+    tracing::info!(spool = %alerts.spool_dir.display(), "alert dispatcher started");
+
     let ebpf_state = ebpf_state(&ebpf);
     bound.insert("ebpf".into(), ebpf_state.into());
     let mut ebpf_tasks = Vec::new();
@@ -699,6 +726,7 @@ pub async fn run_async(
             ebpf_tasks.push(tokio::spawn(publish_ebpf_drops(
                 src.stats(),
                 metrics.clone(),
+                readiness.clone(),
                 stop_rx.clone(),
             )));
             let (txe, stop) = (tx.clone(), stopped(stop_rx.clone()));

@@ -9,6 +9,7 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::process::Revenant;
 use common::*;
 use revenant::admin::Metrics;
 use revenant::alert::{AlertConfig, AlertPipeline, AlertmanagerConfig};
@@ -181,5 +182,52 @@ async fn alertmanager_receives_reposts_and_routes_alerts() {
     drop(p.sender);
     let report = p.handle.await.unwrap();
     assert_eq!(report.undelivered_at_exit, 0);
+
+    // The same through the real binary: `revenant run --alertmanager`, fed over OTLP.
+    let mut rv = tokio::task::block_in_place(|| {
+        Revenant::start(
+            "alertmanager",
+            &[
+                "--alertmanager",
+                &am,
+                "--cluster",
+                "e2e",
+                "--spool-no-fsync",
+            ],
+        )
+    });
+    let (ok, out, err) = tokio::task::block_in_place(|| {
+        rv.emit(&[
+            "--transport",
+            "grpc",
+            "--scenario",
+            "reject-then-decode",
+            "--tag",
+            "0a11",
+        ])
+    });
+    assert!(ok, "{out} {err}");
+    let rid = out["rid"].as_str().unwrap().to_string();
+    let mine = wait_for(
+        Duration::from_secs(20),
+        "revenant run's alert in Alertmanager",
+        async || {
+            get_alerts().await.into_iter().find(|a| {
+                a["labels"]["cluster"] == "e2e"
+                    && a["labels"]["alertname"] == "activity-after-rejection"
+                    && a.to_string().contains(&rid)
+            })
+        },
+    )
+    .await;
+    assert_eq!(mine["labels"]["severity"], "critical", "{mine}");
+    assert!(
+        mine["generatorURL"]
+            .as_str()
+            .unwrap()
+            .starts_with(&format!("http://{}/", rv.admin)),
+        "links point at this revenant's admin server: {mine}"
+    );
+    assert!(tokio::task::block_in_place(|| rv.stop()).success());
     hook_task.abort();
 }

@@ -11,6 +11,8 @@ use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+mod ebpf_support;
+
 use monitor_common::counter;
 use revenant::ingest::ebpf::{CaptureConfig, Discovery, EbpfConfig, EbpfSource, Probes, Role};
 use revenant::{Kind, LifecycleEvent, Stage};
@@ -218,6 +220,8 @@ fn probes_load_and_attach() {
 #[test]
 fn big_prompt_room_at_the_end_prefill_rejects_decode_works() {
     const CANARY: &str = "CANARY-b7e1d2-PROMPT-TEXT";
+    // Every log line of the source, at TRACE, for the privacy check.
+    let logs = ebpf_support::LogCapture::global();
     let mut pd = start_pd(CANARY, "req-ebpf-big", 1, 300_000);
     let cfg = EbpfConfig {
         discovery: pd_discovery(&pd),
@@ -292,11 +296,34 @@ fn big_prompt_room_at_the_end_prefill_rejects_decode_works() {
     for e in &events {
         assert_eq!(e.source, revenant::Source::Ebpf);
         assert_eq!(e.node.as_deref(), Some("test-node"));
-        assert!(
-            !format!("{e:?}").contains("CANARY"),
-            "prompt text reached an event: {e:?}"
-        );
     }
+    // The canary sits at both ends of the prompt, so in the captured head and tail windows: it
+    // went through the parser, and must reach no event, violation, alert or log line.
+    let mut checker = revenant::Checker::new(
+        revenant::RuleSet::embedded_defaults(),
+        revenant::CheckerConfig::default(),
+    );
+    let mut violations: Vec<_> = events.iter().flat_map(|e| checker.observe(e)).collect();
+    let last = events.iter().map(|e| e.time_ns).max().unwrap_or(0);
+    violations.extend(checker.tick(last + 60_000_000_000));
+    eprintln!(
+        "big prompt: {} events, violations {:?}",
+        events.len(),
+        violations
+            .iter()
+            .map(|v| v.rule.as_str())
+            .collect::<Vec<_>>()
+    );
+    let obs = ebpf_support::Observed {
+        events: events.clone(),
+        violations,
+    };
+    ebpf_support::assert_canary_absent("CANARY", &obs, &logs);
+    assert!(
+        logs.text().contains("eBPF: watching process"),
+        "the log capture works: {:?}",
+        logs.text()
+    );
     src.rescan();
     let stats = src.stats();
     assert_eq!(stats.kernel(counter::RINGBUF_DROPS), 0);

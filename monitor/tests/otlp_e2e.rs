@@ -5,231 +5,12 @@
 //! Everything is bounded: readiness is a file revenant writes once it listens, every wait has a
 //! deadline, and the child is stopped with SIGTERM (then killed) whatever happens.
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+mod common;
+
+use std::process::Command;
 use std::time::{Duration, Instant};
 
-fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .unwrap()
-        .to_path_buf()
-}
-
-/// Creates (once) the venv with the OpenTelemetry SDK and exporters; idempotent.
-fn venv_python() -> PathBuf {
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| repo_root().join("target"));
-    let venv = target.join("otlp-venv");
-    let py = venv.join("bin/python");
-    let probe = |py: &Path| {
-        Command::new(py)
-            .args([
-                "-c",
-                "import opentelemetry.sdk, opentelemetry.exporter.otlp.proto.grpc.trace_exporter, opentelemetry.exporter.otlp.proto.http.trace_exporter",
-            ])
-            .stderr(Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success())
-    };
-    if py.exists() && probe(&py) {
-        return py;
-    }
-    // Tests run in parallel; a lock directory serializes creating the venv.
-    let _ = std::fs::create_dir_all(&target);
-    let lock = target.join("otlp-venv.lock");
-    let deadline = Instant::now() + Duration::from_secs(600);
-    while std::fs::create_dir(&lock).is_err() {
-        assert!(
-            Instant::now() < deadline,
-            "timed out waiting for another test to build the venv"
-        );
-        std::thread::sleep(Duration::from_millis(200));
-        if py.exists() && probe(&py) {
-            return py;
-        }
-    }
-    let ok = Command::new("python3")
-        .args(["-m", "venv"])
-        .arg(&venv)
-        .status()
-        .is_ok_and(|s| s.success())
-        && Command::new(venv.join("bin/pip"))
-            .args([
-                "install",
-                "-q",
-                "opentelemetry-sdk==1.45.2",
-                "opentelemetry-exporter-otlp-proto-grpc==1.45.2",
-                "opentelemetry-exporter-otlp-proto-http==1.45.2",
-            ])
-            .status()
-            .is_ok_and(|s| s.success());
-    let _ = std::fs::remove_dir(&lock);
-    assert!(
-        ok && probe(&py),
-        "could not create the OpenTelemetry test venv at {}",
-        venv.display()
-    );
-    py
-}
-
-struct Revenant {
-    child: Child,
-    dir: PathBuf,
-    grpc: String,
-    http: String,
-    admin: String,
-}
-
-/// Minimal HTTP/1.1 GET (Connection: close) against the admin server; std only.
-fn http_get(addr: &str, path: &str) -> (u16, String) {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(addr).expect("connect admin");
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut buf = String::new();
-    s.read_to_string(&mut buf).unwrap();
-    let status = buf
-        .split(' ')
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    let body = buf.split_once("\r\n\r\n").map(|(_, b)| b).unwrap_or("");
-    (status, body.to_string())
-}
-
-impl Revenant {
-    fn start(name: &str, extra: &[&str]) -> Revenant {
-        let dir =
-            std::env::temp_dir().join(format!("revenant-otlp-e2e-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        let ready = dir.join("ready.json");
-        let child = Command::new(env!("CARGO_BIN_EXE_revenant"))
-            .args([
-                "run",
-                "--otlp-grpc",
-                "127.0.0.1:0",
-                "--otlp-http",
-                "127.0.0.1:0",
-            ])
-            .arg("--ready-file")
-            .arg(&ready)
-            .arg("--events-jsonl")
-            .arg(dir.join("events.jsonl"))
-            .arg("--alerts-jsonl")
-            .arg(dir.join("alerts.jsonl"))
-            .arg("--spool-dir")
-            .arg(dir.join("spool"))
-            .args(["--admin", "127.0.0.1:0", "--ebpf", "off"])
-            .args(extra)
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(dir.join("stderr.log")).unwrap())
-            .spawn()
-            .expect("spawn revenant");
-        let mut r = Revenant {
-            child,
-            dir,
-            grpc: String::new(),
-            http: String::new(),
-            admin: String::new(),
-        };
-        let deadline = Instant::now() + Duration::from_secs(20);
-        let doc = loop {
-            if let Ok(t) = std::fs::read_to_string(&ready) {
-                break t;
-            }
-            if let Ok(Some(st)) = r.child.try_wait() {
-                panic!("revenant exited early ({st}): {}", r.stderr());
-            }
-            assert!(
-                Instant::now() < deadline,
-                "revenant not ready in time: {}",
-                r.stderr()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        };
-        let v: serde_json::Value = serde_json::from_str(&doc).unwrap();
-        r.grpc = v["otlp_grpc"].as_str().unwrap().to_owned();
-        r.http = v["otlp_http"].as_str().unwrap().to_owned();
-        r.admin = v["admin"].as_str().unwrap().to_owned();
-        assert_eq!(v["ebpf"], "off", "{v}");
-        r
-    }
-
-    fn stderr(&self) -> String {
-        std::fs::read_to_string(self.dir.join("stderr.log")).unwrap_or_default()
-    }
-
-    /// SIGTERM, then wait (bounded) for the drain to finish.
-    fn stop(&mut self) -> std::process::ExitStatus {
-        let _ = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status();
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            if let Some(st) = self.child.try_wait().unwrap() {
-                return st;
-            }
-            if Instant::now() > deadline {
-                let _ = self.child.kill();
-                panic!("revenant did not stop after SIGTERM: {}", self.stderr());
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    fn lines(&self, file: &str) -> Vec<serde_json::Value> {
-        std::fs::read_to_string(self.dir.join(file))
-            .unwrap_or_default()
-            .lines()
-            .map(|l| serde_json::from_str(l).unwrap())
-            .collect()
-    }
-
-    fn emit(&self, args: &[&str]) -> (bool, serde_json::Value, String) {
-        let py = venv_python();
-        let mut child = Command::new(py)
-            .arg(repo_root().join("tests/otlp/emit.py"))
-            .args(["--grpc", &self.grpc, "--http", &self.http])
-            .args(args)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let deadline = Instant::now() + Duration::from_secs(120);
-        while child.try_wait().unwrap().is_none() {
-            if Instant::now() > deadline {
-                let _ = child.kill();
-                panic!("emit.py timed out");
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let out = child.wait_with_output().unwrap();
-        let stdout = String::from_utf8_lossy(&out.stdout).to_string();
-        let stderr = String::from_utf8_lossy(&out.stderr).to_string();
-        let v = stdout
-            .lines()
-            .last()
-            .and_then(|l| serde_json::from_str(l).ok())
-            .unwrap_or(serde_json::Value::Null);
-        (out.status.success(), v, stderr)
-    }
-}
-
-impl Drop for Revenant {
-    fn drop(&mut self) {
-        if let Ok(None) = self.child.try_wait() {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-    }
-}
+use common::process::{Revenant, assert_rejected_then_decoded, http_get};
 
 #[test]
 fn rejected_then_decoded_raises_activity_after_rejection_over_every_transport() {
@@ -304,23 +85,7 @@ fn rejected_then_decoded_raises_activity_after_rejection_over_every_transport() 
     let (code, timeline) = http_get(&rv.admin, &format!("/api/requests/{rid}"));
     assert_eq!(code, 200, "{timeline}");
     let timeline: serde_json::Value = serde_json::from_str(&timeline).unwrap();
-    let kinds: Vec<String> = timeline["events"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|e| {
-            format!(
-                "{}/{}",
-                e["stage"].as_str().unwrap(),
-                e["kind"].as_str().unwrap()
-            )
-        })
-        .collect();
-    assert!(
-        kinds.contains(&"prefill/rejected".to_string())
-            && kinds.contains(&"decode/work".to_string()),
-        "{kinds:?}"
-    );
+    assert_rejected_then_decoded(&timeline);
     let request_id = sent[0].1["request_id"].as_str().unwrap();
     let (code, timeline) = http_get(&rv.admin, &format!("/api/requests/{request_id}"));
     assert_eq!(code, 200, "{timeline}");
@@ -662,4 +427,136 @@ fn broken_config_exits_2_without_binding() {
         assert!(!err.contains("ready"), "no port may be bound: {err}");
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `--self-traces-otlp`: revenant's own spans (checker batches, alert deliveries) reach a real
+/// OTLP/gRPC receiver — here a second revenant, whose counters show what arrived.
+#[test]
+fn own_spans_are_exported_over_otlp() {
+    let collector = Revenant::start("selftrace-collector", &[]);
+    let endpoint = format!("http://{}", collector.grpc);
+    let mut rv = Revenant::start(
+        "selftrace-source",
+        &[
+            "--self-traces-otlp",
+            &endpoint,
+            "--self-traces-sample-ratio",
+            "1",
+        ],
+    );
+    let (ok, out, err) = rv.emit(&[
+        "--transport",
+        "grpc",
+        "--scenario",
+        "reject-then-decode",
+        "--tag",
+        "00b7",
+    ]);
+    assert!(ok, "{out} {err}");
+    // Shutdown flushes the batch processor: every span ended so far is exported.
+    assert!(rv.stop().success(), "{}", rv.stderr());
+    let received = |metrics: &str| -> u64 {
+        metrics
+            .lines()
+            .filter(|l| l.starts_with("revenant_otlp_spans_received_total"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+            .sum()
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let (_, metrics) = http_get(&collector.admin, "/metrics");
+        if received(&metrics) > 0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no self-trace span reached the collector:\n{metrics}\nsource stderr:\n{}",
+            rv.stderr()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(!rv.stderr().contains("export failed"), "{}", rv.stderr());
+}
+
+/// A retry storm (one trace and x-request-id, a new room and rid per attempt, every attempt
+/// rejected by prefill while its decode leg works) is one request: every attempt is a violation,
+/// all share one fingerprint, and the sink gets one notification (the rest are deduplicated).
+#[test]
+fn retry_storm_is_one_request_and_one_notification() {
+    let mut rv = Revenant::start("storm", &[]);
+    let (ok, out, err) = rv.emit(&[
+        "--transport",
+        "grpc",
+        "--scenario",
+        "retry-storm",
+        "--count",
+        "4",
+        "--tag",
+        "00c1",
+    ]);
+    assert!(ok, "{out} {err}");
+    let request_id = out["request_id"].as_str().unwrap().to_string();
+    let rooms: Vec<u64> = out["attempts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a["room"].as_u64().unwrap())
+        .collect();
+    assert_eq!(rooms.len(), 4);
+    // Every attempt's violation reaches the dispatcher ...
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let violations = loop {
+        let (_, body) = http_get(
+            &rv.admin,
+            "/api/violations?rule=activity-after-rejection&limit=100",
+        );
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        let list = v["violations"].as_array().unwrap().clone();
+        if list.len() >= 4 {
+            break list;
+        }
+        assert!(Instant::now() < deadline, "{body}\n{}", rv.stderr());
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert_eq!(violations.len(), 4, "{violations:#?}");
+    let fingerprints: std::collections::BTreeSet<&str> = violations
+        .iter()
+        .map(|v| v["fingerprint"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        fingerprints.len(),
+        1,
+        "one request, one fingerprint: {violations:#?}"
+    );
+    let mut seen_rooms: Vec<u64> = violations
+        .iter()
+        .map(|v| v["attempt"]["bootstrap_room"].as_u64().unwrap())
+        .collect();
+    seen_rooms.sort();
+    assert_eq!(seen_rooms, rooms);
+    // ... and the timeline of the x-request-id holds all four attempts.
+    let (code, timeline) = http_get(&rv.admin, &format!("/api/requests/{request_id}"));
+    assert_eq!(code, 200, "{timeline}");
+    let t: serde_json::Value = serde_json::from_str(&timeline).unwrap();
+    assert_eq!(
+        t["aliases"]["bootstrap_rooms"].as_array().unwrap().len(),
+        4,
+        "{t}"
+    );
+    let (_, metrics) = http_get(&rv.admin, "/metrics");
+    assert!(
+        metrics.contains("revenant_alerts_deduplicated_total{rule=\"activity-after-rejection\"} 3"),
+        "{metrics}"
+    );
+    assert!(rv.stop().success(), "{}", rv.stderr());
+    let notified: Vec<_> = rv
+        .lines("alerts.jsonl")
+        .into_iter()
+        .filter(|a| a["rule"] == "activity-after-rejection")
+        .collect();
+    assert_eq!(notified.len(), 1, "{notified:#?}");
+    assert_eq!(
+        notified[0]["fingerprint"].as_str().unwrap(),
+        *fingerprints.iter().next().unwrap()
+    );
 }

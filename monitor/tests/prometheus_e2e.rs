@@ -1,5 +1,5 @@
-//! Real Prometheus scrapes a running admin server fed by a real checker and alert pipeline; every
-//! query of `dashboards/revenant-overview.json` must return data through Prometheus' HTTP API,
+//! Real Prometheus scrapes a running `revenant run` fed with real OTLP exports (the Python SDK);
+//! every query of `dashboards/revenant-overview.json` must return data through Prometheus' HTTP API,
 //! and the alerting rules load in Prometheus and pass `promtool test rules`. Also exercises the
 //! admin endpoints over HTTP. Run: `cargo test -p revenant --test prometheus_e2e`.
 
@@ -10,17 +10,8 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::process::{Revenant, assert_rejected_then_decoded, repo_root, venv_python};
 use common::*;
-use revenant::admin::events::EventObserved;
-use revenant::admin::{
-    AdminServer, AdminState, ComponentKind, Metrics, Readiness, RecentEvents, RecentEventsLimits,
-    RecentViolations,
-};
-use revenant::alert::notification::now_unix_ns;
-use revenant::alert::{AlertConfig, AlertPipeline, WebhookConfig};
-use revenant::checker::{Checker, CheckerConfig, RuleSet};
-use revenant::event::{Kind, LifecycleEvent, Source, Stage};
-use revenant::workload::{Mix, attempt_events};
 
 fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -51,27 +42,59 @@ fn alert_rules_pass_promtool() {
     }
 }
 
-/// One rejected-then-still-decoding request: what the default rules catch.
-fn offending_request(j: u64, t0: u64) -> Vec<LifecycleEvent> {
-    const MS: u64 = 1_000_000;
-    let room = 0xfeed_0000 + j;
-    let req = format!("bad-{j}");
-    vec![
-        LifecycleEvent::new(t0, Stage::Router, Kind::Received, Source::Otlp)
-            .with_request_id(req.as_str()),
-        LifecycleEvent::new(t0 + MS, Stage::Router, Kind::Dispatched, Source::Otlp)
-            .with_request_id(req.as_str())
-            .with_room(room)
-            .with_to(Stage::Prefill),
-        LifecycleEvent::new(t0 + 2 * MS, Stage::Prefill, Kind::Rejected, Source::Otlp)
-            .with_room(room)
-            .with_rid(format!("p-{j}"))
-            .with_status(400)
-            .with_reason("capacity"),
-        LifecycleEvent::new(t0 + 30 * MS, Stage::Decode, Kind::Work, Source::Ebpf)
-            .with_room(room)
-            .with_rid(format!("d-{j}")),
-    ]
+/// Feeds the running revenant with real OTLP exports until told to stop: single rejected
+/// requests (two rules each) and retry storms (one fingerprint, repeats deduplicated), enough
+/// to trip the per-rule rate limit.
+fn feeder(
+    rv: &Revenant,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+) -> std::thread::JoinHandle<usize> {
+    let (grpc, http, dir) = (rv.grpc.clone(), rv.http.clone(), rv.dir.clone());
+    std::thread::spawn(move || {
+        let py = venv_python();
+        let mut sent = 0;
+        let mut i = 0u32;
+        while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+            let tag = format!("{:04x}", 0x100 + i);
+            let scenario = if i % 3 == 2 {
+                "retry-storm"
+            } else {
+                "reject-then-decode"
+            };
+            let transport = ["grpc", "http-protobuf", "http-json"][i as usize % 3];
+            let transport = if scenario == "retry-storm" {
+                "grpc"
+            } else {
+                transport
+            };
+            let st = Command::new(&py)
+                .arg(repo_root().join("tests/otlp/emit.py"))
+                .args(["--grpc", &grpc, "--http", &http])
+                .args([
+                    "--transport",
+                    transport,
+                    "--scenario",
+                    scenario,
+                    "--tag",
+                    &tag,
+                    "--count",
+                    "3",
+                ])
+                .stdout(std::process::Stdio::null())
+                .stderr(std::fs::File::create(dir.join(format!("emit-{tag}.log"))).unwrap())
+                .status()
+                .unwrap();
+            assert!(
+                st.success(),
+                "emit.py {scenario} failed: see {}",
+                dir.display()
+            );
+            sent += 1;
+            i += 1;
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        sent
+    })
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -79,105 +102,26 @@ async fn prometheus_scrapes_and_every_dashboard_query_has_data() {
     let prometheus = ensure_debian_package("prometheus", "prometheus");
     let tmp = tempfile::tempdir().unwrap();
 
-    // --- revenant side: admin server, checker, alert pipeline to a loopback webhook.
-    let metrics = Arc::new(Metrics::new());
-    let readiness = Readiness::new(metrics.clone(), Duration::from_secs(60));
-    let src = readiness.register("otlp", ComponentKind::Source);
-    let ebpf = readiness.register("ebpf", ComponentKind::Source);
-    let srv = readiness.register("admin", ComponentKind::Server);
-    metrics.declare_source(Source::Otlp);
-    metrics.declare_source(Source::Ebpf);
-    // The OTLP receivers' own counters, as `revenant run` attaches them.
-    let otlp = Arc::new(revenant::ingest::otlp::OtlpStats::default());
-    metrics.attach_otlp(otlp.clone());
-    let recent = Arc::new(RecentViolations::new(100));
-    let timeline = Arc::new(RecentEvents::new(RecentEventsLimits::default()));
-    let admin = AdminServer::bind(([127, 0, 0, 1], 0).into()).await.unwrap();
-    let admin_addr = admin.local_addr();
-    let state = AdminState {
-        metrics: metrics.clone(),
-        readiness: readiness.clone(),
-        violations: recent.clone(),
-        timeline: timeline.clone(),
-    };
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let admin_task = tokio::spawn(admin.serve(state, async move {
-        let _ = stop_rx.await;
-    }));
-    srv.ready();
-
+    // --- revenant itself, alerting to a loopback webhook with a low rate limit (so the scenario
+    // exercises the limiter too), fed over OTLP by the Python SDK.
     let receiver = Receiver::new(None, Duration::ZERO);
     let (hook, hook_task) = receiver.serve_any().await;
-    let mut cfg = AlertConfig {
-        webhooks: vec![WebhookConfig::new(format!("http://{hook}/hook"))],
-        external_url: Some(format!("http://{admin_addr}")),
-        ..AlertConfig::default()
-    };
-    cfg.spool.dir = Some(tmp.path().join("spool"));
-    cfg.spool.fsync = false;
-    // Low enough that the scenario exercises the rate limiter too.
-    cfg.flood.rate_limit = 3;
-    let pipeline = AlertPipeline::start(
-        &cfg,
-        metrics.clone(),
-        Some(&readiness),
-        Some(recent.clone()),
-    )
-    .unwrap();
-    let tx = pipeline.sender.clone();
-
-    // The run loop in miniature: events → metrics + timeline index → checker → alerts.
-    let (m2, tl2) = (metrics.clone(), timeline.clone());
-    let feeder = tokio::spawn(async move {
-        let mut checker = Checker::new(RuleSet::embedded_defaults(), CheckerConfig::default());
-        let mut i = 0u64;
-        loop {
-            let now = now_unix_ns();
-            let mix = Mix {
-                attempts: 1,
-                reject_every: 3,
-                spacing_ns: 0,
-                epoch_ns: now - 200_000_000,
-            };
-            let mut batch = attempt_events(&mix, i);
-            if i.is_multiple_of(4) {
-                batch.extend(offending_request(i, now - 150_000_000));
-            }
-            tl2.record(&batch);
-            for e in &batch {
-                EventObserved {
-                    event: e,
-                    arrival_ns: now,
-                }
-                .emit(&m2);
-                for v in checker.observe(e) {
-                    // Twice: the second one is deduplicated.
-                    revenant::alert::offer(&tx, v.clone(), &m2);
-                    revenant::alert::offer(&tx, v, &m2);
-                }
-            }
-            for v in checker.tick(now) {
-                revenant::alert::offer(&tx, v, &m2);
-            }
-            m2.publish_checker(&checker, now);
-            {
-                use revenant::ingest::otlp::{RejectReason, Transport};
-                use std::sync::atomic::Ordering::Relaxed;
-                otlp.requests_accepted[Transport::Grpc as usize].fetch_add(1, Relaxed);
-                otlp.spans_received[0].fetch_add(batch.len() as u64, Relaxed);
-                if i.is_multiple_of(10) {
-                    otlp.rejected(Transport::Grpc, RejectReason::PipelineFull, 100);
-                }
-            }
-            // Sources report in once their first batch went through (later calls are no-ops).
-            src.ready();
-            ebpf.ready();
-            src.activity();
-            ebpf.activity();
-            i += 1;
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+    let hook_url = format!("http://{hook}/hook");
+    let mut rv = tokio::task::block_in_place(|| {
+        Revenant::start(
+            "prometheus",
+            &[
+                "--webhook",
+                &hook_url,
+                "--rate-limit",
+                "3",
+                "--spool-no-fsync",
+            ],
+        )
     });
+    let admin_addr = rv.admin.clone();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let feed = feeder(&rv, stop.clone());
 
     // --- admin endpoints over real HTTP.
     let http = revenant::alert::webhook::http_client(Duration::from_secs(10)).unwrap();
@@ -187,48 +131,34 @@ async fn prometheus_scrapes_and_every_dashboard_query_has_data() {
         async move { http.get(path).send().await.unwrap() }
     };
     assert_eq!(get(format!("{base}/healthz")).await.status(), 200);
-    let ready: serde_json::Value = wait_for(Duration::from_secs(10), "/readyz 200", async || {
-        let r = get(format!("{base}/readyz")).await;
-        if r.status() == 200 {
-            Some(r.json().await.unwrap())
-        } else {
-            None
-        }
-    })
-    .await;
-    assert_eq!(ready["ready"], true);
-    let live: Vec<&str> = ready["live_sources"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_str().unwrap())
-        .collect();
-    assert!(live.contains(&"otlp") && live.contains(&"ebpf"), "{ready}");
+    let ready: serde_json::Value =
+        wait_for(Duration::from_secs(30), "/readyz: otlp live", async || {
+            let r = get(format!("{base}/readyz")).await;
+            let v: serde_json::Value = r.json().await.unwrap();
+            (v["ready"] == true && v["live_sources"] == serde_json::json!(["otlp"])).then_some(v)
+        })
+        .await;
+    assert_eq!(ready["disabled"]["ebpf"], "off (--ebpf off)", "{ready}");
     let violations: serde_json::Value =
-        wait_for(Duration::from_secs(10), "a violation", async || {
-            let v: serde_json::Value = get(format!("{base}/api/violations?limit=5"))
-                .await
-                .json()
-                .await
-                .unwrap();
+        wait_for(Duration::from_secs(30), "a violation", async || {
+            let v: serde_json::Value = get(format!(
+                "{base}/api/violations?limit=5&rule=activity-after-rejection"
+            ))
+            .await
+            .json()
+            .await
+            .unwrap();
             (!v["violations"].as_array().unwrap().is_empty()).then_some(v)
         })
         .await;
     let first = &violations["violations"][0];
-    assert_eq!(first["rule"], "activity-after-rejection", "{first}");
-    let req = first["request"]["request_id"].as_str().unwrap();
-    let t: serde_json::Value = get(format!("{base}/api/requests/{req}"))
+    let rid = first["attempt"]["rid"].as_str().unwrap();
+    let t: serde_json::Value = get(format!("{base}/api/requests/{rid}"))
         .await
         .json()
         .await
         .unwrap();
-    let kinds: Vec<&str> = t["events"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|e| e["kind"].as_str().unwrap())
-        .collect();
-    assert_eq!(kinds, ["received", "dispatched", "rejected", "work"], "{t}");
+    assert_rejected_then_decoded(&t);
     assert_eq!(
         get(format!("{base}/api/requests/never-seen"))
             .await
@@ -236,7 +166,7 @@ async fn prometheus_scrapes_and_every_dashboard_query_has_data() {
         404
     );
     let text = get(format!("{base}/metrics")).await.text().await.unwrap();
-    assert!(!text.contains("bad-0"), "a request id leaked into /metrics");
+    assert!(!text.contains(rid), "a request alias leaked into /metrics");
 
     // --- real Prometheus scraping it, with the alerting rules loaded.
     let prom_port = free_port();
@@ -345,15 +275,19 @@ async fn prometheus_scrapes_and_every_dashboard_query_has_data() {
         .map(|a| a.len())
         .unwrap_or(0);
     assert_eq!(n, 10, "{rules}");
+    assert!(
+        !receiver.alerts().is_empty(),
+        "the webhook received nothing"
+    );
     eprintln!(
         "{} dashboard queries returned data; {} alerts delivered",
         exprs.len(),
         receiver.alerts().len()
     );
 
-    feeder.abort();
-    drop(pipeline.sender);
-    let _ = stop_tx.send(());
-    let _ = admin_task.await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let fed = tokio::task::block_in_place(|| feed.join().unwrap());
+    assert!(rv.stop().success(), "{}", rv.stderr());
+    eprintln!("{fed} OTLP scenarios fed");
     hook_task.abort();
 }

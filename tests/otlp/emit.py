@@ -8,6 +8,9 @@ root. The router span is smg's `http_request` with `request_id` and a string `st
 Scenarios (--scenario):
   reject-then-decode  prefill rejects an attempt for capacity, yet its decode leg receives KV
                       and decodes (the sglang-router 0.3.2 bug); the router answers 400.
+  retry-storm         one client request (one trace, one x-request-id) whose --count attempts each
+                      get a new room and rid; prefill rejects every attempt and each decode leg
+                      still works: one fingerprint, --count violations (gRPC / HTTP protobuf only).
   backpressure        N router spans, one export each, while revenant's pipeline is paused:
                       the SDK must see retryable errors, and every export must succeed in the end.
 Transport (--transport): grpc | http-protobuf | http-json (fixture-shaped JSON via urllib).
@@ -88,11 +91,13 @@ def provider(args, service, host, exporters):
     return tp
 
 
-def sglang_leg(tp, role, rid, room, t0, steps, error_reason=None, host="h"):
-    """One SGLang worker leg: root, thread span, stage slices at offsets (ms) from t0."""
+def sglang_leg(tp, role, rid, room, t0, steps, error_reason=None, host="h", parent=None):
+    """One SGLang worker leg: root, thread span, stage slices at offsets (ms) from t0.
+    `parent`: the router's span context, propagated as SGLang does with traceparent."""
     tracer = tp.get_tracer("sglang server")
     root = tracer.start_span(
         f"{role} Req {rid[:8]}",
+        context=parent,
         start_time=t0,
         attributes={"rid": rid, "bootstrap_room": hex(room), "module": "sglang::request"},
     )
@@ -152,6 +157,38 @@ def reject_then_decode(args):
     for tp in (p, d, r):
         tp.shutdown()
     return {"rid": rid, "room": room, "request_id": request_id, "results": [x for e in exporters for x in e.results]}
+
+
+def retry_storm(args):
+    exporters = []
+    t0 = time.time_ns()
+    request_id = f"storm-{args.transport}-{args.tag}"
+    p = provider(args, "sglang", "prefill-node", exporters)
+    d = provider(args, "sglang", "decode-node", exporters)
+    r = provider(args, "smg", "router-node", exporters)
+    router = r.get_tracer("smg").start_span(
+        "http_request",
+        start_time=t0,
+        attributes={"method": "POST", "uri": "/generate", "module": "smg", "request_id": request_id},
+    )
+    ctx = set_span_in_context(router)
+    attempts = []
+    end = t0
+    for i in range(args.count):
+        ta = t0 + i * 300 * MS
+        rid = f"{args.tag}{i:04x}" + "5a" * 12
+        room = 0x5EED000000000000 + (int(args.tag, 16) << 16) + i
+        reason = f"Request {rid} exceeds the maximum number of tokens: 9000 > 8192"
+        router.add_event("Sending concurrent requests", {"prefill_url": "http://127.0.0.1:31001", "decode_url": "http://127.0.0.1:31002"}, timestamp=ta + MS)
+        rejected_at = sglang_leg(p, "prefill", rid, room, ta, [("prefill_prepare", 2, 3)], error_reason=reason, host="prefill-node", parent=ctx)
+        dt = rejected_at + 200 * MS
+        end = sglang_leg(d, "decode", rid, room, ta, [("decode_bootstrap", 1, 2), ("decode_transferred", (dt - ta) // MS, (dt - ta) // MS + 5), ("decode_loop", (dt - ta) // MS + 5, (dt - ta) // MS + 20)], host="decode-node", parent=ctx)
+        attempts.append({"rid": rid, "room": room})
+    router.set_attribute("status_code", "400")
+    router.end(end_time=end + 5 * MS)
+    for tp in (p, d, r):
+        tp.shutdown()
+    return {"request_id": request_id, "trace_id": format(router.get_span_context().trace_id, "032x"), "attempts": attempts, "results": [x for e in exporters for x in e.results]}
 
 
 def backpressure(args):
@@ -250,7 +287,7 @@ def main():
     ap.add_argument("--grpc")
     ap.add_argument("--http")
     ap.add_argument("--transport", choices=["grpc", "http-protobuf", "http-json"], required=True)
-    ap.add_argument("--scenario", choices=["reject-then-decode", "backpressure"], required=True)
+    ap.add_argument("--scenario", choices=["reject-then-decode", "retry-storm", "backpressure"], required=True)
     ap.add_argument("--tag", default="0001", help="4 hex digits making rid/room unique per run")
     ap.add_argument("--count", type=int, default=20)
     ap.add_argument("--timeout", type=int, default=30)
@@ -265,6 +302,8 @@ def main():
 
     if args.scenario == "reject-then-decode":
         out = reject_then_decode_json(args) if args.transport == "http-json" else reject_then_decode(args)
+    elif args.scenario == "retry-storm":
+        out = retry_storm(args)
     else:
         out = backpressure(args)
     out["transient_errors"] = counter.count

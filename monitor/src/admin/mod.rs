@@ -8,6 +8,7 @@ pub mod events;
 pub mod metrics;
 mod otlp;
 pub mod ready;
+pub mod self_traces;
 pub mod server;
 pub mod timeline;
 pub mod violations;

@@ -43,6 +43,8 @@ struct Inner {
     components: BTreeMap<String, Component>,
     /// Sources (or sinks) that are deliberately or necessarily not running, with why.
     disabled: BTreeMap<String, String>,
+    /// Running components that currently lose data, with what they lose.
+    degraded: BTreeMap<String, String>,
     /// A source counts as live if it produced something within this window.
     live_window: Duration,
 }
@@ -80,6 +82,9 @@ pub struct ReadyReport {
     /// Components not running and why (`ebpf: "unavailable: ..."`): they do not hold readiness
     /// back, but an operator must see that this coverage is missing.
     pub disabled: BTreeMap<String, String>,
+    /// Components running but blind in part right now (eBPF losing records): the monitor says so
+    /// instead of reporting a clean bill of health.
+    pub degraded: BTreeMap<String, String>,
     pub components: Vec<ComponentReport>,
 }
 
@@ -89,6 +94,7 @@ impl Readiness {
             inner: Arc::new(Mutex::new(Inner {
                 components: BTreeMap::new(),
                 disabled: BTreeMap::new(),
+                degraded: BTreeMap::new(),
                 live_window,
             })),
             metrics,
@@ -129,6 +135,19 @@ impl Readiness {
         self.lock().disabled.insert(name.into(), why.to_string());
     }
 
+    /// Marks `name` as losing data (`Some(what)`) or whole again (`None`), shown in /readyz.
+    pub fn set_degraded(&self, name: &str, what: Option<String>) {
+        let mut g = self.lock();
+        match what {
+            Some(w) => {
+                g.degraded.insert(name.to_string(), w);
+            }
+            None => {
+                g.degraded.remove(name);
+            }
+        }
+    }
+
     pub fn is_ready(&self) -> bool {
         self.lock().components.values().all(|c| c.ready)
     }
@@ -162,6 +181,7 @@ impl Readiness {
             pending,
             live_sources,
             disabled: g.disabled.clone(),
+            degraded: g.degraded.clone(),
             components,
         }
     }
@@ -224,5 +244,11 @@ mod tests {
         assert!(rep.ready);
         assert_eq!(rep.live_sources, vec!["otlp".to_string()]);
         assert!(m.render().contains("revenant_ready 1"));
+        r.set_degraded("otlp", Some("lost 3".into()));
+        let rep = r.report();
+        assert!(rep.ready, "degraded is not down");
+        assert_eq!(rep.degraded["otlp"], "lost 3");
+        r.set_degraded("otlp", None);
+        assert!(r.report().degraded.is_empty());
     }
 }

@@ -370,7 +370,8 @@ async fn deliver_with_retry(
     let notes: Vec<Arc<Notification>> = batch.iter().map(|(_, n)| n.clone()).collect();
     loop {
         let started = Instant::now();
-        match q.sink.deliver(&notes).await {
+        let span = tracing::info_span!("alert.deliver", sink = name, notifications = notes.len());
+        match tracing::Instrument::instrument(q.sink.deliver(&notes), span).await {
             Ok(()) => {
                 backoff.reset();
                 let now = now_unix_ns();

@@ -2,6 +2,8 @@
 //! loopback ports, bounded waits, a recording webhook receiver.
 #![allow(dead_code)]
 
+pub mod process;
+
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};

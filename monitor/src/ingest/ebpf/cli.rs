@@ -20,11 +20,12 @@ pub struct EbpfArgs {
     /// Kernel capture of the serving processes' traffic.
     #[arg(long, value_enum, default_value_t = EbpfMode::Auto)]
     pub ebpf: EbpfMode,
-    /// Watch processes whose command line matches REGEX, as ROLE (router, prefill, decode). Repeatable.
+    /// Watch processes whose command line matches REGEX, as ROLE (router, prefill, decode, or
+    /// unknown: learned from the `disaggregation_mode` of its /server_info answer). Repeatable.
     #[arg(long = "watch", value_name = "ROLE=REGEX")]
     pub watch: Vec<WatchRule>,
-    /// Watch process PID as ROLE. Repeatable.
-    #[arg(long = "pid", value_name = "ROLE=PID")]
+    /// Watch process PID as ROLE (a bare PID: role unknown until /server_info names it). Repeatable.
+    #[arg(long = "pid", value_name = "[ROLE=]PID")]
     pub pid: Vec<PidRule>,
     /// Do not apply the SGLang command-line conventions (only --watch/--pid).
     #[arg(long)]

@@ -72,7 +72,16 @@ enum Chunk {
     Data(u64),
     DataEnd(u8),
     Trailer(Vec<u8>),
+    /// A gap broke the chunk framing: the message ends at the next `\r\n0\r\n\r\n` seen (the
+    /// terminating chunk, which the kernel's tail window captures at the end of a write), or
+    /// when the next message starts a syscall. Holds the last bytes seen, for a terminator
+    /// split across pieces.
+    Lost(Vec<u8>),
 }
+
+/// The end of a chunked body: the CRLF after the last data chunk, then the zero-size chunk and
+/// an empty trailer. JSON and SSE payloads carry no raw CR, so it does not occur inside one.
+const CHUNKED_END: &[u8] = b"\r\n0\r\n\r\n";
 
 #[derive(Debug)]
 pub struct HttpStream {
@@ -135,6 +144,13 @@ impl HttpStream {
             self.state = State::Head;
             self.head.clear();
         }
+        // A syscall starting the next message ends one whose framing was lost.
+        if syscall_start
+            && matches!(self.state, State::Body(Body::Chunked(Chunk::Lost(_))))
+            && detect(data) == self.side
+        {
+            self.finish(out);
+        }
         while !data.is_empty() {
             let used = match &mut self.state {
                 State::Desync => return,
@@ -166,6 +182,10 @@ impl HttpStream {
                 }
             }
             State::Body(Body::UntilClose) => self.body.skip(n),
+            State::Body(Body::Chunked(c)) => {
+                self.body.skip(n);
+                *c = Chunk::Lost(Vec::new());
+            }
             State::Desync => {}
             _ => self.desync(out),
         }
@@ -334,6 +354,39 @@ impl HttpStream {
                     }
                     used
                 }
+                Chunk::Lost(carry) => {
+                    let keep = CHUNKED_END.len() - 1;
+                    let mut window = std::mem::take(carry);
+                    let from = window.len();
+                    window.extend_from_slice(&data[..data.len().min(CHUNKED_END.len())]);
+                    // The terminator straddling the previous piece, else inside this one.
+                    let end = memchr::memmem::find(&window, CHUNKED_END)
+                        .map(|p| p + CHUNKED_END.len() - from)
+                        .or_else(|| {
+                            memchr::memmem::find(data, CHUNKED_END).map(|p| p + CHUNKED_END.len())
+                        });
+                    match end {
+                        Some(n) => {
+                            self.body_bytes(&data[..n], out);
+                            self.finish(out);
+                            n
+                        }
+                        None => {
+                            let tail = if data.len() >= keep {
+                                data[data.len() - keep..].to_vec()
+                            } else {
+                                let mut w = window[..from].to_vec();
+                                w.extend_from_slice(data);
+                                w[w.len().saturating_sub(keep)..].to_vec()
+                            };
+                            if let State::Body(Body::Chunked(Chunk::Lost(c))) = &mut self.state {
+                                *c = tail;
+                            }
+                            self.body_bytes(data, out);
+                            data.len()
+                        }
+                    }
+                }
                 Chunk::Trailer(line) => {
                     let Some(nl) = data.iter().position(|&b| b == b'\n') else {
                         line.extend_from_slice(data);
@@ -484,6 +537,54 @@ mod tests {
                 .count();
             assert_eq!(ends, 1, "the 400 body lacks one byte; split at {split}");
         }
+    }
+
+    /// hyper writes many SSE chunks in one `writev`; the kernel sends its head and the end of its
+    /// last iovecs, so a gap cuts the chunk framing and the terminator is all that is left.
+    #[test]
+    fn chunked_end_is_found_after_a_gap_broke_the_framing() {
+        let head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n";
+        let tail = b"\r\nE\r\ndata: [DONE]\n\n\r\n0\r\n\r\n";
+        for split in 0..=tail.len() {
+            let mut s = HttpStream::default();
+            let mut out = Vec::new();
+            s.feed(head, true, &mut out);
+            s.feed(b"A6\r\ndata: {\"x", false, &mut out);
+            s.gap(300, &mut out);
+            s.feed(&tail[..split], false, &mut out);
+            s.feed(&tail[split..], false, &mut out);
+            let ends = out
+                .iter()
+                .filter(|e| matches!(e, HttpEvent::End { .. }))
+                .count();
+            assert_eq!(ends, 1, "split at {split}: {out:?}");
+            assert!(!out.iter().any(|e| matches!(e, HttpEvent::Desync)));
+            // The next response parses normally.
+            s.feed(b"HTTP/1.1 204 No Content\r\n\r\n", true, &mut out);
+            assert!(matches!(out.last(), Some(HttpEvent::End { .. })), "{out:?}");
+        }
+        // Without its terminator, the next message starting a syscall ends it.
+        let mut s = HttpStream::default();
+        let mut out = Vec::new();
+        s.feed(head, true, &mut out);
+        s.feed(b"A6\r\ndata: {\"x", false, &mut out);
+        s.gap(300, &mut out);
+        s.feed(
+            b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\n\r\n",
+            true,
+            &mut out,
+        );
+        let kinds: Vec<&str> = out
+            .iter()
+            .map(|e| match e {
+                HttpEvent::ResponseHead(_) => "head",
+                HttpEvent::BodyStarted => "body",
+                HttpEvent::End { .. } => "end",
+                HttpEvent::RequestHead(_) => "req",
+                HttpEvent::Desync => "desync",
+            })
+            .collect();
+        assert_eq!(kinds, ["head", "body", "end", "head", "end"]);
     }
 
     #[test]

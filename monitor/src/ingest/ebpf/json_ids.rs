@@ -99,6 +99,9 @@ impl BodyWindow {
                 info.prompt_tokens =
                     find_value(part, b"prompt_tokens").and_then(|v| v.parse().ok());
             }
+            if info.disaggregation_mode.is_none() {
+                info.disaggregation_mode = find_string(part, b"disaggregation_mode");
+            }
             if info.message.is_none() {
                 info.message = find_string(part, b"message")
                     .or_else(|| find_string(part, b"detail"))
@@ -122,6 +125,8 @@ pub struct ResponseInfo {
     pub prompt_tokens: Option<u64>,
     /// Error message of an error response (the caller truncates it to a reason).
     pub message: Option<String>,
+    /// What a `/server_info` answer says the server is: `prefill`, `decode` or `null`.
+    pub disaggregation_mode: Option<String>,
 }
 
 /// The last string value of `key` in a structural position.
@@ -287,6 +292,19 @@ mod tests {
             br#"{"text":"hi","meta_info":{"id":"r1","prompt_tokens":17,"completion_tokens":4}}"#,
         ]);
         assert_eq!(w.response_info().prompt_tokens, Some(17));
+    }
+
+    #[test]
+    fn server_info_names_its_mode() {
+        let w = window(&[
+            br#"{"model_path":"m","disaggregation_mode":"prefill","context_length":8192}"#,
+        ]);
+        assert_eq!(
+            w.response_info().disaggregation_mode.as_deref(),
+            Some("prefill")
+        );
+        let w = window(&[br#"{"text":"say \"disaggregation_mode\": \"decode\""}"#]);
+        assert_eq!(w.response_info().disaggregation_mode, None);
     }
 
     #[test]

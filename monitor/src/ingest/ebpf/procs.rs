@@ -2,8 +2,10 @@
 //!
 //! Roles come from command lines with SGLang conventions (`--disaggregation-mode prefill|decode`,
 //! the router binary `smg` / module `sglang_router`), overridden by explicit `--watch ROLE=REGEX`
-//! and `--pid ROLE=PID` rules. The pure parts (classification, rule parsing, /proc/net parsing)
-//! are separate from the small functions that read /proc.
+//! and `--pid ROLE=PID` rules. A rule may say `unknown`: the process is watched, and its role
+//! is learned from the `disaggregation_mode` its `/server_info` answer names (see `track`).
+//! The pure parts (classification, rule parsing, /proc/net parsing) are separate from the small
+//! functions that read /proc.
 
 use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
@@ -17,14 +19,19 @@ pub enum Role {
     Router,
     Prefill,
     Decode,
+    /// Watched, but what it serves is not known yet: its traffic is parsed, and it produces
+    /// events once a `/server_info` answer names its `disaggregation_mode`.
+    Unknown,
 }
 
 impl Role {
-    pub fn stage(self) -> Stage {
+    /// The lifecycle stage this role's events belong to; none while the role is unknown.
+    pub fn stage(self) -> Option<Stage> {
         match self {
-            Role::Router => Stage::Router,
-            Role::Prefill => Stage::Prefill,
-            Role::Decode => Stage::Decode,
+            Role::Router => Some(Stage::Router),
+            Role::Prefill => Some(Stage::Prefill),
+            Role::Decode => Some(Stage::Decode),
+            Role::Unknown => None,
         }
     }
     pub fn as_str(self) -> &'static str {
@@ -32,6 +39,18 @@ impl Role {
             Role::Router => "router",
             Role::Prefill => "prefill",
             Role::Decode => "decode",
+            Role::Unknown => "unknown",
+        }
+    }
+
+    /// The role a worker's `disaggregation_mode` (SGLang `/server_info`) names: `Some(None)`
+    /// for `"null"` (a server that is not disaggregated), `None` for anything else.
+    pub fn from_disaggregation_mode(mode: &str) -> Option<Option<Role>> {
+        match mode {
+            "prefill" => Some(Some(Role::Prefill)),
+            "decode" => Some(Some(Role::Decode)),
+            "null" => Some(None),
+            _ => None,
         }
     }
 }
@@ -40,7 +59,7 @@ impl Role {
 pub enum RuleError {
     #[error("expected ROLE=VALUE, got {0:?}")]
     NoEquals(String),
-    #[error("unknown role {0:?} (expected router, prefill or decode)")]
+    #[error("unknown role {0:?} (expected router, prefill, decode or unknown)")]
     Role(String),
     #[error("invalid regex {pattern:?}: {reason}")]
     Regex { pattern: String, reason: String },
@@ -55,6 +74,7 @@ impl FromStr for Role {
             "router" => Ok(Role::Router),
             "prefill" => Ok(Role::Prefill),
             "decode" => Ok(Role::Decode),
+            "unknown" => Ok(Role::Unknown),
             _ => Err(RuleError::Role(s.to_owned())),
         }
     }
@@ -84,7 +104,7 @@ impl FromStr for WatchRule {
     }
 }
 
-/// `--pid ROLE=PID`.
+/// `--pid ROLE=PID`, or `--pid PID` (role unknown until its `/server_info` answer names it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PidRule {
     pub role: Role,
@@ -94,17 +114,16 @@ pub struct PidRule {
 impl FromStr for PidRule {
     type Err = RuleError;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let (role, pid) = s
-            .split_once('=')
-            .ok_or_else(|| RuleError::NoEquals(s.to_owned()))?;
+        let (role, pid) = match s.split_once('=') {
+            Some((role, pid)) => (role.parse()?, pid),
+            None if s.trim().bytes().all(|b| b.is_ascii_digit()) => (Role::Unknown, s),
+            None => return Err(RuleError::NoEquals(s.to_owned())),
+        };
         let pid = pid
             .trim()
             .parse()
             .map_err(|_| RuleError::Pid(pid.to_owned()))?;
-        Ok(PidRule {
-            role: role.parse()?,
-            pid,
-        })
+        Ok(PidRule { role, pid })
     }
 }
 
@@ -226,6 +245,37 @@ pub fn tgid_of(tid: u32) -> Option<u32> {
     s.lines()
         .find_map(|l| l.strip_prefix("Tgid:"))
         .and_then(|v| v.trim().parse().ok())
+}
+
+/// Parent of process `pid`, from `/proc/PID/stat` (the field after the parenthesised name,
+/// which may itself hold spaces and parentheses).
+pub fn ppid_of(pid: u32) -> Option<u32> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    parse_stat_ppid(&s)
+}
+
+fn parse_stat_ppid(stat: &str) -> Option<u32> {
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// The process listening on TCP `port` of this host (loopback or any address), if one is.
+pub fn listener_pid(port: u16) -> Option<u32> {
+    let inodes: Vec<u64> = tcp_table(Path::new("/proc"))
+        .into_values()
+        .filter(|e| {
+            e.listen
+                && e.local.port() == port
+                && (e.local.ip().is_loopback() || e.local.ip().is_unspecified())
+        })
+        .map(|e| e.inode)
+        .collect();
+    if inodes.is_empty() {
+        return None;
+    }
+    all_pids()
+        .into_iter()
+        .find(|&pid| socket_fds(pid).iter().any(|(_, ino)| inodes.contains(ino)))
 }
 
 /// All process ids in /proc.
@@ -386,6 +436,34 @@ mod tests {
         assert!("chef=.*".parse::<WatchRule>().is_err());
         assert!("decode=(".parse::<WatchRule>().is_err());
         assert!("decode=x".parse::<PidRule>().is_err());
+        assert!("12x".parse::<PidRule>().is_err());
+        let unknown: PidRule = "4242".parse().unwrap();
+        assert_eq!((unknown.role, unknown.pid), (Role::Unknown, 4242));
+        let d = Discovery {
+            watch: vec!["unknown=my_server --port".parse().unwrap()],
+            ..Default::default()
+        };
+        assert_eq!(
+            d.classify(9, &args("./my_server --port 1")),
+            Some(Role::Unknown)
+        );
+    }
+
+    #[test]
+    fn disaggregation_modes_and_stat_lines() {
+        assert_eq!(
+            Role::from_disaggregation_mode("prefill"),
+            Some(Some(Role::Prefill))
+        );
+        assert_eq!(
+            Role::from_disaggregation_mode("decode"),
+            Some(Some(Role::Decode))
+        );
+        assert_eq!(Role::from_disaggregation_mode("null"), Some(None));
+        assert_eq!(Role::from_disaggregation_mode("router"), None);
+        assert_eq!(Role::Unknown.stage(), None);
+        assert_eq!(parse_stat_ppid("77 (a) b (c)) S 12 77 77 0 -1"), Some(12));
+        assert_eq!(parse_stat_ppid("garbage"), None);
     }
 
     #[test]

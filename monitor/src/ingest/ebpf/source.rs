@@ -5,7 +5,7 @@
 //! drops the batch and counts it, the kernel counts what the ring buffer could not hold, and
 //! [`EbpfStats::coverage_degraded`] turns both into one signal.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::os::fd::{AsRawFd, RawFd};
 use std::path::Path;
@@ -21,7 +21,7 @@ use tokio::sync::mpsc::{Sender, error::TrySendError};
 use super::loader::{CaptureConfig, LoadError, Probes};
 use super::procs::{self, Discovery, Role};
 use super::record::{self, Record};
-use super::track::{Clock, Limits, Tracker};
+use super::track::{Clock, Learned, Limits, Tracker};
 use crate::pipeline::EventBatch;
 
 #[derive(Debug, Clone)]
@@ -116,7 +116,12 @@ struct Inner {
     last_losses: u64,
     last_listener_scan: Option<Instant>,
     listeners_stale: bool,
+    /// `/server_info` findings already handled (bounded by [`MAX_LEARNED_LOGGED`]).
+    learned_logged: HashSet<Learned>,
 }
+
+/// Distinct `/server_info` findings remembered, so each is logged once.
+const MAX_LEARNED_LOGGED: usize = 4096;
 
 impl EbpfSource {
     /// Loads and attaches the probes, then watches the serving processes already running.
@@ -133,6 +138,7 @@ impl EbpfSource {
             last_losses: 0,
             last_listener_scan: None,
             listeners_stale: true,
+            learned_logged: HashSet::new(),
         };
         src.rescan();
         Ok(EbpfSource { ring, inner: src })
@@ -172,6 +178,9 @@ impl EbpfSource {
         }
         for pid in execs {
             self.inner.on_exec(pid);
+        }
+        for (from, role) in self.inner.tracker.take_learned() {
+            self.inner.on_learned(from, role);
         }
         self.inner.stats.records.fetch_add(n as u64, Relaxed);
         n
@@ -370,12 +379,83 @@ impl Inner {
         None
     }
 
+    /// A `/server_info` answer named a server's `disaggregation_mode` (`role` is `None` for
+    /// `"null"`). The tracker already gave a watched process of unknown role its role; here the
+    /// role reaches the process table, its children and its listening ports, and a local server
+    /// that was not watched at all (found by the port it answered on) starts being watched.
+    fn on_learned(&mut self, from: Learned, role: Option<Role>) {
+        // Each finding is acted on (and logged) once: a router re-reading /server_info must
+        // not rescan /proc every time.
+        if self.learned_logged.len() >= MAX_LEARNED_LOGGED || !self.learned_logged.insert(from) {
+            return;
+        }
+        let Some(role) = role else {
+            tracing::info!(
+                ?from,
+                "eBPF: /server_info says not disaggregated (mode null); role left unknown"
+            );
+            return;
+        };
+        let pid = match from {
+            Learned::Process(pid) => Some(pid),
+            Learned::Address(addr) if addr.ip().is_loopback() || addr.ip().is_unspecified() => {
+                procs::listener_pid(addr.port())
+            }
+            Learned::Address(_) => None,
+        };
+        let Some(pid) = pid else {
+            tracing::info!(
+                ?from,
+                role = role.as_str(),
+                "eBPF: worker role learned from /server_info"
+            );
+            return;
+        };
+        match self.watched.get(&pid).copied() {
+            Some(Role::Unknown) => self.set_learned_role(pid, role),
+            // Watched already with a role its command line or a rule gave: that role stands.
+            Some(_) => return,
+            None => {
+                if let Err(e) = self.watch(pid, role) {
+                    tracing::warn!(pid, error = %e, "eBPF: cannot watch a server found by its /server_info answer");
+                    return;
+                }
+            }
+        }
+        tracing::info!(
+            pid,
+            ?from,
+            role = role.as_str(),
+            "eBPF: process role learned from /server_info"
+        );
+    }
+
+    fn set_learned_role(&mut self, pid: u32, role: Role) {
+        self.watched.insert(pid, role);
+        self.tracker.set_role(pid, role);
+        // Children forked before the answer (SGLang's scheduler subprocesses, which carry the
+        // KV-transfer traffic) serve the same role.
+        let children: Vec<u32> = self
+            .watched
+            .iter()
+            .filter(|(c, r)| **r == Role::Unknown && procs::ppid_of(**c) == Some(pid))
+            .map(|(c, _)| *c)
+            .collect();
+        for c in children {
+            self.watched.insert(c, role);
+            self.tracker.set_role(c, role);
+        }
+        self.scan_listeners();
+    }
+
     fn on_exec(&mut self, pid: u32) {
         let Some(args) = procs::read_cmdline(pid) else {
             return;
         };
         if let Some(role) = self.cfg.discovery.classify(pid, &args)
             && self.watched.get(&pid) != Some(&role)
+            // A rule that says `unknown` does not undo a role learned from traffic.
+            && !(role == Role::Unknown && self.watched.contains_key(&pid))
             && let Err(e) = self.watch(pid, role)
         {
             tracing::warn!(pid, error = %e, "eBPF: cannot watch process");

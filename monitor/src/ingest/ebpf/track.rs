@@ -13,7 +13,9 @@
 //! - decode → prefill bootstrap server `GET /route`: transfer `work`;
 //! - ZMTP `[BOOTSTRAP, room, ..]`: transfer `work` for the room, `[ABORT, room]`: transfer
 //!   `cancelled`;
-//! - a connection closed with a request not yet answered: `cancelled` at the worker's stage.
+//! - a connection closed with a request not yet answered: `cancelled` at the worker's stage;
+//! - a `/server_info` (or `/get_server_info`) answer naming `disaggregation_mode` gives the
+//!   server a role when discovery left it unknown (see [`Tracker::take_learned`]).
 //!
 //! When both ends of a connection are watched on this node, each event is emitted once, by the
 //! end that owns it (requests/responses at the worker, dispatch at the router, transfer control
@@ -25,7 +27,7 @@ use foldhash::{HashMap, HashMapExt};
 use std::net::SocketAddr;
 
 use super::http::{HttpEvent, HttpStream, RequestHead, Side, detect};
-use super::json_ids::RequestIds;
+use super::json_ids::{BodyWindow, RequestIds};
 use super::procs::Role;
 use super::record::{Conn, DataPiece, Record};
 use super::zmtp::{self, Control, ZmtpStream};
@@ -90,6 +92,7 @@ fn read_clock(id: libc::clockid_t) -> i128 {
 enum PathKind {
     Generate,
     Route,
+    ServerInfo,
     Other,
 }
 
@@ -101,6 +104,7 @@ fn path_kind(path: &str) -> PathKind {
         | "/v1/generate"
         | "/v1/responses" => PathKind::Generate,
         p if p.starts_with("/route") => PathKind::Route,
+        "/server_info" | "/get_server_info" => PathKind::ServerInfo,
         _ => PathKind::Other,
     }
 }
@@ -144,9 +148,69 @@ struct Pending {
     /// The response ended (possibly before the request body did).
     done: bool,
     work_emitted: bool,
-    /// Response events that waited for the request body (and its ids) to end.
-    deferred: Vec<(Kind, u64, Option<u16>, Option<String>)>,
+    /// Answers that waited for the request body (and its ids) to end.
+    deferred: Vec<Answer>,
 }
+
+impl Pending {
+    fn new(head: RequestHead, start_ns: u64) -> Pending {
+        Pending {
+            head,
+            start_ns,
+            ended: false,
+            ids: RequestIds::default(),
+            status: None,
+            done: false,
+            work_emitted: false,
+            deferred: Vec::new(),
+        }
+    }
+}
+
+/// What a worker's answer (or the first bytes of it) means for the request it answers.
+#[derive(Debug, Clone)]
+struct Answer {
+    kind: Kind,
+    ts: u64,
+    status: Option<u16>,
+    reason: Option<String>,
+    tokens: Option<u64>,
+}
+
+impl Answer {
+    fn new(kind: Kind, ts: u64, status: Option<u16>) -> Answer {
+        Answer {
+            kind,
+            ts,
+            status,
+            reason: None,
+            tokens: None,
+        }
+    }
+}
+
+/// One end of a connection, as its HTTP traffic is read: who holds it and which side it is.
+#[derive(Debug, Clone, Copy)]
+struct Endpoint {
+    tgid: u32,
+    fd: u32,
+    role: Role,
+    /// This end writes the requests.
+    client: bool,
+    peer: Option<SocketAddr>,
+}
+
+/// Who a `/server_info` answer described.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Learned {
+    /// A watched process answered it: that process.
+    Process(u32),
+    /// A watched process asked it: the server at that address (possibly on another node).
+    Address(SocketAddr),
+}
+
+/// Role findings kept until the source takes them.
+const MAX_LEARNED: usize = 1024;
 
 #[derive(Debug, Default)]
 struct Connection {
@@ -172,6 +236,9 @@ pub struct Tracker {
     workers: HashMap<SocketAddr, Worker>,
     local_ports: HashMap<u16, Worker>,
     conns: HashMap<(u32, u32), Connection>,
+    /// Roles named by `/server_info` answers since the last [`Tracker::take_learned`]; `None`
+    /// for a server that is not disaggregated (`"null"`).
+    learned: Vec<(Learned, Option<Role>)>,
     pub stats: TrackStats,
 }
 
@@ -185,6 +252,7 @@ impl Tracker {
             workers: HashMap::new(),
             local_ports: HashMap::new(),
             conns: HashMap::new(),
+            learned: Vec::new(),
             stats: TrackStats::default(),
         }
     }
@@ -195,6 +263,13 @@ impl Tracker {
 
     pub fn role(&self, tgid: u32) -> Option<Role> {
         self.roles.get(&tgid).copied()
+    }
+
+    /// What `/server_info` answers taught since the last call. The tracker already applied it
+    /// (roles of processes it had as unknown, roles of worker addresses); the source logs it,
+    /// and watches a local server it did not watch yet.
+    pub fn take_learned(&mut self) -> Vec<(Learned, Option<Role>)> {
+        std::mem::take(&mut self.learned)
     }
 
     pub fn has_role(&self, role: Role) -> bool {
@@ -329,7 +404,7 @@ impl Tracker {
         self.stats.http_desyncs += desyncs;
         let ts = d.hdr.ts_ns;
         for ev in http_events {
-            self.on_http(tgid, d.fd, role, dir, ts, ev, out);
+            self.on_http((tgid, d.fd), role, dir, ts, ev, out);
         }
         for m in zmtp_msgs {
             self.on_zmtp(tgid, role, dir, ts, &m, out);
@@ -359,11 +434,9 @@ impl Tracker {
         None
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn on_http(
         &mut self,
-        tgid: u32,
-        fd: u32,
+        (tgid, fd): (u32, u32),
         role: Role,
         dir: usize,
         ts: u64,
@@ -374,199 +447,175 @@ impl Tracker {
         let Some(conn) = self.conns.get_mut(&(tgid, fd)) else {
             return;
         };
-        let peer = conn.peer;
-        // Requests we receive (ingress) make us the server; requests we send make us the client.
-        let client = dir == 1;
-        match &ev {
+        let requests =
+            matches!(&conn.streams[dir].proto, Proto::Http(h) if h.side == Side::Requests);
+        // Whoever writes the requests is the client, whoever writes the responses the server.
+        let at = Endpoint {
+            tgid,
+            fd,
+            role,
+            client: requests == (dir == 1),
+            peer: conn.peer,
+        };
+        match ev {
             HttpEvent::RequestHead(head) => {
                 if conn.pending.len() >= max_pending {
                     conn.pending.pop_front();
                     self.stats.pending_dropped += 1;
                 }
-                conn.pending.push_back(Pending {
-                    head: head.clone(),
-                    start_ns: ts,
-                    ended: false,
-                    ids: RequestIds::default(),
-                    status: None,
-                    done: false,
-                    work_emitted: false,
-                    deferred: Vec::new(),
-                });
+                conn.pending.push_back(Pending::new(head, ts));
             }
             HttpEvent::ResponseHead(h) => {
                 if let Some(p) = conn.pending.iter_mut().find(|p| p.status.is_none()) {
                     p.status = Some((h.status, ts));
                 }
             }
-            HttpEvent::BodyStarted | HttpEvent::End { .. } | HttpEvent::Desync => {}
-        }
-        let stream_side = match &conn.streams[dir].proto {
-            Proto::Http(h) => h.side,
-            _ => Side::Unknown,
-        };
-        let is_request_stream = stream_side == Side::Requests;
-        match ev {
-            HttpEvent::End { body } if is_request_stream => {
-                let Some(i) = conn.pending.iter().position(|p| !p.ended) else {
-                    return;
-                };
-                let p = &mut conn.pending[i];
-                p.ended = true;
-                p.ids = body.request_ids();
-                let (head, ids, start, deferred) = (
-                    p.head.clone(),
-                    p.ids.clone(),
-                    p.start_ns,
-                    std::mem::take(&mut p.deferred),
-                );
-                if p.done {
-                    conn.pending.remove(i);
-                }
-                let client = dir == 1;
-                self.request_event(tgid, role, client, peer, &head, &ids, start, body.len, out);
-                for (kind, ts, status, reason) in deferred {
-                    self.response_event(
-                        tgid,
-                        role,
-                        client,
-                        peer,
-                        &head,
-                        &ids,
-                        kind,
-                        ts,
-                        status,
-                        reason.as_deref(),
-                        None,
-                        out,
-                    );
-                }
-            }
-            HttpEvent::BodyStarted if !is_request_stream => {
-                let Some(p) = conn
-                    .pending
-                    .iter_mut()
-                    .find(|p| p.status.is_some() && !p.work_emitted)
-                else {
-                    return;
-                };
-                p.work_emitted = true;
-                let status = p.status.map(|s| s.0);
-                if status.is_some_and(|s| s < 400) {
-                    self.response_or_defer(
-                        tgid,
-                        fd,
-                        role,
-                        !client,
-                        peer,
-                        Kind::Work,
-                        ts,
-                        status,
-                        None,
-                        None,
-                        out,
-                    );
-                }
-            }
-            HttpEvent::End { body } => {
-                // A response ended: it answers the oldest request still waiting for one.
+            HttpEvent::End { body } if requests => self.request_ended(&at, &body, out),
+            HttpEvent::BodyStarted if !requests => {
+                // Tokens are flowing: the oldest answered request whose body has not started.
                 let Some(i) = conn
                     .pending
                     .iter()
-                    .position(|p| p.status.is_some() && !p.done)
+                    .position(|p| p.status.is_some() && !p.work_emitted)
                 else {
                     return;
                 };
-                let p = &mut conn.pending[i];
-                p.done = true;
-                let ended = p.ended;
-                let Some((status, head_ts)) = p.status else {
-                    return;
-                };
-                let info = body.response_info();
-                if status >= 400 {
-                    let reason = info
-                        .message
-                        .map(|m| truncate_reason(&m).to_owned())
-                        .unwrap_or_else(|| format!("HTTP {status}"));
-                    self.response_or_defer(
-                        tgid,
-                        fd,
-                        role,
-                        !client,
-                        peer,
-                        Kind::Rejected,
-                        head_ts,
-                        Some(status),
-                        Some(reason),
-                        None,
-                        out,
-                    );
-                } else {
-                    self.response_or_defer(
-                        tgid,
-                        fd,
-                        role,
-                        !client,
-                        peer,
-                        Kind::Completed,
-                        ts,
-                        Some(status),
-                        None,
-                        info.prompt_tokens,
-                        out,
-                    );
-                }
-                if ended && let Some(conn) = self.conns.get_mut(&(tgid, fd)) {
-                    conn.pending.remove(i);
+                conn.pending[i].work_emitted = true;
+                let status = conn.pending[i].status.map(|s| s.0);
+                if status.is_some_and(|s| s < 400) {
+                    self.answer(&at, i, Answer::new(Kind::Work, ts, status), out);
                 }
             }
-            _ => {}
+            HttpEvent::End { body } => self.response_ended(&at, ts, &body, out),
+            HttpEvent::BodyStarted | HttpEvent::Desync => {}
         }
     }
 
-    /// Emits a response event for the oldest request, or parks it until the request's body
-    /// (and so its ids) has been seen.
-    #[allow(clippy::too_many_arguments)]
-    fn response_or_defer(
-        &mut self,
-        tgid: u32,
-        fd: u32,
-        role: Role,
-        client: bool,
-        peer: Option<SocketAddr>,
-        kind: Kind,
-        ts: u64,
-        status: Option<u16>,
-        reason: Option<String>,
-        tokens: Option<u64>,
-        out: &mut Vec<LifecycleEvent>,
-    ) {
-        let Some(conn) = self.conns.get_mut(&(tgid, fd)) else {
+    /// A request's body ended: its ids are known, so it and any answer that waited for them
+    /// are emitted.
+    fn request_ended(&mut self, at: &Endpoint, body: &BodyWindow, out: &mut Vec<LifecycleEvent>) {
+        let Some(conn) = self.conns.get_mut(&(at.tgid, at.fd)) else {
             return;
         };
-        let Some(p) = conn.pending.iter_mut().find(|p| p.status.is_some()) else {
+        let Some(i) = conn.pending.iter().position(|p| !p.ended) else {
+            return;
+        };
+        let p = &mut conn.pending[i];
+        p.ended = true;
+        p.ids = body.request_ids();
+        let (head, ids, start) = (p.head.clone(), p.ids.clone(), p.start_ns);
+        let deferred = std::mem::take(&mut p.deferred);
+        if p.done {
+            conn.pending.remove(i);
+        }
+        self.request_event(at, &head, &ids, start, body.len, out);
+        for a in deferred {
+            self.response_event(at, &head, &ids, a, out);
+        }
+    }
+
+    /// A response ended: it answers the oldest request still waiting for one.
+    fn response_ended(
+        &mut self,
+        at: &Endpoint,
+        ts: u64,
+        body: &BodyWindow,
+        out: &mut Vec<LifecycleEvent>,
+    ) {
+        let Some(conn) = self.conns.get_mut(&(at.tgid, at.fd)) else {
+            return;
+        };
+        let Some(i) = conn
+            .pending
+            .iter()
+            .position(|p| p.status.is_some() && !p.done)
+        else {
+            return;
+        };
+        let p = &mut conn.pending[i];
+        p.done = true;
+        let ended = p.ended;
+        let Some((status, head_ts)) = p.status else {
+            return;
+        };
+        let server_info = path_kind(&p.head.path) == PathKind::ServerInfo;
+        let info = body.response_info();
+        if server_info && status < 400 {
+            self.learn(at, info.disaggregation_mode.as_deref());
+        }
+        let answer = if status >= 400 {
+            let reason = info
+                .message
+                .map(|m| truncate_reason(&m).to_owned())
+                .unwrap_or_else(|| format!("HTTP {status}"));
+            Answer {
+                reason: Some(reason),
+                ..Answer::new(Kind::Rejected, head_ts, Some(status))
+            }
+        } else {
+            Answer {
+                tokens: info.prompt_tokens,
+                ..Answer::new(Kind::Completed, ts, Some(status))
+            }
+        };
+        self.answer(at, i, answer, out);
+        if ended && let Some(conn) = self.conns.get_mut(&(at.tgid, at.fd)) {
+            conn.pending.remove(i);
+        }
+    }
+
+    /// Emits an answer to pending request `i`, or parks it until that request's body (and so
+    /// its ids) has been seen.
+    fn answer(&mut self, at: &Endpoint, i: usize, a: Answer, out: &mut Vec<LifecycleEvent>) {
+        let Some(p) = self
+            .conns
+            .get_mut(&(at.tgid, at.fd))
+            .and_then(|c| c.pending.get_mut(i))
+        else {
             return;
         };
         if !p.ended {
-            p.deferred.push((kind, ts, status, reason));
+            p.deferred.push(a);
             return;
         }
         let (head, ids) = (p.head.clone(), p.ids.clone());
-        self.response_event(
-            tgid,
-            role,
-            client,
-            peer,
-            &head,
-            &ids,
-            kind,
-            ts,
-            status,
-            reason.as_deref(),
-            tokens,
-            out,
-        );
+        self.response_event(at, &head, &ids, a, out);
+    }
+
+    /// A `/server_info` answer named the server's `disaggregation_mode`. The server is the
+    /// process at this end (when it answered) or the peer (when this end asked). Only a role
+    /// discovery left unknown is assigned: command lines and explicit rules win. An answer read
+    /// from an address is always reported (with the role that holds for it), so that the source
+    /// can find and watch a local server nobody named.
+    fn learn(&mut self, at: &Endpoint, mode: Option<&str>) {
+        let Some(role) = mode.and_then(Role::from_disaggregation_mode) else {
+            return;
+        };
+        let finding = if at.client {
+            let Some(peer) = at.peer else { return };
+            let known = self
+                .worker_of(Some(peer))
+                .map(|w| w.role)
+                .filter(|r| *r != Role::Unknown);
+            if known.is_none()
+                && let Some(r) = role
+            {
+                self.add_worker(peer, r);
+            }
+            (Learned::Address(peer), known.or(role))
+        } else {
+            if self.role(at.tgid) != Some(Role::Unknown) {
+                return;
+            }
+            if let Some(r) = role {
+                self.set_role(at.tgid, r);
+            }
+            (Learned::Process(at.tgid), role)
+        };
+        // Bounded: the source takes these after every drain.
+        if self.learned.len() < MAX_LEARNED {
+            self.learned.push(finding);
+        }
     }
 
     fn with_ids(
@@ -590,13 +639,9 @@ impl Tracker {
         e
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn request_event(
         &self,
-        tgid: u32,
-        role: Role,
-        client: bool,
-        peer: Option<SocketAddr>,
+        at: &Endpoint,
         head: &RequestHead,
         ids: &RequestIds,
         start: u64,
@@ -605,70 +650,73 @@ impl Tracker {
     ) {
         let kind = path_kind(&head.path);
         let detail = format!("{} {} body_bytes={body_len}", head.method, head.path);
-        let e = match (role, client, kind) {
+        let e = match (at.role, at.client, kind) {
             (Role::Router, true, PathKind::Generate) => {
-                let mut e = self.event(start, Stage::Router, Kind::Dispatched, tgid);
-                if let Some(w) = self.worker_of(peer) {
-                    e = e.with_to(w.role.stage());
+                let mut e = self.event(start, Stage::Router, Kind::Dispatched, at.tgid);
+                if let Some(s) = self.worker_of(at.peer).and_then(|w| w.role.stage()) {
+                    e = e.with_to(s);
                 }
                 e
             }
-            (Role::Prefill | Role::Decode, false, PathKind::Generate) => {
-                self.event(start, role.stage(), Kind::Received, tgid)
+            (Role::Prefill, false, PathKind::Generate) => {
+                self.event(start, Stage::Prefill, Kind::Received, at.tgid)
+            }
+            (Role::Decode, false, PathKind::Generate) => {
+                self.event(start, Stage::Decode, Kind::Received, at.tgid)
             }
             (Role::Decode, true, PathKind::Route) => {
-                self.event(start, Stage::Transfer, Kind::Work, tgid)
+                self.event(start, Stage::Transfer, Kind::Work, at.tgid)
             }
             (Role::Prefill, false, PathKind::Route) if !self.has_role(Role::Decode) => {
-                self.event(start, Stage::Transfer, Kind::Work, tgid)
+                self.event(start, Stage::Transfer, Kind::Work, at.tgid)
             }
             _ => return,
         };
         let mut e = self.with_ids(e, head, ids);
         e.detail = Some(truncate_reason(&detail).into());
-        if let Some(p) = peer {
+        if let Some(p) = at.peer {
             e = e.with_worker(p.to_string());
         }
         out.push(e);
     }
 
-    #[allow(clippy::too_many_arguments)]
+    /// The worker stage whose answers this end reports: a worker its own; the router those of
+    /// workers it knows, but (`remote_only`) only of workers not watched on this node, which
+    /// report themselves.
+    fn answering_stage(&self, at: &Endpoint, remote_only: bool) -> Option<Stage> {
+        match (at.role, at.client) {
+            (Role::Prefill | Role::Decode, false) => at.role.stage(),
+            (Role::Router, true) => self
+                .worker_of(at.peer)
+                .filter(|w| !(remote_only && w.local))
+                .and_then(|w| w.role.stage()),
+            _ => None,
+        }
+    }
+
     fn response_event(
         &self,
-        tgid: u32,
-        role: Role,
-        client: bool,
-        peer: Option<SocketAddr>,
+        at: &Endpoint,
         head: &RequestHead,
         ids: &RequestIds,
-        kind: Kind,
-        ts: u64,
-        status: Option<u16>,
-        reason: Option<&str>,
-        tokens: Option<u64>,
+        a: Answer,
         out: &mut Vec<LifecycleEvent>,
     ) {
         if path_kind(&head.path) != PathKind::Generate {
             return;
         }
-        let stage = match (role, client) {
-            (Role::Prefill | Role::Decode, false) => role.stage(),
-            // The router's view of a worker's answer, only when that worker is not watched here.
-            (Role::Router, true) => match self.worker_of(peer) {
-                Some(w) if !w.local => w.role.stage(),
-                _ => return,
-            },
-            _ => return,
+        let Some(stage) = self.answering_stage(at, true) else {
+            return;
         };
-        if kind == Kind::Work && stage != Stage::Decode {
+        if a.kind == Kind::Work && stage != Stage::Decode {
             return;
         }
-        let mut e = self.with_ids(self.event(ts, stage, kind, tgid), head, ids);
-        e.status = status;
-        if let Some(r) = reason {
+        let mut e = self.with_ids(self.event(a.ts, stage, a.kind, at.tgid), head, ids);
+        e.status = a.status;
+        if let Some(r) = &a.reason {
             e = e.with_reason(r);
         }
-        if let Some(t) = tokens {
+        if let Some(t) = a.tokens {
             e = e.with_input_tokens(t);
         }
         e.detail = Some(truncate_reason(&format!("{} {}", head.method, head.path)).into());
@@ -713,18 +761,20 @@ impl Tracker {
                 h.close(&mut sink);
             }
         }
-        let client = matches!(&conn.streams[1].proto, Proto::Http(h) if h.side == Side::Requests);
+        let at = Endpoint {
+            tgid,
+            fd,
+            role,
+            client: matches!(&conn.streams[1].proto, Proto::Http(h) if h.side == Side::Requests),
+            peer: conn.peer,
+        };
         for p in conn.pending.drain(..) {
             if p.status.is_some() || path_kind(&p.head.path) != PathKind::Generate {
                 continue;
             }
-            let stage = match (role, client) {
-                (Role::Router, true) => match self.worker_of(conn.peer) {
-                    Some(w) => w.role.stage(),
-                    None => continue,
-                },
-                (Role::Prefill | Role::Decode, false) => role.stage(),
-                _ => continue,
+            // The router giving up is its own evidence, even towards a worker watched here.
+            let Some(stage) = self.answering_stage(&at, false) else {
+                continue;
             };
             let mut e = self.with_ids(
                 self.event(ts, stage, Kind::Cancelled, tgid),

@@ -318,3 +318,164 @@ proptest! {
         s.close(ROUTER, 0);
     }
 }
+
+fn server_info_exchange(mode: &str) -> (Vec<u8>, Vec<u8>) {
+    let req = b"GET /server_info HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n".to_vec();
+    let body = format!(
+        r#"{{"model_path":"m","port":31003,"disaggregation_mode":"{mode}","context_length":8192,"internal_states":[{{"max_total_num_tokens":8192}}]}}"#
+    );
+    let resp = format!(
+        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes();
+    (req, resp)
+}
+
+const UNKNOWN: u32 = 400;
+
+#[test]
+fn server_info_answer_gives_an_unknown_process_its_role() {
+    let mut s = Sim::new();
+    s.t.set_role(UNKNOWN, Role::Unknown);
+    s.accept(UNKNOWN, 3);
+    // Before its role is known, its traffic yields nothing.
+    s.io(
+        UNKNOWN,
+        3,
+        syscall::READ,
+        &generate_request(100, 11, ""),
+        4096,
+    );
+    s.io(
+        UNKNOWN,
+        3,
+        syscall::WRITE,
+        b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}",
+        4096,
+    );
+    assert!(s.out.is_empty(), "{:?}", s.kinds());
+    let (req, resp) = server_info_exchange("prefill");
+    s.io(UNKNOWN, 3, syscall::READ, &req, 4096);
+    s.io(UNKNOWN, 3, syscall::WRITE, &resp, 4096);
+    assert_eq!(s.t.role(UNKNOWN), Some(Role::Prefill));
+    assert_eq!(
+        s.t.take_learned(),
+        vec![(Learned::Process(UNKNOWN), Some(Role::Prefill))]
+    );
+    assert!(s.t.take_learned().is_empty());
+    s.io(
+        UNKNOWN,
+        3,
+        syscall::READ,
+        &generate_request(100, 12, ""),
+        4096,
+    );
+    assert_eq!(s.kinds(), vec![(Stage::Prefill, Kind::Received, Some(12))]);
+    // Learned once: a later answer changes nothing, and a known role is never overridden.
+    let (req, resp) = server_info_exchange("decode");
+    s.io(UNKNOWN, 3, syscall::READ, &req, 4096);
+    s.io(UNKNOWN, 3, syscall::WRITE, &resp, 4096);
+    assert_eq!(s.t.role(UNKNOWN), Some(Role::Prefill));
+    s.accept(DECODE, 4);
+    s.io(DECODE, 4, syscall::READ, &req, 4096);
+    s.io(
+        DECODE,
+        4,
+        syscall::WRITE,
+        &server_info_exchange("prefill").1,
+        4096,
+    );
+    assert_eq!(s.t.role(DECODE), Some(Role::Decode));
+    assert!(s.t.take_learned().is_empty());
+}
+
+#[test]
+fn server_info_null_mode_leaves_the_role_unknown() {
+    let mut s = Sim::new();
+    s.t.set_role(UNKNOWN, Role::Unknown);
+    s.accept(UNKNOWN, 3);
+    let (req, resp) = server_info_exchange("null");
+    s.io(UNKNOWN, 3, syscall::READ, &req, 4096);
+    s.io(UNKNOWN, 3, syscall::WRITE, &resp, 4096);
+    assert_eq!(s.t.role(UNKNOWN), Some(Role::Unknown));
+    assert_eq!(s.t.take_learned(), vec![(Learned::Process(UNKNOWN), None)]);
+}
+
+#[test]
+fn server_info_read_by_the_router_names_a_remote_worker() {
+    let mut s = Sim::new();
+    s.connect(ROUTER, 5, "10.9.9.9:30000");
+    let (req, resp) = server_info_exchange("decode");
+    s.io(ROUTER, 5, syscall::WRITE, &req, 4096);
+    s.io(ROUTER, 5, syscall::READ, &resp, 4096);
+    assert_eq!(
+        s.t.take_learned(),
+        vec![(
+            Learned::Address("10.9.9.9:30000".parse().unwrap()),
+            Some(Role::Decode)
+        )]
+    );
+    // The router's view of that worker now says decode.
+    s.io(
+        ROUTER,
+        5,
+        syscall::WRITE,
+        &generate_request(100, 21, ""),
+        65536,
+    );
+    s.io(
+        ROUTER,
+        5,
+        syscall::READ,
+        b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\n\r\n",
+        4096,
+    );
+    assert_eq!(
+        s.kinds(),
+        vec![
+            (Stage::Router, Kind::Dispatched, Some(21)),
+            (Stage::Decode, Kind::Rejected, Some(21))
+        ]
+    );
+    assert_eq!(s.out[0].to, Some(Stage::Decode));
+    // A worker the router's command line already names keeps its role, and the answer is
+    // still reported (the source may find its process unwatched on this node).
+    s.connect(ROUTER, 6, "127.0.0.1:31001");
+    let (req, resp) = server_info_exchange("decode");
+    s.io(ROUTER, 6, syscall::WRITE, &req, 4096);
+    s.io(ROUTER, 6, syscall::READ, &resp, 4096);
+    assert_eq!(
+        s.t.take_learned(),
+        vec![(
+            Learned::Address("127.0.0.1:31001".parse().unwrap()),
+            Some(Role::Prefill)
+        )]
+    );
+}
+
+#[test]
+fn an_answer_before_the_request_body_ended_keeps_its_token_count() {
+    let mut s = Sim::new();
+    let req = generate_request(10_000, 31, "");
+    s.accept(DECODE, 7);
+    s.io(DECODE, 7, syscall::READ, &req[..2000], 4096);
+    s.io(
+        DECODE,
+        7,
+        syscall::WRITE,
+        b"HTTP/1.1 200 OK\r\ncontent-length: 33\r\n\r\n{\"meta_info\":{\"prompt_tokens\":9}}",
+        4096,
+    );
+    assert!(s.out.is_empty());
+    s.io(DECODE, 7, syscall::READ, &req[2000..], 4096);
+    assert_eq!(
+        s.kinds(),
+        vec![
+            (Stage::Decode, Kind::Received, Some(31)),
+            (Stage::Decode, Kind::Work, Some(31)),
+            (Stage::Decode, Kind::Completed, Some(31))
+        ]
+    );
+    assert_eq!(s.out[2].input_tokens, Some(9));
+}

@@ -1,0 +1,121 @@
+//! Optional export of revenant's own spans (`checker.batch`, `alert.deliver`) over OTLP/gRPC, so
+//! an operator can see where revenant spends its time in the same tracing backend as the fleet.
+//!
+//! The SDK's batch processor exports from its own OS thread, and the tonic transport needs a
+//! Tokio reactor there (without one it panics and every later span is silently dropped). The
+//! exporter therefore owns a one-thread runtime and runs each export on it.
+
+use std::time::Duration;
+
+use opentelemetry::trace::TracerProvider as _;
+use opentelemetry_otlp::WithExportConfig as _;
+use opentelemetry_sdk::Resource;
+use opentelemetry_sdk::error::OTelSdkResult;
+use opentelemetry_sdk::trace::{Sampler, SdkTracerProvider, SpanData, SpanExporter};
+
+#[derive(Debug, thiserror::Error)]
+pub enum SelfTracesError {
+    #[error("--self-traces-otlp {url:?}: {message}")]
+    Endpoint { url: String, message: String },
+    #[error("--self-traces-sample-ratio must be within 0..=1, got {0}")]
+    Ratio(f64),
+    #[error("starting the exporter runtime: {0}")]
+    Runtime(std::io::Error),
+}
+
+#[derive(Debug)]
+struct OwnRuntimeExporter {
+    rt: tokio::runtime::Runtime,
+    inner: opentelemetry_otlp::SpanExporter,
+}
+
+impl SpanExporter for OwnRuntimeExporter {
+    fn export(&self, batch: Vec<SpanData>) -> impl Future<Output = OTelSdkResult> + Send {
+        let result = self.rt.block_on(self.inner.export(batch));
+        if let Err(e) = &result {
+            tracing::warn!(error = %e, "self-traces: export failed; those spans are lost");
+        }
+        std::future::ready(result)
+    }
+
+    fn shutdown_with_timeout(&self, timeout: Duration) -> OTelSdkResult {
+        let _g = self.rt.enter();
+        self.inner.shutdown_with_timeout(timeout)
+    }
+
+    fn set_resource(&mut self, resource: &Resource) {
+        self.inner.set_resource(resource);
+    }
+}
+
+/// Keeps the provider alive; [`SelfTraces::shutdown`] flushes what is still batched.
+pub struct SelfTraces {
+    provider: SdkTracerProvider,
+}
+
+impl SelfTraces {
+    pub fn shutdown(self) {
+        if let Err(e) = self.provider.shutdown() {
+            eprintln!("revenant: flushing self-traces: {e}");
+        }
+    }
+}
+
+pub type OtelLayer<S> =
+    tracing_opentelemetry::OpenTelemetryLayer<S, opentelemetry_sdk::trace::Tracer>;
+
+/// Builds the exporter (no connection yet: tonic connects lazily) and the tracing layer.
+pub fn layer<S>(url: &str, ratio: f64) -> Result<(OtelLayer<S>, SelfTraces), SelfTracesError>
+where
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+{
+    if !(0.0..=1.0).contains(&ratio) {
+        return Err(SelfTracesError::Ratio(ratio));
+    }
+    let parsed: http::Uri =
+        url.parse()
+            .map_err(|e: http::uri::InvalidUri| SelfTracesError::Endpoint {
+                url: url.into(),
+                message: e.to_string(),
+            })?;
+    if !matches!(parsed.scheme_str(), Some("http" | "https")) || parsed.host().is_none() {
+        return Err(SelfTracesError::Endpoint {
+            url: url.into(),
+            message: "expected http://HOST:PORT (an OTLP/gRPC endpoint)".into(),
+        });
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name("revenant-self-traces")
+        .enable_all()
+        .build()
+        .map_err(SelfTracesError::Runtime)?;
+    let inner = {
+        let _g = rt.enter();
+        opentelemetry_otlp::SpanExporter::builder()
+            .with_tonic()
+            .with_endpoint(url)
+            .with_timeout(Duration::from_secs(5))
+            .build()
+            .map_err(|e| SelfTracesError::Endpoint {
+                url: url.into(),
+                message: e.to_string(),
+            })?
+    };
+    let provider = SdkTracerProvider::builder()
+        .with_batch_exporter(OwnRuntimeExporter { rt, inner })
+        .with_sampler(Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(
+            ratio,
+        ))))
+        .with_resource(
+            Resource::builder_empty()
+                .with_service_name("revenant")
+                .build(),
+        )
+        .build();
+    let tracer = provider.tracer("revenant");
+    Ok((
+        tracing_opentelemetry::layer().with_tracer(tracer),
+        SelfTraces { provider },
+    ))
+}

@@ -1,0 +1,374 @@
+//! Shared by the eBPF end-to-end tests (`ebpf_sim`, `ebpf_real_router`): the simulator binary,
+//! the real source and checker driven in-process, and a tracing capture for the privacy checks.
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use revenant::ingest::ebpf::{EbpfConfig, EbpfSource, EbpfStats, Role};
+use revenant::pipeline::EventBatch;
+use revenant::{Checker, CheckerConfig, Kind, LifecycleEvent, RuleSet, Stage, Violation};
+
+/// The `pd-sim` binary: `PD_SIM_BIN` if set, else built now with the cargo that runs this
+/// test, into the target directory this test binary lives in. Panics (never skips) when it
+/// cannot be had.
+pub fn pd_sim_bin() -> PathBuf {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| {
+        if let Some(p) = std::env::var_os("PD_SIM_BIN") {
+            let p = PathBuf::from(p);
+            assert!(p.exists(), "PD_SIM_BIN={} does not exist", p.display());
+            return p;
+        }
+        // target/<profile>/deps/<this test>
+        let exe = std::env::current_exe().expect("current_exe");
+        let profile_dir = exe
+            .parent()
+            .and_then(Path::parent)
+            .expect("test binary under target/<profile>/deps");
+        let target_dir = profile_dir.parent().expect("target dir");
+        let release = profile_dir.file_name().is_some_and(|n| n == "release");
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let mut cmd = Command::new(&cargo);
+        cmd.args(["build", "-p", "pd-sim", "--bin", "pd-sim", "--target-dir"])
+            .arg(target_dir)
+            .current_dir(&workspace);
+        if release {
+            cmd.arg("--release");
+        }
+        let status = cmd
+            .status()
+            .unwrap_or_else(|e| panic!("cannot run {cargo} to build pd-sim: {e}"));
+        assert!(status.success(), "`cargo build -p pd-sim` failed: {status}");
+        let bin = profile_dir.join("pd-sim");
+        assert!(
+            bin.exists(),
+            "pd-sim not found at {} after building it",
+            bin.display()
+        );
+        bin
+    })
+    .clone()
+}
+
+pub fn start_source(cfg: EbpfConfig) -> EbpfSource {
+    EbpfSource::start(cfg).unwrap_or_else(|e| {
+        panic!("eBPF probes must load on this machine (run as root after `cargo xtask setup`): {e}")
+    })
+}
+
+/// Drains (and rescans) until every pid is watched with the role `want` says, or panics.
+pub fn wait_roles(src: &mut EbpfSource, want: &[(u32, Role)], sink: &mut Vec<LifecycleEvent>) {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while !want.iter().all(|(p, r)| src.watched().get(p) == Some(r)) {
+        assert!(
+            Instant::now() < deadline,
+            "roles {want:?} never reached; watched: {:?}",
+            src.watched()
+        );
+        src.rescan();
+        src.drain(sink);
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Everything the tracing subscriber wrote, for the privacy checks.
+#[derive(Clone, Default)]
+pub struct LogCapture(Arc<Mutex<Vec<u8>>>);
+
+impl LogCapture {
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
+    }
+
+    /// The capture every thread of this test binary logs into: a global subscriber at TRACE,
+    /// installed once. (A thread-local default misses callsites whose interest another test
+    /// thread, logging to no subscriber, cached first.)
+    pub fn global() -> LogCapture {
+        static CAPTURE: OnceLock<LogCapture> = OnceLock::new();
+        CAPTURE
+            .get_or_init(|| {
+                let c = LogCapture::default();
+                tracing::subscriber::set_global_default(c.subscriber())
+                    .expect("no other global tracing subscriber in this test binary");
+                c
+            })
+            .clone()
+    }
+
+    /// A subscriber at TRACE that writes here.
+    pub fn subscriber(&self) -> impl tracing::Subscriber + Send + Sync + use<> {
+        tracing_subscriber::fmt()
+            .with_writer(self.clone())
+            .with_max_level(tracing::Level::TRACE)
+            .with_ansi(false)
+            .finish()
+    }
+}
+
+impl Write for LogCapture {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for LogCapture {
+    type Writer = LogCapture;
+    fn make_writer(&'a self) -> Self::Writer {
+        self.clone()
+    }
+}
+
+/// What the live source delivered and what the checker made of it.
+#[derive(Default)]
+pub struct Observed {
+    pub events: Vec<LifecycleEvent>,
+    pub violations: Vec<Violation>,
+}
+
+impl Observed {
+    pub fn count(&self, stage: Stage, kind: Kind) -> usize {
+        self.events
+            .iter()
+            .filter(|e| e.stage == stage && e.kind == kind)
+            .count()
+    }
+
+    pub fn per_rule(&self) -> BTreeMap<String, usize> {
+        let mut m = BTreeMap::new();
+        for v in &self.violations {
+            *m.entry(v.rule.clone()).or_default() += 1;
+        }
+        m
+    }
+
+    pub fn of_rule(&self, rule: &str) -> Vec<&Violation> {
+        self.violations.iter().filter(|v| v.rule == rule).collect()
+    }
+}
+
+/// Runs the source as `revenant run` does (its own task, a bounded channel, `try_send`) and
+/// the default rules over what it sends, on a current-thread runtime. `drive` runs on a plain thread meanwhile (the
+/// traffic); afterwards the source keeps running until `settled` holds for what was observed
+/// (or 30 s passed), then the checker's clock is moved past every deadline.
+pub fn run_live<T: Send + 'static>(
+    src: EbpfSource,
+    drive: impl FnOnce() -> T + Send + 'static,
+    settled: impl Fn(&Observed, &T) -> bool,
+) -> (Observed, T, Arc<EbpfStats>) {
+    let stats = src.stats();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    rt.block_on(async move {
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<EventBatch>(1024);
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let source = tokio::spawn(src.run(tx, async {
+            let _ = stop_rx.await;
+        }));
+        let mut checker = Checker::new(RuleSet::embedded_defaults(), CheckerConfig::default());
+        let mut obs = Observed::default();
+        let mut feed = |batch: EventBatch, obs: &mut Observed| {
+            for e in batch {
+                obs.violations.extend(checker.observe(&e));
+                obs.events.push(e);
+            }
+        };
+        let driver = std::thread::spawn(drive);
+        while !driver.is_finished() {
+            if let Ok(Some(b)) = tokio::time::timeout(Duration::from_millis(50), rx.recv()).await {
+                feed(b, &mut obs);
+            }
+        }
+        let out = driver.join().expect("traffic thread panicked");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !settled(&obs, &out) && Instant::now() < deadline {
+            if let Ok(Some(b)) = tokio::time::timeout(Duration::from_millis(50), rx.recv()).await {
+                feed(b, &mut obs);
+            }
+        }
+        let _ = stop_tx.send(());
+        source
+            .await
+            .expect("source task")
+            .expect("source run failed");
+        while let Some(b) = rx.recv().await {
+            feed(b, &mut obs);
+        }
+        let last = obs.events.iter().map(|e| e.time_ns).max().unwrap_or(0);
+        obs.violations
+            .extend(checker.tick(last + Duration::from_secs(600).as_nanos() as u64));
+        (obs, out, stats)
+    })
+}
+
+/// Fails if `canary` shows in any event, violation (as alerts carry them) or log line.
+pub fn assert_canary_absent(canary: &str, obs: &Observed, logs: &LogCapture) {
+    for e in &obs.events {
+        let json = serde_json::to_string(&revenant::replay::ReplayRecord::from_event(e))
+            .expect("event json");
+        assert!(
+            !json.contains(canary),
+            "prompt text reached an event: {json}"
+        );
+        assert!(!format!("{e:?}").contains(canary), "prompt text in {e:?}");
+    }
+    for v in &obs.violations {
+        // As the alert sinks send it (JSONL, webhook): the violation plus links.
+        use revenant::alert::notification::{LinkBase, Notification, ViolationAlert, rfc3339};
+        let alert = Notification::Violation(ViolationAlert {
+            id: v.fingerprint.clone(),
+            occurrences: 1,
+            detected_at: rfc3339(v.detected_at_ns),
+            received_at_ns: v.detected_at_ns,
+            links: LinkBase(Some("http://127.0.0.1:9464".into())).links(v),
+            violation: v.clone(),
+        });
+        let json = serde_json::to_string(&alert).expect("alert json");
+        assert!(
+            !json.contains(canary),
+            "prompt text reached an alert: {json}"
+        );
+    }
+    let text = logs.text();
+    assert!(
+        !text.contains(canary),
+        "prompt text reached the source's log output"
+    );
+}
+
+pub fn json_u64(v: &serde_json::Value, path: &[&str]) -> u64 {
+    let mut cur = v;
+    for k in path {
+        cur = &cur[*k];
+    }
+    cur.as_u64()
+        .unwrap_or_else(|| panic!("{path:?} not a number in {v}"))
+}
+
+/// For a failure message: the events of (at most 3) requests that have a `has` event at
+/// `stage` but no `lacks` event there.
+pub fn requests_missing(obs: &Observed, stage: Stage, has: Kind, lacks: Kind) -> String {
+    let ids: BTreeMap<&str, ()> = obs
+        .events
+        .iter()
+        .filter(|e| e.stage == stage && e.kind == has)
+        .filter_map(|e| e.ids.request_id.as_deref())
+        .filter(|id| {
+            !obs.events.iter().any(|e| {
+                e.stage == stage && e.kind == lacks && e.ids.request_id.as_deref() == Some(*id)
+            })
+        })
+        .map(|id| (id, ()))
+        .collect();
+    let mut out = format!(
+        "{} requests with {stage}/{has} but no {stage}/{lacks}",
+        ids.len()
+    );
+    for id in ids.keys().take(3) {
+        out.push_str(&format!("\n{id}:"));
+        for e in obs
+            .events
+            .iter()
+            .filter(|e| e.ids.request_id.as_deref() == Some(*id))
+        {
+            out.push_str(&format!(
+                "\n  {}/{} room={:?} status={:?} pid={:?} detail={:?}",
+                e.stage, e.kind, e.ids.bootstrap_room, e.status, e.pid, e.detail
+            ));
+        }
+    }
+    out
+}
+
+/// Minimal blocking `POST path` with a JSON body and an `x-request-id` (loopback only,
+/// `Connection: close`): the status and the raw response.
+pub fn http_post_json(base: &str, path: &str, request_id: &str, body: &str) -> (u16, String) {
+    use std::io::Read;
+    let host = base
+        .strip_prefix("http://")
+        .unwrap_or_else(|| panic!("not an http URL: {base}"));
+    let mut s = std::net::TcpStream::connect(host).unwrap_or_else(|e| panic!("{base}: {e}"));
+    s.set_read_timeout(Some(Duration::from_secs(120))).ok();
+    write!(
+        s,
+        "POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nx-request-id: {request_id}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .expect("send request");
+    let mut buf = Vec::new();
+    s.read_to_end(&mut buf).expect("read response");
+    let text = String::from_utf8_lossy(&buf).into_owned();
+    let status = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no status line from {base}{path}: {text:.200}"));
+    (status, text)
+}
+
+/// A directory with a minimal WordLevel `tokenizer.json`, so that `smg --model-path` loads a
+/// tokenizer without downloading one.
+pub fn tokenizer_dir() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut vocab = serde_json::Map::new();
+    for (i, w) in ["[UNK]", "a", "b", "c", "the", "quick", "brown", "fox"]
+        .iter()
+        .enumerate()
+    {
+        vocab.insert((*w).into(), i.into());
+    }
+    let tok = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
+        "decoder": null,
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "[UNK]"}
+    });
+    std::fs::write(dir.path().join("tokenizer.json"), tok.to_string()).expect("tokenizer.json");
+    dir
+}
+
+/// A child killed (and reaped) when dropped; it also dies with the test (PDEATHSIG).
+pub struct Child(pub std::process::Child);
+
+impl Child {
+    pub fn spawn(cmd: &mut Command) -> Child {
+        use std::os::unix::process::CommandExt;
+        // SAFETY: prctl only, in the forked child before exec.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                Ok(())
+            });
+        }
+        Child(
+            cmd.spawn()
+                .unwrap_or_else(|e| panic!("cannot start {cmd:?}: {e}")),
+        )
+    }
+}
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port()
+}

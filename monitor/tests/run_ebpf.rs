@@ -1,0 +1,178 @@
+//! `revenant run --ebpf on` as a process (root only, like CI): a watched HTTP server's traffic
+//! becomes lifecycle events, and when the checker stalls, the losses are counted at /metrics and
+//! `/readyz` says the eBPF source is degraded — a monitor that goes blind says so.
+//! Run: `sudo cargo test -p revenant --test run_ebpf`.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::process::{Revenant, http_get};
+
+struct KillOnDrop(Child);
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn metric_sum(metrics: &str, prefix: &str) -> f64 {
+    metrics
+        .lines()
+        .filter(|l| l.starts_with(prefix))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// One POST /generate on a fresh connection; Python's http.server answers 501 (a rejection).
+fn post_generate(port: u16, i: u32) -> bool {
+    let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else {
+        return false;
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+    let body = format!("{{\"text\":\"CANARY-run-ebpf\",\"rid\":\"run-ebpf-{i}\"}}");
+    let req = format!(
+        "POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    if s.write_all(req.as_bytes()).is_err() {
+        return false;
+    }
+    let mut buf = Vec::new();
+    s.read_to_end(&mut buf).is_ok()
+}
+
+#[test]
+fn ebpf_source_counts_losses_and_readyz_says_degraded() {
+    assert!(
+        unsafe { libc::geteuid() } == 0,
+        "this test loads eBPF probes and must run as root (CI does); it is not skipped"
+    );
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let server = KillOnDrop(
+        Command::new("python3")
+            .args([
+                "-m",
+                "http.server",
+                &port.to_string(),
+                "--bind",
+                "127.0.0.1",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("python3 -m http.server"),
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(Instant::now() < deadline, "http.server did not listen");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let pause =
+        std::env::temp_dir().join(format!("revenant-run-ebpf-pause-{}", std::process::id()));
+    std::fs::write(&pause, b"").unwrap();
+    let watch = format!("prefill=http\\.server {port}");
+    let pause_arg = pause.display().to_string();
+    let mut rv = Revenant::start(
+        "run-ebpf",
+        &[
+            "--ebpf",
+            "on",
+            "--watch",
+            &watch,
+            "--otlp-grpc",
+            "off",
+            "--otlp-http",
+            "off",
+            "--channel-capacity",
+            "1",
+            "--pause-file",
+            &pause_arg,
+        ],
+    );
+    let ready = std::fs::read_to_string(rv.dir.join("ready.json")).unwrap_or_default();
+    assert!(rv.stderr().contains("eBPF source: live"), "{}", rv.stderr());
+    let _ = ready;
+    // The checker is paused: the one-batch channel fills and the source must count what it
+    // cannot hand over.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut i = 0;
+    loop {
+        for _ in 0..50 {
+            post_generate(port, i);
+            i += 1;
+        }
+        let (_, m) = http_get(&rv.admin, "/metrics");
+        if metric_sum(&m, "revenant_dropped_items_total{point=\"event_channel\"") > 0.0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no event_channel drop counted after {i} requests:\n{m}\n{}",
+            rv.stderr()
+        );
+    }
+    // The drop publisher runs once a second.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let ready = loop {
+        let (code, body) = http_get(&rv.admin, "/readyz");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        if v["degraded"]["ebpf"].is_string() {
+            assert_eq!(code, 200, "degraded is not down: {v}");
+            break v;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "/readyz never said degraded: {v}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let (_, m) = http_get(&rv.admin, "/metrics");
+    assert_eq!(
+        metric_sum(&m, "revenant_ebpf_coverage_degraded"),
+        1.0,
+        "{m}"
+    );
+    assert!(
+        metric_sum(&m, "revenant_ebpf_batches_dropped_total") > 0.0,
+        "{m}"
+    );
+    assert!(
+        metric_sum(&m, "revenant_ebpf_watched_processes") >= 1.0,
+        "{m}"
+    );
+    // Unpause: what is queued gets checked, the run stops cleanly, and the canary prompt text
+    // never reached a log line, metric, event or alert.
+    std::fs::remove_file(&pause).unwrap();
+    assert!(rv.stop().success(), "{}", rv.stderr());
+    for text in [
+        rv.stderr(),
+        m,
+        ready.to_string(),
+        std::fs::read_to_string(rv.dir.join("events.jsonl")).unwrap_or_default(),
+        std::fs::read_to_string(rv.dir.join("alerts.jsonl")).unwrap_or_default(),
+    ] {
+        assert!(
+            !text.contains("CANARY-run-ebpf"),
+            "prompt text leaked: {text}"
+        );
+    }
+    let events = rv.lines("events.jsonl");
+    assert!(
+        events.iter().any(|e| e["source"] == "ebpf"
+            && e["stage"] == "prefill"
+            && e["kind"] == "rejected"
+            && e["status"] == 501),
+        "eBPF derived no prefill rejection from {} events",
+        events.len()
+    );
+    drop(server);
+}
