@@ -72,6 +72,7 @@ fn violation(i: usize) -> Violation {
                 reason: None,
             },
         ],
+        corroborates: false,
     }
 }
 

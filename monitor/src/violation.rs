@@ -76,6 +76,18 @@ pub struct Violation {
     pub fingerprint: String,
     /// Ordered by event time.
     pub evidence: Vec<Evidence>,
+    /// A follow-up: a second source confirmed a (rule, attempt) already reported, and `evidence`
+    /// now includes that source. Same fingerprint as the original; sinks merge it into the
+    /// original notification rather than counting it as a repeat.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub corroborates: bool,
+}
+
+/// Whether the evidence comes from more than one source (e.g. OTLP and eBPF).
+pub fn has_several_sources(evidence: &[Evidence]) -> bool {
+    evidence
+        .first()
+        .is_some_and(|f| evidence.iter().any(|e| e.source != f.source))
 }
 
 /// 64-bit FNV-1a: stable across builds and platforms, unlike std's hasher.

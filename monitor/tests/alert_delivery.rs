@@ -329,3 +329,123 @@ async fn sigkill_mid_delivery_loses_nothing() {
     );
     server.abort();
 }
+
+/// A violation seen by OTLP only (trigger and offender), and its follow-up once eBPF confirmed it.
+fn otlp_only_and_corroboration(
+    i: usize,
+) -> (
+    revenant::violation::Violation,
+    revenant::violation::Violation,
+) {
+    use revenant::event::Source;
+    let mut v = violation(i);
+    for e in &mut v.evidence {
+        e.source = Source::Otlp;
+    }
+    let mut c = v.clone();
+    c.corroborates = true;
+    let mut seen_by_ebpf = c.evidence[1].clone();
+    seen_by_ebpf.source = Source::Ebpf;
+    seen_by_ebpf.time_ns += 1_000;
+    c.evidence.push(seen_by_ebpf);
+    (v, c)
+}
+
+fn evidence_sources(a: &serde_json::Value) -> HashSet<String> {
+    a["evidence"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["source"].as_str().unwrap().to_string())
+        .collect()
+}
+
+/// Two live sources and a corroboration window: an original held until the other source
+/// confirms goes out once with both sources in its evidence; an unconfirmed one goes out when
+/// the window ends; a confirmation after delivery sends nothing new and is not a repeat.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn corroborations_merge_into_one_notification_and_are_never_repeats() {
+    use revenant::admin::{ComponentKind, Readiness};
+    let dir = tempfile::tempdir().unwrap();
+    let metrics = Arc::new(Metrics::new());
+    let rx = Receiver::new(None, Duration::ZERO);
+    let (addr, server) = rx.serve_any().await;
+    let mut cfg = config(dir.path(), &format!("http://{addr}/hook"), None, 50);
+    cfg.flood.corroboration_window = Duration::from_secs(3);
+    // A limit that a corroboration taking a slot would exceed.
+    cfg.flood.rate_limit = 10;
+    let readiness = Readiness::new(metrics.clone(), Duration::from_secs(60));
+    for name in ["otlp", "ebpf"] {
+        let h = readiness.register(name, ComponentKind::Source);
+        h.ready();
+        h.activity();
+    }
+    let p = AlertPipeline::start(&cfg, metrics.clone(), Some(&readiness), None).unwrap();
+    const N: usize = 10;
+    let pairs: Vec<_> = (0..N).map(otlp_only_and_corroboration).collect();
+    for (v, _) in &pairs {
+        assert!(revenant::alert::offer(&p.sender, v.clone(), &metrics));
+    }
+    // Half are confirmed by the second source while held.
+    for (_, c) in &pairs[..N / 2] {
+        assert!(revenant::alert::offer(&p.sender, c.clone(), &metrics));
+    }
+    wait_for(
+        Duration::from_secs(20),
+        "every fingerprint notified",
+        async || (rx.counts_by("fingerprint").len() >= N).then_some(()),
+    )
+    .await;
+    // Confirmations of already delivered notifications: nothing new goes out.
+    for (_, c) in &pairs[N / 2..] {
+        assert!(revenant::alert::offer(&p.sender, c.clone(), &metrics));
+    }
+    wait_for(Duration::from_secs(10), "late corroborations counted", async || {
+        (metric(
+            &metrics,
+            "revenant_alerts_corroborated_total{rule=\"activity-after-rejection\",outcome=\"merged_active\"}",
+        ) >= (N / 2) as f64)
+            .then_some(())
+    })
+    .await;
+    drop(p.sender);
+    let report = p.handle.await.unwrap();
+    server.abort();
+    let alerts = rx.alerts();
+    assert_eq!(
+        alerts.len(),
+        N,
+        "one notification per fingerprint: {alerts:#?}"
+    );
+    for a in &alerts {
+        assert_eq!(a["occurrences"], 1, "a corroboration is not a repeat: {a}");
+        assert!(a.get("corroborates").is_none(), "the original is sent: {a}");
+        let i: usize = a["request"]["request_id"].as_str().unwrap()["req-".len()..]
+            .parse()
+            .unwrap();
+        let want: HashSet<String> = if i < N / 2 {
+            ["otlp", "ebpf"].map(String::from).into()
+        } else {
+            ["otlp"].map(String::from).into()
+        };
+        assert_eq!(evidence_sources(a), want, "{a}");
+    }
+    assert_eq!(report.received, 2 * N as u64);
+    assert_eq!(report.corroborated, N as u64);
+    assert_eq!(report.deduplicated, 0);
+    assert_eq!(report.rate_limited, 0);
+    assert_eq!(
+        metric(
+            &metrics,
+            "revenant_alerts_held_total{rule=\"activity-after-rejection\"}"
+        ),
+        N as f64
+    );
+    assert_eq!(
+        metric(
+            &metrics,
+            "revenant_alerts_corroborated_total{rule=\"activity-after-rejection\",outcome=\"merged_held\"}"
+        ),
+        (N / 2) as f64
+    );
+}

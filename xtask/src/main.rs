@@ -5,6 +5,7 @@ use std::process::{Command, ExitCode};
 
 use clap::{Parser, Subcommand};
 
+mod demo;
 mod setup;
 
 #[derive(Parser)]
@@ -23,6 +24,9 @@ enum Task {
         #[arg(long)]
         bench: bool,
     },
+    /// The simulated PD cluster with the buggy router, revenant watching it: alerts live, then a
+    /// summary. Ctrl-C stops everything.
+    Demo(demo::DemoArgs),
     /// Run the whole test suite (unit, scenario, CLI and end-to-end tests).
     Test {
         /// Extra arguments passed to `cargo test` (e.g. a test name filter).
@@ -42,6 +46,13 @@ fn main() -> ExitCode {
                 }
             }
         }
+        Task::Demo(args) => match demo::run(args) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("xtask: demo failed: {e:#}");
+                ExitCode::FAILURE
+            }
+        },
         Task::Test { args } => {
             // Building `revenant` builds the kernel programs: the toolchain must be there first.
             if let Err(e) = setup::run() {
@@ -55,6 +66,15 @@ fn main() -> ExitCode {
 
 fn run_tests(args: &[String]) -> ExitCode {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    // The end-to-end tests (tests/e2e) push thousands of requests through real revenant and
+    // pd-sim processes: release builds, made here and handed over by path.
+    let bins = match e2e::Binaries::build(true) {
+        Ok(b) => b,
+        Err(e) => {
+            eprintln!("xtask: cannot build the end-to-end binaries: {e:#}");
+            return ExitCode::FAILURE;
+        }
+    };
     let status = Command::new(&cargo)
         .args([
             "test",
@@ -64,6 +84,8 @@ fn run_tests(args: &[String]) -> ExitCode {
             "--all-targets",
         ])
         .args(args)
+        .env("REVENANT_BIN", &bins.revenant)
+        .env("PD_SIM_BIN", &bins.pd_sim)
         .status();
     // With a filter the caller wants a subset: the real-component suite runs on full runs only.
     let status = match status {

@@ -26,12 +26,34 @@ fn apt_packages() -> Vec<String> {
 const TRACEFS: &str = "/sys/kernel/tracing";
 
 pub fn run() -> Result<()> {
-    install_apt_packages(&apt_packages())?;
-    install_rust_src()?;
-    install_bpf_linker()?;
+    build_prereqs()?;
     mount_tracefs()?;
     println!("setup: done");
     Ok(())
+}
+
+/// What building `revenant` needs (it embeds the eBPF programs), each step skipped when present.
+pub fn build_prereqs() -> Result<()> {
+    install_apt_packages(&apt_packages())?;
+    install_rust_src()?;
+    install_bpf_linker()
+}
+
+/// Whether building needs no installation at all (quiet check, for the demo).
+pub fn build_prereqs_present() -> bool {
+    apt_packages().iter().all(|p| dpkg_installed(p))
+        && Command::new("bpf-linker")
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success())
+        && Command::new("rustup")
+            .args(["component", "list", "--installed", "--toolchain", "nightly"])
+            .output()
+            .is_ok_and(|o| {
+                String::from_utf8_lossy(&o.stdout)
+                    .lines()
+                    .any(|l| l.starts_with("rust-src"))
+            })
 }
 
 /// Tools of `cargo bench -p revenant --bench ebpf_overhead` (not needed by the tests).
@@ -94,14 +116,14 @@ fn install_rust_src() -> Result<()> {
 }
 
 fn install_bpf_linker() -> Result<()> {
-    if let Ok(out) = Command::new("bpf-linker").arg("--version").output() {
-        if out.status.success() {
-            println!(
-                "setup: {} already installed",
-                String::from_utf8_lossy(&out.stdout).trim()
-            );
-            return Ok(());
-        }
+    if let Ok(out) = Command::new("bpf-linker").arg("--version").output()
+        && out.status.success()
+    {
+        println!(
+            "setup: {} already installed",
+            String::from_utf8_lossy(&out.stdout).trim()
+        );
+        return Ok(());
     }
     let prefix = format!("/usr/lib/llvm-{LLVM_VERSION}");
     println!(
@@ -120,7 +142,7 @@ fn install_bpf_linker() -> Result<()> {
     )
 }
 
-fn mount_tracefs() -> Result<()> {
+pub fn mount_tracefs() -> Result<()> {
     // The syscall and sched tracepoints are attached by name through tracefs.
     if Path::new(TRACEFS).join("events").is_dir() {
         println!("setup: tracefs already mounted at {TRACEFS}");

@@ -150,6 +150,52 @@ impl AlertRateLimited<'_> {
     }
 }
 
+/// A second source confirmed an already reported (rule, attempt).
+pub struct AlertCorroborated<'a> {
+    pub rule: &'a str,
+    pub fingerprint: &'a str,
+    /// `Corroboration::outcome()`: merged_held | merged_active | late | unmatched.
+    pub outcome: &'static str,
+}
+
+impl AlertCorroborated<'_> {
+    pub fn emit(&self, m: &Metrics) {
+        debug!(
+            rule = self.rule,
+            fingerprint = self.fingerprint,
+            outcome = self.outcome,
+            "violation corroborated by another source"
+        );
+        m.alerts_corroborated
+            .get_or_create(&super::metrics::CorroborationLabels {
+                rule: self.rule.to_string(),
+                outcome: self.outcome,
+            })
+            .inc();
+    }
+}
+
+/// A first notification waits for the corroboration window.
+pub struct AlertHeld<'a> {
+    pub rule: &'a str,
+    pub fingerprint: &'a str,
+}
+
+impl AlertHeld<'_> {
+    pub fn emit(&self, m: &Metrics) {
+        debug!(
+            rule = self.rule,
+            fingerprint = self.fingerprint,
+            "notification held for corroboration"
+        );
+        m.alerts_held
+            .get_or_create(&RuleLabel {
+                rule: self.rule.to_string(),
+            })
+            .inc();
+    }
+}
+
 pub struct SuppressionSummarised<'a> {
     pub rule: &'a str,
     pub suppressed: u64,

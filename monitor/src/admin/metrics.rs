@@ -77,6 +77,13 @@ pub struct DropLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CorroborationLabels {
+    pub rule: String,
+    /// merged_held | merged_active | late | unmatched
+    pub outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RuleLabels {
     pub rule: String,
     pub severity: &'static str,
@@ -151,6 +158,8 @@ pub struct Metrics {
     pub alerts_deduplicated: Family<RuleLabel, Counter>,
     pub alerts_rate_limited: Family<RuleLabel, Counter>,
     pub alerts_notified: Family<RuleLabel, Counter>,
+    pub alerts_corroborated: Family<CorroborationLabels, Counter>,
+    pub alerts_held: Family<RuleLabel, Counter>,
     pub deliveries: Family<DeliveryLabels, Counter>,
     pub delivered_alerts: Family<SinkLabel, Counter>,
     pub delivery_duration: HistFamily<SinkLabel>,
@@ -226,6 +235,18 @@ impl Metrics {
             "revenant_alerts_notified",
             "Notifications written to the spool for delivery, by rule",
             alerts_notified.clone(),
+        );
+        let alerts_corroborated = Family::default();
+        r.register(
+            "revenant_alerts_corroborated",
+            "Follow-up violations confirming an earlier one from another source (not repeats), by rule and what became of them",
+            alerts_corroborated.clone(),
+        );
+        let alerts_held = Family::default();
+        r.register(
+            "revenant_alerts_held",
+            "First notifications held for the corroboration window before sending",
+            alerts_held.clone(),
         );
         let deliveries = Family::default();
         r.register(
@@ -306,6 +327,8 @@ impl Metrics {
             alerts_deduplicated,
             alerts_rate_limited,
             alerts_notified,
+            alerts_corroborated,
+            alerts_held,
             deliveries,
             delivered_alerts,
             delivery_duration,

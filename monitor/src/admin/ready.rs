@@ -36,6 +36,8 @@ struct Component {
     kind: ComponentKind,
     ready: bool,
     last_activity: Option<Instant>,
+    /// When it latched ready.
+    ready_at: Option<Instant>,
 }
 
 #[derive(Debug)]
@@ -114,6 +116,7 @@ impl Readiness {
                 kind,
                 ready: false,
                 last_activity: None,
+                ready_at: None,
             },
         );
         self.metrics
@@ -150,6 +153,23 @@ impl Readiness {
 
     pub fn is_ready(&self) -> bool {
         self.lock().components.values().all(|c| c.ready)
+    }
+
+    /// Sources expected to deliver: those that produced an event within the live window, and
+    /// those that became ready less than a window ago (a source just started has had no chance
+    /// to deliver yet, e.g. OTLP exporters batch). Cheap: no report built.
+    pub fn presumed_live_source_count(&self) -> usize {
+        let g = self.lock();
+        let now = Instant::now();
+        let recent = |t: Option<Instant>| t.is_some_and(|t| now.duration_since(t) <= g.live_window);
+        g.components
+            .values()
+            .filter(|c| {
+                c.kind == ComponentKind::Source
+                    && c.ready
+                    && (recent(c.last_activity) || recent(c.ready_at))
+            })
+            .count()
     }
 
     pub fn report(&self) -> ReadyReport {
@@ -201,6 +221,7 @@ impl ReadyHandle {
             };
             let changed = !c.ready;
             c.ready = true;
+            c.ready_at.get_or_insert_with(Instant::now);
             let kind = c.kind;
             (kind, g.components.values().all(|c| c.ready), changed)
         };
@@ -250,5 +271,26 @@ mod tests {
         assert_eq!(rep.degraded["otlp"], "lost 3");
         r.set_degraded("otlp", None);
         assert!(r.report().degraded.is_empty());
+    }
+
+    #[test]
+    fn sources_are_presumed_live_when_just_ready_or_active() {
+        let m = Arc::new(Metrics::new());
+        let r = Readiness::new(m, Duration::from_millis(50));
+        let otlp = r.register("otlp", ComponentKind::Source);
+        let ebpf = r.register("ebpf", ComponentKind::Source);
+        r.register("admin", ComponentKind::Server).ready();
+        assert_eq!(r.presumed_live_source_count(), 0, "not ready yet");
+        otlp.ready();
+        ebpf.ready();
+        assert_eq!(r.presumed_live_source_count(), 2, "just started");
+        std::thread::sleep(Duration::from_millis(80));
+        assert_eq!(
+            r.presumed_live_source_count(),
+            0,
+            "silent for a whole window"
+        );
+        ebpf.activity();
+        assert_eq!(r.presumed_live_source_count(), 1);
     }
 }

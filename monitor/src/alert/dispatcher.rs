@@ -10,16 +10,16 @@ use std::time::{Duration, Instant};
 use tokio::sync::{Notify, mpsc};
 use tokio::task::JoinHandle;
 
-use super::flood::{ActiveAlert, Admission, FloodConfig, FloodControl};
+use super::flood::{ActiveAlert, Admission, Corroboration, FloodConfig, FloodControl};
 use super::notification::{LinkBase, Notification, now_unix_ns};
 use super::sink::{Backoff, Sink, SinkError};
 use super::spool::{Spool, SpoolError};
-use crate::admin::RecentViolations;
 use crate::admin::events::{
-    AlertDeduplicated, AlertDeliveryFailed, AlertRateLimited, AlertReceived, AlertSpooled,
-    AlertsDelivered, ItemsDropped, SpoolSize, SuppressionSummarised,
+    AlertCorroborated, AlertDeduplicated, AlertDeliveryFailed, AlertHeld, AlertRateLimited,
+    AlertReceived, AlertSpooled, AlertsDelivered, ItemsDropped, SpoolSize, SuppressionSummarised,
 };
 use crate::admin::metrics::{DropPoint, Metrics};
+use crate::admin::{Readiness, RecentViolations};
 use crate::violation::Violation;
 
 #[derive(Debug, Clone)]
@@ -53,6 +53,8 @@ pub struct DispatchReport {
     pub notified: u64,
     pub deduplicated: u64,
     pub rate_limited: u64,
+    /// Follow-ups from a second source (merged, never counted as repeats).
+    pub corroborated: u64,
     pub spool_dropped: u64,
     /// Notifications still awaiting a sink when the dispatcher stopped (kept in the spool).
     pub undelivered_at_exit: usize,
@@ -88,6 +90,8 @@ pub struct Dispatcher {
     sinks: Vec<Arc<dyn Sink>>,
     metrics: Arc<Metrics>,
     recent: Option<Arc<RecentViolations>>,
+    /// Tells how many sources are live (holding for corroboration only makes sense with two).
+    readiness: Option<Readiness>,
 }
 
 impl Dispatcher {
@@ -110,7 +114,21 @@ impl Dispatcher {
             sinks,
             metrics,
             recent: None,
+            readiness: None,
         }
+    }
+
+    /// Hold first notifications for the corroboration window only while at least two sources
+    /// are live (or just started); without readiness, whenever a window is configured.
+    pub fn with_readiness(mut self, readiness: Readiness) -> Dispatcher {
+        self.readiness = Some(readiness);
+        self
+    }
+
+    fn may_hold(&self) -> bool {
+        self.readiness
+            .as_ref()
+            .is_none_or(|r| r.presumed_live_source_count() >= 2)
     }
 
     /// Also record every received violation for `/api/violations`.
@@ -163,8 +181,25 @@ impl Dispatcher {
         let mut last_refresh: Vec<Instant> = self.sinks.iter().map(|_| start).collect();
         let mut resolved_pending: Vec<Vec<ActiveAlert>> =
             self.sinks.iter().map(|_| Vec::new()).collect();
+        // A late corroboration changed an active alert's evidence: re-post it without waiting
+        // for the resend interval.
+        let mut refresh_now = false;
         loop {
+            let next_release = self.flood.next_release_ns().map(|due| {
+                tokio::time::Instant::now()
+                    + Duration::from_nanos(due.saturating_sub(now_unix_ns()))
+            });
             tokio::select! {
+                _ = tokio::time::sleep_until(next_release.unwrap_or_else(tokio::time::Instant::now)),
+                    if next_release.is_some() => {
+                    let notes = self
+                        .flood
+                        .release_due(now_unix_ns())
+                        .into_iter()
+                        .map(Notification::Violation)
+                        .collect();
+                    self.spool_and_enqueue(notes, &names, &queues, &mut report).await;
+                }
                 v = rx.recv() => {
                     let Some(v) = v else { break };
                     // Take what is already queued too: one spool group commit for the lot.
@@ -176,6 +211,7 @@ impl Dispatcher {
                         }
                     }
                     let now = now_unix_ns();
+                    let hold = self.may_hold();
                     let mut notes = Vec::new();
                     for v in batch {
                         report.received += 1;
@@ -184,8 +220,20 @@ impl Dispatcher {
                             r.push(&v, now);
                         }
                         let links = self.links.links(&v);
-                        match self.flood.admit(&v, links, now) {
+                        match self.flood.admit(&v, links, now, hold) {
                             Admission::Notify(a) => notes.push(Notification::Violation(a)),
+                            Admission::Held => {
+                                AlertHeld { rule: &v.rule, fingerprint: &v.fingerprint }.emit(&self.metrics);
+                            }
+                            Admission::Corroborated(c) => {
+                                report.corroborated += 1;
+                                AlertCorroborated { rule: &v.rule, fingerprint: &v.fingerprint, outcome: c.outcome() }.emit(&self.metrics);
+                                match c {
+                                    Corroboration::Released(a) => notes.push(Notification::Violation(a)),
+                                    Corroboration::Late { merged: true } => refresh_now = true,
+                                    Corroboration::Late { merged: false } | Corroboration::Unmatched => {}
+                                }
+                            }
                             Admission::Duplicate { repeats } => {
                                 report.deduplicated += 1;
                                 AlertDeduplicated { rule: &v.rule, fingerprint: &v.fingerprint, repeats }.emit(&self.metrics);
@@ -208,7 +256,7 @@ impl Dispatcher {
                     for (i, sink) in self.sinks.iter().enumerate() {
                         let Some(every) = sink.refresh_interval() else { continue };
                         resolved_pending[i].extend(resolved.iter().cloned());
-                        if last_refresh[i].elapsed() < every && resolved_pending[i].is_empty() {
+                        if last_refresh[i].elapsed() < every && resolved_pending[i].is_empty() && !refresh_now {
                             continue;
                         }
                         last_refresh[i] = Instant::now();
@@ -227,10 +275,20 @@ impl Dispatcher {
                             }
                         });
                     }
+                    refresh_now = false;
                 }
             }
         }
-        // Input closed: summarise what open rate windows suppressed, then drain.
+        // Input closed: send what is held for corroboration, summarise what open rate windows
+        // suppressed, then drain.
+        let held = self
+            .flood
+            .release_all()
+            .into_iter()
+            .map(Notification::Violation)
+            .collect();
+        self.spool_and_enqueue(held, &names, &queues, &mut report)
+            .await;
         let summaries = self.flood.flush_summaries(now_unix_ns());
         for s in &summaries {
             SuppressionSummarised {
@@ -463,4 +521,157 @@ fn ack_all(
     q.outstanding.fetch_sub(batch.len(), Ordering::SeqCst);
     let (entries, bytes) = spool.size();
     SpoolSize { entries, bytes }.emit(metrics);
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use super::*;
+    use crate::alert::spool::SpoolConfig;
+    use crate::checker::Severity;
+    use crate::event::{Kind, Source, Stage};
+    use crate::violation::{AttemptRef, Evidence, RequestRef, Role};
+
+    /// Records deliveries and refreshes, like an Alertmanager that re-posts active alerts.
+    #[derive(Default)]
+    struct Recorder {
+        delivered: Mutex<Vec<Notification>>,
+        refreshed: Mutex<Vec<Vec<ActiveAlert>>>,
+    }
+
+    struct RecordingSink(Arc<Recorder>);
+
+    impl Sink for RecordingSink {
+        fn name(&self) -> &str {
+            "recorder"
+        }
+        fn deliver<'a>(
+            &'a self,
+            batch: &'a [Arc<Notification>],
+        ) -> super::super::sink::BoxFuture<'a, Result<(), SinkError>> {
+            let r = self.0.clone();
+            Box::pin(async move {
+                let mut g = r.delivered.lock().unwrap();
+                g.extend(batch.iter().map(|n| (**n).clone()));
+                Ok(())
+            })
+        }
+        fn refresh_interval(&self) -> Option<Duration> {
+            // Only a forced refresh can happen within the test.
+            Some(Duration::from_secs(3600))
+        }
+        fn refresh<'a>(
+            &'a self,
+            active: &'a [ActiveAlert],
+            _resolved: &'a [ActiveAlert],
+        ) -> super::super::sink::BoxFuture<'a, Result<(), SinkError>> {
+            let r = self.0.clone();
+            let active = active.to_vec();
+            Box::pin(async move {
+                r.refreshed.lock().unwrap().push(active);
+                Ok(())
+            })
+        }
+    }
+
+    fn evidence(source: Source, t: u64, stage: Stage, kind: Kind) -> Evidence {
+        Evidence {
+            role: Role::Offender,
+            time_ns: t,
+            stage,
+            kind,
+            source,
+            status: None,
+            reason: None,
+        }
+    }
+
+    async fn until(what: &str, mut f: impl FnMut() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !f() {
+            assert!(Instant::now() < deadline, "timed out waiting for {what}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// Without a corroboration window the notification goes out at once; the second source's
+    /// confirmation then sends nothing new but is re-posted at once as the one active alert
+    /// (what Alertmanager receives), with both sources in its evidence.
+    #[tokio::test]
+    async fn late_corroboration_is_reposted_merged_not_notified_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let spool_cfg = SpoolConfig {
+            dir: Some(dir.path().to_path_buf()),
+            fsync: false,
+            ..SpoolConfig::default()
+        };
+        let (spool, _) = Spool::open(&spool_cfg, &["recorder".to_string()]).unwrap();
+        let rec = Arc::new(Recorder::default());
+        let d = Dispatcher::new(
+            DispatchConfig {
+                tick: Duration::from_millis(20),
+                ..DispatchConfig::default()
+            },
+            FloodConfig::default(),
+            LinkBase::default(),
+            spool,
+            vec![Arc::new(RecordingSink(rec.clone()))],
+            Arc::new(Metrics::new()),
+        );
+        let (tx, rx) = mpsc::channel(16);
+        let handle = tokio::spawn(d.run(rx));
+        let v = Violation {
+            rule: "activity-after-rejection".into(),
+            severity: Severity::Critical,
+            summary: "s".into(),
+            request: RequestRef {
+                request_id: Some("req-1".into()),
+                trace_id: None,
+            },
+            attempt: AttemptRef {
+                bootstrap_room: Some(42),
+                rid: None,
+            },
+            worker: None,
+            detected_at_ns: 2,
+            fingerprint: "fp".into(),
+            evidence: vec![
+                evidence(Source::Otlp, 1, Stage::Prefill, Kind::Rejected),
+                evidence(Source::Otlp, 2, Stage::Transfer, Kind::Work),
+            ],
+            corroborates: false,
+        };
+        tx.send(v.clone()).await.unwrap();
+        until("the first notification", || {
+            rec.delivered.lock().unwrap().len() == 1
+        })
+        .await;
+        assert!(rec.refreshed.lock().unwrap().is_empty());
+        let mut c = v.clone();
+        c.corroborates = true;
+        c.evidence
+            .push(evidence(Source::Ebpf, 3, Stage::Transfer, Kind::Work));
+        tx.send(c).await.unwrap();
+        until("a re-post of the active alert", || {
+            !rec.refreshed.lock().unwrap().is_empty()
+        })
+        .await;
+        let active = rec.refreshed.lock().unwrap()[0].clone();
+        assert_eq!(active.len(), 1, "one alert");
+        assert_eq!(active[0].repeats, 0);
+        let sources: Vec<Source> = active[0]
+            .alert
+            .violation
+            .evidence
+            .iter()
+            .map(|e| e.source)
+            .collect();
+        assert_eq!(sources, [Source::Otlp, Source::Otlp, Source::Ebpf]);
+        drop(tx);
+        let report = handle.await.unwrap();
+        assert_eq!(rec.delivered.lock().unwrap().len(), 1, "not notified again");
+        assert_eq!(report.corroborated, 1);
+        assert_eq!(report.deduplicated, 0);
+    }
 }

@@ -211,6 +211,11 @@ pub struct AlertArgs {
     pub rate_limit: Option<u32>,
     #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
     pub rate_limit_window: Option<Duration>,
+    /// Hold a first notification up to this long while two or more sources are live, so that
+    /// the other source's confirmation is merged into it (one alert showing both sources);
+    /// 0 sends at once [default: 0]. Costs that much latency on alerts only one source sees.
+    #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
+    pub corroboration_window: Option<Duration>,
     /// Base URL of the admin server for links in alerts [default: http://<--admin>].
     #[arg(long, value_name = "URL")]
     pub external_url: Option<String>,
@@ -274,6 +279,9 @@ impl AlertArgs {
         }
         if let Some(d) = self.rate_limit_window {
             cfg.flood.rate_limit_window = d;
+        }
+        if let Some(d) = self.corroboration_window {
+            cfg.flood.corroboration_window = d;
         }
         if let Some(u) = &self.external_url {
             cfg.external_url = Some(u.clone());
@@ -354,6 +362,9 @@ impl AlertPipeline {
         );
         if let Some(r) = recent {
             d = d.with_recent(r);
+        }
+        if let Some(r) = readiness {
+            d = d.with_readiness(r.clone());
         }
         let (tx, rx) = mpsc::channel(cfg.channel_capacity);
         let handle = tokio::spawn(d.run(rx));

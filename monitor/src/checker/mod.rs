@@ -1115,6 +1115,7 @@ impl Checker {
             detected_at_ns: f.detected_at_ns,
             fingerprint,
             evidence,
+            corroborates: false,
         }
     }
 }

@@ -122,6 +122,7 @@ pub fn violation_rule(rule: &str, i: usize) -> Violation {
                 reason: None,
             },
         ],
+        corroborates: false,
     }
 }
 
