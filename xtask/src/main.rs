@@ -174,5 +174,7 @@ fn real_component_tests(cargo: &str) -> std::io::Result<std::process::ExitStatus
         }
         last = Some(status);
     }
-    Ok(first_failure.or(last).expect("at least one ignored-test group"))
+    Ok(first_failure
+        .or(last)
+        .expect("at least one ignored-test group"))
 }

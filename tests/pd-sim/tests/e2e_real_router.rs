@@ -129,6 +129,13 @@ impl Setup {
         v["violations"].as_array().cloned().unwrap_or_default()
     }
 
+    /// The admin server's Prometheus text.
+    fn metrics(&self) -> String {
+        let (_, b) = harness::http_get(&format!("http://{}/metrics", self.revenant.admin))
+            .unwrap_or_else(|e| panic!("admin /metrics: {e}"));
+        String::from_utf8_lossy(&b).into_owned()
+    }
+
     /// What the sinks delivered: the alerts JSONL lines (notifications).
     fn notifications(&self) -> Vec<Value> {
         self.revenant.alerts()
@@ -165,6 +172,17 @@ async fn attempts_at(base: &str, request_id: &str) -> Vec<Value> {
 
 fn room_set(rs: &[Value]) -> BTreeSet<u64> {
     rs.iter().map(|r| r["room"].as_u64().unwrap()).collect()
+}
+
+/// Sum of a metric's samples over all its label sets (0 when absent).
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|r| r.starts_with(' ') || r.starts_with('{'))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
 }
 
 /// A room as the timeline prints it (`0x…`).
@@ -301,33 +319,41 @@ async fn expect_one_violation_per_attempt(
         "exactly one violation per attempt: {ctx}"
     );
     assert_eq!(&per_room.iter().copied().collect::<BTreeSet<_>>(), rooms);
-    // One request: every violation carries the same fingerprint, so the sinks notify once.
+    // Notified once. The violations themselves may carry two fingerprints (keyed by the trace id
+    // before smg's span brings the x-request-id, by the x-request-id after); the alert layer
+    // treats a violation sharing a request alias with a tracked one as a repeat.
     let fingerprints: HashSet<&str> = mine
         .iter()
         .map(|v| v["fingerprint"].as_str().unwrap())
         .collect();
-    assert_eq!(fingerprints.len(), 1, "one fingerprint per request: {ctx}");
-    let fp = fingerprints.into_iter().next().unwrap().to_string();
-    let notified = eventually("the notification", Duration::from_secs(10), || {
-        let n = s.notifications();
-        let fp = fp.clone();
+    if fingerprints.len() > 1 {
+        eprintln!(
+            "note: {request_id}: violations carry {} fingerprints",
+            fingerprints.len()
+        );
+    }
+    // Wait until the dispatcher has judged every violation and the JSONL sink has written what
+    // it notified, so a second notification could not still be on its way.
+    let n = mine.len() as f64;
+    eventually("the dispatcher settles", Duration::from_secs(15), || {
+        let m = s.metrics();
         async move {
-            let n: Vec<Value> = n
-                .into_iter()
-                .filter(|n| n["type"] == "violation" && n["fingerprint"] == fp.as_str())
-                .collect();
-            (!n.is_empty()).then_some(n)
+            let judged = metric(&m, "revenant_alerts_notified_total")
+                + metric(&m, "revenant_alerts_deduplicated_total");
+            let written = metric(&m, "revenant_alert_delivered_notifications_total");
+            (metric(&m, "revenant_alerts_received_total") >= n && judged >= n && written >= 1.0)
+                .then_some(())
         }
     })
     .await;
-    let others: Vec<Value> = s
+    let notified: Vec<Value> = s
         .notifications()
         .into_iter()
-        .filter(|n| n["fingerprint"] != fp.as_str())
+        .filter(|n| n["type"] == "violation")
         .collect();
     assert_eq!(notified.len(), 1, "notified once: {ctx}");
-    assert!(others.is_empty(), "no other notification: {ctx}");
     assert_eq!(notified[0]["rule"], "activity-after-rejection");
+    assert_eq!(notified[0]["request"]["trace_id"], trace.as_str(), "{ctx}");
     // The admin timeline, looked up by the client's x-request-id, holds every attempt.
     let (status, t) = s
         .revenant
