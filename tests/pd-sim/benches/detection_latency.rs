@@ -15,7 +15,7 @@
 //! ```text
 //! cargo build --release -p revenant -p pd-sim
 //! cargo bench -p pd-sim --bench detection_latency -- [--rates 1000,10000] [--seconds 10]
-//!     [--otlp-linger-ms 20] [--over-capacity-share 0.02] [--skip-clean]
+//!     [--otlp-linger-ms 20] [--over-capacity-share 0.02] [--skip-clean] [--source otlp|ebpf]
 //! ```
 
 use std::path::{Path, PathBuf};
@@ -32,6 +32,9 @@ struct Opts {
     linger_ms: u64,
     over_capacity_share: f64,
     skip_clean: bool,
+    /// `otlp`: spans from every pd-sim process, revenant `--ebpf off`; `ebpf`: no spans,
+    /// revenant `--ebpf on --pid ROLE=PID` for the three processes (needs root).
+    source: String,
 }
 
 fn opts() -> Opts {
@@ -41,6 +44,7 @@ fn opts() -> Opts {
         linger_ms: 20,
         over_capacity_share: 0.02,
         skip_clean: false,
+        source: "otlp".into(),
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -58,6 +62,7 @@ fn opts() -> Opts {
                 o.over_capacity_share = val().parse().expect("--over-capacity-share")
             }
             "--skip-clean" => o.skip_clean = true,
+            "--source" => o.source = val(),
             // `cargo bench` passes `--bench`; ignore it and anything else libtest-like.
             _ => {}
         }
@@ -154,31 +159,52 @@ fn one_run(
     let scratch = ScratchDir::new("detect-bench").unwrap();
     let (hook, got) = start_webhook(rt);
     let spool = scratch.path().join("spool").display().to_string();
-    let mut rev = RevenantProcess::start(
-        revenant_bin,
-        scratch.path(),
-        &[
-            "--ebpf",
-            "off",
-            "--admin",
-            "127.0.0.1:0",
-            "--rate-limit",
-            "0",
-            "--spool-no-fsync",
-            "--spool-dir",
-            &spool,
-            "--webhook",
-            &hook,
-            "--log-format",
-            "json",
-        ],
-    )
-    .unwrap_or_else(|e| panic!("revenant: {e}"));
-    // SAFETY: single-threaded at this point for env purposes; the children inherit it.
+    let mut common: Vec<String> = [
+        "--admin",
+        "127.0.0.1:0",
+        "--rate-limit",
+        "0",
+        "--spool-no-fsync",
+        "--spool-dir",
+        &spool,
+        "--webhook",
+        &hook,
+        "--log-format",
+        "json",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    // SAFETY: the bench is single-threaded apart from the webhook runtime, which reads no env.
     unsafe { std::env::set_var("PD_SIM_OTLP_LINGER_MS", o.linger_ms.to_string()) };
-    let otlp = format!("http://{}", rev.otlp_http);
-    let cluster = ClusterProcess::start(pd_sim, &["--mode", mode, "--otlp-endpoint", &otlp])
-        .unwrap_or_else(|e| panic!("cluster: {e}"));
+    let (mut rev, cluster) = if o.source == "ebpf" {
+        // The kernel side watches the processes, so they start first (no span export).
+        let cluster = ClusterProcess::start(pd_sim, &["--mode", mode])
+            .unwrap_or_else(|e| panic!("cluster: {e}"));
+        common.extend(["--ebpf".to_string(), "on".to_string()]);
+        for role in ["router", "prefill", "decode"] {
+            let pid = cluster.ready["pids"][role].as_u64().expect("pid");
+            common.extend(["--pid".to_string(), format!("{role}={pid}")]);
+        }
+        let args: Vec<&str> = common.iter().map(String::as_str).collect();
+        let rev = RevenantProcess::start(revenant_bin, scratch.path(), &args)
+            .unwrap_or_else(|e| panic!("revenant: {e}"));
+        assert_eq!(
+            rev.ready["ebpf"], "live",
+            "eBPF source not live: {}",
+            rev.ready
+        );
+        (rev, cluster)
+    } else {
+        common.extend(["--ebpf".to_string(), "off".to_string()]);
+        let args: Vec<&str> = common.iter().map(String::as_str).collect();
+        let rev = RevenantProcess::start(revenant_bin, scratch.path(), &args)
+            .unwrap_or_else(|e| panic!("revenant: {e}"));
+        let otlp = format!("http://{}", rev.otlp_http);
+        let cluster = ClusterProcess::start(pd_sim, &["--mode", mode, "--otlp-endpoint", &otlp])
+            .unwrap_or_else(|e| panic!("cluster: {e}"));
+        (rev, cluster)
+    };
     let cpu0 = proc_cpu_s(rev.pid);
     let t0 = Instant::now();
     let n = (rate * o.seconds).to_string();
@@ -332,9 +358,10 @@ fn main() {
     let pd_sim: PathBuf =
         harness::workspace_bin("pd-sim", "PD_SIM_BIN").unwrap_or_else(|e| panic!("{e}"));
     eprintln!(
-        "detection_latency: revenant {} , pd-sim {}, OTLP linger {} ms, {} s per rate",
+        "detection_latency: revenant {} , pd-sim {}, source {}, OTLP linger {} ms, {} s per rate",
         revenant.display(),
         pd_sim.display(),
+        o.source,
         o.linger_ms,
         o.seconds
     );
