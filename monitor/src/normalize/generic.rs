@@ -271,10 +271,20 @@ impl Mapping {
     fn after(&self, before: usize, out: &mut Vec<LifecycleEvent>, tally: &mut Tally) {
         if out.len() == before {
             tally.unmapped(P, Unmapped::UnknownSpan);
-        } else if out[before..].iter().all(|e| e.ids.is_empty()) {
+        } else if out[before..].iter().all(|e| !identified(e)) {
             out.truncate(before);
             tally.unmapped(P, Unmapped::MissingIds);
         }
+    }
+}
+
+/// A request event needs an id to be attributed; a capacity report is about a worker, not a
+/// request, so it needs the worker (or node) the checker keys capacity by instead.
+fn identified(e: &LifecycleEvent) -> bool {
+    if e.kind == Kind::Capacity {
+        e.worker.is_some() || e.node.is_some()
+    } else {
+        !e.ids.is_empty()
     }
 }
 

@@ -625,6 +625,62 @@ fn generic_yaml_mapping() {
     assert_eq!(tally.spans[ProfileLabel::Generic as usize], 3);
 }
 
+/// A capacity report names a worker, not a request: it needs no request id, but it needs the
+/// worker or node the checker keys capacity by (here the resource's `host.name`).
+#[test]
+fn generic_capacity_reports_need_a_node_not_a_request_id() {
+    let yaml = r#"
+generic:
+  - name: server-info
+    select: { scope_name: "pd-sim server_info" }
+    ids: { trace_id: false }
+    tokens: { context_tokens: [context_length], max_total_tokens: [max_total_num_tokens] }
+    rules:
+      - { name: server_info, attributes: { disaggregation_mode: prefill }, stage: prefill, kind: capacity }
+"#;
+    let cfg: NormalizeConfig = serde_saphyr::from_str(yaml).unwrap();
+    let mut n = Normalizer::new(&cfg).unwrap();
+    let info = || {
+        span(
+            9,
+            1,
+            0,
+            "server_info",
+            10,
+            10,
+            vec![
+                s("disaggregation_mode", "prefill"),
+                kv("context_length", Value::IntValue(16384)),
+                kv("max_total_num_tokens", Value::IntValue(8192)),
+            ],
+        )
+    };
+    let mut with_host = export("pd-sim", "pd-sim server_info", vec![info()]);
+    with_host.resource_spans[0]
+        .resource
+        .as_mut()
+        .unwrap()
+        .attributes
+        .push(s("host.name", "node-a"));
+    let (ev, _) = run(&mut n, &with_host, 1);
+    assert_eq!(ev.len(), 1);
+    assert_eq!(ev[0].kind, Kind::Capacity);
+    assert_eq!(ev[0].node.as_deref(), Some("node-a"));
+    assert_eq!(
+        (ev[0].context_tokens, ev[0].max_total_tokens),
+        (Some(16384), Some(8192))
+    );
+    assert!(ev[0].ids.is_empty());
+    // Without a node or worker the checker could not attribute it: counted, not emitted.
+    let (ev, tally) = run(
+        &mut n,
+        &export("pd-sim", "pd-sim server_info", vec![info()]),
+        1,
+    );
+    assert!(ev.is_empty());
+    assert_eq!(tally.spans[ProfileLabel::Generic as usize], 1);
+}
+
 #[test]
 fn generic_yaml_rejects_unknown_fields_and_bad_rules() {
     let typo = GENERIC.replace("name_prefix", "name_prefx");

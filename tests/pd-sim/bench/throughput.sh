@@ -7,8 +7,11 @@ set -euo pipefail
 cd "$(dirname "$0")/../../.."
 MODE=${1:-correct}; shift || true
 RATES=${*:-1000 2000 4000}
-cargo build -q -p pd-sim --release
-B=target/release/pd-sim
+# PD_SIM_BIN: a prebuilt binary (skips the build); LOAD_ARGS: extra `pd-sim load` flags.
+if [ -n "${PD_SIM_BIN:-}" ]; then B=$PD_SIM_BIN; else
+  cargo build -q -p pd-sim --release
+  B=${CARGO_TARGET_DIR:-target}/release/pd-sim
+fi
 OUT=$(mktemp); ERR=$(mktemp)
 PD_SIM_LOG=warn $B cluster --ephemeral --mode "$MODE" ${CLUSTER_ARGS:-} >"$OUT" 2>"$ERR" &
 CL=$!
@@ -24,7 +27,7 @@ for R in $RATES; do
   declare -A before; for p in $PIDS; do before[$p]=$(cpu $p); done
   S=$(mktemp)
   /usr/bin/time -f "%U %S" -o "$S.time" $B load --router "$ROUTER" --rate "$R" --requests "$N" \
-     --prompt-len 16..128 --over-capacity-share 0.02 --stream-share 0.1 --quiet --summary-json "$S" 2>/dev/null
+     --prompt-len 16..128 --over-capacity-share 0.02 --stream-share 0.1 ${LOAD_ARGS:-} --quiet --summary-json "$S" 2>/dev/null
   LG=$(awk '{print ($1+$2)}' "$S.time")
   per=""; for p in $PIDS; do per="$per $(python3 -c "print(round(($(cpu $p)-${before[$p]})/$TCK*1e6/$N))")"; done
   python3 - "$S" "$N" "$LG" $per <<'PY'

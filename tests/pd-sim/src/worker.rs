@@ -87,6 +87,10 @@ pub struct WorkerArgs {
     /// Misconfiguration: admit inputs over max_total_num_tokens (for over-capacity tests).
     #[arg(long)]
     pub skip_total_tokens_check: bool,
+    /// Export a `server_info` span with this worker's limits (context_length,
+    /// max_total_num_tokens, max_req_input_len) at start and then every N seconds; 0 = never.
+    #[arg(long, default_value_t = 0)]
+    pub capacity_report_interval_s: u64,
     /// The disclosed bug on the prefill side: rejected rooms are still transferred to decode.
     #[arg(long)]
     pub transfer_after_reject: bool,
@@ -380,6 +384,10 @@ struct ReqTrace {
     parent: Option<[u8; 8]>,
     root: [u8; 8],
     spans: Vec<opentelemetry_proto::tonic::trace::v1::Span>,
+    /// Put on the root as `gen_ai.usage.input_tokens` (the GenAI semantic convention revenant's
+    /// sglang profile reads). SGLang 0.5.2x does not export it; the simulator does so that
+    /// `over-capacity-admitted` has a token count on the OTLP path.
+    input_tokens: u64,
 }
 
 impl ReqTrace {
@@ -390,6 +398,7 @@ impl ReqTrace {
             parent: tp.map(|t| t.span_id),
             root: random_span_id(),
             spans: Vec::new(),
+            input_tokens: 0,
         }
     }
 
@@ -474,6 +483,10 @@ impl ReqTrace {
             attributes.push(kv_str("bootstrap_room", room_hex(r)));
         }
         attributes.push(kv_str("gen_ai.request.id", rid));
+        attributes.push(kv_int(
+            "gen_ai.usage.input_tokens",
+            self.input_tokens as i64,
+        ));
         // Children precede the root, as SGLang's exporter emits them.
         self.spans.push(
             SpanSpec {
@@ -555,6 +568,30 @@ impl Worker {
             ));
         }
         None
+    }
+
+    /// The limits `/server_info` reports, as one span (see `capacity_report_interval_s`).
+    fn capacity_span(&self) -> opentelemetry_proto::tonic::trace::v1::Span {
+        let a = &self.args;
+        let now = now_ns();
+        SpanSpec {
+            trace_id: crate::common::random_trace_id(),
+            span_id: crate::common::random_span_id(),
+            parent: None,
+            name: "server_info".into(),
+            start_ns: now,
+            end_ns: now,
+            attributes: vec![
+                kv_str("disaggregation_mode", self.role.as_str()),
+                kv_int("context_length", a.context_length as i64),
+                kv_int("max_total_num_tokens", a.max_total_num_tokens as i64),
+                kv_int("max_req_input_len", self.max_req_input_len as i64),
+                kv_int("pid", self.pid as i64),
+            ],
+            events: Vec::new(),
+            error: None,
+        }
+        .build()
     }
 
     fn server_info(&self, bootstrap_port: u16) -> serde_json::Value {
@@ -697,6 +734,7 @@ impl Worker {
                     parent: None,
                     root: late.root,
                     spans: Vec::new(),
+                    input_tokens: 0,
                 };
                 let th = t.thread(&w, true, start_ns, end_ns, None);
                 t.stage(th, "prefill_transfer_kv_cache", start_ns, end_ns);
@@ -848,10 +886,26 @@ pub async fn run(role: Role, args: WorkerArgs) -> anyhow::Result<()> {
         endpoint: args.otlp_endpoint.clone(),
         service_name: "sglang",
         scope_name: "sglang server",
-        resource_attrs: vec![kv_str(
-            "service.instance.id",
-            format!("pd-sim-{}-{}", role.as_str(), std::process::id()),
-        )],
+        resource_attrs: vec![
+            kv_str(
+                "service.instance.id",
+                format!("pd-sim-{}-{}", role.as_str(), std::process::id()),
+            ),
+            // The clock domain: every process of one machine shares it.
+            kv_str("host.name", crate::spans::host_name()),
+        ],
+    });
+    // SGLang exports no span with its limits; the simulator reports what `/server_info` says
+    // as a `server_info` span under its own scope, so that a generic mapping (not the sglang
+    // profile) can turn it into a capacity report (`context-exceeds-capacity`, the limits for
+    // `over-capacity-admitted`). Off unless `--capacity-report-interval-s` is set.
+    let capacity_exporter = (args.capacity_report_interval_s > 0).then(|| {
+        Exporter::start(ExporterConfig {
+            endpoint: args.otlp_endpoint.clone(),
+            service_name: "pd-sim",
+            scope_name: "pd-sim server_info",
+            resource_attrs: vec![kv_str("host.name", crate::spans::host_name())],
+        })
     });
     let link_stats = Arc::new(LinkStats::default());
     let w: Shared = Arc::new(Worker {
@@ -933,10 +987,29 @@ pub async fn run(role: Role, args: WorkerArgs) -> anyhow::Result<()> {
         "pid": std::process::id(),
     }));
     tracing::info!(role = role.as_str(), %http_addr, kv = %kv_addr, bootstrap = boot_port, "worker ready");
+    if let Some(cap) = &capacity_exporter {
+        let (sink, w2) = (cap.sink.clone(), w.clone());
+        let every = Duration::from_secs(w.args.capacity_report_interval_s);
+        tokio::spawn(async move {
+            let mut iv = tokio::time::interval(every);
+            loop {
+                iv.tick().await;
+                sink.emit(vec![w2.capacity_span()]);
+            }
+        });
+    }
+    // Without TCP_NODELAY a streamed answer's second chunk waits for the client's delayed ACK
+    // (~40 ms): that was the p99 of the load generator.
+    let http = axum::serve::ListenerExt::tap_io(http, |tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     axum::serve(http, app)
         .with_graceful_shutdown(crate::common::shutdown_signal())
         .await?;
     exporter.shutdown(Duration::from_secs(3)).await;
+    if let Some(cap) = capacity_exporter {
+        cap.shutdown(Duration::from_secs(1)).await;
+    }
     Ok(())
 }
 
@@ -1119,7 +1192,8 @@ async fn serve(w: Shared, api: Api, headers: HeaderMap, body: Bytes) -> Response
         .get("traceparent")
         .and_then(|v| v.to_str().ok())
         .and_then(TraceParent::parse);
-    let trace = ReqTrace::new(w.spans.enabled(), tp);
+    let mut trace = ReqTrace::new(w.spans.enabled(), tp);
+    trace.input_tokens = p.input_tokens;
     match w.role {
         Role::Prefill => prefill(w, p, rid, request_id, trace, t0).await,
         Role::Decode => decode(w, p, rid, request_id, trace, t0).await,

@@ -126,6 +126,10 @@ pub struct Comparison {
     pub le: Option<Operand>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub eq: Option<Operand>,
+    /// Added to the operand: `context_tokens gt max_input_tokens plus 1` allows the one output
+    /// token SGLang reserves (its max input is context − 1 on a healthy worker).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub plus: Option<u64>,
 }
 
 impl Comparison {
@@ -238,7 +242,8 @@ impl Predicate {
                 Operand::Value(v) => v,
                 Operand::Field(f) => field(f)?,
                 Operand::Capacity(f) => f.of(&capacity)?,
-            };
+            }
+            .saturating_add(c.plus.unwrap_or(0));
             let holds = match op {
                 "gt" => value > limit,
                 "ge" => value >= limit,
@@ -284,6 +289,7 @@ mod tests {
                 lt: None,
                 le: None,
                 eq: None,
+                plus: None,
             }],
             any: vec![],
         }
@@ -364,6 +370,7 @@ mod tests {
             lt: None,
             le: None,
             eq: None,
+            plus: None,
         };
         let p = Predicate {
             on: vec![Matcher::default()],
@@ -385,5 +392,34 @@ mod tests {
         assert!(p.validate().unwrap_err().contains("exactly one of gt"));
         p.all.clear();
         assert!(p.validate().is_err());
+    }
+
+    /// The default rule on a healthy SGLang worker (max input = context - 1) and on one whose KV
+    /// pool is smaller than its context.
+    #[test]
+    fn default_context_rule_allows_the_reserved_output_token() {
+        let rules = crate::checker::RuleSet::embedded_defaults();
+        let rule = rules
+            .rules
+            .iter()
+            .find(|r| r.name == "context-exceeds-capacity")
+            .expect("default rule");
+        let crate::checker::rules::Shape::Predicate(p) = &rule.shape else {
+            panic!("context-exceeds-capacity is a predicate");
+        };
+        let report = |ctx, max_in, total| {
+            let mut e = LifecycleEvent::new(1, Stage::Prefill, Kind::Capacity, Source::Ebpf);
+            e.context_tokens = Some(ctx);
+            e.max_input_tokens = Some(max_in);
+            e.max_total_tokens = Some(total);
+            p.evaluate(&e, Known::default())
+        };
+        assert_eq!(report(32768, 32767, 500_000), None, "healthy SGLang worker");
+        let b = report(32768, 8191, 8192).expect("pool smaller than the context");
+        assert_eq!((b.value, b.limit), (32768, 8192));
+        assert!(
+            report(32768, 16000, 500_000).is_some(),
+            "max input cut below the context"
+        );
     }
 }

@@ -30,12 +30,19 @@ impl Cluster {
         let mut args = vec!["--mode", mode];
         args.extend_from_slice(extra);
         let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
-        let inner = tokio::task::spawn_blocking(move || {
+        let start = move || {
             let refs: Vec<&str> = args.iter().map(String::as_str).collect();
             pd_sim::harness::ClusterProcess::start(std::path::Path::new(BIN), &refs)
-        })
-        .await
-        .unwrap()
+        };
+        // The children carry PR_SET_PDEATHSIG, which fires when the *thread* that forked them
+        // exits: a spawn_blocking thread retires after 10 s idle and would take the cluster
+        // with it. On a multi-thread runtime fork from this worker thread instead.
+        let inner = match tokio::runtime::Handle::current().runtime_flavor() {
+            tokio::runtime::RuntimeFlavor::CurrentThread => {
+                tokio::task::spawn_blocking(start).await.unwrap()
+            }
+            _ => tokio::task::block_in_place(start),
+        }
         .expect("cluster starts");
         Cluster {
             ready: inner.ready.clone(),

@@ -1,0 +1,381 @@
+//! Detection latency, end to end: a pd-sim cluster whose router hands rejected requests to
+//! decode anyway (`handoff-after-reject`), exporting SGLang-shaped spans to a real
+//! `revenant run` (release build, OTLP only), under open-loop load from `pd-sim load`.
+//!
+//! Latency of one alert = the time this bench's webhook receiver got the POST carrying the
+//! notification − the offending event's own time (`evidence[role=offender].time_ns`: the end
+//! of the decode span that shows activity after the rejection). Both clocks are this machine's
+//! CLOCK_REALTIME. The spans' export delay (pd-sim's batch linger) is part of the figure and is
+//! set with `--otlp-linger-ms` (exported to the workers as `PD_SIM_OTLP_LINGER_MS`).
+//!
+//! A second run per rate with the `correct` router and the same load counts false positives
+//! (every violation revenant reports there is one). revenant's CPU time comes from
+//! /proc/PID/stat (utime+stime), its peak RSS from VmHWM in /proc/PID/status.
+//!
+//! ```text
+//! cargo build --release -p revenant -p pd-sim
+//! cargo bench -p pd-sim --bench detection_latency -- [--rates 1000,10000] [--seconds 10]
+//!     [--otlp-linger-ms 20] [--over-capacity-share 0.02] [--skip-clean] [--source otlp|ebpf]
+//! ```
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use pd_sim::common::now_ns;
+use pd_sim::harness::{self, ClusterProcess, RevenantProcess, ScratchDir};
+use serde_json::Value;
+
+struct Opts {
+    rates: Vec<u64>,
+    seconds: u64,
+    linger_ms: u64,
+    over_capacity_share: f64,
+    skip_clean: bool,
+    /// `otlp`: spans from every pd-sim process, revenant `--ebpf off`; `ebpf`: no spans,
+    /// revenant `--ebpf on --pid ROLE=PID` for the three processes (needs root).
+    source: String,
+}
+
+fn opts() -> Opts {
+    let mut o = Opts {
+        rates: vec![1000, 10000],
+        seconds: 10,
+        linger_ms: 20,
+        over_capacity_share: 0.02,
+        skip_clean: false,
+        source: "otlp".into(),
+    };
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        let mut val = || args.next().unwrap_or_else(|| panic!("{a} needs a value"));
+        match a.as_str() {
+            "--rates" => {
+                o.rates = val()
+                    .split(',')
+                    .map(|r| r.parse().expect("--rates: numbers"))
+                    .collect()
+            }
+            "--seconds" => o.seconds = val().parse().expect("--seconds"),
+            "--otlp-linger-ms" => o.linger_ms = val().parse().expect("--otlp-linger-ms"),
+            "--over-capacity-share" => {
+                o.over_capacity_share = val().parse().expect("--over-capacity-share")
+            }
+            "--skip-clean" => o.skip_clean = true,
+            "--source" => o.source = val(),
+            // `cargo bench` passes `--bench`; ignore it and anything else libtest-like.
+            _ => {}
+        }
+    }
+    o
+}
+
+/// Webhook POSTs as they arrive: (receive time, body).
+type Received = Arc<Mutex<Vec<(u64, Value)>>>;
+
+fn start_webhook(rt: &tokio::runtime::Runtime) -> (String, Received) {
+    let got: Received = Arc::default();
+    let listener = rt
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .expect("bind webhook receiver");
+    let addr = listener.local_addr().unwrap();
+    let g = got.clone();
+    let app = axum::Router::new().route(
+        "/hook",
+        axum::routing::post(move |body: axum::body::Bytes| {
+            let t = now_ns();
+            let g = g.clone();
+            async move {
+                if let Ok(v) = serde_json::from_slice::<Value>(&body) {
+                    g.lock().unwrap().push((t, v));
+                }
+                "ok"
+            }
+        }),
+    );
+    rt.spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    (format!("http://{addr}/hook"), got)
+}
+
+fn proc_cpu_s(pid: u32) -> f64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // Fields after the parenthesised comm: state is field 3, utime 14, stime 15.
+    let rest = s.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    (ticks(11) + ticks(12)) / hz
+}
+
+fn proc_hwm_mib(pid: u32) -> f64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.split_whitespace().next()?.parse::<f64>().ok())
+        .map(|kb| kb / 1024.0)
+        .unwrap_or(0.0)
+}
+
+fn pct(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i]
+}
+
+struct RunResult {
+    mode: &'static str,
+    target_rate: u64,
+    load: Value,
+    expected: u64,
+    violations_seen: u64,
+    notifications: usize,
+    latencies_ms: Vec<f64>,
+    internal_ms: Vec<f64>,
+    cpu_s: f64,
+    hwm_mib: f64,
+    wall_s: f64,
+    rules: std::collections::BTreeMap<String, u64>,
+    otlp_dropped: u64,
+}
+
+fn stat(url: &str) -> Value {
+    let (_, b) = harness::http_get(&format!("{url}/sim/stats")).expect("/sim/stats");
+    serde_json::from_slice(&b).expect("stats json")
+}
+
+fn one_run(
+    o: &Opts,
+    mode: &'static str,
+    rate: u64,
+    revenant_bin: &Path,
+    pd_sim: &Path,
+    rt: &tokio::runtime::Runtime,
+) -> RunResult {
+    let scratch = ScratchDir::new("detect-bench").unwrap();
+    let (hook, got) = start_webhook(rt);
+    let spool = scratch.path().join("spool").display().to_string();
+    let mut common: Vec<String> = [
+        "--admin",
+        "127.0.0.1:0",
+        "--rate-limit",
+        "0",
+        "--spool-no-fsync",
+        "--spool-dir",
+        &spool,
+        "--webhook",
+        &hook,
+        "--log-format",
+        "json",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    // SAFETY: the bench is single-threaded apart from the webhook runtime, which reads no env.
+    unsafe { std::env::set_var("PD_SIM_OTLP_LINGER_MS", o.linger_ms.to_string()) };
+    let (mut rev, cluster) = if o.source == "ebpf" {
+        // The kernel side watches the processes, so they start first (no span export).
+        let cluster = ClusterProcess::start(pd_sim, &["--mode", mode])
+            .unwrap_or_else(|e| panic!("cluster: {e}"));
+        common.extend(["--ebpf".to_string(), "on".to_string()]);
+        for role in ["router", "prefill", "decode"] {
+            let pid = cluster.ready["pids"][role].as_u64().expect("pid");
+            common.extend(["--pid".to_string(), format!("{role}={pid}")]);
+        }
+        let args: Vec<&str> = common.iter().map(String::as_str).collect();
+        let rev = RevenantProcess::start(revenant_bin, scratch.path(), &args)
+            .unwrap_or_else(|e| panic!("revenant: {e}"));
+        assert_eq!(
+            rev.ready["ebpf"], "live",
+            "eBPF source not live: {}",
+            rev.ready
+        );
+        (rev, cluster)
+    } else {
+        common.extend(["--ebpf".to_string(), "off".to_string()]);
+        let args: Vec<&str> = common.iter().map(String::as_str).collect();
+        let rev = RevenantProcess::start(revenant_bin, scratch.path(), &args)
+            .unwrap_or_else(|e| panic!("revenant: {e}"));
+        let otlp = format!("http://{}", rev.otlp_http);
+        let cluster = ClusterProcess::start(pd_sim, &["--mode", mode, "--otlp-endpoint", &otlp])
+            .unwrap_or_else(|e| panic!("cluster: {e}"));
+        (rev, cluster)
+    };
+    let cpu0 = proc_cpu_s(rev.pid);
+    let t0 = Instant::now();
+    let n = (rate * o.seconds).to_string();
+    let load = harness::run_load(
+        pd_sim,
+        &cluster.router,
+        &[
+            "--rate",
+            &rate.to_string(),
+            "--requests",
+            &n,
+            "--prompt-len",
+            "16..128",
+            "--over-capacity-share",
+            &o.over_capacity_share.to_string(),
+            "--max-inflight",
+            "8192",
+            "--request-id-prefix",
+            &format!("bench-{mode}-{rate}"),
+        ],
+    )
+    .unwrap_or_else(|e| panic!("load: {e}"));
+    let prefill = stat(&cluster.prefill);
+    let expected = prefill["worker"]["kv_transfers_after_reject"]
+        .as_u64()
+        .unwrap_or(0);
+    // Drain: wait for the alerts the simulator says are due (or, in the clean run, for the
+    // pipeline to go quiet), bounded.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut last = (0u64, Instant::now());
+    loop {
+        let seen = rev
+            .admin_json("/api/violations?limit=1")
+            .map(|(_, v)| v["total_seen"].as_u64().unwrap_or(0))
+            .unwrap_or(0);
+        let delivered: usize = got
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(_, b)| b["alerts"].as_array().map_or(0, Vec::len))
+            .sum();
+        if seen != last.0 {
+            last = (seen, Instant::now());
+        }
+        let quiet = last.1.elapsed() > Duration::from_secs(if mode == "correct" { 8 } else { 5 });
+        if (seen >= expected && delivered as u64 >= seen && quiet) || Instant::now() > deadline {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let wall_s = t0.elapsed().as_secs_f64();
+    let cpu_s = proc_cpu_s(rev.pid) - cpu0;
+    let hwm_mib = proc_hwm_mib(rev.pid);
+    let violations_seen = rev
+        .admin_json("/api/violations?limit=1")
+        .map(|(_, v)| v["total_seen"].as_u64().unwrap_or(0))
+        .unwrap_or(0);
+    let mut latencies_ms = Vec::new();
+    let mut internal_ms = Vec::new();
+    let mut rules = std::collections::BTreeMap::new();
+    let mut notifications = 0;
+    for (t, body) in got.lock().unwrap().iter() {
+        for a in body["alerts"].as_array().into_iter().flatten() {
+            if a["type"] != "violation" {
+                continue;
+            }
+            notifications += 1;
+            *rules
+                .entry(a["rule"].as_str().unwrap_or("?").to_string())
+                .or_insert(0) += 1;
+            if a["rule"] != "activity-after-rejection" {
+                continue;
+            }
+            let offender = a["evidence"]
+                .as_array()
+                .and_then(|e| e.iter().find(|e| e["role"] == "offender"))
+                .and_then(|e| e["time_ns"].as_u64());
+            if let Some(off) = offender {
+                latencies_ms.push((*t as f64 - off as f64) / 1e6);
+                if let Some(r) = a["received_at_ns"].as_u64() {
+                    internal_ms.push((r as f64 - off as f64) / 1e6);
+                }
+            }
+        }
+    }
+    latencies_ms.sort_by(f64::total_cmp);
+    internal_ms.sort_by(f64::total_cmp);
+    let otlp_dropped = [&cluster.prefill, &cluster.decode]
+        .iter()
+        .map(|u| {
+            let s = stat(u);
+            s["otlp"]["spans_dropped_queue_full"].as_u64().unwrap_or(0)
+                + s["otlp"]["spans_failed"].as_u64().unwrap_or(0)
+        })
+        .sum::<u64>();
+    drop(cluster);
+    let summary = rev.stop().unwrap_or_else(|e| e.to_string());
+    if std::env::var_os("BENCH_VERBOSE").is_some() {
+        eprintln!("{summary}");
+    }
+    RunResult {
+        mode,
+        target_rate: rate,
+        load,
+        expected,
+        violations_seen,
+        notifications,
+        latencies_ms,
+        internal_ms,
+        cpu_s,
+        hwm_mib,
+        wall_s,
+        rules,
+        otlp_dropped,
+    }
+}
+
+fn report(r: &RunResult) {
+    let l = &r.load;
+    println!(
+        "{mode:<21} target {rate:>6}/s achieved {ach:>7.0}/s sent {sent} ok {ok} errors {err} | due {due} violations {v} notified {n} {rules:?} | \
+         latency p50 {p50:.1} ms p99 {p99:.1} ms max {max:.1} ms (dispatcher accept p50 {i50:.1} p99 {i99:.1}) | \
+         revenant CPU {cpu:.2} s in {wall:.1} s ({per:.1} µs/request), peak RSS {hwm:.0} MiB | spans dropped/failed at pd-sim {drop}",
+        mode = r.mode,
+        rate = r.target_rate,
+        ach = l["achieved_rate"].as_f64().unwrap_or(0.0),
+        sent = l["sent"],
+        ok = l["ok"],
+        err = l["errors"],
+        due = r.expected,
+        v = r.violations_seen,
+        n = r.notifications,
+        rules = r.rules,
+        p50 = pct(&r.latencies_ms, 0.5),
+        p99 = pct(&r.latencies_ms, 0.99),
+        max = r.latencies_ms.last().copied().unwrap_or(f64::NAN),
+        i50 = pct(&r.internal_ms, 0.5),
+        i99 = pct(&r.internal_ms, 0.99),
+        cpu = r.cpu_s,
+        wall = r.wall_s,
+        per = r.cpu_s * 1e6 / l["sent"].as_f64().unwrap_or(1.0).max(1.0),
+        hwm = r.hwm_mib,
+        drop = r.otlp_dropped,
+    );
+}
+
+fn main() {
+    let o = opts();
+    let revenant =
+        harness::workspace_bin("revenant", "REVENANT_BIN").unwrap_or_else(|e| panic!("{e}"));
+    let pd_sim: PathBuf =
+        harness::workspace_bin("pd-sim", "PD_SIM_BIN").unwrap_or_else(|e| panic!("{e}"));
+    eprintln!(
+        "detection_latency: revenant {} , pd-sim {}, source {}, OTLP linger {} ms, {} s per rate",
+        revenant.display(),
+        pd_sim.display(),
+        o.source,
+        o.linger_ms,
+        o.seconds
+    );
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    for &rate in &o.rates {
+        let r = one_run(&o, "handoff-after-reject", rate, &revenant, &pd_sim, &rt);
+        report(&r);
+        if !o.skip_clean {
+            let c = one_run(&o, "correct", rate, &revenant, &pd_sim, &rt);
+            report(&c);
+        }
+    }
+}

@@ -1,0 +1,445 @@
+//! End-to-end test 3 of the flagship issue: the real sglang-router 0.3.2 (`smg`, with
+//! `--enable-trace` exporting to revenant) in front of the simulator's prefill and decode (also
+//! exporting SGLang-shaped spans to revenant), and `revenant run --ebpf off`: OTLP alone.
+//!
+//! Needs the wheel and the revenant binary, so it is ignored by default; `cargo xtask test` runs
+//! it with PD_SIM_SMG set (and builds revenant first). By hand:
+//!   cargo build -p revenant && PD_SIM_SMG=target/xtask-venv/bin/smg \
+//!     cargo test -p pd-sim --test e2e_real_router -- --ignored
+//!
+//! What the real router does (observed, and asserted through the simulator's own accounting):
+//! it sends the same `/generate` to prefill and decode at once with a fresh `bootstrap_room`;
+//! when prefill refuses (400 capacity, 503 queue full) the decode leg is not cancelled: decode
+//! bootstraps the refused room with prefill, waits for KV that never comes, answers 500, and the
+//! router retries the whole request with a new room (same `x-request-id`, same trace id: smg
+//! propagates its trace context to both workers).
+
+mod support;
+
+use std::collections::{BTreeSet, HashSet};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use pd_sim::common::http_client;
+use pd_sim::harness::{self, RevenantProcess, ScratchDir, SmgProcess};
+use serde_json::{Value, json};
+use support::*;
+
+/// Flags every revenant in these tests gets: OTLP alone (eBPF is another test's subject), admin
+/// on an ephemeral port, no rate limit, the spool in the scratch dir.
+fn revenant_args(dir: &std::path::Path) -> Vec<String> {
+    let spool = dir.join("spool").display().to_string();
+    [
+        "--ebpf",
+        "off",
+        "--admin",
+        "127.0.0.1:0",
+        "--rate-limit",
+        "0",
+        "--spool-no-fsync",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .chain(["--spool-dir".to_string(), spool])
+    .collect()
+}
+
+fn smg_bin() -> PathBuf {
+    let p = std::env::var_os("PD_SIM_SMG").unwrap_or_else(|| {
+        panic!(
+            "PD_SIM_SMG is not set: point it at the `smg` binary of sglang-router 0.3.2 \
+             (`cargo xtask test` creates target/xtask-venv and sets it)"
+        )
+    });
+    let p = PathBuf::from(p);
+    assert!(p.is_file(), "PD_SIM_SMG={} does not exist", p.display());
+    p
+}
+
+fn revenant_bin() -> PathBuf {
+    harness::workspace_bin("revenant", "REVENANT_BIN").unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// revenant + simulator workers exporting to it + the real smg exporting to it.
+struct Setup {
+    // Field order is drop order: router first, then workers, then the monitor.
+    smg: SmgProcess,
+    cluster: Cluster,
+    revenant: RevenantProcess,
+    scratch: ScratchDir,
+}
+
+async fn setup(tag: &str, prefill_args: &str, decode_args: &str) -> Setup {
+    let smg = smg_bin();
+    let scratch = ScratchDir::new(tag).unwrap();
+    let dir = scratch.path().to_path_buf();
+    let revenant = tokio::task::block_in_place(move || {
+        let args = revenant_args(&dir);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        RevenantProcess::start(&revenant_bin(), &dir, &args)
+    })
+    .unwrap_or_else(|e| panic!("revenant: {e}"));
+    let otlp = format!("http://{}", revenant.otlp_http);
+    let cluster = Cluster::start(
+        "correct",
+        &[
+            "--no-router",
+            "--otlp-endpoint",
+            &otlp,
+            "--prefill-args",
+            prefill_args,
+            "--decode-args",
+            decode_args,
+        ],
+    )
+    .await;
+    let model = scratch.path().join("model");
+    harness::write_tiny_model(&model).unwrap();
+    let log = scratch.path().join("smg.log");
+    let grpc = revenant.otlp_grpc.clone();
+    let inner: &pd_sim::harness::ClusterProcess = &cluster;
+    // smg's startup (worker discovery, tokenizer) takes about a second; wait on its /health.
+    let smg = tokio::task::block_in_place(|| {
+        SmgProcess::start(
+            &smg,
+            inner,
+            &model,
+            Some(&grpc),
+            &log,
+            &["--retry-initial-backoff-ms", "10"],
+        )
+    })
+    .unwrap_or_else(|e| panic!("smg: {e}"));
+    Setup {
+        smg,
+        cluster,
+        revenant,
+        scratch,
+    }
+}
+
+impl Setup {
+    /// Every violation the checker found (admin `/api/violations`: not deduplicated).
+    fn violations(&self) -> Vec<Value> {
+        let (status, v) = self
+            .revenant
+            .admin_json("/api/violations?limit=10000")
+            .unwrap_or_else(|e| panic!("admin: {e}"));
+        assert_eq!(status, 200, "{v}");
+        v["violations"].as_array().cloned().unwrap_or_default()
+    }
+
+    /// The admin server's Prometheus text.
+    fn metrics(&self) -> String {
+        let (_, b) = harness::http_get(&format!("http://{}/metrics", self.revenant.admin))
+            .unwrap_or_else(|e| panic!("admin /metrics: {e}"));
+        String::from_utf8_lossy(&b).into_owned()
+    }
+
+    /// What the sinks delivered: the alerts JSONL lines (notifications).
+    fn notifications(&self) -> Vec<Value> {
+        self.revenant.alerts()
+    }
+
+    fn context(&self) -> String {
+        format!(
+            "revenant stderr:\n{}\nviolations:\n{}\nnotifications:\n{}\n(scratch dir {}; set PD_SIM_KEEP_SCRATCH=1 to keep it)",
+            self.revenant.stderr_tail(),
+            self.violations()
+                .iter()
+                .map(Value::to_string)
+                .collect::<Vec<_>>()
+                .join("\n"),
+            self.notifications()
+                .iter()
+                .map(Value::to_string)
+                .collect::<Vec<_>>()
+                .join("\n"),
+            self.scratch.path().display()
+        )
+    }
+}
+
+/// The simulator's accounting of one client request at one worker: its rooms, by x-request-id.
+async fn attempts_at(base: &str, request_id: &str) -> Vec<Value> {
+    let client = http_client(2);
+    rooms(&client, base)
+        .await
+        .into_iter()
+        .filter(|r| r["request_id"] == request_id)
+        .collect()
+}
+
+fn room_set(rs: &[Value]) -> BTreeSet<u64> {
+    rs.iter().map(|r| r["room"].as_u64().unwrap()).collect()
+}
+
+/// Sum of a metric's samples over all its label sets (0 when absent).
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|r| r.starts_with(' ') || r.starts_with('{'))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// A room as the timeline prints it (`0x…`).
+struct BootstrapRoomHex(u64);
+impl std::str::FromStr for BootstrapRoomHex {
+    type Err = std::num::ParseIntError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        u64::from_str_radix(s.trim_start_matches("0x"), 16).map(BootstrapRoomHex)
+    }
+}
+
+/// The trace id revenant saw on the router's span for this x-request-id.
+fn router_trace(events: &[Value], request_id: &str) -> Option<String> {
+    events
+        .iter()
+        .map(|e| e.get("event").unwrap_or(e))
+        .find(|e| e["stage"] == "router" && e["ids"]["request_id"] == request_id)
+        .and_then(|e| e["ids"]["trace_id"].as_str().map(str::to_owned))
+}
+
+/// Drive one request through smg and wait until the simulator says every attempt is over
+/// (prefill refused it, decode's leg ended); returns the prefill rooms.
+async fn refused_request(
+    s: &Setup,
+    request_id: &str,
+    body: Value,
+    prefill_status: u64,
+) -> Vec<Value> {
+    let client = http_client(2);
+    let (status, resp) = post(
+        &client,
+        &format!("{}/generate", s.smg.url),
+        request_id,
+        body,
+    )
+    .await;
+    assert_ne!(status, 200, "{}", String::from_utf8_lossy(&resp));
+    let prefill = attempts_at(&s.cluster.prefill, request_id).await;
+    assert!(!prefill.is_empty(), "prefill never saw {request_id}");
+    assert!(
+        prefill.iter().all(|r| r["status"] == prefill_status),
+        "{prefill:?}"
+    );
+    assert_eq!(
+        room_set(&prefill).len(),
+        prefill.len(),
+        "a new bootstrap_room per attempt: {prefill:?}"
+    );
+    // The decode leg was never cancelled: it bootstrapped every refused room with prefill.
+    assert!(
+        prefill.iter().all(|r| r["bootstrap_frames"] == 1),
+        "{prefill:?}"
+    );
+    let n = prefill.len();
+    let decode = eventually("decode legs end", Duration::from_secs(20), || {
+        let (url, id) = (s.cluster.decode.clone(), request_id.to_string());
+        async move {
+            let d = attempts_at(&url, &id).await;
+            (d.len() == n && d.iter().all(|r| r["outcome"] == "kv-failed")).then_some(d)
+        }
+    })
+    .await;
+    assert_eq!(room_set(&decode), room_set(&prefill));
+    prefill
+}
+
+/// Every attempt of `request_id` yields exactly one activity-after-rejection, with prefill's
+/// refusal as trigger and decode's bootstrap as offender, all under the router's trace; nothing
+/// else fires. Returns the violations.
+async fn expect_one_violation_per_attempt(
+    s: &Setup,
+    request_id: &str,
+    rooms: &BTreeSet<u64>,
+) -> Vec<Value> {
+    let trace = eventually(
+        "the router's span reaches revenant",
+        Duration::from_secs(30),
+        || {
+            let ev = s.revenant.events();
+            async move { router_trace(&ev, request_id) }
+        },
+    )
+    .await;
+    let found = eventually(
+        "a violation for every refused attempt",
+        Duration::from_secs(30),
+        || {
+            let v = s.violations();
+            let rooms = rooms.clone();
+            async move {
+                let seen: BTreeSet<u64> = v
+                    .iter()
+                    .filter_map(|v| v["attempt"]["bootstrap_room"].as_u64())
+                    .collect();
+                rooms.is_subset(&seen).then_some(v)
+            }
+        },
+    )
+    .await;
+    let ctx = s.context();
+    let mine: Vec<Value> = found
+        .iter()
+        .filter(|v| v["request"]["trace_id"] == trace.as_str())
+        .cloned()
+        .collect();
+    assert_eq!(
+        mine.len(),
+        found.len(),
+        "violations outside the request: {ctx}"
+    );
+    for v in &mine {
+        assert_eq!(v["rule"], "activity-after-rejection", "{ctx}");
+        let ev = v["evidence"].as_array().unwrap();
+        let trigger = ev.iter().find(|e| e["role"] == "trigger").unwrap();
+        let offender = ev.iter().find(|e| e["role"] == "offender").unwrap();
+        assert_eq!(
+            (&trigger["stage"], &trigger["kind"], &trigger["source"]),
+            (&json!("prefill"), &json!("rejected"), &json!("otlp")),
+            "{ctx}"
+        );
+        assert_eq!(offender["stage"], "decode", "{ctx}");
+        assert!(
+            offender["time_ns"].as_u64() > trigger["time_ns"].as_u64(),
+            "{ctx}"
+        );
+    }
+    let per_room: Vec<u64> = mine
+        .iter()
+        .filter_map(|v| v["attempt"]["bootstrap_room"].as_u64())
+        .collect();
+    assert_eq!(
+        per_room.len(),
+        rooms.len(),
+        "exactly one violation per attempt: {ctx}"
+    );
+    assert_eq!(&per_room.iter().copied().collect::<BTreeSet<_>>(), rooms);
+    // Notified once. The violations themselves may carry two fingerprints (keyed by the trace id
+    // before smg's span brings the x-request-id, by the x-request-id after); the alert layer
+    // treats a violation sharing a request alias with a tracked one as a repeat.
+    let fingerprints: HashSet<&str> = mine
+        .iter()
+        .map(|v| v["fingerprint"].as_str().unwrap())
+        .collect();
+    if fingerprints.len() > 1 {
+        eprintln!(
+            "note: {request_id}: violations carry {} fingerprints",
+            fingerprints.len()
+        );
+    }
+    // Wait until the dispatcher has judged every violation and the JSONL sink has written what
+    // it notified, so a second notification could not still be on its way.
+    let n = mine.len() as f64;
+    eventually("the dispatcher settles", Duration::from_secs(15), || {
+        let m = s.metrics();
+        async move {
+            let judged = metric(&m, "revenant_alerts_notified_total")
+                + metric(&m, "revenant_alerts_deduplicated_total");
+            let written = metric(&m, "revenant_alert_delivered_notifications_total");
+            (metric(&m, "revenant_alerts_received_total") >= n && judged >= n && written >= 1.0)
+                .then_some(())
+        }
+    })
+    .await;
+    let notified: Vec<Value> = s
+        .notifications()
+        .into_iter()
+        .filter(|n| n["type"] == "violation")
+        .collect();
+    assert_eq!(notified.len(), 1, "notified once: {ctx}");
+    assert_eq!(notified[0]["rule"], "activity-after-rejection");
+    assert_eq!(notified[0]["request"]["trace_id"], trace.as_str(), "{ctx}");
+    // The admin timeline, looked up by the client's x-request-id, holds every attempt.
+    let (status, t) = s
+        .revenant
+        .admin_json(&format!("/api/requests/{request_id}"))
+        .unwrap();
+    assert_eq!(status, 200, "{t}");
+    assert_eq!(t["aliases"]["request_ids"], json!([request_id]), "{t}");
+    assert_eq!(t["aliases"]["trace_ids"], json!([trace]), "{t}");
+    let timeline_rooms: BTreeSet<u64> = t["aliases"]["bootstrap_rooms"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r.as_str().unwrap().parse::<BootstrapRoomHex>().unwrap().0)
+        .collect();
+    assert_eq!(
+        &timeline_rooms, rooms,
+        "every attempt in the request's timeline: {t}"
+    );
+    mine
+}
+
+/// (a) A prefill capacity rejection (400, input over `max_req_input_len`) whose decode leg
+/// continues. Decode is slowed (`--bootstrap-delay-us`, a busy decode) so that its bootstrap of
+/// the refused room comes after the refusal: then "activity after rejection" is the honest
+/// verdict for every attempt. Without the delay the real router races: decode may bootstrap
+/// before prefill has refused, and that attempt is not "activity after" anything — its decode leg
+/// then ends by KV timeout (here 300 ms), inside `orphaned-leg`'s 5 s, so nothing fires for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs PD_SIM_SMG (sglang-router 0.3.2 `smg`) and the revenant binary"]
+async fn smg_capacity_rejection_with_live_decode_leg_is_activity_after_rejection() {
+    let s = setup(
+        "e2e-smg-400",
+        "",
+        "--kv-timeout-ms 300 --bootstrap-delay-us 150000",
+    )
+    .await;
+    // A request that fits: served, no violation.
+    let client = http_client(2);
+    let (status, body) = post(
+        &client,
+        &format!("{}/generate", s.smg.url),
+        "e2e-ok",
+        json!({"text": words(8)}),
+    )
+    .await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+
+    let prefill = refused_request(&s, "e2e-rej", json!({"text": words(5000)}), 400).await;
+    let rooms = room_set(&prefill);
+    let v = expect_one_violation_per_attempt(&s, "e2e-rej", &rooms).await;
+    for v in &v {
+        let trigger = &v["evidence"][0];
+        assert!(
+            trigger["reason"]
+                .as_str()
+                .is_some_and(|r| r.contains("exceeds the maximum allowed length")),
+            "{v}"
+        );
+    }
+    eprintln!(
+        "smg made {} attempts for e2e-rej; {} violations",
+        rooms.len(),
+        v.len()
+    );
+}
+
+/// (b) The 503 retry storm: prefill answers every attempt "queue full" (`--overload-share 1`);
+/// smg retries with a new bootstrap_room each time under one x-request-id. revenant correlates
+/// the attempts as one request (one trace, one fingerprint) and flags each refused attempt whose
+/// decode leg went on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs PD_SIM_SMG (sglang-router 0.3.2 `smg`) and the revenant binary"]
+async fn smg_503_retry_storm_is_one_request_with_several_attempts() {
+    let s = setup(
+        "e2e-smg-503",
+        "--overload-share 1",
+        "--kv-timeout-ms 300 --bootstrap-delay-us 150000",
+    )
+    .await;
+    let prefill = refused_request(&s, "e2e-storm", json!({"text": words(8)}), 503).await;
+    let rooms = room_set(&prefill);
+    assert!(rooms.len() >= 2, "smg retried: {prefill:?}");
+    let v = expect_one_violation_per_attempt(&s, "e2e-storm", &rooms).await;
+    eprintln!(
+        "smg made {} attempts for e2e-storm; {} violations",
+        rooms.len(),
+        v.len()
+    );
+}
