@@ -627,6 +627,10 @@ pub struct Request {
     pub last_ns: u64,
     pub live: bool,
     pub fired: u64,
+    /// The alias the request's first violation was fingerprinted with. Aliases arrive in any
+    /// order (smg's span, the only one with the x-request-id, comes when the request is over),
+    /// so later violations reuse it: one request, one fingerprint, one notification.
+    pub fingerprint_alias: Option<Box<str>>,
 }
 
 /// What is left of a finished attempt: enough to catch late activity on a rejected attempt.
@@ -1166,6 +1170,7 @@ impl Store {
             last_ns: 0,
             live: true,
             fired: 0,
+            fingerprint_alias: None,
         };
         let i = match self.free_requests.pop() {
             Some(i) => {
@@ -1217,6 +1222,9 @@ impl Store {
         }
         if self.requests[t].trace_id.is_none() {
             self.requests[t].trace_id = self.requests[f].trace_id.clone();
+        }
+        if self.requests[t].fingerprint_alias.is_none() {
+            self.requests[t].fingerprint_alias = self.requests[f].fingerprint_alias.take();
         }
         self.stats.requests_merged += 1;
         into

@@ -175,6 +175,17 @@ fn a_retry_storm_is_one_request_with_one_fingerprint() {
     );
 }
 
+/// Real arrival order over OTLP: the worker spans (trace id only) come first, smg's span with the
+/// x-request-id last. The fingerprint must not change when the x-request-id turns up.
+#[test]
+fn a_retry_storm_seen_through_otlp_keeps_one_fingerprint() {
+    let events = load(&scenario_dir().join("smg-503-retry-storm-otlp-arrival.jsonl"));
+    let got = run(&events, CheckerConfig::default());
+    assert_eq!(got.len(), 5);
+    let fps: BTreeSet<_> = got.iter().map(|v| v.fingerprint.clone()).collect();
+    assert_eq!(fps.len(), 1, "one request, one fingerprint: {got:#?}");
+}
+
 #[test]
 fn a_shared_trace_id_never_merges_attempts() {
     // In legit-retry-succeeds both attempts carry the router's trace id; were they merged, the

@@ -1219,7 +1219,7 @@ impl Checker {
                 }
             })
             .unwrap_or_default();
-        let primary = request
+        let mut primary = request
             .request_id
             .as_ref()
             .map(|s| format!("request_id:{s}"))
@@ -1228,6 +1228,20 @@ impl Checker {
             .or_else(|| f.attempt.rid.as_ref().map(|s| format!("rid:{s}")))
             .or_else(|| f.worker.map(|w| format!("worker:{w}")))
             .unwrap_or_default();
+        // The first violation of a request pins its fingerprint alias: an alias learnt later
+        // (the x-request-id on the router's span at the very end) must not split one request's
+        // retry storm into two notifications.
+        if let Some(r) = f.request {
+            let r = self.store.find(r);
+            let req = &mut self.store.requests[r as usize];
+            match &req.fingerprint_alias {
+                Some(pinned) => primary = pinned.to_string(),
+                None if !primary.is_empty() => {
+                    req.fingerprint_alias = Some(primary.clone().into_boxed_str())
+                }
+                None => {}
+            }
+        }
         let fingerprint = format!(
             "{:016x}",
             violation::fnv1a(&[rule.name.as_bytes(), primary.as_bytes()])
