@@ -627,10 +627,6 @@ pub struct Request {
     pub last_ns: u64,
     pub live: bool,
     pub fired: u64,
-    /// The alias the request's first violation was fingerprinted with. Aliases arrive in any
-    /// order (smg's span, the only one with the x-request-id, comes when the request is over),
-    /// so later violations reuse it: one request, one fingerprint, one notification.
-    pub fingerprint_alias: Option<Box<str>>,
 }
 
 /// What is left of a finished attempt: enough to catch late activity on a rejected attempt.
@@ -725,6 +721,10 @@ pub struct Store {
     /// Per (owner, rule) that fired: a bit per `Source` seen in its reported evidence, so a source
     /// that saw the breach later corroborates it once. Only owners with fired bits have entries.
     reported: HashMap<(Owner, u8), u8, FixedState>,
+    /// The alias each request's first violation was fingerprinted with, for requests that fired
+    /// only. Aliases arrive in any order (smg's span, the only one with the x-request-id, comes
+    /// when the request is over), so later violations reuse it: one request, one fingerprint.
+    pinned_alias: HashMap<u32, Box<str>, FixedState>,
 
     pub requests: Chunked<Request>,
     pub request_slots: Chunked<Slot>,
@@ -771,6 +771,7 @@ impl Store {
             aliases: alias::Table::default(),
             reasons: HashMap::with_hasher(hasher()),
             reported: HashMap::with_hasher(hasher()),
+            pinned_alias: HashMap::with_hasher(hasher()),
             requests: Chunked::new(1),
             request_slots: Chunked::new(request_keeps.len()),
             request_keeps,
@@ -816,6 +817,14 @@ impl Store {
     }
     pub fn set_reason_once(&mut self, a: u32, reason: &str) {
         self.reasons.entry(a).or_insert_with(|| reason.into());
+    }
+
+    /// The fingerprint alias pinned by request `r`'s first violation (`r` a union-find root).
+    pub fn pinned_alias(&self, r: u32) -> Option<&str> {
+        self.pinned_alias.get(&r).map(|s| &**s)
+    }
+    pub fn pin_alias(&mut self, r: u32, alias: &str) {
+        self.pinned_alias.entry(r).or_insert_with(|| alias.into());
     }
 
     /// Sources (bit per `Source`) in the evidence reported so far for `rule` of `owner`.
@@ -1170,7 +1179,6 @@ impl Store {
             last_ns: 0,
             live: true,
             fired: 0,
-            fingerprint_alias: None,
         };
         let i = match self.free_requests.pop() {
             Some(i) => {
@@ -1216,15 +1224,16 @@ impl Store {
         if fired != 0 {
             self.move_reported(Owner::Request(from), Owner::Request(into), fired);
         }
+        // The merged request keeps the older pin when both have one (its alerts went out first).
+        if let Some(p) = self.pinned_alias.remove(&from) {
+            self.pinned_alias.entry(into).or_insert(p);
+        }
         self.requests[t].last_ns = self.requests[t].last_ns.max(self.requests[f].last_ns);
         if self.requests[t].request_id.is_none() {
             self.requests[t].request_id = self.requests[f].request_id.clone();
         }
         if self.requests[t].trace_id.is_none() {
             self.requests[t].trace_id = self.requests[f].trace_id.clone();
-        }
-        if self.requests[t].fingerprint_alias.is_none() {
-            self.requests[t].fingerprint_alias = self.requests[f].fingerprint_alias.take();
         }
         self.stats.requests_merged += 1;
         into
@@ -1464,6 +1473,7 @@ impl Store {
         if fired != 0 {
             self.drop_reported(Owner::Request(i), fired);
         }
+        self.pinned_alias.remove(&i);
         let r = &mut self.requests[i as usize];
         r.live = false;
         r.parent = NONE;

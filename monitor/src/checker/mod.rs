@@ -1233,12 +1233,9 @@ impl Checker {
         // retry storm into two notifications.
         if let Some(r) = f.request {
             let r = self.store.find(r);
-            let req = &mut self.store.requests[r as usize];
-            match &req.fingerprint_alias {
+            match self.store.pinned_alias(r) {
                 Some(pinned) => primary = pinned.to_string(),
-                None if !primary.is_empty() => {
-                    req.fingerprint_alias = Some(primary.clone().into_boxed_str())
-                }
+                None if !primary.is_empty() => self.store.pin_alias(r, &primary),
                 None => {}
             }
         }
