@@ -352,6 +352,12 @@ fn report(r: &RunResult) {
 }
 
 fn main() {
+    // `cargo test --all-targets` runs bench binaries without `--bench`: it must not start a
+    // minutes-long measurement there.
+    if !std::env::args().any(|a| a == "--bench") {
+        println!("detection_latency: run with `cargo bench -p pd-sim --bench detection_latency`");
+        return;
+    }
     let o = opts();
     let revenant =
         harness::workspace_bin("revenant", "REVENANT_BIN").unwrap_or_else(|e| panic!("{e}"));
