@@ -384,6 +384,8 @@ fn broken_config_exits_2_without_binding() {
     )
     .unwrap();
     let missing = dir.join("no-such-secret");
+    let bad_rules = dir.join("rules.yaml");
+    std::fs::write(&bad_rules, "rules:\n  - name: x\n    unknwn_field: 1\n").unwrap();
     for (args, needle) in [
         (
             vec![
@@ -403,6 +405,11 @@ fn broken_config_exits_2_without_binding() {
             "no-such-secret",
         ),
         (vec!["--log-level".into(), "info,[[[".into()], "log-level"),
+        (
+            vec!["--rules".to_string(), bad_rules.display().to_string()],
+            "unknwn_field",
+        ),
+        (vec!["--channel-capacity".into(), "0".into()], "channel_capacity"),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_revenant"))
             .args([
