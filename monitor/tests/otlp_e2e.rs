@@ -409,7 +409,10 @@ fn broken_config_exits_2_without_binding() {
             vec!["--rules".to_string(), bad_rules.display().to_string()],
             "unknwn_field",
         ),
-        (vec!["--channel-capacity".into(), "0".into()], "channel_capacity"),
+        (
+            vec!["--channel-capacity".into(), "0".into()],
+            "channel_capacity",
+        ),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_revenant"))
             .args([

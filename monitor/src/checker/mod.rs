@@ -557,16 +557,11 @@ impl Checker {
                             as_forbidden: hit & (1 << slots.other) != 0,
                         };
                         let owner = Owner::Attempt(a);
-                        let follow_up = if self.store.attempts[a as usize].fired & bit != 0 {
-                            match self.corroboration(ri, owner, current, &triggers, &forbidden) {
-                                Some(c) => Some(c),
-                                None => {
-                                    self.stats.repeats += 1;
-                                    continue;
-                                }
-                            }
-                        } else {
-                            None
+                        let fired = self.store.attempts[a as usize].fired & bit != 0;
+                        let Some(follow_up) =
+                            self.follow_up(fired, ri, owner, current, &triggers, &forbidden)
+                        else {
+                            continue;
                         };
                         self.store.attempts[a as usize].fired |= bit;
                         let offender_is_current =
@@ -926,16 +921,9 @@ impl Checker {
         };
         let bit = 1u64 << ri;
         let owner = Owner::Request(r);
-        let follow_up = if self.store.requests[r as usize].fired & bit != 0 {
-            match self.corroboration(ri, owner, cur, &triggers, &forbidden) {
-                Some(c) => Some(c),
-                None => {
-                    self.stats.repeats += 1;
-                    return;
-                }
-            }
-        } else {
-            None
+        let fired = self.store.requests[r as usize].fired & bit != 0;
+        let Some(follow_up) = self.follow_up(fired, ri, owner, cur, &triggers, &forbidden) else {
+            return;
         };
         self.store.requests[r as usize].fired |= bit;
         let attempt = match (a, e) {
@@ -961,6 +949,28 @@ impl Checker {
 
     /// For a (rule, owner) that already fired: the current event's part in a breach, when its
     /// source is in none of the evidence reported so far (at most one follow-up per source).
+    /// What a breach of rule `ri` by `owner` becomes: `Some(None)` a first report,
+    /// `Some(Some(c))` a corroborating follow-up of one already made, `None` a plain repeat
+    /// (counted, not reported).
+    fn follow_up(
+        &mut self,
+        fired: bool,
+        ri: usize,
+        owner: Owner,
+        cur: Current,
+        triggers: &[Slot],
+        forbidden: &[Slot],
+    ) -> Option<Option<(Role, Slot)>> {
+        if !fired {
+            return Some(None);
+        }
+        let c = self.corroboration(ri, owner, cur, triggers, forbidden);
+        if c.is_none() {
+            self.stats.repeats += 1;
+        }
+        c.map(Some)
+    }
+
     fn corroboration(
         &self,
         ri: usize,
