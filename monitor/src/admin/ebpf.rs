@@ -10,23 +10,13 @@ use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::metrics::counter::ConstCounter;
-use prometheus_client::metrics::gauge::ConstGauge;
 
+use super::metrics::{counter as counter_metric, gauge as gauge_metric};
 use crate::ingest::ebpf::EbpfStats;
 
 #[derive(Debug, Default)]
 pub(super) struct EbpfCollector {
     pub(super) stats: Mutex<Option<Arc<EbpfStats>>>,
-}
-
-fn counter_metric(enc: &mut DescriptorEncoder, name: &str, help: &str, v: u64) -> std::fmt::Result {
-    let m = enc.encode_descriptor(name, help, None, MetricType::Counter)?;
-    ConstCounter::new(v).encode(m)
-}
-
-fn gauge_metric(enc: &mut DescriptorEncoder, name: &str, help: &str, v: i64) -> std::fmt::Result {
-    let m = enc.encode_descriptor(name, help, None, MetricType::Gauge)?;
-    ConstGauge::new(v).encode(m)
 }
 
 impl Collector for EbpfCollector {
@@ -88,19 +78,19 @@ impl Collector for EbpfCollector {
             &mut enc,
             "revenant_ebpf_watched_processes",
             "Processes the probes currently watch",
-            s.watched_processes.load(Relaxed) as i64,
+            s.watched_processes.load(Relaxed) as f64,
         )?;
         gauge_metric(
             &mut enc,
             "revenant_ebpf_connections",
             "Connections the eBPF tracker currently holds state for",
-            s.connections.load(Relaxed) as i64,
+            s.connections.load(Relaxed) as f64,
         )?;
         gauge_metric(
             &mut enc,
             "revenant_ebpf_coverage_degraded",
             "1 while kernel capture is losing data (ring buffer or tables full, pipeline full)",
-            i64::from(s.coverage_degraded()),
+            f64::from(u8::from(s.coverage_degraded())),
         )
     }
 }

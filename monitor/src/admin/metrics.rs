@@ -435,13 +435,23 @@ struct CheckerCollector {
     last: Mutex<Option<CheckerSnapshot>>,
 }
 
-fn counter(enc: &mut DescriptorEncoder, name: &str, help: &str, v: u64) -> std::fmt::Result {
+pub(super) fn counter(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    v: u64,
+) -> std::fmt::Result {
     let c = ConstCounter::new(v);
     let m = enc.encode_descriptor(name, help, None, c.metric_type())?;
     c.encode(m)
 }
 
-fn gauge(enc: &mut DescriptorEncoder, name: &str, help: &str, v: f64) -> std::fmt::Result {
+pub(super) fn gauge(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    v: f64,
+) -> std::fmt::Result {
     let g = ConstGauge::new(v);
     let m = enc.encode_descriptor(name, help, None, g.metric_type())?;
     g.encode(m)
