@@ -90,26 +90,34 @@ mod alias {
             self.buckets.capacity() * std::mem::size_of::<Bucket>()
         }
 
-        pub fn get(&self, key: u64) -> Option<u32> {
+        /// The bucket holding normalized `key`, or the empty bucket ending its probe run
+        /// (`found` false). The table must have buckets and at least one empty one.
+        #[inline]
+        fn probe(&self, key: u64) -> (usize, bool) {
             let n = self.buckets.len();
-            if n == 0 {
-                return None;
-            }
-            let key = norm(key);
             let mut i = self.home(key);
             loop {
-                let b = self.buckets[i];
-                let k = b.key;
+                let k = self.buckets[i].key;
                 if k == key {
-                    return Some(b.val);
+                    return (i, true);
                 }
                 if k == 0 {
-                    return None;
+                    return (i, false);
                 }
                 i += 1;
                 if i == n {
                     i = 0;
                 }
+            }
+        }
+
+        pub fn get(&self, key: u64) -> Option<u32> {
+            if self.buckets.is_empty() {
+                return None;
+            }
+            match self.probe(norm(key)) {
+                (i, true) => Some(self.buckets[i].val),
+                (_, false) => None,
             }
         }
 
@@ -120,23 +128,12 @@ mod alias {
                 self.grow();
             }
             let key = norm(key);
-            let n = self.buckets.len();
-            let mut i = self.home(key);
-            loop {
-                let k = self.buckets[i].key;
-                if k == key {
-                    let old = self.buckets[i].val;
-                    self.buckets[i].val = val;
-                    return Some(old);
-                }
-                if k == 0 {
+            match self.probe(key) {
+                (i, true) => Some(std::mem::replace(&mut self.buckets[i].val, val)),
+                (i, false) => {
                     self.buckets[i] = Bucket { key, val };
                     self.len += 1;
-                    return None;
-                }
-                i += 1;
-                if i == n {
-                    i = 0;
+                    None
                 }
             }
         }
@@ -147,25 +144,10 @@ mod alias {
             if n == 0 {
                 return false;
             }
-            let key = norm(key);
-            let mut i = self.home(key);
-            loop {
-                let b = self.buckets[i];
-                let k = b.key;
-                if k == key {
-                    if b.val != val {
-                        return false;
-                    }
-                    break;
-                }
-                if k == 0 {
-                    return false;
-                }
-                i += 1;
-                if i == n {
-                    i = 0;
-                }
-            }
+            let i = match self.probe(norm(key)) {
+                (i, true) if self.buckets[i].val == val => i,
+                _ => return false,
+            };
             // Backward-shift deletion: pull later entries of the run into the hole when their
             // home is not between the hole and themselves (cyclically).
             let mut hole = i;
