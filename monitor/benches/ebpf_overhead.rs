@@ -5,7 +5,8 @@
 //! Run (root, after `cargo xtask setup --bench`, which installs nginx, wrk and bpftrace):
 //!     cargo bench -p revenant --bench ebpf_overhead
 //! Knobs: EBPF_BENCH_SECS (default 8), EBPF_BENCH_ROUNDS (default 3), EBPF_BENCH_RATE (fixed-load
-//! requests/s, default 2000). Figures are printed; BENCHMARKS.md records them.
+//! requests/s, default 2000), EBPF_BENCH_PHASES (`sat,fixed` by default; `fixed` alone skips the
+//! saturation runs when only latency is under study), EBPF_BENCH_MODES (`none,revenant,bpftrace`). Figures are printed; BENCHMARKS.md records them.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -37,102 +38,200 @@ fn main() {
             std::process::exit(2);
         }
     }
-    let secs = env_num("EBPF_BENCH_SECS", 8);
+    let secs = env_num("EBPF_BENCH_SECS", 5);
     let rounds = env_num("EBPF_BENCH_ROUNDS", 3);
     let rate = env_num("EBPF_BENCH_RATE", 2000);
+    let cycles = env_num("EBPF_BENCH_CYCLES", 15);
+    let window = env_num("EBPF_BENCH_WINDOW_SECS", 2);
+    let phases = std::env::var("EBPF_BENCH_PHASES").unwrap_or_else(|_| "sat,fixed".into());
+    let modes_var =
+        std::env::var("EBPF_BENCH_MODES").unwrap_or_else(|_| "none,revenant,bpftrace".into());
+    let modes: Vec<(usize, &str)> = MODES
+        .into_iter()
+        .enumerate()
+        .filter(|(_, m)| modes_var.split(',').any(|x| x == *m))
+        .collect();
     let nginx = Nginx::start();
     let pids = nginx.pids();
-    println!(
-        "nginx on 127.0.0.1:{} pids {pids:?}; {rounds} rounds of {secs}s; fixed load {rate} req/s",
-        nginx.port
-    );
-
-    let mut sat: [Vec<f64>; 3] = Default::default();
-    let mut p99: [Vec<f64>; 3] = Default::default();
-    let mut rev_cpu_per_1k: Vec<f64> = Vec::new();
-    let mut rev_events_per_s: Vec<f64> = Vec::new();
-    let mut rev_rss_kb = 0;
-    let mut rev_losses = 0;
-    let mut kernel_ns: Vec<f64> = Vec::new();
+    println!("nginx on 127.0.0.1:{} pids {pids:?}", nginx.port);
     let _stats_fd = aya::sys::enable_stats(aya::sys::Stats::RunTime).ok();
+    if phases.split(',').any(|p| p == "sat") {
+        saturation(&nginx, &pids, &modes, rounds, secs);
+    }
+    if phases.split(',').any(|p| p == "fixed") {
+        fixed(&nginx, &pids, &modes, cycles, window, rate);
+    }
+}
+
+const MODES: [&str; 3] = ["none", "revenant", "bpftrace"];
+
+/// `wrk` at saturation, each mode in turn per round; ratios are taken within the run.
+fn saturation(nginx: &Nginx, pids: &[u32], modes: &[(usize, &str)], rounds: u64, secs: u64) {
+    println!("== saturation: {rounds} rounds of {secs}s per mode ==");
+    let mut sat: [Vec<f64>; 3] = Default::default();
+    let mut rev_events_per_s: Vec<f64> = Vec::new();
+    let mut kernel_ns: Vec<f64> = Vec::new();
+    let mut rev_cpu_s: Vec<f64> = Vec::new();
+    let mut rev_losses = 0;
+    let mut rev_rss_kb = 0;
     for round in 0..rounds {
-        for (i, mode) in ["none", "revenant", "bpftrace"].into_iter().enumerate() {
-            let tracer = Tracer::start(mode, &pids);
+        for &(i, mode) in modes {
+            let tracer = Tracer::start(mode, pids);
             let cpu0 = tracer.cpu_ns();
             let stats0 = tracer.stats().map(snapshot);
             let prog0 = program_runtime();
             let (rps, reqs) = wrk(nginx.port, secs);
             let prog1 = program_runtime();
             let cpu1 = tracer.cpu_ns();
-            let (lat_p99, fixed_reqs) = fixed_load(nginx.port, rate, secs);
-            let cpu2 = tracer.cpu_ns();
             sat[i].push(rps);
-            p99[i].push(lat_p99);
+            print!("round {round} {mode:9} wrk {rps:>9.0} req/s ({reqs} reqs)");
             if let (Some(s0), Some(st)) = (stats0, tracer.stats()) {
                 let s1 = snapshot(st);
                 rev_events_per_s.push((s1.events - s0.events) as f64 / secs as f64);
                 rev_losses += s1.losses - s0.losses;
-                rev_cpu_per_1k.push((cpu2 - cpu1) as f64 / 1e6 / (fixed_reqs as f64 / 1000.0));
+                rev_cpu_s.push((cpu1 - cpu0) as f64 / 1e9);
                 let calls = (s1.seen - s0.seen).max(1);
                 kernel_ns.push((prog1.0 - prog0.0) as f64 / calls as f64);
                 rev_rss_kb = rev_rss_kb.max(rss_kb());
-                println!(
-                    "  losses: ringbuf {} active_full {} socks_full {} read_fail {} pipeline {} decode {} evicted {} | desyncs {} gap_bytes {} records {} conns {} rss {} KiB",
-                    st.kernel(counter::RINGBUF_DROPS),
-                    st.kernel(counter::ACTIVE_FULL),
-                    st.kernel(counter::SOCKS_FULL),
-                    st.kernel(counter::READ_FAILURES),
-                    st.events_dropped.load(Relaxed),
-                    st.decode_errors.load(Relaxed),
-                    st.conns_evicted.load(Relaxed),
-                    st.http_desyncs.load(Relaxed),
-                    st.gap_bytes.load(Relaxed),
-                    st.records.load(Relaxed),
-                    st.connections.load(Relaxed),
-                    rss_kb(),
-                );
-                println!(
-                    "round {round} {mode:9} wrk {rps:>9.0} req/s ({reqs} reqs)  fixed p99 {lat_p99:>7.0} us  cpu(sat) {:.2}s  events {}  losses {}",
+                print!(
+                    "  revenant cpu {:.2}s  events {}  losses {}",
                     (cpu1 - cpu0) as f64 / 1e9,
                     s1.events - s0.events,
                     s1.losses - s0.losses
                 );
-            } else {
-                println!(
-                    "round {round} {mode:9} wrk {rps:>9.0} req/s ({reqs} reqs)  fixed p99 {lat_p99:>7.0} us"
-                );
+                print_losses(st);
             }
+            println!();
             drop(tracer);
         }
     }
     let base = median(&sat[0]);
-    let base_p99 = median(&p99[0]);
-    println!("\n== summary (medians over {rounds} rounds) ==");
-    println!(
-        "untraced:  {:.0} req/s, fixed-load p99 {:.0} us",
-        base, base_p99
-    );
-    for (i, name) in [(1, "revenant"), (2, "bpftrace")] {
+    println!("-- saturation summary (medians over {rounds} rounds) --");
+    println!("untraced : {base:.0} req/s");
+    for &(i, name) in &modes[1..] {
         println!(
-            "{name:9}: {:.0} req/s = {:.2} of untraced (runs: {}), fixed-load p99 {:.0} us = {:.2}x",
+            "{name:9}: {:.0} req/s = {:.2} of untraced (per round: {})",
             median(&sat[i]),
             median(&sat[i]) / base,
             sat[i]
                 .iter()
-                .map(|r| format!("{:.2}", r / base))
+                .zip(&sat[0])
+                .map(|(r, b)| format!("{:.2}", r / b))
                 .collect::<Vec<_>>()
                 .join(" "),
-            median(&p99[i]),
-            median(&p99[i]) / base_p99
         );
     }
+    if !rev_events_per_s.is_empty() {
+        println!(
+            "revenant at saturation: {:.0} events/s delivered, {rev_losses} lost, kernel {:.0} ns per \
+             traced syscall (enter+exit programs), {:.2} s CPU per {secs} s round, RSS {rev_rss_kb} KiB",
+            median(&rev_events_per_s),
+            median(&kernel_ns),
+            median(&rev_cpu_s),
+        );
+    }
+}
+
+/// Latency at a fixed rate. Loopback latency on a 2-core VM drifts by 2x between minutes (vCPU
+/// wake-ups, host noise), more than the effect under study; so the modes alternate in short
+/// windows, in rotating order, and each mode's samples are pooled over all its windows: slow
+/// drift then weighs the same on every mode.
+fn fixed(
+    nginx: &Nginx,
+    pids: &[u32],
+    modes: &[(usize, &str)],
+    cycles: u64,
+    window: u64,
+    rate: u64,
+) {
     println!(
-        "revenant: {:.1} ms CPU per 1k requests at {rate} req/s, {:.0} events/s delivered at saturation, \
-         {rev_losses} lost, kernel {:.0} ns per traced syscall (enter+exit programs), RSS {} KiB",
-        median(&rev_cpu_per_1k),
-        median(&rev_events_per_s),
-        median(&kernel_ns),
-        rev_rss_kb
+        "== fixed load: {rate} req/s, {cycles} cycles of one {window}s window per mode, rotating order =="
+    );
+    let mut pooled: [Vec<u64>; 3] = Default::default();
+    let mut per_cycle_p99: [Vec<f64>; 3] = Default::default();
+    let mut rev_cpu_ns = 0u64;
+    let mut rev_reqs = 0u64;
+    let mut rev_losses = 0;
+    for cycle in 0..cycles as usize {
+        for k in 0..modes.len() {
+            let (i, mode) = modes[(cycle + k) % modes.len()];
+            let tracer = Tracer::start(mode, pids);
+            // The source's first /proc scan runs right after start: not part of the steady state.
+            std::thread::sleep(SETTLE);
+            let cpu0 = tracer.cpu_ns();
+            let stats0 = tracer.stats().map(snapshot);
+            let mut lat = fixed_load(nginx.port, rate, window);
+            let cpu1 = tracer.cpu_ns();
+            if let (Some(s0), Some(st)) = (stats0, tracer.stats()) {
+                rev_cpu_ns += cpu1 - cpu0;
+                rev_reqs += lat.len() as u64;
+                rev_losses += snapshot(st).losses - s0.losses;
+            }
+            lat.sort_unstable();
+            per_cycle_p99[i].push(quantile(&lat, 0.99) as f64);
+            pooled[i].extend(lat);
+            drop(tracer);
+        }
+        let p: Vec<String> = modes
+            .iter()
+            .map(|&(i, m)| format!("{m} {:.0}", per_cycle_p99[i].last().unwrap()))
+            .collect();
+        println!("cycle {cycle:2}: p99 us {}", p.join("  "));
+    }
+    println!("-- fixed-load summary (pooled over {cycles} windows per mode) --");
+    for v in pooled.iter_mut() {
+        v.sort_unstable();
+    }
+    let base_p99 = quantile(&pooled[0], 0.99) as f64;
+    for &(i, name) in modes {
+        let v = &pooled[i];
+        let ratios: Vec<f64> = per_cycle_p99[i]
+            .iter()
+            .zip(&per_cycle_p99[0])
+            .map(|(x, b)| x / b)
+            .collect();
+        println!(
+            "{name:9}: {} requests, latency us p50 {} p90 {} p99 {} p99.9 {} max {}  p99 = {:.2}x untraced (median of per-cycle ratios {:.2}x)",
+            v.len(),
+            quantile(v, 0.5),
+            quantile(v, 0.9),
+            quantile(v, 0.99),
+            quantile(v, 0.999),
+            v.last().copied().unwrap_or(0),
+            quantile(v, 0.99) as f64 / base_p99,
+            median(&ratios),
+        );
+    }
+    if rev_reqs > 0 {
+        println!(
+            "revenant at {rate} req/s: {:.1} ms CPU per 1k requests, {rev_losses} lost",
+            rev_cpu_ns as f64 / 1e6 / (rev_reqs as f64 / 1000.0)
+        );
+    }
+}
+
+fn quantile(sorted: &[u64], q: f64) -> u64 {
+    sorted
+        .get(((sorted.len() as f64) * q) as usize)
+        .or(sorted.last())
+        .copied()
+        .unwrap_or(0)
+}
+
+fn print_losses(st: &EbpfStats) {
+    print!(
+        "\n    losses: ringbuf {} active_full {} socks_full {} read_fail {} pipeline {} decode {} evicted {} | desyncs {} gap_bytes {} records {} conns {}",
+        st.kernel(counter::RINGBUF_DROPS),
+        st.kernel(counter::ACTIVE_FULL),
+        st.kernel(counter::SOCKS_FULL),
+        st.kernel(counter::READ_FAILURES),
+        st.events_dropped.load(Relaxed),
+        st.decode_errors.load(Relaxed),
+        st.conns_evicted.load(Relaxed),
+        st.http_desyncs.load(Relaxed),
+        st.gap_bytes.load(Relaxed),
+        st.records.load(Relaxed),
+        st.connections.load(Relaxed),
     );
 }
 
@@ -272,9 +371,12 @@ impl Nginx {
 
 impl Drop for Nginx {
     fn drop(&mut self) {
+        // Workers are found by their parent: list them before the master goes.
+        let workers: Vec<u32> = self.pids().into_iter().skip(1).collect();
         let _ = self.child.kill();
         let _ = self.child.wait();
-        for pid in self.pids().into_iter().skip(1) {
+        for pid in workers {
+            // SAFETY: plain syscall on a pid this bench started.
             unsafe { libc::kill(pid as i32, libc::SIGKILL) };
         }
     }
@@ -482,7 +584,15 @@ fn wrk(port: u16, secs: u64) -> (f64, u64) {
 }
 
 /// Fixed load: 4 keep-alive connections, `rate` requests/s in all; returns p99 latency (us).
-fn fixed_load(port: u16, rate: u64, secs: u64) -> (f64, u64) {
+/// Pause between attaching a tracer and the first measured request of a window.
+const SETTLE: Duration = Duration::from_millis(300);
+
+/// Requests sent in the first part of a window are not measured.
+const WARMUP: Duration = Duration::from_millis(250);
+
+/// Latencies (us) of requests sent at `rate` over 4 keep-alive connections for `secs`, after
+/// [`WARMUP`].
+fn fixed_load(port: u16, rate: u64, secs: u64) -> Vec<u64> {
     let conns = 4;
     let per_conn_interval = Duration::from_nanos(1_000_000_000 * conns / rate.max(1));
     let req = b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nX-Request-Id: fixed-1\r\nContent-Length: 60\r\n\r\n{\"text\": \"fixed load prompt text\", \"bootstrap_room\": 123456}";
@@ -521,21 +631,17 @@ fn fixed_load(port: u16, rate: u64, secs: u64) -> (f64, u64) {
                             }
                         }
                     }
-                    lat.push(t0.elapsed().as_micros() as u64);
+                    // New connections and a just-attached tracer settle first.
+                    if t0 - start >= WARMUP {
+                        lat.push(t0.elapsed().as_micros() as u64);
+                    }
                 }
                 lat
             })
         })
         .collect();
-    let mut all: Vec<u64> = handles
+    handles
         .into_iter()
         .flat_map(|h| h.join().unwrap())
-        .collect();
-    all.sort_unstable();
-    let n = all.len() as u64;
-    let p99 = all
-        .get(((all.len() as f64) * 0.99) as usize)
-        .copied()
-        .unwrap_or(0) as f64;
-    (p99, n)
+        .collect()
 }
