@@ -4,9 +4,11 @@
 //!
 //! Run (root, after `cargo xtask setup --bench`, which installs nginx, wrk and bpftrace):
 //!     cargo bench -p revenant --bench ebpf_overhead
-//! Knobs: EBPF_BENCH_SECS (default 8), EBPF_BENCH_ROUNDS (default 3), EBPF_BENCH_RATE (fixed-load
-//! requests/s, default 2000), EBPF_BENCH_PHASES (`sat,fixed` by default; `fixed` alone skips the
-//! saturation runs when only latency is under study), EBPF_BENCH_MODES (`none,revenant,bpftrace`). Figures are printed; BENCHMARKS.md records them.
+//! Knobs: EBPF_BENCH_SECS (saturation window, default 5), EBPF_BENCH_ROUNDS (saturation rounds,
+//! default 3), EBPF_BENCH_RATE (fixed-load requests/s, default 2000), EBPF_BENCH_CYCLES (fixed-load
+//! cycles, default 15), EBPF_BENCH_WINDOW_SECS (fixed-load window per mode, default 2),
+//! EBPF_BENCH_PHASES (`sat,fixed`), EBPF_BENCH_MODES (`none,revenant,bpftrace`).
+//! Figures are printed; BENCHMARKS.md records them.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
