@@ -21,6 +21,10 @@ use std::time::{Duration, Instant};
 use monitor_common::counter;
 use revenant::ingest::ebpf::{Discovery, EbpfConfig, EbpfSource, EbpfStats, Role};
 
+// Same allocator as the revenant binary, so that revenant's CPU figures are the binary's.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn env_num(name: &str, default: u64) -> u64 {
     std::env::var(name)
         .ok()
@@ -433,30 +437,34 @@ impl Tracer {
                 let (stop2, consumed2) = (Arc::clone(&stop), Arc::clone(&consumed));
                 let tid = Arc::new(AtomicU64::new(0));
                 let tid2 = Arc::clone(&tid);
-                let thread = std::thread::spawn(move || {
-                    // SAFETY: plain syscall.
-                    tid2.store(unsafe { libc::gettid() } as u64, Relaxed);
-                    let rt = tokio::runtime::Builder::new_current_thread()
-                        .enable_all()
-                        .build()
-                        .unwrap();
-                    rt.block_on(async move {
-                        let (tx, mut rx) =
-                            tokio::sync::mpsc::channel::<revenant::pipeline::EventBatch>(64);
-                        let consumer = tokio::spawn(async move {
-                            while let Some(b) = rx.recv().await {
-                                consumed2.fetch_add(b.len() as u64, Relaxed);
-                            }
+                // Named, so that `perf record --comm revenant-ebpf` can single it out.
+                let thread = std::thread::Builder::new()
+                    .name("revenant-ebpf".into())
+                    .spawn(move || {
+                        // SAFETY: plain syscall.
+                        tid2.store(unsafe { libc::gettid() } as u64, Relaxed);
+                        let rt = tokio::runtime::Builder::new_current_thread()
+                            .enable_all()
+                            .build()
+                            .unwrap();
+                        rt.block_on(async move {
+                            let (tx, mut rx) =
+                                tokio::sync::mpsc::channel::<revenant::pipeline::EventBatch>(64);
+                            let consumer = tokio::spawn(async move {
+                                while let Some(b) = rx.recv().await {
+                                    consumed2.fetch_add(b.len() as u64, Relaxed);
+                                }
+                            });
+                            let shutdown = async move {
+                                while !stop2.load(Relaxed) {
+                                    tokio::time::sleep(Duration::from_millis(20)).await;
+                                }
+                            };
+                            src.run(tx, shutdown).await.expect("run");
+                            let _ = consumer.await;
                         });
-                        let shutdown = async move {
-                            while !stop2.load(Relaxed) {
-                                tokio::time::sleep(Duration::from_millis(20)).await;
-                            }
-                        };
-                        src.run(tx, shutdown).await.expect("run");
-                        let _ = consumer.await;
-                    });
-                });
+                    })
+                    .expect("spawn the revenant thread");
                 while tid.load(Relaxed) == 0 {
                     std::thread::sleep(Duration::from_millis(1));
                 }

@@ -6,6 +6,10 @@
 //! `"bootstrap_room"` (escaped inside a string) cannot forge an id. Everything else in the body,
 //! prompt and completion text included, is dropped with the window.
 
+use std::sync::LazyLock;
+
+use memchr::memmem::Finder;
+
 use crate::event::BootstrapRoom;
 
 /// Bytes of a body kept at each end.
@@ -68,23 +72,29 @@ impl BodyWindow {
         &self.tail[self.tail.len().saturating_sub(WINDOW)..]
     }
 
+    /// Head, then tail; a body that fits in the head whole is scanned once.
+    fn parts(&self) -> impl Iterator<Item = &[u8]> {
+        let whole_in_head = !self.gaps && self.len == self.head.len() as u64;
+        std::iter::once(self.head.as_slice()).chain((!whole_in_head).then(|| self.tail()))
+    }
+
     /// Ids of a request body (`rid`, `bootstrap_*`).
     pub fn request_ids(&self) -> RequestIds {
         let mut ids = RequestIds::default();
-        for part in [self.head.as_slice(), self.tail()] {
+        for part in self.parts() {
             if ids.rid.is_none() {
-                ids.rid = find_string(part, b"rid");
+                ids.rid = find_string(part, &RID);
             }
             // The router appends these last: the tail's occurrence wins.
             if let Some(v) =
-                find_value(part, b"bootstrap_room").and_then(|v| v.parse::<BootstrapRoom>().ok())
+                find_value(part, &BOOTSTRAP_ROOM).and_then(|v| v.parse::<BootstrapRoom>().ok())
             {
                 ids.bootstrap_room = Some(v.0);
             }
-            if let Some(v) = find_string(part, b"bootstrap_host") {
+            if let Some(v) = find_string(part, &BOOTSTRAP_HOST) {
                 ids.bootstrap_host = Some(v);
             }
-            if let Some(v) = find_value(part, b"bootstrap_port").and_then(|v| v.parse().ok()) {
+            if let Some(v) = find_value(part, &BOOTSTRAP_PORT).and_then(|v| v.parse().ok()) {
                 ids.bootstrap_port = Some(v);
             }
         }
@@ -94,18 +104,17 @@ impl BodyWindow {
     /// What a response body tells: token counts and, for errors, a short message.
     pub fn response_info(&self) -> ResponseInfo {
         let mut info = ResponseInfo::default();
-        for part in [self.head.as_slice(), self.tail()] {
+        for part in self.parts() {
             if info.prompt_tokens.is_none() {
-                info.prompt_tokens =
-                    find_value(part, b"prompt_tokens").and_then(|v| v.parse().ok());
+                info.prompt_tokens = find_value(part, &PROMPT_TOKENS).and_then(|v| v.parse().ok());
             }
             if info.disaggregation_mode.is_none() {
-                info.disaggregation_mode = find_string(part, b"disaggregation_mode");
+                info.disaggregation_mode = find_string(part, &DISAGGREGATION_MODE);
             }
             if info.message.is_none() {
-                info.message = find_string(part, b"message")
-                    .or_else(|| find_string(part, b"detail"))
-                    .or_else(|| find_string(part, b"error"));
+                info.message = find_string(part, &MESSAGE)
+                    .or_else(|| find_string(part, &DETAIL))
+                    .or_else(|| find_string(part, &ERROR));
             }
         }
         info
@@ -129,8 +138,27 @@ pub struct ResponseInfo {
     pub disaggregation_mode: Option<String>,
 }
 
+/// Searchers for the keys revenant reads, built once: building one per search cost more than
+/// the search itself on the short bodies of a busy server (a quarter of the reader's CPU).
+macro_rules! keys {
+    ($($name:ident = $key:literal;)*) => {
+        $(static $name: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new($key));)*
+    };
+}
+keys! {
+    RID = b"rid";
+    BOOTSTRAP_ROOM = b"bootstrap_room";
+    BOOTSTRAP_HOST = b"bootstrap_host";
+    BOOTSTRAP_PORT = b"bootstrap_port";
+    PROMPT_TOKENS = b"prompt_tokens";
+    DISAGGREGATION_MODE = b"disaggregation_mode";
+    MESSAGE = b"message";
+    DETAIL = b"detail";
+    ERROR = b"error";
+}
+
 /// The last string value of `key` in a structural position.
-fn find_string(buf: &[u8], key: &[u8]) -> Option<String> {
+fn find_string(buf: &[u8], key: &Finder<'_>) -> Option<String> {
     match find(buf, key)? {
         Value::Str(s) => Some(s),
         Value::Scalar(_) => None,
@@ -138,7 +166,7 @@ fn find_string(buf: &[u8], key: &[u8]) -> Option<String> {
 }
 
 /// The last value of `key` as text, string or number alike.
-fn find_value(buf: &[u8], key: &[u8]) -> Option<String> {
+fn find_value(buf: &[u8], key: &Finder<'_>) -> Option<String> {
     match find(buf, key)? {
         Value::Str(s) | Value::Scalar(s) => Some(s),
     }
@@ -149,10 +177,11 @@ enum Value {
     Scalar(String),
 }
 
-fn find(buf: &[u8], key: &[u8]) -> Option<Value> {
+fn find(buf: &[u8], finder: &Finder<'_>) -> Option<Value> {
+    let key = finder.needle();
     let mut found = None;
     let mut i = 0;
-    while let Some(pos) = memchr::memmem::find(&buf[i..], key).map(|p| p + i) {
+    while let Some(pos) = finder.find(&buf[i..]).map(|p| p + i) {
         i = pos + 1;
         // `"key"` with the opening quote unescaped and in a structural position.
         if pos == 0 || buf[pos - 1] != b'"' || buf.get(pos + key.len()) != Some(&b'"') {
@@ -263,6 +292,22 @@ mod tests {
         assert_eq!(ids.rid.as_deref(), Some("abc"));
         assert_eq!(ids.bootstrap_room, Some(42));
         assert!(w.gaps);
+    }
+
+    #[test]
+    fn ids_past_the_head_of_a_body_captured_whole() {
+        // No gap, but longer than the head: the ids are only in the tail, and the room key
+        // straddles the end of the head.
+        let pad = WINDOW - br#"{"text": ""#.len() - 4;
+        let body = format!(
+            r#"{{"text": "{}", "bootstrap_room": 42, "rid": "late"}}"#,
+            "x".repeat(pad)
+        );
+        let w = window(&[body.as_bytes()]);
+        assert!(!w.gaps && w.len as usize > WINDOW);
+        let ids = w.request_ids();
+        assert_eq!(ids.bootstrap_room, Some(42));
+        assert_eq!(ids.rid.as_deref(), Some("late"));
     }
 
     #[test]
