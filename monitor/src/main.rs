@@ -33,7 +33,7 @@ enum Command {
     /// Check recorded lifecycle events (JSON Lines) against the rules, offline.
     Check(CheckArgs),
     /// Run the pipeline: OTLP receivers → normalize → checker → violations as JSON Lines.
-    Run(revenant::run::RunArgs),
+    Run(Box<revenant::run::RunArgs>),
     /// Inspect the rule set.
     Rules {
         #[command(subcommand)]
@@ -88,7 +88,7 @@ fn main() -> ExitCode {
     match cli.command {
         Command::Check(args) => check(args),
         // Logging is set up by `run` from its --log-format / --log-level flags.
-        Command::Run(args) => revenant::run::run(args),
+        Command::Run(args) => revenant::run::run(*args),
         Command::Rules {
             command: RulesCommand::List { rules, yaml },
         } => rules_list(rules, yaml),
