@@ -59,6 +59,10 @@ struct CheckArgs {
     /// Print a summary (events, violations per rule, state) to standard error at the end.
     #[arg(long)]
     stats: bool,
+    /// Also print the follow-ups (`"corroborates": true`) in which a second source proves a
+    /// breach already printed. Off by default: one line per (rule, attempt).
+    #[arg(long)]
+    corroborations: bool,
 }
 
 #[derive(Subcommand)]
@@ -136,11 +140,23 @@ fn check(args: CheckArgs) -> ExitCode {
     let stdout = std::io::stdout();
     let mut out = std::io::BufWriter::with_capacity(1 << 16, stdout.lock());
     let mut violations = 0u64;
+    let mut corroborations = 0u64;
+    let mut per_rule: std::collections::HashMap<String, (u64, u64)> = Default::default();
     let mut bad_lines = 0u64;
     let mut write_failed = None;
     let mut emit = |v: &revenant::Violation,
                     out: &mut std::io::BufWriter<std::io::StdoutLock<'_>>| {
-        violations += 1;
+        let counts = per_rule.entry(v.rule.clone()).or_default();
+        if v.corroborates {
+            counts.1 += 1;
+            corroborations += 1;
+            if !args.corroborations {
+                return;
+            }
+        } else {
+            counts.0 += 1;
+            violations += 1;
+        }
         let res = serde_json::to_writer(&mut *out, v)
             .map_err(std::io::Error::from)
             .and_then(|_| out.write_all(b"\n"));
@@ -190,9 +206,21 @@ fn check(args: CheckArgs) -> ExitCode {
             s.events_late,
             bad_lines
         );
-        for (rule, n) in checker.rules().zip(checker.violations_per_rule()) {
-            eprintln!("revenant:   {:<32} {n}", rule.name);
+        for rule in checker.rules() {
+            let (n, follow) = per_rule.get(&rule.name).copied().unwrap_or_default();
+            eprintln!(
+                "revenant:   {:<32} {n} (+{follow} corroborating)",
+                rule.name
+            );
         }
+        eprintln!(
+            "revenant: {violations} violations, {corroborations} corroborating follow-ups{}",
+            if args.corroborations {
+                ""
+            } else {
+                " (not printed: --corroborations)"
+            }
+        );
         eprintln!(
             "revenant: {} attempts created, {} live, {} tombstones, {} requests live; evicted {} by ttl, {} by cap",
             s.correlate.attempts_created,

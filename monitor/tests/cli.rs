@@ -47,6 +47,39 @@ fn check_exits_1_with_violations_as_json_lines() {
     assert_eq!(lines[0]["evidence"][0]["role"], "trigger");
 }
 
+/// eBPF proves the breach, OTLP proves it again later: one line per (rule, attempt) unless the
+/// follow-ups are asked for.
+#[test]
+fn check_prints_a_corroborated_breach_once() {
+    let run = |extra: &[&str]| {
+        let o = bin()
+            .args(["check", "--events"])
+            .arg(scenario("corroborated-by-otlp.jsonl"))
+            .args(extra)
+            .output()
+            .unwrap();
+        let (out, err) = text(&o);
+        assert_eq!(o.status.code(), Some(1), "{err}");
+        let lines: Vec<serde_json::Value> = out
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        (lines, err)
+    };
+    let (lines, err) = run(&["--stats"]);
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert_eq!(lines[0]["rule"], "activity-after-rejection");
+    assert!(lines[0].get("corroborates").is_none());
+    assert!(
+        err.contains("1 violations, 1 corroborating follow-ups"),
+        "{err}"
+    );
+    let (lines, _) = run(&["--corroborations"]);
+    assert_eq!(lines.len(), 2, "{lines:?}");
+    assert_eq!(lines[1]["corroborates"], true);
+    assert_eq!(lines[0]["fingerprint"], lines[1]["fingerprint"]);
+}
+
 #[test]
 fn check_exits_0_without_violations() {
     let o = bin()
