@@ -19,8 +19,8 @@ use aya_ebpf::{
     programs::TracePointContext,
 };
 use monitor_common::{
-    ActiveCall, CloseEvent, ConnEvent, DataEvent, DataHeader, Header, MAX_CAPTURE, MAX_IOVECS,
-    ProcEvent, counter, kind, sock_key, syscall, watch,
+    ActiveCall, CloseEvent, ConnEvent, DataHeader, Header, MAX_CAPTURE, MAX_IOVECS, ProcEvent,
+    counter, kind, sock_key, syscall, watch,
 };
 
 /// Leading payload bytes captured per syscall; set by the loader, at most [`MAX_CAPTURE`].
@@ -52,8 +52,24 @@ static WATCHED: HashMap<u32, u32> = HashMap::with_max_entries(8192, 0);
 static SOCKS: HashMap<u64, u32> = HashMap::with_max_entries(65536, 0);
 #[map]
 static ACTIVE: HashMap<u64, ActiveCall> = HashMap::with_max_entries(16384, 0);
+/// A syscall's head window (entry [`HEAD`]) and tail window (entry [`TAIL`]), each gathered
+/// across the syscall's iovecs into one record: a response written as headers + body, or
+/// hyper's 13-iovec streamed answer, costs at most two records instead of one per iovec.
 #[map]
-static SCRATCH: PerCpuArray<DataEvent> = PerCpuArray::with_max_entries(1, 0);
+static GATHER: PerCpuArray<Gather> = PerCpuArray::with_max_entries(2, 0);
+const HEAD: u32 = 0;
+const TAIL: u32 = 1;
+
+#[repr(C)]
+struct Gather {
+    /// `len` counts the bytes gathered so far; `off` is the window's start in the syscall.
+    h: DataHeader,
+    /// Twice the largest window, so that the verifier bounds `filled + n` by two independent
+    /// checks (`filled < MAX_CAPTURE`, `n <= MAX_CAPTURE`); at most `MAX_CAPTURE` are used.
+    data: [u8; 2 * MAX_CAPTURE],
+    /// A read failed: later pieces would land at the wrong offsets, so the window stops there.
+    broken: u32,
+}
 #[map]
 static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(counter::COUNT, 0);
 #[map]
@@ -194,18 +210,29 @@ fn data_exit(ctx: &TracePointContext) -> Result<u32, u32> {
         head,
         tail_start,
     };
+    begin(HEAD, &cap, 0);
+    let has_tail = cap.tail_start < cap.total;
+    if has_tail {
+        begin(TAIL, &cap, cap.tail_start);
+    }
     match call.syscall {
         syscall::READV | syscall::WRITEV => capture_iov(&cap, call.ptr, call.len),
         syscall::RECVMSG | syscall::SENDMSG => {
             // struct user_msghdr { void *name; int namelen; struct iovec *iov; size_t iovlen; ... }
             let msg = call.ptr as *const u64;
-            let iov =
-                unsafe { aya_ebpf::helpers::bpf_probe_read_user(msg.add(2)) }.map_err(|_| 0u32)?;
-            let n =
-                unsafe { aya_ebpf::helpers::bpf_probe_read_user(msg.add(3)) }.map_err(|_| 0u32)?;
-            capture_iov(&cap, iov, n)
+            let iov = unsafe { aya_ebpf::helpers::bpf_probe_read_user(msg.add(2)) };
+            let n = unsafe { aya_ebpf::helpers::bpf_probe_read_user(msg.add(3)) };
+            match (iov, n) {
+                (Ok(iov), Ok(n)) => capture_iov(&cap, iov, n),
+                // Still say that the syscall moved `total` bytes: user space marks a gap.
+                _ => count(counter::READ_FAILURES, 1),
+            }
         }
         _ => capture_piece(&cap, call.ptr, 0, total),
+    }
+    flush(HEAD);
+    if has_tail {
+        flush(TAIL);
     }
     Ok(0)
 }
@@ -270,14 +297,15 @@ fn capture_iov(cap: &Capture, iov: u64, iovcnt: u64) {
     }
 }
 
-/// A contiguous user buffer holding syscall bytes `[off, off + len)`: send the parts of it that
-/// fall in the head window `[0, head)` or the tail window `[tail_start, total)`.
+/// A contiguous user buffer holding syscall bytes `[off, off + len)`: add the parts of it that
+/// fall in the head window `[0, head)` or the tail window `[tail_start, total)` to their records.
+/// Pieces arrive in syscall order, so each window fills contiguously.
 #[inline(always)]
 fn capture_piece(cap: &Capture, base: u64, off: u64, len: u64) {
     let end = off + len;
     if off < cap.head {
         let h_end = if end < cap.head { end } else { cap.head };
-        emit(cap, base, off, h_end - off);
+        append(HEAD, base, h_end - off);
     }
     if end > cap.tail_start {
         let t_off = if off > cap.tail_start {
@@ -285,21 +313,19 @@ fn capture_piece(cap: &Capture, base: u64, off: u64, len: u64) {
         } else {
             cap.tail_start
         };
-        emit(cap, base + (t_off - off), t_off, end - t_off);
+        append(TAIL, base + (t_off - off), end - t_off);
     }
 }
 
+/// Starts window `slot` of the syscall in `cap` at syscall offset `off`.
 #[inline(always)]
-fn emit(cap: &Capture, src: u64, off: u64, len: u64) {
-    let Some(ev) = SCRATCH.get_ptr_mut(0) else {
+fn begin(slot: u32, cap: &Capture, off: u64) {
+    let Some(g) = GATHER.get_ptr_mut(slot) else {
         return;
     };
-    let ev = unsafe { &mut *ev };
-    let mut n = len as u32;
-    if n > MAX_CAPTURE as u32 {
-        n = MAX_CAPTURE as u32;
-    }
-    ev.h = DataHeader {
+    // SAFETY: per-CPU entry; programs do not nest on one CPU while they use it.
+    let g = unsafe { &mut *g };
+    g.h = DataHeader {
         hdr: Header {
             kind: kind::DATA,
             tgid: (cap.pid_tgid >> 32) as u32,
@@ -311,22 +337,61 @@ fn emit(cap: &Capture, src: u64, off: u64, len: u64) {
         syscall: cap.syscall,
         total: cap.total,
         off: off as u32,
-        len: n,
+        len: 0,
     };
+    g.broken = 0;
+}
+
+/// Copies up to `len` user bytes from `src` onto the end of window `slot`.
+#[inline(always)]
+fn append(slot: u32, src: u64, len: u64) {
+    let Some(g) = GATHER.get_ptr_mut(slot) else {
+        return;
+    };
+    // SAFETY: as in `begin`.
+    let g = unsafe { &mut *g };
+    let filled = g.h.len as u64;
+    if g.broken != 0 || filled >= MAX_CAPTURE as u64 {
+        return;
+    }
+    let room = MAX_CAPTURE as u64 - filled;
+    let mut n = if len < room { len } else { room };
+    if n > MAX_CAPTURE as u64 {
+        n = MAX_CAPTURE as u64;
+    }
+    if n == 0 {
+        return;
+    }
     let rc = unsafe {
         bpf_probe_read_user(
-            ev.data.as_mut_ptr().cast::<c_void>(),
-            n,
+            g.data.as_mut_ptr().add(filled as usize).cast::<c_void>(),
+            n as u32,
             src as *const c_void,
         )
     };
     if rc != 0 {
         count(counter::READ_FAILURES, 1);
-        n = 0;
-        ev.h.len = 0;
+        g.broken = 1;
+        return;
     }
-    let size = size_of::<DataHeader>() + n as usize;
-    let bytes = unsafe { core::slice::from_raw_parts((ev as *const DataEvent).cast::<u8>(), size) };
+    g.h.len = (filled + n) as u32;
+}
+
+/// Sends window `slot` as one record: its header and the bytes gathered (none if the first
+/// read failed: user space still learns the syscall's size and marks a gap).
+#[inline(always)]
+fn flush(slot: u32) {
+    let Some(g) = GATHER.get_ptr_mut(slot) else {
+        return;
+    };
+    // SAFETY: as in `begin`.
+    let g = unsafe { &*g };
+    let mut n = g.h.len as usize;
+    if n > MAX_CAPTURE {
+        n = MAX_CAPTURE;
+    }
+    let size = size_of::<DataHeader>() + n;
+    let bytes = unsafe { core::slice::from_raw_parts((g as *const Gather).cast::<u8>(), size) };
     match EVENTS.output::<[u8]>(bytes, wakeup_flags()) {
         Ok(()) => {
             count(counter::SENT, 1);
