@@ -110,7 +110,13 @@ struct Pd {
 }
 
 /// Starts fake prefill (rejecting with 400) and decode workers and a fake router in front.
-fn start_pd(canary: &str, request_id: &str, repeat: u32, prompt_bytes: usize) -> Pd {
+fn start_pd(
+    canary: &str,
+    request_id: &str,
+    repeat: u32,
+    prompt_bytes: usize,
+    router_extra: &[&str],
+) -> Pd {
     let (pp, dp, bp, kp) = (free_port(), free_port(), free_port(), free_port());
     let worker = support("fake_worker.py").display().to_string();
     let prefill = Proc::spawn(&[
@@ -132,25 +138,30 @@ fn start_pd(canary: &str, request_id: &str, repeat: u32, prompt_bytes: usize) ->
         dp.to_string(),
     ]);
     let room = 9066467638188682269u64 - u64::from(pp);
-    let router = Proc::spawn(&[
-        support("fake_router.py").display().to_string(),
-        "--prefill".into(),
-        pp.to_string(),
-        "--decode".into(),
-        dp.to_string(),
-        "--bootstrap-port".into(),
-        bp.to_string(),
-        "--room".into(),
-        room.to_string(),
-        "--prompt-bytes".into(),
-        prompt_bytes.to_string(),
-        "--canary".into(),
-        canary.into(),
-        "--request-id".into(),
-        request_id.into(),
-        "--repeat".into(),
-        repeat.to_string(),
-    ]);
+    let router = Proc::spawn(
+        &[
+            support("fake_router.py").display().to_string(),
+            "--prefill".into(),
+            pp.to_string(),
+            "--decode".into(),
+            dp.to_string(),
+            "--bootstrap-port".into(),
+            bp.to_string(),
+            "--room".into(),
+            room.to_string(),
+            "--prompt-bytes".into(),
+            prompt_bytes.to_string(),
+            "--canary".into(),
+            canary.into(),
+            "--request-id".into(),
+            request_id.into(),
+            "--repeat".into(),
+            repeat.to_string(),
+        ]
+        .into_iter()
+        .chain(router_extra.iter().map(|a| a.to_string()))
+        .collect::<Vec<_>>(),
+    );
     Pd {
         prefill,
         decode,
@@ -213,16 +224,17 @@ fn probes_load_and_attach() {
     probes.counters().expect("kernel counters readable");
 }
 
-/// The disclosed bug, seen from the kernel only: the router sends one 300 KB prompt to prefill and
-/// decode at once with `bootstrap_room` at the very end of the body; prefill rejects it (400) while
-/// decode bootstraps the KV transfer and answers. Also the privacy check: a canary at both ends
-/// of the prompt never shows up in any event.
-#[test]
-fn big_prompt_room_at_the_end_prefill_rejects_decode_works() {
-    const CANARY: &str = "CANARY-b7e1d2-PROMPT-TEXT";
-    // Every log line of the source, at TRACE, for the privacy check.
-    let logs = ebpf_support::LogCapture::global();
-    let mut pd = start_pd(CANARY, "req-ebpf-big", 1, 300_000);
+/// Runs the fake router once against a rejecting prefill and a working decode, and returns the
+/// events derived from eBPF alone, after checking that the whole lifecycle of the room is there:
+/// dispatch to both, prefill received + rejected (400), decode received, KV bootstrap, decode
+/// work and completion, every event carrying the request's x-request-id and trace id.
+fn reject_then_decode(
+    canary: &str,
+    request_id: &str,
+    prompt_bytes: usize,
+    router_extra: &[&str],
+) -> (Vec<LifecycleEvent>, EbpfSource) {
+    let mut pd = start_pd(canary, request_id, 1, prompt_bytes, router_extra);
     let cfg = EbpfConfig {
         discovery: pd_discovery(&pd),
         node: Some("test-node".into()),
@@ -278,6 +290,11 @@ fn big_prompt_room_at_the_end_prefill_rejects_decode_works() {
         .filter(|e| e.kind == Kind::Dispatched)
         .collect();
     assert_eq!(dispatched.len(), 2, "{shown:#?}");
+    assert!(
+        dispatched
+            .iter()
+            .all(|e| e.ids.bootstrap_room.map(|r| r.0) == room)
+    );
     assert!(dispatched.iter().any(|e| e.to == Some(Stage::Prefill)));
     assert!(dispatched.iter().any(|e| e.to == Some(Stage::Decode)));
     let rejected = events.iter().find(|e| e.kind == Kind::Rejected).unwrap();
@@ -287,7 +304,7 @@ fn big_prompt_room_at_the_end_prefill_rejects_decode_works() {
         Some("Prefill rejected: over capacity")
     );
     for e in events.iter().filter(|e| e.stage != Stage::Transfer) {
-        assert_eq!(e.ids.request_id.as_deref(), Some("req-ebpf-big"), "{e:?}");
+        assert_eq!(e.ids.request_id.as_deref(), Some(request_id), "{e:?}");
         assert_eq!(
             e.ids.trace_id.as_deref(),
             Some("0af7651916cd43dd8448eb211c80319c")
@@ -297,6 +314,19 @@ fn big_prompt_room_at_the_end_prefill_rejects_decode_works() {
         assert_eq!(e.source, revenant::Source::Ebpf);
         assert_eq!(e.node.as_deref(), Some("test-node"));
     }
+    (events, src)
+}
+
+/// The disclosed bug, seen from the kernel only: the router sends one 300 KB prompt to prefill and
+/// decode at once with `bootstrap_room` at the very end of the body; prefill rejects it (400) while
+/// decode bootstraps the KV transfer and answers. Also the privacy check: a canary at both ends
+/// of the prompt never shows up in any event.
+#[test]
+fn big_prompt_room_at_the_end_prefill_rejects_decode_works() {
+    const CANARY: &str = "CANARY-b7e1d2-PROMPT-TEXT";
+    // Every log line of the source, at TRACE, for the privacy check.
+    let logs = ebpf_support::LogCapture::global();
+    let (events, mut src) = reject_then_decode(CANARY, "req-ebpf-big", 300_000, &[]);
     // The canary sits at both ends of the prompt, so in the captured head and tail windows: it
     // went through the parser, and must reach no event, violation, alert or log line.
     let mut checker = revenant::Checker::new(
@@ -331,11 +361,25 @@ fn big_prompt_room_at_the_end_prefill_rejects_decode_works() {
     assert!(!stats.coverage_degraded());
 }
 
+/// A router that writes each request with one `sendmsg` over a dozen iovecs (request line,
+/// each header, uneven body pieces, `bootstrap_room` cut across the last two): the kernel gathers
+/// each window across iovecs, and the router's own capture still yields the room.
+#[test]
+fn vectored_writes_are_gathered_across_iovecs() {
+    let (_events, mut src) = reject_then_decode("", "req-ebpf-vectored", 3000, &["--vectored"]);
+    src.rescan();
+    let stats = src.stats();
+    assert_eq!(stats.kernel(counter::RINGBUF_DROPS), 0);
+    assert_eq!(stats.kernel(counter::READ_FAILURES), 0);
+    assert_eq!(stats.kernel(counter::IOV_TRUNCATED), 0);
+    assert!(!stats.coverage_degraded());
+}
+
 /// A stalled consumer: the kernel ring buffer overflows and a full pipeline channel drops
 /// batches; both are counted and raise the "coverage degraded" signal.
 #[test]
 fn drops_are_counted_and_degrade_coverage() {
-    let mut pd = start_pd("", "req-ebpf-drops", 20, 200_000);
+    let mut pd = start_pd("", "req-ebpf-drops", 20, 200_000, &[]);
     let cfg = EbpfConfig {
         capture: CaptureConfig {
             head_bytes: 4096,
@@ -381,7 +425,7 @@ fn drops_are_counted_and_degrade_coverage() {
     }
     let (tx, _rx) = tokio::sync::mpsc::channel(1);
     tx.try_send(Vec::new()).unwrap();
-    let mut router2 = start_pd("", "req-ebpf-drops-2", 2, 1000);
+    let mut router2 = start_pd("", "req-ebpf-drops-2", 2, 1000, &[]);
     src.watch(router2.prefill.pid(), Role::Prefill).unwrap();
     src.watch(router2.decode.pid(), Role::Decode).unwrap();
     src.watch(router2.router.pid(), Role::Router).unwrap();

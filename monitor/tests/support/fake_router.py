@@ -5,6 +5,7 @@ the JSON body after the client's (long) prompt. Waits for a line on stdin before
 import argparse
 import http.client
 import json
+import socket
 import sys
 import threading
 
@@ -17,6 +18,8 @@ p.add_argument("--prompt-bytes", type=int, default=300000)
 p.add_argument("--canary", default="")
 p.add_argument("--request-id", default="req-ebpf-1")
 p.add_argument("--repeat", type=int, default=1)
+p.add_argument("--vectored", action="store_true",
+               help="send each request with one sendmsg over many iovecs (head and tail split across them)")
 args = p.parse_args()
 
 filler = "lorem ipsum dolor sit amet "
@@ -35,13 +38,38 @@ sys.stdin.readline()
 results = {}
 
 
+HEADERS = {
+    "content-type": "application/json",
+    "x-request-id": args.request_id,
+    "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+}
+
+
+def send_vectored(name, port):
+    """One sendmsg, many iovecs: the request line, each header, and the body cut into uneven
+    pieces with `bootstrap_room` split across the last two, as vectored writers (hyper) do."""
+    head = [b"POST /generate HTTP/1.1\r\n", b"Host: 127.0.0.1\r\n"]
+    head += [f"{k}: {v}\r\n".encode() for k, v in HEADERS.items()]
+    head += [f"content-length: {len(body)}\r\n".encode(), b"\r\n"]
+    cuts = [0, 7, 100, 101, len(body) // 2, len(body) - 12, len(body)]
+    pieces = head + [body[a:b] for a, b in zip(cuts, cuts[1:])]
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    total = sum(len(x) for x in pieces)
+    sent = s.sendmsg(pieces)
+    if sent != total:
+        s.sendall(b"".join(pieces)[sent:])
+    r = http.client.HTTPResponse(s)
+    r.begin()
+    r.read()
+    results[name] = r.status
+    s.close()
+
+
 def send(name, port):
+    if args.vectored:
+        return send_vectored(name, port)
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-    c.request("POST", "/generate", body=body, headers={
-        "content-type": "application/json",
-        "x-request-id": args.request_id,
-        "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
-    })
+    c.request("POST", "/generate", body=body, headers=HEADERS)
     r = c.getresponse()
     r.read()
     results[name] = r.status
