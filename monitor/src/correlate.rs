@@ -515,13 +515,38 @@ impl Rid {
     }
 
     /// 32 lowercase hex digits (so that printing gives back the same text), as two words.
+    /// Branch-free per digit: most events of an attempt repeat its rid, and this comparison is
+    /// what lets them skip hashing it.
     fn hex(s: &str) -> Option<[u64; 2]> {
+        const BAD: u8 = 0x10;
+        const DIGIT: [u8; 256] = {
+            let mut t = [BAD; 256];
+            let mut c = 0;
+            while c < 10 {
+                t[b'0' as usize + c] = c as u8;
+                c += 1;
+            }
+            let mut c = 0;
+            while c < 6 {
+                t[b'a' as usize + c] = 10 + c as u8;
+                c += 1;
+            }
+            t
+        };
         let b = s.as_bytes();
-        if b.len() != 32 || !b.iter().all(|c| matches!(c, b'0'..=b'9' | b'a'..=b'f')) {
+        if b.len() != 32 {
             return None;
         }
-        let half = |h: &str| u64::from_str_radix(h, 16).ok();
-        Some([half(&s[..16])?, half(&s[16..])?])
+        let mut out = [0u64; 2];
+        let mut bad = 0u8;
+        for (w, half) in out.iter_mut().zip(b.chunks_exact(16)) {
+            for &c in half {
+                let d = DIGIT[c as usize];
+                bad |= d;
+                *w = (*w << 4) | (d & 0xf) as u64;
+            }
+        }
+        (bad & BAD == 0).then_some(out)
     }
 
     pub fn is_none(&self) -> bool {
@@ -563,36 +588,75 @@ impl Rid {
     }
 }
 
-/// Live state of one attempt. Rule slots live in [`Store::attempt_slots`] at `index * stride`.
+/// Live state of one attempt (96 bytes). Rule slots live in [`Store::attempt_slots`].
+///
+/// Every alias key that points at the attempt is recorded here (room, first rid, a second rid)
+/// or, beyond that, in [`Store::more_rids`], so that freeing the attempt removes all of them: an
+/// alias left behind would hand a late event of this attempt to the next one reusing the record.
 #[derive(Debug, Clone)]
 pub struct Attempt {
     pub generation: u32,
     pub request: u32,
-    pub room: Option<u64>,
-    pub rid: Rid,
+    /// `request` is a union-find root as of this union epoch (0 = not known to be one): while no
+    /// union happened since, the request record need not be read (one cache miss per event).
+    request_epoch: u32,
+    pub input_tokens: u32,
+    /// The bootstrap room, when `flags` has `HAS_ROOM` (no `Option`: it would cost 8 bytes).
+    room: u64,
+    /// The first rid when it is SGLang-shaped (`RID_HEX`); other rids (`RID_TEXT`) keep their
+    /// text in [`Store::rid_texts`].
+    rid_hex: [u64; 2],
+    /// Alias key of a second rid (0 = none), e.g. the decode leg's when it differs from prefill's.
+    rid2_key: u64,
     pub last_ns: u64,
     /// Earliest pending deadline in the timer queue (0 = none); compaction waits for it.
     pub due_ns: u64,
-    pub input_tokens: u32,
+    /// Bit per compiled rule that already produced a violation for this attempt.
+    pub fired: u64,
     /// Per stage, the worker (or node) of the latest event naming one: keys capacity look-ups
     /// when a predicate is judged again later.
     pub worker_keys: [u32; 4],
     /// Bit per stage: a leg started (received/admitted/work) / ended (terminal kind).
     pub legs_open: u8,
     pub legs_closed: u8,
-    pub live: bool,
-    /// A predicate asked to be judged again (new facts); keeps the attempt live until it is.
-    pub rejudge: bool,
-    /// Bit per compiled rule that already produced a violation for this attempt.
-    pub fired: u64,
-    /// `request` is a union-find root as of this union epoch (0 = not known to be one): while no
-    /// union happened since, the request record need not be read (one cache miss per event).
-    request_epoch: u32,
+    flags: u8,
 }
+
+const LIVE: u8 = 1;
+/// A predicate asked to be judged again (new facts); keeps the attempt live until it is.
+const REJUDGE: u8 = 2;
+const HAS_ROOM: u8 = 4;
+const RID_HEX: u8 = 8;
+const RID_TEXT: u8 = 16;
+/// More alias keys than `rid2_key` holds: the rest are in `Store::more_rids`.
+const MORE_RIDS: u8 = 32;
 
 impl Attempt {
     fn ended(&self) -> bool {
         self.legs_closed != 0 && self.legs_open & !self.legs_closed == 0
+    }
+    pub fn is_live(&self) -> bool {
+        self.flags & LIVE != 0
+    }
+    pub fn rejudge(&self) -> bool {
+        self.flags & REJUDGE != 0
+    }
+    pub fn set_rejudge(&mut self, on: bool) {
+        if on {
+            self.flags |= REJUDGE;
+        } else {
+            self.flags &= !REJUDGE;
+        }
+    }
+    pub fn room(&self) -> Option<u64> {
+        (self.flags & HAS_ROOM != 0).then_some(self.room)
+    }
+    fn set_room(&mut self, room: u64) {
+        self.room = room;
+        self.flags |= HAS_ROOM;
+    }
+    fn has_rid(&self) -> bool {
+        self.flags & (RID_HEX | RID_TEXT) != 0
     }
 }
 
@@ -700,6 +764,10 @@ pub struct Store {
     aliases: alias::Table,
     /// First rejection reason of attempts that have one (about 1% of them).
     reasons: HashMap<u32, Box<str>, FixedState>,
+    /// The first rid of attempts whose rid is not SGLang-shaped hex (`RID_TEXT`).
+    rid_texts: HashMap<u32, Box<str>, FixedState>,
+    /// Alias keys of attempts seen with more than two rids, beyond `Attempt::rid2_key`.
+    more_rids: HashMap<u32, Vec<u64>, FixedState>,
     /// Per (owner, rule) that fired: a bit per `Source` seen in its reported evidence, so a source
     /// that saw the breach later corroborates it once. Only owners with fired bits have entries.
     reported: HashMap<(Owner, u8), u8, FixedState>,
@@ -752,6 +820,8 @@ impl Store {
             live_attempts: 0,
             aliases: alias::Table::default(),
             reasons: HashMap::with_hasher(hasher()),
+            rid_texts: HashMap::with_hasher(hasher()),
+            more_rids: HashMap::with_hasher(hasher()),
             reported: HashMap::with_hasher(hasher()),
             pinned_alias: HashMap::with_hasher(hasher()),
             requests: Chunked::new(1),
@@ -779,6 +849,9 @@ impl Store {
     }
     pub fn tombstones(&self) -> usize {
         self.tombs.len()
+    }
+    pub fn alias_entries(&self) -> usize {
+        self.aliases.len()
     }
 
     pub fn attempt_slots(&self, a: u32) -> &[Slot] {
@@ -872,6 +945,87 @@ impl Store {
         &self.tomb_slot_map
     }
 
+    /// The first rid attempt `a` was seen with.
+    pub fn attempt_rid(&self, a: u32) -> Rid {
+        let at = &self.attempts[a as usize];
+        if at.flags & RID_HEX != 0 {
+            Rid::Hex(at.rid_hex)
+        } else if at.flags & RID_TEXT != 0 {
+            self.rid_texts
+                .get(&a)
+                .map_or(Rid::None, |t| Rid::Text(t.clone()))
+        } else {
+            Rid::None
+        }
+    }
+
+    /// Whether `rid` is the first rid of attempt `a` (without hashing it, for the hex form).
+    fn rid_is_first(&self, a: u32, rid: &str) -> bool {
+        let at = &self.attempts[a as usize];
+        if at.flags & RID_HEX != 0 {
+            Rid::hex(rid) == Some(at.rid_hex)
+        } else if at.flags & RID_TEXT != 0 {
+            self.rid_texts.get(&a).is_some_and(|t| **t == *rid)
+        } else {
+            false
+        }
+    }
+
+    fn set_first_rid(&mut self, a: u32, rid: Rid) {
+        let at = &mut self.attempts[a as usize];
+        match rid {
+            Rid::None => {}
+            Rid::Hex(h) => {
+                at.rid_hex = h;
+                at.flags |= RID_HEX;
+            }
+            Rid::Text(t) => {
+                at.flags |= RID_TEXT;
+                self.rid_texts.insert(a, t);
+            }
+        }
+    }
+
+    /// Records that alias `key` (pointing at attempt `a`) belongs to it, unless it is its room's
+    /// or first rid's key, which are recorded already.
+    fn own_alias(&mut self, a: u32, key: u64) {
+        let at = &self.attempts[a as usize];
+        if at.room().map(key_room) == Some(key) || at.rid2_key == key {
+            return;
+        }
+        if at.has_rid() && self.attempt_rid(a).key() == Some(key) {
+            return;
+        }
+        let at = &mut self.attempts[a as usize];
+        if at.rid2_key == 0 {
+            at.rid2_key = key;
+            return;
+        }
+        at.flags |= MORE_RIDS;
+        let more = self.more_rids.entry(a).or_default();
+        if !more.contains(&key) {
+            more.push(key);
+        }
+    }
+
+    /// Every alias key attempt `a` owns.
+    fn attempt_keys(&self, a: u32) -> Vec<u64> {
+        let at = &self.attempts[a as usize];
+        let mut keys: Vec<u64> = [at.room().map(key_room), self.attempt_rid(a).key()]
+            .into_iter()
+            .flatten()
+            .collect();
+        if at.rid2_key != 0 {
+            keys.push(at.rid2_key);
+        }
+        if at.flags & MORE_RIDS != 0
+            && let Some(more) = self.more_rids.get(&a)
+        {
+            keys.extend_from_slice(more);
+        }
+        keys
+    }
+
     /// The union-find root of request `r` (path halving keeps chains short).
     pub fn find(&mut self, mut r: u32) -> u32 {
         loop {
@@ -905,7 +1059,7 @@ impl Store {
         let by_room = room_key.and_then(|k| self.lookup_attempt(k));
         // Most events repeat the rid the attempt already has: skip the second table probe.
         let rid_known = match (by_room, ids.rid.as_deref()) {
-            (Some(AttemptRef::Live(i)), Some(rid)) => self.attempts[i as usize].rid.matches(rid),
+            (Some(AttemptRef::Live(i)), Some(rid)) => self.rid_is_first(i, rid),
             _ => false,
         };
         // Hashing the rid (32 bytes) is only needed when it is not the attempt's known one.
@@ -927,19 +1081,20 @@ impl Store {
             (Some(a), None) => {
                 if let (Some(k), AttemptRef::Live(i)) = (rid_key, a) {
                     self.aliases.insert(k, i);
-                    let at = &mut self.attempts[i as usize];
-                    if at.rid.is_none()
+                    if !self.attempts[i as usize].has_rid()
                         && let Some(rid) = ids.rid.as_deref()
                     {
-                        at.rid = Rid::new(rid);
+                        self.set_first_rid(i, Rid::new(rid));
+                    } else {
+                        self.own_alias(i, k);
                     }
                 }
                 a
             }
             (None, Some(b)) => match (ids.bootstrap_room, b) {
-                (Some(room), AttemptRef::Live(i)) => match self.attempts[i as usize].room {
+                (Some(room), AttemptRef::Live(i)) => match self.attempts[i as usize].room() {
                     None => {
-                        self.attempts[i as usize].room = Some(room.0);
+                        self.attempts[i as usize].set_room(room.0);
                         self.aliases.insert(key_room(room.0), i);
                         b
                     }
@@ -1115,18 +1270,18 @@ impl Store {
         let fresh = Attempt {
             generation: 0,
             request: NONE,
-            room,
-            rid,
+            request_epoch: 0,
+            input_tokens: 0,
+            room: room.unwrap_or(0),
+            rid_hex: [0; 2],
+            rid2_key: 0,
             last_ns: 0,
             due_ns: 0,
-            input_tokens: 0,
+            fired: 0,
             worker_keys: [0; 4],
             legs_open: 0,
             legs_closed: 0,
-            live: true,
-            rejudge: false,
-            fired: 0,
-            request_epoch: 0,
+            flags: LIVE | if room.is_some() { HAS_ROOM } else { 0 },
         };
         let i = match self.free_attempts.pop() {
             Some(i) => {
@@ -1143,6 +1298,7 @@ impl Store {
                 self.attempts.push(fresh) as u32
             }
         };
+        self.set_first_rid(i, rid);
         for k in [room_key, rid_key].into_iter().flatten() {
             self.aliases.insert(k, i);
         }
@@ -1232,8 +1388,8 @@ impl Store {
             };
         };
         let (rx, ry) = (
-            self.attempts[x as usize].room,
-            self.attempts[y as usize].room,
+            self.attempts[x as usize].room(),
+            self.attempts[y as usize].room(),
         );
         if rx.is_some() && ry.is_some() && rx != ry {
             self.stats.alias_conflicts += 1;
@@ -1243,10 +1399,14 @@ impl Store {
         let keeps = self.attempt_keeps.clone();
         fold_all(self.attempt_slots_mut(x), &src, &keeps);
         let ya = self.attempts[y as usize].clone();
+        let y_keys = self.attempt_keys(y);
+        let y_rid = self.attempt_rid(y);
+        if !self.attempts[x as usize].has_rid() {
+            self.set_first_rid(x, y_rid);
+        }
         let xa = &mut self.attempts[x as usize];
-        xa.room = xa.room.or(ya.room);
-        if xa.rid.is_none() {
-            xa.rid = ya.rid.clone();
+        if let (None, Some(room)) = (xa.room(), ya.room()) {
+            xa.set_room(room);
         }
         xa.last_ns = xa.last_ns.max(ya.last_ns);
         xa.input_tokens = xa.input_tokens.max(ya.input_tokens);
@@ -1268,8 +1428,9 @@ impl Store {
             self.move_reported(Owner::Attempt(y), Owner::Attempt(x), ya.fired);
         }
         self.free_attempt(y);
-        for k in [ya.room.map(key_room), ya.rid.key()].into_iter().flatten() {
+        for k in y_keys {
             self.aliases.insert(k, x);
+            self.own_alias(x, k);
         }
         self.stats.attempts_merged += 1;
         a
@@ -1290,10 +1451,10 @@ impl Store {
     /// Forgets live attempt `i` entirely (its aliases, its request reference).
     fn free_attempt(&mut self, i: u32) {
         self.note_request_activity(i);
-        let at = &self.attempts[i as usize];
-        for k in [at.room.map(key_room), at.rid.key()].into_iter().flatten() {
+        for k in self.attempt_keys(i) {
             self.aliases.remove_if(k, i);
         }
+        let at = &self.attempts[i as usize];
         let request = at.request;
         let fired = at.fired;
         if request != NONE {
@@ -1303,8 +1464,14 @@ impl Store {
             self.drop_reported(Owner::Attempt(i), fired);
         }
         let at = &mut self.attempts[i as usize];
-        at.live = false;
-        at.rid = Rid::None;
+        if at.flags & RID_TEXT != 0 {
+            self.rid_texts.remove(&i);
+        }
+        if at.flags & MORE_RIDS != 0 {
+            self.more_rids.remove(&i);
+        }
+        at.flags = 0;
+        at.rid2_key = 0;
         at.request = NONE;
         at.generation = at.generation.wrapping_add(1);
         self.reasons.remove(&i);
@@ -1319,7 +1486,10 @@ impl Store {
             self.stats.tombstones_evicted_cap += 1;
         }
         let at = &self.attempts[i as usize];
-        let key = at.room.map(key_room).or_else(|| at.rid.key());
+        let key = at
+            .room()
+            .map(key_room)
+            .or_else(|| self.attempt_rid(i).key());
         let expires_s = ((watermark_ns.saturating_add(self.limits.retention_ns)) / 1_000_000_000)
             .min(u32::MAX as u64) as u32
             + 1;
@@ -1385,7 +1555,7 @@ impl Store {
         for _ in 0..n {
             let i = self.attempt_hand % n;
             self.attempt_hand = self.attempt_hand.wrapping_add(1);
-            if self.attempts[i].live {
+            if self.attempts[i].is_live() {
                 let wm = self.attempts[i].last_ns;
                 self.compact(i as u32, wm);
                 self.stats.evicted_cap += 1;
@@ -1407,7 +1577,7 @@ impl Store {
             let i = self.attempt_hand % n;
             self.attempt_hand = self.attempt_hand.wrapping_add(1);
             let at = &self.attempts[i];
-            if !at.live || (at.due_ns != 0 && at.due_ns > watermark_ns) {
+            if !at.is_live() || (at.due_ns != 0 && at.due_ns > watermark_ns) {
                 continue;
             }
             let idle = watermark_ns.saturating_sub(at.last_ns);
@@ -1476,6 +1646,19 @@ impl Store {
                 / self.aliases.len()
         };
         self.tombs.capacity_bytes() + self.tomb_slots.capacity_bytes() + alias_share
+    }
+
+    /// [`Self::table_bytes`] per table, for the memory benchmark's breakdown.
+    pub fn table_breakdown(&self) -> Vec<(&'static str, usize)> {
+        vec![
+            ("attempts", self.attempts.capacity_bytes()),
+            ("attempt slots", self.attempt_slots.capacity_bytes()),
+            ("alias table", self.aliases.capacity_bytes()),
+            ("requests", self.requests.capacity_bytes()),
+            ("request slots", self.request_slots.capacity_bytes()),
+            ("tombstones", self.tombs.capacity_bytes()),
+            ("tombstone slots", self.tomb_slots.capacity_bytes()),
+        ]
     }
 
     /// Heap bytes held by the store's tables (capacity, not length), for memory accounting.

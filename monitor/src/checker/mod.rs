@@ -361,9 +361,21 @@ impl Checker {
         self.store.table_bytes() + self.timers.capacity_bytes()
     }
 
+    /// [`Self::state_bytes`] per table (capacity-based), for the memory benchmark's breakdown.
+    pub fn state_breakdown(&self) -> Vec<(&'static str, usize)> {
+        let mut v = self.store.table_breakdown();
+        v.push(("deadline queue", self.timers.capacity_bytes()));
+        v
+    }
+
     /// Bytes reserved by the tombstone tables alone.
     pub fn tombstone_bytes(&self) -> usize {
         self.store.tombstone_bytes()
+    }
+
+    /// Entries in the alias table (rooms, rids, request ids, trace ids), live or not yet purged.
+    pub fn alias_entries(&self) -> usize {
+        self.store.alias_entries()
     }
 
     pub fn watermark_ns(&self) -> u64 {
@@ -437,12 +449,12 @@ impl Checker {
             }
             self.timers.pop();
             let at = &self.store.attempts[a as usize];
-            if at.generation != generation || !at.live || at.due_ns != due {
+            if at.generation != generation || !at.is_live() || at.due_ns != due {
                 continue; // attempt gone, or superseded by an earlier deadline
             }
             self.stats.timers_fired += 1;
             self.store.attempts[a as usize].due_ns = 0;
-            self.store.attempts[a as usize].rejudge = false;
+            self.store.attempts[a as usize].set_rejudge(false);
             self.judge_deadlines(a, out);
         }
     }
@@ -646,7 +658,7 @@ impl Checker {
                             && facts_changed
                             && self.store.attempts[a as usize].fired & bit == 0
                         {
-                            self.store.attempts[a as usize].rejudge = true;
+                            self.store.attempts[a as usize].set_rejudge(true);
                             self.schedule(a, first);
                         }
                         continue;
@@ -659,7 +671,7 @@ impl Checker {
                     let Some(breach) = p.evaluate(e, known) else {
                         // Not (yet) a breach: judge again once everything up to this event arrived.
                         if self.store.attempts[a as usize].fired & bit == 0 {
-                            self.store.attempts[a as usize].rejudge = true;
+                            self.store.attempts[a as usize].set_rejudge(true);
                             self.schedule(a, e.time_ns);
                         }
                         continue;
@@ -700,7 +712,7 @@ impl Checker {
         let due = self.store.attempts[a as usize].due_ns;
         // Nothing queued, a judgement already due at the next watermark step, or a predicate
         // waiting to be judged again: leave it.
-        if due == 0 || due <= wm || self.store.attempts[a as usize].rejudge {
+        if due == 0 || due <= wm || self.store.attempts[a as usize].rejudge() {
             return;
         }
         let s = self.store.attempt_slots(a);
@@ -1209,10 +1221,9 @@ impl Checker {
     }
 
     fn attempt_aliases(&self, a: u32) -> AttemptAliases {
-        let at = &self.store.attempts[a as usize];
         AttemptAliases {
-            bootstrap_room: at.room,
-            rid: at.rid.to_string_opt(),
+            bootstrap_room: self.store.attempts[a as usize].room(),
+            rid: self.store.attempt_rid(a).to_string_opt(),
         }
     }
 
@@ -1371,5 +1382,89 @@ fn slot_event(e: &LifecycleEvent) -> SlotEvent {
         kind: e.kind,
         source: e.source,
         status: e.status,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: u64 = 1_000_000;
+    const S: u64 = 1_000_000_000;
+
+    fn ev(t: u64, stage: Stage, kind: Kind) -> LifecycleEvent {
+        LifecycleEvent::new(t, stage, kind, Source::Otlp)
+    }
+
+    /// One attempt whose legs carry different rids (prefill's and decode's), ended at `t`.
+    fn two_rid_attempt(c: &mut Checker, t: u64, room: u64, n: u64) {
+        let (pr, dr) = (format!("p-{n}"), format!("d-{n}"));
+        c.observe(
+            &ev(t, Stage::Prefill, Kind::Admitted)
+                .with_room(room)
+                .with_rid(pr.as_str()),
+        );
+        c.observe(
+            &ev(t + MS, Stage::Decode, Kind::Admitted)
+                .with_room(room)
+                .with_rid(dr.as_str()),
+        );
+        c.observe(
+            &ev(t + 2 * MS, Stage::Prefill, Kind::Completed)
+                .with_room(room)
+                .with_status(200),
+        );
+        c.observe(
+            &ev(t + 3 * MS, Stage::Decode, Kind::Completed)
+                .with_room(room)
+                .with_status(200),
+        );
+    }
+
+    /// Every rid an attempt was seen with leaves the alias table with it: otherwise the next
+    /// attempt reusing its record inherits the rid (a late event of the old attempt is blamed on
+    /// the new one) and the table grows by one entry per attempt, forever.
+    #[test]
+    fn an_attempts_second_rid_leaves_with_it() {
+        let mut c = Checker::new(RuleSet::embedded_defaults(), CheckerConfig::default());
+        let t0 = 1_000 * S;
+        two_rid_attempt(&mut c, t0, 1, 0);
+        c.tick(t0 + 10 * S);
+        assert_eq!(c.stats().live_attempts, 0, "attempt compacted");
+        // A new attempt takes the freed record and is rejected.
+        c.observe(
+            &ev(t0 + 11 * S, Stage::Prefill, Kind::Rejected)
+                .with_room(2)
+                .with_rid("p-1")
+                .with_status(400),
+        );
+        // A late report of the first attempt's decode work, named by its rid only.
+        let v = c.observe(&ev(t0 + 12 * S, Stage::Decode, Kind::Work).with_rid("d-0"));
+        assert!(v.is_empty(), "blamed on the wrong attempt: {v:?}");
+    }
+
+    #[test]
+    fn alias_table_is_bounded_by_what_is_live() {
+        let cfg = CheckerConfig {
+            retention: Duration::from_secs(5),
+            ..CheckerConfig::default()
+        };
+        let mut c = Checker::new(RuleSet::embedded_defaults(), cfg);
+        let t0 = 1_000 * S;
+        for n in 0..5_000u64 {
+            two_rid_attempt(&mut c, t0 + n * MS, 100 + n, n);
+        }
+        // Past linger and retention: every attempt compacted, every tombstone expired.
+        for k in 1..=20 {
+            c.tick(t0 + 10 * S + k * S);
+        }
+        let s = c.stats();
+        assert_eq!((s.live_attempts, s.tombstones), (0, 0));
+        // Aliases of dropped tombstones are purged in bulk, once more than 1024 are stale.
+        assert!(
+            c.alias_entries() <= 1024,
+            "stale aliases left behind: {}",
+            c.alias_entries()
+        );
     }
 }
