@@ -736,6 +736,17 @@ pub struct Limits {
     pub retention_ns: u64,
 }
 
+/// The clock hand's position, then advanced around `n` items. A compare instead of `% n`: the
+/// sweep runs on every event, and a 64-bit division is tens of cycles.
+fn next_hand(hand: &mut usize, n: usize) -> usize {
+    if *hand >= n {
+        *hand = 0;
+    }
+    let i = *hand;
+    *hand += 1;
+    i
+}
+
 /// Folds every slot of `src` into `dst`, spec by spec (pairs as pairs).
 fn fold_all(dst: &mut [Slot], src: &[Slot], keeps: &[Keep]) {
     for (k, &keep) in keeps.iter().enumerate() {
@@ -1553,8 +1564,7 @@ impl Store {
     fn evict_one_attempt(&mut self) {
         let n = self.attempts.len();
         for _ in 0..n {
-            let i = self.attempt_hand % n;
-            self.attempt_hand = self.attempt_hand.wrapping_add(1);
+            let i = next_hand(&mut self.attempt_hand, n);
             if self.attempts[i].is_live() {
                 let wm = self.attempts[i].last_ns;
                 self.compact(i as u32, wm);
@@ -1574,8 +1584,7 @@ impl Store {
         }
         let n = self.attempts.len();
         for _ in 0..steps.min(n) {
-            let i = self.attempt_hand % n;
-            self.attempt_hand = self.attempt_hand.wrapping_add(1);
+            let i = next_hand(&mut self.attempt_hand, n);
             let at = &self.attempts[i];
             if !at.is_live() || (at.due_ns != 0 && at.due_ns > watermark_ns) {
                 continue;
@@ -1591,8 +1600,7 @@ impl Store {
         }
         let n = self.requests.len();
         for _ in 0..steps.min(n) {
-            let i = self.request_hand % n;
-            self.request_hand = self.request_hand.wrapping_add(1);
+            let i = next_hand(&mut self.request_hand, n);
             let r = &self.requests[i];
             if r.live
                 && r.refs == 0

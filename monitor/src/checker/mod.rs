@@ -124,6 +124,8 @@ const MAX_CAPACITY_ENTRIES: usize = 65_536;
 const MAX_WORKER_DEDUP: usize = 100_000;
 /// Attempts examined by housekeeping per observed event (amortised O(1)).
 const SWEEP_PER_EVENT: usize = 2;
+/// The deadline queue is purged of dead entries only beyond this many (and twice the live attempts).
+const MIN_TIMER_PURGE: usize = 4096;
 /// Attempts examined by housekeeping per tick.
 const SWEEP_PER_TICK: usize = 4096;
 
@@ -371,6 +373,11 @@ impl Checker {
     /// Bytes reserved by the tombstone tables alone.
     pub fn tombstone_bytes(&self) -> usize {
         self.store.tombstone_bytes()
+    }
+
+    /// Entries in the deadline queue, valid or not yet purged.
+    pub fn deadline_entries(&self) -> usize {
+        self.timers.len()
     }
 
     /// Entries in the alias table (rooms, rids, request ids, trace ids), live or not yet purged.
@@ -1085,7 +1092,23 @@ impl Checker {
         if at.due_ns == 0 || due < at.due_ns {
             at.due_ns = due;
             self.timers.push((due, a, at.generation));
+            if self.timers.len() > 2 * self.store.live_attempts() + MIN_TIMER_PURGE {
+                self.purge_timers();
+            }
         }
+    }
+
+    /// Drops queued deadlines that can no longer fire: the attempt is gone, or an earlier
+    /// deadline or settling superseded them (`due_ns` moved). Without this a settled attempt's
+    /// far deadline (stuck-attempt: admitted + 330 s) stayed queued until it passed, so the
+    /// queue held every attempt of the last 330 s, not the live ones. At most one entry per live
+    /// attempt is valid, so purging when the queue exceeds twice that is amortised O(1).
+    fn purge_timers(&mut self) {
+        let attempts = &self.store.attempts;
+        self.timers.retain(|&(due, a, generation)| {
+            let at = &attempts[a as usize];
+            at.generation == generation && at.is_live() && at.due_ns == due
+        });
     }
 
     /// Judges the deadline rules of attempt `a` that are due; re-arms the next one.
@@ -1441,6 +1464,42 @@ mod tests {
         // A late report of the first attempt's decode work, named by its rid only.
         let v = c.observe(&ev(t0 + 12 * S, Stage::Decode, Kind::Work).with_rid("d-0"));
         assert!(v.is_empty(), "blamed on the wrong attempt: {v:?}");
+    }
+
+    #[test]
+    fn settled_deadlines_do_not_pile_up() {
+        let mut c = Checker::new(RuleSet::embedded_defaults(), CheckerConfig::default());
+        // One attempt every 100 µs, each running 500 ms: when its first deadline is judged
+        // (the watermark passes its admission) it has not ended, so stuck-attempt's deadline
+        // (admitted + 330 s) is queued; then it ends. Over 5 s only the last ~1.5 s of attempts
+        // are live, but without purging every attempt's entry would stay queued for 330 s.
+        let t0 = 1_000 * S;
+        let mut events = Vec::new();
+        for n in 0..50_000u64 {
+            let t = t0 + n * 100_000;
+            let room = 100 + n;
+            events.extend([
+                ev(t, Stage::Prefill, Kind::Admitted).with_room(room),
+                ev(t + MS, Stage::Decode, Kind::Admitted).with_room(room),
+                ev(t + 400 * MS, Stage::Prefill, Kind::Completed).with_room(room),
+                ev(t + 500 * MS, Stage::Decode, Kind::Completed).with_room(room),
+            ]);
+        }
+        events.sort_by_key(|e| e.time_ns);
+        for e in &events {
+            c.observe(e);
+        }
+        let s = c.stats();
+        assert!(
+            s.live_attempts < 25_000,
+            "attempts are compacted as they end"
+        );
+        assert!(
+            c.deadline_entries() <= 2 * s.live_attempts as usize + MIN_TIMER_PURGE,
+            "{} queued deadlines for {} live attempts",
+            c.deadline_entries(),
+            s.live_attempts
+        );
     }
 
     #[test]
