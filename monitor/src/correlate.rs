@@ -660,7 +660,10 @@ impl Attempt {
     }
 }
 
-/// A request: its aliases and request-scope rule slots (at `index * stride`).
+/// A request (48 bytes): its aliases; its request-scope rule slots are in
+/// [`Store::request_slots`]. It owns at most one request id and one trace id alias, so freeing
+/// it removes every alias pointing at it; a second one of either kind gets a stub request merged
+/// into this one.
 #[derive(Debug, Clone)]
 pub struct Request {
     pub generation: u32,
@@ -668,11 +671,60 @@ pub struct Request {
     pub parent: u32,
     /// Attempts and tombstones that point here.
     pub refs: u32,
-    pub request_id: Option<Box<str>>,
-    pub trace_id: Option<Box<str>>,
+    /// `REQ_LIVE`, `REQ_HAS_ID`, `REQ_HAS_TRACE`, and in the low bits the request id's length
+    /// within `ids`.
+    meta: u32,
     pub last_ns: u64,
-    pub live: bool,
     pub fired: u64,
+    /// The request id followed by the trace id: one allocation instead of two `Option<Box<str>>`
+    /// (16 bytes each in the record).
+    ids: Option<Box<str>>,
+}
+
+const REQ_LIVE: u32 = 1 << 31;
+const REQ_HAS_ID: u32 = 1 << 30;
+const REQ_HAS_TRACE: u32 = 1 << 29;
+const REQ_ID_LEN: u32 = (1 << 29) - 1;
+
+impl Request {
+    pub fn is_live(&self) -> bool {
+        self.meta & REQ_LIVE != 0
+    }
+    fn split(&self) -> usize {
+        (self.meta & REQ_ID_LEN) as usize
+    }
+    pub fn request_id(&self) -> Option<&str> {
+        let ids = self.ids.as_deref()?;
+        (self.meta & REQ_HAS_ID != 0).then(|| &ids[..self.split()])
+    }
+    pub fn trace_id(&self) -> Option<&str> {
+        let ids = self.ids.as_deref()?;
+        (self.meta & REQ_HAS_TRACE != 0).then(|| &ids[self.split()..])
+    }
+    /// Sets the request id (`trace` false) or trace id if it has none; false if it had one.
+    fn set_id(&mut self, trace: bool, v: &str) -> bool {
+        let (has, id, tr) = match trace {
+            false => (REQ_HAS_ID, Some(v), self.trace_id()),
+            true => (REQ_HAS_TRACE, self.request_id(), Some(v)),
+        };
+        if self.meta & has != 0 {
+            return false;
+        }
+        let mut id = id.unwrap_or("");
+        // The length field has 29 bits; ids come from transports whose messages are far smaller,
+        // so this only guards against a mis-split.
+        if id.len() > REQ_ID_LEN as usize {
+            let mut end = REQ_ID_LEN as usize;
+            while !id.is_char_boundary(end) {
+                end -= 1;
+            }
+            id = &id[..end];
+        }
+        let joined: Box<str> = [id, tr.unwrap_or("")].concat().into();
+        self.meta = (self.meta & !REQ_ID_LEN) | has | id.len() as u32;
+        self.ids = Some(joined);
+        true
+    }
 }
 
 /// What is left of a finished attempt: enough to catch late activity on a rejected attempt.
@@ -1224,14 +1276,22 @@ impl Store {
             if self.aliases.get(*key).is_some() {
                 continue;
             }
-            self.aliases.insert(*key, TAG_REQUEST | r);
-            let req = &mut self.requests[r as usize];
-            if n == 0 {
-                req.request_id
-                    .get_or_insert_with(|| ids.request_id.clone().unwrap_or_default());
+            let text = if n == 0 {
+                &ids.request_id
             } else {
-                req.trace_id
-                    .get_or_insert_with(|| ids.trace_id.clone().unwrap_or_default());
+                &ids.trace_id
+            };
+            let text = text.as_deref().unwrap_or("");
+            if self.requests[r as usize].set_id(n == 1, text) {
+                self.aliases.insert(*key, TAG_REQUEST | r);
+            } else {
+                // A second id of the same kind (e.g. a new trace under one x-request-id): a
+                // stub request owns its alias, merged into this one.
+                let stub = self.new_request();
+                self.requests[stub as usize].set_id(n == 1, text);
+                self.requests[stub as usize].last_ns = time_ns;
+                self.aliases.insert(*key, TAG_REQUEST | stub);
+                self.union_requests(stub, r);
             }
         }
         let req = &mut self.requests[r as usize];
@@ -1323,11 +1383,10 @@ impl Store {
             generation: 0,
             parent: NONE,
             refs: 0,
-            request_id: None,
-            trace_id: None,
+            meta: REQ_LIVE,
             last_ns: 0,
-            live: true,
             fired: 0,
+            ids: None,
         };
         let i = match self.free_requests.pop() {
             Some(i) => {
@@ -1378,11 +1437,17 @@ impl Store {
             self.pinned_alias.entry(into).or_insert(p);
         }
         self.requests[t].last_ns = self.requests[t].last_ns.max(self.requests[f].last_ns);
-        if self.requests[t].request_id.is_none() {
-            self.requests[t].request_id = self.requests[f].request_id.clone();
-        }
-        if self.requests[t].trace_id.is_none() {
-            self.requests[t].trace_id = self.requests[f].trace_id.clone();
+        // The merged request shows the ids it lacks (the stub keeps owning their aliases).
+        for trace in [false, true] {
+            let from = &self.requests[f];
+            let v = if trace {
+                from.trace_id()
+            } else {
+                from.request_id()
+            };
+            if let Some(v) = v.map(str::to_owned) {
+                self.requests[t].set_id(trace, &v);
+            }
         }
         self.stats.requests_merged += 1;
         into
@@ -1602,7 +1667,7 @@ impl Store {
         for _ in 0..steps.min(n) {
             let i = next_hand(&mut self.request_hand, n);
             let r = &self.requests[i];
-            if r.live
+            if r.is_live()
                 && r.refs == 0
                 && watermark_ns.saturating_sub(r.last_ns) > self.limits.retention_ns
             {
@@ -1615,12 +1680,8 @@ impl Store {
     fn free_request(&mut self, i: u32) {
         let r = &self.requests[i as usize];
         let keys = [
-            r.request_id
-                .as_deref()
-                .map(|s| key_str(AliasKind::RequestId, s)),
-            r.trace_id
-                .as_deref()
-                .map(|s| key_str(AliasKind::TraceId, s)),
+            r.request_id().map(|s| key_str(AliasKind::RequestId, s)),
+            r.trace_id().map(|s| key_str(AliasKind::TraceId, s)),
         ];
         for k in keys.into_iter().flatten() {
             self.aliases.remove_if(k, TAG_REQUEST | i);
@@ -1635,10 +1696,9 @@ impl Store {
         }
         self.pinned_alias.remove(&i);
         let r = &mut self.requests[i as usize];
-        r.live = false;
+        r.meta = 0;
         r.parent = NONE;
-        r.request_id = None;
-        r.trace_id = None;
+        r.ids = None;
         r.generation = r.generation.wrapping_add(1);
         self.free_requests.push(i);
         self.live_requests -= 1;

@@ -1258,8 +1258,8 @@ impl Checker {
             .map(|r| {
                 let r = &self.store.requests[r as usize];
                 RequestRef {
-                    request_id: r.request_id.as_deref().map(str::to_owned),
-                    trace_id: r.trace_id.as_deref().map(str::to_owned),
+                    request_id: r.request_id().map(str::to_owned),
+                    trace_id: r.trace_id().map(str::to_owned),
                 }
             })
             .unwrap_or_default();
@@ -1499,6 +1499,56 @@ mod tests {
             "{} queued deadlines for {} live attempts",
             c.deadline_entries(),
             s.live_attempts
+        );
+    }
+
+    /// A request seen with two trace ids: both aliases leave when the request is forgotten,
+    /// and the request shows its first ids.
+    #[test]
+    fn a_requests_second_trace_id_leaves_with_it() {
+        let cfg = CheckerConfig {
+            retention: Duration::from_secs(5),
+            ..CheckerConfig::default()
+        };
+        let mut c = Checker::new(RuleSet::embedded_defaults(), cfg);
+        let t0 = 1_000 * S;
+        for n in 0..3_000u64 {
+            let t = t0 + n * MS;
+            let (id, t1, t2) = (format!("req-{n}"), format!("a-{n}"), format!("b-{n}"));
+            c.observe(
+                &ev(t, Stage::Router, Kind::Dispatched)
+                    .with_room(100 + n)
+                    .with_request_id(id.as_str())
+                    .with_trace_id(t1.as_str()),
+            );
+            c.observe(
+                &ev(t + 1, Stage::Router, Kind::Completed)
+                    .with_room(100 + n)
+                    .with_request_id(id.as_str())
+                    .with_trace_id(t2.as_str())
+                    .with_status(500),
+            );
+            // The router failed the request; activity afterwards names its second trace only.
+            let v = c.observe(&ev(t + 2, Stage::Decode, Kind::Work).with_trace_id(t2.as_str()));
+            if n == 0 {
+                assert_eq!(v.len(), 0, "request-level work is no attempt's activity");
+            }
+        }
+        let s = c.stats();
+        assert_eq!(
+            s.correlate.requests_created, 6_000,
+            "one stub per second trace id"
+        );
+        assert_eq!(s.live_requests, 6_000);
+        for k in 1..=30 {
+            c.tick(t0 + 10 * S + k * S);
+        }
+        let s = c.stats();
+        assert_eq!((s.live_attempts, s.tombstones, s.live_requests), (0, 0, 0));
+        assert!(
+            c.alias_entries() <= 1024,
+            "stale aliases: {}",
+            c.alias_entries()
         );
     }
 
