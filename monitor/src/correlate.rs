@@ -588,7 +588,7 @@ impl Rid {
     }
 }
 
-/// Live state of one attempt (96 bytes). Rule slots live in [`Store::attempt_slots`].
+/// Live state of one attempt (88 bytes). Rule slots live in [`Store::attempt_slots`].
 ///
 /// Every alias key that points at the attempt is recorded here (room, first rid, a second rid)
 /// or, beyond that, in [`Store::more_rids`], so that freeing the attempt removes all of them: an
@@ -613,9 +613,9 @@ pub struct Attempt {
     pub due_ns: u64,
     /// Bit per compiled rule that already produced a violation for this attempt.
     pub fired: u64,
-    /// Per stage, the worker (or node) of the latest event naming one: keys capacity look-ups
-    /// when a predicate is judged again later.
-    pub worker_keys: [u32; 4],
+    /// Per stage, the worker (or node) of the latest event naming one, as the checker's interned
+    /// worker id (0 = none): keys capacity look-ups when a predicate is judged again later.
+    pub worker_keys: [u16; 4],
     /// Bit per stage: a leg started (received/admitted/work) / ended (terminal kind).
     pub legs_open: u8,
     pub legs_closed: u8,

@@ -105,6 +105,9 @@ pub struct CheckerStats {
     pub timers_fired: u64,
     /// Worker-level dedup memory was full; the violation was emitted but may repeat.
     pub worker_dedup_full: u64,
+    /// Events naming a worker beyond the first 65 535 distinct ones: their attempts do not
+    /// remember that worker, so a predicate judged again later cannot use its capacity.
+    pub workers_untracked: u64,
     pub correlate: CorrelateStats,
     pub live_attempts: u64,
     pub live_requests: u64,
@@ -141,6 +144,9 @@ pub struct Checker {
     timers: timers::TimerQueue,
     nodes: FixedMap<Box<str>, NodeId>,
     capacity: FixedMap<(u32, Stage), Capacity>,
+    /// Worker keys interned to 16-bit ids (attempts keep four of them); index 0 is "none".
+    workers: FixedMap<u32, u16>,
+    worker_hashes: Vec<u32>,
     worker_fired: HashSet<u64, FixedState>,
     skew_ns: u64,
     lateness_ns: u64,
@@ -332,6 +338,8 @@ impl Checker {
             timers: timers::TimerQueue::default(),
             nodes: FixedMap::with_hasher(FixedState::with_seed(SEED)),
             capacity: FixedMap::with_hasher(FixedState::with_seed(SEED)),
+            workers: FixedMap::with_hasher(FixedState::with_seed(SEED)),
+            worker_hashes: vec![0],
             worker_fired: HashSet::with_hasher(FixedState::with_seed(SEED)),
             skew_ns: ns(cfg.clock_skew),
             lateness_ns,
@@ -486,6 +494,21 @@ impl Checker {
             .map(|w| violation::fnv1a(&[w.as_bytes()]) as u32)
     }
 
+    /// The interned id of worker key `w` (0 once 65 535 distinct workers were seen; counted).
+    fn worker_id(&mut self, w: u32) -> u16 {
+        if let Some(&id) = self.workers.get(&w) {
+            return id;
+        }
+        if self.worker_hashes.len() > u16::MAX as usize {
+            self.stats.workers_untracked += 1;
+            return 0;
+        }
+        let id = self.worker_hashes.len() as u16;
+        self.worker_hashes.push(w);
+        self.workers.insert(w, id);
+        id
+    }
+
     fn record_capacity(&mut self, e: &LifecycleEvent) {
         let Some(key) = Self::worker_key(e).map(|w| (w, e.stage)) else {
             return;
@@ -524,6 +547,7 @@ impl Checker {
                 fold_into(slots, k, self.attempt_specs[k].keep, slot);
             }
         }
+        let worker = Self::worker_key(e).map(|w| self.worker_id(w));
         let at = &mut self.store.attempts[a as usize];
         at.last_ns = at.last_ns.max(e.time_ns);
         let mut facts_changed = false;
@@ -532,7 +556,7 @@ impl Checker {
             facts_changed = n > at.input_tokens;
             at.input_tokens = at.input_tokens.max(n);
         }
-        if let Some(w) = Self::worker_key(e) {
+        if let Some(w) = worker {
             at.worker_keys[e.stage as usize] = w;
         }
         let stage_bit = 1u8 << (e.stage as u8);
@@ -1197,10 +1221,13 @@ impl Checker {
                         probe.status = ev.status;
                         let known = Known {
                             input_tokens: Some(at.input_tokens as u64).filter(|&n| n > 0),
-                            capacity: self
-                                .capacity
-                                .get(&(at.worker_keys[ev.stage as usize], ev.stage))
-                                .copied(),
+                            capacity: match at.worker_keys[ev.stage as usize] {
+                                0 => None,
+                                w => self
+                                    .capacity
+                                    .get(&(self.worker_hashes[w as usize], ev.stage))
+                                    .copied(),
+                            },
                         };
                         if let Some(b) = p.evaluate(&probe, known) {
                             found = Some((ev, b));
