@@ -185,8 +185,14 @@ mod alias {
         /// An empty bucket array of `n`; large ones asked to be backed by huge pages.
         fn buckets(n: usize) -> Vec<Bucket> {
             let mut v = Vec::with_capacity(n);
-            advise_huge_pages(v.as_ptr() as usize, n * std::mem::size_of::<Bucket>());
+            let bytes = n * std::mem::size_of::<Bucket>();
+            advise_huge_pages(v.as_ptr() as usize, bytes, false);
             v.resize(n, Bucket::default());
+            // The allocator may hand out memory already mapped with small pages (glibc serves
+            // a freed large block again from its heap, e.g. the previous table after a resize),
+            // which the advice alone does not convert: measured, the benchmark's tables got no
+            // huge page at all. Collapse them now that they are populated.
+            advise_huge_pages(v.as_ptr() as usize, bytes, true);
             v
         }
 
@@ -221,23 +227,33 @@ mod alias {
 
     /// Every event probes this table at a random place: with 4 KiB pages each probe is also a
     /// TLB miss once the table outgrows the TLB's reach (a few MiB). Asking for transparent huge
-    /// pages (the kernel's `madvise` mode) removes most of those. Advisory: ignored elsewhere.
-    fn advise_huge_pages(start: usize, len: usize) {
+    /// pages (the kernel's `madvise` mode) removes most of those; `collapse` (Linux 6.1+)
+    /// converts pages already mapped small, synchronously. Advisory: errors (older kernels, no
+    /// huge page free) are ignored, and other systems skip it.
+    fn advise_huge_pages(start: usize, len: usize, collapse: bool) {
         #[cfg(target_os = "linux")]
         {
+            /// From linux/mman.h (the libc crate defines it for glibc targets only).
+            const MADV_COLLAPSE: libc::c_int = 25;
             const HUGE: usize = 2 << 20;
             let from = (start + HUGE - 1) & !(HUGE - 1);
             let to = (start + len) & !(HUGE - 1);
+            let advice = if collapse {
+                MADV_COLLAPSE
+            } else {
+                libc::MADV_HUGEPAGE
+            };
             if to > from {
                 // SAFETY: madvise only advises the kernel about pages inside our own allocation
-                // (rounded inwards to huge-page boundaries); it does not change their contents.
+                // (rounded inwards to huge-page boundaries); neither advice changes their
+                // contents (a collapse copies them into a huge page).
                 unsafe {
-                    libc::madvise(from as *mut libc::c_void, to - from, libc::MADV_HUGEPAGE);
+                    libc::madvise(from as *mut libc::c_void, to - from, advice);
                 }
             }
         }
         #[cfg(not(target_os = "linux"))]
-        let _ = (start, len);
+        let _ = (start, len, collapse);
     }
 
     #[cfg(test)]
@@ -515,38 +531,13 @@ impl Rid {
     }
 
     /// 32 lowercase hex digits (so that printing gives back the same text), as two words.
-    /// Branch-free per digit: most events of an attempt repeat its rid, and this comparison is
-    /// what lets them skip hashing it.
     fn hex(s: &str) -> Option<[u64; 2]> {
-        const BAD: u8 = 0x10;
-        const DIGIT: [u8; 256] = {
-            let mut t = [BAD; 256];
-            let mut c = 0;
-            while c < 10 {
-                t[b'0' as usize + c] = c as u8;
-                c += 1;
-            }
-            let mut c = 0;
-            while c < 6 {
-                t[b'a' as usize + c] = 10 + c as u8;
-                c += 1;
-            }
-            t
-        };
         let b = s.as_bytes();
-        if b.len() != 32 {
+        if b.len() != 32 || !b.iter().all(|c| matches!(c, b'0'..=b'9' | b'a'..=b'f')) {
             return None;
         }
-        let mut out = [0u64; 2];
-        let mut bad = 0u8;
-        for (w, half) in out.iter_mut().zip(b.chunks_exact(16)) {
-            for &c in half {
-                let d = DIGIT[c as usize];
-                bad |= d;
-                *w = (*w << 4) | (d & 0xf) as u64;
-            }
-        }
-        (bad & BAD == 0).then_some(out)
+        let half = |h: &str| u64::from_str_radix(h, 16).ok();
+        Some([half(&s[..16])?, half(&s[16..])?])
     }
 
     pub fn is_none(&self) -> bool {
@@ -1050,13 +1041,14 @@ impl Store {
     }
 
     /// Records that alias `key` (pointing at attempt `a`) belongs to it, unless it is its room's
-    /// or first rid's key, which are recorded already.
-    fn own_alias(&mut self, a: u32, key: u64) {
+    /// or first rid's key, which are recorded already. `maybe_first`: `key` may be the first
+    /// rid's (false when the caller knows the rid differs: it saves rebuilding that rid's text).
+    fn own_alias(&mut self, a: u32, key: u64, maybe_first: bool) {
         let at = &self.attempts[a as usize];
         if at.room().map(key_room) == Some(key) || at.rid2_key == key {
             return;
         }
-        if at.has_rid() && self.attempt_rid(a).key() == Some(key) {
+        if maybe_first && at.has_rid() && self.attempt_rid(a).key() == Some(key) {
             return;
         }
         let at = &mut self.attempts[a as usize];
@@ -1071,22 +1063,23 @@ impl Store {
         }
     }
 
-    /// Every alias key attempt `a` owns.
-    fn attempt_keys(&self, a: u32) -> Vec<u64> {
+    /// Every alias key attempt `a` owns: room, first rid, second rid (no allocation: this runs
+    /// for every attempt freed), then any further ones.
+    fn attempt_keys(&self, a: u32) -> impl Iterator<Item = u64> + use<> {
         let at = &self.attempts[a as usize];
-        let mut keys: Vec<u64> = [at.room().map(key_room), self.attempt_rid(a).key()]
+        let inline = [
+            at.room().map(key_room),
+            self.attempt_rid(a).key(),
+            (at.rid2_key != 0).then_some(at.rid2_key),
+        ];
+        let more = match at.flags & MORE_RIDS {
+            0 => None,
+            _ => self.more_rids.get(&a).cloned(),
+        };
+        inline
             .into_iter()
             .flatten()
-            .collect();
-        if at.rid2_key != 0 {
-            keys.push(at.rid2_key);
-        }
-        if at.flags & MORE_RIDS != 0
-            && let Some(more) = self.more_rids.get(&a)
-        {
-            keys.extend_from_slice(more);
-        }
-        keys
+            .chain(more.into_iter().flatten())
     }
 
     /// The union-find root of request `r` (path halving keeps chains short).
@@ -1149,7 +1142,8 @@ impl Store {
                     {
                         self.set_first_rid(i, Rid::new(rid));
                     } else {
-                        self.own_alias(i, k);
+                        // Not the first rid: `rid_is_first` said so before the probe.
+                        self.own_alias(i, k, false);
                     }
                 }
                 a
@@ -1475,7 +1469,7 @@ impl Store {
         let keeps = self.attempt_keeps.clone();
         fold_all(self.attempt_slots_mut(x), &src, &keeps);
         let ya = self.attempts[y as usize].clone();
-        let y_keys = self.attempt_keys(y);
+        let y_keys: Vec<u64> = self.attempt_keys(y).collect();
         let y_rid = self.attempt_rid(y);
         if !self.attempts[x as usize].has_rid() {
             self.set_first_rid(x, y_rid);
@@ -1506,7 +1500,7 @@ impl Store {
         self.free_attempt(y);
         for k in y_keys {
             self.aliases.insert(k, x);
-            self.own_alias(x, k);
+            self.own_alias(x, k, true);
         }
         self.stats.attempts_merged += 1;
         a
