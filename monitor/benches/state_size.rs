@@ -65,6 +65,19 @@ fn main() {
         live_bytes as f64 / s.live_attempts as f64
     );
     drop(all);
+    // Where the bytes are (tables by capacity, per live attempt; the rest of the heap is the
+    // request id strings and the side maps).
+    let per = |b: usize| b as f64 / s.live_attempts as f64;
+    let tables = checker.state_breakdown();
+    let table_total: usize = tables.iter().map(|t| t.1).sum();
+    for (name, bytes) in &tables {
+        println!("  {name}: {:.1} B per live attempt", per(*bytes));
+    }
+    println!(
+        "  other heap (strings, side maps): {:.1} B per live attempt; alias entries {}",
+        per((live_bytes as usize).saturating_sub(table_total)),
+        checker.alias_entries()
+    );
 
     // Tombstones: end every attempt, then let the watermark pass the linger so all compact.
     let before_t = LIVE_BYTES.load(Ordering::Relaxed);

@@ -185,8 +185,14 @@ mod alias {
         /// An empty bucket array of `n`; large ones asked to be backed by huge pages.
         fn buckets(n: usize) -> Vec<Bucket> {
             let mut v = Vec::with_capacity(n);
-            advise_huge_pages(v.as_ptr() as usize, n * std::mem::size_of::<Bucket>());
+            let bytes = n * std::mem::size_of::<Bucket>();
+            advise_huge_pages(v.as_ptr() as usize, bytes, false);
             v.resize(n, Bucket::default());
+            // The allocator may hand out memory already mapped with small pages (glibc serves
+            // a freed large block again from its heap, e.g. the previous table after a resize),
+            // which the advice alone does not convert: measured, the benchmark's tables got no
+            // huge page at all. Collapse them now that they are populated.
+            advise_huge_pages(v.as_ptr() as usize, bytes, true);
             v
         }
 
@@ -221,23 +227,33 @@ mod alias {
 
     /// Every event probes this table at a random place: with 4 KiB pages each probe is also a
     /// TLB miss once the table outgrows the TLB's reach (a few MiB). Asking for transparent huge
-    /// pages (the kernel's `madvise` mode) removes most of those. Advisory: ignored elsewhere.
-    fn advise_huge_pages(start: usize, len: usize) {
+    /// pages (the kernel's `madvise` mode) removes most of those; `collapse` (Linux 6.1+)
+    /// converts pages already mapped small, synchronously. Advisory: errors (older kernels, no
+    /// huge page free) are ignored, and other systems skip it.
+    fn advise_huge_pages(start: usize, len: usize, collapse: bool) {
         #[cfg(target_os = "linux")]
         {
+            /// From linux/mman.h (the libc crate defines it for glibc targets only).
+            const MADV_COLLAPSE: libc::c_int = 25;
             const HUGE: usize = 2 << 20;
             let from = (start + HUGE - 1) & !(HUGE - 1);
             let to = (start + len) & !(HUGE - 1);
+            let advice = if collapse {
+                MADV_COLLAPSE
+            } else {
+                libc::MADV_HUGEPAGE
+            };
             if to > from {
                 // SAFETY: madvise only advises the kernel about pages inside our own allocation
-                // (rounded inwards to huge-page boundaries); it does not change their contents.
+                // (rounded inwards to huge-page boundaries); neither advice changes their
+                // contents (a collapse copies them into a huge page).
                 unsafe {
-                    libc::madvise(from as *mut libc::c_void, to - from, libc::MADV_HUGEPAGE);
+                    libc::madvise(from as *mut libc::c_void, to - from, advice);
                 }
             }
         }
         #[cfg(not(target_os = "linux"))]
-        let _ = (start, len);
+        let _ = (start, len, collapse);
     }
 
     #[cfg(test)]
@@ -563,40 +579,82 @@ impl Rid {
     }
 }
 
-/// Live state of one attempt. Rule slots live in [`Store::attempt_slots`] at `index * stride`.
+/// Live state of one attempt (88 bytes). Rule slots live in [`Store::attempt_slots`].
+///
+/// Every alias key that points at the attempt is recorded here (room, first rid, a second rid)
+/// or, beyond that, in [`Store::more_rids`], so that freeing the attempt removes all of them: an
+/// alias left behind would hand a late event of this attempt to the next one reusing the record.
 #[derive(Debug, Clone)]
 pub struct Attempt {
     pub generation: u32,
     pub request: u32,
-    pub room: Option<u64>,
-    pub rid: Rid,
-    pub last_ns: u64,
-    /// Earliest pending deadline in the timer queue (0 = none); compaction waits for it.
-    pub due_ns: u64,
-    pub input_tokens: u32,
-    /// Per stage, the worker (or node) of the latest event naming one: keys capacity look-ups
-    /// when a predicate is judged again later.
-    pub worker_keys: [u32; 4],
-    /// Bit per stage: a leg started (received/admitted/work) / ended (terminal kind).
-    pub legs_open: u8,
-    pub legs_closed: u8,
-    pub live: bool,
-    /// A predicate asked to be judged again (new facts); keeps the attempt live until it is.
-    pub rejudge: bool,
-    /// Bit per compiled rule that already produced a violation for this attempt.
-    pub fired: u64,
     /// `request` is a union-find root as of this union epoch (0 = not known to be one): while no
     /// union happened since, the request record need not be read (one cache miss per event).
     request_epoch: u32,
+    pub input_tokens: u32,
+    /// The bootstrap room, when `flags` has `HAS_ROOM` (no `Option`: it would cost 8 bytes).
+    room: u64,
+    /// The first rid when it is SGLang-shaped (`RID_HEX`); other rids (`RID_TEXT`) keep their
+    /// text in [`Store::rid_texts`].
+    rid_hex: [u64; 2],
+    /// Alias key of a second rid (0 = none), e.g. the decode leg's when it differs from prefill's.
+    rid2_key: u64,
+    pub last_ns: u64,
+    /// Earliest pending deadline in the timer queue (0 = none); compaction waits for it.
+    pub due_ns: u64,
+    /// Bit per compiled rule that already produced a violation for this attempt.
+    pub fired: u64,
+    /// Per stage, the worker (or node) of the latest event naming one, as the checker's interned
+    /// worker id (0 = none): keys capacity look-ups when a predicate is judged again later.
+    pub worker_keys: [u16; 4],
+    /// Bit per stage: a leg started (received/admitted/work) / ended (terminal kind).
+    pub legs_open: u8,
+    pub legs_closed: u8,
+    flags: u8,
 }
+
+const LIVE: u8 = 1;
+/// A predicate asked to be judged again (new facts); keeps the attempt live until it is.
+const REJUDGE: u8 = 2;
+const HAS_ROOM: u8 = 4;
+const RID_HEX: u8 = 8;
+const RID_TEXT: u8 = 16;
+/// More alias keys than `rid2_key` holds: the rest are in `Store::more_rids`.
+const MORE_RIDS: u8 = 32;
 
 impl Attempt {
     fn ended(&self) -> bool {
         self.legs_closed != 0 && self.legs_open & !self.legs_closed == 0
     }
+    pub fn is_live(&self) -> bool {
+        self.flags & LIVE != 0
+    }
+    pub fn rejudge(&self) -> bool {
+        self.flags & REJUDGE != 0
+    }
+    pub fn set_rejudge(&mut self, on: bool) {
+        if on {
+            self.flags |= REJUDGE;
+        } else {
+            self.flags &= !REJUDGE;
+        }
+    }
+    pub fn room(&self) -> Option<u64> {
+        (self.flags & HAS_ROOM != 0).then_some(self.room)
+    }
+    fn set_room(&mut self, room: u64) {
+        self.room = room;
+        self.flags |= HAS_ROOM;
+    }
+    fn has_rid(&self) -> bool {
+        self.flags & (RID_HEX | RID_TEXT) != 0
+    }
 }
 
-/// A request: its aliases and request-scope rule slots (at `index * stride`).
+/// A request (48 bytes): its aliases; its request-scope rule slots are in
+/// [`Store::request_slots`]. It owns at most one request id and one trace id alias, so freeing
+/// it removes every alias pointing at it; a second one of either kind gets a stub request merged
+/// into this one.
 #[derive(Debug, Clone)]
 pub struct Request {
     pub generation: u32,
@@ -604,11 +662,60 @@ pub struct Request {
     pub parent: u32,
     /// Attempts and tombstones that point here.
     pub refs: u32,
-    pub request_id: Option<Box<str>>,
-    pub trace_id: Option<Box<str>>,
+    /// `REQ_LIVE`, `REQ_HAS_ID`, `REQ_HAS_TRACE`, and in the low bits the request id's length
+    /// within `ids`.
+    meta: u32,
     pub last_ns: u64,
-    pub live: bool,
     pub fired: u64,
+    /// The request id followed by the trace id: one allocation instead of two `Option<Box<str>>`
+    /// (16 bytes each in the record).
+    ids: Option<Box<str>>,
+}
+
+const REQ_LIVE: u32 = 1 << 31;
+const REQ_HAS_ID: u32 = 1 << 30;
+const REQ_HAS_TRACE: u32 = 1 << 29;
+const REQ_ID_LEN: u32 = (1 << 29) - 1;
+
+impl Request {
+    pub fn is_live(&self) -> bool {
+        self.meta & REQ_LIVE != 0
+    }
+    fn split(&self) -> usize {
+        (self.meta & REQ_ID_LEN) as usize
+    }
+    pub fn request_id(&self) -> Option<&str> {
+        let ids = self.ids.as_deref()?;
+        (self.meta & REQ_HAS_ID != 0).then(|| &ids[..self.split()])
+    }
+    pub fn trace_id(&self) -> Option<&str> {
+        let ids = self.ids.as_deref()?;
+        (self.meta & REQ_HAS_TRACE != 0).then(|| &ids[self.split()..])
+    }
+    /// Sets the request id (`trace` false) or trace id if it has none; false if it had one.
+    fn set_id(&mut self, trace: bool, v: &str) -> bool {
+        let (has, id, tr) = match trace {
+            false => (REQ_HAS_ID, Some(v), self.trace_id()),
+            true => (REQ_HAS_TRACE, self.request_id(), Some(v)),
+        };
+        if self.meta & has != 0 {
+            return false;
+        }
+        let mut id = id.unwrap_or("");
+        // The length field has 29 bits; ids come from transports whose messages are far smaller,
+        // so this only guards against a mis-split.
+        if id.len() > REQ_ID_LEN as usize {
+            let mut end = REQ_ID_LEN as usize;
+            while !id.is_char_boundary(end) {
+                end -= 1;
+            }
+            id = &id[..end];
+        }
+        let joined: Box<str> = [id, tr.unwrap_or("")].concat().into();
+        self.meta = (self.meta & !REQ_ID_LEN) | has | id.len() as u32;
+        self.ids = Some(joined);
+        true
+    }
 }
 
 /// What is left of a finished attempt: enough to catch late activity on a rejected attempt.
@@ -672,6 +779,17 @@ pub struct Limits {
     pub retention_ns: u64,
 }
 
+/// The clock hand's position, then advanced around `n` items. A compare instead of `% n`: the
+/// sweep runs on every event, and a 64-bit division is tens of cycles.
+fn next_hand(hand: &mut usize, n: usize) -> usize {
+    if *hand >= n {
+        *hand = 0;
+    }
+    let i = *hand;
+    *hand += 1;
+    i
+}
+
 /// Folds every slot of `src` into `dst`, spec by spec (pairs as pairs).
 fn fold_all(dst: &mut [Slot], src: &[Slot], keeps: &[Keep]) {
     for (k, &keep) in keeps.iter().enumerate() {
@@ -700,6 +818,10 @@ pub struct Store {
     aliases: alias::Table,
     /// First rejection reason of attempts that have one (about 1% of them).
     reasons: HashMap<u32, Box<str>, FixedState>,
+    /// The first rid of attempts whose rid is not SGLang-shaped hex (`RID_TEXT`).
+    rid_texts: HashMap<u32, Box<str>, FixedState>,
+    /// Alias keys of attempts seen with more than two rids, beyond `Attempt::rid2_key`.
+    more_rids: HashMap<u32, Vec<u64>, FixedState>,
     /// Per (owner, rule) that fired: a bit per `Source` seen in its reported evidence, so a source
     /// that saw the breach later corroborates it once. Only owners with fired bits have entries.
     reported: HashMap<(Owner, u8), u8, FixedState>,
@@ -752,6 +874,8 @@ impl Store {
             live_attempts: 0,
             aliases: alias::Table::default(),
             reasons: HashMap::with_hasher(hasher()),
+            rid_texts: HashMap::with_hasher(hasher()),
+            more_rids: HashMap::with_hasher(hasher()),
             reported: HashMap::with_hasher(hasher()),
             pinned_alias: HashMap::with_hasher(hasher()),
             requests: Chunked::new(1),
@@ -779,6 +903,9 @@ impl Store {
     }
     pub fn tombstones(&self) -> usize {
         self.tombs.len()
+    }
+    pub fn alias_entries(&self) -> usize {
+        self.aliases.len()
     }
 
     pub fn attempt_slots(&self, a: u32) -> &[Slot] {
@@ -872,6 +999,89 @@ impl Store {
         &self.tomb_slot_map
     }
 
+    /// The first rid attempt `a` was seen with.
+    pub fn attempt_rid(&self, a: u32) -> Rid {
+        let at = &self.attempts[a as usize];
+        if at.flags & RID_HEX != 0 {
+            Rid::Hex(at.rid_hex)
+        } else if at.flags & RID_TEXT != 0 {
+            self.rid_texts
+                .get(&a)
+                .map_or(Rid::None, |t| Rid::Text(t.clone()))
+        } else {
+            Rid::None
+        }
+    }
+
+    /// Whether `rid` is the first rid of attempt `a` (without hashing it, for the hex form).
+    fn rid_is_first(&self, a: u32, rid: &str) -> bool {
+        let at = &self.attempts[a as usize];
+        if at.flags & RID_HEX != 0 {
+            Rid::hex(rid) == Some(at.rid_hex)
+        } else if at.flags & RID_TEXT != 0 {
+            self.rid_texts.get(&a).is_some_and(|t| **t == *rid)
+        } else {
+            false
+        }
+    }
+
+    fn set_first_rid(&mut self, a: u32, rid: Rid) {
+        let at = &mut self.attempts[a as usize];
+        match rid {
+            Rid::None => {}
+            Rid::Hex(h) => {
+                at.rid_hex = h;
+                at.flags |= RID_HEX;
+            }
+            Rid::Text(t) => {
+                at.flags |= RID_TEXT;
+                self.rid_texts.insert(a, t);
+            }
+        }
+    }
+
+    /// Records that alias `key` (pointing at attempt `a`) belongs to it, unless it is its room's
+    /// or first rid's key, which are recorded already. `maybe_first`: `key` may be the first
+    /// rid's (false when the caller knows the rid differs: it saves rebuilding that rid's text).
+    fn own_alias(&mut self, a: u32, key: u64, maybe_first: bool) {
+        let at = &self.attempts[a as usize];
+        if at.room().map(key_room) == Some(key) || at.rid2_key == key {
+            return;
+        }
+        if maybe_first && at.has_rid() && self.attempt_rid(a).key() == Some(key) {
+            return;
+        }
+        let at = &mut self.attempts[a as usize];
+        if at.rid2_key == 0 {
+            at.rid2_key = key;
+            return;
+        }
+        at.flags |= MORE_RIDS;
+        let more = self.more_rids.entry(a).or_default();
+        if !more.contains(&key) {
+            more.push(key);
+        }
+    }
+
+    /// Every alias key attempt `a` owns: room, first rid, second rid (no allocation: this runs
+    /// for every attempt freed), then any further ones.
+    fn attempt_keys(&self, a: u32) -> impl Iterator<Item = u64> + use<> {
+        let at = &self.attempts[a as usize];
+        let inline = [
+            at.room().map(key_room),
+            self.attempt_rid(a).key(),
+            (at.rid2_key != 0).then_some(at.rid2_key),
+        ];
+        let more = match at.flags & MORE_RIDS {
+            0 => None,
+            _ => self.more_rids.get(&a).cloned(),
+        };
+        inline
+            .into_iter()
+            .flatten()
+            .chain(more.into_iter().flatten())
+    }
+
     /// The union-find root of request `r` (path halving keeps chains short).
     pub fn find(&mut self, mut r: u32) -> u32 {
         loop {
@@ -905,7 +1115,7 @@ impl Store {
         let by_room = room_key.and_then(|k| self.lookup_attempt(k));
         // Most events repeat the rid the attempt already has: skip the second table probe.
         let rid_known = match (by_room, ids.rid.as_deref()) {
-            (Some(AttemptRef::Live(i)), Some(rid)) => self.attempts[i as usize].rid.matches(rid),
+            (Some(AttemptRef::Live(i)), Some(rid)) => self.rid_is_first(i, rid),
             _ => false,
         };
         // Hashing the rid (32 bytes) is only needed when it is not the attempt's known one.
@@ -927,19 +1137,21 @@ impl Store {
             (Some(a), None) => {
                 if let (Some(k), AttemptRef::Live(i)) = (rid_key, a) {
                     self.aliases.insert(k, i);
-                    let at = &mut self.attempts[i as usize];
-                    if at.rid.is_none()
+                    if !self.attempts[i as usize].has_rid()
                         && let Some(rid) = ids.rid.as_deref()
                     {
-                        at.rid = Rid::new(rid);
+                        self.set_first_rid(i, Rid::new(rid));
+                    } else {
+                        // Not the first rid: `rid_is_first` said so before the probe.
+                        self.own_alias(i, k, false);
                     }
                 }
                 a
             }
             (None, Some(b)) => match (ids.bootstrap_room, b) {
-                (Some(room), AttemptRef::Live(i)) => match self.attempts[i as usize].room {
+                (Some(room), AttemptRef::Live(i)) => match self.attempts[i as usize].room() {
                     None => {
-                        self.attempts[i as usize].room = Some(room.0);
+                        self.attempts[i as usize].set_room(room.0);
                         self.aliases.insert(key_room(room.0), i);
                         b
                     }
@@ -1058,14 +1270,22 @@ impl Store {
             if self.aliases.get(*key).is_some() {
                 continue;
             }
-            self.aliases.insert(*key, TAG_REQUEST | r);
-            let req = &mut self.requests[r as usize];
-            if n == 0 {
-                req.request_id
-                    .get_or_insert_with(|| ids.request_id.clone().unwrap_or_default());
+            let text = if n == 0 {
+                &ids.request_id
             } else {
-                req.trace_id
-                    .get_or_insert_with(|| ids.trace_id.clone().unwrap_or_default());
+                &ids.trace_id
+            };
+            let text = text.as_deref().unwrap_or("");
+            if self.requests[r as usize].set_id(n == 1, text) {
+                self.aliases.insert(*key, TAG_REQUEST | r);
+            } else {
+                // A second id of the same kind (e.g. a new trace under one x-request-id): a
+                // stub request owns its alias, merged into this one.
+                let stub = self.new_request();
+                self.requests[stub as usize].set_id(n == 1, text);
+                self.requests[stub as usize].last_ns = time_ns;
+                self.aliases.insert(*key, TAG_REQUEST | stub);
+                self.union_requests(stub, r);
             }
         }
         let req = &mut self.requests[r as usize];
@@ -1115,18 +1335,18 @@ impl Store {
         let fresh = Attempt {
             generation: 0,
             request: NONE,
-            room,
-            rid,
+            request_epoch: 0,
+            input_tokens: 0,
+            room: room.unwrap_or(0),
+            rid_hex: [0; 2],
+            rid2_key: 0,
             last_ns: 0,
             due_ns: 0,
-            input_tokens: 0,
+            fired: 0,
             worker_keys: [0; 4],
             legs_open: 0,
             legs_closed: 0,
-            live: true,
-            rejudge: false,
-            fired: 0,
-            request_epoch: 0,
+            flags: LIVE | if room.is_some() { HAS_ROOM } else { 0 },
         };
         let i = match self.free_attempts.pop() {
             Some(i) => {
@@ -1143,6 +1363,7 @@ impl Store {
                 self.attempts.push(fresh) as u32
             }
         };
+        self.set_first_rid(i, rid);
         for k in [room_key, rid_key].into_iter().flatten() {
             self.aliases.insert(k, i);
         }
@@ -1156,11 +1377,10 @@ impl Store {
             generation: 0,
             parent: NONE,
             refs: 0,
-            request_id: None,
-            trace_id: None,
+            meta: REQ_LIVE,
             last_ns: 0,
-            live: true,
             fired: 0,
+            ids: None,
         };
         let i = match self.free_requests.pop() {
             Some(i) => {
@@ -1211,11 +1431,17 @@ impl Store {
             self.pinned_alias.entry(into).or_insert(p);
         }
         self.requests[t].last_ns = self.requests[t].last_ns.max(self.requests[f].last_ns);
-        if self.requests[t].request_id.is_none() {
-            self.requests[t].request_id = self.requests[f].request_id.clone();
-        }
-        if self.requests[t].trace_id.is_none() {
-            self.requests[t].trace_id = self.requests[f].trace_id.clone();
+        // The merged request shows the ids it lacks (the stub keeps owning their aliases).
+        for trace in [false, true] {
+            let from = &self.requests[f];
+            let v = if trace {
+                from.trace_id()
+            } else {
+                from.request_id()
+            };
+            if let Some(v) = v.map(str::to_owned) {
+                self.requests[t].set_id(trace, &v);
+            }
         }
         self.stats.requests_merged += 1;
         into
@@ -1232,8 +1458,8 @@ impl Store {
             };
         };
         let (rx, ry) = (
-            self.attempts[x as usize].room,
-            self.attempts[y as usize].room,
+            self.attempts[x as usize].room(),
+            self.attempts[y as usize].room(),
         );
         if rx.is_some() && ry.is_some() && rx != ry {
             self.stats.alias_conflicts += 1;
@@ -1243,10 +1469,14 @@ impl Store {
         let keeps = self.attempt_keeps.clone();
         fold_all(self.attempt_slots_mut(x), &src, &keeps);
         let ya = self.attempts[y as usize].clone();
+        let y_keys: Vec<u64> = self.attempt_keys(y).collect();
+        let y_rid = self.attempt_rid(y);
+        if !self.attempts[x as usize].has_rid() {
+            self.set_first_rid(x, y_rid);
+        }
         let xa = &mut self.attempts[x as usize];
-        xa.room = xa.room.or(ya.room);
-        if xa.rid.is_none() {
-            xa.rid = ya.rid.clone();
+        if let (None, Some(room)) = (xa.room(), ya.room()) {
+            xa.set_room(room);
         }
         xa.last_ns = xa.last_ns.max(ya.last_ns);
         xa.input_tokens = xa.input_tokens.max(ya.input_tokens);
@@ -1268,8 +1498,9 @@ impl Store {
             self.move_reported(Owner::Attempt(y), Owner::Attempt(x), ya.fired);
         }
         self.free_attempt(y);
-        for k in [ya.room.map(key_room), ya.rid.key()].into_iter().flatten() {
+        for k in y_keys {
             self.aliases.insert(k, x);
+            self.own_alias(x, k, true);
         }
         self.stats.attempts_merged += 1;
         a
@@ -1290,10 +1521,10 @@ impl Store {
     /// Forgets live attempt `i` entirely (its aliases, its request reference).
     fn free_attempt(&mut self, i: u32) {
         self.note_request_activity(i);
-        let at = &self.attempts[i as usize];
-        for k in [at.room.map(key_room), at.rid.key()].into_iter().flatten() {
+        for k in self.attempt_keys(i) {
             self.aliases.remove_if(k, i);
         }
+        let at = &self.attempts[i as usize];
         let request = at.request;
         let fired = at.fired;
         if request != NONE {
@@ -1303,8 +1534,14 @@ impl Store {
             self.drop_reported(Owner::Attempt(i), fired);
         }
         let at = &mut self.attempts[i as usize];
-        at.live = false;
-        at.rid = Rid::None;
+        if at.flags & RID_TEXT != 0 {
+            self.rid_texts.remove(&i);
+        }
+        if at.flags & MORE_RIDS != 0 {
+            self.more_rids.remove(&i);
+        }
+        at.flags = 0;
+        at.rid2_key = 0;
         at.request = NONE;
         at.generation = at.generation.wrapping_add(1);
         self.reasons.remove(&i);
@@ -1319,7 +1556,10 @@ impl Store {
             self.stats.tombstones_evicted_cap += 1;
         }
         let at = &self.attempts[i as usize];
-        let key = at.room.map(key_room).or_else(|| at.rid.key());
+        let key = at
+            .room()
+            .map(key_room)
+            .or_else(|| self.attempt_rid(i).key());
         let expires_s = ((watermark_ns.saturating_add(self.limits.retention_ns)) / 1_000_000_000)
             .min(u32::MAX as u64) as u32
             + 1;
@@ -1383,9 +1623,8 @@ impl Store {
     fn evict_one_attempt(&mut self) {
         let n = self.attempts.len();
         for _ in 0..n {
-            let i = self.attempt_hand % n;
-            self.attempt_hand = self.attempt_hand.wrapping_add(1);
-            if self.attempts[i].live {
+            let i = next_hand(&mut self.attempt_hand, n);
+            if self.attempts[i].is_live() {
                 let wm = self.attempts[i].last_ns;
                 self.compact(i as u32, wm);
                 self.stats.evicted_cap += 1;
@@ -1404,10 +1643,9 @@ impl Store {
         }
         let n = self.attempts.len();
         for _ in 0..steps.min(n) {
-            let i = self.attempt_hand % n;
-            self.attempt_hand = self.attempt_hand.wrapping_add(1);
+            let i = next_hand(&mut self.attempt_hand, n);
             let at = &self.attempts[i];
-            if !at.live || (at.due_ns != 0 && at.due_ns > watermark_ns) {
+            if !at.is_live() || (at.due_ns != 0 && at.due_ns > watermark_ns) {
                 continue;
             }
             let idle = watermark_ns.saturating_sub(at.last_ns);
@@ -1421,10 +1659,9 @@ impl Store {
         }
         let n = self.requests.len();
         for _ in 0..steps.min(n) {
-            let i = self.request_hand % n;
-            self.request_hand = self.request_hand.wrapping_add(1);
+            let i = next_hand(&mut self.request_hand, n);
             let r = &self.requests[i];
-            if r.live
+            if r.is_live()
                 && r.refs == 0
                 && watermark_ns.saturating_sub(r.last_ns) > self.limits.retention_ns
             {
@@ -1437,12 +1674,8 @@ impl Store {
     fn free_request(&mut self, i: u32) {
         let r = &self.requests[i as usize];
         let keys = [
-            r.request_id
-                .as_deref()
-                .map(|s| key_str(AliasKind::RequestId, s)),
-            r.trace_id
-                .as_deref()
-                .map(|s| key_str(AliasKind::TraceId, s)),
+            r.request_id().map(|s| key_str(AliasKind::RequestId, s)),
+            r.trace_id().map(|s| key_str(AliasKind::TraceId, s)),
         ];
         for k in keys.into_iter().flatten() {
             self.aliases.remove_if(k, TAG_REQUEST | i);
@@ -1457,10 +1690,9 @@ impl Store {
         }
         self.pinned_alias.remove(&i);
         let r = &mut self.requests[i as usize];
-        r.live = false;
+        r.meta = 0;
         r.parent = NONE;
-        r.request_id = None;
-        r.trace_id = None;
+        r.ids = None;
         r.generation = r.generation.wrapping_add(1);
         self.free_requests.push(i);
         self.live_requests -= 1;
@@ -1476,6 +1708,19 @@ impl Store {
                 / self.aliases.len()
         };
         self.tombs.capacity_bytes() + self.tomb_slots.capacity_bytes() + alias_share
+    }
+
+    /// [`Self::table_bytes`] per table, for the memory benchmark's breakdown.
+    pub fn table_breakdown(&self) -> Vec<(&'static str, usize)> {
+        vec![
+            ("attempts", self.attempts.capacity_bytes()),
+            ("attempt slots", self.attempt_slots.capacity_bytes()),
+            ("alias table", self.aliases.capacity_bytes()),
+            ("requests", self.requests.capacity_bytes()),
+            ("request slots", self.request_slots.capacity_bytes()),
+            ("tombstones", self.tombs.capacity_bytes()),
+            ("tombstone slots", self.tomb_slots.capacity_bytes()),
+        ]
     }
 
     /// Heap bytes held by the store's tables (capacity, not length), for memory accounting.

@@ -105,6 +105,9 @@ pub struct CheckerStats {
     pub timers_fired: u64,
     /// Worker-level dedup memory was full; the violation was emitted but may repeat.
     pub worker_dedup_full: u64,
+    /// Events naming a worker beyond the first 65 535 distinct ones: their attempts do not
+    /// remember that worker, so a predicate judged again later cannot use its capacity.
+    pub workers_untracked: u64,
     pub correlate: CorrelateStats,
     pub live_attempts: u64,
     pub live_requests: u64,
@@ -124,6 +127,8 @@ const MAX_CAPACITY_ENTRIES: usize = 65_536;
 const MAX_WORKER_DEDUP: usize = 100_000;
 /// Attempts examined by housekeeping per observed event (amortised O(1)).
 const SWEEP_PER_EVENT: usize = 2;
+/// The deadline queue is purged of dead entries only beyond this many (and twice the live attempts).
+const MIN_TIMER_PURGE: usize = 4096;
 /// Attempts examined by housekeeping per tick.
 const SWEEP_PER_TICK: usize = 4096;
 
@@ -139,6 +144,9 @@ pub struct Checker {
     timers: timers::TimerQueue,
     nodes: FixedMap<Box<str>, NodeId>,
     capacity: FixedMap<(u32, Stage), Capacity>,
+    /// Worker keys interned to 16-bit ids (attempts keep four of them); index 0 is "none".
+    workers: FixedMap<u32, u16>,
+    worker_hashes: Vec<u32>,
     worker_fired: HashSet<u64, FixedState>,
     skew_ns: u64,
     lateness_ns: u64,
@@ -330,6 +338,8 @@ impl Checker {
             timers: timers::TimerQueue::default(),
             nodes: FixedMap::with_hasher(FixedState::with_seed(SEED)),
             capacity: FixedMap::with_hasher(FixedState::with_seed(SEED)),
+            workers: FixedMap::with_hasher(FixedState::with_seed(SEED)),
+            worker_hashes: vec![0],
             worker_fired: HashSet::with_hasher(FixedState::with_seed(SEED)),
             skew_ns: ns(cfg.clock_skew),
             lateness_ns,
@@ -361,9 +371,26 @@ impl Checker {
         self.store.table_bytes() + self.timers.capacity_bytes()
     }
 
+    /// [`Self::state_bytes`] per table (capacity-based), for the memory benchmark's breakdown.
+    pub fn state_breakdown(&self) -> Vec<(&'static str, usize)> {
+        let mut v = self.store.table_breakdown();
+        v.push(("deadline queue", self.timers.capacity_bytes()));
+        v
+    }
+
     /// Bytes reserved by the tombstone tables alone.
     pub fn tombstone_bytes(&self) -> usize {
         self.store.tombstone_bytes()
+    }
+
+    /// Entries in the deadline queue, valid or not yet purged.
+    pub fn deadline_entries(&self) -> usize {
+        self.timers.len()
+    }
+
+    /// Entries in the alias table (rooms, rids, request ids, trace ids), live or not yet purged.
+    pub fn alias_entries(&self) -> usize {
+        self.store.alias_entries()
     }
 
     pub fn watermark_ns(&self) -> u64 {
@@ -437,12 +464,12 @@ impl Checker {
             }
             self.timers.pop();
             let at = &self.store.attempts[a as usize];
-            if at.generation != generation || !at.live || at.due_ns != due {
+            if at.generation != generation || !at.is_live() || at.due_ns != due {
                 continue; // attempt gone, or superseded by an earlier deadline
             }
             self.stats.timers_fired += 1;
             self.store.attempts[a as usize].due_ns = 0;
-            self.store.attempts[a as usize].rejudge = false;
+            self.store.attempts[a as usize].set_rejudge(false);
             self.judge_deadlines(a, out);
         }
     }
@@ -465,6 +492,21 @@ impl Checker {
             .as_deref()
             .or(e.node.as_deref())
             .map(|w| violation::fnv1a(&[w.as_bytes()]) as u32)
+    }
+
+    /// The interned id of worker key `w` (0 once 65 535 distinct workers were seen; counted).
+    fn worker_id(&mut self, w: u32) -> u16 {
+        if let Some(&id) = self.workers.get(&w) {
+            return id;
+        }
+        if self.worker_hashes.len() > u16::MAX as usize {
+            self.stats.workers_untracked += 1;
+            return 0;
+        }
+        let id = self.worker_hashes.len() as u16;
+        self.worker_hashes.push(w);
+        self.workers.insert(w, id);
+        id
     }
 
     fn record_capacity(&mut self, e: &LifecycleEvent) {
@@ -505,6 +547,7 @@ impl Checker {
                 fold_into(slots, k, self.attempt_specs[k].keep, slot);
             }
         }
+        let worker = Self::worker_key(e).map(|w| self.worker_id(w));
         let at = &mut self.store.attempts[a as usize];
         at.last_ns = at.last_ns.max(e.time_ns);
         let mut facts_changed = false;
@@ -513,7 +556,7 @@ impl Checker {
             facts_changed = n > at.input_tokens;
             at.input_tokens = at.input_tokens.max(n);
         }
-        if let Some(w) = Self::worker_key(e) {
+        if let Some(w) = worker {
             at.worker_keys[e.stage as usize] = w;
         }
         let stage_bit = 1u8 << (e.stage as u8);
@@ -646,7 +689,7 @@ impl Checker {
                             && facts_changed
                             && self.store.attempts[a as usize].fired & bit == 0
                         {
-                            self.store.attempts[a as usize].rejudge = true;
+                            self.store.attempts[a as usize].set_rejudge(true);
                             self.schedule(a, first);
                         }
                         continue;
@@ -659,7 +702,7 @@ impl Checker {
                     let Some(breach) = p.evaluate(e, known) else {
                         // Not (yet) a breach: judge again once everything up to this event arrived.
                         if self.store.attempts[a as usize].fired & bit == 0 {
-                            self.store.attempts[a as usize].rejudge = true;
+                            self.store.attempts[a as usize].set_rejudge(true);
                             self.schedule(a, e.time_ns);
                         }
                         continue;
@@ -700,7 +743,7 @@ impl Checker {
         let due = self.store.attempts[a as usize].due_ns;
         // Nothing queued, a judgement already due at the next watermark step, or a predicate
         // waiting to be judged again: leave it.
-        if due == 0 || due <= wm || self.store.attempts[a as usize].rejudge {
+        if due == 0 || due <= wm || self.store.attempts[a as usize].rejudge() {
             return;
         }
         let s = self.store.attempt_slots(a);
@@ -1073,7 +1116,23 @@ impl Checker {
         if at.due_ns == 0 || due < at.due_ns {
             at.due_ns = due;
             self.timers.push((due, a, at.generation));
+            if self.timers.len() > 2 * self.store.live_attempts() + MIN_TIMER_PURGE {
+                self.purge_timers();
+            }
         }
+    }
+
+    /// Drops queued deadlines that can no longer fire: the attempt is gone, or an earlier
+    /// deadline or settling superseded them (`due_ns` moved). Without this a settled attempt's
+    /// far deadline (stuck-attempt: admitted + 330 s) stayed queued until it passed, so the
+    /// queue held every attempt of the last 330 s, not the live ones. At most one entry per live
+    /// attempt is valid, so purging when the queue exceeds twice that is amortised O(1).
+    fn purge_timers(&mut self) {
+        let attempts = &self.store.attempts;
+        self.timers.retain(|&(due, a, generation)| {
+            let at = &attempts[a as usize];
+            at.generation == generation && at.is_live() && at.due_ns == due
+        });
     }
 
     /// Judges the deadline rules of attempt `a` that are due; re-arms the next one.
@@ -1162,10 +1221,13 @@ impl Checker {
                         probe.status = ev.status;
                         let known = Known {
                             input_tokens: Some(at.input_tokens as u64).filter(|&n| n > 0),
-                            capacity: self
-                                .capacity
-                                .get(&(at.worker_keys[ev.stage as usize], ev.stage))
-                                .copied(),
+                            capacity: match at.worker_keys[ev.stage as usize] {
+                                0 => None,
+                                w => self
+                                    .capacity
+                                    .get(&(self.worker_hashes[w as usize], ev.stage))
+                                    .copied(),
+                            },
                         };
                         if let Some(b) = p.evaluate(&probe, known) {
                             found = Some((ev, b));
@@ -1209,10 +1271,9 @@ impl Checker {
     }
 
     fn attempt_aliases(&self, a: u32) -> AttemptAliases {
-        let at = &self.store.attempts[a as usize];
         AttemptAliases {
-            bootstrap_room: at.room,
-            rid: at.rid.to_string_opt(),
+            bootstrap_room: self.store.attempts[a as usize].room(),
+            rid: self.store.attempt_rid(a).to_string_opt(),
         }
     }
 
@@ -1224,8 +1285,8 @@ impl Checker {
             .map(|r| {
                 let r = &self.store.requests[r as usize];
                 RequestRef {
-                    request_id: r.request_id.as_deref().map(str::to_owned),
-                    trace_id: r.trace_id.as_deref().map(str::to_owned),
+                    request_id: r.request_id().map(str::to_owned),
+                    trace_id: r.trace_id().map(str::to_owned),
                 }
             })
             .unwrap_or_default();
@@ -1371,5 +1432,175 @@ fn slot_event(e: &LifecycleEvent) -> SlotEvent {
         kind: e.kind,
         source: e.source,
         status: e.status,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: u64 = 1_000_000;
+    const S: u64 = 1_000_000_000;
+
+    fn ev(t: u64, stage: Stage, kind: Kind) -> LifecycleEvent {
+        LifecycleEvent::new(t, stage, kind, Source::Otlp)
+    }
+
+    /// One attempt whose legs carry different rids (prefill's and decode's), ended at `t`.
+    fn two_rid_attempt(c: &mut Checker, t: u64, room: u64, n: u64) {
+        let (pr, dr) = (format!("p-{n}"), format!("d-{n}"));
+        c.observe(
+            &ev(t, Stage::Prefill, Kind::Admitted)
+                .with_room(room)
+                .with_rid(pr.as_str()),
+        );
+        c.observe(
+            &ev(t + MS, Stage::Decode, Kind::Admitted)
+                .with_room(room)
+                .with_rid(dr.as_str()),
+        );
+        c.observe(
+            &ev(t + 2 * MS, Stage::Prefill, Kind::Completed)
+                .with_room(room)
+                .with_status(200),
+        );
+        c.observe(
+            &ev(t + 3 * MS, Stage::Decode, Kind::Completed)
+                .with_room(room)
+                .with_status(200),
+        );
+    }
+
+    /// Every rid an attempt was seen with leaves the alias table with it: otherwise the next
+    /// attempt reusing its record inherits the rid (a late event of the old attempt is blamed on
+    /// the new one) and the table grows by one entry per attempt, forever.
+    #[test]
+    fn an_attempts_second_rid_leaves_with_it() {
+        let mut c = Checker::new(RuleSet::embedded_defaults(), CheckerConfig::default());
+        let t0 = 1_000 * S;
+        two_rid_attempt(&mut c, t0, 1, 0);
+        c.tick(t0 + 10 * S);
+        assert_eq!(c.stats().live_attempts, 0, "attempt compacted");
+        // A new attempt takes the freed record and is rejected.
+        c.observe(
+            &ev(t0 + 11 * S, Stage::Prefill, Kind::Rejected)
+                .with_room(2)
+                .with_rid("p-1")
+                .with_status(400),
+        );
+        // A late report of the first attempt's decode work, named by its rid only.
+        let v = c.observe(&ev(t0 + 12 * S, Stage::Decode, Kind::Work).with_rid("d-0"));
+        assert!(v.is_empty(), "blamed on the wrong attempt: {v:?}");
+    }
+
+    #[test]
+    fn settled_deadlines_do_not_pile_up() {
+        let mut c = Checker::new(RuleSet::embedded_defaults(), CheckerConfig::default());
+        // One attempt every 100 µs, each running 500 ms: when its first deadline is judged
+        // (the watermark passes its admission) it has not ended, so stuck-attempt's deadline
+        // (admitted + 330 s) is queued; then it ends. Over 5 s only the last ~1.5 s of attempts
+        // are live, but without purging every attempt's entry would stay queued for 330 s.
+        let t0 = 1_000 * S;
+        let mut events = Vec::new();
+        for n in 0..50_000u64 {
+            let t = t0 + n * 100_000;
+            let room = 100 + n;
+            events.extend([
+                ev(t, Stage::Prefill, Kind::Admitted).with_room(room),
+                ev(t + MS, Stage::Decode, Kind::Admitted).with_room(room),
+                ev(t + 400 * MS, Stage::Prefill, Kind::Completed).with_room(room),
+                ev(t + 500 * MS, Stage::Decode, Kind::Completed).with_room(room),
+            ]);
+        }
+        events.sort_by_key(|e| e.time_ns);
+        for e in &events {
+            c.observe(e);
+        }
+        let s = c.stats();
+        assert!(
+            s.live_attempts < 25_000,
+            "attempts are compacted as they end"
+        );
+        assert!(
+            c.deadline_entries() <= 2 * s.live_attempts as usize + MIN_TIMER_PURGE,
+            "{} queued deadlines for {} live attempts",
+            c.deadline_entries(),
+            s.live_attempts
+        );
+    }
+
+    /// A request seen with two trace ids: both aliases leave when the request is forgotten,
+    /// and the request shows its first ids.
+    #[test]
+    fn a_requests_second_trace_id_leaves_with_it() {
+        let cfg = CheckerConfig {
+            retention: Duration::from_secs(5),
+            ..CheckerConfig::default()
+        };
+        let mut c = Checker::new(RuleSet::embedded_defaults(), cfg);
+        let t0 = 1_000 * S;
+        for n in 0..3_000u64 {
+            let t = t0 + n * MS;
+            let (id, t1, t2) = (format!("req-{n}"), format!("a-{n}"), format!("b-{n}"));
+            c.observe(
+                &ev(t, Stage::Router, Kind::Dispatched)
+                    .with_room(100 + n)
+                    .with_request_id(id.as_str())
+                    .with_trace_id(t1.as_str()),
+            );
+            c.observe(
+                &ev(t + 1, Stage::Router, Kind::Completed)
+                    .with_room(100 + n)
+                    .with_request_id(id.as_str())
+                    .with_trace_id(t2.as_str())
+                    .with_status(500),
+            );
+            // The router failed the request; activity afterwards names its second trace only.
+            let v = c.observe(&ev(t + 2, Stage::Decode, Kind::Work).with_trace_id(t2.as_str()));
+            if n == 0 {
+                assert_eq!(v.len(), 0, "request-level work is no attempt's activity");
+            }
+        }
+        let s = c.stats();
+        assert_eq!(
+            s.correlate.requests_created, 6_000,
+            "one stub per second trace id"
+        );
+        assert_eq!(s.live_requests, 6_000);
+        for k in 1..=30 {
+            c.tick(t0 + 10 * S + k * S);
+        }
+        let s = c.stats();
+        assert_eq!((s.live_attempts, s.tombstones, s.live_requests), (0, 0, 0));
+        assert!(
+            c.alias_entries() <= 1024,
+            "stale aliases: {}",
+            c.alias_entries()
+        );
+    }
+
+    #[test]
+    fn alias_table_is_bounded_by_what_is_live() {
+        let cfg = CheckerConfig {
+            retention: Duration::from_secs(5),
+            ..CheckerConfig::default()
+        };
+        let mut c = Checker::new(RuleSet::embedded_defaults(), cfg);
+        let t0 = 1_000 * S;
+        for n in 0..5_000u64 {
+            two_rid_attempt(&mut c, t0 + n * MS, 100 + n, n);
+        }
+        // Past linger and retention: every attempt compacted, every tombstone expired.
+        for k in 1..=20 {
+            c.tick(t0 + 10 * S + k * S);
+        }
+        let s = c.stats();
+        assert_eq!((s.live_attempts, s.tombstones), (0, 0));
+        // Aliases of dropped tombstones are purged in bulk, once more than 1024 are stale.
+        assert!(
+            c.alias_entries() <= 1024,
+            "stale aliases left behind: {}",
+            c.alias_entries()
+        );
     }
 }

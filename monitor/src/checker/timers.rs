@@ -77,6 +77,19 @@ impl TimerQueue {
         self.len() == 0
     }
 
+    /// Keeps the entries `keep` says yes to (order preserved), giving back the memory of the
+    /// rest. O(len): callers amortise it.
+    pub fn retain(&mut self, mut keep: impl FnMut(&Entry) -> bool) {
+        for r in &mut self.runs {
+            r.retain(|e| keep(e));
+            if r.capacity() > 2 * r.len() + 16 {
+                r.shrink_to_fit();
+            }
+        }
+        let heap = std::mem::take(&mut self.heap);
+        self.heap = heap.into_iter().filter(|r| keep(&r.0)).collect();
+    }
+
     /// Heap bytes reserved (capacity, not length).
     pub fn capacity_bytes(&self) -> usize {
         (self.heap.capacity() + self.runs.iter().map(VecDeque::capacity).sum::<usize>())
@@ -114,6 +127,16 @@ mod tests {
                 all.swap_remove(pos);
             }
         }
+        // Dropping entries keeps the rest in order.
+        q.retain(|e| e.1 % 3 != 0);
+        all = Vec::new();
+        let mut copy = TimerQueue::default();
+        while let Some(e) = q.pop() {
+            all.push(e.0);
+            copy.push(e);
+        }
+        q = copy;
+        assert!(all.windows(2).all(|w| w[0] <= w[1]));
         all.sort();
         let mut got = Vec::new();
         while let Some(e) = q.pop() {
