@@ -334,6 +334,15 @@ fn a_second_source_corroborates_a_reported_breach_once() {
         (revenant::Kind::Rejected, Source::Otlp)
     );
     assert!(follow.corroborates);
+    // Counted as a corroboration, not as a second violation of the rule.
+    let (stats, per_rule) = (c.stats(), c.violations_per_rule().to_vec());
+    assert_eq!(
+        (stats.violations, stats.corroborations),
+        (1, 1),
+        "{stats:?}"
+    );
+    let rule_index = c.rules().position(|r| r.name == first.rule).unwrap();
+    assert_eq!(per_rule[rule_index], 1);
     assert_eq!(follow.fingerprint, first.fingerprint);
     assert_eq!(follow.attempt.bootstrap_room, first.attempt.bootstrap_room);
     assert_eq!(follow.rule, first.rule);

@@ -509,6 +509,12 @@ impl Collector for CheckerCollector {
         )?;
         counter(
             &mut enc,
+            "revenant_checker_corroborations",
+            "Follow-ups emitted because a second source proved an already reported breach (not counted as violations)",
+            st.corroborations,
+        )?;
+        counter(
+            &mut enc,
             "revenant_checker_repeat_breaches",
             "Breaches of a rule that already fired for the same attempt (not re-emitted)",
             st.repeats,
@@ -589,7 +595,7 @@ impl Collector for CheckerCollector {
         labelled_counters(
             &mut enc,
             "revenant_checker_violations",
-            "Violations the checker emitted, by rule and severity",
+            "Violations the checker emitted, by rule and severity (one per rule and attempt; corroborating follow-ups are counted apart)",
             &per_rule,
         )?;
         Ok(())

@@ -361,7 +361,8 @@ impl Checker {
         s
     }
 
-    /// Violations emitted so far, per enabled rule (same order as [`Self::rules`]).
+    /// Violations emitted so far, per enabled rule (same order as [`Self::rules`]); corroborating
+    /// follow-ups are not counted (see [`CheckerStats::corroborations`]).
     pub fn violations_per_rule(&self) -> &[u64] {
         &self.per_rule
     }
@@ -1398,8 +1399,12 @@ impl Checker {
             "event.status" => opt(f.offender.and_then(|t| t.status).map(|s| s.to_string())),
             _ => String::new(),
         });
-        self.stats.violations += 1;
-        self.per_rule[f.rule] += 1;
+        // A follow-up proves the same breach again: it is counted (in `corroborations`, where
+        // it is created) but is not a new violation.
+        if f.corroboration.is_none() {
+            self.stats.violations += 1;
+            self.per_rule[f.rule] += 1;
+        }
         Violation {
             rule: rule.name.clone(),
             severity: rule.severity,
