@@ -8,24 +8,24 @@
 mod ebpf_support;
 
 use std::collections::BTreeSet;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use ebpf_support::*;
-use pd_sim::harness::{ClusterProcess, http_get, run_load};
 use revenant::ingest::ebpf::{Discovery, EbpfConfig, PidRule, Role};
 use revenant::{Kind, Stage};
+use test_harness::{Cluster, http_get, run_load};
 
 const CANARY: &str = "CANARYebpfsim9c41";
 
 struct Sim {
-    cluster: ClusterProcess,
+    cluster: Cluster,
     router: u32,
     prefill: u32,
     decode: u32,
 }
 
 fn start(mode: &str) -> Sim {
-    let cluster = ClusterProcess::start(&pd_sim_bin(), &["--mode", mode])
+    let cluster = Cluster::start(&pd_sim_bin(), &["--mode", mode], None)
         .unwrap_or_else(|e| panic!("pd-sim cluster --mode {mode}: {e}"));
     let pid = |k: &str| {
         cluster.ready["pids"][k]
@@ -44,13 +44,14 @@ fn start(mode: &str) -> Sim {
 fn sim_stats(url: &str) -> serde_json::Value {
     let (status, body) = http_get(&format!("{url}/sim/stats")).expect("/sim/stats");
     assert_eq!(status, 200);
-    serde_json::from_slice(&body).expect("stats json")
+    serde_json::from_str(&body).expect("stats json")
 }
 
 fn load(sim: &Sim, requests: u32) -> impl FnOnce() -> serde_json::Value + Send + 'static {
     let (bin, router) = (pd_sim_bin(), sim.cluster.router.clone());
     let requests = requests.to_string();
     move || {
+        let dir = tempfile::tempdir().expect("tempdir");
         run_load(
             &bin,
             &router,
@@ -70,8 +71,13 @@ fn load(sim: &Sim, requests: u32) -> impl FnOnce() -> serde_json::Value + Send +
                 "--canary",
                 CANARY,
             ],
+            &dir.path().join("load.json"),
+            true,
+            Duration::from_secs(600),
+            None,
         )
         .expect("pd-sim load")
+        .expect("not interrupted")
     }
 }
 
@@ -185,7 +191,7 @@ fn handoff_after_reject_one_violation_per_handed_off_rejection() {
     );
     // The simulator's rooms that were rejected and still transferred.
     let (_, body) = http_get(&format!("{}/sim/rooms", sim.cluster.prefill)).expect("rooms");
-    let rooms: Vec<serde_json::Value> = serde_json::from_slice(&body).expect("rooms json");
+    let rooms: Vec<serde_json::Value> = serde_json::from_str(&body).expect("rooms json");
     let sim_rooms: BTreeSet<u64> = rooms
         .iter()
         .filter(|r| r["status"].as_u64().is_some_and(|s| s >= 400))

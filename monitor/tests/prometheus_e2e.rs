@@ -49,7 +49,7 @@ fn feeder(
     rv: &Revenant,
     stop: Arc<std::sync::atomic::AtomicBool>,
 ) -> std::thread::JoinHandle<usize> {
-    let (grpc, http, dir) = (rv.grpc.clone(), rv.http.clone(), rv.dir.clone());
+    let (grpc, http, dir) = (rv.otlp_grpc.clone(), rv.otlp_http.clone(), rv.dir.clone());
     std::thread::spawn(move || {
         let py = venv_python();
         let mut sent = 0;

@@ -17,7 +17,7 @@ pub const BIN: &str = env!("CARGO_BIN_EXE_pd-sim");
 
 /// The cluster under test; dropping it stops every process.
 pub struct Cluster {
-    inner: pd_sim::harness::ClusterProcess,
+    inner: test_harness::Cluster,
     pub ready: serde_json::Value,
     pub router: String,
     pub prefill: String,
@@ -30,10 +30,7 @@ impl Cluster {
         let mut args = vec!["--mode", mode];
         args.extend_from_slice(extra);
         let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
-        let start = move || {
-            let refs: Vec<&str> = args.iter().map(String::as_str).collect();
-            pd_sim::harness::ClusterProcess::start(std::path::Path::new(BIN), &refs)
-        };
+        let start = move || test_harness::Cluster::start(std::path::Path::new(BIN), &args, None);
         // The children carry PR_SET_PDEATHSIG, which fires when the *thread* that forked them
         // exits: a spawn_blocking thread retires after 10 s idle and would take the cluster
         // with it. On a multi-thread runtime fork from this worker thread instead.
@@ -49,14 +46,14 @@ impl Cluster {
             router: inner.router.clone(),
             prefill: inner.prefill.clone(),
             decode: inner.decode.clone(),
-            pids: inner.pids.clone(),
+            pids: inner.pids.iter().map(|(_, pid)| *pid).collect(),
             inner,
         }
     }
 }
 
 impl std::ops::Deref for Cluster {
-    type Target = pd_sim::harness::ClusterProcess;
+    type Target = test_harness::Cluster;
     fn deref(&self) -> &Self::Target {
         &self.inner
     }
@@ -144,9 +141,21 @@ pub async fn rooms(client: &HttpClient, base: &str) -> Vec<serde_json::Value> {
         .unwrap_or_default()
 }
 
-/// Run the `pd-sim load` binary against the router and return its summary JSON.
+/// Run the `pd-sim load` binary against the router (quiet, at most 10 minutes) and return its
+/// summary JSON.
 pub fn run_load(router: &str, args: &[&str]) -> serde_json::Value {
-    pd_sim::harness::run_load(std::path::Path::new(BIN), router, args).expect("load runs")
+    let scratch = test_harness::ScratchDir::new("load").expect("scratch dir");
+    test_harness::run_load(
+        std::path::Path::new(BIN),
+        router,
+        args,
+        &scratch.path().join("summary.json"),
+        true,
+        Duration::from_secs(600),
+        None,
+    )
+    .expect("load runs")
+    .expect("not interrupted")
 }
 
 /// A TCP proxy in front of prefill's KV port that decodes the decode→prefill ZMTP stream,
