@@ -12,6 +12,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use common::alerts::*;
 use common::*;
 use revenant::admin::Metrics;
 use revenant::alert::{AlertConfig, AlertPipeline, WebhookConfig};

@@ -9,6 +9,7 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::alerts::*;
 use common::process::Revenant;
 use common::*;
 use revenant::admin::Metrics;

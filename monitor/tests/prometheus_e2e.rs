@@ -10,6 +10,7 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::alerts::*;
 use common::process::{Revenant, assert_rejected_then_decoded, repo_root, venv_python};
 use common::*;
 
