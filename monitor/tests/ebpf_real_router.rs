@@ -72,7 +72,7 @@ fn setup(workers: Workers, prefill_args: &str, decode_args: &str, smg_args: &[&s
     .expect("pd-sim workers");
     let pid = |k: &str| cluster.ready["pids"][k].as_u64().expect("pid") as u32;
     let (prefill, decode) = (pid("prefill"), pid("decode"));
-    let port = free_port();
+    let port = test_harness::free_port().unwrap();
     let logs = LogCapture::global();
     let cfg = EbpfConfig {
         discovery: Discovery {
@@ -114,7 +114,10 @@ fn setup(workers: Workers, prefill_args: &str, decode_args: &str, smg_args: &[&s
             .args(["--prefill", &cluster.prefill, &bootstrap])
             .args(["--decode", &cluster.decode])
             .args(["--host", "127.0.0.1", "--port", &port.to_string()])
-            .args(["--prometheus-port", &free_port().to_string()])
+            .args([
+                "--prometheus-port",
+                &test_harness::free_port().unwrap().to_string(),
+            ])
             .arg("--model-path")
             .arg(model.path())
             .args(smg_args)

@@ -6,6 +6,7 @@
 pub mod alerts;
 pub mod process;
 
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -42,11 +43,6 @@ pub fn ensure_debian_package(binary: &str, package: &str) -> String {
     which(binary).unwrap_or_else(|| panic!("{package} installed but {binary} is not on PATH"))
 }
 
-pub fn free_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
-    l.local_addr().unwrap().port()
-}
-
 /// Polls `f` every 50 ms until it returns `Some`, or panics after `timeout` with `what`.
 pub async fn wait_for<T>(
     timeout: Duration,
@@ -64,6 +60,44 @@ pub async fn wait_for<T>(
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// A Prometheus-family server (`prometheus`, `alertmanager`) on a free loopback port: its
+/// `--config.file`, `{storage_flag}=DIR/{name}-data`, log in DIR/{name}.log, `extra` flags.
+/// Returns the child and its base URL once `/-/ready` answers 200 (at most 60 s).
+pub async fn start_prometheus_server(
+    bin: &str,
+    name: &str,
+    dir: &Path,
+    config: &Path,
+    storage_flag: &str,
+    extra: &[&str],
+    http: &reqwest::Client,
+) -> (ChildGuard, String) {
+    let port = test_harness::free_port().unwrap();
+    let child = spawn(
+        Command::new(bin)
+            .arg(format!("--config.file={}", config.display()))
+            .arg(format!(
+                "{storage_flag}={}",
+                dir.join(format!("{name}-data")).display()
+            ))
+            .arg(format!("--web.listen-address=127.0.0.1:{port}"))
+            .args(extra)
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(dir.join(format!("{name}.log"))).unwrap()),
+    );
+    let base = format!("http://127.0.0.1:{port}");
+    wait_for(
+        Duration::from_secs(60),
+        &format!("{name} ready"),
+        async || match http.get(format!("{base}/-/ready")).send().await {
+            Ok(r) if r.status() == 200 => Some(()),
+            _ => None,
+        },
+    )
+    .await;
+    (child, base)
 }
 
 /// A child process killed (SIGKILL) and reaped when dropped.

@@ -9,7 +9,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, anyhow, bail};
 use serde_json::Value;
 
-use crate::files::tail;
+use crate::files::{ScratchDir, tail};
 use crate::http::{http_json, wait_healthy};
 use crate::proc::Proc;
 
@@ -152,4 +152,18 @@ pub fn run_load<S: AsRef<OsStr>>(
     Ok(Some(
         serde_json::from_str(&text).context("load summary JSON")?,
     ))
+}
+
+/// [`run_load`] as tests and benches use it: quiet, its summary in a scratch file, at most
+/// `timeout`.
+pub fn run_load_quiet<S: AsRef<OsStr>>(
+    bin: &Path,
+    router: &str,
+    args: &[S],
+    timeout: Duration,
+) -> Result<Value> {
+    let scratch = ScratchDir::new("load")?;
+    let summary = scratch.path().join("summary.json");
+    run_load(bin, router, args, &summary, true, timeout, None)?
+        .ok_or_else(|| anyhow!("pd-sim load interrupted"))
 }

@@ -13,7 +13,7 @@ mod proc;
 mod revenant;
 
 pub use binaries::{Binaries, workspace_bin, workspace_root};
-pub use cluster::{Cluster, run_load};
+pub use cluster::{Cluster, run_load, run_load_quiet};
 pub use files::{JsonlTail, ScratchDir, read_jsonl, read_jsonl_so_far, tail};
 pub use http::{free_port, http_get, http_json, wait_healthy};
 pub use metrics::{Sample, metric_sum, parse_metrics};

@@ -206,7 +206,7 @@ fn one_run(
     let cpu0 = proc_cpu_s(rev.pid());
     let t0 = Instant::now();
     let n = (rate * o.seconds).to_string();
-    let load = test_harness::run_load(
+    let load = test_harness::run_load_quiet(
         pd_sim,
         &cluster.router,
         &[
@@ -223,13 +223,9 @@ fn one_run(
             "--request-id-prefix",
             &format!("bench-{mode}-{rate}"),
         ],
-        &scratch.path().join("load.json"),
-        true,
         Duration::from_secs(o.seconds + 600),
-        None,
     )
-    .unwrap_or_else(|e| panic!("load: {e}"))
-    .expect("not interrupted");
+    .unwrap_or_else(|e| panic!("load: {e}"));
     let prefill = stat(&cluster.prefill);
     let expected = prefill["worker"]["kv_transfers_after_reject"]
         .as_u64()

@@ -14,7 +14,6 @@
 mod support;
 
 use std::collections::BTreeSet;
-use std::path::PathBuf;
 use std::time::Duration;
 
 use pd_sim::common::http_client;
@@ -45,10 +44,6 @@ const PROCESSABLE: u64 = 8192;
 /// (context − 1) would trip `context-exceeds-capacity` on every stock worker (see the report).
 const DECODE: &str = "--max-req-input-len 32768 --capacity-report-interval-s 1";
 
-fn revenant_bin() -> PathBuf {
-    test_harness::workspace_bin("revenant", "REVENANT_BIN").unwrap_or_else(|e| panic!("{e}"))
-}
-
 fn violations(r: &Revenant) -> Vec<Value> {
     let (status, v) = r
         .admin_json("/api/violations?limit=10000")
@@ -67,29 +62,7 @@ async fn over_capacity_worker_and_admitted_over_capacity_requests_via_otlp() {
     let scratch = ScratchDir::new("e2e-capacity").unwrap();
     let cfg = scratch.path().join("revenant.yaml");
     std::fs::write(&cfg, MAPPING).unwrap();
-    let dir = scratch.path().to_path_buf();
-    let rev = tokio::task::block_in_place(move || {
-        let events = dir.join("events.jsonl").display().to_string();
-        let cfg = cfg.display().to_string();
-        Revenant::start(
-            &revenant_bin(),
-            &dir,
-            &[
-                "--config",
-                &cfg,
-                "--ebpf",
-                "off",
-                "--admin",
-                "127.0.0.1:0",
-                "--rate-limit",
-                "0",
-                "--spool-no-fsync",
-                "--events-jsonl",
-                &events,
-            ],
-        )
-    })
-    .unwrap_or_else(|e| panic!("revenant: {e}"));
+    let rev = start_revenant(scratch.path(), &["--config", &cfg.display().to_string()]);
     let otlp = format!("http://{}", rev.otlp_http);
     let c = Cluster::start(
         "correct",

@@ -26,25 +26,6 @@ use serde_json::{Value, json};
 use support::*;
 use test_harness::{Revenant, ScratchDir};
 
-/// Flags every revenant in these tests gets: OTLP alone (eBPF is another test's subject), admin
-/// on an ephemeral port, no rate limit, the events in the scratch dir.
-fn revenant_args(dir: &std::path::Path) -> Vec<String> {
-    let events = dir.join("events.jsonl").display().to_string();
-    [
-        "--ebpf",
-        "off",
-        "--admin",
-        "127.0.0.1:0",
-        "--rate-limit",
-        "0",
-        "--spool-no-fsync",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .chain(["--events-jsonl".to_string(), events])
-    .collect()
-}
-
 fn smg_bin() -> PathBuf {
     let p = std::env::var_os("PD_SIM_SMG").unwrap_or_else(|| {
         panic!(
@@ -55,10 +36,6 @@ fn smg_bin() -> PathBuf {
     let p = PathBuf::from(p);
     assert!(p.is_file(), "PD_SIM_SMG={} does not exist", p.display());
     p
-}
-
-fn revenant_bin() -> PathBuf {
-    test_harness::workspace_bin("revenant", "REVENANT_BIN").unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// revenant + simulator workers exporting to it + the real smg exporting to it.
@@ -73,11 +50,7 @@ struct Setup {
 async fn setup(tag: &str, prefill_args: &str, decode_args: &str) -> Setup {
     let smg = smg_bin();
     let scratch = ScratchDir::new(tag).unwrap();
-    let dir = scratch.path().to_path_buf();
-    let revenant = tokio::task::block_in_place(move || {
-        Revenant::start(&revenant_bin(), &dir, &revenant_args(&dir))
-    })
-    .unwrap_or_else(|e| panic!("revenant: {e}"));
+    let revenant = start_revenant(scratch.path(), &[]);
     let otlp = format!("http://{}", revenant.otlp_http);
     let cluster = Cluster::start(
         "correct",

@@ -113,6 +113,16 @@ pub async fn post(
     (status, resp.into_body().collect().await.unwrap().to_bytes())
 }
 
+/// POST `/generate` to the cluster's router.
+pub async fn generate(
+    client: &HttpClient,
+    c: &Cluster,
+    request_id: &str,
+    body: serde_json::Value,
+) -> (u16, Bytes) {
+    post(client, &format!("{}/generate", c.router), request_id, body).await
+}
+
 pub fn words(n: usize) -> String {
     vec!["word"; n].join(" ")
 }
@@ -141,21 +151,36 @@ pub async fn rooms(client: &HttpClient, base: &str) -> Vec<serde_json::Value> {
         .unwrap_or_default()
 }
 
+/// `revenant run` for the end-to-end tests, from the workspace's binary next to this test (or
+/// `REVENANT_BIN`): OTLP alone on ephemeral ports (the harness's defaults), no rate limit, the
+/// normalized events in DIR/events.jsonl, then `extra`. Forked from this worker thread, which
+/// outlives it (the children's PDEATHSIG follows the forking thread).
+pub fn start_revenant(dir: &std::path::Path, extra: &[&str]) -> test_harness::Revenant {
+    let bin =
+        test_harness::workspace_bin("revenant", "REVENANT_BIN").unwrap_or_else(|e| panic!("{e}"));
+    let events = dir.join("events.jsonl").display().to_string();
+    let mut args = vec![
+        "--rate-limit",
+        "0",
+        "--spool-no-fsync",
+        "--events-jsonl",
+        &events,
+    ];
+    args.extend_from_slice(extra);
+    tokio::task::block_in_place(|| test_harness::Revenant::start(&bin, dir, &args))
+        .unwrap_or_else(|e| panic!("revenant: {e}"))
+}
+
 /// Run the `pd-sim load` binary against the router (quiet, at most 10 minutes) and return its
 /// summary JSON.
 pub fn run_load(router: &str, args: &[&str]) -> serde_json::Value {
-    let scratch = test_harness::ScratchDir::new("load").expect("scratch dir");
-    test_harness::run_load(
+    test_harness::run_load_quiet(
         std::path::Path::new(BIN),
         router,
         args,
-        &scratch.path().join("summary.json"),
-        true,
         Duration::from_secs(600),
-        None,
     )
     .expect("load runs")
-    .expect("not interrupted")
 }
 
 /// A TCP proxy in front of prefill's KV port that decodes the decode→prefill ZMTP stream,
