@@ -7,74 +7,15 @@
 //! Latency = from handing the violation to the dispatcher (what the checker does the moment it
 //! detects) to the webhook request arriving at the receiver.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-use axum::Router;
-use axum::body::Bytes;
-use axum::extract::State;
-use axum::routing::post;
 
 use revenant::admin::Metrics;
 use revenant::alert::{AlertConfig, AlertPipeline, WebhookConfig};
-use revenant::checker::Severity;
-use revenant::event::{Kind, Source, Stage};
-use revenant::violation::{AttemptRef, Evidence, RequestRef, Role, Violation};
 
-type Arrivals = Arc<Mutex<HashMap<String, Instant>>>;
-
-async fn receive(State(a): State<Arrivals>, body: Bytes) -> &'static str {
-    let now = Instant::now();
-    let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
-    let mut g = a.lock().unwrap();
-    for al in v["alerts"].as_array().unwrap() {
-        g.entry(al["fingerprint"].as_str().unwrap().to_string())
-            .or_insert(now);
-    }
-    "ok"
-}
-
-fn violation(i: usize) -> Violation {
-    let t = 1_767_000_000_000_000_000u64 + i as u64;
-    Violation {
-        rule: "activity-after-rejection".into(),
-        severity: Severity::Critical,
-        summary: format!("request req-{i} rejected by prefill but decode kept working"),
-        request: RequestRef {
-            request_id: Some(format!("req-{i}")),
-            trace_id: None,
-        },
-        attempt: AttemptRef {
-            bootstrap_room: Some(i as u64),
-            rid: None,
-        },
-        worker: None,
-        detected_at_ns: t,
-        fingerprint: format!("fp-{i}"),
-        evidence: vec![
-            Evidence {
-                role: Role::Trigger,
-                time_ns: t,
-                stage: Stage::Prefill,
-                kind: Kind::Rejected,
-                source: Source::Otlp,
-                status: Some(400),
-                reason: Some("capacity".into()),
-            },
-            Evidence {
-                role: Role::Offender,
-                time_ns: t + 1,
-                stage: Stage::Decode,
-                kind: Kind::Work,
-                source: Source::Ebpf,
-                status: None,
-                reason: None,
-            },
-        ],
-        corroborates: false,
-    }
-}
+#[path = "../tests/common/alerts.rs"]
+mod alerts;
+use alerts::{Receiver, violation};
 
 struct Run {
     latencies: Vec<Duration>,
@@ -82,13 +23,8 @@ struct Run {
 }
 
 async fn run(n: usize, rate_per_s: Option<f64>, fsync: bool, batch: usize) -> Run {
-    let arrivals: Arrivals = Default::default();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let app = Router::new()
-        .route("/hook", post(receive))
-        .with_state(arrivals.clone());
-    let server = tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let receiver = Receiver::new(None, Duration::ZERO);
+    let (addr, server) = receiver.serve_any().await;
     let tmp = tempfile::tempdir().unwrap();
     let mut w = WebhookConfig::new(format!("http://{addr}/hook"));
     w.max_batch = batch;
@@ -115,7 +51,7 @@ async fn run(n: usize, rate_per_s: Option<f64>, fsync: bool, batch: usize) -> Ru
         assert!(revenant::alert::offer(&p.sender, violation(i), &metrics));
     }
     let deadline = Instant::now() + Duration::from_secs(300);
-    while arrivals.lock().unwrap().len() < n {
+    while receiver.first_seen.lock().unwrap().len() < n {
         assert!(Instant::now() < deadline, "not all delivered");
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
@@ -123,8 +59,10 @@ async fn run(n: usize, rate_per_s: Option<f64>, fsync: bool, batch: usize) -> Ru
     drop(p.sender);
     p.handle.await.unwrap();
     server.abort();
-    let g = arrivals.lock().unwrap();
-    let mut latencies: Vec<Duration> = (0..n).map(|i| g[&format!("fp-{i}")] - sent[i]).collect();
+    let g = receiver.first_seen.lock().unwrap();
+    let mut latencies: Vec<Duration> = (0..n)
+        .map(|i| g[&violation(i).fingerprint] - sent[i])
+        .collect();
     latencies.sort();
     Run { latencies, elapsed }
 }

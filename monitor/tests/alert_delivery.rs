@@ -12,6 +12,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use common::alerts::*;
 use common::*;
 use revenant::admin::Metrics;
 use revenant::alert::{AlertConfig, AlertPipeline, WebhookConfig};
@@ -56,7 +57,7 @@ fn metric(m: &Metrics, line_prefix: &str) -> f64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn webhook_down_then_up_delivers_each_fingerprint_exactly_once() {
     let dir = tempfile::tempdir().unwrap();
-    let port = free_port();
+    let port = test_harness::free_port().unwrap();
     let addr: SocketAddr = ([127, 0, 0, 1], port).into();
     let metrics = Arc::new(Metrics::new());
     let cfg = config(

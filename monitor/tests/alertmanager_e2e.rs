@@ -5,10 +5,10 @@
 
 mod common;
 
-use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::alerts::*;
 use common::process::Revenant;
 use common::*;
 use revenant::admin::Metrics;
@@ -21,7 +21,6 @@ async fn alertmanager_receives_reposts_and_routes_alerts() {
     let receiver = Receiver::new(None, Duration::ZERO);
     let (hook, hook_task) = receiver.serve_any().await;
 
-    let am_port = free_port();
     let am_cfg = tmp.path().join("alertmanager.yml");
     std::fs::write(
         &am_cfg,
@@ -30,28 +29,16 @@ async fn alertmanager_receives_reposts_and_routes_alerts() {
         ),
     )
     .unwrap();
-    let _am = spawn(
-        Command::new(&am_bin)
-            .arg(format!("--config.file={}", am_cfg.display()))
-            .arg(format!(
-                "--storage.path={}",
-                tmp.path().join("am").display()
-            ))
-            .arg(format!("--web.listen-address=127.0.0.1:{am_port}"))
-            // No gossip: a single instance on loopback.
-            .arg("--cluster.listen-address=")
-            .stdout(std::process::Stdio::null())
-            .stderr(std::fs::File::create(tmp.path().join("am.log")).unwrap()),
-    );
-    let am = format!("http://127.0.0.1:{am_port}");
     let http = revenant::alert::webhook::http_client(Duration::from_secs(5)).unwrap();
-    wait_for(
-        Duration::from_secs(60),
-        "Alertmanager ready",
-        async || match http.get(format!("{am}/-/ready")).send().await {
-            Ok(r) if r.status() == 200 => Some(()),
-            _ => None,
-        },
+    let (_am, am) = start_prometheus_server(
+        &am_bin,
+        "alertmanager",
+        tmp.path(),
+        &am_cfg,
+        "--storage.path",
+        // No gossip: a single instance on loopback.
+        &["--cluster.listen-address="],
+        &http,
     )
     .await;
 

@@ -5,7 +5,6 @@
 //! is exactly what this suite must catch. Run: `cargo test -p revenant --test ebpf_probe`.
 
 use std::io::{BufRead, BufReader, Write};
-use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc;
@@ -24,11 +23,7 @@ fn support(name: &str) -> PathBuf {
 }
 
 fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    test_harness::free_port().unwrap()
 }
 
 fn start_source(cfg: EbpfConfig) -> EbpfSource {

@@ -18,16 +18,16 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use ebpf_support::*;
-use pd_sim::harness::{ClusterProcess, http_get, wait_healthy};
 use revenant::ingest::ebpf::{Discovery, EbpfConfig, EbpfSource, Role};
 use revenant::{Kind, LifecycleEvent, Stage};
+use test_harness::{Cluster, http_get, wait_healthy};
 
 const CANARY: &str = "CANARYsmgebpf51d7";
 
 struct Setup {
     // Drop order: smg before the workers it talks to.
     _smg: Child,
-    cluster: ClusterProcess,
+    cluster: Cluster,
     _model: tempfile::TempDir,
     router: String,
     src: EbpfSource,
@@ -58,7 +58,7 @@ enum Workers {
 /// from the `/server_info` answers smg asked for.
 fn setup(workers: Workers, prefill_args: &str, decode_args: &str, smg_args: &[&str]) -> Setup {
     let smg = smg_bin();
-    let cluster = ClusterProcess::start(
+    let cluster = Cluster::start(
         &pd_sim_bin(),
         &[
             "--no-router",
@@ -67,11 +67,12 @@ fn setup(workers: Workers, prefill_args: &str, decode_args: &str, smg_args: &[&s
             "--decode-args",
             decode_args,
         ],
+        None,
     )
     .expect("pd-sim workers");
     let pid = |k: &str| cluster.ready["pids"][k].as_u64().expect("pid") as u32;
     let (prefill, decode) = (pid("prefill"), pid("decode"));
-    let port = free_port();
+    let port = test_harness::free_port().unwrap();
     let logs = LogCapture::global();
     let cfg = EbpfConfig {
         discovery: Discovery {
@@ -113,7 +114,10 @@ fn setup(workers: Workers, prefill_args: &str, decode_args: &str, smg_args: &[&s
             .args(["--prefill", &cluster.prefill, &bootstrap])
             .args(["--decode", &cluster.decode])
             .args(["--host", "127.0.0.1", "--port", &port.to_string()])
-            .args(["--prometheus-port", &free_port().to_string()])
+            .args([
+                "--prometheus-port",
+                &test_harness::free_port().unwrap().to_string(),
+            ])
             .arg("--model-path")
             .arg(model.path())
             .args(smg_args)
@@ -186,7 +190,7 @@ fn decode_legs_ended(obs: &Observed, rid: &str) -> bool {
 
 fn sim_rooms_of(url: &str, rid: &str) -> Vec<serde_json::Value> {
     let (_, body) = http_get(&format!("{url}/sim/rooms")).expect("/sim/rooms");
-    let all: Vec<serde_json::Value> = serde_json::from_slice(&body).expect("rooms json");
+    let all: Vec<serde_json::Value> = serde_json::from_str(&body).expect("rooms json");
     all.into_iter().filter(|r| r["request_id"] == rid).collect()
 }
 

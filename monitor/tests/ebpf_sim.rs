@@ -8,24 +8,25 @@
 mod ebpf_support;
 
 use std::collections::BTreeSet;
-use std::time::Instant;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use ebpf_support::*;
-use pd_sim::harness::{ClusterProcess, http_get, run_load};
-use revenant::ingest::ebpf::{Discovery, EbpfConfig, PidRule, Role};
-use revenant::{Kind, Stage};
+use revenant::ingest::ebpf::{Discovery, EbpfConfig, EbpfSource, EbpfStats, PidRule, Role};
+use revenant::{Kind, LifecycleEvent, Stage};
+use test_harness::{Cluster, http_get, run_load_quiet};
 
 const CANARY: &str = "CANARYebpfsim9c41";
 
 struct Sim {
-    cluster: ClusterProcess,
+    cluster: Cluster,
     router: u32,
     prefill: u32,
     decode: u32,
 }
 
 fn start(mode: &str) -> Sim {
-    let cluster = ClusterProcess::start(&pd_sim_bin(), &["--mode", mode])
+    let cluster = Cluster::start(&pd_sim_bin(), &["--mode", mode], None)
         .unwrap_or_else(|e| panic!("pd-sim cluster --mode {mode}: {e}"));
     let pid = |k: &str| {
         cluster.ready["pids"][k]
@@ -41,17 +42,67 @@ fn start(mode: &str) -> Sim {
     }
 }
 
+impl Sim {
+    /// The real source on the simulator's processes by the `pids` rules; returns once it
+    /// watches router, prefill and decode with `roles`, with what it saw meanwhile.
+    fn watch(
+        &self,
+        pids: Vec<PidRule>,
+        node: Option<&str>,
+        roles: [Role; 3],
+    ) -> (EbpfSource, Vec<LifecycleEvent>) {
+        let mut cfg = EbpfConfig {
+            discovery: Discovery {
+                pids,
+                watch: vec![],
+                conventions: false,
+            },
+            ..Default::default()
+        };
+        if let Some(n) = node {
+            cfg.node = Some(n.into());
+        }
+        let mut src = start_source(cfg);
+        let mut early = Vec::new();
+        let [router, prefill, decode] = roles;
+        wait_roles(
+            &mut src,
+            &[
+                (self.router, router),
+                (self.prefill, prefill),
+                (self.decode, decode),
+            ],
+            &mut early,
+        );
+        (src, early)
+    }
+
+    /// 120 requests of [`load`] through the source and the checker, until
+    /// `settled(observed, prefill /sim/stats, decode /sim/stats)`.
+    fn run_load_live(
+        &self,
+        src: EbpfSource,
+        settled: impl Fn(&Observed, &serde_json::Value, &serde_json::Value) -> bool,
+    ) -> (Observed, serde_json::Value, Arc<EbpfStats>) {
+        let prefill_url = self.cluster.prefill.clone();
+        let decode_url = self.cluster.decode.clone();
+        run_live(src, load(self, 120), move |obs, _| {
+            settled(obs, &sim_stats(&prefill_url), &sim_stats(&decode_url))
+        })
+    }
+}
+
 fn sim_stats(url: &str) -> serde_json::Value {
     let (status, body) = http_get(&format!("{url}/sim/stats")).expect("/sim/stats");
     assert_eq!(status, 200);
-    serde_json::from_slice(&body).expect("stats json")
+    serde_json::from_str(&body).expect("stats json")
 }
 
 fn load(sim: &Sim, requests: u32) -> impl FnOnce() -> serde_json::Value + Send + 'static {
     let (bin, router) = (pd_sim_bin(), sim.cluster.router.clone());
     let requests = requests.to_string();
     move || {
-        run_load(
+        run_load_quiet(
             &bin,
             &router,
             &[
@@ -70,6 +121,7 @@ fn load(sim: &Sim, requests: u32) -> impl FnOnce() -> serde_json::Value + Send +
                 "--canary",
                 CANARY,
             ],
+            Duration::from_secs(600),
         )
         .expect("pd-sim load")
     }
@@ -85,34 +137,19 @@ fn handoff_after_reject_one_violation_per_handed_off_rejection() {
     let t0 = Instant::now();
     let sim = start("handoff-after-reject");
     let logs = LogCapture::global();
-    let cfg = EbpfConfig {
-        discovery: Discovery {
-            pids: vec![
-                PidRule {
-                    role: Role::Router,
-                    pid: sim.router,
-                },
-                format!("{}", sim.prefill).parse().expect("bare pid rule"),
-                format!("unknown={}", sim.decode)
-                    .parse()
-                    .expect("unknown rule"),
-            ],
-            watch: vec![],
-            conventions: false,
-        },
-        node: Some("sim-node".into()),
-        ..Default::default()
-    };
-    let mut src = start_source(cfg);
-    let mut early = Vec::new();
-    wait_roles(
-        &mut src,
-        &[
-            (sim.router, Role::Router),
-            (sim.prefill, Role::Unknown),
-            (sim.decode, Role::Unknown),
+    let (mut src, mut early) = sim.watch(
+        vec![
+            PidRule {
+                role: Role::Router,
+                pid: sim.router,
+            },
+            format!("{}", sim.prefill).parse().expect("bare pid rule"),
+            format!("unknown={}", sim.decode)
+                .parse()
+                .expect("unknown rule"),
         ],
-        &mut early,
+        Some("sim-node"),
+        [Role::Router, Role::Unknown, Role::Unknown],
     );
     // Anyone asking is enough: the answer is what the worker writes.
     for url in [&sim.cluster.prefill, &sim.cluster.decode] {
@@ -134,17 +171,13 @@ fn handoff_after_reject_one_violation_per_handed_off_rejection() {
         "the learned role is logged"
     );
 
-    let prefill_url = sim.cluster.prefill.clone();
-    let decode_url = sim.cluster.decode.clone();
-    let (obs, summary, stats) = run_live(src, load(&sim, 120), move |obs, _| {
-        let p = sim_stats(&prefill_url);
-        let d = sim_stats(&decode_url);
+    let (obs, summary, stats) = sim.run_load_live(src, |obs, p, d| {
         let rejected =
-            json_u64(&p, &["worker", "rejected_400"]) + json_u64(&p, &["worker", "rejected_503"]);
+            json_u64(p, &["worker", "rejected_400"]) + json_u64(p, &["worker", "rejected_503"]);
         obs.count(Stage::Prefill, Kind::Rejected) as u64 >= rejected
             && obs.of_rule("activity-after-rejection").len() as u64 >= rejected
             && obs.count(Stage::Decode, Kind::Completed) as u64
-                >= json_u64(&d, &["worker", "completed"])
+                >= json_u64(d, &["worker", "completed"])
     });
 
     let router = sim_stats(&sim.cluster.router);
@@ -185,7 +218,7 @@ fn handoff_after_reject_one_violation_per_handed_off_rejection() {
     );
     // The simulator's rooms that were rejected and still transferred.
     let (_, body) = http_get(&format!("{}/sim/rooms", sim.cluster.prefill)).expect("rooms");
-    let rooms: Vec<serde_json::Value> = serde_json::from_slice(&body).expect("rooms json");
+    let rooms: Vec<serde_json::Value> = serde_json::from_str(&body).expect("rooms json");
     let sim_rooms: BTreeSet<u64> = rooms
         .iter()
         .filter(|r| r["status"].as_u64().is_some_and(|s| s >= 400))
@@ -234,38 +267,19 @@ fn correct_mode_gives_no_violation() {
     let sim = start("correct");
     let logs = LogCapture::global();
     let rule = |role: Role, pid: u32| PidRule { role, pid };
-    let cfg = EbpfConfig {
-        discovery: Discovery {
-            pids: vec![
-                rule(Role::Router, sim.router),
-                rule(Role::Prefill, sim.prefill),
-                rule(Role::Decode, sim.decode),
-            ],
-            watch: vec![],
-            conventions: false,
-        },
-        ..Default::default()
-    };
-    let mut src = start_source(cfg);
-    let mut early = Vec::new();
-    wait_roles(
-        &mut src,
-        &[
-            (sim.router, Role::Router),
-            (sim.prefill, Role::Prefill),
-            (sim.decode, Role::Decode),
+    let (src, _early) = sim.watch(
+        vec![
+            rule(Role::Router, sim.router),
+            rule(Role::Prefill, sim.prefill),
+            rule(Role::Decode, sim.decode),
         ],
-        &mut early,
+        None,
+        [Role::Router, Role::Prefill, Role::Decode],
     );
-    let prefill_url = sim.cluster.prefill.clone();
-    let decode_url = sim.cluster.decode.clone();
-    let (obs, summary, stats) = run_live(src, load(&sim, 120), move |obs, _| {
-        let p = sim_stats(&prefill_url);
-        let d = sim_stats(&decode_url);
-        obs.count(Stage::Prefill, Kind::Rejected) as u64
-            >= json_u64(&p, &["worker", "rejected_400"])
+    let (obs, summary, stats) = sim.run_load_live(src, |obs, p, d| {
+        obs.count(Stage::Prefill, Kind::Rejected) as u64 >= json_u64(p, &["worker", "rejected_400"])
             && obs.count(Stage::Decode, Kind::Completed) as u64
-                >= json_u64(&d, &["worker", "completed"])
+                >= json_u64(d, &["worker", "completed"])
     });
     let prefill = sim_stats(&sim.cluster.prefill);
     let decode = sim_stats(&sim.cluster.decode);

@@ -306,7 +306,7 @@ fn malformed_and_oversized_grpc_get_error_codes_and_are_counted() {
     rt.block_on(async {
         // Field 1 of ExportTraceServiceRequest is a message; here it arrives as a varint.
         let bad = raw_export(
-            &rv.grpc,
+            &rv.otlp_grpc,
             ExportTracePartialSuccess {
                 rejected_spans: 7,
                 error_message: String::new(),
@@ -327,13 +327,13 @@ fn malformed_and_oversized_grpc_get_error_codes_and_are_counted() {
             }],
         };
         // A small gzip frame that inflates past the limit: decompression stops at the limit.
-        let bomb = raw_export_with(&rv.grpc, big.clone(), true).await;
+        let bomb = raw_export_with(&rv.otlp_grpc, big.clone(), true).await;
         assert_eq!(bomb.unwrap_err().code(), tonic::Code::ResourceExhausted);
-        let too_big = raw_export(&rv.grpc, big).await;
+        let too_big = raw_export(&rv.otlp_grpc, big).await;
         // tonic answers an over-limit message with OUT_OF_RANGE (not retryable: resending cannot help).
         assert_eq!(too_big.unwrap_err().code(), tonic::Code::OutOfRange);
         // The receiver still serves well-formed exports afterwards.
-        let ok = raw_export(&rv.grpc, ExportTraceServiceRequest::default()).await;
+        let ok = raw_export(&rv.otlp_grpc, ExportTraceServiceRequest::default()).await;
         assert!(ok.is_ok(), "{ok:?}");
     });
     assert!(rv.stop().success());
@@ -444,7 +444,7 @@ fn broken_config_exits_2_without_binding() {
 #[test]
 fn own_spans_are_exported_over_otlp() {
     let collector = Revenant::start("selftrace-collector", &[]);
-    let endpoint = format!("http://{}", collector.grpc);
+    let endpoint = format!("http://{}", collector.otlp_grpc);
     let mut rv = Revenant::start(
         "selftrace-source",
         &[

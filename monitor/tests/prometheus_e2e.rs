@@ -10,6 +10,7 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::alerts::*;
 use common::process::{Revenant, assert_rejected_then_decoded, repo_root, venv_python};
 use common::*;
 
@@ -49,7 +50,7 @@ fn feeder(
     rv: &Revenant,
     stop: Arc<std::sync::atomic::AtomicBool>,
 ) -> std::thread::JoinHandle<usize> {
-    let (grpc, http, dir) = (rv.grpc.clone(), rv.http.clone(), rv.dir.clone());
+    let (grpc, http, dir) = (rv.otlp_grpc.clone(), rv.otlp_http.clone(), rv.dir.clone());
     std::thread::spawn(move || {
         let py = venv_python();
         let mut sent = 0;
@@ -169,7 +170,6 @@ async fn prometheus_scrapes_and_every_dashboard_query_has_data() {
     assert!(!text.contains(rid), "a request alias leaked into /metrics");
 
     // --- real Prometheus scraping it, with the alerting rules loaded.
-    let prom_port = free_port();
     let rules = repo().join("dashboards/revenant-alerts.yaml");
     let prom_cfg = tmp.path().join("prometheus.yml");
     std::fs::write(
@@ -180,25 +180,14 @@ async fn prometheus_scrapes_and_every_dashboard_query_has_data() {
         ),
     )
     .unwrap();
-    let _prom = spawn(
-        Command::new(&prometheus)
-            .arg(format!("--config.file={}", prom_cfg.display()))
-            .arg(format!(
-                "--storage.tsdb.path={}",
-                tmp.path().join("tsdb").display()
-            ))
-            .arg(format!("--web.listen-address=127.0.0.1:{prom_port}"))
-            .stdout(std::process::Stdio::null())
-            .stderr(std::fs::File::create(tmp.path().join("prometheus.log")).unwrap()),
-    );
-    let prom = format!("http://127.0.0.1:{prom_port}");
-    wait_for(
-        Duration::from_secs(60),
-        "Prometheus ready",
-        async || match http.get(format!("{prom}/-/ready")).send().await {
-            Ok(r) if r.status() == 200 => Some(()),
-            _ => None,
-        },
+    let (_prom, prom) = start_prometheus_server(
+        &prometheus,
+        "prometheus",
+        tmp.path(),
+        &prom_cfg,
+        "--storage.tsdb.path",
+        &[],
+        &http,
     )
     .await;
     let query = |q: String| {

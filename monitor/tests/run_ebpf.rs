@@ -98,7 +98,7 @@ fn ebpf_source_counts_losses_and_readyz_says_degraded() {
             &pause_arg,
         ],
     );
-    let ready = std::fs::read_to_string(rv.dir.join("ready.json")).unwrap_or_default();
+    let ready = std::fs::read_to_string(rv.dir.join("revenant-ready.json")).unwrap_or_default();
     assert!(rv.stderr().contains("eBPF source: live"), "{}", rv.stderr());
     let _ = ready;
     // The checker is paused: the one-batch channel fills and the source must count what it

@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use e2e::{Binaries, Cluster, JsonlTail, Revenant, Sample, metric_sum};
 use serde_json::Value;
+use test_harness::{Binaries, Cluster, JsonlTail, Revenant, Sample, metric_sum};
 
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
 
@@ -64,7 +64,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
     if !["handoff-after-reject", "concurrent-no-cancel", "correct"].contains(&args.mode.as_str()) {
         bail!("--mode must be handoff-after-reject, concurrent-no-cancel or correct");
     }
-    let root = e2e::is_root();
+    let root = test_harness::is_root();
     let ebpf = match args.ebpf.as_str() {
         "on" if !root => bail!("--ebpf on needs root (the probes are loaded into the kernel)"),
         "on" => true,
@@ -114,7 +114,7 @@ fn run_demo(args: &DemoArgs, bins: &Binaries, dir: &std::path::Path, ebpf: bool)
     // The simulator must know revenant's OTLP address and, with eBPF, revenant must know the
     // simulator's pids: the cluster starts first, exporting to a port revenant binds next.
     // (Its exporters only connect once there are spans, i.e. once traffic starts.)
-    let otlp_port = e2e::free_port()?;
+    let otlp_port = test_harness::free_port()?;
     let otlp = format!("127.0.0.1:{otlp_port}");
     let cluster = Cluster::start(
         &bins.pd_sim,
@@ -124,7 +124,7 @@ fn run_demo(args: &DemoArgs, bins: &Binaries, dir: &std::path::Path, ebpf: bool)
             "--otlp-endpoint".into(),
             format!("http://{otlp}"),
         ],
-        &dir.join("pd-sim.log"),
+        Some(&dir.join("pd-sim.log")),
     )?;
     let mut rev_args: Vec<String> = vec![
         "--otlp-http".into(),
@@ -133,6 +133,7 @@ fn run_demo(args: &DemoArgs, bins: &Binaries, dir: &std::path::Path, ebpf: bool)
         "off".into(),
         "--admin".into(),
         args.admin.clone(),
+        "--spool-no-fsync".into(),
     ];
     if ebpf {
         rev_args.extend(["--ebpf".into(), "on".into()]);
@@ -154,7 +155,7 @@ fn run_demo(args: &DemoArgs, bins: &Binaries, dir: &std::path::Path, ebpf: bool)
         revenant.ready["ebpf"].as_str().unwrap_or("?")
     );
     if !ebpf {
-        let how = if e2e::is_root() {
+        let how = if test_harness::is_root() {
             "--ebpf off was given; without it"
         } else {
             "not root; as root (sudo -E cargo xtask demo)"
@@ -200,7 +201,7 @@ fn run_demo(args: &DemoArgs, bins: &Binaries, dir: &std::path::Path, ebpf: bool)
         args.over_capacity_share * 100.0
     );
     let t_load = Instant::now();
-    let load = e2e::run_load(
+    let load = test_harness::run_load(
         &bins.pd_sim,
         &cluster.router,
         &[
@@ -225,8 +226,8 @@ fn run_demo(args: &DemoArgs, bins: &Binaries, dir: &std::path::Path, ebpf: bool)
             Duration::from_secs(30),
             Some(&INTERRUPTED),
         )?;
-        let prefill_stats = e2e::http_json(&format!("{}/sim/stats", cluster.prefill)).ok();
-        let decode_stats = e2e::http_json(&format!("{}/sim/stats", cluster.decode)).ok();
+        let prefill_stats = test_harness::http_json(&format!("{}/sim/stats", cluster.prefill)).ok();
+        let decode_stats = test_harness::http_json(&format!("{}/sim/stats", cluster.decode)).ok();
         summary = Some((load, load_time, metrics, prefill_stats, decode_stats));
     }
     if let Some((load, load_time, metrics, pstats, dstats)) = &summary {
@@ -425,7 +426,7 @@ fn print_next(admin: &str, notes: &[Value], dir: &std::path::Path) {
             .or_else(|| n["request"]["trace_id"].as_str())
             .map(str::to_string)
     });
-    let dashboards: PathBuf = e2e::workspace_root().join("dashboards");
+    let dashboards: PathBuf = test_harness::workspace_root().join("dashboards");
     println!("\n== where to look next ==");
     println!("  admin server        {admin}/readyz   {admin}/metrics");
     println!("  recent violations   curl -s {admin}/api/violations?limit=5");

@@ -68,7 +68,7 @@ fn run_tests(args: &[String]) -> ExitCode {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     // The end-to-end tests (tests/e2e) push thousands of requests through real revenant and
     // pd-sim processes: release builds, made here and handed over by path.
-    let bins = match e2e::Binaries::build(true) {
+    let bins = match test_harness::Binaries::build(true) {
         Ok(b) => b,
         Err(e) => {
             eprintln!("xtask: cannot build the end-to-end binaries: {e:#}");

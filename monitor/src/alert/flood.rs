@@ -412,7 +412,6 @@ impl FloodControl {
     /// Closes rate windows (returning summaries of what they suppressed) and forgets fingerprints
     /// not seen within the dedup window (returning them as resolved).
     pub fn tick(&mut self, now_ns: u64) -> (Vec<SuppressedSummary>, Vec<ActiveAlert>) {
-        let mut summaries = Vec::new();
         let rw = self.cfg.rate_limit_window.as_nanos() as u64;
         let mut closed = Vec::new();
         for (rule, w) in &self.rules {
@@ -420,31 +419,22 @@ impl FloodControl {
                 closed.push(rule.clone());
             }
         }
-        for rule in closed {
-            let w = self.rules.remove(&rule).expect("listed above");
-            if w.suppressed > 0 {
-                let id = self.next_id(&format!("suppressed-{rule}"));
-                summaries.push(SuppressedSummary {
-                    id,
-                    rule,
-                    suppressed: w.suppressed,
-                    fingerprints_sample: w.sample,
-                    window_start_ns: w.start_ns,
-                    window_end_ns: now_ns,
-                    limit: self.cfg.rate_limit,
-                    received_at_ns: now_ns,
-                });
-            }
-        }
+        let summaries = self.close_windows(closed, now_ns);
         (summaries, self.expire(now_ns))
     }
 
     /// At shutdown: summaries for every rate window that suppressed something.
     pub fn flush_summaries(&mut self, now_ns: u64) -> Vec<SuppressedSummary> {
         let rules: Vec<String> = self.rules.keys().cloned().collect();
+        self.close_windows(rules, now_ns)
+    }
+
+    /// Closes the rate windows of `rules` at `now_ns`: a summary for each that suppressed
+    /// something.
+    fn close_windows(&mut self, rules: Vec<String>, now_ns: u64) -> Vec<SuppressedSummary> {
         let mut out = Vec::new();
         for rule in rules {
-            let w = self.rules.remove(&rule).expect("listed above");
+            let w = self.rules.remove(&rule).expect("an open window");
             if w.suppressed > 0 {
                 let id = self.next_id(&format!("suppressed-{rule}"));
                 out.push(SuppressedSummary {
@@ -623,6 +613,20 @@ mod tests {
         (v, c)
     }
 
+    /// A 2 s corroboration window holding the first report of `pair("a")`, and that pair.
+    fn holding_a() -> (FloodControl, Violation, Violation) {
+        let mut f = FloodControl::new(
+            FloodConfig {
+                corroboration_window: Duration::from_secs(2),
+                ..Default::default()
+            },
+            0,
+        );
+        let (v, c) = pair("a");
+        assert_eq!(f.admit(&v, links(), 0, true), Admission::Held);
+        (f, v, c)
+    }
+
     fn sources(a: &ViolationAlert) -> Vec<crate::event::Source> {
         a.violation.evidence.iter().map(|e| e.source).collect()
     }
@@ -721,15 +725,7 @@ mod tests {
     #[test]
     fn held_notification_goes_out_once_merged_when_corroborated() {
         use crate::event::Source;
-        let mut f = FloodControl::new(
-            FloodConfig {
-                corroboration_window: Duration::from_secs(2),
-                ..Default::default()
-            },
-            0,
-        );
-        let (v, c) = pair("a");
-        assert_eq!(f.admit(&v, links(), 0, true), Admission::Held);
+        let (mut f, v, c) = holding_a();
         assert_eq!(f.next_release_ns(), Some(2 * S));
         assert!(f.active().is_empty(), "held: not sent, not active");
         // A repeat while held rides on the held notification.
@@ -753,15 +749,7 @@ mod tests {
 
     #[test]
     fn held_notification_is_released_after_the_window_and_only_when_allowed() {
-        let mut f = FloodControl::new(
-            FloodConfig {
-                corroboration_window: Duration::from_secs(2),
-                ..Default::default()
-            },
-            0,
-        );
-        let (v, c) = pair("a");
-        assert_eq!(f.admit(&v, links(), 0, true), Admission::Held);
+        let (mut f, _, c) = holding_a();
         assert!(f.release_due(S).is_empty());
         // Not forgotten by expiry while held, even past the dedup window.
         let _ = f.tick(0);

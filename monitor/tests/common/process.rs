@@ -1,10 +1,9 @@
-//! `revenant run` as a child process for end-to-end tests: started on ephemeral loopback ports
-//! with its own spool and state under a fresh directory, readiness from its ready file, stopped
-//! with SIGTERM (killed on drop), plus the OpenTelemetry Python SDK venv and `tests/otlp/emit.py`
+//! `revenant run` for this crate's end-to-end tests (the process itself is
+//! `test_harness::Revenant`), plus the OpenTelemetry Python SDK venv and `tests/otlp/emit.py`
 //! to feed it real OTLP exports.
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 pub fn repo_root() -> PathBuf {
@@ -72,139 +71,74 @@ pub fn venv_python() -> PathBuf {
     py
 }
 
-pub struct Revenant {
-    pub child: Child,
-    pub dir: PathBuf,
-    pub grpc: String,
-    pub http: String,
-    pub admin: String,
+/// This crate's `revenant run` (see [`test_harness::Revenant`]) with its files under a fresh
+/// directory named after the test, the normalized events in `events.jsonl` too.
+pub struct Revenant(test_harness::Revenant);
+
+impl std::ops::Deref for Revenant {
+    type Target = test_harness::Revenant;
+    fn deref(&self) -> &Self::Target {
+        &self.0
+    }
 }
 
-/// Minimal HTTP/1.1 GET (Connection: close) against the admin server; std only.
+impl std::ops::DerefMut for Revenant {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.0
+    }
+}
+
+/// Minimal HTTP/1.1 GET against the admin server.
 pub fn http_get(addr: &str, path: &str) -> (u16, String) {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(addr).expect("connect admin");
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut buf = String::new();
-    s.read_to_string(&mut buf).unwrap();
-    let status = buf
-        .split(' ')
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    let body = buf.split_once("\r\n\r\n").map(|(_, b)| b).unwrap_or("");
-    (status, body.to_string())
+    test_harness::http_get(&format!("http://{addr}{path}")).expect("GET from the admin server")
 }
 
 impl Revenant {
+    /// Ready within 20 s or panics; `extra` overrides the harness's defaults flag by flag.
     pub fn start(name: &str, extra: &[&str]) -> Revenant {
         let dir =
             std::env::temp_dir().join(format!("revenant-otlp-e2e-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
-        let ready = dir.join("ready.json");
         let events = dir.join("events.jsonl").display().to_string();
-        let alerts = dir.join("alerts.jsonl").display().to_string();
-        let spool = dir.join("spool").display().to_string();
-        let ready_arg = ready.display().to_string();
-        // Defaults a test may override by passing the flag itself. Kernel capture stays off
-        // unless asked for: as root, `auto` would watch any SGLang-looking process.
-        let defaults: [(&str, &str); 8] = [
-            ("--otlp-grpc", "127.0.0.1:0"),
-            ("--otlp-http", "127.0.0.1:0"),
-            ("--admin", "127.0.0.1:0"),
-            ("--ebpf", "off"),
-            ("--ready-file", &ready_arg),
-            ("--events-jsonl", &events),
-            ("--alerts-jsonl", &alerts),
-            ("--spool-dir", &spool),
-        ];
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_revenant"));
-        cmd.arg("run");
-        for (flag, value) in defaults {
-            if !extra.contains(&flag) {
-                cmd.args([flag, value]);
-            }
+        let mut args = extra.to_vec();
+        if !extra.contains(&"--events-jsonl") {
+            args.extend(["--events-jsonl", &events]);
         }
-        let child = cmd
-            .args(extra)
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(dir.join("stderr.log")).unwrap())
-            .spawn()
-            .expect("spawn revenant");
-        let mut r = Revenant {
-            child,
-            dir,
-            grpc: String::new(),
-            http: String::new(),
-            admin: String::new(),
-        };
-        let deadline = Instant::now() + Duration::from_secs(20);
-        let doc = loop {
-            if let Ok(t) = std::fs::read_to_string(&ready) {
-                break t;
-            }
-            if let Ok(Some(st)) = r.child.try_wait() {
-                panic!("revenant exited early ({st}): {}", r.stderr());
-            }
-            assert!(
-                Instant::now() < deadline,
-                "revenant not ready in time: {}",
-                r.stderr()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        };
-        let v: serde_json::Value = serde_json::from_str(&doc).unwrap();
-        let field = |k: &str| v[k].as_str().unwrap_or_default().to_owned();
-        r.grpc = field("otlp_grpc");
-        r.http = field("otlp_http");
-        r.admin = field("admin");
+        let r = test_harness::Revenant::start_within(
+            Path::new(env!("CARGO_BIN_EXE_revenant")),
+            &dir,
+            &args,
+            Duration::from_secs(20),
+        )
+        .unwrap_or_else(|e| panic!("{e:#}"));
         if !extra.contains(&"--ebpf") {
-            assert_eq!(v["ebpf"], "off", "{v}");
+            assert_eq!(r.ready["ebpf"], "off", "{}", r.ready);
         }
-        r
+        Revenant(r)
     }
 
     pub fn stderr(&self) -> String {
-        std::fs::read_to_string(self.dir.join("stderr.log")).unwrap_or_default()
+        self.log_text()
     }
 
-    /// SIGTERM, then wait (bounded) for the drain to finish.
+    /// SIGTERM, then wait (at most 20 s) for the drain to finish.
     pub fn stop(&mut self) -> std::process::ExitStatus {
-        let _ = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status();
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            if let Some(st) = self.child.try_wait().unwrap() {
-                return st;
-            }
-            if Instant::now() > deadline {
-                let _ = self.child.kill();
-                panic!("revenant did not stop after SIGTERM: {}", self.stderr());
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        self.0
+            .stop_within(Duration::from_secs(20))
+            .unwrap_or_else(|e| panic!("{e:#}"))
     }
 
+    /// Every line of one of its JSON Lines files (`alerts.jsonl`, `events.jsonl`).
     pub fn lines(&self, file: &str) -> Vec<serde_json::Value> {
-        std::fs::read_to_string(self.dir.join(file))
-            .unwrap_or_default()
-            .lines()
-            .map(|l| serde_json::from_str(l).unwrap())
-            .collect()
+        test_harness::read_jsonl(&self.dir.join(file)).unwrap_or_else(|e| panic!("{e:#}"))
     }
 
     pub fn emit(&self, args: &[&str]) -> (bool, serde_json::Value, String) {
         let py = venv_python();
         let mut child = Command::new(py)
             .arg(repo_root().join("tests/otlp/emit.py"))
-            .args(["--grpc", &self.grpc, "--http", &self.http])
+            .args(["--grpc", &self.otlp_grpc, "--http", &self.otlp_http])
             .args(args)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -227,15 +161,6 @@ impl Revenant {
             .and_then(|l| serde_json::from_str(l).ok())
             .unwrap_or(serde_json::Value::Null);
         (out.status.success(), v, stderr)
-    }
-}
-
-impl Drop for Revenant {
-    fn drop(&mut self) {
-        if let Ok(None) = self.child.try_wait() {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
     }
 }
 

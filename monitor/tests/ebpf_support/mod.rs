@@ -364,11 +364,3 @@ impl Drop for Child {
         let _ = self.0.wait();
     }
 }
-
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .expect("bind")
-        .local_addr()
-        .expect("addr")
-        .port()
-}

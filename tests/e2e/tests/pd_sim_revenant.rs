@@ -13,8 +13,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use e2e::{Binaries, Cluster, Revenant, Sample, metric_sum};
 use serde_json::Value;
+use test_harness::{Binaries, Cluster, Revenant, Sample, metric_sum};
 
 fn bins() -> &'static Binaries {
     static B: OnceLock<Binaries> = OnceLock::new();
@@ -63,7 +63,7 @@ fn run(mode: &str, sources: Sources, load_args: &[&str]) -> Outcome {
     let t0 = Instant::now();
     if sources.ebpf() {
         assert!(
-            e2e::is_root(),
+            test_harness::is_root(),
             "this test loads eBPF probes and must run as root (cargo xtask test does, as CI)"
         );
     }
@@ -74,13 +74,17 @@ fn run(mode: &str, sources: Sources, load_args: &[&str]) -> Outcome {
         .unwrap();
     // The cluster starts first (revenant needs its pids for eBPF); its exporters connect only
     // once there are spans, after revenant is ready.
-    let otlp = format!("127.0.0.1:{}", e2e::free_port().unwrap());
+    let otlp = format!("127.0.0.1:{}", test_harness::free_port().unwrap());
     let mut cluster_args = vec!["--mode".to_string(), mode.to_string()];
     if sources.otlp() {
         cluster_args.extend(["--otlp-endpoint".into(), format!("http://{otlp}")]);
     }
-    let cluster = Cluster::start(&b.pd_sim, &cluster_args, &dir.path().join("pd-sim.log"))
-        .unwrap_or_else(|e| panic!("{e:#}"));
+    let cluster = Cluster::start(
+        &b.pd_sim,
+        &cluster_args,
+        Some(&dir.path().join("pd-sim.log")),
+    )
+    .unwrap_or_else(|e| panic!("{e:#}"));
     let mut args: Vec<String> = vec![
         "--admin".into(),
         "127.0.0.1:0".into(),
@@ -89,6 +93,7 @@ fn run(mode: &str, sources: Sources, load_args: &[&str]) -> Outcome {
         // Every violation must reach the file: no per-rule rate limit here.
         "--rate-limit".into(),
         "0".into(),
+        "--spool-no-fsync".into(),
     ];
     if sources.otlp() {
         args.extend(["--otlp-http".into(), otlp.clone()]);
@@ -116,7 +121,7 @@ fn run(mode: &str, sources: Sources, load_args: &[&str]) -> Outcome {
         revenant.ready
     );
     let load_args: Vec<String> = load_args.iter().map(|s| s.to_string()).collect();
-    let load = e2e::run_load(
+    let load = test_harness::run_load(
         &b.pd_sim,
         &cluster.router,
         &load_args,
@@ -129,14 +134,14 @@ fn run(mode: &str, sources: Sources, load_args: &[&str]) -> Outcome {
     .expect("not interrupted");
     let metrics = revenant
         .wait_quiet(Duration::from_secs(2), Duration::from_secs(60), None)
-        .unwrap_or_else(|e| panic!("{e:#}\n{}", e2e::tail(&revenant.log, 30)));
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", test_harness::tail(&revenant.log, 30)));
     let rooms = cluster.prefill_rooms().unwrap();
-    let prefill_stats = e2e::http_json(&format!("{}/sim/stats", cluster.prefill)).unwrap();
+    let prefill_stats = test_harness::http_json(&format!("{}/sim/stats", cluster.prefill)).unwrap();
     let status = revenant.stop().unwrap();
     assert!(
         status.success(),
         "revenant exited with {status}:\n{}",
-        e2e::tail(&revenant.log, 30)
+        test_harness::tail(&revenant.log, 30)
     );
     let notifications = revenant.notifications().unwrap();
     drop(cluster);
@@ -223,7 +228,7 @@ fn correct_router_10k_requests_zero_violations() {
     let _g = serial();
     // eBPF joins OTLP when root (CI); as another user the OTLP half still runs and the eBPF half
     // fails loudly in the tests below.
-    let sources = if e2e::is_root() {
+    let sources = if test_harness::is_root() {
         Sources::Both
     } else {
         Sources::Otlp

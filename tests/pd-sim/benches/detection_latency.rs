@@ -23,8 +23,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use pd_sim::common::now_ns;
-use pd_sim::harness::{self, ClusterProcess, RevenantProcess, ScratchDir};
 use serde_json::Value;
+use test_harness::{Cluster, Revenant, ScratchDir};
 
 struct Opts {
     rates: Vec<u64>,
@@ -144,8 +144,8 @@ struct RunResult {
 }
 
 fn stat(url: &str) -> Value {
-    let (_, b) = harness::http_get(&format!("{url}/sim/stats")).expect("/sim/stats");
-    serde_json::from_slice(&b).expect("stats json")
+    let (_, b) = test_harness::http_get(&format!("{url}/sim/stats")).expect("/sim/stats");
+    serde_json::from_str(&b).expect("stats json")
 }
 
 fn one_run(
@@ -158,15 +158,15 @@ fn one_run(
 ) -> RunResult {
     let scratch = ScratchDir::new("detect-bench").unwrap();
     let (hook, got) = start_webhook(rt);
-    let spool = scratch.path().join("spool").display().to_string();
+    let events = scratch.path().join("events.jsonl").display().to_string();
     let mut common: Vec<String> = [
         "--admin",
         "127.0.0.1:0",
         "--rate-limit",
         "0",
         "--spool-no-fsync",
-        "--spool-dir",
-        &spool,
+        "--events-jsonl",
+        &events,
         "--webhook",
         &hook,
         "--log-format",
@@ -179,15 +179,14 @@ fn one_run(
     unsafe { std::env::set_var("PD_SIM_OTLP_LINGER_MS", o.linger_ms.to_string()) };
     let (mut rev, cluster) = if o.source == "ebpf" {
         // The kernel side watches the processes, so they start first (no span export).
-        let cluster = ClusterProcess::start(pd_sim, &["--mode", mode])
+        let cluster = Cluster::start(pd_sim, &["--mode", mode], None)
             .unwrap_or_else(|e| panic!("cluster: {e}"));
         common.extend(["--ebpf".to_string(), "on".to_string()]);
         for role in ["router", "prefill", "decode"] {
             let pid = cluster.ready["pids"][role].as_u64().expect("pid");
             common.extend(["--pid".to_string(), format!("{role}={pid}")]);
         }
-        let args: Vec<&str> = common.iter().map(String::as_str).collect();
-        let rev = RevenantProcess::start(revenant_bin, scratch.path(), &args)
+        let rev = Revenant::start(revenant_bin, scratch.path(), &common)
             .unwrap_or_else(|e| panic!("revenant: {e}"));
         assert_eq!(
             rev.ready["ebpf"], "live",
@@ -197,18 +196,17 @@ fn one_run(
         (rev, cluster)
     } else {
         common.extend(["--ebpf".to_string(), "off".to_string()]);
-        let args: Vec<&str> = common.iter().map(String::as_str).collect();
-        let rev = RevenantProcess::start(revenant_bin, scratch.path(), &args)
+        let rev = Revenant::start(revenant_bin, scratch.path(), &common)
             .unwrap_or_else(|e| panic!("revenant: {e}"));
         let otlp = format!("http://{}", rev.otlp_http);
-        let cluster = ClusterProcess::start(pd_sim, &["--mode", mode, "--otlp-endpoint", &otlp])
+        let cluster = Cluster::start(pd_sim, &["--mode", mode, "--otlp-endpoint", &otlp], None)
             .unwrap_or_else(|e| panic!("cluster: {e}"));
         (rev, cluster)
     };
-    let cpu0 = proc_cpu_s(rev.pid);
+    let cpu0 = proc_cpu_s(rev.pid());
     let t0 = Instant::now();
     let n = (rate * o.seconds).to_string();
-    let load = harness::run_load(
+    let load = test_harness::run_load_quiet(
         pd_sim,
         &cluster.router,
         &[
@@ -225,6 +223,7 @@ fn one_run(
             "--request-id-prefix",
             &format!("bench-{mode}-{rate}"),
         ],
+        Duration::from_secs(o.seconds + 600),
     )
     .unwrap_or_else(|e| panic!("load: {e}"));
     let prefill = stat(&cluster.prefill);
@@ -256,8 +255,8 @@ fn one_run(
         std::thread::sleep(Duration::from_millis(200));
     }
     let wall_s = t0.elapsed().as_secs_f64();
-    let cpu_s = proc_cpu_s(rev.pid) - cpu0;
-    let hwm_mib = proc_hwm_mib(rev.pid);
+    let cpu_s = proc_cpu_s(rev.pid()) - cpu0;
+    let hwm_mib = proc_hwm_mib(rev.pid());
     let violations_seen = rev
         .admin_json("/api/violations?limit=1")
         .map(|(_, v)| v["total_seen"].as_u64().unwrap_or(0))
@@ -301,7 +300,7 @@ fn one_run(
         })
         .sum::<u64>();
     drop(cluster);
-    let summary = rev.stop().unwrap_or_else(|e| e.to_string());
+    let summary = rev.stop_log().unwrap_or_else(|e| e.to_string());
     if std::env::var_os("BENCH_VERBOSE").is_some() {
         eprintln!("{summary}");
     }
@@ -360,9 +359,9 @@ fn main() {
     }
     let o = opts();
     let revenant =
-        harness::workspace_bin("revenant", "REVENANT_BIN").unwrap_or_else(|e| panic!("{e}"));
+        test_harness::workspace_bin("revenant", "REVENANT_BIN").unwrap_or_else(|e| panic!("{e}"));
     let pd_sim: PathBuf =
-        harness::workspace_bin("pd-sim", "PD_SIM_BIN").unwrap_or_else(|e| panic!("{e}"));
+        test_harness::workspace_bin("pd-sim", "PD_SIM_BIN").unwrap_or_else(|e| panic!("{e}"));
     eprintln!(
         "detection_latency: revenant {} , pd-sim {}, source {}, OTLP linger {} ms, {} s per rate",
         revenant.display(),

@@ -14,13 +14,12 @@
 mod support;
 
 use std::collections::BTreeSet;
-use std::path::PathBuf;
 use std::time::Duration;
 
 use pd_sim::common::http_client;
-use pd_sim::harness::{self, RevenantProcess, ScratchDir};
 use serde_json::Value;
 use support::*;
+use test_harness::{Revenant, ScratchDir};
 
 const MAPPING: &str = r#"
 normalize:
@@ -45,11 +44,7 @@ const PROCESSABLE: u64 = 8192;
 /// (context − 1) would trip `context-exceeds-capacity` on every stock worker (see the report).
 const DECODE: &str = "--max-req-input-len 32768 --capacity-report-interval-s 1";
 
-fn revenant_bin() -> PathBuf {
-    harness::workspace_bin("revenant", "REVENANT_BIN").unwrap_or_else(|e| panic!("{e}"))
-}
-
-fn violations(r: &RevenantProcess) -> Vec<Value> {
+fn violations(r: &Revenant) -> Vec<Value> {
     let (status, v) = r
         .admin_json("/api/violations?limit=10000")
         .unwrap_or_else(|e| panic!("admin: {e}"));
@@ -67,29 +62,7 @@ async fn over_capacity_worker_and_admitted_over_capacity_requests_via_otlp() {
     let scratch = ScratchDir::new("e2e-capacity").unwrap();
     let cfg = scratch.path().join("revenant.yaml");
     std::fs::write(&cfg, MAPPING).unwrap();
-    let dir = scratch.path().to_path_buf();
-    let rev = tokio::task::block_in_place(move || {
-        let spool = dir.join("spool").display().to_string();
-        let cfg = cfg.display().to_string();
-        RevenantProcess::start(
-            &revenant_bin(),
-            &dir,
-            &[
-                "--config",
-                &cfg,
-                "--ebpf",
-                "off",
-                "--admin",
-                "127.0.0.1:0",
-                "--rate-limit",
-                "0",
-                "--spool-no-fsync",
-                "--spool-dir",
-                &spool,
-            ],
-        )
-    })
-    .unwrap_or_else(|e| panic!("revenant: {e}"));
+    let rev = start_revenant(scratch.path(), &["--config", &cfg.display().to_string()]);
     let otlp = format!("http://{}", rev.otlp_http);
     let c = Cluster::start(
         "correct",
@@ -103,10 +76,10 @@ async fn over_capacity_worker_and_admitted_over_capacity_requests_via_otlp() {
         ],
     )
     .await;
-    let ctx = |rev: &RevenantProcess| {
+    let ctx = |rev: &Revenant| {
         format!(
             "revenant stderr:\n{}\n(scratch {}; PD_SIM_KEEP_SCRATCH=1 keeps it)",
-            rev.stderr_tail(),
+            rev.log_tail(40),
             scratch.path().display()
         )
     };

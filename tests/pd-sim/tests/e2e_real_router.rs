@@ -21,28 +21,10 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use pd_sim::common::http_client;
-use pd_sim::harness::{self, RevenantProcess, ScratchDir, SmgProcess};
+use pd_sim::harness::{SmgProcess, write_tiny_model};
 use serde_json::{Value, json};
 use support::*;
-
-/// Flags every revenant in these tests gets: OTLP alone (eBPF is another test's subject), admin
-/// on an ephemeral port, no rate limit, the spool in the scratch dir.
-fn revenant_args(dir: &std::path::Path) -> Vec<String> {
-    let spool = dir.join("spool").display().to_string();
-    [
-        "--ebpf",
-        "off",
-        "--admin",
-        "127.0.0.1:0",
-        "--rate-limit",
-        "0",
-        "--spool-no-fsync",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .chain(["--spool-dir".to_string(), spool])
-    .collect()
-}
+use test_harness::{Revenant, ScratchDir};
 
 fn smg_bin() -> PathBuf {
     let p = std::env::var_os("PD_SIM_SMG").unwrap_or_else(|| {
@@ -56,29 +38,19 @@ fn smg_bin() -> PathBuf {
     p
 }
 
-fn revenant_bin() -> PathBuf {
-    harness::workspace_bin("revenant", "REVENANT_BIN").unwrap_or_else(|e| panic!("{e}"))
-}
-
 /// revenant + simulator workers exporting to it + the real smg exporting to it.
 struct Setup {
     // Field order is drop order: router first, then workers, then the monitor.
     smg: SmgProcess,
     cluster: Cluster,
-    revenant: RevenantProcess,
+    revenant: Revenant,
     scratch: ScratchDir,
 }
 
 async fn setup(tag: &str, prefill_args: &str, decode_args: &str) -> Setup {
     let smg = smg_bin();
     let scratch = ScratchDir::new(tag).unwrap();
-    let dir = scratch.path().to_path_buf();
-    let revenant = tokio::task::block_in_place(move || {
-        let args = revenant_args(&dir);
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        RevenantProcess::start(&revenant_bin(), &dir, &args)
-    })
-    .unwrap_or_else(|e| panic!("revenant: {e}"));
+    let revenant = start_revenant(scratch.path(), &[]);
     let otlp = format!("http://{}", revenant.otlp_http);
     let cluster = Cluster::start(
         "correct",
@@ -94,10 +66,10 @@ async fn setup(tag: &str, prefill_args: &str, decode_args: &str) -> Setup {
     )
     .await;
     let model = scratch.path().join("model");
-    harness::write_tiny_model(&model).unwrap();
+    write_tiny_model(&model).unwrap();
     let log = scratch.path().join("smg.log");
     let grpc = revenant.otlp_grpc.clone();
-    let inner: &pd_sim::harness::ClusterProcess = &cluster;
+    let inner: &test_harness::Cluster = &cluster;
     // smg's startup (worker discovery, tokenizer) takes about a second; wait on its /health.
     let smg = tokio::task::block_in_place(|| {
         SmgProcess::start(
@@ -131,9 +103,9 @@ impl Setup {
 
     /// The admin server's Prometheus text.
     fn metrics(&self) -> String {
-        let (_, b) = harness::http_get(&format!("http://{}/metrics", self.revenant.admin))
+        let (_, b) = test_harness::http_get(&format!("{}/metrics", self.revenant.admin_url()))
             .unwrap_or_else(|e| panic!("admin /metrics: {e}"));
-        String::from_utf8_lossy(&b).into_owned()
+        b
     }
 
     /// What the sinks delivered: the alerts JSONL lines (notifications).
@@ -144,7 +116,7 @@ impl Setup {
     fn context(&self) -> String {
         format!(
             "revenant stderr:\n{}\nviolations:\n{}\nnotifications:\n{}\n(scratch dir {}; set PD_SIM_KEEP_SCRATCH=1 to keep it)",
-            self.revenant.stderr_tail(),
+            self.revenant.log_tail(40),
             self.violations()
                 .iter()
                 .map(Value::to_string)

@@ -184,9 +184,9 @@ async fn concurrent_no_cancel_retries_503_with_new_rooms_under_one_request_id() 
     )
     .await;
     let client = http_client(8);
-    let (status, body) = post(
+    let (status, body) = generate(
         &client,
-        &format!("{}/generate", c.router),
+        &c,
         "storm-1",
         json!({"text": "hello there", "sampling_params": {"max_new_tokens": 4}}),
     )
@@ -247,9 +247,9 @@ async fn concurrent_no_cancel_leaves_the_decode_leg_of_a_rejected_request_runnin
     )
     .await;
     let client = http_client(8);
-    let (status, body) = post(
+    let (status, body) = generate(
         &client,
-        &format!("{}/generate", c.router),
+        &c,
         "rej-1",
         json!({"text": words(5000), "sampling_params": {"max_new_tokens": 4}}),
     )
@@ -297,13 +297,7 @@ async fn concurrent_no_cancel_leaves_the_decode_leg_of_a_rejected_request_runnin
             .collect::<HashSet<_>>(),
         prefill_rooms
     );
-    let (s, b) = post(
-        &client,
-        &format!("{}/generate", c.router),
-        "ok-1",
-        json!({"text": "a b c"}),
-    )
-    .await;
+    let (s, b) = generate(&client, &c, "ok-1", json!({"text": "a b c"})).await;
     assert_eq!(s, 200, "{}", String::from_utf8_lossy(&b));
     let msg = String::from_utf8_lossy(&b).to_string();
     assert!(msg.contains("meta_info"), "{msg}");
@@ -314,21 +308,9 @@ async fn spans_are_sglang_and_smg_shaped_and_share_the_router_trace() {
     let otlp = OtlpReceiver::start().await;
     let c = Cluster::start("handoff-after-reject", &["--otlp-endpoint", &otlp.url]).await;
     let client = http_client(8);
-    let (s1, _) = post(
-        &client,
-        &format!("{}/generate", c.router),
-        "span-ok",
-        json!({"text": "a b c"}),
-    )
-    .await;
+    let (s1, _) = generate(&client, &c, "span-ok", json!({"text": "a b c"})).await;
     assert_eq!(s1, 200);
-    let (s2, _) = post(
-        &client,
-        &format!("{}/generate", c.router),
-        "span-rej",
-        json!({"text": words(5000)}),
-    )
-    .await;
+    let (s2, _) = generate(&client, &c, "span-rej", json!({"text": words(5000)})).await;
     assert_eq!(s2, 400);
     let spans = eventually(
         "spans of both requests, incl. the late transfer",
@@ -434,13 +416,7 @@ async fn garbage_on_the_kv_port_is_refused_without_harm_and_children_are_cleaned
     })
     .await;
     assert_eq!(stats["worker"]["bootstrap_frames"], 0);
-    let (status, _) = post(
-        &client,
-        &format!("{}/generate", c.router),
-        "after-garbage",
-        json!({"text": "a b"}),
-    )
-    .await;
+    let (status, _) = generate(&client, &c, "after-garbage", json!({"text": "a b"})).await;
     assert_eq!(status, 200);
     let info = get_json(&client, &format!("{}/server_info", c.prefill)).await;
     assert_eq!(info["disaggregation_mode"], "prefill");
@@ -479,13 +455,7 @@ async fn a_misconfigured_prefill_admits_over_capacity_requests_and_says_so_in_se
     assert_eq!(info["context_length"], 16384);
     assert_eq!(info["max_total_num_tokens"], 8192);
     assert_eq!(info["max_req_input_len"], 16000);
-    let (status, _) = post(
-        &client,
-        &format!("{}/generate", c.router),
-        "big-1",
-        json!({"text": words(9000)}),
-    )
-    .await;
+    let (status, _) = generate(&client, &c, "big-1", json!({"text": words(9000)})).await;
     assert_eq!(status, 200, "admitted although 9000 > max_total_num_tokens");
     let p = rooms(&client, &c.prefill).await;
     let rec = p.iter().find(|r| r["request_id"] == "big-1").unwrap();
@@ -520,9 +490,9 @@ async fn a_dead_otlp_endpoint_never_blocks_serving_and_failures_are_counted() {
     let c = Cluster::start("correct", &["--otlp-endpoint", "http://127.0.0.1:9"]).await;
     let client = http_client(8);
     for i in 0..5 {
-        let (status, _) = post(
+        let (status, _) = generate(
             &client,
-            &format!("{}/generate", c.router),
+            &c,
             &format!("dead-otlp-{i}"),
             json!({"text": "a b"}),
         )

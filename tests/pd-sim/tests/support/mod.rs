@@ -17,7 +17,7 @@ pub const BIN: &str = env!("CARGO_BIN_EXE_pd-sim");
 
 /// The cluster under test; dropping it stops every process.
 pub struct Cluster {
-    inner: pd_sim::harness::ClusterProcess,
+    inner: test_harness::Cluster,
     pub ready: serde_json::Value,
     pub router: String,
     pub prefill: String,
@@ -30,10 +30,7 @@ impl Cluster {
         let mut args = vec!["--mode", mode];
         args.extend_from_slice(extra);
         let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
-        let start = move || {
-            let refs: Vec<&str> = args.iter().map(String::as_str).collect();
-            pd_sim::harness::ClusterProcess::start(std::path::Path::new(BIN), &refs)
-        };
+        let start = move || test_harness::Cluster::start(std::path::Path::new(BIN), &args, None);
         // The children carry PR_SET_PDEATHSIG, which fires when the *thread* that forked them
         // exits: a spawn_blocking thread retires after 10 s idle and would take the cluster
         // with it. On a multi-thread runtime fork from this worker thread instead.
@@ -49,14 +46,14 @@ impl Cluster {
             router: inner.router.clone(),
             prefill: inner.prefill.clone(),
             decode: inner.decode.clone(),
-            pids: inner.pids.clone(),
+            pids: inner.pids.iter().map(|(_, pid)| *pid).collect(),
             inner,
         }
     }
 }
 
 impl std::ops::Deref for Cluster {
-    type Target = pd_sim::harness::ClusterProcess;
+    type Target = test_harness::Cluster;
     fn deref(&self) -> &Self::Target {
         &self.inner
     }
@@ -116,6 +113,16 @@ pub async fn post(
     (status, resp.into_body().collect().await.unwrap().to_bytes())
 }
 
+/// POST `/generate` to the cluster's router.
+pub async fn generate(
+    client: &HttpClient,
+    c: &Cluster,
+    request_id: &str,
+    body: serde_json::Value,
+) -> (u16, Bytes) {
+    post(client, &format!("{}/generate", c.router), request_id, body).await
+}
+
 pub fn words(n: usize) -> String {
     vec!["word"; n].join(" ")
 }
@@ -144,9 +151,36 @@ pub async fn rooms(client: &HttpClient, base: &str) -> Vec<serde_json::Value> {
         .unwrap_or_default()
 }
 
-/// Run the `pd-sim load` binary against the router and return its summary JSON.
+/// `revenant run` for the end-to-end tests, from the workspace's binary next to this test (or
+/// `REVENANT_BIN`): OTLP alone on ephemeral ports (the harness's defaults), no rate limit, the
+/// normalized events in DIR/events.jsonl, then `extra`. Forked from this worker thread, which
+/// outlives it (the children's PDEATHSIG follows the forking thread).
+pub fn start_revenant(dir: &std::path::Path, extra: &[&str]) -> test_harness::Revenant {
+    let bin =
+        test_harness::workspace_bin("revenant", "REVENANT_BIN").unwrap_or_else(|e| panic!("{e}"));
+    let events = dir.join("events.jsonl").display().to_string();
+    let mut args = vec![
+        "--rate-limit",
+        "0",
+        "--spool-no-fsync",
+        "--events-jsonl",
+        &events,
+    ];
+    args.extend_from_slice(extra);
+    tokio::task::block_in_place(|| test_harness::Revenant::start(&bin, dir, &args))
+        .unwrap_or_else(|e| panic!("revenant: {e}"))
+}
+
+/// Run the `pd-sim load` binary against the router (quiet, at most 10 minutes) and return its
+/// summary JSON.
 pub fn run_load(router: &str, args: &[&str]) -> serde_json::Value {
-    pd_sim::harness::run_load(std::path::Path::new(BIN), router, args).expect("load runs")
+    test_harness::run_load_quiet(
+        std::path::Path::new(BIN),
+        router,
+        args,
+        Duration::from_secs(600),
+    )
+    .expect("load runs")
 }
 
 /// A TCP proxy in front of prefill's KV port that decodes the decode→prefill ZMTP stream,

@@ -1,0 +1,127 @@
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use anyhow::{Context, Result, anyhow, bail};
+use serde_json::Value;
+
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// Where the binaries are: `REVENANT_BIN` / `PD_SIM_BIN` (set by `cargo xtask test`), or built
+/// now with cargo (release: the runs push thousands of requests through them).
+#[derive(Debug, Clone)]
+pub struct Binaries {
+    pub revenant: PathBuf,
+    pub pd_sim: PathBuf,
+}
+
+impl Binaries {
+    /// From the environment, if both variables are set; a set variable naming a missing file is
+    /// an error, not a fallback.
+    pub fn from_env() -> Result<Option<Binaries>> {
+        match (
+            std::env::var_os("REVENANT_BIN"),
+            std::env::var_os("PD_SIM_BIN"),
+        ) {
+            (Some(r), Some(p)) => {
+                let b = Binaries {
+                    revenant: r.into(),
+                    pd_sim: p.into(),
+                };
+                for f in [&b.revenant, &b.pd_sim] {
+                    if !f.is_file() {
+                        bail!(
+                            "{} (from REVENANT_BIN/PD_SIM_BIN) does not exist",
+                            f.display()
+                        );
+                    }
+                }
+                Ok(Some(b))
+            }
+            (None, None) => Ok(None),
+            _ => bail!("set both REVENANT_BIN and PD_SIM_BIN, or neither"),
+        }
+    }
+
+    /// `cargo build [--release] -p revenant -p pd-sim --bins`, paths taken from cargo's own
+    /// artifact messages (so a custom CARGO_TARGET_DIR is honoured).
+    pub fn build(release: bool) -> Result<Binaries> {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let mut cmd = Command::new(&cargo);
+        cmd.current_dir(workspace_root())
+            .args(["build", "-p", "revenant", "-p", "pd-sim", "--bins"])
+            .args(["--message-format", "json-render-diagnostics"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        if release {
+            cmd.arg("--release");
+        }
+        let out = cmd
+            .output()
+            .with_context(|| format!("running {cargo} build"))?;
+        if !out.status.success() {
+            bail!("cargo build -p revenant -p pd-sim failed ({})", out.status);
+        }
+        let (mut revenant, mut pd_sim) = (None, None);
+        for line in out.stdout.split(|b| *b == b'\n') {
+            let Ok(v) = serde_json::from_slice::<Value>(line) else {
+                continue;
+            };
+            if v["reason"] != "compiler-artifact" {
+                continue;
+            }
+            let Some(exe) = v["executable"].as_str() else {
+                continue;
+            };
+            match v["target"]["name"].as_str() {
+                Some("revenant") => revenant = Some(PathBuf::from(exe)),
+                Some("pd-sim") => pd_sim = Some(PathBuf::from(exe)),
+                _ => {}
+            }
+        }
+        Ok(Binaries {
+            revenant: revenant.ok_or_else(|| anyhow!("cargo built no revenant binary"))?,
+            pd_sim: pd_sim.ok_or_else(|| anyhow!("cargo built no pd-sim binary"))?,
+        })
+    }
+
+    /// The environment's binaries, else a release build.
+    pub fn locate() -> Result<Binaries> {
+        match Binaries::from_env()? {
+            Some(b) => Ok(b),
+            None => Binaries::build(true),
+        }
+    }
+}
+
+/// A binary of this workspace next to the running test or bench executable
+/// (`target/{profile}/deps/x-hash` → `target/{profile}/NAME`), or the path in `env_var`.
+/// Cargo only hands `CARGO_BIN_EXE_*` to tests of the binary's own package, so end-to-end tests
+/// elsewhere find it this way; a missing binary is an error that says how to build it.
+pub fn workspace_bin(name: &str, env_var: &str) -> Result<PathBuf> {
+    if let Some(p) = std::env::var_os(env_var) {
+        let p = PathBuf::from(p);
+        return if p.is_file() {
+            Ok(p)
+        } else {
+            bail!("{env_var}={} does not exist", p.display())
+        };
+    }
+    let exe = std::env::current_exe()?;
+    let mut dir = exe.parent();
+    while let Some(d) = dir {
+        let candidate = d.join(name);
+        if candidate.is_file() && d.file_name().is_some_and(|n| n != "deps") {
+            return Ok(candidate);
+        }
+        if d.file_name().is_some_and(|n| n == "target") {
+            break;
+        }
+        dir = d.parent();
+    }
+    bail!(
+        "no `{name}` binary next to {} — build it (`cargo build -p {name}` with the same profile) or set {env_var}",
+        exe.display()
+    )
+}

@@ -1,0 +1,26 @@
+//! Real processes on loopback for the end-to-end tests, the benches and `cargo xtask demo`:
+//! `revenant run`, `pd-sim cluster` and `pd-sim load`, each child in its own process group
+//! (stopped as a group on drop, `PR_SET_PDEATHSIG` if we die first), readiness from the
+//! processes themselves (revenant's ready file, pd-sim's READY line and `/health`), never
+//! sleeps, every wait bounded. Blocking, no async runtime needed.
+
+mod binaries;
+mod cluster;
+mod files;
+mod http;
+mod metrics;
+mod proc;
+mod revenant;
+
+pub use binaries::{Binaries, workspace_bin, workspace_root};
+pub use cluster::{Cluster, run_load, run_load_quiet};
+pub use files::{JsonlTail, ScratchDir, read_jsonl, read_jsonl_so_far, tail};
+pub use http::{free_port, http_get, http_json, wait_healthy};
+pub use metrics::{Sample, metric_sum, parse_metrics};
+pub use proc::Proc;
+pub use revenant::Revenant;
+
+pub fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 }
+}
