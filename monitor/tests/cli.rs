@@ -29,19 +29,26 @@ fn text(o: &Output) -> (String, String) {
     )
 }
 
-#[test]
-fn check_exits_1_with_violations_as_json_lines() {
+/// `revenant check --events <scenario> <extra>`: exit code, violations printed, standard error.
+fn check_scenario(name: &str, extra: &[&str]) -> (Option<i32>, Vec<serde_json::Value>, String) {
     let o = bin()
         .args(["check", "--events"])
-        .arg(scenario("smg-prefill-400-decode-alive.jsonl"))
+        .arg(scenario(name))
+        .args(extra)
         .output()
         .unwrap();
     let (out, err) = text(&o);
-    assert_eq!(o.status.code(), Some(1), "{err}");
-    let lines: Vec<serde_json::Value> = out
+    let lines = out
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
+    (o.status.code(), lines, err)
+}
+
+#[test]
+fn check_exits_1_with_violations_as_json_lines() {
+    let (code, lines, err) = check_scenario("smg-prefill-400-decode-alive.jsonl", &[]);
+    assert_eq!(code, Some(1), "{err}");
     assert_eq!(lines.len(), 2);
     assert_eq!(lines[0]["rule"], "activity-after-rejection");
     assert_eq!(lines[0]["evidence"][0]["role"], "trigger");
@@ -52,18 +59,8 @@ fn check_exits_1_with_violations_as_json_lines() {
 #[test]
 fn check_prints_a_corroborated_breach_once() {
     let run = |extra: &[&str]| {
-        let o = bin()
-            .args(["check", "--events"])
-            .arg(scenario("corroborated-by-otlp.jsonl"))
-            .args(extra)
-            .output()
-            .unwrap();
-        let (out, err) = text(&o);
-        assert_eq!(o.status.code(), Some(1), "{err}");
-        let lines: Vec<serde_json::Value> = out
-            .lines()
-            .map(|l| serde_json::from_str(l).unwrap())
-            .collect();
+        let (code, lines, err) = check_scenario("corroborated-by-otlp.jsonl", extra);
+        assert_eq!(code, Some(1), "{err}");
         (lines, err)
     };
     let (lines, err) = run(&["--stats"]);
