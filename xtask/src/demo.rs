@@ -297,14 +297,7 @@ fn print_summary(
         .as_object()
         .map(|o| o.iter().map(|(k, v)| format!("{v} x {k}")).collect())
         .unwrap_or_default();
-    row(
-        "rejections (client saw)",
-        if rejected.is_empty() {
-            "none".into()
-        } else {
-            rejected.join(", ")
-        },
-    );
+    row("rejections (client saw)", list_or_none(rejected));
     if let Some(p) = prefill {
         row(
             "prefill (simulator)",
@@ -335,18 +328,7 @@ fn print_summary(
             s.value as u64,
         );
     }
-    row(
-        "violations by rule",
-        if by_rule.is_empty() {
-            "none".into()
-        } else {
-            by_rule
-                .iter()
-                .map(|(k, v)| format!("{k} {v}"))
-                .collect::<Vec<_>>()
-                .join(", ")
-        },
-    );
+    row("violations by rule", counts_or_none(&by_rule));
     let mut by_source: BTreeMap<String, u64> = BTreeMap::new();
     let mut suppressed = 0;
     for n in notes {
@@ -360,15 +342,7 @@ fn print_summary(
     }
     row(
         "notifications by evidence source",
-        if by_source.is_empty() {
-            "none".into()
-        } else {
-            by_source
-                .iter()
-                .map(|(k, v)| format!("{k} {v}"))
-                .collect::<Vec<_>>()
-                .join(", ")
-        },
+        counts_or_none(&by_source),
     );
     row(
         "alert flood control",
@@ -392,14 +366,7 @@ fn print_summary(
             )
         })
         .collect();
-    row(
-        "revenant drops (/metrics)",
-        if drops.is_empty() {
-            "none".into()
-        } else {
-            drops.join(", ")
-        },
-    );
+    row("revenant drops (/metrics)", list_or_none(drops));
     let sim_drops: u64 = [prefill, decode]
         .iter()
         .flatten()
@@ -445,4 +412,18 @@ fn print_next(admin: &str, notes: &[Value], dir: &std::path::Path) {
         dir.join("alerts.jsonl").display()
     );
     println!("  (the admin URLs answer while the demo runs: use --keep-running)");
+}
+
+/// A summary cell: the items joined, or "none".
+fn list_or_none(items: Vec<String>) -> String {
+    if items.is_empty() {
+        "none".into()
+    } else {
+        items.join(", ")
+    }
+}
+
+/// A summary cell of counts by key: "key n, key n", or "none".
+fn counts_or_none(counts: &BTreeMap<String, u64>) -> String {
+    list_or_none(counts.iter().map(|(k, v)| format!("{k} {v}")).collect())
 }
