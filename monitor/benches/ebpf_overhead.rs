@@ -11,7 +11,7 @@
 //! Figures are printed; BENCHMARKS.md records them.
 
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
@@ -274,14 +274,6 @@ fn which(tool: &str) -> Option<PathBuf> {
         .find(|p| p.is_file())
 }
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 fn rss_kb() -> u64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
@@ -323,7 +315,7 @@ impl Nginx {
     fn start() -> Nginx {
         let dir = std::env::temp_dir().join(format!("revenant-nginx-{}", std::process::id()));
         std::fs::create_dir_all(dir.join("logs")).unwrap();
-        let port = free_port();
+        let port = test_harness::free_port().expect("a free loopback port");
         let conf = format!(
             "worker_processes 1;\ndaemon off;\npid {d}/nginx.pid;\nerror_log {d}/logs/error.log;\n\
              events {{ worker_connections 1024; }}\n\
