@@ -139,23 +139,14 @@ fn check(args: CheckArgs) -> ExitCode {
 
     let stdout = std::io::stdout();
     let mut out = std::io::BufWriter::with_capacity(1 << 16, stdout.lock());
-    let mut violations = 0u64;
-    let mut corroborations = 0u64;
-    let mut per_rule: std::collections::HashMap<String, (u64, u64)> = Default::default();
     let mut bad_lines = 0u64;
     let mut write_failed = None;
+    // The checker counts violations and follow-ups itself (see `--stats`); here only the
+    // choice of what to print.
     let mut emit = |v: &revenant::Violation,
                     out: &mut std::io::BufWriter<std::io::StdoutLock<'_>>| {
-        let counts = per_rule.entry(v.rule.clone()).or_default();
-        if v.corroborates {
-            counts.1 += 1;
-            corroborations += 1;
-            if !args.corroborations {
-                return;
-            }
-        } else {
-            counts.0 += 1;
-            violations += 1;
+        if v.corroborates && !args.corroborations {
+            return;
         }
         let res = serde_json::to_writer(&mut *out, v)
             .map_err(std::io::Error::from)
@@ -206,15 +197,13 @@ fn check(args: CheckArgs) -> ExitCode {
             s.events_late,
             bad_lines
         );
-        for rule in checker.rules() {
-            let (n, follow) = per_rule.get(&rule.name).copied().unwrap_or_default();
-            eprintln!(
-                "revenant:   {:<32} {n} (+{follow} corroborating)",
-                rule.name
-            );
+        for (rule, n) in checker.rules().zip(checker.violations_per_rule()) {
+            eprintln!("revenant:   {:<32} {n}", rule.name);
         }
         eprintln!(
-            "revenant: {violations} violations, {corroborations} corroborating follow-ups{}",
+            "revenant: {} violations, {} corroborating follow-ups{}",
+            s.violations,
+            s.corroborations,
             if args.corroborations {
                 ""
             } else {
@@ -235,7 +224,7 @@ fn check(args: CheckArgs) -> ExitCode {
         eprintln!("revenant: {bad_lines} bad line(s) skipped; the rest of the file was checked");
         return ExitCode::from(2);
     }
-    if violations > 0 {
+    if checker.stats().violations > 0 {
         ExitCode::from(1)
     } else {
         ExitCode::SUCCESS
