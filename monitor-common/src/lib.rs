@@ -109,8 +109,9 @@ pub struct Header {
 /// One captured piece of one syscall's payload; `len` bytes follow this header.
 ///
 /// A syscall that moved `total` bytes yields a piece at offset 0 (the head) and, when `total`
-/// exceeds the head, a piece ending at `total` (the tail); vectored syscalls yield a piece per
-/// iovec. All pieces of one syscall share `hdr.ts_ns` and `hdr.tid`.
+/// exceeds the head, a piece ending at `total` (the tail); the kernel gathers each of the two
+/// across a vectored syscall's iovecs, so there are never more. All pieces of one syscall share
+/// `hdr.ts_ns` and `hdr.tid`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct DataHeader {
@@ -122,13 +123,6 @@ pub struct DataHeader {
     /// Offset of this piece within those bytes.
     pub off: u32,
     pub len: u32,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy)]
-pub struct DataEvent {
-    pub h: DataHeader,
-    pub data: [u8; MAX_CAPTURE],
 }
 
 /// A socket the kernel side started tracking: `connect` (outbound) or `accept` (inbound).
