@@ -105,10 +105,10 @@ fn main() {
         checker.state_bytes()
     );
     println!(
-        "sizes: Attempt {} B, Request {} B, Tombstone {} B, Slot {} B",
+        "sizes: Attempt {} B, Request {} B, Tombstone {} B, stored slot 8 B (+ an 8 B base per row); wide rows {}",
         std::mem::size_of::<revenant::correlate::Attempt>(),
         std::mem::size_of::<revenant::correlate::Request>(),
         std::mem::size_of::<revenant::correlate::Tombstone>(),
-        std::mem::size_of::<revenant::checker::slots::Slot>()
+        checker.stats().wide_slot_rows
     );
 }

@@ -12,7 +12,7 @@ use std::hash::BuildHasher;
 
 use foldhash::fast::FixedState;
 
-use crate::checker::slots::{Keep, Slot, fold_into};
+use crate::checker::slots::{Keep, Slot, Slots, fold_into, packed};
 use crate::event::Ids;
 
 pub const NONE: u32 = u32::MAX;
@@ -790,6 +790,79 @@ fn next_hand(hand: &mut usize, n: usize) -> usize {
     i
 }
 
+/// One owner's row of packed slots (`1 + n` words, see [`packed`]) as a readable view, taking
+/// the full slots from `wide` when the row is [`packed::WIDE`].
+fn row_view<'a, K: std::hash::Hash + Eq>(
+    row: &'a [u64],
+    wide: &'a HashMap<K, Box<[Slot]>, FixedState>,
+    id: K,
+) -> Slots<'a> {
+    if row[0] == packed::WIDE {
+        Slots::Wide(wide.get(&id).expect("a wide row keeps its slots"))
+    } else {
+        Slots::Packed(row)
+    }
+}
+
+/// Folds `slot` into spec `k` of an owner's row; a row that can no longer be packed becomes
+/// wide, its slots moving into `wide`.
+fn row_fold<K: std::hash::Hash + Eq + Copy>(
+    row: &mut [u64],
+    wide: &mut HashMap<K, Box<[Slot]>, FixedState>,
+    id: K,
+    k: usize,
+    keep: Keep,
+    slot: Slot,
+) -> bool {
+    if row[0] != packed::WIDE {
+        match packed::fold(row, k, keep, slot) {
+            Ok(changed) => return changed,
+            Err(packed::Unpackable) => {
+                wide.insert(id, packed::unpack_row(row).into());
+                row[0] = packed::WIDE;
+            }
+        }
+    }
+    let slots = wide.get_mut(&id).expect("a wide row keeps its slots");
+    fold_into(slots, k, keep, slot)
+}
+
+/// Replaces an owner's slots with `slots` (packed when they fit, else wide).
+fn row_store<K: std::hash::Hash + Eq>(
+    row: &mut [u64],
+    wide: &mut HashMap<K, Box<[Slot]>, FixedState>,
+    id: K,
+    slots: &[Slot],
+) {
+    let was_wide = row[0] == packed::WIDE;
+    if was_wide {
+        row[0] = 0;
+    }
+    match packed::store_row(row, slots) {
+        Ok(()) => {
+            if was_wide {
+                wide.remove(&id);
+            }
+        }
+        Err(packed::Unpackable) => {
+            row[0] = packed::WIDE;
+            wide.insert(id, slots.into());
+        }
+    }
+}
+
+/// Empties an owner's row (a reused record), dropping its wide slots if it had some.
+fn row_clear<K: std::hash::Hash + Eq>(
+    row: &mut [u64],
+    wide: &mut HashMap<K, Box<[Slot]>, FixedState>,
+    id: K,
+) {
+    if row[0] == packed::WIDE {
+        wide.remove(&id);
+    }
+    row.fill(0);
+}
+
 /// Folds every slot of `src` into `dst`, spec by spec (pairs as pairs).
 fn fold_all(dst: &mut [Slot], src: &[Slot], keeps: &[Keep]) {
     for (k, &keep) in keeps.iter().enumerate() {
@@ -810,7 +883,11 @@ fn fold_all(dst: &mut [Slot], src: &[Slot], keeps: &[Keep]) {
 pub struct Store {
     pub limits: Limits,
     pub attempts: Chunked<Attempt>,
-    pub attempt_slots: Chunked<Slot>,
+    /// Per attempt, its rule slots as a packed row (see [`packed`]).
+    attempt_slots: Chunked<u64>,
+    /// The slots of attempts whose row is [`packed::WIDE`] (events spanning more than the
+    /// packed window; rare).
+    wide_attempts: HashMap<u32, Box<[Slot]>, FixedState>,
     attempt_keeps: Vec<Keep>,
     free_attempts: Vec<u32>,
     live_attempts: usize,
@@ -831,14 +908,17 @@ pub struct Store {
     pinned_alias: HashMap<u32, Box<str>, FixedState>,
 
     pub requests: Chunked<Request>,
-    pub request_slots: Chunked<Slot>,
+    request_slots: Chunked<u64>,
+    wide_requests: HashMap<u32, Box<[Slot]>, FixedState>,
     request_keeps: Vec<Keep>,
     free_requests: Vec<u32>,
     live_requests: usize,
 
     tombs: ChunkedQueue<Tombstone>,
-    /// `tomb_slot_map.len()` slots per tombstone, in the order of `tombs`.
-    tomb_slots: ChunkedQueue<Slot>,
+    /// A packed row of `tomb_slot_map.len()` slots per tombstone, in the order of `tombs`.
+    tomb_slots: ChunkedQueue<u64>,
+    /// Slots of tombstones whose row is wide, by tombstone sequence number.
+    wide_tombs: HashMap<u64, Box<[Slot]>, FixedState>,
     /// Which attempt slots a tombstone keeps (those of attempt-scope never-after rules).
     tomb_slot_map: Vec<usize>,
     tomb_base: u64,
@@ -868,7 +948,8 @@ impl Store {
         Store {
             limits,
             attempts: Chunked::new(1),
-            attempt_slots: Chunked::new(attempt_keeps.len()),
+            attempt_slots: Chunked::new(1 + attempt_keeps.len()),
+            wide_attempts: HashMap::with_hasher(hasher()),
             attempt_keeps,
             free_attempts: Vec::new(),
             live_attempts: 0,
@@ -879,12 +960,14 @@ impl Store {
             reported: HashMap::with_hasher(hasher()),
             pinned_alias: HashMap::with_hasher(hasher()),
             requests: Chunked::new(1),
-            request_slots: Chunked::new(request_keeps.len()),
+            request_slots: Chunked::new(1 + request_keeps.len()),
+            wide_requests: HashMap::with_hasher(hasher()),
             request_keeps,
             free_requests: Vec::new(),
             live_requests: 0,
             tombs: ChunkedQueue::new(1),
-            tomb_slots: ChunkedQueue::new(tomb_slot_map.len()),
+            tomb_slots: ChunkedQueue::new(1 + tomb_slot_map.len()),
+            wide_tombs: HashMap::with_hasher(hasher()),
             tomb_slot_map,
             tomb_base: 0,
             tomb_alias_stale: 0,
@@ -908,17 +991,26 @@ impl Store {
         self.aliases.len()
     }
 
-    pub fn attempt_slots(&self, a: u32) -> &[Slot] {
-        self.attempt_slots.item(a as usize)
+    pub fn attempt_slots(&self, a: u32) -> Slots<'_> {
+        row_view(self.attempt_slots.item(a as usize), &self.wide_attempts, a)
     }
-    pub fn attempt_slots_mut(&mut self, a: u32) -> &mut [Slot] {
-        self.attempt_slots.item_mut(a as usize)
+    /// Folds `slot` into spec `k` of attempt `a`'s slots; true if it changed them.
+    #[inline]
+    pub fn fold_attempt_slot(&mut self, a: u32, k: usize, keep: Keep, slot: Slot) -> bool {
+        let row = self.attempt_slots.item_mut(a as usize);
+        row_fold(row, &mut self.wide_attempts, a, k, keep, slot)
     }
-    pub fn request_slots(&self, r: u32) -> &[Slot] {
-        self.request_slots.item(r as usize)
+    pub fn request_slots(&self, r: u32) -> Slots<'_> {
+        row_view(self.request_slots.item(r as usize), &self.wide_requests, r)
     }
-    pub fn request_slots_mut(&mut self, r: u32) -> &mut [Slot] {
-        self.request_slots.item_mut(r as usize)
+    /// Folds `slot` into spec `k` of request `r`'s slots; true if it changed them.
+    pub fn fold_request_slot(&mut self, r: u32, k: usize, keep: Keep, slot: Slot) -> bool {
+        let row = self.request_slots.item_mut(r as usize);
+        row_fold(row, &mut self.wide_requests, r, k, keep, slot)
+    }
+    /// Attempts and tombstones whose slots did not fit a packed row, for the metrics.
+    pub fn wide_rows(&self) -> usize {
+        self.wide_attempts.len() + self.wide_requests.len() + self.wide_tombs.len()
     }
 
     pub fn reason(&self, a: u32) -> Option<&str> {
@@ -977,23 +1069,16 @@ impl Store {
     pub fn tomb_mut(&mut self, i: usize) -> &mut Tombstone {
         &mut self.tombs.item_mut(i)[0]
     }
-    /// Tombstones keep the attempt slots listed in `tomb_slot_map`; `k` indexes that list.
-    pub fn tomb_slot(&self, i: usize, k: usize) -> Slot {
-        self.tomb_slots.item(i)[k]
-    }
-    pub fn tomb_slot_mut(&mut self, i: usize, k: usize) -> &mut Slot {
-        &mut self.tomb_slots.item_mut(i)[k]
-    }
     /// A copy of tombstone `i`'s kept slots, in `tomb_slot_map` order.
     pub fn tomb_slots_of(&self, i: usize) -> Vec<Slot> {
-        let n = self.tomb_slot_map.len();
-        self.tomb_slots.item(i)[..n].to_vec()
+        let seq = self.tomb_base + i as u64;
+        row_view(self.tomb_slots.item(i), &self.wide_tombs, seq).to_vec()
     }
     pub fn set_tomb_slots(&mut self, i: usize, slots: &[Slot]) {
+        let seq = self.tomb_base + i as u64;
         let n = self.tomb_slot_map.len();
-        for (k, s) in slots.iter().enumerate().take(n) {
-            self.tomb_slots.item_mut(i)[k] = *s;
-        }
+        let row = self.tomb_slots.item_mut(i);
+        row_store(row, &mut self.wide_tombs, seq, &slots[..n]);
     }
     pub fn tomb_slot_map(&self) -> &[usize] {
         &self.tomb_slot_map
@@ -1355,11 +1440,12 @@ impl Store {
                     generation,
                     ..fresh
                 };
-                self.attempt_slots_mut(i).fill(Slot::EMPTY);
+                let row = self.attempt_slots.item_mut(i as usize);
+                row_clear(row, &mut self.wide_attempts, i);
                 i
             }
             None => {
-                self.attempt_slots.push(Slot::EMPTY);
+                self.attempt_slots.push(0);
                 self.attempts.push(fresh) as u32
             }
         };
@@ -1389,11 +1475,12 @@ impl Store {
                     generation,
                     ..fresh
                 };
-                self.request_slots_mut(i).fill(Slot::EMPTY);
+                let row = self.request_slots.item_mut(i as usize);
+                row_clear(row, &mut self.wide_requests, i);
                 i
             }
             None => {
-                self.request_slots.push(Slot::EMPTY);
+                self.request_slots.push(0);
                 self.requests.push(fresh) as u32
             }
         };
@@ -1415,9 +1502,11 @@ impl Store {
             }
             self.union_epoch = 1;
         }
-        let src: Vec<Slot> = self.request_slots(from).to_vec();
-        let keeps = self.request_keeps.clone();
-        fold_all(self.request_slots_mut(into), &src, &keeps);
+        let src = self.request_slots(from).to_vec();
+        let mut dst = self.request_slots(into).to_vec();
+        fold_all(&mut dst, &src, &self.request_keeps);
+        let row = self.request_slots.item_mut(into as usize);
+        row_store(row, &mut self.wide_requests, into, &dst);
         let (f, t) = (from as usize, into as usize);
         self.requests[f].parent = into;
         self.requests[t].refs += 1;
@@ -1465,9 +1554,11 @@ impl Store {
             self.stats.alias_conflicts += 1;
             return a; // `a` was found by the event's room: the room decides
         }
-        let src: Vec<Slot> = self.attempt_slots(y).to_vec();
-        let keeps = self.attempt_keeps.clone();
-        fold_all(self.attempt_slots_mut(x), &src, &keeps);
+        let src = self.attempt_slots(y).to_vec();
+        let mut dst = self.attempt_slots(x).to_vec();
+        fold_all(&mut dst, &src, &self.attempt_keeps);
+        let row = self.attempt_slots.item_mut(x as usize);
+        row_store(row, &mut self.wide_attempts, x, &dst);
         let ya = self.attempts[y as usize].clone();
         let y_keys: Vec<u64> = self.attempt_keys(y).collect();
         let y_rid = self.attempt_rid(y);
@@ -1542,6 +1633,8 @@ impl Store {
         }
         at.flags = 0;
         at.rid2_key = 0;
+        let row = self.attempt_slots.item_mut(i as usize);
+        row_clear(row, &mut self.wide_attempts, i);
         at.request = NONE;
         at.generation = at.generation.wrapping_add(1);
         self.reasons.remove(&i);
@@ -1568,14 +1661,17 @@ impl Store {
             expires_s,
             fired: at.fired,
         };
-        let kept = self.attempt_slots.item(i as usize);
+        let kept = self.attempt_slots(i);
         let mut buf = [Slot::EMPTY; crate::checker::slots::SlotLayout::MAX];
         for (j, &k) in self.tomb_slot_map.iter().enumerate() {
-            buf[j] = kept[k];
+            buf[j] = kept.get(k);
         }
-        self.tomb_slots.push_back(&buf[..self.tomb_slot_map.len()]);
+        let n = self.tomb_slot_map.len();
+        let seq = self.tomb_base + self.tombs.len() as u64;
+        let mut row = [0u64; 1 + crate::checker::slots::SlotLayout::MAX];
+        row_store(&mut row[..1 + n], &mut self.wide_tombs, seq, &buf[..n]);
+        self.tomb_slots.push_back(&row[..1 + n]);
         self.tombs.push_back(&[tomb]);
-        let seq = self.tomb_base + self.tombs.len() as u64 - 1;
         if tomb.fired != 0 {
             self.move_reported(Owner::Attempt(i), Owner::Tomb(seq), tomb.fired);
         }
@@ -1600,6 +1696,9 @@ impl Store {
             return;
         }
         let t = *self.tomb(0);
+        if self.tomb_slots.item(0).first() == Some(&packed::WIDE) {
+            self.wide_tombs.remove(&self.tomb_base);
+        }
         self.tombs.pop_front();
         self.tomb_slots.pop_front();
         if t.request != NONE {
@@ -1689,6 +1788,8 @@ impl Store {
             self.drop_reported(Owner::Request(i), fired);
         }
         self.pinned_alias.remove(&i);
+        let row = self.request_slots.item_mut(i as usize);
+        row_clear(row, &mut self.wide_requests, i);
         let r = &mut self.requests[i as usize];
         r.meta = 0;
         r.parent = NONE;

@@ -22,7 +22,8 @@ use crate::violation::{self, AttemptRef as AttemptAliases, Evidence, RequestRef,
 use rules::predicate::{Breach, Capacity, Known};
 use rules::{CompiledRule, Scope, Shape};
 use slots::{
-    Cands, Keep, NODE_LOCAL, NodeId, Slot, SlotEvent, SlotLayout, SlotSpec, SpecIndex, fold_into,
+    Cands, Keep, NODE_LOCAL, NodeId, Slot, SlotEvent, SlotLayout, SlotRead, SlotSpec, SpecIndex,
+    fold_into,
 };
 
 pub use rules::{RuleSet, RulesError, Severity};
@@ -112,6 +113,9 @@ pub struct CheckerStats {
     pub live_attempts: u64,
     pub live_requests: u64,
     pub tombstones: u64,
+    /// Attempts, requests and tombstones whose rule slots did not fit a packed row (events more
+    /// than 9 minutes apart, statuses above 1023) and are kept at full width.
+    pub wide_slot_rows: u64,
     pub watermark_ns: u64,
     pub max_event_ns: u64,
 }
@@ -358,6 +362,7 @@ impl Checker {
         s.live_attempts = self.store.live_attempts() as u64;
         s.live_requests = self.store.live_requests() as u64;
         s.tombstones = self.store.tombstones() as u64;
+        s.wide_slot_rows = self.store.wide_rows() as u64;
         s
     }
 
@@ -539,14 +544,12 @@ impl Checker {
     ) {
         let hit = self.attempt_index.matching(e);
         let slot = Slot::from_event(e, node);
-        {
-            let slots = self.store.attempt_slots_mut(a);
-            let mut bits = hit;
-            while bits != 0 {
-                let k = bits.trailing_zeros() as usize;
-                bits &= bits - 1;
-                fold_into(slots, k, self.attempt_specs[k].keep, slot);
-            }
+        let mut bits = hit;
+        while bits != 0 {
+            let k = bits.trailing_zeros() as usize;
+            bits &= bits - 1;
+            self.store
+                .fold_attempt_slot(a, k, self.attempt_specs[k].keep, slot);
         }
         let worker = Self::worker_key(e).map(|w| self.worker_id(w));
         let at = &mut self.store.attempts[a as usize];
@@ -585,7 +588,7 @@ impl Checker {
                     }
                     let s = self.store.attempt_slots(a);
                     let (triggers, forbidden) = self.never_after_candidates(
-                        s,
+                        &s,
                         (slots.trigger, slots.other),
                         slots,
                         hit,
@@ -628,14 +631,14 @@ impl Checker {
                 (Shape::NeverAfter(_), Scope::Request) => {
                     let Some(r) = request else { continue };
                     let keep_own = self.attempt_specs[slots.other_latest].keep;
-                    let own = Cands::of(self.store.attempt_slots(a), slots.other_latest, keep_own);
+                    let own = Cands::of(&self.store.attempt_slots(a), slots.other_latest, keep_own);
                     let keep_other = self.request_specs[slots.other].keep;
                     let as_forbidden = hit & (1 << slots.other_latest) != 0;
                     let mut changed = linked || as_forbidden;
                     // The request already holds what the attempt had before this event.
                     if changed {
                         for &o in own.iter() {
-                            fold_into(self.store.request_slots_mut(r), slots.other, keep_other, o);
+                            self.store.fold_request_slot(r, slots.other, keep_other, o);
                         }
                     }
                     let as_trigger = self.request_specs[slots.trigger]
@@ -644,8 +647,7 @@ impl Checker {
                         .any(|m| m.matches(e));
                     if as_trigger {
                         let keep = self.request_specs[slots.trigger].keep;
-                        changed |=
-                            fold_into(self.store.request_slots_mut(r), slots.trigger, keep, slot);
+                        changed |= self.store.fold_request_slot(r, slots.trigger, keep, slot);
                     }
                     let cur = Current {
                         slot,
@@ -659,7 +661,7 @@ impl Checker {
                 }
                 (Shape::MustFollow(rule), _) => {
                     if hit & (1 << slots.trigger) != 0 {
-                        let trig = self.store.attempt_slots(a)[slots.trigger];
+                        let trig = self.store.attempt_slots(a).get(slots.trigger);
                         if let Some(due) = rule.deadline(trig) {
                             self.schedule(a, due);
                         }
@@ -667,7 +669,7 @@ impl Checker {
                 }
                 (Shape::RequiresBefore(rule), _) => {
                     if hit & (1 << slots.trigger) != 0 {
-                        let ev = self.store.attempt_slots(a)[slots.trigger];
+                        let ev = self.store.attempt_slots(a).get(slots.trigger);
                         if let Some(due) = rule.due(ev) {
                             self.schedule(a, due);
                         }
@@ -682,7 +684,7 @@ impl Checker {
                             .per_stage
                             .iter()
                             .flatten()
-                            .map(|&k| s[k])
+                            .map(|&k| s.get(k))
                             .filter(|s| s.is_set())
                             .map(|s| s.time())
                             .min();
@@ -755,16 +757,21 @@ impl Checker {
             }
             let k = r.slots;
             match &r.rule.shape {
-                Shape::MustFollow(m) => {
-                    !m.satisfied(s[k.trigger], s[k.other], s[k.other_latest], self.skew_ns)
+                Shape::MustFollow(m) => !m.satisfied(
+                    s.get(k.trigger),
+                    s.get(k.other),
+                    s.get(k.other_latest),
+                    self.skew_ns,
+                ),
+                Shape::RequiresBefore(m) => {
+                    m.breached(s.get(k.trigger), s.get(k.other), self.skew_ns)
                 }
-                Shape::RequiresBefore(m) => m.breached(s[k.trigger], s[k.other], self.skew_ns),
                 // Not judged yet (the watermark has not passed it): a capacity report may still come.
                 Shape::Predicate(_) => k
                     .per_stage
                     .iter()
                     .flatten()
-                    .any(|&i| s[i].is_set() && s[i].time() > wm),
+                    .any(|&i| s.get(i).is_set() && s.get(i).time() > wm),
                 _ => false,
             }
         });
@@ -860,13 +867,11 @@ impl Checker {
                     let as_trigger = rule.trigger.iter().any(|m| m.matches(e));
                     if as_forbidden {
                         let keep = self.request_specs[slots.other].keep;
-                        changed |=
-                            fold_into(self.store.request_slots_mut(r), slots.other, keep, slot);
+                        changed |= self.store.fold_request_slot(r, slots.other, keep, slot);
                     }
                     if as_trigger {
                         let keep = self.request_specs[slots.trigger].keep;
-                        changed |=
-                            fold_into(self.store.request_slots_mut(r), slots.trigger, keep, slot);
+                        changed |= self.store.fold_request_slot(r, slots.trigger, keep, slot);
                     }
                     let cur = Current {
                         slot,
@@ -888,7 +893,7 @@ impl Checker {
     /// have kept out of a pair.
     fn never_after_candidates(
         &self,
-        kept: &[Slot],
+        kept: &(impl SlotRead + ?Sized),
         at: (usize, usize),
         slots: rules::RuleSlots,
         hit: u64,
@@ -922,7 +927,7 @@ impl Checker {
                 let k = bits.trailing_zeros() as usize;
                 bits &= bits - 1;
                 let keep = self.request_specs[k].keep;
-                fold_into(self.store.request_slots_mut(r), k, keep, slot);
+                self.store.fold_request_slot(r, k, keep, slot);
             }
             for ri in 0..self.rules.len() {
                 let rule = &self.rules[ri];
@@ -958,8 +963,8 @@ impl Checker {
         };
         let slots = self.rules[ri].slots;
         let s = self.store.request_slots(r);
-        let triggers = Cands::of(s, slots.trigger, self.request_specs[slots.trigger].keep);
-        let forbidden = Cands::of(s, slots.other, self.request_specs[slots.other].keep);
+        let triggers = Cands::of(&s, slots.trigger, self.request_specs[slots.trigger].keep);
+        let forbidden = Cands::of(&s, slots.other, self.request_specs[slots.other].keep);
         let Some((trig, forb)) = rule.breaching_pair(&triggers, &forbidden, self.skew_ns) else {
             return;
         };
@@ -1149,11 +1154,11 @@ impl Checker {
             let s = self.store.attempt_slots(a);
             let finding = match &self.rules[ri].rule.shape {
                 Shape::MustFollow(rule) => {
-                    let trig = s[slots.trigger];
+                    let trig = s.get(slots.trigger);
                     let Some(due) = rule.deadline(trig) else {
                         continue;
                     };
-                    let (early, late) = (s[slots.other], s[slots.other_latest]);
+                    let (early, late) = (s.get(slots.other), s.get(slots.other_latest));
                     if due > wm {
                         // Already satisfied: nothing can breach it, no need to wake up for it.
                         if !rule.satisfied(trig, early, late, self.skew_ns) {
@@ -1161,7 +1166,7 @@ impl Checker {
                         }
                         continue;
                     }
-                    let given = slots.given.map(|g| s[g]);
+                    let given = slots.given.map(|g| s.get(g));
                     if !rule.breached(trig, early, late, given, self.skew_ns) {
                         continue;
                     }
@@ -1182,13 +1187,13 @@ impl Checker {
                     }
                 }
                 Shape::RequiresBefore(rule) => {
-                    let ev = s[slots.trigger];
+                    let ev = s.get(slots.trigger);
                     let Some(due) = rule.due(ev) else { continue };
                     if due > wm {
                         next = Some(next.map_or(due, |n| n.min(due)));
                         continue;
                     }
-                    let req = s[slots.other];
+                    let req = s.get(slots.other);
                     if !rule.breached(ev, req, self.skew_ns) {
                         continue;
                     }
@@ -1212,7 +1217,7 @@ impl Checker {
                     let at = &self.store.attempts[a as usize];
                     let mut found = None;
                     for k in slots.per_stage.iter().flatten() {
-                        let Some(ev) = s[*k].get() else { continue };
+                        let Some(ev) = s.get(*k).get() else { continue };
                         if ev.time_ns > wm {
                             next = Some(next.map_or(ev.time_ns, |n| n.min(ev.time_ns)));
                             continue;
@@ -1474,6 +1479,60 @@ mod tests {
                 .with_room(room)
                 .with_status(200),
         );
+    }
+
+    /// Slots are packed against a per-row base with a 9-minute window: an attempt whose events
+    /// span more, or a late event on a tombstone that long after, keeps exact times and verdicts.
+    #[test]
+    fn slots_past_the_packed_window_keep_exact_times() {
+        let mut c = Checker::new(RuleSet::embedded_defaults(), CheckerConfig::default());
+        let aar = |v: &[Violation]| {
+            v.iter()
+                .filter(|v| v.rule == "activity-after-rejection")
+                .cloned()
+                .collect::<Vec<_>>()
+        };
+        let t0 = 1_795_986_920 * S;
+        // A long attempt: admitted, streaming for ten minutes, then rejected and still worked on.
+        for (dt, stage, kind) in [
+            (0, Stage::Prefill, Kind::Admitted),
+            (4 * 60 * S, Stage::Decode, Kind::Work),
+            (8 * 60 * S, Stage::Decode, Kind::Work),
+        ] {
+            assert!(aar(&c.observe(&ev(t0 + dt, stage, kind).with_room(7))).is_empty());
+        }
+        let rejected = t0 + 10 * 60 * S;
+        let v = c.observe(
+            &ev(rejected, Stage::Prefill, Kind::Rejected)
+                .with_room(7)
+                .with_status(400),
+        );
+        assert!(aar(&v).is_empty());
+        assert!(c.stats().wide_slot_rows >= 1, "{:?}", c.stats());
+        let v = aar(&c.observe(&ev(rejected + 1, Stage::Decode, Kind::Work).with_room(7)));
+        assert_eq!(v.len(), 1);
+        let times: Vec<u64> = v[0].evidence.iter().map(|e| e.time_ns).collect();
+        assert_eq!(times, vec![rejected, rejected + 1]);
+
+        // A short rejected attempt, compacted; its decode leg reports work 9.5 minutes later.
+        let t1 = t0 + 20 * 60 * S;
+        for e in [
+            ev(t1, Stage::Decode, Kind::Received).with_room(8),
+            ev(t1 + MS, Stage::Prefill, Kind::Rejected)
+                .with_room(8)
+                .with_status(400),
+            ev(t1 + 2 * MS, Stage::Decode, Kind::Cancelled).with_room(8),
+        ] {
+            assert!(aar(&c.observe(&e)).is_empty());
+        }
+        c.tick(t1 + 30 * S);
+        assert!(c.stats().tombstones >= 1);
+        let late = t1 + 570 * S;
+        let v = aar(&c.observe(&ev(late, Stage::Decode, Kind::Work).with_room(8)));
+        assert_eq!(v.len(), 1, "late activity on the tombstone");
+        let times: Vec<u64> = v[0].evidence.iter().map(|e| e.time_ns).collect();
+        assert_eq!(times, vec![t1 + MS, late]);
+        assert!(aar(&c.observe(&ev(late + S, Stage::Decode, Kind::Work).with_room(8))).is_empty());
     }
 
     /// Every rid an attempt was seen with leaves the alias table with it: otherwise the next

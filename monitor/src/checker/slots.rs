@@ -1,7 +1,7 @@
 //! Compact per-attempt memory of the events rules care about.
 //!
 //! A rule never needs an attempt's full history: it needs "the earliest trigger" or "the latest
-//! forbidden event". Each such need is a [`SlotSpec`]; the engine keeps one 12-byte [`Slot`] per
+//! forbidden event". Each such need is a [`SlotSpec`]; the engine keeps one [`Slot`] per
 //! spec per attempt, in one flat arena, so tracking an attempt costs no allocation.
 
 use crate::event::{Kind, LifecycleEvent, Source, Stage};
@@ -29,9 +29,52 @@ impl Keep {
     }
 }
 
+/// What folding needs of a remembered event: whether it is set, its time (or anything ordered
+/// the same way within one row) and its node. Implemented by [`Slot`] and by packed words,
+/// whose offsets from their row's base order like times.
+pub trait Cell: Copy {
+    fn is_set(&self) -> bool;
+    fn order(&self) -> u64;
+    fn node(&self) -> NodeId;
+
+    /// Folds `other` into `self` keeping the earliest or latest.
+    #[inline]
+    fn fold(&mut self, other: Self, keep: Keep) -> bool {
+        if !other.is_set() {
+            return false;
+        }
+        let replace = !self.is_set()
+            || match keep {
+                Keep::Earliest | Keep::EarliestPerNode => other.order() < self.order(),
+                Keep::Latest | Keep::LatestPerNode => other.order() > self.order(),
+                Keep::PairTail => false,
+            };
+        if replace {
+            *self = other;
+        }
+        replace
+    }
+}
+
+impl Cell for Slot {
+    #[inline]
+    fn is_set(&self) -> bool {
+        Slot::is_set(self)
+    }
+    #[inline]
+    fn order(&self) -> u64 {
+        self.time()
+    }
+    #[inline]
+    fn node(&self) -> NodeId {
+        Slot::node(self)
+    }
+}
+
 /// Folds `new` into the slot(s) of spec `k`: one slot for `Earliest`/`Latest`, the pair `k, k+1`
 /// for the per-node keeps. With a third node the pair keeps the two most extreme events.
-pub fn fold_into(slots: &mut [Slot], k: usize, keep: Keep, new: Slot) -> bool {
+#[inline]
+pub fn fold_into<C: Cell>(slots: &mut [C], k: usize, keep: Keep, new: C) -> bool {
     match keep {
         Keep::Earliest | Keep::Latest => slots[k].fold(new, keep),
         Keep::PairTail => false,
@@ -56,7 +99,7 @@ pub fn fold_into(slots: &mut [Slot], k: usize, keep: Keep, new: Slot) -> bool {
                 }
             }
             // A third node: replace the less extreme of the two if the new one is more extreme.
-            let (a, b) = (slots[k].time(), slots[k + 1].time());
+            let (a, b) = (slots[k].order(), slots[k + 1].order());
             let weaker = match keep {
                 Keep::EarliestPerNode => {
                     if a >= b {
@@ -78,10 +121,21 @@ pub fn fold_into(slots: &mut [Slot], k: usize, keep: Keep, new: Slot) -> bool {
     }
 }
 
-/// The slots a spec occupies (one, or the pair of a per-node keep).
-pub fn spec_slots(slots: &[Slot], k: usize, keep: Keep) -> impl Iterator<Item = Slot> + '_ {
-    let n = if keep.is_pair() { 2 } else { 1 };
-    slots[k..k + n].iter().copied()
+/// Read access to one owner's slots, whichever way they are stored.
+pub trait SlotRead {
+    fn slot(&self, k: usize) -> Slot;
+}
+
+impl SlotRead for [Slot] {
+    fn slot(&self, k: usize) -> Slot {
+        self[k]
+    }
+}
+
+impl SlotRead for Vec<Slot> {
+    fn slot(&self, k: usize) -> Slot {
+        self[k]
+    }
 }
 
 /// Up to three candidate slots (a per-node pair plus the current event), without allocating:
@@ -94,10 +148,11 @@ pub struct Cands {
 
 impl Cands {
     /// The slots of spec `k` (one, or a per-node pair).
-    pub fn of(slots: &[Slot], k: usize, keep: Keep) -> Cands {
+    pub fn of(slots: &(impl SlotRead + ?Sized), k: usize, keep: Keep) -> Cands {
         let mut c = Cands::default();
-        for s in spec_slots(slots, k, keep) {
-            c.push(s);
+        c.push(slots.slot(k));
+        if keep.is_pair() {
+            c.push(slots.slot(k + 1));
         }
         c
     }
@@ -127,7 +182,8 @@ pub type NodeId = u16;
 /// The id of "node unknown": events without a node are taken to share the local clock.
 pub const NODE_LOCAL: NodeId = 0;
 
-/// One remembered event, 12 bytes: time plus what evidence needs to say about it.
+/// One remembered event, 12 bytes: time plus what evidence needs to say about it. Stored
+/// packed in 8 bytes (see [`packed`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[repr(C)]
 pub struct Slot {
@@ -195,22 +251,166 @@ impl Slot {
             status: (self.status != 0).then_some(self.status),
         })
     }
+}
 
-    /// Folds `other` into `self` keeping the earliest or latest.
-    pub fn fold(&mut self, other: Slot, keep: Keep) -> bool {
-        if !other.is_set() {
-            return false;
+/// Slots as stored: 8 bytes each, the time relative to a base shared by one owner's row.
+///
+/// A row is `1 + n` words: the base (ns), then the packed slots. A packed slot holds the
+/// time's offset from the base in 39 bits (9 min 9 s), the slot's tag (stage, kind + 1, source,
+/// node: 15 bits, so a set slot is never 0) and the status in 10 bits. An owner's events span
+/// far less than the window, so one base serves; when an event does not fit, the row is
+/// re-based around its slots, and a row that cannot be (an attempt spanning more than the
+/// window, a status above 1023) is [`packed::WIDE`]: its owner keeps full slots elsewhere.
+/// 12-byte slots held the whole time: 13 of them per attempt were a third of its memory.
+pub mod packed {
+    use super::{Cell, Keep, NodeId, OCCUPIED, Slot, fold_into};
+
+    /// The base word of a row whose slots are kept unpacked by its owner.
+    pub const WIDE: u64 = u64::MAX;
+    const OFFSET_BITS: u32 = 39;
+    const WINDOW: u64 = 1 << OFFSET_BITS;
+    const OFFSET_MASK: u64 = WINDOW - 1;
+    /// A new base sits this far before the earliest slot, so that events arriving out of order
+    /// (up to about a minute earlier) still fit without re-basing.
+    const MARGIN: u64 = 1 << 36;
+    const KIND_ONE: u16 = 1 << 2;
+    const STATUS_MAX: u16 = (1 << 10) - 1;
+
+    /// The row is full-width slots elsewhere: the event could not be packed against any base.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub struct Unpackable;
+
+    const NODE_SHIFT: u32 = OFFSET_BITS + 8;
+
+    /// A packed slot as a foldable cell: offsets from one base order like times.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    #[repr(transparent)]
+    struct Word(u64);
+
+    impl Cell for Word {
+        #[inline]
+        fn is_set(&self) -> bool {
+            self.0 != 0
         }
-        let replace = !self.is_set()
-            || match keep {
-                Keep::Earliest | Keep::EarliestPerNode => other.time() < self.time(),
-                Keep::Latest | Keep::LatestPerNode => other.time() > self.time(),
-                Keep::PairTail => false,
-            };
-        if replace {
-            *self = other;
+        #[inline]
+        fn order(&self) -> u64 {
+            self.0 & OFFSET_MASK
         }
-        replace
+        #[inline]
+        fn node(&self) -> NodeId {
+            ((self.0 >> NODE_SHIFT) & 0x7f) as NodeId
+        }
+    }
+
+    #[inline]
+    fn pack(s: Slot, base: u64) -> Option<u64> {
+        if !s.is_set() {
+            return Some(0);
+        }
+        let t = s.time();
+        if t < base || t - base >= WINDOW || s.status > STATUS_MAX {
+            return None;
+        }
+        // Kind + 1: a set slot at offset 0 of stage, kind, source and node 0 is not word 0.
+        let tag = (s.tag & !OCCUPIED) + KIND_ONE;
+        Some((t - base) | (tag as u64) << OFFSET_BITS | (s.status as u64) << 54)
+    }
+
+    fn unpack(w: u64, base: u64) -> Slot {
+        if w == 0 {
+            return Slot::EMPTY;
+        }
+        let t = base + (w & OFFSET_MASK);
+        let tag = ((w >> OFFSET_BITS) as u16 & 0x7fff) - KIND_ONE;
+        Slot {
+            time_lo: t as u32,
+            time_hi: (t >> 32) as u32,
+            tag: tag | OCCUPIED,
+            status: (w >> 54) as u16,
+        }
+    }
+
+    /// Slot `k` of a packed row (not [`WIDE`]).
+    #[inline]
+    pub fn get(row: &[u64], k: usize) -> Slot {
+        unpack(row[1 + k], row[0])
+    }
+
+    /// Every slot of a packed row, unpacked.
+    pub fn unpack_row(row: &[u64]) -> Vec<Slot> {
+        (0..row.len() - 1).map(|k| get(row, k)).collect()
+    }
+
+    /// Stores `slots` into `row` under a base that fits them all; `Unpackable` (row unchanged)
+    /// when none does.
+    pub fn store_row(row: &mut [u64], slots: &[Slot]) -> Result<(), Unpackable> {
+        let set = slots.iter().filter(|s| s.is_set());
+        let (lo, hi) = set.fold((u64::MAX, 0), |(lo, hi), s| {
+            (lo.min(s.time()), hi.max(s.time()))
+        });
+        let base = if lo > hi {
+            row[0]
+        } else if hi - lo >= WINDOW {
+            return Err(Unpackable);
+        } else {
+            // As much margin before the earliest slot as the span leaves.
+            lo - MARGIN.min(WINDOW - 1 - (hi - lo)).min(lo)
+        };
+        let mut packed = [0u64; super::SlotLayout::MAX];
+        for (k, s) in slots.iter().enumerate() {
+            packed[k] = pack(*s, base).ok_or(Unpackable)?;
+        }
+        row[0] = base;
+        row[1..].copy_from_slice(&packed[..slots.len()]);
+        Ok(())
+    }
+
+    /// [`fold_into`] on a packed row: folds `new` into spec `k`'s slot(s). Re-bases the row when
+    /// `new` does not fit its base; `Unpackable` (row unchanged) when no base fits.
+    #[inline]
+    pub fn fold(row: &mut [u64], k: usize, keep: Keep, new: Slot) -> Result<bool, Unpackable> {
+        if !new.is_set() || keep == Keep::PairTail {
+            return Ok(false);
+        }
+        let Some(w) = pack(new, row[0]) else {
+            let mut all = unpack_row(row);
+            let changed = fold_into(&mut all, k, keep, new);
+            store_row(row, &all)?;
+            return Ok(changed);
+        };
+        // SAFETY: `Word` is `repr(transparent)` over `u64`.
+        let cells = unsafe { &mut *(&mut row[1..] as *mut [u64] as *mut [Word]) };
+        Ok(fold_into(cells, k, keep, Word(w)))
+    }
+}
+
+/// One owner's slots as the checker reads them: a packed row, or full slots for a wide one.
+#[derive(Debug, Clone, Copy)]
+pub enum Slots<'a> {
+    Packed(&'a [u64]),
+    Wide(&'a [Slot]),
+}
+
+impl Slots<'_> {
+    #[inline]
+    pub fn get(&self, k: usize) -> Slot {
+        match self {
+            Slots::Packed(row) => packed::get(row, k),
+            Slots::Wide(s) => s[k],
+        }
+    }
+
+    pub fn to_vec(&self) -> Vec<Slot> {
+        match self {
+            Slots::Packed(row) => packed::unpack_row(row),
+            Slots::Wide(s) => s.to_vec(),
+        }
+    }
+}
+
+impl SlotRead for Slots<'_> {
+    fn slot(&self, k: usize) -> Slot {
+        self.get(k)
     }
 }
 
@@ -398,6 +598,60 @@ mod tests {
         assert_eq!((s[0].time(), s[1].time()), (20, 40));
         fold_into(&mut s, 0, Keep::LatestPerNode, at(50, 3));
         assert_eq!((s[0].time(), s[0].node(), s[1].time()), (50, 3, 40));
+    }
+
+    #[test]
+    fn packed_rows_round_trip_rebase_and_refuse_what_does_not_fit() {
+        const S: u64 = 1_000_000_000;
+        let t0 = 1_795_986_920 * S;
+        let at = |t: u64, kind, status: Option<u16>, node| {
+            let mut e = LifecycleEvent::new(t, Stage::Decode, kind, Source::Ebpf);
+            e.status = status;
+            Slot::from_event(&e, node)
+        };
+        let mut row = [0u64; 5];
+        // A fresh row (base 0) takes any time by re-basing; stage/kind/source/node 0 at the base
+        // itself is still a set slot.
+        let first = Slot::from_event(
+            &LifecycleEvent::new(t0, Stage::Router, Kind::ALL[0], Source::ALL[0]),
+            0,
+        );
+        assert_eq!(packed::fold(&mut row, 0, Keep::Earliest, first), Ok(true));
+        assert_eq!(packed::get(&row, 0), first);
+        assert!(packed::get(&row, 0).is_set() && !packed::get(&row, 1).is_set());
+        // Out of order, a minute earlier: fits the margin; keeps the earliest.
+        let early = at(t0 - 60 * S, Kind::Work, Some(503), 7);
+        assert_eq!(packed::fold(&mut row, 0, Keep::Earliest, early), Ok(true));
+        assert_eq!(packed::get(&row, 0), early);
+        // Eight minutes later: re-based, nothing lost.
+        let late = at(t0 + 8 * 60 * S, Kind::Completed, Some(200), 3);
+        assert_eq!(packed::fold(&mut row, 1, Keep::Latest, late), Ok(true));
+        assert_eq!((packed::get(&row, 0), packed::get(&row, 1)), (early, late));
+        // Per-node pairs through the packed form.
+        let a = at(t0 + S, Kind::Work, None, 1);
+        let b = at(t0 + 2 * S, Kind::Work, None, 2);
+        packed::fold(&mut row, 2, Keep::LatestPerNode, a).unwrap();
+        packed::fold(&mut row, 2, Keep::LatestPerNode, b).unwrap();
+        assert_eq!((packed::get(&row, 2), packed::get(&row, 3)), (a, b));
+        // A span past the window, or a status past 10 bits, leaves the row as it was.
+        let before = row;
+        let far = at(t0 + 20 * 60 * S, Kind::Work, None, 0);
+        assert_eq!(
+            packed::fold(&mut row, 1, Keep::Latest, far),
+            Err(packed::Unpackable)
+        );
+        let odd = at(t0 + 8 * 60 * S + 1, Kind::Completed, Some(1024), 0);
+        assert_eq!(
+            packed::fold(&mut row, 1, Keep::Latest, odd),
+            Err(packed::Unpackable)
+        );
+        assert_eq!(row, before);
+        // ... unless it would not be kept anyway.
+        let older = at(t0, Kind::Completed, Some(1024), 0);
+        assert_eq!(packed::fold(&mut row, 1, Keep::Latest, older), Ok(false));
+        let slots = packed::unpack_row(&row);
+        assert_eq!(slots, vec![early, late, a, b]);
+        assert_eq!(Slots::Packed(&row).to_vec(), slots);
     }
 
     #[test]
