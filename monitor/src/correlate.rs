@@ -12,7 +12,7 @@ use std::hash::BuildHasher;
 
 use foldhash::fast::FixedState;
 
-use crate::checker::slots::{Keep, Slot, Slots, fold_into, packed};
+use crate::checker::slots::{Keep, Slot, SlotLayout, Slots, fold_into, packed, sparse};
 use crate::event::Ids;
 
 pub const NONE: u32 = u32::MAX;
@@ -724,8 +724,39 @@ pub struct Tombstone {
     pub request: u32,
     /// Whole seconds of event time after which the tombstone is dropped.
     pub expires_s: u32,
-    /// The attempt's fired-rule bits, so late repeats do not fire again.
-    pub fired: u64,
+    /// The attempt's fired bits of the rules judged on tombstones, compacted (see
+    /// [`Store::tomb_fired`]), so late repeats do not fire again.
+    fired: u32,
+    /// Where its sparse slot row starts in the word queue (an absolute word index, wrapping).
+    row_at: u32,
+}
+
+/// The bits of `mask` picked out of `bits`, packed towards bit 0 (a software `pext`).
+fn compress_bits(mask: u64, bits: u64) -> u32 {
+    let (mut m, mut out, mut j) = (mask, 0u32, 0);
+    while m != 0 && j < 32 {
+        let low = m & m.wrapping_neg();
+        if bits & low != 0 {
+            out |= 1 << j;
+        }
+        m &= m - 1;
+        j += 1;
+    }
+    out
+}
+
+/// The inverse of [`compress_bits`] (a software `pdep`).
+fn expand_bits(mask: u64, packed: u32) -> u64 {
+    let (mut m, mut out, mut j) = (mask, 0u64, 0);
+    while m != 0 && j < 32 {
+        let low = m & m.wrapping_neg();
+        if packed & (1 << j) != 0 {
+            out |= low;
+        }
+        m &= m - 1;
+        j += 1;
+    }
+    out
 }
 
 /// Whose never-after verdict a set of reported evidence sources belongs to.
@@ -915,8 +946,13 @@ pub struct Store {
     live_requests: usize,
 
     tombs: ChunkedQueue<Tombstone>,
-    /// A packed row of `tomb_slot_map.len()` slots per tombstone, in the order of `tombs`.
+    /// The tombstones' sparse slot rows (of `tomb_slot_map.len()` slots; see [`sparse`]), one
+    /// after another in the order of `tombs`: a word queue.
     tomb_slots: ChunkedQueue<u64>,
+    /// Absolute index of the queue's first word.
+    tomb_words_base: u64,
+    /// The rules whose fired bits tombstones keep (attempt-scope never-after).
+    tomb_rule_mask: u64,
     /// Slots of tombstones whose row is wide, by tombstone sequence number.
     wide_tombs: HashMap<u64, Box<[Slot]>, FixedState>,
     /// Which attempt slots a tombstone keeps (those of attempt-scope never-after rules).
@@ -938,7 +974,12 @@ impl Store {
         attempt_keeps: Vec<Keep>,
         request_keeps: Vec<Keep>,
         tomb_slot_map: Vec<usize>,
+        tomb_rule_mask: u64,
     ) -> Store {
+        assert!(
+            tomb_rule_mask.count_ones() as usize <= crate::checker::rules::MAX_TOMBSTONE_RULES,
+            "tombstones keep at most 32 rules' fired bits"
+        );
         // Alias values hold 30-bit indices; the tombstone window must stay far below that.
         let limits = Limits {
             max_attempts: limits.max_attempts.min(1 << 29),
@@ -966,7 +1007,9 @@ impl Store {
             free_requests: Vec::new(),
             live_requests: 0,
             tombs: ChunkedQueue::new(1),
-            tomb_slots: ChunkedQueue::new(1 + tomb_slot_map.len()),
+            tomb_slots: ChunkedQueue::new(1),
+            tomb_words_base: 0,
+            tomb_rule_mask,
             wide_tombs: HashMap::with_hasher(hasher()),
             tomb_slot_map,
             tomb_base: 0,
@@ -1069,16 +1112,61 @@ impl Store {
     pub fn tomb_mut(&mut self, i: usize) -> &mut Tombstone {
         &mut self.tombs.item_mut(i)[0]
     }
+    /// Fired bits (as in [`Attempt::fired`]) of tombstone `i`, for the rules judged on it.
+    pub fn tomb_fired(&self, i: usize) -> u64 {
+        expand_bits(self.tomb_rule_mask, self.tomb(i).fired)
+    }
+    pub fn add_tomb_fired(&mut self, i: usize, bits: u64) {
+        let add = compress_bits(self.tomb_rule_mask, bits);
+        self.tomb_mut(i).fired |= add;
+    }
+
+    /// Queue position of tombstone `i`'s row header.
+    fn tomb_row(&self, i: usize) -> usize {
+        self.tomb(i)
+            .row_at
+            .wrapping_sub(self.tomb_words_base as u32) as usize
+    }
+
     /// A copy of tombstone `i`'s kept slots, in `tomb_slot_map` order.
     pub fn tomb_slots_of(&self, i: usize) -> Vec<Slot> {
-        let seq = self.tomb_base + i as u64;
-        row_view(self.tomb_slots.item(i), &self.wide_tombs, seq).to_vec()
+        let at = self.tomb_row(i);
+        let header = self.tomb_slots.item(at)[0];
+        if header == packed::WIDE {
+            let seq = self.tomb_base + i as u64;
+            return self
+                .wide_tombs
+                .get(&seq)
+                .expect("a wide row keeps its slots")
+                .to_vec();
+        }
+        let n = self.tomb_slot_map.len();
+        let words: Vec<u64> = (at..at + sparse::len(header, n))
+            .map(|j| self.tomb_slots.item(j)[0])
+            .collect();
+        sparse::decode(&words, n)
     }
+
+    /// Replaces tombstone `i`'s kept slots. In place when the same slots are set (and fit);
+    /// otherwise (a late event set an empty one) the row moves to the wide side table.
     pub fn set_tomb_slots(&mut self, i: usize, slots: &[Slot]) {
         let seq = self.tomb_base + i as u64;
         let n = self.tomb_slot_map.len();
-        let row = self.tomb_slots.item_mut(i);
-        row_store(row, &mut self.wide_tombs, seq, &slots[..n]);
+        let at = self.tomb_row(i);
+        let header = self.tomb_slots.item(at)[0];
+        if header != packed::WIDE {
+            let mut buf = [0u64; 1 + SlotLayout::MAX];
+            if let Ok(len) = sparse::encode(&slots[..n], &mut buf)
+                && len == sparse::len(header, n)
+            {
+                for (j, w) in buf[..len].iter().enumerate() {
+                    self.tomb_slots.item_mut(at + j)[0] = *w;
+                }
+                return;
+            }
+            self.tomb_slots.item_mut(at)[0] = packed::WIDE;
+        }
+        self.wide_tombs.insert(seq, slots[..n].into());
     }
     pub fn tomb_slot_map(&self) -> &[usize] {
         &self.tomb_slot_map
@@ -1656,24 +1744,35 @@ impl Store {
         let expires_s = ((watermark_ns.saturating_add(self.limits.retention_ns)) / 1_000_000_000)
             .min(u32::MAX as u64) as u32
             + 1;
+        let fired = at.fired;
         let tomb = Tombstone {
             request: at.request,
             expires_s,
-            fired: at.fired,
+            fired: compress_bits(self.tomb_rule_mask, fired),
+            row_at: (self.tomb_words_base + self.tomb_slots.len() as u64) as u32,
         };
         let kept = self.attempt_slots(i);
-        let mut buf = [Slot::EMPTY; crate::checker::slots::SlotLayout::MAX];
+        let mut buf = [Slot::EMPTY; SlotLayout::MAX];
         for (j, &k) in self.tomb_slot_map.iter().enumerate() {
             buf[j] = kept.get(k);
         }
         let n = self.tomb_slot_map.len();
         let seq = self.tomb_base + self.tombs.len() as u64;
-        let mut row = [0u64; 1 + crate::checker::slots::SlotLayout::MAX];
-        row_store(&mut row[..1 + n], &mut self.wide_tombs, seq, &buf[..n]);
-        self.tomb_slots.push_back(&row[..1 + n]);
+        let mut row = [0u64; 1 + SlotLayout::MAX];
+        let len = match sparse::encode(&buf[..n], &mut row) {
+            Ok(len) => len,
+            Err(packed::Unpackable) => {
+                self.wide_tombs.insert(seq, buf[..n].into());
+                row[0] = packed::WIDE;
+                1
+            }
+        };
+        for w in &row[..len] {
+            self.tomb_slots.push_back(std::slice::from_ref(w));
+        }
         self.tombs.push_back(&[tomb]);
-        if tomb.fired != 0 {
-            self.move_reported(Owner::Attempt(i), Owner::Tomb(seq), tomb.fired);
+        if fired != 0 {
+            self.move_reported(Owner::Attempt(i), Owner::Tomb(seq), fired);
         }
         // The tombstone inherits the request reference: take it away before freeing.
         self.note_request_activity(i);
@@ -1696,16 +1795,25 @@ impl Store {
             return;
         }
         let t = *self.tomb(0);
-        if self.tomb_slots.item(0).first() == Some(&packed::WIDE) {
+        let words = if self.tombs.len() > 1 {
+            self.tomb(1).row_at.wrapping_sub(t.row_at) as usize
+        } else {
+            self.tomb_slots.len()
+        };
+        if self.tomb_slots.item(0)[0] == packed::WIDE {
             self.wide_tombs.remove(&self.tomb_base);
         }
         self.tombs.pop_front();
-        self.tomb_slots.pop_front();
+        for _ in 0..words {
+            self.tomb_slots.pop_front();
+        }
+        self.tomb_words_base += words as u64;
         if t.request != NONE {
             self.requests[t.request as usize].refs -= 1;
         }
         if t.fired != 0 {
-            self.drop_reported(Owner::Tomb(self.tomb_base), t.fired);
+            let fired = expand_bits(self.tomb_rule_mask, t.fired);
+            self.drop_reported(Owner::Tomb(self.tomb_base), fired);
         }
         self.tomb_base += 1;
         self.tomb_alias_stale += 1;

@@ -289,13 +289,15 @@ impl Checker {
         assert!(attempt_layout.len() <= SlotLayout::MAX && request_layout.len() <= SlotLayout::MAX);
         let mut request_trigger_mask = 0u64;
         let mut tomb_slot_map = Vec::new();
+        let mut tomb_rule_mask = 0u64;
         let mut horizon = Duration::ZERO;
-        for r in &compiled {
+        for (ri, r) in compiled.iter().enumerate() {
             horizon = horizon.max(r.rule.horizon());
             if let Shape::NeverAfter(_) = r.rule.shape {
                 match r.rule.scope {
                     Scope::Request => request_trigger_mask |= 1 << r.slots.trigger,
                     Scope::Attempt => {
+                        tomb_rule_mask |= 1 << ri;
                         // Pairs stay adjacent so tombstones fold them like live attempts do.
                         for k in [r.slots.trigger, r.slots.other] {
                             let width = if attempt_layout.specs[k].keep.is_pair() {
@@ -329,6 +331,7 @@ impl Checker {
             keeps(&attempt_layout),
             keeps(&request_layout),
             tomb_slot_map,
+            tomb_rule_mask,
         );
         let n = compiled.len();
         Checker {
@@ -833,7 +836,7 @@ impl Checker {
                             as_forbidden: hit & (1 << slots.other) != 0,
                         };
                         let owner = Owner::Tomb(seq);
-                        let follow_up = if self.store.tomb(ti).fired & bit != 0 {
+                        let follow_up = if self.store.tomb_fired(ti) & bit != 0 {
                             match self.corroboration(ri, owner, current, &triggers, &forbidden) {
                                 Some(c) => Some(c),
                                 None => {
@@ -844,7 +847,7 @@ impl Checker {
                         } else {
                             None
                         };
-                        self.store.tomb_mut(ti).fired |= bit;
+                        self.store.add_tomb_fired(ti, bit);
                         let f = Finding::never_after(
                             ri,
                             request,
@@ -1533,6 +1536,44 @@ mod tests {
         let times: Vec<u64> = v[0].evidence.iter().map(|e| e.time_ns).collect();
         assert_eq!(times, vec![t1 + MS, late]);
         assert!(aar(&c.observe(&ev(late + S, Stage::Decode, Kind::Work).with_room(8))).is_empty());
+    }
+
+    /// A tombstone stores only its set slots; a late event that sets an empty one (here the
+    /// rejection, reported after the attempt was compacted) still proves the breach, once.
+    #[test]
+    fn a_late_trigger_on_a_tombstone_sets_its_empty_slot() {
+        let mut c = Checker::new(RuleSet::embedded_defaults(), CheckerConfig::default());
+        let aar = |v: Vec<Violation>| {
+            v.into_iter()
+                .filter(|v| v.rule == "activity-after-rejection")
+                .count()
+        };
+        let t = 1_795_986_920 * S;
+        for (dt, stage, kind) in [
+            (0, Stage::Decode, Kind::Received),
+            (5 * MS, Stage::Decode, Kind::Work),
+            (6 * MS, Stage::Decode, Kind::Completed),
+        ] {
+            assert_eq!(aar(c.observe(&ev(t + dt, stage, kind).with_room(9))), 0);
+        }
+        c.tick(t + 30 * S);
+        assert_eq!((c.stats().live_attempts, c.stats().tombstones), (0, 1));
+        let late_rejection = ev(t + MS, Stage::Prefill, Kind::Rejected)
+            .with_room(9)
+            .with_status(400);
+        assert_eq!(
+            aar(c.observe(&late_rejection)),
+            1,
+            "work at +5 ms followed it"
+        );
+        assert_eq!(c.stats().wide_slot_rows, 1, "the row grew: kept aside");
+        assert_eq!(
+            aar(c.observe(&ev(t + 7 * MS, Stage::Decode, Kind::Work).with_room(9))),
+            0
+        );
+        // Expiry drops the tombstone and its wide row.
+        c.tick(t + 900 * S);
+        assert_eq!((c.stats().tombstones, c.stats().wide_slot_rows), (0, 0));
     }
 
     /// Every rid an attempt was seen with leaves the alias table with it: otherwise the next

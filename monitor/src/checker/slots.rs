@@ -303,7 +303,7 @@ pub mod packed {
     }
 
     #[inline]
-    fn pack(s: Slot, base: u64) -> Option<u64> {
+    pub(super) fn pack(s: Slot, base: u64) -> Option<u64> {
         if !s.is_set() {
             return Some(0);
         }
@@ -316,7 +316,7 @@ pub mod packed {
         Some((t - base) | (tag as u64) << OFFSET_BITS | (s.status as u64) << 54)
     }
 
-    fn unpack(w: u64, base: u64) -> Slot {
+    pub(super) fn unpack(w: u64, base: u64) -> Slot {
         if w == 0 {
             return Slot::EMPTY;
         }
@@ -341,21 +341,29 @@ pub mod packed {
         (0..row.len() - 1).map(|k| get(row, k)).collect()
     }
 
-    /// Stores `slots` into `row` under a base that fits them all; `Unpackable` (row unchanged)
-    /// when none does.
-    pub fn store_row(row: &mut [u64], slots: &[Slot]) -> Result<(), Unpackable> {
+    /// A base that fits every set slot of `slots`, a multiple of `1 << align_bits` ns (`None`:
+    /// no slot is set, any base does).
+    pub(super) fn base_for(slots: &[Slot], align_bits: u32) -> Result<Option<u64>, Unpackable> {
         let set = slots.iter().filter(|s| s.is_set());
         let (lo, hi) = set.fold((u64::MAX, 0), |(lo, hi), s| {
             (lo.min(s.time()), hi.max(s.time()))
         });
-        let base = if lo > hi {
-            row[0]
-        } else if hi - lo >= WINDOW {
+        if lo > hi {
+            return Ok(None);
+        }
+        let align = (1u64 << align_bits) - 1;
+        if hi - lo + align >= WINDOW {
             return Err(Unpackable);
-        } else {
-            // As much margin before the earliest slot as the span leaves.
-            lo - MARGIN.min(WINDOW - 1 - (hi - lo)).min(lo)
-        };
+        }
+        // As much margin before the earliest slot as the span (and the rounding) leaves.
+        let margin = MARGIN.min(WINDOW - 1 - (hi - lo) - align).min(lo);
+        Ok(Some((lo - margin) & !align))
+    }
+
+    /// Stores `slots` into `row` under a base that fits them all; `Unpackable` (row unchanged)
+    /// when none does.
+    pub fn store_row(row: &mut [u64], slots: &[Slot]) -> Result<(), Unpackable> {
+        let base = base_for(slots, 0)?.unwrap_or(row[0]);
         let mut packed = [0u64; super::SlotLayout::MAX];
         for (k, s) in slots.iter().enumerate() {
             packed[k] = pack(*s, base).ok_or(Unpackable)?;
@@ -381,6 +389,65 @@ pub mod packed {
         // SAFETY: `Word` is `repr(transparent)` over `u64`.
         let cells = unsafe { &mut *(&mut row[1..] as *mut [u64] as *mut [Word]) };
         Ok(fold_into(cells, k, keep, Word(w)))
+    }
+}
+
+/// Sparse packed rows, for tombstones: they are written once and rarely change, and most of
+/// their kept slots are empty (a rejection's trigger pair, a second node), so only the set ones
+/// are stored. A row is a header word, the base (a multiple of 2^23 ns) with a bit per slot in
+/// its low [`SPARSE_MAX`] bits, then one packed word per set slot in order. Rows of more slots
+/// than that are stored whole, after a plain base word.
+pub mod sparse {
+    use super::Slot;
+    use super::packed::{Unpackable, WIDE, base_for, pack, unpack};
+
+    pub const SPARSE_MAX: usize = 23;
+    const MASK: u64 = (1 << SPARSE_MAX) - 1;
+
+    /// Words in the row whose header is `header` (not [`WIDE`]), for rows of `n` slots.
+    pub fn len(header: u64, n: usize) -> usize {
+        debug_assert_ne!(header, WIDE);
+        if n > SPARSE_MAX {
+            1 + n
+        } else {
+            1 + (header & MASK).count_ones() as usize
+        }
+    }
+
+    /// Encodes `slots` into `out`; returns the number of words used.
+    pub fn encode(slots: &[Slot], out: &mut [u64]) -> Result<usize, Unpackable> {
+        let whole = slots.len() > SPARSE_MAX;
+        let base = base_for(slots, if whole { 0 } else { SPARSE_MAX as u32 })?.unwrap_or(0);
+        let mut n = 1;
+        let mut bits = 0u64;
+        for (k, s) in slots.iter().enumerate() {
+            if whole || s.is_set() {
+                out[n] = pack(*s, base).ok_or(Unpackable)?;
+                n += 1;
+                bits |= 1 << k;
+            }
+        }
+        out[0] = if whole { base } else { base | bits };
+        Ok(n)
+    }
+
+    /// The `n` slots of the row `words` (not [`WIDE`]).
+    pub fn decode(words: &[u64], n: usize) -> Vec<Slot> {
+        let header = words[0];
+        if n > SPARSE_MAX {
+            return (0..n).map(|k| unpack(words[1 + k], header)).collect();
+        }
+        let base = header & !MASK;
+        let mut next = 1;
+        (0..n)
+            .map(|k| {
+                if header & (1 << k) == 0 {
+                    return Slot::EMPTY;
+                }
+                next += 1;
+                unpack(words[next - 1], base)
+            })
+            .collect()
     }
 }
 
@@ -652,6 +719,41 @@ mod tests {
         let slots = packed::unpack_row(&row);
         assert_eq!(slots, vec![early, late, a, b]);
         assert_eq!(Slots::Packed(&row).to_vec(), slots);
+    }
+
+    #[test]
+    fn sparse_rows_keep_only_set_slots() {
+        const S: u64 = 1_000_000_000;
+        let t0 = 1_795_986_920 * S + 123_456_789;
+        let at = |t: u64, status| {
+            let mut e = LifecycleEvent::new(t, Stage::Decode, Kind::Work, Source::Otlp);
+            e.status = status;
+            Slot::from_event(&e, 2)
+        };
+        let mut out = [0u64; 1 + SlotLayout::MAX];
+        let slots = [
+            Slot::EMPTY,
+            at(t0, Some(400)),
+            Slot::EMPTY,
+            at(t0 - 30 * S, None),
+        ];
+        let n = sparse::encode(&slots, &mut out).unwrap();
+        assert_eq!(n, 3, "header and the two set slots");
+        assert_eq!(sparse::len(out[0], 4), 3);
+        assert_eq!(sparse::decode(&out[..n], 4), slots.to_vec());
+        let none = [Slot::EMPTY; 4];
+        let n = sparse::encode(&none, &mut out).unwrap();
+        assert_eq!((n, sparse::len(out[0], 4)), (1, 1));
+        assert_eq!(sparse::decode(&out[..n], 4), none.to_vec());
+        // More slots than the header has bits: stored whole.
+        let mut many = vec![Slot::EMPTY; 30];
+        many[29] = at(t0, None);
+        let n = sparse::encode(&many, &mut out).unwrap();
+        assert_eq!((n, sparse::len(out[0], 30)), (31, 31));
+        assert_eq!(sparse::decode(&out[..n], 30), many);
+        // Spans past the window do not encode.
+        let far = [at(t0, None), at(t0 + 600 * S, None)];
+        assert_eq!(sparse::encode(&far, &mut out), Err(packed::Unpackable));
     }
 
     #[test]

@@ -196,6 +196,20 @@ impl RuleSet {
                 None => self.rules.push(build(def, origin)?),
             }
         }
+        let kept_on_tombstones = self
+            .rules
+            .iter()
+            .filter(|r| matches!(r.shape, Shape::NeverAfter(_)) && r.scope == Scope::Attempt)
+            .count();
+        if kept_on_tombstones > MAX_TOMBSTONE_RULES {
+            return Err(RulesError::Parse {
+                origin: origin.to_owned(),
+                message: format!(
+                    "{kept_on_tombstones} never_after rules of scope attempt; at most \
+                     {MAX_TOMBSTONE_RULES} are supported"
+                ),
+            });
+        }
         if self.rules.len() > MAX_RULES {
             return Err(RulesError::Parse {
                 origin: origin.to_owned(),
@@ -220,6 +234,10 @@ impl RuleSet {
 
 /// Fired-rule bookkeeping uses a u64 bit set per attempt.
 pub const MAX_RULES: usize = 64;
+
+/// Tombstones keep the fired bits of attempt-scope never-after rules (the only ones judged on
+/// them) in 32 bits.
+pub const MAX_TOMBSTONE_RULES: usize = 32;
 
 fn invalid(origin: &str, rule: &str, message: String) -> RulesError {
     RulesError::Invalid {
