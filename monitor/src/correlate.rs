@@ -290,6 +290,46 @@ mod alias {
         }
 
         #[test]
+        fn hex_rids_parse_like_the_plain_definition() {
+            use super::super::Rid;
+            let plain = |s: &[u8]| -> Option<[u64; 2]> {
+                if s.len() != 32 || !s.iter().all(|c| matches!(c, b'0'..=b'9' | b'a'..=b'f')) {
+                    return None;
+                }
+                let s = std::str::from_utf8(s).ok()?;
+                Some([
+                    u64::from_str_radix(&s[..16], 16).ok()?,
+                    u64::from_str_radix(&s[16..], 16).ok()?,
+                ])
+            };
+            let base = *b"0123456789abcdeffedcba98765432100";
+            // Every byte value at every position (invalid UTF-8 skipped: rids are `&str`).
+            for pos in 0..32 {
+                for byte in 0..=255u8 {
+                    let mut b = base;
+                    b[pos] = byte;
+                    let b = &b[..32];
+                    if let Ok(s) = std::str::from_utf8(b) {
+                        assert_eq!(Rid::hex(s), plain(b), "{s:?}");
+                    }
+                }
+            }
+            let mut rng = 7u64;
+            for _ in 0..10_000 {
+                let mut b = [0u8; 32];
+                for c in b.iter_mut() {
+                    rng ^= rng << 13;
+                    rng ^= rng >> 7;
+                    rng ^= rng << 17;
+                    *c = b"0123456789abcdef"[(rng % 16) as usize];
+                }
+                let s = std::str::from_utf8(&b).unwrap();
+                assert_eq!(Rid::hex(s), plain(&b), "{s}");
+            }
+            assert_eq!(Rid::hex("0123"), None);
+        }
+
+        #[test]
         fn rids_keep_their_text() {
             use super::super::Rid;
             for s in [
@@ -511,6 +551,32 @@ impl<T: Clone> ChunkedQueue<T> {
     }
 }
 
+/// Eight lowercase hex digits (little-endian bytes of `x`, the first digit in the low byte) as
+/// a number, eight bytes at a time: every event naming a rid has it parsed to be compared with its
+/// attempt's, so this runs on nearly half of all events.
+#[inline]
+fn hex8(x: u64) -> Option<u32> {
+    const ONES: u64 = 0x0101_0101_0101_0101;
+    const HIGH: u64 = 0x8080_8080_8080_8080;
+    if x & HIGH != 0 {
+        return None;
+    }
+    // Bytes are below 0x80 now, so adding at most 0x50 to each never carries into the next:
+    // the high bit of each sum tells whether the byte reached the bound.
+    let at_least = |lo: u8| (x + (0x80 - lo as u64) * ONES) & HIGH;
+    let digit = at_least(b'0') & !at_least(b'9' + 1);
+    let letter = at_least(b'a') & !at_least(b'f' + 1);
+    if digit | letter != HIGH {
+        return None;
+    }
+    // Nibble per byte: the low four bits, plus 9 for a-f.
+    let nibbles = (x & 0x0f0f_0f0f_0f0f_0f0f) + (letter >> 7) * 9;
+    // Pairs of digits into bytes (the first digit is the high nibble), then four bytes in order.
+    let pairs = ((nibbles & 0x000f_000f_000f_000f) << 4) | ((nibbles >> 8) & 0x000f_000f_000f_000f);
+    let byte = |i: u32| ((pairs >> (16 * i)) & 0xff) as u32;
+    Some(byte(0) << 24 | byte(1) << 16 | byte(2) << 8 | byte(3))
+}
+
 /// An attempt's first rid. SGLang rids are 32 lowercase hex digits (a uuid4 without dashes):
 /// those are kept inline as 16 bytes (no heap string, and comparing one is no pointer chase);
 /// any other rid keeps its text.
@@ -532,12 +598,16 @@ impl Rid {
 
     /// 32 lowercase hex digits (so that printing gives back the same text), as two words.
     fn hex(s: &str) -> Option<[u64; 2]> {
-        let b = s.as_bytes();
-        if b.len() != 32 || !b.iter().all(|c| matches!(c, b'0'..=b'9' | b'a'..=b'f')) {
-            return None;
+        let b: &[u8; 32] = s.as_bytes().try_into().ok()?;
+        let mut v = [0u32; 4];
+        for (i, out) in v.iter_mut().enumerate() {
+            let chunk: [u8; 8] = b[i * 8..i * 8 + 8].try_into().expect("8 bytes");
+            *out = hex8(u64::from_le_bytes(chunk))?;
         }
-        let half = |h: &str| u64::from_str_radix(h, 16).ok();
-        Some([half(&s[..16])?, half(&s[16..])?])
+        Some([
+            (v[0] as u64) << 32 | v[1] as u64,
+            (v[2] as u64) << 32 | v[3] as u64,
+        ])
     }
 
     pub fn is_none(&self) -> bool {
@@ -808,6 +878,25 @@ pub struct Limits {
     pub linger_ns: u64,
     /// Tombstones, and requests nothing points to, are kept this long (ns).
     pub retention_ns: u64,
+}
+
+/// How far ahead of the sweep's hand attempt records are prefetched.
+const SWEEP_AHEAD: usize = 16;
+
+/// A cache hint: start loading the line holding `p` (no effect on results).
+#[inline(always)]
+fn prefetch<T>(p: &T) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch reads nothing in the language's sense and never faults; SSE is in the
+    // x86_64 baseline.
+    #[allow(unused_unsafe)]
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+            (p as *const T).cast::<i8>(),
+        );
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
 }
 
 /// The clock hand's position, then advanced around `n` items. A compare instead of `% n`: the
@@ -1851,6 +1940,11 @@ impl Store {
         let n = self.attempts.len();
         for _ in 0..steps.min(n) {
             let i = next_hand(&mut self.attempt_hand, n);
+            // Two records per event among random accesses is too slow a stream for the hardware
+            // prefetcher to notice: ask for the record the hand reaches a few events from now.
+            if i + SWEEP_AHEAD < n {
+                prefetch(&self.attempts[i + SWEEP_AHEAD]);
+            }
             let at = &self.attempts[i];
             if !at.is_live() || (at.due_ns != 0 && at.due_ns > watermark_ns) {
                 continue;

@@ -903,10 +903,14 @@ impl Checker {
         current: Slot,
     ) -> (Cands, Cands) {
         let mut triggers = Cands::of(kept, at.0, self.attempt_specs[slots.trigger].keep);
-        let mut forbidden = Cands::of(kept, at.1, self.attempt_specs[slots.other].keep);
         if hit & (1 << slots.trigger) != 0 {
             triggers.push(current);
         }
+        // Nearly every attempt never sees a trigger (a rejection): nothing can breach.
+        if !triggers.any_set() {
+            return (triggers, Cands::default());
+        }
+        let mut forbidden = Cands::of(kept, at.1, self.attempt_specs[slots.other].keep);
         if hit & (1 << slots.other) != 0 {
             forbidden.push(current);
         }
@@ -967,6 +971,9 @@ impl Checker {
         let slots = self.rules[ri].slots;
         let s = self.store.request_slots(r);
         let triggers = Cands::of(&s, slots.trigger, self.request_specs[slots.trigger].keep);
+        if !triggers.any_set() {
+            return;
+        }
         let forbidden = Cands::of(&s, slots.other, self.request_specs[slots.other].keep);
         let Some((trig, forb)) = rule.breaching_pair(&triggers, &forbidden, self.skew_ns) else {
             return;

@@ -157,6 +157,11 @@ impl Cands {
         c
     }
 
+    /// Whether any candidate is a remembered event.
+    pub fn any_set(&self) -> bool {
+        self.iter().any(|s| s.is_set())
+    }
+
     pub fn push(&mut self, s: Slot) {
         self.slots[self.n as usize] = s;
         self.n += 1;
@@ -380,7 +385,16 @@ pub mod packed {
         if !new.is_set() || keep == Keep::PairTail {
             return Ok(false);
         }
-        let Some(w) = pack(new, row[0]) else {
+        let fits = match pack(new, row[0]) {
+            Some(w) => Some(w),
+            // A fresh row (its first event): no slot to move, only the base to set.
+            None if row.iter().all(|&w| w == 0) => {
+                row[0] = base_for(std::slice::from_ref(&new), 0)?.expect("`new` is set");
+                pack(new, row[0])
+            }
+            None => None,
+        };
+        let Some(w) = fits else {
             let mut all = unpack_row(row);
             let changed = fold_into(&mut all, k, keep, new);
             store_row(row, &all)?;
