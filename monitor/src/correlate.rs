@@ -880,25 +880,6 @@ pub struct Limits {
     pub retention_ns: u64,
 }
 
-/// How far ahead of the sweep's hand attempt records are prefetched.
-const SWEEP_AHEAD: usize = 16;
-
-/// A cache hint: start loading the line holding `p` (no effect on results).
-#[inline(always)]
-fn prefetch<T>(p: &T) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: a prefetch reads nothing in the language's sense and never faults; SSE is in the
-    // x86_64 baseline.
-    #[allow(unused_unsafe)]
-    unsafe {
-        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
-            (p as *const T).cast::<i8>(),
-        );
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = p;
-}
-
 /// The clock hand's position, then advanced around `n` items. A compare instead of `% n`: the
 /// sweep runs on every event, and a 64-bit division is tens of cycles.
 fn next_hand(hand: &mut usize, n: usize) -> usize {
@@ -1126,11 +1107,29 @@ impl Store {
     pub fn attempt_slots(&self, a: u32) -> Slots<'_> {
         row_view(self.attempt_slots.item(a as usize), &self.wide_attempts, a)
     }
-    /// Folds `slot` into spec `k` of attempt `a`'s slots; true if it changed them.
+    /// Folds `slot` into every spec of attempt `a` whose bit is set in `specs`.
     #[inline]
-    pub fn fold_attempt_slot(&mut self, a: u32, k: usize, keep: Keep, slot: Slot) -> bool {
+    pub fn fold_attempt_slots(&mut self, a: u32, specs: u64, slot: Slot) {
         let row = self.attempt_slots.item_mut(a as usize);
-        row_fold(row, &mut self.wide_attempts, a, k, keep, slot)
+        if row[0] != packed::WIDE {
+            match packed::fold_specs(row, specs, &self.attempt_keeps, slot) {
+                Ok(()) => return,
+                Err(packed::Unpackable) => {
+                    self.wide_attempts.insert(a, packed::unpack_row(row).into());
+                    row[0] = packed::WIDE;
+                }
+            }
+        }
+        let slots = self
+            .wide_attempts
+            .get_mut(&a)
+            .expect("a wide row keeps its slots");
+        let mut bits = specs;
+        while bits != 0 {
+            let k = bits.trailing_zeros() as usize;
+            bits &= bits - 1;
+            fold_into(slots, k, self.attempt_keeps[k], slot);
+        }
     }
     pub fn request_slots(&self, r: u32) -> Slots<'_> {
         row_view(self.request_slots.item(r as usize), &self.wide_requests, r)
@@ -1940,11 +1939,6 @@ impl Store {
         let n = self.attempts.len();
         for _ in 0..steps.min(n) {
             let i = next_hand(&mut self.attempt_hand, n);
-            // Two records per event among random accesses is too slow a stream for the hardware
-            // prefetcher to notice: ask for the record the hand reaches a few events from now.
-            if i + SWEEP_AHEAD < n {
-                prefetch(&self.attempts[i + SWEEP_AHEAD]);
-            }
             let at = &self.attempts[i];
             if !at.is_live() || (at.due_ns != 0 && at.due_ns > watermark_ns) {
                 continue;

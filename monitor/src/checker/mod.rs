@@ -120,6 +120,17 @@ pub struct CheckerStats {
     pub max_event_ns: u64,
 }
 
+/// Which events of an attempt a compiled rule has anything to do with.
+#[derive(Debug, Clone, Copy)]
+struct Reacts {
+    /// Events matching one of these attempt specs.
+    specs: u64,
+    /// A predicate: also a new fact (input length) about an earlier event.
+    predicate: bool,
+    /// Every event (request-scope rules: linking and request-level triggers matter).
+    always: bool,
+}
+
 /// Per-rule violation counts, index-aligned with [`Checker::rules`].
 pub type RuleCounts = Vec<u64>;
 
@@ -144,6 +155,8 @@ pub struct Checker {
     request_index: SpecIndex,
     /// Request slots that hold triggers (request-level events only update those).
     request_trigger_mask: u64,
+    /// Per rule, which attempt events it has anything to do.
+    rule_reacts: Vec<Reacts>,
     store: Store,
     timers: timers::TimerQueue,
     nodes: FixedMap<Box<str>, NodeId>,
@@ -315,6 +328,32 @@ impl Checker {
                 }
             }
         }
+        let rule_reacts = compiled
+            .iter()
+            .map(|r| {
+                let k = r.slots;
+                let specs = |specs| Reacts {
+                    specs,
+                    predicate: false,
+                    always: false,
+                };
+                match (&r.rule.shape, r.rule.scope) {
+                    (Shape::NeverAfter(_), Scope::Attempt) => {
+                        specs((1 << k.trigger) | (1 << k.other))
+                    }
+                    // Linking an attempt to its request, or a request-level trigger, matters too.
+                    (Shape::NeverAfter(_), Scope::Request) => Reacts {
+                        always: true,
+                        ..specs(0)
+                    },
+                    (Shape::MustFollow(_) | Shape::RequiresBefore(_), _) => specs(1 << k.trigger),
+                    (Shape::Predicate(_), _) => Reacts {
+                        predicate: true,
+                        ..specs(k.stage_mask())
+                    },
+                }
+            })
+            .collect();
         let ns = |d: Duration| d.as_nanos().min(u64::MAX as u128) as u64;
         let lateness_ns = ns(cfg.allowed_lateness);
         let limits = Limits {
@@ -341,6 +380,7 @@ impl Checker {
             request_index: SpecIndex::new(&request_layout.specs),
             request_specs: request_layout.specs,
             request_trigger_mask,
+            rule_reacts,
             store,
             timers: timers::TimerQueue::default(),
             nodes: FixedMap::with_hasher(FixedState::with_seed(SEED)),
@@ -547,13 +587,7 @@ impl Checker {
     ) {
         let hit = self.attempt_index.matching(e);
         let slot = Slot::from_event(e, node);
-        let mut bits = hit;
-        while bits != 0 {
-            let k = bits.trailing_zeros() as usize;
-            bits &= bits - 1;
-            self.store
-                .fold_attempt_slot(a, k, self.attempt_specs[k].keep, slot);
-        }
+        self.store.fold_attempt_slots(a, hit, slot);
         let worker = Self::worker_key(e).map(|w| self.worker_id(w));
         let at = &mut self.store.attempts[a as usize];
         at.last_ns = at.last_ns.max(e.time_ns);
@@ -582,13 +616,19 @@ impl Checker {
         }
 
         for ri in 0..self.rules.len() {
+            // Most rules have nothing to do with most events: skip them before reading anything.
+            let Reacts {
+                specs: reacts_to,
+                predicate,
+                always,
+            } = self.rule_reacts[ri];
+            if hit & reacts_to == 0 && !always && !(predicate && facts_changed) {
+                continue;
+            }
             let bit = 1u64 << ri;
             let slots = self.rules[ri].slots;
             match (&self.rules[ri].rule.shape, self.rules[ri].rule.scope) {
                 (Shape::NeverAfter(rule), Scope::Attempt) => {
-                    if hit & ((1 << slots.trigger) | (1 << slots.other)) == 0 {
-                        continue;
-                    }
                     let s = self.store.attempt_slots(a);
                     let (triggers, forbidden) = self.never_after_candidates(
                         &s,
@@ -633,13 +673,14 @@ impl Checker {
                 }
                 (Shape::NeverAfter(_), Scope::Request) => {
                     let Some(r) = request else { continue };
-                    let keep_own = self.attempt_specs[slots.other_latest].keep;
-                    let own = Cands::of(&self.store.attempt_slots(a), slots.other_latest, keep_own);
-                    let keep_other = self.request_specs[slots.other].keep;
                     let as_forbidden = hit & (1 << slots.other_latest) != 0;
                     let mut changed = linked || as_forbidden;
                     // The request already holds what the attempt had before this event.
                     if changed {
+                        let keep_own = self.attempt_specs[slots.other_latest].keep;
+                        let keep_other = self.request_specs[slots.other].keep;
+                        let own =
+                            Cands::of(&self.store.attempt_slots(a), slots.other_latest, keep_own);
                         for &o in own.iter() {
                             self.store.fold_request_slot(r, slots.other, keep_other, o);
                         }
@@ -679,7 +720,7 @@ impl Checker {
                     }
                 }
                 (Shape::Predicate(p), _) => {
-                    let matched = hit & slots.stage_mask() != 0;
+                    let matched = hit & reacts_to != 0;
                     if !matched {
                         // A new fact (the input length) may make an earlier admission a breach.
                         let s = self.store.attempt_slots(a);
@@ -902,13 +943,15 @@ impl Checker {
         hit: u64,
         current: Slot,
     ) -> (Cands, Cands) {
-        let mut triggers = Cands::of(kept, at.0, self.attempt_specs[slots.trigger].keep);
-        if hit & (1 << slots.trigger) != 0 {
-            triggers.push(current);
-        }
+        let keep = self.attempt_specs[slots.trigger].keep;
+        let as_trigger = hit & (1 << slots.trigger) != 0;
         // Nearly every attempt never sees a trigger (a rejection): nothing can breach.
-        if !triggers.any_set() {
-            return (triggers, Cands::default());
+        if !as_trigger && !kept.any_set(at.0, keep) {
+            return (Cands::default(), Cands::default());
+        }
+        let mut triggers = Cands::of(kept, at.0, keep);
+        if as_trigger {
+            triggers.push(current);
         }
         let mut forbidden = Cands::of(kept, at.1, self.attempt_specs[slots.other].keep);
         if hit & (1 << slots.other) != 0 {
@@ -970,10 +1013,11 @@ impl Checker {
         };
         let slots = self.rules[ri].slots;
         let s = self.store.request_slots(r);
-        let triggers = Cands::of(&s, slots.trigger, self.request_specs[slots.trigger].keep);
-        if !triggers.any_set() {
+        let keep = self.request_specs[slots.trigger].keep;
+        if !s.any_set(slots.trigger, keep) {
             return;
         }
+        let triggers = Cands::of(&s, slots.trigger, keep);
         let forbidden = Cands::of(&s, slots.other, self.request_specs[slots.other].keep);
         let Some((trig, forb)) = rule.breaching_pair(&triggers, &forbidden, self.skew_ns) else {
             return;

@@ -124,6 +124,11 @@ pub fn fold_into<C: Cell>(slots: &mut [C], k: usize, keep: Keep, new: C) -> bool
 /// Read access to one owner's slots, whichever way they are stored.
 pub trait SlotRead {
     fn slot(&self, k: usize) -> Slot;
+
+    /// Whether spec `k` (a pair for per-node keeps) remembers any event.
+    fn any_set(&self, k: usize, keep: Keep) -> bool {
+        self.slot(k).is_set() || (keep.is_pair() && self.slot(k + 1).is_set())
+    }
 }
 
 impl SlotRead for [Slot] {
@@ -155,11 +160,6 @@ impl Cands {
             c.push(slots.slot(k + 1));
         }
         c
-    }
-
-    /// Whether any candidate is a remembered event.
-    pub fn any_set(&self) -> bool {
-        self.iter().any(|s| s.is_set())
     }
 
     pub fn push(&mut self, s: Slot) {
@@ -378,6 +378,46 @@ pub mod packed {
         Ok(())
     }
 
+    /// [`fold`] for every spec whose bit is set in `specs` (`keeps` indexed by spec): the row is
+    /// looked at, and `new` packed, once.
+    #[inline]
+    pub fn fold_specs(
+        row: &mut [u64],
+        specs: u64,
+        keeps: &[Keep],
+        new: Slot,
+    ) -> Result<(), Unpackable> {
+        if !new.is_set() || specs == 0 {
+            return Ok(());
+        }
+        let w = match pack(new, row[0]) {
+            Some(w) => w,
+            None if row.iter().all(|&w| w == 0) => {
+                row[0] = base_for(std::slice::from_ref(&new), 0)?.expect("`new` is set");
+                pack(new, row[0]).expect("fits its own base")
+            }
+            None => {
+                let mut all = unpack_row(row);
+                let mut bits = specs;
+                while bits != 0 {
+                    let k = bits.trailing_zeros() as usize;
+                    bits &= bits - 1;
+                    fold_into(&mut all, k, keeps[k], new);
+                }
+                return store_row(row, &all);
+            }
+        };
+        // SAFETY: `Word` is `repr(transparent)` over `u64`.
+        let cells = unsafe { &mut *(&mut row[1..] as *mut [u64] as *mut [Word]) };
+        let mut bits = specs;
+        while bits != 0 {
+            let k = bits.trailing_zeros() as usize;
+            bits &= bits - 1;
+            fold_into(cells, k, keeps[k], Word(w));
+        }
+        Ok(())
+    }
+
     /// [`fold_into`] on a packed row: folds `new` into spec `k`'s slot(s). Re-bases the row when
     /// `new` does not fit its base; `Unpackable` (row unchanged) when no base fits.
     #[inline]
@@ -492,6 +532,14 @@ impl Slots<'_> {
 impl SlotRead for Slots<'_> {
     fn slot(&self, k: usize) -> Slot {
         self.get(k)
+    }
+
+    /// On a packed row, without unpacking: an empty slot is a zero word.
+    fn any_set(&self, k: usize, keep: Keep) -> bool {
+        match self {
+            Slots::Packed(row) => row[1 + k] != 0 || (keep.is_pair() && row[2 + k] != 0),
+            Slots::Wide(s) => s.any_set(k, keep),
+        }
     }
 }
 
