@@ -1136,8 +1136,16 @@ impl Store {
     }
     /// Folds `slot` into spec `k` of request `r`'s slots; true if it changed them.
     pub fn fold_request_slot(&mut self, r: u32, k: usize, keep: Keep, slot: Slot) -> bool {
+        self.fold_request_slots(r, k, keep, &[slot])
+    }
+    /// Folds each of `slots` into spec `k` of request `r`'s slots; true if they changed them.
+    pub fn fold_request_slots(&mut self, r: u32, k: usize, keep: Keep, slots: &[Slot]) -> bool {
         let row = self.request_slots.item_mut(r as usize);
-        row_fold(row, &mut self.wide_requests, r, k, keep, slot)
+        let mut changed = false;
+        for &slot in slots {
+            changed |= row_fold(row, &mut self.wide_requests, r, k, keep, slot);
+        }
+        changed
     }
     /// Attempts and tombstones whose slots did not fit a packed row, for the metrics.
     pub fn wide_rows(&self) -> usize {

@@ -681,9 +681,8 @@ impl Checker {
                         let keep_other = self.request_specs[slots.other].keep;
                         let own =
                             Cands::of(&self.store.attempt_slots(a), slots.other_latest, keep_own);
-                        for &o in own.iter() {
-                            self.store.fold_request_slot(r, slots.other, keep_other, o);
-                        }
+                        self.store
+                            .fold_request_slots(r, slots.other, keep_other, &own);
                     }
                     let as_trigger = self.request_specs[slots.trigger]
                         .matchers
@@ -1201,7 +1200,9 @@ impl Checker {
         let mut next: Option<u64> = None;
         for ri in 0..self.rules.len() {
             let bit = 1u64 << ri;
-            if self.store.attempts[a as usize].fired & bit != 0 {
+            if self.store.attempts[a as usize].fired & bit != 0
+                || matches!(self.rules[ri].rule.shape, Shape::NeverAfter(_))
+            {
                 continue;
             }
             let slots = self.rules[ri].slots;
