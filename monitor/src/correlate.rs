@@ -455,16 +455,20 @@ impl<T: Clone> Chunked<T> {
     }
 }
 
+/// The first element of item `i` (one bounds check: records are read this way several times
+/// per event).
 impl<T: Clone> std::ops::Index<usize> for Chunked<T> {
     type Output = T;
+    #[inline]
     fn index(&self, i: usize) -> &T {
-        &self.item(i)[0]
+        &self.chunks[i >> CHUNK_BITS][(i & (CHUNK_ITEMS - 1)) * self.width]
     }
 }
 
 impl<T: Clone> std::ops::IndexMut<usize> for Chunked<T> {
+    #[inline]
     fn index_mut(&mut self, i: usize) -> &mut T {
-        &mut self.item_mut(i)[0]
+        &mut self.chunks[i >> CHUNK_BITS][(i & (CHUNK_ITEMS - 1)) * self.width]
     }
 }
 
