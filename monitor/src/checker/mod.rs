@@ -727,7 +727,7 @@ impl Checker {
                             .per_stage
                             .iter()
                             .flatten()
-                            .map(|&k| s.get(k))
+                            .map(|&k| s.get(k as usize))
                             .filter(|s| s.is_set())
                             .map(|s| s.time())
                             .min();
@@ -814,7 +814,7 @@ impl Checker {
                     .per_stage
                     .iter()
                     .flatten()
-                    .any(|&i| s.get(i).is_set() && s.get(i).time() > wm),
+                    .any(|&i| s.get(i as usize).is_set() && s.get(i as usize).time() > wm),
                 _ => false,
             }
         });
@@ -1221,7 +1221,7 @@ impl Checker {
                         }
                         continue;
                     }
-                    let given = slots.given.map(|g| s.get(g));
+                    let given = slots.given.map(|g| s.get(g as usize));
                     if !rule.breached(trig, early, late, given, self.skew_ns) {
                         continue;
                     }
@@ -1272,7 +1272,9 @@ impl Checker {
                     let at = &self.store.attempts[a as usize];
                     let mut found = None;
                     for k in slots.per_stage.iter().flatten() {
-                        let Some(ev) = s.get(*k).get() else { continue };
+                        let Some(ev) = s.get(*k as usize).get() else {
+                            continue;
+                        };
                         if ev.time_ns > wm {
                             next = Some(next.map_or(ev.time_ns, |n| n.min(ev.time_ns)));
                             continue;

@@ -402,9 +402,11 @@ pub struct RuleSlots {
     /// must_follow: latest expected.
     pub other_latest: usize,
     /// must_follow: earliest `given` event, when the rule has a `given`.
-    pub given: Option<usize>,
-    /// predicate: the earliest matching event per stage (capacity is per stage).
-    pub per_stage: [Option<usize>; 4],
+    pub given: Option<u8>,
+    /// predicate: the earliest matching event per stage (capacity is per stage). Slot indices
+    /// are below [`SlotLayout::MAX`]; bytes keep this struct small, as it is copied per rule
+    /// per event.
+    pub per_stage: [Option<u8>; 4],
 }
 
 impl RuleSlots {
@@ -413,7 +415,7 @@ impl RuleSlots {
         self.per_stage
             .iter()
             .flatten()
-            .fold(0, |m, &k| m | (1 << k))
+            .fold(0, |m, &k| m | (1u64 << k))
     }
 }
 

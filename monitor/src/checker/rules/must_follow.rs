@@ -40,7 +40,8 @@ impl MustFollow {
             trigger: attempt.slot(&self.trigger, Keep::Latest),
             other: attempt.slot(&self.expect, Keep::Earliest),
             other_latest: attempt.slot(&self.expect, Keep::Latest),
-            given: (!self.given.is_empty()).then(|| attempt.slot(&self.given, Keep::Earliest)),
+            given: (!self.given.is_empty())
+                .then(|| attempt.slot(&self.given, Keep::Earliest) as u8),
             per_stage: [None; 4],
         }
     }

@@ -199,7 +199,7 @@ impl Predicate {
                 })
                 .collect();
             if !on.is_empty() {
-                per_stage[stage as usize] = Some(attempt.slot(&on, Keep::Earliest));
+                per_stage[stage as usize] = Some(attempt.slot(&on, Keep::Earliest) as u8);
             }
         }
         RuleSlots {
