@@ -539,6 +539,29 @@ mod tests {
     }
 
     #[test]
+    fn tombstone_rules_are_limited_with_a_clear_error() {
+        let rules = |n: usize| {
+            let mut y = String::from("rules:\n");
+            for i in 0..n {
+                y.push_str(&format!(
+                    "  - name: na-{i}\n    description: d\n    severity: info\n    never_after: {{trigger: [{{kind: [rejected]}}], forbidden: [{{kind: [work]}}]}}\n"
+                ));
+            }
+            y
+        };
+        // The defaults already hold one attempt-scope never_after rule.
+        let mut set = RuleSet::embedded_defaults();
+        set.apply_yaml(&rules(MAX_TOMBSTONE_RULES - 1), "ok.yaml").unwrap();
+        let _ = crate::checker::Checker::new(set, crate::checker::CheckerConfig::default());
+        let mut set = RuleSet::embedded_defaults();
+        let err = set
+            .apply_yaml(&rules(MAX_TOMBSTONE_RULES), "u.yaml")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("33 never_after rules of scope attempt"), "{err}");
+    }
+
+    #[test]
     fn new_rule_needs_a_shape_and_a_severity() {
         let err = RuleSet::embedded_defaults()
             .apply_yaml(
