@@ -551,14 +551,18 @@ mod tests {
         };
         // The defaults already hold one attempt-scope never_after rule.
         let mut set = RuleSet::embedded_defaults();
-        set.apply_yaml(&rules(MAX_TOMBSTONE_RULES - 1), "ok.yaml").unwrap();
+        set.apply_yaml(&rules(MAX_TOMBSTONE_RULES - 1), "ok.yaml")
+            .unwrap();
         let _ = crate::checker::Checker::new(set, crate::checker::CheckerConfig::default());
         let mut set = RuleSet::embedded_defaults();
         let err = set
             .apply_yaml(&rules(MAX_TOMBSTONE_RULES), "u.yaml")
             .unwrap_err()
             .to_string();
-        assert!(err.contains("33 never_after rules of scope attempt"), "{err}");
+        assert!(
+            err.contains("33 never_after rules of scope attempt"),
+            "{err}"
+        );
     }
 
     #[test]
