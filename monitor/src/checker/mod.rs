@@ -507,11 +507,9 @@ impl Checker {
             return;
         }
         self.stats.watermark_ns = wm;
-        while let Some((due, a, generation)) = self.timers.peek() {
-            if due > wm {
-                break;
-            }
-            self.timers.pop();
+        while self.timers.next_due() <= wm
+            && let Some((due, a, generation)) = self.timers.pop()
+        {
             let at = &self.store.attempts[a as usize];
             if at.generation != generation || !at.is_live() || at.due_ns != due {
                 continue; // attempt gone, or superseded by an earlier deadline

@@ -13,10 +13,22 @@ pub type Entry = (u64, u32, u32);
 
 const RUNS: usize = 4;
 
-#[derive(Default)]
 pub struct TimerQueue {
     runs: [VecDeque<Entry>; RUNS],
     heap: BinaryHeap<Reverse<Entry>>,
+    /// The earliest due time queued (`u64::MAX` when empty): the watermark moves on nearly every
+    /// event, and this answers "anything due?" without looking at five queue heads.
+    next_due: u64,
+}
+
+impl Default for TimerQueue {
+    fn default() -> Self {
+        TimerQueue {
+            runs: Default::default(),
+            heap: BinaryHeap::new(),
+            next_due: u64::MAX,
+        }
+    }
 }
 
 enum From {
@@ -25,7 +37,18 @@ enum From {
 }
 
 impl TimerQueue {
+    /// The earliest due time queued, `u64::MAX` if none.
+    #[inline]
+    pub fn next_due(&self) -> u64 {
+        self.next_due
+    }
+
+    fn refresh_next_due(&mut self) {
+        self.next_due = self.min().map_or(u64::MAX, |(e, _)| e.0);
+    }
+
     pub fn push(&mut self, e: Entry) {
+        self.next_due = self.next_due.min(e.0);
         // The run whose last entry is the latest one not after `e` keeps runs tight; an empty run
         // only when no run fits.
         let mut best: Option<(usize, u64)> = None;
@@ -66,6 +89,7 @@ impl TimerQueue {
             From::Run(i) => self.runs[i].pop_front(),
             From::Heap => self.heap.pop().map(|r| r.0),
         };
+        self.refresh_next_due();
         Some(e)
     }
 
@@ -88,6 +112,7 @@ impl TimerQueue {
         }
         let heap = std::mem::take(&mut self.heap);
         self.heap = heap.into_iter().filter(|r| keep(&r.0)).collect();
+        self.refresh_next_due();
     }
 
     /// Heap bytes reserved (capacity, not length).
@@ -118,6 +143,7 @@ mod tests {
             };
             q.push((due, i, 0));
             all.push(due);
+            assert_eq!(Some(q.next_due()), q.peek().map(|e| e.0));
             if i % 7 == 0 {
                 // Interleave pops with pushes, as the engine does.
                 let before = q.peek().unwrap();
@@ -129,6 +155,7 @@ mod tests {
         }
         // Dropping entries keeps the rest in order.
         q.retain(|e| e.1 % 3 != 0);
+        assert_eq!(Some(q.next_due()), q.peek().map(|e| e.0));
         all = Vec::new();
         let mut copy = TimerQueue::default();
         while let Some(e) = q.pop() {
@@ -141,6 +168,7 @@ mod tests {
         let mut got = Vec::new();
         while let Some(e) = q.pop() {
             got.push(e.0);
+            assert_eq!(q.next_due(), q.peek().map_or(u64::MAX, |e| e.0));
         }
         assert_eq!(got, all);
         assert!(q.is_empty());
