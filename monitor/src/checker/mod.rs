@@ -98,6 +98,7 @@ pub struct CheckerStats {
     pub events_on_tombstones: u64,
     /// Events older than the watermark when they arrived (later than the allowed lateness).
     pub events_late: u64,
+    /// Violations emitted (the sum of [`Checker::violations_per_rule`]).
     pub violations: u64,
     /// Breaches of a rule that already fired for the same attempt (not re-emitted).
     pub repeats: u64,
@@ -406,6 +407,7 @@ impl Checker {
         s.live_requests = self.store.live_requests() as u64;
         s.tombstones = self.store.tombstones() as u64;
         s.wide_slot_rows = self.store.wide_rows() as u64;
+        s.violations = self.per_rule.iter().sum();
         s
     }
 
@@ -1462,7 +1464,6 @@ impl Checker {
         // A follow-up proves the same breach again: it is counted (in `corroborations`, where
         // it is created) but is not a new violation.
         if f.corroboration.is_none() {
-            self.stats.violations += 1;
             self.per_rule[f.rule] += 1;
         }
         Violation {
