@@ -684,10 +684,7 @@ impl Checker {
                         self.store
                             .fold_request_slots(r, slots.other, keep_other, &own);
                     }
-                    let as_trigger = self.request_specs[slots.trigger]
-                        .matchers
-                        .iter()
-                        .any(|m| m.matches(e));
+                    let as_trigger = self.request_index.matching(e) & (1 << slots.trigger) != 0;
                     if as_trigger {
                         let keep = self.request_specs[slots.trigger].keep;
                         changed |= self.store.fold_request_slot(r, slots.trigger, keep, slot);

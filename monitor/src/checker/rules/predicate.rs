@@ -133,6 +133,23 @@ pub struct Comparison {
 }
 
 impl Comparison {
+    /// The operator and operand, for a comparison already validated by [`Self::op`] (rules are
+    /// checked when loaded): the first one set, without building the list.
+    #[inline]
+    fn set_op(&self) -> Option<(&'static str, Operand)> {
+        if let Some(o) = self.gt {
+            Some(("gt", o))
+        } else if let Some(o) = self.ge {
+            Some(("ge", o))
+        } else if let Some(o) = self.lt {
+            Some(("lt", o))
+        } else if let Some(o) = self.le {
+            Some(("le", o))
+        } else {
+            self.eq.map(|o| ("eq", o))
+        }
+    }
+
     fn op(&self) -> Result<(&'static str, Operand), String> {
         let ops = [
             ("gt", self.gt),
@@ -236,7 +253,7 @@ impl Predicate {
             _ => f.of(e),
         };
         let check = |c: &Comparison| -> Option<Breach> {
-            let (op, operand) = c.op().ok()?;
+            let (op, operand) = c.set_op()?;
             let value = field(c.field)?;
             let limit = match operand {
                 Operand::Value(v) => v,
