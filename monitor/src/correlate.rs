@@ -1143,13 +1143,14 @@ impl Store {
     pub fn attempt_slots(&self, a: u32) -> Slots<'_> {
         row_view(self.attempt_slots.item(a as usize), &self.wide_attempts, a)
     }
-    /// Folds `slot` into every spec of attempt `a` whose bit is set in `specs`.
+    /// Folds `slot` into every spec of attempt `a` whose bit is set in `specs`; returns the
+    /// specs whose slots changed.
     #[inline]
-    pub fn fold_attempt_slots(&mut self, a: u32, specs: u64, slot: Slot) {
+    pub fn fold_attempt_slots(&mut self, a: u32, specs: u64, slot: Slot) -> u64 {
         let row = self.attempt_slots.item_mut(a as usize);
         if row[0] != packed::WIDE {
             match packed::fold_specs(row, specs, &self.attempt_keeps, slot) {
-                Ok(()) => return,
+                Ok(changed) => return changed,
                 Err(packed::Unpackable) => {
                     self.wide_attempts.insert(a, packed::unpack_row(row).into());
                     row[0] = packed::WIDE;
@@ -1160,12 +1161,15 @@ impl Store {
             .wide_attempts
             .get_mut(&a)
             .expect("a wide row keeps its slots");
-        let mut bits = specs;
+        let (mut bits, mut changed) = (specs, 0u64);
         while bits != 0 {
             let k = bits.trailing_zeros() as usize;
             bits &= bits - 1;
-            fold_into(slots, k, self.attempt_keeps[k], slot);
+            if fold_into(slots, k, self.attempt_keeps[k], slot) {
+                changed |= 1 << k;
+            }
         }
+        changed
     }
     pub fn request_slots(&self, r: u32) -> Slots<'_> {
         row_view(self.request_slots.item(r as usize), &self.wide_requests, r)

@@ -587,7 +587,7 @@ impl Checker {
     ) {
         let hit = self.attempt_index.matching(e);
         let slot = Slot::from_event(e, node);
-        self.store.fold_attempt_slots(a, hit, slot);
+        let changed_specs = self.store.fold_attempt_slots(a, hit, slot);
         let worker = Self::worker_key(e).map(|w| self.worker_id(w));
         let at = &mut self.store.attempts[a as usize];
         at.last_ns = at.last_ns.max(e.time_ns);
@@ -675,14 +675,19 @@ impl Checker {
                     let Some(r) = request else { continue };
                     let as_forbidden = hit & (1 << slots.other_latest) != 0;
                     let mut changed = linked || as_forbidden;
-                    // The request already holds what the attempt had before this event.
-                    if changed {
+                    // The request already holds what the attempt had before this event: a newly
+                    // linked attempt brings all it has; otherwise only this event is new, and
+                    // only if the attempt kept it.
+                    let keep_other = self.request_specs[slots.other].keep;
+                    if linked {
                         let keep_own = self.attempt_specs[slots.other_latest].keep;
-                        let keep_other = self.request_specs[slots.other].keep;
                         let own =
                             Cands::of(&self.store.attempt_slots(a), slots.other_latest, keep_own);
                         self.store
                             .fold_request_slots(r, slots.other, keep_other, &own);
+                    } else if changed_specs & (1 << slots.other_latest) != 0 {
+                        self.store
+                            .fold_request_slot(r, slots.other, keep_other, slot);
                     }
                     let as_trigger = self.request_index.matching(e) & (1 << slots.trigger) != 0;
                     if as_trigger {

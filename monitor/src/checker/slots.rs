@@ -379,17 +379,18 @@ pub mod packed {
     }
 
     /// [`fold`] for every spec whose bit is set in `specs` (`keeps` indexed by spec): the row is
-    /// looked at, and `new` packed, once.
+    /// looked at, and `new` packed, once. Returns the specs whose slots changed.
     #[inline]
     pub fn fold_specs(
         row: &mut [u64],
         specs: u64,
         keeps: &[Keep],
         new: Slot,
-    ) -> Result<(), Unpackable> {
+    ) -> Result<u64, Unpackable> {
         if !new.is_set() || specs == 0 {
-            return Ok(());
+            return Ok(0);
         }
+        let mut changed = 0u64;
         let w = match pack(new, row[0]) {
             Some(w) => w,
             None if row.iter().all(|&w| w == 0) => {
@@ -402,9 +403,12 @@ pub mod packed {
                 while bits != 0 {
                     let k = bits.trailing_zeros() as usize;
                     bits &= bits - 1;
-                    fold_into(&mut all, k, keeps[k], new);
+                    if fold_into(&mut all, k, keeps[k], new) {
+                        changed |= 1 << k;
+                    }
                 }
-                return store_row(row, &all);
+                store_row(row, &all)?;
+                return Ok(changed);
             }
         };
         // SAFETY: `Word` is `repr(transparent)` over `u64`.
@@ -413,9 +417,11 @@ pub mod packed {
         while bits != 0 {
             let k = bits.trailing_zeros() as usize;
             bits &= bits - 1;
-            fold_into(cells, k, keeps[k], Word(w));
+            if fold_into(cells, k, keeps[k], Word(w)) {
+                changed |= 1 << k;
+            }
         }
-        Ok(())
+        Ok(changed)
     }
 
     /// [`fold_into`] on a packed row: folds `new` into spec `k`'s slot(s). Re-bases the row when
