@@ -941,18 +941,19 @@ fn row_view<'a, K: std::hash::Hash + Eq>(
     }
 }
 
-/// Folds `slot` into spec `k` of an owner's row; a row that can no longer be packed becomes
-/// wide, its slots moving into `wide`.
+/// Folds `slot` into every spec of an owner's row whose bit is set in `specs` (`keeps` indexed
+/// by spec); a row that can no longer be packed becomes wide, its slots moving into `wide`.
+/// Returns the specs whose slots changed.
 fn row_fold<K: std::hash::Hash + Eq + Copy>(
     row: &mut [u64],
     wide: &mut HashMap<K, Box<[Slot]>, FixedState>,
     id: K,
-    k: usize,
-    keep: Keep,
+    specs: u64,
+    keeps: &[Keep],
     slot: Slot,
-) -> bool {
+) -> u64 {
     if row[0] != packed::WIDE {
-        match packed::fold(row, k, keep, slot) {
+        match packed::fold_specs(row, specs, |k| keeps[k], slot) {
             Ok(changed) => return changed,
             Err(packed::Unpackable) => {
                 wide.insert(id, packed::unpack_row(row).into());
@@ -961,7 +962,15 @@ fn row_fold<K: std::hash::Hash + Eq + Copy>(
         }
     }
     let slots = wide.get_mut(&id).expect("a wide row keeps its slots");
-    fold_into(slots, k, keep, slot)
+    let (mut bits, mut changed) = (specs, 0u64);
+    while bits != 0 {
+        let k = bits.trailing_zeros() as usize;
+        bits &= bits - 1;
+        if fold_into(slots, k, keeps[k], slot) {
+            changed |= 1 << k;
+        }
+    }
+    changed
 }
 
 /// Replaces an owner's slots with `slots` (packed when they fit, else wide).
@@ -1148,46 +1157,32 @@ impl Store {
     #[inline]
     pub fn fold_attempt_slots(&mut self, a: u32, specs: u64, slot: Slot) -> u64 {
         let row = self.attempt_slots.item_mut(a as usize);
-        if row[0] != packed::WIDE {
-            match packed::fold_specs(row, specs, &self.attempt_keeps, slot) {
-                Ok(changed) => return changed,
-                Err(packed::Unpackable) => {
-                    self.wide_attempts.insert(a, packed::unpack_row(row).into());
-                    row[0] = packed::WIDE;
-                }
-            }
-        }
-        let slots = self
-            .wide_attempts
-            .get_mut(&a)
-            .expect("a wide row keeps its slots");
-        let (mut bits, mut changed) = (specs, 0u64);
-        while bits != 0 {
-            let k = bits.trailing_zeros() as usize;
-            bits &= bits - 1;
-            if fold_into(slots, k, self.attempt_keeps[k], slot) {
-                changed |= 1 << k;
-            }
-        }
-        changed
+        row_fold(
+            row,
+            &mut self.wide_attempts,
+            a,
+            specs,
+            &self.attempt_keeps,
+            slot,
+        )
     }
     pub fn request_slots(&self, r: u32) -> Slots<'_> {
         row_view(self.request_slots.item(r as usize), &self.wide_requests, r)
     }
-    /// Folds `slot` into spec `k` of request `r`'s slots; true if it changed them.
-    pub fn fold_request_slot(&mut self, r: u32, k: usize, keep: Keep, slot: Slot) -> bool {
-        self.fold_request_slots(r, k, keep, &[slot])
-    }
-    /// Folds each of `slots` into spec `k` of request `r`'s slots; true if they changed them.
-    pub fn fold_request_slots(&mut self, r: u32, k: usize, keep: Keep, slots: &[Slot]) -> bool {
+    /// Folds `slot` into every spec of request `r` whose bit is set in `specs`; returns the
+    /// specs whose slots changed.
+    pub fn fold_request_slots(&mut self, r: u32, specs: u64, slot: Slot) -> u64 {
         let row = self.request_slots.item_mut(r as usize);
-        let mut changed = false;
-        for &slot in slots {
-            changed |= row_fold(row, &mut self.wide_requests, r, k, keep, slot);
-        }
-        changed
+        row_fold(
+            row,
+            &mut self.wide_requests,
+            r,
+            specs,
+            &self.request_keeps,
+            slot,
+        )
     }
-    /// Attempts and tombstones whose slots did not fit a packed row, for the metrics.
+    /// Attempts, requests and tombstones whose slots did not fit a packed row, for the stats.
     pub fn wide_rows(&self) -> usize {
         self.wide_attempts.len() + self.wide_requests.len() + self.wide_tombs.len()
     }

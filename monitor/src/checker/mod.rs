@@ -678,21 +678,19 @@ impl Checker {
                     // The request already holds what the attempt had before this event: a newly
                     // linked attempt brings all it has; otherwise only this event is new, and
                     // only if the attempt kept it.
-                    let keep_other = self.request_specs[slots.other].keep;
                     if linked {
                         let keep_own = self.attempt_specs[slots.other_latest].keep;
                         let own =
                             Cands::of(&self.store.attempt_slots(a), slots.other_latest, keep_own);
-                        self.store
-                            .fold_request_slots(r, slots.other, keep_other, &own);
+                        for &o in own.iter() {
+                            self.store.fold_request_slots(r, 1 << slots.other, o);
+                        }
                     } else if changed_specs & (1 << slots.other_latest) != 0 {
-                        self.store
-                            .fold_request_slot(r, slots.other, keep_other, slot);
+                        self.store.fold_request_slots(r, 1 << slots.other, slot);
                     }
                     let as_trigger = self.request_index.matching(e) & (1 << slots.trigger) != 0;
                     if as_trigger {
-                        let keep = self.request_specs[slots.trigger].keep;
-                        changed |= self.store.fold_request_slot(r, slots.trigger, keep, slot);
+                        changed |= self.store.fold_request_slots(r, 1 << slots.trigger, slot) != 0;
                     }
                     let cur = Current {
                         slot,
@@ -911,12 +909,10 @@ impl Checker {
                     let as_forbidden = rule.forbidden.iter().any(|m| m.matches(e));
                     let as_trigger = rule.trigger.iter().any(|m| m.matches(e));
                     if as_forbidden {
-                        let keep = self.request_specs[slots.other].keep;
-                        changed |= self.store.fold_request_slot(r, slots.other, keep, slot);
+                        changed |= self.store.fold_request_slots(r, 1 << slots.other, slot) != 0;
                     }
                     if as_trigger {
-                        let keep = self.request_specs[slots.trigger].keep;
-                        changed |= self.store.fold_request_slot(r, slots.trigger, keep, slot);
+                        changed |= self.store.fold_request_slots(r, 1 << slots.trigger, slot) != 0;
                     }
                     let cur = Current {
                         slot,
@@ -973,13 +969,7 @@ impl Checker {
         let hit = self.request_index.matching(e) & self.request_trigger_mask;
         if hit != 0 {
             let slot = Slot::from_event(e, node);
-            let mut bits = hit;
-            while bits != 0 {
-                let k = bits.trailing_zeros() as usize;
-                bits &= bits - 1;
-                let keep = self.request_specs[k].keep;
-                self.store.fold_request_slot(r, k, keep, slot);
-            }
+            self.store.fold_request_slots(r, hit, slot);
             for ri in 0..self.rules.len() {
                 let rule = &self.rules[ri];
                 if matches!(rule.rule.shape, Shape::NeverAfter(_))

@@ -378,13 +378,15 @@ pub mod packed {
         Ok(())
     }
 
-    /// [`fold`] for every spec whose bit is set in `specs` (`keeps` indexed by spec): the row is
-    /// looked at, and `new` packed, once. Returns the specs whose slots changed.
+    /// [`fold_into`] on a packed row for every spec whose bit is set in `specs` (`keep` gives
+    /// each spec's keep): the row is looked at, and `new` packed, once. Re-bases the row when
+    /// `new` does not fit its base; `Unpackable` (row unchanged) when no base fits. Returns the
+    /// specs whose slots changed.
     #[inline]
     pub fn fold_specs(
         row: &mut [u64],
         specs: u64,
-        keeps: &[Keep],
+        keep: impl Fn(usize) -> Keep,
         new: Slot,
     ) -> Result<u64, Unpackable> {
         if !new.is_set() || specs == 0 {
@@ -393,6 +395,7 @@ pub mod packed {
         let mut changed = 0u64;
         let w = match pack(new, row[0]) {
             Some(w) => w,
+            // A fresh row (its first event): no slot to move, only the base to set.
             None if row.iter().all(|&w| w == 0) => {
                 row[0] = base_for(std::slice::from_ref(&new), 0)?.expect("`new` is set");
                 pack(new, row[0]).expect("fits its own base")
@@ -403,7 +406,7 @@ pub mod packed {
                 while bits != 0 {
                     let k = bits.trailing_zeros() as usize;
                     bits &= bits - 1;
-                    if fold_into(&mut all, k, keeps[k], new) {
+                    if fold_into(&mut all, k, keep(k), new) {
                         changed |= 1 << k;
                     }
                 }
@@ -417,38 +420,20 @@ pub mod packed {
         while bits != 0 {
             let k = bits.trailing_zeros() as usize;
             bits &= bits - 1;
-            if fold_into(cells, k, keeps[k], Word(w)) {
+            if fold_into(cells, k, keep(k), Word(w)) {
                 changed |= 1 << k;
             }
         }
         Ok(changed)
     }
 
-    /// [`fold_into`] on a packed row: folds `new` into spec `k`'s slot(s). Re-bases the row when
-    /// `new` does not fit its base; `Unpackable` (row unchanged) when no base fits.
-    #[inline]
+    /// [`fold_specs`] for the one spec `k`: true if its slot(s) changed (the tests' handle).
+    #[cfg(test)]
     pub fn fold(row: &mut [u64], k: usize, keep: Keep, new: Slot) -> Result<bool, Unpackable> {
-        if !new.is_set() || keep == Keep::PairTail {
+        if keep == Keep::PairTail {
             return Ok(false);
         }
-        let fits = match pack(new, row[0]) {
-            Some(w) => Some(w),
-            // A fresh row (its first event): no slot to move, only the base to set.
-            None if row.iter().all(|&w| w == 0) => {
-                row[0] = base_for(std::slice::from_ref(&new), 0)?.expect("`new` is set");
-                pack(new, row[0])
-            }
-            None => None,
-        };
-        let Some(w) = fits else {
-            let mut all = unpack_row(row);
-            let changed = fold_into(&mut all, k, keep, new);
-            store_row(row, &all)?;
-            return Ok(changed);
-        };
-        // SAFETY: `Word` is `repr(transparent)` over `u64`.
-        let cells = unsafe { &mut *(&mut row[1..] as *mut [u64] as *mut [Word]) };
-        Ok(fold_into(cells, k, keep, Word(w)))
+        fold_specs(row, 1 << k, |_| keep, new).map(|changed| changed != 0)
     }
 }
 
