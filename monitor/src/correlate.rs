@@ -1659,8 +1659,7 @@ impl Store {
                     generation,
                     ..fresh
                 };
-                let row = self.attempt_slots.item_mut(i as usize);
-                row_clear(row, &mut self.wide_attempts, i);
+                // Its slot row was cleared when it was freed.
                 i
             }
             None => {
@@ -1694,8 +1693,7 @@ impl Store {
                     generation,
                     ..fresh
                 };
-                let row = self.request_slots.item_mut(i as usize);
-                row_clear(row, &mut self.wide_requests, i);
+                // Its slot row was cleared when it was freed.
                 i
             }
             None => {
