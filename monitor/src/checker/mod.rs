@@ -1679,15 +1679,21 @@ mod tests {
         );
     }
 
-    /// A request seen with two trace ids: both aliases leave when the request is forgotten,
-    /// and the request shows its first ids.
-    #[test]
-    fn a_requests_second_trace_id_leaves_with_it() {
+    /// The default rules, with tombstones and idle requests kept 5 s: tests of what is left
+    /// once everything expired.
+    fn short_retention_checker() -> Checker {
         let cfg = CheckerConfig {
             retention: Duration::from_secs(5),
             ..CheckerConfig::default()
         };
-        let mut c = Checker::new(RuleSet::embedded_defaults(), cfg);
+        Checker::new(RuleSet::embedded_defaults(), cfg)
+    }
+
+    /// A request seen with two trace ids: both aliases leave when the request is forgotten,
+    /// and the request shows its first ids.
+    #[test]
+    fn a_requests_second_trace_id_leaves_with_it() {
+        let mut c = short_retention_checker();
         let t0 = 1_000 * S;
         for n in 0..3_000u64 {
             let t = t0 + n * MS;
@@ -1731,11 +1737,7 @@ mod tests {
 
     #[test]
     fn alias_table_is_bounded_by_what_is_live() {
-        let cfg = CheckerConfig {
-            retention: Duration::from_secs(5),
-            ..CheckerConfig::default()
-        };
-        let mut c = Checker::new(RuleSet::embedded_defaults(), cfg);
+        let mut c = short_retention_checker();
         let t0 = 1_000 * S;
         for n in 0..5_000u64 {
             two_rid_attempt(&mut c, t0 + n * MS, 100 + n, n);
