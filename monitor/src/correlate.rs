@@ -12,7 +12,7 @@ use std::hash::BuildHasher;
 
 use foldhash::fast::FixedState;
 
-use crate::checker::slots::{Keep, Slot, SlotLayout, Slots, fold_into, packed, sparse};
+use crate::checker::slots::{Cands, Keep, Slot, SlotLayout, Slots, fold_into, packed, sparse};
 use crate::event::Ids;
 
 pub const NONE: u32 = u32::MAX;
@@ -59,6 +59,8 @@ mod alias {
     pub const TAG_ATTEMPT: u32 = 0;
     pub const TAG_TOMB: u32 = 1 << 30;
     pub const TAG_REQUEST: u32 = 2 << 30;
+    /// A request without a record, kept by its only attempt (the index is the attempt's).
+    pub const TAG_SOLO: u32 = 3 << 30;
     pub const INDEX_MASK: u32 = (1 << 30) - 1;
     const TAG_MASK: u32 = 3 << 30;
 
@@ -390,7 +392,7 @@ mod alias {
     }
 }
 
-use alias::{INDEX_MASK, TAG_ATTEMPT, TAG_REQUEST, TAG_TOMB, tag};
+use alias::{INDEX_MASK, TAG_ATTEMPT, TAG_REQUEST, TAG_SOLO, TAG_TOMB, tag};
 
 /// Fixed-width items in fixed-size chunks: growth adds one chunk instead of doubling (a doubling
 /// Vec reserves up to 2x and copies everything when it grows), and items never move.
@@ -717,6 +719,11 @@ pub struct Attempt {
     pub legs_open: u8,
     pub legs_closed: u8,
     flags: u8,
+    /// The ids of this attempt's request while it is the request's only attempt and nothing
+    /// needed a request record (no request-level event, no second attempt, no violation): the
+    /// request's aliases point here (`TAG_SOLO`), and its request-scope slots are this attempt's
+    /// own. Most requests never need more, and a record with its slots costs ~90 bytes.
+    solo: Option<ReqIds>,
 }
 
 const LIVE: u8 = 1;
@@ -757,10 +764,154 @@ impl Attempt {
     }
 }
 
-/// A request (48 bytes): its aliases; its request-scope rule slots are in
+/// A request's ids, the request id and the trace id, behind one 8-byte pointer.
+///
+/// Every request keeps them, including the single-attempt requests that live in their attempt
+/// (see [`Attempt::solo`]): a `Box<str>` plus its split would take 20 bytes there. The heap
+/// block is a 4-byte header (each id's length + 1, 0 for "absent") followed by both ids.
+pub struct ReqIds(std::ptr::NonNull<u8>);
+
+// SAFETY: `ReqIds` owns its heap block exclusively, like a `Box<[u8]>`.
+unsafe impl Send for ReqIds {}
+// SAFETY: it has no interior mutability.
+unsafe impl Sync for ReqIds {}
+
+const IDS_HEADER: usize = 4;
+/// The longest id kept (u16 length + 1 in the header); ids come from transports whose messages
+/// are far smaller, so cutting only guards the encoding.
+const ID_MAX: usize = u16::MAX as usize - 1;
+
+impl ReqIds {
+    pub fn new(request_id: Option<&str>, trace_id: Option<&str>) -> ReqIds {
+        let cut = |s: &str| -> usize {
+            let mut end = s.len().min(ID_MAX);
+            while !s.is_char_boundary(end) {
+                end -= 1;
+            }
+            end
+        };
+        let (a, b) = (
+            request_id.map(|s| &s[..cut(s)]),
+            trace_id.map(|s| &s[..cut(s)]),
+        );
+        let len_field = |s: Option<&str>| s.map_or(0u16, |s| s.len() as u16 + 1);
+        let (la, lb) = (a.map_or(0, str::len), b.map_or(0, str::len));
+        let layout = Self::layout(la + lb);
+        // SAFETY: the layout has a non-zero size (the header).
+        let p = unsafe { std::alloc::alloc(layout) };
+        let Some(p) = std::ptr::NonNull::new(p) else {
+            std::alloc::handle_alloc_error(layout)
+        };
+        let mut head = [0u8; IDS_HEADER];
+        head[..2].copy_from_slice(&len_field(a).to_le_bytes());
+        head[2..].copy_from_slice(&len_field(b).to_le_bytes());
+        // SAFETY: the block holds IDS_HEADER + la + lb bytes; the copies fill it exactly.
+        unsafe {
+            std::ptr::copy_nonoverlapping(head.as_ptr(), p.as_ptr(), IDS_HEADER);
+            let body = p.as_ptr().add(IDS_HEADER);
+            std::ptr::copy_nonoverlapping(a.unwrap_or("").as_ptr(), body, la);
+            std::ptr::copy_nonoverlapping(b.unwrap_or("").as_ptr(), body.add(la), lb);
+        }
+        ReqIds(p)
+    }
+
+    fn layout(body: usize) -> std::alloc::Layout {
+        std::alloc::Layout::from_size_align(IDS_HEADER + body, 1).expect("ids are short")
+    }
+
+    /// The two length fields (length + 1, 0 = absent).
+    fn fields(&self) -> (usize, usize) {
+        // SAFETY: every block starts with the 4-byte header.
+        let h = unsafe { std::slice::from_raw_parts(self.0.as_ptr(), IDS_HEADER) };
+        (
+            u16::from_le_bytes([h[0], h[1]]) as usize,
+            u16::from_le_bytes([h[2], h[3]]) as usize,
+        )
+    }
+
+    fn body_len(&self) -> usize {
+        let (a, b) = self.fields();
+        a.saturating_sub(1) + b.saturating_sub(1)
+    }
+
+    fn text(&self, from: usize, len: usize) -> &str {
+        // SAFETY: the body holds the bytes of two `&str`s one after the other, and `from, len`
+        // is one of them (cut at char boundaries when built), so this is valid UTF-8.
+        unsafe {
+            let p = self.0.as_ptr().add(IDS_HEADER + from);
+            std::str::from_utf8_unchecked(std::slice::from_raw_parts(p, len))
+        }
+    }
+
+    pub fn request_id(&self) -> Option<&str> {
+        let (a, _) = self.fields();
+        (a != 0).then(|| self.text(0, a - 1))
+    }
+
+    pub fn trace_id(&self) -> Option<&str> {
+        let (a, b) = self.fields();
+        (b != 0).then(|| self.text(a.saturating_sub(1), b - 1))
+    }
+
+    /// The id of one kind (`trace` false: the request id).
+    pub fn get(&self, trace: bool) -> Option<&str> {
+        if trace {
+            self.trace_id()
+        } else {
+            self.request_id()
+        }
+    }
+
+    /// These ids with the id of one kind set, if they have none of that kind.
+    fn with(&self, trace: bool, v: &str) -> Option<ReqIds> {
+        if self.get(trace).is_some() {
+            return None;
+        }
+        Some(match trace {
+            false => ReqIds::new(Some(v), self.trace_id()),
+            true => ReqIds::new(self.request_id(), Some(v)),
+        })
+    }
+
+    /// The alias keys of the ids present.
+    fn keys(&self) -> impl Iterator<Item = u64> + use<> {
+        [
+            self.request_id().map(|s| key_str(AliasKind::RequestId, s)),
+            self.trace_id().map(|s| key_str(AliasKind::TraceId, s)),
+        ]
+        .into_iter()
+        .flatten()
+    }
+}
+
+impl Drop for ReqIds {
+    fn drop(&mut self) {
+        let layout = Self::layout(self.body_len());
+        // SAFETY: allocated in `new` with this very layout (the header records the lengths).
+        unsafe { std::alloc::dealloc(self.0.as_ptr(), layout) }
+    }
+}
+
+impl Clone for ReqIds {
+    fn clone(&self) -> ReqIds {
+        ReqIds::new(self.request_id(), self.trace_id())
+    }
+}
+
+impl std::fmt::Debug for ReqIds {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReqIds")
+            .field("request_id", &self.request_id())
+            .field("trace_id", &self.trace_id())
+            .finish()
+    }
+}
+
+/// A request record (40 bytes): its ids; its request-scope rule slots are in
 /// [`Store::request_slots`]. It owns at most one request id and one trace id alias, so freeing
 /// it removes every alias pointing at it; a second one of either kind gets a stub request merged
-/// into this one.
+/// into this one. A request with a single attempt has no record until something needs one
+/// (see [`Attempt::solo`]).
 #[derive(Debug, Clone)]
 pub struct Request {
     pub generation: u32,
@@ -768,58 +919,33 @@ pub struct Request {
     pub parent: u32,
     /// Attempts and tombstones that point here.
     pub refs: u32,
-    /// `REQ_LIVE`, `REQ_HAS_ID`, `REQ_HAS_TRACE`, and in the low bits the request id's length
-    /// within `ids`.
-    meta: u32,
+    live: bool,
     pub last_ns: u64,
     pub fired: u64,
-    /// The request id followed by the trace id: one allocation instead of two `Option<Box<str>>`
-    /// (16 bytes each in the record).
-    ids: Option<Box<str>>,
+    ids: Option<ReqIds>,
 }
-
-const REQ_LIVE: u32 = 1 << 31;
-const REQ_HAS_ID: u32 = 1 << 30;
-const REQ_HAS_TRACE: u32 = 1 << 29;
-const REQ_ID_LEN: u32 = (1 << 29) - 1;
 
 impl Request {
     pub fn is_live(&self) -> bool {
-        self.meta & REQ_LIVE != 0
-    }
-    fn split(&self) -> usize {
-        (self.meta & REQ_ID_LEN) as usize
+        self.live
     }
     pub fn request_id(&self) -> Option<&str> {
-        let ids = self.ids.as_deref()?;
-        (self.meta & REQ_HAS_ID != 0).then(|| &ids[..self.split()])
+        self.ids.as_ref()?.request_id()
     }
     pub fn trace_id(&self) -> Option<&str> {
-        let ids = self.ids.as_deref()?;
-        (self.meta & REQ_HAS_TRACE != 0).then(|| &ids[self.split()..])
+        self.ids.as_ref()?.trace_id()
     }
     /// Sets the request id (`trace` false) or trace id if it has none; false if it had one.
     fn set_id(&mut self, trace: bool, v: &str) -> bool {
-        let (has, id, tr) = match trace {
-            false => (REQ_HAS_ID, Some(v), self.trace_id()),
-            true => (REQ_HAS_TRACE, self.request_id(), Some(v)),
+        let next = match &self.ids {
+            None if trace => ReqIds::new(None, Some(v)),
+            None => ReqIds::new(Some(v), None),
+            Some(ids) => match ids.with(trace, v) {
+                Some(next) => next,
+                None => return false,
+            },
         };
-        if self.meta & has != 0 {
-            return false;
-        }
-        let mut id = id.unwrap_or("");
-        // The length field has 29 bits; ids come from transports whose messages are far smaller,
-        // so this only guards against a mis-split.
-        if id.len() > REQ_ID_LEN as usize {
-            let mut end = REQ_ID_LEN as usize;
-            while !id.is_char_boundary(end) {
-                end -= 1;
-            }
-            id = &id[..end];
-        }
-        let joined: Box<str> = [id, tr.unwrap_or("")].concat().into();
-        self.meta = (self.meta & !REQ_ID_LEN) | has | id.len() as u32;
-        self.ids = Some(joined);
+        self.ids = Some(next);
         true
     }
 }
@@ -880,6 +1006,13 @@ pub enum AttemptRef {
     Tomb(u64),
 }
 
+/// Where a request's state is: its record (a union-find root), or its only attempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ReqAt {
+    Record(u32),
+    Solo(u32),
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Resolved {
     pub attempt: Option<AttemptRef>,
@@ -902,6 +1035,8 @@ pub struct CorrelateStats {
     pub requests_created: u64,
     pub requests_merged: u64,
     pub requests_expired: u64,
+    /// Requests given a record after living in their only attempt (see [`Attempt::solo`]).
+    pub requests_materialized: u64,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -1057,6 +1192,9 @@ pub struct Store {
     request_slots: Chunked<u64>,
     wide_requests: HashMap<u32, Box<[Slot]>, FixedState>,
     request_keeps: Vec<Keep>,
+    /// (attempt spec, request spec) pairs: what an attempt linked to a request brings to it (its
+    /// own latest forbidden events, for request-scope never-after rules).
+    request_links: Vec<(usize, usize)>,
     free_requests: Vec<u32>,
     live_requests: usize,
 
@@ -1088,6 +1226,7 @@ impl Store {
         limits: Limits,
         attempt_keeps: Vec<Keep>,
         request_keeps: Vec<Keep>,
+        request_links: Vec<(usize, usize)>,
         tomb_slot_map: Vec<usize>,
         tomb_rule_mask: u64,
     ) -> Store {
@@ -1119,6 +1258,7 @@ impl Store {
             request_slots: Chunked::new(1 + request_keeps.len()),
             wide_requests: HashMap::with_hasher(hasher()),
             request_keeps,
+            request_links,
             free_requests: Vec::new(),
             live_requests: 0,
             tombs: ChunkedQueue::new(1),
@@ -1406,15 +1546,33 @@ impl Store {
 
     /// Finds or creates the request and attempt named by `ids`, merging aliases.
     pub fn resolve(&mut self, ids: &Ids, time_ns: u64) -> Resolved {
-        let mut request = self.resolve_request(ids, time_ns);
+        let (attempt, merged) = self.resolve_attempt(ids);
+        let keys = [
+            ids.request_id
+                .as_deref()
+                .map(|s| key_str(AliasKind::RequestId, s)),
+            ids.trace_id
+                .as_deref()
+                .map(|s| key_str(AliasKind::TraceId, s)),
+        ];
+        let (request, linked) = if keys.iter().all(Option::is_none) {
+            (self.current_request(attempt, time_ns), false)
+        } else {
+            self.resolve_request(ids, keys, attempt, time_ns)
+        };
+        Resolved {
+            attempt,
+            request,
+            linked: merged || linked,
+        }
+    }
 
+    /// The live attempt or tombstone an event's room and rid name, created if new; true when two
+    /// attempts turned out to be one (the merged history must reach the request).
+    fn resolve_attempt(&mut self, ids: &Ids) -> (Option<AttemptRef>, bool) {
         let room_key = ids.bootstrap_room.map(|r| key_room(r.0));
         if room_key.is_none() && ids.rid.is_none() {
-            return Resolved {
-                attempt: None,
-                request,
-                linked: false,
-            };
+            return (None, false);
         }
         let by_room = room_key.and_then(|k| self.lookup_attempt(k));
         // Most events repeat the rid the attempt already has: skip the second table probe.
@@ -1434,7 +1592,7 @@ impl Store {
             rid_key.and_then(|k| self.lookup_attempt(k))
         };
         // A merge brings the other attempt's history: request-scope state must be folded again.
-        let mut linked = matches!((by_room, by_rid), (Some(a), Some(b)) if a != b);
+        let merged = matches!((by_room, by_rid), (Some(a), Some(b)) if a != b);
         let attempt = match (by_room, by_rid) {
             (Some(a), Some(b)) if a == b => a,
             (Some(a), Some(b)) => self.merge_attempts(a, b),
@@ -1477,101 +1635,123 @@ impl Store {
             )),
         };
 
-        let current = match attempt {
-            AttemptRef::Live(i) => self.attempts[i as usize].request,
-            AttemptRef::Tomb(seq) => self
-                .tomb_index(seq)
-                .map(|i| self.tomb(i).request)
-                .unwrap_or(NONE),
-        };
-        // Events of a live attempt whose request is a known root skip the request record: its
-        // idle time is brought up to date when the attempt leaves (`note_request_activity`).
-        let mut touch = true;
-        match (request, current) {
-            (Some(r), NONE) => {
-                match attempt {
-                    AttemptRef::Live(i) => {
-                        let at = &mut self.attempts[i as usize];
-                        at.request = r;
-                        at.request_epoch = self.union_epoch;
-                    }
-                    AttemptRef::Tomb(seq) => {
-                        if let Some(i) = self.tomb_index(seq) {
-                            self.tomb_mut(i).request = r;
-                        }
-                    }
-                }
-                self.requests[r as usize].refs += 1;
-                linked = true;
-            }
-            (Some(r), cur) => {
-                let cur = self.find(cur);
-                if cur != r {
-                    request = Some(self.union_requests(cur, r));
-                    linked = true;
-                }
-            }
-            (None, NONE) => {}
-            (None, cur) => match attempt {
-                AttemptRef::Live(i)
-                    if self.attempts[i as usize].request_epoch == self.union_epoch =>
-                {
-                    request = Some(cur);
-                    touch = false;
-                }
-                AttemptRef::Live(i) => {
-                    let root = self.find(cur);
-                    if root != cur {
-                        // Point the attempt at the root; its reference follows.
-                        self.requests[cur as usize].refs -= 1;
-                        self.requests[root as usize].refs += 1;
-                        self.attempts[i as usize].request = root;
-                    }
-                    self.attempts[i as usize].request_epoch = self.union_epoch;
-                    request = Some(root);
-                }
-                AttemptRef::Tomb(_) => request = Some(self.find(cur)),
-            },
-        }
-        if let Some(r) = request
-            && touch
-        {
-            let req = &mut self.requests[r as usize];
-            req.last_ns = req.last_ns.max(time_ns);
-        }
-        Resolved {
-            attempt: Some(attempt),
-            request,
-            linked,
-        }
+        (Some(attempt), merged)
     }
 
-    fn resolve_request(&mut self, ids: &Ids, time_ns: u64) -> Option<u32> {
-        let keys = [
-            ids.request_id
-                .as_deref()
-                .map(|s| key_str(AliasKind::RequestId, s)),
-            ids.trace_id
-                .as_deref()
-                .map(|s| key_str(AliasKind::TraceId, s)),
-        ];
-        let mut request = None;
-        for key in keys.iter().flatten() {
-            if let Some(r) = self.request_of(*key) {
-                let r = self.find(r);
-                request = Some(match request {
-                    None => r,
-                    Some(into) => self.union_requests(r, into),
-                });
+    /// The request record of an event's attempt, for an event naming no request: its union-find
+    /// root, or `None` when the attempt has no request or keeps it solo.
+    fn current_request(&mut self, attempt: Option<AttemptRef>, time_ns: u64) -> Option<u32> {
+        let root = match attempt? {
+            AttemptRef::Live(i) => {
+                let at = &self.attempts[i as usize];
+                let cur = at.request;
+                if cur == NONE {
+                    return None;
+                }
+                // Events of a live attempt whose request is a known root skip the request
+                // record: its idle time is brought up to date when the attempt leaves
+                // (`note_request_activity`).
+                if at.request_epoch == self.union_epoch {
+                    return Some(cur);
+                }
+                let root = self.find(cur);
+                if root != cur {
+                    // Point the attempt at the root; its reference follows.
+                    self.requests[cur as usize].refs -= 1;
+                    self.requests[root as usize].refs += 1;
+                    self.attempts[i as usize].request = root;
+                }
+                self.attempts[i as usize].request_epoch = self.union_epoch;
+                root
             }
-        }
-        if request.is_none() && keys.iter().any(Option::is_some) {
-            request = Some(self.new_request());
-        }
-        let r = request?;
+            AttemptRef::Tomb(seq) => {
+                let cur = self.tomb_index(seq).map_or(NONE, |t| self.tomb(t).request);
+                if cur == NONE {
+                    return None;
+                }
+                self.find(cur)
+            }
+        };
+        let req = &mut self.requests[root as usize];
+        req.last_ns = req.last_ns.max(time_ns);
+        Some(root)
+    }
+
+    /// The request an event's request id / trace id (`keys`) name, with the event's attempt:
+    /// found, linked to the attempt, merged with the attempt's own when they differ, or created
+    /// (kept solo in the attempt when there is a live one). Returns the request's record (`None`
+    /// while solo) and whether an attempt was newly linked to a record.
+    fn resolve_request(
+        &mut self,
+        ids: &Ids,
+        keys: [Option<u64>; 2],
+        attempt: Option<AttemptRef>,
+        time_ns: u64,
+    ) -> (Option<u32>, bool) {
+        let cur = match attempt {
+            Some(AttemptRef::Live(i)) if self.attempts[i as usize].solo.is_some() => {
+                Some(ReqAt::Solo(i))
+            }
+            _ => self.current_request(attempt, time_ns).map(ReqAt::Record),
+        };
+        let mut found = None;
+        let mut known = [false; 2];
         for (n, key) in keys.iter().enumerate() {
-            let Some(key) = key else { continue };
-            if self.aliases.get(*key).is_some() {
+            let Some(v) = key.and_then(|k| self.aliases.get(k)) else {
+                continue;
+            };
+            known[n] = true;
+            let named = match tag(v) {
+                TAG_REQUEST => ReqAt::Record(self.find(v & INDEX_MASK)),
+                TAG_SOLO => ReqAt::Solo(v & INDEX_MASK),
+                _ => continue,
+            };
+            found = Some(match found {
+                None => named,
+                Some(into) => self.join(named, into),
+            });
+        }
+        let mut linked = false;
+        let mut target = match (cur, found) {
+            (Some(c), Some(f)) if c == f => c,
+            (Some(c), Some(f)) => {
+                linked = true;
+                self.join(c, f)
+            }
+            (Some(c), None) => c,
+            (None, Some(f)) => {
+                let r = self.record(f);
+                linked = self.link(attempt, r);
+                ReqAt::Record(r)
+            }
+            (None, None) => {
+                self.stats.requests_created += 1;
+                self.live_requests += 1;
+                match attempt {
+                    Some(AttemptRef::Live(i)) => {
+                        // The usual first sight of a request: its router dispatch, naming the
+                        // attempt's room. It stays in the attempt until something needs more.
+                        let request_id = ids.request_id.as_deref().filter(|_| !known[0]);
+                        let trace_id = ids.trace_id.as_deref().filter(|_| !known[1]);
+                        let solo = ReqIds::new(request_id, trace_id);
+                        for key in solo.keys() {
+                            self.aliases.insert(key, TAG_SOLO | i);
+                        }
+                        self.attempts[i as usize].solo = Some(solo);
+                        known = [true; 2];
+                        ReqAt::Solo(i)
+                    }
+                    _ => {
+                        let r = self.new_request_record();
+                        linked = self.link(attempt, r);
+                        ReqAt::Record(r)
+                    }
+                }
+            }
+        };
+        for (n, key) in keys.iter().enumerate() {
+            let Some(key) = *key else { continue };
+            if known[n] {
                 continue;
             }
             let text = if n == 0 {
@@ -1579,27 +1759,124 @@ impl Store {
             } else {
                 &ids.trace_id
             };
-            let text = text.as_deref().unwrap_or("");
-            if self.requests[r as usize].set_id(n == 1, text) {
-                self.aliases.insert(*key, TAG_REQUEST | r);
-            } else {
-                // A second id of the same kind (e.g. a new trace under one x-request-id): a
-                // stub request owns its alias, merged into this one.
-                let stub = self.new_request();
-                self.requests[stub as usize].set_id(n == 1, text);
-                self.requests[stub as usize].last_ns = time_ns;
-                self.aliases.insert(*key, TAG_REQUEST | stub);
-                self.union_requests(stub, r);
-            }
+            target = self.add_id(target, n == 1, key, text.as_deref().unwrap_or(""), time_ns);
         }
-        let req = &mut self.requests[r as usize];
-        req.last_ns = req.last_ns.max(time_ns);
-        Some(r)
+        match target {
+            ReqAt::Record(r) => {
+                let req = &mut self.requests[r as usize];
+                req.last_ns = req.last_ns.max(time_ns);
+                (Some(r), linked)
+            }
+            ReqAt::Solo(_) => (None, linked),
+        }
     }
 
-    fn request_of(&self, key: u64) -> Option<u32> {
-        let v = self.aliases.get(key)?;
-        (tag(v) == TAG_REQUEST).then_some(v & INDEX_MASK)
+    /// Gives request `to` an id it was not known by (alias `key`). A second id of one kind (e.g.
+    /// a new trace under one x-request-id) gets a stub record owning its alias, merged into it.
+    fn add_id(&mut self, to: ReqAt, trace: bool, key: u64, text: &str, time_ns: u64) -> ReqAt {
+        let r = match to {
+            ReqAt::Solo(i) => {
+                let solo = self.attempts[i as usize].solo.as_ref().expect("solo");
+                match solo.with(trace, text) {
+                    Some(next) => {
+                        self.attempts[i as usize].solo = Some(next);
+                        self.aliases.insert(key, TAG_SOLO | i);
+                        return to;
+                    }
+                    None => self.materialize(i),
+                }
+            }
+            ReqAt::Record(r) => r,
+        };
+        if self.requests[r as usize].set_id(trace, text) {
+            self.aliases.insert(key, TAG_REQUEST | r);
+        } else {
+            let stub = self.new_request();
+            self.requests[stub as usize].set_id(trace, text);
+            self.requests[stub as usize].last_ns = time_ns;
+            self.aliases.insert(key, TAG_REQUEST | stub);
+            self.union_requests(stub, r);
+        }
+        ReqAt::Record(r)
+    }
+
+    /// One request from two (the event names both): their records, merged.
+    fn join(&mut self, from: ReqAt, into: ReqAt) -> ReqAt {
+        if from == into {
+            return into;
+        }
+        let (from, into) = (self.record(from), self.record(into));
+        ReqAt::Record(self.union_requests(from, into))
+    }
+
+    /// The record of a request (its union-find root), created for a solo one.
+    fn record(&mut self, at: ReqAt) -> u32 {
+        match at {
+            ReqAt::Solo(i) => self.materialize(i),
+            ReqAt::Record(r) => self.find(r),
+        }
+    }
+
+    /// Points an attempt without a request at record `r`; true if there was one to point.
+    fn link(&mut self, attempt: Option<AttemptRef>, r: u32) -> bool {
+        match attempt {
+            Some(AttemptRef::Live(i)) => {
+                let at = &mut self.attempts[i as usize];
+                at.request = r;
+                at.request_epoch = self.union_epoch;
+            }
+            Some(AttemptRef::Tomb(seq)) => match self.tomb_index(seq) {
+                Some(t) => self.tomb_mut(t).request = r,
+                None => return false,
+            },
+            None => return false,
+        }
+        self.requests[r as usize].refs += 1;
+        true
+    }
+
+    /// The record of attempt `a`'s request (its root), created if the request is solo; `None`
+    /// when the attempt has no request. For what needs a record: a request-level trigger, a
+    /// violation naming the request.
+    pub fn request_record(&mut self, a: u32) -> Option<u32> {
+        let at = &self.attempts[a as usize];
+        if at.solo.is_some() {
+            return Some(self.materialize(a));
+        }
+        match at.request {
+            NONE => None,
+            r => Some(self.find(r)),
+        }
+    }
+
+    /// Gives attempt `i`'s solo request a record: its aliases move there, and the attempt's
+    /// history is folded into the record's request-scope slots, as linking the attempt would.
+    fn materialize(&mut self, i: u32) -> u32 {
+        let ids = self.attempts[i as usize]
+            .solo
+            .take()
+            .expect("a solo request");
+        let r = self.new_request_record();
+        for key in ids.keys() {
+            self.aliases.insert(key, TAG_REQUEST | r);
+        }
+        let at = &mut self.attempts[i as usize];
+        at.request = r;
+        at.request_epoch = self.union_epoch;
+        let last = at.last_ns;
+        let req = &mut self.requests[r as usize];
+        req.ids = Some(ids);
+        req.refs = 1;
+        req.last_ns = last;
+        for n in 0..self.request_links.len() {
+            let (from, to) = self.request_links[n];
+            let own = Cands::of(&self.attempt_slots(i), from, self.attempt_keeps[from]);
+            for &slot in own.iter() {
+                self.fold_request_slots(r, 1 << to, slot);
+            }
+        }
+        self.stats.requests_materialized += 1;
+        r
     }
 
     /// The tombstone sequence number an alias value names, if that tombstone still exists.
@@ -1650,6 +1927,7 @@ impl Store {
             worker_keys: [0; 4],
             legs_open: 0,
             legs_closed: 0,
+            solo: None,
             flags: LIVE | if room.is_some() { HAS_ROOM } else { 0 },
         };
         let i = match self.free_attempts.pop() {
@@ -1676,17 +1954,25 @@ impl Store {
         i
     }
 
+    /// A new request with a record from the start (request-level events, stubs).
     fn new_request(&mut self) -> u32 {
+        self.live_requests += 1;
+        self.stats.requests_created += 1;
+        self.new_request_record()
+    }
+
+    /// A record for a request already counted (created solo, or just now by `new_request`).
+    fn new_request_record(&mut self) -> u32 {
         let fresh = Request {
             generation: 0,
             parent: NONE,
             refs: 0,
-            meta: REQ_LIVE,
+            live: true,
             last_ns: 0,
             fired: 0,
             ids: None,
         };
-        let i = match self.free_requests.pop() {
+        match self.free_requests.pop() {
             Some(i) => {
                 let generation = self.requests[i as usize].generation;
                 self.requests[i as usize] = Request {
@@ -1700,10 +1986,7 @@ impl Store {
                 self.request_slots.push(0);
                 self.requests.push(fresh) as u32
             }
-        };
-        self.live_requests += 1;
-        self.stats.requests_created += 1;
-        i
+        }
     }
 
     /// Merges root `from` into root `into`: `from` becomes a forwarding stub.
@@ -1771,6 +2054,19 @@ impl Store {
             self.stats.alias_conflicts += 1;
             return a; // `a` was found by the event's room: the room decides
         }
+        if self.attempts[y as usize].solo.is_some() {
+            let xa = &self.attempts[x as usize];
+            if xa.solo.is_none() && xa.request == NONE {
+                // `x` takes over `y`'s request, still solo.
+                let ids = self.attempts[y as usize].solo.take().expect("solo");
+                for key in ids.keys() {
+                    self.aliases.insert(key, TAG_SOLO | x);
+                }
+                self.attempts[x as usize].solo = Some(ids);
+            } else {
+                self.materialize(y);
+            }
+        }
         let src = self.attempt_slots(y).to_vec();
         let mut dst = self.attempt_slots(x).to_vec();
         fold_all(&mut dst, &src, &self.attempt_keeps);
@@ -1828,6 +2124,10 @@ impl Store {
 
     /// Forgets live attempt `i` entirely (its aliases, its request reference).
     fn free_attempt(&mut self, i: u32) {
+        if self.attempts[i as usize].solo.is_some() {
+            // The request outlives the attempt (retention): it needs a record.
+            self.materialize(i);
+        }
         self.note_request_activity(i);
         for k in self.attempt_keys(i) {
             self.aliases.remove_if(k, i);
@@ -1864,6 +2164,10 @@ impl Store {
         if self.tombs.len() >= self.limits.max_tombstones {
             self.pop_tomb();
             self.stats.tombstones_evicted_cap += 1;
+        }
+        if self.attempts[i as usize].solo.is_some() {
+            // The tombstone keeps the request for late activity: it needs a record.
+            self.materialize(i);
         }
         let at = &self.attempts[i as usize];
         let key = at
@@ -2028,7 +2332,7 @@ impl Store {
         let row = self.request_slots.item_mut(i as usize);
         row_clear(row, &mut self.wide_requests, i);
         let r = &mut self.requests[i as usize];
-        r.meta = 0;
+        r.live = false;
         r.parent = NONE;
         r.ids = None;
         r.generation = r.generation.wrapping_add(1);
@@ -2070,5 +2374,196 @@ impl Store {
             + self.request_slots.capacity_bytes()
             + self.tombs.capacity_bytes()
             + self.tomb_slots.capacity_bytes()
+    }
+}
+
+#[cfg(test)]
+mod request_tests {
+    use super::*;
+    use crate::event::{BootstrapRoom, Kind, LifecycleEvent, Source, Stage};
+
+    fn store() -> Store {
+        let limits = Limits {
+            max_attempts: 1000,
+            max_tombstones: 1000,
+            attempt_ttl_ns: 60_000_000_000,
+            linger_ns: 1_000_000_000,
+            retention_ns: 600_000_000_000,
+        };
+        // One attempt spec linked to one request spec, as a request-scope rule has them.
+        Store::new(
+            limits,
+            vec![Keep::Latest],
+            vec![Keep::Latest],
+            vec![(0, 0)],
+            Vec::new(),
+            0,
+        )
+    }
+
+    fn ids(request_id: Option<&str>, trace_id: Option<&str>, room: Option<u64>) -> Ids {
+        Ids {
+            request_id: request_id.map(Into::into),
+            trace_id: trace_id.map(Into::into),
+            rid: None,
+            bootstrap_room: room.map(BootstrapRoom),
+        }
+    }
+
+    fn live(r: &Resolved) -> u32 {
+        match r.attempt {
+            Some(AttemptRef::Live(a)) => a,
+            other => panic!("not a live attempt: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn request_ids_round_trip_behind_one_pointer() {
+        assert_eq!(std::mem::size_of::<Option<ReqIds>>(), 8);
+        for (id, trace) in [
+            (None, None),
+            (Some("req-1"), None),
+            (None, Some("4bf92f3577b34da6a3ce929d0e0e4736")),
+            (Some(""), Some("")),
+            (Some("réq-ü"), Some("t")),
+        ] {
+            let ids = ReqIds::new(id, trace);
+            assert_eq!((ids.request_id(), ids.trace_id()), (id, trace));
+            let copy = ids.clone();
+            assert_eq!((copy.request_id(), copy.trace_id()), (id, trace));
+            assert_eq!(ids.keys().count(), id.iter().count() + trace.iter().count());
+        }
+        let with = ReqIds::new(Some("a"), None).with(true, "t").unwrap();
+        assert_eq!((with.request_id(), with.trace_id()), (Some("a"), Some("t")));
+        assert!(
+            with.with(false, "b").is_none(),
+            "a second request id is refused"
+        );
+        // Overlong ids are cut at a char boundary, never mid-character.
+        let long = "é".repeat(40_000);
+        let ids = ReqIds::new(Some(&long), Some("t"));
+        let kept = ids.request_id().unwrap();
+        assert!(kept.len() <= ID_MAX && long.starts_with(kept));
+        assert_eq!(ids.trace_id(), Some("t"));
+    }
+
+    #[test]
+    fn a_single_attempt_request_has_no_record_until_something_needs_one() {
+        let mut s = store();
+        let first = s.resolve(&ids(Some("req-1"), None, Some(1)), 1_000);
+        let a = live(&first);
+        assert_eq!(first.request, None, "kept solo in its attempt");
+        assert_eq!((s.live_requests(), s.requests.len()), (1, 0));
+        // More events of the attempt, and the request id again with its room: still solo.
+        for t in [2_000, 3_000] {
+            assert_eq!(s.resolve(&ids(None, None, Some(1)), t).request, None);
+        }
+        assert_eq!(
+            s.resolve(&ids(Some("req-1"), None, Some(1)), 4_000).request,
+            None
+        );
+        // A trace id for it is one more alias of the same solo request.
+        assert_eq!(
+            s.resolve(&ids(None, Some("tr"), Some(1)), 4_500).request,
+            None
+        );
+        // The checker keeps the attempt's latest event in its slot (here, by hand).
+        let work = LifecycleEvent::new(4_500, Stage::Decode, Kind::Work, Source::Ebpf);
+        s.fold_attempt_slots(a, 1, Slot::from_event(&work, 0));
+        assert_eq!(s.requests.len(), 0);
+
+        // A retry: a new room under the same request id. Both attempts now share one record,
+        // which has both ids.
+        let retry = s.resolve(&ids(Some("req-1"), None, Some(2)), 5_000);
+        let b = live(&retry);
+        let r = retry.request.expect("a record now");
+        assert!(
+            retry.linked,
+            "the new attempt's history must reach the request"
+        );
+        assert_eq!(s.stats.requests_materialized, 1);
+        assert_eq!(s.request_record(a), Some(r));
+        assert_eq!(s.request_record(b), Some(r));
+        let req = &s.requests[r as usize];
+        assert_eq!(
+            (req.request_id(), req.trace_id()),
+            (Some("req-1"), Some("tr"))
+        );
+        assert_eq!((req.refs, s.live_requests()), (2, 1));
+        // The first attempt's latest event (time 4 500) reached the record's slot.
+        assert_eq!(s.request_slots(r).get(0).time(), 4_500);
+        // Either id leads to the record.
+        assert_eq!(
+            s.resolve(&ids(None, Some("tr"), None), 6_000).request,
+            Some(r)
+        );
+        assert_eq!(
+            s.resolve(&ids(Some("req-1"), None, None), 6_000).request,
+            Some(r)
+        );
+    }
+
+    #[test]
+    fn request_level_events_compaction_and_second_ids_give_solo_requests_a_record() {
+        let mut s = store();
+        // A request-level event (the router's answer, request id only).
+        let a = live(&s.resolve(&ids(Some("q1"), None, Some(10)), 1_000));
+        let r = s.resolve(&ids(Some("q1"), None, None), 2_000).request;
+        assert_eq!(r, s.request_record(a));
+        assert!(r.is_some());
+
+        // Compaction: the tombstone keeps a record of the request.
+        let b = live(&s.resolve(&ids(Some("q2"), None, Some(20)), 1_000));
+        s.compact(b, 10_000);
+        let t = match s.resolve(&ids(None, None, Some(20)), 11_000) {
+            Resolved {
+                attempt: Some(AttemptRef::Tomb(seq)),
+                request: Some(r),
+                ..
+            } => (seq, r),
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(s.requests[t.1 as usize].request_id(), Some("q2"));
+        assert_eq!(
+            s.resolve(&ids(Some("q2"), None, None), 12_000).request,
+            Some(t.1)
+        );
+
+        // A second trace id on a solo request: a stub record merged into the request's.
+        let c = live(&s.resolve(&ids(None, Some("t1"), Some(30)), 1_000));
+        let r = s
+            .resolve(&ids(None, Some("t2"), Some(30)), 2_000)
+            .request
+            .expect("a record");
+        assert_eq!(s.request_record(c), Some(r));
+        assert_eq!(s.requests[r as usize].trace_id(), Some("t1"));
+        assert_eq!(
+            s.resolve(&ids(None, Some("t2"), None), 3_000).request,
+            Some(r)
+        );
+        assert_eq!(s.live_requests(), 4, "q1, q2, t1 and its stub t2");
+    }
+
+    #[test]
+    fn a_merged_attempt_hands_its_solo_request_over() {
+        let mut s = store();
+        // A rid seen alone first (its own attempt, with the request id), then with a room.
+        let with_rid = |rid: &str, request_id: Option<&str>, room: Option<u64>| Ids {
+            rid: Some(rid.into()),
+            ..ids(request_id, None, room)
+        };
+        let y = live(&s.resolve(&with_rid("r-1", Some("q"), None), 1_000));
+        let x = live(&s.resolve(&ids(None, None, Some(7)), 1_500));
+        assert_ne!(x, y);
+        let merged = s.resolve(&with_rid("r-1", None, Some(7)), 2_000);
+        assert_eq!(live(&merged), x);
+        assert_eq!(
+            merged.request, None,
+            "still solo, now in the surviving attempt"
+        );
+        assert_eq!(s.requests.len(), 0);
+        let r = s.resolve(&ids(Some("q"), None, None), 3_000).request;
+        assert_eq!(r, s.request_record(x));
+        assert_eq!(s.requests[r.unwrap() as usize].request_id(), Some("q"));
     }
 }

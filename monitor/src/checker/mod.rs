@@ -16,7 +16,7 @@ use std::time::Duration;
 use foldhash::fast::FixedState;
 
 use crate::correlate::Owner;
-use crate::correlate::{AttemptRef, CorrelateStats, Limits, NONE, Store};
+use crate::correlate::{AttemptRef, CorrelateStats, Limits, Store};
 use crate::event::{Kind, LifecycleEvent, Source, Stage};
 use crate::violation::{self, AttemptRef as AttemptAliases, Evidence, RequestRef, Role, Violation};
 use rules::predicate::{Breach, Capacity, Known};
@@ -302,6 +302,7 @@ impl Checker {
         let compiled = rules::compile(&rules, &mut attempt_layout, &mut request_layout);
         assert!(attempt_layout.len() <= SlotLayout::MAX && request_layout.len() <= SlotLayout::MAX);
         let mut request_trigger_mask = 0u64;
+        let mut request_links = Vec::new();
         let mut tomb_slot_map = Vec::new();
         let mut tomb_rule_mask = 0u64;
         let mut horizon = Duration::ZERO;
@@ -309,7 +310,13 @@ impl Checker {
             horizon = horizon.max(r.rule.horizon());
             if let Shape::NeverAfter(_) = r.rule.shape {
                 match r.rule.scope {
-                    Scope::Request => request_trigger_mask |= 1 << r.slots.trigger,
+                    Scope::Request => {
+                        request_trigger_mask |= 1 << r.slots.trigger;
+                        let link = (r.slots.other_latest, r.slots.other);
+                        if !request_links.contains(&link) {
+                            request_links.push(link);
+                        }
+                    }
                     Scope::Attempt => {
                         tomb_rule_mask |= 1 << ri;
                         // Pairs stay adjacent so tombstones fold them like live attempts do.
@@ -370,6 +377,7 @@ impl Checker {
             limits,
             keeps(&attempt_layout),
             keeps(&request_layout),
+            request_links,
             tomb_slot_map,
             tomb_rule_mask,
         );
@@ -579,7 +587,7 @@ impl Checker {
     fn observe_attempt(
         &mut self,
         a: u32,
-        request: Option<u32>,
+        mut request: Option<u32>,
         linked: bool,
         e: &LifecycleEvent,
         node: NodeId,
@@ -656,6 +664,8 @@ impl Checker {
                         self.store.attempts[a as usize].fired |= bit;
                         let offender_is_current =
                             forb.time() == e.time_ns && hit & (1 << slots.other) != 0;
+                        // The violation names the request: a solo one gets its record.
+                        request = request.or_else(|| self.store.request_record(a));
                         let f = Finding::never_after(
                             ri,
                             request,
@@ -672,7 +682,20 @@ impl Checker {
                     }
                 }
                 (Shape::NeverAfter(_), Scope::Request) => {
-                    let Some(r) = request else { continue };
+                    let as_trigger = self.request_index.matching(e) & (1 << slots.trigger) != 0;
+                    let (r, linked) = match request {
+                        Some(r) => (r, linked),
+                        // A solo request (no record) holds its attempt's history already, and
+                        // cannot breach without a trigger: only a trigger needs its record.
+                        None if as_trigger => match self.store.request_record(a) {
+                            Some(r) => {
+                                request = Some(r);
+                                (r, true)
+                            }
+                            None => continue,
+                        },
+                        None => continue,
+                    };
                     let as_forbidden = hit & (1 << slots.other_latest) != 0;
                     let mut changed = linked || as_forbidden;
                     // The request already holds what the attempt had before this event: a newly
@@ -688,7 +711,6 @@ impl Checker {
                     } else if changed_specs & (1 << slots.other_latest) != 0 {
                         self.store.fold_request_slots(r, 1 << slots.other, slot);
                     }
-                    let as_trigger = self.request_index.matching(e) & (1 << slots.trigger) != 0;
                     if as_trigger {
                         changed |= self.store.fold_request_slots(r, 1 << slots.trigger, slot) != 0;
                     }
@@ -758,6 +780,7 @@ impl Checker {
                         continue;
                     }
                     self.store.attempts[a as usize].fired |= bit;
+                    request = request.or_else(|| self.store.request_record(a));
                     let f = Finding {
                         rule: ri,
                         request,
@@ -1309,10 +1332,7 @@ impl Checker {
                 _ => continue,
             };
             self.store.attempts[a as usize].fired |= bit;
-            let request = match self.store.attempts[a as usize].request {
-                NONE => None,
-                r => Some(self.store.find(r)),
-            };
+            let request = self.store.request_record(a);
             let f = Finding {
                 request,
                 attempt: self.attempt_aliases(a),
@@ -1527,6 +1547,64 @@ mod tests {
                 .with_room(room)
                 .with_status(200),
         );
+    }
+
+    /// A request kept solo in its only attempt (no record) still catches everything a record
+    /// would: a router failure that names the attempt's room arrives after the activity it
+    /// precedes, and an attempt-scope violation names the request id.
+    #[test]
+    fn solo_requests_judge_like_recorded_ones() {
+        let mut c = Checker::new(RuleSet::embedded_defaults(), CheckerConfig::default());
+        let t = 1_795_986_920 * S;
+        let mut all = Vec::new();
+        all.extend(
+            c.observe(
+                &ev(t, Stage::Router, Kind::Dispatched)
+                    .with_request_id("req-solo")
+                    .with_room(7)
+                    .with_to(Stage::Decode),
+            ),
+        );
+        all.extend(c.observe(&ev(t + 5 * MS, Stage::Decode, Kind::Work).with_room(7)));
+        assert_eq!(c.stats().correlate.requests_materialized, 0, "still solo");
+        assert!(all.is_empty());
+        // The router failed the request at t + 2 ms; it names the room, and comes late.
+        let v = c.observe(
+            &ev(t + 2 * MS, Stage::Router, Kind::Rejected)
+                .with_room(7)
+                .with_status(503),
+        );
+        let failed: Vec<_> = v
+            .iter()
+            .filter(|v| v.rule == "activity-after-request-failed")
+            .collect();
+        assert_eq!(failed.len(), 1, "{v:?}");
+        assert_eq!(failed[0].request.request_id.as_deref(), Some("req-solo"));
+        // The attempt's own rejection rule fires too, and names the request.
+        let rej: Vec<_> = v
+            .iter()
+            .filter(|v| v.rule == "activity-after-rejection")
+            .collect();
+        assert_eq!(rej.len(), 1, "{v:?}");
+        assert_eq!(rej[0].request.request_id.as_deref(), Some("req-solo"));
+        assert_eq!(c.stats().correlate.requests_materialized, 1);
+
+        // A second solo request: an attempt-scope violation alone gives it a record, with its id.
+        c.observe(
+            &ev(t, Stage::Router, Kind::Dispatched)
+                .with_request_id("req-two")
+                .with_room(8)
+                .with_to(Stage::Prefill),
+        );
+        c.observe(
+            &ev(t + MS, Stage::Prefill, Kind::Rejected)
+                .with_room(8)
+                .with_status(400),
+        );
+        let v = c.observe(&ev(t + 3 * MS, Stage::Decode, Kind::Work).with_room(8));
+        assert_eq!(v.len(), 1, "{v:?}");
+        assert_eq!(v[0].rule, "activity-after-rejection");
+        assert_eq!(v[0].request.request_id.as_deref(), Some("req-two"));
     }
 
     /// Slots are packed against a per-row base with a 9-minute window: an attempt whose events
