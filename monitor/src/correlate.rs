@@ -1016,9 +1016,12 @@ enum ReqAt {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Resolved {
     pub attempt: Option<AttemptRef>,
+    /// The request's record (its union-find root).
     pub request: Option<u32>,
     /// The attempt was (re)linked to a request by this event: request-scope state must be folded.
     pub linked: bool,
+    /// The event's request has no record: its only attempt keeps it (see [`Attempt::solo`]).
+    pub solo: bool,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -1037,6 +1040,8 @@ pub struct CorrelateStats {
     pub requests_expired: u64,
     /// Requests given a record after living in their only attempt (see [`Attempt::solo`]).
     pub requests_materialized: u64,
+    /// Records of requests taken over by their first attempt (made by a request-level event).
+    pub requests_adopted: u64,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -1545,7 +1550,9 @@ impl Store {
     }
 
     /// Finds or creates the request and attempt named by `ids`, merging aliases.
-    pub fn resolve(&mut self, ids: &Ids, time_ns: u64) -> Resolved {
+    /// `request_trigger`: the event may trigger a request-scope rule, so a request it names
+    /// without naming an attempt needs a record.
+    pub fn resolve(&mut self, ids: &Ids, time_ns: u64, request_trigger: bool) -> Resolved {
         let (attempt, merged) = self.resolve_attempt(ids);
         let keys = [
             ids.request_id
@@ -1556,13 +1563,18 @@ impl Store {
                 .map(|s| key_str(AliasKind::TraceId, s)),
         ];
         let (request, linked) = if keys.iter().all(Option::is_none) {
-            (self.current_request(attempt, time_ns), false)
+            (self.request_at(attempt, time_ns), false)
         } else {
-            self.resolve_request(ids, keys, attempt, time_ns)
+            let (r, linked) = self.resolve_request(ids, keys, attempt, time_ns, request_trigger);
+            (Some(r), linked)
         };
         Resolved {
             attempt,
-            request,
+            request: match request {
+                Some(ReqAt::Record(r)) => Some(r),
+                _ => None,
+            },
+            solo: matches!(request, Some(ReqAt::Solo(_))),
             linked: merged || linked,
         }
     }
@@ -1638,6 +1650,16 @@ impl Store {
         (Some(attempt), merged)
     }
 
+    /// The request of an event's attempt, for an event naming no request.
+    fn request_at(&mut self, attempt: Option<AttemptRef>, time_ns: u64) -> Option<ReqAt> {
+        match attempt {
+            Some(AttemptRef::Live(i)) if self.attempts[i as usize].solo.is_some() => {
+                Some(ReqAt::Solo(i))
+            }
+            _ => self.current_request(attempt, time_ns).map(ReqAt::Record),
+        }
+    }
+
     /// The request record of an event's attempt, for an event naming no request: its union-find
     /// root, or `None` when the attempt has no request or keeps it solo.
     fn current_request(&mut self, attempt: Option<AttemptRef>, time_ns: u64) -> Option<u32> {
@@ -1679,21 +1701,17 @@ impl Store {
 
     /// The request an event's request id / trace id (`keys`) name, with the event's attempt:
     /// found, linked to the attempt, merged with the attempt's own when they differ, or created
-    /// (kept solo in the attempt when there is a live one). Returns the request's record (`None`
-    /// while solo) and whether an attempt was newly linked to a record.
+    /// (kept solo in the attempt when there is a live one). Returns the request and whether an
+    /// attempt was newly linked to a record.
     fn resolve_request(
         &mut self,
         ids: &Ids,
         keys: [Option<u64>; 2],
         attempt: Option<AttemptRef>,
         time_ns: u64,
-    ) -> (Option<u32>, bool) {
-        let cur = match attempt {
-            Some(AttemptRef::Live(i)) if self.attempts[i as usize].solo.is_some() => {
-                Some(ReqAt::Solo(i))
-            }
-            _ => self.current_request(attempt, time_ns).map(ReqAt::Record),
-        };
+        request_trigger: bool,
+    ) -> (ReqAt, bool) {
+        let cur = self.request_at(attempt, time_ns);
         let mut found = None;
         let mut known = [false; 2];
         for (n, key) in keys.iter().enumerate() {
@@ -1719,11 +1737,26 @@ impl Store {
                 self.join(c, f)
             }
             (Some(c), None) => c,
-            (None, Some(f)) => {
-                let r = self.record(f);
-                linked = self.link(attempt, r);
-                ReqAt::Record(r)
-            }
+            (None, Some(f)) => match (attempt, f) {
+                // The router's own events about a solo request (its answer to the client): the
+                // request is no less alive, and nothing else needs a record.
+                (None, ReqAt::Solo(i)) if !request_trigger => {
+                    let at = &mut self.attempts[i as usize];
+                    at.last_ns = at.last_ns.max(time_ns);
+                    f
+                }
+                // The router dispatching a request it received (a request-level event, which
+                // made a record): its first attempt takes the request over, solo.
+                (Some(AttemptRef::Live(i)), ReqAt::Record(r)) if self.bare(r) => {
+                    self.adopt(i, r);
+                    ReqAt::Solo(i)
+                }
+                _ => {
+                    let r = self.record(f);
+                    linked = self.link(attempt, r);
+                    ReqAt::Record(r)
+                }
+            },
             (None, None) => {
                 self.stats.requests_created += 1;
                 self.live_requests += 1;
@@ -1761,14 +1794,39 @@ impl Store {
             };
             target = self.add_id(target, n == 1, key, text.as_deref().unwrap_or(""), time_ns);
         }
-        match target {
-            ReqAt::Record(r) => {
-                let req = &mut self.requests[r as usize];
-                req.last_ns = req.last_ns.max(time_ns);
-                (Some(r), linked)
-            }
-            ReqAt::Solo(_) => (None, linked),
+        if let ReqAt::Record(r) = target {
+            let req = &mut self.requests[r as usize];
+            req.last_ns = req.last_ns.max(time_ns);
         }
+        (target, linked)
+    }
+
+    /// Whether record `r` holds nothing a solo request could not: no attempt or tombstone, no
+    /// merged request, no slots, nothing fired or pinned. A request-level event made it.
+    fn bare(&self, r: u32) -> bool {
+        let q = &self.requests[r as usize];
+        q.refs == 0
+            && q.parent == NONE
+            && q.fired == 0
+            && self.request_slots.item(r as usize).iter().all(|&w| w == 0)
+            && !self.pinned_alias.contains_key(&r)
+    }
+
+    /// Live attempt `i` (without a request) takes bare record `r` over as its solo request.
+    fn adopt(&mut self, i: u32, r: u32) {
+        let req = &mut self.requests[r as usize];
+        let ids = req.ids.take().unwrap_or_else(|| ReqIds::new(None, None));
+        let last = req.last_ns;
+        for key in ids.keys() {
+            self.aliases.insert(key, TAG_SOLO | i);
+        }
+        // Still the same live request: only its record goes.
+        self.free_request(r);
+        self.live_requests += 1;
+        let at = &mut self.attempts[i as usize];
+        at.solo = Some(ids);
+        at.last_ns = at.last_ns.max(last);
+        self.stats.requests_adopted += 1;
     }
 
     /// Gives request `to` an id it was not known by (alias `key`). A second id of one kind (e.g.
@@ -2410,6 +2468,13 @@ mod request_tests {
         }
     }
 
+    impl Store {
+        /// Resolves as for an event that triggers no request-scope rule.
+        fn resolve_t(&mut self, ids: &Ids, time_ns: u64) -> Resolved {
+            self.resolve(ids, time_ns, false)
+        }
+    }
+
     fn live(r: &Resolved) -> u32 {
         match r.attempt {
             Some(AttemptRef::Live(a)) => a,
@@ -2450,21 +2515,22 @@ mod request_tests {
     #[test]
     fn a_single_attempt_request_has_no_record_until_something_needs_one() {
         let mut s = store();
-        let first = s.resolve(&ids(Some("req-1"), None, Some(1)), 1_000);
+        let first = s.resolve_t(&ids(Some("req-1"), None, Some(1)), 1_000);
         let a = live(&first);
         assert_eq!(first.request, None, "kept solo in its attempt");
         assert_eq!((s.live_requests(), s.requests.len()), (1, 0));
         // More events of the attempt, and the request id again with its room: still solo.
         for t in [2_000, 3_000] {
-            assert_eq!(s.resolve(&ids(None, None, Some(1)), t).request, None);
+            assert_eq!(s.resolve_t(&ids(None, None, Some(1)), t).request, None);
         }
         assert_eq!(
-            s.resolve(&ids(Some("req-1"), None, Some(1)), 4_000).request,
+            s.resolve_t(&ids(Some("req-1"), None, Some(1)), 4_000)
+                .request,
             None
         );
         // A trace id for it is one more alias of the same solo request.
         assert_eq!(
-            s.resolve(&ids(None, Some("tr"), Some(1)), 4_500).request,
+            s.resolve_t(&ids(None, Some("tr"), Some(1)), 4_500).request,
             None
         );
         // The checker keeps the attempt's latest event in its slot (here, by hand).
@@ -2474,7 +2540,7 @@ mod request_tests {
 
         // A retry: a new room under the same request id. Both attempts now share one record,
         // which has both ids.
-        let retry = s.resolve(&ids(Some("req-1"), None, Some(2)), 5_000);
+        let retry = s.resolve_t(&ids(Some("req-1"), None, Some(2)), 5_000);
         let b = live(&retry);
         let r = retry.request.expect("a record now");
         assert!(
@@ -2494,11 +2560,11 @@ mod request_tests {
         assert_eq!(s.request_slots(r).get(0).time(), 4_500);
         // Either id leads to the record.
         assert_eq!(
-            s.resolve(&ids(None, Some("tr"), None), 6_000).request,
+            s.resolve_t(&ids(None, Some("tr"), None), 6_000).request,
             Some(r)
         );
         assert_eq!(
-            s.resolve(&ids(Some("req-1"), None, None), 6_000).request,
+            s.resolve_t(&ids(Some("req-1"), None, None), 6_000).request,
             Some(r)
         );
     }
@@ -2506,16 +2572,26 @@ mod request_tests {
     #[test]
     fn request_level_events_compaction_and_second_ids_give_solo_requests_a_record() {
         let mut s = store();
-        // A request-level event (the router's answer, request id only).
-        let a = live(&s.resolve(&ids(Some("q1"), None, Some(10)), 1_000));
-        let r = s.resolve(&ids(Some("q1"), None, None), 2_000).request;
-        assert_eq!(r, s.request_record(a));
+        // A request-level event (the router's answer, request id only) that is no trigger leaves
+        // the request solo; one that may trigger a request-scope rule gives it a record.
+        let a = live(&s.resolve_t(&ids(Some("q1"), None, Some(10)), 1_000));
+        let answer = s.resolve_t(&ids(Some("q1"), None, None), 2_000);
+        assert_eq!(
+            (answer.attempt, answer.request, answer.solo),
+            (None, None, true)
+        );
+        assert_eq!(
+            s.attempts[a as usize].last_ns, 2_000,
+            "the request is active"
+        );
+        let r = s.resolve(&ids(Some("q1"), None, None), 2_500, true).request;
         assert!(r.is_some());
+        assert_eq!(r, s.request_record(a));
 
         // Compaction: the tombstone keeps a record of the request.
-        let b = live(&s.resolve(&ids(Some("q2"), None, Some(20)), 1_000));
+        let b = live(&s.resolve_t(&ids(Some("q2"), None, Some(20)), 1_000));
         s.compact(b, 10_000);
-        let t = match s.resolve(&ids(None, None, Some(20)), 11_000) {
+        let t = match s.resolve_t(&ids(None, None, Some(20)), 11_000) {
             Resolved {
                 attempt: Some(AttemptRef::Tomb(seq)),
                 request: Some(r),
@@ -2525,23 +2601,53 @@ mod request_tests {
         };
         assert_eq!(s.requests[t.1 as usize].request_id(), Some("q2"));
         assert_eq!(
-            s.resolve(&ids(Some("q2"), None, None), 12_000).request,
+            s.resolve_t(&ids(Some("q2"), None, None), 12_000).request,
             Some(t.1)
         );
 
         // A second trace id on a solo request: a stub record merged into the request's.
-        let c = live(&s.resolve(&ids(None, Some("t1"), Some(30)), 1_000));
+        let c = live(&s.resolve_t(&ids(None, Some("t1"), Some(30)), 1_000));
         let r = s
-            .resolve(&ids(None, Some("t2"), Some(30)), 2_000)
+            .resolve_t(&ids(None, Some("t2"), Some(30)), 2_000)
             .request
             .expect("a record");
         assert_eq!(s.request_record(c), Some(r));
         assert_eq!(s.requests[r as usize].trace_id(), Some("t1"));
         assert_eq!(
-            s.resolve(&ids(None, Some("t2"), None), 3_000).request,
+            s.resolve_t(&ids(None, Some("t2"), None), 3_000).request,
             Some(r)
         );
         assert_eq!(s.live_requests(), 4, "q1, q2, t1 and its stub t2");
+    }
+
+    #[test]
+    fn the_first_attempt_takes_over_the_record_a_request_level_event_made() {
+        let mut s = store();
+        // The router received the request (request id only: no room yet): a record.
+        let got = s.resolve_t(&ids(Some("q"), Some("tr"), None), 1_000);
+        let r = got.request.expect("a record");
+        assert_eq!((s.requests.len(), s.live_requests()), (1, 1));
+        // Its dispatch names the room: the attempt takes the request over, solo.
+        let d = s.resolve_t(&ids(Some("q"), None, Some(5)), 2_000);
+        let a = live(&d);
+        assert_eq!((d.request, d.solo), (None, true));
+        assert_eq!(s.stats.requests_adopted, 1);
+        assert!(
+            !s.requests[r as usize].is_live(),
+            "the record is free again"
+        );
+        assert_eq!(s.live_requests(), 1);
+        // Both ids still lead to it.
+        assert!(s.resolve_t(&ids(None, Some("tr"), None), 2_500).solo);
+        let retry = s.resolve_t(&ids(Some("q"), None, Some(6)), 3_000);
+        let r2 = retry.request.expect("a second attempt needs a record");
+        assert_eq!(s.request_record(a), Some(r2));
+        assert_eq!(s.requests[r2 as usize].trace_id(), Some("tr"));
+
+        // A record that already holds something (here a second attempt's reference) stays.
+        let third = s.resolve_t(&ids(Some("q"), None, Some(7)), 4_000);
+        assert_eq!(third.request, Some(r2));
+        assert_eq!(s.requests[r2 as usize].refs, 3);
     }
 
     #[test]
@@ -2552,17 +2658,17 @@ mod request_tests {
             rid: Some(rid.into()),
             ..ids(request_id, None, room)
         };
-        let y = live(&s.resolve(&with_rid("r-1", Some("q"), None), 1_000));
-        let x = live(&s.resolve(&ids(None, None, Some(7)), 1_500));
+        let y = live(&s.resolve_t(&with_rid("r-1", Some("q"), None), 1_000));
+        let x = live(&s.resolve_t(&ids(None, None, Some(7)), 1_500));
         assert_ne!(x, y);
-        let merged = s.resolve(&with_rid("r-1", None, Some(7)), 2_000);
+        let merged = s.resolve_t(&with_rid("r-1", None, Some(7)), 2_000);
         assert_eq!(live(&merged), x);
         assert_eq!(
             merged.request, None,
             "still solo, now in the surviving attempt"
         );
         assert_eq!(s.requests.len(), 0);
-        let r = s.resolve(&ids(Some("q"), None, None), 3_000).request;
+        let r = s.resolve(&ids(Some("q"), None, None), 3_000, true).request;
         assert_eq!(r, s.request_record(x));
         assert_eq!(s.requests[r.unwrap() as usize].request_id(), Some("q"));
     }

@@ -470,7 +470,11 @@ impl Checker {
             self.record_capacity(e);
             self.check_worker_predicates(e, &mut out);
         } else {
-            let resolved = self.store.resolve(&e.ids, e.time_ns);
+            // A request-level event that may trigger a request-scope rule needs the request's
+            // record; other ones leave a request solo in its attempt.
+            let request_trigger = !e.ids.names_attempt()
+                && self.request_index.matching(e) & self.request_trigger_mask != 0;
+            let resolved = self.store.resolve(&e.ids, e.time_ns, request_trigger);
             match resolved.attempt {
                 Some(AttemptRef::Live(a)) => {
                     self.stats.events_attempt += 1;
@@ -485,6 +489,11 @@ impl Checker {
                     Some(r) => {
                         self.stats.events_request_only += 1;
                         self.observe_request_level(r, e, node, &mut out);
+                    }
+                    // Not a trigger (resolving would have made a record): nothing to judge.
+                    None if resolved.solo => {
+                        self.stats.events_request_only += 1;
+                        self.check_worker_predicates(e, &mut out);
                     }
                     None => {
                         self.stats.events_unattributed += 1;
