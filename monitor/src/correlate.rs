@@ -695,11 +695,14 @@ impl Rid {
 #[derive(Debug, Clone)]
 pub struct Attempt {
     pub generation: u32,
-    pub request: u32,
-    /// `request` is a union-find root as of this union epoch (0 = not known to be one): while no
-    /// union happened since, the request record need not be read (one cache miss per event).
-    request_epoch: u32,
     pub input_tokens: u32,
+    /// Its request: a record, known to be a union-find root as of an epoch (while no union
+    /// happened since, the record need not be read: one cache miss per event); or the ids of a
+    /// request whose only attempt this is and which needed no record yet (no request-level
+    /// trigger, no second attempt, no violation): the request's aliases then point here
+    /// (`TAG_SOLO`), and its request-scope slots are this attempt's own. Most requests never
+    /// need more, and a record with its slots costs ~90 bytes.
+    request: RequestLink,
     /// The bootstrap room, when `flags` has `HAS_ROOM` (no `Option`: it would cost 8 bytes).
     room: u64,
     /// The first rid when it is SGLang-shaped (`RID_HEX`); other rids (`RID_TEXT`) keep their
@@ -719,11 +722,6 @@ pub struct Attempt {
     pub legs_open: u8,
     pub legs_closed: u8,
     flags: u8,
-    /// The ids of this attempt's request while it is the request's only attempt and nothing
-    /// needed a request record (no request-level event, no second attempt, no violation): the
-    /// request's aliases point here (`TAG_SOLO`), and its request-scope slots are this attempt's
-    /// own. Most requests never need more, and a record with its slots costs ~90 bytes.
-    solo: Option<ReqIds>,
 }
 
 const LIVE: u8 = 1;
@@ -767,8 +765,9 @@ impl Attempt {
 /// A request's ids, the request id and the trace id, behind one 8-byte pointer.
 ///
 /// Every request keeps them, including the single-attempt requests that live in their attempt
-/// (see [`Attempt::solo`]): a `Box<str>` plus its split would take 20 bytes there. The heap
+/// (see [`RequestLink`]): a `Box<str>` plus its split would take 20 bytes there. The heap
 /// block is a 4-byte header (each id's length + 1, 0 for "absent") followed by both ids.
+#[repr(transparent)]
 pub struct ReqIds(std::ptr::NonNull<u8>);
 
 // SAFETY: `ReqIds` owns its heap block exclusively, like a `Box<[u8]>`.
@@ -816,7 +815,8 @@ impl ReqIds {
     }
 
     fn layout(body: usize) -> std::alloc::Layout {
-        std::alloc::Layout::from_size_align(IDS_HEADER + body, 1).expect("ids are short")
+        // Aligned to 2 so that a pointer to it is even: see `RequestLink`.
+        std::alloc::Layout::from_size_align(IDS_HEADER + body, 2).expect("ids are short")
     }
 
     /// The two length fields (length + 1, 0 = absent).
@@ -907,11 +907,118 @@ impl std::fmt::Debug for ReqIds {
     }
 }
 
+/// An attempt's request in one word: none, a record (its index, and the union epoch at which it
+/// was known to be a root), or the ids of a solo request (see [`RequestLink`]). Every attempt
+/// has one; as three fields it took 16 bytes.
+///
+/// Encoding: null for none; a [`ReqIds`] pointer (even: its block is 2-aligned) for solo; a
+/// record is `index << 32 | epoch << 1 | 1` (no provenance: it is never dereferenced).
+#[repr(transparent)]
+pub struct RequestLink(*mut u8);
+
+// SAFETY: a solo link owns its `ReqIds` exclusively (which is Send and Sync); the other forms
+// are plain numbers.
+unsafe impl Send for RequestLink {}
+// SAFETY: as above; no interior mutability.
+unsafe impl Sync for RequestLink {}
+
+const _: () = assert!(
+    std::mem::size_of::<usize>() == 8,
+    "RequestLink packs a record index and epoch into a pointer-sized word"
+);
+
+/// Union epochs wrap below this (they take 31 bits of a [`RequestLink`]).
+const EPOCH_LIMIT: u32 = 1 << 31;
+
+impl RequestLink {
+    pub const NONE: RequestLink = RequestLink(std::ptr::null_mut());
+
+    fn record(r: u32, epoch: u32) -> RequestLink {
+        debug_assert!(epoch < EPOCH_LIMIT);
+        let bits = (r as usize) << 32 | ((epoch as usize) << 1) | 1;
+        RequestLink(std::ptr::without_provenance_mut(bits))
+    }
+
+    fn solo(ids: ReqIds) -> RequestLink {
+        RequestLink(std::mem::ManuallyDrop::new(ids).0.as_ptr())
+    }
+
+    fn bits(&self) -> usize {
+        self.0.addr()
+    }
+
+    /// The record's index (`NONE` when there is no record).
+    pub fn index(&self) -> u32 {
+        match self.bits() & 1 {
+            1 => (self.bits() >> 32) as u32,
+            _ => NONE,
+        }
+    }
+
+    /// The union epoch at which the record was known to be a root (0 when not a record).
+    fn epoch(&self) -> u32 {
+        match self.bits() & 1 {
+            1 => ((self.bits() as u32) >> 1) & (EPOCH_LIMIT - 1),
+            _ => 0,
+        }
+    }
+
+    fn is_solo(&self) -> bool {
+        self.bits() != 0 && self.bits() & 1 == 0
+    }
+
+    fn solo_ids(&self) -> Option<&ReqIds> {
+        // SAFETY: a solo link holds a live `ReqIds` pointer, and both types are
+        // `repr(transparent)` over a pointer: the link can be read as the `ReqIds` it owns.
+        self.is_solo()
+            .then(|| unsafe { &*(self as *const RequestLink as *const ReqIds) })
+    }
+
+    fn take_solo(&mut self) -> Option<ReqIds> {
+        if !self.is_solo() {
+            return None;
+        }
+        let p = std::mem::replace(&mut self.0, std::ptr::null_mut());
+        // SAFETY: a solo link's pointer came from `ReqIds::into` above and is non-null; the
+        // link no longer holds it, so ownership moves back out exactly once.
+        Some(ReqIds(unsafe { std::ptr::NonNull::new_unchecked(p) }))
+    }
+}
+
+impl Drop for RequestLink {
+    fn drop(&mut self) {
+        drop(self.take_solo());
+    }
+}
+
+impl Clone for RequestLink {
+    fn clone(&self) -> RequestLink {
+        match self.solo_ids() {
+            Some(ids) => RequestLink::solo(ids.clone()),
+            None => RequestLink(self.0),
+        }
+    }
+}
+
+impl std::fmt::Debug for RequestLink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.solo_ids() {
+            Some(ids) => f.debug_tuple("Solo").field(ids).finish(),
+            None if self.bits() == 0 => f.write_str("None"),
+            None => f
+                .debug_struct("Record")
+                .field("index", &self.index())
+                .field("epoch", &self.epoch())
+                .finish(),
+        }
+    }
+}
+
 /// A request record (40 bytes): its ids; its request-scope rule slots are in
 /// [`Store::request_slots`]. It owns at most one request id and one trace id alias, so freeing
 /// it removes every alias pointing at it; a second one of either kind gets a stub request merged
 /// into this one. A request with a single attempt has no record until something needs one
-/// (see [`Attempt::solo`]).
+/// (see [`RequestLink`]).
 #[derive(Debug, Clone)]
 pub struct Request {
     pub generation: u32,
@@ -1020,7 +1127,7 @@ pub struct Resolved {
     pub request: Option<u32>,
     /// The attempt was (re)linked to a request by this event: request-scope state must be folded.
     pub linked: bool,
-    /// The event's request has no record: its only attempt keeps it (see [`Attempt::solo`]).
+    /// The event's request has no record: its only attempt keeps it (see [`RequestLink`]).
     pub solo: bool,
 }
 
@@ -1038,7 +1145,7 @@ pub struct CorrelateStats {
     pub requests_created: u64,
     pub requests_merged: u64,
     pub requests_expired: u64,
-    /// Requests given a record after living in their only attempt (see [`Attempt::solo`]).
+    /// Requests given a record after living in their only attempt (see [`RequestLink`]).
     pub requests_materialized: u64,
     /// Records of requests taken over by their first attempt (made by a request-level event).
     pub requests_adopted: u64,
@@ -1221,7 +1328,7 @@ pub struct Store {
 
     attempt_hand: usize,
     request_hand: usize,
-    /// Bumped by every request union (starts at 1; see [`Attempt::request_epoch`]).
+    /// Bumped by every request union (starts at 1; see [`RequestLink`]).
     union_epoch: u32,
     pub stats: CorrelateStats,
 }
@@ -1653,7 +1760,7 @@ impl Store {
     /// The request of an event's attempt, for an event naming no request.
     fn request_at(&mut self, attempt: Option<AttemptRef>, time_ns: u64) -> Option<ReqAt> {
         match attempt {
-            Some(AttemptRef::Live(i)) if self.attempts[i as usize].solo.is_some() => {
+            Some(AttemptRef::Live(i)) if self.attempts[i as usize].request.is_solo() => {
                 Some(ReqAt::Solo(i))
             }
             _ => self.current_request(attempt, time_ns).map(ReqAt::Record),
@@ -1666,14 +1773,14 @@ impl Store {
         let root = match attempt? {
             AttemptRef::Live(i) => {
                 let at = &self.attempts[i as usize];
-                let cur = at.request;
+                let cur = at.request.index();
                 if cur == NONE {
                     return None;
                 }
                 // Events of a live attempt whose request is a known root skip the request
                 // record: its idle time is brought up to date when the attempt leaves
                 // (`note_request_activity`).
-                if at.request_epoch == self.union_epoch {
+                if at.request.epoch() == self.union_epoch {
                     return Some(cur);
                 }
                 let root = self.find(cur);
@@ -1681,9 +1788,8 @@ impl Store {
                     // Point the attempt at the root; its reference follows.
                     self.requests[cur as usize].refs -= 1;
                     self.requests[root as usize].refs += 1;
-                    self.attempts[i as usize].request = root;
                 }
-                self.attempts[i as usize].request_epoch = self.union_epoch;
+                self.attempts[i as usize].request = RequestLink::record(root, self.union_epoch);
                 root
             }
             AttemptRef::Tomb(seq) => {
@@ -1770,7 +1876,7 @@ impl Store {
                         for key in solo.keys() {
                             self.aliases.insert(key, TAG_SOLO | i);
                         }
-                        self.attempts[i as usize].solo = Some(solo);
+                        self.attempts[i as usize].request = RequestLink::solo(solo);
                         known = [true; 2];
                         ReqAt::Solo(i)
                     }
@@ -1824,7 +1930,7 @@ impl Store {
         self.free_request(r);
         self.live_requests += 1;
         let at = &mut self.attempts[i as usize];
-        at.solo = Some(ids);
+        at.request = RequestLink::solo(ids);
         at.last_ns = at.last_ns.max(last);
         self.stats.requests_adopted += 1;
     }
@@ -1834,10 +1940,10 @@ impl Store {
     fn add_id(&mut self, to: ReqAt, trace: bool, key: u64, text: &str, time_ns: u64) -> ReqAt {
         let r = match to {
             ReqAt::Solo(i) => {
-                let solo = self.attempts[i as usize].solo.as_ref().expect("solo");
+                let solo = self.attempts[i as usize].request.solo_ids().expect("solo");
                 match solo.with(trace, text) {
                     Some(next) => {
-                        self.attempts[i as usize].solo = Some(next);
+                        self.attempts[i as usize].request = RequestLink::solo(next);
                         self.aliases.insert(key, TAG_SOLO | i);
                         return to;
                     }
@@ -1880,8 +1986,7 @@ impl Store {
         match attempt {
             Some(AttemptRef::Live(i)) => {
                 let at = &mut self.attempts[i as usize];
-                at.request = r;
-                at.request_epoch = self.union_epoch;
+                at.request = RequestLink::record(r, self.union_epoch);
             }
             Some(AttemptRef::Tomb(seq)) => match self.tomb_index(seq) {
                 Some(t) => self.tomb_mut(t).request = r,
@@ -1898,10 +2003,10 @@ impl Store {
     /// violation naming the request.
     pub fn request_record(&mut self, a: u32) -> Option<u32> {
         let at = &self.attempts[a as usize];
-        if at.solo.is_some() {
+        if at.request.is_solo() {
             return Some(self.materialize(a));
         }
-        match at.request {
+        match at.request.index() {
             NONE => None,
             r => Some(self.find(r)),
         }
@@ -1911,16 +2016,15 @@ impl Store {
     /// history is folded into the record's request-scope slots, as linking the attempt would.
     fn materialize(&mut self, i: u32) -> u32 {
         let ids = self.attempts[i as usize]
-            .solo
-            .take()
+            .request
+            .take_solo()
             .expect("a solo request");
         let r = self.new_request_record();
         for key in ids.keys() {
             self.aliases.insert(key, TAG_REQUEST | r);
         }
         let at = &mut self.attempts[i as usize];
-        at.request = r;
-        at.request_epoch = self.union_epoch;
+        at.request = RequestLink::record(r, self.union_epoch);
         let last = at.last_ns;
         let req = &mut self.requests[r as usize];
         req.ids = Some(ids);
@@ -1973,8 +2077,7 @@ impl Store {
         }
         let fresh = Attempt {
             generation: 0,
-            request: NONE,
-            request_epoch: 0,
+            request: RequestLink::NONE,
             input_tokens: 0,
             room: room.unwrap_or(0),
             rid_hex: [0; 2],
@@ -1985,7 +2088,6 @@ impl Store {
             worker_keys: [0; 4],
             legs_open: 0,
             legs_closed: 0,
-            solo: None,
             flags: LIVE | if room.is_some() { HAS_ROOM } else { 0 },
         };
         let i = match self.free_attempts.pop() {
@@ -2054,9 +2156,11 @@ impl Store {
         }
         // Cached roots may now be stubs.
         self.union_epoch += 1;
-        if self.union_epoch == u32::MAX {
+        if self.union_epoch == EPOCH_LIMIT {
             for a in self.attempts.iter_mut() {
-                a.request_epoch = 0;
+                if a.request.index() != NONE {
+                    a.request = RequestLink::record(a.request.index(), 0);
+                }
             }
             self.union_epoch = 1;
         }
@@ -2112,15 +2216,15 @@ impl Store {
             self.stats.alias_conflicts += 1;
             return a; // `a` was found by the event's room: the room decides
         }
-        if self.attempts[y as usize].solo.is_some() {
+        if self.attempts[y as usize].request.is_solo() {
             let xa = &self.attempts[x as usize];
-            if xa.solo.is_none() && xa.request == NONE {
+            if xa.request.index() == NONE && !xa.request.is_solo() {
                 // `x` takes over `y`'s request, still solo.
-                let ids = self.attempts[y as usize].solo.take().expect("solo");
+                let ids = self.attempts[y as usize].request.take_solo().expect("solo");
                 for key in ids.keys() {
                     self.aliases.insert(key, TAG_SOLO | x);
                 }
-                self.attempts[x as usize].solo = Some(ids);
+                self.attempts[x as usize].request = RequestLink::solo(ids);
             } else {
                 self.materialize(y);
             }
@@ -2149,9 +2253,9 @@ impl Store {
             (0, d) | (d, 0) => d,
             (p, q) => p.min(q),
         };
-        if xa.request == NONE && ya.request != NONE {
-            xa.request = ya.request;
-            self.requests[ya.request as usize].refs += 1;
+        if xa.request.index() == NONE && ya.request.index() != NONE {
+            xa.request = RequestLink::record(ya.request.index(), 0);
+            self.requests[ya.request.index() as usize].refs += 1;
         }
         if let Some(r) = self.reasons.remove(&y) {
             self.reasons.entry(x).or_insert(r);
@@ -2172,9 +2276,9 @@ impl Store {
     /// time up to date before the attempt stops holding it.
     fn note_request_activity(&mut self, i: u32) {
         let at = &self.attempts[i as usize];
-        if at.request != NONE {
+        if at.request.index() != NONE {
             let last = at.last_ns;
-            let root = self.find(at.request);
+            let root = self.find(at.request.index());
             let req = &mut self.requests[root as usize];
             req.last_ns = req.last_ns.max(last);
         }
@@ -2182,7 +2286,7 @@ impl Store {
 
     /// Forgets live attempt `i` entirely (its aliases, its request reference).
     fn free_attempt(&mut self, i: u32) {
-        if self.attempts[i as usize].solo.is_some() {
+        if self.attempts[i as usize].request.is_solo() {
             // The request outlives the attempt (retention): it needs a record.
             self.materialize(i);
         }
@@ -2191,7 +2295,7 @@ impl Store {
             self.aliases.remove_if(k, i);
         }
         let at = &self.attempts[i as usize];
-        let request = at.request;
+        let request = at.request.index();
         let fired = at.fired;
         if request != NONE {
             self.requests[request as usize].refs -= 1;
@@ -2210,7 +2314,7 @@ impl Store {
         at.rid2_key = 0;
         let row = self.attempt_slots.item_mut(i as usize);
         row_clear(row, &mut self.wide_attempts, i);
-        at.request = NONE;
+        at.request = RequestLink::NONE;
         at.generation = at.generation.wrapping_add(1);
         self.reasons.remove(&i);
         self.free_attempts.push(i);
@@ -2223,7 +2327,7 @@ impl Store {
             self.pop_tomb();
             self.stats.tombstones_evicted_cap += 1;
         }
-        if self.attempts[i as usize].solo.is_some() {
+        if self.attempts[i as usize].request.is_solo() {
             // The tombstone keeps the request for late activity: it needs a record.
             self.materialize(i);
         }
@@ -2237,7 +2341,7 @@ impl Store {
             + 1;
         let fired = at.fired;
         let tomb = Tombstone {
-            request: at.request,
+            request: at.request.index(),
             expires_s,
             fired: compress_bits(self.tomb_rule_mask, fired),
             row_at: (self.tomb_words_base + self.tomb_slots.len() as u64) as u32,
@@ -2267,7 +2371,7 @@ impl Store {
         }
         // The tombstone inherits the request reference: take it away before freeing.
         self.note_request_activity(i);
-        self.attempts[i as usize].request = NONE;
+        self.attempts[i as usize].request = RequestLink::NONE;
         self.free_attempt(i);
         if let Some(key) = key {
             let val = TAG_TOMB | (seq as u32 & INDEX_MASK);
@@ -2510,6 +2614,43 @@ mod request_tests {
         let kept = ids.request_id().unwrap();
         assert!(kept.len() <= ID_MAX && long.starts_with(kept));
         assert_eq!(ids.trace_id(), Some("t"));
+    }
+
+    #[test]
+    fn request_links_hold_a_record_or_solo_ids_in_one_word() {
+        assert_eq!(std::mem::size_of::<RequestLink>(), 8);
+        let none = RequestLink::NONE;
+        assert_eq!(
+            (none.index(), none.epoch(), none.is_solo()),
+            (NONE, 0, false)
+        );
+        for (r, epoch) in [
+            (0, 0),
+            (7, 1),
+            (NONE - 1, EPOCH_LIMIT - 1),
+            (1 << 29, 12345),
+        ] {
+            let l = RequestLink::record(r, epoch);
+            assert_eq!((l.index(), l.epoch(), l.is_solo()), (r, epoch, false));
+            assert!(l.solo_ids().is_none());
+            let c = l.clone();
+            assert_eq!((c.index(), c.epoch()), (r, epoch));
+        }
+        let mut l = RequestLink::solo(ReqIds::new(Some("q"), Some("t")));
+        assert!(l.is_solo());
+        assert_eq!((l.index(), l.epoch()), (NONE, 0));
+        let c = l.clone();
+        assert_eq!(c.solo_ids().unwrap().request_id(), Some("q"));
+        drop(c);
+        let ids = l.take_solo().unwrap();
+        assert_eq!(ids.trace_id(), Some("t"));
+        assert!(!l.is_solo() && l.take_solo().is_none());
+        // Overwriting a solo link frees its ids (a leak would show in the state_size bench's
+        // counting allocator).
+        let mut l = RequestLink::solo(ids);
+        assert!(l.is_solo());
+        l = RequestLink::record(3, 4);
+        assert_eq!(l.index(), 3);
     }
 
     #[test]
