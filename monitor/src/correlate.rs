@@ -1394,6 +1394,10 @@ impl Store {
     pub fn live_requests(&self) -> usize {
         self.live_requests
     }
+    /// Live requests with a record (forwarding stubs of merged ones included).
+    pub fn request_records(&self) -> usize {
+        self.requests.len() - self.free_requests.len()
+    }
     pub fn tombstones(&self) -> usize {
         self.tombs.len()
     }

@@ -211,11 +211,12 @@ fn check(args: CheckArgs) -> ExitCode {
             }
         );
         eprintln!(
-            "revenant: {} attempts created, {} live, {} tombstones, {} requests live; evicted {} by ttl, {} by cap",
+            "revenant: {} attempts created, {} live, {} tombstones, {} requests live ({} with a record); evicted {} by ttl, {} by cap",
             s.correlate.attempts_created,
             s.live_attempts,
             s.tombstones,
             s.live_requests,
+            s.request_records,
             s.correlate.evicted_ttl,
             s.correlate.evicted_cap
         );

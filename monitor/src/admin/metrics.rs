@@ -560,6 +560,12 @@ impl Collector for CheckerCollector {
         )?;
         gauge(
             &mut enc,
+            "revenant_checker_request_records",
+            "Client requests tracked with a record of their own (the others live in their only attempt)",
+            st.request_records as f64,
+        )?;
+        gauge(
+            &mut enc,
             "revenant_checker_tombstones",
             "Compact tombstones of ended attempts kept to catch late activity",
             st.tombstones as f64,

@@ -113,6 +113,8 @@ pub struct CheckerStats {
     pub correlate: CorrelateStats,
     pub live_attempts: u64,
     pub live_requests: u64,
+    /// Live requests that have a record (the others are kept by their only attempt).
+    pub request_records: u64,
     pub tombstones: u64,
     /// Attempts, requests and tombstones whose rule slots did not fit a packed row (events more
     /// than 9 minutes apart, statuses above 1023) and are kept at full width.
@@ -413,6 +415,7 @@ impl Checker {
         s.correlate = self.store.stats;
         s.live_attempts = self.store.live_attempts() as u64;
         s.live_requests = self.store.live_requests() as u64;
+        s.request_records = self.store.request_records() as u64;
         s.tombstones = self.store.tombstones() as u64;
         s.wide_slot_rows = self.store.wide_rows() as u64;
         s.violations = self.per_rule.iter().sum();
