@@ -13,7 +13,7 @@ pub type Entry = (u64, u32, u32);
 
 const RUNS: usize = 4;
 
-/// Entries per chunk of a run (8 KiB).
+/// Entries per chunk of a run (8 KiB; a power of two).
 const CHUNK: usize = 512;
 
 /// One monotone run: a FIFO of entries in fixed-size chunks. Its capacity tracks its length to
@@ -21,14 +21,21 @@ const CHUNK: usize = 512;
 /// holds about one entry per live attempt, so that was most of the queue's memory.
 #[derive(Default)]
 struct Run {
-    chunks: VecDeque<Box<[Entry]>>,
+    chunks: VecDeque<Box<Chunk>>,
     /// Entries already popped from the first chunk.
     head: usize,
     len: usize,
     /// The last chunk emptied, kept for the next one needed: a run that drains and refills does
     /// not allocate (and zero 8 KiB) each time.
-    spare: Option<Box<[Entry]>>,
+    spare: Option<Box<Chunk>>,
+    /// Copies of the first and last entries (valid while `len > 0`): every push compares with
+    /// each run's last and every pop with each run's first, so these are read far more often
+    /// than the chunks.
+    first: Entry,
+    last: Entry,
 }
+
+type Chunk = [Entry; CHUNK];
 
 impl Run {
     #[inline]
@@ -39,12 +46,12 @@ impl Run {
 
     #[inline]
     fn front(&self) -> Option<&Entry> {
-        (self.len > 0).then(|| self.at(0))
+        (self.len > 0).then_some(&self.first)
     }
 
     #[inline]
     fn back(&self) -> Option<&Entry> {
-        (self.len > 0).then(|| self.at(self.len - 1))
+        (self.len > 0).then_some(&self.last)
     }
 
     fn len(&self) -> usize {
@@ -57,10 +64,14 @@ impl Run {
             let chunk = self
                 .spare
                 .take()
-                .unwrap_or_else(|| vec![(0, 0, 0); CHUNK].into_boxed_slice());
+                .unwrap_or_else(|| Box::new([(0, 0, 0); CHUNK]));
             self.chunks.push_back(chunk);
         }
         self.chunks[j / CHUNK][j % CHUNK] = e;
+        if self.len == 0 {
+            self.first = e;
+        }
+        self.last = e;
         self.len += 1;
     }
 
@@ -69,10 +80,14 @@ impl Run {
         self.head += 1;
         self.len -= 1;
         if self.head == CHUNK {
+            // A chunk is added only when an entry needs it: the next entry is in the next one.
             self.spare = self.chunks.pop_front();
             self.head = 0;
         } else if self.len == 0 {
             self.head = 0;
+        }
+        if self.len > 0 {
+            self.first = *self.at(0);
         }
         Some(e)
     }
@@ -92,7 +107,7 @@ impl Run {
     fn capacity_bytes(&self) -> usize {
         let chunks = self.chunks.len() + usize::from(self.spare.is_some());
         chunks * CHUNK * std::mem::size_of::<Entry>()
-            + self.chunks.capacity() * std::mem::size_of::<Box<[Entry]>>()
+            + self.chunks.capacity() * std::mem::size_of::<Box<Chunk>>()
     }
 }
 
