@@ -268,4 +268,51 @@ mod tests {
         assert_eq!(got, all);
         assert!(q.is_empty());
     }
+
+    #[test]
+    fn reserved_memory_tracks_the_length() {
+        let mut q = TimerQueue::default();
+        let entry = std::mem::size_of::<Entry>();
+        let n = 20 * CHUNK as u32 + 7;
+        for i in 0..n {
+            // Two interleaved monotone streams: two runs.
+            let due = if i % 2 == 0 {
+                i as u64
+            } else {
+                1_000_000 + i as u64
+            };
+            q.push((due, i, 0));
+        }
+        let bound = |len: usize| len * entry + RUNS * 2 * CHUNK * entry + 4096;
+        assert!(
+            q.capacity_bytes() <= bound(q.len()),
+            "{} B for {}",
+            q.capacity_bytes(),
+            q.len()
+        );
+        let mut last = 0;
+        while q.len() > 100 {
+            let e = q.pop().unwrap();
+            assert!(e.0 >= last);
+            last = e.0;
+        }
+        assert!(
+            q.capacity_bytes() <= bound(q.len()),
+            "{} B for {}",
+            q.capacity_bytes(),
+            q.len()
+        );
+        // Drained and refilled across chunk boundaries: still in order.
+        for i in 0..3 * CHUNK as u32 {
+            q.push((2_000_000 + i as u64, i, 1));
+        }
+        let mut got = 0;
+        while let Some(e) = q.pop() {
+            assert!(e.0 >= last);
+            last = e.0;
+            got += 1;
+        }
+        assert_eq!(got, 100 + 3 * CHUNK);
+        assert!(q.capacity_bytes() <= bound(0));
+    }
 }
