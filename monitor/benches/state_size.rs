@@ -93,9 +93,11 @@ fn main() {
     }
     let s = checker.stats();
     println!(
-        "tombstones: {} (live attempts {}), tombstone tables {} B -> {:.1} B per tombstone (queue, kept slots, alias index at its real capacity)",
+        "tombstones: {} (live attempts {}, requests {}, alias entries {}), tombstone tables {} B -> {:.1} B per tombstone (queue, kept slots, alias index at its real capacity)",
         s.tombstones,
         s.live_attempts,
+        s.live_requests,
+        checker.alias_entries(),
         checker.tombstone_bytes(),
         checker.tombstone_bytes() as f64 / s.tombstones as f64
     );

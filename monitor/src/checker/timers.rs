@@ -13,8 +13,106 @@ pub type Entry = (u64, u32, u32);
 
 const RUNS: usize = 4;
 
+/// Entries per chunk of a run (8 KiB; a power of two).
+const CHUNK: usize = 512;
+
+/// One monotone run: a FIFO of entries in fixed-size chunks. Its capacity tracks its length to
+/// within a chunk, where a `VecDeque` (doubling) reserved up to twice its length, and a run
+/// holds about one entry per live attempt, so that was most of the queue's memory.
+#[derive(Default)]
+struct Run {
+    chunks: VecDeque<Box<Chunk>>,
+    /// Entries already popped from the first chunk.
+    head: usize,
+    len: usize,
+    /// The last chunk emptied, kept for the next one needed: a run that drains and refills does
+    /// not allocate (and zero 8 KiB) each time.
+    spare: Option<Box<Chunk>>,
+    /// Copies of the first and last entries (valid while `len > 0`): every push compares with
+    /// each run's last and every pop with each run's first, so these are read far more often
+    /// than the chunks.
+    first: Entry,
+    last: Entry,
+}
+
+type Chunk = [Entry; CHUNK];
+
+impl Run {
+    #[inline]
+    fn at(&self, k: usize) -> &Entry {
+        let j = self.head + k;
+        &self.chunks[j / CHUNK][j % CHUNK]
+    }
+
+    #[inline]
+    fn front(&self) -> Option<&Entry> {
+        (self.len > 0).then_some(&self.first)
+    }
+
+    #[inline]
+    fn back(&self) -> Option<&Entry> {
+        (self.len > 0).then_some(&self.last)
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn push_back(&mut self, e: Entry) {
+        let j = self.head + self.len;
+        if j == self.chunks.len() * CHUNK {
+            let chunk = self
+                .spare
+                .take()
+                .unwrap_or_else(|| Box::new([(0, 0, 0); CHUNK]));
+            self.chunks.push_back(chunk);
+        }
+        self.chunks[j / CHUNK][j % CHUNK] = e;
+        if self.len == 0 {
+            self.first = e;
+        }
+        self.last = e;
+        self.len += 1;
+    }
+
+    fn pop_front(&mut self) -> Option<Entry> {
+        let e = *self.front()?;
+        self.head += 1;
+        self.len -= 1;
+        if self.head == CHUNK {
+            // A chunk is added only when an entry needs it: the next entry is in the next one.
+            self.spare = self.chunks.pop_front();
+            self.head = 0;
+        } else if self.len == 0 {
+            self.head = 0;
+        }
+        if self.len > 0 {
+            self.first = *self.at(0);
+        }
+        Some(e)
+    }
+
+    /// Keeps the entries `keep` says yes to, in order, in a fresh run (the memory of the rest
+    /// is given back).
+    fn retain(&mut self, mut keep: impl FnMut(&Entry) -> bool) {
+        let old = std::mem::take(self);
+        for k in 0..old.len {
+            let e = old.at(k);
+            if keep(e) {
+                self.push_back(*e);
+            }
+        }
+    }
+
+    fn capacity_bytes(&self) -> usize {
+        let chunks = self.chunks.len() + usize::from(self.spare.is_some());
+        chunks * CHUNK * std::mem::size_of::<Entry>()
+            + self.chunks.capacity() * std::mem::size_of::<Box<Chunk>>()
+    }
+}
+
 pub struct TimerQueue {
-    runs: [VecDeque<Entry>; RUNS],
+    runs: [Run; RUNS],
     heap: BinaryHeap<Reverse<Entry>>,
     /// The earliest due time queued (`u64::MAX` when empty): the watermark moves on nearly every
     /// event, and this answers "anything due?" without looking at five queue heads.
@@ -94,7 +192,7 @@ impl TimerQueue {
     }
 
     pub fn len(&self) -> usize {
-        self.heap.len() + self.runs.iter().map(VecDeque::len).sum::<usize>()
+        self.heap.len() + self.runs.iter().map(Run::len).sum::<usize>()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -105,10 +203,7 @@ impl TimerQueue {
     /// rest. O(len): callers amortise it.
     pub fn retain(&mut self, mut keep: impl FnMut(&Entry) -> bool) {
         for r in &mut self.runs {
-            r.retain(|e| keep(e));
-            if r.capacity() > 2 * r.len() + 16 {
-                r.shrink_to_fit();
-            }
+            r.retain(&mut keep);
         }
         let heap = std::mem::take(&mut self.heap);
         self.heap = heap.into_iter().filter(|r| keep(&r.0)).collect();
@@ -117,8 +212,8 @@ impl TimerQueue {
 
     /// Heap bytes reserved (capacity, not length).
     pub fn capacity_bytes(&self) -> usize {
-        (self.heap.capacity() + self.runs.iter().map(VecDeque::capacity).sum::<usize>())
-            * std::mem::size_of::<Entry>()
+        self.heap.capacity() * std::mem::size_of::<Reverse<Entry>>()
+            + self.runs.iter().map(Run::capacity_bytes).sum::<usize>()
     }
 }
 
@@ -172,5 +267,52 @@ mod tests {
         }
         assert_eq!(got, all);
         assert!(q.is_empty());
+    }
+
+    #[test]
+    fn reserved_memory_tracks_the_length() {
+        let mut q = TimerQueue::default();
+        let entry = std::mem::size_of::<Entry>();
+        let n = 20 * CHUNK as u32 + 7;
+        for i in 0..n {
+            // Two interleaved monotone streams: two runs.
+            let due = if i % 2 == 0 {
+                i as u64
+            } else {
+                1_000_000 + i as u64
+            };
+            q.push((due, i, 0));
+        }
+        let bound = |len: usize| len * entry + RUNS * 2 * CHUNK * entry + 4096;
+        assert!(
+            q.capacity_bytes() <= bound(q.len()),
+            "{} B for {}",
+            q.capacity_bytes(),
+            q.len()
+        );
+        let mut last = 0;
+        while q.len() > 100 {
+            let e = q.pop().unwrap();
+            assert!(e.0 >= last);
+            last = e.0;
+        }
+        assert!(
+            q.capacity_bytes() <= bound(q.len()),
+            "{} B for {}",
+            q.capacity_bytes(),
+            q.len()
+        );
+        // Drained and refilled across chunk boundaries: still in order.
+        for i in 0..3 * CHUNK as u32 {
+            q.push((2_000_000 + i as u64, i, 1));
+        }
+        let mut got = 0;
+        while let Some(e) = q.pop() {
+            assert!(e.0 >= last);
+            last = e.0;
+            got += 1;
+        }
+        assert_eq!(got, 100 + 3 * CHUNK);
+        assert!(q.capacity_bytes() <= bound(0));
     }
 }
