@@ -1054,7 +1054,11 @@ mod tests {
         let slots = [Slot::EMPTY, a, b, a, Slot::EMPTY, b, a];
         let mut row = [0u64; mapped::max_len(7)];
         let n = mapped::encode(&slots, &mut row).unwrap();
-        assert_eq!((n, mapped::len(row[1])), (4, 4), "base, map and the two events");
+        assert_eq!(
+            (n, mapped::len(row[1])),
+            (4, 4),
+            "base, map and the two events"
+        );
         assert_eq!(mapped::decode(&row, 7), slots.to_vec());
         let view = Slots::Mapped { row: &row, n: 7 };
         assert!(!view.any_set(0, Keep::Earliest) && view.any_set(0, Keep::EarliestPerNode));
@@ -1062,7 +1066,10 @@ mod tests {
         // A later event for slot 6: `a` is shared, so it gets a word of its own.
         let c = at(t0 + S, None);
         let keep = |_| Keep::Latest;
-        assert_eq!(mapped::fold_specs(&mut row[..n + 1], 1 << 6, keep, c), Ok(1 << 6));
+        assert_eq!(
+            mapped::fold_specs(&mut row[..n + 1], 1 << 6, keep, c),
+            Ok(1 << 6)
+        );
         assert_eq!(mapped::len(row[1]), 5);
         // Slot 5's `b` is shared too, but the row is full: stop before changing it.
         let d = at(t0 + 2 * S, None);

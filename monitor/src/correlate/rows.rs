@@ -93,11 +93,7 @@ impl SlotRows {
     pub fn new(keeps: Vec<Keep>) -> SlotRows {
         let n = keeps.len();
         let dense = n > MAPPED_MAX;
-        let widths = if dense {
-            vec![1 + n]
-        } else {
-            class_widths(n)
-        };
+        let widths = if dense { vec![1 + n] } else { class_widths(n) };
         SlotRows {
             n,
             dense,
@@ -156,7 +152,9 @@ impl SlotRows {
     pub fn view(&self, r: RowRef, id: u32) -> Slots<'_> {
         let row = match r.class {
             NO_ROW => &ZERO_ROW[..mapped::max_len(self.n)],
-            WIDE_ROW => return Slots::Wide(self.wide.get(&id).expect("a wide row keeps its slots")),
+            WIDE_ROW => {
+                return Slots::Wide(self.wide.get(&id).expect("a wide row keeps its slots"));
+            }
             // A mapped row finds its words through its map: the chunk's tail serves as the row.
             _ => self.tail(r.index),
         };
@@ -476,7 +474,7 @@ mod tests {
         let mut rng = 0x9e37_79b9_7f4a_7c15u64;
         for step in 0..20_000 {
             let owner = (xorshift(&mut rng) % 40) as usize;
-            if xorshift(&mut rng) % 50 == 0 {
+            if xorshift(&mut rng).is_multiple_of(50) {
                 o.clear(owner);
                 continue;
             }
@@ -519,10 +517,7 @@ mod tests {
         assert_eq!(o.fold(0, 0b1, at(T0, Kind::Work, None, 0)), 0b1);
         assert_eq!(o.refs[0].class, 1, "a fresh row takes the smallest class");
         // One event kept by three specs is one word.
-        assert_eq!(
-            o.fold(0, 0b110, at(T0 + S, Kind::Admitted, None, 0)),
-            0b110
-        );
+        assert_eq!(o.fold(0, 0b110, at(T0 + S, Kind::Admitted, None, 0)), 0b110);
         let len = |o: &Owners, i: usize| mapped::len(o.rows.row(o.refs[i])[1]);
         assert_eq!(len(&o, 0), 4, "base, map, two distinct words");
         // Distinct events grow the row through the classes.
@@ -542,7 +537,11 @@ mod tests {
         // ... until the row is full: then it is dropped instead of the row moving.
         let (class, used) = (o.refs[0].class, len(&o, 0));
         for k in 0..=o.rows.row(o.refs[0]).len() - used {
-            o.fold(0, 1 << [4, 5, 9][k], at(T0 + 500 * S + k as u64, Kind::Work, None, 0));
+            o.fold(
+                0,
+                1 << [4, 5, 9][k],
+                at(T0 + 500 * S + k as u64, Kind::Work, None, 0),
+            );
         }
         assert_eq!(o.refs[0].class, class);
         assert!(!mapped::has_garbage(o.rows.row(o.refs[0])[1]));
@@ -594,7 +593,11 @@ mod tests {
             o.clear(i);
         }
         fill(&mut o);
-        assert_eq!(o.rows.capacity_bytes(), bytes, "the second round fits the freed rows");
+        assert_eq!(
+            o.rows.capacity_bytes(),
+            bytes,
+            "the second round fits the freed rows"
+        );
         for i in 0..3000 {
             o.check(i);
         }
