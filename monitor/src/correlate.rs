@@ -15,6 +15,9 @@ use foldhash::fast::FixedState;
 use crate::checker::slots::{Cands, Keep, Slot, SlotLayout, Slots, fold_into, packed, sparse};
 use crate::event::Ids;
 
+mod rows;
+use rows::{RowRef, SlotRows};
+
 pub const NONE: u32 = u32::MAX;
 
 const HASH_SEED: u64 = 0x7265_7665_6e61_6e74; // "revenant"
@@ -927,7 +930,8 @@ impl Rid {
     }
 }
 
-/// Live state of one attempt (88 bytes). Rule slots live in [`Store::attempt_slots`].
+/// Live state of one attempt (88 bytes). Rule slots live in [`Store::attempt_rows`], found by
+/// `slot_class`/`slot_row`.
 ///
 /// Every alias key that points at the attempt is recorded here (room, first rid, a second rid)
 /// or, beyond that, in [`Store::more_rids`], so that freeing the attempt removes all of them: an
@@ -962,6 +966,9 @@ pub struct Attempt {
     pub legs_open: u8,
     pub legs_closed: u8,
     flags: u8,
+    /// Where its slot row is ([`RowRef`] as two fields: they fill the record's tail padding).
+    slot_class: u8,
+    slot_row: u32,
 }
 
 const LIVE: u8 = 1;
@@ -999,6 +1006,18 @@ impl Attempt {
     }
     fn has_rid(&self) -> bool {
         self.flags & (RID_HEX | RID_TEXT) != 0
+    }
+    #[inline]
+    fn row(&self) -> RowRef {
+        RowRef {
+            class: self.slot_class,
+            index: self.slot_row,
+        }
+    }
+    #[inline]
+    fn set_row(&mut self, r: RowRef) {
+        self.slot_class = r.class;
+        self.slot_row = r.index;
     }
 }
 
@@ -1732,12 +1751,8 @@ macro_rules! owners {
 pub struct Store {
     pub limits: Limits,
     pub attempts: Chunked<Attempt>,
-    /// Per attempt, its rule slots as a packed row (see [`packed`]).
-    attempt_slots: Chunked<u64>,
-    /// The slots of attempts whose row is [`packed::WIDE`] (events spanning more than the
-    /// packed window; rare).
-    wide_attempts: HashMap<u32, Box<[Slot]>, FixedState>,
-    attempt_keeps: Vec<Keep>,
+    /// Per attempt, its rule slots as a sparse row in a size class (see [`rows`]).
+    attempt_rows: SlotRows,
     free_attempts: Vec<u32>,
     live_attempts: usize,
     /// Every alias: rooms and rids (live attempts, tombstones), request ids and trace ids.
@@ -1811,9 +1826,7 @@ impl Store {
         Store {
             limits,
             attempts: Chunked::new(1),
-            attempt_slots: Chunked::new(1 + attempt_keeps.len()),
-            wide_attempts: HashMap::with_hasher(hasher()),
-            attempt_keeps,
+            attempt_rows: SlotRows::new(attempt_keeps),
             free_attempts: Vec::new(),
             live_attempts: 0,
             aliases: alias::Table::default(),
@@ -1893,22 +1906,19 @@ impl Store {
         table.insert(key, val, |v| owners.owns(v, &a))
     }
 
+    #[inline]
     pub fn attempt_slots(&self, a: u32) -> Slots<'_> {
-        row_view(self.attempt_slots.item(a as usize), &self.wide_attempts, a)
+        self.attempt_rows.view(self.attempts[a as usize].row(), a)
     }
     /// Folds `slot` into every spec of attempt `a` whose bit is set in `specs`; returns the
     /// specs whose slots changed.
     #[inline]
     pub fn fold_attempt_slots(&mut self, a: u32, specs: u64, slot: Slot) -> u64 {
-        let row = self.attempt_slots.item_mut(a as usize);
-        row_fold(
-            row,
-            &mut self.wide_attempts,
-            a,
-            specs,
-            &self.attempt_keeps,
-            slot,
-        )
+        let at = &mut self.attempts[a as usize];
+        let mut r = at.row();
+        let changed = self.attempt_rows.fold(&mut r, a, specs, slot);
+        at.set_row(r);
+        changed
     }
     pub fn request_slots(&self, r: u32) -> Slots<'_> {
         row_view(self.request_slots.item(r as usize), &self.wide_requests, r)
@@ -1928,7 +1938,7 @@ impl Store {
     }
     /// Attempts, requests and tombstones whose slots did not fit a packed row, for the stats.
     pub fn wide_rows(&self) -> usize {
-        self.wide_attempts.len() + self.wide_requests.len() + self.wide_tombs.len()
+        self.attempt_rows.wide_len() + self.wide_requests.len() + self.wide_tombs.len()
     }
 
     pub fn reason(&self, a: u32) -> Option<&str> {
@@ -2522,7 +2532,11 @@ impl Store {
         req.last_ns = last;
         for n in 0..self.request_links.len() {
             let (from, to) = self.request_links[n];
-            let own = Cands::of(&self.attempt_slots(i), from, self.attempt_keeps[from]);
+            let own = Cands::of(
+                &self.attempt_slots(i),
+                from,
+                self.attempt_rows.keeps()[from],
+            );
             for &slot in own.iter() {
                 self.fold_request_slots(r, 1 << to, slot);
             }
@@ -2588,6 +2602,8 @@ impl Store {
             legs_open: 0,
             legs_closed: 0,
             flags: LIVE | if room.is_some() { HAS_ROOM } else { 0 },
+            slot_class: RowRef::NONE.class,
+            slot_row: RowRef::NONE.index,
         };
         let i = match self.free_attempts.pop() {
             Some(i) => {
@@ -2596,13 +2612,10 @@ impl Store {
                     generation,
                     ..fresh
                 };
-                // Its slot row was cleared when it was freed.
+                // Its slot row was freed with it.
                 i
             }
-            None => {
-                self.attempt_slots.push(0);
-                self.attempts.push(fresh) as u32
-            }
+            None => self.attempts.push(fresh) as u32,
         };
         self.set_first_rid(i, rid);
         for k in [room_key, rid_key].into_iter().flatten() {
@@ -2735,9 +2748,11 @@ impl Store {
         }
         let src = self.attempt_slots(y).to_vec();
         let mut dst = self.attempt_slots(x).to_vec();
-        fold_all(&mut dst, &src, &self.attempt_keeps);
-        let row = self.attempt_slots.item_mut(x as usize);
-        row_store(row, &mut self.wide_attempts, x, &dst);
+        fold_all(&mut dst, &src, self.attempt_rows.keeps());
+        let at = &mut self.attempts[x as usize];
+        let mut r = at.row();
+        self.attempt_rows.store(&mut r, x, &dst);
+        at.set_row(r);
         let ya = self.attempts[y as usize].clone();
         let y_keys: Vec<u64> = self.attempt_keys(y).collect();
         let y_rid = self.attempt_rid(y);
@@ -2816,8 +2831,9 @@ impl Store {
         }
         at.flags = 0;
         at.rid2_key = 0;
-        let row = self.attempt_slots.item_mut(i as usize);
-        row_clear(row, &mut self.wide_attempts, i);
+        let mut r = at.row();
+        self.attempt_rows.clear(&mut r, i);
+        at.set_row(r);
         at.request = RequestLink::NONE;
         at.generation = at.generation.wrapping_add(1);
         self.reasons.remove(&i);
@@ -3020,7 +3036,7 @@ impl Store {
     pub fn table_breakdown(&self) -> Vec<(&'static str, usize)> {
         vec![
             ("attempts", self.attempts.capacity_bytes()),
-            ("attempt slots", self.attempt_slots.capacity_bytes()),
+            ("attempt slots", self.attempt_rows.capacity_bytes()),
             ("alias table", self.aliases.capacity_bytes()),
             ("requests", self.requests.capacity_bytes()),
             ("request slots", self.request_slots.capacity_bytes()),
@@ -3032,7 +3048,7 @@ impl Store {
     /// Heap bytes held by the store's tables (capacity, not length), for memory accounting.
     pub fn table_bytes(&self) -> usize {
         self.attempts.capacity_bytes()
-            + self.attempt_slots.capacity_bytes()
+            + self.attempt_rows.capacity_bytes()
             + self.aliases.capacity_bytes()
             + self.requests.capacity_bytes()
             + self.request_slots.capacity_bytes()

@@ -1225,6 +1225,9 @@ impl Checker {
     fn judge_deadlines(&mut self, a: u32, out: &mut Vec<Violation>) {
         let wm = self.stats.watermark_ns;
         let mut next: Option<u64> = None;
+        // One look-up of the attempt's row for all its rules (again after a violation, which
+        // needs the store mutably, though it changes no slot).
+        let mut s = self.store.attempt_slots(a);
         for ri in 0..self.rules.len() {
             let bit = 1u64 << ri;
             if self.store.attempts[a as usize].fired & bit != 0
@@ -1233,7 +1236,6 @@ impl Checker {
                 continue;
             }
             let slots = self.rules[ri].slots;
-            let s = self.store.attempt_slots(a);
             let finding = match &self.rules[ri].rule.shape {
                 Shape::MustFollow(rule) => {
                     let trig = s.get(slots.trigger);
@@ -1351,6 +1353,7 @@ impl Checker {
                 ..finding
             };
             out.push(self.violation(f));
+            s = self.store.attempt_slots(a);
         }
         if let Some(due) = next {
             self.schedule(a, due);
