@@ -12,7 +12,9 @@ use std::hash::BuildHasher;
 
 use foldhash::fast::FixedState;
 
-use crate::checker::slots::{Cands, Keep, Slot, SlotLayout, Slots, fold_into, packed, sparse};
+use crate::checker::slots::{
+    Cands, Keep, Slot, SlotLayout, Slots, fold_into, fold_specs_full, packed, sparse,
+};
 use crate::event::Ids;
 
 mod rows;
@@ -1669,15 +1671,7 @@ fn row_fold<K: std::hash::Hash + Eq + Copy>(
         }
     }
     let slots = wide.get_mut(&id).expect("a wide row keeps its slots");
-    let (mut bits, mut changed) = (specs, 0u64);
-    while bits != 0 {
-        let k = bits.trailing_zeros() as usize;
-        bits &= bits - 1;
-        if fold_into(slots, k, keeps[k], slot) {
-            changed |= 1 << k;
-        }
-    }
-    changed
+    fold_specs_full(slots, keeps, specs, slot)
 }
 
 /// Replaces an owner's slots with `slots` (packed when they fit, else wide).

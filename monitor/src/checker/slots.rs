@@ -121,6 +121,20 @@ pub fn fold_into<C: Cell>(slots: &mut [C], k: usize, keep: Keep, new: C) -> bool
     }
 }
 
+/// [`fold_into`] for every spec whose bit is set in `specs` (`keeps` indexed by spec), on full
+/// slots; returns the specs whose slots changed.
+pub fn fold_specs_full(slots: &mut [Slot], keeps: &[Keep], specs: u64, slot: Slot) -> u64 {
+    let (mut bits, mut changed) = (specs, 0u64);
+    while bits != 0 {
+        let k = bits.trailing_zeros() as usize;
+        bits &= bits - 1;
+        if fold_into(slots, k, keeps[k], slot) {
+            changed |= 1 << k;
+        }
+    }
+    changed
+}
+
 /// Read access to one owner's slots, whichever way they are stored.
 pub trait SlotRead {
     fn slot(&self, k: usize) -> Slot;

@@ -20,7 +20,7 @@ use foldhash::fast::FixedState;
 
 use super::{NONE, hasher};
 use crate::checker::slots::mapped::{self, MAPPED_MAX, Stop};
-use crate::checker::slots::{Keep, Slot, SlotLayout, Slots, fold_into, packed};
+use crate::checker::slots::{Keep, Slot, SlotLayout, Slots, fold_specs_full, packed};
 
 /// Where an owner's row is: a class and an index in it. Stored by the owner as its two fields
 /// (a `u8` and a `u32` fit an [`super::Attempt`]'s tail padding; this struct would not).
@@ -367,19 +367,6 @@ impl SlotRows {
         }
         *r = RowRef::NONE;
     }
-}
-
-/// Folds `slot` into the specs `specs` of full slots; returns the specs that changed.
-fn fold_specs_full(slots: &mut [Slot], keeps: &[Keep], specs: u64, slot: Slot) -> u64 {
-    let (mut bits, mut changed) = (specs, 0u64);
-    while bits != 0 {
-        let k = bits.trailing_zeros() as usize;
-        bits &= bits - 1;
-        if fold_into(slots, k, keeps[k], slot) {
-            changed |= 1 << k;
-        }
-    }
-    changed
 }
 
 #[cfg(test)]
