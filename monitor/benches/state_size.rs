@@ -113,6 +113,12 @@ fn main() {
         heap,
         heap as f64 / s.tombstones as f64
     );
+    for (name, bytes) in &checker.state_breakdown() {
+        println!(
+            "  {name}: {:.1} B per tombstone",
+            *bytes as f64 / s.tombstones as f64
+        );
+    }
     println!(
         "engine table bytes (capacity-based): {}",
         checker.state_bytes()
