@@ -121,18 +121,29 @@ pub fn fold_into<C: Cell>(slots: &mut [C], k: usize, keep: Keep, new: C) -> bool
     }
 }
 
-/// [`fold_into`] for every spec whose bit is set in `specs` (`keeps` indexed by spec), on full
-/// slots; returns the specs whose slots changed.
-pub fn fold_specs_full(slots: &mut [Slot], keeps: &[Keep], specs: u64, slot: Slot) -> u64 {
+/// [`fold_into`] for every spec whose bit is set in `specs` (`keep` gives each spec's keep);
+/// returns the specs whose slots changed.
+#[inline]
+pub fn fold_each<C: Cell>(
+    cells: &mut [C],
+    specs: u64,
+    keep: impl Fn(usize) -> Keep,
+    new: C,
+) -> u64 {
     let (mut bits, mut changed) = (specs, 0u64);
     while bits != 0 {
         let k = bits.trailing_zeros() as usize;
         bits &= bits - 1;
-        if fold_into(slots, k, keeps[k], slot) {
+        if fold_into(cells, k, keep(k), new) {
             changed |= 1 << k;
         }
     }
     changed
+}
+
+/// [`fold_each`] on full slots, `keeps` indexed by spec.
+pub fn fold_specs_full(slots: &mut [Slot], keeps: &[Keep], specs: u64, slot: Slot) -> u64 {
+    fold_each(slots, specs, |k| keeps[k], slot)
 }
 
 /// Read access to one owner's slots, whichever way they are stored.
@@ -282,7 +293,7 @@ impl Slot {
 /// window, a status above 1023) is [`packed::WIDE`]: its owner keeps full slots elsewhere.
 /// 12-byte slots held the whole time: 13 of them per attempt were a third of its memory.
 pub mod packed {
-    use super::{Cell, Keep, NodeId, OCCUPIED, Slot, fold_into};
+    use super::{Cell, Keep, NodeId, OCCUPIED, Slot, fold_each};
 
     /// The base word of a row whose slots are kept unpacked by its owner.
     pub const WIDE: u64 = u64::MAX;
@@ -392,7 +403,7 @@ pub mod packed {
         Ok(())
     }
 
-    /// [`fold_into`] on a packed row for every spec whose bit is set in `specs` (`keep` gives
+    /// [`super::fold_each`] on a packed row for every spec whose bit is set in `specs` (`keep` gives
     /// each spec's keep): the row is looked at, and `new` packed, once. Re-bases the row when
     /// `new` does not fit its base; `Unpackable` (row unchanged) when no base fits. Returns the
     /// specs whose slots changed.
@@ -406,7 +417,6 @@ pub mod packed {
         if !new.is_set() || specs == 0 {
             return Ok(0);
         }
-        let mut changed = 0u64;
         let w = match pack(new, row[0]) {
             Some(w) => w,
             // A fresh row (its first event): no slot to move, only the base to set.
@@ -416,29 +426,14 @@ pub mod packed {
             }
             None => {
                 let mut all = unpack_row(row);
-                let mut bits = specs;
-                while bits != 0 {
-                    let k = bits.trailing_zeros() as usize;
-                    bits &= bits - 1;
-                    if fold_into(&mut all, k, keep(k), new) {
-                        changed |= 1 << k;
-                    }
-                }
+                let changed = fold_each(&mut all, specs, keep, new);
                 store_row(row, &all)?;
                 return Ok(changed);
             }
         };
         // SAFETY: `Word` is `repr(transparent)` over `u64`.
         let cells = unsafe { &mut *(&mut row[1..] as *mut [u64] as *mut [Word]) };
-        let mut bits = specs;
-        while bits != 0 {
-            let k = bits.trailing_zeros() as usize;
-            bits &= bits - 1;
-            if fold_into(cells, k, keep(k), Word(w)) {
-                changed |= 1 << k;
-            }
-        }
-        Ok(changed)
+        Ok(fold_each(cells, specs, keep, Word(w)))
     }
 
     /// [`fold_specs`] for the one spec `k`: true if its slot(s) changed (the tests' handle).
