@@ -1228,6 +1228,11 @@ impl RequestLink {
         self.bits() != 0 && self.bits() & 1 == 0
     }
 
+    /// No request at all (neither a record nor a solo one).
+    fn is_none(&self) -> bool {
+        self.bits() == 0
+    }
+
     fn solo_ids(&self) -> Option<&ReqIds> {
         // SAFETY: a solo link holds a live `ReqIds` pointer, and both types are
         // `repr(transparent)` over a pointer: the link can be read as the `ReqIds` it owns.
@@ -2088,7 +2093,7 @@ impl Store {
         if at.room().map(key_room) == Some(key) || at.rid2_key == key {
             return;
         }
-        if maybe_first && at.has_rid() && self.attempt_rid(a).key() == Some(key) {
+        if maybe_first && self.owners().first_rid_key(a) == Some(key) {
             return;
         }
         let at = &mut self.attempts[a as usize];
@@ -2109,7 +2114,7 @@ impl Store {
         let at = &self.attempts[a as usize];
         let inline = [
             at.room().map(key_room),
-            self.attempt_rid(a).key(),
+            self.owners().first_rid_key(a),
             (at.rid2_key != 0).then_some(at.rid2_key),
         ];
         let more = match at.flags & MORE_RIDS {
@@ -2500,23 +2505,28 @@ impl Store {
         }
     }
 
-    /// Gives attempt `i`'s solo request a record: its aliases move there, and the attempt's
-    /// history is folded into the record's request-scope slots, as linking the attempt would.
-    fn materialize(&mut self, i: u32) -> u32 {
-        let r = self.new_request_record();
-        // Re-pointed while the attempt still has the ids: an overwrite asks the old owner.
+    /// Takes attempt `i`'s solo request ids, its aliases pointed at `to` first: an overwrite asks
+    /// the old owner, so they move while the attempt still has the ids.
+    fn take_solo(&mut self, i: u32, to: u32) -> ReqIds {
         let keys = self.attempts[i as usize]
             .request
             .solo_ids()
             .expect("a solo request")
             .keys();
         for key in keys {
-            self.alias_insert(key, TAG_REQUEST | r);
+            self.alias_insert(key, to);
         }
-        let ids = self.attempts[i as usize]
+        self.attempts[i as usize]
             .request
             .take_solo()
-            .expect("a solo request");
+            .expect("a solo request")
+    }
+
+    /// Gives attempt `i`'s solo request a record: its aliases move there, and the attempt's
+    /// history is folded into the record's request-scope slots, as linking the attempt would.
+    fn materialize(&mut self, i: u32) -> u32 {
+        let r = self.new_request_record();
+        let ids = self.take_solo(i, TAG_REQUEST | r);
         let at = &mut self.attempts[i as usize];
         at.request = RequestLink::record(r, self.union_epoch);
         let last = at.last_ns;
@@ -2724,17 +2734,9 @@ impl Store {
         }
         if self.attempts[y as usize].request.is_solo() {
             let xa = &self.attempts[x as usize];
-            if xa.request.index() == NONE && !xa.request.is_solo() {
-                // `x` takes over `y`'s request, still solo (re-pointed while `y` has the ids).
-                let keys = self.attempts[y as usize]
-                    .request
-                    .solo_ids()
-                    .expect("solo")
-                    .keys();
-                for key in keys {
-                    self.alias_insert(key, TAG_SOLO | x);
-                }
-                let ids = self.attempts[y as usize].request.take_solo().expect("solo");
+            if xa.request.is_none() {
+                // `x` takes over `y`'s request, still solo.
+                let ids = self.take_solo(y, TAG_SOLO | x);
                 self.attempts[x as usize].request = RequestLink::solo(ids);
             } else {
                 self.materialize(y);
@@ -2849,7 +2851,7 @@ impl Store {
         let key = at
             .room()
             .map(key_room)
-            .or_else(|| self.attempt_rid(i).key());
+            .or_else(|| self.owners().first_rid_key(i));
         let expires_s = ((watermark_ns.saturating_add(self.limits.retention_ns)) / 1_000_000_000)
             .min(u32::MAX as u64) as u32
             + 1;

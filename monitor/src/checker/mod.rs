@@ -1589,17 +1589,12 @@ mod tests {
                 .with_room(7)
                 .with_status(503),
         );
-        let failed: Vec<_> = v
-            .iter()
-            .filter(|v| v.rule == "activity-after-request-failed")
-            .collect();
+        let of_rule = |rule: &str| v.iter().filter(|v| v.rule == rule).collect::<Vec<_>>();
+        let failed = of_rule("activity-after-request-failed");
         assert_eq!(failed.len(), 1, "{v:?}");
         assert_eq!(failed[0].request.request_id.as_deref(), Some("req-solo"));
         // The attempt's own rejection rule fires too, and names the request.
-        let rej: Vec<_> = v
-            .iter()
-            .filter(|v| v.rule == "activity-after-rejection")
-            .collect();
+        let rej = of_rule("activity-after-rejection");
         assert_eq!(rej.len(), 1, "{v:?}");
         assert_eq!(rej[0].request.request_id.as_deref(), Some("req-solo"));
         assert_eq!(c.stats().correlate.requests_materialized, 1);
