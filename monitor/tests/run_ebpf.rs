@@ -152,6 +152,31 @@ fn ebpf_source_counts_losses_and_readyz_says_degraded() {
     // Unpause: what is queued gets checked, the run stops cleanly, and the canary prompt text
     // never reached a log line, metric, event or alert.
     std::fs::remove_file(&pause).unwrap();
+    // The one batch that fit in the channel while paused holds whatever the source had parsed
+    // by then (it can be a single request's start), so the prefill rejection is looked for in
+    // requests made once events flow again. The file is flushed every checker tick.
+    let is_rejection = |e: &serde_json::Value| {
+        e["source"] == "ebpf"
+            && e["stage"] == "prefill"
+            && e["kind"] == "rejected"
+            && e["status"] == 501
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        post_generate(port, i);
+        i += 1;
+        let flowing = test_harness::read_jsonl(&rv.dir.join("events.jsonl"))
+            .is_ok_and(|events| events.iter().any(is_rejection));
+        if flowing {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "eBPF derived no prefill rejection within 30 s of unpausing ({i} requests):\n{}",
+            rv.stderr()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
     assert!(rv.stop().success(), "{}", rv.stderr());
     for text in [
         rv.stderr(),
@@ -167,10 +192,7 @@ fn ebpf_source_counts_losses_and_readyz_says_degraded() {
     }
     let events = rv.lines("events.jsonl");
     assert!(
-        events.iter().any(|e| e["source"] == "ebpf"
-            && e["stage"] == "prefill"
-            && e["kind"] == "rejected"
-            && e["status"] == 501),
+        events.iter().any(is_rejection),
         "eBPF derived no prefill rejection from {} events",
         events.len()
     );
