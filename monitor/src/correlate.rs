@@ -1588,6 +1588,9 @@ pub struct Resolved {
     pub request: Option<u32>,
     /// The attempt was (re)linked to a request by this event: request-scope state must be folded.
     pub linked: bool,
+    /// This event showed two attempts to be one: the merged history must be judged again, even
+    /// by rules the event itself does not match.
+    pub merged: bool,
     /// The event's request has no record: its only attempt keeps it (see [`RequestLink`]).
     pub solo: bool,
 }
@@ -2168,6 +2171,7 @@ impl Store {
             },
             solo: matches!(request, Some(ReqAt::Solo(_))),
             linked: merged || linked,
+            merged,
         }
     }
 

@@ -287,7 +287,8 @@ pub struct LifecycleEvent {
     pub reason: Option<Box<str>>,
     /// Free-form short detail (endpoint, frame type).
     pub detail: Option<Box<str>>,
-    /// For `dispatched`: the stage the request was sent to.
+    /// For `dispatched`: the stage the request was sent to; for a router's `cancelled`: the
+    /// stage whose leg the router withdrew.
     pub to: Option<Stage>,
     pub input_tokens: Option<u64>,
     pub context_tokens: Option<u64>,

@@ -80,8 +80,8 @@ impl ReplayRecord {
             (Some(s), None) => parse_rfc3339(s)?,
             (None, None) => return Err("missing `time` (RFC 3339) or `time_unix_nano`".into()),
         };
-        if self.to.is_some() && self.kind != Kind::Dispatched {
-            return Err("`to` is only meaningful on `dispatched` events".into());
+        if self.to.is_some() && !matches!(self.kind, Kind::Dispatched | Kind::Cancelled) {
+            return Err("`to` is only meaningful on `dispatched` and `cancelled` events".into());
         }
         let mut e = LifecycleEvent::new(
             time_ns,

@@ -16,7 +16,7 @@ use std::time::Duration;
 use foldhash::fast::FixedState;
 
 use crate::correlate::Owner;
-use crate::correlate::{AttemptRef, CorrelateStats, Limits, Store};
+use crate::correlate::{AttemptRef, CorrelateStats, Limits, Resolved, Store};
 use crate::event::{Kind, LifecycleEvent, Source, Stage};
 use crate::violation::{self, AttemptRef as AttemptAliases, Evidence, RequestRef, Role, Violation};
 use rules::predicate::{Breach, Capacity, Known};
@@ -370,7 +370,8 @@ impl Checker {
             max_attempts: cfg.max_attempts.max(1),
             max_tombstones: cfg.max_tombstones.max(1),
             // An attempt must outlive its longest deadline, or the deadline could never be judged.
-            attempt_ttl_ns: ns(cfg.attempt_ttl).max(ns(horizon) + lateness_ns + ns(cfg.linger)),
+            attempt_ttl_ns: ns(cfg.attempt_ttl)
+                .max(ns(horizon) + ns(cfg.clock_skew) + lateness_ns + ns(cfg.linger)),
             linger_ns: ns(cfg.linger).max(lateness_ns),
             retention_ns: ns(cfg.retention),
         };
@@ -481,7 +482,7 @@ impl Checker {
             match resolved.attempt {
                 Some(AttemptRef::Live(a)) => {
                     self.stats.events_attempt += 1;
-                    self.observe_attempt(a, resolved.request, resolved.linked, e, node, &mut out);
+                    self.observe_attempt(a, resolved, e, node, &mut out);
                 }
                 Some(AttemptRef::Tomb(seq)) => {
                     self.stats.events_attempt += 1;
@@ -599,12 +600,12 @@ impl Checker {
     fn observe_attempt(
         &mut self,
         a: u32,
-        mut request: Option<u32>,
-        linked: bool,
+        resolved: Resolved,
         e: &LifecycleEvent,
         node: NodeId,
         out: &mut Vec<Violation>,
     ) {
+        let (mut request, linked) = (resolved.request, resolved.linked);
         let hit = self.attempt_index.matching(e);
         let slot = Slot::from_event(e, node);
         let changed_specs = self.store.fold_attempt_slots(a, hit, slot);
@@ -642,7 +643,11 @@ impl Checker {
                 predicate,
                 always,
             } = self.rule_reacts[ri];
-            if hit & reacts_to == 0 && !always && !(predicate && facts_changed) {
+            // A merge brings events this one did not match: never_after pairs may span the two.
+            let remerge = resolved.merged
+                && matches!(self.rules[ri].rule.shape, Shape::NeverAfter(_))
+                && self.rules[ri].rule.scope == Scope::Attempt;
+            if hit & reacts_to == 0 && !always && !(predicate && facts_changed) && !remerge {
                 continue;
             }
             let bit = 1u64 << ri;
@@ -739,7 +744,7 @@ impl Checker {
                 (Shape::MustFollow(rule), _) => {
                     if hit & (1 << slots.trigger) != 0 {
                         let trig = self.store.attempt_slots(a).get(slots.trigger);
-                        if let Some(due) = rule.deadline(trig) {
+                        if let Some(due) = rule.due(trig, self.skew_ns) {
                             self.schedule(a, due);
                         }
                     }
@@ -1239,7 +1244,7 @@ impl Checker {
             let finding = match &self.rules[ri].rule.shape {
                 Shape::MustFollow(rule) => {
                     let trig = s.get(slots.trigger);
-                    let Some(due) = rule.deadline(trig) else {
+                    let Some(due) = rule.due(trig, self.skew_ns) else {
                         continue;
                     };
                     let (early, late) = (s.get(slots.other), s.get(slots.other_latest));

@@ -537,9 +537,12 @@ pub fn slice_mapping(name: &str) -> Option<(Stage, Kind, &'static str)> {
         ("chunked_prefill", Prefill, Work),
         ("prefill_transfer_kv_cache", Transfer, Work),
         ("decode_prepare", Decode, Received),
-        ("decode_bootstrap", Decode, Admitted),
+        // The handshake with prefill's bootstrap server is the transfer leg arriving (in
+        // flight); decode waiting with KV slots allocated is an admission; the KV arriving
+        // is the transfer's end.
+        ("decode_bootstrap", Transfer, Received),
         ("decode_waiting", Decode, Admitted),
-        ("decode_transferred", Transfer, Work),
+        ("decode_transferred", Transfer, Completed),
         ("decode_forward", Decode, Work),
         ("decode_loop", Decode, Work),
         ("fake_output", Decode, Work),

@@ -388,7 +388,7 @@ fn sglang_decode_leg_and_kv_transfer_root() {
         kinds(&ev),
         vec![
             (Stage::Transfer, Kind::Work),
-            (Stage::Transfer, Kind::Work),
+            (Stage::Transfer, Kind::Completed),
             (Stage::Decode, Kind::Received),
             (Stage::Decode, Kind::Work),
             (Stage::Decode, Kind::Completed),

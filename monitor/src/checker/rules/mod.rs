@@ -499,6 +499,7 @@ mod tests {
             names,
             [
                 "activity-after-rejection",
+                "handoff-after-rejection",
                 "activity-after-request-failed",
                 "orphaned-leg",
                 "over-capacity-admitted",
@@ -508,6 +509,7 @@ mod tests {
         );
         let sev = |n: &str| set.rules.iter().find(|r| r.name == n).unwrap().severity;
         assert_eq!(sev("activity-after-rejection"), Severity::Critical);
+        assert_eq!(sev("handoff-after-rejection"), Severity::Critical);
         assert_eq!(sev("orphaned-leg"), Severity::Warning);
         assert_eq!(sev("over-capacity-admitted"), Severity::Critical);
     }
@@ -549,14 +551,14 @@ mod tests {
             }
             y
         };
-        // The defaults already hold one attempt-scope never_after rule.
+        // The defaults already hold two attempt-scope never_after rules.
         let mut set = RuleSet::embedded_defaults();
-        set.apply_yaml(&rules(MAX_TOMBSTONE_RULES - 1), "ok.yaml")
+        set.apply_yaml(&rules(MAX_TOMBSTONE_RULES - 2), "ok.yaml")
             .unwrap();
         let _ = crate::checker::Checker::new(set, crate::checker::CheckerConfig::default());
         let mut set = RuleSet::embedded_defaults();
         let err = set
-            .apply_yaml(&rules(MAX_TOMBSTONE_RULES), "u.yaml")
+            .apply_yaml(&rules(MAX_TOMBSTONE_RULES - 1), "u.yaml")
             .unwrap_err()
             .to_string();
         assert!(

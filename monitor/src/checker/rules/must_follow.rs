@@ -54,15 +54,28 @@ impl MustFollow {
         })
     }
 
+    /// When the rule can be judged: an expected event from another node than the trigger's
+    /// counts up to the clock skew past the deadline, so judging waits for that too.
+    pub fn due(&self, trigger: Slot, skew_ns: u64) -> Option<u64> {
+        self.deadline(trigger).map(|d| d.saturating_add(skew_ns))
+    }
+
     /// True when an expected event already lies in the window: nothing that arrives later can
-    /// make the rule breached (whatever `given` turns out to be).
+    /// make the rule breached (whatever `given` turns out to be). Events of the trigger's node
+    /// share its clock and count up to the deadline exactly; another node's count up to the
+    /// skew past it ("ended 3 ms late on another node" is no evidence of anything).
     pub fn satisfied(&self, trigger: Slot, earliest: Slot, latest: Slot, skew_ns: u64) -> bool {
         let Some(deadline) = self.deadline(trigger) else {
             return true;
         };
         let counts = |s: Slot| {
+            let tolerance = if s.node() == trigger.node() {
+                0
+            } else {
+                skew_ns
+            };
             s.is_set()
-                && s.time() <= deadline
+                && s.time() <= deadline.saturating_add(tolerance)
                 && (!self.after_trigger || s.time().saturating_add(skew_ns) >= trigger.time())
         };
         counts(earliest) || counts(latest)
@@ -132,6 +145,22 @@ mod tests {
         assert!(!r.breached(at(1000), at(900), at(1010), None, 0));
         assert!(!r.breached(at(1000), at(990), at(990), None, 20));
         assert!(!rule(false, false).breached(at(1000), at(900), at(900), None, 0));
+    }
+
+    #[test]
+    fn another_node_ends_within_the_skew_past_the_deadline() {
+        let on = |t: u64, node: u16| {
+            Slot::from_event(
+                &LifecycleEvent::new(t, Stage::Decode, Kind::Cancelled, Source::Ebpf),
+                node,
+            )
+        };
+        let r = rule(false, false);
+        // Deadline 1100; skew 30.
+        assert!(!r.breached(on(1000, 1), on(1120, 2), on(1120, 2), None, 30));
+        assert!(r.breached(on(1000, 1), on(1131, 2), on(1131, 2), None, 30));
+        assert!(r.breached(on(1000, 1), on(1120, 1), on(1120, 1), None, 30));
+        assert_eq!(r.due(on(1000, 1), 30), Some(1130));
     }
 
     #[test]

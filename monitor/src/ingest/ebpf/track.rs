@@ -664,11 +664,12 @@ impl Tracker {
             (Role::Decode, false, PathKind::Generate) => {
                 self.event(start, Stage::Decode, Kind::Received, at.tgid)
             }
+            // Decode asking prefill's bootstrap server where to fetch KV: the handshake.
             (Role::Decode, true, PathKind::Route) => {
-                self.event(start, Stage::Transfer, Kind::Work, at.tgid)
+                self.event(start, Stage::Transfer, Kind::Received, at.tgid)
             }
             (Role::Prefill, false, PathKind::Route) if !self.has_role(Role::Decode) => {
-                self.event(start, Stage::Transfer, Kind::Work, at.tgid)
+                self.event(start, Stage::Transfer, Kind::Received, at.tgid)
             }
             _ => return,
         };
@@ -735,15 +736,25 @@ impl Tracker {
         let Some(ctl) = zmtp::control(msg) else {
             return;
         };
-        // Decode sends the control messages; prefill reports them only if decode is not watched here.
-        let owner = (role == Role::Decode && dir == 1)
-            || (role == Role::Prefill && dir == 0 && !self.has_role(Role::Decode));
+        // Each message is reported once, by its sender; by its receiver only when the sender's
+        // role is not watched here. Decode sends the handshake and the withdrawal, prefill the KV.
+        let (sender, receiver) = match ctl {
+            Control::Bootstrap { .. } | Control::Abort { .. } => (Role::Decode, Role::Prefill),
+            Control::Kv { .. } | Control::KvDone { .. } => (Role::Prefill, Role::Decode),
+        };
+        let owner = (role == sender && dir == 1)
+            || (role == receiver && dir == 0 && !self.has_role(sender));
         if !owner {
             return;
         }
+        // The handshake is the transfer leg arriving (in flight); KV bytes moving is the
+        // request advancing. Only a room's first chunk is reported: one event says it moved.
         let (kind, room, what) = match ctl {
-            Control::Bootstrap { room } => (Kind::Work, room, "zmtp BOOTSTRAP"),
+            Control::Bootstrap { room } => (Kind::Received, room, "zmtp BOOTSTRAP"),
             Control::Abort { room } => (Kind::Cancelled, room, "zmtp ABORT"),
+            Control::Kv { room, chunk: 0 } => (Kind::Work, room, "zmtp KV"),
+            Control::Kv { .. } => return,
+            Control::KvDone { room } => (Kind::Completed, room, "zmtp KV_DONE"),
         };
         let mut e = self.event(ts, Stage::Transfer, kind, tgid).with_room(room);
         e.detail = Some(what.into());
@@ -772,15 +783,19 @@ impl Tracker {
             if p.status.is_some() || path_kind(&p.head.path) != PathKind::Generate {
                 continue;
             }
-            // The router giving up is its own evidence, even towards a worker watched here.
+            // The router giving up is its own evidence, even towards a worker watched here. It
+            // is the router's act (`router cancelled`, to the leg's stage), not the leg's end:
+            // a worker that ignores it keeps the leg open, and says so itself.
             let Some(stage) = self.answering_stage(&at, false) else {
                 continue;
             };
-            let mut e = self.with_ids(
-                self.event(ts, stage, Kind::Cancelled, tgid),
-                &p.head,
-                &p.ids,
-            );
+            let e = if role == Role::Router {
+                self.event(ts, Stage::Router, Kind::Cancelled, tgid)
+                    .with_to(stage)
+            } else {
+                self.event(ts, stage, Kind::Cancelled, tgid)
+            };
+            let mut e = self.with_ids(e, &p.head, &p.ids);
             e = e.with_reason("connection closed before a response");
             if let Some(peer) = conn.peer {
                 e = e.with_worker(peer.to_string());

@@ -179,24 +179,33 @@ impl ZmtpStream {
 /// What a decoded message means for the request lifecycle.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Control {
-    /// Decode registered for (and so asked for the KV of) this room.
-    Bootstrap {
-        room: u64,
-    },
-    Abort {
-        room: u64,
-    },
+    /// Decode registered for (and so asked for the KV of) this room: the bootstrap handshake.
+    Bootstrap { room: u64 },
+    /// Decode withdrew the room before its KV arrived.
+    Abort { room: u64 },
+    /// A chunk of the room's KV cache, sent by prefill (`chunk` counts from 0).
+    Kv { room: u64, chunk: u64 },
+    /// Prefill sent the room's last KV chunk.
+    KvDone { room: u64 },
 }
 
 /// Reads the verb and room of a KV-transfer control message.
 ///
-/// `[b"BOOTSTRAP", room, ..]`, `[b"ABORT", room]`, and SGLang's transfer-info message whose
-/// first part is the room itself (`[str(room), ip, port, ..]`).
+/// Decode to prefill: `[b"BOOTSTRAP", room, ..]`, `[b"ABORT", room]`, and SGLang's
+/// transfer-info message whose first part is the room itself (`[str(room), ip, port, ..]`).
+/// Prefill to decode: `[b"KV", room, chunk, payload]` and `[b"KV_DONE", room, tokens]` (only
+/// the verb, the room and the chunk index are read, never the payload).
 pub fn control(msg: &Message) -> Option<Control> {
     let first = msg.parts.first()?;
     match first.as_slice() {
         b"BOOTSTRAP" => parse_room(msg.parts.get(1)?).map(|room| Control::Bootstrap { room }),
         b"ABORT" => parse_room(msg.parts.get(1)?).map(|room| Control::Abort { room }),
+        b"KV" => {
+            let room = parse_room(msg.parts.get(1)?)?;
+            let chunk = std::str::from_utf8(msg.parts.get(2)?).ok()?.parse().ok()?;
+            Some(Control::Kv { room, chunk })
+        }
+        b"KV_DONE" => parse_room(msg.parts.get(1)?).map(|room| Control::KvDone { room }),
         other if msg.part_count >= 2 => {
             parse_room_text(other).map(|room| Control::Bootstrap { room })
         }

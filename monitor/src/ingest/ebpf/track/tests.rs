@@ -221,7 +221,44 @@ fn router_cancel_and_remote_worker_answers() {
             (Stage::Router, Kind::Dispatched, Some(5)),
             (Stage::Decode, Kind::Work, Some(5)),
             (Stage::Router, Kind::Dispatched, Some(6)),
-            (Stage::Decode, Kind::Cancelled, Some(6)),
+            (Stage::Router, Kind::Cancelled, Some(6)),
+        ]
+    );
+    // The router withdrew its decode leg: the event says which leg, not that decode ended it.
+    assert_eq!(s.out[3].to, Some(Stage::Decode));
+}
+
+#[test]
+fn kv_from_prefill_is_transfer_work_then_completed() {
+    let mut s = Sim::new();
+    s.connect(PREFILL, 9, "127.0.0.1:17002");
+    let mut wire = vec![0xFF, 0, 0, 0, 0, 0, 0, 0, 1, 0x7F, 3, 1];
+    wire.resize(64, 0);
+    for (body, more) in [
+        (&b"KV"[..], true),
+        (b"42", true),
+        (b"0", true),
+        (b"\x00\x01payload", false),
+        (b"KV", true),
+        (b"42", true),
+        (b"1", true),
+        (b"\x00\x01payload", false),
+        (b"KV_DONE", true),
+        (b"42", true),
+        (b"9000", false),
+    ] {
+        wire.push(more as u8);
+        wire.push(body.len() as u8);
+        wire.extend_from_slice(body);
+    }
+    s.io(PREFILL, 9, syscall::SENDTO, &wire, 4096);
+    // One event for the KV moving (its first chunk), one for its end; decode's reads of the
+    // same frames are not reported again while prefill is watched.
+    assert_eq!(
+        s.kinds(),
+        vec![
+            (Stage::Transfer, Kind::Work, Some(42)),
+            (Stage::Transfer, Kind::Completed, Some(42))
         ]
     );
 }
@@ -249,14 +286,14 @@ fn zmtp_control_from_decode() {
     assert_eq!(
         s.kinds(),
         vec![
-            (Stage::Transfer, Kind::Work, Some(42)),
+            (Stage::Transfer, Kind::Received, Some(42)),
             (Stage::Transfer, Kind::Cancelled, Some(42))
         ]
     );
 }
 
 #[test]
-fn bootstrap_route_query_is_transfer_work() {
+fn bootstrap_route_query_is_the_transfer_handshake() {
     let mut s = Sim::new();
     s.connect(DECODE, 9, "127.0.0.1:8998");
     s.io(
@@ -266,7 +303,7 @@ fn bootstrap_route_query_is_transfer_work() {
         b"GET /route?engine_rank=0&target_dp_group=0 HTTP/1.1\r\nhost: x\r\n\r\n",
         4096,
     );
-    assert_eq!(s.kinds(), vec![(Stage::Transfer, Kind::Work, None)]);
+    assert_eq!(s.kinds(), vec![(Stage::Transfer, Kind::Received, None)]);
 }
 
 #[test]
