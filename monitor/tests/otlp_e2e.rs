@@ -113,7 +113,7 @@ fn rejected_then_decoded_raises_activity_after_rejection_over_every_transport() 
             "{transport}: {mine:#?}"
         );
         assert!(
-            has("decode", "received") && has("decode", "work") && has("transfer", "work"),
+            has("decode", "received") && has("decode", "work") && has("transfer", "completed"),
             "{transport}: {mine:#?}"
         );
         let rej = mine.iter().find(|e| e["kind"] == "rejected").unwrap();
