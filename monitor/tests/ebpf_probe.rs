@@ -253,8 +253,8 @@ fn reject_then_decode(
         (Stage::Prefill, Kind::Received, room),
         (Stage::Prefill, Kind::Rejected, room),
         (Stage::Decode, Kind::Received, room),
-        (Stage::Transfer, Kind::Work, room),
-        (Stage::Transfer, Kind::Work, None),
+        (Stage::Transfer, Kind::Received, room),
+        (Stage::Transfer, Kind::Received, None),
         (Stage::Decode, Kind::Work, room),
         (Stage::Decode, Kind::Completed, room),
     ];
