@@ -131,6 +131,7 @@ struct Rt {
     spans: SpanSink,
     jitter_max_us: u64,
     jitter: Mutex<SmallRng>,
+    idle: Mutex<Vec<IdleConn>>,
 }
 
 impl Rt {
@@ -194,6 +195,7 @@ pub async fn run(args: RouterArgs) -> anyhow::Result<()> {
         decode_addr,
         jitter_max_us,
         jitter,
+        idle: Mutex::new(Vec::new()),
         bootstrap_host,
         client: http_client(1024),
         stats: RouterStats::default(),
@@ -401,10 +403,72 @@ impl Wire {
         self.on_wire.load(Ordering::Acquire)
     }
     async fn wait(&self) {
-        if !self.on_wire() {
-            // notify_one keeps a permit for a waiter that comes after it.
+        // notify_one keeps a permit for a waiter that comes after it; one left over from the
+        // connection's previous request is told apart by the flag.
+        while !self.on_wire() {
             self.notify.notified().await;
         }
+    }
+    /// Before the next request on a kept connection.
+    fn reset(&self) {
+        self.body_taken.store(false, Ordering::Release);
+        self.on_wire.store(false, Ordering::Release);
+    }
+}
+
+type LegConn = hyper::client::conn::http1::Connection<TokioIo<Tracked>, OnceBody>;
+
+/// An idle connection to decode, kept after an answered leg (a withdrawn leg's connection is
+/// closed, never kept). Not polled while idle; the leg that takes it drives it.
+struct IdleConn {
+    sender: hyper::client::conn::http1::SendRequest<OnceBody>,
+    conn: Pin<Box<LegConn>>,
+    wire: Arc<Wire>,
+}
+
+/// Idle decode connections kept for withdrawable legs, as an HTTP client pool would.
+const IDLE_DECODE_CONNS: usize = 1024;
+
+impl Rt {
+    fn take_idle(&self) -> Option<IdleConn> {
+        use futures_util::FutureExt;
+        loop {
+            let mut c = self.idle.lock().expect("idle lock").pop()?;
+            // A connection decode has closed meanwhile finishes on this poll: discard it.
+            if c.sender.is_ready() && (&mut c.conn).now_or_never().is_none() {
+                return Some(c);
+            }
+        }
+    }
+
+    fn put_idle(&self, c: IdleConn) {
+        let mut idle = self.idle.lock().expect("idle lock");
+        if idle.len() < IDLE_DECODE_CONNS {
+            idle.push(c);
+        }
+    }
+
+    async fn connect_decode(&self) -> Result<IdleConn, String> {
+        let timeout = Duration::from_secs(self.args.request_timeout_secs);
+        let tcp = match tokio::time::timeout(timeout, TcpStream::connect(self.decode_addr)).await {
+            Ok(Ok(t)) => t,
+            Ok(Err(e)) => return Err(format!("decode connect: {e}")),
+            Err(_) => return Err("decode connect timed out".into()),
+        };
+        let _ = tcp.set_nodelay(true);
+        let wire = Arc::new(Wire::default());
+        let io = TokioIo::new(Tracked {
+            tcp,
+            wire: wire.clone(),
+        });
+        let (sender, conn) = hyper::client::conn::http1::handshake(io)
+            .await
+            .map_err(|e| format!("decode handshake: {e}"))?;
+        Ok(IdleConn {
+            sender,
+            conn: Box::pin(conn),
+            wire,
+        })
     }
 }
 
@@ -487,8 +551,9 @@ impl hyper::body::Body for OnceBody {
     }
 }
 
-/// A decode leg the router can withdraw (concurrent-cancel). It runs as its own task on its
-/// own TCP connection (one request, never reused); withdrawing it closes that connection.
+/// A decode leg the router can withdraw (concurrent-cancel). It runs as its own task on a
+/// connection of its own (new, or kept idle after an answered leg); withdrawing it closes that
+/// connection, which is never used again.
 struct DecodeLeg {
     cancel: Option<oneshot::Sender<()>>,
     task: tokio::task::JoinHandle<Leg>,
@@ -553,23 +618,18 @@ async fn withdrawable_decode(
             }
         }
     }
-    let timeout = Duration::from_secs(rt.args.request_timeout_secs);
-    let tcp = match tokio::time::timeout(timeout, TcpStream::connect(rt.decode_addr)).await {
-        Ok(Ok(t)) => t,
-        Ok(Err(e)) => return Leg::Failed(format!("decode connect: {e}")),
-        Err(_) => return Leg::Failed("decode connect timed out".into()),
+    let IdleConn {
+        mut sender,
+        mut conn,
+        wire,
+    } = match rt.take_idle() {
+        Some(c) => c,
+        None => match rt.connect_decode().await {
+            Ok(c) => c,
+            Err(e) => return Leg::Failed(e),
+        },
     };
-    let _ = tcp.set_nodelay(true);
-    let wire = Arc::new(Wire::default());
-    let io = TokioIo::new(Tracked {
-        tcp,
-        wire: wire.clone(),
-    });
-    let (mut sender, conn) = match hyper::client::conn::http1::handshake(io).await {
-        Ok(x) => x,
-        Err(e) => return Leg::Failed(format!("decode handshake: {e}")),
-    };
-    let mut conn = Box::pin(conn);
+    wire.reset();
     let req = hyper::Request::post(path)
         .header("host", rt.decode_authority.as_str())
         .header("content-type", "application/json")
@@ -582,20 +642,27 @@ async fn withdrawable_decode(
         })
         .expect("valid request parts");
     let mut resp = Box::pin(sender.send_request(req));
+    let timeout = Duration::from_secs(rt.args.request_timeout_secs);
     if !withdrawn {
         tokio::select! {
             r = &mut resp => {
-                return match r {
-                    Ok(r) => {
-                        // The body streams on this connection, which closes after it (the
-                        // sender goes with this task: no second request).
-                        tokio::spawn(async move {
-                            let _ = conn.await;
-                        });
-                        Leg::Resp(r)
-                    }
-                    Err(e) => Leg::Failed(e.to_string()),
+                let r = match r {
+                    Ok(r) => r,
+                    Err(e) => return Leg::Failed(e.to_string()),
                 };
+                // The body streams on this connection; once it is over the connection is
+                // idle again and kept for another leg.
+                let rt = rt.clone();
+                tokio::spawn(async move {
+                    let idle = tokio::select! {
+                        r = sender.ready() => r.is_ok(),
+                        _ = &mut conn => false,
+                    };
+                    if idle {
+                        rt.put_idle(IdleConn { sender, conn, wire });
+                    }
+                });
+                return Leg::Resp(r);
             }
             r = &mut conn => {
                 return Leg::Failed(format!("decode connection ended before an answer: {r:?}"));
@@ -615,7 +682,7 @@ async fn withdrawable_decode(
             _ = tokio::time::sleep(timeout) => {}
         }
     }
-    // Closing: the socket goes with the connection, now.
+    // Closing: the socket goes with the connection, now; it is never used again.
     drop(resp);
     drop(sender);
     drop(conn);
