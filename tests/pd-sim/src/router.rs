@@ -894,7 +894,8 @@ async fn route_inner(
                 pause(rt.jitter()).await;
                 prefill_leg = send(rt, &rt.prefill, path, leg_body.clone(), request_id, tp).await;
             }
-            Mode::Correct | Mode::HandoffAfterReject | Mode::ConcurrentCancel => {
+            Mode::ConcurrentCancel => unreachable!("served above"),
+            Mode::Correct | Mode::HandoffAfterReject => {
                 span.events.push(ev(
                     "Sending prefill request",
                     vec![("prefill_url", &rt.prefill)],

@@ -841,9 +841,12 @@ async fn concurrent_cancel_closes_the_decode_leg_of_every_rejected_attempt_at_on
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_cancel_retries_503_with_new_rooms_closing_each_decode_leg_first() {
+    let otlp = OtlpReceiver::start().await;
     let c = Cluster::start(
         "concurrent-cancel",
         &[
+            "--otlp-endpoint",
+            &otlp.url,
             "--prefill-args",
             "--overload-share 1.0",
             "--router-args",
@@ -903,6 +906,25 @@ async fn concurrent_cancel_retries_503_with_new_rooms_closing_each_decode_leg_fi
         u(&rs["router"], "decode_legs_cancelled_in_transit") >= 1,
         "a leg withdrawn in transit is delivered, then closed: {rs}"
     );
+    // smg's span: one per client request, both legs sent and settled once per attempt.
+    let router = eventually("the router span", Duration::from_secs(10), || {
+        let spans = otlp.spans.clone();
+        async move {
+            let g = spans.lock().unwrap();
+            g.iter()
+                .find(|(svc, s)| {
+                    svc == "smg"
+                        && s.name == "http_request"
+                        && attr(s, "request_id") == Some("storm-c")
+                })
+                .map(|(_, s)| s.clone())
+        }
+    })
+    .await;
+    assert_eq!(attr(&router, "status_code"), Some("503"));
+    let count = |name: &str| router.events.iter().filter(|e| e.name == name).count();
+    assert_eq!(count("Sending concurrent requests"), 5);
+    assert_eq!(count("Received concurrent requests"), 5);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
