@@ -12,6 +12,9 @@
 //! - prefill transfers once both the admission and decode's BOOTSTRAP for R are there, in
 //!   whichever order they arrive. With `--transfer-after-reject` (the disclosed bug) prefill
 //!   also transfers rooms it rejected.
+//! - decode's client (the router) closing the connection mid-request cancels it: ABORT R to
+//!   prefill if its KV had not come, outcome `cancelled`. With `--decode-ignores-cancel` decode
+//!   goes on and answers on the socket instead (outcome `cancel-ignored`); see serve.rs.
 
 use std::collections::{HashMap, VecDeque};
 use std::convert::Infallible;
