@@ -31,7 +31,8 @@ pub struct DemoArgs {
     #[arg(long, default_value_t = 500)]
     rate: u64,
     /// Router behaviour: handoff-after-reject (the disclosed bug), concurrent-no-cancel
-    /// (sglang-router 0.3.2), correct (no alert expected).
+    /// (sglang-router 0.3.2), concurrent-cancel (smg 1.13.0, withdraws the decode leg of a
+    /// rejected request), correct (no alert expected).
     #[arg(long, default_value = "handoff-after-reject")]
     mode: String,
     /// Share of requests longer than prefill can take (rejected with 400).
@@ -61,8 +62,17 @@ pub fn run(args: DemoArgs) -> Result<()> {
         libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
         libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
     }
-    if !["handoff-after-reject", "concurrent-no-cancel", "correct"].contains(&args.mode.as_str()) {
-        bail!("--mode must be handoff-after-reject, concurrent-no-cancel or correct");
+    if ![
+        "handoff-after-reject",
+        "concurrent-no-cancel",
+        "concurrent-cancel",
+        "correct",
+    ]
+    .contains(&args.mode.as_str())
+    {
+        bail!(
+            "--mode must be handoff-after-reject, concurrent-no-cancel, concurrent-cancel or correct"
+        );
     }
     let root = test_harness::is_root();
     let ebpf = match args.ebpf.as_str() {

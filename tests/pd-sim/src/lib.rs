@@ -6,6 +6,7 @@ pub mod harness;
 pub mod kvlink;
 pub mod load;
 pub mod router;
+pub mod serve;
 pub mod spans;
 pub mod worker;
 pub mod zmtp;

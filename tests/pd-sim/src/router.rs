@@ -6,6 +6,12 @@
 //!   `bootstrap_host`/`bootstrap_port`/`bootstrap_room` appended at the end of the JSON; when
 //!   prefill fails the decode leg is left running; a 503 is retried with a new room under the
 //!   same `x-request-id`.
+//! - `concurrent-cancel`: smg 1.13.0, the fixed router. Both legs at once as in
+//!   `concurrent-no-cancel`, each on its way after its own random transit delay
+//!   (`--leg-jitter-us`); when prefill answers an error the decode leg is withdrawn (its own
+//!   TCP connection closed, never reused) and the client gets prefill's answer at once with
+//!   `x-smg-error-code`; a 503 is retried with a new room once the previous decode leg is
+//!   closed.
 //! - `handoff-after-reject`: the disclosed bug. Prefill first; when prefill rejects, the
 //!   request is still handed to decode (and the cluster runs prefill with
 //!   `--transfer-after-reject`, so the rejected room's KV is transferred and decode generates).
@@ -13,8 +19,13 @@
 //! Every mode retries 503 with a fresh room. The client sees prefill's error when prefill
 //! fails, decode's answer otherwise.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::convert::Infallible;
+use std::io;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::Router;
@@ -26,8 +37,13 @@ use axum::routing::{get, post};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
+use hyper_util::rt::TokioIo;
+use rand::rngs::SmallRng;
+use rand::{RngExt, SeedableRng};
 use serde::Serialize;
-use tokio::net::TcpListener;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{Notify, oneshot};
 
 use crate::common::{
     HttpClient, TraceParent, error_response, http_client, json_response, new_room, now_ns,
@@ -40,6 +56,7 @@ use crate::spans::{Exporter, ExporterConfig, SpanSink, SpanSpec, event, kv_str};
 pub enum Mode {
     Correct,
     ConcurrentNoCancel,
+    ConcurrentCancel,
     HandoffAfterReject,
 }
 
@@ -70,6 +87,15 @@ pub struct RouterArgs {
     /// Per-leg timeout, seconds.
     #[arg(long, default_value_t = 60)]
     pub request_timeout_secs: u64,
+    /// Each leg waits a random 0..=MAX µs (drawn independently per leg) before it is sent: its
+    /// transit (network, the worker's accept queue), so that decode gets its leg sometimes
+    /// before and sometimes after prefill's verdict. Default: 3000 in concurrent-cancel, 0
+    /// in the other modes.
+    #[arg(long)]
+    pub leg_jitter_us: Option<u64>,
+    /// Seed of the leg-jitter draws (default: from the OS).
+    #[arg(long)]
+    pub jitter_seed: Option<u64>,
 }
 
 #[derive(Default, Serialize)]
@@ -82,6 +108,10 @@ pub struct RouterStats {
     pub decode_legs: AtomicU64,
     /// Decode legs left running after prefill failed (concurrent-no-cancel, handoff).
     pub decode_legs_after_prefill_failure: AtomicU64,
+    /// Decode legs withdrawn (their connection closed before an answer; concurrent-cancel).
+    pub decode_legs_cancelled: AtomicU64,
+    /// Of those, legs still in transit when withdrawn: delivered, then closed at once.
+    pub decode_legs_cancelled_in_transit: AtomicU64,
     pub upstream_errors: AtomicU64,
     pub responses_2xx: AtomicU64,
     pub responses_4xx: AtomicU64,
@@ -92,10 +122,37 @@ struct Rt {
     args: RouterArgs,
     prefill: String,
     decode: String,
+    /// Decode's `host:port` (the `host` header) and address, for withdrawable legs.
+    decode_authority: String,
+    decode_addr: SocketAddr,
     bootstrap_host: String,
     client: HttpClient,
     stats: RouterStats,
     spans: SpanSink,
+    jitter_max_us: u64,
+    jitter: Mutex<SmallRng>,
+    idle: Mutex<Vec<IdleConn>>,
+}
+
+impl Rt {
+    /// One leg's transit delay (see `--leg-jitter-us`).
+    fn jitter(&self) -> Duration {
+        if self.jitter_max_us == 0 {
+            return Duration::ZERO;
+        }
+        let us = self
+            .jitter
+            .lock()
+            .expect("jitter lock")
+            .random_range(0..=self.jitter_max_us);
+        Duration::from_micros(us)
+    }
+}
+
+async fn pause(d: Duration) {
+    if !d.is_zero() {
+        tokio::time::sleep(d).await;
+    }
 }
 
 type Shared = Arc<Rt>;
@@ -105,7 +162,24 @@ pub async fn run(args: RouterArgs) -> anyhow::Result<()> {
     let decode = args.decode.trim_end_matches('/').to_string();
     let prefill_uri: hyper::Uri = prefill.parse()?;
     let bootstrap_host = prefill_uri.host().unwrap_or("127.0.0.1").to_string();
-    decode.parse::<hyper::Uri>()?;
+    let decode_uri: hyper::Uri = decode.parse()?;
+    let decode_authority = match (decode_uri.host(), decode_uri.port_u16()) {
+        (Some(h), Some(p)) => format!("{h}:{p}"),
+        (Some(h), None) => format!("{h}:80"),
+        _ => anyhow::bail!("--decode {decode}: no host"),
+    };
+    let decode_addr = tokio::net::lookup_host(decode_authority.as_str())
+        .await?
+        .next()
+        .ok_or_else(|| anyhow::anyhow!("--decode {decode}: no address"))?;
+    let jitter_max_us = args.leg_jitter_us.unwrap_or(match args.mode {
+        Mode::ConcurrentCancel => 3000,
+        _ => 0,
+    });
+    let jitter = Mutex::new(match args.jitter_seed {
+        Some(seed) => SmallRng::seed_from_u64(seed),
+        None => SmallRng::from_rng(&mut rand::rng()),
+    });
     let listener = TcpListener::bind((args.host.as_str(), args.port)).await?;
     let addr = listener.local_addr()?;
     let exporter = Exporter::start(ExporterConfig {
@@ -117,6 +191,11 @@ pub async fn run(args: RouterArgs) -> anyhow::Result<()> {
     let rt: Shared = Arc::new(Rt {
         prefill,
         decode,
+        decode_authority,
+        decode_addr,
+        jitter_max_us,
+        jitter,
+        idle: Mutex::new(Vec::new()),
         bootstrap_host,
         client: http_client(1024),
         stats: RouterStats::default(),
@@ -144,6 +223,7 @@ pub async fn run(args: RouterArgs) -> anyhow::Result<()> {
         "http": format!("http://{addr}"),
         "port": addr.port(),
         "mode": rt.args.mode,
+        "leg_jitter_us": rt.jitter_max_us,
         "pid": std::process::id(),
     }));
     tracing::info!(%addr, mode = ?rt.args.mode, "router ready");
@@ -160,7 +240,8 @@ pub async fn run(args: RouterArgs) -> anyhow::Result<()> {
 }
 
 async fn sim_stats(State(rt): State<Shared>) -> Response {
-    axum::Json(serde_json::json!({"role": "router", "mode": rt.args.mode, "router": &rt.stats, "otlp": &*rt.spans.stats}))
+    axum::Json(serde_json::json!({"role": "router", "mode": rt.args.mode, "leg_jitter_us": rt.jitter_max_us,
+                                  "router": &rt.stats, "otlp": &*rt.spans.stats}))
         .into_response()
 }
 
@@ -308,6 +389,323 @@ async fn buffered(r: hyper::Response<Incoming>) -> Response {
     resp
 }
 
+/// Whether a withdrawable leg's request is on the wire: its body was handed to hyper and a
+/// flush after that completed (every byte of the request written to the socket).
+#[derive(Default)]
+struct Wire {
+    body_taken: AtomicBool,
+    on_wire: AtomicBool,
+    notify: Notify,
+}
+
+impl Wire {
+    fn on_wire(&self) -> bool {
+        self.on_wire.load(Ordering::Acquire)
+    }
+    async fn wait(&self) {
+        // notify_one keeps a permit for a waiter that comes after it; one left over from the
+        // connection's previous request is told apart by the flag.
+        while !self.on_wire() {
+            self.notify.notified().await;
+        }
+    }
+    /// Before the next request on a kept connection.
+    fn reset(&self) {
+        self.body_taken.store(false, Ordering::Release);
+        self.on_wire.store(false, Ordering::Release);
+    }
+}
+
+type LegConn = hyper::client::conn::http1::Connection<TokioIo<Tracked>, OnceBody>;
+
+/// An idle connection to decode, kept after an answered leg (a withdrawn leg's connection is
+/// closed, never kept). Not polled while idle; the leg that takes it drives it.
+struct IdleConn {
+    sender: hyper::client::conn::http1::SendRequest<OnceBody>,
+    conn: Pin<Box<LegConn>>,
+    wire: Arc<Wire>,
+}
+
+/// Idle decode connections kept for withdrawable legs, as an HTTP client pool would.
+const IDLE_DECODE_CONNS: usize = 1024;
+
+impl Rt {
+    fn take_idle(&self) -> Option<IdleConn> {
+        use futures_util::FutureExt;
+        loop {
+            let mut c = self.idle.lock().expect("idle lock").pop()?;
+            // A connection decode has closed meanwhile finishes on this poll: discard it.
+            if c.sender.is_ready() && (&mut c.conn).now_or_never().is_none() {
+                return Some(c);
+            }
+        }
+    }
+
+    fn put_idle(&self, c: IdleConn) {
+        let mut idle = self.idle.lock().expect("idle lock");
+        if idle.len() < IDLE_DECODE_CONNS {
+            idle.push(c);
+        }
+    }
+
+    async fn connect_decode(&self) -> Result<IdleConn, String> {
+        let timeout = Duration::from_secs(self.args.request_timeout_secs);
+        let tcp = match tokio::time::timeout(timeout, TcpStream::connect(self.decode_addr)).await {
+            Ok(Ok(t)) => t,
+            Ok(Err(e)) => return Err(format!("decode connect: {e}")),
+            Err(_) => return Err("decode connect timed out".into()),
+        };
+        let _ = tcp.set_nodelay(true);
+        let wire = Arc::new(Wire::default());
+        let io = TokioIo::new(Tracked {
+            tcp,
+            wire: wire.clone(),
+        });
+        let (sender, conn) = hyper::client::conn::http1::handshake(io)
+            .await
+            .map_err(|e| format!("decode handshake: {e}"))?;
+        Ok(IdleConn {
+            sender,
+            conn: Box::pin(conn),
+            wire,
+        })
+    }
+}
+
+/// The leg's socket, telling [`Wire`] when the request has been written.
+struct Tracked {
+    tcp: TcpStream,
+    wire: Arc<Wire>,
+}
+
+impl AsyncRead for Tracked {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().tcp).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for Tracked {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().tcp).poll_write(cx, buf)
+    }
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().tcp).poll_write_vectored(cx, bufs)
+    }
+    fn is_write_vectored(&self) -> bool {
+        self.tcp.is_write_vectored()
+    }
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        let r = Pin::new(&mut this.tcp).poll_flush(cx);
+        // hyper flushes its socket once its write buffer is empty: after the body was taken,
+        // that is the whole request written.
+        if matches!(r, Poll::Ready(Ok(())))
+            && this.wire.body_taken.load(Ordering::Acquire)
+            && !this.wire.on_wire.swap(true, Ordering::AcqRel)
+        {
+            this.wire.notify.notify_one();
+        }
+        r
+    }
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().tcp).poll_shutdown(cx)
+    }
+}
+
+/// A one-frame request body that tells [`Wire`] when hyper took it.
+struct OnceBody {
+    data: Option<Bytes>,
+    len: u64,
+    wire: Arc<Wire>,
+}
+
+impl hyper::body::Body for OnceBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<hyper::body::Frame<Bytes>, Infallible>>> {
+        let this = self.get_mut();
+        this.wire.body_taken.store(true, Ordering::Release);
+        Poll::Ready(this.data.take().map(|d| Ok(hyper::body::Frame::data(d))))
+    }
+    fn is_end_stream(&self) -> bool {
+        self.data.is_none()
+    }
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        hyper::body::SizeHint::with_exact(self.len)
+    }
+}
+
+/// A decode leg the router can withdraw (concurrent-cancel). It runs as its own task on a
+/// connection of its own (new, or kept idle after an answered leg); withdrawing it closes that
+/// connection, which is never used again.
+struct DecodeLeg {
+    cancel: Option<oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<Leg>,
+}
+
+impl DecodeLeg {
+    fn start(
+        rt: Shared,
+        path: &'static str,
+        body: Bytes,
+        request_id: String,
+        tp: TraceParent,
+        transit: Duration,
+    ) -> Self {
+        let (tx, rx) = oneshot::channel();
+        let task = tokio::spawn(withdrawable_decode(
+            rt, path, body, request_id, tp, transit, rx,
+        ));
+        DecodeLeg {
+            cancel: Some(tx),
+            task,
+        }
+    }
+
+    /// Withdraw the leg: its connection is closed at once, or, for a leg still in transit,
+    /// as soon as its request is on the wire. Dropping the handle does the same.
+    fn cancel(&mut self) {
+        if let Some(tx) = self.cancel.take() {
+            let _ = tx.send(());
+        }
+    }
+
+    /// The leg's answer (`Failed` once withdrawn); a withdrawn leg is closed when this returns.
+    async fn join(mut self) -> Leg {
+        match (&mut self.task).await {
+            Ok(l) => l,
+            Err(e) => Leg::Failed(format!("decode task: {e}")),
+        }
+    }
+}
+
+async fn withdrawable_decode(
+    rt: Shared,
+    path: &'static str,
+    body: Bytes,
+    request_id: String,
+    tp: TraceParent,
+    transit: Duration,
+    mut cancel: oneshot::Receiver<()>,
+) -> Leg {
+    // Resolves on a cancel and on the handle's drop (the client's request went away): both
+    // withdraw the leg. Polled at most until it resolves once.
+    let mut withdrawn = false;
+    if !transit.is_zero() {
+        // In transit: a withdrawal does not recall the leg, it arrives and the close follows.
+        let until = tokio::time::Instant::now() + transit;
+        tokio::select! {
+            _ = tokio::time::sleep_until(until) => {}
+            _ = &mut cancel => {
+                withdrawn = true;
+                tokio::time::sleep_until(until).await;
+            }
+        }
+    }
+    let IdleConn {
+        mut sender,
+        mut conn,
+        wire,
+    } = match rt.take_idle() {
+        Some(c) => c,
+        None => match rt.connect_decode().await {
+            Ok(c) => c,
+            Err(e) => return Leg::Failed(e),
+        },
+    };
+    wire.reset();
+    let req = hyper::Request::post(path)
+        .header("host", rt.decode_authority.as_str())
+        .header("content-type", "application/json")
+        .header("x-request-id", request_id.as_str())
+        .header("traceparent", tp.header_value())
+        .body(OnceBody {
+            len: body.len() as u64,
+            data: Some(body),
+            wire: wire.clone(),
+        })
+        .expect("valid request parts");
+    let mut resp = Box::pin(sender.send_request(req));
+    let timeout = Duration::from_secs(rt.args.request_timeout_secs);
+    if !withdrawn {
+        tokio::select! {
+            r = &mut resp => {
+                let r = match r {
+                    Ok(r) => r,
+                    Err(e) => return Leg::Failed(e.to_string()),
+                };
+                // The body streams on this connection; once it is over the connection is
+                // idle again and kept for another leg.
+                let rt = rt.clone();
+                tokio::spawn(async move {
+                    let idle = tokio::select! {
+                        r = sender.ready() => r.is_ok(),
+                        _ = &mut conn => false,
+                    };
+                    if idle {
+                        rt.put_idle(IdleConn { sender, conn, wire });
+                    }
+                });
+                return Leg::Resp(r);
+            }
+            r = &mut conn => {
+                return Leg::Failed(format!("decode connection ended before an answer: {r:?}"));
+            }
+            _ = tokio::time::sleep(timeout) => return Leg::Failed("timed out".into()),
+            _ = &mut cancel => withdrawn = true,
+        }
+    }
+    debug_assert!(withdrawn);
+    let in_transit = !wire.on_wire();
+    if in_transit {
+        // Drive the connection until the request is written, then close.
+        tokio::select! {
+            _ = wire.wait() => {}
+            _ = &mut conn => {}
+            _ = &mut resp => {}
+            _ = tokio::time::sleep(timeout) => {}
+        }
+    }
+    // Closing: the socket goes with the connection, now; it is never used again.
+    drop(resp);
+    drop(sender);
+    drop(conn);
+    rt.stats
+        .decode_legs_cancelled
+        .fetch_add(1, Ordering::Relaxed);
+    if in_transit {
+        rt.stats
+            .decode_legs_cancelled_in_transit
+            .fetch_add(1, Ordering::Relaxed);
+    }
+    Leg::Failed("withdrawn".into())
+}
+
+/// smg's `x-smg-error-code` for a prefill error the router answers with.
+fn prefill_error_code(status: StatusCode) -> &'static str {
+    match status.as_u16() {
+        503 => "prefill_unavailable",
+        400..=499 => "prefill_bad_request",
+        _ => "prefill_error",
+    }
+}
+
 struct RouterSpan {
     trace_id: [u8; 16],
     span_id: [u8; 8],
@@ -416,6 +814,66 @@ async fn route_inner(
             );
         };
         let leg_body = Bytes::from(leg_body);
+        if mode == Mode::ConcurrentCancel {
+            span.events.push(ev(
+                "Sending concurrent requests",
+                vec![("prefill_url", &rt.prefill), ("decode_url", &rt.decode)],
+            ));
+            rt.stats.decode_legs.fetch_add(1, Ordering::Relaxed);
+            let mut leg = DecodeLeg::start(
+                rt.clone(),
+                path,
+                leg_body.clone(),
+                request_id.to_owned(),
+                *tp,
+                rt.jitter(),
+            );
+            pause(rt.jitter()).await;
+            let prefill_resp = match send(rt, &rt.prefill, path, leg_body, request_id, tp).await {
+                Leg::Resp(r) => r,
+                Leg::Failed(e) => {
+                    leg.cancel();
+                    rt.stats.upstream_errors.fetch_add(1, Ordering::Relaxed);
+                    span.events.push(ev("Received concurrent requests", vec![]));
+                    return error_response(
+                        StatusCode::BAD_GATEWAY,
+                        &format!("prefill request failed: {e}"),
+                    );
+                }
+            };
+            let pstatus = prefill_resp.status();
+            if !pstatus.is_success() {
+                // The fix: prefill's error withdraws the decode leg before anything else.
+                leg.cancel();
+                rt.stats.prefill_rejections.fetch_add(1, Ordering::Relaxed);
+                span.events.push(ev("Received concurrent requests", vec![]));
+                let mut resp = buffered(prefill_resp).await;
+                resp.headers_mut().insert(
+                    "x-smg-error-code",
+                    axum::http::HeaderValue::from_static(prefill_error_code(pstatus)),
+                );
+                if pstatus == StatusCode::SERVICE_UNAVAILABLE && attempt + 1 < attempts {
+                    // The next attempt (new room) starts once this one's decode leg is closed.
+                    let _ = leg.join().await;
+                    last = Some(resp);
+                    continue;
+                }
+                return resp;
+            }
+            drain(async move { Leg::Resp(prefill_resp) });
+            let decoded = leg.join().await;
+            span.events.push(ev("Received concurrent requests", vec![]));
+            return match decoded {
+                Leg::Resp(r) => pass_through(r),
+                Leg::Failed(e) => {
+                    rt.stats.upstream_errors.fetch_add(1, Ordering::Relaxed);
+                    error_response(
+                        StatusCode::BAD_GATEWAY,
+                        &format!("decode request failed: {e}"),
+                    )
+                }
+            };
+        }
         let prefill_leg;
         let mut decode_leg = None;
         match mode {
@@ -427,17 +885,22 @@ async fn route_inner(
                 rt.stats.decode_legs.fetch_add(1, Ordering::Relaxed);
                 let (rt2, b2, rid2, tp2) =
                     (rt.clone(), leg_body.clone(), request_id.to_owned(), *tp);
+                let transit = rt.jitter();
                 // The decode leg is its own task: nothing cancels it once sent.
                 decode_leg = Some(tokio::spawn(async move {
+                    pause(transit).await;
                     send(&rt2, &rt2.decode, path, b2, &rid2, &tp2).await
                 }));
+                pause(rt.jitter()).await;
                 prefill_leg = send(rt, &rt.prefill, path, leg_body.clone(), request_id, tp).await;
             }
+            Mode::ConcurrentCancel => unreachable!("served above"),
             Mode::Correct | Mode::HandoffAfterReject => {
                 span.events.push(ev(
                     "Sending prefill request",
                     vec![("prefill_url", &rt.prefill)],
                 ));
+                pause(rt.jitter()).await;
                 prefill_leg = send(rt, &rt.prefill, path, leg_body.clone(), request_id, tp).await;
             }
         }
@@ -502,7 +965,11 @@ async fn route_inner(
                         .fetch_add(1, Ordering::Relaxed);
                     let (rt2, b2, rid2, tp2) =
                         (rt.clone(), leg_body.clone(), request_id.to_owned(), *tp);
-                    drain(async move { send(&rt2, &rt2.decode, path, b2, &rid2, &tp2).await });
+                    let transit = rt.jitter();
+                    drain(async move {
+                        pause(transit).await;
+                        send(&rt2, &rt2.decode, path, b2, &rid2, &tp2).await
+                    });
                 }
                 _ => {}
             }
@@ -527,6 +994,7 @@ async fn route_inner(
                     vec![("decode_url", &rt.decode)],
                 ));
                 rt.stats.decode_legs.fetch_add(1, Ordering::Relaxed);
+                pause(rt.jitter()).await;
                 send(rt, &rt.decode, path, leg_body, request_id, tp).await
             }
         };

@@ -12,6 +12,9 @@
 //! - prefill transfers once both the admission and decode's BOOTSTRAP for R are there, in
 //!   whichever order they arrive. With `--transfer-after-reject` (the disclosed bug) prefill
 //!   also transfers rooms it rejected.
+//! - decode's client (the router) closing the connection mid-request cancels it: ABORT R to
+//!   prefill if its KV had not come, outcome `cancelled`. With `--decode-ignores-cancel` decode
+//!   goes on and answers on the socket instead (outcome `cancel-ignored`); see serve.rs.
 
 use std::collections::{HashMap, VecDeque};
 use std::convert::Infallible;
@@ -38,6 +41,7 @@ use crate::common::{
     random_span_id, random_trace_id, room_hex,
 };
 use crate::kvlink::{LinkStats, Pushers, parse_u64, serve_pull};
+use crate::serve::{ClientConn, OnClientGone};
 use crate::spans::{Exporter, ExporterConfig, SpanSink, SpanSpec, kv_int, kv_str};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]
@@ -119,6 +123,11 @@ pub struct WorkerArgs {
     /// Decode: how long a room waits for its KV cache before aborting.
     #[arg(long, default_value_t = 2000)]
     pub kv_timeout_ms: u64,
+    /// Decode: when a request's client connection goes away, carry on as if it were there (no
+    /// ABORT to prefill; bootstrap, wait for the KV, answer on the socket, then close it).
+    /// Default: abort the request, send ABORT, close (SGLang's decode).
+    #[arg(long)]
+    pub decode_ignores_cancel: bool,
     /// Bytes of simulated KV per input token (payload of the KV frames).
     #[arg(long, default_value_t = 8)]
     pub kv_bytes_per_token: u64,
@@ -164,6 +173,8 @@ pub struct WorkerStats {
     pub bootstraps_unmatched: AtomicU64,
     pub kv_timeouts: AtomicU64,
     pub cancelled: AtomicU64,
+    /// Decode requests whose client went away and that went on (`--decode-ignores-cancel`).
+    pub cancels_ignored: AtomicU64,
     pub route_lookups: AtomicU64,
     pub route_failures: AtomicU64,
 }
@@ -183,6 +194,20 @@ pub struct RoomRecord {
     pub kv_done: bool,
     pub generated_tokens: u64,
     pub outcome: &'static str,
+    /// For outcome `cancel-ignored`: how the request ended after its client had gone
+    /// (`kv-failed`, `generated`, …).
+    pub final_outcome: Option<&'static str>,
+    /// Wall-clock times in Unix nanoseconds (one clock for every process of a host; 0 = not
+    /// happened). `received_ns`: the HTTP request arrived.
+    pub received_ns: u64,
+    /// Decode: its BOOTSTRAP for the room was sent; prefill: the first BOOTSTRAP arrived.
+    pub bootstrap_ns: u64,
+    /// The HTTP status was decided (prefill: its verdict, admission or rejection).
+    pub answered_ns: u64,
+    /// Decode: the client closed the connection while the request was in flight.
+    pub client_gone_ns: u64,
+    /// The request ended (answered to its end, rejected, cancelled).
+    pub ended_ns: u64,
 }
 
 struct RoomLog {
@@ -763,7 +788,13 @@ impl Worker {
                     return;
                 };
                 self.stats.bootstrap_frames.fetch_add(1, Ordering::Relaxed);
-                self.record(room, |r| r.bootstrap_frames += 1);
+                let now = now_ns();
+                self.record(room, |r| {
+                    r.bootstrap_frames += 1;
+                    if r.bootstrap_ns == 0 {
+                        r.bootstrap_ns = now;
+                    }
+                });
                 self.meet_bootstrap(room, SocketAddr::new(ip, port as u16));
             }
             b"ABORT" if parts.len() >= 2 => {
@@ -865,6 +896,9 @@ struct BootstrapPort(u16, u16);
 pub async fn run(role: Role, args: WorkerArgs) -> anyhow::Result<()> {
     if !(0.0..=1.0).contains(&args.overload_share) {
         anyhow::bail!("--overload-share must be within 0..=1");
+    }
+    if role == Role::Prefill && args.decode_ignores_cancel {
+        anyhow::bail!("--decode-ignores-cancel is a decode flag");
     }
     // Bind everything before announcing readiness.
     let http = TcpListener::bind((args.host.as_str(), args.port)).await?;
@@ -998,14 +1032,28 @@ pub async fn run(role: Role, args: WorkerArgs) -> anyhow::Result<()> {
             }
         });
     }
-    // Without TCP_NODELAY a streamed answer's second chunk waits for the client's delayed ACK
-    // (~40 ms): that was the p99 of the load generator.
-    let http = axum::serve::ListenerExt::tap_io(http, |tcp| {
-        let _ = tcp.set_nodelay(true);
-    });
-    axum::serve(http, app)
-        .with_graceful_shutdown(crate::common::shutdown_signal())
-        .await?;
+    match role {
+        Role::Prefill => {
+            // Without TCP_NODELAY a streamed answer's second chunk waits for the client's
+            // delayed ACK (~40 ms): that was the p99 of the load generator.
+            let http = axum::serve::ListenerExt::tap_io(http, |tcp| {
+                let _ = tcp.set_nodelay(true);
+            });
+            axum::serve(http, app)
+                .with_graceful_shutdown(crate::common::shutdown_signal())
+                .await?;
+        }
+        Role::Decode => {
+            // Decode sees its client leave mid-request (the router withdrawing the leg) and
+            // honours or ignores it; see serve.rs.
+            let on_gone = if w.args.decode_ignores_cancel {
+                OnClientGone::Ignore
+            } else {
+                OnClientGone::Cancel
+            };
+            crate::serve::serve(http, app, on_gone).await?;
+        }
+    }
     exporter.shutdown(Duration::from_secs(3)).await;
     if let Some(cap) = capacity_exporter {
         cap.shutdown(Duration::from_secs(1)).await;
@@ -1164,15 +1212,31 @@ async fn sim_rooms(State(w): State<Shared>, Query(q): Query<RoomsQuery>) -> Resp
     axum::Json(recs).into_response()
 }
 
-async fn generate(State(w): State<Shared>, headers: HeaderMap, body: Bytes) -> Response {
-    serve(w, Api::Generate, headers, body).await
+async fn generate(
+    State(w): State<Shared>,
+    conn: Option<axum::Extension<ClientConn>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    serve(w, Api::Generate, conn.map(|c| c.0), headers, body).await
 }
 
-async fn chat(State(w): State<Shared>, headers: HeaderMap, body: Bytes) -> Response {
-    serve(w, Api::Chat, headers, body).await
+async fn chat(
+    State(w): State<Shared>,
+    conn: Option<axum::Extension<ClientConn>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    serve(w, Api::Chat, conn.map(|c| c.0), headers, body).await
 }
 
-async fn serve(w: Shared, api: Api, headers: HeaderMap, body: Bytes) -> Response {
+async fn serve(
+    w: Shared,
+    api: Api,
+    conn: Option<ClientConn>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
     let t0 = now_ns();
     w.stats.requests.fetch_add(1, Ordering::Relaxed);
     let p = match parse_body(api, &body) {
@@ -1196,7 +1260,7 @@ async fn serve(w: Shared, api: Api, headers: HeaderMap, body: Bytes) -> Response
     trace.input_tokens = p.input_tokens;
     match w.role {
         Role::Prefill => prefill(w, p, rid, request_id, trace, t0).await,
-        Role::Decode => decode(w, p, rid, request_id, trace, t0).await,
+        Role::Decode => decode(w, p, rid, request_id, conn, trace, t0).await,
     }
 }
 
@@ -1238,6 +1302,9 @@ async fn prefill(
                 r.status = status.as_u16();
                 r.input_tokens = p.input_tokens;
                 r.outcome = "rejected";
+                r.received_ns = t0;
+                r.answered_ns = t_end;
+                r.ended_ns = t_end;
             });
             if let Some(late) = late {
                 w.meet_request(room, p.input_tokens, None, Some(late));
@@ -1247,15 +1314,17 @@ async fn prefill(
     }
     w.stats.admitted.fetch_add(1, Ordering::Relaxed);
     w.inflight.fetch_add(1, Ordering::Relaxed);
+    let t_admit = now_ns();
     if let Some(room) = p.room {
         w.record(room, |r| {
             r.rid = rid.clone();
             r.request_id = request_id.clone();
             r.status = 200;
             r.input_tokens = p.input_tokens;
+            r.received_ns = t0;
+            r.answered_ns = t_admit;
         });
     }
-    let t_admit = now_ns();
     // Status line now, body when the transfer is over (see module docs).
     let stream = p.stream;
     let w2 = w.clone();
@@ -1301,6 +1370,9 @@ async fn prefill(
         }
         guard.armed = false;
         let t_end = now_ns();
+        if let Some(room) = p.room {
+            w.record(room, |r| r.ended_ns = t_end);
+        }
         let th = trace.thread(&w, false, t0, t_tok, None);
         trace.stage(th, "tokenize", t0, t_tok);
         trace.stage(th, "api_server_dispatch", t_tok, t_tok);
@@ -1352,7 +1424,11 @@ impl Drop for PendingGuard<'_> {
             if let Ok(mut p) = self.w.pending.lock() {
                 p.remove(&room);
             }
-            self.w.record(room, |r| r.outcome = "cancelled");
+            let now = now_ns();
+            self.w.record(room, |r| {
+                r.outcome = "cancelled";
+                r.ended_ns = now;
+            });
         }
     }
 }
@@ -1363,6 +1439,7 @@ struct DecodeGuard {
     w: Shared,
     room: u64,
     prefill: Option<SocketAddr>,
+    conn: Option<ClientConn>,
     armed: bool,
 }
 
@@ -1377,7 +1454,13 @@ impl Drop for DecodeGuard {
             .expect("waiters lock")
             .remove(&self.room);
         self.w.stats.cancelled.fetch_add(1, Ordering::Relaxed);
-        self.w.record(self.room, |r| r.outcome = "cancelled");
+        let now = now_ns();
+        let gone = self.conn.as_ref().and_then(ClientConn::gone_ns);
+        self.w.record(self.room, |r| {
+            r.outcome = "cancelled";
+            r.ended_ns = now;
+            r.client_gone_ns = gone.unwrap_or(0);
+        });
         if let Some(to) = self.prefill {
             let w = self.w.clone();
             let room = self.room;
@@ -1391,11 +1474,47 @@ impl Drop for DecodeGuard {
     }
 }
 
+impl Worker {
+    /// Record how a decode request ended: `outcome`, or `cancel-ignored` (with `outcome` as
+    /// `final_outcome`) when its client had gone and it went on (`--decode-ignores-cancel`).
+    fn end_decode(
+        &self,
+        room: u64,
+        conn: Option<&ClientConn>,
+        outcome: &'static str,
+        f: impl FnOnce(&mut RoomRecord),
+    ) {
+        let now = now_ns();
+        let gone = conn.and_then(ClientConn::gone_ns);
+        let ignored = gone.is_some() && self.args.decode_ignores_cancel;
+        if ignored {
+            self.stats.cancels_ignored.fetch_add(1, Ordering::Relaxed);
+        }
+        self.record(room, |r| {
+            f(r);
+            r.ended_ns = now;
+            if r.answered_ns == 0 {
+                r.answered_ns = now;
+            }
+            if let Some(g) = gone {
+                r.client_gone_ns = g;
+            }
+            if ignored {
+                r.outcome = "cancel-ignored";
+                r.final_outcome = Some(outcome);
+            } else {
+                r.outcome = outcome;
+            }
+        });
+    }
+}
+
 async fn decode(
     w: Shared,
     p: Parsed,
     rid: String,
     request_id: Option<String>,
+    conn: Option<ClientConn>,
     mut trace: ReqTrace,
     t0: u64,
 ) -> Response {
@@ -1407,12 +1526,12 @@ async fn decode(
         trace.stage(th, "tokenize", t0, t_tok);
         trace.finish(&w, &rid, p.room, t0, t_end);
         if let Some(room) = p.room {
-            w.record(room, |r| {
+            w.record(room, |r| r.received_ns = t0);
+            w.end_decode(room, conn.as_ref(), "rejected", |r| {
                 r.rid = rid.clone();
                 r.request_id = request_id.clone();
                 r.status = status.as_u16();
                 r.input_tokens = p.input_tokens;
-                r.outcome = "rejected";
             });
         }
         return error_response(status, &msg);
@@ -1432,6 +1551,7 @@ async fn decode(
             r.rid = rid.clone();
             r.request_id = request_id.clone();
             r.input_tokens = p.input_tokens;
+            r.received_ns = t0;
         });
         let (tx, rx) = oneshot::channel();
         w.waiters
@@ -1442,6 +1562,7 @@ async fn decode(
             w: w.clone(),
             room,
             prefill: None,
+            conn: conn.clone(),
             armed: true,
         };
         if w.args.bootstrap_delay_us > 0 {
@@ -1479,7 +1600,13 @@ async fn decode(
                         ],
                     )
                     .await;
-                w.record(room, |r| r.bootstrap_frames += 1);
+                let now = now_ns();
+                w.record(room, |r| {
+                    r.bootstrap_frames += 1;
+                    if r.bootstrap_ns == 0 {
+                        r.bootstrap_ns = now;
+                    }
+                });
                 t_boot = now_ns();
                 match tokio::time::timeout(Duration::from_millis(w.args.kv_timeout_ms), rx).await {
                     Ok(Ok(())) => {
@@ -1518,14 +1645,12 @@ async fn decode(
         trace.stage(th, "decode_bootstrap", t_sched, t_boot);
         trace.finish(&w, &rid, p.room, t0, t_end);
         if let Some(room) = p.room {
-            w.record(room, |r| {
-                r.status = status.as_u16();
-                r.outcome = if status == StatusCode::INTERNAL_SERVER_ERROR {
-                    "kv-failed"
-                } else {
-                    "failed"
-                };
-            });
+            let outcome = if status == StatusCode::INTERNAL_SERVER_ERROR {
+                "kv-failed"
+            } else {
+                "failed"
+            };
+            w.end_decode(room, conn.as_ref(), outcome, |r| r.status = status.as_u16());
         }
         return error_response(status, &msg);
     }
@@ -1545,10 +1670,9 @@ async fn decode(
             &w, trace, &rid, room, t0, t_tok, t_sched, t_boot, t_kv, t_end,
         );
         if let Some(room) = room {
-            w.record(room, |r| {
+            w.end_decode(room, conn.as_ref(), "generated", |r| {
                 r.status = 200;
                 r.generated_tokens = n;
-                r.outcome = "generated";
             });
         }
         w.stats.completed.fetch_add(1, Ordering::Relaxed);
@@ -1573,11 +1697,20 @@ async fn decode(
             .body(Body::from(body))
             .expect("static");
     }
-    // Streaming: one SSE event per token, produced by a task that stops when the client goes.
+    // Streaming: one SSE event per token, produced by a task that stops when the client goes
+    // (or, with --decode-ignores-cancel, generates every token all the same).
     let (tx, rx) = mpsc::channel::<Result<Bytes, Infallible>>(16);
+    if let Some(room) = room {
+        let now = now_ns();
+        w.record(room, |r| {
+            r.status = 200;
+            r.answered_ns = now;
+        });
+    }
     let w2 = w.clone();
     tokio::spawn(async move {
         let w = w2;
+        let ignore = w.args.decode_ignores_cancel;
         let mut text = String::new();
         let mut sent = 0;
         for i in 0..n {
@@ -1595,7 +1728,7 @@ async fn decode(
                 i + 1,
                 last,
             );
-            if tx.send(Ok(ev)).await.is_err() {
+            if tx.send(Ok(ev)).await.is_err() && !ignore {
                 break;
             }
             sent = i + 1;
@@ -1606,15 +1739,12 @@ async fn decode(
             &w, trace, &rid, room, t0, t_tok, t_sched, t_boot, t_kv, t_end,
         );
         if let Some(room) = room {
-            w.record(room, |r| {
-                r.status = 200;
-                r.generated_tokens = sent;
-                r.outcome = if sent == n {
-                    "generated"
-                } else {
-                    "client-gone"
-                };
-            });
+            let outcome = if sent == n {
+                "generated"
+            } else {
+                "client-gone"
+            };
+            w.end_decode(room, conn.as_ref(), outcome, |r| r.generated_tokens = sent);
         }
         w.stats.completed.fetch_add(1, Ordering::Relaxed);
     });
