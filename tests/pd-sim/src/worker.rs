@@ -183,6 +183,11 @@ pub struct RoomRecord {
     pub kv_done: bool,
     pub generated_tokens: u64,
     pub outcome: &'static str,
+    /// When this worker got the room's HTTP request (ns since the epoch; 0: none yet).
+    pub received_ns: u64,
+    /// When the room first left `pending` here: answered, rejected, cancelled, timed out, ...
+    /// (ns since the epoch; 0: still pending).
+    pub ended_ns: u64,
 }
 
 struct RoomLog {
@@ -209,7 +214,11 @@ impl RoomLog {
                 })
             }
         };
+        let was_pending = rec.outcome == "pending";
         f(rec);
+        if was_pending && rec.outcome != "pending" && rec.ended_ns == 0 {
+            rec.ended_ns = now_ns();
+        }
     }
 }
 
@@ -1234,6 +1243,7 @@ async fn prefill(
         if let Some(room) = p.room {
             w.record(room, |r| {
                 r.rid = rid.clone();
+                r.received_ns = t0;
                 r.request_id = request_id.clone();
                 r.status = status.as_u16();
                 r.input_tokens = p.input_tokens;
@@ -1250,6 +1260,7 @@ async fn prefill(
     if let Some(room) = p.room {
         w.record(room, |r| {
             r.rid = rid.clone();
+            r.received_ns = t0;
             r.request_id = request_id.clone();
             r.status = 200;
             r.input_tokens = p.input_tokens;
@@ -1409,6 +1420,7 @@ async fn decode(
         if let Some(room) = p.room {
             w.record(room, |r| {
                 r.rid = rid.clone();
+                r.received_ns = t0;
                 r.request_id = request_id.clone();
                 r.status = status.as_u16();
                 r.input_tokens = p.input_tokens;
@@ -1430,6 +1442,7 @@ async fn decode(
     if let Some(room) = p.room {
         w.record(room, |r| {
             r.rid = rid.clone();
+            r.received_ns = t0;
             r.request_id = request_id.clone();
             r.input_tokens = p.input_tokens;
         });
