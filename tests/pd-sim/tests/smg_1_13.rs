@@ -438,6 +438,14 @@ async fn smg_1_13_cancelled_decode_legs_raise_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs PD_SIM_SMG113 (smg 1.13.0), the revenant binary, root (eBPF) and pd-sim's --decode-ignores-cancel"]
 async fn smg_1_13_decode_ignoring_the_cancel_is_caught_once_per_request() {
+    let help = std::process::Command::new(BIN)
+        .args(["decode", "--help"])
+        .output()
+        .expect("pd-sim decode --help");
+    assert!(
+        String::from_utf8_lossy(&help.stdout).contains("--decode-ignores-cancel"),
+        "this pd-sim has no `decode --decode-ignores-cancel` yet (it comes with branch pdsim-cancel)"
+    );
     let mut s = setup(
         "smg113-ignore",
         "--overload-share 0.03",
