@@ -12,14 +12,14 @@
 //! `/sim/rooms` timestamps; `docs/routers.md` has the same):
 //! - It sends the same `/generate` to prefill and decode at once, with a fresh `bootstrap_room`,
 //!   `bootstrap_host`/`bootstrap_port` added: decode's leg arrives a median ~0.01 ms after
-//!   prefill's (−5 … +5 ms), usually before prefill has answered, and decode mostly bootstraps the room
-//!   with prefill (ZMTP `BOOTSTRAP`) before the cancel reaches it.
+//!   prefill's (−5 … +5 ms), usually before prefill has answered, and decode mostly bootstraps
+//!   the room with prefill (ZMTP `BOOTSTRAP`) before the cancel reaches it.
 //! - When prefill answers an error it closes the decode leg at once and answers the client:
 //!   decode saw its connection close 0.3 ms (p50) after prefill's answer, p99 1.9-3.1 ms, max
 //!   3.1-4.1 ms (275 and 493 legs, 200 requests/s, release simulator); in this test (debug
 //!   simulator, revenant on eBPF, 2 shared cores) p50 1.1-1.3 ms, p99 5.6-6.4 ms, max 6.9-7.6 ms.
-//!   Decode then sends `ABORT` for the room. Some decode legs (4-16 %) are closed
-//!   before decode has read the request: decode never sees that attempt at all.
+//!   Decode then sends `ABORT` for the room. Some decode legs (4-16 %) are closed before decode
+//!   has read the request: decode never sees that attempt at all.
 //! - 400 (input over capacity): not retried; the client gets 400 with
 //!   `x-smg-error-code: prefill_bad_request` and prefill's message inside smg's error JSON.
 //!   503 (queue full): retried up to 5 attempts in all (`--retry-max-retries`, default 5), each
@@ -434,7 +434,7 @@ async fn smg_1_13_cancelled_decode_legs_raise_nothing() {
 /// (`orphaned-leg`: the leg did not end within the window; or `activity-after-rejection` when
 /// it advanced), and each request notified once.
 ///
-/// Needs pd-sim's `--decode-ignores-cancel` (branch pdsim-cancel) and the engine's advancement
+/// Needs pd-sim's `--decode-ignores-cancel` and the engine's advancement
 /// model with one incident notification per request.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs PD_SIM_SMG113 (smg 1.13.0), the revenant binary, root (eBPF) and pd-sim's --decode-ignores-cancel"]
@@ -445,7 +445,7 @@ async fn smg_1_13_decode_ignoring_the_cancel_is_caught_once_per_request() {
         .expect("pd-sim decode --help");
     assert!(
         String::from_utf8_lossy(&help.stdout).contains("--decode-ignores-cancel"),
-        "this pd-sim has no `decode --decode-ignores-cancel` yet (it comes with branch pdsim-cancel)"
+        "this pd-sim has no `decode --decode-ignores-cancel`"
     );
     let mut s = setup(
         "smg113-ignore",
