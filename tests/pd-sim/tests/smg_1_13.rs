@@ -299,9 +299,21 @@ fn assert_no_loss(o: &Outcome, s: &Setup) {
         "OTLP: one prefill rejection per refused room"
     );
     let ebpf = o.events("ebpf", "prefill", "rejected");
+    let ebpf_losses: Vec<String> = o
+        .metrics
+        .iter()
+        .filter(|m| {
+            m.name.starts_with("revenant_ebpf_")
+                && m.name.ends_with("_total")
+                && !m.name.contains("records")
+                && !m.name.contains("lifecycle_events")
+                && m.value > 0.0
+        })
+        .map(|m| format!("{} {:?} {}", m.name, m.labels, m.value))
+        .collect();
     assert!(
         ebpf * 100 >= rejected * 95,
-        "eBPF saw {ebpf} of {rejected} prefill rejections"
+        "eBPF saw {ebpf} of {rejected} prefill rejections; eBPF counters: {ebpf_losses:?}"
     );
     // smg's own spans came in: one router span per client request (and its health probes).
     let sent = o.load["sent"].as_u64().unwrap();
@@ -330,7 +342,7 @@ async fn smg_1_13_cancelled_decode_legs_raise_nothing() {
             "--requests",
             "1000",
             "--rate",
-            "100",
+            "50",
             "--over-capacity-share",
             "0.25",
             "--request-id-prefix",
@@ -459,7 +471,7 @@ async fn smg_1_13_decode_ignoring_the_cancel_is_caught_once_per_request() {
             "--requests",
             "1000",
             "--rate",
-            "100",
+            "50",
             "--over-capacity-share",
             "0.25",
             "--request-id-prefix",
