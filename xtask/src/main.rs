@@ -106,8 +106,10 @@ fn run_tests(args: &[String]) -> ExitCode {
 }
 
 /// Tests against real third-party components that come from PyPI: the `sglang-router` 0.3.2
-/// wheel (`smg`) in front of the simulator, and pyzmq (libzmq) against the simulator's ZMTP.
-/// The venv is created once under `target/`; failing to create it fails the run loudly.
+/// wheel (`smg`) in front of the simulator, pyzmq (libzmq) against the simulator's ZMTP, and its
+/// successor `smg` 1.13.0. Both wheels install a binary named `smg`, so 1.13.0 has a venv of
+/// its own. The venvs are created once under `target/`; failing to create one fails the run
+/// loudly.
 fn real_component_tests(cargo: &str) -> std::io::Result<std::process::ExitStatus> {
     let venv = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/xtask-venv");
     let python = venv.join("bin/python");
@@ -138,13 +140,49 @@ fn real_component_tests(cargo: &str) -> std::io::Result<std::process::ExitStatus
             ));
         }
     }
-    eprintln!("xtask: real-component tests (sglang-router 0.3.2 smg, pyzmq)");
-    // Ignored tests that need the venv: (package, test targets). The eBPF one needs root, as
-    // CI runs; it fails (never skips) when the probes cannot load.
+    // smg 1.13.0: ready when the venv holds exactly that version (a stale venv is reinstalled).
+    let venv113 =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/xtask-venv-smg113");
+    let smg113 = venv113.join("bin/smg");
+    let ready113 = smg113.exists()
+        && Command::new(venv113.join("bin/python"))
+            .args([
+                "-c",
+                "import importlib.metadata as m, sys; sys.exit(m.version('smg') != '1.13.0')",
+            ])
+            .status()
+            .is_ok_and(|s| s.success());
+    if !ready113 {
+        eprintln!("xtask: creating {} (smg==1.13.0)", venv113.display());
+        let ok = Command::new("python3")
+            .arg("-m")
+            .arg("venv")
+            .arg(&venv113)
+            .status()?
+            .success()
+            && Command::new(venv113.join("bin/pip"))
+                .args(["install", "--quiet", "smg==1.13.0"])
+                .status()?
+                .success();
+        if !ok {
+            return Err(std::io::Error::other(
+                "could not create the smg 1.13.0 venv (pip install smg==1.13.0)",
+            ));
+        }
+    }
+    eprintln!("xtask: real-component tests (sglang-router 0.3.2 smg, smg 1.13.0, pyzmq)");
+    // Ignored tests that need the venvs: (package, test targets). The eBPF ones need root, as
+    // CI runs; they fail (never skip) when the probes cannot load.
     const IGNORED: &[(&str, &[&str])] = &[
         (
             "pd-sim",
-            &["real_router", "interop", "e2e_real_router", "e2e_capacity"],
+            &[
+                "real_router",
+                "interop",
+                "e2e_real_router",
+                "e2e_capacity",
+                "smg_1_13",
+            ],
         ),
         ("revenant", &["ebpf_real_router"]),
     ];
@@ -167,6 +205,7 @@ fn real_component_tests(cargo: &str) -> std::io::Result<std::process::ExitStatus
         let status = cmd
             .args(["--", "--ignored"])
             .env("PD_SIM_SMG", &smg)
+            .env("PD_SIM_SMG113", &smg113)
             .env("PD_SIM_PYTHON", &python)
             .status()?;
         if !status.success() && first_failure.is_none() {

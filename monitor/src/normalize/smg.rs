@@ -1,10 +1,21 @@
 //! sglang-router / smg (`--enable-trace`): one `http_request` span per client request.
 //!
-//! Real shape (`shared/fixtures/sglang-router-0.3.2/spans.jsonl`): attributes `request_id`
-//! (the client's `x-request-id`), `status_code` as a *string*, `uri`, `method`; span events
-//! "Sending concurrent requests" {prefill_url, decode_url} per attempt and "Received concurrent
-//! requests". No `bootstrap_room` anywhere: router events are request-level; the trace id names
-//! the request (the router keeps it across retries), never one attempt.
+//! Real shapes, both scope and `service.name` `smg`:
+//! - sglang-router 0.3.2 (`shared/fixtures/sglang-router-0.3.2/spans.jsonl`, here
+//!   `testdata/smg-0.3.2-spans.jsonl`): attributes `request_id` (the client's `x-request-id`),
+//!   `status_code` as a *string*, `uri`, `method`.
+//! - smg 1.13.0 (`testdata/smg-1.13.0-spans.jsonl`: a prefill 400, and a 503 retried five times):
+//!   the same, with the path in `path` instead of `uri`, plus `trace_id` (hex, the span's own),
+//!   `target` `smg::otel-trace`, `version`, `latency`; `code.file.path`-style code attributes.
+//!   The span continues the client's `traceparent` when there is one (its parent is the client's
+//!   span) and smg passes its own context on to both workers.
+//!
+//! Both: span events "Sending concurrent requests" {prefill_url, decode_url} once per attempt
+//! (each retry sends both legs again) and "Received concurrent requests" once the attempt's legs
+//! are joined. Nothing says which leg failed or that the decode leg was withdrawn (1.13.0 closes
+//! it within a few ms of a prefill error): the end of a decode leg comes from decode's own
+//! telemetry or from eBPF. No `bootstrap_room` anywhere: router events are request-level; the
+//! trace id names the request (the router keeps it across retries), never one attempt.
 
 use opentelemetry_proto::tonic::trace::v1::Span;
 
@@ -28,7 +39,9 @@ pub fn map_span(ctx: &SpanCtx<'_>, span: &Span, out: &mut Vec<LifecycleEvent>, t
         return;
     }
     // The path only: a query string could carry user text.
-    let path = attrs::str(a, "uri").map(|u| attrs::clip_id(u.split('?').next().unwrap_or("")));
+    let path = attrs::str(a, "uri")
+        .or_else(|| attrs::str(a, "path"))
+        .map(|u| attrs::clip_id(u.split('?').next().unwrap_or("")));
     let ev = |time: u64, kind: Kind| {
         let mut e = otlp_event(ctx, span, time, Stage::Router, kind);
         e.ids.request_id = request_id.clone();

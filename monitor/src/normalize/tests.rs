@@ -15,6 +15,7 @@ use crate::event::{BootstrapRoom, Kind, LifecycleEvent, Stage};
 use crate::ingest::otlp::json;
 
 const SMG: &str = include_str!("testdata/smg-0.3.2-spans.jsonl");
+const SMG_1_13: &str = include_str!("testdata/smg-1.13.0-spans.jsonl");
 const SGLANG: &str = include_str!("testdata/sglang-0.5.23-trace-spans.jsonl");
 
 /// A fixture line is one span plus `_resource` (flat map) and `_scope` (name): wrap it in a
@@ -106,6 +107,64 @@ fn smg_fixture_rejected_request() {
         (ev[3].kind, ev[3].status, ev[3].time_ns),
         (Kind::Completed, Some(400), 1795986795536964845)
     );
+}
+
+/// smg 1.13.0: a prefill 400 (one attempt, the client's traceparent continued) and a prefill 503
+/// retried with five attempts in one span; the path now comes in `path`.
+#[test]
+fn smg_1_13_fixture_rejection_and_retried_503() {
+    let (ev, tally) = run(&mut normalizer(), &fixture_export(&lines(SMG_1_13)), 1);
+    assert_eq!(tally.spans[ProfileLabel::Smg as usize], 2);
+    for e in &ev {
+        assert_eq!(e.stage, Stage::Router);
+        assert!(!e.ids.names_attempt(), "router events are request-level");
+    }
+    let of = |rid: &str| -> Vec<&LifecycleEvent> {
+        ev.iter()
+            .filter(|e| e.ids.request_id.as_deref() == Some(rid))
+            .collect()
+    };
+    let rej = of("rej-1");
+    assert_eq!(rej.len(), 4, "{rej:#?}");
+    assert!(
+        rej.iter()
+            .all(|e| e.ids.trace_id.as_deref() == Some("0af7651916cd43dd8448eb211c80319c"))
+    );
+    assert_eq!(
+        (rej[0].kind, rej[0].time_ns, rej[0].detail.as_deref()),
+        (Kind::Received, 1796163520066952148, Some("/generate"))
+    );
+    assert_eq!(
+        rej[1..3]
+            .iter()
+            .map(|e| (e.kind, e.to, e.time_ns))
+            .collect::<Vec<_>>(),
+        vec![
+            (Kind::Dispatched, Some(Stage::Prefill), 1796163520067596328),
+            (Kind::Dispatched, Some(Stage::Decode), 1796163520067596328),
+        ]
+    );
+    assert_eq!(
+        (rej[3].kind, rej[3].status, rej[3].time_ns),
+        (Kind::Completed, Some(400), 1796163520068332412)
+    );
+    let storm = of("storm-1");
+    assert_eq!(
+        storm.len(),
+        12,
+        "received, 5 x 2 dispatches, completed: {storm:#?}"
+    );
+    let dispatched: Vec<_> = storm
+        .iter()
+        .filter(|e| e.kind == Kind::Dispatched)
+        .map(|e| e.to)
+        .collect();
+    assert_eq!(
+        dispatched,
+        [Some(Stage::Prefill), Some(Stage::Decode)].repeat(5)
+    );
+    let last = storm.last().unwrap();
+    assert_eq!((last.kind, last.status), (Kind::Completed, Some(503)));
 }
 
 fn check_sglang_rejection(ev: &[LifecycleEvent]) {

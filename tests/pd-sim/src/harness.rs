@@ -36,11 +36,38 @@ pub fn write_tiny_model(dir: &Path) -> Result<()> {
     Ok(())
 }
 
-/// The real sglang-router (`smg launch --pd-disaggregation`) in front of a simulator's prefill
-/// and decode; dropping it stops it. Its output goes to `log`.
+/// The real router (`smg launch --pd-disaggregation`) in front of a simulator's prefill and
+/// decode; dropping it stops it. Its output goes to `log`. One launcher for both wheels that
+/// install an `smg` binary: `sglang-router` 0.3.2 and its successor `smg` 1.13.0 take the same
+/// flags for this (both bind the router and the metrics listener to 127.0.0.1 here: their
+/// defaults are 0.0.0.0) and accept [`write_tiny_model`]'s directory.
+///
+/// smg 1.13.0 renames its process (`setproctitle`): its command line reads `smg::router`, so
+/// an eBPF `--watch` rule on `smg launch …` finds only 0.3.2; pass [`SmgProcess::pid`] instead.
 pub struct SmgProcess {
     pub proc: Proc,
     pub url: String,
+    /// What `smg --version` printed: `sgl-model-gateway 0.3.2`, `smg 1.13.0`.
+    pub version: String,
+}
+
+/// `smg --version`, e.g. `sgl-model-gateway 0.3.2` or `smg 1.13.0`.
+pub fn smg_version(smg: &Path) -> Result<String> {
+    let out = Command::new(smg)
+        .arg("--version")
+        .stdin(Stdio::null())
+        .output()
+        .with_context(|| format!("{} --version", smg.display()))?;
+    let text = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    if !out.status.success() || text.is_empty() {
+        anyhow::bail!(
+            "{} --version failed ({}): {}",
+            smg.display(),
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(text)
 }
 
 impl SmgProcess {
@@ -53,6 +80,7 @@ impl SmgProcess {
         log: &Path,
         extra: &[&str],
     ) -> Result<SmgProcess> {
+        let version = smg_version(smg)?;
         let port = free_port()?;
         let bootstrap = cluster.ready["bootstrap_port"].to_string();
         let out = std::fs::File::create(log).with_context(|| log.display().to_string())?;
@@ -66,6 +94,7 @@ impl SmgProcess {
                 &bootstrap,
             ])
             .args(["--decode", &cluster.decode])
+            .args(["--prometheus-host", "127.0.0.1"])
             .args(["--prometheus-port", &free_port()?.to_string()])
             .arg("--model-path")
             .arg(model_dir);
@@ -78,8 +107,21 @@ impl SmgProcess {
         let s = SmgProcess {
             proc,
             url: format!("http://127.0.0.1:{port}"),
+            version,
         };
-        wait_healthy(&s.url, Duration::from_secs(60))?;
+        wait_healthy(&s.url, Duration::from_secs(60)).with_context(|| {
+            format!(
+                "{} ({}); its log:\n{}",
+                smg.display(),
+                s.version,
+                test_harness::tail(log, 20)
+            )
+        })?;
         Ok(s)
+    }
+
+    /// The router's pid (the process that serves HTTP: `smg` execs no child).
+    pub fn pid(&self) -> u32 {
+        self.proc.pid()
     }
 }

@@ -163,7 +163,9 @@ impl Discovery {
     }
 }
 
-/// SGLang conventions: a worker names its mode; the router is `smg` or `sglang_router`.
+/// SGLang conventions: a worker names its mode; the router is `smg` or `sglang_router`, or a
+/// process titled `smg::router` (smg 1.13.0 retitles itself so: its command line is then that
+/// title alone, the worker URLs gone with the rest).
 pub fn classify_sglang(args: &[String]) -> Option<Role> {
     for (i, a) in args.iter().enumerate() {
         let mode = if a == "--disaggregation-mode" {
@@ -182,6 +184,9 @@ pub fn classify_sglang(args: &[String]) -> Option<Role> {
         let base = a.rsplit('/').next().unwrap_or(a);
         base == "smg" || base == "sglang-router" || base.starts_with("sglang_router")
     };
+    if args.first().is_some_and(|a| a == "smg::router") {
+        return Some(Role::Router);
+    }
     let head: Vec<&String> = args.iter().take(3).collect();
     if head.iter().any(|a| named_router(a)) {
         return Some(Role::Router);
@@ -406,6 +411,12 @@ mod tests {
             )),
             Some(Role::Router)
         );
+        // smg 1.13.0 after setproctitle: the title, then NULs.
+        assert_eq!(
+            classify_sglang(&split_cmdline(b"smg::router\0\0\0\0")),
+            Some(Role::Router)
+        );
+        assert_eq!(classify_sglang(&args("smg::router2")), None);
         assert_eq!(
             classify_sglang(&args("bash -c sleep 1 --name smgfoo")),
             None
