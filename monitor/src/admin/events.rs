@@ -175,6 +175,52 @@ impl AlertCorroborated<'_> {
     }
 }
 
+/// A finding opened an incident (its notification waits for the group wait).
+pub struct IncidentOpened<'a> {
+    pub rule: &'a str,
+    pub fingerprint: &'a str,
+}
+
+impl IncidentOpened<'_> {
+    pub fn emit(&self, m: &Metrics) {
+        debug!(
+            rule = self.rule,
+            fingerprint = self.fingerprint,
+            "incident opened"
+        );
+        m.incidents_opened
+            .get_or_create(&RuleLabel {
+                rule: self.rule.to_string(),
+            })
+            .inc();
+    }
+}
+
+/// A finding of another rule joined an open incident.
+pub struct FindingMerged<'a> {
+    pub rule: &'a str,
+    pub fingerprint: &'a str,
+    /// `Merge::as_str()`: pending | notified | escalated | repeated.
+    pub outcome: &'static str,
+}
+
+impl FindingMerged<'_> {
+    pub fn emit(&self, m: &Metrics) {
+        debug!(
+            rule = self.rule,
+            fingerprint = self.fingerprint,
+            outcome = self.outcome,
+            "finding merged into an open incident"
+        );
+        m.findings_merged
+            .get_or_create(&super::metrics::MergeLabels {
+                rule: self.rule.to_string(),
+                outcome: self.outcome,
+            })
+            .inc();
+    }
+}
+
 /// A first notification waits for the corroboration window.
 pub struct AlertHeld<'a> {
     pub rule: &'a str,
