@@ -38,7 +38,7 @@ fn rejected_then_decoded_raises_activity_after_rejection_over_every_transport() 
             let rid = out["rid"].as_str().unwrap();
             alerts
                 .iter()
-                .any(|a| a["rule"] == "activity-after-rejection" && a.to_string().contains(rid))
+                .any(|a| lists(a, "activity-after-rejection") && a.to_string().contains(rid))
         });
         if all {
             break;
@@ -145,7 +145,7 @@ fn rejected_then_decoded_raises_activity_after_rejection_over_every_transport() 
         );
         let alert = alerts
             .iter()
-            .find(|a| a["rule"] == "activity-after-rejection" && a.to_string().contains(rid))
+            .find(|a| lists(a, "activity-after-rejection") && a.to_string().contains(rid))
             .unwrap_or_else(|| {
                 panic!("{transport}: no activity-after-rejection for {rid}: {alerts:#?}")
             });
@@ -156,7 +156,7 @@ fn rejected_then_decoded_raises_activity_after_rejection_over_every_transport() 
         assert!(
             !alerts
                 .iter()
-                .any(|a| a["rule"] == "orphaned-leg" && a.to_string().contains(rid)),
+                .any(|a| lists(a, "orphaned-leg") && a.to_string().contains(rid)),
             "{transport}: {alerts:#?}"
         );
     }
@@ -488,6 +488,13 @@ fn own_spans_are_exported_over_otlp() {
     assert!(!rv.stderr().contains("export failed"), "{}", rv.stderr());
 }
 
+/// Whether an incident notification lists a finding of `rule`.
+fn lists(a: &serde_json::Value, rule: &str) -> bool {
+    a["rules"]
+        .as_array()
+        .is_some_and(|r| r.iter().any(|x| x == rule))
+}
+
 /// A retry storm (one trace and x-request-id, a new room and rid per attempt, every attempt
 /// rejected by prefill while its decode leg works) is one request: every attempt is a violation,
 /// all share one fingerprint, and the sink gets one notification (the rest are deduplicated).
@@ -562,11 +569,21 @@ fn retry_storm_is_one_request_and_one_notification() {
     let notified: Vec<_> = rv
         .lines("alerts.jsonl")
         .into_iter()
-        .filter(|a| a["rule"] == "activity-after-rejection")
+        .filter(|a| lists(a, "activity-after-rejection"))
         .collect();
     assert_eq!(notified.len(), 1, "{notified:#?}");
+    let finding = notified[0]["findings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|f| f["rule"] == "activity-after-rejection")
+        .unwrap();
     assert_eq!(
-        notified[0]["fingerprint"].as_str().unwrap(),
+        finding["fingerprint"].as_str().unwrap(),
         *fingerprints.iter().next().unwrap()
+    );
+    assert_eq!(
+        finding["occurrences"], 4,
+        "every attempt folded in: {finding}"
     );
 }
