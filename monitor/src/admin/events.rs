@@ -221,6 +221,17 @@ impl FindingMerged<'_> {
     }
 }
 
+/// How many incident notifications wait (group wait, corroboration hold).
+pub struct AlertsPending {
+    pub count: usize,
+}
+
+impl AlertsPending {
+    pub fn emit(&self, m: &Metrics) {
+        m.alerts_pending.set(self.count as i64);
+    }
+}
+
 /// A first notification waits for the corroboration window.
 pub struct AlertHeld<'a> {
     pub rule: &'a str,

@@ -169,6 +169,7 @@ pub struct Metrics {
     pub alerts_held: Family<RuleLabel, Counter>,
     pub incidents_opened: Family<RuleLabel, Counter>,
     pub findings_merged: Family<MergeLabels, Counter>,
+    pub alerts_pending: Gauge,
     pub deliveries: Family<DeliveryLabels, Counter>,
     pub delivered_alerts: Family<SinkLabel, Counter>,
     pub delivery_duration: HistFamily<SinkLabel>,
@@ -269,6 +270,12 @@ impl Metrics {
             "Findings of another rule merged into an open incident, by rule and where they went (pending: into the notification not sent yet; notified: into the record of one already sent; escalated: raised its severity, one update; repeated: past the dedup window, notified again)",
             findings_merged.clone(),
         );
+        let alerts_pending = Gauge::default();
+        r.register(
+            "revenant_alerts_pending",
+            "Incident notifications waiting for their group wait or corroboration before being spooled",
+            alerts_pending.clone(),
+        );
         let deliveries = Family::default();
         r.register(
             "revenant_alert_deliveries",
@@ -352,6 +359,7 @@ impl Metrics {
             alerts_held,
             incidents_opened,
             findings_merged,
+            alerts_pending,
             deliveries,
             delivered_alerts,
             delivery_duration,

@@ -16,8 +16,8 @@ use super::sink::{Backoff, Sink, SinkError};
 use super::spool::{Spool, SpoolError};
 use crate::admin::events::{
     AlertCorroborated, AlertDeduplicated, AlertDeliveryFailed, AlertHeld, AlertRateLimited,
-    AlertReceived, AlertSpooled, AlertsDelivered, FindingMerged, IncidentOpened, ItemsDropped,
-    SpoolSize, SuppressionSummarised,
+    AlertReceived, AlertSpooled, AlertsDelivered, AlertsPending, FindingMerged, IncidentOpened,
+    ItemsDropped, SpoolSize, SuppressionSummarised,
 };
 use crate::admin::metrics::{DropPoint, Metrics};
 use crate::admin::{Readiness, RecentViolations};
@@ -194,6 +194,10 @@ impl Dispatcher {
         // for the resend interval.
         let mut refresh_now = false;
         loop {
+            AlertsPending {
+                count: self.flood.pending(),
+            }
+            .emit(&self.metrics);
             let next_release = self.flood.next_release_ns().map(|due| {
                 tokio::time::Instant::now()
                     + Duration::from_nanos(due.saturating_sub(now_unix_ns()))
@@ -292,6 +296,7 @@ impl Dispatcher {
             &self.metrics,
             &mut report,
         );
+        AlertsPending { count: 0 }.emit(&self.metrics);
         self.spool_and_enqueue(held, &names, &queues, &mut report)
             .await;
         let summaries = self.flood.flush_summaries(now_unix_ns());

@@ -867,6 +867,14 @@ impl FloodControl {
             .collect()
     }
 
+    /// Incidents whose notification waits (group wait, corroboration hold).
+    pub fn pending(&self) -> usize {
+        self.incidents
+            .values()
+            .filter(|i| i.pending.is_some())
+            .count()
+    }
+
     /// Incidents tracked (pending or remembered for dedup).
     pub fn tracked(&self) -> usize {
         self.incidents.len()
