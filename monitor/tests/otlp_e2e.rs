@@ -488,6 +488,69 @@ fn own_spans_are_exported_over_otlp() {
     assert!(!rv.stderr().contains("export failed"), "{}", rv.stderr());
 }
 
+/// One breach proving two rules (prefill rejected the attempt, the router failed the request, the
+/// decode leg kept working, all in one trace): two violations, per rule in `/api/violations` and
+/// the metrics, and one incident notification listing both.
+#[test]
+fn failed_request_decoded_anyway_is_one_incident_notification() {
+    let mut rv = Revenant::start("incident", &[]);
+    let (ok, out, err) = rv.emit(&[
+        "--transport",
+        "grpc",
+        "--scenario",
+        "failed-then-decode",
+        "--tag",
+        "0fd1",
+    ]);
+    assert!(ok, "{out} {err}");
+    let request_id = out["request_id"].as_str().unwrap().to_string();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while rv.lines("alerts.jsonl").is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "no notification:\n{}",
+            rv.stderr()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let (_, body) = http_get(&rv.admin, "/api/violations?limit=10");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let mut rules: Vec<&str> = v["violations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v["rule"].as_str().unwrap())
+        .collect();
+    rules.sort();
+    assert_eq!(
+        rules,
+        ["activity-after-rejection", "activity-after-request-failed"],
+        "{body}"
+    );
+    let (_, metrics) = http_get(&rv.admin, "/metrics");
+    assert!(
+        metrics.contains("revenant_alerts_incidents_opened_total{rule=")
+            && metrics.contains("revenant_alerts_findings_merged_total{rule="),
+        "{metrics}"
+    );
+    assert!(rv.stop().success(), "{}", rv.stderr());
+    // After the drain: everything the sink got, the first notification included.
+    let alerts = rv.lines("alerts.jsonl");
+    assert_eq!(alerts.len(), 1, "one breach, one notification: {alerts:#?}");
+    let a = &alerts[0];
+    assert_eq!(a["type"], "incident");
+    assert_eq!(a["incident_key"], format!("request_id:{request_id}"), "{a}");
+    assert!(
+        lists(a, "activity-after-rejection") && lists(a, "activity-after-request-failed"),
+        "{a}"
+    );
+    assert_eq!(a["findings"].as_array().unwrap().len(), 2, "{a}");
+    for f in a["findings"].as_array().unwrap() {
+        assert_eq!(f["attempt"]["bootstrap_room"], out["room"], "{f}");
+        assert!(!f["evidence"].as_array().unwrap().is_empty(), "{f}");
+    }
+}
+
 /// Whether an incident notification lists a finding of `rule`.
 fn lists(a: &serde_json::Value, rule: &str) -> bool {
     a["rules"]
