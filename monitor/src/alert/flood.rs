@@ -256,6 +256,8 @@ struct FindingRec {
     occurrences: u64,
     /// Sequence of the notification that first listed it; 0 = not notified yet.
     first_sequence: u32,
+    /// Counted as rate-limited once already (an update of a notified incident was suppressed).
+    suppressed: bool,
 }
 
 #[derive(Debug)]
@@ -541,6 +543,7 @@ impl FloodControl {
                 links,
                 occurrences: 1,
                 first_sequence: 0,
+                suppressed: false,
             });
             let notified = inc.notified.as_ref().map(|n| n.severity);
             let merge = match (&mut inc.pending, notified) {
@@ -596,6 +599,7 @@ impl FloodControl {
                     links,
                     occurrences: 1,
                     first_sequence: 0,
+                    suppressed: false,
                 }],
                 has_request: v.request.request_id.is_some() || v.request.trace_id.is_some(),
                 last_seen_ns: now_ns,
@@ -722,11 +726,8 @@ impl FloodControl {
         let lead = inc.lead();
         let lead_rule = inc.findings[lead].violation.rule.clone();
         let lead_fp = inc.findings[lead].violation.fingerprint.clone();
-        let findings_new = inc
-            .findings
-            .iter()
-            .filter(|f| f.first_sequence == 0)
-            .count() as u64;
+        let unsent = |f: &FindingRec| f.first_sequence == 0 && !f.suppressed;
+        let findings_new = inc.findings.iter().filter(|f| unsent(f)).count() as u64;
         // An escalation is never suppressed: the receiver was told a lower severity.
         let force = p.update == Some(Update::Escalated);
         if !rate_ok(
@@ -738,12 +739,11 @@ impl FloodControl {
             now_ns,
             force,
         ) {
-            let rules = inc
-                .findings
-                .iter()
-                .filter(|f| f.first_sequence == 0)
-                .map(|f| f.violation.rule.clone())
-                .collect();
+            let mut rules = Vec::new();
+            for f in inc.findings.iter_mut().filter(|f| unsent(f)) {
+                f.suppressed = true;
+                rules.push(f.violation.rule.clone());
+            }
             if inc.notified.is_none() {
                 // Never sent: nothing to re-post or resolve; the summary accounts for it.
                 self.incidents.remove(&key);
@@ -1243,6 +1243,30 @@ mod tests {
         );
         let out = notes(f.release_due(3 * S));
         assert_eq!(out[0].update, Some(Update::Escalated));
+    }
+
+    #[test]
+    fn findings_of_a_suppressed_update_are_counted_once() {
+        let mut f = flood(FloodConfig {
+            rate_limit: 1,
+            dedup_window: Duration::from_secs(10),
+            ..grouping(1)
+        });
+        f.admit(&crit(AAR, "req-1", 1), links(), 0, false);
+        assert_eq!(notes(f.release_due(S)).len(), 1);
+        // Past the dedup window: a repeated update, over the limit.
+        f.admit(&crit(AARF, "req-1", 1), links(), 12 * S, false);
+        let out = f.release_due(13 * S);
+        assert!(
+            matches!(&out[..], [Release::RateLimited { rules, .. }] if rules.len() == 1),
+            "{out:?}"
+        );
+        f.admit(&crit(AAR, "req-1", 2), links(), 30 * S, false);
+        let out = f.release_due(31 * S);
+        assert!(
+            matches!(&out[..], [Release::RateLimited { rules, .. }] if rules.is_empty()),
+            "{out:?}"
+        );
     }
 
     /// The original (OTLP evidence) and its follow-up confirmed by eBPF.
