@@ -916,13 +916,16 @@ pub async fn run_async(
     }
     eprintln!(
         "revenant: stopped after draining in {:?}: {} batches, {} events checked, {} violations; \
-         alerts: {} notified, {} deduplicated, {} rate-limited, {} dropped by the spool, {} left in the spool",
+         alerts: {} incidents, {} findings merged, {} repeats, {} notifications, {} findings rate-limited, \
+         {} dropped by the spool, {} left in the spool",
         started.elapsed(),
         totals.batches,
         totals.events,
         totals.violations,
-        report.notified,
+        report.incidents,
+        report.merged,
         report.deduplicated,
+        report.notified,
         report.rate_limited,
         report.spool_dropped,
         report.undelivered_at_exit,

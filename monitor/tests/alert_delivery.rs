@@ -1,6 +1,7 @@
 //! Alert delivery against a real HTTP receiver on loopback: receiver down then up, 429 with
-//! Retry-After, permanent refusals, and revenant SIGKILLed mid-delivery then restarted on the same
-//! spool. Run: `cargo test -p revenant --test alert_delivery`.
+//! Retry-After, permanent refusals, revenant SIGKILLed mid-delivery then restarted on the same
+//! spool, and incidents (findings of one request as one notification, escalation as one update,
+//! no grouping with a group wait of 0). Run: `cargo test -p revenant --test alert_delivery`.
 
 mod common;
 
@@ -112,9 +113,19 @@ async fn webhook_down_then_up_delivers_each_fingerprint_exactly_once() {
     assert_eq!(spool_entries(dir.path()), 0, "spool emptied after acks");
     // The documented payload fields are present.
     let a = &rx.alerts()[0];
+    assert_eq!(a["type"], "incident", "{a}");
+    assert_eq!(a["sequence"], 1, "{a}");
+    assert_eq!(a["rules"], serde_json::json!(["activity-after-rejection"]));
+    assert_eq!(a["findings"][0]["rule"], "activity-after-rejection");
+    assert_eq!(a["findings"][0]["evidence"], a["evidence"], "{a}");
     for k in [
         "type",
         "id",
+        "incident",
+        "incident_key",
+        "sequence",
+        "rules",
+        "findings",
         "rule",
         "severity",
         "summary",
@@ -224,8 +235,14 @@ fn spool_child() {
         let mut cfg = config(std::path::Path::new(&spool), &url, None, 1);
         cfg.spool.fsync = true;
         let p = AlertPipeline::start(&cfg, metrics.clone(), None, None).unwrap();
+        // Two rules per request: each spooled notification is a two-finding incident.
         for i in 0..produce {
             assert!(revenant::alert::offer(&p.sender, violation(i), &metrics));
+            assert!(revenant::alert::offer(
+                &p.sender,
+                violation_rule("activity-after-request-failed", i),
+                &metrics
+            ));
         }
         let prefix = "revenant_alerts_notified_total{rule=\"activity-after-rejection\"}";
         while (metric(&metrics, prefix) as usize) < produce {
@@ -239,6 +256,8 @@ fn spool_child() {
     });
 }
 
+/// Restarted on a spool of two-finding incidents: each is delivered (at least once, same id),
+/// still listing both findings.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkill_mid_delivery_loses_nothing() {
     const N: usize = 60;
@@ -303,6 +322,13 @@ async fn sigkill_mid_delivery_loses_nothing() {
         .map(|a| a["id"].as_str().unwrap().to_string())
         .collect();
     assert_eq!(ids.len(), N, "every notification id arrived");
+    for a in rx.alerts() {
+        assert_eq!(
+            a["rules"],
+            serde_json::json!(["activity-after-rejection", "activity-after-request-failed"]),
+            "spooled incidents come back whole: {a}"
+        );
+    }
     let dup = rx.alerts().len() - N;
     if dup > 0 {
         let order: Vec<String> = rx
@@ -449,4 +475,202 @@ async fn corroborations_merge_into_one_notification_and_are_never_repeats() {
         ),
         (N / 2) as f64
     );
+}
+
+/// Started with a webhook and a group wait; `(pipeline, receiver, server task)`.
+async fn grouped(
+    dir: &std::path::Path,
+    metrics: &Arc<Metrics>,
+    group_wait: Duration,
+) -> (AlertPipeline, Receiver, tokio::task::JoinHandle<()>) {
+    let rx = Receiver::new(None, Duration::ZERO);
+    let (addr, server) = rx.serve_any().await;
+    let mut cfg = config(dir, &format!("http://{addr}/hook"), None, 50);
+    cfg.flood.group_wait = group_wait;
+    let p = AlertPipeline::start(&cfg, metrics.clone(), None, None).unwrap();
+    (p, rx, server)
+}
+
+/// Two rules firing for one request within the group wait: one notification listing both
+/// findings; each other request gets its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_rules_for_one_request_are_one_incident_notification() {
+    let dir = tempfile::tempdir().unwrap();
+    let metrics = Arc::new(Metrics::new());
+    let wait = Duration::from_millis(500);
+    let (p, rx, server) = grouped(dir.path(), &metrics, wait).await;
+    const N: usize = 8;
+    for i in 0..N {
+        assert!(revenant::alert::offer(&p.sender, violation(i), &metrics));
+    }
+    // The request-scope rule fires a little later for the same requests.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    for i in 0..N {
+        let v = violation_rule("activity-after-request-failed", i);
+        assert!(revenant::alert::offer(&p.sender, v, &metrics));
+    }
+    wait_for(
+        Duration::from_secs(20),
+        "one notification per request",
+        async || (rx.alerts().len() >= N).then_some(()),
+    )
+    .await;
+    // Nothing else trails in.
+    tokio::time::sleep(wait * 3).await;
+    drop(p.sender);
+    let report = p.handle.await.unwrap();
+    server.abort();
+    let alerts = rx.alerts();
+    assert_eq!(alerts.len(), N, "{alerts:#?}");
+    let mut keys = HashSet::new();
+    for a in &alerts {
+        assert_eq!(a["type"], "incident");
+        assert!(
+            keys.insert(a["incident"].as_str().unwrap().to_string()),
+            "{a}"
+        );
+        let i: usize = a["request"]["request_id"].as_str().unwrap()["req-".len()..]
+            .parse()
+            .unwrap();
+        assert_eq!(a["incident_key"], format!("request_id:req-{i}"));
+        assert_eq!(a["severity"], "critical");
+        assert_eq!(
+            a["rules"],
+            serde_json::json!(["activity-after-rejection", "activity-after-request-failed"])
+        );
+        let findings = a["findings"].as_array().unwrap();
+        assert_eq!(findings.len(), 2, "{a}");
+        for f in findings {
+            for k in [
+                "rule",
+                "severity",
+                "summary",
+                "attempt",
+                "evidence",
+                "fingerprint",
+            ] {
+                assert!(f.get(k).is_some(), "finding lacks {k}: {f}");
+            }
+            assert_eq!(f["attempt"]["bootstrap_room"], 0x1000 + i as u64);
+        }
+        assert_eq!(
+            a["rule"], "activity-after-rejection",
+            "the lead: first among equals"
+        );
+    }
+    assert_eq!(report.received, 2 * N as u64);
+    assert_eq!(report.incidents, N as u64);
+    assert_eq!(report.merged, N as u64);
+    assert_eq!(report.notified, N as u64);
+    assert_eq!(
+        metric(
+            &metrics,
+            "revenant_alerts_findings_merged_total{rule=\"activity-after-request-failed\",outcome=\"pending\"}"
+        ),
+        N as f64
+    );
+    assert_eq!(
+        metric(
+            &metrics,
+            "revenant_alerts_incidents_opened_total{rule=\"activity-after-rejection\"}"
+        ),
+        N as f64
+    );
+}
+
+/// A warning notified, then critical findings about the same request: exactly one update,
+/// marked as an escalation; a later finding of no higher severity sends nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn severity_escalation_after_sending_is_exactly_one_update() {
+    let dir = tempfile::tempdir().unwrap();
+    let metrics = Arc::new(Metrics::new());
+    let wait = Duration::from_millis(300);
+    let (p, rx, server) = grouped(dir.path(), &metrics, wait).await;
+    let mut warning = violation_rule("orphaned-leg", 1);
+    warning.severity = revenant::checker::Severity::Warning;
+    assert!(revenant::alert::offer(&p.sender, warning, &metrics));
+    wait_for(Duration::from_secs(10), "the warning", async || {
+        (rx.alerts().len() == 1).then_some(())
+    })
+    .await;
+    assert_eq!(rx.alerts()[0]["severity"], "warning");
+    for rule in ["activity-after-rejection", "activity-after-request-failed"] {
+        assert!(revenant::alert::offer(
+            &p.sender,
+            violation_rule(rule, 1),
+            &metrics
+        ));
+    }
+    wait_for(Duration::from_secs(10), "the update", async || {
+        (rx.alerts().len() >= 2).then_some(())
+    })
+    .await;
+    let mut stuck = violation_rule("stuck-attempt", 1);
+    stuck.severity = revenant::checker::Severity::Warning;
+    assert!(revenant::alert::offer(&p.sender, stuck, &metrics));
+    tokio::time::sleep(wait * 3).await;
+    drop(p.sender);
+    p.handle.await.unwrap();
+    server.abort();
+    let alerts = rx.alerts();
+    assert_eq!(alerts.len(), 2, "{alerts:#?}");
+    let u = &alerts[1];
+    assert_eq!(u["incident"], alerts[0]["incident"]);
+    assert_eq!(u["update"], "escalated", "{u}");
+    assert_eq!(u["sequence"], 2);
+    assert_eq!(u["severity"], "critical");
+    assert_eq!(u["rule"], "activity-after-rejection");
+    assert_eq!(u["escalated_from"]["rule"], "orphaned-leg");
+    assert_eq!(u["escalated_from"]["severity"], "warning");
+    assert_eq!(
+        u["rules"],
+        serde_json::json!([
+            "orphaned-leg",
+            "activity-after-rejection",
+            "activity-after-request-failed"
+        ])
+    );
+    assert_eq!(
+        metric(
+            &metrics,
+            "revenant_alerts_findings_merged_total{rule=\"stuck-attempt\",outcome=\"notified\"}"
+        ),
+        1.0,
+        "merged into the record, counted, not notified"
+    );
+}
+
+/// `group_wait: 0` turns grouping off: one notification per (rule, request), sent at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn group_wait_zero_notifies_each_finding() {
+    let dir = tempfile::tempdir().unwrap();
+    let metrics = Arc::new(Metrics::new());
+    let (p, rx, server) = grouped(dir.path(), &metrics, Duration::ZERO).await;
+    for rule in ["activity-after-rejection", "activity-after-request-failed"] {
+        assert!(revenant::alert::offer(
+            &p.sender,
+            violation_rule(rule, 3),
+            &metrics
+        ));
+    }
+    wait_for(Duration::from_secs(10), "two notifications", async || {
+        (rx.alerts().len() == 2).then_some(())
+    })
+    .await;
+    drop(p.sender);
+    let report = p.handle.await.unwrap();
+    server.abort();
+    let alerts = rx.alerts();
+    let mut rules: Vec<&str> = alerts.iter().map(|a| a["rule"].as_str().unwrap()).collect();
+    rules.sort();
+    assert_eq!(
+        rules,
+        ["activity-after-rejection", "activity-after-request-failed"]
+    );
+    for a in &alerts {
+        assert_eq!(a["findings"].as_array().unwrap().len(), 1, "{a}");
+        assert_eq!(a["incident_key"], "request_id:req-3");
+    }
+    assert_ne!(alerts[0]["incident"], alerts[1]["incident"]);
+    assert_eq!((report.incidents, report.merged), (2, 0));
 }

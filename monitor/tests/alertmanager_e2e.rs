@@ -1,6 +1,8 @@
-//! Real Alertmanager (Debian `prometheus-alertmanager`) receives revenant's alerts: visible via
-//! its v2 API with the documented labels and annotations, re-posted while active, and forwarded
-//! through Alertmanager's own routing to a webhook receiver.
+//! Real Alertmanager (Debian `prometheus-alertmanager`) receives revenant's alerts: one alert per
+//! incident (two rules firing for one request), visible via its v2 API with the documented labels
+//! and annotations, re-posted while active, forwarded through Alertmanager's own routing to a
+//! webhook receiver, and an escalation replacing the incident's alert (the previous label set
+//! resolved).
 //! Run: `cargo test -p revenant --test alertmanager_e2e`.
 
 mod common;
@@ -55,8 +57,14 @@ async fn alertmanager_receives_reposts_and_routes_alerts() {
     cfg.spool.dir = Some(tmp.path().join("spool"));
     cfg.spool.fsync = false;
     let p = AlertPipeline::start(&cfg, metrics.clone(), None, None).unwrap();
+    // Two rules per request: one incident, one alert each.
     for i in 0..3 {
         revenant::alert::offer(&p.sender, violation(i), &metrics);
+        revenant::alert::offer(
+            &p.sender,
+            violation_rule("activity-after-request-failed", i),
+            &metrics,
+        );
     }
 
     let get_alerts = || {
@@ -79,10 +87,11 @@ async fn alertmanager_receives_reposts_and_routes_alerts() {
         "3 alerts in Alertmanager",
         async || {
             let a = get_alerts().await;
-            (a.len() == 3).then_some(a)
+            (a.len() >= 3).then_some(a)
         },
     )
     .await;
+    assert_eq!(alerts.len(), 3, "one alert per incident: {alerts:#?}");
     let mut fps = Vec::new();
     for a in &alerts {
         let l = &a["labels"];
@@ -91,8 +100,26 @@ async fn alertmanager_receives_reposts_and_routes_alerts() {
         assert_eq!(l["stage"], "decode", "offender stage");
         assert_eq!(l["node"], "node-a");
         assert_eq!(l["cluster"], "test-cluster");
+        assert_eq!(l["incident"].as_str().unwrap().len(), 16, "{a}");
         fps.push(l["fingerprint"].as_str().unwrap().to_string());
         let an = &a["annotations"];
+        assert_eq!(
+            an["rules"], "activity-after-rejection, activity-after-request-failed",
+            "{an}"
+        );
+        let findings = an["findings"].as_str().unwrap();
+        assert_eq!(findings.lines().count(), 2, "{an}");
+        assert!(
+            findings.starts_with("critical activity-after-rejection room 0x"),
+            "{an}"
+        );
+        assert!(
+            an["incident_key"]
+                .as_str()
+                .unwrap()
+                .starts_with("request_id:req-"),
+            "{an}"
+        );
         assert!(
             an["summary"]
                 .as_str()
@@ -166,6 +193,38 @@ async fn alertmanager_receives_reposts_and_routes_alerts() {
     )
     .await;
     assert_eq!(routed, want);
+
+    // Escalation: a warning incident, then a critical finding for the same request. The alert
+    // under the critical lead replaces the warning one, which is resolved at once.
+    let mut warning = violation_rule("orphaned-leg", 7);
+    warning.severity = revenant::checker::Severity::Warning;
+    revenant::alert::offer(&p.sender, warning, &metrics);
+    let incident = wait_for(Duration::from_secs(20), "the warning alert", async || {
+        get_alerts().await.into_iter().find_map(|a| {
+            (a["labels"]["alertname"] == "orphaned-leg").then(|| a["labels"]["incident"].clone())
+        })
+    })
+    .await;
+    revenant::alert::offer(&p.sender, violation(7), &metrics);
+    let escalated = wait_for(
+        Duration::from_secs(20),
+        "the critical alert replacing the warning",
+        async || {
+            let mine: Vec<_> = get_alerts()
+                .await
+                .into_iter()
+                .filter(|a| a["labels"]["incident"] == incident)
+                .collect();
+            (mine.len() == 1 && mine[0]["labels"]["alertname"] == "activity-after-rejection")
+                .then(|| mine[0].clone())
+        },
+    )
+    .await;
+    assert_eq!(escalated["labels"]["severity"], "critical", "{escalated}");
+    assert_eq!(
+        escalated["annotations"]["rules"], "orphaned-leg, activity-after-rejection",
+        "{escalated}"
+    );
     drop(p.sender);
     let report = p.handle.await.unwrap();
     assert_eq!(report.undelivered_at_exit, 0);
@@ -201,7 +260,9 @@ async fn alertmanager_receives_reposts_and_routes_alerts() {
         async || {
             get_alerts().await.into_iter().find(|a| {
                 a["labels"]["cluster"] == "e2e"
-                    && a["labels"]["alertname"] == "activity-after-rejection"
+                    && a["annotations"]["rules"]
+                        .as_str()
+                        .is_some_and(|r| r.contains("activity-after-rejection"))
                     && a.to_string().contains(&rid)
             })
         },

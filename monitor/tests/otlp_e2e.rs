@@ -38,7 +38,7 @@ fn rejected_then_decoded_raises_activity_after_rejection_over_every_transport() 
             let rid = out["rid"].as_str().unwrap();
             alerts
                 .iter()
-                .any(|a| a["rule"] == "activity-after-rejection" && a.to_string().contains(rid))
+                .any(|a| lists(a, "activity-after-rejection") && a.to_string().contains(rid))
         });
         if all {
             break;
@@ -145,7 +145,7 @@ fn rejected_then_decoded_raises_activity_after_rejection_over_every_transport() 
         );
         let alert = alerts
             .iter()
-            .find(|a| a["rule"] == "activity-after-rejection" && a.to_string().contains(rid))
+            .find(|a| lists(a, "activity-after-rejection") && a.to_string().contains(rid))
             .unwrap_or_else(|| {
                 panic!("{transport}: no activity-after-rejection for {rid}: {alerts:#?}")
             });
@@ -156,7 +156,7 @@ fn rejected_then_decoded_raises_activity_after_rejection_over_every_transport() 
         assert!(
             !alerts
                 .iter()
-                .any(|a| a["rule"] == "orphaned-leg" && a.to_string().contains(rid)),
+                .any(|a| lists(a, "orphaned-leg") && a.to_string().contains(rid)),
             "{transport}: {alerts:#?}"
         );
     }
@@ -488,6 +488,76 @@ fn own_spans_are_exported_over_otlp() {
     assert!(!rv.stderr().contains("export failed"), "{}", rv.stderr());
 }
 
+/// One breach proving two rules (prefill rejected the attempt, the router failed the request, the
+/// decode leg kept working, all in one trace): two violations, per rule in `/api/violations` and
+/// the metrics, and one incident notification listing both.
+#[test]
+fn failed_request_decoded_anyway_is_one_incident_notification() {
+    let mut rv = Revenant::start("incident", &[]);
+    let (ok, out, err) = rv.emit(&[
+        "--transport",
+        "grpc",
+        "--scenario",
+        "failed-then-decode",
+        "--tag",
+        "0fd1",
+    ]);
+    assert!(ok, "{out} {err}");
+    let request_id = out["request_id"].as_str().unwrap().to_string();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while rv.lines("alerts.jsonl").is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "no notification:\n{}",
+            rv.stderr()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let (_, body) = http_get(&rv.admin, "/api/violations?limit=10");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let mut rules: Vec<&str> = v["violations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v["rule"].as_str().unwrap())
+        .collect();
+    rules.sort();
+    assert_eq!(
+        rules,
+        ["activity-after-rejection", "activity-after-request-failed"],
+        "{body}"
+    );
+    let (_, metrics) = http_get(&rv.admin, "/metrics");
+    assert!(
+        metrics.contains("revenant_alerts_incidents_opened_total{rule=")
+            && metrics.contains("revenant_alerts_findings_merged_total{rule="),
+        "{metrics}"
+    );
+    assert!(rv.stop().success(), "{}", rv.stderr());
+    // After the drain: everything the sink got, the first notification included.
+    let alerts = rv.lines("alerts.jsonl");
+    assert_eq!(alerts.len(), 1, "one breach, one notification: {alerts:#?}");
+    let a = &alerts[0];
+    assert_eq!(a["type"], "incident");
+    assert_eq!(a["incident_key"], format!("request_id:{request_id}"), "{a}");
+    assert!(
+        lists(a, "activity-after-rejection") && lists(a, "activity-after-request-failed"),
+        "{a}"
+    );
+    assert_eq!(a["findings"].as_array().unwrap().len(), 2, "{a}");
+    for f in a["findings"].as_array().unwrap() {
+        assert_eq!(f["attempt"]["bootstrap_room"], out["room"], "{f}");
+        assert!(!f["evidence"].as_array().unwrap().is_empty(), "{f}");
+    }
+}
+
+/// Whether an incident notification lists a finding of `rule`.
+fn lists(a: &serde_json::Value, rule: &str) -> bool {
+    a["rules"]
+        .as_array()
+        .is_some_and(|r| r.iter().any(|x| x == rule))
+}
+
 /// A retry storm (one trace and x-request-id, a new room and rid per attempt, every attempt
 /// rejected by prefill while its decode leg works) is one request: every attempt is a violation,
 /// all share one fingerprint, and the sink gets one notification (the rest are deduplicated).
@@ -562,11 +632,21 @@ fn retry_storm_is_one_request_and_one_notification() {
     let notified: Vec<_> = rv
         .lines("alerts.jsonl")
         .into_iter()
-        .filter(|a| a["rule"] == "activity-after-rejection")
+        .filter(|a| lists(a, "activity-after-rejection"))
         .collect();
     assert_eq!(notified.len(), 1, "{notified:#?}");
+    let finding = notified[0]["findings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|f| f["rule"] == "activity-after-rejection")
+        .unwrap();
     assert_eq!(
-        notified[0]["fingerprint"].as_str().unwrap(),
+        finding["fingerprint"].as_str().unwrap(),
         *fingerprints.iter().next().unwrap()
+    );
+    assert_eq!(
+        finding["occurrences"], 4,
+        "every attempt folded in: {finding}"
     );
 }

@@ -44,8 +44,8 @@ fn alert_rules_pass_promtool() {
 }
 
 /// Feeds the running revenant with real OTLP exports until told to stop: single rejected
-/// requests (two rules each) and retry storms (one fingerprint, repeats deduplicated), enough
-/// to trip the per-rule rate limit.
+/// requests, failed requests decoded anyway (two rules, one incident: a merged finding) and retry
+/// storms (one fingerprint, repeats deduplicated), enough to trip the per-rule rate limit.
 fn feeder(
     rv: &Revenant,
     stop: Arc<std::sync::atomic::AtomicBool>,
@@ -57,16 +57,16 @@ fn feeder(
         let mut i = 0u32;
         while !stop.load(std::sync::atomic::Ordering::Relaxed) {
             let tag = format!("{:04x}", 0x100 + i);
-            let scenario = if i % 3 == 2 {
-                "retry-storm"
-            } else {
-                "reject-then-decode"
+            let scenario = match i % 4 {
+                2 => "retry-storm",
+                3 => "failed-then-decode",
+                _ => "reject-then-decode",
             };
             let transport = ["grpc", "http-protobuf", "http-json"][i as usize % 3];
-            let transport = if scenario == "retry-storm" {
-                "grpc"
-            } else {
+            let transport = if scenario == "reject-then-decode" {
                 transport
+            } else {
+                "grpc"
             };
             let st = Command::new(&py)
                 .arg(repo_root().join("tests/otlp/emit.py"))

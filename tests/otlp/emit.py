@@ -11,6 +11,10 @@ Scenarios (--scenario):
   retry-storm         one client request (one trace, one x-request-id) whose --count attempts each
                       get a new room and rid; prefill rejects every attempt and each decode leg
                       still works: one fingerprint, --count violations (gRPC / HTTP protobuf only).
+  failed-then-decode  one trace: prefill rejects the attempt, the router answers the client 400
+                      at once, and the decode leg still receives KV and decodes 200 ms later: both
+                      activity-after-rejection and activity-after-request-failed, one request
+                      (gRPC / HTTP protobuf only).
   backpressure        N router spans, one export each, while revenant's pipeline is paused:
                       the SDK must see retryable errors, and every export must succeed in the end.
 Transport (--transport): grpc | http-protobuf | http-json (fixture-shaped JSON via urllib).
@@ -191,6 +195,34 @@ def retry_storm(args):
     return {"request_id": request_id, "trace_id": format(router.get_span_context().trace_id, "032x"), "attempts": attempts, "results": [x for e in exporters for x in e.results]}
 
 
+def failed_then_decode(args):
+    exporters = []
+    t0 = time.time_ns()
+    request_id = f"failed-{args.transport}-{args.tag}"
+    rid = f"{args.tag}" + "fd" * 14
+    room = 0xFA11ED0000000000 + int(args.tag, 16)
+    p = provider(args, "sglang", "prefill-node", exporters)
+    d = provider(args, "sglang", "decode-node", exporters)
+    r = provider(args, "smg", "router-node", exporters)
+    router = r.get_tracer("smg").start_span(
+        "http_request",
+        start_time=t0,
+        attributes={"method": "POST", "uri": "/generate", "module": "smg", "request_id": request_id},
+    )
+    ctx = set_span_in_context(router)
+    router.add_event("Sending concurrent requests", {"prefill_url": "http://127.0.0.1:31001", "decode_url": "http://127.0.0.1:31002"}, timestamp=t0 + MS)
+    reason = f"Request {rid} exceeds the maximum number of tokens: 9000 > 8192"
+    rejected_at = sglang_leg(p, "prefill", rid, room, t0, [("prefill_prepare", 2, 3)], error_reason=reason, host="prefill-node", parent=ctx)
+    # The router fails the request as soon as prefill rejects it; the decode leg goes on.
+    router.set_attribute("status_code", "400")
+    router.end(end_time=rejected_at + 1 * MS)
+    dt = rejected_at + 200 * MS
+    sglang_leg(d, "decode", rid, room, t0, [("decode_bootstrap", 1, 2), ("decode_transferred", (dt - t0) // MS, (dt - t0) // MS + 5), ("decode_loop", (dt - t0) // MS + 5, (dt - t0) // MS + 20)], host="decode-node", parent=ctx)
+    for tp in (p, d, r):
+        tp.shutdown()
+    return {"rid": rid, "room": room, "request_id": request_id, "trace_id": format(router.get_span_context().trace_id, "032x"), "results": [x for e in exporters for x in e.results]}
+
+
 def backpressure(args):
     exporters = []
     r = provider(args, "smg", "router-node", exporters)
@@ -287,7 +319,7 @@ def main():
     ap.add_argument("--grpc")
     ap.add_argument("--http")
     ap.add_argument("--transport", choices=["grpc", "http-protobuf", "http-json"], required=True)
-    ap.add_argument("--scenario", choices=["reject-then-decode", "retry-storm", "backpressure"], required=True)
+    ap.add_argument("--scenario", choices=["reject-then-decode", "retry-storm", "failed-then-decode", "backpressure"], required=True)
     ap.add_argument("--tag", default="0001", help="4 hex digits making rid/room unique per run")
     ap.add_argument("--count", type=int, default=20)
     ap.add_argument("--timeout", type=int, default=30)
@@ -304,6 +336,8 @@ def main():
         out = reject_then_decode_json(args) if args.transport == "http-json" else reject_then_decode(args)
     elif args.scenario == "retry-storm":
         out = retry_storm(args)
+    elif args.scenario == "failed-then-decode":
+        out = failed_then_decode(args)
     else:
         out = backpressure(args)
     out["transient_errors"] = counter.count

@@ -339,17 +339,43 @@ fn print_summary(
         );
     }
     row("violations by rule", counts_or_none(&by_rule));
+    // One notification per incident (one client request); updates and summaries apart.
     let mut by_source: BTreeMap<String, u64> = BTreeMap::new();
-    let mut suppressed = 0;
+    let mut by_rules: BTreeMap<String, u64> = BTreeMap::new();
+    let mut incidents = std::collections::BTreeSet::new();
+    let (mut notifications, mut updates, mut findings, mut suppressed) = (0u64, 0u64, 0u64, 0u64);
     for n in notes {
         if n["type"] == "suppressed" {
             suppressed += n["suppressed"].as_u64().unwrap_or(0);
             continue;
         }
+        if !e2e::is_incident(n) {
+            continue;
+        }
+        notifications += 1;
+        incidents.insert(n["incident"].as_str().unwrap_or("").to_string());
+        if n.get("update").is_some() {
+            updates += 1;
+            continue;
+        }
+        findings += e2e::findings(n).len() as u64;
+        *by_rules.entry(e2e::rules(n).join("+")).or_default() += 1;
         *by_source
             .entry(e2e::evidence_sources(n).join("+"))
             .or_default() += 1;
     }
+    row(
+        "incidents notified",
+        if notifications == 0 {
+            "none".into()
+        } else {
+            format!(
+                "{} incidents in {notifications} notifications ({updates} updates), {findings} findings: {}",
+                incidents.len(),
+                counts_or_none(&by_rules)
+            )
+        },
+    );
     row(
         "notifications by evidence source",
         counts_or_none(&by_source),
@@ -357,7 +383,8 @@ fn print_summary(
     row(
         "alert flood control",
         format!(
-            "{} deduplicated (same request), {} rate-limited ({} in summaries), {} corroborated by a 2nd source",
+            "{} findings merged into an incident, {} repeats (same rule, same request), {} rate-limited ({} notifications in summaries), {} corroborated by a 2nd source",
+            metric_sum(m, "revenant_alerts_findings_merged_total", &[]) as u64,
             metric_sum(m, "revenant_alerts_deduplicated_total", &[]) as u64,
             metric_sum(m, "revenant_alerts_rate_limited_total", &[]) as u64,
             suppressed,

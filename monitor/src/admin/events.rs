@@ -175,6 +175,63 @@ impl AlertCorroborated<'_> {
     }
 }
 
+/// A finding opened an incident (its notification waits for the group wait).
+pub struct IncidentOpened<'a> {
+    pub rule: &'a str,
+    pub fingerprint: &'a str,
+}
+
+impl IncidentOpened<'_> {
+    pub fn emit(&self, m: &Metrics) {
+        debug!(
+            rule = self.rule,
+            fingerprint = self.fingerprint,
+            "incident opened"
+        );
+        m.incidents_opened
+            .get_or_create(&RuleLabel {
+                rule: self.rule.to_string(),
+            })
+            .inc();
+    }
+}
+
+/// A finding of another rule joined an open incident.
+pub struct FindingMerged<'a> {
+    pub rule: &'a str,
+    pub fingerprint: &'a str,
+    /// `Merge::as_str()`: pending | notified | escalated | repeated.
+    pub outcome: &'static str,
+}
+
+impl FindingMerged<'_> {
+    pub fn emit(&self, m: &Metrics) {
+        debug!(
+            rule = self.rule,
+            fingerprint = self.fingerprint,
+            outcome = self.outcome,
+            "finding merged into an open incident"
+        );
+        m.findings_merged
+            .get_or_create(&super::metrics::MergeLabels {
+                rule: self.rule.to_string(),
+                outcome: self.outcome,
+            })
+            .inc();
+    }
+}
+
+/// How many incident notifications wait (group wait, corroboration hold).
+pub struct AlertsPending {
+    pub count: usize,
+}
+
+impl AlertsPending {
+    pub fn emit(&self, m: &Metrics) {
+        m.alerts_pending.set(self.count as i64);
+    }
+}
+
 /// A first notification waits for the corroboration window.
 pub struct AlertHeld<'a> {
     pub rule: &'a str,

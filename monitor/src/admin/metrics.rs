@@ -84,6 +84,13 @@ pub struct CorroborationLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct MergeLabels {
+    pub rule: String,
+    /// pending | notified | escalated | repeated
+    pub outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RuleLabels {
     pub rule: String,
     pub severity: &'static str,
@@ -160,6 +167,9 @@ pub struct Metrics {
     pub alerts_notified: Family<RuleLabel, Counter>,
     pub alerts_corroborated: Family<CorroborationLabels, Counter>,
     pub alerts_held: Family<RuleLabel, Counter>,
+    pub incidents_opened: Family<RuleLabel, Counter>,
+    pub findings_merged: Family<MergeLabels, Counter>,
+    pub alerts_pending: Gauge,
     pub deliveries: Family<DeliveryLabels, Counter>,
     pub delivered_alerts: Family<SinkLabel, Counter>,
     pub delivery_duration: HistFamily<SinkLabel>,
@@ -221,19 +231,19 @@ impl Metrics {
         let alerts_deduplicated = Family::default();
         r.register(
             "revenant_alerts_deduplicated",
-            "Violations folded into an earlier notification with the same fingerprint",
+            "Repeats: findings of a rule an open incident already lists (another attempt of the request), folded into that finding's occurrences",
             alerts_deduplicated.clone(),
         );
         let alerts_rate_limited = Family::default();
         r.register(
             "revenant_alerts_rate_limited",
-            "Violations not notified individually because their rule exceeded its rate limit (summarised instead)",
+            "Findings not notified because their incident's lead rule exceeded its rate limit (summarised instead)",
             alerts_rate_limited.clone(),
         );
         let alerts_notified = Family::default();
         r.register(
             "revenant_alerts_notified",
-            "Notifications written to the spool for delivery, by rule",
+            "Notifications (incidents, their updates, rate-limit summaries) written to the spool for delivery, by lead rule",
             alerts_notified.clone(),
         );
         let alerts_corroborated = Family::default();
@@ -245,8 +255,26 @@ impl Metrics {
         let alerts_held = Family::default();
         r.register(
             "revenant_alerts_held",
-            "First notifications held for the corroboration window before sending",
+            "Incident notifications held for the corroboration window before sending",
             alerts_held.clone(),
+        );
+        let incidents_opened = Family::default();
+        r.register(
+            "revenant_alerts_incidents_opened",
+            "Incidents opened (one notification each, unless rate-limited), by the rule of the finding that opened it",
+            incidents_opened.clone(),
+        );
+        let findings_merged = Family::default();
+        r.register(
+            "revenant_alerts_findings_merged",
+            "Findings of another rule merged into an open incident, by rule and where they went (pending: into the notification not sent yet; notified: into the record of one already sent; escalated: raised its severity, one update; repeated: past the dedup window, notified again)",
+            findings_merged.clone(),
+        );
+        let alerts_pending = Gauge::default();
+        r.register(
+            "revenant_alerts_pending",
+            "Incident notifications waiting for their group wait or corroboration before being spooled",
+            alerts_pending.clone(),
         );
         let deliveries = Family::default();
         r.register(
@@ -270,7 +298,7 @@ impl Metrics {
         let alert_latency: HistFamily<SinkLabel> = Family::new_with_constructor(seconds_histogram);
         r.register(
             "revenant_alert_latency_seconds",
-            "Time from a violation reaching the dispatcher to its acknowledgement by a sink",
+            "Time from the first finding of a notification reaching the dispatcher (group wait included) to its acknowledgement by a sink",
             alert_latency.clone(),
         );
         let spool_entries = Gauge::default();
@@ -329,6 +357,9 @@ impl Metrics {
             alerts_notified,
             alerts_corroborated,
             alerts_held,
+            incidents_opened,
+            findings_merged,
+            alerts_pending,
             deliveries,
             delivered_alerts,
             delivery_duration,

@@ -1,5 +1,5 @@
-//! The dispatcher task: violations in (bounded mpsc), flood control, spool, then one delivery
-//! worker per sink. Layering per sink is queue (the spool) → retry (backoff, Retry-After) →
+//! The dispatcher task: violations in (bounded mpsc), incidents and flood control, spool, then
+//! one delivery worker per sink. Layering per sink is queue (the spool) → retry (backoff, Retry-After) →
 //! timeout (the sink's HTTP client), as in OpenTelemetry exporters.
 
 use std::collections::VecDeque;
@@ -10,13 +10,14 @@ use std::time::{Duration, Instant};
 use tokio::sync::{Notify, mpsc};
 use tokio::task::JoinHandle;
 
-use super::flood::{ActiveAlert, Admission, Corroboration, FloodConfig, FloodControl};
+use super::flood::{ActiveAlert, Admission, Corroboration, FloodConfig, FloodControl, Release};
 use super::notification::{LinkBase, Notification, now_unix_ns};
 use super::sink::{Backoff, Sink, SinkError};
 use super::spool::{Spool, SpoolError};
 use crate::admin::events::{
     AlertCorroborated, AlertDeduplicated, AlertDeliveryFailed, AlertHeld, AlertRateLimited,
-    AlertReceived, AlertSpooled, AlertsDelivered, ItemsDropped, SpoolSize, SuppressionSummarised,
+    AlertReceived, AlertSpooled, AlertsDelivered, AlertsPending, FindingMerged, IncidentOpened,
+    ItemsDropped, SpoolSize, SuppressionSummarised,
 };
 use crate::admin::metrics::{DropPoint, Metrics};
 use crate::admin::{Readiness, RecentViolations};
@@ -30,7 +31,7 @@ pub struct DispatchConfig {
     pub max_retry_after: Duration,
     /// On shutdown, how long to keep delivering what is queued; the rest stays in the spool.
     pub drain_timeout: Duration,
-    /// How often rate windows and dedup expiry are checked.
+    /// How often rate windows and incident expiry are checked.
     pub tick: Duration,
 }
 
@@ -49,9 +50,17 @@ impl Default for DispatchConfig {
 /// Counts from one dispatcher run (also in the metrics).
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct DispatchReport {
+    /// Violations received (findings and follow-ups).
     pub received: u64,
+    /// Notifications spooled for delivery (incident notifications, updates, summaries).
     pub notified: u64,
+    /// Findings that opened an incident.
+    pub incidents: u64,
+    /// Findings of another rule merged into an open incident.
+    pub merged: u64,
+    /// Repeats: findings of a rule the incident already listed (another attempt).
     pub deduplicated: u64,
+    /// Findings whose notification the rate limit suppressed.
     pub rate_limited: u64,
     /// Follow-ups from a second source (merged, never counted as repeats).
     pub corroborated: u64,
@@ -185,6 +194,10 @@ impl Dispatcher {
         // for the resend interval.
         let mut refresh_now = false;
         loop {
+            AlertsPending {
+                count: self.flood.pending(),
+            }
+            .emit(&self.metrics);
             let next_release = self.flood.next_release_ns().map(|due| {
                 tokio::time::Instant::now()
                     + Duration::from_nanos(due.saturating_sub(now_unix_ns()))
@@ -192,12 +205,7 @@ impl Dispatcher {
             tokio::select! {
                 _ = tokio::time::sleep_until(next_release.unwrap_or_else(tokio::time::Instant::now)),
                     if next_release.is_some() => {
-                    let notes = self
-                        .flood
-                        .release_due(now_unix_ns())
-                        .into_iter()
-                        .map(Notification::Violation)
-                        .collect();
+                    let notes = released(self.flood.release_due(now_unix_ns()), &self.metrics, &mut report);
                     self.spool_and_enqueue(notes, &names, &queues, &mut report).await;
                 }
                 v = rx.recv() => {
@@ -212,7 +220,6 @@ impl Dispatcher {
                     }
                     let now = now_unix_ns();
                     let hold = self.may_hold();
-                    let mut notes = Vec::new();
                     for v in batch {
                         report.received += 1;
                         AlertReceived { rule: &v.rule, severity: v.severity }.emit(&self.metrics);
@@ -221,29 +228,32 @@ impl Dispatcher {
                         }
                         let links = self.links.links(&v);
                         match self.flood.admit(&v, links, now, hold) {
-                            Admission::Notify(a) => notes.push(Notification::Violation(a)),
-                            Admission::Held => {
-                                AlertHeld { rule: &v.rule, fingerprint: &v.fingerprint }.emit(&self.metrics);
+                            Admission::Opened { held } => {
+                                report.incidents += 1;
+                                IncidentOpened { rule: &v.rule, fingerprint: &v.fingerprint }.emit(&self.metrics);
+                                if held {
+                                    AlertHeld { rule: &v.rule, fingerprint: &v.fingerprint }.emit(&self.metrics);
+                                }
+                            }
+                            Admission::Merged(m) => {
+                                report.merged += 1;
+                                FindingMerged { rule: &v.rule, fingerprint: &v.fingerprint, outcome: m.as_str() }.emit(&self.metrics);
                             }
                             Admission::Corroborated(c) => {
                                 report.corroborated += 1;
                                 AlertCorroborated { rule: &v.rule, fingerprint: &v.fingerprint, outcome: c.outcome() }.emit(&self.metrics);
-                                match c {
-                                    Corroboration::Released(a) => notes.push(Notification::Violation(a)),
-                                    Corroboration::Late { merged: true } => refresh_now = true,
-                                    Corroboration::Late { merged: false } | Corroboration::Unmatched => {}
+                                if c == (Corroboration::Late { merged: true }) {
+                                    refresh_now = true;
                                 }
                             }
-                            Admission::Duplicate { repeats } => {
+                            Admission::Duplicate { occurrences } => {
                                 report.deduplicated += 1;
-                                AlertDeduplicated { rule: &v.rule, fingerprint: &v.fingerprint, repeats }.emit(&self.metrics);
-                            }
-                            Admission::RateLimited => {
-                                report.rate_limited += 1;
-                                AlertRateLimited { rule: &v.rule }.emit(&self.metrics);
+                                AlertDeduplicated { rule: &v.rule, fingerprint: &v.fingerprint, repeats: occurrences - 1 }.emit(&self.metrics);
                             }
                         }
                     }
+                    // Without a group wait, or once corroborated, notifications are due at once.
+                    let notes = released(self.flood.release_due(now_unix_ns()), &self.metrics, &mut report);
                     self.spool_and_enqueue(notes, &names, &queues, &mut report).await;
                 }
                 _ = tick.tick() => {
@@ -279,14 +289,14 @@ impl Dispatcher {
                 }
             }
         }
-        // Input closed: send what is held for corroboration, summarise what open rate windows
-        // suppressed, then drain.
-        let held = self
-            .flood
-            .release_all()
-            .into_iter()
-            .map(Notification::Violation)
-            .collect();
+        // Input closed: send what is pending (group wait, corroboration), summarise what open rate
+        // windows suppressed, then drain.
+        let held = released(
+            self.flood.release_all(now_unix_ns()),
+            &self.metrics,
+            &mut report,
+        );
+        AlertsPending { count: 0 }.emit(&self.metrics);
         self.spool_and_enqueue(held, &names, &queues, &mut report)
             .await;
         let summaries = self.flood.flush_summaries(now_unix_ns());
@@ -384,6 +394,28 @@ impl Dispatcher {
             }
         }
     }
+}
+
+/// The notifications among `released`; rate-limited ones are counted per finding.
+fn released(
+    released: Vec<Release>,
+    metrics: &Metrics,
+    report: &mut DispatchReport,
+) -> Vec<Notification> {
+    let mut notes = Vec::with_capacity(released.len());
+    for r in released {
+        match r {
+            Release::Notify(a) => notes.push(Notification::Incident(a)),
+            Release::RateLimited { lead_rule, rules } => {
+                tracing::debug!(rule = %lead_rule, findings = rules.len(), "incident notification rate-limited");
+                for rule in &rules {
+                    report.rate_limited += 1;
+                    AlertRateLimited { rule }.emit(metrics);
+                }
+            }
+        }
+    }
+    notes
 }
 
 async fn sink_worker(q: Arc<SinkQueue>, spool: Spool, metrics: Arc<Metrics>, cfg: DispatchConfig) {
@@ -528,6 +560,7 @@ mod tests {
     use std::sync::Mutex;
 
     use super::*;
+    use crate::alert::notification::IncidentAlert;
     use crate::alert::spool::SpoolConfig;
     use crate::checker::Severity;
     use crate::event::{Kind, Source, Stage};
@@ -595,6 +628,147 @@ mod tests {
         }
     }
 
+    fn finding(rule: &str, req: &str, severity: Severity) -> Violation {
+        Violation {
+            rule: rule.into(),
+            severity,
+            summary: format!("{rule} on {req}"),
+            request: RequestRef {
+                request_id: Some(req.into()),
+                trace_id: None,
+            },
+            attempt: AttemptRef {
+                bootstrap_room: Some(42),
+                rid: None,
+            },
+            worker: None,
+            detected_at_ns: 2,
+            fingerprint: format!("{rule}/{req}"),
+            evidence: vec![evidence(Source::Otlp, 1, Stage::Decode, Kind::Work)],
+            corroborates: false,
+        }
+    }
+
+    /// The group wait is timer-driven: two rules about one request become one notification,
+    /// another request its own; an escalation after delivery is exactly one update.
+    #[tokio::test]
+    async fn findings_of_one_request_are_one_notification_and_escalate_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let spool_cfg = SpoolConfig {
+            dir: Some(dir.path().to_path_buf()),
+            fsync: false,
+            ..SpoolConfig::default()
+        };
+        let (spool, _) = Spool::open(&spool_cfg, &["recorder".to_string()]).unwrap();
+        let rec = Arc::new(Recorder::default());
+        let metrics = Arc::new(Metrics::new());
+        let wait = Duration::from_millis(300);
+        let d = Dispatcher::new(
+            DispatchConfig {
+                tick: Duration::from_millis(20),
+                ..DispatchConfig::default()
+            },
+            FloodConfig {
+                group_wait: wait,
+                ..FloodConfig::default()
+            },
+            LinkBase::default(),
+            spool,
+            vec![Arc::new(RecordingSink(rec.clone()))],
+            metrics.clone(),
+        );
+        let (tx, rx) = mpsc::channel(16);
+        let handle = tokio::spawn(d.run(rx));
+        let t0 = Instant::now();
+        tx.send(finding("orphaned-leg", "req-1", Severity::Warning))
+            .await
+            .unwrap();
+        tx.send(finding("stuck-attempt", "req-1", Severity::Warning))
+            .await
+            .unwrap();
+        tx.send(finding("orphaned-leg", "req-2", Severity::Warning))
+            .await
+            .unwrap();
+        until("two notifications", || {
+            rec.delivered.lock().unwrap().len() == 2
+        })
+        .await;
+        assert!(t0.elapsed() >= wait, "sent before the group wait ended");
+        tokio::time::sleep(wait * 2).await;
+        let incidents = |n: &Notification| match n {
+            Notification::Incident(a) => a.clone(),
+            other => panic!("{other:?}"),
+        };
+        let got: Vec<IncidentAlert> = rec
+            .delivered
+            .lock()
+            .unwrap()
+            .iter()
+            .map(incidents)
+            .collect();
+        assert_eq!(got.len(), 2, "{got:#?}");
+        let one = got
+            .iter()
+            .find(|a| a.incident_key == "request_id:req-1")
+            .unwrap();
+        assert_eq!(one.rules, ["orphaned-leg", "stuck-attempt"]);
+        assert_eq!(one.violation.severity, Severity::Warning);
+        // Critical findings for req-1 after its notification: one escalation.
+        tx.send(finding(
+            "activity-after-rejection",
+            "req-1",
+            Severity::Critical,
+        ))
+        .await
+        .unwrap();
+        tx.send(finding(
+            "activity-after-request-failed",
+            "req-1",
+            Severity::Critical,
+        ))
+        .await
+        .unwrap();
+        until("the update", || rec.delivered.lock().unwrap().len() == 3).await;
+        tokio::time::sleep(wait * 2).await;
+        drop(tx);
+        let report = handle.await.unwrap();
+        let got: Vec<IncidentAlert> = rec
+            .delivered
+            .lock()
+            .unwrap()
+            .iter()
+            .map(incidents)
+            .collect();
+        assert_eq!(got.len(), 3, "{got:#?}");
+        let u = &got[2];
+        assert_eq!(u.incident, one.incident);
+        assert_eq!(
+            u.update,
+            Some(crate::alert::notification::Update::Escalated)
+        );
+        assert_eq!(u.sequence, 2);
+        assert_eq!(u.violation.rule, "activity-after-rejection");
+        assert_eq!(u.findings.len(), 4);
+        assert_eq!(
+            (
+                report.received,
+                report.incidents,
+                report.merged,
+                report.notified
+            ),
+            (5, 2, 3, 3)
+        );
+        let text = metrics.render();
+        for line in [
+            "revenant_alerts_incidents_opened_total{rule=\"orphaned-leg\"} 2",
+            "revenant_alerts_findings_merged_total{rule=\"stuck-attempt\",outcome=\"pending\"} 1",
+            "revenant_alerts_findings_merged_total{rule=\"activity-after-rejection\",outcome=\"escalated\"} 1",
+            "revenant_alerts_findings_merged_total{rule=\"activity-after-request-failed\",outcome=\"pending\"} 1",
+        ] {
+            assert!(text.contains(line), "{line} not in\n{text}");
+        }
+    }
+
     /// Without a corroboration window the notification goes out at once; the second source's
     /// confirmation then sends nothing new but is re-posted at once as the one active alert
     /// (what Alertmanager receives), with both sources in its evidence.
@@ -659,7 +833,7 @@ mod tests {
         .await;
         let active = rec.refreshed.lock().unwrap()[0].clone();
         assert_eq!(active.len(), 1, "one alert");
-        assert_eq!(active[0].repeats, 0);
+        assert_eq!(active[0].alert.occurrences, 1);
         let sources: Vec<Source> = active[0]
             .alert
             .violation

@@ -1,5 +1,5 @@
-//! Alert delivery: violations → dedup/flood control → durable spool → sinks (webhook,
-//! Alertmanager, JSON Lines), at least once, deduplicated by fingerprint.
+//! Alert delivery: violations → incidents (one per client request within the group wait), dedup
+//! and flood control → durable spool → sinks (webhook, Alertmanager, JSON Lines), at least once.
 //!
 //! Wiring (what `revenant run` does): `AlertArgs::to_config()` (validates, binds nothing) →
 //! `AlertPipeline::start(cfg, metrics, readiness, recent)` → send violations into the returned
@@ -27,7 +27,7 @@ pub use alertmanager::{AlertmanagerConfig, AlertmanagerSink};
 pub use dispatcher::{DispatchConfig, DispatchReport, Dispatcher};
 pub use flood::FloodConfig;
 pub use jsonl::{JsonlConfig, JsonlSink};
-pub use notification::{LinkBase, Notification};
+pub use notification::{IncidentAlert, LinkBase, Notification};
 pub use sink::{Sink, SinkError};
 pub use spool::{Spool, SpoolConfig};
 pub use webhook::{WebhookConfig, WebhookSink};
@@ -203,10 +203,11 @@ pub struct AlertArgs {
     /// Do not fsync spool entries (survives a crash of revenant, not of the machine).
     #[arg(long)]
     pub spool_no_fsync: bool,
-    /// One notification per fingerprint within this window [default: 5m].
+    /// An incident notified within this window is not notified again for later findings of the
+    /// same request (merged into it), unless one raises its severity [default: 5m].
     #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
     pub dedup_window: Option<Duration>,
-    /// Notifications per rule per --rate-limit-window, 0 = unlimited [default: 50].
+    /// Incident notifications per lead rule per --rate-limit-window, 0 = unlimited [default: 50].
     #[arg(long, value_name = "N")]
     pub rate_limit: Option<u32>,
     #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
@@ -216,6 +217,11 @@ pub struct AlertArgs {
     /// 0 sends at once [default: 0]. Costs that much latency on alerts only one source sees.
     #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
     pub corroboration_window: Option<Duration>,
+    /// Wait this long after a request's first finding for its other findings (other rules
+    /// firing on the same breach), so that one notification lists them all; 0 = no grouping:
+    /// one notification per rule and request, sent at once [default: 2s].
+    #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
+    pub group_wait: Option<Duration>,
     /// Base URL of the admin server for links in alerts [default: http://<--admin>].
     #[arg(long, value_name = "URL")]
     pub external_url: Option<String>,
@@ -282,6 +288,9 @@ impl AlertArgs {
         }
         if let Some(d) = self.corroboration_window {
             cfg.flood.corroboration_window = d;
+        }
+        if let Some(d) = self.group_wait {
+            cfg.flood.group_wait = d;
         }
         if let Some(u) = &self.external_url {
             cfg.external_url = Some(u.clone());
@@ -419,6 +428,14 @@ mod tests {
         ok.validate().unwrap();
         assert_eq!(ok.webhooks[0].timeout, Duration::from_secs(3));
         assert_eq!(ok.flood.dedup_window, Duration::from_secs(600));
+        assert_eq!(ok.flood.group_wait, flood::DEFAULT_GROUP_WAIT);
+        let gw = AlertConfig::from_yaml("flood:\n  group_wait: 500ms\n").unwrap();
+        assert_eq!(gw.flood.group_wait, Duration::from_millis(500));
+        let e = AlertConfig::from_yaml("flood:\n  group_wait: 1h\n")
+            .unwrap()
+            .validate()
+            .unwrap_err();
+        assert!(e.to_string().contains("group_wait"), "{e}");
         assert_eq!(ok.spool.max_entries, 100);
         assert!(ok.spool.fsync, "fsync stays on by default");
 
@@ -458,6 +475,7 @@ mod tests {
             webhooks: vec!["http://127.0.0.1:1/b".into()],
             alerts_jsonl: Some("-".into()),
             dedup_window: Some(Duration::from_secs(60)),
+            group_wait: Some(Duration::ZERO),
             ..AlertArgs::default()
         };
         let cfg = args
@@ -465,6 +483,11 @@ mod tests {
             .unwrap();
         assert_eq!(cfg.webhooks.len(), 2);
         assert_eq!(cfg.cluster, "prod");
+        assert_eq!(
+            cfg.flood.group_wait,
+            Duration::ZERO,
+            "--group-wait 0 turns grouping off"
+        );
         assert_eq!(cfg.external_url.as_deref(), Some("http://127.0.0.1:9464"));
         assert_eq!(
             cfg.build_sinks()

@@ -1,10 +1,12 @@
-//! What sinks deliver: a notification about one violation fingerprint, or a summary of what a
-//! rule's rate limit suppressed. This is also the documented webhook payload (see
-//! `docs/alerts.md`): the JSON below is what a receiver gets, one object per alert.
+//! What sinks deliver: a notification about one incident (every finding about one client request
+//! within the group wait), or a summary of what a rule's rate limit suppressed. This is also the
+//! documented webhook payload (see `docs/alerts.md`): the JSON below is what a receiver gets, one
+//! object per alert.
 
 use serde::{Deserialize, Serialize};
 
-use crate::violation::{Evidence, Violation};
+use crate::checker::Severity;
+use crate::violation::{Evidence, Violation, fnv1a};
 
 /// Unix nanoseconds as RFC 3339 (UTC, nanosecond precision).
 pub fn rfc3339(unix_ns: u64) -> String {
@@ -26,7 +28,7 @@ pub fn now_unix_ns() -> u64 {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum Notification {
-    Violation(ViolationAlert),
+    Incident(IncidentAlert),
     Suppressed(SuppressedSummary),
 }
 
@@ -40,29 +42,169 @@ pub struct Links {
     pub violations: Option<String>,
 }
 
+/// Why an incident is notified again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Update {
+    /// A finding raised the incident's severity above what its last notification said.
+    Escalated,
+    /// Findings kept arriving after the dedup window of the last notification had passed.
+    Repeated,
+}
+
+impl Update {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Update::Escalated => "escalated",
+            Update::Repeated => "repeated",
+        }
+    }
+}
+
+/// The lead finding of an earlier notification of the incident (what an escalation replaces).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Lead {
+    pub rule: String,
+    pub severity: Severity,
+    pub fingerprint: String,
+}
+
+/// One rule's finding about the incident's request.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ViolationAlert {
+pub struct Finding {
+    /// rule, severity, summary, request, attempt, worker, detected_at_ns, fingerprint, evidence
+    /// (evidence merged with the other source's confirmation when it came).
+    #[serde(flatten)]
+    pub violation: Violation,
+    /// Violations of this rule folded into the finding since the incident opened: 1, or more when
+    /// the request's retries broke the same rule again.
+    pub occurrences: u64,
+    /// The `sequence` of the incident's notification that first listed this finding.
+    pub first_sequence: u32,
+}
+
+/// One notification about one incident: every finding about one client request (its primary
+/// alias) within the group wait, listed with its rule, severity, summary, attempt and evidence.
+/// The top-level violation fields are those of the lead finding (the highest severity, the first
+/// to arrive among equals), so that readers of single-violation alerts keep working.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct IncidentAlert {
     /// Unique per notification and stable across redelivery: receivers deduplicate on it.
     pub id: String,
-    /// Violations folded into this notification: 1, or 1 + repeats since the previous one.
+    /// Stable incident id: hash of the incident key (and of the rule when grouping is off).
+    pub incident: String,
+    /// What the incident is about: `request_id:<x-request-id>`, `trace_id:<id>`, else the
+    /// attempt (`room:<n>`, `rid:<rid>`) or the worker (`worker:<name>`).
+    pub incident_key: String,
+    /// 1 for the incident's first notification, then 2, 3… for its updates.
+    pub sequence: u32,
+    /// Set on updates: why the incident is notified again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub update: Option<Update>,
+    /// On an escalation: the previous notification's lead finding.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub escalated_from: Option<Lead>,
+    /// The lead finding's occurrences.
     pub occurrences: u64,
-    /// `detected_at_ns` as RFC 3339.
+    /// The lead finding's `detected_at_ns` as RFC 3339.
     pub detected_at: String,
-    /// Wall clock (unix ns) when the dispatcher accepted the violation.
+    /// Wall clock (unix ns) when the dispatcher accepted the first finding this notification is
+    /// sent for (the incident's first finding, or the one that caused the update).
     pub received_at_ns: u64,
-    /// rule, severity, summary, request, attempt, worker, detected_at_ns, fingerprint, evidence.
+    /// The rules of `findings`, in the same order.
+    pub rules: Vec<String>,
+    /// Every finding of the incident, in arrival order.
+    pub findings: Vec<Finding>,
+    /// The lead finding: rule, severity (the incident's highest), summary, request (every alias
+    /// any finding knew), attempt, worker, detected_at_ns, fingerprint, evidence.
     #[serde(flatten)]
     pub violation: Violation,
     pub links: Links,
 }
 
+impl IncidentAlert {
+    /// A one-finding incident about `v` (e.g. to show what a sink would send for it).
+    pub fn for_violation(
+        id: String,
+        v: &Violation,
+        occurrences: u64,
+        links: Links,
+        received_at_ns: u64,
+    ) -> IncidentAlert {
+        let key = incident_alias(v);
+        IncidentAlert {
+            id,
+            incident: incident_id(None, &key),
+            incident_key: key,
+            sequence: 1,
+            update: None,
+            escalated_from: None,
+            occurrences,
+            detected_at: rfc3339(v.detected_at_ns),
+            received_at_ns,
+            rules: vec![v.rule.clone()],
+            findings: vec![Finding {
+                violation: v.clone(),
+                occurrences,
+                first_sequence: 1,
+            }],
+            violation: v.clone(),
+            links,
+        }
+    }
+
+    /// The finding that was the lead of the previous notification, on an escalation.
+    pub fn previous_lead(&self) -> Option<&Finding> {
+        let from = self.escalated_from.as_ref()?;
+        self.findings
+            .iter()
+            .find(|f| f.violation.rule == from.rule && f.violation.fingerprint == from.fingerprint)
+    }
+}
+
+/// What an incident is keyed by: the request's primary alias as the checker's fingerprint uses it
+/// (x-request-id, else trace id), else the attempt (room, else rid), else the worker, else the
+/// fingerprint itself.
+pub fn incident_alias(v: &Violation) -> String {
+    if let Some(r) = &v.request.request_id {
+        return format!("request_id:{r}");
+    }
+    if let Some(t) = &v.request.trace_id {
+        return format!("trace_id:{t}");
+    }
+    if let Some(r) = v.attempt.bootstrap_room {
+        return format!("room:{r}");
+    }
+    if let Some(r) = &v.attempt.rid {
+        return format!("rid:{r}");
+    }
+    if let Some(w) = &v.worker {
+        return format!("worker:{w}");
+    }
+    format!("fingerprint:{}", v.fingerprint)
+}
+
+/// The stable incident id: FNV-1a of the key, and of the rule when grouping is off (then each
+/// rule's findings about a request are an incident of their own).
+pub fn incident_id(rule: Option<&str>, key: &str) -> String {
+    let h = match rule {
+        Some(r) => fnv1a(&[b"incident", r.as_bytes(), key.as_bytes()]),
+        None => fnv1a(&[b"incident", key.as_bytes()]),
+    };
+    format!("{h:016x}")
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SuppressedSummary {
     pub id: String,
+    /// The lead rule of the incidents not notified.
     pub rule: String,
-    /// Violations of `rule` not notified individually during the window.
+    /// Incident notifications led by `rule` not sent during the window.
     pub suppressed: u64,
-    /// Distinct fingerprints among them (up to a sample).
+    /// Findings those notifications would have carried (first listed, not repeats).
+    #[serde(default)]
+    pub findings: u64,
+    /// Lead fingerprints among them (up to a sample).
     pub fingerprints_sample: Vec<String>,
     pub window_start_ns: u64,
     pub window_end_ns: u64,
@@ -74,21 +216,22 @@ pub struct SuppressedSummary {
 impl Notification {
     pub fn id(&self) -> &str {
         match self {
-            Notification::Violation(v) => &v.id,
+            Notification::Incident(v) => &v.id,
             Notification::Suppressed(s) => &s.id,
         }
     }
 
+    /// The lead rule.
     pub fn rule(&self) -> &str {
         match self {
-            Notification::Violation(v) => &v.violation.rule,
+            Notification::Incident(v) => &v.violation.rule,
             Notification::Suppressed(s) => &s.rule,
         }
     }
 
     pub fn received_at_ns(&self) -> u64 {
         match self {
-            Notification::Violation(v) => v.received_at_ns,
+            Notification::Incident(v) => v.received_at_ns,
             Notification::Suppressed(s) => s.received_at_ns,
         }
     }

@@ -3,8 +3,10 @@
 //! delivery resumes. One small JSON file per notification: writes are rare (alerts, not events),
 //! and a file per entry makes acknowledgement a rename or an unlink, with no log compaction.
 //!
-//! File `<seq:016x>.json` = `{"v":1,"seq":N,"pending":["webhook-0",...],"notification":{...}}`,
+//! File `<seq:016x>.json` = `{"v":2,"seq":N,"pending":["webhook-0",...],"notification":{...}}`,
 //! written to a `.tmp` file, optionally fsynced, then renamed into place (atomic on POSIX).
+//! Version 1 entries hold single-violation alerts (`"type":"violation"`); they are read back as
+//! one-finding incidents, so an upgrade delivers what the previous version left.
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -13,7 +15,11 @@ use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
 
-use super::notification::Notification;
+use super::notification::{IncidentAlert, Links, Notification, SuppressedSummary};
+use crate::violation::Violation;
+
+/// Version written in new entries.
+const VERSION: u32 = 2;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -107,6 +113,50 @@ struct OnDisk {
     notification: Notification,
 }
 
+/// What an entry may hold when read back.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+enum Stored {
+    Incident(IncidentAlert),
+    Suppressed(SuppressedSummary),
+    /// A version 1 entry: one violation's alert.
+    Violation(SingleViolationAlert),
+}
+
+#[derive(Debug, Deserialize)]
+struct SingleViolationAlert {
+    id: String,
+    occurrences: u64,
+    received_at_ns: u64,
+    #[serde(flatten)]
+    violation: Violation,
+    links: Links,
+}
+
+impl From<Stored> for Notification {
+    fn from(s: Stored) -> Notification {
+        match s {
+            Stored::Incident(a) => Notification::Incident(a),
+            Stored::Suppressed(s) => Notification::Suppressed(s),
+            Stored::Violation(a) => Notification::Incident(IncidentAlert::for_violation(
+                a.id,
+                &a.violation,
+                a.occurrences,
+                a.links,
+                a.received_at_ns,
+            )),
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+struct OnDiskRead {
+    seq: u64,
+    pending: Vec<String>,
+    notification: Stored,
+}
+
 #[derive(Debug, Clone)]
 pub struct Entry {
     pub seq: u64,
@@ -185,7 +235,7 @@ impl Spool {
                 }
                 "json" => {
                     let parsed = std::fs::read(&path).ok().and_then(|b| {
-                        serde_json::from_slice::<OnDisk>(&b)
+                        serde_json::from_slice::<OnDiskRead>(&b)
                             .ok()
                             .map(|d| (d, b.len()))
                     });
@@ -208,7 +258,7 @@ impl Spool {
                                 d.seq,
                                 Entry {
                                     seq: d.seq,
-                                    notification: Arc::new(d.notification),
+                                    notification: Arc::new(d.notification.into()),
                                     pending,
                                     bytes: len as u64,
                                 },
@@ -286,7 +336,7 @@ impl Spool {
             s
         };
         let d = OnDisk {
-            v: 1,
+            v: VERSION,
             seq,
             pending: sinks.to_vec(),
             notification: n,
@@ -341,7 +391,7 @@ impl Spool {
                 s
             };
             let d = OnDisk {
-                v: 1,
+                v: VERSION,
                 seq,
                 pending: sinks.to_vec(),
                 notification: n,
@@ -432,7 +482,7 @@ impl Spool {
                 None
             } else {
                 Some(OnDisk {
-                    v: 1,
+                    v: VERSION,
                     seq,
                     pending: e.pending.clone(),
                     notification: (*e.notification).clone(),
@@ -466,6 +516,7 @@ mod tests {
             id: format!("n{i}"),
             rule: "r".into(),
             suppressed: i,
+            findings: i,
             fingerprints_sample: vec![],
             window_start_ns: 0,
             window_end_ns: 1,
@@ -503,6 +554,36 @@ mod tests {
             .filter(|e| e.as_ref().unwrap().file_name() != ".lock")
             .count();
         assert_eq!(left, 1);
+    }
+
+    /// An entry left by a version writing single-violation alerts is delivered as a one-finding
+    /// incident with the same id (receivers deduplicate on it).
+    #[test]
+    fn single_violation_entries_are_read_as_incidents() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = SpoolConfig {
+            dir: Some(dir.path().to_path_buf()),
+            fsync: false,
+            ..Default::default()
+        };
+        std::fs::write(
+            dir.path().join("0000000000000007.json"),
+            r#"{"v":1,"seq":7,"pending":["a"],"notification":{"type":"violation","id":"fp-1-1","occurrences":2,"detected_at":"2026-11-29T22:10:00Z","received_at_ns":5,"rule":"activity-after-rejection","severity":"critical","summary":"s","request":{"request_id":"req-1"},"attempt":{"bootstrap_room":4096},"detected_at_ns":4,"fingerprint":"fp","evidence":[],"links":{}}}"#,
+        )
+        .unwrap();
+        let (s, rec) = Spool::open(&cfg, &["a".into()]).unwrap();
+        assert_eq!((rec.entries, rec.corrupt), (1, 0));
+        let n = s.get(7).unwrap();
+        let Notification::Incident(a) = n.as_ref() else {
+            panic!("{n:?}");
+        };
+        assert_eq!(a.id, "fp-1-1");
+        assert_eq!(a.incident_key, "request_id:req-1");
+        assert_eq!(a.rules, ["activity-after-rejection"]);
+        assert_eq!(a.findings.len(), 1);
+        assert_eq!(a.occurrences, 2);
+        assert_eq!(a.violation.attempt.bootstrap_room, Some(4096));
+        assert!(s.put(note(1), &["a".into()]).unwrap() > 7);
     }
 
     #[test]

@@ -224,16 +224,15 @@ pub fn assert_canary_absent(canary: &str, obs: &Observed, logs: &LogCapture) {
         assert!(!format!("{e:?}").contains(canary), "prompt text in {e:?}");
     }
     for v in &obs.violations {
-        // As the alert sinks send it (JSONL, webhook): the violation plus links.
-        use revenant::alert::notification::{LinkBase, Notification, ViolationAlert, rfc3339};
-        let alert = Notification::Violation(ViolationAlert {
-            id: v.fingerprint.clone(),
-            occurrences: 1,
-            detected_at: rfc3339(v.detected_at_ns),
-            received_at_ns: v.detected_at_ns,
-            links: LinkBase(Some("http://127.0.0.1:9464".into())).links(v),
-            violation: v.clone(),
-        });
+        // As the alert sinks send it (JSONL, webhook): an incident listing the violation.
+        use revenant::alert::notification::{IncidentAlert, LinkBase, Notification};
+        let alert = Notification::Incident(IncidentAlert::for_violation(
+            v.fingerprint.clone(),
+            v,
+            1,
+            LinkBase(Some("http://127.0.0.1:9464".into())).links(v),
+            v.detected_at_ns,
+        ));
         let json = serde_json::to_string(&alert).expect("alert json");
         assert!(
             !json.contains(canary),

@@ -1,24 +1,54 @@
 //! What the end-to-end runs make of revenant's notifications, shared by `cargo xtask demo` and
 //! the end-to-end tests; the processes themselves come from `test-harness`.
+//!
+//! A notification (`type: incident`) is about one client request and lists every rule that fired
+//! for it in `findings`; its top-level violation fields are the lead finding's.
 
 use serde_json::Value;
 
-/// The distinct sources in a notification's evidence, sorted ("ebpf", "otlp").
+/// Whether `n` is an incident notification (not a rate-limit summary).
+pub fn is_incident(n: &Value) -> bool {
+    n["type"] == "incident"
+}
+
+/// The findings of a notification: an incident's `findings`; a finding (or a violation) is its
+/// own single finding.
+pub fn findings(n: &Value) -> Vec<&Value> {
+    match n["findings"].as_array() {
+        Some(f) => f.iter().collect(),
+        None if n.get("rule").is_some() && n["type"] != "suppressed" => vec![n],
+        None => Vec::new(),
+    }
+}
+
+/// The finding of `rule` in a notification, if it lists one.
+pub fn finding<'a>(n: &'a Value, rule: &str) -> Option<&'a Value> {
+    findings(n).into_iter().find(|f| f["rule"] == rule)
+}
+
+/// The rules of a notification's findings, in its order.
+pub fn rules(n: &Value) -> Vec<String> {
+    findings(n)
+        .iter()
+        .filter_map(|f| f["rule"].as_str().map(str::to_string))
+        .collect()
+}
+
+/// The distinct sources in the evidence of a notification's findings (of a single finding when
+/// given one), sorted ("ebpf", "otlp").
 pub fn evidence_sources(n: &Value) -> Vec<String> {
-    let mut s: Vec<String> = n["evidence"]
-        .as_array()
-        .map(|a| {
-            a.iter()
-                .filter_map(|e| e["source"].as_str().map(str::to_string))
-                .collect()
-        })
-        .unwrap_or_default();
+    let mut s: Vec<String> = findings(n)
+        .iter()
+        .flat_map(|f| f["evidence"].as_array().into_iter().flatten())
+        .filter_map(|e| e["source"].as_str().map(str::to_string))
+        .collect();
     s.sort();
     s.dedup();
     s
 }
 
-/// One readable line for a notification: rule, request, attempt, stages, evidence sources.
+/// One readable line for a notification: severity, request, the rules that fired, the lead's
+/// attempt and stages, evidence sources, and what kind of update it is.
 pub fn one_liner(n: &Value) -> String {
     if n["type"] == "suppressed" {
         return format!(
@@ -67,17 +97,26 @@ pub fn one_liner(n: &Value) -> String {
                 .collect()
         })
         .unwrap_or_default();
+    let rules = rules(n);
+    let rules = if rules.is_empty() {
+        n["rule"].as_str().unwrap_or("?").to_string()
+    } else {
+        rules.join(" + ")
+    };
     let mut line = format!(
-        "[{}] {} request {}{}: {} (evidence: {})",
+        "[{}] request {}{}: {}: {} (evidence: {})",
         n["severity"].as_str().unwrap_or("?"),
-        n["rule"].as_str().unwrap_or("?"),
         request,
         room,
+        rules,
         stages.join(" -> "),
         evidence_sources(n).join("+"),
     );
     if n["occurrences"].as_u64().unwrap_or(1) > 1 {
         line.push_str(&format!(" x{}", n["occurrences"]));
+    }
+    if let Some(u) = n["update"].as_str() {
+        line.push_str(&format!(" [update: {u}]"));
     }
     line
 }
@@ -87,9 +126,9 @@ mod tests {
     use super::*;
 
     #[test]
-    fn one_liner_names_rule_request_stages_and_sources() {
-        let n: Value = serde_json::json!({
-            "type": "violation", "severity": "critical", "rule": "activity-after-rejection",
+    fn one_liner_names_request_rules_stages_and_sources() {
+        let lead = serde_json::json!({
+            "severity": "critical", "rule": "activity-after-rejection",
             "request": {"request_id": "load-7"}, "attempt": {"bootstrap_room": 255},
             "occurrences": 1,
             "evidence": [
@@ -97,9 +136,31 @@ mod tests {
                 {"stage": "transfer", "kind": "work", "source": "ebpf"}
             ]
         });
+        let mut n = lead.clone();
+        n["type"] = "incident".into();
+        n["findings"] = serde_json::json!([
+            lead,
+            {"rule": "activity-after-request-failed", "severity": "critical",
+             "evidence": [{"stage": "router", "kind": "completed", "status": 400, "source": "otlp"}]}
+        ]);
+        assert!(is_incident(&n));
+        assert_eq!(
+            rules(&n),
+            ["activity-after-rejection", "activity-after-request-failed"]
+        );
+        assert_eq!(
+            finding(&n, "activity-after-request-failed").unwrap()["severity"],
+            "critical"
+        );
+        assert_eq!(
+            evidence_sources(finding(&n, "activity-after-request-failed").unwrap()),
+            ["otlp"]
+        );
         assert_eq!(
             one_liner(&n),
-            "[critical] activity-after-rejection request load-7 room 0xff: prefill rejected 400 -> transfer work (evidence: ebpf+otlp)"
+            "[critical] request load-7 room 0xff: activity-after-rejection + activity-after-request-failed: prefill rejected 400 -> transfer work (evidence: ebpf+otlp)"
         );
+        n["update"] = "escalated".into();
+        assert!(one_liner(&n).ends_with(" [update: escalated]"));
     }
 }

@@ -1,5 +1,5 @@
-//! End-to-end: real `pd-sim cluster` + `revenant run` + `pd-sim load` on loopback (issue 6,
-//! tests 1 and 2). The expected verdicts come from the simulator's own accounting (the load
+//! End-to-end: real `pd-sim cluster` + `revenant run` + `pd-sim load` on loopback: a clean
+//! cluster reports nothing, and the handoff bug is caught once per request. The expected verdicts come from the simulator's own accounting (the load
 //! summary and the prefill's `/sim/rooms`), never from hard-coded counts.
 //!
 //! Binaries: `REVENANT_BIN` / `PD_SIM_BIN` (set by `cargo xtask test`), else a release build of
@@ -221,7 +221,7 @@ fn report(name: &str, o: &Outcome) {
     }
 }
 
-/// Issue 6, test 1: the correct router, 10k requests of which a tenth are over capacity: the
+/// The correct router, 10k requests of which a tenth are over capacity: the
 /// rejections are seen, and nothing is reported.
 #[test]
 fn correct_router_10k_requests_zero_violations() {
@@ -301,8 +301,9 @@ fn handed_off(o: &Outcome) -> BTreeMap<u64, String> {
         .collect()
 }
 
-/// Issue 6, test 2: every rejected-and-handed-off request yields exactly one
-/// `activity-after-rejection` notification, about that request's attempt.
+/// Every rejected-and-handed-off request yields exactly one notification (one incident: the
+/// request's findings, its `activity-after-rejection` finding about that request's attempt among
+/// them), and no request is notified twice.
 fn handoff(sources: Sources) -> Outcome {
     let _g = serial();
     let o = run(
@@ -336,15 +337,28 @@ fn handoff(sources: Sources) -> Outcome {
     assert_no_loss(&o);
 
     let mut per_room: BTreeMap<u64, Vec<&Value>> = BTreeMap::new();
+    let mut per_incident: BTreeMap<String, Vec<&Value>> = BTreeMap::new();
     for n in &o.notifications {
-        assert_eq!(n["type"], "violation", "{n}");
-        if n["rule"] != "activity-after-rejection" {
+        assert!(e2e::is_incident(n), "{n}");
+        per_incident
+            .entry(n["incident_key"].as_str().unwrap_or("").to_string())
+            .or_default()
+            .push(n);
+        let Some(f) = e2e::finding(n, "activity-after-rejection") else {
             continue;
-        }
-        let room = n["attempt"]["bootstrap_room"]
+        };
+        let room = f["attempt"]["bootstrap_room"]
             .as_u64()
-            .unwrap_or_else(|| panic!("notification names no attempt room: {n}"));
+            .unwrap_or_else(|| panic!("finding names no attempt room: {n}"));
         per_room.entry(room).or_default().push(n);
+    }
+    for (key, ns) in &per_incident {
+        assert_eq!(
+            ns.len(),
+            1,
+            "incident {key} notified {} times: {ns:#?}",
+            ns.len()
+        );
     }
     let got: BTreeSet<u64> = per_room.keys().copied().collect();
     let want: BTreeSet<u64> = expected.keys().copied().collect();
@@ -366,7 +380,8 @@ fn handoff(sources: Sources) -> Outcome {
             ns.len()
         );
         let n = ns[0];
-        assert_eq!(n["occurrences"], 1, "{n}");
+        let f = e2e::finding(n, "activity-after-rejection").unwrap();
+        assert_eq!(f["occurrences"], 1, "{n}");
         // When the router's span or header was seen, the request is named by its x-request-id.
         if let Some(id) = n["request"]["request_id"].as_str() {
             assert_eq!(id, expected[room], "{n}");
@@ -377,12 +392,12 @@ fn handoff(sources: Sources) -> Outcome {
 
 fn sources_of(o: &Outcome) -> BTreeMap<String, usize> {
     let mut m = BTreeMap::new();
-    for n in o
+    for f in o
         .notifications
         .iter()
-        .filter(|n| n["rule"] == "activity-after-rejection")
+        .filter_map(|n| e2e::finding(n, "activity-after-rejection"))
     {
-        *m.entry(e2e::evidence_sources(n).join("+")).or_default() += 1;
+        *m.entry(e2e::evidence_sources(f).join("+")).or_default() += 1;
     }
     m
 }
@@ -405,8 +420,9 @@ fn handoff_after_reject_caught_once_per_request_with_ebpf_alone() {
     );
 }
 
-/// Both witnesses: still one notification per request, and its evidence (merged from the
-/// checker's corroborating follow-up within the corroboration window) shows both sources.
+/// Both witnesses: still one notification per request, and its activity-after-rejection
+/// evidence (merged from the checker's corroborating follow-up within the corroboration window)
+/// shows both sources.
 #[test]
 fn handoff_after_reject_caught_once_per_request_with_both_sources_merged() {
     let o = handoff(Sources::Both);

@@ -143,7 +143,8 @@ impl Revenant {
 
     /// Waits until revenant has taken in everything the simulator sent: the ingest and checker
     /// counters stay unchanged for `quiet` (exporters batch every 200 ms, so a second is
-    /// plenty), at most `timeout`. Returns the last samples.
+    /// plenty) and no incident notification is still waiting (group wait, corroboration), at
+    /// most `timeout`. Returns the last samples.
     pub fn wait_quiet(
         &self,
         quiet: Duration,
@@ -169,7 +170,8 @@ impl Revenant {
             }
             std::thread::sleep(Duration::from_millis(200));
             let now = self.metrics()?;
-            if key(&now) != key(&last) {
+            let pending = metric_sum(&now, "revenant_alerts_pending", &[]) > 0.0;
+            if key(&now) != key(&last) || pending {
                 since = Instant::now();
             } else if since.elapsed() >= quiet {
                 return Ok(now);

@@ -164,6 +164,10 @@ fn one_run(
         "127.0.0.1:0",
         "--rate-limit",
         "0",
+        // Detection latency, not the group wait's (which adds up to its length to each first
+        // notification): one notification per rule and request, sent at once.
+        "--group-wait",
+        "0",
         "--spool-no-fsync",
         "--events-jsonl",
         &events,
@@ -267,17 +271,23 @@ fn one_run(
     let mut notifications = 0;
     for (t, body) in got.lock().unwrap().iter() {
         for a in body["alerts"].as_array().into_iter().flatten() {
-            if a["type"] != "violation" {
+            if a["type"] != "incident" {
                 continue;
             }
             notifications += 1;
-            *rules
-                .entry(a["rule"].as_str().unwrap_or("?").to_string())
-                .or_insert(0) += 1;
-            if a["rule"] != "activity-after-rejection" {
-                continue;
+            let findings = a["findings"].as_array().cloned().unwrap_or_default();
+            for f in &findings {
+                *rules
+                    .entry(f["rule"].as_str().unwrap_or("?").to_string())
+                    .or_insert(0) += 1;
             }
-            let offender = a["evidence"]
+            let Some(f) = findings
+                .iter()
+                .find(|f| f["rule"] == "activity-after-rejection")
+            else {
+                continue;
+            };
+            let offender = f["evidence"]
                 .as_array()
                 .and_then(|e| e.iter().find(|e| e["role"] == "offender"))
                 .and_then(|e| e["time_ns"].as_u64());

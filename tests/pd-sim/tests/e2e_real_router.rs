@@ -291,9 +291,10 @@ async fn expect_one_violation_per_attempt(
         "exactly one violation per attempt: {ctx}"
     );
     assert_eq!(&per_room.iter().copied().collect::<BTreeSet<_>>(), rooms);
-    // Notified once. The violations themselves may carry two fingerprints (keyed by the trace id
-    // before smg's span brings the x-request-id, by the x-request-id after); the alert layer
-    // treats a violation sharing a request alias with a tracked one as a repeat.
+    // Notified once: one incident for the request. The violations themselves may carry two
+    // fingerprints (keyed by the trace id before smg's span brings the x-request-id, by the
+    // x-request-id after); the alert layer puts every violation sharing a request alias with an
+    // incident into it.
     let fingerprints: HashSet<&str> = mine
         .iter()
         .map(|v| v["fingerprint"].as_str().unwrap())
@@ -310,7 +311,9 @@ async fn expect_one_violation_per_attempt(
     eventually("the dispatcher settles", Duration::from_secs(15), || {
         let m = s.metrics();
         async move {
-            let judged = metric(&m, "revenant_alerts_notified_total")
+            // Every finding opened an incident, merged into one, or repeated a rule it lists.
+            let judged = metric(&m, "revenant_alerts_incidents_opened_total")
+                + metric(&m, "revenant_alerts_findings_merged_total")
                 + metric(&m, "revenant_alerts_deduplicated_total");
             let written = metric(&m, "revenant_alert_delivered_notifications_total");
             (metric(&m, "revenant_alerts_received_total") >= n && judged >= n && written >= 1.0)
@@ -321,10 +324,11 @@ async fn expect_one_violation_per_attempt(
     let notified: Vec<Value> = s
         .notifications()
         .into_iter()
-        .filter(|n| n["type"] == "violation")
+        .filter(|n| n["type"] == "incident")
         .collect();
     assert_eq!(notified.len(), 1, "notified once: {ctx}");
-    assert_eq!(notified[0]["rule"], "orphaned-leg");
+    let rules = notified[0]["rules"].as_array().unwrap();
+    assert_eq!(rules, &vec![json!("orphaned-leg")], "{ctx}");
     assert_eq!(notified[0]["request"]["trace_id"], trace.as_str(), "{ctx}");
     // The admin timeline, looked up by the client's x-request-id, holds every attempt.
     let (status, t) = s

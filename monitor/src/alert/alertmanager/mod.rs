@@ -1,10 +1,13 @@
-//! Alertmanager sink: `POST /api/v2/alerts`, one alert per fingerprint, re-posted while active.
+//! Alertmanager sink: `POST /api/v2/alerts`, one alert per incident, re-posted while active.
 //!
-//! Labels: `alertname` (= rule), `severity`, `stage` (of the offending event), `node` (the worker
-//! named by the violation, else this monitor's node), `cluster`, `fingerprint` (what keeps two
-//! requests breaking the same rule apart in Alertmanager) and `source="revenant"`. Annotations:
-//! `summary`, `evidence` (excerpt), `timeline` (link), `request_id`, `bootstrap_room`,
-//! `occurrences`.
+//! Labels come from the incident's lead finding (highest severity): `alertname` (= its rule, so
+//! routes and silences written per rule keep matching), `severity`, `stage` (of the offending
+//! event), `node` (the worker named by the violation, else this monitor's node), `cluster`,
+//! `fingerprint` (the lead finding's), `incident` (what keeps two requests apart in Alertmanager)
+//! and `source="revenant"`. Annotations: `summary`, `rules` and `findings` (every rule that fired
+//! for the request, with severity, attempt and summary), `evidence` (the lead's excerpt),
+//! `timeline` (link), `request_id`, `bootstrap_room`, `occurrences`. An escalation changes the
+//! lead, hence the label set: the previous alert is posted resolved in the same request.
 
 pub mod config;
 
@@ -17,10 +20,42 @@ use serde::Serialize;
 pub use config::AlertmanagerConfig;
 
 use super::flood::ActiveAlert;
-use super::notification::{Notification, ViolationAlert, evidence_excerpt, now_unix_ns, rfc3339};
+use super::notification::{
+    Finding, IncidentAlert, Notification, evidence_excerpt, now_unix_ns, rfc3339,
+};
 use super::sink::{BoxFuture, Sink, SinkError};
 use super::webhook::{http_client, read_answer, transport_error};
-use crate::violation::Role;
+use crate::violation::{Role, Violation};
+
+/// Most findings listed in the `findings` annotation.
+const MAX_FINDING_LINES: usize = 20;
+
+/// One line per finding: `critical activity-after-rejection room 0x1000: <summary>`.
+pub fn findings_excerpt(findings: &[Finding]) -> String {
+    let mut lines: Vec<String> = findings
+        .iter()
+        .take(MAX_FINDING_LINES)
+        .map(|f| {
+            let v = &f.violation;
+            let mut l = format!("{} {}", v.severity.as_str(), v.rule);
+            if let Some(r) = v.attempt.bootstrap_room {
+                l.push_str(&format!(" room {r:#x}"));
+            } else if let Some(r) = &v.attempt.rid {
+                l.push_str(&format!(" rid {r}"));
+            }
+            if f.occurrences > 1 {
+                l.push_str(&format!(" x{}", f.occurrences));
+            }
+            l.push_str(": ");
+            l.push_str(&v.summary);
+            l
+        })
+        .collect();
+    if findings.len() > MAX_FINDING_LINES {
+        lines.push(format!("… {} more", findings.len() - MAX_FINDING_LINES));
+    }
+    lines.join("\n")
+}
 
 #[derive(Debug, Clone, Serialize, PartialEq)]
 #[serde(rename_all = "camelCase")]
@@ -68,8 +103,20 @@ impl AlertmanagerSink {
         now_ns + 4 * self.resend.as_nanos() as u64
     }
 
-    pub fn to_alert(&self, a: &ViolationAlert, repeats: u64, ends_at_ns: u64) -> PostableAlert {
-        let v = &a.violation;
+    /// The incident as one alert, labelled by its lead finding.
+    pub fn to_alert(&self, a: &IncidentAlert, ends_at_ns: u64) -> PostableAlert {
+        self.alert_led_by(a, &a.violation, a.occurrences, ends_at_ns)
+    }
+
+    /// The incident as one alert labelled by `v` (the lead, or the previous lead an escalation
+    /// replaces).
+    fn alert_led_by(
+        &self,
+        a: &IncidentAlert,
+        v: &Violation,
+        occurrences: u64,
+        ends_at_ns: u64,
+    ) -> PostableAlert {
         let stage = v
             .evidence
             .iter()
@@ -87,15 +134,19 @@ impl AlertmanagerSink {
         );
         labels.insert("cluster".into(), self.cluster.clone());
         labels.insert("fingerprint".into(), v.fingerprint.clone());
+        labels.insert("incident".into(), a.incident.clone());
         labels.insert("source".into(), "revenant".into());
         let mut ann = BTreeMap::new();
         ann.insert("summary".into(), v.summary.clone());
+        ann.insert("rules".into(), a.rules.join(", "));
+        ann.insert("findings".into(), findings_excerpt(&a.findings));
         ann.insert("evidence".into(), evidence_excerpt(&v.evidence, 6));
-        ann.insert("occurrences".into(), (a.occurrences + repeats).to_string());
+        ann.insert("occurrences".into(), occurrences.to_string());
+        ann.insert("incident_key".into(), a.incident_key.clone());
         if let Some(t) = &a.links.timeline {
             ann.insert("timeline".into(), t.clone());
         }
-        if let Some(r) = &v.request.request_id {
+        if let Some(r) = &a.violation.request.request_id {
             ann.insert("request_id".into(), r.clone());
         }
         if let Some(r) = v.attempt.bootstrap_room {
@@ -147,10 +198,21 @@ impl Sink for AlertmanagerSink {
     ) -> BoxFuture<'a, Result<(), SinkError>> {
         Box::pin(async move {
             let now = now_unix_ns();
-            let alerts: Vec<PostableAlert> = batch
-                .iter()
-                .map(|n| match n.as_ref() {
-                    Notification::Violation(a) => self.to_alert(a, 0, self.horizon(now)),
+            let mut alerts: Vec<PostableAlert> = Vec::with_capacity(batch.len());
+            for n in batch {
+                let alert = match n.as_ref() {
+                    Notification::Incident(a) => {
+                        if let Some(prev) = a.previous_lead() {
+                            // The escalated alert has another label set: end the previous one.
+                            alerts.push(self.alert_led_by(
+                                a,
+                                &prev.violation,
+                                prev.occurrences,
+                                now,
+                            ));
+                        }
+                        self.to_alert(a, self.horizon(now))
+                    }
                     Notification::Suppressed(s) => {
                         let mut labels = BTreeMap::new();
                         labels.insert("alertname".into(), "RevenantAlertsSuppressed".into());
@@ -163,11 +225,15 @@ impl Sink for AlertmanagerSink {
                         ann.insert(
                             "summary".into(),
                             format!(
-                                "{} violations of {} were not notified individually (limit {} per window)",
+                                "{} incident notifications led by {} were not sent (limit {} per window)",
                                 s.suppressed, s.rule, s.limit
                             ),
                         );
-                        ann.insert("fingerprints_sample".into(), s.fingerprints_sample.join(", "));
+                        ann.insert(
+                            "fingerprints_sample".into(),
+                            s.fingerprints_sample.join(", "),
+                        );
+                        ann.insert("findings".into(), s.findings.to_string());
                         PostableAlert {
                             labels,
                             annotations: ann,
@@ -177,8 +243,9 @@ impl Sink for AlertmanagerSink {
                             generator_url: String::new(),
                         }
                     }
-                })
-                .collect();
+                };
+                alerts.push(alert);
+            }
             self.post(&alerts).await
         })
     }
@@ -196,13 +263,9 @@ impl Sink for AlertmanagerSink {
             let now = now_unix_ns();
             let mut alerts: Vec<PostableAlert> = active
                 .iter()
-                .map(|a| self.to_alert(&a.alert, a.repeats, self.horizon(now)))
+                .map(|a| self.to_alert(&a.alert, self.horizon(now)))
                 .collect();
-            alerts.extend(
-                resolved
-                    .iter()
-                    .map(|a| self.to_alert(&a.alert, a.repeats, now)),
-            );
+            alerts.extend(resolved.iter().map(|a| self.to_alert(&a.alert, now)));
             for chunk in alerts.chunks(500) {
                 self.post(chunk).await?;
             }

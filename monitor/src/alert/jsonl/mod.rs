@@ -1,5 +1,5 @@
-//! JSON Lines sink: one notification per line (the same objects as the webhook's `alerts[]`), to a
-//! file opened for append or to standard output.
+//! JSON Lines sink: one notification (incident or summary) per line (the same objects as the
+//! webhook's `alerts[]`), to a file opened for append or to standard output.
 
 pub mod config;
 

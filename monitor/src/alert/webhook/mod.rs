@@ -1,4 +1,4 @@
-//! Generic webhook sink: POST `{"version":"revenant.alerts/v1","alerts":[...]}` (see
+//! Generic webhook sink: POST `{"version":"revenant.alerts/v2","alerts":[...]}` (see
 //! `docs/alerts.md` for the schema), signed with HMAC-SHA256 when a secret is configured.
 
 pub mod config;
@@ -15,7 +15,7 @@ use super::sink::{BoxFuture, Sink, SinkError, classify_http};
 
 pub const SIGNATURE_HEADER: &str = "x-revenant-signature";
 pub const TIMESTAMP_HEADER: &str = "x-revenant-timestamp";
-pub const PAYLOAD_VERSION: &str = "revenant.alerts/v1";
+pub const PAYLOAD_VERSION: &str = "revenant.alerts/v2";
 
 #[derive(Serialize)]
 struct Body<'a> {
