@@ -375,7 +375,8 @@ async fn smg_capacity_rejection_with_live_decode_leg_is_an_orphaned_leg() {
     let rooms = room_set(&prefill);
     let v = expect_one_violation_per_attempt(&s, "e2e-rej", &rooms).await;
     for v in &v {
-        let trigger = &v["evidence"][0];
+        let evidence = v["evidence"].as_array().unwrap();
+        let trigger = evidence.iter().find(|e| e["role"] == "trigger").unwrap();
         assert!(
             trigger["reason"]
                 .as_str()
