@@ -35,12 +35,9 @@ struct Setup {
 }
 
 fn smg_bin() -> String {
-    std::env::var("PD_SIM_SMG").unwrap_or_else(|_| {
-        panic!(
-            "PD_SIM_SMG must point at the `smg` binary of sglang-router 0.3.2 \
-             (`cargo xtask test` sets it from target/xtask-venv)"
-        )
-    })
+    test_harness::router_from_env("PD_SIM_SMG", "sglang-router 0.3.2")
+        .display()
+        .to_string()
 }
 
 /// How the source first hears of the workers.

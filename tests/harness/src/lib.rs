@@ -12,7 +12,7 @@ mod metrics;
 mod proc;
 mod revenant;
 
-pub use binaries::{Binaries, workspace_bin, workspace_root};
+pub use binaries::{Binaries, router_from_env, workspace_bin, workspace_root};
 pub use cluster::{Cluster, run_load, run_load_quiet};
 pub use files::{JsonlTail, ScratchDir, read_jsonl, read_jsonl_so_far, tail};
 pub use http::{free_port, http_get, http_json, wait_healthy};

@@ -27,15 +27,7 @@ use support::*;
 use test_harness::{Revenant, ScratchDir};
 
 fn smg_bin() -> PathBuf {
-    let p = std::env::var_os("PD_SIM_SMG").unwrap_or_else(|| {
-        panic!(
-            "PD_SIM_SMG is not set: point it at the `smg` binary of sglang-router 0.3.2 \
-             (`cargo xtask test` creates target/xtask-venv and sets it)"
-        )
-    });
-    let p = PathBuf::from(p);
-    assert!(p.is_file(), "PD_SIM_SMG={} does not exist", p.display());
-    p
+    test_harness::router_from_env("PD_SIM_SMG", "sglang-router 0.3.2")
 }
 
 /// revenant + simulator workers exporting to it + the real smg exporting to it.

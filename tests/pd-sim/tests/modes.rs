@@ -97,15 +97,12 @@ async fn correct_mode_never_hands_a_rejected_request_to_decode() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn handoff_after_reject_bootstraps_and_transfers_rejected_rooms() {
-    let tap = ZmtpTap::start().await;
-    let adv = format!("--advertise-kv-port {} {SLOW_OK_PREFILL}", tap.port);
-    let c = Cluster::start(
+    let (tap, c) = ZmtpTap::cluster(
         "handoff-after-reject",
-        &["--prefill-args", &adv, "--decode-args", SLOW_OK_DECODE],
+        SLOW_OK_PREFILL,
+        &["--decode-args", SLOW_OK_DECODE],
     )
     .await;
-    let kv_port = c.ready["prefill_kv_port"].as_u64().unwrap() as u16;
-    tap.set_upstream(([127, 0, 0, 1], kv_port).into());
     let client = http_client(8);
     let s = run_load(
         &c.router,
@@ -516,25 +513,8 @@ async fn a_dead_otlp_endpoint_never_blocks_serving_and_failures_are_counted() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_decode_request_cancelled_while_waiting_for_kv_sends_abort_to_prefill() {
-    let tap = ZmtpTap::start().await;
-    let adv = format!("--advertise-kv-port {}", tap.port);
-    let c = Cluster::start(
-        "correct",
-        &[
-            "--prefill-args",
-            &adv,
-            "--decode-args",
-            "--kv-timeout-ms 10000",
-        ],
-    )
-    .await;
-    tap.set_upstream(
-        (
-            [127, 0, 0, 1],
-            c.ready["prefill_kv_port"].as_u64().unwrap() as u16,
-        )
-            .into(),
-    );
+    let (tap, c) =
+        ZmtpTap::cluster("correct", "", &["--decode-args", "--kv-timeout-ms 10000"]).await;
     let client = http_client(8);
     let room = 4242u64;
     // Straight to decode, for a room prefill never admitted: decode bootstraps and waits.
@@ -633,16 +613,11 @@ async fn request_then_fin(decode: &str, bootstrap_port: u64, room: u64) -> Strin
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_cancel_closes_the_decode_leg_of_every_rejected_attempt_at_once() {
-    let tap = ZmtpTap::start().await;
-    let adv = format!(
-        "--advertise-kv-port {} {SLOW_OK_PREFILL} --overload-share 0.05",
-        tap.port
-    );
-    let c = Cluster::start(
+    let prefill_args = format!("{SLOW_OK_PREFILL} --overload-share 0.05");
+    let (tap, c) = ZmtpTap::cluster(
         "concurrent-cancel",
+        &prefill_args,
         &[
-            "--prefill-args",
-            &adv,
             "--decode-args",
             SLOW_OK_DECODE,
             "--router-args",
@@ -650,13 +625,6 @@ async fn concurrent_cancel_closes_the_decode_leg_of_every_rejected_attempt_at_on
         ],
     )
     .await;
-    tap.set_upstream(
-        (
-            [127, 0, 0, 1],
-            c.ready["prefill_kv_port"].as_u64().unwrap() as u16,
-        )
-            .into(),
-    );
     let client = http_client(8);
     // Decode looks prefill's KV endpoint up once; after this it bootstraps at once.
     let (s, _, _, _) = post_timed(&client, &c, "warm-up", json!({"text": "a b"})).await;
@@ -939,25 +907,15 @@ async fn concurrent_cancel_retries_503_with_new_rooms_closing_each_decode_leg_fi
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_decode_that_ignores_cancel_keeps_the_withdrawn_leg_going_and_answers() {
-    let tap = ZmtpTap::start().await;
-    let adv = format!("--advertise-kv-port {}", tap.port);
-    let c = Cluster::start(
+    let (tap, c) = ZmtpTap::cluster(
         "concurrent-cancel",
+        "",
         &[
-            "--prefill-args",
-            &adv,
             "--decode-args",
             "--decode-ignores-cancel --kv-timeout-ms 1000",
         ],
     )
     .await;
-    tap.set_upstream(
-        (
-            [127, 0, 0, 1],
-            c.ready["prefill_kv_port"].as_u64().unwrap() as u16,
-        )
-            .into(),
-    );
     let client = http_client(8);
     let (s, _, _, _) = post_timed(&client, &c, "warm-up", json!({"text": "a b"})).await;
     assert_eq!(s, 200);

@@ -32,8 +32,7 @@ fn free_port() -> u16 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs PD_SIM_SMG pointing at the sglang-router 0.3.2 `smg` binary"]
 async fn real_smg_keeps_the_decode_leg_of_a_rejected_request_and_retries_with_new_rooms() {
-    let smg = std::env::var("PD_SIM_SMG")
-        .expect("set PD_SIM_SMG to the smg binary of sglang-router 0.3.2");
+    let smg = test_harness::router_from_env("PD_SIM_SMG", "sglang-router 0.3.2");
     let c = Cluster::start(
         "correct",
         &["--no-router", "--decode-args", "--kv-timeout-ms 300"],

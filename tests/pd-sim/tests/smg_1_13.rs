@@ -53,15 +53,7 @@ use test_harness::{Revenant, ScratchDir, free_port, http_json, metric_sum};
 const WINDOW_MS: f64 = 500.0;
 
 fn smg113_bin() -> PathBuf {
-    let p = std::env::var_os("PD_SIM_SMG113").unwrap_or_else(|| {
-        panic!(
-            "PD_SIM_SMG113 is not set: point it at the `smg` binary of smg 1.13.0 \
-             (`cargo xtask test` creates target/xtask-venv-smg113 and sets it)"
-        )
-    });
-    let p = PathBuf::from(p);
-    assert!(p.is_file(), "PD_SIM_SMG113={} does not exist", p.display());
-    p
+    test_harness::router_from_env("PD_SIM_SMG113", "smg 1.13.0")
 }
 
 /// Workers exporting to revenant, smg 1.13.0 exporting to revenant, revenant watching all three

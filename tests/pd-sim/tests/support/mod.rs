@@ -238,6 +238,19 @@ impl ZmtpTap {
         *self.upstream.lock().unwrap() = Some(a);
     }
 
+    /// A cluster whose prefill advertises this tap as its KV port (`prefill_args` are added
+    /// after `--advertise-kv-port`), with the tap forwarding to prefill's real one.
+    pub async fn cluster(mode: &str, prefill_args: &str, extra: &[&str]) -> (ZmtpTap, Cluster) {
+        let tap = ZmtpTap::start().await;
+        let adv = format!("--advertise-kv-port {} {prefill_args}", tap.port);
+        let mut args = vec!["--prefill-args", adv.as_str()];
+        args.extend_from_slice(extra);
+        let c = Cluster::start(mode, &args).await;
+        let kv_port = c.ready["prefill_kv_port"].as_u64().unwrap() as u16;
+        tap.set_upstream(([127, 0, 0, 1], kv_port).into());
+        (tap, c)
+    }
+
     pub fn rooms_with_verb(&self, verb: &[u8]) -> Vec<u64> {
         self.messages
             .lock()
