@@ -256,7 +256,8 @@ async fn drive(s: &mut Setup, load: &[&str]) -> Outcome {
         .notifications()
         .unwrap()
         .into_iter()
-        .filter(|n| n["type"] == "violation")
+        // Incidents and rate-limit summaries: anything the sinks said is an alert.
+        .filter(|n| n["type"] == "incident" || n["type"] == "suppressed")
         .collect();
     Outcome {
         load,
