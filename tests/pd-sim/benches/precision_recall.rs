@@ -39,6 +39,11 @@
 //! against the breached requests (one each expected); recall; precision (attempts: caught over
 //! caught plus falsely alerted); the row's wall time (cluster start to teardown).
 //!
+//! Before reading `/api/violations` a row waits until every room left `pending` and then until
+//! revenant can have judged the last rejection's deadline rules: the cancellation window
+//! (500 ms) + clock skew (50 ms) + `revenant run`'s allowed lateness (15 s) + its 1 s tick after
+//! the last prefill rejection; so a row takes about 17 s more than its load.
+//!
 //! revenant runs with the defaults except `--rate-limit 0` (every incident reaches the file),
 //! `--recent-violations 1000000` (the whole run in `/api/violations`), `--spool-no-fsync` and,
 //! with eBPF, `--no-sglang-conventions` (only this row's pids are watched).
@@ -50,6 +55,13 @@ use std::time::{Duration, Instant};
 use pd_sim::harness::{SmgProcess, smg_version, write_tiny_model};
 use serde_json::Value;
 use test_harness::{Cluster, Revenant, free_port, http_json, metric_sum};
+
+/// revenant's defaults that bound when a deadline rule is judged: the cancellation window of
+/// `orphaned-leg`, `--clock-skew`, `revenant run --allowed-lateness`, the checker's tick.
+const WINDOW: Duration = Duration::from_millis(500);
+const SKEW: Duration = Duration::from_millis(50);
+const LATENESS: Duration = Duration::from_secs(15);
+const TICK: Duration = Duration::from_secs(1);
 
 struct Opts {
     requests: u64,
@@ -391,12 +403,24 @@ fn run_row(
     .unwrap_or_else(|e| panic!("{}: load: {e:#}", row.name()))
     .expect("not interrupted");
     let mut notes = Vec::new();
-    // Every leg over (a decode waiting for KV times out after 2 s), then past the cancellation
-    // window, the allowed lateness and a checker tick, then revenant quiet (alerts not pending).
+    // Every leg over (a decode waiting for KV times out after 2 s); then the deadline rules
+    // (orphaned-leg) of the last rejection must have been judged: `revenant run` judges a
+    // deadline once its watermark (wall clock minus the allowed lateness) passes it, checked on
+    // a 1 s tick; then revenant quiet (no alert pending in its group wait).
     if !wait_rooms_settled(&cluster, Duration::from_secs(120)) {
         notes.push("rooms still pending after 120 s".into());
     }
-    std::thread::sleep(Duration::from_millis(1500));
+    let last_rejection = rooms(&cluster.prefill)
+        .iter()
+        .filter(|r| r["status"].as_u64().unwrap_or(0) >= 400)
+        .filter_map(|r| r["answered_ns"].as_u64())
+        .max()
+        .unwrap_or(0);
+    let judged_by = last_rejection + (WINDOW + SKEW + LATENESS + TICK).as_nanos() as u64;
+    let now = pd_sim::common::now_ns();
+    if judged_by > now {
+        std::thread::sleep(Duration::from_nanos(judged_by - now) + Duration::from_millis(500));
+    }
     let metrics = rev
         .wait_quiet(Duration::from_secs(3), Duration::from_secs(120), None)
         .unwrap_or_else(|e| panic!("{}: {e:#}\n{}", row.name(), rev.log_tail(30)));
