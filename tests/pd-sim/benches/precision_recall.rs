@@ -8,9 +8,13 @@
 //! cargo build --release -p revenant -p pd-sim
 //! [PD_SIM_SMG=target/xtask-venv/bin/smg] [PD_SIM_SMG113=target/xtask-venv-smg113/bin/smg] \
 //! cargo bench -p pd-sim --bench precision_recall -- [--requests 1000] [--rate 200]
-//!     [--over-capacity-share 0.25] [--seed 1] [--rows FILTER] [--out DIR] [--keep]
+//!     [--over-capacity-share 0.25] [--overload-share 0] [--seed 1] [--rows FILTER] [--out DIR]
+//!     [--keep]
 //! ```
 //!
+//! - `--over-capacity-share F`: prompts over prefill's capacity (refused 400). `--overload-share
+//!   F`: prefill refuses that share with 503 ("queue full"), which every router retries on a new
+//!   room under the same x-request-id (several attempts, one request, one notification).
 //! - `--rows FILTER`: comma-separated `ROUTER[/DECODE[/WITNESS]]`, each part a name or `*`
 //!   (e.g. `concurrent-cancel/ignores`, `*/*/ebpf`, `correct,handoff-after-reject/*/otlp`).
 //!   Routers: `correct`, `concurrent-cancel`, `concurrent-no-cancel`, `handoff-after-reject`
@@ -67,6 +71,9 @@ struct Opts {
     requests: u64,
     rate: f64,
     over_capacity_share: f64,
+    /// prefill `--overload-share`: refused 503 ("queue full"), retried by every router on a new
+    /// room under the same x-request-id.
+    overload_share: f64,
     seed: u64,
     rows: Vec<Vec<String>>,
     out: PathBuf,
@@ -78,6 +85,7 @@ fn opts() -> Opts {
         requests: 1000,
         rate: 200.0,
         over_capacity_share: 0.25,
+        overload_share: 0.0,
         seed: 1,
         rows: Vec::new(),
         out: test_harness::workspace_root().join("target/precision_recall"),
@@ -92,6 +100,7 @@ fn opts() -> Opts {
             "--over-capacity-share" => {
                 o.over_capacity_share = val().parse().expect("--over-capacity-share F")
             }
+            "--overload-share" => o.overload_share = val().parse().expect("--overload-share F"),
             "--seed" => o.seed = val().parse().expect("--seed S"),
             "--rows" => {
                 o.rows = val()
@@ -321,6 +330,12 @@ fn run_row(
     if row.ignores_cancel {
         cluster_args.extend(["--decode-args".into(), "--decode-ignores-cancel".into()]);
     }
+    if o.overload_share > 0.0 {
+        cluster_args.extend([
+            "--prefill-args".into(),
+            format!("--overload-share {}", o.overload_share),
+        ]);
+    }
     let cluster = Cluster::start(pd_sim, &cluster_args, Some(&dir.join("pd-sim.log")))
         .unwrap_or_else(|e| panic!("{}: pd-sim cluster: {e:#}", row.name()));
     let smg_proc = smg.map(|bin| {
@@ -541,13 +556,33 @@ fn run_row(
     // Notifications: incident notifications (and rate-limit summaries, which must not occur).
     let incidents: Vec<&Value> = alerts.iter().filter(|n| n["type"] == "incident").collect();
     let suppressed = alerts.iter().filter(|n| n["type"] == "suppressed").count();
+    // A notification is about the requests of its findings' attempts (the simulator's rooms
+    // name their x-request-id), and the one it names itself. It may name the request by its
+    // trace id alone, when no source told revenant the x-request-id of the request (behind a
+    // real router the workers' spans carry none: it comes with the router's span).
     let mut per_request: BTreeMap<String, usize> = BTreeMap::new();
+    let mut without_request_id = 0usize;
     for n in &incidents {
-        let key = n["request"]["request_id"]
-            .as_str()
-            .map(str::to_string)
-            .unwrap_or_else(|| n["incident_key"].as_str().unwrap_or("?").to_string());
-        *per_request.entry(key).or_default() += 1;
+        let mut about: BTreeSet<String> = n["findings"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|f| attempt_of(f))
+            .map(|room| request_of(&room))
+            .filter(|id| !id.is_empty())
+            .collect();
+        match n["request"]["request_id"].as_str() {
+            Some(id) => {
+                about.insert(id.to_string());
+            }
+            None => without_request_id += 1,
+        }
+        if about.is_empty() {
+            about.insert(n["incident_key"].as_str().unwrap_or("?").to_string());
+        }
+        for key in about {
+            *per_request.entry(key).or_default() += 1;
+        }
     }
     let repeated: Vec<(&String, &usize)> = per_request.iter().filter(|(_, n)| **n > 1).collect();
     let unnotified: Vec<&String> = breached_requests
@@ -589,7 +624,7 @@ fn run_row(
         notes.push(format!("losses: {}", losses.join(", ")));
     }
     notes.push(format!(
-        "load {} ok {} rejected {} at {:.0}/s; prefill rooms {}, decode rooms {}; events ebpf {} otlp {}; caught by {:?}",
+        "load {} ok {} rejected {} at {:.0}/s; prefill rooms {}, decode rooms {}; events ebpf {} otlp {} (router received: {} from spans); caught by {:?}",
         load["sent"],
         load["ok"],
         load["rejected_by_status"],
@@ -598,10 +633,20 @@ fn run_row(
         decode.len(),
         metric_sum(&metrics, "revenant_events_total", &[("source", "ebpf")]),
         metric_sum(&metrics, "revenant_events_total", &[("source", "otlp")]),
+        metric_sum(
+            &metrics,
+            "revenant_events_total",
+            &[("source", "otlp"), ("stage", "router"), ("kind", "received")]
+        ),
         caught_rules,
     ));
     if !false_rules.is_empty() {
         notes.push(format!("false alerts by rule {false_rules:?}"));
+    }
+    if without_request_id > 0 {
+        notes.push(format!(
+            "{without_request_id} notifications name their request by trace id only (no x-request-id known to revenant)"
+        ));
     }
     if suppressed > 0 {
         notes.push(format!("{suppressed} rate-limit summaries"));
@@ -745,12 +790,13 @@ fn main() {
         .collect();
     assert!(!rows.is_empty(), "--rows matches no row");
     eprintln!(
-        "precision_recall: revenant {}, pd-sim {}; {} requests per row at {}/s, {} over capacity; {} rows",
+        "precision_recall: revenant {}, pd-sim {}; {} requests per row at {}/s, {} over capacity, {} overloaded (503); {} rows",
         revenant.display(),
         pd_sim.display(),
         o.requests,
         o.rate,
         o.over_capacity_share,
+        o.overload_share,
         rows.len()
     );
     let mut results = Vec::new();
