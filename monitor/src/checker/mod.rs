@@ -647,7 +647,8 @@ impl Checker {
             let remerge = resolved.merged
                 && matches!(self.rules[ri].rule.shape, Shape::NeverAfter(_))
                 && self.rules[ri].rule.scope == Scope::Attempt;
-            if hit & reacts_to == 0 && !always && !(predicate && facts_changed) && !remerge {
+            let reacts = hit & reacts_to != 0 || always || remerge || (predicate && facts_changed);
+            if !reacts {
                 continue;
             }
             let bit = 1u64 << ri;

@@ -5,12 +5,14 @@
 //! per-room records (`/sim/rooms` of prefill and decode), never revenant's output.
 //!
 //! ```text
-//! cargo build --release -p revenant -p pd-sim
 //! [PD_SIM_SMG=target/xtask-venv/bin/smg] [PD_SIM_SMG113=target/xtask-venv-smg113/bin/smg] \
 //! cargo bench -p pd-sim --bench precision_recall -- [--requests 1000] [--rate 200]
 //!     [--over-capacity-share 0.25] [--overload-share 0] [--seed 1] [--rows FILTER] [--out DIR]
 //!     [--keep]
 //! ```
+//!
+//! Binaries: `REVENANT_BIN` and `PD_SIM_BIN`, else release builds the bench makes itself (`cargo
+//! build --release -p revenant -p pd-sim`, a no-op when up to date).
 //!
 //! - `--over-capacity-share F`: prompts over prefill's capacity (refused 400). `--overload-share
 //!   F`: prefill refuses that share with 503 ("queue full"), which every router retries on a new
@@ -46,7 +48,9 @@
 //! Before reading `/api/violations` a row waits until every room left `pending` and then until
 //! revenant can have judged the last rejection's deadline rules: the cancellation window
 //! (500 ms) + clock skew (50 ms) + `revenant run`'s allowed lateness (15 s) + its 1 s tick after
-//! the last prefill rejection; so a row takes about 17 s more than its load.
+//! the last prefill rejection; so a row takes about 17 s more than its load. The lateness is
+//! `run`'s default on purpose: a lateness below the OTLP profile's completion grace (5 s) makes
+//! an OTLP-reported decode leg that ended in time count as open (README, orphaned-leg).
 //!
 //! revenant runs with the defaults except `--rate-limit 0` (every incident reaches the file),
 //! `--recent-violations 1000000` (the whole run in `/api/violations`), `--spool-no-fsync` and,
@@ -494,7 +498,12 @@ fn run_row(
         rejected
             .iter()
             .copied()
-            .filter(|r| decode_rooms.contains_key(r))
+            // Reached decode: decode read the leg's HTTP request.
+            .filter(|r| {
+                decode_rooms
+                    .get(r)
+                    .is_some_and(|d| d["received_ns"].as_u64().unwrap_or(0) > 0)
+            })
             .collect()
     } else {
         BTreeSet::new()
@@ -567,7 +576,7 @@ fn run_row(
             .as_array()
             .into_iter()
             .flatten()
-            .filter_map(|f| attempt_of(f))
+            .filter_map(&attempt_of)
             .map(|room| request_of(&room))
             .filter(|id| !id.is_empty())
             .collect();
@@ -780,10 +789,10 @@ fn main() {
         return;
     }
     let o = opts();
-    let revenant =
-        test_harness::workspace_bin("revenant", "REVENANT_BIN").unwrap_or_else(|e| panic!("{e}"));
-    let pd_sim =
-        test_harness::workspace_bin("pd-sim", "PD_SIM_BIN").unwrap_or_else(|e| panic!("{e}"));
+    // REVENANT_BIN and PD_SIM_BIN, else release builds made now (a no-op when up to date).
+    let bins = test_harness::Binaries::locate()
+        .unwrap_or_else(|e| panic!("release builds of revenant and pd-sim: {e:#}"));
+    let (revenant, pd_sim) = (bins.revenant, bins.pd_sim);
     let rows: Vec<Row> = all_rows()
         .into_iter()
         .filter(|r| r.selected(&o.rows))
