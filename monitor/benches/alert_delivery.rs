@@ -10,7 +10,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use revenant::admin::Metrics;
+use revenant::telemetry::Metrics;
 use revenant::alert::{AlertConfig, AlertPipeline, WebhookConfig};
 
 #[path = "../tests/common/alerts.rs"]
@@ -74,13 +74,13 @@ fn pct(v: &[Duration], p: f64) -> f64 {
 /// Per-event cost the admin layer adds to the run loop: metrics (`EventObserved`) and the
 /// timeline index (`RecentEvents::record`), one batch of 1000 at a time.
 fn hot_path() {
-    use revenant::admin::events::EventObserved;
+    use revenant::telemetry::events::EventObserved;
     use revenant::admin::{RecentEvents, RecentEventsLimits};
-    let mix = revenant::workload::Mix {
+    let mix = revenant::engine::workload::Mix {
         attempts: 100_000,
         ..Default::default()
     };
-    let events = revenant::workload::stream(&mix);
+    let events = revenant::engine::workload::stream(&mix);
     let metrics = Metrics::new();
     let index = RecentEvents::new(RecentEventsLimits::default());
     let now = revenant::alert::notification::now_unix_ns();

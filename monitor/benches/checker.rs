@@ -2,8 +2,8 @@
 //! at once (1 µs apart, 100 ms each). Run: `cargo bench -p revenant --bench checker`.
 
 use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
-use revenant::checker::{Checker, CheckerConfig, RuleSet};
-use revenant::workload::{Mix, stream};
+use revenant::engine::check::{Checker, CheckerConfig, RuleSet};
+use revenant::engine::workload::{Mix, stream};
 
 fn engine(c: &mut Criterion) {
     let mix = Mix {

@@ -4,8 +4,8 @@
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicIsize, Ordering};
 
-use revenant::checker::{Checker, CheckerConfig, RuleSet};
-use revenant::workload::{Mix, attempt_events};
+use revenant::engine::check::{Checker, CheckerConfig, RuleSet};
+use revenant::engine::workload::{Mix, attempt_events};
 
 struct Counting;
 static LIVE_BYTES: AtomicIsize = AtomicIsize::new(0);
@@ -125,9 +125,9 @@ fn main() {
     );
     println!(
         "sizes: Attempt {} B, Request {} B, Tombstone {} B, stored slot 8 B (+ an 8 B base per row); wide rows {}",
-        std::mem::size_of::<revenant::correlate::Attempt>(),
-        std::mem::size_of::<revenant::correlate::Request>(),
-        std::mem::size_of::<revenant::correlate::Tombstone>(),
+        std::mem::size_of::<revenant::engine::identity::Attempt>(),
+        std::mem::size_of::<revenant::engine::identity::Request>(),
+        std::mem::size_of::<revenant::engine::identity::Tombstone>(),
         checker.stats().wide_slot_rows
     );
 }

@@ -5,8 +5,8 @@
 
 use std::time::Instant;
 
-use revenant::checker::{Checker, CheckerConfig, RuleSet};
-use revenant::workload::{Mix, stream};
+use revenant::engine::check::{Checker, CheckerConfig, RuleSet};
+use revenant::engine::workload::{Mix, stream};
 
 fn thread_cpu_s() -> f64 {
     let mut ts = libc::timespec {

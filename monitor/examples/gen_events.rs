@@ -4,8 +4,8 @@
 
 use std::io::Write;
 
-use revenant::replay::ReplayRecord;
-use revenant::workload::{Mix, stream};
+use revenant::ingest::replay::ReplayRecord;
+use revenant::engine::workload::{Mix, stream};
 
 fn main() -> std::io::Result<()> {
     let attempts = std::env::args()

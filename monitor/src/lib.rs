@@ -1,23 +1,21 @@
 //! revenant: a runtime invariant monitor for disaggregated (prefill/decode) LLM serving.
 //!
-//! Data flows one way: sources → normalize → correlate → check → sinks. This crate holds the
-//! event model ([`event`]), identity correlation ([`correlate`]), the sans-IO streaming checker
-//! ([`checker`]), its verdicts ([`violation`]) and the replay source ([`replay`]).
+//! Data flows one way: sources ([`ingest`]) → [`normalize`] → the sans-IO [`engine`] (identity,
+//! then check) → sinks ([`alert`]), wired together by [`pipeline`] and [`run`]. [`event`] and
+//! [`violation`] are the vocabulary every layer shares; [`telemetry`] is the bottom layer every
+//! component reports through; [`admin`] is the HTTP surface on top.
 
 pub mod admin;
 pub mod alert;
-pub mod checker;
-pub mod correlate;
+pub mod engine;
 pub mod event;
-pub mod pipeline;
-pub mod replay;
-pub mod violation;
-pub mod workload;
-
-pub use checker::{Checker, CheckerConfig, RuleSet};
-pub use event::{BootstrapRoom, Ids, Kind, LifecycleEvent, Source, Stage, UnixNanos};
-pub use violation::Violation;
-
 pub mod ingest;
 pub mod normalize;
+pub mod pipeline;
 pub mod run;
+pub mod telemetry;
+pub mod violation;
+
+pub use engine::check::{Checker, CheckerConfig, RuleSet};
+pub use event::{BootstrapRoom, Ids, Kind, LifecycleEvent, Source, Stage, UnixNanos};
+pub use violation::Violation;

@@ -9,13 +9,13 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 
-use revenant::checker::{Checker, CheckerConfig, RuleSet};
+use revenant::engine::check::{Checker, CheckerConfig, RuleSet};
 
 // The OTLP path allocates many small strings per span; glibc malloc showed as ~45% of the
 // receiver's profile, mimalloc is much cheaper for that pattern.
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
-use revenant::replay;
+use revenant::ingest::replay;
 
 #[derive(Parser)]
 #[command(
@@ -240,7 +240,7 @@ fn rules_list(path: Option<PathBuf>, yaml: bool) -> ExitCode {
     if yaml {
         #[derive(serde::Serialize)]
         struct Doc {
-            rules: Vec<revenant::checker::rules::RuleDef>,
+            rules: Vec<revenant::engine::rules::RuleDef>,
         }
         match serde_saphyr::to_string(&Doc {
             rules: rules.to_defs(),

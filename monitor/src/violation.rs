@@ -5,7 +5,7 @@ use std::fmt::Write as _;
 
 use serde::{Deserialize, Serialize};
 
-use crate::checker::rules::Severity;
+use crate::engine::rules::Severity;
 use crate::event::{Kind, Source, Stage};
 
 /// The aliases by which the request is known (any subset).

@@ -14,7 +14,7 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use proptest::prelude::*;
-use revenant::checker::{Checker, CheckerConfig, RuleSet};
+use revenant::engine::check::{Checker, CheckerConfig, RuleSet};
 use revenant::{Kind, LifecycleEvent, Source, Stage};
 
 const SKEW: Duration = Duration::from_millis(50);

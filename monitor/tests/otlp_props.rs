@@ -16,7 +16,7 @@ use revenant::ingest::otlp::{Ingest, OtlpStats, json};
 use revenant::normalize::{
     NormalizeConfig, Normalizer, ProfileLabel, Tally, Unmapped, sglang::TreeConfig,
 };
-use revenant::replay::ReplayRecord;
+use revenant::ingest::replay::ReplayRecord;
 
 fn kv(k: &str, v: Value) -> KeyValue {
     KeyValue {
@@ -196,7 +196,7 @@ proptest! {
             prop_assert!(e.ids.request_id.as_deref().is_none_or(|r| r.len() <= 128));
             // Every event serializes into the replay format and reads back.
             let line = serde_json::to_string(&ReplayRecord::from_event(e)).unwrap();
-            prop_assert!(revenant::replay::parse_line(&line).is_ok(), "{}", line);
+            prop_assert!(revenant::ingest::replay::parse_line(&line).is_ok(), "{}", line);
         }
     }
 

@@ -8,8 +8,9 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use revenant::checker::{Checker, CheckerConfig, RuleSet};
-use revenant::{LifecycleEvent, Violation, replay};
+use revenant::engine::check::{Checker, CheckerConfig, RuleSet};
+use revenant::ingest::replay;
+use revenant::{LifecycleEvent, Violation};
 
 fn scenario_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/scenarios")
@@ -60,10 +61,10 @@ fn key(v: &Violation) -> (String, Option<u64>, Option<String>) {
     let set = RuleSet::embedded_defaults();
     let scope = set.rules.iter().find(|r| r.name == v.rule).unwrap().scope;
     match scope {
-        revenant::checker::rules::Scope::Attempt => {
+        revenant::engine::rules::Scope::Attempt => {
             (v.rule.clone(), v.attempt.bootstrap_room, v.worker.clone())
         }
-        revenant::checker::rules::Scope::Request => {
+        revenant::engine::rules::Scope::Request => {
             (v.rule.clone(), None, v.request.request_id.clone())
         }
     }

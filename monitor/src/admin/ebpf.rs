@@ -11,12 +11,12 @@ use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::metrics::counter::ConstCounter;
 
-use super::metrics::{counter as counter_metric, gauge as gauge_metric};
+use crate::telemetry::metrics::{counter as counter_metric, gauge as gauge_metric};
 use crate::ingest::ebpf::EbpfStats;
 
 #[derive(Debug, Default)]
-pub(super) struct EbpfCollector {
-    pub(super) stats: Mutex<Option<Arc<EbpfStats>>>,
+pub(crate) struct EbpfCollector {
+    pub(crate) stats: Mutex<Option<Arc<EbpfStats>>>,
 }
 
 impl Collector for EbpfCollector {

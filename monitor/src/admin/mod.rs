@@ -3,19 +3,15 @@
 //! exposes them.
 
 pub mod config;
-mod ebpf;
-pub mod events;
-pub mod metrics;
-mod otlp;
-pub mod ready;
+pub(crate) mod ebpf;
+pub(crate) mod otlp;
 pub mod self_traces;
 pub mod server;
 pub mod timeline;
 pub mod violations;
 
 pub use config::{AdminArgs, LogArgs, LogFormat};
-pub use metrics::{DropPoint, Metrics};
-pub use ready::{ComponentKind, Readiness, ReadyHandle};
+pub use crate::telemetry::{ComponentKind, DropPoint, Metrics, Readiness, ReadyHandle};
 pub use server::{AdminError, AdminServer, AdminState};
 pub use timeline::{RecentEvents, RecentEventsLimits, Timeline, TimelineProvider};
 pub use violations::RecentViolations;

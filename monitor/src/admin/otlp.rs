@@ -15,8 +15,8 @@ use crate::ingest::otlp::{OtlpStats, RejectReason, Transport};
 use crate::normalize::{ProfileLabel, Unmapped};
 
 #[derive(Debug, Default)]
-pub(super) struct OtlpCollector {
-    pub(super) stats: Mutex<Option<Arc<OtlpStats>>>,
+pub(crate) struct OtlpCollector {
+    pub(crate) stats: Mutex<Option<Arc<OtlpStats>>>,
 }
 
 fn family(

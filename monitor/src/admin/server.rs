@@ -12,8 +12,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use serde::Deserialize;
 
-use super::metrics::Metrics;
-use super::ready::Readiness;
+use crate::telemetry::metrics::Metrics;
+use crate::telemetry::ready::Readiness;
 use super::timeline::TimelineProvider;
 use super::violations::RecentViolations;
 

@@ -14,12 +14,12 @@ use super::flood::{ActiveAlert, Admission, Corroboration, FloodConfig, FloodCont
 use super::notification::{LinkBase, Notification, now_unix_ns};
 use super::sink::{Backoff, Sink, SinkError};
 use super::spool::{Spool, SpoolError};
-use crate::admin::events::{
+use crate::telemetry::events::{
     AlertCorroborated, AlertDeduplicated, AlertDeliveryFailed, AlertHeld, AlertRateLimited,
     AlertReceived, AlertSpooled, AlertsDelivered, AlertsPending, FindingMerged, IncidentOpened,
     ItemsDropped, SpoolSize, SuppressionSummarised,
 };
-use crate::admin::metrics::{DropPoint, Metrics};
+use crate::telemetry::metrics::{DropPoint, Metrics};
 use crate::admin::{Readiness, RecentViolations};
 use crate::violation::Violation;
 
@@ -562,7 +562,7 @@ mod tests {
     use super::*;
     use crate::alert::notification::IncidentAlert;
     use crate::alert::spool::SpoolConfig;
-    use crate::checker::Severity;
+    use crate::engine::check::Severity;
     use crate::event::{Kind, Source, Stage};
     use crate::violation::{AttemptRef, Evidence, RequestRef, Role};
 

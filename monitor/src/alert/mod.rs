@@ -32,8 +32,8 @@ pub use sink::{Sink, SinkError};
 pub use spool::{Spool, SpoolConfig};
 pub use webhook::{WebhookConfig, WebhookSink};
 
-use crate::admin::events::ItemsDropped;
-use crate::admin::metrics::{DropPoint, Metrics};
+use crate::telemetry::events::ItemsDropped;
+use crate::telemetry::metrics::{DropPoint, Metrics};
 use crate::admin::{ComponentKind, Readiness, RecentViolations};
 use crate::violation::Violation;
 

@@ -2,3 +2,4 @@
 
 pub mod ebpf;
 pub mod otlp;
+pub mod replay;

@@ -215,7 +215,7 @@ pub fn run_live<T: Send + 'static>(
 /// Fails if `canary` shows in any event, violation (as alerts carry them) or log line.
 pub fn assert_canary_absent(canary: &str, obs: &Observed, logs: &LogCapture) {
     for e in &obs.events {
-        let json = serde_json::to_string(&revenant::replay::ReplayRecord::from_event(e))
+        let json = serde_json::to_string(&revenant::ingest::replay::ReplayRecord::from_event(e))
             .expect("event json");
         assert!(
             !json.contains(canary),

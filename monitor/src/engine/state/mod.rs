@@ -6,7 +6,7 @@
 
 use crate::event::{Kind, LifecycleEvent, Source, Stage};
 
-use super::matcher::{Matcher, any_matches};
+use crate::engine::matcher::{Matcher, any_matches};
 
 /// Which event of a role a slot remembers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -918,9 +918,9 @@ mod tests {
 
     #[test]
     fn spec_index_agrees_with_the_matchers() {
-        let set = crate::checker::RuleSet::embedded_defaults();
+        let set = crate::engine::check::RuleSet::embedded_defaults();
         let (mut a, mut r) = (SlotLayout::default(), SlotLayout::default());
-        crate::checker::rules::compile(&set, &mut a, &mut r);
+        crate::engine::rules::compile(&set, &mut a, &mut r);
         let index = SpecIndex::new(&a.specs);
         for stage in Stage::ALL {
             for kind in Kind::ALL {

@@ -19,8 +19,8 @@ use std::collections::HashMap;
 use foldhash::fast::FixedState;
 
 use super::{NONE, hasher};
-use crate::checker::slots::mapped::{self, MAPPED_MAX, Stop};
-use crate::checker::slots::{Keep, Slot, SlotLayout, Slots, fold_specs_full, packed};
+use crate::engine::state::mapped::{self, MAPPED_MAX, Stop};
+use crate::engine::state::{Keep, Slot, SlotLayout, Slots, fold_specs_full, packed};
 
 /// Where an owner's row is: a class and an index in it. Stored by the owner as its two fields
 /// (a `u8` and a `u32` fit an [`super::Attempt`]'s tail padding; this struct would not).

@@ -12,7 +12,7 @@ use std::hash::BuildHasher;
 
 use foldhash::fast::FixedState;
 
-use crate::checker::slots::{
+use crate::engine::state::{
     Cands, Keep, Slot, SlotLayout, Slots, fold_into, fold_specs_full, packed, sparse,
 };
 use crate::event::Ids;
@@ -596,8 +596,8 @@ mod alias {
         /// with full ones: collisions cost probes, never a wrong attribution.
         #[test]
         fn verdicts_do_not_depend_on_fingerprint_collisions() {
-            use crate::checker::{Checker, CheckerConfig, RuleSet};
-            use crate::workload::{Mix, stream};
+            use crate::engine::check::{Checker, CheckerConfig, RuleSet};
+            use crate::engine::workload::{Mix, stream};
             let mix = Mix {
                 attempts: 3_000,
                 reject_every: 10,
@@ -1816,7 +1816,7 @@ impl Store {
         tomb_rule_mask: u64,
     ) -> Store {
         assert!(
-            tomb_rule_mask.count_ones() as usize <= crate::checker::rules::MAX_TOMBSTONE_RULES,
+            tomb_rule_mask.count_ones() as usize <= crate::engine::rules::MAX_TOMBSTONE_RULES,
             "tombstones keep at most 32 rules' fired bits"
         );
         // Alias values hold 30-bit indices; the tombstone window must stay far below that.

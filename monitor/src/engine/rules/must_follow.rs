@@ -7,8 +7,8 @@
 use serde::{Deserialize, Serialize};
 
 use super::{HumanDuration, RuleSlots};
-use crate::checker::matcher::Matcher;
-use crate::checker::slots::{Keep, Slot, SlotLayout};
+use crate::engine::matcher::Matcher;
+use crate::engine::state::{Keep, Slot, SlotLayout};
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

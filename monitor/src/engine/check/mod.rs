@@ -5,9 +5,6 @@
 //! tests, benchmarks). Event time decides "later"; a watermark (latest event time minus the
 //! allowed lateness, or the driver's clock minus it) decides when a deadline has passed.
 
-pub mod matcher;
-pub mod rules;
-pub mod slots;
 pub mod timers;
 
 use std::collections::{HashMap, HashSet};
@@ -15,18 +12,18 @@ use std::time::Duration;
 
 use foldhash::fast::FixedState;
 
-use crate::correlate::Owner;
-use crate::correlate::{AttemptRef, CorrelateStats, Limits, Resolved, Store};
+use crate::engine::identity::Owner;
+use crate::engine::identity::{AttemptRef, CorrelateStats, Limits, Resolved, Store};
 use crate::event::{Kind, LifecycleEvent, Source, Stage};
 use crate::violation::{self, AttemptRef as AttemptAliases, Evidence, RequestRef, Role, Violation};
-use rules::predicate::{Breach, Capacity, Known};
-use rules::{CompiledRule, Scope, Shape};
-use slots::{
+use crate::engine::rules::predicate::{Breach, Capacity, Known};
+use crate::engine::rules::{self, CompiledRule, Scope, Shape};
+use crate::engine::state::{
     Cands, Keep, NODE_LOCAL, NodeId, Slot, SlotEvent, SlotLayout, SlotRead, SlotSpec, SpecIndex,
     fold_into,
 };
 
-pub use rules::{RuleSet, RulesError, Severity};
+pub use crate::engine::rules::{RuleSet, RulesError, Severity};
 
 /// Engine settings. Defaults suit offline checking; `revenant run` raises `allowed_lateness`
 /// because OTLP exporters batch spans for seconds.

@@ -27,19 +27,19 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use serde::Deserialize;
 use tokio::sync::{mpsc, watch};
 
-use crate::admin::events::{AbsoluteDrops, EventObserved};
+use crate::telemetry::events::{AbsoluteDrops, EventObserved};
 use crate::admin::{
     AdminArgs, AdminServer, AdminState, ComponentKind, DropPoint, LogArgs, Metrics, Readiness,
     ReadyHandle, RecentEvents, RecentEventsLimits, RecentViolations,
 };
 use crate::alert::{AlertArgs, AlertConfig, AlertPipeline, JsonlConfig};
-use crate::checker::{Checker, CheckerConfig, RuleSet};
+use crate::engine::check::{Checker, CheckerConfig, RuleSet};
 use crate::event::Source;
 use crate::ingest::ebpf::{EbpfArgs, EbpfStart, EbpfStats};
 use crate::ingest::otlp::{self, Ingest, OtlpConfig, OtlpStats};
 use crate::normalize::{NormalizeConfig, Normalizer};
 use crate::pipeline::EventBatch;
-use crate::replay::ReplayRecord;
+use crate::ingest::replay::ReplayRecord;
 
 #[derive(Debug, clap::Args)]
 pub struct RunArgs {
@@ -162,9 +162,9 @@ pub enum RunConfigError {
     #[error("normalize: {0}")]
     Normalize(#[from] crate::normalize::ConfigError),
     #[error("rules: {0}")]
-    Rules(#[from] crate::checker::RulesError),
+    Rules(#[from] crate::engine::check::RulesError),
     #[error("checker: {0}")]
-    Checker(#[from] crate::checker::ConfigError),
+    Checker(#[from] crate::engine::check::ConfigError),
     #[error("channel_capacity must be > 0")]
     Capacity,
     #[error("alerting: {0}")]

@@ -9,7 +9,7 @@ use super::metrics::{
     DeliveryLabels, DropLabels, DropPoint, Metrics, Outcome, RuleLabel, RuleLabels, SinkLabel,
     SourceLabels, event_labels,
 };
-use crate::checker::Severity;
+use crate::engine::check::Severity;
 use crate::event::LifecycleEvent;
 
 /// A source handed an event to the checker. Hot path: trace-level log only.

@@ -7,8 +7,8 @@
 use serde::{Deserialize, Serialize};
 
 use super::RuleSlots;
-use crate::checker::matcher::Matcher;
-use crate::checker::slots::{Keep, SlotLayout};
+use crate::engine::matcher::Matcher;
+use crate::engine::state::{Keep, SlotLayout};
 use crate::event::{Kind, LifecycleEvent, Stage};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -415,13 +415,13 @@ mod tests {
     /// pool is smaller than its context.
     #[test]
     fn default_context_rule_allows_the_reserved_output_token() {
-        let rules = crate::checker::RuleSet::embedded_defaults();
+        let rules = crate::engine::check::RuleSet::embedded_defaults();
         let rule = rules
             .rules
             .iter()
             .find(|r| r.name == "context-exceeds-capacity")
             .expect("default rule");
-        let crate::checker::rules::Shape::Predicate(p) = &rule.shape else {
+        let crate::engine::rules::Shape::Predicate(p) = &rule.shape else {
             panic!("context-exceeds-capacity is a predicate");
         };
         let report = |ctx, max_in, total| {

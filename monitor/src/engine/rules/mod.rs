@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use super::slots::SlotLayout;
+use crate::engine::state::SlotLayout;
 use crate::event::Stage;
 
 pub use must_follow::MustFollow;
@@ -555,7 +555,7 @@ mod tests {
         let mut set = RuleSet::embedded_defaults();
         set.apply_yaml(&rules(MAX_TOMBSTONE_RULES - 2), "ok.yaml")
             .unwrap();
-        let _ = crate::checker::Checker::new(set, crate::checker::CheckerConfig::default());
+        let _ = crate::engine::check::Checker::new(set, crate::engine::check::CheckerConfig::default());
         let mut set = RuleSet::embedded_defaults();
         let err = set
             .apply_yaml(&rules(MAX_TOMBSTONE_RULES - 1), "u.yaml")

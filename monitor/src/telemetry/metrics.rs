@@ -14,7 +14,7 @@ use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
-use crate::checker::{Checker, CheckerStats, Severity};
+use crate::engine::check::{Checker, CheckerStats, Severity};
 use crate::event::{Kind, Source, Stage};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -179,8 +179,8 @@ pub struct Metrics {
     pub component_ready: Family<ComponentLabels, Gauge>,
     pub ready: Gauge,
     checker: Arc<CheckerCollector>,
-    otlp: Arc<super::otlp::OtlpCollector>,
-    ebpf: Arc<super::ebpf::EbpfCollector>,
+    otlp: Arc<crate::admin::otlp::OtlpCollector>,
+    ebpf: Arc<crate::admin::ebpf::EbpfCollector>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -334,9 +334,9 @@ impl Metrics {
         r.register("revenant_build_info", "Build information", build);
         let checker = Arc::new(CheckerCollector::default());
         r.register_collector(Box::new(checker.clone()));
-        let otlp = Arc::new(super::otlp::OtlpCollector::default());
+        let otlp = Arc::new(crate::admin::otlp::OtlpCollector::default());
         r.register_collector(Box::new(otlp.clone()));
-        let ebpf = Arc::new(super::ebpf::EbpfCollector::default());
+        let ebpf = Arc::new(crate::admin::ebpf::EbpfCollector::default());
         r.register_collector(Box::new(ebpf.clone()));
         // Drop counters exist from the start at 0, so that `increase()` sees the first drop.
         for p in DropPoint::ALL {
@@ -466,7 +466,7 @@ struct CheckerCollector {
     last: Mutex<Option<CheckerSnapshot>>,
 }
 
-pub(super) fn counter(
+pub(crate) fn counter(
     enc: &mut DescriptorEncoder,
     name: &str,
     help: &str,
@@ -477,7 +477,7 @@ pub(super) fn counter(
     c.encode(m)
 }
 
-pub(super) fn gauge(
+pub(crate) fn gauge(
     enc: &mut DescriptorEncoder,
     name: &str,
     help: &str,
