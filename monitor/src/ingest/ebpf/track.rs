@@ -5,15 +5,19 @@
 //! number of connections (least recently used evicted, counted), a fixed number of in-flight
 //! requests per connection, and bounded body windows.
 //!
-//! Lifecycle mapping (issue 4):
+//! Lifecycle mapping:
 //! - router → worker `/generate` (or OpenAI endpoints): router `dispatched` (to = the worker's
 //!   stage); worker inbound: `received`;
 //! - worker response status >= 400: `rejected` with status and a truncated reason; 2xx end:
 //!   `completed`; decode response bytes: decode `work`;
-//! - decode → prefill bootstrap server `GET /route`: transfer `work`;
-//! - ZMTP `[BOOTSTRAP, room, ..]`: transfer `work` for the room, `[ABORT, room]`: transfer
-//!   `cancelled`;
-//! - a connection closed with a request not yet answered: `cancelled` at the worker's stage;
+//! - decode → prefill bootstrap server `GET /route`: transfer `received` (the handshake);
+//! - ZMTP `[BOOTSTRAP, room, ..]`: transfer `received`; the first `KV` chunk of a room: transfer
+//!   `work` (KV is moving); `KV_DONE`: transfer `completed`; `[ABORT, room]`: transfer
+//!   `cancelled`. The sender of a control message reports it; the receiver only when the
+//!   sender's role is not watched on this node;
+//! - a connection closed with a request not yet answered: `router cancelled` (to = the leg's
+//!   stage) when the router is the closing side watched here, else `cancelled` at the worker's
+//!   stage;
 //! - a `/server_info` (or `/get_server_info`) answer naming `disaggregation_mode` gives the
 //!   server a role when discovery left it unknown (see [`Tracker::take_learned`]).
 //!
