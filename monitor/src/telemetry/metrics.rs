@@ -138,8 +138,8 @@ impl DropReason {
     }
 }
 
-/// Label strings name a reason for callers that still pass one: an unknown label counts as
-/// `full` (and fails debug builds).
+/// For callers that name a reason by its label (`"full"`): an unknown label counts as `full`
+/// (and fails debug builds).
 impl From<&'static str> for DropReason {
     fn from(label: &'static str) -> DropReason {
         let r = DropReason::from_label(label);

@@ -110,6 +110,9 @@ impl Collector for EbpfCollector {
     }
 }
 
+/// One kind of loss: where it is counted, why, and how to read its running total.
+type Loss = (DropPoint, DropReason, fn(&EbpfStats) -> u64);
+
 /// Turns the eBPF source's absolute loss counters into the shared drop metric, once a second, so
 /// that `revenant_dropped_items_total` (and the "blind" alert on it) covers the kernel side too,
 /// and marks the source degraded in the readiness report while capture loses data. Returns once
@@ -120,7 +123,7 @@ pub async fn publish_drops(
     readiness: Readiness,
     mut stop: watch::Receiver<bool>,
 ) {
-    let losses: [(DropPoint, DropReason, fn(&EbpfStats) -> u64); 6] = [
+    let losses: [Loss; 6] = [
         (DropPoint::KernelRingbuf, DropReason::Full, |s| {
             s.kernel(counter::RINGBUF_DROPS)
         }),
