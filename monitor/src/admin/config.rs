@@ -1,10 +1,8 @@
-//! Admin server and logging flags (`#[command(flatten)]` them into `revenant run`).
+//! Admin server flags (`#[command(flatten)]` them into `revenant run`).
 
 use std::net::SocketAddr;
 
-use clap::{Args, ValueEnum};
-
-use super::self_traces::{self, SelfTraces};
+use clap::Args;
 
 #[derive(Debug, Clone, Args)]
 pub struct AdminArgs {
@@ -55,68 +53,6 @@ impl AdminArgs {
     }
 }
 
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, ValueEnum)]
-pub enum LogFormat {
-    #[default]
-    Human,
-    Json,
-}
-
-#[derive(Debug, Clone, Args)]
-pub struct LogArgs {
-    /// Log format on standard error.
-    #[arg(long, value_enum, default_value_t = LogFormat::Human)]
-    pub log_format: LogFormat,
-    /// Log filter (tracing EnvFilter syntax); `REVENANT_LOG` (or `RUST_LOG`) overrides it.
-    #[arg(long, default_value = "info", value_name = "FILTER")]
-    pub log_level: String,
-    /// Export revenant's own spans (checker batches, alert deliveries) to this OTLP/gRPC
-    /// endpoint, e.g. http://127.0.0.1:4317 of a collector. Off by default.
-    #[arg(long, value_name = "URL")]
-    pub self_traces_otlp: Option<String>,
-    /// Share of revenant's own traces exported (head sampling, 0..=1).
-    #[arg(long, default_value_t = 0.1, value_name = "RATIO")]
-    pub self_traces_sample_ratio: f64,
-}
-
-impl LogArgs {
-    /// Installs the global subscriber (once per process; a second call is an error). Returns
-    /// the self-traces exporter to shut down (flush) at exit, when one is configured.
-    pub fn init(&self) -> Result<Option<SelfTraces>, String> {
-        use std::io::IsTerminal;
-        use tracing_subscriber::layer::SubscriberExt as _;
-        use tracing_subscriber::util::SubscriberInitExt as _;
-        use tracing_subscriber::{EnvFilter, Layer, Registry};
-        type Base = tracing_subscriber::layer::Layered<EnvFilter, Registry>;
-
-        let filter = EnvFilter::try_from_env("REVENANT_LOG")
-            .or_else(|_| EnvFilter::try_from_default_env())
-            .or_else(|_| EnvFilter::try_new(&self.log_level))
-            .map_err(|e| format!("invalid --log-level {:?}: {e}", self.log_level))?;
-        let fmt = tracing_subscriber::fmt::layer()
-            .with_writer(std::io::stderr)
-            // Colour codes only for a person at a terminal, not in files or journald.
-            .with_ansi(std::io::stderr().is_terminal());
-        let mut layers: Vec<Box<dyn Layer<Base> + Send + Sync>> = vec![match self.log_format {
-            LogFormat::Human => fmt.boxed(),
-            LogFormat::Json => fmt.json().boxed(),
-        }];
-        let mut guard = None;
-        if let Some(url) = &self.self_traces_otlp {
-            let (layer, g) = self_traces::layer::<Base>(url, self.self_traces_sample_ratio)
-                .map_err(|e| e.to_string())?;
-            layers.push(layer.boxed());
-            guard = Some(g);
-        }
-        Registry::default()
-            .with(filter)
-            .with(layers)
-            .try_init()
-            .map_err(|e| e.to_string())?;
-        Ok(guard)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use clap::{CommandFactory, Parser};
@@ -127,7 +63,7 @@ mod tests {
         #[command(flatten)]
         admin: super::AdminArgs,
         #[command(flatten)]
-        log: super::LogArgs,
+        log: crate::telemetry::logging::LogArgs,
         #[command(flatten)]
         alert: crate::alert::AlertArgs,
     }
@@ -155,7 +91,7 @@ mod tests {
         .unwrap();
         assert_eq!(p.alert.webhooks.len(), 2);
         assert_eq!(p.admin.admin.port(), 0);
-        assert_eq!(p.log.log_format, super::LogFormat::Json);
+        assert_eq!(p.log.log_format, crate::telemetry::logging::LogFormat::Json);
         assert!(Probe::try_parse_from(["x", "--admin", "nonsense"]).is_err());
     }
 }

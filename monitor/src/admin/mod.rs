@@ -1,17 +1,15 @@
-//! revenant's own telemetry and HTTP surface: the metric registry and internal events, the
-//! readiness latch, recent violations and the request timeline index, and the axum server that
-//! exposes them.
+//! revenant's HTTP surface (axum): `/metrics` from the shared registry, `/healthz`, `/readyz`
+//! from the readiness latch, `/api/violations` and the `/api/requests/{id}` timeline.
 
 pub mod config;
-pub(crate) mod ebpf;
-pub(crate) mod otlp;
-pub mod self_traces;
 pub mod server;
 pub mod timeline;
 pub mod violations;
 
-pub use config::{AdminArgs, LogArgs, LogFormat};
-pub use crate::telemetry::{ComponentKind, DropPoint, Metrics, Readiness, ReadyHandle};
+pub use config::AdminArgs;
 pub use server::{AdminError, AdminServer, AdminState};
 pub use timeline::{RecentEvents, RecentEventsLimits, Timeline, TimelineProvider};
 pub use violations::RecentViolations;
+
+pub use crate::telemetry::logging::{LogArgs, LogFormat};
+pub use crate::telemetry::{ComponentKind, DropPoint, Metrics, Readiness, ReadyHandle};

@@ -6,16 +6,15 @@ use std::sync::Arc;
 
 use axum::Json;
 use axum::Router;
-use axum::extract::{Path, Query, State};
+use axum::extract::{Path, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
-use serde::Deserialize;
 
+use super::timeline::TimelineProvider;
+use super::violations::{self, RecentViolations};
 use crate::telemetry::metrics::Metrics;
 use crate::telemetry::ready::Readiness;
-use super::timeline::TimelineProvider;
-use super::violations::RecentViolations;
 
 #[derive(Debug, thiserror::Error)]
 pub enum AdminError {
@@ -42,7 +41,7 @@ pub fn router(state: AdminState) -> Router {
         .route("/metrics", get(metrics))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
-        .route("/api/violations", get(violations))
+        .route("/api/violations", get(violations::violations))
         .route("/api/requests/{id}", get(request_timeline))
         .with_state(state)
 }
@@ -100,21 +99,6 @@ async fn readyz(State(s): State<AdminState>) -> Response {
         StatusCode::SERVICE_UNAVAILABLE
     };
     (code, Json(rep)).into_response()
-}
-
-#[derive(Debug, Deserialize)]
-struct ViolationQuery {
-    limit: Option<usize>,
-    rule: Option<String>,
-    fingerprint: Option<String>,
-}
-
-async fn violations(State(s): State<AdminState>, Query(q): Query<ViolationQuery>) -> Response {
-    let limit = q.limit.unwrap_or(100).min(10_000);
-    let (items, total) = s
-        .violations
-        .list(limit, q.rule.as_deref(), q.fingerprint.as_deref());
-    Json(serde_json::json!({ "total_seen": total, "violations": items })).into_response()
 }
 
 async fn request_timeline(State(s): State<AdminState>, Path(id): Path<String>) -> Response {

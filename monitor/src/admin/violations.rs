@@ -1,62 +1,29 @@
-//! `/api/violations`: a bounded ring of the most recent violations (newest first on read).
+//! `/api/violations`: the most recent violations (newest first), optionally of one rule or one
+//! fingerprint, read from the dispatcher's [`RecentViolations`] ring.
 
-use std::collections::VecDeque;
-use std::sync::Mutex;
+use axum::Json;
+use axum::extract::{Query, State};
+use axum::response::{IntoResponse, Response};
+use serde::Deserialize;
 
-use serde::Serialize;
+use super::server::AdminState;
 
-use crate::violation::Violation;
+pub use crate::telemetry::recent::{RecentViolation, RecentViolations};
 
-#[derive(Debug, Clone, Serialize)]
-pub struct RecentViolation {
-    /// Wall clock (unix ns) when the dispatcher received it.
-    pub received_at_ns: u64,
-    #[serde(flatten)]
-    pub violation: Violation,
+#[derive(Debug, Deserialize)]
+pub(super) struct ViolationQuery {
+    limit: Option<usize>,
+    rule: Option<String>,
+    fingerprint: Option<String>,
 }
 
-#[derive(Debug)]
-pub struct RecentViolations {
-    cap: usize,
-    inner: Mutex<(VecDeque<RecentViolation>, u64)>,
-}
-
-impl RecentViolations {
-    pub fn new(cap: usize) -> RecentViolations {
-        RecentViolations {
-            cap: cap.max(1),
-            inner: Mutex::new((VecDeque::new(), 0)),
-        }
-    }
-
-    pub fn push(&self, v: &Violation, received_at_ns: u64) {
-        let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
-        g.0.push_back(RecentViolation {
-            received_at_ns,
-            violation: v.clone(),
-        });
-        g.1 += 1;
-        while g.0.len() > self.cap {
-            g.0.pop_front();
-        }
-    }
-
-    /// Newest first; optionally only one rule or one fingerprint. Returns (items, total seen).
-    pub fn list(
-        &self,
-        limit: usize,
-        rule: Option<&str>,
-        fingerprint: Option<&str>,
-    ) -> (Vec<RecentViolation>, u64) {
-        let g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
-        let items =
-            g.0.iter()
-                .rev()
-                .filter(|r| rule.is_none_or(|x| r.violation.rule == x))
-                .filter(|r| fingerprint.is_none_or(|x| r.violation.fingerprint == x))
-                .take(limit)
-                .cloned()
-                .collect();
-        (items, g.1)
-    }
+pub(super) async fn violations(
+    State(s): State<AdminState>,
+    Query(q): Query<ViolationQuery>,
+) -> Response {
+    let limit = q.limit.unwrap_or(100).min(10_000);
+    let (items, total) = s
+        .violations
+        .list(limit, q.rule.as_deref(), q.fingerprint.as_deref());
+    Json(serde_json::json!({ "total_seen": total, "violations": items })).into_response()
 }

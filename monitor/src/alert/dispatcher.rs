@@ -19,8 +19,8 @@ use crate::telemetry::events::{
     AlertReceived, AlertSpooled, AlertsDelivered, AlertsPending, FindingMerged, IncidentOpened,
     ItemsDropped, SpoolSize, SuppressionSummarised,
 };
-use crate::telemetry::metrics::{DropPoint, Metrics};
-use crate::admin::{Readiness, RecentViolations};
+use crate::telemetry::metrics::{DropPoint, DropReason, Metrics};
+use crate::telemetry::{Readiness, RecentViolations};
 use crate::violation::Violation;
 
 #[derive(Debug, Clone)]
@@ -222,7 +222,7 @@ impl Dispatcher {
                     let hold = self.may_hold();
                     for v in batch {
                         report.received += 1;
-                        AlertReceived { rule: &v.rule, severity: v.severity }.emit(&self.metrics);
+                        AlertReceived { rule: &v.rule, severity: v.severity.as_str() }.emit(&self.metrics);
                         if let Some(r) = &self.recent {
                             r.push(&v, now);
                         }
@@ -380,8 +380,8 @@ impl Dispatcher {
                 Err(e) => {
                     report.spool_dropped += 1;
                     let reason = match e {
-                        SpoolError::Full { .. } => "full",
-                        _ => "write_error",
+                        SpoolError::Full { .. } => DropReason::Full,
+                        _ => DropReason::WriteError,
                     };
                     tracing::error!(error = %e, rule, "cannot spool alert; dropped");
                     ItemsDropped {

@@ -33,8 +33,8 @@ pub use spool::{Spool, SpoolConfig};
 pub use webhook::{WebhookConfig, WebhookSink};
 
 use crate::telemetry::events::ItemsDropped;
-use crate::telemetry::metrics::{DropPoint, Metrics};
-use crate::admin::{ComponentKind, Readiness, RecentViolations};
+use crate::telemetry::metrics::{DropPoint, DropReason, Metrics};
+use crate::telemetry::{ComponentKind, Readiness, RecentViolations};
 use crate::violation::Violation;
 
 /// The whole alerting configuration (YAML via `--alert-config`, or built from flags).
@@ -339,7 +339,7 @@ impl AlertPipeline {
         if rec.corrupt > 0 {
             ItemsDropped {
                 point: DropPoint::Spool,
-                reason: "corrupt",
+                reason: DropReason::Corrupt,
                 count: rec.corrupt as u64,
             }
             .emit(&metrics);
@@ -347,7 +347,7 @@ impl AlertPipeline {
         if rec.orphaned_acks > 0 {
             ItemsDropped {
                 point: DropPoint::Spool,
-                reason: "sink_removed",
+                reason: DropReason::SinkRemoved,
                 count: rec.orphaned_acks as u64,
             }
             .emit(&metrics);
@@ -397,7 +397,7 @@ pub fn offer(tx: &mpsc::Sender<Violation>, v: Violation, metrics: &Metrics) -> b
         Err(mpsc::error::TrySendError::Full(_)) => {
             ItemsDropped {
                 point: DropPoint::ViolationChannel,
-                reason: "full",
+                reason: DropReason::Full,
                 count: 1,
             }
             .emit(metrics);
@@ -406,7 +406,7 @@ pub fn offer(tx: &mpsc::Sender<Violation>, v: Violation, metrics: &Metrics) -> b
         Err(mpsc::error::TrySendError::Closed(_)) => {
             ItemsDropped {
                 point: DropPoint::ViolationChannel,
-                reason: "closed",
+                reason: DropReason::Closed,
                 count: 1,
             }
             .emit(metrics);

@@ -6,10 +6,9 @@ use std::time::Duration;
 use tracing::{debug, error, info, trace, warn};
 
 use super::metrics::{
-    DeliveryLabels, DropLabels, DropPoint, Metrics, Outcome, RuleLabel, RuleLabels, SinkLabel,
-    SourceLabels, event_labels,
+    DeliveryLabels, DropLabels, DropPoint, DropReason, Metrics, Outcome, RuleLabel, RuleLabels,
+    SinkLabel, SourceLabels, event_labels,
 };
-use crate::engine::check::Severity;
 use crate::event::LifecycleEvent;
 
 /// A source handed an event to the checker. Hot path: trace-level log only.
@@ -46,8 +45,7 @@ impl EventObserved<'_> {
 /// Something was dropped. Every drop in revenant goes through here.
 pub struct ItemsDropped {
     pub point: DropPoint,
-    /// A short fixed string (`full`, `corrupt`, `sink_removed`, `permanent_error`).
-    pub reason: &'static str,
+    pub reason: DropReason,
     pub count: u64,
 }
 
@@ -55,14 +53,14 @@ impl ItemsDropped {
     pub fn emit(&self, m: &Metrics) {
         warn!(
             point = self.point.as_str(),
-            reason = self.reason,
+            reason = self.reason.as_str(),
             count = self.count,
             "items dropped"
         );
         m.dropped
             .get_or_create(&DropLabels {
                 point: self.point.as_str(),
-                reason: self.reason,
+                reason: self.reason.as_str(),
             })
             .inc_by(self.count);
     }
@@ -76,7 +74,14 @@ pub struct AbsoluteDrops {
 }
 
 impl AbsoluteDrops {
-    pub fn observe_total(&self, m: &Metrics, point: DropPoint, reason: &'static str, total: u64) {
+    pub fn observe_total(
+        &self,
+        m: &Metrics,
+        point: DropPoint,
+        reason: impl Into<DropReason>,
+        total: u64,
+    ) {
+        let reason = reason.into();
         let prev = self.last.swap(total, std::sync::atomic::Ordering::Relaxed);
         if total > prev {
             ItemsDropped {
@@ -91,20 +96,21 @@ impl AbsoluteDrops {
 
 pub struct AlertReceived<'a> {
     pub rule: &'a str,
-    pub severity: Severity,
+    /// `Severity::as_str()`.
+    pub severity: &'static str,
 }
 
 impl AlertReceived<'_> {
     pub fn emit(&self, m: &Metrics) {
         debug!(
             rule = self.rule,
-            severity = self.severity.as_str(),
+            severity = self.severity,
             "violation received"
         );
         m.alerts_received
             .get_or_create(&RuleLabels {
                 rule: self.rule.to_string(),
-                severity: self.severity.as_str(),
+                severity: self.severity,
             })
             .inc();
     }
@@ -372,7 +378,7 @@ impl AlertDeliveryFailed<'_> {
             );
             ItemsDropped {
                 point: DropPoint::Sink,
-                reason: "permanent_error",
+                reason: DropReason::PermanentError,
                 count: self.count as u64,
             }
             .emit(m);

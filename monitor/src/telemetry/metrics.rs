@@ -1,20 +1,28 @@
 //! The metric registry every component shares (`Arc<Metrics>`), rendered at `/metrics`.
 //!
+//! The families every component bumps through [`super::events`] are fields here. A component
+//! with counters of its own adds them in one of two ways, both ending in the registry's
+//! collectors: live atomics through [`Metrics::register_collector`], or a [`Snapshot`] of plain
+//! counters through [`Metrics::publish`] (rendered from its last publication).
+//!
 //! Names follow `revenant_<noun>_<unit>_total` (prometheus-client appends `_total` to counters).
 //! Every label value comes from a small closed set (stage, kind, source, drop point, sink name from
 //! the config, rule name from the rule set): never a request id, trace id or room.
 
-use std::sync::{Arc, Mutex};
+use std::any::{Any, TypeId};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use prometheus_client::collector::Collector;
-use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::encoding::{
+    DescriptorEncoder, EncodeGaugeValue, EncodeLabelSet, EncodeMetric,
+};
 use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
-use crate::engine::check::{Checker, CheckerStats, Severity};
 use crate::event::{Kind, Source, Stage};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -67,6 +75,76 @@ impl DropPoint {
             DropPoint::Sink => "sink",
             DropPoint::EbpfTracker => "ebpf_tracker",
         }
+    }
+}
+
+/// Why something was dropped: the `reason` label of `revenant_dropped_items_total`.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub enum DropReason {
+    /// A bounded buffer (ring buffer, channel, spool) had no room.
+    Full,
+    /// The violation channel was closed (shutting down).
+    Closed,
+    /// A spool entry could not be read back.
+    Corrupt,
+    /// A spooled notification's sink is no longer configured.
+    SinkRemoved,
+    /// The spool could not write the notification.
+    WriteError,
+    /// A sink refused an alert for good.
+    PermanentError,
+    /// The kernel's in-flight syscall table was full.
+    SyscallTableFull,
+    /// The kernel's socket table was full.
+    SocketTableFull,
+    /// A ring-buffer record could not be decoded.
+    Undecodable,
+    /// A tracked connection was evicted from the bounded connection table.
+    ConnectionEvicted,
+}
+
+impl DropReason {
+    pub const ALL: [DropReason; 10] = [
+        DropReason::Full,
+        DropReason::Closed,
+        DropReason::Corrupt,
+        DropReason::SinkRemoved,
+        DropReason::WriteError,
+        DropReason::PermanentError,
+        DropReason::SyscallTableFull,
+        DropReason::SocketTableFull,
+        DropReason::Undecodable,
+        DropReason::ConnectionEvicted,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DropReason::Full => "full",
+            DropReason::Closed => "closed",
+            DropReason::Corrupt => "corrupt",
+            DropReason::SinkRemoved => "sink_removed",
+            DropReason::WriteError => "write_error",
+            DropReason::PermanentError => "permanent_error",
+            DropReason::SyscallTableFull => "syscall_table_full",
+            DropReason::SocketTableFull => "socket_table_full",
+            DropReason::Undecodable => "undecodable",
+            DropReason::ConnectionEvicted => "connection_evicted",
+        }
+    }
+
+    /// The reason whose label is `label`, if any.
+    pub fn from_label(label: &str) -> Option<DropReason> {
+        DropReason::ALL.into_iter().find(|r| r.as_str() == label)
+    }
+}
+
+/// For callers that name a reason by its label (`"full"`): an unknown label counts as `full`
+/// (and fails debug builds).
+impl From<&'static str> for DropReason {
+    fn from(label: &'static str) -> DropReason {
+        let r = DropReason::from_label(label);
+        debug_assert!(r.is_some(), "unknown drop reason {label:?}");
+        r.unwrap_or(DropReason::Full)
     }
 }
 
@@ -153,10 +231,33 @@ fn lag_histogram() -> Histogram {
     Histogram::new(exponential_buckets(0.001, 2.0, 19))
 }
 
+/// A component's counters as they stood at its last publication, rendered at every scrape until
+/// the next one (see [`Metrics::publish`]). For components that keep plain `u64`s rather than
+/// atomics (the sans-IO checker), so they are exported as const metrics, not re-counted.
+pub trait Snapshot: std::fmt::Debug + Send + Sync + 'static {
+    fn encode(&self, enc: DescriptorEncoder) -> std::fmt::Result;
+}
+
+/// The registered collector of one [`Snapshot`] type.
+#[derive(Debug)]
+struct Latest<S>(Mutex<S>);
+
+impl<S: Snapshot> Collector for Latest<S> {
+    fn encode(&self, enc: DescriptorEncoder) -> std::fmt::Result {
+        lock(&self.0).encode(enc)
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 /// All of revenant's own metrics. Components take an `Arc<Metrics>` and bump them through the
 /// internal events in [`super::events`]; only the admin server reads the registry.
 pub struct Metrics {
-    registry: Registry,
+    registry: Mutex<Registry>,
+    /// One [`Latest`] per published [`Snapshot`] type, keyed by that type.
+    published: Mutex<HashMap<TypeId, Arc<dyn Any + Send + Sync>>>,
     pub events: Family<EventLabels, Counter>,
     pub event_lag: Family<SourceLabels, Histogram, fn() -> Histogram>,
     pub source_last_event: Family<SourceLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
@@ -178,9 +279,6 @@ pub struct Metrics {
     pub spool_bytes: Gauge,
     pub component_ready: Family<ComponentLabels, Gauge>,
     pub ready: Gauge,
-    checker: Arc<CheckerCollector>,
-    otlp: Arc<crate::admin::otlp::OtlpCollector>,
-    ebpf: Arc<crate::admin::ebpf::EbpfCollector>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -332,21 +430,16 @@ impl Metrics {
             })
             .set(1);
         r.register("revenant_build_info", "Build information", build);
-        let checker = Arc::new(CheckerCollector::default());
-        r.register_collector(Box::new(checker.clone()));
-        let otlp = Arc::new(crate::admin::otlp::OtlpCollector::default());
-        r.register_collector(Box::new(otlp.clone()));
-        let ebpf = Arc::new(crate::admin::ebpf::EbpfCollector::default());
-        r.register_collector(Box::new(ebpf.clone()));
         // Drop counters exist from the start at 0, so that `increase()` sees the first drop.
         for p in DropPoint::ALL {
             let _ = dropped.get_or_create(&DropLabels {
                 point: p.as_str(),
-                reason: default_reason(p),
+                reason: default_reason(p).as_str(),
             });
         }
         Metrics {
-            registry: r,
+            registry: Mutex::new(r),
+            published: Mutex::default(),
             events,
             event_lag,
             source_last_event,
@@ -368,9 +461,6 @@ impl Metrics {
             spool_bytes,
             component_ready,
             ready,
-            checker,
-            otlp,
-            ebpf,
         }
     }
 
@@ -378,8 +468,34 @@ impl Metrics {
     pub fn render(&self) -> String {
         let mut out = String::with_capacity(16 * 1024);
         // Writing into a String cannot fail.
-        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        let _ = prometheus_client::encoding::text::encode(&mut out, &lock(&self.registry));
         out
+    }
+
+    /// Renders `collector` at every scrape from now on, after the families and the collectors
+    /// registered before it.
+    pub fn register_collector(&self, collector: impl Collector) {
+        lock(&self.registry).register_collector(Box::new(collector));
+    }
+
+    /// Replaces the last published snapshot of this type; the first publication registers its
+    /// collector. Nothing of the type is rendered before it.
+    pub fn publish<S: Snapshot>(&self, snap: S) {
+        let slot = {
+            let mut published = lock(&self.published);
+            match published.get(&TypeId::of::<S>()) {
+                Some(slot) => slot.clone(),
+                None => {
+                    let slot = Arc::new(Latest(Mutex::new(snap)));
+                    published.insert(TypeId::of::<S>(), slot.clone());
+                    self.register_collector(slot);
+                    return;
+                }
+            }
+        };
+        if let Ok(slot) = slot.downcast::<Latest<S>>() {
+            *lock(&slot.0) = snap;
+        }
     }
 
     /// Sinks and sources known at start get their series at 0 so dashboards show them before
@@ -405,94 +521,47 @@ impl Metrics {
             source: source.as_str(),
         });
     }
-
-    /// Publishes the checker's own counters and state size; the run loop calls this on each tick
-    /// (or at least once per scrape interval). Rendering reads the last snapshot.
-    pub fn publish_checker(&self, checker: &Checker, now_ns: u64) {
-        let per_rule = checker
-            .rules()
-            .zip(checker.violations_per_rule())
-            .map(|(r, n)| (r.name.clone(), r.severity, *n))
-            .collect();
-        self.publish_checker_stats(CheckerSnapshot {
-            stats: checker.stats(),
-            per_rule,
-            state_bytes: checker.state_bytes() as u64,
-            published_at_ns: now_ns,
-        });
-    }
-
-    /// Renders the OTLP receivers' counters at every scrape from now on.
-    pub fn attach_otlp(&self, stats: Arc<crate::ingest::otlp::OtlpStats>) {
-        *self.otlp.stats.lock().unwrap_or_else(|p| p.into_inner()) = Some(stats);
-    }
-
-    /// Renders the eBPF source's counters at every scrape from now on.
-    pub fn attach_ebpf(&self, stats: Arc<crate::ingest::ebpf::EbpfStats>) {
-        *self.ebpf.stats.lock().unwrap_or_else(|p| p.into_inner()) = Some(stats);
-    }
-
-    pub fn publish_checker_stats(&self, snap: CheckerSnapshot) {
-        *self.checker.last.lock().unwrap_or_else(|p| p.into_inner()) = Some(snap);
-    }
 }
 
-fn default_reason(p: DropPoint) -> &'static str {
+/// The reason each point's series is declared with at start.
+fn default_reason(p: DropPoint) -> DropReason {
     match p {
-        DropPoint::KernelRingbuf => "full",
-        DropPoint::EventChannel => "full",
-        DropPoint::ViolationChannel => "full",
-        DropPoint::Spool => "full",
-        DropPoint::Sink => "permanent_error",
-        DropPoint::EbpfTracker => "connection_evicted",
+        DropPoint::KernelRingbuf => DropReason::Full,
+        DropPoint::EventChannel => DropReason::Full,
+        DropPoint::ViolationChannel => DropReason::Full,
+        DropPoint::Spool => DropReason::Full,
+        DropPoint::Sink => DropReason::PermanentError,
+        DropPoint::EbpfTracker => DropReason::ConnectionEvicted,
     }
 }
 
-/// What the checker reported at its last publication.
-#[derive(Debug, Clone, Default)]
-pub struct CheckerSnapshot {
-    pub stats: CheckerStats,
-    /// (rule, severity, violations so far) for each enabled rule.
-    pub per_rule: Vec<(String, Severity, u64)>,
-    pub state_bytes: u64,
-    /// Wall clock (unix ns) at publication: the watermark delay is measured against it.
-    pub published_at_ns: u64,
-}
+// Const-metric encoders for collectors and snapshots.
 
-/// Renders the last [`CheckerSnapshot`] at scrape time: the checker keeps plain `u64` counters
-/// (it is sans-IO and single-threaded), so they are exported as const metrics, not re-counted.
-#[derive(Debug, Default)]
-struct CheckerCollector {
-    last: Mutex<Option<CheckerSnapshot>>,
-}
-
-pub(crate) fn counter(
-    enc: &mut DescriptorEncoder,
-    name: &str,
-    help: &str,
-    v: u64,
-) -> std::fmt::Result {
+/// One unlabelled counter.
+pub fn counter(enc: &mut DescriptorEncoder, name: &str, help: &str, v: u64) -> std::fmt::Result {
     let c = ConstCounter::new(v);
     let m = enc.encode_descriptor(name, help, None, c.metric_type())?;
     c.encode(m)
 }
 
-pub(crate) fn gauge(
+/// One unlabelled gauge (`f64` or `i64`: they render differently, `3.0` and `3`).
+pub fn gauge<N: EncodeGaugeValue>(
     enc: &mut DescriptorEncoder,
     name: &str,
     help: &str,
-    v: f64,
+    v: N,
 ) -> std::fmt::Result {
     let g = ConstGauge::new(v);
     let m = enc.encode_descriptor(name, help, None, g.metric_type())?;
     g.encode(m)
 }
 
-fn labelled_counters<L: EncodeLabelSet>(
+/// A counter family: one series per `(labels, value)` row, in the rows' order.
+pub fn counters<L: EncodeLabelSet>(
     enc: &mut DescriptorEncoder,
     name: &str,
     help: &str,
-    values: &[(L, u64)],
+    rows: impl IntoIterator<Item = (L, u64)>,
 ) -> std::fmt::Result {
     let mut m = enc.encode_descriptor(
         name,
@@ -500,143 +569,11 @@ fn labelled_counters<L: EncodeLabelSet>(
         None,
         prometheus_client::metrics::MetricType::Counter,
     )?;
-    for (labels, v) in values {
-        let fam = m.encode_family(labels)?;
-        ConstCounter::new(*v).encode(fam)?;
+    for (labels, v) in rows {
+        let fam = m.encode_family(&labels)?;
+        ConstCounter::new(v).encode(fam)?;
     }
     Ok(())
-}
-
-impl Collector for CheckerCollector {
-    fn encode(&self, mut enc: DescriptorEncoder) -> std::fmt::Result {
-        let guard = self.last.lock().unwrap_or_else(|p| p.into_inner());
-        let Some(s) = guard.as_ref() else {
-            return Ok(());
-        };
-        let st = &s.stats;
-        let c = &st.correlate;
-        labelled_counters(
-            &mut enc,
-            "revenant_checker_events",
-            "Events the checker processed, by how they were attributed",
-            &[
-                ([("attribution", "attempt")], st.events_attempt),
-                ([("attribution", "request_only")], st.events_request_only),
-                ([("attribution", "unattributed")], st.events_unattributed),
-                ([("attribution", "capacity")], st.capacity_reports),
-            ],
-        )?;
-        counter(
-            &mut enc,
-            "revenant_checker_late_events",
-            "Events older than the watermark (beyond the allowed lateness) when they arrived",
-            st.events_late,
-        )?;
-        counter(
-            &mut enc,
-            "revenant_checker_tombstone_events",
-            "Events for attempts already compacted to a tombstone",
-            st.events_on_tombstones,
-        )?;
-        counter(
-            &mut enc,
-            "revenant_checker_corroborations",
-            "Follow-ups emitted because a second source proved an already reported breach (not counted as violations)",
-            st.corroborations,
-        )?;
-        counter(
-            &mut enc,
-            "revenant_checker_repeat_breaches",
-            "Breaches of a rule that already fired for the same attempt (not re-emitted)",
-            st.repeats,
-        )?;
-        counter(
-            &mut enc,
-            "revenant_checker_alias_conflicts",
-            "Events whose room and rid named different attempts",
-            c.alias_conflicts,
-        )?;
-        labelled_counters(
-            &mut enc,
-            "revenant_checker_evictions",
-            "State evicted from the checker, by what and why",
-            &[
-                ([("what", "attempt"), ("reason", "ttl")], c.evicted_ttl),
-                ([("what", "attempt"), ("reason", "capacity")], c.evicted_cap),
-                (
-                    [("what", "tombstone"), ("reason", "expired")],
-                    c.tombstones_expired,
-                ),
-                (
-                    [("what", "tombstone"), ("reason", "capacity")],
-                    c.tombstones_evicted_cap,
-                ),
-                (
-                    [("what", "request"), ("reason", "expired")],
-                    c.requests_expired,
-                ),
-            ],
-        )?;
-        gauge(
-            &mut enc,
-            "revenant_checker_live_attempts",
-            "Attempts tracked with full state",
-            st.live_attempts as f64,
-        )?;
-        gauge(
-            &mut enc,
-            "revenant_checker_live_requests",
-            "Client requests tracked",
-            st.live_requests as f64,
-        )?;
-        gauge(
-            &mut enc,
-            "revenant_checker_request_records",
-            "Client requests tracked with a record of their own (the others live in their only attempt)",
-            st.request_records as f64,
-        )?;
-        gauge(
-            &mut enc,
-            "revenant_checker_tombstones",
-            "Compact tombstones of ended attempts kept to catch late activity",
-            st.tombstones as f64,
-        )?;
-        gauge(
-            &mut enc,
-            "revenant_checker_state_bytes",
-            "Bytes reserved by the checker's state tables",
-            s.state_bytes as f64,
-        )?;
-        gauge(
-            &mut enc,
-            "revenant_checker_watermark_timestamp_seconds",
-            "Event-time watermark (unix seconds): events older than this are late",
-            st.watermark_ns as f64 / 1e9,
-        )?;
-        let delay = if st.watermark_ns == 0 {
-            0.0
-        } else {
-            s.published_at_ns.saturating_sub(st.watermark_ns) as f64 / 1e9
-        };
-        gauge(
-            &mut enc,
-            "revenant_checker_watermark_delay_seconds",
-            "Wall clock minus the event-time watermark at the last checker publication",
-            delay,
-        )?;
-        let per_rule: Vec<_> = s
-            .per_rule
-            .iter()
-            .map(|(rule, sev, n)| ([("rule", rule.as_str()), ("severity", sev.as_str())], *n))
-            .collect();
-        labelled_counters(
-            &mut enc,
-            "revenant_checker_violations",
-            "Violations the checker emitted, by rule and severity (one per rule and attempt; corroborating follow-ups are counted apart)",
-            &per_rule,
-        )?;
-        Ok(())
-    }
 }
 
 /// Label helpers for the hot path.
@@ -653,38 +590,52 @@ mod tests {
     use super::*;
 
     #[test]
-    fn renders_names_and_checker_snapshot() {
+    fn renders_families_with_declared_zeros() {
         let m = Metrics::new();
         m.events
             .get_or_create(&event_labels(Source::Otlp, Stage::Prefill, Kind::Rejected))
             .inc();
         m.declare_sink("webhook-0");
-        let mut snap = CheckerSnapshot::default();
-        snap.stats.live_attempts = 7;
-        snap.stats.correlate.evicted_cap = 3;
-        snap.per_rule = vec![("activity-after-rejection".into(), Severity::Critical, 2)];
-        m.publish_checker_stats(snap);
-        let otlp = Arc::new(crate::ingest::otlp::OtlpStats::default());
-        otlp.rejected(
-            crate::ingest::otlp::Transport::Grpc,
-            crate::ingest::otlp::RejectReason::PipelineFull,
-            10,
-        );
-        m.attach_otlp(otlp);
         let text = m.render();
         for needle in [
             "revenant_events_total{source=\"otlp\",stage=\"prefill\",kind=\"rejected\"} 1",
             "revenant_dropped_items_total{point=\"spool\",reason=\"full\"} 0",
             "revenant_alert_deliveries_total{sink=\"webhook-0\",outcome=\"success\"} 0",
-            "revenant_checker_live_attempts 7",
-            "revenant_checker_evictions_total{what=\"attempt\",reason=\"capacity\"} 3",
-            "revenant_checker_violations_total{rule=\"activity-after-rejection\",severity=\"critical\"} 2",
             "revenant_build_info{version=",
-            "revenant_otlp_requests_rejected_total{transport=\"grpc\",reason=\"pipeline_full\"} 1",
-            "revenant_otlp_rejected_items_total{transport=\"grpc\",reason=\"pipeline_full\"} 10",
-            "revenant_otlp_requests_rejected_total{transport=\"http\",reason=\"malformed\"} 0",
         ] {
             assert!(text.contains(needle), "missing {needle} in\n{text}");
         }
+    }
+
+    #[test]
+    fn drop_reason_labels_round_trip() {
+        for r in DropReason::ALL {
+            assert_eq!(DropReason::from_label(r.as_str()), Some(r));
+        }
+        assert_eq!(DropReason::from_label("nonsense"), None);
+    }
+
+    #[derive(Debug)]
+    struct Answer(u64);
+
+    impl Snapshot for Answer {
+        fn encode(&self, mut enc: DescriptorEncoder) -> std::fmt::Result {
+            counter(&mut enc, "revenant_test_answer", "Test snapshot", self.0)
+        }
+    }
+
+    #[test]
+    fn publish_renders_the_last_snapshot_once() {
+        let m = Metrics::new();
+        assert!(!m.render().contains("revenant_test_answer"));
+        m.publish(Answer(41));
+        m.publish(Answer(42));
+        let text = m.render();
+        assert_eq!(
+            text.matches("revenant_test_answer_total ").count(),
+            1,
+            "{text}"
+        );
+        assert!(text.contains("revenant_test_answer_total 42"), "{text}");
     }
 }

@@ -1,9 +1,13 @@
 //! revenant's own telemetry, the bottom layer every component reports through: the metric
-//! registry, internal events and the readiness latch.
+//! registry, internal events, the readiness latch, the recent-violations ring and logging.
+//! It imports only the shared vocabulary (`event`, `violation`).
 
 pub mod events;
+pub mod logging;
 pub mod metrics;
 pub mod ready;
+pub mod recent;
 
-pub use metrics::{DropPoint, Metrics};
+pub use metrics::{DropPoint, DropReason, Metrics, Snapshot};
 pub use ready::{ComponentKind, Readiness, ReadyHandle};
+pub use recent::RecentViolations;

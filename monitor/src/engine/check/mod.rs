@@ -5,6 +5,7 @@
 //! tests, benchmarks). Event time decides "later"; a watermark (latest event time minus the
 //! allowed lateness, or the driver's clock minus it) decides when a deadline has passed.
 
+pub mod metrics;
 pub mod timers;
 
 use std::collections::{HashMap, HashSet};

@@ -9,6 +9,7 @@ pub mod cli;
 pub mod http;
 pub mod json_ids;
 pub mod loader;
+pub mod metrics;
 pub mod procs;
 pub mod record;
 pub mod source;

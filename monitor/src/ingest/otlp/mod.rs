@@ -10,7 +10,7 @@ pub mod config;
 pub mod grpc;
 pub mod http;
 pub mod json;
-pub mod stats;
+pub mod metrics;
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -20,7 +20,7 @@ use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
 use tokio::sync::mpsc;
 
 pub use config::OtlpConfig;
-pub use stats::{OtlpStats, RejectReason, Transport};
+pub use metrics::{OtlpStats, RejectReason, Transport};
 
 use crate::normalize::{Normalizer, Tally};
 use crate::pipeline::EventBatch;

@@ -1,9 +1,16 @@
-//! OTLP counters: a plain struct of atomics with bounded labels (transport, profile, reason),
-//! read by the admin/metrics endpoint. No request ids ever become labels.
+//! OTLP counters: [`OtlpStats`], plain atomics with bounded labels (transport, profile, reason)
+//! kept by the ingest path, and their collector. Every label combination is rendered at scrape
+//! time, zeros included, so `increase()` sees the first rejection and dashboards show a receiver
+//! before its first export. No request ids ever become labels.
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::DescriptorEncoder;
+
 use crate::normalize::{ProfileLabel, Tally, Unmapped};
+use crate::telemetry::metrics::{Metrics, counters, gauge};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
@@ -137,8 +144,7 @@ impl OtlpStats {
         self.unmapped[p as usize][u as usize].load(Relaxed)
     }
 
-    /// One line per non-zero counter, `name{labels} value`: for the shutdown log and tests until
-    /// the admin endpoint renders these.
+    /// One line per non-zero counter, `name{labels} value`: for the shutdown log and tests.
     pub fn render(&self) -> String {
         use std::fmt::Write;
         let mut s = String::new();
@@ -217,5 +223,161 @@ impl OtlpStats {
             self.orphans_waiting.load(Relaxed)
         );
         s
+    }
+}
+
+/// Renders one [`OtlpStats`] at every scrape.
+#[derive(Debug)]
+struct OtlpCollector {
+    stats: Arc<OtlpStats>,
+}
+
+/// Renders the OTLP receivers' counters at every scrape from now on (once per `Metrics`).
+pub fn register(metrics: &Metrics, stats: Arc<OtlpStats>) {
+    metrics.register_collector(OtlpCollector { stats });
+}
+
+impl Metrics {
+    /// [`register`]: renders the OTLP receivers' counters at every scrape from now on.
+    pub fn attach_otlp(&self, stats: Arc<OtlpStats>) {
+        register(self, stats);
+    }
+}
+
+impl Collector for OtlpCollector {
+    fn encode(&self, mut enc: DescriptorEncoder) -> std::fmt::Result {
+        let s = &self.stats;
+        counters(
+            &mut enc,
+            "revenant_otlp_requests_accepted",
+            "OTLP exports answered OK, by transport",
+            Transport::ALL.map(|t| {
+                (
+                    vec![("transport", t.as_str().to_string())],
+                    s.requests_accepted[t as usize].load(Relaxed),
+                )
+            }),
+        )?;
+        let rej = |arr: &[[std::sync::atomic::AtomicU64; RejectReason::ALL.len()];
+                        Transport::ALL.len()]| {
+            Transport::ALL
+                .iter()
+                .flat_map(|t| {
+                    RejectReason::ALL.iter().map(move |r| {
+                        (
+                            vec![
+                                ("transport", t.as_str().to_string()),
+                                ("reason", r.as_str().to_string()),
+                            ],
+                            arr[*t as usize][*r as usize].load(Relaxed),
+                        )
+                    })
+                })
+                .collect::<Vec<_>>()
+        };
+        counters(
+            &mut enc,
+            "revenant_otlp_requests_rejected",
+            "OTLP exports refused, by transport and reason (pipeline_full is retryable back-pressure)",
+            rej(&s.requests_rejected),
+        )?;
+        counters(
+            &mut enc,
+            "revenant_otlp_rejected_items",
+            "Spans/log records in refused OTLP exports, by transport and reason",
+            rej(&s.items_rejected),
+        )?;
+        counters(
+            &mut enc,
+            "revenant_otlp_grpc_error_responses",
+            "gRPC responses with a non-OK status, by code",
+            s.grpc_error_responses
+                .iter()
+                .enumerate()
+                .filter(|(_, c)| c.load(Relaxed) != 0)
+                .map(|(code, c)| (vec![("code", code.to_string())], c.load(Relaxed))),
+        )?;
+        counters(
+            &mut enc,
+            "revenant_otlp_spans_received",
+            "Spans received, by profile",
+            ProfileLabel::ALL.map(|p| {
+                (
+                    vec![("profile", p.as_str().to_string())],
+                    s.spans_received[p as usize].load(Relaxed),
+                )
+            }),
+        )?;
+        counters(
+            &mut enc,
+            "revenant_otlp_log_records_received",
+            "Log records received, by profile",
+            ProfileLabel::ALL.map(|p| {
+                (
+                    vec![("profile", p.as_str().to_string())],
+                    s.log_records_received[p as usize].load(Relaxed),
+                )
+            }),
+        )?;
+        counters(
+            &mut enc,
+            "revenant_otlp_spans_unmapped",
+            "Spans/log records that produced no lifecycle event, by profile and reason",
+            ProfileLabel::ALL.iter().flat_map(|p| {
+                Unmapped::ALL.iter().map(move |u| {
+                    (
+                        vec![
+                            ("profile", p.as_str().to_string()),
+                            ("reason", u.as_str().to_string()),
+                        ],
+                        s.unmapped[*p as usize][*u as usize].load(Relaxed),
+                    )
+                })
+            }),
+        )?;
+        counters(
+            &mut enc,
+            "revenant_otlp_events_emitted",
+            "Lifecycle events the OTLP receivers produced",
+            [(Vec::<(&str, String)>::new(), s.events_emitted.load(Relaxed))],
+        )?;
+        counters(
+            &mut enc,
+            "revenant_otlp_orphans_buffered",
+            "Child spans buffered until their root arrived",
+            [(
+                Vec::<(&str, String)>::new(),
+                s.orphans_buffered.load(Relaxed),
+            )],
+        )?;
+        gauge(
+            &mut enc,
+            "revenant_otlp_orphans_waiting",
+            "Child spans currently waiting for their root",
+            s.orphans_waiting.load(Relaxed) as i64,
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_every_reason_zeros_included() {
+        let m = Metrics::new();
+        assert!(!m.render().contains("revenant_otlp_"));
+        let otlp = Arc::new(OtlpStats::default());
+        otlp.rejected(Transport::Grpc, RejectReason::PipelineFull, 10);
+        register(&m, otlp);
+        let text = m.render();
+        for needle in [
+            "revenant_otlp_requests_rejected_total{transport=\"grpc\",reason=\"pipeline_full\"} 1",
+            "revenant_otlp_rejected_items_total{transport=\"grpc\",reason=\"pipeline_full\"} 10",
+            "revenant_otlp_requests_rejected_total{transport=\"http\",reason=\"malformed\"} 0",
+            "revenant_otlp_orphans_waiting 0\n",
+        ] {
+            assert!(text.contains(needle), "missing {needle} in\n{text}");
+        }
     }
 }

@@ -1,0 +1,207 @@
+//! The eBPF source's telemetry: its counters ([`EbpfStats`]: the kernel's per-CPU counters
+//! summed, and the user-space tracker's) rendered at scrape time, zeros included, so dashboards
+//! show the source from its start and `increase()` sees the first loss; and the publisher that
+//! folds its losses into the shared drop metric and the readiness report.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
+use std::time::Duration;
+
+use monitor_common::counter;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::DescriptorEncoder;
+use tokio::sync::watch;
+
+use super::EbpfStats;
+use crate::telemetry::events::AbsoluteDrops;
+use crate::telemetry::metrics::{
+    DropPoint, DropReason, Metrics, counter as counter_metric, counters, gauge,
+};
+use crate::telemetry::ready::Readiness;
+
+/// Renders one [`EbpfStats`] at every scrape.
+#[derive(Debug)]
+struct EbpfCollector {
+    stats: Arc<EbpfStats>,
+}
+
+/// Renders the eBPF source's counters at every scrape from now on (once per `Metrics`).
+pub fn register(metrics: &Metrics, stats: Arc<EbpfStats>) {
+    metrics.register_collector(EbpfCollector { stats });
+}
+
+impl Metrics {
+    /// [`register`]: renders the eBPF source's counters at every scrape from now on.
+    pub fn attach_ebpf(&self, stats: Arc<EbpfStats>) {
+        register(self, stats);
+    }
+}
+
+impl Collector for EbpfCollector {
+    fn encode(&self, mut enc: DescriptorEncoder) -> std::fmt::Result {
+        let s = &self.stats;
+        counters(
+            &mut enc,
+            "revenant_ebpf_kernel",
+            "Kernel-side counters of the eBPF probes, summed over CPUs (seen, sent, ringbuf_drops, \
+             read_failures, active_full, socks_full, iov_truncated, bytes_captured)",
+            counter::NAMES
+                .iter()
+                .enumerate()
+                .map(|(i, name)| ([("counter", *name)], s.kernel(i as u32))),
+        )?;
+        for (name, help, v) in [
+            (
+                "revenant_ebpf_records",
+                "Ring-buffer records read by user space",
+                s.records.load(Relaxed),
+            ),
+            (
+                "revenant_ebpf_decode_errors",
+                "Ring-buffer records that could not be decoded (dropped)",
+                s.decode_errors.load(Relaxed),
+            ),
+            (
+                "revenant_ebpf_lifecycle_events",
+                "Lifecycle events derived from kernel capture",
+                s.events.load(Relaxed),
+            ),
+            (
+                "revenant_ebpf_batches_dropped",
+                "Event batches dropped because the pipeline channel was full",
+                s.batches_dropped.load(Relaxed),
+            ),
+            (
+                "revenant_ebpf_connections_evicted",
+                "Tracked connections evicted from the bounded connection table",
+                s.conns_evicted.load(Relaxed),
+            ),
+            (
+                "revenant_ebpf_http_desyncs",
+                "Times the HTTP parser lost a stream's framing and resynchronised",
+                s.http_desyncs.load(Relaxed),
+            ),
+            (
+                "revenant_ebpf_gap_bytes",
+                "Stream bytes not captured (payload between the captured head and tail)",
+                s.gap_bytes.load(Relaxed),
+            ),
+        ] {
+            counter_metric(&mut enc, name, help, v)?;
+        }
+        gauge(
+            &mut enc,
+            "revenant_ebpf_watched_processes",
+            "Processes the probes currently watch",
+            s.watched_processes.load(Relaxed) as f64,
+        )?;
+        gauge(
+            &mut enc,
+            "revenant_ebpf_connections",
+            "Connections the eBPF tracker currently holds state for",
+            s.connections.load(Relaxed) as f64,
+        )?;
+        gauge(
+            &mut enc,
+            "revenant_ebpf_coverage_degraded",
+            "1 while kernel capture is losing data (ring buffer or tables full, pipeline full)",
+            f64::from(u8::from(s.coverage_degraded())),
+        )
+    }
+}
+
+/// One kind of loss: where it is counted, why, and how to read its running total.
+type Loss = (DropPoint, DropReason, fn(&EbpfStats) -> u64);
+
+/// Turns the eBPF source's absolute loss counters into the shared drop metric, once a second, so
+/// that `revenant_dropped_items_total` (and the "blind" alert on it) covers the kernel side too,
+/// and marks the source degraded in the readiness report while capture loses data. Returns once
+/// `stop` turns true, after a last publication.
+pub async fn publish_drops(
+    stats: Arc<EbpfStats>,
+    metrics: Arc<Metrics>,
+    readiness: Readiness,
+    mut stop: watch::Receiver<bool>,
+) {
+    let losses: [Loss; 6] = [
+        (DropPoint::KernelRingbuf, DropReason::Full, |s| {
+            s.kernel(counter::RINGBUF_DROPS)
+        }),
+        (
+            DropPoint::KernelRingbuf,
+            DropReason::SyscallTableFull,
+            |s| s.kernel(counter::ACTIVE_FULL),
+        ),
+        (DropPoint::KernelRingbuf, DropReason::SocketTableFull, |s| {
+            s.kernel(counter::SOCKS_FULL)
+        }),
+        (DropPoint::EventChannel, DropReason::Full, |s| {
+            s.events_dropped.load(Relaxed)
+        }),
+        (DropPoint::EbpfTracker, DropReason::Undecodable, |s| {
+            s.decode_errors.load(Relaxed)
+        }),
+        (DropPoint::EbpfTracker, DropReason::ConnectionEvicted, |s| {
+            s.conns_evicted.load(Relaxed)
+        }),
+    ];
+    let totals: [AbsoluteDrops; 6] = Default::default();
+    let mut degraded = false;
+    let mut iv = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        let stopping = tokio::select! {
+            _ = iv.tick() => false,
+            r = stop.wait_for(|v| *v) => { drop(r); true }
+        };
+        for ((point, reason, read), total) in losses.iter().zip(&totals) {
+            total.observe_total(&metrics, *point, *reason, read(&stats));
+        }
+        let now_degraded = stats.coverage_degraded();
+        if now_degraded != degraded {
+            degraded = now_degraded;
+            if degraded {
+                let losses = stats.losses();
+                tracing::warn!(
+                    losses,
+                    "eBPF coverage DEGRADED: kernel capture lost data; verdicts may miss activity"
+                );
+                readiness.set_degraded(
+                    "ebpf",
+                    Some(format!(
+                        "kernel capture lost data ({losses} records/events so far): verdicts may miss activity"
+                    )),
+                );
+            } else {
+                tracing::info!("eBPF coverage restored");
+                readiness.set_degraded("ebpf", None);
+            }
+        }
+        if stopping {
+            break;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_kernel_and_tracker_counters() {
+        let m = Metrics::new();
+        assert!(!m.render().contains("revenant_ebpf_kernel"));
+        let s = Arc::new(EbpfStats::default());
+        s.kernel[monitor_common::counter::RINGBUF_DROPS as usize].store(7, Relaxed);
+        s.watched_processes.store(3, Relaxed);
+        s.coverage_degraded.store(true, Relaxed);
+        m.attach_ebpf(s);
+        let text = m.render();
+        assert!(
+            text.contains("revenant_ebpf_kernel_total{counter=\"ringbuf_drops\"} 7"),
+            "{text}"
+        );
+        assert!(text.contains("revenant_ebpf_watched_processes 3"), "{text}");
+        assert!(text.contains("revenant_ebpf_coverage_degraded 1"), "{text}");
+        assert!(text.contains("revenant_ebpf_records_total 0"), "{text}");
+    }
+}
