@@ -11,8 +11,8 @@ use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::metrics::counter::ConstCounter;
 
-use crate::telemetry::metrics::{counter as counter_metric, gauge as gauge_metric};
 use crate::ingest::ebpf::EbpfStats;
+use crate::telemetry::metrics::{counter as counter_metric, gauge as gauge_metric};
 
 #[derive(Debug, Default)]
 pub(crate) struct EbpfCollector {

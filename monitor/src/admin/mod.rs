@@ -10,8 +10,8 @@ pub mod server;
 pub mod timeline;
 pub mod violations;
 
-pub use config::{AdminArgs, LogArgs, LogFormat};
 pub use crate::telemetry::{ComponentKind, DropPoint, Metrics, Readiness, ReadyHandle};
+pub use config::{AdminArgs, LogArgs, LogFormat};
 pub use server::{AdminError, AdminServer, AdminState};
 pub use timeline::{RecentEvents, RecentEventsLimits, Timeline, TimelineProvider};
 pub use violations::RecentViolations;

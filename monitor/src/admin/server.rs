@@ -12,10 +12,10 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use serde::Deserialize;
 
-use crate::telemetry::metrics::Metrics;
-use crate::telemetry::ready::Readiness;
 use super::timeline::TimelineProvider;
 use super::violations::RecentViolations;
+use crate::telemetry::metrics::Metrics;
+use crate::telemetry::ready::Readiness;
 
 #[derive(Debug, thiserror::Error)]
 pub enum AdminError {

@@ -14,13 +14,13 @@ use super::flood::{ActiveAlert, Admission, Corroboration, FloodConfig, FloodCont
 use super::notification::{LinkBase, Notification, now_unix_ns};
 use super::sink::{Backoff, Sink, SinkError};
 use super::spool::{Spool, SpoolError};
+use crate::admin::{Readiness, RecentViolations};
 use crate::telemetry::events::{
     AlertCorroborated, AlertDeduplicated, AlertDeliveryFailed, AlertHeld, AlertRateLimited,
     AlertReceived, AlertSpooled, AlertsDelivered, AlertsPending, FindingMerged, IncidentOpened,
     ItemsDropped, SpoolSize, SuppressionSummarised,
 };
 use crate::telemetry::metrics::{DropPoint, Metrics};
-use crate::admin::{Readiness, RecentViolations};
 use crate::violation::Violation;
 
 #[derive(Debug, Clone)]
