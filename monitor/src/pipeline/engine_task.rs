@@ -109,3 +109,58 @@ impl EngineTask {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use super::*;
+    use crate::engine::check::{CheckerConfig, RuleSet};
+    use crate::event::{Kind, LifecycleEvent, Source, Stage};
+    use crate::pipeline::{EventBatch, event_channel};
+    use crate::telemetry::Metrics;
+
+    /// Counts what a tap sees.
+    #[derive(Clone, Default)]
+    struct Seen(Arc<Mutex<(u64, u64)>>);
+
+    impl EventTap for Seen {
+        fn batch(&mut self, batch: &EventBatch, _: u64) -> std::io::Result<()> {
+            self.0.lock().unwrap().0 += batch.len() as u64;
+            Ok(())
+        }
+        fn tick(&mut self, _: &Checker, _: u64) -> std::io::Result<()> {
+            self.0.lock().unwrap().1 += 1;
+            Ok(())
+        }
+    }
+
+    #[tokio::test]
+    async fn queued_batches_pass_the_taps_and_are_drained_after_close() {
+        let (tx, rx) = event_channel(4);
+        let (vtx, _vrx) = tokio::sync::mpsc::channel(16);
+        let seen = Seen::default();
+        let task = EngineTask {
+            engine: Checker::new(RuleSet::embedded_defaults(), CheckerConfig::default()),
+            events: rx,
+            violations: ViolationSender::new(vtx, Arc::new(Metrics::new())),
+            taps: vec![Box::new(seen.clone())],
+            lateness: Duration::from_millis(10),
+            pause_file: None,
+        };
+        let e = |kind| {
+            LifecycleEvent::new(1_000, Stage::Prefill, kind, Source::Replay).with_request_id("r1")
+        };
+        tx.send(vec![e(Kind::Received), e(Kind::Completed)])
+            .await
+            .unwrap();
+        tx.send(vec![e(Kind::Work)]).await.unwrap();
+        // Closed at once: what is already queued is still checked, then the final tick runs.
+        let totals = task.run(async {}).await.unwrap();
+        assert_eq!((totals.batches, totals.events), (2, 3));
+        let (events, ticks) = *seen.0.lock().unwrap();
+        assert_eq!(events, 3);
+        assert!(ticks >= 1, "the drain ends with a tick");
+        assert!(tx.send(vec![]).await.is_err(), "closed to new batches");
+    }
+}

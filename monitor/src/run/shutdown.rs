@@ -25,6 +25,12 @@ pub struct Shutdown {
     tx: watch::Sender<Phase>,
 }
 
+impl Default for Shutdown {
+    fn default() -> Self {
+        Shutdown::new()
+    }
+}
+
 impl Shutdown {
     pub fn new() -> Shutdown {
         Shutdown {
