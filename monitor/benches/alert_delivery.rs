@@ -10,8 +10,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use revenant::telemetry::Metrics;
 use revenant::alert::{AlertConfig, AlertPipeline, WebhookConfig};
+use revenant::telemetry::Metrics;
 
 #[path = "../tests/common/alerts.rs"]
 mod alerts;
@@ -74,8 +74,8 @@ fn pct(v: &[Duration], p: f64) -> f64 {
 /// Per-event cost the admin layer adds to the run loop: metrics (`EventObserved`) and the
 /// timeline index (`RecentEvents::record`), one batch of 1000 at a time.
 fn hot_path() {
-    use revenant::telemetry::events::EventObserved;
     use revenant::admin::{RecentEvents, RecentEventsLimits};
+    use revenant::telemetry::events::EventObserved;
     let mix = revenant::engine::workload::Mix {
         attempts: 100_000,
         ..Default::default()

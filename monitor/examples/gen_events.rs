@@ -4,8 +4,8 @@
 
 use std::io::Write;
 
-use revenant::ingest::replay::ReplayRecord;
 use revenant::engine::workload::{Mix, stream};
+use revenant::ingest::replay::ReplayRecord;
 
 fn main() -> std::io::Result<()> {
     let attempts = std::env::args()

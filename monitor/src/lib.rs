@@ -3,13 +3,18 @@
 //! Data flows one way: sources ([`ingest`]) → [`normalize`] → the sans-IO [`engine`] (identity,
 //! then check) → sinks ([`alert`]), wired together by [`pipeline`] and [`run`]. [`event`] and
 //! [`violation`] are the vocabulary every layer shares; [`telemetry`] is the bottom layer every
-//! component reports through; [`admin`] is the HTTP surface on top.
+//! component reports through; [`admin`] is the HTTP surface on top. [`config`] is `revenant run`'s
+//! configuration file and flags, [`cmd`] the offline subcommands.
 
 pub mod admin;
 pub mod alert;
+pub mod cmd;
+pub mod config;
+pub mod duration;
 pub mod engine;
 pub mod event;
 pub mod ingest;
+pub mod node;
 pub mod normalize;
 pub mod pipeline;
 pub mod run;

@@ -1,21 +1,23 @@
-//! The `revenant` command line.
+//! The `revenant` command line: parses the arguments and dispatches to one subcommand.
 //!
-//! Exit codes: 0 success (no violations), 1 violations found, 2 usage or input error.
+//! Exit codes, per subcommand:
+//! - `check`: 0 no violation, 1 violations found, 2 usage or input error.
+//! - `run`: 0 clean shutdown, 1 runtime failure (a receiver died, the drain timed out),
+//!   2 usage or configuration error (including a required source or sink that cannot start).
+//! - `rules list`: 0 listed, 2 usage error or a rules file that does not load.
+//!
+//! A command line clap cannot parse is exit code 2; `--help` and `--version` are 0.
 
-use std::io::{BufRead, BufReader, Write};
-use std::path::PathBuf;
 use std::process::ExitCode;
-use std::time::Duration;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
-use revenant::engine::check::{Checker, CheckerConfig, RuleSet};
+use revenant::cmd::{check, rules};
 
 // The OTLP path allocates many small strings per span; glibc malloc showed as ~45% of the
 // receiver's profile, mimalloc is much cheaper for that pattern.
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
-use revenant::ingest::replay;
 
 #[derive(Parser)]
 #[command(
@@ -31,54 +33,21 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Check recorded lifecycle events (JSON Lines) against the rules, offline.
-    Check(CheckArgs),
+    Check(check::CheckArgs),
     /// Run the pipeline: OTLP receivers → normalize → checker → violations as JSON Lines.
     Run(Box<revenant::run::RunArgs>),
     /// Inspect the rule set.
     Rules {
         #[command(subcommand)]
-        command: RulesCommand,
-    },
-}
-
-#[derive(Parser)]
-struct CheckArgs {
-    /// Events file in the replay format (JSON Lines); `-` reads standard input.
-    #[arg(long, short = 'e')]
-    events: PathBuf,
-    /// Rules file extending or overriding the embedded defaults.
-    #[arg(long)]
-    rules: Option<PathBuf>,
-    /// Events from different nodes count as later only beyond this skew.
-    #[arg(long, default_value = "50ms", value_parser = humantime::parse_duration)]
-    clock_skew: Duration,
-    /// How late (in event time) an event may arrive and still count for deadline rules.
-    /// Defaults to the clock skew.
-    #[arg(long, value_parser = humantime::parse_duration)]
-    allowed_lateness: Option<Duration>,
-    /// Print a summary (events, violations per rule, state) to standard error at the end.
-    #[arg(long)]
-    stats: bool,
-    /// Also print the follow-ups (`"corroborates": true`) in which a second source proves a
-    /// breach already printed. Off by default: one line per (rule, attempt).
-    #[arg(long)]
-    corroborations: bool,
-}
-
-#[derive(Subcommand)]
-enum RulesCommand {
-    /// List the active rules (embedded defaults plus `--rules FILE`).
-    List {
-        #[arg(long)]
-        rules: Option<PathBuf>,
-        /// Print the full rule definitions as YAML instead of a table.
-        #[arg(long)]
-        yaml: bool,
+        command: rules::RulesCommand,
     },
 }
 
 fn main() -> ExitCode {
-    let cli = match Cli::try_parse() {
+    let parsed = Cli::command()
+        .try_get_matches()
+        .and_then(|m| Ok((Cli::from_arg_matches(&m)?, m)));
+    let (cli, matches) = match parsed {
         Ok(c) => c,
         Err(e) => {
             let _ = e.print();
@@ -90,191 +59,14 @@ fn main() -> ExitCode {
         }
     };
     match cli.command {
-        Command::Check(args) => check(args),
+        Command::Check(args) => check::run(args),
         // Logging is set up by `run` from its --log-format / --log-level flags.
-        Command::Run(args) => revenant::run::run(*args),
-        Command::Rules {
-            command: RulesCommand::List { rules, yaml },
-        } => rules_list(rules, yaml),
-    }
-}
-
-fn load_rules(path: Option<&PathBuf>) -> Result<RuleSet, ExitCode> {
-    match path {
-        None => Ok(RuleSet::embedded_defaults()),
-        Some(p) => RuleSet::from_file(p).map_err(|e| {
-            eprintln!("revenant: {e}");
-            ExitCode::from(2)
-        }),
-    }
-}
-
-fn check(args: CheckArgs) -> ExitCode {
-    let rules = match load_rules(args.rules.as_ref()) {
-        Ok(r) => r,
-        Err(code) => return code,
-    };
-    let cfg = CheckerConfig {
-        clock_skew: args.clock_skew,
-        allowed_lateness: args.allowed_lateness.unwrap_or(args.clock_skew),
-        ..CheckerConfig::default()
-    };
-    let lateness = cfg.allowed_lateness;
-    let mut checker = Checker::new(rules, cfg);
-
-    let input: Box<dyn BufRead> = if args.events.as_os_str() == "-" {
-        Box::new(BufReader::with_capacity(1 << 20, std::io::stdin().lock()))
-    } else {
-        match std::fs::File::open(&args.events) {
-            Ok(f) => Box::new(BufReader::with_capacity(1 << 20, f)),
-            Err(e) => {
-                eprintln!(
-                    "revenant: cannot open events file {}: {e}",
-                    args.events.display()
-                );
-                return ExitCode::from(2);
+        Command::Run(mut args) => {
+            if let Some(("run", m)) = matches.subcommand() {
+                args.given = revenant::run::overlay::Given::from_matches(m);
             }
+            revenant::run::run(*args)
         }
-    };
-
-    let stdout = std::io::stdout();
-    let mut out = std::io::BufWriter::with_capacity(1 << 16, stdout.lock());
-    let mut bad_lines = 0u64;
-    let mut write_failed = None;
-    // The checker counts violations and follow-ups itself (see `--stats`); here only the
-    // choice of what to print.
-    let mut emit = |v: &revenant::Violation,
-                    out: &mut std::io::BufWriter<std::io::StdoutLock<'_>>| {
-        if v.corroborates && !args.corroborations {
-            return;
-        }
-        let res = serde_json::to_writer(&mut *out, v)
-            .map_err(std::io::Error::from)
-            .and_then(|_| out.write_all(b"\n"));
-        if let Err(e) = res {
-            write_failed.get_or_insert(e);
-        }
-    };
-    let read = replay::read_events(
-        input,
-        |e| {
-            for v in checker.observe(&e) {
-                emit(&v, &mut out);
-            }
-        },
-        |err| {
-            bad_lines += 1;
-            eprintln!("revenant: {}: {err}", args.events.display());
-        },
-    );
-    // Judge what the input can still prove: every deadline up to the last event time.
-    let end = checker
-        .stats()
-        .max_event_ns
-        .saturating_add(lateness.as_nanos() as u64);
-    for v in checker.tick(end) {
-        emit(&v, &mut out);
+        Command::Rules { command } => rules::run(command),
     }
-    let flushed = out.flush();
-    if let Err(e) = read {
-        eprintln!("revenant: reading {}: {e}", args.events.display());
-        return ExitCode::from(2);
-    }
-    if let Some(e) = write_failed.or(flushed.err()) {
-        eprintln!("revenant: writing violations: {e}");
-        return ExitCode::from(2);
-    }
-    if args.stats {
-        let s = checker.stats();
-        eprintln!(
-            "revenant: {} events ({} attempt, {} request-only, {} unattributed, {} capacity, {} on tombstones, {} late), {} bad lines",
-            s.events,
-            s.events_attempt,
-            s.events_request_only,
-            s.events_unattributed,
-            s.capacity_reports,
-            s.events_on_tombstones,
-            s.events_late,
-            bad_lines
-        );
-        for (rule, n) in checker.rules().zip(checker.violations_per_rule()) {
-            eprintln!("revenant:   {:<32} {n}", rule.name);
-        }
-        eprintln!(
-            "revenant: {} violations, {} corroborating follow-ups{}",
-            s.violations,
-            s.corroborations,
-            if args.corroborations {
-                ""
-            } else {
-                " (not printed: --corroborations)"
-            }
-        );
-        eprintln!(
-            "revenant: {} attempts created, {} live, {} tombstones, {} requests live ({} with a record); evicted {} by ttl, {} by cap",
-            s.correlate.attempts_created,
-            s.live_attempts,
-            s.tombstones,
-            s.live_requests,
-            s.request_records,
-            s.correlate.evicted_ttl,
-            s.correlate.evicted_cap
-        );
-    }
-    if bad_lines > 0 {
-        eprintln!("revenant: {bad_lines} bad line(s) skipped; the rest of the file was checked");
-        return ExitCode::from(2);
-    }
-    if checker.stats().violations > 0 {
-        ExitCode::from(1)
-    } else {
-        ExitCode::SUCCESS
-    }
-}
-
-fn rules_list(path: Option<PathBuf>, yaml: bool) -> ExitCode {
-    let rules = match load_rules(path.as_ref()) {
-        Ok(r) => r,
-        Err(code) => return code,
-    };
-    if yaml {
-        #[derive(serde::Serialize)]
-        struct Doc {
-            rules: Vec<revenant::engine::rules::RuleDef>,
-        }
-        match serde_saphyr::to_string(&Doc {
-            rules: rules.to_defs(),
-        }) {
-            Ok(s) => print!("{s}"),
-            Err(e) => {
-                eprintln!("revenant: cannot print rules: {e}");
-                return ExitCode::from(2);
-            }
-        }
-        return ExitCode::SUCCESS;
-    }
-    println!(
-        "{:<32} {:<9} {:<8} {:<16} {:<8} DESCRIPTION",
-        "NAME", "SEVERITY", "SCOPE", "SHAPE", "ENABLED"
-    );
-    for r in &rules.rules {
-        let mut desc = r.description.clone();
-        if desc.len() > 80 {
-            let mut cut = 77;
-            while !desc.is_char_boundary(cut) {
-                cut -= 1;
-            }
-            desc.truncate(cut);
-            desc.push_str("...");
-        }
-        println!(
-            "{:<32} {:<9} {:<8} {:<16} {:<8} {desc}",
-            r.name,
-            r.severity.as_str(),
-            r.scope.as_str(),
-            r.shape.kind_name(),
-            if r.enabled { "yes" } else { "no" }
-        );
-    }
-    ExitCode::SUCCESS
 }

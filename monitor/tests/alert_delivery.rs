@@ -15,8 +15,8 @@ use std::time::Duration;
 
 use common::alerts::*;
 use common::*;
-use revenant::telemetry::Metrics;
 use revenant::alert::{AlertConfig, AlertPipeline, WebhookConfig};
+use revenant::telemetry::Metrics;
 
 fn config(spool: &std::path::Path, url: &str, secret: Option<&str>, batch: usize) -> AlertConfig {
     let mut w = WebhookConfig::new(url);

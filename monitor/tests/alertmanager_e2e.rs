@@ -13,8 +13,8 @@ use std::time::Duration;
 use common::alerts::*;
 use common::process::Revenant;
 use common::*;
-use revenant::telemetry::Metrics;
 use revenant::alert::{AlertConfig, AlertPipeline, AlertmanagerConfig};
+use revenant::telemetry::Metrics;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn alertmanager_receives_reposts_and_routes_alerts() {

@@ -13,10 +13,10 @@ use opentelemetry_proto::tonic::trace::v1::{ResourceSpans, ScopeSpans, Span, Sta
 use proptest::prelude::*;
 use prost::Message;
 use revenant::ingest::otlp::{Ingest, OtlpStats, json};
+use revenant::ingest::replay::ReplayRecord;
 use revenant::normalize::{
     NormalizeConfig, Normalizer, ProfileLabel, Tally, Unmapped, sglang::TreeConfig,
 };
-use revenant::ingest::replay::ReplayRecord;
 
 fn kv(k: &str, v: Value) -> KeyValue {
     KeyValue {

@@ -10,7 +10,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::hash::{BuildHasher, Hasher};
 
 use foldhash::fast::FixedState;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use serde::Serialize;
 
@@ -374,6 +374,17 @@ impl TimelineProvider for RecentEvents {
             events,
             truncated,
         })
+    }
+}
+
+
+/// Feeds the `/api/requests/{id}` timeline from the engine task: a pipeline tap.
+pub struct TimelineTap(pub Arc<RecentEvents>);
+
+impl crate::pipeline::EventTap for TimelineTap {
+    fn batch(&mut self, batch: &crate::pipeline::EventBatch, _: u64) -> std::io::Result<()> {
+        self.0.record(batch);
+        Ok(())
     }
 }
 

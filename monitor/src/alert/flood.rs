@@ -43,11 +43,11 @@ use crate::violation::{AttemptRef, Evidence, Violation, has_several_sources};
 pub struct FloodConfig {
     /// An incident notified within this window is not notified again for later findings (they
     /// are merged into it), unless they raise its severity.
-    #[serde(with = "humantime_serde_compat")]
+    #[serde(with = "crate::duration")]
     pub dedup_window: Duration,
     /// Incident notifications per lead rule per `rate_limit_window`; 0 disables the limit.
     pub rate_limit: u32,
-    #[serde(with = "humantime_serde_compat")]
+    #[serde(with = "crate::duration")]
     pub rate_limit_window: Duration,
     /// Incidents remembered for dedup (and re-posting to Alertmanager).
     pub max_tracked: usize,
@@ -56,12 +56,12 @@ pub struct FloodConfig {
     /// notification goes out as soon as every finding in it is corroborated (and its group wait
     /// is over). The price is alert latency (up to the window) for violations only one source
     /// ever sees.
-    #[serde(with = "humantime_serde_compat")]
+    #[serde(with = "crate::duration")]
     pub corroboration_window: Duration,
     /// How long an incident's notification waits for the other findings of the same request
     /// (and an update for the findings that come with the escalating one); 0 turns grouping off:
     /// one notification per (rule, request), sent at once.
-    #[serde(with = "humantime_serde_compat")]
+    #[serde(with = "crate::duration")]
     pub group_wait: Duration,
 }
 
@@ -150,22 +150,6 @@ fn merge_evidence(into: &mut Vec<Evidence>, extra: &[Evidence]) -> bool {
     }
     into.sort_by_key(|e| e.time_ns);
     true
-}
-
-/// serde helper: durations as humantime strings ("5m", "30s").
-pub mod humantime_serde_compat {
-    use std::time::Duration;
-
-    use serde::{Deserialize, Deserializer, Serializer};
-
-    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(&humantime::format_duration(*d).to_string())
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
-        let s = String::deserialize(d)?;
-        humantime::parse_duration(&s).map_err(serde::de::Error::custom)
-    }
 }
 
 /// What became of one (non-follow-up) violation.

@@ -1,4 +1,4 @@
-//! Sources: everything that produces [`crate::pipeline::EventBatch`]es.
+//! Sources: everything that produces [`crate::event::EventBatch`]es.
 
 pub mod ebpf;
 pub mod otlp;

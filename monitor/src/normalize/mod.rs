@@ -15,7 +15,6 @@ pub mod smg;
 pub mod vllm;
 
 use std::collections::HashMap;
-use std::time::Duration;
 
 use opentelemetry_proto::tonic::collector::logs::v1::ExportLogsServiceRequest;
 use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
@@ -430,21 +429,6 @@ pub(crate) fn apply_token_attrs(e: &mut LifecycleEvent, a: &[KeyValue]) {
     }
     if e.context_tokens.is_none() {
         e.context_tokens = attrs::first_u64(a, &["context_tokens", "context_len", "max_model_len"]);
-    }
-}
-
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    humantime::parse_duration(s).map_err(|e| format!("{s:?}: {e}"))
-}
-
-pub(crate) mod serde_duration {
-    use std::time::Duration;
-
-    use serde::{Deserialize, Deserializer};
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
-        let s = String::deserialize(d)?;
-        super::parse_duration(&s).map_err(serde::de::Error::custom)
     }
 }
 

@@ -29,21 +29,21 @@ const P: ProfileLabel = ProfileLabel::Sglang;
 #[serde(deny_unknown_fields)]
 pub struct TreeConfig {
     /// How long a child span waits for its root before it is given up (counted).
-    #[serde(default = "default_orphan_ttl", with = "super::serde_duration")]
+    #[serde(default = "default_orphan_ttl", with = "crate::duration")]
     pub orphan_ttl: Duration,
     /// Most orphans held at once; the oldest is given up (counted) beyond this.
     #[serde(default = "default_max_orphans")]
     pub max_orphans: usize,
     /// How long a resolved span stays known so later children (other threads, later exports)
     /// still find their attempt.
-    #[serde(default = "default_retention", with = "super::serde_duration")]
+    #[serde(default = "default_retention", with = "crate::duration")]
     pub retention: Duration,
     /// Most resolved spans remembered per retention half-window.
     #[serde(default = "default_max_known")]
     pub max_known: usize,
     /// A request root ends in a different process than the scheduler that may abort it, so
     /// its "completed" waits this long for an abort from below before it is believed.
-    #[serde(default = "default_completion_grace", with = "super::serde_duration")]
+    #[serde(default = "default_completion_grace", with = "crate::duration")]
     pub completion_grace: Duration,
 }
 

@@ -78,10 +78,9 @@ impl AbsoluteDrops {
         &self,
         m: &Metrics,
         point: DropPoint,
-        reason: impl Into<DropReason>,
+        reason: DropReason,
         total: u64,
     ) {
-        let reason = reason.into();
         let prev = self.last.swap(total, std::sync::atomic::Ordering::Relaxed);
         if total > prev {
             ItemsDropped {

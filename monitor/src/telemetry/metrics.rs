@@ -140,14 +140,6 @@ impl DropReason {
 
 /// For callers that name a reason by its label (`"full"`): an unknown label counts as `full`
 /// (and fails debug builds).
-impl From<&'static str> for DropReason {
-    fn from(label: &'static str) -> DropReason {
-        let r = DropReason::from_label(label);
-        debug_assert!(r.is_some(), "unknown drop reason {label:?}");
-        r.unwrap_or(DropReason::Full)
-    }
-}
-
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct DropLabels {
     pub point: &'static str,

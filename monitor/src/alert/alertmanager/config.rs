@@ -2,8 +2,6 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::alert::flood::humantime_serde_compat;
-
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct AlertmanagerConfig {
@@ -11,9 +9,9 @@ pub struct AlertmanagerConfig {
     pub url: String,
     /// Active alerts are re-posted this often, like Prometheus' `resend_delay`; each post sets
     /// `endsAt` four intervals ahead so Alertmanager resolves them if revenant goes away.
-    #[serde(default = "default_resend", with = "humantime_serde_compat")]
+    #[serde(default = "default_resend", with = "crate::duration")]
     pub resend_interval: Duration,
-    #[serde(default = "default_timeout", with = "humantime_serde_compat")]
+    #[serde(default = "default_timeout", with = "crate::duration")]
     pub timeout: Duration,
 }
 

@@ -3,8 +3,6 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::alert::flood::humantime_serde_compat;
-
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct WebhookConfig {
@@ -17,7 +15,7 @@ pub struct WebhookConfig {
     /// Read the key from a file instead (trailing newline trimmed).
     #[serde(default)]
     pub secret_file: Option<PathBuf>,
-    #[serde(default = "default_timeout", with = "humantime_serde_compat")]
+    #[serde(default = "default_timeout", with = "crate::duration")]
     pub timeout: Duration,
     /// Notifications per request.
     #[serde(default = "default_batch")]

@@ -15,14 +15,14 @@ use foldhash::fast::FixedState;
 
 use crate::engine::identity::Owner;
 use crate::engine::identity::{AttemptRef, CorrelateStats, Limits, Resolved, Store};
-use crate::event::{Kind, LifecycleEvent, Source, Stage};
-use crate::violation::{self, AttemptRef as AttemptAliases, Evidence, RequestRef, Role, Violation};
 use crate::engine::rules::predicate::{Breach, Capacity, Known};
 use crate::engine::rules::{self, CompiledRule, Scope, Shape};
 use crate::engine::state::{
     Cands, Keep, NODE_LOCAL, NodeId, Slot, SlotEvent, SlotLayout, SlotRead, SlotSpec, SpecIndex,
     fold_into,
 };
+use crate::event::{Kind, LifecycleEvent, Source, Stage};
+use crate::violation::{self, AttemptRef as AttemptAliases, Evidence, RequestRef, Role, Violation};
 
 pub use crate::engine::rules::{RuleSet, RulesError, Severity};
 

@@ -455,28 +455,10 @@ pub fn compile(
     out
 }
 
-/// Serde helper: durations written as "50ms", "5s", "5m30s".
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct HumanDuration(pub Duration);
-
-impl Serialize for HumanDuration {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(&humantime::format_duration(self.0).to_string())
-    }
-}
-
-impl<'de> Deserialize<'de> for HumanDuration {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let s = String::deserialize(d)?;
-        humantime::parse_duration(&s)
-            .map(HumanDuration)
-            .map_err(|e| {
-                serde::de::Error::custom(format!(
-                    "invalid duration {s:?}: {e} (write e.g. 50ms, 5s, 5m30s)"
-                ))
-            })
-    }
-}
+/// A rule's duration, written as "50ms", "5s", "5m30s".
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct HumanDuration(#[serde(with = "crate::duration")] pub Duration);
 
 /// Stages are small; used by shapes that name one.
 pub fn stage_list(stages: &[Stage]) -> String {
@@ -555,7 +537,8 @@ mod tests {
         let mut set = RuleSet::embedded_defaults();
         set.apply_yaml(&rules(MAX_TOMBSTONE_RULES - 2), "ok.yaml")
             .unwrap();
-        let _ = crate::engine::check::Checker::new(set, crate::engine::check::CheckerConfig::default());
+        let _ =
+            crate::engine::check::Checker::new(set, crate::engine::check::CheckerConfig::default());
         let mut set = RuleSet::embedded_defaults();
         let err = set
             .apply_yaml(&rules(MAX_TOMBSTONE_RULES - 1), "u.yaml")

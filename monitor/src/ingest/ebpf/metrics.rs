@@ -10,7 +10,6 @@ use std::time::Duration;
 use monitor_common::counter;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::DescriptorEncoder;
-use tokio::sync::watch;
 
 use super::EbpfStats;
 use crate::telemetry::events::AbsoluteDrops;
@@ -121,8 +120,9 @@ pub async fn publish_drops(
     stats: Arc<EbpfStats>,
     metrics: Arc<Metrics>,
     readiness: Readiness,
-    mut stop: watch::Receiver<bool>,
+    stop: impl std::future::Future<Output = ()>,
 ) {
+    tokio::pin!(stop);
     let losses: [Loss; 6] = [
         (DropPoint::KernelRingbuf, DropReason::Full, |s| {
             s.kernel(counter::RINGBUF_DROPS)
@@ -151,7 +151,7 @@ pub async fn publish_drops(
     loop {
         let stopping = tokio::select! {
             _ = iv.tick() => false,
-            r = stop.wait_for(|v| *v) => { drop(r); true }
+            _ = &mut stop => true,
         };
         for ((point, reason, read), total) in losses.iter().zip(&totals) {
             total.observe_total(&metrics, *point, *reason, read(&stats));

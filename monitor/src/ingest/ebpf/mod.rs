@@ -5,7 +5,7 @@
 //! `conn` reassembles per-connection byte streams, `http`/`zmtp` parse them, `json_ids` pulls the
 //! few ids we keep out of bodies, and `normalize` turns parsed messages into `LifecycleEvent`s.
 
-pub mod cli;
+pub mod config;
 pub mod http;
 pub mod json_ids;
 pub mod loader;
@@ -16,7 +16,7 @@ pub mod source;
 pub mod track;
 pub mod zmtp;
 
-pub use cli::{EbpfArgs, EbpfMode, EbpfStart};
+pub use config::{EbpfArgs, EbpfMode, EbpfOptions, EbpfStart};
 pub use loader::{CaptureConfig, LoadError, Probes};
 pub use procs::{Discovery, PidRule, Role, WatchRule};
 pub use source::{EbpfConfig, EbpfSource, EbpfStats};

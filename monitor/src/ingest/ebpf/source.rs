@@ -22,7 +22,7 @@ use super::loader::{CaptureConfig, LoadError, Probes};
 use super::procs::{self, Discovery, Role};
 use super::record::{self, Record};
 use super::track::{Clock, Learned, Limits, Tracker};
-use crate::pipeline::EventBatch;
+use crate::event::EventBatch;
 
 #[derive(Debug, Clone)]
 pub struct EbpfConfig {
@@ -93,6 +93,9 @@ impl EbpfStats {
 
 /// Records decoded per drain before the batch is sent on.
 pub const DRAIN_LIMIT: usize = 4096;
+
+/// How long the final drain at shutdown may take (the drain budget gives the source more).
+const FINAL_DRAIN_BUDGET: std::time::Duration = std::time::Duration::from_millis(500);
 
 struct Fd(RawFd);
 impl AsRawFd for Fd {
@@ -231,9 +234,16 @@ impl EbpfSource {
             // Let the pipeline's consumer run between drains when it shares this thread.
             tokio::task::yield_now().await;
         }
-        // Whatever is left when asked to stop still goes out.
-        while self.drain(&mut batch) > 0 {
+        // What the ring holds when asked to stop still goes out. A busy node never empties its
+        // ring, so the final drain ends at the first short pass or after its budget, not when
+        // the ring is empty.
+        let until = std::time::Instant::now() + FINAL_DRAIN_BUDGET;
+        loop {
+            let n = self.drain(&mut batch);
             self.inner.send(&tx, &mut batch);
+            if n < DRAIN_LIMIT || std::time::Instant::now() >= until {
+                break;
+            }
         }
         Ok(())
     }

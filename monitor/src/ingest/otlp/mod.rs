@@ -23,7 +23,7 @@ pub use config::OtlpConfig;
 pub use metrics::{OtlpStats, RejectReason, Transport};
 
 use crate::normalize::{Normalizer, Tally};
-use crate::pipeline::EventBatch;
+use crate::event::EventBatch;
 
 /// Why an export was not accepted; decides the status code the client sees.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]

@@ -1,12 +1,17 @@
-//! Command-line options of the eBPF source, for `revenant run` / `revenant agent` to flatten in.
+//! Configuration of the eBPF source: the `ebpf` section of the run config ([`EbpfOptions`]) and
+//! the `revenant run` flags that override it ([`EbpfArgs`]).
 
+use std::str::FromStr;
 use std::time::Duration;
+
+use serde::{Deserialize, Deserializer};
 
 use super::loader::{CaptureConfig, LoadError};
 use super::procs::{Discovery, PidRule, WatchRule};
 use super::source::{EbpfConfig, EbpfSource};
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum EbpfMode {
     On,
     Off,
@@ -41,7 +46,78 @@ pub struct EbpfArgs {
     pub ring_bytes: u32,
 }
 
+/// The `ebpf` section of the run config; the flags of [`EbpfArgs`] have the same meaning.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EbpfOptions {
+    /// `on`, `off` or `auto` (`--ebpf`).
+    pub mode: EbpfMode,
+    /// `ROLE=REGEX` rules (`--watch`); flags add to them.
+    #[serde(deserialize_with = "parsed_list")]
+    pub watch: Vec<WatchRule>,
+    /// `[ROLE=]PID` rules (`--pid`); flags add to them.
+    #[serde(deserialize_with = "parsed_list")]
+    pub pid: Vec<PidRule>,
+    /// Apply the SGLang command-line conventions (`--no-sglang-conventions` turns them off).
+    pub sglang_conventions: bool,
+    pub capture_head_bytes: u32,
+    pub capture_tail_bytes: u32,
+    pub ring_bytes: u32,
+}
+
+impl Default for EbpfOptions {
+    fn default() -> Self {
+        EbpfOptions {
+            mode: EbpfMode::Auto,
+            watch: Vec::new(),
+            pid: Vec::new(),
+            sglang_conventions: true,
+            capture_head_bytes: monitor_common::DEFAULT_HEAD_BYTES,
+            capture_tail_bytes: monitor_common::DEFAULT_TAIL_BYTES,
+            ring_bytes: 16 << 20,
+        }
+    }
+}
+
+/// A list of rules written as their flag spelling (`decode=regex`, `router=12`).
+fn parsed_list<'de, D, T>(d: D) -> Result<Vec<T>, D::Error>
+where
+    D: Deserializer<'de>,
+    T: FromStr,
+    T::Err: std::fmt::Display,
+{
+    Vec::<String>::deserialize(d)?
+        .iter()
+        .map(|s| s.parse().map_err(serde::de::Error::custom))
+        .collect()
+}
+
 impl EbpfArgs {
+    /// The flags alone, as options (what `revenant run` uses without a config file).
+    pub fn options(&self) -> EbpfOptions {
+        EbpfOptions {
+            mode: self.ebpf,
+            watch: self.watch.clone(),
+            pid: self.pid.clone(),
+            sglang_conventions: !self.no_sglang_conventions,
+            capture_head_bytes: self.capture_head_bytes,
+            capture_tail_bytes: self.capture_tail_bytes,
+            ring_bytes: self.ring_bytes,
+        }
+    }
+
+    /// The source configuration, validated (no kernel contact yet).
+    pub fn config(&self, node: Option<String>) -> Result<EbpfConfig, LoadError> {
+        self.options().config(node)
+    }
+
+    /// See [`EbpfOptions::start`].
+    pub fn start(&self, node: Option<String>) -> Result<EbpfStart, LoadError> {
+        self.options().start(node)
+    }
+}
+
+impl EbpfOptions {
     /// The source configuration, validated (no kernel contact yet).
     pub fn config(&self, node: Option<String>) -> Result<EbpfConfig, LoadError> {
         let capture = CaptureConfig {
@@ -56,7 +132,7 @@ impl EbpfArgs {
             discovery: Discovery {
                 watch: self.watch.clone(),
                 pids: self.pid.clone(),
-                conventions: !self.no_sglang_conventions,
+                conventions: self.sglang_conventions,
             },
             node,
             rescan_every: Duration::from_secs(2),
@@ -67,7 +143,7 @@ impl EbpfArgs {
     /// Starts the source as the mode says. `Unavailable` only in `auto` mode (logged as a warning
     /// with the reason); with `on`, failing to load is an error.
     pub fn start(&self, node: Option<String>) -> Result<EbpfStart, LoadError> {
-        if self.ebpf == EbpfMode::Off {
+        if self.mode == EbpfMode::Off {
             tracing::info!("eBPF source: off (--ebpf off)");
             return Ok(EbpfStart::Off);
         }
@@ -77,7 +153,7 @@ impl EbpfArgs {
                 tracing::info!("eBPF source: live");
                 Ok(EbpfStart::Live(Box::new(src)))
             }
-            Err(e) if self.ebpf == EbpfMode::Auto => {
+            Err(e) if self.mode == EbpfMode::Auto => {
                 tracing::warn!(error = %e, "eBPF source: NOT live (--ebpf auto), continuing without kernel capture");
                 Ok(EbpfStart::Unavailable(e))
             }
@@ -124,6 +200,22 @@ mod tests {
         assert!(T::try_parse_from(["x", "--watch", "chef=x"]).is_err());
         let t = T::try_parse_from(["x", "--capture-head-bytes", "9000"]).unwrap();
         assert!(matches!(t.e.config(None), Err(LoadError::Config(_))));
+    }
+
+    #[test]
+    fn section_reads_the_flag_spellings() {
+        let o: EbpfOptions = serde_saphyr::from_str(
+            "mode: on\nwatch: [\"decode=fake.*decode\"]\npid: [\"router=12\", \"7\"]\nsglang_conventions: false\n",
+        )
+        .unwrap();
+        assert_eq!(o.mode, EbpfMode::On);
+        let cfg = o.config(None).unwrap();
+        assert_eq!(cfg.discovery.pids[1].pid, 7);
+        assert!(!cfg.discovery.conventions);
+        let e = serde_saphyr::from_str::<EbpfOptions>("watch: [\"chef=x\"]\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("chef"), "{e}");
     }
 
     #[test]

@@ -1,0 +1,239 @@
+//! The configuration of `revenant run`: one YAML file (`--config FILE`) with a section per
+//! component, flags applied over it (`run::overlay`), everything validated before any port is bound.
+//!
+//! ```yaml
+//! node: { name: node-a, cluster: prod }
+//! otlp: { grpc: 127.0.0.1:4317, http: 127.0.0.1:4318 }
+//! ebpf: { mode: auto, watch: ["decode=sglang.*decode"] }
+//! normalize: { sglang: { completion_grace: 5s } }
+//! engine: { clock_skew: 50ms, allowed_lateness: 15s }
+//! alert: { webhooks: [{ url: "https://hooks.example/revenant" }] }
+//! admin: { addr: 127.0.0.1:9464 }
+//! channel_capacity: 1024
+//! drain_timeout: 10s
+//! ```
+//!
+//! Unknown keys are errors (a typo never silently keeps a default), reported with the file's
+//! line and column. Every key is documented in `docs/config.md`.
+
+pub use crate::duration;
+pub use crate::node::hostname;
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::alert::AlertConfig;
+use crate::ingest::ebpf::EbpfOptions;
+use crate::ingest::otlp::OtlpConfig;
+use crate::normalize::NormalizeConfig;
+
+/// The whole run configuration. Sections are optional; each defaults to what the flags default to.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunConfig {
+    #[serde(default)]
+    pub node: NodeConfig,
+    #[serde(default)]
+    pub otlp: OtlpConfig,
+    #[serde(default)]
+    pub ebpf: EbpfOptions,
+    #[serde(default)]
+    pub normalize: NormalizeConfig,
+    #[serde(default)]
+    pub engine: EngineConfig,
+    #[serde(default)]
+    pub alert: AlertConfig,
+    #[serde(default)]
+    pub admin: AdminConfig,
+    /// Bounded channel between sources and engine, in batches [default: 1024].
+    #[serde(default)]
+    pub channel_capacity: Option<usize>,
+    /// How long shutdown may take to drain queued events through the engine [default: 10s].
+    #[serde(default, with = "duration::option")]
+    pub drain_timeout: Option<Duration>,
+    /// Also record every normalized event here, in the replay format `revenant check` reads.
+    #[serde(default)]
+    pub events_jsonl: Option<PathBuf>,
+    /// Top-level spellings of the `engine` keys (`rules`, `clock_skew`, `allowed_lateness`);
+    /// giving a key in both places is an error.
+    #[serde(default)]
+    rules: Option<PathBuf>,
+    #[serde(default, with = "duration::option")]
+    clock_skew: Option<Duration>,
+    #[serde(default, with = "duration::option")]
+    allowed_lateness: Option<Duration>,
+}
+
+/// Who this revenant is: the `node` and `cluster` labels of its alerts and the node of the
+/// events its eBPF source produces.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NodeConfig {
+    /// Default: this host's name (`$HOSTNAME`, then the kernel's).
+    #[serde(default)]
+    pub name: Option<String>,
+    /// Default: `default`.
+    #[serde(default)]
+    pub cluster: Option<String>,
+}
+
+/// The engine: rule set and the time bounds of its verdicts. Absent keys take the defaults of
+/// the accessors.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EngineConfig {
+    /// Rules file extending or overriding the embedded defaults.
+    pub rules: Option<PathBuf>,
+    /// Events from different nodes count as later only beyond this skew [default: 50ms].
+    #[serde(with = "duration::option")]
+    pub clock_skew: Option<Duration>,
+    /// How late (after its event time) an event may arrive and still count for deadline rules
+    /// [default: 15s].
+    #[serde(with = "duration::option")]
+    pub allowed_lateness: Option<Duration>,
+}
+
+impl EngineConfig {
+    pub fn clock_skew(&self) -> Duration {
+        self.clock_skew.unwrap_or(DEFAULT_CLOCK_SKEW)
+    }
+
+    pub fn allowed_lateness(&self) -> Duration {
+        self.allowed_lateness.unwrap_or(DEFAULT_ALLOWED_LATENESS)
+    }
+}
+
+/// The admin server (`/metrics`, `/readyz`, `/api/...`).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AdminConfig {
+    /// Listen address; `null` does not start the server (`--no-admin`).
+    pub addr: Option<SocketAddr>,
+    /// Violations kept for /api/violations.
+    pub recent_violations: usize,
+    /// Events kept for /api/requests/{id}.
+    pub timeline_events: usize,
+    /// A source counts as live in /readyz if it produced an event within this window.
+    #[serde(with = "duration")]
+    pub source_live_window: Duration,
+}
+
+impl Default for AdminConfig {
+    fn default() -> Self {
+        let a = crate::admin::AdminArgs::default();
+        AdminConfig {
+            addr: Some(a.admin),
+            recent_violations: a.recent_violations,
+            timeline_events: a.timeline_events,
+            source_live_window: a.source_live_window,
+        }
+    }
+}
+
+pub const DEFAULT_CHANNEL_CAPACITY: usize = 1024;
+pub const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
+
+pub const DEFAULT_CLOCK_SKEW: Duration = Duration::from_millis(50);
+/// Python's BatchSpanProcessor flushes every 5 s; SGLang root completions wait 5 s more.
+pub const DEFAULT_ALLOWED_LATENESS: Duration = Duration::from_secs(15);
+
+/// Why a config file cannot be used. Nothing is bound when one is returned.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigFileError {
+    #[error("reading config {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    /// `line`/`column` (1-based) when the parser knows where.
+    #[error("config {path}: {msg}")]
+    Parse {
+        path: PathBuf,
+        line: Option<u64>,
+        column: Option<u64>,
+        msg: String,
+    },
+    #[error("config {path}: `{key}` is given both at the top level and in `engine`")]
+    Duplicate { path: PathBuf, key: &'static str },
+}
+
+impl RunConfig {
+    /// Parses a config file's text; `path` names it in errors.
+    pub fn from_yaml(path: &Path, text: &str) -> Result<RunConfig, ConfigFileError> {
+        let mut cfg: RunConfig = serde_saphyr::from_str(text).map_err(|e| {
+            let at = e.location();
+            ConfigFileError::Parse {
+                path: path.into(),
+                line: at.map(|l| l.line()),
+                column: at.map(|l| l.column()),
+                msg: e.to_string(),
+            }
+        })?;
+        cfg.fold_top_level_engine_keys(path)?;
+        Ok(cfg)
+    }
+
+    /// Reads `path`; `None` is the default configuration.
+    pub fn load(path: Option<&Path>) -> Result<RunConfig, ConfigFileError> {
+        let Some(path) = path else {
+            return Ok(RunConfig::default());
+        };
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigFileError::Read {
+            path: path.into(),
+            source,
+        })?;
+        RunConfig::from_yaml(path, &text)
+    }
+
+    fn fold_top_level_engine_keys(&mut self, path: &Path) -> Result<(), ConfigFileError> {
+        fn fold<T>(
+            top: &mut Option<T>,
+            engine: &mut Option<T>,
+            key: &'static str,
+            path: &Path,
+        ) -> Result<(), ConfigFileError> {
+            if let Some(v) = top.take() {
+                if engine.is_some() {
+                    return Err(ConfigFileError::Duplicate {
+                        path: path.into(),
+                        key,
+                    });
+                }
+                *engine = Some(v);
+            }
+            Ok(())
+        }
+        fold(&mut self.rules, &mut self.engine.rules, "rules", path)?;
+        fold(
+            &mut self.clock_skew,
+            &mut self.engine.clock_skew,
+            "clock_skew",
+            path,
+        )?;
+        fold(
+            &mut self.allowed_lateness,
+            &mut self.engine.allowed_lateness,
+            "allowed_lateness",
+            path,
+        )
+    }
+
+    pub fn channel_capacity(&self) -> usize {
+        self.channel_capacity.unwrap_or(DEFAULT_CHANNEL_CAPACITY)
+    }
+
+    pub fn drain_timeout(&self) -> Duration {
+        self.drain_timeout.unwrap_or(DEFAULT_DRAIN_TIMEOUT)
+    }
+
+    /// This node's name: the `node` section, else the host name.
+    pub fn node_name(&self) -> String {
+        self.node.name.clone().unwrap_or_else(hostname)
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,180 @@
+//! The flags of `revenant run` applied over the config file: a flag given on the command line (or
+//! through its environment variable) wins over the file; list flags (`--webhook`, `--watch`, ...)
+//! add to the file's lists. `--alert-config FILE` replaces the `alert` section.
+
+use std::collections::BTreeSet;
+use std::net::SocketAddr;
+
+use clap::parser::ValueSource;
+
+use crate::config::RunConfig;
+use crate::admin::AdminArgs;
+use crate::ingest::ebpf::EbpfArgs;
+use super::{RunArgs, RunConfigError};
+
+/// The ids of the arguments given explicitly (not from a clap default), so that a flag with a
+/// default does not hide the file's value. Filled in by `main` from the parsed matches.
+#[derive(Debug, Clone, Default)]
+pub struct Given(BTreeSet<String>);
+
+impl Given {
+    pub fn from_matches(m: &clap::ArgMatches) -> Given {
+        Given(
+            m.ids()
+                .filter(|id| {
+                    matches!(
+                        m.value_source(id.as_str()),
+                        Some(ValueSource::CommandLine | ValueSource::EnvVariable)
+                    )
+                })
+                .map(|id| id.as_str().to_owned())
+                .collect(),
+        )
+    }
+
+    /// Whether flag `id` was given. A value other than its default was given too, whether or
+    /// not the matches were recorded (arguments built in code).
+    fn has<T: PartialEq>(&self, id: &str, value: &T, default: &T) -> bool {
+        self.0.contains(id) || value != default
+    }
+}
+
+fn parse_addr(flag: &'static str, v: &str) -> Result<Option<SocketAddr>, RunConfigError> {
+    if v.eq_ignore_ascii_case("off") {
+        return Ok(None);
+    }
+    v.parse().map(Some).map_err(|_| RunConfigError::Addr {
+        flag,
+        value: v.to_owned(),
+    })
+}
+
+/// Applies every flag of `args` over `cfg`. Validation is the caller's.
+pub fn apply(cfg: &mut RunConfig, args: &RunArgs) -> Result<(), RunConfigError> {
+    if let Some(v) = &args.otlp_grpc {
+        cfg.otlp.grpc = parse_addr("otlp-grpc", v)?;
+    }
+    if let Some(v) = &args.otlp_http {
+        cfg.otlp.http = parse_addr("otlp-http", v)?;
+    }
+    if let Some(v) = args.max_message_bytes {
+        cfg.otlp.max_message_bytes = v;
+        cfg.otlp.max_decompressed_bytes = cfg.otlp.max_decompressed_bytes.max(v);
+    }
+    if let Some(v) = args.channel_capacity {
+        cfg.channel_capacity = Some(v);
+    }
+    if let Some(v) = args.drain_timeout {
+        cfg.drain_timeout = Some(v);
+    }
+    if args.events_jsonl.is_some() {
+        cfg.events_jsonl = args.events_jsonl.clone();
+    }
+    if let Some(v) = args.clock_skew {
+        cfg.engine.clock_skew = Some(v);
+    }
+    if let Some(v) = args.allowed_lateness {
+        cfg.engine.allowed_lateness = Some(v);
+    }
+    if args.rules.is_some() {
+        cfg.engine.rules = args.rules.clone();
+    }
+    ebpf(cfg, &args.ebpf, &args.given);
+    admin(cfg, &args.admin, &args.given);
+    alert(cfg, args)
+}
+
+fn ebpf(cfg: &mut RunConfig, a: &EbpfArgs, given: &Given) {
+    let d = crate::ingest::ebpf::EbpfOptions::default();
+    let o = &mut cfg.ebpf;
+    if given.has("ebpf", &a.ebpf, &d.mode) {
+        o.mode = a.ebpf;
+    }
+    o.watch.extend(a.watch.iter().cloned());
+    o.pid.extend(a.pid.iter().copied());
+    if a.no_sglang_conventions {
+        o.sglang_conventions = false;
+    }
+    if given.has(
+        "capture_head_bytes",
+        &a.capture_head_bytes,
+        &d.capture_head_bytes,
+    ) {
+        o.capture_head_bytes = a.capture_head_bytes;
+    }
+    if given.has(
+        "capture_tail_bytes",
+        &a.capture_tail_bytes,
+        &d.capture_tail_bytes,
+    ) {
+        o.capture_tail_bytes = a.capture_tail_bytes;
+    }
+    if given.has("ring_bytes", &a.ring_bytes, &d.ring_bytes) {
+        o.ring_bytes = a.ring_bytes;
+    }
+}
+
+fn admin(cfg: &mut RunConfig, a: &AdminArgs, given: &Given) {
+    let d = AdminArgs::default();
+    let c = &mut cfg.admin;
+    if given.has("admin", &a.admin, &d.admin) {
+        c.addr = Some(a.admin);
+    }
+    if a.no_admin {
+        c.addr = None;
+    }
+    if given.has(
+        "recent_violations",
+        &a.recent_violations,
+        &d.recent_violations,
+    ) {
+        c.recent_violations = a.recent_violations;
+    }
+    if given.has("timeline_events", &a.timeline_events, &d.timeline_events) {
+        c.timeline_events = a.timeline_events;
+    }
+    if given.has(
+        "source_live_window",
+        &a.source_live_window,
+        &d.source_live_window,
+    ) {
+        c.source_live_window = a.source_live_window;
+    }
+}
+
+/// The alert section with the alert flags, and the node identity settled: `--node`/`--cluster`,
+/// else the `node` section, else what the alert configuration names.
+fn alert(cfg: &mut RunConfig, args: &RunArgs) -> Result<(), RunConfigError> {
+    if let Some(file) = args.alert.load_file()? {
+        cfg.alert = file;
+    }
+    // Links in alerts default to the admin server's bound address, known only after binding
+    // (`--admin 127.0.0.1:0`): filled in by `run`.
+    args.alert.apply(&mut cfg.alert, None);
+    let node = &mut cfg.node;
+    if args.alert.node.is_some() || node.name.is_none() {
+        node.name = cfg.alert.node.clone();
+    }
+    if args.alert.cluster.is_some() || node.cluster.is_none() {
+        node.cluster = Some(cfg.alert.cluster.clone());
+    }
+    cfg.alert.node = node.name.clone();
+    if let Some(c) = &node.cluster {
+        cfg.alert.cluster = c.clone();
+    }
+    Ok(())
+}
+
+impl RunConfig {
+    /// The admin server's settings in the shape the server takes.
+    pub fn admin_args(&self) -> AdminArgs {
+        let d = AdminArgs::default();
+        AdminArgs {
+            admin: self.admin.addr.unwrap_or(d.admin),
+            no_admin: self.admin.addr.is_none(),
+            recent_violations: self.admin.recent_violations,
+            timeline_events: self.admin.timeline_events,
+            source_live_window: self.admin.source_live_window,
+        }
+    }
+}

@@ -1,0 +1,261 @@
+//! The first step of `revenant run`: load the config file, apply the flags, validate everything
+//! and build what needs no port (normalizer, engine, alert configuration). Nothing is bound and no
+//! probe is loaded when this returns, so every configuration error is found before any side effect.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::admin::AdminArgs;
+use crate::telemetry::logging::LogArgs;
+use crate::alert::{AlertArgs, AlertConfig, JsonlConfig};
+use super::overlay::{self, Given};
+use crate::config::{ConfigFileError, RunConfig};
+use crate::engine::check::{Checker, CheckerConfig, RuleSet};
+use crate::ingest::ebpf::EbpfArgs;
+use crate::ingest::otlp;
+use crate::normalize::Normalizer;
+
+#[derive(Debug, clap::Args)]
+pub struct RunArgs {
+    /// YAML config file with a section per component (docs/config.md); flags override it.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// OTLP/gRPC listen address (`off` disables) [default: 127.0.0.1:4317].
+    #[arg(long, value_name = "ADDR")]
+    pub otlp_grpc: Option<String>,
+    /// OTLP/HTTP listen address (`off` disables) [default: 127.0.0.1:4318].
+    #[arg(long, value_name = "ADDR")]
+    pub otlp_http: Option<String>,
+    /// Also record every normalized event, in the replay format `revenant check` reads.
+    #[arg(long, value_name = "PATH")]
+    pub events_jsonl: Option<PathBuf>,
+    /// Rules file extending or overriding the embedded defaults.
+    #[arg(long)]
+    pub rules: Option<PathBuf>,
+    /// Bounded channel between sources and checker, in batches.
+    #[arg(long)]
+    pub channel_capacity: Option<usize>,
+    /// Largest OTLP request body in bytes.
+    #[arg(long)]
+    pub max_message_bytes: Option<usize>,
+    /// Events from different nodes count as later only beyond this skew.
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub clock_skew: Option<Duration>,
+    /// How late (after its event time) an event may arrive and still count for deadline rules.
+    /// OTLP exporters batch for seconds, and SGLang root completions wait out their grace.
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub allowed_lateness: Option<Duration>,
+    /// How long shutdown may take to drain queued events through the checker.
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub drain_timeout: Option<Duration>,
+    /// Write the bound addresses as JSON here once every receiver listens (readiness latch for
+    /// scripts and tests that bind port 0).
+    #[arg(long, value_name = "PATH")]
+    pub ready_file: Option<PathBuf>,
+    /// Testing aid: the checker stops taking batches while this file exists (saturates the
+    /// pipeline on purpose to exercise back-pressure).
+    #[arg(long, hide = true)]
+    pub pause_file: Option<PathBuf>,
+    #[command(flatten)]
+    pub ebpf: EbpfArgs,
+    #[command(flatten)]
+    pub admin: AdminArgs,
+    #[command(flatten)]
+    pub alert: AlertArgs,
+    #[command(flatten)]
+    pub log: LogArgs,
+    /// Which of the flags above were given explicitly (set by `main` from the parsed matches).
+    #[arg(skip)]
+    pub given: Given,
+}
+
+/// Why `revenant run` cannot start with this configuration (exit code 2).
+#[derive(Debug, thiserror::Error)]
+pub enum RunConfigError {
+    #[error(transparent)]
+    File(#[from] ConfigFileError),
+    #[error("--{flag}: {value:?} is not an address (HOST:PORT or `off`)")]
+    Addr { flag: &'static str, value: String },
+    #[error(transparent)]
+    Otlp(#[from] otlp::config::OtlpConfigError),
+    #[error("normalize: {0}")]
+    Normalize(#[from] crate::normalize::ConfigError),
+    #[error("rules: {0}")]
+    Rules(#[from] crate::engine::check::RulesError),
+    #[error("checker: {0}")]
+    Checker(#[from] crate::engine::check::ConfigError),
+    #[error("channel_capacity must be > 0")]
+    Capacity,
+    #[error("alerting: {0}")]
+    Alert(#[from] crate::alert::AlertError),
+    #[error("admin: {0}")]
+    Admin(String),
+    #[error("eBPF: {0}")]
+    Ebpf(#[from] crate::ingest::ebpf::LoadError),
+}
+
+/// Everything validated and built, no port bound yet.
+pub struct Prepared {
+    pub cfg: RunConfig,
+    pub normalizer: Normalizer,
+    pub checker: Checker,
+    /// The alert configuration; `external_url` is filled in once the admin server is bound.
+    pub alert: AlertConfig,
+    pub admin: AdminArgs,
+    pub ready_file: Option<PathBuf>,
+    pub pause_file: Option<PathBuf>,
+}
+
+impl Prepared {
+    pub fn drain_timeout(&self) -> Duration {
+        self.cfg.drain_timeout()
+    }
+}
+
+/// Reads `--config` (or the defaults) and applies the flags; not yet validated.
+pub fn load_config(args: &RunArgs) -> Result<RunConfig, RunConfigError> {
+    let mut cfg = RunConfig::load(args.config.as_deref())?;
+    overlay::apply(&mut cfg, args)?;
+    Ok(cfg)
+}
+
+pub fn prepare(args: &RunArgs) -> Result<Prepared, RunConfigError> {
+    let cfg = load_config(args)?;
+    cfg.otlp.validate()?;
+    if cfg.channel_capacity() == 0 {
+        return Err(RunConfigError::Capacity);
+    }
+    let normalizer = Normalizer::new(&cfg.normalize)?;
+    let rules = match &cfg.engine.rules {
+        Some(p) => RuleSet::from_file(p)?,
+        None => RuleSet::embedded_defaults(),
+    };
+    let ccfg = CheckerConfig {
+        clock_skew: cfg.engine.clock_skew(),
+        allowed_lateness: cfg.engine.allowed_lateness(),
+        ..CheckerConfig::default()
+    };
+    ccfg.validate()?;
+    let admin = cfg.admin_args();
+    admin.validate().map_err(RunConfigError::Admin)?;
+    let mut alert = cfg.alert.clone();
+    alert.validate()?;
+    if alert.webhooks.is_empty() && alert.alertmanagers.is_empty() && alert.jsonl.is_none() {
+        // An alert nobody can see is a silent loss: without any sink, alerts go to stdout.
+        alert.jsonl = Some(JsonlConfig { path: "-".into() });
+    }
+    // Only the sizes are checked here: loading the probes happens once the ports are bound.
+    cfg.ebpf.config(None)?;
+    Ok(Prepared {
+        checker: Checker::new(rules, ccfg),
+        normalizer,
+        alert,
+        admin,
+        ready_file: args.ready_file.clone(),
+        pause_file: args.pause_file.clone(),
+        cfg,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        run: RunArgs,
+    }
+
+    fn args(config: Option<PathBuf>) -> RunArgs {
+        let mut argv = vec!["revenant".to_string()];
+        if let Some(c) = config {
+            argv.push("--config".into());
+            argv.push(c.display().to_string());
+        }
+        parse(&argv)
+    }
+
+    /// As `main` parses: with the explicitly given flags recorded.
+    fn parse(argv: &[String]) -> RunArgs {
+        use clap::{CommandFactory, FromArgMatches};
+        let m = Cli::command().try_get_matches_from(argv).unwrap();
+        let mut run = Cli::from_arg_matches(&m).unwrap().run;
+        run.given = Given::from_matches(&m);
+        run
+    }
+
+    fn write(name: &str, text: &str) -> PathBuf {
+        let p = std::env::temp_dir().join(format!(
+            "revenant-run-cfg-{}-{name}.yaml",
+            std::process::id()
+        ));
+        std::fs::write(&p, text).unwrap();
+        p
+    }
+
+    #[test]
+    fn example_config_is_valid() {
+        let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/otlp/run-config.yaml");
+        let prepared = prepare(&args(Some(p))).unwrap();
+        assert_eq!(
+            prepared.cfg.otlp.grpc,
+            Some("127.0.0.1:4317".parse().unwrap())
+        );
+        assert_eq!(prepared.cfg.normalize.generic.len(), 1);
+        assert_eq!(
+            prepared.cfg.normalize.sglang.completion_grace,
+            Duration::from_secs(5)
+        );
+    }
+
+    #[test]
+    fn defaults_and_flag_overrides() {
+        let p = prepare(&args(None)).unwrap();
+        assert_eq!(p.cfg.otlp.grpc, Some("127.0.0.1:4317".parse().unwrap()));
+        assert_eq!(p.cfg.otlp.http, Some("127.0.0.1:4318".parse().unwrap()));
+        assert_eq!(p.cfg.otlp.max_message_bytes, 8 << 20);
+        let mut a = args(None);
+        a.otlp_grpc = Some("off".into());
+        a.otlp_http = Some("127.0.0.1:9999".into());
+        a.max_message_bytes = Some(64 << 20);
+        let p = prepare(&a).unwrap();
+        assert_eq!(p.cfg.otlp.grpc, None);
+        assert_eq!(p.cfg.otlp.http, Some("127.0.0.1:9999".parse().unwrap()));
+        assert!(p.cfg.otlp.max_decompressed_bytes >= 64 << 20);
+    }
+
+    #[test]
+    fn bad_configs_are_refused_before_binding() {
+        let typo = write("typo", "otlp:\n  grcp: 127.0.0.1:1\n");
+        let e = prepare(&args(Some(typo))).err().unwrap().to_string();
+        assert!(e.contains("grcp"), "{e}");
+        let zero = write("zero", "channel_capacity: 0\n");
+        assert!(matches!(
+            prepare(&args(Some(zero))),
+            Err(RunConfigError::Capacity)
+        ));
+        let same = write(
+            "same",
+            "otlp:\n  grpc: 127.0.0.1:7000\n  http: 127.0.0.1:7000\n",
+        );
+        assert!(matches!(
+            prepare(&args(Some(same))),
+            Err(RunConfigError::Otlp(_))
+        ));
+        let profile = write("profile", "normalize:\n  by_service_name: { x: sglangg }\n");
+        assert!(matches!(
+            prepare(&args(Some(profile))),
+            Err(RunConfigError::Normalize(_))
+        ));
+        let mut a = args(None);
+        a.otlp_grpc = Some("localhost".into());
+        assert!(matches!(prepare(&a), Err(RunConfigError::Addr { .. })));
+        assert!(matches!(
+            prepare(&args(Some("/nonexistent/revenant.yaml".into()))),
+            Err(RunConfigError::File(ConfigFileError::Read { .. }))
+        ));
+    }
+}
