@@ -107,7 +107,8 @@ pub struct Limits {
 pub struct Store {
     pub limits: Limits,
     pub attempts: Chunked<Attempt>,
-    /// Per attempt, its rule slots as a sparse row in a size class (see [`crate::engine::state::rows`]).
+    /// Per attempt, its rule slots as a sparse row in a size class (see
+    /// [`crate::engine::state::rows`]).
     attempt_rows: SlotRows,
     free_attempts: Vec<u32>,
     live_attempts: usize,
