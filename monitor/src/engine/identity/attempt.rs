@@ -92,7 +92,7 @@ impl Attempt {
         }
     }
     #[inline]
-    pub(super) fn set_row(&mut self, r: RowRef) {
+    fn set_row(&mut self, r: RowRef) {
         self.slot_class = r.class;
         self.slot_row = r.index;
     }
@@ -175,7 +175,7 @@ impl Store {
 
     /// Every alias key attempt `a` owns: room, first rid, second rid (no allocation: this runs
     /// for every attempt freed), then any further ones.
-    pub(super) fn attempt_keys(&self, a: u32) -> impl Iterator<Item = u64> + use<> {
+    fn attempt_keys(&self, a: u32) -> impl Iterator<Item = u64> + use<> {
         let at = &self.attempts[a as usize];
         let inline = [
             at.room().map(key_room),

@@ -37,7 +37,7 @@ impl Request {
         self.ids.as_ref()?.trace_id()
     }
     /// Sets the request id (`trace` false) or trace id if it has none; false if it had one.
-    pub(super) fn set_id(&mut self, trace: bool, v: &str) -> bool {
+    fn set_id(&mut self, trace: bool, v: &str) -> bool {
         let next = match &self.ids {
             None if trace => ReqIds::new(None, Some(v)),
             None => ReqIds::new(Some(v), None),
@@ -253,7 +253,7 @@ impl Store {
     }
 
     /// A new request with a record from the start (request-level events, stubs).
-    pub(super) fn new_request(&mut self) -> u32 {
+    fn new_request(&mut self) -> u32 {
         self.live_requests += 1;
         self.stats.requests_created += 1;
         self.new_request_record()
@@ -288,7 +288,7 @@ impl Store {
     }
 
     /// Merges root `from` into root `into`: `from` becomes a forwarding stub.
-    pub(super) fn union_requests(&mut self, from: u32, into: u32) -> u32 {
+    fn union_requests(&mut self, from: u32, into: u32) -> u32 {
         if from == into {
             return into;
         }

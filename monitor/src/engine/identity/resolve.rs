@@ -39,7 +39,7 @@ impl Store {
 
     /// The live attempt or tombstone an event's room and rid name, created if new; true when two
     /// attempts turned out to be one (the merged history must reach the request).
-    pub(super) fn resolve_attempt(&mut self, ids: &Ids) -> (Option<AttemptRef>, bool) {
+    fn resolve_attempt(&mut self, ids: &Ids) -> (Option<AttemptRef>, bool) {
         let room_alias = ids.bootstrap_room.map(|r| Alias::room(r.0));
         let room_key = room_alias.map(|a| a.key);
         if room_key.is_none() && ids.rid.is_none() {
@@ -111,11 +111,7 @@ impl Store {
     }
 
     /// The request of an event's attempt, for an event naming no request.
-    pub(super) fn request_at(
-        &mut self,
-        attempt: Option<AttemptRef>,
-        time_ns: u64,
-    ) -> Option<ReqAt> {
+    fn request_at(&mut self, attempt: Option<AttemptRef>, time_ns: u64) -> Option<ReqAt> {
         match attempt {
             Some(AttemptRef::Live(i)) if self.attempts[i as usize].request.is_solo() => {
                 Some(ReqAt::Solo(i))
@@ -126,11 +122,7 @@ impl Store {
 
     /// The request record of an event's attempt, for an event naming no request: its union-find
     /// root, or `None` when the attempt has no request or keeps it solo.
-    pub(super) fn current_request(
-        &mut self,
-        attempt: Option<AttemptRef>,
-        time_ns: u64,
-    ) -> Option<u32> {
+    fn current_request(&mut self, attempt: Option<AttemptRef>, time_ns: u64) -> Option<u32> {
         let root = match attempt? {
             AttemptRef::Live(i) => {
                 let at = &self.attempts[i as usize];
@@ -172,7 +164,7 @@ impl Store {
     /// found, linked to the attempt, merged with the attempt's own when they differ, or created
     /// (kept solo in the attempt when there is a live one). Returns the request and whether an
     /// attempt was newly linked to a record.
-    pub(super) fn resolve_request(
+    fn resolve_request(
         &mut self,
         ids: &Ids,
         names: [Option<Alias>; 2],
@@ -276,7 +268,7 @@ impl Store {
 
     /// The live attempt or tombstone alias `a` names. Entries of dropped tombstones met on the
     /// way (they fail verification) are removed.
-    pub(super) fn lookup_attempt(&mut self, a: &Alias) -> Option<AttemptRef> {
+    fn lookup_attempt(&mut self, a: &Alias) -> Option<AttemptRef> {
         let mut stale = false;
         let found = self.aliases.find(a.key, |v| {
             self.owns(v, a) || {

@@ -51,7 +51,7 @@ impl Store {
     }
 
     /// Queue position of tombstone `i`'s row header.
-    pub(super) fn tomb_row(&self, i: usize) -> usize {
+    fn tomb_row(&self, i: usize) -> usize {
         self.tomb(i)
             .row_at
             .wrapping_sub(self.tomb_words_base as u32) as usize

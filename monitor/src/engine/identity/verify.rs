@@ -51,7 +51,7 @@ impl Owners<'_> {
     }
 
     #[inline(never)]
-    pub(super) fn owns_slow(&self, v: u32, a: &Alias) -> bool {
+    fn owns_slow(&self, v: u32, a: &Alias) -> bool {
         match tag(v) {
             TAG_ATTEMPT => self.attempt_owns(v, a),
             TAG_TOMB => self
@@ -168,7 +168,7 @@ impl Store {
     }
 
     /// The alias table and, borrowed apart from it, the records its verification reads.
-    pub(super) fn aliases_and_owners(&mut self) -> (&mut alias_table::Table, Owners<'_>) {
+    fn aliases_and_owners(&mut self) -> (&mut alias_table::Table, Owners<'_>) {
         (&mut self.aliases, owners!(self))
     }
 

@@ -3,7 +3,6 @@
 //! A rule never needs an attempt's full history: it needs "the earliest trigger" or "the latest
 //! forbidden event". Each such need is a [`SlotSpec`]; the engine keeps one [`Slot`] per
 //! spec per attempt, in one flat arena, so tracking an attempt costs no allocation.
-
 //!
 //! [`slot`] is one remembered event and how slots fold; [`spec`] what each slot tracks. A row of
 //! slots is stored in one of three encodings against a shared time base: [`packed`] (dense),
