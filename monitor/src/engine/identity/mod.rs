@@ -7,10 +7,10 @@
 //! ended or idle past a TTL, tombstones expire after a retention window, and hard caps evict with
 //! a counter. This module is sans-IO; the checker owns the per-attempt rule slots stored here.
 //!
-//! [`Store`] holds it all. Aliases: [`keys`] (keys and alias table values), [`verify`] (owners
-//! confirm fingerprint matches), [`rid`]. Records: [`attempt`], [`request`] (union-find),
-//! [`request_link`] (an attempt's request in one word), [`tombstones`]. Verbs: [`resolve`]
-//! (an event's ids to its attempt and request), [`evict`] (the bounded sweep), [`reported`] (the
+//! [`Store`] holds it all. Aliases: `keys` (keys and alias table values), `verify` (owners
+//! confirm fingerprint matches), `rid`. Records: `attempt`, `request` (union-find),
+//! `request_link` (an attempt's request in one word), `tombstones`. Verbs: `resolve`
+//! (an event's ids to its attempt and request), `evict` (the bounded sweep), `reported` (the
 //! checker's dedup state per owner).
 
 use std::collections::HashMap;
@@ -139,8 +139,8 @@ pub struct Store {
     live_requests: usize,
 
     tombs: ChunkedQueue<Tombstone>,
-    /// The tombstones' sparse slot rows (of `tomb_slot_map.len()` slots; see [`sparse`]), one
-    /// after another in the order of `tombs`: a word queue.
+    /// The tombstones' sparse slot rows (of `tomb_slot_map.len()` slots; see
+    /// [`crate::engine::state::sparse`]), one after another in the order of `tombs`: a word queue.
     tomb_slots: ChunkedQueue<u64>,
     /// Absolute index of the queue's first word.
     tomb_words_base: u64,

@@ -41,7 +41,7 @@ impl Store {
     pub fn tomb_mut(&mut self, i: usize) -> &mut Tombstone {
         &mut self.tombs.item_mut(i)[0]
     }
-    /// Fired bits (as in [`Attempt::fired`]) of tombstone `i`, for the rules judged on it.
+    /// Fired bits (as in [`super::Attempt::fired`]) of tombstone `i`, for the rules judged on it.
     pub fn tomb_fired(&self, i: usize) -> u64 {
         expand_bits(self.tomb_rule_mask, self.tomb(i).fired)
     }

@@ -6,7 +6,7 @@ use foldhash::fast::FixedState;
 
 const HASH_SEED: u64 = 0x7265_7665_6e61_6e74; // "revenant"
 
-/// A `BuildHasher` seeded with [`HASH_SEED`].
+/// A `BuildHasher` with the fixed seed: equal keys hash equally on every run.
 pub fn stable_hasher() -> FixedState {
     FixedState::with_seed(HASH_SEED)
 }
