@@ -6,6 +6,7 @@
 pub mod check;
 pub mod identity;
 pub mod matcher;
+pub mod mem;
 pub mod rules;
 pub mod state;
 pub mod workload;

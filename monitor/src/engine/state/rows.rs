@@ -12,18 +12,19 @@
 //!
 //! Layouts of more slots than a map word indexes keep one class of dense [`packed`] rows.
 //! Rows that cannot be packed at all (events spanning more than the packed window, a status
-//! above 1023) are wide: full slots in a side map, as before.
+//! above 1023) are wide: full slots in a side map.
 
 use std::collections::HashMap;
 
 use foldhash::fast::FixedState;
 
-use super::{NONE, hasher};
-use crate::engine::state::mapped::{self, MAPPED_MAX, Stop};
-use crate::engine::state::{Keep, Slot, SlotLayout, Slots, fold_specs_full, packed};
+use super::mapped::{self, MAPPED_MAX, Stop};
+use super::{Keep, Slot, SlotLayout, Slots, fold_specs_full, packed};
+use crate::engine::mem::NO_INDEX;
+use crate::engine::mem::stable_hash::stable_hasher;
 
 /// Where an owner's row is: a class and an index in it. Stored by the owner as its two fields
-/// (a `u8` and a `u32` fit an [`super::Attempt`]'s tail padding; this struct would not).
+/// (a `u8` and a `u32` fit an attempt record's tail padding; this struct would not).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RowRef {
     /// [`NO_ROW`], [`WIDE_ROW`], or 1 + the class.
@@ -40,7 +41,7 @@ pub const WIDE_ROW: u8 = u8::MAX;
 impl RowRef {
     pub const NONE: RowRef = RowRef {
         class: NO_ROW,
-        index: NONE,
+        index: NO_INDEX,
     };
 }
 
@@ -54,7 +55,7 @@ const CHUNK_WORDS: usize = 1 << CHUNK_BITS;
 
 struct Class {
     width: usize,
-    /// First free row (`NONE`: none); a free row's first word is the next one's index.
+    /// First free row (`NO_INDEX`: none); a free row's first word is the next one's index.
     free: u32,
     /// Where the next never-used row starts, and where its chunk ends (equal: no room).
     next: u32,
@@ -102,13 +103,13 @@ impl SlotRows {
                 .into_iter()
                 .map(|width| Class {
                     width,
-                    free: NONE,
+                    free: NO_INDEX,
                     next: 0,
                     end: 0,
                 })
                 .collect(),
             keeps,
-            wide: HashMap::with_hasher(hasher()),
+            wide: HashMap::with_hasher(stable_hasher()),
         }
     }
 
@@ -172,7 +173,7 @@ impl SlotRows {
     fn alloc(&mut self, c: usize) -> RowRef {
         let class = &mut self.classes[c];
         let index = match class.free {
-            NONE => {
+            NO_INDEX => {
                 let width = class.width as u32;
                 if class.end - class.next < width {
                     assert!(

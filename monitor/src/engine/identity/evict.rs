@@ -1,0 +1,68 @@
+//! Bounded housekeeping: a clock hand over attempts and requests compacts what ended or idled,
+//! drops expired tombstones and unreferenced requests, and evicts at the hard cap.
+
+use super::Store;
+
+/// The clock hand's position, then advanced around `n` items. A compare instead of `% n`: the
+/// sweep runs on every event, and a 64-bit division is tens of cycles.
+fn next_hand(hand: &mut usize, n: usize) -> usize {
+    if *hand >= n {
+        *hand = 0;
+    }
+    let i = *hand;
+    *hand += 1;
+    i
+}
+
+impl Store {
+    pub(super) fn evict_one_attempt(&mut self) {
+        let n = self.attempts.len();
+        for _ in 0..n {
+            let i = next_hand(&mut self.attempt_hand, n);
+            if self.attempts[i].is_live() {
+                let wm = self.attempts[i].last_ns;
+                self.compact(i as u32, wm);
+                self.stats.evicted_cap += 1;
+                return;
+            }
+        }
+    }
+
+    /// Bounded housekeeping: examines up to `steps` attempts and requests, compacts what ended or
+    /// idled, and drops expired tombstones and unreferenced requests.
+    pub fn sweep(&mut self, watermark_ns: u64, steps: usize) {
+        let wm_s = (watermark_ns / 1_000_000_000) as u32;
+        while !self.tombs.is_empty() && self.tomb(0).expires_s <= wm_s {
+            self.pop_tomb();
+            self.stats.tombstones_expired += 1;
+        }
+        let n = self.attempts.len();
+        for _ in 0..steps.min(n) {
+            let i = next_hand(&mut self.attempt_hand, n);
+            let at = &self.attempts[i];
+            if !at.is_live() || (at.due_ns != 0 && at.due_ns > watermark_ns) {
+                continue;
+            }
+            let idle = watermark_ns.saturating_sub(at.last_ns);
+            if at.ended() && idle > self.limits.linger_ns {
+                self.compact(i as u32, watermark_ns);
+                self.stats.compacted_ended += 1;
+            } else if idle > self.limits.attempt_ttl_ns {
+                self.compact(i as u32, watermark_ns);
+                self.stats.evicted_ttl += 1;
+            }
+        }
+        let n = self.requests.len();
+        for _ in 0..steps.min(n) {
+            let i = next_hand(&mut self.request_hand, n);
+            let r = &self.requests[i];
+            if r.is_live()
+                && r.refs == 0
+                && watermark_ns.saturating_sub(r.last_ns) > self.limits.retention_ns
+            {
+                self.free_request(i as u32);
+                self.stats.requests_expired += 1;
+            }
+        }
+    }
+}

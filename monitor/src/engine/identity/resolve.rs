@@ -1,0 +1,309 @@
+//! From an event's ids to its attempt and request: lookups through the alias table, new
+//! attempts and requests, merges, and the cached union-find root that spares most events a read
+//! of the request record.
+
+use super::keys::{Alias, INDEX_MASK, TAG_ATTEMPT, TAG_REQUEST, TAG_SOLO, TAG_TOMB, key_room, tag};
+use super::request::ReqAt;
+use super::tombstones::tomb_alive;
+use super::{AttemptRef, ReqIds, RequestLink, Resolved, Rid, Store};
+use crate::engine::mem::NO_INDEX;
+use crate::event::Ids;
+
+impl Store {
+    /// Finds or creates the request and attempt named by `ids`, merging aliases.
+    /// `request_trigger`: the event may trigger a request-scope rule, so a request it names
+    /// without naming an attempt needs a record.
+    pub fn resolve(&mut self, ids: &Ids, time_ns: u64, request_trigger: bool) -> Resolved {
+        let (attempt, merged) = self.resolve_attempt(ids);
+        let names = [
+            ids.request_id.as_deref().map(Alias::request_id),
+            ids.trace_id.as_deref().map(Alias::trace_id),
+        ];
+        let (request, linked) = if names.iter().all(Option::is_none) {
+            (self.request_at(attempt, time_ns), false)
+        } else {
+            let (r, linked) = self.resolve_request(ids, names, attempt, time_ns, request_trigger);
+            (Some(r), linked)
+        };
+        Resolved {
+            attempt,
+            request: match request {
+                Some(ReqAt::Record(r)) => Some(r),
+                _ => None,
+            },
+            solo: matches!(request, Some(ReqAt::Solo(_))),
+            linked: merged || linked,
+            merged,
+        }
+    }
+
+    /// The live attempt or tombstone an event's room and rid name, created if new; true when two
+    /// attempts turned out to be one (the merged history must reach the request).
+    fn resolve_attempt(&mut self, ids: &Ids) -> (Option<AttemptRef>, bool) {
+        let room_alias = ids.bootstrap_room.map(|r| Alias::room(r.0));
+        let room_key = room_alias.map(|a| a.key);
+        if room_key.is_none() && ids.rid.is_none() {
+            return (None, false);
+        }
+        let by_room = room_alias.and_then(|a| self.lookup_attempt(&a));
+        // Most events repeat the rid the attempt already has: skip the second table probe.
+        let rid_known = match (by_room, ids.rid.as_deref()) {
+            (Some(AttemptRef::Live(i)), Some(rid)) => self.owners().rid_is_first(i, rid),
+            _ => false,
+        };
+        // Hashing the rid (32 bytes) is only needed when it is not the attempt's known one.
+        let rid_alias = if rid_known {
+            None
+        } else {
+            ids.rid.as_deref().map(Alias::rid)
+        };
+        let rid_key = rid_alias.map(|a| a.key);
+        let by_rid = if rid_known {
+            by_room
+        } else {
+            rid_alias.and_then(|a| self.lookup_attempt(&a))
+        };
+        // A merge brings the other attempt's history: request-scope state must be folded again.
+        let merged = matches!((by_room, by_rid), (Some(a), Some(b)) if a != b);
+        let attempt = match (by_room, by_rid) {
+            (Some(a), Some(b)) if a == b => a,
+            (Some(a), Some(b)) => self.merge_attempts(a, b),
+            (Some(a), None) => {
+                if let (Some(k), AttemptRef::Live(i)) = (rid_key, a) {
+                    self.alias_insert(k, i);
+                    if !self.attempts[i as usize].has_rid()
+                        && let Some(rid) = ids.rid.as_deref()
+                    {
+                        self.set_first_rid(i, Rid::new(rid));
+                    } else {
+                        // Not the first rid: `rid_is_first` said so before the probe.
+                        self.own_alias(i, k, false);
+                    }
+                }
+                a
+            }
+            (None, Some(b)) => match (ids.bootstrap_room, b) {
+                (Some(room), AttemptRef::Live(i)) => match self.attempts[i as usize].room() {
+                    None => {
+                        self.attempts[i as usize].set_room(room.0);
+                        self.alias_insert(key_room(room.0), i);
+                        b
+                    }
+                    Some(other) if other == room.0 => b,
+                    Some(_) => {
+                        // A rid reused across attempts (client-chosen rid, router retry): the room
+                        // decides; the rid stays with the attempt that had it first.
+                        self.stats.alias_conflicts += 1;
+                        AttemptRef::Live(self.new_attempt(Some(room.0), Rid::None, room_key, None))
+                    }
+                },
+                _ => b,
+            },
+            (None, None) => AttemptRef::Live(self.new_attempt(
+                ids.bootstrap_room.map(|r| r.0),
+                ids.rid.as_deref().map_or(Rid::None, Rid::new),
+                room_key,
+                rid_key,
+            )),
+        };
+
+        (Some(attempt), merged)
+    }
+
+    /// The request of an event's attempt, for an event naming no request.
+    fn request_at(&mut self, attempt: Option<AttemptRef>, time_ns: u64) -> Option<ReqAt> {
+        match attempt {
+            Some(AttemptRef::Live(i)) if self.attempts[i as usize].request.is_solo() => {
+                Some(ReqAt::Solo(i))
+            }
+            _ => self.current_request(attempt, time_ns).map(ReqAt::Record),
+        }
+    }
+
+    /// The request record of an event's attempt, for an event naming no request: its union-find
+    /// root, or `None` when the attempt has no request or keeps it solo.
+    fn current_request(&mut self, attempt: Option<AttemptRef>, time_ns: u64) -> Option<u32> {
+        let root = match attempt? {
+            AttemptRef::Live(i) => {
+                let at = &self.attempts[i as usize];
+                let cur = at.request.index();
+                if cur == NO_INDEX {
+                    return None;
+                }
+                // Events of a live attempt whose request is a known root skip the request
+                // record: its idle time is brought up to date when the attempt leaves
+                // (`note_request_activity`).
+                if at.request.epoch() == self.union_epoch {
+                    return Some(cur);
+                }
+                let root = self.find(cur);
+                if root != cur {
+                    // Point the attempt at the root; its reference follows.
+                    self.requests[cur as usize].refs -= 1;
+                    self.requests[root as usize].refs += 1;
+                }
+                self.attempts[i as usize].request = RequestLink::record(root, self.union_epoch);
+                root
+            }
+            AttemptRef::Tomb(seq) => {
+                let cur = self
+                    .tomb_index(seq)
+                    .map_or(NO_INDEX, |t| self.tomb(t).request);
+                if cur == NO_INDEX {
+                    return None;
+                }
+                self.find(cur)
+            }
+        };
+        let req = &mut self.requests[root as usize];
+        req.last_ns = req.last_ns.max(time_ns);
+        Some(root)
+    }
+
+    /// The request an event's request id / trace id (`names`) name, with the event's attempt:
+    /// found, linked to the attempt, merged with the attempt's own when they differ, or created
+    /// (kept solo in the attempt when there is a live one). Returns the request and whether an
+    /// attempt was newly linked to a record.
+    fn resolve_request(
+        &mut self,
+        ids: &Ids,
+        names: [Option<Alias>; 2],
+        attempt: Option<AttemptRef>,
+        time_ns: u64,
+        request_trigger: bool,
+    ) -> (ReqAt, bool) {
+        let cur = self.request_at(attempt, time_ns);
+        let mut found = None;
+        let mut known = [false; 2];
+        // Each alias is looked up once.
+        for (n, name) in names.iter().enumerate() {
+            let Some(v) = name.and_then(|a| self.alias_get(&a)) else {
+                continue;
+            };
+            known[n] = true;
+            let named = match tag(v) {
+                TAG_REQUEST => ReqAt::Record(self.find(v & INDEX_MASK)),
+                TAG_SOLO => ReqAt::Solo(v & INDEX_MASK),
+                _ => continue,
+            };
+            found = Some(match found {
+                None => named,
+                Some(into) => self.join(named, into),
+            });
+        }
+        let mut linked = false;
+        let mut target = match (cur, found) {
+            (Some(c), Some(f)) if c == f => c,
+            (Some(c), Some(f)) => {
+                linked = true;
+                self.join(c, f)
+            }
+            (Some(c), None) => c,
+            (None, Some(f)) => match (attempt, f) {
+                // The router's own events about a solo request (its answer to the client): the
+                // request is no less alive, and nothing else needs a record.
+                (None, ReqAt::Solo(i)) if !request_trigger => {
+                    let at = &mut self.attempts[i as usize];
+                    at.last_ns = at.last_ns.max(time_ns);
+                    f
+                }
+                // The router dispatching a request it received (a request-level event, which
+                // made a record): its first attempt takes the request over, solo.
+                (Some(AttemptRef::Live(i)), ReqAt::Record(r)) if self.bare(r) => {
+                    self.adopt(i, r);
+                    ReqAt::Solo(i)
+                }
+                _ => {
+                    let r = self.record(f);
+                    linked = self.link(attempt, r);
+                    ReqAt::Record(r)
+                }
+            },
+            (None, None) => {
+                self.stats.requests_created += 1;
+                self.live_requests += 1;
+                match attempt {
+                    Some(AttemptRef::Live(i)) => {
+                        // The usual first sight of a request: its router dispatch, naming the
+                        // attempt's room. It stays in the attempt until something needs more.
+                        let request_id = ids.request_id.as_deref().filter(|_| !known[0]);
+                        let trace_id = ids.trace_id.as_deref().filter(|_| !known[1]);
+                        let solo = ReqIds::new(request_id, trace_id);
+                        let keys = solo.keys();
+                        self.attempts[i as usize].request = RequestLink::solo(solo);
+                        for key in keys {
+                            self.alias_insert(key, TAG_SOLO | i);
+                        }
+                        known = [true; 2];
+                        ReqAt::Solo(i)
+                    }
+                    _ => {
+                        let r = self.new_request_record();
+                        linked = self.link(attempt, r);
+                        ReqAt::Record(r)
+                    }
+                }
+            }
+        };
+        for (n, name) in names.iter().enumerate() {
+            let Some(key) = name.map(|a| a.key) else {
+                continue;
+            };
+            if known[n] {
+                continue;
+            }
+            let text = if n == 0 {
+                &ids.request_id
+            } else {
+                &ids.trace_id
+            };
+            target = self.add_id(target, n == 1, key, text.as_deref().unwrap_or(""), time_ns);
+        }
+        if let ReqAt::Record(r) = target {
+            let req = &mut self.requests[r as usize];
+            req.last_ns = req.last_ns.max(time_ns);
+        }
+        (target, linked)
+    }
+
+    /// The live attempt or tombstone alias `a` names. Entries of dropped tombstones met on the
+    /// way (they fail verification) are removed.
+    fn lookup_attempt(&mut self, a: &Alias) -> Option<AttemptRef> {
+        let mut stale = false;
+        let found = self.aliases.find(a.key, |v| {
+            self.owns(v, a) || {
+                stale |= tag(v) == TAG_TOMB && self.owners().tomb_index(v).is_none();
+                false
+            }
+        });
+        match found {
+            Some(v) if tag(v) == TAG_ATTEMPT => Some(AttemptRef::Live(v)),
+            Some(v) if tag(v) == TAG_TOMB => {
+                let i = self.owners().tomb_index(v).expect("verified");
+                Some(AttemptRef::Tomb(self.tomb_base + i as u64))
+            }
+            Some(_) => None,
+            None => {
+                if stale {
+                    let (base, len) = (self.tomb_base as u32, self.tombs.len());
+                    while self
+                        .aliases
+                        .remove(a.key, |v| tag(v) == TAG_TOMB && !tomb_alive(v, base, len))
+                        .is_some()
+                    {
+                        self.tomb_alias_stale = self.tomb_alias_stale.saturating_sub(1);
+                    }
+                }
+                None
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+impl Store {
+    /// Resolves as for an event that triggers no request-scope rule.
+    pub(super) fn resolve_t(&mut self, ids: &Ids, time_ns: u64) -> Resolved {
+        self.resolve(ids, time_ns, false)
+    }
+}
