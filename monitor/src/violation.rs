@@ -1,5 +1,6 @@
 //! What the checker concludes: a rule breached by one attempt (or request, or worker), with the
-//! events that prove it.
+//! events that prove it, and the vocabulary of a verdict: its severity, the roles of its
+//! evidence, and the summary template (its fields and their values).
 
 use std::fmt::{self, Write as _};
 use std::time::Duration;

@@ -5,7 +5,7 @@
 //! tests, benchmarks). Event time decides "later"; a watermark (latest event time minus the
 //! allowed lateness, or the driver's clock minus it) decides when a deadline has passed.
 //!
-//! An event goes to one of four entry points, by what it names: a live attempt
+//! An observed event takes one of four paths, by what it names: a live attempt
 //! ([`attempt`]), a compacted one ([`tombstone`]), only its request ([`request`]), or nothing
 //! but a worker ([`workers`]). Deadline rules are judged when the watermark passes them
 //! ([`deadlines`], on the queue in [`timers`]); [`report`] turns a finding into a violation.
@@ -125,6 +125,8 @@ const SWEEP_PER_EVENT: usize = 2;
 /// Attempts examined by housekeeping per tick.
 const SWEEP_PER_TICK: usize = 4096;
 
+/// The engine: the compiled rules, the identity store with their slots, the deadline queue and
+/// what it knows of nodes and workers.
 pub struct Checker {
     rules: Vec<CompiledRule>,
     attempt_specs: Vec<SlotSpec>,

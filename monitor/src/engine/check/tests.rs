@@ -4,6 +4,7 @@ use std::time::Duration;
 
 use super::deadlines::MIN_TIMER_PURGE;
 use super::{Checker, CheckerConfig, RuleSet};
+use crate::engine::rules::MAX_TOMBSTONE_RULES;
 use crate::event::{Kind, LifecycleEvent, Source, Stage};
 use crate::violation::Violation;
 
@@ -12,6 +13,21 @@ const S: u64 = 1_000_000_000;
 
 fn ev(t: u64, stage: Stage, kind: Kind) -> LifecycleEvent {
     LifecycleEvent::new(t, stage, kind, Source::Otlp)
+}
+
+/// As many attempt-scope never-after rules as a rule file may hold fit a tombstone's fired bits.
+#[test]
+fn the_most_tombstone_rules_a_file_may_hold_build_a_checker() {
+    let mut y = String::from("rules:\n");
+    // The defaults already hold two attempt-scope never_after rules.
+    for i in 0..MAX_TOMBSTONE_RULES - 2 {
+        y.push_str(&format!(
+            "  - name: na-{i}\n    description: d\n    severity: info\n    never_after: {{trigger: [{{kind: [rejected]}}], forbidden: [{{kind: [work]}}]}}\n"
+        ));
+    }
+    let mut set = RuleSet::embedded_defaults();
+    set.apply_yaml(&y, "ok.yaml").unwrap();
+    let _ = Checker::new(set, CheckerConfig::default());
 }
 
 /// One attempt whose legs carry different rids (prefill's and decode's), ended at `t`.

@@ -539,8 +539,6 @@ mod tests {
         let mut set = RuleSet::embedded_defaults();
         set.apply_yaml(&rules(MAX_TOMBSTONE_RULES - 2), "ok.yaml")
             .unwrap();
-        let _ =
-            crate::engine::check::Checker::new(set, crate::engine::check::CheckerConfig::default());
         let mut set = RuleSet::embedded_defaults();
         let err = set
             .apply_yaml(&rules(MAX_TOMBSTONE_RULES - 1), "u.yaml")
