@@ -5,10 +5,10 @@
 //! tests, benchmarks). Event time decides "later"; a watermark (latest event time minus the
 //! allowed lateness, or the driver's clock minus it) decides when a deadline has passed.
 //!
-//! An observed event takes one of four paths, by what it names: a live attempt
-//! ([`attempt`]), a compacted one ([`tombstone`]), only its request ([`request`]), or nothing
-//! but a worker ([`workers`]). Deadline rules are judged when the watermark passes them
-//! ([`deadlines`], on the queue in [`timers`]); [`report`] turns a finding into a violation.
+//! An observed event takes one of four paths, by what it names: a live attempt (`attempt.rs`),
+//! a compacted one (`tombstone.rs`), only its request (`request.rs`), or nothing but a worker
+//! (`workers.rs`). Deadline rules are judged when the watermark passes them (`deadlines.rs`, on
+//! the queue in [`timers`]); `report.rs` turns a finding into a [`Violation`].
 
 mod attempt;
 mod deadlines;
@@ -152,6 +152,8 @@ pub struct Checker {
 }
 
 impl Checker {
+    /// Assembles an engine for the enabled `rules`: their slot layout (`layout.rs`),
+    /// the store sized by `cfg`, empty queues and tables.
     pub fn new(rules: RuleSet, cfg: CheckerConfig) -> Checker {
         let Layout {
             rules,
