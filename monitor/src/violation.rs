@@ -1,12 +1,32 @@
 //! What the checker concludes: a rule breached by one attempt (or request, or worker), with the
-//! events that prove it.
+//! events that prove it, and the vocabulary of a verdict: its severity, the roles of its
+//! evidence, and the summary template (its fields and their values).
 
-use std::fmt::Write as _;
+use std::fmt::{self, Write as _};
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::engine::rules::Severity;
 use crate::event::{Kind, Source, Stage};
+
+/// How bad a breach is; each rule declares one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Severity {
+    Info,
+    Warning,
+    Critical,
+}
+
+impl Severity {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Severity::Info => "info",
+            Severity::Warning => "warning",
+            Severity::Critical => "critical",
+        }
+    }
+}
 
 /// The aliases by which the request is known (any subset).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -104,7 +124,7 @@ pub fn fnv1a(parts: &[&[u8]]) -> u64 {
     h
 }
 
-/// Placeholders an `output` template may use.
+/// Placeholders an `output` template may use; [`TemplateContext::value`] answers each.
 pub const TEMPLATE_FIELDS: &[&str] = &[
     "rule",
     "severity",
@@ -124,6 +144,81 @@ pub const TEMPLATE_FIELDS: &[&str] = &[
     "event.source",
     "event.status",
 ];
+
+/// One event as a template names it (`{trigger.*}`, `{event.*}`).
+#[derive(Debug, Clone, Copy)]
+pub struct TemplateEvent {
+    pub time_ns: u64,
+    pub stage: Stage,
+    pub kind: Kind,
+    pub source: Source,
+    pub status: Option<u16>,
+}
+
+/// What a violation's `output` template can name.
+pub struct TemplateContext<'a> {
+    pub rule: &'a str,
+    pub severity: Severity,
+    pub request: &'a RequestRef,
+    pub attempt: &'a AttemptRef,
+    pub worker: Option<&'a str>,
+    /// A must_follow rule's deadline (`{within}` is empty for other shapes).
+    pub within: Option<Duration>,
+    /// A predicate's breach, as "field value op limit".
+    pub breach: Option<&'a dyn fmt::Display>,
+    pub trigger: Option<TemplateEvent>,
+    pub trigger_reason: Option<&'a str>,
+    /// The offending event.
+    pub event: Option<TemplateEvent>,
+}
+
+impl TemplateContext<'_> {
+    /// Fills `template` (validated at load by [`validate_template`]).
+    pub fn render(&self, template: &str) -> String {
+        render(template, |k| self.value(k))
+    }
+
+    /// The text of placeholder `field`: "-" for a value this violation lacks, empty for an
+    /// unknown field.
+    pub fn value(&self, field: &str) -> String {
+        let opt = |v: Option<String>| v.unwrap_or_else(|| "-".into());
+        match field {
+            "rule" => self.rule.to_owned(),
+            "severity" => self.severity.as_str().into(),
+            "request" => opt(self
+                .request
+                .request_id
+                .clone()
+                .or_else(|| self.request.trace_id.clone())),
+            "attempt" => match (&self.attempt.bootstrap_room, &self.attempt.rid) {
+                (Some(room), Some(rid)) => format!("room {room} (rid {rid})"),
+                (Some(room), None) => format!("room {room}"),
+                (None, Some(rid)) => format!("rid {rid}"),
+                (None, None) => "-".into(),
+            },
+            "worker" => opt(self.worker.map(str::to_owned)),
+            "within" => self
+                .within
+                .map(|d| humantime::format_duration(d).to_string())
+                .unwrap_or_default(),
+            "delay" => match (self.trigger, self.event) {
+                (Some(t), Some(o)) => format_nanos(o.time_ns.saturating_sub(t.time_ns)),
+                _ => "-".into(),
+            },
+            "breach" => opt(self.breach.map(|b| b.to_string())),
+            "trigger.stage" => opt(self.trigger.map(|t| t.stage.to_string())),
+            "trigger.kind" => opt(self.trigger.map(|t| t.kind.to_string())),
+            "trigger.source" => opt(self.trigger.map(|t| t.source.to_string())),
+            "trigger.status" => opt(self.trigger.and_then(|t| t.status).map(|s| s.to_string())),
+            "trigger.reason" => opt(self.trigger_reason.map(str::to_owned)),
+            "event.stage" => opt(self.event.map(|t| t.stage.to_string())),
+            "event.kind" => opt(self.event.map(|t| t.kind.to_string())),
+            "event.source" => opt(self.event.map(|t| t.source.to_string())),
+            "event.status" => opt(self.event.and_then(|t| t.status).map(|s| s.to_string())),
+            _ => String::new(),
+        }
+    }
+}
 
 /// Checks that every `{placeholder}` in `template` is known.
 pub fn validate_template(template: &str) -> Result<(), String> {
@@ -203,6 +298,42 @@ mod tests {
         );
         assert!(validate_template("{rule").unwrap_err().contains("unclosed"));
         assert_eq!(render("a {x} b {y}", |k| k.to_uppercase()), "a X b Y");
+    }
+
+    #[test]
+    fn every_template_field_has_a_value() {
+        let event = TemplateEvent {
+            time_ns: 1_000,
+            stage: Stage::Decode,
+            kind: Kind::Work,
+            source: Source::Otlp,
+            status: Some(200),
+        };
+        let request = RequestRef {
+            request_id: Some("req-1".into()),
+            trace_id: None,
+        };
+        let attempt = AttemptRef {
+            bootstrap_room: Some(7),
+            rid: None,
+        };
+        let ctx = TemplateContext {
+            rule: "r",
+            severity: Severity::Info,
+            request: &request,
+            attempt: &attempt,
+            worker: Some("w"),
+            within: Some(Duration::from_secs(5)),
+            breach: Some(&"context_tokens 9 > 8"),
+            trigger: Some(event),
+            trigger_reason: Some("full"),
+            event: Some(event),
+        };
+        for field in TEMPLATE_FIELDS {
+            assert!(!ctx.value(field).is_empty(), "{field}");
+        }
+        assert_eq!(ctx.value("bogus"), "");
+        assert_eq!(ctx.render("{rule} on {attempt}"), "r on room 7");
     }
 
     #[test]

@@ -587,7 +587,7 @@ async fn severity_escalation_after_sending_is_exactly_one_update() {
     let wait = Duration::from_millis(300);
     let (p, rx, server) = grouped(dir.path(), &metrics, wait).await;
     let mut warning = violation_rule("orphaned-leg", 1);
-    warning.severity = revenant::engine::check::Severity::Warning;
+    warning.severity = revenant::violation::Severity::Warning;
     assert!(revenant::alert::offer(&p.sender, warning, &metrics));
     wait_for(Duration::from_secs(10), "the warning", async || {
         (rx.alerts().len() == 1).then_some(())
@@ -606,7 +606,7 @@ async fn severity_escalation_after_sending_is_exactly_one_update() {
     })
     .await;
     let mut stuck = violation_rule("stuck-attempt", 1);
-    stuck.severity = revenant::engine::check::Severity::Warning;
+    stuck.severity = revenant::violation::Severity::Warning;
     assert!(revenant::alert::offer(&p.sender, stuck, &metrics));
     tokio::time::sleep(wait * 3).await;
     drop(p.sender);

@@ -197,7 +197,7 @@ async fn alertmanager_receives_reposts_and_routes_alerts() {
     // Escalation: a warning incident, then a critical finding for the same request. The alert
     // under the critical lead replaces the warning one, which is resolved at once.
     let mut warning = violation_rule("orphaned-leg", 7);
-    warning.severity = revenant::engine::check::Severity::Warning;
+    warning.severity = revenant::violation::Severity::Warning;
     revenant::alert::offer(&p.sender, warning, &metrics);
     let incident = wait_for(Duration::from_secs(20), "the warning alert", async || {
         get_alerts().await.into_iter().find_map(|a| {

@@ -562,7 +562,7 @@ mod tests {
     use super::*;
     use crate::alert::notification::IncidentAlert;
     use crate::alert::spool::SpoolConfig;
-    use crate::engine::check::Severity;
+    use crate::violation::Severity;
     use crate::event::{Kind, Source, Stage};
     use crate::violation::{AttemptRef, Evidence, RequestRef, Role};
 

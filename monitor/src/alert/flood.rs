@@ -35,7 +35,7 @@ use serde::{Deserialize, Serialize};
 use super::notification::{
     Finding, IncidentAlert, Lead, Links, SuppressedSummary, Update, incident_alias, incident_id,
 };
-use crate::engine::check::Severity;
+use crate::violation::Severity;
 use crate::violation::{AttemptRef, Evidence, Violation, has_several_sources};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

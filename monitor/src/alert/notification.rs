@@ -5,7 +5,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::engine::check::Severity;
+use crate::violation::Severity;
 use crate::violation::{Evidence, Violation, fnv1a};
 
 /// Unix nanoseconds as RFC 3339 (UTC, nanosecond precision).

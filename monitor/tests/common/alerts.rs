@@ -15,7 +15,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::IntoResponse;
 use axum::routing::post;
 
-use revenant::engine::check::Severity;
+use revenant::violation::Severity;
 use revenant::event::{Kind, Source, Stage};
 use revenant::violation::{AttemptRef, Evidence, RequestRef, Role, Violation};
 

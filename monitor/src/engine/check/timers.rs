@@ -17,8 +17,8 @@ const RUNS: usize = 4;
 const CHUNK: usize = 512;
 
 /// One monotone run: a FIFO of entries in fixed-size chunks. Its capacity tracks its length to
-/// within a chunk, where a `VecDeque` (doubling) reserved up to twice its length, and a run
-/// holds about one entry per live attempt, so that was most of the queue's memory.
+/// within a chunk: a doubling `VecDeque` reserves up to twice its length, and as a run holds
+/// about one entry per live attempt, that slack would be most of the queue's memory.
 #[derive(Default)]
 struct Run {
     chunks: VecDeque<Box<Chunk>>,

@@ -22,26 +22,10 @@ pub use never_after::NeverAfter;
 pub use predicate::Predicate;
 pub use requires_before::RequiresBefore;
 
+pub use crate::violation::Severity;
+
 /// The rules shipped with revenant.
 pub const DEFAULT_RULES_YAML: &str = include_str!("../../../rules/default.yaml");
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Severity {
-    Info,
-    Warning,
-    Critical,
-}
-
-impl Severity {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Severity::Info => "info",
-            Severity::Warning => "warning",
-            Severity::Critical => "critical",
-        }
-    }
-}
 
 /// Whose events a rule relates: one attempt's, or all attempts of one client request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -537,8 +521,6 @@ mod tests {
         let mut set = RuleSet::embedded_defaults();
         set.apply_yaml(&rules(MAX_TOMBSTONE_RULES - 2), "ok.yaml")
             .unwrap();
-        let _ =
-            crate::engine::check::Checker::new(set, crate::engine::check::CheckerConfig::default());
         let mut set = RuleSet::embedded_defaults();
         let err = set
             .apply_yaml(&rules(MAX_TOMBSTONE_RULES - 1), "u.yaml")

@@ -4,6 +4,8 @@
 //! own limits when it carries them, else the latest `capacity` report of the same worker (or,
 //! without a worker, the same node) and stage.
 
+use std::fmt;
+
 use serde::{Deserialize, Serialize};
 
 use super::RuleSlots;
@@ -176,6 +178,26 @@ pub struct Breach {
     pub value: u64,
     pub op: &'static str,
     pub limit: u64,
+}
+
+/// "field value op limit", e.g. `context_tokens 9000 > 8192` (the summary's `{breach}`).
+impl fmt::Display for Breach {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let op = match self.op {
+            "gt" => ">",
+            "ge" => ">=",
+            "lt" => "<",
+            "le" => "<=",
+            _ => "==",
+        };
+        write!(
+            f,
+            "{} {} {op} {}",
+            self.field.as_str(),
+            self.value,
+            self.limit
+        )
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -1,0 +1,253 @@
+//! Events on a live attempt. The event is folded into the attempt's slots and facts; then each
+//! rule that reacts to it takes its step: a never-after rule looks for a breaching pair, a
+//! request-scope one brings the event into the request ([`super::request`]), a deadline rule
+//! arms its deadline, a predicate judges the event or, on a new fact, judges earlier ones again.
+//!
+//! This is the per-event hot path: the steps are `#[inline(always)]`, each called from one
+//! place, so the path compiles to one body.
+
+use crate::engine::identity::{Owner, Resolved};
+use crate::engine::rules::predicate::{Breach, Known};
+use crate::engine::rules::{RuleSlots, Scope, Shape};
+use crate::engine::state::{Cands, NodeId, Slot};
+use crate::event::{Kind, LifecycleEvent, Stage};
+use crate::violation::Violation;
+
+use super::Checker;
+use super::never_after::Current;
+use super::report::{Finding, slot_event};
+
+/// The observed event, as the rules of its attempt see it.
+pub(super) struct OnAttempt<'e> {
+    pub a: u32,
+    pub e: &'e LifecycleEvent,
+    /// Attempt specs the event matches.
+    pub hit: u64,
+    pub slot: Slot,
+    /// Attempt specs whose kept slots the event changed.
+    pub changed_specs: u64,
+    /// The event raised the attempt's input length, a fact predicates judge with.
+    pub facts_changed: bool,
+    /// The attempt's request record, once known (a solo request gets one when a rule needs it).
+    pub request: Option<u32>,
+    /// Resolving linked the attempt to its request just now.
+    pub linked: bool,
+    /// Resolving merged two attempts.
+    pub merged: bool,
+}
+
+impl Checker {
+    pub(super) fn observe_attempt(
+        &mut self,
+        a: u32,
+        resolved: Resolved,
+        e: &LifecycleEvent,
+        node: NodeId,
+        out: &mut Vec<Violation>,
+    ) {
+        let hit = self.attempt_index.matching(e);
+        let slot = Slot::from_event(e, node);
+        let changed_specs = self.store.fold_attempt_slots(a, hit, slot);
+        let facts_changed = self.note_activity(a, e);
+        let mut on = OnAttempt {
+            a,
+            e,
+            hit,
+            slot,
+            changed_specs,
+            facts_changed,
+            request: resolved.request,
+            linked: resolved.linked,
+            merged: resolved.merged,
+        };
+        for ri in 0..self.rules.len() {
+            // Most rules have nothing to do with most events: skip them before reading anything.
+            if !self.reacts(ri, &on) {
+                continue;
+            }
+            let slots = self.rules[ri].slots;
+            match (&self.rules[ri].rule.shape, self.rules[ri].rule.scope) {
+                (Shape::NeverAfter(rule), Scope::Attempt) => {
+                    let s = self.store.attempt_slots(a);
+                    let cands = self.never_after_candidates(
+                        &s,
+                        (slots.trigger, slots.other),
+                        slots,
+                        hit,
+                        slot,
+                    );
+                    if let Some(pair) = rule.breaching_pair(&cands.0, &cands.1, self.skew_ns) {
+                        let current = Current::on_attempt(slot, e.source, hit, slots);
+                        self.report_never_after(ri, &mut on, current, pair, &cands, out);
+                    }
+                }
+                (Shape::NeverAfter(_), Scope::Request) => {
+                    self.request_rule_on_attempt(ri, slots, &mut on, out)
+                }
+                (Shape::MustFollow(rule), _) => {
+                    if hit & (1 << slots.trigger) != 0 {
+                        let trig = self.store.attempt_slots(a).get(slots.trigger);
+                        if let Some(due) = rule.due(trig, self.skew_ns) {
+                            self.schedule(a, due);
+                        }
+                    }
+                }
+                (Shape::RequiresBefore(rule), _) => {
+                    if hit & (1 << slots.trigger) != 0 {
+                        let ev = self.store.attempt_slots(a).get(slots.trigger);
+                        if let Some(due) = rule.due(ev) {
+                            self.schedule(a, due);
+                        }
+                    }
+                }
+                (Shape::Predicate(p), _) if hit & self.rule_reacts[ri].specs != 0 => {
+                    let known = Known {
+                        input_tokens: Some(self.store.attempts[a as usize].input_tokens as u64)
+                            .filter(|&n| n > 0),
+                        capacity: self.capacity_for(e),
+                    };
+                    match p.evaluate(e, known) {
+                        Some(breach) => self.report_predicate(ri, &mut on, breach, out),
+                        // Not (yet) a breach: judge again once everything up to this event arrived.
+                        None => self.rejudge_at(a, ri, e.time_ns),
+                    }
+                }
+                // A new fact (the input length) may make an earlier admission a breach.
+                (Shape::Predicate(_), _) => self.rejudge_earliest(ri, slots, &on),
+            }
+        }
+        if e.kind.is_terminal() {
+            self.settle(a);
+        }
+    }
+
+    /// Folds the event's facts into attempt `a` (activity time, input length, worker, open and
+    /// closed legs, rejection reason); whether the input length grew.
+    #[inline(always)]
+    fn note_activity(&mut self, a: u32, e: &LifecycleEvent) -> bool {
+        let worker = Self::worker_key(e).map(|w| self.worker_id(w));
+        let at = &mut self.store.attempts[a as usize];
+        at.last_ns = at.last_ns.max(e.time_ns);
+        let mut facts_changed = false;
+        if let Some(n) = e.input_tokens {
+            let n = n.min(u32::MAX as u64) as u32;
+            facts_changed = n > at.input_tokens;
+            at.input_tokens = at.input_tokens.max(n);
+        }
+        if let Some(w) = worker {
+            at.worker_keys[e.stage as usize] = w;
+        }
+        let stage_bit = 1u8 << (e.stage as u8);
+        // Transfer is activity between the legs, not a leg that must end on its own.
+        match e.kind {
+            Kind::Received | Kind::Admitted | Kind::Work if e.stage != Stage::Transfer => {
+                at.legs_open |= stage_bit
+            }
+            k if k.is_terminal() => at.legs_closed |= stage_bit,
+            _ => {}
+        }
+        if e.kind == Kind::Rejected
+            && let Some(r) = &e.reason
+        {
+            self.store.set_reason_once(a, r);
+        }
+        facts_changed
+    }
+
+    /// Whether rule `ri` has anything to do with the event.
+    #[inline(always)]
+    fn reacts(&self, ri: usize, on: &OnAttempt) -> bool {
+        let r = self.rule_reacts[ri];
+        // A merge brings events this one did not match: never_after pairs may span the two.
+        let remerge = on.merged
+            && matches!(self.rules[ri].rule.shape, Shape::NeverAfter(_))
+            && self.rules[ri].rule.scope == Scope::Attempt;
+        on.hit & r.specs != 0 || r.always || remerge || (r.predicate && on.facts_changed)
+    }
+
+    /// An attempt-scope never-after rule found the breaching `pair` among `cands`: reports it,
+    /// first or as a follow-up from a new source, unless it is a repeat.
+    #[inline(always)]
+    fn report_never_after(
+        &mut self,
+        ri: usize,
+        on: &mut OnAttempt,
+        current: Current,
+        (trig, forb): (Slot, Slot),
+        (triggers, forbidden): &(Cands, Cands),
+        out: &mut Vec<Violation>,
+    ) {
+        let (a, e) = (on.a, on.e);
+        let bit = 1u64 << ri;
+        let owner = Owner::Attempt(a);
+        let fired = self.store.attempts[a as usize].fired & bit != 0;
+        let Some(follow_up) = self.follow_up(fired, ri, owner, current, triggers, forbidden) else {
+            return;
+        };
+        self.store.attempts[a as usize].fired |= bit;
+        let offender_is_current = forb.time() == e.time_ns && current.as_forbidden;
+        // The violation names the request: a solo one gets its record.
+        on.request = on.request.or_else(|| self.store.request_record(a));
+        let f = Finding::never_after(
+            ri,
+            on.request,
+            self.attempt_aliases(a),
+            trig,
+            forb,
+            self.store.reason(a).map(str::to_owned),
+            offender_is_current
+                .then(|| e.reason.as_deref().map(str::to_owned))
+                .flatten(),
+        );
+        let reason = e.reason.as_deref().map(str::to_owned);
+        out.push(self.report(owner, f, follow_up, current, reason));
+    }
+
+    /// A predicate holds for the event: reports it once per attempt.
+    #[inline(always)]
+    fn report_predicate(
+        &mut self,
+        ri: usize,
+        on: &mut OnAttempt,
+        breach: Breach,
+        out: &mut Vec<Violation>,
+    ) {
+        let (a, e) = (on.a, on.e);
+        let bit = 1u64 << ri;
+        if self.store.attempts[a as usize].fired & bit != 0 {
+            self.stats.repeats += 1;
+            return;
+        }
+        self.store.attempts[a as usize].fired |= bit;
+        on.request = on.request.or_else(|| self.store.request_record(a));
+        let f = Finding {
+            request: on.request,
+            attempt: self.attempt_aliases(a),
+            offender: Some(slot_event(e)),
+            offender_reason: e.reason.as_deref().map(str::to_owned),
+            breach: Some(breach),
+            ..Finding::new(ri, e.time_ns)
+        };
+        out.push(self.violation(f));
+    }
+
+    /// The input length grew: predicate `ri` is judged again from the attempt's earliest
+    /// matching event on.
+    #[inline(always)]
+    fn rejudge_earliest(&mut self, ri: usize, slots: RuleSlots, on: &OnAttempt) {
+        let s = self.store.attempt_slots(on.a);
+        let first = slots
+            .per_stage
+            .iter()
+            .flatten()
+            .map(|&k| s.get(k as usize))
+            .filter(|s| s.is_set())
+            .map(|s| s.time())
+            .min();
+        if let Some(first) = first
+            && on.facts_changed
+        {
+            self.rejudge_at(on.a, ri, first);
+        }
+    }
+}

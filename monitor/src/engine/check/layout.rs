@@ -1,0 +1,130 @@
+//! The rule set compiled into the engine's slot layout: the slots attempts and requests keep,
+//! the ones tombstones keep, and which events each rule reacts to. [`super::Checker::new`]
+//! builds the store from it.
+
+use std::time::Duration;
+
+use crate::engine::rules::{self, CompiledRule, RuleSet, Scope, Shape};
+use crate::engine::state::{SlotLayout, SlotSpec, SpecIndex};
+
+/// Which events of an attempt a compiled rule has anything to do with.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Reacts {
+    /// Events matching one of these attempt specs.
+    pub specs: u64,
+    /// A predicate: also a new fact (input length) about an earlier event.
+    pub predicate: bool,
+    /// Every event (request-scope rules: linking and request-level triggers matter).
+    pub always: bool,
+}
+
+/// Everything the checker and its store are assembled from.
+pub(super) struct Layout {
+    pub rules: Vec<CompiledRule>,
+    pub attempt_specs: Vec<SlotSpec>,
+    pub attempt_index: SpecIndex,
+    pub request_specs: Vec<SlotSpec>,
+    pub request_index: SpecIndex,
+    /// Request slots that hold triggers (request-level events only update those).
+    pub request_trigger_mask: u64,
+    pub rule_reacts: Vec<Reacts>,
+    /// (attempt slot, request slot) pairs: what a linked attempt brings into its request.
+    pub request_links: Vec<(usize, usize)>,
+    /// The attempt slots a tombstone keeps, in its order.
+    pub tomb_slot_map: Vec<usize>,
+    /// Rules judged on tombstones (attempt-scope never-after ones).
+    pub tomb_rule_mask: u64,
+    /// The longest time after its trigger a rule may still need an attempt's live state.
+    pub horizon: Duration,
+}
+
+impl Layout {
+    /// Compiles the enabled rules of `set`.
+    pub fn compile(set: &RuleSet) -> Layout {
+        let mut attempt = SlotLayout::default();
+        let mut request = SlotLayout::default();
+        let rules = rules::compile(set, &mut attempt, &mut request);
+        assert!(attempt.len() <= SlotLayout::MAX && request.len() <= SlotLayout::MAX);
+        let mut request_trigger_mask = 0u64;
+        let mut request_links = Vec::new();
+        for r in rules.iter().filter(|r| never_after_of(r, Scope::Request)) {
+            request_trigger_mask |= 1 << r.slots.trigger;
+            let link = (r.slots.other_latest, r.slots.other);
+            if !request_links.contains(&link) {
+                request_links.push(link);
+            }
+        }
+        let (tomb_slot_map, tomb_rule_mask) = tombstone_slots(&rules, &attempt);
+        let horizon = rules
+            .iter()
+            .map(|r| r.rule.horizon())
+            .fold(Duration::ZERO, Duration::max);
+        let rule_reacts = rules.iter().map(reacts).collect();
+        Layout {
+            attempt_index: SpecIndex::new(&attempt.specs),
+            attempt_specs: attempt.specs,
+            request_index: SpecIndex::new(&request.specs),
+            request_specs: request.specs,
+            request_trigger_mask,
+            rule_reacts,
+            request_links,
+            tomb_slot_map,
+            tomb_rule_mask,
+            horizon,
+            rules,
+        }
+    }
+}
+
+fn never_after_of(r: &CompiledRule, scope: Scope) -> bool {
+    matches!(r.rule.shape, Shape::NeverAfter(_)) && r.rule.scope == scope
+}
+
+/// The attempt slots tombstones keep (those of attempt-scope never-after rules, the only ones
+/// judged on them) and the mask of those rules.
+fn tombstone_slots(rules: &[CompiledRule], attempt: &SlotLayout) -> (Vec<usize>, u64) {
+    let mut map = Vec::new();
+    let mut mask = 0u64;
+    for (ri, r) in rules.iter().enumerate() {
+        if !never_after_of(r, Scope::Attempt) {
+            continue;
+        }
+        mask |= 1 << ri;
+        // Pairs stay adjacent so tombstones fold them like live attempts do.
+        for k in [r.slots.trigger, r.slots.other] {
+            let width = if attempt.specs[k].keep.is_pair() {
+                2
+            } else {
+                1
+            };
+            for j in k..k + width {
+                if !map.contains(&j) {
+                    map.push(j);
+                }
+            }
+        }
+    }
+    (map, mask)
+}
+
+fn reacts(r: &CompiledRule) -> Reacts {
+    let k = r.slots;
+    let specs = |specs| Reacts {
+        specs,
+        predicate: false,
+        always: false,
+    };
+    match (&r.rule.shape, r.rule.scope) {
+        (Shape::NeverAfter(_), Scope::Attempt) => specs((1 << k.trigger) | (1 << k.other)),
+        // Linking an attempt to its request, or a request-level trigger, matters too.
+        (Shape::NeverAfter(_), Scope::Request) => Reacts {
+            always: true,
+            ..specs(0)
+        },
+        (Shape::MustFollow(_) | Shape::RequiresBefore(_), _) => specs(1 << k.trigger),
+        (Shape::Predicate(_), _) => Reacts {
+            predicate: true,
+            ..specs(k.stage_mask())
+        },
+    }
+}

@@ -1,0 +1,336 @@
+//! Engine tests that need its internals; scenario files and property tests live in `monitor/tests`.
+
+use std::time::Duration;
+
+use super::deadlines::MIN_TIMER_PURGE;
+use super::{Checker, CheckerConfig, RuleSet};
+use crate::engine::rules::MAX_TOMBSTONE_RULES;
+use crate::event::{Kind, LifecycleEvent, Source, Stage};
+use crate::violation::Violation;
+
+const MS: u64 = 1_000_000;
+const S: u64 = 1_000_000_000;
+
+fn ev(t: u64, stage: Stage, kind: Kind) -> LifecycleEvent {
+    LifecycleEvent::new(t, stage, kind, Source::Otlp)
+}
+
+/// As many attempt-scope never-after rules as a rule file may hold fit a tombstone's fired bits.
+#[test]
+fn the_most_tombstone_rules_a_file_may_hold_build_a_checker() {
+    let mut y = String::from("rules:\n");
+    // The defaults already hold two attempt-scope never_after rules.
+    for i in 0..MAX_TOMBSTONE_RULES - 2 {
+        y.push_str(&format!(
+            "  - name: na-{i}\n    description: d\n    severity: info\n    never_after: {{trigger: [{{kind: [rejected]}}], forbidden: [{{kind: [work]}}]}}\n"
+        ));
+    }
+    let mut set = RuleSet::embedded_defaults();
+    set.apply_yaml(&y, "ok.yaml").unwrap();
+    let _ = Checker::new(set, CheckerConfig::default());
+}
+
+/// One attempt whose legs carry different rids (prefill's and decode's), ended at `t`.
+fn two_rid_attempt(c: &mut Checker, t: u64, room: u64, n: u64) {
+    let (pr, dr) = (format!("p-{n}"), format!("d-{n}"));
+    c.observe(
+        &ev(t, Stage::Prefill, Kind::Admitted)
+            .with_room(room)
+            .with_rid(pr.as_str()),
+    );
+    c.observe(
+        &ev(t + MS, Stage::Decode, Kind::Admitted)
+            .with_room(room)
+            .with_rid(dr.as_str()),
+    );
+    c.observe(
+        &ev(t + 2 * MS, Stage::Prefill, Kind::Completed)
+            .with_room(room)
+            .with_status(200),
+    );
+    c.observe(
+        &ev(t + 3 * MS, Stage::Decode, Kind::Completed)
+            .with_room(room)
+            .with_status(200),
+    );
+}
+
+/// A request kept solo in its only attempt (no record) still catches everything a record
+/// would: a router failure that names the attempt's room arrives after the activity it
+/// precedes, and an attempt-scope violation names the request id.
+#[test]
+fn solo_requests_judge_like_recorded_ones() {
+    let mut c = Checker::new(RuleSet::embedded_defaults(), CheckerConfig::default());
+    let t = 1_795_986_920 * S;
+    let mut all = Vec::new();
+    all.extend(
+        c.observe(
+            &ev(t, Stage::Router, Kind::Dispatched)
+                .with_request_id("req-solo")
+                .with_room(7)
+                .with_to(Stage::Decode),
+        ),
+    );
+    all.extend(c.observe(&ev(t + 5 * MS, Stage::Decode, Kind::Work).with_room(7)));
+    assert_eq!(c.stats().correlate.requests_materialized, 0, "still solo");
+    assert!(all.is_empty());
+    // The router failed the request at t + 2 ms; it names the room, and comes late.
+    let v = c.observe(
+        &ev(t + 2 * MS, Stage::Router, Kind::Rejected)
+            .with_room(7)
+            .with_status(503),
+    );
+    let of_rule = |rule: &str| v.iter().filter(|v| v.rule == rule).collect::<Vec<_>>();
+    let failed = of_rule("activity-after-request-failed");
+    assert_eq!(failed.len(), 1, "{v:?}");
+    assert_eq!(failed[0].request.request_id.as_deref(), Some("req-solo"));
+    // The attempt's own rejection rule fires too, and names the request.
+    let rej = of_rule("activity-after-rejection");
+    assert_eq!(rej.len(), 1, "{v:?}");
+    assert_eq!(rej[0].request.request_id.as_deref(), Some("req-solo"));
+    assert_eq!(c.stats().correlate.requests_materialized, 1);
+
+    // A second solo request: an attempt-scope violation alone gives it a record, with its id.
+    c.observe(
+        &ev(t, Stage::Router, Kind::Dispatched)
+            .with_request_id("req-two")
+            .with_room(8)
+            .with_to(Stage::Prefill),
+    );
+    c.observe(
+        &ev(t + MS, Stage::Prefill, Kind::Rejected)
+            .with_room(8)
+            .with_status(400),
+    );
+    let v = c.observe(&ev(t + 3 * MS, Stage::Decode, Kind::Work).with_room(8));
+    assert_eq!(v.len(), 1, "{v:?}");
+    assert_eq!(v[0].rule, "activity-after-rejection");
+    assert_eq!(v[0].request.request_id.as_deref(), Some("req-two"));
+}
+
+/// Slots are packed against a per-row base with a 9-minute window: an attempt whose events
+/// span more, or a late event on a tombstone that long after, keeps exact times and verdicts.
+#[test]
+fn slots_past_the_packed_window_keep_exact_times() {
+    let mut c = Checker::new(RuleSet::embedded_defaults(), CheckerConfig::default());
+    let aar = |v: &[Violation]| {
+        v.iter()
+            .filter(|v| v.rule == "activity-after-rejection")
+            .cloned()
+            .collect::<Vec<_>>()
+    };
+    let t0 = 1_795_986_920 * S;
+    // A long attempt: admitted, streaming for ten minutes, then rejected and still worked on.
+    for (dt, stage, kind) in [
+        (0, Stage::Prefill, Kind::Admitted),
+        (4 * 60 * S, Stage::Decode, Kind::Work),
+        (8 * 60 * S, Stage::Decode, Kind::Work),
+    ] {
+        assert!(aar(&c.observe(&ev(t0 + dt, stage, kind).with_room(7))).is_empty());
+    }
+    let rejected = t0 + 10 * 60 * S;
+    let v = c.observe(
+        &ev(rejected, Stage::Prefill, Kind::Rejected)
+            .with_room(7)
+            .with_status(400),
+    );
+    assert!(aar(&v).is_empty());
+    assert!(c.stats().wide_slot_rows >= 1, "{:?}", c.stats());
+    let v = aar(&c.observe(&ev(rejected + 1, Stage::Decode, Kind::Work).with_room(7)));
+    assert_eq!(v.len(), 1);
+    let times: Vec<u64> = v[0].evidence.iter().map(|e| e.time_ns).collect();
+    assert_eq!(times, vec![rejected, rejected + 1]);
+
+    // A short rejected attempt, compacted; its decode leg reports work 9.5 minutes later.
+    let t1 = t0 + 20 * 60 * S;
+    for e in [
+        ev(t1, Stage::Decode, Kind::Received).with_room(8),
+        ev(t1 + MS, Stage::Prefill, Kind::Rejected)
+            .with_room(8)
+            .with_status(400),
+        ev(t1 + 2 * MS, Stage::Decode, Kind::Cancelled).with_room(8),
+    ] {
+        assert!(aar(&c.observe(&e)).is_empty());
+    }
+    c.tick(t1 + 30 * S);
+    assert!(c.stats().tombstones >= 1);
+    let late = t1 + 570 * S;
+    let v = aar(&c.observe(&ev(late, Stage::Decode, Kind::Work).with_room(8)));
+    assert_eq!(v.len(), 1, "late activity on the tombstone");
+    let times: Vec<u64> = v[0].evidence.iter().map(|e| e.time_ns).collect();
+    assert_eq!(times, vec![t1 + MS, late]);
+    assert!(aar(&c.observe(&ev(late + S, Stage::Decode, Kind::Work).with_room(8))).is_empty());
+}
+
+/// A tombstone stores only its set slots; a late event that sets an empty one (here the
+/// rejection, reported after the attempt was compacted) still proves the breach, once.
+#[test]
+fn a_late_trigger_on_a_tombstone_sets_its_empty_slot() {
+    let mut c = Checker::new(RuleSet::embedded_defaults(), CheckerConfig::default());
+    let aar = |v: Vec<Violation>| {
+        v.into_iter()
+            .filter(|v| v.rule == "activity-after-rejection")
+            .count()
+    };
+    let t = 1_795_986_920 * S;
+    for (dt, stage, kind) in [
+        (0, Stage::Decode, Kind::Received),
+        (5 * MS, Stage::Decode, Kind::Work),
+        (6 * MS, Stage::Decode, Kind::Completed),
+    ] {
+        assert_eq!(aar(c.observe(&ev(t + dt, stage, kind).with_room(9))), 0);
+    }
+    c.tick(t + 30 * S);
+    assert_eq!((c.stats().live_attempts, c.stats().tombstones), (0, 1));
+    let late_rejection = ev(t + MS, Stage::Prefill, Kind::Rejected)
+        .with_room(9)
+        .with_status(400);
+    assert_eq!(
+        aar(c.observe(&late_rejection)),
+        1,
+        "work at +5 ms followed it"
+    );
+    assert_eq!(c.stats().wide_slot_rows, 1, "the row grew: kept aside");
+    assert_eq!(
+        aar(c.observe(&ev(t + 7 * MS, Stage::Decode, Kind::Work).with_room(9))),
+        0
+    );
+    // Expiry drops the tombstone and its wide row.
+    c.tick(t + 900 * S);
+    assert_eq!((c.stats().tombstones, c.stats().wide_slot_rows), (0, 0));
+}
+
+/// Every rid an attempt was seen with leaves the alias table with it: otherwise the next
+/// attempt reusing its record inherits the rid (a late event of the old attempt is blamed on
+/// the new one) and the table grows by one entry per attempt, forever.
+#[test]
+fn an_attempts_second_rid_leaves_with_it() {
+    let mut c = Checker::new(RuleSet::embedded_defaults(), CheckerConfig::default());
+    let t0 = 1_000 * S;
+    two_rid_attempt(&mut c, t0, 1, 0);
+    c.tick(t0 + 10 * S);
+    assert_eq!(c.stats().live_attempts, 0, "attempt compacted");
+    // A new attempt takes the freed record and is rejected.
+    c.observe(
+        &ev(t0 + 11 * S, Stage::Prefill, Kind::Rejected)
+            .with_room(2)
+            .with_rid("p-1")
+            .with_status(400),
+    );
+    // A late report of the first attempt's decode work, named by its rid only.
+    let v = c.observe(&ev(t0 + 12 * S, Stage::Decode, Kind::Work).with_rid("d-0"));
+    assert!(v.is_empty(), "blamed on the wrong attempt: {v:?}");
+}
+
+#[test]
+fn settled_deadlines_do_not_pile_up() {
+    let mut c = Checker::new(RuleSet::embedded_defaults(), CheckerConfig::default());
+    // One attempt every 100 µs, each running 500 ms: when its first deadline is judged
+    // (the watermark passes its admission) it has not ended, so stuck-attempt's deadline
+    // (admitted + 330 s) is queued; then it ends. Over 5 s only the last ~1.5 s of attempts
+    // are live, but without purging every attempt's entry would stay queued for 330 s.
+    let t0 = 1_000 * S;
+    let mut events = Vec::new();
+    for n in 0..50_000u64 {
+        let t = t0 + n * 100_000;
+        let room = 100 + n;
+        events.extend([
+            ev(t, Stage::Prefill, Kind::Admitted).with_room(room),
+            ev(t + MS, Stage::Decode, Kind::Admitted).with_room(room),
+            ev(t + 400 * MS, Stage::Prefill, Kind::Completed).with_room(room),
+            ev(t + 500 * MS, Stage::Decode, Kind::Completed).with_room(room),
+        ]);
+    }
+    events.sort_by_key(|e| e.time_ns);
+    for e in &events {
+        c.observe(e);
+    }
+    let s = c.stats();
+    assert!(
+        s.live_attempts < 25_000,
+        "attempts are compacted as they end"
+    );
+    assert!(
+        c.deadline_entries() <= 2 * s.live_attempts as usize + MIN_TIMER_PURGE,
+        "{} queued deadlines for {} live attempts",
+        c.deadline_entries(),
+        s.live_attempts
+    );
+}
+
+/// The default rules, with tombstones and idle requests kept 5 s: tests of what is left
+/// once everything expired.
+fn short_retention_checker() -> Checker {
+    let cfg = CheckerConfig {
+        retention: Duration::from_secs(5),
+        ..CheckerConfig::default()
+    };
+    Checker::new(RuleSet::embedded_defaults(), cfg)
+}
+
+/// A request seen with two trace ids: both aliases leave when the request is forgotten,
+/// and the request shows its first ids.
+#[test]
+fn a_requests_second_trace_id_leaves_with_it() {
+    let mut c = short_retention_checker();
+    let t0 = 1_000 * S;
+    for n in 0..3_000u64 {
+        let t = t0 + n * MS;
+        let (id, t1, t2) = (format!("req-{n}"), format!("a-{n}"), format!("b-{n}"));
+        c.observe(
+            &ev(t, Stage::Router, Kind::Dispatched)
+                .with_room(100 + n)
+                .with_request_id(id.as_str())
+                .with_trace_id(t1.as_str()),
+        );
+        c.observe(
+            &ev(t + 1, Stage::Router, Kind::Completed)
+                .with_room(100 + n)
+                .with_request_id(id.as_str())
+                .with_trace_id(t2.as_str())
+                .with_status(500),
+        );
+        // The router failed the request; activity afterwards names its second trace only.
+        let v = c.observe(&ev(t + 2, Stage::Decode, Kind::Work).with_trace_id(t2.as_str()));
+        if n == 0 {
+            assert_eq!(v.len(), 0, "request-level work is no attempt's activity");
+        }
+    }
+    let s = c.stats();
+    assert_eq!(
+        s.correlate.requests_created, 6_000,
+        "one stub per second trace id"
+    );
+    assert_eq!(s.live_requests, 6_000);
+    for k in 1..=30 {
+        c.tick(t0 + 10 * S + k * S);
+    }
+    let s = c.stats();
+    assert_eq!((s.live_attempts, s.tombstones, s.live_requests), (0, 0, 0));
+    assert!(
+        c.alias_entries() <= 1024,
+        "stale aliases: {}",
+        c.alias_entries()
+    );
+}
+
+#[test]
+fn alias_table_is_bounded_by_what_is_live() {
+    let mut c = short_retention_checker();
+    let t0 = 1_000 * S;
+    for n in 0..5_000u64 {
+        two_rid_attempt(&mut c, t0 + n * MS, 100 + n, n);
+    }
+    // Past linger and retention: every attempt compacted, every tombstone expired.
+    for k in 1..=20 {
+        c.tick(t0 + 10 * S + k * S);
+    }
+    let s = c.stats();
+    assert_eq!((s.live_attempts, s.tombstones), (0, 0));
+    // Aliases of dropped tombstones are purged in bulk, once more than 1024 are stale.
+    assert!(
+        c.alias_entries() <= 1024,
+        "stale aliases left behind: {}",
+        c.alias_entries()
+    );
+}
