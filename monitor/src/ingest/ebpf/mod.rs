@@ -1,9 +1,12 @@
 //! eBPF ground truth: what really crosses the wire between router, prefill, transfer and decode.
 //!
-//! `loader` talks to the kernel; everything else here is pure and testable without root:
-//! `record` decodes ring-buffer records, `procs` finds the serving processes and their roles,
-//! `conn` reassembles per-connection byte streams, `http`/`zmtp` parse them, `json_ids` pulls the
-//! few ids we keep out of bodies, and `normalize` turns parsed messages into `LifecycleEvent`s.
+//! `loader` talks to the kernel and `source` runs it (ring-buffer drain, rescans, batches into
+//! the pipeline); everything else is pure and testable without root: `record` decodes
+//! ring-buffer records, `procs` finds the serving processes and their roles, `track`
+//! reassembles per-connection byte streams and maps what crossed the wire to `LifecycleEvent`s,
+//! `http`/`zmtp` parse the streams, `json_ids` pulls the few ids kept out of bodies. `config`
+//! holds the flags and the `ebpf` config section, `metrics` the source's counters and its drop
+//! publisher.
 
 pub mod config;
 pub mod http;
