@@ -60,7 +60,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use pd_sim::harness::{SmgProcess, smg_version, write_tiny_model};
+use pd_sim::smg::{SmgProcess, smg_version, write_tiny_model};
 use serde_json::Value;
 use test_harness::{Cluster, Revenant, free_port, http_json, metric_sum};
 
@@ -436,7 +436,7 @@ fn run_row(
         .max()
         .unwrap_or(0);
     let judged_by = last_rejection + (WINDOW + SKEW + LATENESS + TICK).as_nanos() as u64;
-    let now = pd_sim::common::now_ns();
+    let now = pd_sim::ids::now_ns();
     if judged_by > now {
         std::thread::sleep(Duration::from_nanos(judged_by - now) + Duration::from_millis(500));
     }

@@ -36,13 +36,12 @@ use serde::{Deserialize, Serialize};
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot};
 
-use crate::common::{
-    HttpClient, TraceParent, count_tokens, error_response, http_client, new_rid, now_ns,
-    random_span_id, random_trace_id, room_hex,
-};
+use crate::http::{HttpClient, error_response, http_client};
+use crate::ids::{count_tokens, new_rid, now_ns, room_hex};
 use crate::kvlink::{LinkStats, Pushers, parse_u64, serve_pull};
 use crate::serve::{ClientConn, OnClientGone};
 use crate::spans::{Exporter, ExporterConfig, SpanSink, SpanSpec, kv_int, kv_str};
+use crate::trace_ctx::{TraceParent, random_span_id, random_trace_id};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -600,8 +599,8 @@ impl Worker {
         let a = &self.args;
         let now = now_ns();
         SpanSpec {
-            trace_id: crate::common::random_trace_id(),
-            span_id: crate::common::random_span_id(),
+            trace_id: crate::trace_ctx::random_trace_id(),
+            span_id: crate::trace_ctx::random_span_id(),
             parent: None,
             name: "server_info".into(),
             start_ns: now,
@@ -1012,7 +1011,7 @@ pub async fn run(role: Role, args: WorkerArgs) -> anyhow::Result<()> {
         .layer(axum::extract::DefaultBodyLimit::max(BODY_LIMIT))
         .with_state(w.clone());
 
-    crate::common::print_ready(serde_json::json!({
+    crate::serve::print_ready(serde_json::json!({
         "role": role.as_str(),
         "http": format!("http://{http_addr}"),
         "port": http_addr.port(),
@@ -1040,7 +1039,7 @@ pub async fn run(role: Role, args: WorkerArgs) -> anyhow::Result<()> {
                 let _ = tcp.set_nodelay(true);
             });
             axum::serve(http, app)
-                .with_graceful_shutdown(crate::common::shutdown_signal())
+                .with_graceful_shutdown(crate::serve::shutdown_signal())
                 .await?;
         }
         Role::Decode => {

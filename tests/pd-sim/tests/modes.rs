@@ -6,7 +6,7 @@ mod support;
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
-use pd_sim::common::http_client;
+use pd_sim::http::http_client;
 use serde_json::json;
 use support::*;
 
@@ -557,7 +557,7 @@ fn by_room(recs: &[serde_json::Value]) -> HashMap<u64, serde_json::Value> {
 
 /// POST to the router; status, `x-smg-error-code`, body, and how long the answer took.
 async fn post_timed(
-    client: &pd_sim::common::HttpClient,
+    client: &pd_sim::http::HttpClient,
     c: &Cluster,
     request_id: &str,
     body: serde_json::Value,
