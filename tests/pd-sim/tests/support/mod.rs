@@ -1,15 +1,17 @@
-//! Test harness: start `pd-sim cluster` on ephemeral loopback ports, wait on readiness,
-//! always stop it; a tiny HTTP client; a ZMTP tap; a tiny OTLP/HTTP receiver.
+//! What pd-sim's tests share: `pd-sim cluster` on ephemeral loopback ports (from
+//! `test_harness`, always stopped), a tiny async HTTP client, bounded waits
+//! ([`test_harness::eventually`]), a ZMTP tap and a tiny OTLP/HTTP receiver.
 #![allow(dead_code)]
 
 use std::net::SocketAddr;
 
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use pd_sim::http::HttpClient;
+pub use test_harness::eventually;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -60,14 +62,12 @@ impl std::ops::Deref for Cluster {
 }
 
 pub async fn wait_healthy(client: &HttpClient, base: &str) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        if let Ok((200, _)) = get(client, &format!("{base}/health")).await {
-            return;
-        }
-        assert!(Instant::now() < deadline, "{base} not healthy within 30 s");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually(
+        &format!("{base} healthy"),
+        Duration::from_secs(30),
+        async || matches!(get(client, &format!("{base}/health")).await, Ok((200, _))).then_some(()),
+    )
+    .await
 }
 
 pub async fn get(client: &HttpClient, url: &str) -> Result<(u16, Bytes), String> {
@@ -125,22 +125,6 @@ pub async fn generate(
 
 pub fn words(n: usize) -> String {
     vec!["word"; n].join(" ")
-}
-
-/// Poll `f` until it returns Some, bounded.
-pub async fn eventually<T, F, Fut>(what: &str, timeout: Duration, mut f: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Option<T>>,
-{
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Some(v) = f().await {
-            return v;
-        }
-        assert!(Instant::now() < deadline, "timed out waiting for: {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
 
 pub async fn rooms(client: &HttpClient, base: &str) -> Vec<serde_json::Value> {
