@@ -119,6 +119,28 @@ pub(super) fn parse_body(api: Api, body: &[u8]) -> Result<Parsed, String> {
     }
 }
 
+/// The worker's HTTP routes; `/server_info` reports `boot_port` and `http_port`.
+pub(super) fn routes(w: &Shared, boot_port: u16, http_port: u16) -> Router {
+    Router::new()
+        .route("/generate", post(generate))
+        .route("/v1/chat/completions", post(chat))
+        .route("/health", get(|| async { StatusCode::OK }))
+        .route("/health_generate", get(|| async { StatusCode::OK }))
+        .route("/server_info", get(server_info))
+        .route("/get_server_info", get(server_info))
+        .route("/model_info", get(model_info))
+        .route("/get_model_info", get(model_info))
+        .route("/v1/models", get(models))
+        .route("/sim/stats", get(sim_stats))
+        .route("/sim/rooms", get(sim_rooms))
+        .layer(axum::Extension(Arc::new(BootstrapPort(
+            boot_port, http_port,
+        ))))
+        // Last, so it covers every route above.
+        .layer(axum::extract::DefaultBodyLimit::max(BODY_LIMIT))
+        .with_state(w.clone())
+}
+
 pub(super) async fn server_info(
     State(w): State<Shared>,
     axum::Extension(bp): axum::Extension<Arc<BootstrapPort>>,

@@ -3,6 +3,20 @@
 
 use super::*;
 
+/// Serves `GET`/`PUT /route` and `/health` on `boot`, announcing `advertised` as prefill's KV
+/// endpoint.
+pub(super) fn spawn_server(boot: TcpListener, advertised: SocketAddr) {
+    let app = Router::new()
+        .route("/route", get(route_get).put(route_put))
+        .route("/health", get(|| async { "OK" }))
+        .with_state(Arc::new(Mutex::new(advertised)));
+    tokio::spawn(async move {
+        if let Err(e) = axum::serve(boot, app).await {
+            tracing::error!(error = %e, "bootstrap server failed");
+        }
+    });
+}
+
 #[derive(Deserialize)]
 pub(super) struct RouteQuery {
     pub(super) engine_rank: Option<String>,

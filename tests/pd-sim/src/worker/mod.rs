@@ -15,6 +15,10 @@
 //! - decode's client (the router) closing the connection mid-request cancels it: ABORT R to
 //!   prefill if its KV had not come, outcome `cancelled`. With `--decode-ignores-cancel` decode
 //!   goes on and answers on the socket instead (outcome `cancel-ignored`); see serve.rs.
+//!
+//! Here: the flags, counters, room log and `run` (bind, announce READY, serve). `api` has the
+//! HTTP routes and request bodies, `prefill` and `decode` each role's side of an attempt,
+//! `bootstrap` the bootstrap server and its client, `trace` the spans, `render` the answers.
 
 use std::collections::{HashMap, VecDeque};
 use std::convert::Infallible;
@@ -50,8 +54,7 @@ mod prefill;
 mod render;
 mod trace;
 
-use api::{Parsed, chat, generate, model_info, models, server_info, sim_rooms, sim_stats};
-use bootstrap::{route_get, route_put};
+use api::Parsed;
 use decode::DecodeWaiter;
 use prefill::{Pending, sweeper};
 
@@ -479,36 +482,10 @@ pub async fn run(role: Role, args: WorkerArgs) -> anyhow::Result<()> {
             kv_addr.ip(),
             w.args.advertise_kv_port.unwrap_or(kv_addr.port()),
         );
-        let app = Router::new()
-            .route("/route", get(route_get).put(route_put))
-            .route("/health", get(|| async { "OK" }))
-            .with_state(Arc::new(Mutex::new(advertised)));
-        tokio::spawn(async move {
-            if let Err(e) = axum::serve(boot, app).await {
-                tracing::error!(error = %e, "bootstrap server failed");
-            }
-        });
+        bootstrap::spawn_server(boot, advertised);
     }
 
-    let app = Router::new()
-        .route("/generate", post(generate))
-        .route("/v1/chat/completions", post(chat))
-        .route("/health", get(|| async { StatusCode::OK }))
-        .route("/health_generate", get(|| async { StatusCode::OK }))
-        .route("/server_info", get(server_info))
-        .route("/get_server_info", get(server_info))
-        .route("/model_info", get(model_info))
-        .route("/get_model_info", get(model_info))
-        .route("/v1/models", get(models))
-        .route("/sim/stats", get(sim_stats))
-        .route("/sim/rooms", get(sim_rooms))
-        .layer(axum::Extension(Arc::new(BootstrapPort(
-            boot_port,
-            http_addr.port(),
-        ))))
-        // Last, so it covers every route above.
-        .layer(axum::extract::DefaultBodyLimit::max(BODY_LIMIT))
-        .with_state(w.clone());
+    let app = api::routes(&w, boot_port, http_addr.port());
 
     crate::serve::print_ready(serde_json::json!({
         "role": role.as_str(),
