@@ -195,6 +195,7 @@ pub fn on_path(binary: &str) -> Option<PathBuf> {
 
 /// A system program a test needs (one of [`SYSTEM_TOOLS`]), from PATH. Panics, naming `cargo
 /// xtask setup`, when it is not there.
+#[track_caller]
 pub fn system_bin(binary: &str) -> PathBuf {
     on_path(binary).unwrap_or_else(|| {
         let package = SYSTEM_TOOLS
