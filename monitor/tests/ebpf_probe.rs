@@ -27,15 +27,16 @@ fn free_port() -> u16 {
     test_harness::free_port().unwrap()
 }
 
-/// A child process killed when the test ends, however it ends.
-struct Proc {
+/// A fake worker or router (tests/fixtures, python3) that says READY (the router then waits
+/// for a line on stdin, see `go`); killed when the test ends, however it ends.
+struct Fake {
     child: test_harness::Proc,
     stdin: Option<ChildStdin>,
     lines: mpsc::Receiver<String>,
 }
 
-impl Proc {
-    fn spawn(args: &[String]) -> Proc {
+impl Fake {
+    fn spawn(args: &[String]) -> Fake {
         let mut child = test_harness::Proc::spawn(
             "python3",
             Command::new("python3")
@@ -56,7 +57,7 @@ impl Proc {
             }
         });
         let stdin = child.child_mut().stdin.take();
-        let mut p = Proc {
+        let mut p = Fake {
             child,
             stdin,
             lines,
@@ -89,9 +90,9 @@ impl Proc {
 }
 
 struct Pd {
-    prefill: Proc,
-    decode: Proc,
-    router: Proc,
+    prefill: Fake,
+    decode: Fake,
+    router: Fake,
     room: u64,
 }
 
@@ -105,7 +106,7 @@ fn start_pd(
 ) -> Pd {
     let (pp, dp, bp, kp) = (free_port(), free_port(), free_port(), free_port());
     let worker = fixture("fake_worker.py").display().to_string();
-    let prefill = Proc::spawn(&[
+    let prefill = Fake::spawn(&[
         worker.clone(),
         "--role".into(),
         "prefill".into(),
@@ -116,7 +117,7 @@ fn start_pd(
         "--kv-port".into(),
         kp.to_string(),
     ]);
-    let decode = Proc::spawn(&[
+    let decode = Fake::spawn(&[
         worker,
         "--role".into(),
         "decode".into(),
@@ -124,7 +125,7 @@ fn start_pd(
         dp.to_string(),
     ]);
     let room = 9066467638188682269u64 - u64::from(pp);
-    let router = Proc::spawn(
+    let router = Fake::spawn(
         &[
             fixture("fake_router.py").display().to_string(),
             "--prefill".into(),
