@@ -2,6 +2,7 @@
 //! KV endpoint through it.
 
 use super::*;
+use crate::http::GetError;
 
 /// Serves `GET`/`PUT /route` and `/health` on `boot`, announcing `advertised` as prefill's KV
 /// endpoint.
@@ -91,22 +92,15 @@ impl Worker {
         }
         self.stats.route_lookups.fetch_add(1, Ordering::Relaxed);
         let uri = format!("http://{key}/route?engine_rank=0&target_dp_group=0");
-        let req = hyper::Request::get(uri)
-            .body(Full::new(Bytes::new()))
-            .map_err(|e| e.to_string())?;
-        let resp = tokio::time::timeout(Duration::from_secs(5), self.client.request(req))
+        let (status, body) = crate::http::get(&self.client, &uri, Duration::from_secs(5))
             .await
-            .map_err(|_| "bootstrap server timed out".to_string())?
-            .map_err(|e| e.to_string())?;
-        if !resp.status().is_success() {
-            return Err(format!("bootstrap server answered {}", resp.status()));
+            .map_err(|e| match e {
+                GetError::Timeout => "bootstrap server timed out".to_string(),
+                GetError::Failed(e) => e,
+            })?;
+        if !status.is_success() {
+            return Err(format!("bootstrap server answered {status}"));
         }
-        let body = resp
-            .into_body()
-            .collect()
-            .await
-            .map_err(|e| e.to_string())?
-            .to_bytes();
         #[derive(Deserialize)]
         struct Info {
             rank_ip: String,

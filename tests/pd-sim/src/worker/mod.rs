@@ -34,7 +34,6 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
 use rand::RngExt;
 use serde::{Deserialize, Serialize};
 use tokio::net::TcpListener;

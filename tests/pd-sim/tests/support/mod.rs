@@ -71,21 +71,10 @@ pub async fn wait_healthy(client: &HttpClient, base: &str) {
 }
 
 pub async fn get(client: &HttpClient, url: &str) -> Result<(u16, Bytes), String> {
-    let req = hyper::Request::get(url)
-        .body(Full::new(Bytes::new()))
-        .map_err(|e| e.to_string())?;
-    let resp = tokio::time::timeout(Duration::from_secs(10), client.request(req))
+    pd_sim::http::get(client, url, Duration::from_secs(10))
         .await
-        .map_err(|_| "timeout".to_string())?
-        .map_err(|e| e.to_string())?;
-    let status = resp.status().as_u16();
-    let body = resp
-        .into_body()
-        .collect()
-        .await
-        .map_err(|e| e.to_string())?
-        .to_bytes();
-    Ok((status, body))
+        .map(|(status, body)| (status.as_u16(), body))
+        .map_err(|e| e.to_string())
 }
 
 pub async fn get_json(client: &HttpClient, url: &str) -> serde_json::Value {
