@@ -1,7 +1,6 @@
-//! Bounded polling, the one wait the tests use instead of a sleep: a condition checked every
-//! 50 ms until it holds, a panic naming what never came once the bound is reached. Async (any
-//! runtime: the pause between polls is a timer thread, so this crate needs no tokio) and
-//! blocking.
+//! Bounded polling, the one wait the async tests use instead of a sleep: a condition checked
+//! every 50 ms until it holds, a panic naming what never came once the bound is reached. Any
+//! runtime: the pause between polls is a timer thread, so this crate needs no tokio.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -27,25 +26,6 @@ pub async fn eventually<T>(
             "timed out after {timeout:?} waiting for {what}"
         );
         Sleep::new(POLL).await;
-    }
-}
-
-/// [`eventually`] for blocking code.
-pub fn eventually_blocking<T>(
-    what: &str,
-    timeout: Duration,
-    mut f: impl FnMut() -> Option<T>,
-) -> T {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Some(v) = f() {
-            return v;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "timed out after {timeout:?} waiting for {what}"
-        );
-        std::thread::sleep(POLL);
     }
 }
 
@@ -99,19 +79,13 @@ mod tests {
     use super::*;
 
     #[test]
-    fn blocking_returns_the_first_some() {
-        let mut n = 0;
-        let v = eventually_blocking("three polls", Duration::from_secs(5), || {
-            n += 1;
-            (n == 3).then_some(n)
-        });
-        assert_eq!(v, 3);
-    }
-
-    #[test]
     #[should_panic(expected = "waiting for never")]
-    fn blocking_names_what_never_came() {
-        eventually_blocking("never", Duration::from_millis(120), || None::<()>);
+    fn names_what_never_came() {
+        block_on(eventually(
+            "never",
+            Duration::from_millis(120),
+            async || None::<()>,
+        ));
     }
 
     #[test]
