@@ -131,17 +131,12 @@ pub async fn rooms(client: &HttpClient, base: &str) -> Vec<serde_json::Value> {
 pub fn start_revenant(dir: &std::path::Path, extra: &[&str]) -> test_harness::Revenant {
     let bin =
         test_harness::workspace_bin("revenant", "REVENANT_BIN").unwrap_or_else(|e| panic!("{e}"));
-    let events = dir.join("events.jsonl").display().to_string();
-    let mut args = vec![
-        "--rate-limit",
-        "0",
-        "--spool-no-fsync",
-        "--events-jsonl",
-        &events,
-    ];
+    let mut args = vec!["--rate-limit", "0", "--spool-no-fsync"];
     args.extend_from_slice(extra);
-    tokio::task::block_in_place(|| test_harness::Revenant::start(&bin, dir, &args))
-        .unwrap_or_else(|e| panic!("revenant: {e}"))
+    tokio::task::block_in_place(|| {
+        test_harness::Revenant::start_recording(&bin, dir, &args, Duration::from_secs(60))
+    })
+    .unwrap_or_else(|e| panic!("revenant: {e}"))
 }
 
 /// Run the `pd-sim load` binary against the router (quiet, at most 10 minutes) and return its
