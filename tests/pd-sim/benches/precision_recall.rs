@@ -3,6 +3,8 @@
 //! a real `revenant run` (release build) watching it, open-loop load from `pd-sim load` with a
 //! share of over-capacity prompts that prefill refuses. The oracle is the simulator's own
 //! per-room records (`/sim/rooms` of prefill and decode), never revenant's output.
+//! (One file, ~850 lines: a `harness = false` bench binary whose rows, oracle and runner read
+//! top to bottom.)
 //!
 //! ```text
 //! [PD_SIM_SMG=target/xtask-venv/bin/smg] [PD_SIM_SMG113=target/xtask-venv-smg113/bin/smg] \

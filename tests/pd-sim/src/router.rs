@@ -1,4 +1,6 @@
 //! The PD router, with the three behaviours the monitor must tell apart.
+//! (One file, ~1,000 lines: `route_inner` is the three modes side by side, and the withdrawable
+//! decode leg, `DecodeLeg` over `Wire`, exists only for it.)
 //!
 //! - `correct`: prefill first; decode is dispatched only once prefill admitted the request
 //!   (prefill answers its status line at admission). A rejection never reaches decode.

@@ -1,5 +1,6 @@
 //! End-to-end behaviour of the simulator's router modes, observed from outside the processes:
 //! HTTP answers, the simulator's per-room records, the ZMTP bytes on the wire, OTLP spans.
+//! (One file, ~1,000 lines: the catalogue of modes, one test each, on one set of helpers.)
 
 mod support;
 
