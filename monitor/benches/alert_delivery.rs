@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use revenant::alert::{AlertConfig, AlertPipeline, WebhookConfig};
 use revenant::telemetry::Metrics;
 
-#[path = "../tests/common/alerts.rs"]
+#[path = "../tests/support/alerts.rs"]
 mod alerts;
 use alerts::{Receiver, violation};
 

@@ -3,7 +3,7 @@
 //! spool, and incidents (findings of one request as one notification, escalation as one update,
 //! no grouping with a group wait of 0). Run: `cargo test -p revenant --test alert_delivery`.
 
-mod common;
+mod support;
 
 use std::collections::HashSet;
 use std::io::BufRead;
@@ -13,10 +13,11 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use common::alerts::*;
-use common::*;
 use revenant::alert::{AlertConfig, AlertPipeline, WebhookConfig};
 use revenant::telemetry::Metrics;
+
+use support::alerts::*;
+use support::*;
 
 fn config(spool: &std::path::Path, url: &str, secret: Option<&str>, batch: usize) -> AlertConfig {
     let mut w = WebhookConfig::new(url);
@@ -79,7 +80,7 @@ async fn webhook_down_then_up_delivers_each_fingerprint_exactly_once() {
         }
     }
     // Nothing listens yet: wait until delivery has really failed a few times.
-    wait_for(Duration::from_secs(20), "connection failures", async || {
+    eventually("connection failures", Duration::from_secs(20), async || {
         (metric(
             &metrics,
             "revenant_alert_deliveries_total{sink=\"webhook-0\",outcome=\"retryable_error\"}",
@@ -94,9 +95,9 @@ async fn webhook_down_then_up_delivers_each_fingerprint_exactly_once() {
     );
     let rx = Receiver::new(Some("s3cret"), Duration::ZERO);
     let server = rx.serve(addr).await;
-    wait_for(
-        Duration::from_secs(30),
+    eventually(
         "all fingerprints delivered",
+        Duration::from_secs(30),
         async || (rx.counts_by("fingerprint").len() >= N).then_some(()),
     )
     .await;
@@ -166,12 +167,12 @@ async fn honours_retry_after_and_does_not_retry_permanent_refusals() {
     let cfg = config(dir.path(), &format!("http://{addr}/hook"), None, 10);
     let p = AlertPipeline::start(&cfg, metrics.clone(), None, None).unwrap();
     revenant::alert::offer(&p.sender, violation(1), &metrics);
-    wait_for(Duration::from_secs(10), "a 429", async || {
+    eventually("a 429", Duration::from_secs(10), async || {
         (*rx.requests.lock().unwrap() >= 1).then_some(())
     })
     .await;
     let t0 = std::time::Instant::now();
-    wait_for(Duration::from_secs(10), "the retry", async || {
+    eventually("the retry", Duration::from_secs(10), async || {
         (*rx.requests.lock().unwrap() >= 2).then_some(())
     })
     .await;
@@ -182,7 +183,7 @@ async fn honours_retry_after_and_does_not_retry_permanent_refusals() {
         t0.elapsed()
     );
     rx.mode.store(MODE_OK, Ordering::SeqCst);
-    wait_for(Duration::from_secs(10), "delivery after 429", async || {
+    eventually("delivery after 429", Duration::from_secs(10), async || {
         (rx.alerts().len() == 1).then_some(())
     })
     .await;
@@ -192,9 +193,9 @@ async fn honours_retry_after_and_does_not_retry_permanent_refusals() {
     for i in 10..13 {
         revenant::alert::offer(&p.sender, violation(i), &metrics);
     }
-    wait_for(
-        Duration::from_secs(10),
+    eventually(
         "permanent drops counted",
+        Duration::from_secs(10),
         async || {
             (metric(
                 &metrics,
@@ -272,11 +273,11 @@ async fn sigkill_mid_delivery_loses_nothing() {
             .env("REVENANT_TEST_URL", format!("http://{addr}/hook"))
             .env("REVENANT_TEST_PRODUCE", produce.to_string())
             .stdout(Stdio::piped());
-        spawn(&mut c)
+        spawn("spool child", &mut c)
     };
     let mut first = child(N);
     // Wait (bounded) for the child to say everything is on disk.
-    let out = first.0.stdout.take().unwrap();
+    let out = first.child_mut().stdout.take().unwrap();
     let line = tokio::task::spawn_blocking(move || {
         std::io::BufReader::new(out)
             .lines()
@@ -289,14 +290,14 @@ async fn sigkill_mid_delivery_loses_nothing() {
         .unwrap();
     // libtest prints "test spool_child ... " on the same line.
     assert_eq!(line.as_deref(), Some(format!("SPOOLED {N}").as_str()));
-    wait_for(Duration::from_secs(30), "partial delivery", async || {
+    eventually("partial delivery", Duration::from_secs(30), async || {
         (rx.alerts().len() >= N / 4).then_some(())
     })
     .await;
     // SIGKILL: no destructor, no drain.
-    let pid = first.0.id() as i32;
+    let pid = first.pid() as i32;
     unsafe { libc::kill(pid, libc::SIGKILL) };
-    let _ = first.0.wait();
+    let _ = first.child_mut().wait();
     let before = rx.alerts().len();
     assert!(
         before < N,
@@ -306,13 +307,13 @@ async fn sigkill_mid_delivery_loses_nothing() {
     assert!(left > 0, "spool should still hold undelivered alerts");
 
     let _second = child(0);
-    wait_for(
-        Duration::from_secs(60),
+    eventually(
         "every fingerprint after restart",
+        Duration::from_secs(60),
         async || (rx.counts_by("fingerprint").len() >= N).then_some(()),
     )
     .await;
-    wait_for(Duration::from_secs(10), "spool drained", async || {
+    eventually("spool drained", Duration::from_secs(10), async || {
         (spool_entries(dir.path()) == 0).then_some(())
     })
     .await;
@@ -417,9 +418,9 @@ async fn corroborations_merge_into_one_notification_and_are_never_repeats() {
     for (_, c) in &pairs[..N / 2] {
         assert!(revenant::alert::offer(&p.sender, c.clone(), &metrics));
     }
-    wait_for(
-        Duration::from_secs(20),
+    eventually(
         "every fingerprint notified",
+        Duration::from_secs(20),
         async || (rx.counts_by("fingerprint").len() >= N).then_some(()),
     )
     .await;
@@ -427,7 +428,7 @@ async fn corroborations_merge_into_one_notification_and_are_never_repeats() {
     for (_, c) in &pairs[N / 2..] {
         assert!(revenant::alert::offer(&p.sender, c.clone(), &metrics));
     }
-    wait_for(Duration::from_secs(10), "late corroborations counted", async || {
+    eventually("late corroborations counted", Duration::from_secs(10), async || {
         (metric(
             &metrics,
             "revenant_alerts_corroborated_total{rule=\"activity-after-rejection\",outcome=\"merged_active\"}",
@@ -509,9 +510,9 @@ async fn two_rules_for_one_request_are_one_incident_notification() {
         let v = violation_rule("activity-after-request-failed", i);
         assert!(revenant::alert::offer(&p.sender, v, &metrics));
     }
-    wait_for(
-        Duration::from_secs(20),
+    eventually(
         "one notification per request",
+        Duration::from_secs(20),
         async || (rx.alerts().len() >= N).then_some(()),
     )
     .await;
@@ -589,7 +590,7 @@ async fn severity_escalation_after_sending_is_exactly_one_update() {
     let mut warning = violation_rule("orphaned-leg", 1);
     warning.severity = revenant::violation::Severity::Warning;
     assert!(revenant::alert::offer(&p.sender, warning, &metrics));
-    wait_for(Duration::from_secs(10), "the warning", async || {
+    eventually("the warning", Duration::from_secs(10), async || {
         (rx.alerts().len() == 1).then_some(())
     })
     .await;
@@ -601,7 +602,7 @@ async fn severity_escalation_after_sending_is_exactly_one_update() {
             &metrics
         ));
     }
-    wait_for(Duration::from_secs(10), "the update", async || {
+    eventually("the update", Duration::from_secs(10), async || {
         (rx.alerts().len() >= 2).then_some(())
     })
     .await;
@@ -653,7 +654,7 @@ async fn group_wait_zero_notifies_each_finding() {
             &metrics
         ));
     }
-    wait_for(Duration::from_secs(10), "two notifications", async || {
+    eventually("two notifications", Duration::from_secs(10), async || {
         (rx.alerts().len() == 2).then_some(())
     })
     .await;

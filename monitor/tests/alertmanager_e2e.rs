@@ -5,20 +5,21 @@
 //! resolved).
 //! Run: `cargo test -p revenant --test alertmanager_e2e`.
 
-mod common;
+mod support;
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::alerts::*;
-use common::process::Revenant;
-use common::*;
 use revenant::alert::{AlertConfig, AlertPipeline, AlertmanagerConfig};
 use revenant::telemetry::Metrics;
 
+use support::alerts::*;
+use support::prometheus::start_prometheus_server;
+use support::*;
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn alertmanager_receives_reposts_and_routes_alerts() {
-    let am_bin = ensure_debian_package("prometheus-alertmanager", "prometheus-alertmanager");
+    let am_bin = system_bin("prometheus-alertmanager");
     let tmp = tempfile::tempdir().unwrap();
     let receiver = Receiver::new(None, Duration::ZERO);
     let (hook, hook_task) = receiver.serve_any().await;
@@ -82,9 +83,9 @@ async fn alertmanager_receives_reposts_and_routes_alerts() {
             v.as_array().cloned().unwrap_or_default()
         }
     };
-    let alerts = wait_for(
-        Duration::from_secs(20),
+    let alerts = eventually(
         "3 alerts in Alertmanager",
+        Duration::from_secs(20),
         async || {
             let a = get_alerts().await;
             (a.len() >= 3).then_some(a)
@@ -162,16 +163,16 @@ async fn alertmanager_receives_reposts_and_routes_alerts() {
         u
     };
     let before = updated(&alerts);
-    wait_for(Duration::from_secs(10), "a re-post", async || {
+    eventually("a re-post", Duration::from_secs(10), async || {
         let now = updated(&get_alerts().await);
         (now.len() == 3 && now.iter().zip(&before).all(|(a, b)| a > b)).then_some(())
     })
     .await;
 
     // Routed by Alertmanager to our webhook (its own payload format).
-    let routed = wait_for(
-        Duration::from_secs(20),
+    let routed = eventually(
         "Alertmanager webhook notifications",
+        Duration::from_secs(20),
         async || {
             // The receiver unpacks `alerts[]` of Alertmanager's webhook envelope.
             let got: Vec<String> = receiver
@@ -199,16 +200,16 @@ async fn alertmanager_receives_reposts_and_routes_alerts() {
     let mut warning = violation_rule("orphaned-leg", 7);
     warning.severity = revenant::violation::Severity::Warning;
     revenant::alert::offer(&p.sender, warning, &metrics);
-    let incident = wait_for(Duration::from_secs(20), "the warning alert", async || {
+    let incident = eventually("the warning alert", Duration::from_secs(20), async || {
         get_alerts().await.into_iter().find_map(|a| {
             (a["labels"]["alertname"] == "orphaned-leg").then(|| a["labels"]["incident"].clone())
         })
     })
     .await;
     revenant::alert::offer(&p.sender, violation(7), &metrics);
-    let escalated = wait_for(
-        Duration::from_secs(20),
+    let escalated = eventually(
         "the critical alert replacing the warning",
+        Duration::from_secs(20),
         async || {
             let mine: Vec<_> = get_alerts()
                 .await
@@ -254,9 +255,9 @@ async fn alertmanager_receives_reposts_and_routes_alerts() {
     });
     assert!(ok, "{out} {err}");
     let rid = out["rid"].as_str().unwrap().to_string();
-    let mine = wait_for(
-        Duration::from_secs(20),
+    let mine = eventually(
         "revenant run's alert in Alertmanager",
+        Duration::from_secs(20),
         async || {
             get_alerts().await.into_iter().find(|a| {
                 a["labels"]["cluster"] == "e2e"

@@ -6,19 +6,20 @@
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::PathBuf;
-use std::process::{Child, ChildStdin, Command, Stdio};
+use std::process::{ChildStdin, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-mod ebpf_support;
+mod support;
 
 use monitor_common::counter;
 use revenant::ingest::ebpf::{CaptureConfig, Discovery, EbpfConfig, EbpfSource, Probes, Role};
 use revenant::{Kind, LifecycleEvent, Stage};
+use support::ebpf::start_source;
 
-fn support(name: &str) -> PathBuf {
+fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/support")
+        .join("tests/fixtures")
         .join(name)
 }
 
@@ -26,29 +27,27 @@ fn free_port() -> u16 {
     test_harness::free_port().unwrap()
 }
 
-fn start_source(cfg: EbpfConfig) -> EbpfSource {
-    EbpfSource::start(cfg).unwrap_or_else(|e| {
-        panic!("eBPF probes must load on this machine (run as root after `cargo xtask setup`): {e}")
-    })
-}
-
-/// A child process killed when the test ends, however it ends.
-struct Proc {
-    child: Child,
+/// A fake worker or router (tests/fixtures, python3) that says READY (the router then waits
+/// for a line on stdin, see `go`); killed when the test ends, however it ends.
+struct Fake {
+    child: test_harness::Proc,
     stdin: Option<ChildStdin>,
     lines: mpsc::Receiver<String>,
 }
 
-impl Proc {
-    fn spawn(args: &[String]) -> Proc {
-        let mut child = Command::new("python3")
-            .args(args)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("python3 must be installed for the probe tests");
-        let stdout = child.stdout.take().unwrap();
+impl Fake {
+    fn spawn(args: &[String]) -> Fake {
+        let mut child = test_harness::Proc::spawn(
+            "python3",
+            Command::new("python3")
+                .args(args)
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::inherit()),
+        )
+        .expect("python3 must be installed for the probe tests")
+        .with_grace(Duration::ZERO);
+        let stdout = child.child_mut().stdout.take().unwrap();
         let (tx, lines) = mpsc::channel();
         std::thread::spawn(move || {
             for line in BufReader::new(stdout).lines().map_while(Result::ok) {
@@ -57,8 +56,8 @@ impl Proc {
                 }
             }
         });
-        let stdin = child.stdin.take();
-        let mut p = Proc {
+        let stdin = child.child_mut().stdin.take();
+        let mut p = Fake {
             child,
             stdin,
             lines,
@@ -68,7 +67,7 @@ impl Proc {
     }
 
     fn pid(&self) -> u32 {
-        self.child.id()
+        self.child.pid()
     }
 
     fn expect_line(&mut self, prefix: &str) -> String {
@@ -78,7 +77,7 @@ impl Proc {
             match self.lines.recv_timeout(left) {
                 Ok(l) if l.starts_with(prefix) => return l,
                 Ok(_) => continue,
-                Err(e) => panic!("process {} never printed {prefix:?}: {e}", self.child.id()),
+                Err(e) => panic!("process {} never printed {prefix:?}: {e}", self.child.pid()),
             }
         }
     }
@@ -90,17 +89,10 @@ impl Proc {
     }
 }
 
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 struct Pd {
-    prefill: Proc,
-    decode: Proc,
-    router: Proc,
+    prefill: Fake,
+    decode: Fake,
+    router: Fake,
     room: u64,
 }
 
@@ -113,8 +105,8 @@ fn start_pd(
     router_extra: &[&str],
 ) -> Pd {
     let (pp, dp, bp, kp) = (free_port(), free_port(), free_port(), free_port());
-    let worker = support("fake_worker.py").display().to_string();
-    let prefill = Proc::spawn(&[
+    let worker = fixture("fake_worker.py").display().to_string();
+    let prefill = Fake::spawn(&[
         worker.clone(),
         "--role".into(),
         "prefill".into(),
@@ -125,7 +117,7 @@ fn start_pd(
         "--kv-port".into(),
         kp.to_string(),
     ]);
-    let decode = Proc::spawn(&[
+    let decode = Fake::spawn(&[
         worker,
         "--role".into(),
         "decode".into(),
@@ -133,9 +125,9 @@ fn start_pd(
         dp.to_string(),
     ]);
     let room = 9066467638188682269u64 - u64::from(pp);
-    let router = Proc::spawn(
+    let router = Fake::spawn(
         &[
-            support("fake_router.py").display().to_string(),
+            fixture("fake_router.py").display().to_string(),
             "--prefill".into(),
             pp.to_string(),
             "--decode".into(),
@@ -320,7 +312,7 @@ fn reject_then_decode(
 fn big_prompt_room_at_the_end_prefill_rejects_decode_works() {
     const CANARY: &str = "CANARY-b7e1d2-PROMPT-TEXT";
     // Every log line of the source, at TRACE, for the privacy check.
-    let logs = ebpf_support::LogCapture::global();
+    let logs = support::ebpf::LogCapture::global();
     let (events, mut src) = reject_then_decode(CANARY, "req-ebpf-big", 300_000, &[]);
     // The canary sits at both ends of the prompt, so in the captured head and tail windows: it
     // went through the parser, and must reach no event, violation, alert or log line.
@@ -339,11 +331,11 @@ fn big_prompt_room_at_the_end_prefill_rejects_decode_works() {
             .map(|v| v.rule.as_str())
             .collect::<Vec<_>>()
     );
-    let obs = ebpf_support::Observed {
+    let obs = support::ebpf::Observed {
         events: events.clone(),
         violations,
     };
-    ebpf_support::assert_canary_absent("CANARY", &obs, &logs);
+    support::ebpf::assert_canary_absent("CANARY", &obs, &logs);
     assert!(
         logs.text().contains("eBPF: watching process"),
         "the log capture works: {:?}",

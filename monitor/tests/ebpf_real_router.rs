@@ -11,22 +11,22 @@
 //! all (503 test). smg asks every worker for `/server_info` when it registers it: the answers
 //! give the workers their roles, seen from the worker's side or from the router's.
 
-mod ebpf_support;
+mod support;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use ebpf_support::*;
 use revenant::ingest::ebpf::{Discovery, EbpfConfig, EbpfSource, Role};
 use revenant::{Kind, LifecycleEvent, Stage};
+use support::ebpf::*;
 use test_harness::{Cluster, http_get, wait_healthy};
 
 const CANARY: &str = "CANARYsmgebpf51d7";
 
 struct Setup {
     // Drop order: smg before the workers it talks to.
-    _smg: Child,
+    _smg: test_harness::Proc,
     cluster: Cluster,
     _model: tempfile::TempDir,
     router: String,
@@ -105,7 +105,8 @@ fn setup(workers: Workers, prefill_args: &str, decode_args: &str, smg_args: &[&s
     let model = tokenizer_dir();
     let router = format!("http://127.0.0.1:{port}");
     let bootstrap = cluster.ready["bootstrap_port"].to_string();
-    let smg = Child::spawn(
+    let smg = support::spawn(
+        "smg",
         Command::new(smg)
             .args(["launch", "--pd-disaggregation"])
             .args(["--prefill", &cluster.prefill, &bootstrap])
@@ -121,7 +122,7 @@ fn setup(workers: Workers, prefill_args: &str, decode_args: &str, smg_args: &[&s
             .stdout(Stdio::null())
             .stderr(Stdio::null()),
     );
-    let smg_pid = smg.0.id();
+    let smg_pid = smg.pid();
     // smg is healthy once it registered both workers; keep draining meanwhile so the source
     // sees its exec and the workers' /server_info answers as they happen.
     let deadline = Instant::now() + Duration::from_secs(60);

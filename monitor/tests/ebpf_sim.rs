@@ -2,18 +2,18 @@
 //! simulator's router, prefill and decode processes, the default rules in-process.
 //!
 //! Root and what `cargo xtask setup` installs are needed; the probes failing to load fails the
-//! test. The `pd-sim` binary is built on demand (see `ebpf_support::pd_sim_bin`).
+//! test. The `pd-sim` binary is built on demand (see `test_harness::pd_sim_bin`).
 //! Run: `cargo test -p revenant --test ebpf_sim -- --nocapture`.
 
-mod ebpf_support;
+mod support;
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ebpf_support::*;
 use revenant::ingest::ebpf::{Discovery, EbpfConfig, EbpfSource, EbpfStats, PidRule, Role};
 use revenant::{Kind, LifecycleEvent, Stage};
+use support::ebpf::*;
 use test_harness::{Cluster, http_get, run_load_quiet};
 
 const CANARY: &str = "CANARYebpfsim9c41";

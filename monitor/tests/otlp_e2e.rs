@@ -5,12 +5,12 @@
 //! Everything is bounded: readiness is a file revenant writes once it listens, every wait has a
 //! deadline, and the child is stopped with SIGTERM (then killed) whatever happens.
 
-mod common;
+mod support;
 
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::process::{Revenant, assert_rejected_then_decoded, http_get};
+use support::{Revenant, admin_get, assert_rejected_then_decoded};
 
 #[test]
 fn rejected_then_decoded_raises_activity_after_rejection_over_every_transport() {
@@ -50,7 +50,7 @@ fn rejected_then_decoded_raises_activity_after_rejection_over_every_transport() 
         );
         std::thread::sleep(Duration::from_millis(50));
     }
-    let (code, ready) = http_get(&rv.admin, "/readyz");
+    let (code, ready) = admin_get(&rv.admin, "/readyz");
     assert_eq!(code, 200, "{ready}");
     let ready: serde_json::Value = serde_json::from_str(&ready).unwrap();
     assert_eq!(
@@ -62,7 +62,7 @@ fn rejected_then_decoded_raises_activity_after_rejection_over_every_transport() 
         ready["disabled"]["ebpf"].as_str().unwrap().contains("off"),
         "{ready}"
     );
-    let (code, metrics) = http_get(&rv.admin, "/metrics");
+    let (code, metrics) = admin_get(&rv.admin, "/metrics");
     assert_eq!(code, 200);
     for needle in [
         "revenant_events_total{source=\"otlp\",stage=\"prefill\",kind=\"rejected\"} 3",
@@ -76,21 +76,21 @@ fn rejected_then_decoded_raises_activity_after_rejection_over_every_transport() 
         !metrics.contains(sent[0].1["rid"].as_str().unwrap()),
         "request ids never become metric labels"
     );
-    let (code, list) = http_get(&rv.admin, "/api/violations?rule=activity-after-rejection");
+    let (code, list) = admin_get(&rv.admin, "/api/violations?rule=activity-after-rejection");
     assert_eq!(code, 200, "{list}");
     let list: serde_json::Value = serde_json::from_str(&list).unwrap();
     assert!(list["violations"].as_array().unwrap().len() >= 3, "{list}");
     // Any alias finds the timeline: the attempt by its rid (both legs), the request by its id.
     let rid = sent[0].1["rid"].as_str().unwrap();
-    let (code, timeline) = http_get(&rv.admin, &format!("/api/requests/{rid}"));
+    let (code, timeline) = admin_get(&rv.admin, &format!("/api/requests/{rid}"));
     assert_eq!(code, 200, "{timeline}");
     let timeline: serde_json::Value = serde_json::from_str(&timeline).unwrap();
     assert_rejected_then_decoded(&timeline);
     let request_id = sent[0].1["request_id"].as_str().unwrap();
-    let (code, timeline) = http_get(&rv.admin, &format!("/api/requests/{request_id}"));
+    let (code, timeline) = admin_get(&rv.admin, &format!("/api/requests/{request_id}"));
     assert_eq!(code, 200, "{timeline}");
     assert!(timeline.contains("\"status\":400"), "{timeline}");
-    let (code, _) = http_get(&rv.admin, "/api/requests/never-seen-alias");
+    let (code, _) = admin_get(&rv.admin, "/api/requests/never-seen-alias");
     assert_eq!(code, 404);
     let st = rv.stop();
     assert!(st.success(), "{}", rv.stderr());
@@ -474,7 +474,7 @@ fn own_spans_are_exported_over_otlp() {
     };
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
-        let (_, metrics) = http_get(&collector.admin, "/metrics");
+        let (_, metrics) = admin_get(&collector.admin, "/metrics");
         if received(&metrics) > 0 {
             break;
         }
@@ -513,7 +513,7 @@ fn failed_request_decoded_anyway_is_one_incident_notification() {
         );
         std::thread::sleep(Duration::from_millis(100));
     }
-    let (_, body) = http_get(&rv.admin, "/api/violations?limit=10");
+    let (_, body) = admin_get(&rv.admin, "/api/violations?limit=10");
     let v: serde_json::Value = serde_json::from_str(&body).unwrap();
     let mut rules: Vec<&str> = v["violations"]
         .as_array()
@@ -527,7 +527,7 @@ fn failed_request_decoded_anyway_is_one_incident_notification() {
         ["activity-after-rejection", "activity-after-request-failed"],
         "{body}"
     );
-    let (_, metrics) = http_get(&rv.admin, "/metrics");
+    let (_, metrics) = admin_get(&rv.admin, "/metrics");
     assert!(
         metrics.contains("revenant_alerts_incidents_opened_total{rule=")
             && metrics.contains("revenant_alerts_findings_merged_total{rule="),
@@ -586,7 +586,7 @@ fn retry_storm_is_one_request_and_one_notification() {
     // Every attempt's violation reaches the dispatcher ...
     let deadline = Instant::now() + Duration::from_secs(30);
     let violations = loop {
-        let (_, body) = http_get(
+        let (_, body) = admin_get(
             &rv.admin,
             "/api/violations?rule=activity-after-rejection&limit=100",
         );
@@ -615,7 +615,7 @@ fn retry_storm_is_one_request_and_one_notification() {
     seen_rooms.sort();
     assert_eq!(seen_rooms, rooms);
     // ... and the timeline of the x-request-id holds all four attempts.
-    let (code, timeline) = http_get(&rv.admin, &format!("/api/requests/{request_id}"));
+    let (code, timeline) = admin_get(&rv.admin, &format!("/api/requests/{request_id}"));
     assert_eq!(code, 200, "{timeline}");
     let t: serde_json::Value = serde_json::from_str(&timeline).unwrap();
     assert_eq!(
@@ -623,7 +623,7 @@ fn retry_storm_is_one_request_and_one_notification() {
         4,
         "{t}"
     );
-    let (_, metrics) = http_get(&rv.admin, "/metrics");
+    let (_, metrics) = admin_get(&rv.admin, "/metrics");
     assert!(
         metrics.contains("revenant_alerts_deduplicated_total{rule=\"activity-after-rejection\"} 3"),
         "{metrics}"

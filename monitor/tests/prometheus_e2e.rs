@@ -3,28 +3,21 @@
 //! and the alerting rules load in Prometheus and pass `promtool test rules`. Also exercises the
 //! admin endpoints over HTTP. Run: `cargo test -p revenant --test prometheus_e2e`.
 
-mod common;
+mod support;
 
-use std::path::PathBuf;
 use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::alerts::*;
-use common::process::{Revenant, assert_rejected_then_decoded, repo_root, venv_python};
-use common::*;
-
-fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .unwrap()
-        .to_path_buf()
-}
+use support::alerts::*;
+use support::otlp_venv::venv_python;
+use support::prometheus::start_prometheus_server;
+use support::*;
 
 #[test]
 fn alert_rules_pass_promtool() {
-    let promtool = ensure_debian_package("promtool", "prometheus");
-    let dir = repo().join("dashboards");
+    let promtool = system_bin("promtool");
+    let dir = workspace_root().join("dashboards");
     for args in [
         vec!["check", "rules", "revenant-alerts.yaml"],
         vec!["test", "rules", "revenant-alerts.test.yaml"],
@@ -69,7 +62,7 @@ fn feeder(
                 "grpc"
             };
             let st = Command::new(&py)
-                .arg(repo_root().join("tests/otlp/emit.py"))
+                .arg(workspace_root().join("tests/otlp/emit.py"))
                 .args(["--grpc", &grpc, "--http", &http])
                 .args([
                     "--transport",
@@ -100,7 +93,7 @@ fn feeder(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prometheus_scrapes_and_every_dashboard_query_has_data() {
-    let prometheus = ensure_debian_package("prometheus", "prometheus");
+    let prometheus = system_bin("prometheus");
     let tmp = tempfile::tempdir().unwrap();
 
     // --- revenant itself, alerting to a loopback webhook with a low rate limit (so the scenario
@@ -133,7 +126,7 @@ async fn prometheus_scrapes_and_every_dashboard_query_has_data() {
     };
     assert_eq!(get(format!("{base}/healthz")).await.status(), 200);
     let ready: serde_json::Value =
-        wait_for(Duration::from_secs(30), "/readyz: otlp live", async || {
+        eventually("/readyz: otlp live", Duration::from_secs(30), async || {
             let r = get(format!("{base}/readyz")).await;
             let v: serde_json::Value = r.json().await.unwrap();
             (v["ready"] == true && v["live_sources"] == serde_json::json!(["otlp"])).then_some(v)
@@ -141,7 +134,7 @@ async fn prometheus_scrapes_and_every_dashboard_query_has_data() {
         .await;
     assert_eq!(ready["disabled"]["ebpf"], "off (--ebpf off)", "{ready}");
     let violations: serde_json::Value =
-        wait_for(Duration::from_secs(30), "a violation", async || {
+        eventually("a violation", Duration::from_secs(30), async || {
             let v: serde_json::Value = get(format!(
                 "{base}/api/violations?limit=5&rule=activity-after-rejection"
             ))
@@ -170,7 +163,7 @@ async fn prometheus_scrapes_and_every_dashboard_query_has_data() {
     assert!(!text.contains(rid), "a request alias leaked into /metrics");
 
     // --- real Prometheus scraping it, with the alerting rules loaded.
-    let rules = repo().join("dashboards/revenant-alerts.yaml");
+    let rules = workspace_root().join("dashboards/revenant-alerts.yaml");
     let prom_cfg = tmp.path().join("prometheus.yml");
     std::fs::write(
         &prom_cfg,
@@ -207,9 +200,9 @@ async fn prometheus_scrapes_and_every_dashboard_query_has_data() {
         }
     };
     // Enough scrapes for rate() over the window used below.
-    wait_for(
-        Duration::from_secs(60),
+    eventually(
         "5 successful scrapes",
+        Duration::from_secs(60),
         async || {
             let r = query(
                 "count_over_time(up{job=\"revenant\"}[1m]) >= 5 and up{job=\"revenant\"} == 1"
@@ -221,7 +214,8 @@ async fn prometheus_scrapes_and_every_dashboard_query_has_data() {
     )
     .await;
     let dash: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(repo().join("dashboards/revenant-overview.json")).unwrap(),
+        &std::fs::read_to_string(workspace_root().join("dashboards/revenant-overview.json"))
+            .unwrap(),
     )
     .unwrap();
     let mut exprs = Vec::new();

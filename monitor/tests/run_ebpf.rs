@@ -3,30 +3,14 @@
 //! `/readyz` says the eBPF source is degraded — a monitor that goes blind says so.
 //! Run: `sudo cargo test -p revenant --test run_ebpf`.
 
-mod common;
+mod support;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::process::{Revenant, http_get};
-
-struct KillOnDrop(Child);
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn metric_sum(metrics: &str, prefix: &str) -> f64 {
-    metrics
-        .lines()
-        .filter(|l| l.starts_with(prefix))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
+use support::{Revenant, admin_get, metric_sum, parse_metrics, spawn};
 
 /// One POST /generate on a fresh connection; Python's http.server answers 501 (a rejection).
 fn post_generate(port: u16, i: u32) -> bool {
@@ -57,7 +41,8 @@ fn ebpf_source_counts_losses_and_readyz_says_degraded() {
         .local_addr()
         .unwrap()
         .port();
-    let server = KillOnDrop(
+    let server = spawn(
+        "python3 -m http.server",
         Command::new("python3")
             .args([
                 "-m",
@@ -67,9 +52,7 @@ fn ebpf_source_counts_losses_and_readyz_says_degraded() {
                 "127.0.0.1",
             ])
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("python3 -m http.server"),
+            .stderr(Stdio::null()),
     );
     let deadline = Instant::now() + Duration::from_secs(10);
     while TcpStream::connect(("127.0.0.1", port)).is_err() {
@@ -110,8 +93,13 @@ fn ebpf_source_counts_losses_and_readyz_says_degraded() {
             post_generate(port, i);
             i += 1;
         }
-        let (_, m) = http_get(&rv.admin, "/metrics");
-        if metric_sum(&m, "revenant_dropped_items_total{point=\"event_channel\"") > 0.0 {
+        let (_, m) = admin_get(&rv.admin, "/metrics");
+        let drops = metric_sum(
+            &parse_metrics(&m),
+            "revenant_dropped_items_total",
+            &[("point", "event_channel")],
+        );
+        if drops > 0.0 {
             break;
         }
         assert!(
@@ -123,7 +111,7 @@ fn ebpf_source_counts_losses_and_readyz_says_degraded() {
     // The drop publisher runs once a second.
     let deadline = Instant::now() + Duration::from_secs(10);
     let ready = loop {
-        let (code, body) = http_get(&rv.admin, "/readyz");
+        let (code, body) = admin_get(&rv.admin, "/readyz");
         let v: serde_json::Value = serde_json::from_str(&body).unwrap();
         if v["degraded"]["ebpf"].is_string() {
             assert_eq!(code, 200, "degraded is not down: {v}");
@@ -135,18 +123,19 @@ fn ebpf_source_counts_losses_and_readyz_says_degraded() {
         );
         std::thread::sleep(Duration::from_millis(100));
     };
-    let (_, m) = http_get(&rv.admin, "/metrics");
+    let (_, m) = admin_get(&rv.admin, "/metrics");
+    let samples = parse_metrics(&m);
     assert_eq!(
-        metric_sum(&m, "revenant_ebpf_coverage_degraded"),
+        metric_sum(&samples, "revenant_ebpf_coverage_degraded", &[]),
         1.0,
         "{m}"
     );
     assert!(
-        metric_sum(&m, "revenant_ebpf_batches_dropped_total") > 0.0,
+        metric_sum(&samples, "revenant_ebpf_batches_dropped_total", &[]) > 0.0,
         "{m}"
     );
     assert!(
-        metric_sum(&m, "revenant_ebpf_watched_processes") >= 1.0,
+        metric_sum(&samples, "revenant_ebpf_watched_processes", &[]) >= 1.0,
         "{m}"
     );
     // Unpause: what is queued gets checked, the run stops cleanly, and the canary prompt text

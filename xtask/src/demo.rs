@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use serde_json::Value;
-use test_harness::{Binaries, Cluster, JsonlTail, Revenant, Sample, metric_sum};
+use test_harness::{Binaries, Cluster, JsonlTail, Revenant, Sample, metric_sum, notifications};
 
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
 
@@ -193,7 +193,7 @@ fn run_demo(args: &DemoArgs, bins: &Binaries, dir: &std::path::Path, ebpf: bool)
                     let i = printed.fetch_add(1, Ordering::Relaxed) + 1;
                     // On a terminal, clear the load generator's progress line first.
                     let clear = if tty { "\r\x1b[K" } else { "" };
-                    eprintln!("{clear}  alert #{i:<4} {}", e2e::one_liner(&n));
+                    eprintln!("{clear}  alert #{i:<4} {}", notifications::one_liner(&n));
                     seen.lock().unwrap_or_else(|p| p.into_inner()).push(n);
                 }
                 if last {
@@ -349,7 +349,7 @@ fn print_summary(
             suppressed += n["suppressed"].as_u64().unwrap_or(0);
             continue;
         }
-        if !e2e::is_incident(n) {
+        if !notifications::is_incident(n) {
             continue;
         }
         notifications += 1;
@@ -358,10 +358,12 @@ fn print_summary(
             updates += 1;
             continue;
         }
-        findings += e2e::findings(n).len() as u64;
-        *by_rules.entry(e2e::rules(n).join("+")).or_default() += 1;
+        findings += notifications::findings(n).len() as u64;
+        *by_rules
+            .entry(notifications::rules(n).join("+"))
+            .or_default() += 1;
         *by_source
-            .entry(e2e::evidence_sources(n).join("+"))
+            .entry(notifications::evidence_sources(n).join("+"))
             .or_default() += 1;
     }
     row(

@@ -17,8 +17,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Task {
-    /// Install the eBPF toolchain (LLVM 22, bpf-linker, nightly rust-src) and mount tracefs;
-    /// idempotent. `test` runs it first.
+    /// Install the eBPF toolchain (LLVM 22, bpf-linker, nightly rust-src) and the programs the
+    /// tests run (Prometheus, Alertmanager), and mount tracefs; idempotent. `test` runs it first.
     Setup {
         /// Also install the overhead benchmark's tools (nginx, wrk, bpftrace).
         #[arg(long)]

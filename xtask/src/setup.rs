@@ -1,4 +1,5 @@
-//! `cargo xtask setup`: install what building and testing the eBPF side needs, idempotently.
+//! `cargo xtask setup`: install what building revenant (the eBPF toolchain) and running its tests
+//! (Prometheus, Alertmanager) need, idempotently. The tests themselves install nothing.
 //!
 //! Every step first checks whether its result is already there, so CI can run this on every
 //! build at the cost of a few `dpkg -s` calls. Each step prints what it checks and what it does.
@@ -27,6 +28,7 @@ const TRACEFS: &str = "/sys/kernel/tracing";
 
 pub fn run() -> Result<()> {
     build_prereqs()?;
+    test_tools()?;
     mount_tracefs()?;
     println!("setup: done");
     Ok(())
@@ -54,6 +56,23 @@ pub fn build_prereqs_present() -> bool {
                     .lines()
                     .any(|l| l.starts_with("rust-src"))
             })
+}
+
+/// The system programs the end-to-end tests run (`test_harness::SYSTEM_TOOLS`: Prometheus,
+/// promtool, Alertmanager): the Debian packages of those not on PATH.
+pub fn test_tools() -> Result<()> {
+    let mut missing: Vec<String> = test_harness::SYSTEM_TOOLS
+        .iter()
+        .filter(|(binary, _)| test_harness::on_path(binary).is_none())
+        .map(|(_, package)| package.to_string())
+        .collect();
+    missing.dedup();
+    if missing.is_empty() {
+        let names: Vec<&str> = test_harness::SYSTEM_TOOLS.iter().map(|(b, _)| *b).collect();
+        println!("setup: test tools already on PATH: {}", names.join(" "));
+        return Ok(());
+    }
+    install_apt_packages(&missing)
 }
 
 /// Tools of `cargo bench -p revenant --bench ebpf_overhead` (not needed by the tests).

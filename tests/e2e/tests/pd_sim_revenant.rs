@@ -14,7 +14,7 @@ use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use test_harness::{Binaries, Cluster, Revenant, Sample, metric_sum};
+use test_harness::{Binaries, Cluster, Revenant, Sample, metric_sum, notifications};
 
 fn bins() -> &'static Binaries {
     static B: OnceLock<Binaries> = OnceLock::new();
@@ -339,12 +339,12 @@ fn handoff(sources: Sources) -> Outcome {
     let mut per_room: BTreeMap<u64, Vec<&Value>> = BTreeMap::new();
     let mut per_incident: BTreeMap<String, Vec<&Value>> = BTreeMap::new();
     for n in &o.notifications {
-        assert!(e2e::is_incident(n), "{n}");
+        assert!(notifications::is_incident(n), "{n}");
         per_incident
             .entry(n["incident_key"].as_str().unwrap_or("").to_string())
             .or_default()
             .push(n);
-        let Some(f) = e2e::finding(n, "activity-after-rejection") else {
+        let Some(f) = notifications::finding(n, "activity-after-rejection") else {
             continue;
         };
         let room = f["attempt"]["bootstrap_room"]
@@ -380,7 +380,7 @@ fn handoff(sources: Sources) -> Outcome {
             ns.len()
         );
         let n = ns[0];
-        let f = e2e::finding(n, "activity-after-rejection").unwrap();
+        let f = notifications::finding(n, "activity-after-rejection").unwrap();
         assert_eq!(f["occurrences"], 1, "{n}");
         // When the router's span or header was seen, the request is named by its x-request-id.
         if let Some(id) = n["request"]["request_id"].as_str() {
@@ -395,9 +395,10 @@ fn sources_of(o: &Outcome) -> BTreeMap<String, usize> {
     for f in o
         .notifications
         .iter()
-        .filter_map(|n| e2e::finding(n, "activity-after-rejection"))
+        .filter_map(|n| notifications::finding(n, "activity-after-rejection"))
     {
-        *m.entry(e2e::evidence_sources(f).join("+")).or_default() += 1;
+        *m.entry(notifications::evidence_sources(f).join("+"))
+            .or_default() += 1;
     }
     m
 }

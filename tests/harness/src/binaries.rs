@@ -1,5 +1,6 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::OnceLock;
 
 use anyhow::{Context, Result, anyhow, bail};
 use serde_json::Value;
@@ -124,6 +125,88 @@ pub fn workspace_bin(name: &str, env_var: &str) -> Result<PathBuf> {
         "no `{name}` binary next to {} — build it (`cargo build -p {name}` with the same profile) or set {env_var}",
         exe.display()
     )
+}
+
+/// The `pd-sim` binary for tests of other packages (cargo hands `CARGO_BIN_EXE_pd-sim` only to
+/// pd-sim's own): `PD_SIM_BIN` if set, else built now, once per test executable, with the cargo
+/// that runs the test, into the target directory and profile that executable lives in.
+pub fn pd_sim_bin() -> Result<PathBuf> {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    if let Some(p) = BIN.get() {
+        return Ok(p.clone());
+    }
+    let bin = build_pd_sim()?;
+    Ok(BIN.get_or_init(|| bin).clone())
+}
+
+fn build_pd_sim() -> Result<PathBuf> {
+    if let Some(p) = std::env::var_os("PD_SIM_BIN") {
+        let p = PathBuf::from(p);
+        if !p.exists() {
+            bail!("PD_SIM_BIN={} does not exist", p.display());
+        }
+        return Ok(p);
+    }
+    // target/<profile>/deps/<this test>
+    let exe = std::env::current_exe()?;
+    let profile_dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .ok_or_else(|| anyhow!("test binary not under target/<profile>/deps"))?;
+    let target_dir = profile_dir
+        .parent()
+        .ok_or_else(|| anyhow!("no target dir above {}", profile_dir.display()))?;
+    let release = profile_dir.file_name().is_some_and(|n| n == "release");
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let mut cmd = Command::new(&cargo);
+    cmd.args(["build", "-p", "pd-sim", "--bin", "pd-sim", "--target-dir"])
+        .arg(target_dir)
+        .current_dir(workspace_root());
+    if release {
+        cmd.arg("--release");
+    }
+    let status = cmd
+        .status()
+        .with_context(|| format!("cannot run {cargo} to build pd-sim"))?;
+    if !status.success() {
+        bail!("`cargo build -p pd-sim` failed: {status}");
+    }
+    let bin = profile_dir.join("pd-sim");
+    if !bin.exists() {
+        bail!("pd-sim not found at {} after building it", bin.display());
+    }
+    Ok(bin)
+}
+
+/// The system programs the end-to-end tests run, with the Debian package of each: `cargo xtask
+/// setup` installs what is missing; the tests install nothing themselves.
+pub const SYSTEM_TOOLS: &[(&str, &str)] = &[
+    ("prometheus", "prometheus"),
+    ("promtool", "prometheus"),
+    ("prometheus-alertmanager", "prometheus-alertmanager"),
+];
+
+/// Where `binary` is on PATH, if it is.
+pub fn on_path(binary: &str) -> Option<PathBuf> {
+    std::env::split_paths(&std::env::var_os("PATH")?)
+        .map(|d| d.join(binary))
+        .find(|p| p.is_file())
+}
+
+/// A system program a test needs (one of [`SYSTEM_TOOLS`]), from PATH. Panics, naming `cargo
+/// xtask setup`, when it is not there.
+#[track_caller]
+pub fn system_bin(binary: &str) -> PathBuf {
+    on_path(binary).unwrap_or_else(|| {
+        let package = SYSTEM_TOOLS
+            .iter()
+            .find(|(b, _)| *b == binary)
+            .map_or("?", |(_, p)| p);
+        panic!(
+            "`{binary}` is not on PATH: run `cargo xtask setup` (it installs the Debian package \
+             {package}); the tests do not install packages"
+        )
+    })
 }
 
 /// A real router binary the caller names by environment variable (`PD_SIM_SMG` for

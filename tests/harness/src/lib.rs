@@ -2,18 +2,26 @@
 //! `revenant run`, `pd-sim cluster` and `pd-sim load`, each child in its own process group
 //! (stopped as a group on drop, `PR_SET_PDEATHSIG` if we die first), readiness from the
 //! processes themselves (revenant's ready file, pd-sim's READY line and `/health`), never
-//! sleeps, every wait bounded. Blocking, no async runtime needed.
+//! sleeps, every wait bounded. Blocking, no async runtime needed; [`eventually`], the tests'
+//! bounded poll, works under any. Also what the runs make of revenant's notifications
+//! ([`notifications`]).
 
 mod binaries;
 mod cluster;
+mod eventually;
 mod files;
 mod http;
 mod metrics;
+pub mod notifications;
 mod proc;
 mod revenant;
 
-pub use binaries::{Binaries, router_from_env, workspace_bin, workspace_root};
+pub use binaries::{
+    Binaries, SYSTEM_TOOLS, on_path, pd_sim_bin, router_from_env, system_bin, workspace_bin,
+    workspace_root,
+};
 pub use cluster::{Cluster, run_load, run_load_quiet};
+pub use eventually::eventually;
 pub use files::{JsonlTail, ScratchDir, read_jsonl, read_jsonl_so_far, tail};
 pub use http::{free_port, http_get, http_json, wait_healthy};
 pub use metrics::{Sample, metric_sum, parse_metrics};

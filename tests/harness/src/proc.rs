@@ -38,6 +38,13 @@ impl Proc {
         })
     }
 
+    /// The same child with another grace on drop; `Duration::ZERO`: SIGKILL at once (servers a
+    /// test owns, whose shutdown it does not test).
+    pub fn with_grace(mut self, grace: Duration) -> Proc {
+        self.grace = grace;
+        self
+    }
+
     pub fn pid(&self) -> u32 {
         self.child.id()
     }

@@ -118,6 +118,22 @@ impl Revenant {
         })
     }
 
+    /// [`Revenant::start_within`] as the end-to-end tests run it: the normalized events in
+    /// DIR/events.jsonl too, unless `args` names another `--events-jsonl`.
+    pub fn start_recording<S: AsRef<OsStr>>(
+        bin: &Path,
+        dir: &Path,
+        args: &[S],
+        ready_timeout: Duration,
+    ) -> Result<Revenant> {
+        let mut all: Vec<&OsStr> = args.iter().map(AsRef::as_ref).collect();
+        let events = dir.join("events.jsonl");
+        if !all.iter().any(|a| *a == "--events-jsonl") {
+            all.extend(["--events-jsonl".as_ref(), events.as_os_str()]);
+        }
+        Revenant::start_within(bin, dir, &all, ready_timeout)
+    }
+
     pub fn pid(&self) -> u32 {
         self.proc.pid()
     }

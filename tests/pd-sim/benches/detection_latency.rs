@@ -22,7 +22,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use pd_sim::common::now_ns;
+use pd_sim::ids::now_ns;
 use serde_json::Value;
 use test_harness::{Cluster, Revenant, ScratchDir};
 

@@ -3,6 +3,8 @@
 //! a real `revenant run` (release build) watching it, open-loop load from `pd-sim load` with a
 //! share of over-capacity prompts that prefill refuses. The oracle is the simulator's own
 //! per-room records (`/sim/rooms` of prefill and decode), never revenant's output.
+//! (One file, ~850 lines: a `harness = false` bench binary whose rows, oracle and runner read
+//! top to bottom.)
 //!
 //! ```text
 //! [PD_SIM_SMG=target/xtask-venv/bin/smg] [PD_SIM_SMG113=target/xtask-venv-smg113/bin/smg] \
@@ -60,7 +62,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use pd_sim::harness::{SmgProcess, smg_version, write_tiny_model};
+use pd_sim::smg::{SmgProcess, smg_version, write_tiny_model};
 use serde_json::Value;
 use test_harness::{Cluster, Revenant, free_port, http_json, metric_sum};
 
@@ -436,7 +438,7 @@ fn run_row(
         .max()
         .unwrap_or(0);
     let judged_by = last_rejection + (WINDOW + SKEW + LATENESS + TICK).as_nanos() as u64;
-    let now = pd_sim::common::now_ns();
+    let now = pd_sim::ids::now_ns();
     if judged_by > now {
         std::thread::sleep(Duration::from_nanos(judged_by - now) + Duration::from_millis(500));
     }

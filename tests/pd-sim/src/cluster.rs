@@ -241,7 +241,7 @@ pub async fn run(a: ClusterArgs) -> anyhow::Result<()> {
         "decode_kv_port": field("decode", "kv_port"),
         "pids": {"router": field("router", "pid"), "prefill": field("prefill", "pid"), "decode": field("decode", "pid")},
     });
-    crate::common::print_ready(ready.clone());
+    crate::serve::print_ready(ready.clone());
     eprintln!(
         "pd-sim cluster ({}) ready: router {} prefill {} decode {} bootstrap port {}",
         if a.no_router {
@@ -261,7 +261,7 @@ pub async fn run(a: ClusterArgs) -> anyhow::Result<()> {
             Box::pin(async move { (name, p.child.wait().await) })
         });
         tokio::select! {
-            _ = crate::common::shutdown_signal() => None,
+            _ = crate::serve::shutdown_signal() => None,
             ((name, s), _, _) = futures_util::future::select_all(waits) => Some((name, s)),
         }
     };

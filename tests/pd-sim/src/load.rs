@@ -14,7 +14,7 @@ use rand::{RngExt, SeedableRng};
 use serde::Serialize;
 use tokio::sync::Semaphore;
 
-use crate::common::http_client;
+use crate::http::http_client;
 
 #[derive(Clone, Debug)]
 pub struct Range {
@@ -388,7 +388,7 @@ mod tests {
     fn prompts_have_the_requested_word_count_and_the_canary() {
         let mut rng = SmallRng::seed_from_u64(7);
         let p = prompt(&mut rng, 50, Some("CANARY123"));
-        assert_eq!(crate::common::count_tokens(&p), 50);
+        assert_eq!(crate::ids::count_tokens(&p), 50);
         assert!(p.contains("CANARY123"));
     }
 }

@@ -1,4 +1,6 @@
 //! The PD router, with the three behaviours the monitor must tell apart.
+//! (One file, ~1,000 lines: `route_inner` is the three modes side by side, and the withdrawable
+//! decode leg, `DecodeLeg` over `Wire`, exists only for it.)
 //!
 //! - `correct`: prefill first; decode is dispatched only once prefill admitted the request
 //!   (prefill answers its status line at admission). A rejection never reaches decode.
@@ -45,11 +47,10 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, oneshot};
 
-use crate::common::{
-    HttpClient, TraceParent, error_response, http_client, json_response, new_room, now_ns,
-    random_span_id, random_trace_id,
-};
+use crate::http::{HttpClient, error_response, http_client, json_response};
+use crate::ids::{new_room, now_ns};
 use crate::spans::{Exporter, ExporterConfig, SpanSink, SpanSpec, event, kv_str};
+use crate::trace_ctx::{TraceParent, random_span_id, random_trace_id};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]
 #[serde(rename_all = "kebab-case")]
@@ -218,7 +219,7 @@ pub async fn run(args: RouterArgs) -> anyhow::Result<()> {
             crate::worker::BODY_LIMIT,
         ))
         .with_state(rt.clone());
-    crate::common::print_ready(serde_json::json!({
+    crate::serve::print_ready(serde_json::json!({
         "role": "router",
         "http": format!("http://{addr}"),
         "port": addr.port(),
@@ -233,7 +234,7 @@ pub async fn run(args: RouterArgs) -> anyhow::Result<()> {
         let _ = tcp.set_nodelay(true);
     });
     axum::serve(listener, app)
-        .with_graceful_shutdown(crate::common::shutdown_signal())
+        .with_graceful_shutdown(crate::serve::shutdown_signal())
         .await?;
     exporter.shutdown(Duration::from_secs(3)).await;
     Ok(())

@@ -13,6 +13,9 @@
 //!   `connection: close`, is written on the socket, and the socket is closed after it.
 //!
 //! An EOF while no request is in flight is an ordinary close.
+//!
+//! Also a role's start and end as a server: the READY line once its ports are bound, and the
+//! signal that starts a graceful shutdown.
 
 use std::convert::Infallible;
 use std::io;
@@ -29,7 +32,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Notify;
 
-use crate::common::now_ns;
+use crate::ids::now_ns;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum OnClientGone {
@@ -186,7 +189,7 @@ pub async fn serve(
     app: axum::Router,
     on_gone: OnClientGone,
 ) -> io::Result<()> {
-    let shutdown = crate::common::shutdown_signal();
+    let shutdown = shutdown_signal();
     tokio::pin!(shutdown);
     loop {
         let tcp = tokio::select! {
@@ -253,5 +256,30 @@ async fn serve_conn(tcp: TcpStream, app: axum::Router, on_gone: OnClientGone) {
                 _ = state.gone.notified() => {}
             }
         }
+    }
+}
+
+/// The single machine-readable line a role prints on stdout once every port is bound; the
+/// cluster and the tests read it to learn ephemeral ports.
+pub fn print_ready(v: serde_json::Value) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "READY {v}");
+    let _ = out.flush();
+}
+
+/// Wait for SIGINT or SIGTERM.
+pub async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = match signal(SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(_) => {
+            let _ = tokio::signal::ctrl_c().await;
+            return;
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
     }
 }

@@ -22,7 +22,7 @@ use serde::Serialize;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
-use crate::common::{HttpClient, http_client};
+use crate::http::{HttpClient, http_client};
 
 pub fn kv_str(k: &str, v: impl Into<String>) -> KeyValue {
     KeyValue {

@@ -16,7 +16,7 @@ mod support;
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use pd_sim::common::http_client;
+use pd_sim::http::http_client;
 use serde_json::Value;
 use support::*;
 use test_harness::{Revenant, ScratchDir};

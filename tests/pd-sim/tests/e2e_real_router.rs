@@ -20,8 +20,8 @@ use std::collections::{BTreeSet, HashSet};
 use std::path::PathBuf;
 use std::time::Duration;
 
-use pd_sim::common::http_client;
-use pd_sim::harness::{SmgProcess, write_tiny_model};
+use pd_sim::http::http_client;
+use pd_sim::smg::{SmgProcess, write_tiny_model};
 use serde_json::{Value, json};
 use support::*;
 use test_harness::{Revenant, ScratchDir};

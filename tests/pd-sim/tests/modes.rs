@@ -1,12 +1,13 @@
 //! End-to-end behaviour of the simulator's router modes, observed from outside the processes:
 //! HTTP answers, the simulator's per-room records, the ZMTP bytes on the wire, OTLP spans.
+//! (One file, ~1,000 lines: the catalogue of modes, one test each, on one set of helpers.)
 
 mod support;
 
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
-use pd_sim::common::http_client;
+use pd_sim::http::http_client;
 use serde_json::json;
 use support::*;
 
@@ -557,7 +558,7 @@ fn by_room(recs: &[serde_json::Value]) -> HashMap<u64, serde_json::Value> {
 
 /// POST to the router; status, `x-smg-error-code`, body, and how long the answer took.
 async fn post_timed(
-    client: &pd_sim::common::HttpClient,
+    client: &pd_sim::http::HttpClient,
     c: &Cluster,
     request_id: &str,
     body: serde_json::Value,

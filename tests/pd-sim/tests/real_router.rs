@@ -9,7 +9,7 @@ use std::collections::HashSet;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use pd_sim::common::http_client;
+use pd_sim::http::http_client;
 use serde_json::json;
 use support::*;
 

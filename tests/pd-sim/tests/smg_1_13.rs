@@ -43,7 +43,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::PathBuf;
 use std::time::Duration;
 
-use pd_sim::harness::{SmgProcess, write_tiny_model};
+use pd_sim::smg::{SmgProcess, write_tiny_model};
 use serde_json::Value;
 use support::*;
 use test_harness::{Revenant, ScratchDir, free_port, http_json, metric_sum};
@@ -223,7 +223,7 @@ async fn drive(s: &mut Setup, load: &[&str]) -> Outcome {
     eventually("every decode leg ended", Duration::from_secs(60), || {
         let url = decode_url.clone();
         async move {
-            let client = pd_sim::common::http_client(2);
+            let client = pd_sim::http::http_client(2);
             let d = rooms(&client, &url).await;
             d.iter().all(|r| r["outcome"] != "pending").then_some(())
         }

@@ -1,15 +1,17 @@
-//! Test harness: start `pd-sim cluster` on ephemeral loopback ports, wait on readiness,
-//! always stop it; a tiny HTTP client; a ZMTP tap; a tiny OTLP/HTTP receiver.
+//! What pd-sim's tests share: `pd-sim cluster` on ephemeral loopback ports (from
+//! `test_harness`, always stopped), a tiny async HTTP client, bounded waits
+//! ([`test_harness::eventually`]), a ZMTP tap and a tiny OTLP/HTTP receiver.
 #![allow(dead_code)]
 
 use std::net::SocketAddr;
 
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
-use pd_sim::common::HttpClient;
+use pd_sim::http::HttpClient;
+pub use test_harness::eventually;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -60,32 +62,19 @@ impl std::ops::Deref for Cluster {
 }
 
 pub async fn wait_healthy(client: &HttpClient, base: &str) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        if let Ok((200, _)) = get(client, &format!("{base}/health")).await {
-            return;
-        }
-        assert!(Instant::now() < deadline, "{base} not healthy within 30 s");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually(
+        &format!("{base} healthy"),
+        Duration::from_secs(30),
+        async || matches!(get(client, &format!("{base}/health")).await, Ok((200, _))).then_some(()),
+    )
+    .await
 }
 
 pub async fn get(client: &HttpClient, url: &str) -> Result<(u16, Bytes), String> {
-    let req = hyper::Request::get(url)
-        .body(Full::new(Bytes::new()))
-        .map_err(|e| e.to_string())?;
-    let resp = tokio::time::timeout(Duration::from_secs(10), client.request(req))
+    pd_sim::http::get(client, url, Duration::from_secs(10))
         .await
-        .map_err(|_| "timeout".to_string())?
-        .map_err(|e| e.to_string())?;
-    let status = resp.status().as_u16();
-    let body = resp
-        .into_body()
-        .collect()
-        .await
-        .map_err(|e| e.to_string())?
-        .to_bytes();
-    Ok((status, body))
+        .map(|(status, body)| (status.as_u16(), body))
+        .map_err(|e| e.to_string())
 }
 
 pub async fn get_json(client: &HttpClient, url: &str) -> serde_json::Value {
@@ -127,22 +116,6 @@ pub fn words(n: usize) -> String {
     vec!["word"; n].join(" ")
 }
 
-/// Poll `f` until it returns Some, bounded.
-pub async fn eventually<T, F, Fut>(what: &str, timeout: Duration, mut f: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Option<T>>,
-{
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Some(v) = f().await {
-            return v;
-        }
-        assert!(Instant::now() < deadline, "timed out waiting for: {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 pub async fn rooms(client: &HttpClient, base: &str) -> Vec<serde_json::Value> {
     get_json(client, &format!("{base}/sim/rooms"))
         .await
@@ -158,17 +131,12 @@ pub async fn rooms(client: &HttpClient, base: &str) -> Vec<serde_json::Value> {
 pub fn start_revenant(dir: &std::path::Path, extra: &[&str]) -> test_harness::Revenant {
     let bin =
         test_harness::workspace_bin("revenant", "REVENANT_BIN").unwrap_or_else(|e| panic!("{e}"));
-    let events = dir.join("events.jsonl").display().to_string();
-    let mut args = vec![
-        "--rate-limit",
-        "0",
-        "--spool-no-fsync",
-        "--events-jsonl",
-        &events,
-    ];
+    let mut args = vec!["--rate-limit", "0", "--spool-no-fsync"];
     args.extend_from_slice(extra);
-    tokio::task::block_in_place(|| test_harness::Revenant::start(&bin, dir, &args))
-        .unwrap_or_else(|e| panic!("revenant: {e}"))
+    tokio::task::block_in_place(|| {
+        test_harness::Revenant::start_recording(&bin, dir, &args, Duration::from_secs(60))
+    })
+    .unwrap_or_else(|e| panic!("revenant: {e}"))
 }
 
 /// Run the `pd-sim load` binary against the router (quiet, at most 10 minutes) and return its

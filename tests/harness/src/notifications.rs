@@ -1,5 +1,5 @@
 //! What the end-to-end runs make of revenant's notifications, shared by `cargo xtask demo` and
-//! the end-to-end tests; the processes themselves come from `test-harness`.
+//! the end-to-end tests.
 //!
 //! A notification (`type: incident`) is about one client request and lists every rule that fired
 //! for it in `findings`; its top-level violation fields are the lead finding's.

@@ -1,11 +1,9 @@
-//! Shared by the eBPF end-to-end tests (`ebpf_sim`, `ebpf_real_router`): the simulator binary,
+//! Shared by the eBPF tests (`ebpf_probe`, `ebpf_sim`, `ebpf_real_router`): the simulator binary,
 //! the real source and checker driven in-process, and a tracing capture for the privacy checks.
-#![allow(dead_code)]
 
 use std::collections::BTreeMap;
 use std::io::Write;
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -13,47 +11,10 @@ use revenant::ingest::ebpf::{EbpfConfig, EbpfSource, EbpfStats, Role};
 use revenant::pipeline::EventBatch;
 use revenant::{Checker, CheckerConfig, Kind, LifecycleEvent, RuleSet, Stage, Violation};
 
-/// The `pd-sim` binary: `PD_SIM_BIN` if set, else built now with the cargo that runs this
-/// test, into the target directory this test binary lives in. Panics (never skips) when it
-/// cannot be had.
+/// The `pd-sim` binary ([`test_harness::pd_sim_bin`]); panics (never skips) when it cannot be
+/// had.
 pub fn pd_sim_bin() -> PathBuf {
-    static BIN: OnceLock<PathBuf> = OnceLock::new();
-    BIN.get_or_init(|| {
-        if let Some(p) = std::env::var_os("PD_SIM_BIN") {
-            let p = PathBuf::from(p);
-            assert!(p.exists(), "PD_SIM_BIN={} does not exist", p.display());
-            return p;
-        }
-        // target/<profile>/deps/<this test>
-        let exe = std::env::current_exe().expect("current_exe");
-        let profile_dir = exe
-            .parent()
-            .and_then(Path::parent)
-            .expect("test binary under target/<profile>/deps");
-        let target_dir = profile_dir.parent().expect("target dir");
-        let release = profile_dir.file_name().is_some_and(|n| n == "release");
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-        let mut cmd = Command::new(&cargo);
-        cmd.args(["build", "-p", "pd-sim", "--bin", "pd-sim", "--target-dir"])
-            .arg(target_dir)
-            .current_dir(&workspace);
-        if release {
-            cmd.arg("--release");
-        }
-        let status = cmd
-            .status()
-            .unwrap_or_else(|e| panic!("cannot run {cargo} to build pd-sim: {e}"));
-        assert!(status.success(), "`cargo build -p pd-sim` failed: {status}");
-        let bin = profile_dir.join("pd-sim");
-        assert!(
-            bin.exists(),
-            "pd-sim not found at {} after building it",
-            bin.display()
-        );
-        bin
-    })
-    .clone()
+    test_harness::pd_sim_bin().unwrap_or_else(|e| panic!("{e:#}"))
 }
 
 pub fn start_source(cfg: EbpfConfig) -> EbpfSource {
@@ -335,31 +296,4 @@ pub fn tokenizer_dir() -> tempfile::TempDir {
     });
     std::fs::write(dir.path().join("tokenizer.json"), tok.to_string()).expect("tokenizer.json");
     dir
-}
-
-/// A child killed (and reaped) when dropped; it also dies with the test (PDEATHSIG).
-pub struct Child(pub std::process::Child);
-
-impl Child {
-    pub fn spawn(cmd: &mut Command) -> Child {
-        use std::os::unix::process::CommandExt;
-        // SAFETY: prctl only, in the forked child before exec.
-        unsafe {
-            cmd.pre_exec(|| {
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-                Ok(())
-            });
-        }
-        Child(
-            cmd.spawn()
-                .unwrap_or_else(|e| panic!("cannot start {cmd:?}: {e}")),
-        )
-    }
-}
-
-impl Drop for Child {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
