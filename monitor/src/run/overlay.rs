@@ -7,10 +7,10 @@ use std::net::SocketAddr;
 
 use clap::parser::ValueSource;
 
-use crate::config::RunConfig;
-use crate::admin::AdminArgs;
-use crate::ingest::ebpf::EbpfArgs;
 use super::{RunArgs, RunConfigError};
+use crate::admin::AdminArgs;
+use crate::config::RunConfig;
+use crate::ingest::ebpf::EbpfArgs;
 
 /// The ids of the arguments given explicitly (not from a clap default), so that a flag with a
 /// default does not hide the file's value. Filled in by `main` from the parsed matches.
@@ -36,6 +36,13 @@ impl Given {
     /// not the matches were recorded (arguments built in code).
     fn has<T: PartialEq>(&self, id: &str, value: &T, default: &T) -> bool {
         self.0.contains(id) || value != default
+    }
+
+    /// Sets `target` to the flag's value when flag `id` was given.
+    fn set<T: PartialEq + Clone>(&self, id: &str, target: &mut T, value: &T, default: &T) {
+        if self.has(id, value, default) {
+            *target = value.clone();
+        }
     }
 }
 
@@ -95,23 +102,24 @@ fn ebpf(cfg: &mut RunConfig, a: &EbpfArgs, given: &Given) {
     if a.no_sglang_conventions {
         o.sglang_conventions = false;
     }
-    if given.has(
+    given.set(
         "capture_head_bytes",
+        &mut o.capture_head_bytes,
         &a.capture_head_bytes,
         &d.capture_head_bytes,
-    ) {
-        o.capture_head_bytes = a.capture_head_bytes;
-    }
-    if given.has(
+    );
+    given.set(
         "capture_tail_bytes",
+        &mut o.capture_tail_bytes,
         &a.capture_tail_bytes,
         &d.capture_tail_bytes,
-    ) {
-        o.capture_tail_bytes = a.capture_tail_bytes;
-    }
-    if given.has("ring_bytes", &a.ring_bytes, &d.ring_bytes) {
-        o.ring_bytes = a.ring_bytes;
-    }
+    );
+    given.set(
+        "ring_bytes",
+        &mut o.ring_bytes,
+        &a.ring_bytes,
+        &d.ring_bytes,
+    );
 }
 
 fn admin(cfg: &mut RunConfig, a: &AdminArgs, given: &Given) {
@@ -123,23 +131,24 @@ fn admin(cfg: &mut RunConfig, a: &AdminArgs, given: &Given) {
     if a.no_admin {
         c.addr = None;
     }
-    if given.has(
+    given.set(
         "recent_violations",
+        &mut c.recent_violations,
         &a.recent_violations,
         &d.recent_violations,
-    ) {
-        c.recent_violations = a.recent_violations;
-    }
-    if given.has("timeline_events", &a.timeline_events, &d.timeline_events) {
-        c.timeline_events = a.timeline_events;
-    }
-    if given.has(
+    );
+    given.set(
+        "timeline_events",
+        &mut c.timeline_events,
+        &a.timeline_events,
+        &d.timeline_events,
+    );
+    given.set(
         "source_live_window",
+        &mut c.source_live_window,
         &a.source_live_window,
         &d.source_live_window,
-    ) {
-        c.source_live_window = a.source_live_window;
-    }
+    );
 }
 
 /// The alert section with the alert flags, and the node identity settled: `--node`/`--cluster`,
