@@ -53,7 +53,8 @@ pub(super) async fn sink_worker(
             q.notify.notified().await;
             continue;
         }
-        // Entries acknowledged meanwhile (cannot happen today) are skipped, not resent.
+        // Entries acknowledged meanwhile are skipped, not resent (only this worker acknowledges
+        // its sink's entries, so none are expected).
         let batch: Vec<(u64, Arc<Notification>)> = seqs
             .iter()
             .filter_map(|s| spool.get(*s).map(|n| (*s, n)))

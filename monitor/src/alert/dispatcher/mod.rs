@@ -2,7 +2,7 @@
 //! one delivery worker per sink. Layering per sink is queue (the spool) → retry (backoff, Retry-After) →
 //! timeout (the sink's HTTP client), as in OpenTelemetry exporters.
 //!
-//! Layout: the task loop here; [`intake`] spools what the flood releases; [`delivery`] runs
+//! Layout: the task loop here; `intake` spools what the flood releases; `delivery` runs
 //! the per-sink workers.
 
 use std::sync::Arc;

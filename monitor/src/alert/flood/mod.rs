@@ -27,8 +27,8 @@
 //! else into the incident's record that Alertmanager re-posts (the webhook/JSONL notification
 //! already went out; sending a second one would be the duplicate dedup exists to prevent).
 //!
-//! Layout: [`incident`] groups findings into incidents (admission, corroboration, release of
-//! due notifications, expiry); [`limit`] holds the rate windows, their summaries and the tick.
+//! Layout: `incident` groups findings into incidents (admission, corroboration, release of
+//! due notifications, expiry); `limit` holds the rate windows, their summaries and the tick.
 
 use std::collections::HashMap;
 use std::time::Duration;

@@ -5,8 +5,8 @@
 //! number of connections (least recently used evicted, counted), a fixed number of in-flight
 //! requests per connection, and bounded body windows.
 //!
-//! Layout: reassembly and request/response pairing here; [`lifecycle`] maps them to events
-//! (see there for the mapping); [`clock`] turns kernel stamps into Unix time.
+//! Layout: reassembly and request/response pairing here; `lifecycle` maps them to events
+//! (see there for the mapping); `clock` turns kernel stamps into Unix time.
 
 use std::collections::VecDeque;
 
