@@ -1,4 +1,5 @@
 use super::*;
+use crate::event::{Source, Stage};
 use crate::ingest::ebpf::record::{Conn, DataPiece, Record};
 use monitor_common::{Header, kind, syscall};
 use proptest::prelude::*;

@@ -5,25 +5,8 @@
 //! number of connections (least recently used evicted, counted), a fixed number of in-flight
 //! requests per connection, and bounded body windows.
 //!
-//! Lifecycle mapping:
-//! - router → worker `/generate` (or OpenAI endpoints): router `dispatched` (to = the worker's
-//!   stage); worker inbound: `received`;
-//! - worker response status >= 400: `rejected` with status and a truncated reason; 2xx end:
-//!   `completed`; decode response bytes: decode `work`;
-//! - decode → prefill bootstrap server `GET /route`: transfer `received` (the handshake);
-//! - ZMTP `[BOOTSTRAP, room, ..]`: transfer `received`; the first `KV` chunk of a room: transfer
-//!   `work` (KV is moving); `KV_DONE`: transfer `completed`; `[ABORT, room]`: transfer
-//!   `cancelled`. The sender of a control message reports it; the receiver only when the
-//!   sender's role is not watched on this node;
-//! - a connection closed with a request not yet answered: `router cancelled` (to = the leg's
-//!   stage) when the router is the closing side watched here, else `cancelled` at the worker's
-//!   stage;
-//! - a `/server_info` (or `/get_server_info`) answer naming `disaggregation_mode` gives the
-//!   server a role when discovery left it unknown (see [`Tracker::take_learned`]).
-//!
-//! When both ends of a connection are watched on this node, each event is emitted once, by the
-//! end that owns it (requests/responses at the worker, dispatch at the router, transfer control
-//! at decode).
+//! Layout: reassembly and request/response pairing here; `lifecycle` maps them to events
+//! (see there for the mapping); `clock` turns kernel stamps into Unix time.
 
 use std::collections::VecDeque;
 
@@ -34,8 +17,17 @@ use super::http::{HttpEvent, HttpStream, RequestHead, Side, detect};
 use super::json_ids::{BodyWindow, RequestIds};
 use super::procs::Role;
 use super::record::{Conn, DataPiece, Record};
-use super::zmtp::{self, Control, ZmtpStream};
-use crate::event::{Kind, LifecycleEvent, Source, Stage, truncate_reason};
+use super::zmtp::{self, ZmtpStream};
+use crate::event::{Kind, LifecycleEvent, truncate_reason};
+
+pub use clock::Clock;
+pub use lifecycle::{Learned, trace_id_of};
+use lifecycle::{PathKind, path_kind};
+
+mod clock;
+mod lifecycle;
+#[cfg(test)]
+mod tests;
 
 /// Limits that bound the tracker's memory.
 #[derive(Debug, Clone, Copy)]
@@ -61,56 +53,6 @@ pub struct TrackStats {
     pub http_desyncs: u64,
     pub gap_bytes: u64,
     pub events: u64,
-}
-
-/// Translates kernel CLOCK_MONOTONIC stamps to Unix time.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct Clock {
-    pub unix_minus_mono_ns: i128,
-}
-
-impl Clock {
-    pub fn now() -> Clock {
-        let mono = read_clock(libc::CLOCK_MONOTONIC);
-        let real = read_clock(libc::CLOCK_REALTIME);
-        Clock {
-            unix_minus_mono_ns: real - mono,
-        }
-    }
-    pub fn unix(&self, mono_ns: u64) -> u64 {
-        (mono_ns as i128 + self.unix_minus_mono_ns).max(0) as u64
-    }
-}
-
-fn read_clock(id: libc::clockid_t) -> i128 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: valid pointer to a local timespec.
-    unsafe { libc::clock_gettime(id, &mut ts) };
-    ts.tv_sec as i128 * 1_000_000_000 + ts.tv_nsec as i128
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum PathKind {
-    Generate,
-    Route,
-    ServerInfo,
-    Other,
-}
-
-fn path_kind(path: &str) -> PathKind {
-    match path {
-        "/generate"
-        | "/v1/completions"
-        | "/v1/chat/completions"
-        | "/v1/generate"
-        | "/v1/responses" => PathKind::Generate,
-        p if p.starts_with("/route") => PathKind::Route,
-        "/server_info" | "/get_server_info" => PathKind::ServerInfo,
-        _ => PathKind::Other,
-    }
 }
 
 #[derive(Debug)]
@@ -203,18 +145,6 @@ struct Endpoint {
     client: bool,
     peer: Option<SocketAddr>,
 }
-
-/// Who a `/server_info` answer described.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Learned {
-    /// A watched process answered it: that process.
-    Process(u32),
-    /// A watched process asked it: the server at that address (possibly on another node).
-    Address(SocketAddr),
-}
-
-/// Role findings kept until the source takes them.
-const MAX_LEARNED: usize = 1024;
 
 #[derive(Debug, Default)]
 struct Connection {
@@ -415,29 +345,6 @@ impl Tracker {
         }
     }
 
-    fn event(&self, mono_ns: u64, stage: Stage, kind: Kind, tgid: u32) -> LifecycleEvent {
-        let mut e = LifecycleEvent::new(self.clock.unix(mono_ns), stage, kind, Source::Ebpf);
-        e.node = self.node.clone();
-        e.pid = Some(tgid);
-        e
-    }
-
-    fn worker_of(&self, peer: Option<SocketAddr>) -> Option<Worker> {
-        let peer = peer?;
-        if let Some(w) = self.workers.get(&peer) {
-            let local =
-                w.local || (peer.ip().is_loopback() && self.local_ports.contains_key(&peer.port()));
-            return Some(Worker {
-                role: w.role,
-                local,
-            });
-        }
-        if peer.ip().is_loopback() || peer.ip().is_unspecified() {
-            return self.local_ports.get(&peer.port()).copied();
-        }
-        None
-    }
-
     fn on_http(
         &mut self,
         (tgid, fd): (u32, u32),
@@ -585,237 +492,4 @@ impl Tracker {
         let (head, ids) = (p.head.clone(), p.ids.clone());
         self.response_event(at, &head, &ids, a, out);
     }
-
-    /// A `/server_info` answer named the server's `disaggregation_mode`. The server is the
-    /// process at this end (when it answered) or the peer (when this end asked). Only a role
-    /// discovery left unknown is assigned: command lines and explicit rules win. An answer read
-    /// from an address is always reported (with the role that holds for it), so that the source
-    /// can find and watch a local server nobody named.
-    fn learn(&mut self, at: &Endpoint, mode: Option<&str>) {
-        let Some(role) = mode.and_then(Role::from_disaggregation_mode) else {
-            return;
-        };
-        let finding = if at.client {
-            let Some(peer) = at.peer else { return };
-            let known = self
-                .worker_of(Some(peer))
-                .map(|w| w.role)
-                .filter(|r| *r != Role::Unknown);
-            if known.is_none()
-                && let Some(r) = role
-            {
-                self.add_worker(peer, r);
-            }
-            (Learned::Address(peer), known.or(role))
-        } else {
-            if self.role(at.tgid) != Some(Role::Unknown) {
-                return;
-            }
-            if let Some(r) = role {
-                self.set_role(at.tgid, r);
-            }
-            (Learned::Process(at.tgid), role)
-        };
-        // Bounded: the source takes these after every drain.
-        if self.learned.len() < MAX_LEARNED {
-            self.learned.push(finding);
-        }
-    }
-
-    fn with_ids(
-        &self,
-        mut e: LifecycleEvent,
-        head: &RequestHead,
-        ids: &RequestIds,
-    ) -> LifecycleEvent {
-        if let Some(r) = &head.request_id {
-            e = e.with_request_id(r.as_str());
-        }
-        if let Some(t) = head.traceparent.as_deref().and_then(trace_id_of) {
-            e = e.with_trace_id(t);
-        }
-        if let Some(r) = &ids.rid {
-            e = e.with_rid(r.as_str());
-        }
-        if let Some(r) = ids.bootstrap_room {
-            e = e.with_room(r);
-        }
-        e
-    }
-
-    fn request_event(
-        &self,
-        at: &Endpoint,
-        head: &RequestHead,
-        ids: &RequestIds,
-        start: u64,
-        body_len: u64,
-        out: &mut Vec<LifecycleEvent>,
-    ) {
-        let kind = path_kind(&head.path);
-        let detail = format!("{} {} body_bytes={body_len}", head.method, head.path);
-        let e = match (at.role, at.client, kind) {
-            (Role::Router, true, PathKind::Generate) => {
-                let mut e = self.event(start, Stage::Router, Kind::Dispatched, at.tgid);
-                if let Some(s) = self.worker_of(at.peer).and_then(|w| w.role.stage()) {
-                    e = e.with_to(s);
-                }
-                e
-            }
-            (Role::Prefill, false, PathKind::Generate) => {
-                self.event(start, Stage::Prefill, Kind::Received, at.tgid)
-            }
-            (Role::Decode, false, PathKind::Generate) => {
-                self.event(start, Stage::Decode, Kind::Received, at.tgid)
-            }
-            // Decode asking prefill's bootstrap server where to fetch KV: the handshake.
-            (Role::Decode, true, PathKind::Route) => {
-                self.event(start, Stage::Transfer, Kind::Received, at.tgid)
-            }
-            (Role::Prefill, false, PathKind::Route) if !self.has_role(Role::Decode) => {
-                self.event(start, Stage::Transfer, Kind::Received, at.tgid)
-            }
-            _ => return,
-        };
-        let mut e = self.with_ids(e, head, ids);
-        e.detail = Some(truncate_reason(&detail).into());
-        if let Some(p) = at.peer {
-            e = e.with_worker(p.to_string());
-        }
-        out.push(e);
-    }
-
-    /// The worker stage whose answers this end reports: a worker its own; the router those of
-    /// workers it knows, but (`remote_only`) only of workers not watched on this node, which
-    /// report themselves.
-    fn answering_stage(&self, at: &Endpoint, remote_only: bool) -> Option<Stage> {
-        match (at.role, at.client) {
-            (Role::Prefill | Role::Decode, false) => at.role.stage(),
-            (Role::Router, true) => self
-                .worker_of(at.peer)
-                .filter(|w| !(remote_only && w.local))
-                .and_then(|w| w.role.stage()),
-            _ => None,
-        }
-    }
-
-    fn response_event(
-        &self,
-        at: &Endpoint,
-        head: &RequestHead,
-        ids: &RequestIds,
-        a: Answer,
-        out: &mut Vec<LifecycleEvent>,
-    ) {
-        if path_kind(&head.path) != PathKind::Generate {
-            return;
-        }
-        let Some(stage) = self.answering_stage(at, true) else {
-            return;
-        };
-        if a.kind == Kind::Work && stage != Stage::Decode {
-            return;
-        }
-        let mut e = self.with_ids(self.event(a.ts, stage, a.kind, at.tgid), head, ids);
-        e.status = a.status;
-        if let Some(r) = &a.reason {
-            e = e.with_reason(r);
-        }
-        if let Some(t) = a.tokens {
-            e = e.with_input_tokens(t);
-        }
-        e.detail = Some(truncate_reason(&format!("{} {}", head.method, head.path)).into());
-        out.push(e);
-    }
-
-    fn on_zmtp(
-        &mut self,
-        tgid: u32,
-        role: Role,
-        dir: usize,
-        ts: u64,
-        msg: &zmtp::Message,
-        out: &mut Vec<LifecycleEvent>,
-    ) {
-        let Some(ctl) = zmtp::control(msg) else {
-            return;
-        };
-        // Each message is reported once, by its sender; by its receiver only when the sender's
-        // role is not watched here. Decode sends the handshake and the withdrawal, prefill the KV.
-        let (sender, receiver) = match ctl {
-            Control::Bootstrap { .. } | Control::Abort { .. } => (Role::Decode, Role::Prefill),
-            Control::Kv { .. } | Control::KvDone { .. } => (Role::Prefill, Role::Decode),
-        };
-        let owner = (role == sender && dir == 1)
-            || (role == receiver && dir == 0 && !self.has_role(sender));
-        if !owner {
-            return;
-        }
-        // The handshake is the transfer leg arriving (in flight); KV bytes moving is the
-        // request advancing. Only a room's first chunk is reported: one event says it moved.
-        let (kind, room, what) = match ctl {
-            Control::Bootstrap { room } => (Kind::Received, room, "zmtp BOOTSTRAP"),
-            Control::Abort { room } => (Kind::Cancelled, room, "zmtp ABORT"),
-            Control::Kv { room, chunk: 0 } => (Kind::Work, room, "zmtp KV"),
-            Control::Kv { .. } => return,
-            Control::KvDone { room } => (Kind::Completed, room, "zmtp KV_DONE"),
-        };
-        let mut e = self.event(ts, Stage::Transfer, kind, tgid).with_room(room);
-        e.detail = Some(what.into());
-        out.push(e);
-    }
-
-    fn close(&mut self, tgid: u32, fd: u32, ts: u64, out: &mut Vec<LifecycleEvent>) {
-        let Some(mut conn) = self.conns.remove(&(tgid, fd)) else {
-            return;
-        };
-        let Some(role) = self.role(tgid) else { return };
-        let mut sink = Vec::new();
-        for s in conn.streams.iter_mut() {
-            if let Proto::Http(h) = &mut s.proto {
-                h.close(&mut sink);
-            }
-        }
-        let at = Endpoint {
-            tgid,
-            fd,
-            role,
-            client: matches!(&conn.streams[1].proto, Proto::Http(h) if h.side == Side::Requests),
-            peer: conn.peer,
-        };
-        for p in conn.pending.drain(..) {
-            if p.status.is_some() || path_kind(&p.head.path) != PathKind::Generate {
-                continue;
-            }
-            // The router giving up is its own evidence, even towards a worker watched here. It
-            // is the router's act (`router cancelled`, to the leg's stage), not the leg's end:
-            // a worker that ignores it keeps the leg open, and says so itself.
-            let Some(stage) = self.answering_stage(&at, false) else {
-                continue;
-            };
-            let e = if role == Role::Router {
-                self.event(ts, Stage::Router, Kind::Cancelled, tgid)
-                    .with_to(stage)
-            } else {
-                self.event(ts, stage, Kind::Cancelled, tgid)
-            };
-            let mut e = self.with_ids(e, &p.head, &p.ids);
-            e = e.with_reason("connection closed before a response");
-            if let Some(peer) = conn.peer {
-                e = e.with_worker(peer.to_string());
-            }
-            out.push(e);
-        }
-    }
 }
-
-/// The trace id of a W3C `traceparent` (`00-<32 hex>-<16 hex>-<2 hex>`).
-pub fn trace_id_of(tp: &str) -> Option<&str> {
-    let mut it = tp.split('-');
-    let _version = it.next()?;
-    let id = it.next()?;
-    (id.len() == 32 && id.bytes().all(|b| b.is_ascii_hexdigit())).then_some(id)
-}
-
-#[cfg(test)]
-mod tests;

@@ -1,0 +1,292 @@
+use std::sync::Mutex;
+
+use super::*;
+use crate::alert::notification::IncidentAlert;
+use crate::alert::sink::SinkError;
+use crate::alert::spool::SpoolConfig;
+use crate::event::{Kind, Source, Stage};
+use crate::violation::Severity;
+use crate::violation::{AttemptRef, Evidence, RequestRef, Role};
+
+/// Records deliveries and refreshes, like an Alertmanager that re-posts active alerts.
+#[derive(Default)]
+struct Recorder {
+    delivered: Mutex<Vec<Notification>>,
+    refreshed: Mutex<Vec<Vec<ActiveAlert>>>,
+}
+
+struct RecordingSink(Arc<Recorder>);
+
+impl Sink for RecordingSink {
+    fn name(&self) -> &str {
+        "recorder"
+    }
+    fn deliver<'a>(
+        &'a self,
+        batch: &'a [Arc<Notification>],
+    ) -> super::super::sink::BoxFuture<'a, Result<(), SinkError>> {
+        let r = self.0.clone();
+        Box::pin(async move {
+            let mut g = r.delivered.lock().unwrap();
+            g.extend(batch.iter().map(|n| (**n).clone()));
+            Ok(())
+        })
+    }
+    fn refresh_interval(&self) -> Option<Duration> {
+        // Only a forced refresh can happen within the test.
+        Some(Duration::from_secs(3600))
+    }
+    fn refresh<'a>(
+        &'a self,
+        active: &'a [ActiveAlert],
+        _resolved: &'a [ActiveAlert],
+    ) -> super::super::sink::BoxFuture<'a, Result<(), SinkError>> {
+        let r = self.0.clone();
+        let active = active.to_vec();
+        Box::pin(async move {
+            r.refreshed.lock().unwrap().push(active);
+            Ok(())
+        })
+    }
+}
+
+fn evidence(source: Source, t: u64, stage: Stage, kind: Kind) -> Evidence {
+    Evidence {
+        role: Role::Offender,
+        time_ns: t,
+        stage,
+        kind,
+        source,
+        status: None,
+        reason: None,
+    }
+}
+
+async fn until(what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+fn finding(rule: &str, req: &str, severity: Severity) -> Violation {
+    Violation {
+        rule: rule.into(),
+        severity,
+        summary: format!("{rule} on {req}"),
+        request: RequestRef {
+            request_id: Some(req.into()),
+            trace_id: None,
+        },
+        attempt: AttemptRef {
+            bootstrap_room: Some(42),
+            rid: None,
+        },
+        worker: None,
+        detected_at_ns: 2,
+        fingerprint: format!("{rule}/{req}"),
+        evidence: vec![evidence(Source::Otlp, 1, Stage::Decode, Kind::Work)],
+        corroborates: false,
+    }
+}
+
+/// The group wait is timer-driven: two rules about one request become one notification,
+/// another request its own; an escalation after delivery is exactly one update.
+#[tokio::test]
+async fn findings_of_one_request_are_one_notification_and_escalate_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let spool_cfg = SpoolConfig {
+        dir: Some(dir.path().to_path_buf()),
+        fsync: false,
+        ..SpoolConfig::default()
+    };
+    let (spool, _) = Spool::open(&spool_cfg, &["recorder".to_string()]).unwrap();
+    let rec = Arc::new(Recorder::default());
+    let metrics = Arc::new(Metrics::new());
+    let wait = Duration::from_millis(300);
+    let d = Dispatcher::new(
+        DispatchConfig {
+            tick: Duration::from_millis(20),
+            ..DispatchConfig::default()
+        },
+        FloodConfig {
+            group_wait: wait,
+            ..FloodConfig::default()
+        },
+        LinkBase::default(),
+        spool,
+        vec![Arc::new(RecordingSink(rec.clone()))],
+        metrics.clone(),
+    );
+    let (tx, rx) = mpsc::channel(16);
+    let handle = tokio::spawn(d.run(rx));
+    let t0 = Instant::now();
+    tx.send(finding("orphaned-leg", "req-1", Severity::Warning))
+        .await
+        .unwrap();
+    tx.send(finding("stuck-attempt", "req-1", Severity::Warning))
+        .await
+        .unwrap();
+    tx.send(finding("orphaned-leg", "req-2", Severity::Warning))
+        .await
+        .unwrap();
+    until("two notifications", || {
+        rec.delivered.lock().unwrap().len() == 2
+    })
+    .await;
+    assert!(t0.elapsed() >= wait, "sent before the group wait ended");
+    tokio::time::sleep(wait * 2).await;
+    let incidents = |n: &Notification| match n {
+        Notification::Incident(a) => a.clone(),
+        other => panic!("{other:?}"),
+    };
+    let got: Vec<IncidentAlert> = rec
+        .delivered
+        .lock()
+        .unwrap()
+        .iter()
+        .map(incidents)
+        .collect();
+    assert_eq!(got.len(), 2, "{got:#?}");
+    let one = got
+        .iter()
+        .find(|a| a.incident_key == "request_id:req-1")
+        .unwrap();
+    assert_eq!(one.rules, ["orphaned-leg", "stuck-attempt"]);
+    assert_eq!(one.violation.severity, Severity::Warning);
+    // Critical findings for req-1 after its notification: one escalation.
+    tx.send(finding(
+        "activity-after-rejection",
+        "req-1",
+        Severity::Critical,
+    ))
+    .await
+    .unwrap();
+    tx.send(finding(
+        "activity-after-request-failed",
+        "req-1",
+        Severity::Critical,
+    ))
+    .await
+    .unwrap();
+    until("the update", || rec.delivered.lock().unwrap().len() == 3).await;
+    tokio::time::sleep(wait * 2).await;
+    drop(tx);
+    let report = handle.await.unwrap();
+    let got: Vec<IncidentAlert> = rec
+        .delivered
+        .lock()
+        .unwrap()
+        .iter()
+        .map(incidents)
+        .collect();
+    assert_eq!(got.len(), 3, "{got:#?}");
+    let u = &got[2];
+    assert_eq!(u.incident, one.incident);
+    assert_eq!(
+        u.update,
+        Some(crate::alert::notification::Update::Escalated)
+    );
+    assert_eq!(u.sequence, 2);
+    assert_eq!(u.violation.rule, "activity-after-rejection");
+    assert_eq!(u.findings.len(), 4);
+    assert_eq!(
+        (
+            report.received,
+            report.incidents,
+            report.merged,
+            report.notified
+        ),
+        (5, 2, 3, 3)
+    );
+    let text = metrics.render();
+    for line in [
+        "revenant_alerts_incidents_opened_total{rule=\"orphaned-leg\"} 2",
+        "revenant_alerts_findings_merged_total{rule=\"stuck-attempt\",outcome=\"pending\"} 1",
+        "revenant_alerts_findings_merged_total{rule=\"activity-after-rejection\",outcome=\"escalated\"} 1",
+        "revenant_alerts_findings_merged_total{rule=\"activity-after-request-failed\",outcome=\"pending\"} 1",
+    ] {
+        assert!(text.contains(line), "{line} not in\n{text}");
+    }
+}
+
+/// Without a corroboration window the notification goes out at once; the second source's
+/// confirmation then sends nothing new but is re-posted at once as the one active alert
+/// (what Alertmanager receives), with both sources in its evidence.
+#[tokio::test]
+async fn late_corroboration_is_reposted_merged_not_notified_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let spool_cfg = SpoolConfig {
+        dir: Some(dir.path().to_path_buf()),
+        fsync: false,
+        ..SpoolConfig::default()
+    };
+    let (spool, _) = Spool::open(&spool_cfg, &["recorder".to_string()]).unwrap();
+    let rec = Arc::new(Recorder::default());
+    let d = Dispatcher::new(
+        DispatchConfig {
+            tick: Duration::from_millis(20),
+            ..DispatchConfig::default()
+        },
+        FloodConfig::default(),
+        LinkBase::default(),
+        spool,
+        vec![Arc::new(RecordingSink(rec.clone()))],
+        Arc::new(Metrics::new()),
+    );
+    let (tx, rx) = mpsc::channel(16);
+    let handle = tokio::spawn(d.run(rx));
+    let v = Violation {
+        rule: "activity-after-rejection".into(),
+        severity: Severity::Critical,
+        summary: "s".into(),
+        request: RequestRef {
+            request_id: Some("req-1".into()),
+            trace_id: None,
+        },
+        attempt: AttemptRef {
+            bootstrap_room: Some(42),
+            rid: None,
+        },
+        worker: None,
+        detected_at_ns: 2,
+        fingerprint: "fp".into(),
+        evidence: vec![
+            evidence(Source::Otlp, 1, Stage::Prefill, Kind::Rejected),
+            evidence(Source::Otlp, 2, Stage::Transfer, Kind::Work),
+        ],
+        corroborates: false,
+    };
+    tx.send(v.clone()).await.unwrap();
+    until("the first notification", || {
+        rec.delivered.lock().unwrap().len() == 1
+    })
+    .await;
+    assert!(rec.refreshed.lock().unwrap().is_empty());
+    let mut c = v.clone();
+    c.corroborates = true;
+    c.evidence
+        .push(evidence(Source::Ebpf, 3, Stage::Transfer, Kind::Work));
+    tx.send(c).await.unwrap();
+    until("a re-post of the active alert", || {
+        !rec.refreshed.lock().unwrap().is_empty()
+    })
+    .await;
+    let active = rec.refreshed.lock().unwrap()[0].clone();
+    assert_eq!(active.len(), 1, "one alert");
+    assert_eq!(active[0].alert.occurrences, 1);
+    let sources: Vec<Source> = active[0]
+        .alert
+        .violation
+        .evidence
+        .iter()
+        .map(|e| e.source)
+        .collect();
+    assert_eq!(sources, [Source::Otlp, Source::Otlp, Source::Ebpf]);
+    drop(tx);
+    let report = handle.await.unwrap();
+    assert_eq!(rec.delivered.lock().unwrap().len(), 1, "not notified again");
+    assert_eq!(report.corroborated, 1);
+    assert_eq!(report.deduplicated, 0);
+}
