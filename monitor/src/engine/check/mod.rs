@@ -282,13 +282,12 @@ impl Checker {
         while self.timers.next_due() <= wm
             && let Some((due, a, generation)) = self.timers.pop()
         {
-            let at = &self.store.attempts[a as usize];
-            if at.generation != generation || !at.is_live() || at.due_ns != due {
+            if !self.store.timer_valid(due, a, generation) {
                 continue; // attempt gone, or superseded by an earlier deadline
             }
             self.stats.timers_fired += 1;
-            self.store.attempts[a as usize].due_ns = 0;
-            self.store.attempts[a as usize].set_rejudge(false);
+            self.store.set_due(a, 0);
+            self.store.set_rejudge(a, false);
             self.judge_deadlines(a, out);
         }
     }

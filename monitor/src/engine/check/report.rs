@@ -168,7 +168,7 @@ impl Checker {
 
     pub(super) fn attempt_aliases(&self, a: u32) -> AttemptAliases {
         AttemptAliases {
-            bootstrap_room: self.store.attempts[a as usize].room(),
+            bootstrap_room: self.store.attempt(a).room(),
             rid: self.store.attempt_rid(a).to_string_opt(),
         }
     }
@@ -180,7 +180,7 @@ impl Checker {
         let request = f
             .request
             .map(|r| {
-                let r = &self.store.requests[r as usize];
+                let r = self.store.request(r);
                 RequestRef {
                     request_id: r.request_id().map(str::to_owned),
                     trace_id: r.trace_id().map(str::to_owned),

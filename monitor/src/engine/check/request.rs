@@ -128,11 +128,11 @@ impl Checker {
         };
         let bit = 1u64 << ri;
         let owner = Owner::Request(r);
-        let fired = self.store.requests[r as usize].fired & bit != 0;
+        let fired = self.store.request(r).fired & bit != 0;
         let Some(follow_up) = self.follow_up(fired, ri, owner, cur, &triggers, &forbidden) else {
             return;
         };
-        self.store.requests[r as usize].fired |= bit;
+        self.store.mark_request_fired(r, bit);
         let attempt = match (a, e) {
             (Some(a), _) => self.attempt_aliases(a),
             (None, Some(e)) if e.ids.names_attempt() => event_aliases(e),
@@ -148,7 +148,7 @@ impl Checker {
     #[inline]
     pub(super) fn may_corroborate_request(&self, ri: usize, r: u32, cur: Current) -> bool {
         (cur.as_trigger || cur.as_forbidden)
-            && self.store.requests[r as usize].fired & (1 << ri) != 0
+            && self.store.request(r).fired & (1 << ri) != 0
             && self.store.reported(Owner::Request(r), ri) & source_bit(cur.source) == 0
     }
 }
