@@ -562,9 +562,9 @@ mod tests {
     use super::*;
     use crate::alert::notification::IncidentAlert;
     use crate::alert::spool::SpoolConfig;
-    use crate::violation::Severity;
     use crate::event::{Kind, Source, Stage};
-    use crate::violation::{AttemptRef, Evidence, RequestRef, Role};
+    use crate::violation::Severity;
+    use crate::violation::{AttemptAliases, Evidence, EvidenceRole, RequestAliases};
 
     /// Records deliveries and refreshes, like an Alertmanager that re-posts active alerts.
     #[derive(Default)]
@@ -610,7 +610,7 @@ mod tests {
 
     fn evidence(source: Source, t: u64, stage: Stage, kind: Kind) -> Evidence {
         Evidence {
-            role: Role::Offender,
+            role: EvidenceRole::Offender,
             time_ns: t,
             stage,
             kind,
@@ -633,11 +633,11 @@ mod tests {
             rule: rule.into(),
             severity,
             summary: format!("{rule} on {req}"),
-            request: RequestRef {
+            request: RequestAliases {
                 request_id: Some(req.into()),
                 trace_id: None,
             },
-            attempt: AttemptRef {
+            attempt: AttemptAliases {
                 bootstrap_room: Some(42),
                 rid: None,
             },
@@ -799,11 +799,11 @@ mod tests {
             rule: "activity-after-rejection".into(),
             severity: Severity::Critical,
             summary: "s".into(),
-            request: RequestRef {
+            request: RequestAliases {
                 request_id: Some("req-1".into()),
                 trace_id: None,
             },
-            attempt: AttemptRef {
+            attempt: AttemptAliases {
                 bootstrap_room: Some(42),
                 rid: None,
             },

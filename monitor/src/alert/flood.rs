@@ -36,7 +36,7 @@ use super::notification::{
     Finding, IncidentAlert, Lead, Links, SuppressedSummary, Update, incident_alias, incident_id,
 };
 use crate::violation::Severity;
-use crate::violation::{AttemptRef, Evidence, Violation, has_several_sources};
+use crate::violation::{AttemptAliases, Evidence, Violation, has_several_sources};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -107,7 +107,7 @@ impl FloodConfig {
 
 /// Whether two references name the same attempt: a shared room or rid (each source may know only
 /// some of the aliases), or both empty (request- or worker-scope rules).
-fn same_attempt(a: &AttemptRef, b: &AttemptRef) -> bool {
+fn same_attempt(a: &AttemptAliases, b: &AttemptAliases) -> bool {
     (a.bootstrap_room.is_some() && a.bootstrap_room == b.bootstrap_room)
         || (a.rid.is_some() && a.rid == b.rid)
         || (a.is_empty() && b.is_empty())
@@ -900,7 +900,7 @@ fn rate_ok(
 mod tests {
     use super::*;
     use crate::event::{Kind, Source, Stage};
-    use crate::violation::{RequestRef, Role};
+    use crate::violation::{EvidenceRole, RequestAliases};
 
     const S: u64 = 1_000_000_000;
     const AAR: &str = "activity-after-rejection";
@@ -909,7 +909,7 @@ mod tests {
 
     fn ev(source: Source, t: u64) -> Evidence {
         Evidence {
-            role: Role::Offender,
+            role: EvidenceRole::Offender,
             time_ns: t,
             stage: Stage::Decode,
             kind: Kind::Work,
@@ -929,11 +929,11 @@ mod tests {
             rule: rule.into(),
             severity,
             summary: format!("{rule} on {alias}"),
-            request: RequestRef {
+            request: RequestAliases {
                 request_id: req.map(str::to_string),
                 trace_id: None,
             },
-            attempt: AttemptRef {
+            attempt: AttemptAliases {
                 bootstrap_room: room,
                 rid: None,
             },
@@ -1340,7 +1340,7 @@ mod tests {
         // The other source named the request by another alias, but the attempt is the same,
         // known by one shared alias: the original is found and completed.
         let (_, mut c) = pair("req-by-other-alias");
-        c.request = RequestRef {
+        c.request = RequestAliases {
             request_id: None,
             trace_id: Some("trace-1".into()),
         };
@@ -1479,7 +1479,7 @@ mod tests {
         let mut f = flood(grouping(2));
         // First finding: only the trace id was known.
         let mut first = crit(AAR, "unused", 1);
-        first.request = RequestRef {
+        first.request = RequestAliases {
             request_id: None,
             trace_id: Some("t1".into()),
         };

@@ -9,7 +9,7 @@
 use crate::engine::identity::{Owner, Resolved};
 use crate::engine::rules::predicate::{Breach, Known};
 use crate::engine::rules::{RuleSlots, Scope, Shape};
-use crate::engine::state::{Cands, NodeId, Slot};
+use crate::engine::state::{Candidates, NodeId, Slot};
 use crate::event::{Kind, LifecycleEvent, Stage};
 use crate::violation::Violation;
 
@@ -86,8 +86,8 @@ impl Checker {
                 }
                 (Shape::MustFollow(rule), _) => {
                     if hit & (1 << slots.trigger) != 0 {
-                        let trig = self.store.attempt_slots(a).get(slots.trigger);
-                        if let Some(due) = rule.due(trig, self.skew_ns) {
+                        let trigger = self.store.attempt_slots(a).get(slots.trigger);
+                        if let Some(due) = rule.due(trigger, self.skew_ns) {
                             self.schedule(a, due);
                         }
                     }
@@ -173,8 +173,8 @@ impl Checker {
         ri: usize,
         on: &mut OnAttempt,
         current: Current,
-        (trig, forb): (Slot, Slot),
-        (triggers, forbidden): &(Cands, Cands),
+        (trigger, offender): (Slot, Slot),
+        (triggers, forbidden): &(Candidates, Candidates),
         out: &mut Vec<Violation>,
     ) {
         let (a, e) = (on.a, on.e);
@@ -185,15 +185,15 @@ impl Checker {
             return;
         };
         self.store.mark_fired(a, bit);
-        let offender_is_current = forb.time() == e.time_ns && current.as_forbidden;
+        let offender_is_current = offender.time() == e.time_ns && current.as_forbidden;
         // The violation names the request: a solo one gets its record.
         on.request = on.request.or_else(|| self.store.request_record(a));
         let f = Finding::never_after(
             ri,
             on.request,
             self.attempt_aliases(a),
-            trig,
-            forb,
+            trigger,
+            offender,
             self.store.reason(a).map(str::to_owned),
             offender_is_current
                 .then(|| e.reason.as_deref().map(str::to_owned))

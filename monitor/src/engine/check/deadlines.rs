@@ -105,24 +105,24 @@ impl Checker {
             let slots = self.rules[ri].slots;
             let finding = match &self.rules[ri].rule.shape {
                 Shape::MustFollow(rule) => {
-                    let trig = s.get(slots.trigger);
-                    let Some(due) = rule.due(trig, self.skew_ns) else {
+                    let trigger = s.get(slots.trigger);
+                    let Some(due) = rule.due(trigger, self.skew_ns) else {
                         continue;
                     };
                     let (early, late) = (s.get(slots.other), s.get(slots.other_latest));
                     if due > wm {
                         // Already satisfied: nothing can breach it, no need to wake up for it.
-                        if !rule.satisfied(trig, early, late, self.skew_ns) {
+                        if !rule.satisfied(trigger, early, late, self.skew_ns) {
                             next = Some(next.map_or(due, |n| n.min(due)));
                         }
                         continue;
                     }
                     let given = slots.given.map(|g| s.get(g as usize));
-                    if !rule.breached(trig, early, late, given, self.skew_ns) {
+                    if !rule.breached(trigger, early, late, given, self.skew_ns) {
                         continue;
                     }
                     Finding {
-                        trigger: trig.get(),
+                        trigger: trigger.get(),
                         trigger_reason: self.store.reason(a).map(str::to_owned),
                         expected: late.get().filter(|l| l.time_ns > due),
                         context: given.and_then(|g| g.get()),

@@ -38,7 +38,7 @@ mod verify;
 
 pub use attempt::Attempt;
 pub use request::Request;
-pub use request_link::{ReqIds, RequestLink};
+pub use request_link::{PackedIds, RequestLink};
 pub use rid::Rid;
 pub use tombstones::Tombstone;
 
@@ -52,14 +52,14 @@ pub enum Owner {
 
 /// Where an event's attempt lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum AttemptRef {
+pub enum AttemptAt {
     Live(u32),
     Tomb(u64),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Resolved {
-    pub attempt: Option<AttemptRef>,
+    pub attempt: Option<AttemptAt>,
     /// The request's record (its union-find root).
     pub request: Option<u32>,
     /// The attempt was (re)linked to a request by this event: request-scope state must be folded.
@@ -92,7 +92,7 @@ pub struct CorrelateStats {
 }
 
 #[derive(Debug, Clone, Copy)]
-pub struct Limits {
+pub struct StoreLimits {
     pub max_attempts: usize,
     pub max_tombstones: usize,
     /// Idle live attempts are compacted after this (ns).
@@ -105,7 +105,7 @@ pub struct Limits {
 
 /// The correlation store.
 pub struct Store {
-    limits: Limits,
+    limits: StoreLimits,
     attempts: Chunked<Attempt>,
     /// Per attempt, its rule slots as a sparse row in a size class (see
     /// [`crate::engine::state::rows`]).
@@ -163,7 +163,7 @@ pub struct Store {
 
 impl Store {
     pub fn new(
-        limits: Limits,
+        limits: StoreLimits,
         attempt_keeps: Vec<Keep>,
         request_keeps: Vec<Keep>,
         request_links: Vec<(usize, usize)>,
@@ -175,7 +175,7 @@ impl Store {
             "tombstones keep at most 32 rules' fired bits"
         );
         // Alias values hold 30-bit indices; the tombstone window must stay far below that.
-        let limits = Limits {
+        let limits = StoreLimits {
             max_attempts: limits.max_attempts.min(1 << 29),
             max_tombstones: limits.max_tombstones.min(1 << 28),
             ..limits
