@@ -377,6 +377,7 @@ impl TimelineProvider for RecentEvents {
     }
 }
 
+
 /// Feeds the `/api/requests/{id}` timeline from the engine task: a pipeline tap.
 pub struct TimelineTap(pub Arc<RecentEvents>);
 

@@ -562,8 +562,8 @@ mod tests {
     use super::*;
     use crate::alert::notification::IncidentAlert;
     use crate::alert::spool::SpoolConfig;
-    use crate::event::{Kind, Source, Stage};
     use crate::violation::Severity;
+    use crate::event::{Kind, Source, Stage};
     use crate::violation::{AttemptAliases, Evidence, EvidenceRole, RequestAliases};
 
     /// Records deliveries and refreshes, like an Alertmanager that re-posts active alerts.

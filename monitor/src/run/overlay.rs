@@ -7,10 +7,10 @@ use std::net::SocketAddr;
 
 use clap::parser::ValueSource;
 
-use super::{RunArgs, RunConfigError};
-use crate::admin::AdminArgs;
 use crate::config::RunConfig;
+use crate::admin::AdminArgs;
 use crate::ingest::ebpf::EbpfArgs;
+use super::{RunArgs, RunConfigError};
 
 /// The ids of the arguments given explicitly (not from a clap default), so that a flag with a
 /// default does not hide the file's value. Filled in by `main` from the parsed matches.
