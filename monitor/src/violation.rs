@@ -30,7 +30,7 @@ impl Severity {
 
 /// The aliases by which the request is known (any subset).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct RequestRef {
+pub struct RequestAliases {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub request_id: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -39,14 +39,14 @@ pub struct RequestRef {
 
 /// The aliases by which the attempt is known (any subset).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct AttemptRef {
+pub struct AttemptAliases {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bootstrap_room: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rid: Option<String>,
 }
 
-impl AttemptRef {
+impl AttemptAliases {
     pub fn is_empty(&self) -> bool {
         self.bootstrap_room.is_none() && self.rid.is_none()
     }
@@ -55,7 +55,7 @@ impl AttemptRef {
 /// Why an evidence event is in the proof.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
-pub enum Role {
+pub enum EvidenceRole {
     /// The event that armed the rule (the rejection, the admission).
     Trigger,
     /// The event the rule forbids, or that breaks its condition.
@@ -68,7 +68,7 @@ pub enum Role {
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Evidence {
-    pub role: Role,
+    pub role: EvidenceRole,
     pub time_ns: u64,
     pub stage: Stage,
     pub kind: Kind,
@@ -84,8 +84,8 @@ pub struct Violation {
     pub rule: String,
     pub severity: Severity,
     pub summary: String,
-    pub request: RequestRef,
-    pub attempt: AttemptRef,
+    pub request: RequestAliases,
+    pub attempt: AttemptAliases,
     /// For worker-level rules (capacity reports): the worker or node concerned.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub worker: Option<String>,
@@ -159,8 +159,8 @@ pub struct TemplateEvent {
 pub struct TemplateContext<'a> {
     pub rule: &'a str,
     pub severity: Severity,
-    pub request: &'a RequestRef,
-    pub attempt: &'a AttemptRef,
+    pub request: &'a RequestAliases,
+    pub attempt: &'a AttemptAliases,
     pub worker: Option<&'a str>,
     /// A must_follow rule's deadline (`{within}` is empty for other shapes).
     pub within: Option<Duration>,
@@ -309,11 +309,11 @@ mod tests {
             source: Source::Otlp,
             status: Some(200),
         };
-        let request = RequestRef {
+        let request = RequestAliases {
             request_id: Some("req-1".into()),
             trace_id: None,
         };
-        let attempt = AttemptRef {
+        let attempt = AttemptAliases {
             bootstrap_room: Some(7),
             rid: None,
         };

@@ -17,7 +17,7 @@ use axum::routing::post;
 
 use revenant::violation::Severity;
 use revenant::event::{Kind, Source, Stage};
-use revenant::violation::{AttemptRef, Evidence, RequestRef, Role, Violation};
+use revenant::violation::{AttemptAliases, Evidence, EvidenceRole, RequestAliases, Violation};
 
 pub fn violation(i: usize) -> Violation {
     violation_rule("activity-after-rejection", i)
@@ -29,11 +29,11 @@ pub fn violation_rule(rule: &str, i: usize) -> Violation {
         rule: rule.into(),
         severity: Severity::Critical,
         summary: format!("request req-{i} rejected by prefill (400) but decode kept working"),
-        request: RequestRef {
+        request: RequestAliases {
             request_id: Some(format!("req-{i}")),
             trace_id: None,
         },
-        attempt: AttemptRef {
+        attempt: AttemptAliases {
             bootstrap_room: Some(0x1000 + i as u64),
             rid: None,
         },
@@ -45,7 +45,7 @@ pub fn violation_rule(rule: &str, i: usize) -> Violation {
         ),
         evidence: vec![
             Evidence {
-                role: Role::Trigger,
+                role: EvidenceRole::Trigger,
                 time_ns: t,
                 stage: Stage::Prefill,
                 kind: Kind::Rejected,
@@ -54,7 +54,7 @@ pub fn violation_rule(rule: &str, i: usize) -> Violation {
                 reason: Some("capacity".into()),
             },
             Evidence {
-                role: Role::Offender,
+                role: EvidenceRole::Offender,
                 time_ns: t + 5_000_000,
                 stage: Stage::Decode,
                 kind: Kind::Work,

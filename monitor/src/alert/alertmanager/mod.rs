@@ -25,7 +25,7 @@ use super::notification::{
 };
 use super::sink::{BoxFuture, Sink, SinkError};
 use super::webhook::{http_client, read_answer, transport_error};
-use crate::violation::{Role, Violation};
+use crate::violation::{EvidenceRole, Violation};
 
 /// Most findings listed in the `findings` annotation.
 const MAX_FINDING_LINES: usize = 20;
@@ -120,7 +120,7 @@ impl AlertmanagerSink {
         let stage = v
             .evidence
             .iter()
-            .find(|e| e.role == Role::Offender)
+            .find(|e| e.role == EvidenceRole::Offender)
             .or(v.evidence.last())
             .map(|e| e.stage.as_str())
             .unwrap_or("unknown");

@@ -6,7 +6,7 @@ use crate::alert::sink::SinkError;
 use crate::alert::spool::SpoolConfig;
 use crate::event::{Kind, Source, Stage};
 use crate::violation::Severity;
-use crate::violation::{AttemptRef, Evidence, RequestRef, Role};
+use crate::violation::{AttemptAliases, Evidence, RequestAliases, EvidenceRole};
 
 /// Records deliveries and refreshes, like an Alertmanager that re-posts active alerts.
 #[derive(Default)]
@@ -52,7 +52,7 @@ impl Sink for RecordingSink {
 
 fn evidence(source: Source, t: u64, stage: Stage, kind: Kind) -> Evidence {
     Evidence {
-        role: Role::Offender,
+        role: EvidenceRole::Offender,
         time_ns: t,
         stage,
         kind,
@@ -75,11 +75,11 @@ fn finding(rule: &str, req: &str, severity: Severity) -> Violation {
         rule: rule.into(),
         severity,
         summary: format!("{rule} on {req}"),
-        request: RequestRef {
+        request: RequestAliases {
             request_id: Some(req.into()),
             trace_id: None,
         },
-        attempt: AttemptRef {
+        attempt: AttemptAliases {
             bootstrap_room: Some(42),
             rid: None,
         },
@@ -241,11 +241,11 @@ async fn late_corroboration_is_reposted_merged_not_notified_again() {
         rule: "activity-after-rejection".into(),
         severity: Severity::Critical,
         summary: "s".into(),
-        request: RequestRef {
+        request: RequestAliases {
             request_id: Some("req-1".into()),
             trace_id: None,
         },
-        attempt: AttemptRef {
+        attempt: AttemptAliases {
             bootstrap_room: Some(42),
             rid: None,
         },

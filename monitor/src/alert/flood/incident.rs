@@ -7,11 +7,11 @@ use crate::alert::notification::{
     Finding, IncidentAlert, Lead, Links, Update, incident_alias, incident_id,
 };
 use crate::violation::Severity;
-use crate::violation::{AttemptRef, Evidence, Violation, has_several_sources};
+use crate::violation::{AttemptAliases, Evidence, Violation, has_several_sources};
 
 /// Whether two references name the same attempt: a shared room or rid (each source may know only
 /// some of the aliases), or both empty (request- or worker-scope rules).
-fn same_attempt(a: &AttemptRef, b: &AttemptRef) -> bool {
+fn same_attempt(a: &AttemptAliases, b: &AttemptAliases) -> bool {
     (a.bootstrap_room.is_some() && a.bootstrap_room == b.bootstrap_room)
         || (a.rid.is_some() && a.rid == b.rid)
         || (a.is_empty() && b.is_empty())

@@ -2,8 +2,8 @@ use super::limit::SAMPLE;
 use super::*;
 use crate::alert::notification::{Lead, Links, Update};
 use crate::event::{Kind, Source, Stage};
-use crate::violation::{AttemptRef, Evidence, Severity, Violation};
-use crate::violation::{RequestRef, Role};
+use crate::violation::{AttemptAliases, Evidence, Severity, Violation};
+use crate::violation::{RequestAliases, EvidenceRole};
 
 const S: u64 = 1_000_000_000;
 const AAR: &str = "activity-after-rejection";
@@ -12,7 +12,7 @@ const ORPHAN: &str = "orphaned-leg";
 
 fn ev(source: Source, t: u64) -> Evidence {
     Evidence {
-        role: Role::Offender,
+        role: EvidenceRole::Offender,
         time_ns: t,
         stage: Stage::Decode,
         kind: Kind::Work,
@@ -32,11 +32,11 @@ fn finding(rule: &str, req: Option<&str>, room: Option<u64>, severity: Severity)
         rule: rule.into(),
         severity,
         summary: format!("{rule} on {alias}"),
-        request: RequestRef {
+        request: RequestAliases {
             request_id: req.map(str::to_string),
             trace_id: None,
         },
-        attempt: AttemptRef {
+        attempt: AttemptAliases {
             bootstrap_room: room,
             rid: None,
         },
@@ -443,7 +443,7 @@ fn corroboration_of_another_attempt_does_not_merge_and_unknown_is_unmatched() {
     // The other source named the request by another alias, but the attempt is the same,
     // known by one shared alias: the original is found and completed.
     let (_, mut c) = pair("req-by-other-alias");
-    c.request = RequestRef {
+    c.request = RequestAliases {
         request_id: None,
         trace_id: Some("trace-1".into()),
     };
@@ -582,7 +582,7 @@ fn a_request_named_by_another_alias_later_is_still_one_incident() {
     let mut f = flood(grouping(2));
     // First finding: only the trace id was known.
     let mut first = crit(AAR, "unused", 1);
-    first.request = RequestRef {
+    first.request = RequestAliases {
         request_id: None,
         trace_id: Some("t1".into()),
     };

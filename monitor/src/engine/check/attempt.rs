@@ -9,7 +9,7 @@
 use crate::engine::identity::{Owner, Resolved};
 use crate::engine::rules::predicate::{Breach, Known};
 use crate::engine::rules::{RuleSlots, Scope, Shape};
-use crate::engine::state::{Cands, NodeId, Slot};
+use crate::engine::state::{Candidates, NodeId, Slot};
 use crate::event::{Kind, LifecycleEvent, Stage};
 use crate::violation::Violation;
 
@@ -86,8 +86,8 @@ impl Checker {
                 }
                 (Shape::MustFollow(rule), _) => {
                     if hit & (1 << slots.trigger) != 0 {
-                        let trig = self.store.attempt_slots(a).get(slots.trigger);
-                        if let Some(due) = rule.due(trig, self.skew_ns) {
+                        let trigger = self.store.attempt_slots(a).get(slots.trigger);
+                        if let Some(due) = rule.due(trigger, self.skew_ns) {
                             self.schedule(a, due);
                         }
                     }
@@ -102,7 +102,7 @@ impl Checker {
                 }
                 (Shape::Predicate(p), _) if hit & self.rule_reacts[ri].specs != 0 => {
                     let known = Known {
-                        input_tokens: Some(self.store.attempts[a as usize].input_tokens as u64)
+                        input_tokens: Some(self.store.attempt(a).input_tokens as u64)
                             .filter(|&n| n > 0),
                         capacity: self.capacity_for(e),
                     };
@@ -126,7 +126,7 @@ impl Checker {
     #[inline(always)]
     fn note_activity(&mut self, a: u32, e: &LifecycleEvent) -> bool {
         let worker = Self::worker_key(e).map(|w| self.worker_id(w));
-        let at = &mut self.store.attempts[a as usize];
+        let at = self.store.attempt_mut(a);
         at.last_ns = at.last_ns.max(e.time_ns);
         let mut facts_changed = false;
         if let Some(n) = e.input_tokens {
@@ -173,27 +173,27 @@ impl Checker {
         ri: usize,
         on: &mut OnAttempt,
         current: Current,
-        (trig, forb): (Slot, Slot),
-        (triggers, forbidden): &(Cands, Cands),
+        (trigger, offender): (Slot, Slot),
+        (triggers, forbidden): &(Candidates, Candidates),
         out: &mut Vec<Violation>,
     ) {
         let (a, e) = (on.a, on.e);
         let bit = 1u64 << ri;
         let owner = Owner::Attempt(a);
-        let fired = self.store.attempts[a as usize].fired & bit != 0;
+        let fired = self.store.attempt(a).fired & bit != 0;
         let Some(follow_up) = self.follow_up(fired, ri, owner, current, triggers, forbidden) else {
             return;
         };
-        self.store.attempts[a as usize].fired |= bit;
-        let offender_is_current = forb.time() == e.time_ns && current.as_forbidden;
+        self.store.mark_fired(a, bit);
+        let offender_is_current = offender.time() == e.time_ns && current.as_forbidden;
         // The violation names the request: a solo one gets its record.
         on.request = on.request.or_else(|| self.store.request_record(a));
         let f = Finding::never_after(
             ri,
             on.request,
             self.attempt_aliases(a),
-            trig,
-            forb,
+            trigger,
+            offender,
             self.store.reason(a).map(str::to_owned),
             offender_is_current
                 .then(|| e.reason.as_deref().map(str::to_owned))
@@ -214,11 +214,11 @@ impl Checker {
     ) {
         let (a, e) = (on.a, on.e);
         let bit = 1u64 << ri;
-        if self.store.attempts[a as usize].fired & bit != 0 {
+        if self.store.attempt(a).fired & bit != 0 {
             self.stats.repeats += 1;
             return;
         }
-        self.store.attempts[a as usize].fired |= bit;
+        self.store.mark_fired(a, bit);
         on.request = on.request.or_else(|| self.store.request_record(a));
         let f = Finding {
             request: on.request,

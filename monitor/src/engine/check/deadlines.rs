@@ -15,10 +15,8 @@ pub(super) const MIN_TIMER_PURGE: usize = 4096;
 
 impl Checker {
     pub(super) fn schedule(&mut self, a: u32, due: u64) {
-        let at = &mut self.store.attempts[a as usize];
-        if at.due_ns == 0 || due < at.due_ns {
-            at.due_ns = due;
-            self.timers.push((due, a, at.generation));
+        if let Some(generation) = self.store.arm_deadline(a, due) {
+            self.timers.push((due, a, generation));
             if self.timers.len() > 2 * self.store.live_attempts() + MIN_TIMER_PURGE {
                 self.purge_timers();
             }
@@ -29,8 +27,8 @@ impl Checker {
     /// unless it fired already.
     #[inline]
     pub(super) fn rejudge_at(&mut self, a: u32, ri: usize, at: u64) {
-        if self.store.attempts[a as usize].fired & (1u64 << ri) == 0 {
-            self.store.attempts[a as usize].set_rejudge(true);
+        if self.store.attempt(a).fired & (1u64 << ri) == 0 {
+            self.store.set_rejudge(a, true);
             self.schedule(a, at);
         }
     }
@@ -41,11 +39,9 @@ impl Checker {
     /// queue would hold every attempt of the last 330 s, not the live ones. At most one entry
     /// per live attempt is valid, so purging when the queue exceeds twice that is amortised O(1).
     fn purge_timers(&mut self) {
-        let attempts = &self.store.attempts;
-        self.timers.retain(|&(due, a, generation)| {
-            let at = &attempts[a as usize];
-            at.generation == generation && at.is_live() && at.due_ns == due
-        });
+        let store = &self.store;
+        self.timers
+            .retain(|&(due, a, generation)| store.timer_valid(due, a, generation));
     }
 
     /// After a terminal event: if every pending deadline rule is already satisfied, nothing can
@@ -53,14 +49,14 @@ impl Checker {
     #[inline]
     pub(super) fn settle(&mut self, a: u32) {
         let wm = self.stats.watermark_ns;
-        let due = self.store.attempts[a as usize].due_ns;
+        let due = self.store.attempt(a).due_ns;
         // Nothing queued, a judgement already due at the next watermark step, or a predicate
         // waiting to be judged again: leave it.
-        if due == 0 || due <= wm || self.store.attempts[a as usize].rejudge() {
+        if due == 0 || due <= wm || self.store.attempt(a).rejudge() {
             return;
         }
         let s = self.store.attempt_slots(a);
-        let fired = self.store.attempts[a as usize].fired;
+        let fired = self.store.attempt(a).fired;
         let pending = self.rules.iter().enumerate().any(|(ri, r)| {
             if fired & (1 << ri) != 0 {
                 return false;
@@ -87,7 +83,7 @@ impl Checker {
         });
         if !pending {
             // The queued entry no longer matches `due_ns` and is skipped when popped.
-            self.store.attempts[a as usize].due_ns = 0;
+            self.store.set_due(a, 0);
         }
     }
 
@@ -101,7 +97,7 @@ impl Checker {
         let mut s = self.store.attempt_slots(a);
         for ri in 0..self.rules.len() {
             let bit = 1u64 << ri;
-            if self.store.attempts[a as usize].fired & bit != 0
+            if self.store.attempt(a).fired & bit != 0
                 || matches!(self.rules[ri].rule.shape, Shape::NeverAfter(_))
             {
                 continue;
@@ -109,24 +105,24 @@ impl Checker {
             let slots = self.rules[ri].slots;
             let finding = match &self.rules[ri].rule.shape {
                 Shape::MustFollow(rule) => {
-                    let trig = s.get(slots.trigger);
-                    let Some(due) = rule.due(trig, self.skew_ns) else {
+                    let trigger = s.get(slots.trigger);
+                    let Some(due) = rule.due(trigger, self.skew_ns) else {
                         continue;
                     };
                     let (early, late) = (s.get(slots.other), s.get(slots.other_latest));
                     if due > wm {
                         // Already satisfied: nothing can breach it, no need to wake up for it.
-                        if !rule.satisfied(trig, early, late, self.skew_ns) {
+                        if !rule.satisfied(trigger, early, late, self.skew_ns) {
                             next = Some(next.map_or(due, |n| n.min(due)));
                         }
                         continue;
                     }
                     let given = slots.given.map(|g| s.get(g as usize));
-                    if !rule.breached(trig, early, late, given, self.skew_ns) {
+                    if !rule.breached(trigger, early, late, given, self.skew_ns) {
                         continue;
                     }
                     Finding {
-                        trigger: trig.get(),
+                        trigger: trigger.get(),
                         trigger_reason: self.store.reason(a).map(str::to_owned),
                         expected: late.get().filter(|l| l.time_ns > due),
                         context: given.and_then(|g| g.get()),
@@ -151,7 +147,7 @@ impl Checker {
                     }
                 }
                 Shape::Predicate(p) => {
-                    let at = &self.store.attempts[a as usize];
+                    let at = self.store.attempt(a);
                     let mut found = None;
                     for k in slots.per_stage.iter().flatten() {
                         let Some(ev) = s.get(*k as usize).get() else {
@@ -188,7 +184,7 @@ impl Checker {
                 }
                 _ => continue,
             };
-            self.store.attempts[a as usize].fired |= bit;
+            self.store.mark_fired(a, bit);
             let request = self.store.request_record(a);
             let f = Finding {
                 request,

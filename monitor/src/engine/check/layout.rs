@@ -9,7 +9,7 @@ use crate::engine::state::{SlotLayout, SlotSpec, SpecIndex};
 
 /// Which events of an attempt a compiled rule has anything to do with.
 #[derive(Debug, Clone, Copy)]
-pub(super) struct Reacts {
+pub(super) struct Reactions {
     /// Events matching one of these attempt specs.
     pub specs: u64,
     /// A predicate: also a new fact (input length) about an earlier event.
@@ -27,7 +27,7 @@ pub(super) struct Layout {
     pub request_index: SpecIndex,
     /// Request slots that hold triggers (request-level events only update those).
     pub request_trigger_mask: u64,
-    pub rule_reacts: Vec<Reacts>,
+    pub rule_reacts: Vec<Reactions>,
     /// (attempt slot, request slot) pairs: what a linked attempt brings into its request.
     pub request_links: Vec<(usize, usize)>,
     /// The attempt slots a tombstone keeps, in its order.
@@ -107,9 +107,9 @@ fn tombstone_slots(rules: &[CompiledRule], attempt: &SlotLayout) -> (Vec<usize>,
     (map, mask)
 }
 
-fn reacts(r: &CompiledRule) -> Reacts {
+fn reacts(r: &CompiledRule) -> Reactions {
     let k = r.slots;
-    let specs = |specs| Reacts {
+    let specs = |specs| Reactions {
         specs,
         predicate: false,
         always: false,
@@ -117,12 +117,12 @@ fn reacts(r: &CompiledRule) -> Reacts {
     match (&r.rule.shape, r.rule.scope) {
         (Shape::NeverAfter(_), Scope::Attempt) => specs((1 << k.trigger) | (1 << k.other)),
         // Linking an attempt to its request, or a request-level trigger, matters too.
-        (Shape::NeverAfter(_), Scope::Request) => Reacts {
+        (Shape::NeverAfter(_), Scope::Request) => Reactions {
             always: true,
             ..specs(0)
         },
         (Shape::MustFollow(_) | Shape::RequiresBefore(_), _) => specs(1 << k.trigger),
-        (Shape::Predicate(_), _) => Reacts {
+        (Shape::Predicate(_), _) => Reactions {
             predicate: true,
             ..specs(k.stage_mask())
         },

@@ -30,7 +30,7 @@ use std::time::Duration;
 
 use foldhash::fast::FixedState;
 
-use crate::engine::identity::{AttemptRef, Limits, Store};
+use crate::engine::identity::{AttemptAt, Store, StoreLimits};
 use crate::engine::rules::predicate::Capacity;
 use crate::engine::rules::{self, CompiledRule};
 use crate::engine::state::{Keep, NodeId, SlotSpec, SpecIndex};
@@ -41,7 +41,7 @@ pub use crate::engine::rules::{RuleSet, RulesError};
 pub use crate::violation::Severity;
 pub use stats::{CheckerStats, RuleCounts};
 
-use layout::{Layout, Reacts};
+use layout::{Layout, Reactions};
 
 /// Engine settings. Defaults suit offline checking; `revenant run` raises `allowed_lateness`
 /// because OTLP exporters batch spans for seconds.
@@ -99,9 +99,9 @@ impl CheckerConfig {
 
     /// The store's limits for rules that need an attempt's live state up to `horizon` after
     /// their trigger.
-    fn limits(&self, horizon: Duration) -> Limits {
+    fn limits(&self, horizon: Duration) -> StoreLimits {
         let lateness_ns = ns(self.allowed_lateness);
-        Limits {
+        StoreLimits {
             max_attempts: self.max_attempts.max(1),
             max_tombstones: self.max_tombstones.max(1),
             // An attempt must outlive its longest deadline, or the deadline could never be judged.
@@ -137,7 +137,7 @@ pub struct Checker {
     /// Request slots that hold triggers (request-level events only update those).
     request_trigger_mask: u64,
     /// Per rule, which attempt events it has anything to do.
-    rule_reacts: Vec<Reacts>,
+    rule_reacts: Vec<Reactions>,
     store: Store,
     timers: timers::TimerQueue,
     nodes: FixedMap<Box<str>, NodeId>,
@@ -229,11 +229,11 @@ impl Checker {
                 && self.request_index.matching(e) & self.request_trigger_mask != 0;
             let resolved = self.store.resolve(&e.ids, e.time_ns, request_trigger);
             match resolved.attempt {
-                Some(AttemptRef::Live(a)) => {
+                Some(AttemptAt::Live(a)) => {
                     self.stats.events_attempt += 1;
                     self.observe_attempt(a, resolved, e, node, &mut out);
                 }
-                Some(AttemptRef::Tomb(seq)) => {
+                Some(AttemptAt::Tomb(seq)) => {
                     self.stats.events_attempt += 1;
                     self.stats.events_on_tombstones += 1;
                     self.observe_tombstone(seq, resolved.request, e, node, &mut out);
@@ -282,13 +282,12 @@ impl Checker {
         while self.timers.next_due() <= wm
             && let Some((due, a, generation)) = self.timers.pop()
         {
-            let at = &self.store.attempts[a as usize];
-            if at.generation != generation || !at.is_live() || at.due_ns != due {
+            if !self.store.timer_valid(due, a, generation) {
                 continue; // attempt gone, or superseded by an earlier deadline
             }
             self.stats.timers_fired += 1;
-            self.store.attempts[a as usize].due_ns = 0;
-            self.store.attempts[a as usize].set_rejudge(false);
+            self.store.set_due(a, 0);
+            self.store.set_rejudge(a, false);
             self.judge_deadlines(a, out);
         }
     }

@@ -4,9 +4,9 @@
 
 use crate::engine::identity::Owner;
 use crate::engine::rules::{self, RuleSlots, Shape};
-use crate::engine::state::{Cands, Slot, SlotRead};
+use crate::engine::state::{Candidates, Slot, SlotRead};
 use crate::event::Source;
-use crate::violation::Role;
+use crate::violation::EvidenceRole;
 
 use super::Checker;
 
@@ -44,7 +44,7 @@ impl Current {
         triggers: &[Slot],
         forbidden: &[Slot],
         skew_ns: u64,
-    ) -> Option<(Role, Slot)> {
+    ) -> Option<(EvidenceRole, Slot)> {
         let as_trigger = self
             .as_trigger
             .then(|| {
@@ -53,7 +53,7 @@ impl Current {
                     .find(|f| rule.breached(self.slot, **f, skew_ns))
             })
             .flatten()
-            .map(|f| (Role::Trigger, *f));
+            .map(|f| (EvidenceRole::Trigger, *f));
         as_trigger.or_else(|| {
             self.as_forbidden
                 .then(|| {
@@ -62,7 +62,7 @@ impl Current {
                         .find(|t| rule.breached(**t, self.slot, skew_ns))
                 })
                 .flatten()
-                .map(|t| (Role::Offender, *t))
+                .map(|t| (EvidenceRole::Offender, *t))
         })
     }
 }
@@ -78,18 +78,18 @@ impl Checker {
         slots: RuleSlots,
         hit: u64,
         current: Slot,
-    ) -> (Cands, Cands) {
+    ) -> (Candidates, Candidates) {
         let keep = self.attempt_specs[slots.trigger].keep;
         let as_trigger = hit & (1 << slots.trigger) != 0;
         // Nearly every attempt never sees a trigger (a rejection): nothing can breach.
         if !as_trigger && !kept.any_set(at.0, keep) {
-            return (Cands::default(), Cands::default());
+            return (Candidates::default(), Candidates::default());
         }
-        let mut triggers = Cands::of(kept, at.0, keep);
+        let mut triggers = Candidates::of(kept, at.0, keep);
         if as_trigger {
             triggers.push(current);
         }
-        let mut forbidden = Cands::of(kept, at.1, self.attempt_specs[slots.other].keep);
+        let mut forbidden = Candidates::of(kept, at.1, self.attempt_specs[slots.other].keep);
         if hit & (1 << slots.other) != 0 {
             forbidden.push(current);
         }
@@ -108,7 +108,7 @@ impl Checker {
         cur: Current,
         triggers: &[Slot],
         forbidden: &[Slot],
-    ) -> Option<Option<(Role, Slot)>> {
+    ) -> Option<Option<(EvidenceRole, Slot)>> {
         if !fired {
             return Some(None);
         }
@@ -126,7 +126,7 @@ impl Checker {
         cur: Current,
         triggers: &[Slot],
         forbidden: &[Slot],
-    ) -> Option<(Role, Slot)> {
+    ) -> Option<(EvidenceRole, Slot)> {
         let Shape::NeverAfter(rule) = &self.rules[ri].rule.shape else {
             return None;
         };

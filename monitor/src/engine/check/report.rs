@@ -9,7 +9,7 @@ use crate::engine::rules::predicate::Breach;
 use crate::engine::state::{Slot, SlotEvent};
 use crate::event::LifecycleEvent;
 use crate::violation::{
-    self, AttemptRef as AttemptAliases, Evidence, RequestRef, Role, TemplateContext, TemplateEvent,
+    self, AttemptAliases, Evidence, EvidenceRole, RequestAliases, TemplateContext, TemplateEvent,
     Violation,
 };
 
@@ -37,7 +37,7 @@ pub(super) struct Finding<'a> {
 /// A new source's event that proves an already reported never-after breach again, and the
 /// event it breaches with.
 pub(super) struct Corroboration {
-    role: Role,
+    role: EvidenceRole,
     event: SlotEvent,
     reason: Option<String>,
     partner: SlotEvent,
@@ -70,19 +70,19 @@ impl Finding<'static> {
         rule: usize,
         request: Option<u32>,
         attempt: AttemptAliases,
-        trig: Slot,
-        forb: Slot,
+        trigger: Slot,
+        offender: Slot,
         trigger_reason: Option<String>,
         offender_reason: Option<String>,
     ) -> Finding<'static> {
         Finding {
             request,
             attempt,
-            trigger: trig.get(),
+            trigger: trigger.get(),
             trigger_reason,
-            offender: forb.get(),
+            offender: offender.get(),
             offender_reason,
-            ..Finding::new(rule, trig.time().max(forb.time()))
+            ..Finding::new(rule, trigger.time().max(offender.time()))
         }
     }
 
@@ -90,7 +90,7 @@ impl Finding<'static> {
     fn corroborated(
         mut self,
         current: Current,
-        role: Role,
+        role: EvidenceRole,
         partner: Slot,
         reason: Option<String>,
     ) -> Finding<'static> {
@@ -142,7 +142,7 @@ impl Checker {
         &mut self,
         owner: Owner,
         f: Finding<'static>,
-        follow_up: Option<(Role, Slot)>,
+        follow_up: Option<(EvidenceRole, Slot)>,
         cur: Current,
         reason: Option<String>,
     ) -> Violation {
@@ -168,7 +168,7 @@ impl Checker {
 
     pub(super) fn attempt_aliases(&self, a: u32) -> AttemptAliases {
         AttemptAliases {
-            bootstrap_room: self.store.attempts[a as usize].room(),
+            bootstrap_room: self.store.attempt(a).room(),
             rid: self.store.attempt_rid(a).to_string_opt(),
         }
     }
@@ -180,8 +180,8 @@ impl Checker {
         let request = f
             .request
             .map(|r| {
-                let r = &self.store.requests[r as usize];
-                RequestRef {
+                let r = self.store.request(r);
+                RequestAliases {
                     request_id: r.request_id().map(str::to_owned),
                     trace_id: r.trace_id().map(str::to_owned),
                 }
@@ -226,14 +226,18 @@ impl Checker {
                 });
             }
         };
-        push(Role::Trigger, f.trigger, f.trigger_reason.clone());
-        push(Role::Context, f.context, None);
-        push(Role::Offender, f.offender, f.offender_reason.clone());
-        push(Role::Expected, f.expected, None);
+        push(EvidenceRole::Trigger, f.trigger, f.trigger_reason.clone());
+        push(EvidenceRole::Context, f.context, None);
+        push(
+            EvidenceRole::Offender,
+            f.offender,
+            f.offender_reason.clone(),
+        );
+        push(EvidenceRole::Expected, f.expected, None);
         if let Some(c) = &f.corroboration {
             let partner_role = match c.role {
-                Role::Trigger => Role::Offender,
-                _ => Role::Trigger,
+                EvidenceRole::Trigger => EvidenceRole::Offender,
+                _ => EvidenceRole::Trigger,
             };
             push(c.role, Some(c.event), c.reason.clone());
             push(partner_role, Some(c.partner), None);

@@ -4,9 +4,9 @@
 
 use crate::engine::identity::Owner;
 use crate::engine::rules::{RuleSlots, Scope, Shape};
-use crate::engine::state::{Cands, NodeId, Slot, SlotRead};
+use crate::engine::state::{Candidates, NodeId, Slot, SlotRead};
 use crate::event::LifecycleEvent;
-use crate::violation::{AttemptRef as AttemptAliases, Violation};
+use crate::violation::{AttemptAliases, Violation};
 
 use super::Checker;
 use super::attempt::OnAttempt;
@@ -80,7 +80,7 @@ impl Checker {
         // kept it.
         if linked {
             let keep_own = self.attempt_specs[slots.other_latest].keep;
-            let own = Cands::of(&self.store.attempt_slots(a), slots.other_latest, keep_own);
+            let own = Candidates::of(&self.store.attempt_slots(a), slots.other_latest, keep_own);
             for &o in own.iter() {
                 self.store.fold_request_slots(r, 1 << slots.other, o);
             }
@@ -121,24 +121,25 @@ impl Checker {
         if !s.any_set(slots.trigger, keep) {
             return;
         }
-        let triggers = Cands::of(&s, slots.trigger, keep);
-        let forbidden = Cands::of(&s, slots.other, self.request_specs[slots.other].keep);
-        let Some((trig, forb)) = rule.breaching_pair(&triggers, &forbidden, self.skew_ns) else {
+        let triggers = Candidates::of(&s, slots.trigger, keep);
+        let forbidden = Candidates::of(&s, slots.other, self.request_specs[slots.other].keep);
+        let Some((trigger, offender)) = rule.breaching_pair(&triggers, &forbidden, self.skew_ns)
+        else {
             return;
         };
         let bit = 1u64 << ri;
         let owner = Owner::Request(r);
-        let fired = self.store.requests[r as usize].fired & bit != 0;
+        let fired = self.store.request(r).fired & bit != 0;
         let Some(follow_up) = self.follow_up(fired, ri, owner, cur, &triggers, &forbidden) else {
             return;
         };
-        self.store.requests[r as usize].fired |= bit;
+        self.store.mark_request_fired(r, bit);
         let attempt = match (a, e) {
             (Some(a), _) => self.attempt_aliases(a),
             (None, Some(e)) if e.ids.names_attempt() => event_aliases(e),
             _ => AttemptAliases::default(),
         };
-        let f = Finding::never_after(ri, Some(r), attempt, trig, forb, None, None);
+        let f = Finding::never_after(ri, Some(r), attempt, trigger, offender, None, None);
         let reason = e.and_then(|e| e.reason.as_deref()).map(str::to_owned);
         out.push(self.report(owner, f, follow_up, cur, reason));
     }
@@ -148,7 +149,7 @@ impl Checker {
     #[inline]
     pub(super) fn may_corroborate_request(&self, ri: usize, r: u32, cur: Current) -> bool {
         (cur.as_trigger || cur.as_forbidden)
-            && self.store.requests[r as usize].fired & (1 << ri) != 0
+            && self.store.request(r).fired & (1 << ri) != 0
             && self.store.reported(Owner::Request(r), ri) & source_bit(cur.source) == 0
     }
 }

@@ -49,7 +49,7 @@ pub type RuleCounts = Vec<u64>;
 impl Checker {
     pub fn stats(&self) -> CheckerStats {
         let mut s = self.stats.clone();
-        s.correlate = self.store.stats;
+        s.correlate = self.store.stats();
         s.live_attempts = self.store.live_attempts() as u64;
         s.live_requests = self.store.live_requests() as u64;
         s.request_records = self.store.request_records() as u64;

@@ -52,7 +52,7 @@ impl Checker {
                     let at = (pos(slots.trigger), pos(slots.other));
                     let (triggers, forbidden) =
                         self.never_after_candidates(&kept, at, slots, hit, slot);
-                    if let Some((trig, forb)) =
+                    if let Some((trigger, offender)) =
                         rule.breaching_pair(&triggers, &forbidden, self.skew_ns)
                     {
                         let current = Current::on_attempt(slot, e.source, hit, slots);
@@ -68,8 +68,8 @@ impl Checker {
                             ri,
                             request,
                             attempt.clone(),
-                            trig,
-                            forb,
+                            trigger,
+                            offender,
                             (e.kind == Kind::Rejected)
                                 .then(|| e.reason.as_deref().map(str::to_owned))
                                 .flatten(),

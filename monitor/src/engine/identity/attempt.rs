@@ -2,7 +2,7 @@
 //! aliases and first rid, creation, merging two that turned out to be one, and freeing.
 
 use super::keys::{TAG_SOLO, key_room};
-use super::{AttemptRef, Owner, RequestLink, Rid, Store};
+use super::{AttemptAt, Owner, RequestLink, Rid, Store};
 use crate::engine::mem::NO_INDEX;
 use crate::engine::state::rows::RowRef;
 use crate::engine::state::{Slot, Slots, fold_all};
@@ -158,7 +158,7 @@ impl Store {
         if at.room().map(key_room) == Some(key) || at.rid2_key == key {
             return;
         }
-        if maybe_first && self.owners().first_rid_key(a) == Some(key) {
+        if maybe_first && self.verifier().first_rid_key(a) == Some(key) {
             return;
         }
         let at = &mut self.attempts[a as usize];
@@ -179,7 +179,7 @@ impl Store {
         let at = &self.attempts[a as usize];
         let inline = [
             at.room().map(key_room),
-            self.owners().first_rid_key(a),
+            self.verifier().first_rid_key(a),
             (at.rid2_key != 0).then_some(at.rid2_key),
         ];
         let more = match at.flags & MORE_RIDS {
@@ -241,10 +241,10 @@ impl Store {
     }
 
     /// Two attempts turned out to be one (a rid first seen alone, then with its room).
-    pub(super) fn merge_attempts(&mut self, a: AttemptRef, b: AttemptRef) -> AttemptRef {
-        let (AttemptRef::Live(x), AttemptRef::Live(y)) = (a, b) else {
+    pub(super) fn merge_attempts(&mut self, a: AttemptAt, b: AttemptAt) -> AttemptAt {
+        let (AttemptAt::Live(x), AttemptAt::Live(y)) = (a, b) else {
             // A live attempt and a tombstone: keep the live one; the tombstone expires on its own.
-            return if matches!(b, AttemptRef::Live(_)) {
+            return if matches!(b, AttemptAt::Live(_)) {
                 b
             } else {
                 a

@@ -38,7 +38,7 @@ mod verify;
 
 pub use attempt::Attempt;
 pub use request::Request;
-pub use request_link::{ReqIds, RequestLink};
+pub use request_link::{PackedIds, RequestLink};
 pub use rid::Rid;
 pub use tombstones::Tombstone;
 
@@ -52,14 +52,14 @@ pub enum Owner {
 
 /// Where an event's attempt lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum AttemptRef {
+pub enum AttemptAt {
     Live(u32),
     Tomb(u64),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Resolved {
-    pub attempt: Option<AttemptRef>,
+    pub attempt: Option<AttemptAt>,
     /// The request's record (its union-find root).
     pub request: Option<u32>,
     /// The attempt was (re)linked to a request by this event: request-scope state must be folded.
@@ -92,7 +92,7 @@ pub struct CorrelateStats {
 }
 
 #[derive(Debug, Clone, Copy)]
-pub struct Limits {
+pub struct StoreLimits {
     pub max_attempts: usize,
     pub max_tombstones: usize,
     /// Idle live attempts are compacted after this (ns).
@@ -105,8 +105,8 @@ pub struct Limits {
 
 /// The correlation store.
 pub struct Store {
-    pub limits: Limits,
-    pub attempts: Chunked<Attempt>,
+    limits: StoreLimits,
+    attempts: Chunked<Attempt>,
     /// Per attempt, its rule slots as a sparse row in a size class (see
     /// [`crate::engine::state::rows`]).
     attempt_rows: SlotRows,
@@ -128,7 +128,7 @@ pub struct Store {
     /// when the request is over), so later violations reuse it: one request, one fingerprint.
     pinned_alias: HashMap<u32, Box<str>, FixedState>,
 
-    pub requests: Chunked<Request>,
+    requests: Chunked<Request>,
     request_slots: Chunked<u64>,
     wide_requests: HashMap<u32, Box<[Slot]>, FixedState>,
     request_keeps: Vec<Keep>,
@@ -158,12 +158,12 @@ pub struct Store {
     request_hand: usize,
     /// Bumped by every request union (starts at 1; see [`RequestLink`]).
     union_epoch: u32,
-    pub stats: CorrelateStats,
+    stats: CorrelateStats,
 }
 
 impl Store {
     pub fn new(
-        limits: Limits,
+        limits: StoreLimits,
         attempt_keeps: Vec<Keep>,
         request_keeps: Vec<Keep>,
         request_links: Vec<(usize, usize)>,
@@ -175,7 +175,7 @@ impl Store {
             "tombstones keep at most 32 rules' fired bits"
         );
         // Alias values hold 30-bit indices; the tombstone window must stay far below that.
-        let limits = Limits {
+        let limits = StoreLimits {
             max_attempts: limits.max_attempts.min(1 << 29),
             max_tombstones: limits.max_tombstones.min(1 << 28),
             ..limits
@@ -212,6 +212,62 @@ impl Store {
             union_epoch: 1,
             stats: CorrelateStats::default(),
         }
+    }
+
+    /// Live attempt `a`'s record.
+    #[inline]
+    pub fn attempt(&self, a: u32) -> &Attempt {
+        &self.attempts[a as usize]
+    }
+    /// Live attempt `a`'s record, for the facts the checker folds into it.
+    #[inline]
+    pub fn attempt_mut(&mut self, a: u32) -> &mut Attempt {
+        &mut self.attempts[a as usize]
+    }
+    /// Request record `r`.
+    #[inline]
+    pub fn request(&self, r: u32) -> &Request {
+        &self.requests[r as usize]
+    }
+    /// Rule bits `bits` of attempt `a` produced a violation.
+    #[inline]
+    pub fn mark_fired(&mut self, a: u32, bits: u64) {
+        self.attempts[a as usize].fired |= bits;
+    }
+    /// Rule bits `bits` of request `r` produced a violation.
+    #[inline]
+    pub fn mark_request_fired(&mut self, r: u32, bits: u64) {
+        self.requests[r as usize].fired |= bits;
+    }
+    /// Makes `due` attempt `a`'s pending deadline if it has none or a later one; if so, the
+    /// generation to queue the deadline under.
+    #[inline]
+    pub fn arm_deadline(&mut self, a: u32, due: u64) -> Option<u32> {
+        let at = &mut self.attempts[a as usize];
+        (at.due_ns == 0 || due < at.due_ns).then(|| {
+            at.due_ns = due;
+            at.generation
+        })
+    }
+    /// Attempt `a`'s pending deadline (0 = none; compaction waits for it).
+    #[inline]
+    pub fn set_due(&mut self, a: u32, due_ns: u64) {
+        self.attempts[a as usize].due_ns = due_ns;
+    }
+    /// Attempt `a` waits (or no longer waits) for a predicate to be judged again.
+    #[inline]
+    pub fn set_rejudge(&mut self, a: u32, on: bool) {
+        self.attempts[a as usize].set_rejudge(on);
+    }
+    /// Whether the timer entry (`due`, `a`, `generation`) still stands: the attempt is the same
+    /// one, live, and no earlier deadline or settling superseded the entry.
+    #[inline]
+    pub fn timer_valid(&self, due: u64, a: u32, generation: u32) -> bool {
+        let at = &self.attempts[a as usize];
+        at.generation == generation && at.is_live() && at.due_ns == due
+    }
+    pub fn stats(&self) -> CorrelateStats {
+        self.stats
     }
 
     pub fn live_attempts(&self) -> usize {

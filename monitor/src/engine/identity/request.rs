@@ -3,10 +3,10 @@
 
 use super::keys::{AliasKind, TAG_REQUEST, TAG_SOLO, key_str};
 use super::request_link::EPOCH_LIMIT;
-use super::{AttemptRef, Owner, ReqIds, RequestLink, Store};
+use super::{AttemptAt, Owner, PackedIds, RequestLink, Store};
 use crate::engine::mem::NO_INDEX;
 use crate::engine::state::owner_row::{row_clear, row_fold, row_store, row_view};
-use crate::engine::state::{Cands, Slot, Slots, fold_all};
+use crate::engine::state::{Candidates, Slot, Slots, fold_all};
 
 /// A request record (40 bytes): its ids; its request-scope rule slots are in
 /// [`Store::request_slots`]. It owns at most one request id and one trace id alias, so freeing
@@ -23,7 +23,7 @@ pub struct Request {
     pub(super) live: bool,
     pub last_ns: u64,
     pub fired: u64,
-    pub(super) ids: Option<ReqIds>,
+    pub(super) ids: Option<PackedIds>,
 }
 
 impl Request {
@@ -39,8 +39,8 @@ impl Request {
     /// Sets the request id (`trace` false) or trace id if it has none; false if it had one.
     fn set_id(&mut self, trace: bool, v: &str) -> bool {
         let next = match &self.ids {
-            None if trace => ReqIds::new(None, Some(v)),
-            None => ReqIds::new(Some(v), None),
+            None if trace => PackedIds::new(None, Some(v)),
+            None => PackedIds::new(Some(v), None),
             Some(ids) => match ids.with(trace, v) {
                 Some(next) => next,
                 None => return false,
@@ -53,7 +53,7 @@ impl Request {
 
 /// Where a request's state is: its record (a union-find root), or its only attempt.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum ReqAt {
+pub(super) enum RequestAt {
     Record(u32),
     Solo(u32),
 }
@@ -108,12 +108,12 @@ impl Store {
     /// Live attempt `i` (without a request) takes bare record `r` over as its solo request.
     pub(super) fn adopt(&mut self, i: u32, r: u32) {
         // Re-pointed while the record still has the ids: an overwrite asks the old owner.
-        let keys = self.requests[r as usize].ids.as_ref().map(ReqIds::keys);
+        let keys = self.requests[r as usize].ids.as_ref().map(PackedIds::keys);
         for key in keys.into_iter().flatten() {
             self.alias_insert(key, TAG_SOLO | i);
         }
         let req = &mut self.requests[r as usize];
-        let ids = req.ids.take().unwrap_or_else(|| ReqIds::new(None, None));
+        let ids = req.ids.take().unwrap_or_else(|| PackedIds::new(None, None));
         let last = req.last_ns;
         // Still the same live request: only its record goes.
         self.free_request(r);
@@ -128,14 +128,14 @@ impl Store {
     /// a new trace under one x-request-id) gets a stub record owning its alias, merged into it.
     pub(super) fn add_id(
         &mut self,
-        to: ReqAt,
+        to: RequestAt,
         trace: bool,
         key: u64,
         text: &str,
         time_ns: u64,
-    ) -> ReqAt {
+    ) -> RequestAt {
         let r = match to {
-            ReqAt::Solo(i) => {
+            RequestAt::Solo(i) => {
                 let solo = self.attempts[i as usize].request.solo_ids().expect("solo");
                 match solo.with(trace, text) {
                     Some(next) => {
@@ -146,7 +146,7 @@ impl Store {
                     None => self.materialize(i),
                 }
             }
-            ReqAt::Record(r) => r,
+            RequestAt::Record(r) => r,
         };
         if self.requests[r as usize].set_id(trace, text) {
             self.alias_insert(key, TAG_REQUEST | r);
@@ -157,34 +157,34 @@ impl Store {
             self.alias_insert(key, TAG_REQUEST | stub);
             self.union_requests(stub, r);
         }
-        ReqAt::Record(r)
+        RequestAt::Record(r)
     }
 
     /// One request from two (the event names both): their records, merged.
-    pub(super) fn join(&mut self, from: ReqAt, into: ReqAt) -> ReqAt {
+    pub(super) fn join(&mut self, from: RequestAt, into: RequestAt) -> RequestAt {
         if from == into {
             return into;
         }
         let (from, into) = (self.record(from), self.record(into));
-        ReqAt::Record(self.union_requests(from, into))
+        RequestAt::Record(self.union_requests(from, into))
     }
 
     /// The record of a request (its union-find root), created for a solo one.
-    pub(super) fn record(&mut self, at: ReqAt) -> u32 {
+    pub(super) fn record(&mut self, at: RequestAt) -> u32 {
         match at {
-            ReqAt::Solo(i) => self.materialize(i),
-            ReqAt::Record(r) => self.find(r),
+            RequestAt::Solo(i) => self.materialize(i),
+            RequestAt::Record(r) => self.find(r),
         }
     }
 
     /// Points an attempt without a request at record `r`; true if there was one to point.
-    pub(super) fn link(&mut self, attempt: Option<AttemptRef>, r: u32) -> bool {
+    pub(super) fn link(&mut self, attempt: Option<AttemptAt>, r: u32) -> bool {
         match attempt {
-            Some(AttemptRef::Live(i)) => {
+            Some(AttemptAt::Live(i)) => {
                 let at = &mut self.attempts[i as usize];
                 at.request = RequestLink::record(r, self.union_epoch);
             }
-            Some(AttemptRef::Tomb(seq)) => match self.tomb_index(seq) {
+            Some(AttemptAt::Tomb(seq)) => match self.tomb_index(seq) {
                 Some(t) => self.tomb_mut(t).request = r,
                 None => return false,
             },
@@ -210,7 +210,7 @@ impl Store {
 
     /// Takes attempt `i`'s solo request ids, its aliases pointed at `to` first: an overwrite asks
     /// the old owner, so they move while the attempt still has the ids.
-    pub(super) fn take_solo(&mut self, i: u32, to: u32) -> ReqIds {
+    pub(super) fn take_solo(&mut self, i: u32, to: u32) -> PackedIds {
         let keys = self.attempts[i as usize]
             .request
             .solo_ids()
@@ -239,7 +239,7 @@ impl Store {
         req.last_ns = last;
         for n in 0..self.request_links.len() {
             let (from, to) = self.request_links[n];
-            let own = Cands::of(
+            let own = Candidates::of(
                 &self.attempt_slots(i),
                 from,
                 self.attempt_rows.keeps()[from],

@@ -1,5 +1,5 @@
 //! An attempt's request in one tagged word ([`RequestLink`]), and a request's two ids behind one
-//! pointer ([`ReqIds`]). Every `unsafe` of identity is here.
+//! pointer ([`PackedIds`]). Every `unsafe` of identity is here.
 
 use super::keys::{AliasKind, key_str};
 use crate::engine::mem::NO_INDEX;
@@ -10,20 +10,20 @@ use crate::engine::mem::NO_INDEX;
 /// (see [`RequestLink`]): a `Box<str>` plus its split would take 20 bytes there. The heap
 /// block is a 4-byte header (each id's length + 1, 0 for "absent") followed by both ids.
 #[repr(transparent)]
-pub struct ReqIds(std::ptr::NonNull<u8>);
+pub struct PackedIds(std::ptr::NonNull<u8>);
 
-// SAFETY: `ReqIds` owns its heap block exclusively, like a `Box<[u8]>`.
-unsafe impl Send for ReqIds {}
+// SAFETY: `PackedIds` owns its heap block exclusively, like a `Box<[u8]>`.
+unsafe impl Send for PackedIds {}
 // SAFETY: it has no interior mutability.
-unsafe impl Sync for ReqIds {}
+unsafe impl Sync for PackedIds {}
 
 const IDS_HEADER: usize = 4;
 /// The longest id kept (u16 length + 1 in the header); ids come from transports whose messages
 /// are far smaller, so cutting only guards the encoding.
 const ID_MAX: usize = u16::MAX as usize - 1;
 
-impl ReqIds {
-    pub fn new(request_id: Option<&str>, trace_id: Option<&str>) -> ReqIds {
+impl PackedIds {
+    pub fn new(request_id: Option<&str>, trace_id: Option<&str>) -> PackedIds {
         let cut = |s: &str| -> usize {
             let mut end = s.len().min(ID_MAX);
             while !s.is_char_boundary(end) {
@@ -53,7 +53,7 @@ impl ReqIds {
             std::ptr::copy_nonoverlapping(a.unwrap_or("").as_ptr(), body, la);
             std::ptr::copy_nonoverlapping(b.unwrap_or("").as_ptr(), body.add(la), lb);
         }
-        ReqIds(p)
+        PackedIds(p)
     }
 
     fn layout(body: usize) -> std::alloc::Layout {
@@ -105,13 +105,13 @@ impl ReqIds {
     }
 
     /// These ids with the id of one kind set, if they have none of that kind.
-    pub(super) fn with(&self, trace: bool, v: &str) -> Option<ReqIds> {
+    pub(super) fn with(&self, trace: bool, v: &str) -> Option<PackedIds> {
         if self.get(trace).is_some() {
             return None;
         }
         Some(match trace {
-            false => ReqIds::new(Some(v), self.trace_id()),
-            true => ReqIds::new(self.request_id(), Some(v)),
+            false => PackedIds::new(Some(v), self.trace_id()),
+            true => PackedIds::new(self.request_id(), Some(v)),
         })
     }
 
@@ -126,7 +126,7 @@ impl ReqIds {
     }
 }
 
-impl Drop for ReqIds {
+impl Drop for PackedIds {
     fn drop(&mut self) {
         let layout = Self::layout(self.body_len());
         // SAFETY: allocated in `new` with this very layout (the header records the lengths).
@@ -134,15 +134,15 @@ impl Drop for ReqIds {
     }
 }
 
-impl Clone for ReqIds {
-    fn clone(&self) -> ReqIds {
-        ReqIds::new(self.request_id(), self.trace_id())
+impl Clone for PackedIds {
+    fn clone(&self) -> PackedIds {
+        PackedIds::new(self.request_id(), self.trace_id())
     }
 }
 
-impl std::fmt::Debug for ReqIds {
+impl std::fmt::Debug for PackedIds {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ReqIds")
+        f.debug_struct("PackedIds")
             .field("request_id", &self.request_id())
             .field("trace_id", &self.trace_id())
             .finish()
@@ -153,12 +153,12 @@ impl std::fmt::Debug for ReqIds {
 /// was known to be a root), or the ids of a solo request. Every attempt has one; as three fields
 /// it would take 16 bytes.
 ///
-/// Encoding: null for none; a [`ReqIds`] pointer (even: its block is 2-aligned) for solo; a
+/// Encoding: null for none; a [`PackedIds`] pointer (even: its block is 2-aligned) for solo; a
 /// record is `index << 32 | epoch << 1 | 1` (no provenance: it is never dereferenced).
 #[repr(transparent)]
 pub struct RequestLink(*mut u8);
 
-// SAFETY: a solo link owns its `ReqIds` exclusively (which is Send and Sync); the other forms
+// SAFETY: a solo link owns its `PackedIds` exclusively (which is Send and Sync); the other forms
 // are plain numbers.
 unsafe impl Send for RequestLink {}
 // SAFETY: as above; no interior mutability.
@@ -181,7 +181,7 @@ impl RequestLink {
         RequestLink(std::ptr::without_provenance_mut(bits))
     }
 
-    pub(super) fn solo(ids: ReqIds) -> RequestLink {
+    pub(super) fn solo(ids: PackedIds) -> RequestLink {
         RequestLink(std::mem::ManuallyDrop::new(ids).0.as_ptr())
     }
 
@@ -214,21 +214,21 @@ impl RequestLink {
         self.bits() == 0
     }
 
-    pub(super) fn solo_ids(&self) -> Option<&ReqIds> {
-        // SAFETY: a solo link holds a live `ReqIds` pointer, and both types are
-        // `repr(transparent)` over a pointer: the link can be read as the `ReqIds` it owns.
+    pub(super) fn solo_ids(&self) -> Option<&PackedIds> {
+        // SAFETY: a solo link holds a live `PackedIds` pointer, and both types are
+        // `repr(transparent)` over a pointer: the link can be read as the `PackedIds` it owns.
         self.is_solo()
-            .then(|| unsafe { &*(self as *const RequestLink as *const ReqIds) })
+            .then(|| unsafe { &*(self as *const RequestLink as *const PackedIds) })
     }
 
-    pub(super) fn take_solo(&mut self) -> Option<ReqIds> {
+    pub(super) fn take_solo(&mut self) -> Option<PackedIds> {
         if !self.is_solo() {
             return None;
         }
         let p = std::mem::replace(&mut self.0, std::ptr::null_mut());
-        // SAFETY: a solo link's pointer came from `ReqIds::into` above and is non-null; the
+        // SAFETY: a solo link's pointer came from `PackedIds::into` above and is non-null; the
         // link no longer holds it, so ownership moves back out exactly once.
-        Some(ReqIds(unsafe { std::ptr::NonNull::new_unchecked(p) }))
+        Some(PackedIds(unsafe { std::ptr::NonNull::new_unchecked(p) }))
     }
 }
 
@@ -267,7 +267,7 @@ mod tests {
 
     #[test]
     fn request_ids_round_trip_behind_one_pointer() {
-        assert_eq!(std::mem::size_of::<Option<ReqIds>>(), 8);
+        assert_eq!(std::mem::size_of::<Option<PackedIds>>(), 8);
         for (id, trace) in [
             (None, None),
             (Some("req-1"), None),
@@ -275,13 +275,13 @@ mod tests {
             (Some(""), Some("")),
             (Some("réq-ü"), Some("t")),
         ] {
-            let ids = ReqIds::new(id, trace);
+            let ids = PackedIds::new(id, trace);
             assert_eq!((ids.request_id(), ids.trace_id()), (id, trace));
             let copy = ids.clone();
             assert_eq!((copy.request_id(), copy.trace_id()), (id, trace));
             assert_eq!(ids.keys().count(), id.iter().count() + trace.iter().count());
         }
-        let with = ReqIds::new(Some("a"), None).with(true, "t").unwrap();
+        let with = PackedIds::new(Some("a"), None).with(true, "t").unwrap();
         assert_eq!((with.request_id(), with.trace_id()), (Some("a"), Some("t")));
         assert!(
             with.with(false, "b").is_none(),
@@ -289,7 +289,7 @@ mod tests {
         );
         // Overlong ids are cut at a char boundary, never mid-character.
         let long = "é".repeat(40_000);
-        let ids = ReqIds::new(Some(&long), Some("t"));
+        let ids = PackedIds::new(Some(&long), Some("t"));
         let kept = ids.request_id().unwrap();
         assert!(kept.len() <= ID_MAX && long.starts_with(kept));
         assert_eq!(ids.trace_id(), Some("t"));
@@ -315,7 +315,7 @@ mod tests {
             let c = l.clone();
             assert_eq!((c.index(), c.epoch()), (r, epoch));
         }
-        let mut l = RequestLink::solo(ReqIds::new(Some("q"), Some("t")));
+        let mut l = RequestLink::solo(PackedIds::new(Some("q"), Some("t")));
         assert!(l.is_solo());
         assert_eq!((l.index(), l.epoch()), (NO_INDEX, 0));
         let c = l.clone();

@@ -3,9 +3,9 @@
 //! of the request record.
 
 use super::keys::{Alias, INDEX_MASK, TAG_ATTEMPT, TAG_REQUEST, TAG_SOLO, TAG_TOMB, key_room, tag};
-use super::request::ReqAt;
+use super::request::RequestAt;
 use super::tombstones::tomb_alive;
-use super::{AttemptRef, ReqIds, RequestLink, Resolved, Rid, Store};
+use super::{AttemptAt, PackedIds, RequestLink, Resolved, Rid, Store};
 use crate::engine::mem::NO_INDEX;
 use crate::event::Ids;
 
@@ -28,10 +28,10 @@ impl Store {
         Resolved {
             attempt,
             request: match request {
-                Some(ReqAt::Record(r)) => Some(r),
+                Some(RequestAt::Record(r)) => Some(r),
                 _ => None,
             },
-            solo: matches!(request, Some(ReqAt::Solo(_))),
+            solo: matches!(request, Some(RequestAt::Solo(_))),
             linked: merged || linked,
             merged,
         }
@@ -39,7 +39,7 @@ impl Store {
 
     /// The live attempt or tombstone an event's room and rid name, created if new; true when two
     /// attempts turned out to be one (the merged history must reach the request).
-    fn resolve_attempt(&mut self, ids: &Ids) -> (Option<AttemptRef>, bool) {
+    fn resolve_attempt(&mut self, ids: &Ids) -> (Option<AttemptAt>, bool) {
         let room_alias = ids.bootstrap_room.map(|r| Alias::room(r.0));
         let room_key = room_alias.map(|a| a.key);
         if room_key.is_none() && ids.rid.is_none() {
@@ -48,7 +48,7 @@ impl Store {
         let by_room = room_alias.and_then(|a| self.lookup_attempt(&a));
         // Most events repeat the rid the attempt already has: skip the second table probe.
         let rid_known = match (by_room, ids.rid.as_deref()) {
-            (Some(AttemptRef::Live(i)), Some(rid)) => self.owners().rid_is_first(i, rid),
+            (Some(AttemptAt::Live(i)), Some(rid)) => self.verifier().rid_is_first(i, rid),
             _ => false,
         };
         // Hashing the rid (32 bytes) is only needed when it is not the attempt's known one.
@@ -69,7 +69,7 @@ impl Store {
             (Some(a), Some(b)) if a == b => a,
             (Some(a), Some(b)) => self.merge_attempts(a, b),
             (Some(a), None) => {
-                if let (Some(k), AttemptRef::Live(i)) = (rid_key, a) {
+                if let (Some(k), AttemptAt::Live(i)) = (rid_key, a) {
                     self.alias_insert(k, i);
                     if !self.attempts[i as usize].has_rid()
                         && let Some(rid) = ids.rid.as_deref()
@@ -83,7 +83,7 @@ impl Store {
                 a
             }
             (None, Some(b)) => match (ids.bootstrap_room, b) {
-                (Some(room), AttemptRef::Live(i)) => match self.attempts[i as usize].room() {
+                (Some(room), AttemptAt::Live(i)) => match self.attempts[i as usize].room() {
                     None => {
                         self.attempts[i as usize].set_room(room.0);
                         self.alias_insert(key_room(room.0), i);
@@ -94,12 +94,12 @@ impl Store {
                         // A rid reused across attempts (client-chosen rid, router retry): the room
                         // decides; the rid stays with the attempt that had it first.
                         self.stats.alias_conflicts += 1;
-                        AttemptRef::Live(self.new_attempt(Some(room.0), Rid::None, room_key, None))
+                        AttemptAt::Live(self.new_attempt(Some(room.0), Rid::None, room_key, None))
                     }
                 },
                 _ => b,
             },
-            (None, None) => AttemptRef::Live(self.new_attempt(
+            (None, None) => AttemptAt::Live(self.new_attempt(
                 ids.bootstrap_room.map(|r| r.0),
                 ids.rid.as_deref().map_or(Rid::None, Rid::new),
                 room_key,
@@ -111,20 +111,22 @@ impl Store {
     }
 
     /// The request of an event's attempt, for an event naming no request.
-    fn request_at(&mut self, attempt: Option<AttemptRef>, time_ns: u64) -> Option<ReqAt> {
+    fn request_at(&mut self, attempt: Option<AttemptAt>, time_ns: u64) -> Option<RequestAt> {
         match attempt {
-            Some(AttemptRef::Live(i)) if self.attempts[i as usize].request.is_solo() => {
-                Some(ReqAt::Solo(i))
+            Some(AttemptAt::Live(i)) if self.attempts[i as usize].request.is_solo() => {
+                Some(RequestAt::Solo(i))
             }
-            _ => self.current_request(attempt, time_ns).map(ReqAt::Record),
+            _ => self
+                .current_request(attempt, time_ns)
+                .map(RequestAt::Record),
         }
     }
 
     /// The request record of an event's attempt, for an event naming no request: its union-find
     /// root, or `None` when the attempt has no request or keeps it solo.
-    fn current_request(&mut self, attempt: Option<AttemptRef>, time_ns: u64) -> Option<u32> {
+    fn current_request(&mut self, attempt: Option<AttemptAt>, time_ns: u64) -> Option<u32> {
         let root = match attempt? {
-            AttemptRef::Live(i) => {
+            AttemptAt::Live(i) => {
                 let at = &self.attempts[i as usize];
                 let cur = at.request.index();
                 if cur == NO_INDEX {
@@ -145,7 +147,7 @@ impl Store {
                 self.attempts[i as usize].request = RequestLink::record(root, self.union_epoch);
                 root
             }
-            AttemptRef::Tomb(seq) => {
+            AttemptAt::Tomb(seq) => {
                 let cur = self
                     .tomb_index(seq)
                     .map_or(NO_INDEX, |t| self.tomb(t).request);
@@ -168,10 +170,10 @@ impl Store {
         &mut self,
         ids: &Ids,
         names: [Option<Alias>; 2],
-        attempt: Option<AttemptRef>,
+        attempt: Option<AttemptAt>,
         time_ns: u64,
         request_trigger: bool,
-    ) -> (ReqAt, bool) {
+    ) -> (RequestAt, bool) {
         let cur = self.request_at(attempt, time_ns);
         let mut found = None;
         let mut known = [false; 2];
@@ -182,8 +184,8 @@ impl Store {
             };
             known[n] = true;
             let named = match tag(v) {
-                TAG_REQUEST => ReqAt::Record(self.find(v & INDEX_MASK)),
-                TAG_SOLO => ReqAt::Solo(v & INDEX_MASK),
+                TAG_REQUEST => RequestAt::Record(self.find(v & INDEX_MASK)),
+                TAG_SOLO => RequestAt::Solo(v & INDEX_MASK),
                 _ => continue,
             };
             found = Some(match found {
@@ -202,45 +204,45 @@ impl Store {
             (None, Some(f)) => match (attempt, f) {
                 // The router's own events about a solo request (its answer to the client): the
                 // request is no less alive, and nothing else needs a record.
-                (None, ReqAt::Solo(i)) if !request_trigger => {
+                (None, RequestAt::Solo(i)) if !request_trigger => {
                     let at = &mut self.attempts[i as usize];
                     at.last_ns = at.last_ns.max(time_ns);
                     f
                 }
                 // The router dispatching a request it received (a request-level event, which
                 // made a record): its first attempt takes the request over, solo.
-                (Some(AttemptRef::Live(i)), ReqAt::Record(r)) if self.bare(r) => {
+                (Some(AttemptAt::Live(i)), RequestAt::Record(r)) if self.bare(r) => {
                     self.adopt(i, r);
-                    ReqAt::Solo(i)
+                    RequestAt::Solo(i)
                 }
                 _ => {
                     let r = self.record(f);
                     linked = self.link(attempt, r);
-                    ReqAt::Record(r)
+                    RequestAt::Record(r)
                 }
             },
             (None, None) => {
                 self.stats.requests_created += 1;
                 self.live_requests += 1;
                 match attempt {
-                    Some(AttemptRef::Live(i)) => {
+                    Some(AttemptAt::Live(i)) => {
                         // The usual first sight of a request: its router dispatch, naming the
                         // attempt's room. It stays in the attempt until something needs more.
                         let request_id = ids.request_id.as_deref().filter(|_| !known[0]);
                         let trace_id = ids.trace_id.as_deref().filter(|_| !known[1]);
-                        let solo = ReqIds::new(request_id, trace_id);
+                        let solo = PackedIds::new(request_id, trace_id);
                         let keys = solo.keys();
                         self.attempts[i as usize].request = RequestLink::solo(solo);
                         for key in keys {
                             self.alias_insert(key, TAG_SOLO | i);
                         }
                         known = [true; 2];
-                        ReqAt::Solo(i)
+                        RequestAt::Solo(i)
                     }
                     _ => {
                         let r = self.new_request_record();
                         linked = self.link(attempt, r);
-                        ReqAt::Record(r)
+                        RequestAt::Record(r)
                     }
                 }
             }
@@ -259,7 +261,7 @@ impl Store {
             };
             target = self.add_id(target, n == 1, key, text.as_deref().unwrap_or(""), time_ns);
         }
-        if let ReqAt::Record(r) = target {
+        if let RequestAt::Record(r) = target {
             let req = &mut self.requests[r as usize];
             req.last_ns = req.last_ns.max(time_ns);
         }
@@ -268,19 +270,19 @@ impl Store {
 
     /// The live attempt or tombstone alias `a` names. Entries of dropped tombstones met on the
     /// way (they fail verification) are removed.
-    fn lookup_attempt(&mut self, a: &Alias) -> Option<AttemptRef> {
+    fn lookup_attempt(&mut self, a: &Alias) -> Option<AttemptAt> {
         let mut stale = false;
         let found = self.aliases.find(a.key, |v| {
             self.owns(v, a) || {
-                stale |= tag(v) == TAG_TOMB && self.owners().tomb_index(v).is_none();
+                stale |= tag(v) == TAG_TOMB && self.verifier().tomb_index(v).is_none();
                 false
             }
         });
         match found {
-            Some(v) if tag(v) == TAG_ATTEMPT => Some(AttemptRef::Live(v)),
+            Some(v) if tag(v) == TAG_ATTEMPT => Some(AttemptAt::Live(v)),
             Some(v) if tag(v) == TAG_TOMB => {
-                let i = self.owners().tomb_index(v).expect("verified");
-                Some(AttemptRef::Tomb(self.tomb_base + i as u64))
+                let i = self.verifier().tomb_index(v).expect("verified");
+                Some(AttemptAt::Tomb(self.tomb_base + i as u64))
             }
             Some(_) => None,
             None => {

@@ -7,7 +7,7 @@ use crate::engine::state::Slot;
 use crate::event::{BootstrapRoom, Ids, Kind, LifecycleEvent, Source, Stage};
 
 fn store() -> Store {
-    let limits = Limits {
+    let limits = StoreLimits {
         max_attempts: 1000,
         max_tombstones: 1000,
         attempt_ttl_ns: 60_000_000_000,
@@ -36,7 +36,7 @@ fn ids(request_id: Option<&str>, trace_id: Option<&str>, room: Option<u64>) -> I
 
 fn live(r: &Resolved) -> u32 {
     match r.attempt {
-        Some(AttemptRef::Live(a)) => a,
+        Some(AttemptAt::Live(a)) => a,
         other => panic!("not a live attempt: {other:?}"),
     }
 }
@@ -122,7 +122,7 @@ fn request_level_events_compaction_and_second_ids_give_solo_requests_a_record() 
     s.compact(b, 10_000);
     let t = match s.resolve_t(&ids(None, None, Some(20)), 11_000) {
         Resolved {
-            attempt: Some(AttemptRef::Tomb(seq)),
+            attempt: Some(AttemptAt::Tomb(seq)),
             request: Some(r),
             ..
         } => (seq, r),
@@ -207,7 +207,7 @@ fn a_merged_attempt_hands_its_solo_request_over() {
 #[test]
 fn verification_rejects_a_colliding_alias_of_another_owner() {
     with_fp_mask(0, || {
-        let limits = Limits {
+        let limits = StoreLimits {
             max_attempts: 1 << 20,
             max_tombstones: 1 << 20,
             attempt_ttl_ns: u64::MAX,
@@ -222,7 +222,7 @@ fn verification_rejects_a_colliding_alias_of_another_owner() {
             bootstrap_room: room.map(BootstrapRoom),
         };
         let live = |r: Resolved| match r.attempt {
-            Some(AttemptRef::Live(i)) => i,
+            Some(AttemptAt::Live(i)) => i,
             other => panic!("not live: {other:?}"),
         };
         let a = live(s.resolve_t(&ids(Some(1), None, Some("req-a")), 1));
@@ -273,7 +273,7 @@ fn verification_rejects_a_colliding_alias_of_another_owner() {
         s.compact(a, 10);
         assert!(matches!(
             s.resolve_t(&ids(Some(1), None, None), 11).attempt,
-            Some(AttemptRef::Tomb(_))
+            Some(AttemptAt::Tomb(_))
         ));
         assert_eq!(live(s.resolve_t(&ids(Some(2), None, None), 11)), b);
         // Its rids left with it: a rid of `a` now makes a new attempt.

@@ -115,7 +115,7 @@ impl Store {
         let key = at
             .room()
             .map(key_room)
-            .or_else(|| self.owners().first_rid_key(i));
+            .or_else(|| self.verifier().first_rid_key(i));
         let expires_s = ((watermark_ns.saturating_add(self.limits.retention_ns)) / 1_000_000_000)
             .min(u32::MAX as u64) as u32
             + 1;

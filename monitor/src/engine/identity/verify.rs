@@ -16,7 +16,7 @@ use crate::engine::mem::chunked::{Chunked, ChunkedQueue};
 
 /// The common verification hits, inline: a live attempt by its room, or by its second rid (a
 /// decode leg's). Every event pays this once or twice; false sends the caller to
-/// [`Owners::owns_slow`], which decides.
+/// [`Verifier::owns_slow`], which decides.
 #[inline(always)]
 fn owns_fast(attempts: &Chunked<Attempt>, v: u32, a: &Alias) -> bool {
     if tag(v) != TAG_ATTEMPT {
@@ -31,8 +31,8 @@ fn owns_fast(attempts: &Chunked<Attempt>, v: u32, a: &Alias) -> bool {
 }
 
 /// The records alias verification reads, borrowed apart from the alias table so that the table
-/// can be probed mutably while owners are asked (see [`Store::aliases_and_owners`]).
-pub(super) struct Owners<'a> {
+/// can be probed mutably while owners are asked (see [`Store::aliases_and_verifier`]).
+pub(super) struct Verifier<'a> {
     attempts: &'a Chunked<Attempt>,
     rid_texts: &'a HashMap<u32, Box<str>, FixedState>,
     more_rids: &'a HashMap<u32, Vec<u64>, FixedState>,
@@ -41,7 +41,7 @@ pub(super) struct Owners<'a> {
     tomb_base: u64,
 }
 
-impl Owners<'_> {
+impl Verifier<'_> {
     /// Whether the owner named by alias value `v` has alias `a`: the verification every
     /// fingerprint match goes through. A value of a tag with no arm in [`Self::owns_slow`] is
     /// never confirmed.
@@ -146,11 +146,11 @@ fn ids_named(request_id: Option<&str>, trace_id: Option<&str>, a: &Alias) -> boo
     }
 }
 
-/// [`Owners`] borrowed from a [`Store`] field by field (a method borrowing the whole store
+/// [`Verifier`] borrowed from a [`Store`] field by field (a method borrowing the whole store
 /// could not be used while the alias table is borrowed mutably).
-macro_rules! owners {
+macro_rules! verifier {
     ($store:expr) => {
-        Owners {
+        Verifier {
             attempts: &$store.attempts,
             rid_texts: &$store.rid_texts,
             more_rids: &$store.more_rids,
@@ -163,20 +163,20 @@ macro_rules! owners {
 
 impl Store {
     /// The records alias verification reads.
-    pub(super) fn owners(&self) -> Owners<'_> {
-        owners!(self)
+    pub(super) fn verifier(&self) -> Verifier<'_> {
+        verifier!(self)
     }
 
     /// The alias table and, borrowed apart from it, the records its verification reads.
-    fn aliases_and_owners(&mut self) -> (&mut alias_table::Table, Owners<'_>) {
-        (&mut self.aliases, owners!(self))
+    fn aliases_and_verifier(&mut self) -> (&mut alias_table::Table, Verifier<'_>) {
+        (&mut self.aliases, verifier!(self))
     }
 
-    /// [`Owners::owns`] for lookups, which borrow the store whole: the common hits without
-    /// building an [`Owners`] first.
+    /// [`Verifier::owns`] for lookups, which borrow the store whole: the common hits without
+    /// building a [`Verifier`] first.
     #[inline(always)]
     pub(super) fn owns(&self, v: u32, a: &Alias) -> bool {
-        owns_fast(&self.attempts, v, a) || self.owners().owns_slow(v, a)
+        owns_fast(&self.attempts, v, a) || self.verifier().owns_slow(v, a)
     }
 
     /// The value of alias `a`, confirmed by the owner it names.
@@ -189,8 +189,8 @@ impl Store {
     /// Only fingerprint matches are verified, rarely more than one bucket, so the key alone is
     /// enough here (owners compare it by hash).
     pub(super) fn alias_insert(&mut self, key: u64, val: u32) -> Option<u32> {
-        let (table, owners) = self.aliases_and_owners();
+        let (table, verifier) = self.aliases_and_verifier();
         let a = Alias::key(key);
-        table.insert(key, val, |v| owners.owns(v, &a))
+        table.insert(key, val, |v| verifier.owns(v, &a))
     }
 }

@@ -19,7 +19,7 @@ pub mod sparse;
 pub mod spec;
 
 pub use slot::{
-    Cands, Cell, Keep, NODE_LOCAL, NodeId, Slot, SlotEvent, SlotRead, fold_all, fold_each,
+    Candidates, Cell, Keep, NODE_LOCAL, NodeId, Slot, SlotEvent, SlotRead, fold_all, fold_each,
     fold_into, fold_specs_full,
 };
 pub use spec::{SlotLayout, SlotSpec, SpecIndex, matching_specs};

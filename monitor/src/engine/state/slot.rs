@@ -166,15 +166,15 @@ impl SlotRead for Vec<Slot> {
 /// Up to three candidate slots (a per-node pair plus the current event), without allocating:
 /// never-after checks build these on nearly every event.
 #[derive(Debug, Clone, Copy, Default)]
-pub struct Cands {
+pub struct Candidates {
     slots: [Slot; 3],
     n: u8,
 }
 
-impl Cands {
+impl Candidates {
     /// The slots of spec `k` (one, or a per-node pair).
-    pub fn of(slots: &(impl SlotRead + ?Sized), k: usize, keep: Keep) -> Cands {
-        let mut c = Cands::default();
+    pub fn of(slots: &(impl SlotRead + ?Sized), k: usize, keep: Keep) -> Candidates {
+        let mut c = Candidates::default();
         c.push(slots.slot(k));
         if keep.is_pair() {
             c.push(slots.slot(k + 1));
@@ -188,7 +188,7 @@ impl Cands {
     }
 }
 
-impl std::ops::Deref for Cands {
+impl std::ops::Deref for Candidates {
     type Target = [Slot];
     fn deref(&self) -> &[Slot] {
         &self.slots[..self.n as usize]

@@ -21,7 +21,7 @@ use tokio::sync::mpsc::{Sender, error::TrySendError};
 use super::loader::{CaptureConfig, LoadError, Probes};
 use super::procs::{self, Discovery, Role};
 use super::record::{self, Record};
-use super::track::{Clock, Learned, Limits, Tracker};
+use super::track::{Clock, Learned, Tracker, TrackerLimits};
 use crate::event::EventBatch;
 
 #[derive(Debug, Clone)]
@@ -32,7 +32,7 @@ pub struct EbpfConfig {
     pub node: Option<String>,
     /// How often /proc is rescanned for new processes and listening ports, and counters read.
     pub rescan_every: Duration,
-    pub limits: Limits,
+    pub limits: TrackerLimits,
     /// Largest batch sent at once.
     pub max_batch: usize,
 }
@@ -44,7 +44,7 @@ impl Default for EbpfConfig {
             discovery: Discovery::with_conventions(),
             node: None,
             rescan_every: Duration::from_secs(2),
-            limits: Limits::default(),
+            limits: TrackerLimits::default(),
             max_batch: 1024,
         }
     }

@@ -31,14 +31,14 @@ mod tests;
 
 /// Limits that bound the tracker's memory.
 #[derive(Debug, Clone, Copy)]
-pub struct Limits {
+pub struct TrackerLimits {
     pub max_conns: usize,
     pub max_pending: usize,
 }
 
-impl Default for Limits {
+impl Default for TrackerLimits {
     fn default() -> Self {
-        Limits {
+        TrackerLimits {
             max_conns: 16_384,
             max_pending: 64,
         }
@@ -165,7 +165,7 @@ struct Worker {
 pub struct Tracker {
     node: Option<Box<str>>,
     clock: Clock,
-    limits: Limits,
+    limits: TrackerLimits,
     roles: HashMap<u32, Role>,
     workers: HashMap<SocketAddr, Worker>,
     local_ports: HashMap<u16, Worker>,
@@ -177,7 +177,7 @@ pub struct Tracker {
 }
 
 impl Tracker {
-    pub fn new(node: Option<String>, clock: Clock, limits: Limits) -> Self {
+    pub fn new(node: Option<String>, clock: Clock, limits: TrackerLimits) -> Self {
         Tracker {
             node: node.map(Into::into),
             clock,

@@ -20,7 +20,11 @@ struct Sim {
 
 impl Sim {
     fn new() -> Sim {
-        let mut t = Tracker::new(Some("node-a".into()), Clock::default(), Limits::default());
+        let mut t = Tracker::new(
+            Some("node-a".into()),
+            Clock::default(),
+            TrackerLimits::default(),
+        );
         t.set_role(ROUTER, Role::Router);
         t.set_role(PREFILL, Role::Prefill);
         t.set_role(DECODE, Role::Decode);
@@ -312,7 +316,7 @@ fn connections_are_bounded() {
     let mut t = Tracker::new(
         None,
         Clock::default(),
-        Limits {
+        TrackerLimits {
             max_conns: 4,
             max_pending: 2,
         },
