@@ -376,7 +376,6 @@ pub fn truncate_reason(s: &str) -> &str {
     &s[..end]
 }
 
-
 /// Events decoded together from one unit of input (one OTLP export, one ring-buffer drain):
 /// what sources hand to the pipeline, so the channel costs one synchronisation per batch.
 pub type EventBatch = Vec<LifecycleEvent>;

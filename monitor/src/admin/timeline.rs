@@ -145,7 +145,8 @@ impl Default for RecentEventsLimits {
     }
 }
 
-const NONE: u64 = u64::MAX;
+/// The end of an alias chain: no earlier event names this alias.
+const NO_EARLIER_EVENT: u64 = u64::MAX;
 
 /// One indexed event: its alias keys and, per key, the previous event with the same key (a
 /// linked list threaded through the ring, so no per-alias allocation).
@@ -227,9 +228,9 @@ impl RecentEvents {
                 continue;
             }
             let seq = g.base + g.events.len() as u64;
-            let mut prev = [NONE; 4];
+            let mut prev = [NO_EARLIER_EVENT; 4];
             for i in 0..n {
-                prev[i] = g.last.insert(keys[i], seq).unwrap_or(NONE);
+                prev[i] = g.last.insert(keys[i], seq).unwrap_or(NO_EARLIER_EVENT);
             }
             g.events.push_back(Stored {
                 event: e.clone(),
@@ -284,7 +285,7 @@ impl RecentEvents {
         };
         let mut seq = mut_seq;
         let mut steps = 0;
-        while seq != NONE && seq >= g.base && steps < self.limits.max_per_alias {
+        while seq != NO_EARLIER_EVENT && seq >= g.base && steps < self.limits.max_per_alias {
             let st = &g.events[(seq - g.base) as usize];
             let Some(i) = st.keys[..st.n as usize].iter().position(|x| *x == k) else {
                 break;
@@ -376,7 +377,6 @@ impl TimelineProvider for RecentEvents {
         })
     }
 }
-
 
 /// Feeds the `/api/requests/{id}` timeline from the engine task: a pipeline tap.
 pub struct TimelineTap(pub Arc<RecentEvents>);

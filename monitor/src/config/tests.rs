@@ -3,10 +3,10 @@ use std::time::Duration;
 
 use clap::{CommandFactory, FromArgMatches, Parser};
 
-use crate::run::overlay::{self, Given};
 use super::*;
 use crate::ingest::ebpf::EbpfMode;
 use crate::run::RunArgs;
+use crate::run::overlay::{self, Given};
 
 /// The YAML block of `docs/config.md`.
 fn documented_example() -> String {

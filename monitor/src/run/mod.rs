@@ -31,6 +31,7 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::task::{JoinHandle, JoinSet};
 
+use crate::admin::timeline::TimelineTap;
 use crate::admin::{AdminArgs, AdminServer, AdminState, RecentEvents, RecentEventsLimits};
 use crate::alert::{AlertConfig, AlertPipeline, DispatchReport};
 use crate::config::RunConfig;
@@ -38,12 +39,11 @@ use crate::event::Source;
 use crate::ingest::ebpf::EbpfStart;
 use crate::ingest::otlp::{self, Ingest, OtlpStats};
 use crate::normalize::Normalizer;
-use crate::telemetry::{ComponentKind, Metrics, Readiness, ReadyHandle, RecentViolations};
-use crate::admin::timeline::TimelineTap;
 use crate::pipeline::taps::{EngineMetrics, Observed, ReplayWriter, SourceActivity};
 use crate::pipeline::{
     EngineTask, EngineTotals, EventSender, EventTap, ViolationSender, event_channel,
 };
+use crate::telemetry::{ComponentKind, Metrics, Readiness, ReadyHandle, RecentViolations};
 
 pub use prepare::{Prepared, RunArgs, RunConfigError, load_config, prepare};
 pub use shutdown::{Drain, Phase, Shutdown};
@@ -590,4 +590,3 @@ pub async fn run_async(p: Prepared) -> Result<(), RunError> {
     )
     .await
 }
-

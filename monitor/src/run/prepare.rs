@@ -5,15 +5,15 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use crate::admin::AdminArgs;
-use crate::telemetry::logging::LogArgs;
-use crate::alert::{AlertArgs, AlertConfig, JsonlConfig};
 use super::overlay::{self, Given};
+use crate::admin::AdminArgs;
+use crate::alert::{AlertArgs, AlertConfig, JsonlConfig};
 use crate::config::{ConfigFileError, RunConfig};
 use crate::engine::check::{Checker, CheckerConfig, RuleSet};
 use crate::ingest::ebpf::EbpfArgs;
 use crate::ingest::otlp;
 use crate::normalize::Normalizer;
+use crate::telemetry::logging::LogArgs;
 
 #[derive(Debug, clap::Args)]
 pub struct RunArgs {

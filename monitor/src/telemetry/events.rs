@@ -74,13 +74,7 @@ pub struct AbsoluteDrops {
 }
 
 impl AbsoluteDrops {
-    pub fn observe_total(
-        &self,
-        m: &Metrics,
-        point: DropPoint,
-        reason: DropReason,
-        total: u64,
-    ) {
+    pub fn observe_total(&self, m: &Metrics, point: DropPoint, reason: DropReason, total: u64) {
         let prev = self.last.swap(total, std::sync::atomic::Ordering::Relaxed);
         if total > prev {
             ItemsDropped {

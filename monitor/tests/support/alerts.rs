@@ -15,8 +15,8 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::IntoResponse;
 use axum::routing::post;
 
-use revenant::violation::Severity;
 use revenant::event::{Kind, Source, Stage};
+use revenant::violation::Severity;
 use revenant::violation::{AttemptAliases, Evidence, EvidenceRole, RequestAliases, Violation};
 
 pub fn violation(i: usize) -> Violation {

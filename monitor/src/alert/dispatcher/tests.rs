@@ -6,7 +6,7 @@ use crate::alert::sink::SinkError;
 use crate::alert::spool::SpoolConfig;
 use crate::event::{Kind, Source, Stage};
 use crate::violation::Severity;
-use crate::violation::{AttemptAliases, Evidence, RequestAliases, EvidenceRole};
+use crate::violation::{AttemptAliases, Evidence, EvidenceRole, RequestAliases};
 
 /// Records deliveries and refreshes, like an Alertmanager that re-posts active alerts.
 #[derive(Default)]

@@ -3,7 +3,7 @@ use super::*;
 use crate::alert::notification::{Lead, Links, Update};
 use crate::event::{Kind, Source, Stage};
 use crate::violation::{AttemptAliases, Evidence, Severity, Violation};
-use crate::violation::{RequestAliases, EvidenceRole};
+use crate::violation::{EvidenceRole, RequestAliases};
 
 const S: u64 = 1_000_000_000;
 const AAR: &str = "activity-after-rejection";

@@ -22,8 +22,8 @@ use tokio::sync::mpsc;
 pub use config::OtlpConfig;
 pub use metrics::{OtlpStats, RejectReason, Transport};
 
-use crate::normalize::{Normalizer, Tally};
 use crate::event::EventBatch;
+use crate::normalize::{Normalizer, Tally};
 
 /// Why an export was not accepted; decides the status code the client sees.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
