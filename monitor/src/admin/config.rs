@@ -36,13 +36,32 @@ impl Default for AdminArgs {
     }
 }
 
+/// An admin setting out of its range.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum AdminConfigError {
+    #[error("--recent-violations must be within 1..={max}, not {value}")]
+    RecentViolations { value: usize, max: usize },
+    #[error("--timeline-events must be at most {max}, not {value}")]
+    TimelineEvents { value: usize, max: usize },
+}
+
+/// Bounds of the admin server's in-memory rings.
+const MAX_RECENT_VIOLATIONS: usize = 1_000_000;
+const MAX_TIMELINE_EVENTS: usize = 10_000_000;
+
 impl AdminArgs {
-    pub fn validate(&self) -> Result<(), String> {
-        if self.recent_violations == 0 || self.recent_violations > 1_000_000 {
-            return Err("--recent-violations must be within 1..=1000000".into());
+    pub fn validate(&self) -> Result<(), AdminConfigError> {
+        if self.recent_violations == 0 || self.recent_violations > MAX_RECENT_VIOLATIONS {
+            return Err(AdminConfigError::RecentViolations {
+                value: self.recent_violations,
+                max: MAX_RECENT_VIOLATIONS,
+            });
         }
-        if self.timeline_events > 10_000_000 {
-            return Err("--timeline-events must be at most 10000000".into());
+        if self.timeline_events > MAX_TIMELINE_EVENTS {
+            return Err(AdminConfigError::TimelineEvents {
+                value: self.timeline_events,
+                max: MAX_TIMELINE_EVENTS,
+            });
         }
         Ok(())
     }
@@ -93,5 +112,38 @@ mod tests {
         assert_eq!(p.admin.admin.port(), 0);
         assert_eq!(p.log.log_format, crate::telemetry::logging::LogFormat::Json);
         assert!(Probe::try_parse_from(["x", "--admin", "nonsense"]).is_err());
+    }
+
+    #[test]
+    fn out_of_range_rings_are_typed_errors() {
+        use super::{AdminArgs, AdminConfigError};
+        assert_eq!(AdminArgs::default().validate(), Ok(()));
+        let zero = AdminArgs {
+            recent_violations: 0,
+            ..AdminArgs::default()
+        };
+        let err = zero.validate().unwrap_err();
+        assert_eq!(
+            err,
+            AdminConfigError::RecentViolations {
+                value: 0,
+                max: 1_000_000
+            }
+        );
+        assert_eq!(
+            err.to_string(),
+            "--recent-violations must be within 1..=1000000, not 0"
+        );
+        let huge = AdminArgs {
+            timeline_events: 10_000_001,
+            ..AdminArgs::default()
+        };
+        assert!(matches!(
+            huge.validate(),
+            Err(AdminConfigError::TimelineEvents {
+                value: 10_000_001,
+                ..
+            })
+        ));
     }
 }

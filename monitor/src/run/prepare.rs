@@ -89,7 +89,7 @@ pub enum RunConfigError {
     #[error("alerting: {0}")]
     Alert(#[from] crate::alert::AlertError),
     #[error("admin: {0}")]
-    Admin(String),
+    Admin(#[from] crate::admin::config::AdminConfigError),
     #[error("eBPF: {0}")]
     Ebpf(#[from] crate::ingest::ebpf::LoadError),
 }
@@ -137,7 +137,7 @@ pub fn prepare(args: &RunArgs) -> Result<Prepared, RunConfigError> {
     };
     ccfg.validate()?;
     let admin = cfg.admin_args();
-    admin.validate().map_err(RunConfigError::Admin)?;
+    admin.validate()?;
     let mut alert = cfg.alert.clone();
     alert.validate()?;
     if alert.webhooks.is_empty() && alert.alertmanagers.is_empty() && alert.jsonl.is_none() {
