@@ -220,27 +220,38 @@ impl TemplateContext<'_> {
     }
 }
 
+/// A rule's output template that cannot be filled.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TemplateError {
+    #[error(
+        "unknown placeholder {{{name}}} in output template (known: {})",
+        TEMPLATE_FIELDS.join(", ")
+    )]
+    UnknownPlaceholder { name: String },
+    #[error("unclosed '{{' in output template {template:?}")]
+    Unclosed { template: String },
+}
+
 /// Checks that every `{placeholder}` in `template` is known.
-pub fn validate_template(template: &str) -> Result<(), String> {
+pub fn validate_template(template: &str) -> Result<(), TemplateError> {
     for name in placeholders(template)? {
         if !TEMPLATE_FIELDS.contains(&name) {
-            return Err(format!(
-                "unknown placeholder {{{name}}} in output template (known: {})",
-                TEMPLATE_FIELDS.join(", ")
-            ));
+            return Err(TemplateError::UnknownPlaceholder {
+                name: name.to_owned(),
+            });
         }
     }
     Ok(())
 }
 
-fn placeholders(template: &str) -> Result<Vec<&str>, String> {
+fn placeholders(template: &str) -> Result<Vec<&str>, TemplateError> {
     let mut out = Vec::new();
     let mut rest = template;
     while let Some(start) = rest.find('{') {
         let after = &rest[start + 1..];
-        let end = after
-            .find('}')
-            .ok_or_else(|| format!("unclosed '{{' in output template {template:?}"))?;
+        let end = after.find('}').ok_or_else(|| TemplateError::Unclosed {
+            template: template.to_owned(),
+        })?;
         out.push(&after[..end]);
         rest = &after[end + 1..];
     }
@@ -291,12 +302,22 @@ mod tests {
     #[test]
     fn templates_validate_and_render() {
         assert!(validate_template("{rule} on {attempt}").is_ok());
-        assert!(
-            validate_template("{rule} {bogus}")
-                .unwrap_err()
-                .contains("{bogus}")
+        let err = validate_template("{rule} {bogus}").unwrap_err();
+        assert_eq!(
+            err,
+            TemplateError::UnknownPlaceholder {
+                name: "bogus".into()
+            }
         );
-        assert!(validate_template("{rule").unwrap_err().contains("unclosed"));
+        assert!(err.to_string().contains("{bogus}"), "{err}");
+        let err = validate_template("{rule").unwrap_err();
+        assert_eq!(
+            err,
+            TemplateError::Unclosed {
+                template: "{rule".into()
+            }
+        );
+        assert!(err.to_string().contains("unclosed"), "{err}");
         assert_eq!(render("a {x} b {y}", |k| k.to_uppercase()), "a X b Y");
     }
 

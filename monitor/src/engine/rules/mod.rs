@@ -87,11 +87,57 @@ pub enum RulesError {
     },
     #[error("invalid rules in {origin}: {message}")]
     Parse { origin: String, message: String },
-    #[error("rule {rule:?} in {origin}: {message}")]
+    #[error("rule {rule:?} in {origin}: {error}")]
     Invalid {
         origin: String,
         rule: String,
-        message: String,
+        #[source]
+        error: RuleError,
+    },
+}
+
+/// Why one rule is not valid; [`RulesError::Invalid`] prefixes it with the rule and its origin.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RuleError {
+    #[error("defined twice in the same file")]
+    DefinedTwice,
+    #[error("names are 1-64 characters of a-z, 0-9, '-' and '_'")]
+    Name { name: String },
+    /// The shapes given (two or more).
+    #[error("a rule takes exactly one of never_after, must_follow, requires_before, predicate")]
+    SeveralShapes { shapes: Vec<&'static str> },
+    #[error(
+        "no such default rule to patch, and no shape given (never_after, must_follow, \
+         requires_before or predicate)"
+    )]
+    NoShape,
+    #[error("missing description")]
+    MissingDescription,
+    #[error("missing severity")]
+    MissingSeverity,
+    #[error(transparent)]
+    Template(#[from] crate::violation::TemplateError),
+    /// The number of matchers on each side (one of them is zero).
+    #[error("never_after needs at least one trigger and one forbidden matcher")]
+    NeverAfterMatchers { trigger: usize, forbidden: usize },
+    /// The number of matchers on each side (one of them is zero).
+    #[error("must_follow needs at least one trigger and one expect matcher")]
+    MustFollowMatchers { trigger: usize, expect: usize },
+    #[error("must_follow needs a non-zero `within`")]
+    MustFollowZeroWithin,
+    /// The number of matchers on each side (one of them is zero).
+    #[error("requires_before needs at least one event and one requires matcher")]
+    RequiresBeforeMatchers { event: usize, requires: usize },
+    #[error("predicate needs at least one `on` matcher")]
+    PredicateNoOn,
+    /// The number of comparisons in each list (both zero, or both non-zero).
+    #[error("predicate takes exactly one of `all` or `any` (a non-empty list of comparisons)")]
+    PredicateAllOrAny { all: usize, any: usize },
+    /// The operators the comparison sets (none, or two or more).
+    #[error("comparison on {} needs exactly one of gt, ge, lt, le, eq", .field.as_str())]
+    ComparisonOperator {
+        field: predicate::NumField,
+        ops: Vec<&'static str>,
     },
 }
 
@@ -166,11 +212,7 @@ impl RuleSet {
         let mut seen = std::collections::HashSet::new();
         for def in file.rules {
             if !seen.insert(def.name.clone()) {
-                return Err(invalid(
-                    origin,
-                    &def.name,
-                    "defined twice in the same file".into(),
-                ));
+                return Err(invalid(origin, &def.name, RuleError::DefinedTwice));
             }
             match self.rules.iter().position(|r| r.name == def.name) {
                 Some(i) => {
@@ -223,15 +265,15 @@ pub const MAX_RULES: usize = 64;
 /// them) in 32 bits.
 pub const MAX_TOMBSTONE_RULES: usize = 32;
 
-fn invalid(origin: &str, rule: &str, message: String) -> RulesError {
+fn invalid(origin: &str, rule: &str, error: RuleError) -> RulesError {
     RulesError::Invalid {
         origin: origin.to_owned(),
         rule: rule.to_owned(),
-        message,
+        error,
     }
 }
 
-fn shape_of(def: &mut RuleDef) -> Result<Option<Shape>, String> {
+fn shape_of(def: &mut RuleDef) -> Result<Option<Shape>, RuleError> {
     let mut shapes = Vec::new();
     if let Some(s) = def.never_after.take() {
         shapes.push(Shape::NeverAfter(s));
@@ -248,10 +290,9 @@ fn shape_of(def: &mut RuleDef) -> Result<Option<Shape>, String> {
     match shapes.len() {
         0 => Ok(None),
         1 => Ok(shapes.pop()),
-        _ => Err(
-            "a rule takes exactly one of never_after, must_follow, requires_before, predicate"
-                .into(),
-        ),
+        _ => Err(RuleError::SeveralShapes {
+            shapes: shapes.iter().map(Shape::kind_name).collect(),
+        }),
     }
 }
 
@@ -260,14 +301,14 @@ fn build(mut def: RuleDef, origin: &str) -> Result<Rule, RulesError> {
     validate_name(&name).map_err(|m| invalid(origin, &name, m))?;
     let shape = shape_of(&mut def)
         .map_err(|m| invalid(origin, &name, m))?
-        .ok_or_else(|| invalid(origin, &name, "no such default rule to patch, and no shape given (never_after, must_follow, requires_before or predicate)".into()))?;
+        .ok_or_else(|| invalid(origin, &name, RuleError::NoShape))?;
     let rule = Rule {
         description: def
             .description
-            .ok_or_else(|| invalid(origin, &name, "missing description".into()))?,
+            .ok_or_else(|| invalid(origin, &name, RuleError::MissingDescription))?,
         severity: def
             .severity
-            .ok_or_else(|| invalid(origin, &name, "missing severity".into()))?,
+            .ok_or_else(|| invalid(origin, &name, RuleError::MissingSeverity))?,
         scope: def.scope.unwrap_or_default(),
         enabled: def.enabled.unwrap_or(true),
         output: def
@@ -307,7 +348,7 @@ fn patch(base: &Rule, mut def: RuleDef, origin: &str) -> Result<Rule, RulesError
     Ok(rule)
 }
 
-fn validate_name(name: &str) -> Result<(), String> {
+fn validate_name(name: &str) -> Result<(), RuleError> {
     let ok = !name.is_empty()
         && name.len() <= 64
         && name
@@ -316,11 +357,13 @@ fn validate_name(name: &str) -> Result<(), String> {
     if ok {
         Ok(())
     } else {
-        Err("names are 1-64 characters of a-z, 0-9, '-' and '_'".into())
+        Err(RuleError::Name {
+            name: name.to_owned(),
+        })
     }
 }
 
-fn validate(rule: &Rule) -> Result<(), String> {
+fn validate(rule: &Rule) -> Result<(), RuleError> {
     crate::violation::validate_template(&rule.output)?;
     match &rule.shape {
         Shape::NeverAfter(s) => s.validate(),
@@ -456,6 +499,7 @@ pub fn stage_list(stages: &[Stage]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::violation::TemplateError;
 
     #[test]
     fn embedded_defaults_have_the_documented_rules() {
@@ -539,16 +583,88 @@ mod tests {
                 "rules:\n  - name: brand-new\n    description: d\n    severity: info\n",
                 "u.yaml",
             )
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("no shape given"), "{err}");
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                RulesError::Invalid {
+                    error: RuleError::NoShape,
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains("no shape given"), "{err}");
         let err = RuleSet::from_yaml(
             "rules:\n  - name: n\n    description: d\n    never_after: {trigger: [{kind: [rejected]}], forbidden: [{kind: [work]}]}\n",
             "u.yaml",
         )
-        .unwrap_err()
-        .to_string();
-        assert!(err.contains("missing severity"), "{err}");
+        .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                RulesError::Invalid {
+                    error: RuleError::MissingSeverity,
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains("missing severity"), "{err}");
+    }
+
+    #[test]
+    fn invalid_rules_name_the_rule_the_origin_and_the_failure() {
+        let err = RuleSet::embedded_defaults()
+            .apply_yaml(
+                "rules:\n  - name: brand-new\n    description: d\n    severity: info\n",
+                "u.yaml",
+            )
+            .unwrap_err();
+        assert!(
+            matches!(&err, RulesError::Invalid { rule, error: RuleError::NoShape, .. } if rule == "brand-new"),
+            "{err:?}"
+        );
+        assert_eq!(
+            err.to_string(),
+            "rule \"brand-new\" in u.yaml: no such default rule to patch, and no shape given \
+             (never_after, must_follow, requires_before or predicate)"
+        );
+        let err = RuleSet::from_yaml(
+            "rules:\n  - name: Bad\n    description: d\n    severity: info\n    never_after: {trigger: [{kind: [rejected]}], forbidden: []}\n",
+            "u.yaml",
+        )
+        .unwrap_err();
+        assert!(
+            matches!(&err, RulesError::Invalid { error: RuleError::Name { name }, .. } if name == "Bad"),
+            "{err:?}"
+        );
+        assert_eq!(
+            err.to_string(),
+            "rule \"Bad\" in u.yaml: names are 1-64 characters of a-z, 0-9, '-' and '_'"
+        );
+        let err = RuleSet::from_yaml(
+            "rules:\n  - name: n\n    description: d\n    severity: info\n    never_after: {trigger: [{kind: [rejected]}], forbidden: []}\n",
+            "u.yaml",
+        )
+        .unwrap_err();
+        assert!(
+            matches!(
+                &err,
+                RulesError::Invalid {
+                    error: RuleError::NeverAfterMatchers {
+                        trigger: 1,
+                        forbidden: 0
+                    },
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        assert_eq!(
+            err.to_string(),
+            "rule \"n\" in u.yaml: never_after needs at least one trigger and one forbidden matcher"
+        );
     }
 
     #[test]
@@ -558,9 +674,18 @@ mod tests {
                 "rules:\n  - name: orphaned-leg\n    output: \"{nope}\"\n",
                 "u.yaml",
             )
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("{nope}"), "{err}");
+            .unwrap_err();
+        assert!(
+            matches!(
+                &err,
+                RulesError::Invalid {
+                    error: RuleError::Template(TemplateError::UnknownPlaceholder { name }),
+                    ..
+                } if name == "nope"
+            ),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains("{nope}"), "{err}");
         let err = RuleSet::embedded_defaults()
             .apply_yaml(
                 "rules:\n  - name: x\n    description: d\n    severity: info\n    must_follow: {trigger: [{kind: [admitted]}], expect: [{kind: [completed]}], within: soon}\n",

@@ -6,7 +6,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{HumanDuration, RuleSlots};
+use super::{HumanDuration, RuleError, RuleSlots};
 use crate::engine::matcher::Matcher;
 use crate::engine::state::{Keep, Slot, SlotLayout};
 
@@ -25,12 +25,15 @@ pub struct MustFollow {
 }
 
 impl MustFollow {
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), RuleError> {
         if self.trigger.is_empty() || self.expect.is_empty() {
-            return Err("must_follow needs at least one trigger and one expect matcher".into());
+            return Err(RuleError::MustFollowMatchers {
+                trigger: self.trigger.len(),
+                expect: self.expect.len(),
+            });
         }
         if self.within.0.is_zero() {
-            return Err("must_follow needs a non-zero `within`".into());
+            return Err(RuleError::MustFollowZeroWithin);
         }
         Ok(())
     }

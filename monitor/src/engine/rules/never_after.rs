@@ -8,7 +8,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{HumanDuration, RuleSlots, Scope};
+use super::{HumanDuration, RuleError, RuleSlots, Scope};
 use crate::engine::matcher::Matcher;
 use crate::engine::state::{Keep, Slot, SlotLayout};
 
@@ -23,9 +23,12 @@ pub struct NeverAfter {
 }
 
 impl NeverAfter {
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), RuleError> {
         if self.trigger.is_empty() || self.forbidden.is_empty() {
-            return Err("never_after needs at least one trigger and one forbidden matcher".into());
+            return Err(RuleError::NeverAfterMatchers {
+                trigger: self.trigger.len(),
+                forbidden: self.forbidden.len(),
+            });
         }
         Ok(())
     }

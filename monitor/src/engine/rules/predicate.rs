@@ -8,7 +8,7 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-use super::RuleSlots;
+use super::{RuleError, RuleSlots};
 use crate::engine::matcher::Matcher;
 use crate::engine::state::{Keep, SlotLayout};
 use crate::event::{Kind, LifecycleEvent, Stage};
@@ -152,7 +152,7 @@ impl Comparison {
         }
     }
 
-    fn op(&self) -> Result<(&'static str, Operand), String> {
+    fn op(&self) -> Result<(&'static str, Operand), RuleError> {
         let ops = [
             ("gt", self.gt),
             ("ge", self.ge),
@@ -160,13 +160,16 @@ impl Comparison {
             ("le", self.le),
             ("eq", self.eq),
         ];
-        let mut set = ops.into_iter().filter_map(|(n, o)| o.map(|o| (n, o)));
-        match (set.next(), set.next()) {
-            (Some(one), None) => Ok(one),
-            _ => Err(format!(
-                "comparison on {} needs exactly one of gt, ge, lt, le, eq",
-                self.field.as_str()
-            )),
+        let set: Vec<_> = ops
+            .into_iter()
+            .filter_map(|(n, o)| o.map(|o| (n, o)))
+            .collect();
+        match set[..] {
+            [one] => Ok(one),
+            _ => Err(RuleError::ComparisonOperator {
+                field: self.field,
+                ops: set.iter().map(|(n, _)| *n).collect(),
+            }),
         }
     }
 }
@@ -247,15 +250,15 @@ impl Predicate {
         }
     }
 
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), RuleError> {
         if self.on.is_empty() {
-            return Err("predicate needs at least one `on` matcher".into());
+            return Err(RuleError::PredicateNoOn);
         }
         if self.all.is_empty() == self.any.is_empty() {
-            return Err(
-                "predicate takes exactly one of `all` or `any` (a non-empty list of comparisons)"
-                    .into(),
-            );
+            return Err(RuleError::PredicateAllOrAny {
+                all: self.all.len(),
+                any: self.any.len(),
+            });
         }
         for c in self.all.iter().chain(&self.any) {
             c.op()?;
@@ -428,9 +431,20 @@ mod tests {
     fn validation() {
         let mut p = over_capacity();
         p.all[0].lt = Some(Operand::Value(1));
-        assert!(p.validate().unwrap_err().contains("exactly one of gt"));
+        let err = p.validate().unwrap_err();
+        assert_eq!(
+            err,
+            RuleError::ComparisonOperator {
+                field: NumField::InputTokens,
+                ops: vec!["gt", "lt"],
+            }
+        );
+        assert!(err.to_string().contains("exactly one of gt"), "{err}");
         p.all.clear();
-        assert!(p.validate().is_err());
+        assert_eq!(
+            p.validate(),
+            Err(RuleError::PredicateAllOrAny { all: 0, any: 0 })
+        );
     }
 
     /// The default rule on a healthy SGLang worker (max input = context - 1) and on one whose KV

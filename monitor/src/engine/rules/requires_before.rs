@@ -5,7 +5,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::RuleSlots;
+use super::{RuleError, RuleSlots};
 use crate::engine::matcher::Matcher;
 use crate::engine::state::{Keep, Slot, SlotLayout};
 
@@ -17,9 +17,12 @@ pub struct RequiresBefore {
 }
 
 impl RequiresBefore {
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), RuleError> {
         if self.event.is_empty() || self.requires.is_empty() {
-            return Err("requires_before needs at least one event and one requires matcher".into());
+            return Err(RuleError::RequiresBeforeMatchers {
+                event: self.event.len(),
+                requires: self.requires.len(),
+            });
         }
         Ok(())
     }
