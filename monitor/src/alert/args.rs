@@ -201,12 +201,16 @@ mod tests {
             webhook_secret_file: Some(dir.path().join("missing")),
             ..AlertArgs::default()
         };
+        let e = args.to_config(None).unwrap_err();
         assert!(
-            args.to_config(None)
-                .unwrap_err()
-                .to_string()
-                .contains("missing")
+            matches!(
+                &e,
+                AlertError::Webhook(crate::alert::webhook::WebhookConfigError::SecretFileRead { path, .. })
+                    if path.ends_with("missing")
+            ),
+            "{e:?}"
         );
+        assert!(e.to_string().contains("missing"), "{e}");
         std::fs::write(&file, "webhooks: [{url: x, bogus: 1}]\n").unwrap();
         let args = AlertArgs {
             alert_config: Some(file),

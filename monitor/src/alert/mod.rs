@@ -89,8 +89,20 @@ impl Default for AlertConfig {
 
 #[derive(Debug, thiserror::Error)]
 pub enum AlertError {
+    /// A check of the alert section itself (external_url, retry, channel capacity), or a sink
+    /// that cannot be built.
     #[error("invalid alert configuration: {0}")]
     Config(String),
+    #[error("invalid alert configuration: {0}")]
+    Webhook(#[from] webhook::WebhookConfigError),
+    #[error("invalid alert configuration: {0}")]
+    Alertmanager(#[from] alertmanager::AlertmanagerConfigError),
+    #[error("invalid alert configuration: {0}")]
+    Jsonl(#[from] jsonl::JsonlConfigError),
+    #[error("invalid alert configuration: {0}")]
+    SpoolConfig(#[from] spool::SpoolConfigError),
+    #[error("invalid alert configuration: {0}")]
+    Flood(#[from] flood::FloodConfigError),
     #[error("alert config file {path}: {message}")]
     File { path: PathBuf, message: String },
     #[error(transparent)]
@@ -106,17 +118,17 @@ impl AlertConfig {
     pub fn validate(&self) -> Result<(), AlertError> {
         let c = |e: String| AlertError::Config(e);
         for w in &self.webhooks {
-            w.validate().map_err(c)?;
-            w.resolve_secret().map_err(c)?;
+            w.validate()?;
+            w.resolve_secret()?;
         }
         for a in &self.alertmanagers {
-            a.validate().map_err(c)?;
+            a.validate()?;
         }
         if let Some(j) = &self.jsonl {
-            j.validate().map_err(c)?;
+            j.validate()?;
         }
-        self.spool.validate().map_err(c)?;
-        self.flood.validate().map_err(c)?;
+        self.spool.validate()?;
+        self.flood.validate()?;
         if let Some(u) = &self.external_url {
             let p = reqwest::Url::parse(u).map_err(|e| c(format!("external_url {u:?}: {e}")))?;
             if !matches!(p.scheme(), "http" | "https") {
@@ -289,7 +301,18 @@ mod tests {
             .unwrap()
             .validate()
             .unwrap_err();
-        assert!(e.to_string().contains("group_wait"), "{e}");
+        assert!(
+            matches!(
+                e,
+                AlertError::Flood(flood::FloodConfigError::GroupWait { value })
+                    if value == Duration::from_secs(3600)
+            ),
+            "{e:?}"
+        );
+        assert_eq!(
+            e.to_string(),
+            "invalid alert configuration: group_wait 1h delays every alert by that much: at most 10m"
+        );
         assert_eq!(ok.spool.max_entries, 100);
         assert!(ok.spool.fsync, "fsync stays on by default");
 
@@ -304,7 +327,19 @@ mod tests {
             alertmanagers: vec![AlertmanagerConfig::new("gopher://x")],
             ..AlertConfig::default()
         };
-        assert!(bad.validate().unwrap_err().to_string().contains("scheme"));
+        let e = bad.validate().unwrap_err();
+        assert!(
+            matches!(
+                &e,
+                AlertError::Alertmanager(alertmanager::AlertmanagerConfigError::Scheme { url })
+                    if url == "gopher://x"
+            ),
+            "{e:?}"
+        );
+        assert_eq!(
+            e.to_string(),
+            r#"invalid alert configuration: alertmanager url "gopher://x": scheme must be http or https"#
+        );
         let bad = AlertConfig {
             spool: SpoolConfig {
                 max_entries: 0,
@@ -312,6 +347,107 @@ mod tests {
             },
             ..AlertConfig::default()
         };
-        assert!(bad.validate().is_err());
+        let e = bad.validate().unwrap_err();
+        assert!(
+            matches!(
+                e,
+                AlertError::SpoolConfig(spool::SpoolConfigError::ZeroMaxEntries)
+            ),
+            "{e:?}"
+        );
+        assert_eq!(
+            e.to_string(),
+            "invalid alert configuration: spool max_entries must be > 0"
+        );
+    }
+
+    #[test]
+    fn sink_config_errors_are_typed_and_keep_their_messages() {
+        use alertmanager::AlertmanagerConfigError;
+        let e = AlertmanagerConfig {
+            resend_interval: Duration::from_millis(500),
+            ..AlertmanagerConfig::new("http://127.0.0.1:9093")
+        }
+        .validate()
+        .unwrap_err();
+        assert_eq!(
+            e,
+            AlertmanagerConfigError::ResendInterval {
+                value: Duration::from_millis(500)
+            }
+        );
+        assert_eq!(
+            e.to_string(),
+            "alertmanager resend_interval must be at least 1s"
+        );
+        let e = AlertmanagerConfig::new("::").validate().unwrap_err();
+        assert!(
+            matches!(&e, AlertmanagerConfigError::Url { url, .. } if url == "::"),
+            "{e:?}"
+        );
+        assert_eq!(
+            e.to_string(),
+            r#"alertmanager url "::": relative URL without a base"#
+        );
+        let e = AlertmanagerConfig {
+            timeout: Duration::ZERO,
+            ..AlertmanagerConfig::new("http://127.0.0.1:9093")
+        }
+        .validate()
+        .unwrap_err();
+        assert_eq!(e, AlertmanagerConfigError::ZeroTimeout);
+        assert_eq!(e.to_string(), "alertmanager timeout must be > 0");
+
+        use jsonl::JsonlConfigError;
+        let e = JsonlConfig { path: "".into() }.validate().unwrap_err();
+        assert_eq!(e, JsonlConfigError::EmptyPath);
+        assert_eq!(e.to_string(), "alerts jsonl path is empty");
+        let e = JsonlConfig {
+            path: "/nonexistent-revenant-dir/alerts.jsonl".into(),
+        }
+        .validate()
+        .unwrap_err();
+        assert_eq!(
+            e,
+            JsonlConfigError::MissingDirectory {
+                dir: "/nonexistent-revenant-dir".into()
+            }
+        );
+        assert_eq!(
+            e.to_string(),
+            "alerts jsonl: directory /nonexistent-revenant-dir does not exist"
+        );
+        assert_eq!(JsonlConfig { path: "-".into() }.validate(), Ok(()));
+
+        use spool::SpoolConfigError;
+        let e = SpoolConfig {
+            max_bytes: 4095,
+            ..SpoolConfig::default()
+        }
+        .validate()
+        .unwrap_err();
+        assert_eq!(e, SpoolConfigError::MaxBytes { value: 4095 });
+        assert_eq!(e.to_string(), "spool max_bytes must be at least 4096");
+
+        use flood::FloodConfigError;
+        let e = FloodConfig {
+            rate_limit_window: Duration::ZERO,
+            ..FloodConfig::default()
+        }
+        .validate()
+        .unwrap_err();
+        assert_eq!(e, FloodConfigError::ZeroRateLimitWindow { rate_limit: 50 });
+        assert_eq!(
+            e.to_string(),
+            "rate_limit_window must be > 0 when rate_limit is set"
+        );
+        let e = FloodConfig {
+            max_tracked: 0,
+            ..FloodConfig::default()
+        }
+        .validate()
+        .unwrap_err();
+        assert_eq!(e, FloodConfigError::ZeroMaxTracked);
+        assert_eq!(e.to_string(), "max_tracked must be > 0");
     }
 }

@@ -44,13 +44,27 @@ impl Default for SpoolConfig {
     }
 }
 
+/// Smallest `max_bytes`: one page.
+const MIN_MAX_BYTES: u64 = 4096;
+
+/// A spool size that cannot hold anything.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum SpoolConfigError {
+    #[error("spool max_entries must be > 0")]
+    ZeroMaxEntries,
+    #[error("spool max_bytes must be at least {MIN_MAX_BYTES}")]
+    MaxBytes { value: u64 },
+}
+
 impl SpoolConfig {
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), SpoolConfigError> {
         if self.max_entries == 0 {
-            return Err("spool max_entries must be > 0".into());
+            return Err(SpoolConfigError::ZeroMaxEntries);
         }
-        if self.max_bytes < 4096 {
-            return Err("spool max_bytes must be at least 4096".into());
+        if self.max_bytes < MIN_MAX_BYTES {
+            return Err(SpoolConfigError::MaxBytes {
+                value: self.max_bytes,
+            });
         }
         Ok(())
     }

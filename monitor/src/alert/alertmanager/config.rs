@@ -23,6 +23,22 @@ fn default_timeout() -> Duration {
     Duration::from_secs(10)
 }
 
+/// An Alertmanager setting that cannot work.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum AlertmanagerConfigError {
+    #[error("alertmanager url {url:?}: {source}")]
+    Url {
+        url: String,
+        source: crate::alert::webhook::config::UrlParseError,
+    },
+    #[error("alertmanager url {url:?}: scheme must be http or https")]
+    Scheme { url: String },
+    #[error("alertmanager resend_interval must be at least 1s")]
+    ResendInterval { value: Duration },
+    #[error("alertmanager timeout must be > 0")]
+    ZeroTimeout,
+}
+
 impl AlertmanagerConfig {
     pub fn new(url: impl Into<String>) -> AlertmanagerConfig {
         AlertmanagerConfig {
@@ -32,20 +48,23 @@ impl AlertmanagerConfig {
         }
     }
 
-    pub fn validate(&self) -> Result<(), String> {
-        let u = reqwest::Url::parse(&self.url)
-            .map_err(|e| format!("alertmanager url {:?}: {e}", self.url))?;
+    pub fn validate(&self) -> Result<(), AlertmanagerConfigError> {
+        let u = reqwest::Url::parse(&self.url).map_err(|source| AlertmanagerConfigError::Url {
+            url: self.url.clone(),
+            source,
+        })?;
         if !matches!(u.scheme(), "http" | "https") {
-            return Err(format!(
-                "alertmanager url {:?}: scheme must be http or https",
-                self.url
-            ));
+            return Err(AlertmanagerConfigError::Scheme {
+                url: self.url.clone(),
+            });
         }
         if self.resend_interval < Duration::from_secs(1) {
-            return Err("alertmanager resend_interval must be at least 1s".into());
+            return Err(AlertmanagerConfigError::ResendInterval {
+                value: self.resend_interval,
+            });
         }
         if self.timeout.is_zero() {
-            return Err("alertmanager timeout must be > 0".into());
+            return Err(AlertmanagerConfigError::ZeroTimeout);
         }
         Ok(())
     }

@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-pub use config::AlertmanagerConfig;
+pub use config::{AlertmanagerConfig, AlertmanagerConfigError};
 
 use super::flood::ActiveAlert;
 use super::notification::{
@@ -84,7 +84,7 @@ impl AlertmanagerSink {
         node: &str,
         cluster: &str,
     ) -> Result<AlertmanagerSink, String> {
-        cfg.validate()?;
+        cfg.validate().map_err(|e| e.to_string())?;
         let base = cfg.url.trim_end_matches('/');
         Ok(AlertmanagerSink {
             name: name.into(),

@@ -90,19 +90,37 @@ impl Default for FloodConfig {
     }
 }
 
+/// Longest group wait: every alert waits that long.
+const MAX_GROUP_WAIT: Duration = Duration::from_secs(600);
+
+/// A flood-control setting that cannot work.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum FloodConfigError {
+    #[error("rate_limit_window must be > 0 when rate_limit is set")]
+    ZeroRateLimitWindow { rate_limit: u32 },
+    #[error("max_tracked must be > 0")]
+    ZeroMaxTracked,
+    #[error(
+        "group_wait {} delays every alert by that much: at most 10m",
+        humantime::format_duration(*value)
+    )]
+    GroupWait { value: Duration },
+}
+
 impl FloodConfig {
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), FloodConfigError> {
         if self.rate_limit > 0 && self.rate_limit_window.is_zero() {
-            return Err("rate_limit_window must be > 0 when rate_limit is set".into());
+            return Err(FloodConfigError::ZeroRateLimitWindow {
+                rate_limit: self.rate_limit,
+            });
         }
         if self.max_tracked == 0 {
-            return Err("max_tracked must be > 0".into());
+            return Err(FloodConfigError::ZeroMaxTracked);
         }
-        if self.group_wait > Duration::from_secs(600) {
-            return Err(format!(
-                "group_wait {} delays every alert by that much: at most 10m",
-                humantime::format_duration(self.group_wait)
-            ));
+        if self.group_wait > MAX_GROUP_WAIT {
+            return Err(FloodConfigError::GroupWait {
+                value: self.group_wait,
+            });
         }
         Ok(())
     }

@@ -6,7 +6,7 @@ pub mod config;
 use std::io::Write;
 use std::sync::{Arc, Mutex};
 
-pub use config::JsonlConfig;
+pub use config::{JsonlConfig, JsonlConfigError};
 
 use super::notification::Notification;
 use super::sink::{BoxFuture, Sink, SinkError};
@@ -23,7 +23,7 @@ pub struct JsonlSink {
 
 impl JsonlSink {
     pub fn new(name: impl Into<String>, cfg: &JsonlConfig) -> Result<JsonlSink, String> {
-        cfg.validate()?;
+        cfg.validate().map_err(|e| e.to_string())?;
         let out = if cfg.path.as_os_str() == "-" {
             Out::Stdout
         } else {

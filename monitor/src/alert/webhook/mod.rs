@@ -8,7 +8,7 @@ use std::sync::Arc;
 use hmac::{KeyInit, Mac};
 use serde::Serialize;
 
-pub use config::WebhookConfig;
+pub use config::{WebhookConfig, WebhookConfigError};
 
 use super::notification::Notification;
 use super::sink::{BoxFuture, Sink, SinkError, classify_http};
@@ -56,11 +56,11 @@ pub fn http_client(timeout: std::time::Duration) -> Result<reqwest::Client, Stri
 
 impl WebhookSink {
     pub fn new(name: impl Into<String>, cfg: &WebhookConfig) -> Result<WebhookSink, String> {
-        cfg.validate()?;
+        cfg.validate().map_err(|e| e.to_string())?;
         Ok(WebhookSink {
             name: name.into(),
             url: reqwest::Url::parse(&cfg.url).map_err(|e| e.to_string())?,
-            secret: cfg.resolve_secret()?,
+            secret: cfg.resolve_secret().map_err(|e| e.to_string())?,
             max_batch: cfg.max_batch,
             client: http_client(cfg.timeout)?,
         })
@@ -159,8 +159,58 @@ mod tests {
 
     #[test]
     fn config_is_validated() {
-        assert!(WebhookConfig::new("ftp://x").validate().is_err());
-        assert!(WebhookConfig::new("not a url").validate().is_err());
+        let e = WebhookConfig::new("ftp://x").validate().unwrap_err();
+        assert!(
+            matches!(&e, WebhookConfigError::Scheme { url } if url == "ftp://x"),
+            "{e:?}"
+        );
+        assert_eq!(
+            e.to_string(),
+            r#"webhook url "ftp://x": scheme must be http or https"#
+        );
+        let e = WebhookConfig::new("not a url").validate().unwrap_err();
+        assert!(
+            matches!(&e, WebhookConfigError::Url { url, .. } if url == "not a url"),
+            "{e:?}"
+        );
+        assert_eq!(
+            e.to_string(),
+            r#"webhook url "not a url": relative URL without a base"#
+        );
+        let e = WebhookConfig {
+            max_batch: 0,
+            ..WebhookConfig::new("http://x")
+        }
+        .validate()
+        .unwrap_err();
+        assert!(
+            matches!(e, WebhookConfigError::MaxBatch { value: 0 }),
+            "{e:?}"
+        );
+        assert_eq!(e.to_string(), "webhook max_batch must be within 1..=10000");
+        let e = WebhookConfig {
+            secret: Some("s".into()),
+            secret_file: Some("/s".into()),
+            ..WebhookConfig::new("http://x")
+        }
+        .validate()
+        .unwrap_err();
+        assert!(
+            matches!(e, WebhookConfigError::SecretAndSecretFile),
+            "{e:?}"
+        );
+        assert_eq!(
+            e.to_string(),
+            "webhook: set secret or secret_file, not both"
+        );
+        let e = WebhookConfig {
+            timeout: std::time::Duration::ZERO,
+            ..WebhookConfig::new("http://x")
+        }
+        .validate()
+        .unwrap_err();
+        assert!(matches!(e, WebhookConfigError::ZeroTimeout), "{e:?}");
+        assert_eq!(e.to_string(), "webhook timeout must be > 0");
         assert!(
             WebhookConfig::new("http://127.0.0.1:1/hook")
                 .validate()
