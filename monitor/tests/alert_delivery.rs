@@ -393,7 +393,7 @@ fn evidence_sources(a: &serde_json::Value) -> HashSet<String> {
 /// the window ends; a confirmation after delivery sends nothing new and is not a repeat.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn corroborations_merge_into_one_notification_and_are_never_repeats() {
-    use revenant::admin::{ComponentKind, Readiness};
+    use revenant::telemetry::{ComponentKind, Readiness};
     let dir = tempfile::tempdir().unwrap();
     let metrics = Arc::new(Metrics::new());
     let rx = Receiver::new(None, Duration::ZERO);

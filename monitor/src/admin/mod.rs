@@ -9,7 +9,3 @@ pub mod violations;
 pub use config::AdminArgs;
 pub use server::{AdminError, AdminServer, AdminState};
 pub use timeline::{RecentEvents, RecentEventsLimits, Timeline, TimelineProvider};
-pub use violations::RecentViolations;
-
-pub use crate::telemetry::logging::{LogArgs, LogFormat};
-pub use crate::telemetry::{ComponentKind, DropPoint, Metrics, Readiness, ReadyHandle};

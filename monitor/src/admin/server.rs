@@ -12,9 +12,10 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 
 use super::timeline::TimelineProvider;
-use super::violations::{self, RecentViolations};
+use super::violations;
 use crate::telemetry::metrics::Metrics;
 use crate::telemetry::ready::Readiness;
+use crate::telemetry::recent::RecentViolations;
 
 #[derive(Debug, thiserror::Error)]
 pub enum AdminError {

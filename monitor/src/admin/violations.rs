@@ -1,5 +1,5 @@
 //! `/api/violations`: the most recent violations (newest first), optionally of one rule or one
-//! fingerprint, read from the dispatcher's [`RecentViolations`] ring.
+//! fingerprint, read from the dispatcher's ring ([`crate::telemetry::recent::RecentViolations`]).
 
 use axum::Json;
 use axum::extract::{Query, State};
@@ -7,8 +7,6 @@ use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 
 use super::server::AdminState;
-
-pub use crate::telemetry::recent::{RecentViolation, RecentViolations};
 
 #[derive(Debug, Deserialize)]
 pub(super) struct ViolationQuery {

@@ -79,7 +79,7 @@ impl EventTap for EngineMetrics {
     }
 
     fn tick(&mut self, engine: &Checker, now_ns: u64) -> std::io::Result<()> {
-        self.0.publish_checker(engine, now_ns);
+        crate::engine::check::metrics::publish(&self.0, engine, now_ns);
         Ok(())
     }
 }

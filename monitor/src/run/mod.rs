@@ -285,7 +285,7 @@ fn start_sources(
 ) -> Sources {
     let (metrics, readiness) = (&shared.metrics, &shared.readiness);
     let otlp_stats = Arc::new(OtlpStats::default());
-    metrics.attach_otlp(otlp_stats.clone());
+    otlp::metrics::register(metrics, otlp_stats.clone());
     let otlp_on = b.grpc.is_some() || b.http.is_some();
     let otlp_ready = otlp_on.then(|| {
         metrics.declare_source(Source::Otlp);
@@ -304,7 +304,7 @@ fn start_sources(
     let ebpf_ready = match b.ebpf {
         EbpfStart::Live(src) => {
             metrics.declare_source(Source::Ebpf);
-            metrics.attach_ebpf(src.stats());
+            crate::ingest::ebpf::metrics::register(metrics, src.stats());
             let handle = readiness.register("ebpf", ComponentKind::Source);
             let publish = crate::ingest::ebpf::metrics::publish_drops(
                 src.stats(),

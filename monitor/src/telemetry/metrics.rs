@@ -104,19 +104,6 @@ pub enum DropReason {
 }
 
 impl DropReason {
-    pub const ALL: [DropReason; 10] = [
-        DropReason::Full,
-        DropReason::Closed,
-        DropReason::Corrupt,
-        DropReason::SinkRemoved,
-        DropReason::WriteError,
-        DropReason::PermanentError,
-        DropReason::SyscallTableFull,
-        DropReason::SocketTableFull,
-        DropReason::Undecodable,
-        DropReason::ConnectionEvicted,
-    ];
-
     pub fn as_str(self) -> &'static str {
         match self {
             DropReason::Full => "full",
@@ -131,15 +118,8 @@ impl DropReason {
             DropReason::ConnectionEvicted => "connection_evicted",
         }
     }
-
-    /// The reason whose label is `label`, if any.
-    pub fn from_label(label: &str) -> Option<DropReason> {
-        DropReason::ALL.into_iter().find(|r| r.as_str() == label)
-    }
 }
 
-/// For callers that name a reason by its label (`"full"`): an unknown label counts as `full`
-/// (and fails debug builds).
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct DropLabels {
     pub point: &'static str,
@@ -597,14 +577,6 @@ mod tests {
         ] {
             assert!(text.contains(needle), "missing {needle} in\n{text}");
         }
-    }
-
-    #[test]
-    fn drop_reason_labels_round_trip() {
-        for r in DropReason::ALL {
-            assert_eq!(DropReason::from_label(r.as_str()), Some(r));
-        }
-        assert_eq!(DropReason::from_label("nonsense"), None);
     }
 
     #[derive(Debug)]

@@ -4,8 +4,9 @@
 
 use prometheus_client::encoding::DescriptorEncoder;
 
-use super::{Checker, CheckerStats, Severity};
+use super::{Checker, CheckerStats};
 use crate::telemetry::metrics::{Metrics, Snapshot, counter, counters, gauge};
+use crate::violation::Severity;
 
 /// What the checker reported at its last publication.
 #[derive(Debug, Clone, Default)]
@@ -39,18 +40,6 @@ impl CheckerSnapshot {
 /// at least once per scrape interval). Rendering reads the last snapshot.
 pub fn publish(metrics: &Metrics, checker: &Checker, now_ns: u64) {
     metrics.publish(CheckerSnapshot::of(checker, now_ns));
-}
-
-impl Metrics {
-    /// [`publish`]: the checker's counters as they are now, rendered until the next call.
-    pub fn publish_checker(&self, checker: &Checker, now_ns: u64) {
-        publish(self, checker, now_ns);
-    }
-
-    /// Publishes a snapshot taken elsewhere.
-    pub fn publish_checker_stats(&self, snap: CheckerSnapshot) {
-        self.publish(snap);
-    }
 }
 
 impl Snapshot for CheckerSnapshot {
@@ -194,7 +183,7 @@ mod tests {
         snap.stats.live_attempts = 7;
         snap.stats.correlate.evicted_cap = 3;
         snap.per_rule = vec![("activity-after-rejection".into(), Severity::Critical, 2)];
-        m.publish_checker_stats(snap);
+        m.publish(snap);
         let text = m.render();
         for needle in [
             "revenant_checker_live_attempts 7",

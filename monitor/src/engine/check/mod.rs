@@ -38,7 +38,6 @@ use crate::event::{Kind, LifecycleEvent, Stage};
 use crate::violation::Violation;
 
 pub use crate::engine::rules::{RuleSet, RulesError};
-pub use crate::violation::Severity;
 pub use stats::{CheckerStats, RuleCounts};
 
 use layout::{Layout, Reactions};

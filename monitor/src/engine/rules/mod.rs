@@ -22,7 +22,7 @@ pub use never_after::NeverAfter;
 pub use predicate::Predicate;
 pub use requires_before::RequiresBefore;
 
-pub use crate::violation::Severity;
+use crate::violation::Severity;
 
 /// The rules shipped with revenant.
 pub const DEFAULT_RULES_YAML: &str = include_str!("../../../rules/default.yaml");

@@ -29,13 +29,6 @@ pub fn register(metrics: &Metrics, stats: Arc<EbpfStats>) {
     metrics.register_collector(EbpfCollector { stats });
 }
 
-impl Metrics {
-    /// [`register`]: renders the eBPF source's counters at every scrape from now on.
-    pub fn attach_ebpf(&self, stats: Arc<EbpfStats>) {
-        register(self, stats);
-    }
-}
-
 impl Collector for EbpfCollector {
     fn encode(&self, mut enc: DescriptorEncoder) -> std::fmt::Result {
         let s = &self.stats;
@@ -194,7 +187,7 @@ mod tests {
         s.kernel[monitor_common::counter::RINGBUF_DROPS as usize].store(7, Relaxed);
         s.watched_processes.store(3, Relaxed);
         s.coverage_degraded.store(true, Relaxed);
-        m.attach_ebpf(s);
+        register(&m, s);
         let text = m.render();
         assert!(
             text.contains("revenant_ebpf_kernel_total{counter=\"ringbuf_drops\"} 7"),

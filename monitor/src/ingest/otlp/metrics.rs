@@ -237,13 +237,6 @@ pub fn register(metrics: &Metrics, stats: Arc<OtlpStats>) {
     metrics.register_collector(OtlpCollector { stats });
 }
 
-impl Metrics {
-    /// [`register`]: renders the OTLP receivers' counters at every scrape from now on.
-    pub fn attach_otlp(&self, stats: Arc<OtlpStats>) {
-        register(self, stats);
-    }
-}
-
 impl Collector for OtlpCollector {
     fn encode(&self, mut enc: DescriptorEncoder) -> std::fmt::Result {
         let s = &self.stats;
