@@ -16,8 +16,8 @@
 //! Unknown keys are errors (a typo never silently keeps a default), reported with the file's
 //! line and column. Every key is documented in `docs/config.md`.
 
-pub use crate::duration;
-pub use crate::node::hostname;
+use crate::duration;
+use crate::node::hostname;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
