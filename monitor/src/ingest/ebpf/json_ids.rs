@@ -97,6 +97,12 @@ impl BodyWindow {
             if let Some(v) = find_value(part, &BOOTSTRAP_PORT).and_then(|v| v.parse().ok()) {
                 ids.bootstrap_port = Some(v);
             }
+            if ids.remote_request_id.is_none() {
+                ids.remote_request_id = find_string(part, &REMOTE_REQUEST_ID);
+            }
+            if ids.kv_leg.is_none() {
+                ids.kv_leg = kv_leg(part);
+            }
         }
         ids
     }
@@ -111,6 +117,12 @@ impl BodyWindow {
             if info.disaggregation_mode.is_none() {
                 info.disaggregation_mode = find_string(part, &DISAGGREGATION_MODE);
             }
+            if info.remote_request_id.is_none() {
+                info.remote_request_id = find_string(part, &REMOTE_REQUEST_ID);
+            }
+            if info.max_model_len.is_none() {
+                info.max_model_len = find_value(part, &MAX_MODEL_LEN).and_then(|v| v.parse().ok());
+            }
             if info.message.is_none() {
                 info.message = find_string(part, &MESSAGE)
                     .or_else(|| find_string(part, &DETAIL))
@@ -118,6 +130,72 @@ impl BodyWindow {
             }
         }
         info
+    }
+
+    /// vLLM's KV cache size from a Prometheus text answer (`/metrics`): the labels
+    /// `num_gpu_blocks` and `block_size` of the `vllm:cache_config_info` sample, when the window
+    /// holds that line whole.
+    pub fn vllm_cache_config(&self) -> Option<CacheConfig> {
+        self.parts().find_map(cache_config_in)
+    }
+}
+
+/// What vLLM's `vllm:cache_config_info` says about its KV cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CacheConfig {
+    pub num_gpu_blocks: u64,
+    pub block_size: u64,
+}
+
+impl CacheConfig {
+    /// Tokens the KV cache holds.
+    pub fn tokens(&self) -> u64 {
+        self.num_gpu_blocks.saturating_mul(self.block_size)
+    }
+}
+
+fn cache_config_in(part: &[u8]) -> Option<CacheConfig> {
+    let at = CACHE_CONFIG_INFO.find_iter(part).find(|&p| {
+        // The sample line (a `# HELP` / `# TYPE` line names the family without a `{`).
+        (p == 0 || part[p - 1] == b'\n')
+            && part.get(p + CACHE_CONFIG_INFO.needle().len()) == Some(&b'{')
+    })?;
+    let rest = &part[at + CACHE_CONFIG_INFO.needle().len() + 1..];
+    let end = rest
+        .iter()
+        .position(|&b| b == b'}' || b == b'\n' || b == GAP)?;
+    if rest[end] != b'}' {
+        return None;
+    }
+    let labels = std::str::from_utf8(&rest[..end]).ok()?;
+    let label = |name: &str| -> Option<u64> {
+        labels.split(',').find_map(|kv| {
+            let (k, v) = kv.split_once('=')?;
+            (k.trim() == name).then(|| v.trim().trim_matches('"').parse().ok())?
+        })
+    };
+    Some(CacheConfig {
+        num_gpu_blocks: label("num_gpu_blocks")?,
+        block_size: label("block_size")?,
+    })
+}
+
+/// Which leg of a vLLM PD pair a request body is, from its `kv_transfer_params`: the router
+/// asks prefill to keep the KV for a remote decode, and decode to fetch it from a remote prefill.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvLeg {
+    Prefill,
+    Decode,
+}
+
+fn kv_leg(part: &[u8]) -> Option<KvLeg> {
+    let is_true = |k: &Finder<'_>| find_value(part, k).is_some_and(|v| v == "true");
+    if is_true(&DO_REMOTE_DECODE) {
+        Some(KvLeg::Prefill)
+    } else if is_true(&DO_REMOTE_PREFILL) {
+        Some(KvLeg::Decode)
+    } else {
+        None
     }
 }
 
@@ -127,6 +205,9 @@ pub struct RequestIds {
     pub bootstrap_room: Option<u64>,
     pub bootstrap_host: Option<String>,
     pub bootstrap_port: Option<u16>,
+    /// vLLM decode leg: the prefill request whose KV it fetches (`kv_transfer_params`).
+    pub remote_request_id: Option<String>,
+    pub kv_leg: Option<KvLeg>,
 }
 
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
@@ -136,6 +217,10 @@ pub struct ResponseInfo {
     pub message: Option<String>,
     /// What a `/server_info` answer says the server is: `prefill`, `decode` or `null`.
     pub disaggregation_mode: Option<String>,
+    /// vLLM prefill's answer: the name decode fetches the KV under (`kv_transfer_params`).
+    pub remote_request_id: Option<String>,
+    /// vLLM `/v1/models`: the context length it serves.
+    pub max_model_len: Option<u64>,
 }
 
 /// Searchers for the keys revenant reads, built once: building one per search cost more than
@@ -155,6 +240,11 @@ keys! {
     MESSAGE = b"message";
     DETAIL = b"detail";
     ERROR = b"error";
+    REMOTE_REQUEST_ID = b"remote_request_id";
+    DO_REMOTE_DECODE = b"do_remote_decode";
+    DO_REMOTE_PREFILL = b"do_remote_prefill";
+    MAX_MODEL_LEN = b"max_model_len";
+    CACHE_CONFIG_INFO = b"vllm:cache_config_info";
 }
 
 /// The last string value of `key` in a structural position.
@@ -253,6 +343,17 @@ fn parse_value(b: &[u8]) -> Option<Value> {
                 _ => return None,
             }
             Some(Value::Scalar(String::from_utf8_lossy(&b[..n]).into_owned()))
+        }
+        b't' | b'f' | b'n' => {
+            let word = ["true", "false", "null"]
+                .into_iter()
+                .find(|w| b.starts_with(w.as_bytes()))?;
+            // A literal cut by the window or a gap is not trusted either.
+            match b.get(word.len()) {
+                Some(b',') | Some(b'}') | Some(b']') => Some(Value::Scalar(word.to_owned())),
+                Some(c) if c.is_ascii_whitespace() => Some(Value::Scalar(word.to_owned())),
+                _ => None,
+            }
         }
         _ => None,
     }
@@ -353,6 +454,47 @@ mod tests {
     }
 
     #[test]
+    fn vllm_kv_transfer_params() {
+        let prefill_leg = br#"{"model":"m","prompt":"hi","max_tokens":1,"min_tokens":1,"stream":false,"kv_transfer_params":{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}}"#;
+        let ids = window(&[prefill_leg]).request_ids();
+        assert_eq!(ids.kv_leg, Some(KvLeg::Prefill));
+        assert_eq!(ids.remote_request_id, None);
+        let decode_leg = br#"{"kv_transfer_params":{"do_remote_prefill":true,"do_remote_decode":false,"remote_engine_id":"e1","remote_block_ids":[1,2],"remote_request_id":"cmpl-abc-0","remote_host":"127.0.0.1","remote_port":5600,"tp_size":1},"model":"m","prompt":"hi","max_tokens":8}"#;
+        let ids = window(&[decode_leg]).request_ids();
+        assert_eq!(ids.kv_leg, Some(KvLeg::Decode));
+        assert_eq!(ids.remote_request_id.as_deref(), Some("cmpl-abc-0"));
+        // A prompt that spells the flags is text, not a leg.
+        let forged = br#"{"prompt":""do_remote_decode": true","max_tokens":8}"#;
+        assert_eq!(window(&[forged]).request_ids().kv_leg, None);
+        let answer = br#"{"id":"cmpl-abc","object":"text_completion","choices":[{"index":0,"text":"x","finish_reason":"length"}],"usage":{"prompt_tokens":12,"total_tokens":13,"completion_tokens":1},"kv_transfer_params":{"do_remote_prefill":true,"remote_request_id":"cmpl-abc","remote_port":5600}}"#;
+        let info = window(&[answer]).response_info();
+        assert_eq!(info.remote_request_id.as_deref(), Some("cmpl-abc"));
+        assert_eq!(info.prompt_tokens, Some(12));
+    }
+
+    #[test]
+    fn vllm_models_and_cache_config() {
+        let models = br#"{"object":"list","data":[{"id":"m","object":"model","created":1,"owned_by":"vllm","root":"m","parent":null,"max_model_len":4096,"permission":[]}]}"#;
+        assert_eq!(window(&[models]).response_info().max_model_len, Some(4096));
+        let metrics = b"# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n# TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{block_size=\"16\",cache_dtype=\"auto\",num_cpu_blocks=\"0\",num_gpu_blocks=\"2048\"} 1.0\nvllm:num_requests_running{model_name=\"m\"} 0.0\n";
+        let c = window(&[metrics]).vllm_cache_config().unwrap();
+        assert_eq!(
+            (c.num_gpu_blocks, c.block_size, c.tokens()),
+            (2048, 16, 32768)
+        );
+        // A line cut by a gap is not trusted.
+        let mut w = BodyWindow::default();
+        w.push(b"vllm:cache_config_info{block_size=\"16\",num_gpu");
+        w.skip(100);
+        w.push(b"_blocks=\"5\"} 1.0\n");
+        assert_eq!(w.vllm_cache_config(), None);
+        assert_eq!(
+            window(&[b"# TYPE vllm:cache_config_info gauge\n"]).vllm_cache_config(),
+            None
+        );
+    }
+
+    #[test]
     fn debug_output_never_shows_body_bytes() {
         let w = window(&[br#"{"text": "SECRET-PROMPT"}"#]);
         assert!(!format!("{w:?}").contains("SECRET"));
@@ -378,6 +520,7 @@ mod tests {
             }
             let _ = w.request_ids();
             let _ = w.response_info();
+            let _ = w.vllm_cache_config();
         }
     }
 }

@@ -1,7 +1,9 @@
 //! Which processes to watch and what role each plays.
 //!
 //! Roles come from command lines with SGLang conventions (`--disaggregation-mode prefill|decode`,
-//! the router binary `smg` / module `sglang_router`), overridden by explicit `--watch ROLE=REGEX`
+//! the router binary `smg` / module `sglang_router`) and vLLM ones (`vllm serve` with a
+//! `--kv-transfer-config` naming `kv_producer` / `kv_consumer`, the router `vllm-router` / module
+//! `vllm_router`), overridden by explicit `--watch ROLE=REGEX`
 //! and `--pid ROLE=PID` rules. A rule may say `unknown`: the process is watched, and its role
 //! is learned from the `disaggregation_mode` its `/server_info` answer names (see `track`).
 //! The pure parts (classification, rule parsing, /proc/net parsing) are separate from the small
@@ -156,7 +158,7 @@ impl Discovery {
             }
         }
         if self.conventions {
-            classify_sglang(args)
+            classify_sglang(args).or_else(|| classify_vllm(args))
         } else {
             None
         }
@@ -199,6 +201,47 @@ pub fn classify_sglang(args: &[String]) -> Option<Role> {
         return Some(Role::Router);
     }
     None
+}
+
+/// vLLM conventions: the router is `vllm-router` (or `python -m vllm_router…`); a worker is
+/// `vllm serve` (or `python -m vllm.entrypoints…`) whose `--kv-transfer-config` JSON names its KV
+/// role. `kv_producer` serves prefill, `kv_consumer` decode; `kv_both` (NIXL's usual setting)
+/// says nothing, so such a worker is watched with role unknown and its role is learned from the
+/// `kv_transfer_params` of the requests it gets (see `track`).
+pub fn classify_vllm(args: &[String]) -> Option<Role> {
+    let base = |a: &String| a.rsplit('/').next().unwrap_or(a).to_owned();
+    let head: Vec<String> = args.iter().take(3).map(base).collect();
+    if head.iter().any(|a| a == "vllm-router")
+        || args
+            .windows(2)
+            .any(|w| w[0] == "-m" && w[1].starts_with("vllm_router"))
+    {
+        return Some(Role::Router);
+    }
+    let serve = args
+        .windows(2)
+        .any(|w| base(&w[0]) == "vllm" && w[1] == "serve")
+        || args
+            .windows(2)
+            .any(|w| w[0] == "-m" && w[1].starts_with("vllm.entrypoints"));
+    if !serve {
+        return None;
+    }
+    let config = args.iter().enumerate().find_map(|(i, a)| {
+        if a == "--kv-transfer-config" {
+            args.get(i + 1).map(String::as_str)
+        } else {
+            a.strip_prefix("--kv-transfer-config=")
+        }
+    })?;
+    let compact: String = config.chars().filter(|c| !c.is_whitespace()).collect();
+    if compact.contains("\"kv_role\":\"kv_producer\"") {
+        Some(Role::Prefill)
+    } else if compact.contains("\"kv_role\":\"kv_consumer\"") {
+        Some(Role::Decode)
+    } else {
+        Some(Role::Unknown)
+    }
 }
 
 /// Worker addresses a router names on its command line: `--prefill URL [BOOTSTRAP_PORT]`,
@@ -424,6 +467,53 @@ mod tests {
         assert_eq!(
             classify_sglang(&args("python -m sglang.launch_server --port 30000")),
             None
+        );
+    }
+
+    #[test]
+    fn vllm_conventions() {
+        let d = Discovery::with_conventions();
+        let cls = |s: &str| d.classify(1, &args(s));
+        assert_eq!(
+            cls(
+                "/venv/bin/python /venv/bin/vllm-router --vllm-pd-disaggregation --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200"
+            ),
+            Some(Role::Router)
+        );
+        assert_eq!(
+            cls("python -m vllm_router.launch_router"),
+            Some(Role::Router)
+        );
+        assert_eq!(
+            cls(
+                r#"/venv/bin/python /venv/bin/vllm serve m --kv-transfer-config {"kv_connector":"NixlConnector","kv_role":"kv_producer"}"#
+            ),
+            Some(Role::Prefill)
+        );
+        assert_eq!(
+            cls(
+                r#"vllm serve m --kv-transfer-config={"kv_connector":"P2pNcclConnector","kv_role":"kv_consumer"}"#
+            ),
+            Some(Role::Decode)
+        );
+        assert_eq!(
+            cls(
+                r#"vllm serve m --kv-transfer-config {"kv_connector":"NixlConnector","kv_role":"kv_both"}"#
+            ),
+            Some(Role::Unknown)
+        );
+        // A vLLM server without disaggregation is not part of a PD pair.
+        assert_eq!(cls("vllm serve m --port 8000"), None);
+        assert_eq!(cls("python train.py --note vllm-router"), None);
+        // vllm-router names its workers as smg does (no bootstrap port after the URL).
+        assert_eq!(
+            router_workers(&args(
+                "vllm-router --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200"
+            )),
+            vec![
+                (Role::Prefill, "127.0.0.1".to_owned(), 8100),
+                (Role::Decode, "127.0.0.1".to_owned(), 8200)
+            ]
         );
     }
 

@@ -7,7 +7,9 @@
 
 /// Parts of a message we keep, and bytes of each.
 pub const KEEP_PARTS: usize = 4;
-pub const KEEP_BYTES: usize = 64;
+/// Enough for a vLLM request name (`cmpl-` + vllm-router's ~100-byte id), cut where revenant
+/// cuts ids anyway.
+pub const KEEP_BYTES: usize = crate::normalize::attrs::MAX_ID_BYTES;
 /// Longest frame we accept: 1 GiB; anything larger is garbage.
 const MAX_FRAME: u64 = 1 << 30;
 const GREETING: usize = 64;
@@ -176,41 +178,67 @@ impl ZmtpStream {
     }
 }
 
+/// The transfer a control message is about: an SGLang `bootstrap_room`, or the vLLM request
+/// whose KV moves (`kv_transfer_params.remote_request_id`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TransferKey {
+    Room(u64),
+    Request(String),
+}
+
 /// What a decoded message means for the request lifecycle.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Control {
-    /// Decode registered for (and so asked for the KV of) this room: the bootstrap handshake.
-    Bootstrap { room: u64 },
-    /// Decode withdrew the room before its KV arrived.
-    Abort { room: u64 },
-    /// A chunk of the room's KV cache, sent by prefill (`chunk` counts from 0).
-    Kv { room: u64, chunk: u64 },
-    /// Prefill sent the room's last KV chunk.
-    KvDone { room: u64 },
+    /// Decode registered for (and so asked for the KV of) this transfer: the handshake.
+    Bootstrap { key: TransferKey },
+    /// Decode withdrew before the KV arrived.
+    Abort { key: TransferKey },
+    /// A chunk of the KV cache, sent by prefill (`chunk` counts from 0).
+    Kv { key: TransferKey, chunk: u64 },
+    /// Prefill sent the last KV chunk.
+    KvDone { key: TransferKey },
 }
 
-/// Reads the verb and room of a KV-transfer control message.
+/// Reads the verb and key of a KV-transfer control message.
 ///
-/// Decode to prefill: `[b"BOOTSTRAP", room, ..]`, `[b"ABORT", room]`, and SGLang's
-/// transfer-info message whose first part is the room itself (`[str(room), ip, port, ..]`).
-/// Prefill to decode: `[b"KV", room, chunk, payload]` and `[b"KV_DONE", room, tokens]` (only
-/// the verb, the room and the chunk index are read, never the payload).
+/// SGLang, decode to prefill: `[b"BOOTSTRAP", room, ..]`, `[b"ABORT", room]`, and SGLang's
+/// transfer-info message whose first part is the room itself (`[str(room), ip, port, ..]`);
+/// prefill to decode: `[b"KV", room, chunk, payload]` and `[b"KV_DONE", room, tokens]`.
+/// The vLLM side channel (pd-sim's model of NIXL's, keyed by the request name): decode to
+/// prefill `[b"NIXL_READ", name, ..]`, `[b"NIXL_ABORT", name]`; prefill to decode
+/// `[b"NIXL_KV", name, chunk, payload]`, `[b"NIXL_DONE", name, tokens]`. Only the verb, the key
+/// and the chunk index are read, never the payload.
 pub fn control(msg: &Message) -> Option<Control> {
     let first = msg.parts.first()?;
+    let room = |i: usize| parse_room(msg.parts.get(i)?).map(TransferKey::Room);
+    let name = |i: usize| parse_name(msg.parts.get(i)?).map(TransferKey::Request);
+    let chunk = || -> Option<u64> { std::str::from_utf8(msg.parts.get(2)?).ok()?.parse().ok() };
     match first.as_slice() {
-        b"BOOTSTRAP" => parse_room(msg.parts.get(1)?).map(|room| Control::Bootstrap { room }),
-        b"ABORT" => parse_room(msg.parts.get(1)?).map(|room| Control::Abort { room }),
-        b"KV" => {
-            let room = parse_room(msg.parts.get(1)?)?;
-            let chunk = std::str::from_utf8(msg.parts.get(2)?).ok()?.parse().ok()?;
-            Some(Control::Kv { room, chunk })
-        }
-        b"KV_DONE" => parse_room(msg.parts.get(1)?).map(|room| Control::KvDone { room }),
-        other if msg.part_count >= 2 => {
-            parse_room_text(other).map(|room| Control::Bootstrap { room })
-        }
+        b"BOOTSTRAP" => room(1).map(|key| Control::Bootstrap { key }),
+        b"ABORT" => room(1).map(|key| Control::Abort { key }),
+        b"KV" => Some(Control::Kv {
+            key: room(1)?,
+            chunk: chunk()?,
+        }),
+        b"KV_DONE" => room(1).map(|key| Control::KvDone { key }),
+        b"NIXL_READ" => name(1).map(|key| Control::Bootstrap { key }),
+        b"NIXL_ABORT" => name(1).map(|key| Control::Abort { key }),
+        b"NIXL_KV" => Some(Control::Kv {
+            key: name(1)?,
+            chunk: chunk()?,
+        }),
+        b"NIXL_DONE" => name(1).map(|key| Control::KvDone { key }),
+        other if msg.part_count >= 2 => parse_room_text(other).map(|room| Control::Bootstrap {
+            key: TransferKey::Room(room),
+        }),
         _ => None,
     }
+}
+
+/// A request name as an id: printable ASCII, not empty.
+fn parse_name(b: &[u8]) -> Option<String> {
+    (!b.is_empty() && b.iter().all(|c| c.is_ascii_graphic()))
+        .then(|| String::from_utf8_lossy(b).into_owned())
 }
 
 fn parse_room_text(b: &[u8]) -> Option<u64> {
@@ -277,7 +305,7 @@ mod tests {
             assert_eq!(
                 control(&out[0]),
                 Some(Control::Bootstrap {
-                    room: 9066467638188682269
+                    key: TransferKey::Room(9066467638188682269)
                 })
             );
             assert_eq!(out[1].part_count, 3);
@@ -291,7 +319,12 @@ mod tests {
             true,
             &mut out,
         );
-        assert_eq!(control(&out[0]), Some(Control::Abort { room: 42 }));
+        assert_eq!(
+            control(&out[0]),
+            Some(Control::Abort {
+                key: TransferKey::Room(42)
+            })
+        );
     }
 
     #[test]
@@ -300,12 +333,67 @@ mod tests {
             parts: vec![b"123".to_vec(), b"10.0.0.1".to_vec()],
             part_count: 6,
         };
-        assert_eq!(control(&msg), Some(Control::Bootstrap { room: 123 }));
+        assert_eq!(
+            control(&msg),
+            Some(Control::Bootstrap {
+                key: TransferKey::Room(123)
+            })
+        );
         let msg = Message {
             parts: vec![b"hello".to_vec(), b"x".to_vec()],
             part_count: 2,
         };
         assert_eq!(control(&msg), None);
+    }
+
+    #[test]
+    fn vllm_side_channel_names_the_request() {
+        let name = "cmpl-___prefill_addr_127.0.0.1:8100___decode_addr_127.0.0.1:8200_0123456789abcdef0123456789abcdef";
+        let msg = |parts: &[&[u8]]| Message {
+            parts: parts.iter().map(|p| p.to_vec()).collect(),
+            part_count: parts.len() as u32,
+        };
+        let key = TransferKey::Request(name.to_owned());
+        assert_eq!(
+            control(&msg(&[
+                b"NIXL_READ",
+                name.as_bytes(),
+                b"127.0.0.1",
+                b"7001"
+            ])),
+            Some(Control::Bootstrap { key: key.clone() })
+        );
+        assert_eq!(
+            control(&msg(&[b"NIXL_KV", name.as_bytes(), b"0", b"\x00\x01"])),
+            Some(Control::Kv {
+                key: key.clone(),
+                chunk: 0
+            })
+        );
+        assert_eq!(
+            control(&msg(&[b"NIXL_DONE", name.as_bytes(), b"12"])),
+            Some(Control::KvDone { key: key.clone() })
+        );
+        assert_eq!(
+            control(&msg(&[b"NIXL_ABORT", name.as_bytes()])),
+            Some(Control::Abort { key })
+        );
+        // Binary or empty names are not names.
+        assert_eq!(control(&msg(&[b"NIXL_READ", b"\x00\xff"])), None);
+        assert_eq!(control(&msg(&[b"NIXL_READ", b""])), None);
+        // The whole name survives the stream decoder's per-part cut.
+        let mut wire = Vec::new();
+        wire.extend(frame(b"NIXL_READ", true));
+        wire.extend(frame(name.as_bytes(), false));
+        let mut s = ZmtpStream::mid_stream();
+        let mut out = Vec::new();
+        s.feed(&wire, true, &mut out);
+        assert_eq!(
+            control(&out[0]),
+            Some(Control::Bootstrap {
+                key: TransferKey::Request(name.to_owned())
+            })
+        );
     }
 
     proptest! {

@@ -6,8 +6,16 @@
 //! - decode → prefill bootstrap server `GET /route`: transfer `received` (the handshake);
 //! - ZMTP `[BOOTSTRAP, room, ..]`: transfer `received`; the first `KV` chunk of a room: transfer
 //!   `work` (KV is moving); `KV_DONE`: transfer `completed`; `[ABORT, room]`: transfer
-//!   `cancelled`. The sender of a control message reports it; the receiver only when the
-//!   sender's role is not watched on this node;
+//!   `cancelled`. The vLLM side channel's `NIXL_READ` / `NIXL_KV` / `NIXL_DONE` / `NIXL_ABORT`
+//!   the same, keyed by the request name (the rid; a `remote_request_id` that differs from the
+//!   leg's rid is translated). The sender of a control message reports it; the receiver only
+//!   when the sender's role is not watched on this node;
+//! - vLLM legs (OpenAI paths whose body names no rid and no room): rid = vLLM's name of the
+//!   request, `cmpl-<X-Request-Id>` (`chatcmpl-` on chat), so both legs are one attempt; a
+//!   body's `kv_transfer_params` (`do_remote_decode` / `do_remote_prefill`) gives the server its
+//!   role when discovery left it unknown;
+//! - vLLM `/v1/models` (`max_model_len`) and `/metrics` (`vllm:cache_config_info`) answers:
+//!   a `capacity` report of that worker (context vs KV cache tokens), when a value changed;
 //! - a connection closed with a request not yet answered: `router cancelled` (to = the leg's
 //!   stage) when the router is the closing side watched here, else `cancelled` at the worker's
 //!   stage;
@@ -25,13 +33,17 @@ use crate::event::{Kind, LifecycleEvent, Source, Stage, truncate_reason};
 use crate::ingest::ebpf::http::{RequestHead, Side};
 use crate::ingest::ebpf::json_ids::RequestIds;
 use crate::ingest::ebpf::procs::Role;
-use crate::ingest::ebpf::zmtp::{self, Control};
+use crate::ingest::ebpf::zmtp::{self, Control, TransferKey};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum PathKind {
     Generate,
     Route,
     ServerInfo,
+    /// vLLM's model list (`max_model_len`).
+    Models,
+    /// Prometheus metrics (vLLM's `vllm:cache_config_info`).
+    Metrics,
     Other,
 }
 
@@ -44,6 +56,8 @@ pub(super) fn path_kind(path: &str) -> PathKind {
         | "/v1/responses" => PathKind::Generate,
         p if p.starts_with("/route") => PathKind::Route,
         "/server_info" | "/get_server_info" => PathKind::ServerInfo,
+        "/v1/models" => PathKind::Models,
+        "/metrics" => PathKind::Metrics,
         _ => PathKind::Other,
     }
 }
@@ -61,14 +75,20 @@ pub enum Learned {
 const MAX_LEARNED: usize = 1024;
 
 impl Tracker {
-    fn event(&self, mono_ns: u64, stage: Stage, kind: Kind, tgid: u32) -> LifecycleEvent {
+    pub(super) fn event(
+        &self,
+        mono_ns: u64,
+        stage: Stage,
+        kind: Kind,
+        tgid: u32,
+    ) -> LifecycleEvent {
         let mut e = LifecycleEvent::new(self.clock.unix(mono_ns), stage, kind, Source::Ebpf);
         e.node = self.node.clone();
         e.pid = Some(tgid);
         e
     }
 
-    fn worker_of(&self, peer: Option<SocketAddr>) -> Option<Worker> {
+    pub(super) fn worker_of(&self, peer: Option<SocketAddr>) -> Option<Worker> {
         let peer = peer?;
         if let Some(w) = self.workers.get(&peer) {
             let local =
@@ -251,15 +271,26 @@ impl Tracker {
         }
         // The handshake is the transfer leg arriving (in flight); KV bytes moving is the
         // request advancing. Only a room's first chunk is reported: one event says it moved.
-        let (kind, room, what) = match ctl {
-            Control::Bootstrap { room } => (Kind::Received, room, "zmtp BOOTSTRAP"),
-            Control::Abort { room } => (Kind::Cancelled, room, "zmtp ABORT"),
-            Control::Kv { room, chunk: 0 } => (Kind::Work, room, "zmtp KV"),
+        let (kind, key, what) = match ctl {
+            Control::Bootstrap { key } => (Kind::Received, key, "BOOTSTRAP"),
+            Control::Abort { key } => (Kind::Cancelled, key, "ABORT"),
+            Control::Kv { key, chunk: 0 } => (Kind::Work, key, "KV"),
             Control::Kv { .. } => return,
-            Control::KvDone { room } => (Kind::Completed, room, "zmtp KV_DONE"),
+            Control::KvDone { key } => (Kind::Completed, key, "KV_DONE"),
         };
-        let mut e = self.event(ts, Stage::Transfer, kind, tgid).with_room(room);
-        e.detail = Some(what.into());
+        let e = self.event(ts, Stage::Transfer, kind, tgid);
+        let e = match key {
+            TransferKey::Room(room) => {
+                let mut e = e.with_room(room);
+                e.detail = Some(format!("zmtp {what}").into());
+                e
+            }
+            TransferKey::Request(name) => {
+                let mut e = e.with_rid(self.transfer_names.rid_of(&name));
+                e.detail = Some(format!("side channel {what}").into());
+                e
+            }
+        };
         out.push(e);
     }
 

@@ -28,6 +28,7 @@ mod clock;
 mod lifecycle;
 #[cfg(test)]
 mod tests;
+mod vllm;
 
 /// Limits that bound the tracker's memory.
 #[derive(Debug, Clone, Copy)]
@@ -173,6 +174,10 @@ pub struct Tracker {
     /// Roles named by `/server_info` answers since the last [`Tracker::take_learned`]; `None`
     /// for a server that is not disaggregated (`"null"`).
     learned: Vec<(Learned, Option<Role>)>,
+    /// vLLM side-channel names that differ from their leg's rid.
+    transfer_names: vllm::TransferNames,
+    /// The last capacity each vLLM worker reported.
+    capacity: vllm::CapacityTable,
     pub stats: TrackStats,
 }
 
@@ -187,6 +192,8 @@ impl Tracker {
             local_ports: HashMap::new(),
             conns: HashMap::new(),
             learned: Vec::new(),
+            transfer_names: vllm::TransferNames::default(),
+            capacity: vllm::capacity_table(),
             stats: TrackStats::default(),
         }
     }
@@ -413,12 +420,24 @@ impl Tracker {
         };
         let p = &mut conn.pending[i];
         p.ended = true;
-        p.ids = body.request_ids();
-        let (head, ids, start) = (p.head.clone(), p.ids.clone(), p.start_ns);
+        let (head, start) = (p.head.clone(), p.start_ns);
         let deferred = std::mem::take(&mut p.deferred);
-        if p.done {
-            conn.pending.remove(i);
+        let done = p.done;
+        let mut at = *at;
+        let ids = self.vllm_request(
+            &mut at,
+            &head.path,
+            head.request_id.as_deref(),
+            body.request_ids(),
+        );
+        if let Some(conn) = self.conns.get_mut(&(at.tgid, at.fd)) {
+            if done {
+                conn.pending.remove(i);
+            } else if let Some(p) = conn.pending.get_mut(i) {
+                p.ids = ids.clone();
+            }
         }
+        let at = &at;
         self.request_event(at, &head, &ids, start, body.len, out);
         for a in deferred {
             self.response_event(at, &head, &ids, a, out);
@@ -449,10 +468,18 @@ impl Tracker {
         let Some((status, head_ts)) = p.status else {
             return;
         };
-        let server_info = path_kind(&p.head.path) == PathKind::ServerInfo;
+        let kind = path_kind(&p.head.path);
         let info = body.response_info();
-        if server_info && status < 400 {
+        // What a vLLM answer names beyond the request itself: the transfer's name, capacity.
+        let transfer_name = info
+            .remote_request_id
+            .as_ref()
+            .and_then(|_| p.ids.rid.clone());
+        if kind == PathKind::ServerInfo && status < 400 {
             self.learn(at, info.disaggregation_mode.as_deref());
+        }
+        if status < 400 {
+            self.vllm_answer(at, kind, transfer_name.as_deref(), (body, &info), ts, out);
         }
         let answer = if status >= 400 {
             let reason = info

@@ -521,3 +521,320 @@ fn an_answer_before_the_request_body_ended_keeps_its_token_count() {
     );
     assert_eq!(s.out[2].input_tokens, Some(9));
 }
+
+const VLLM_X: &str = "___prefill_addr_127.0.0.1:31001___decode_addr_127.0.0.1:31002_0123456789abcdef0123456789abcdef";
+
+fn http_post(path: &str, body: &str) -> Vec<u8> {
+    format!(
+        "POST {path} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\nx-request-id: {VLLM_X}\r\ntraceparent: 00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
+}
+
+fn http_answer(status: &str, body: &str) -> Vec<u8> {
+    format!(
+        "HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
+}
+
+fn zmtp_wire(parts: &[&[u8]]) -> Vec<u8> {
+    let mut wire = vec![0xFF, 0, 0, 0, 0, 0, 0, 0, 1, 0x7F, 3, 1];
+    wire.resize(64, 0);
+    for (i, p) in parts.iter().enumerate() {
+        wire.push((i + 1 < parts.len()) as u8);
+        wire.push(p.len() as u8);
+        wire.extend_from_slice(p);
+    }
+    wire
+}
+
+fn vllm_prefill_leg(prompt: &str) -> Vec<u8> {
+    http_post(
+        "/v1/completions",
+        &format!(
+            r#"{{"kv_transfer_params":{{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}},"max_tokens":1,"min_tokens":1,"model":"m","prompt":"{prompt}","stream":false}}"#
+        ),
+    )
+}
+
+fn vllm_decode_leg(prompt: &str, params: Option<&str>) -> Vec<u8> {
+    let params = params.map_or(String::new(), |name| {
+        format!(
+            r#""kv_transfer_params":{{"do_remote_prefill":true,"do_remote_decode":false,"remote_engine_id":"e1","remote_block_ids":[1,2],"remote_request_id":"{name}","remote_host":"127.0.0.1","remote_port":17010,"tp_size":1}},"#
+        )
+    });
+    http_post(
+        "/v1/completions",
+        &format!(r#"{{{params}"max_tokens":8,"model":"m","prompt":"{prompt}","stream":false}}"#),
+    )
+}
+
+fn vllm_ok(name: &str, params: bool) -> Vec<u8> {
+    let kv = if params {
+        format!(
+            r#","kv_transfer_params":{{"do_remote_prefill":true,"do_remote_decode":false,"remote_engine_id":"e1","remote_block_ids":[1,2],"remote_request_id":"{name}","remote_host":"127.0.0.1","remote_port":17010,"tp_size":1}}"#
+        )
+    } else {
+        String::new()
+    };
+    http_answer(
+        "200 OK",
+        &format!(
+            r#"{{"id":"{name}","object":"text_completion","model":"m","choices":[{{"index":0,"text":"CANARY-out","finish_reason":"length"}}],"usage":{{"prompt_tokens":3,"total_tokens":4,"completion_tokens":1}}{kv}}}"#
+        ),
+    )
+}
+
+fn rid_kinds(s: &Sim) -> Vec<(Stage, Kind, Option<String>)> {
+    s.out
+        .iter()
+        .map(|e| (e.stage, e.kind, e.ids.rid.as_deref().map(str::to_owned)))
+        .collect()
+}
+
+#[test]
+fn vllm_pair_is_one_attempt_named_as_vllm_names_it() {
+    let mut s = Sim::new();
+    let name = format!("cmpl-{VLLM_X}");
+    let n = Some(name.clone());
+    s.connect(ROUTER, 5, "127.0.0.1:31001");
+    s.accept(PREFILL, 7);
+    let leg = vllm_prefill_leg("CANARY-7f3a lorem ipsum");
+    s.io(ROUTER, 5, syscall::WRITEV, &leg, 65536);
+    s.io(PREFILL, 7, syscall::RECVFROM, &leg, 65536);
+    let ok = vllm_ok(&name, true);
+    s.io(PREFILL, 7, syscall::SENDTO, &ok, 4096);
+    s.io(ROUTER, 5, syscall::RECVFROM, &ok, 4096);
+    // Sequential: decode's leg after prefill answered, with prefill's params.
+    s.connect(ROUTER, 6, "127.0.0.1:31002");
+    s.accept(DECODE, 8);
+    let leg = vllm_decode_leg("CANARY-7f3a lorem ipsum", Some(&name));
+    s.io(ROUTER, 6, syscall::WRITEV, &leg, 65536);
+    s.io(DECODE, 8, syscall::RECVFROM, &leg, 65536);
+    // The side channel: decode asks prefill for the KV, prefill sends it.
+    s.connect(DECODE, 9, "127.0.0.1:17010");
+    s.io(
+        DECODE,
+        9,
+        syscall::SENDTO,
+        &zmtp_wire(&[b"NIXL_READ", name.as_bytes(), b"127.0.0.1", b"17020"]),
+        4096,
+    );
+    s.connect(PREFILL, 10, "127.0.0.1:17020");
+    let mut kv = zmtp_wire(&[b"NIXL_KV", name.as_bytes(), b"0", b"\x00\x01"]);
+    kv.extend(&zmtp_wire(&[b"NIXL_DONE", name.as_bytes(), b"3"])[64..]);
+    s.io(PREFILL, 10, syscall::SENDTO, &kv, 4096);
+    let ok = vllm_ok(&name, false);
+    s.io(DECODE, 8, syscall::SENDTO, &ok, 4096);
+    s.io(ROUTER, 6, syscall::RECVFROM, &ok, 4096);
+    assert_eq!(
+        rid_kinds(&s),
+        vec![
+            (Stage::Router, Kind::Dispatched, n.clone()),
+            (Stage::Prefill, Kind::Received, n.clone()),
+            (Stage::Prefill, Kind::Completed, n.clone()),
+            (Stage::Router, Kind::Dispatched, n.clone()),
+            (Stage::Decode, Kind::Received, n.clone()),
+            (Stage::Transfer, Kind::Received, n.clone()),
+            (Stage::Transfer, Kind::Work, n.clone()),
+            (Stage::Transfer, Kind::Completed, n.clone()),
+            (Stage::Decode, Kind::Work, n.clone()),
+            (Stage::Decode, Kind::Completed, n.clone()),
+        ]
+    );
+    assert_eq!(s.out[0].to, Some(Stage::Prefill));
+    assert_eq!(s.out[3].to, Some(Stage::Decode));
+    for e in &s.out {
+        assert!(e.ids.bootstrap_room.is_none());
+        if e.stage != Stage::Transfer {
+            assert_eq!(e.ids.request_id.as_deref(), Some(VLLM_X));
+            assert_eq!(
+                e.ids.trace_id.as_deref(),
+                Some("0af7651916cd43dd8448eb211c80319c")
+            );
+        }
+        assert!(!format!("{e:?}").contains("CANARY"), "text leaked: {e:?}");
+    }
+    // Chat requests are `chatcmpl-`.
+    assert_eq!(
+        vllm::request_name("/v1/chat/completions", "x").as_deref(),
+        Some("chatcmpl-x")
+    );
+    assert_eq!(vllm::request_name("/generate", "x"), None);
+}
+
+#[test]
+fn vllm_handoff_after_a_prefill_rejection_is_the_same_attempt() {
+    let mut s = Sim::new();
+    let n = Some(format!("cmpl-{VLLM_X}"));
+    s.accept(PREFILL, 7);
+    s.io(
+        PREFILL,
+        7,
+        syscall::RECVFROM,
+        &vllm_prefill_leg("long"),
+        65536,
+    );
+    let rej = http_answer(
+        "400 Bad Request",
+        r#"{"object":"error","message":"This model's maximum context length is 4096 tokens. However, you requested 5000 tokens (4999 in the messages, 1 in the completion). Please reduce the length of the messages or completion.","type":"BadRequestError","param":null,"code":400}"#,
+    );
+    s.io(PREFILL, 7, syscall::SENDTO, &rej, 4096);
+    // The buggy router goes on to decode without params: decode computes it all itself.
+    s.accept(DECODE, 8);
+    s.io(
+        DECODE,
+        8,
+        syscall::RECVFROM,
+        &vllm_decode_leg("long", None),
+        65536,
+    );
+    s.io(
+        DECODE,
+        8,
+        syscall::SENDTO,
+        &vllm_ok(n.as_deref().unwrap(), false),
+        4096,
+    );
+    assert_eq!(
+        rid_kinds(&s),
+        vec![
+            (Stage::Prefill, Kind::Received, n.clone()),
+            (Stage::Prefill, Kind::Rejected, n.clone()),
+            (Stage::Decode, Kind::Received, n.clone()),
+            (Stage::Decode, Kind::Work, n.clone()),
+            (Stage::Decode, Kind::Completed, n.clone()),
+        ]
+    );
+    assert_eq!(s.out[1].status, Some(400));
+    assert!(
+        s.out[1]
+            .reason
+            .as_deref()
+            .is_some_and(|r| r.starts_with("This model's maximum context length is 4096"))
+    );
+}
+
+#[test]
+fn vllm_side_channel_names_that_differ_from_the_leg_are_translated() {
+    let mut s = Sim::new();
+    let rid = format!("cmpl-{VLLM_X}");
+    // Builds that suffix the engine's id: prefill answers under another name.
+    let engine_name = format!("{rid}-0-1a2b3c4d");
+    s.accept(PREFILL, 7);
+    s.io(PREFILL, 7, syscall::RECVFROM, &vllm_prefill_leg("p"), 65536);
+    s.io(
+        PREFILL,
+        7,
+        syscall::SENDTO,
+        &vllm_ok(&engine_name, true),
+        4096,
+    );
+    s.connect(DECODE, 9, "127.0.0.1:17010");
+    s.io(
+        DECODE,
+        9,
+        syscall::SENDTO,
+        &zmtp_wire(&[b"NIXL_READ", engine_name.as_bytes(), b"127.0.0.1", b"17020"]),
+        4096,
+    );
+    let last = s.out.last().unwrap();
+    assert_eq!((last.stage, last.kind), (Stage::Transfer, Kind::Received));
+    assert_eq!(last.ids.rid.as_deref(), Some(rid.as_str()));
+    assert_eq!(s.t.transfer_names.len(), 1);
+    // An unknown name stays what it is.
+    s.io(
+        DECODE,
+        9,
+        syscall::SENDTO,
+        &zmtp_wire(&[b"NIXL_ABORT", b"cmpl-other"])[64..],
+        4096,
+    );
+    assert_eq!(s.out.last().unwrap().ids.rid.as_deref(), Some("cmpl-other"));
+}
+
+#[test]
+fn vllm_leg_params_give_unknown_workers_their_roles() {
+    let mut s = Sim::new();
+    s.t.set_role(UNKNOWN, Role::Unknown);
+    s.accept(UNKNOWN, 7);
+    s.io(UNKNOWN, 7, syscall::RECVFROM, &vllm_prefill_leg("p"), 65536);
+    assert_eq!(s.t.role(UNKNOWN), Some(Role::Prefill));
+    assert_eq!(
+        rid_kinds(&s),
+        vec![(
+            Stage::Prefill,
+            Kind::Received,
+            Some(format!("cmpl-{VLLM_X}"))
+        )]
+    );
+    // The router's side: a worker address nobody named becomes a decode.
+    s.connect(ROUTER, 5, "127.0.0.1:39999");
+    s.io(
+        ROUTER,
+        5,
+        syscall::WRITEV,
+        &vllm_decode_leg("p", Some("cmpl-x")),
+        65536,
+    );
+    assert_eq!(
+        s.t.worker_of(Some("127.0.0.1:39999".parse().unwrap()))
+            .map(|w| w.role),
+        Some(Role::Decode)
+    );
+    assert_eq!(s.out.last().unwrap().to, Some(Stage::Decode));
+}
+
+#[test]
+fn vllm_models_and_metrics_answers_are_capacity_reports() {
+    let mut s = Sim::new();
+    s.connect(ROUTER, 5, "127.0.0.1:31001");
+    let get = |path: &str| format!("GET {path} HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n").into_bytes();
+    let models = http_answer(
+        "200 OK",
+        r#"{"object":"list","data":[{"id":"m","object":"model","created":1,"owned_by":"vllm","root":"m","parent":null,"max_model_len":4096,"permission":[]}]}"#,
+    );
+    let metrics = |blocks: u64| {
+        format!(
+            "HTTP/1.1 200 OK\r\ncontent-type: text/plain; version=0.0.4\r\ncontent-length: 999\r\n\r\n# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n# TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{{block_size=\"16\",cache_dtype=\"auto\",num_gpu_blocks=\"{blocks}\"}} 1.0\n"
+        )
+        .into_bytes()
+    };
+    s.io(ROUTER, 5, syscall::WRITEV, &get("/v1/models"), 4096);
+    s.io(ROUTER, 5, syscall::RECVFROM, &models, 4096);
+    let poll = |s: &mut Sim, blocks| {
+        s.io(ROUTER, 5, syscall::WRITEV, &get("/metrics"), 4096);
+        let mut m = metrics(blocks);
+        // content-length covers exactly the body.
+        let body_len = m.len() - m.windows(4).position(|w| w == b"\r\n\r\n").unwrap() - 4;
+        m = String::from_utf8(m)
+            .unwrap()
+            .replace("999", &body_len.to_string())
+            .into_bytes();
+        s.io(ROUTER, 5, syscall::RECVFROM, &m, 4096);
+    };
+    poll(&mut s, 512);
+    poll(&mut s, 512);
+    poll(&mut s, 128);
+    let caps: Vec<_> = s
+        .out
+        .iter()
+        .map(|e| {
+            assert_eq!((e.stage, e.kind), (Stage::Prefill, Kind::Capacity));
+            assert_eq!(e.worker.as_deref(), Some("127.0.0.1:31001"));
+            (e.context_tokens, e.max_total_tokens)
+        })
+        .collect();
+    // A repeated poll says nothing new: no report.
+    assert_eq!(
+        caps,
+        vec![
+            (Some(4096), None),
+            (Some(4096), Some(8192)),
+            (Some(4096), Some(2048)),
+        ]
+    );
+}
