@@ -105,25 +105,18 @@ fn run_tests(args: &[String]) -> ExitCode {
     }
 }
 
-/// Tests against real third-party components that come from PyPI: the `sglang-router` 0.3.2
-/// wheel (`smg`) in front of the simulator, pyzmq (libzmq) against the simulator's ZMTP, and its
-/// successor `smg` 1.13.0. Both wheels install a binary named `smg`, so 1.13.0 has a venv of
-/// its own. The venvs are created once under `target/`; failing to create one fails the run
-/// loudly.
-fn real_component_tests(cargo: &str) -> std::io::Result<std::process::ExitStatus> {
-    let venv = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/xtask-venv");
+/// A venv under `target/` holding `packages`, (re)created unless `ready` (a Python snippet that
+/// exits 0) says it is already what it must be.
+fn ensure_venv(name: &str, packages: &[&str], ready: &str) -> std::io::Result<std::path::PathBuf> {
+    let venv = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target").join(name);
     let python = venv.join("bin/python");
-    let smg = venv.join("bin/smg");
-    let ready = smg.exists()
+    let is_ready = python.exists()
         && Command::new(&python)
-            .args(["-c", "import zmq"])
+            .args(["-c", ready])
             .status()
             .is_ok_and(|s| s.success());
-    if !ready {
-        eprintln!(
-            "xtask: creating {} (sglang-router==0.3.2, pyzmq)",
-            venv.display()
-        );
+    if !is_ready {
+        eprintln!("xtask: creating {} ({})", venv.display(), packages.join(", "));
         let ok = Command::new("python3")
             .arg("-m")
             .arg("venv")
@@ -131,46 +124,53 @@ fn real_component_tests(cargo: &str) -> std::io::Result<std::process::ExitStatus
             .status()?
             .success()
             && Command::new(venv.join("bin/pip"))
-                .args(["install", "--quiet", "sglang-router==0.3.2", "pyzmq"])
+                .args(["install", "--quiet"])
+                .args(packages)
                 .status()?
                 .success();
         if !ok {
-            return Err(std::io::Error::other(
-                "could not create the real-component venv (pip install sglang-router==0.3.2 pyzmq)",
-            ));
+            return Err(std::io::Error::other(format!(
+                "could not create the venv {} (pip install {})",
+                venv.display(),
+                packages.join(" ")
+            )));
         }
     }
-    // smg 1.13.0: ready when the venv holds exactly that version (a stale venv is reinstalled).
-    let venv113 =
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/xtask-venv-smg113");
+    Ok(venv)
+}
+
+/// `ready` snippet: the venv holds exactly this version of that distribution (a stale venv is
+/// reinstalled).
+fn has_version(dist: &str, version: &str) -> String {
+    format!(
+        "import importlib.metadata as m, sys; sys.exit(m.version('{dist}') != '{version}')"
+    )
+}
+
+/// Tests against real third-party components that come from PyPI: the `sglang-router` 0.3.2
+/// wheel (`smg`) in front of the simulator, pyzmq (libzmq) against the simulator's ZMTP, its
+/// successor `smg` 1.13.0, and `vllm-router` 0.1.17 in front of the simulator's vLLM workers.
+/// Both smg wheels install a binary named `smg`, so each router has a venv of its own. The venvs
+/// are created once under `target/`; failing to create one fails the run loudly.
+fn real_component_tests(cargo: &str) -> std::io::Result<std::process::ExitStatus> {
+    let ready = format!("{}; import zmq", has_version("sglang-router", "0.3.2"));
+    let venv = ensure_venv("xtask-venv", &["sglang-router==0.3.2", "pyzmq"], &ready)?;
+    let python = venv.join("bin/python");
+    let smg = venv.join("bin/smg");
+    let venv113 = ensure_venv(
+        "xtask-venv-smg113",
+        &["smg==1.13.0"],
+        &has_version("smg", "1.13.0"),
+    )?;
     let smg113 = venv113.join("bin/smg");
-    let ready113 = smg113.exists()
-        && Command::new(venv113.join("bin/python"))
-            .args([
-                "-c",
-                "import importlib.metadata as m, sys; sys.exit(m.version('smg') != '1.13.0')",
-            ])
-            .status()
-            .is_ok_and(|s| s.success());
-    if !ready113 {
-        eprintln!("xtask: creating {} (smg==1.13.0)", venv113.display());
-        let ok = Command::new("python3")
-            .arg("-m")
-            .arg("venv")
-            .arg(&venv113)
-            .status()?
-            .success()
-            && Command::new(venv113.join("bin/pip"))
-                .args(["install", "--quiet", "smg==1.13.0"])
-                .status()?
-                .success();
-        if !ok {
-            return Err(std::io::Error::other(
-                "could not create the smg 1.13.0 venv (pip install smg==1.13.0)",
-            ));
-        }
-    }
-    eprintln!("xtask: real-component tests (sglang-router 0.3.2 smg, smg 1.13.0, pyzmq)");
+    let venv_vllm = ensure_venv(
+        "xtask-venv-vllm-router",
+        &["vllm-router==0.1.17"],
+        &has_version("vllm-router", "0.1.17"),
+    )?;
+    eprintln!(
+        "xtask: real-component tests (sglang-router 0.3.2 smg, smg 1.13.0, vllm-router 0.1.17, pyzmq)"
+    );
     // Ignored tests that need the venvs (pd-sim's, and revenant's `ebpf_real_router`). The eBPF
     // ones need root, as CI runs; they fail (never skip) when the probes cannot load.
     const IGNORED: &[&str] = &[
@@ -180,6 +180,7 @@ fn real_component_tests(cargo: &str) -> std::io::Result<std::process::ExitStatus
         "e2e_capacity",
         "smg_1_13",
         "ebpf_real_router",
+        "vllm_router",
     ];
     // The same package selection as the first run (`--workspace`): cargo resolves features per
     // selection, so `-p pd-sim` or `-p revenant` would build every crate again, a second ~5 GB
@@ -194,5 +195,7 @@ fn real_component_tests(cargo: &str) -> std::io::Result<std::process::ExitStatus
         .env("PD_SIM_SMG", &smg)
         .env("PD_SIM_SMG113", &smg113)
         .env("PD_SIM_PYTHON", &python)
+        .env("PD_SIM_VLLM_ROUTER", venv_vllm.join("bin/vllm-router"))
+        .env("PD_SIM_VLLM_ROUTER_PYTHON", venv_vllm.join("bin/python"))
         .status()
 }

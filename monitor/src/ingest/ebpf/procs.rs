@@ -3,7 +3,7 @@
 //! Roles come from command lines with SGLang conventions (`--disaggregation-mode prefill|decode`,
 //! the router binary `smg` / module `sglang_router`) and vLLM ones (`vllm serve` with a
 //! `--kv-transfer-config` naming `kv_producer` / `kv_consumer`, the router `vllm-router` / module
-//! `vllm_router`), overridden by explicit `--watch ROLE=REGEX`
+//! `vllm_router` / title `vllm::router`), overridden by explicit `--watch ROLE=REGEX`
 //! and `--pid ROLE=PID` rules. A rule may say `unknown`: the process is watched, and its role
 //! is learned from the `disaggregation_mode` its `/server_info` answer names (see `track`).
 //! The pure parts (classification, rule parsing, /proc/net parsing) are separate from the small
@@ -203,13 +203,17 @@ pub fn classify_sglang(args: &[String]) -> Option<Role> {
     None
 }
 
-/// vLLM conventions: the router is `vllm-router` (or `python -m vllm_router…`); a worker is
+/// vLLM conventions: the router is `vllm-router` (or `python -m vllm_router…`, or a process
+/// titled `vllm::router`: its launcher retitles itself so, dropping the flags); a worker is
 /// `vllm serve` (or `python -m vllm.entrypoints…`) whose `--kv-transfer-config` JSON names its KV
 /// role. `kv_producer` serves prefill, `kv_consumer` decode; `kv_both` (NIXL's usual setting)
 /// says nothing, so such a worker is watched with role unknown and its role is learned from the
 /// `kv_transfer_params` of the requests it gets (see `track`).
 pub fn classify_vllm(args: &[String]) -> Option<Role> {
     let base = |a: &String| a.rsplit('/').next().unwrap_or(a).to_owned();
+    if args.first().is_some_and(|a| a == "vllm::router") {
+        return Some(Role::Router);
+    }
     let head: Vec<String> = args.iter().take(3).map(base).collect();
     if head.iter().any(|a| a == "vllm-router")
         || args
