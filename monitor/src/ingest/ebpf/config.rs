@@ -32,7 +32,7 @@ pub struct EbpfArgs {
     /// Watch process PID as ROLE (a bare PID: role unknown until /server_info names it). Repeatable.
     #[arg(long = "pid", value_name = "[ROLE=]PID")]
     pub pid: Vec<PidRule>,
-    /// Do not apply the SGLang command-line conventions (only --watch/--pid).
+    /// Do not apply the SGLang and vLLM command-line conventions (only --watch/--pid).
     #[arg(long)]
     pub no_sglang_conventions: bool,
     /// Leading payload bytes captured per syscall (1..=4096).
@@ -58,7 +58,8 @@ pub struct EbpfOptions {
     /// `[ROLE=]PID` rules (`--pid`); flags add to them.
     #[serde(deserialize_with = "parsed_list")]
     pub pid: Vec<PidRule>,
-    /// Apply the SGLang command-line conventions (`--no-sglang-conventions` turns them off).
+    /// Apply the SGLang and vLLM command-line conventions (`--no-sglang-conventions` turns them
+    /// off).
     pub sglang_conventions: bool,
     pub capture_head_bytes: u32,
     pub capture_tail_bytes: u32,
