@@ -326,9 +326,19 @@ async fn run_vllm(a: ClusterArgs) -> anyhow::Result<()> {
     };
     let mut procs: Vec<Proc> = Vec::new();
     let result = async {
-        let pargs = worker(a.prefill_port, a.prefill_side_channel_port, 4096, &a.prefill_args);
+        let pargs = worker(
+            a.prefill_port,
+            a.prefill_side_channel_port,
+            4096,
+            &a.prefill_args,
+        );
         procs.push(start("prefill", "prefill", pargs).await?);
-        let dargs = worker(a.decode_port, a.decode_side_channel_port, 32768, &a.decode_args);
+        let dargs = worker(
+            a.decode_port,
+            a.decode_side_channel_port,
+            32768,
+            &a.decode_args,
+        );
         procs.push(start("decode", "decode", dargs).await?);
         if a.no_router {
             return Ok::<(), anyhow::Error>(());

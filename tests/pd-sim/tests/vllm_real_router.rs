@@ -17,7 +17,11 @@ use support::*;
 fn vllm_router() -> Option<PathBuf> {
     if let Some(p) = std::env::var_os("PD_SIM_VLLM_ROUTER") {
         let p = PathBuf::from(p);
-        assert!(p.is_file(), "PD_SIM_VLLM_ROUTER={} does not exist", p.display());
+        assert!(
+            p.is_file(),
+            "PD_SIM_VLLM_ROUTER={} does not exist",
+            p.display()
+        );
         return Some(p);
     }
     let p = test_harness::workspace_root().join("target/vllm-router-venv/bin/vllm-router");
@@ -38,8 +42,19 @@ fn start_router(bin: &PathBuf, c: &Cluster, log: &std::path::Path) -> (test_harn
     let err = out.try_clone().unwrap();
     let mut cmd = Command::new(bin);
     cmd.args(["--host", "127.0.0.1", "--port", &port.to_string()])
-        .args(["--prometheus-host", "127.0.0.1", "--prometheus-port", &prom.to_string()])
-        .args(["--vllm-pd-disaggregation", "--prefill", &c.prefill, "--decode", &c.decode])
+        .args([
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            &prom.to_string(),
+        ])
+        .args([
+            "--vllm-pd-disaggregation",
+            "--prefill",
+            &c.prefill,
+            "--decode",
+            &c.decode,
+        ])
         .args(["--policy", "round_robin"])
         .stdin(Stdio::null())
         .stdout(out)
@@ -51,7 +66,12 @@ fn start_router(bin: &PathBuf, c: &Cluster, log: &std::path::Path) -> (test_harn
     (proc, format!("http://127.0.0.1:{port}"))
 }
 
-async fn post(client: &HttpClient, url: &str, id: &str, body: Value) -> (u16, hyper::HeaderMap, String) {
+async fn post(
+    client: &HttpClient,
+    url: &str,
+    id: &str,
+    body: Value,
+) -> (u16, hyper::HeaderMap, String) {
     use http_body_util::{BodyExt, Full};
     let req = hyper::Request::post(url)
         .header("content-type", "application/json")
@@ -123,7 +143,9 @@ async fn real_vllm_router_passes_a_400_through_and_hands_kv_params_to_decode() {
     assert_eq!(dreq["request_id"], &id[5..], "X on the decode leg: {dreq}");
 
     // Over-long: prefill's 400 passed through; decode never contacted.
-    let before = stats(&client, &c.decode).await["worker"]["requests"].as_u64().unwrap();
+    let before = stats(&client, &c.decode).await["worker"]["requests"]
+        .as_u64()
+        .unwrap();
     let (s, h, body) = post(
         &client,
         &format!("{url}/v1/completions"),
@@ -137,7 +159,9 @@ async fn real_vllm_router_passes_a_400_through_and_hands_kv_params_to_decode() {
     assert_eq!(e["type"], "BadRequestError");
     assert!(e["message"].as_str().unwrap().starts_with("This model's maximum context length is 4096 tokens. However, you requested 5001 tokens (5000 in the messages, 1 in the completion)."));
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let after = stats(&client, &c.decode).await["worker"]["requests"].as_u64().unwrap();
+    let after = stats(&client, &c.decode).await["worker"]["requests"]
+        .as_u64()
+        .unwrap();
     assert_eq!(after, before, "decode was contacted after a prefill 400");
 
     // Streamed chat end to end.
@@ -151,7 +175,10 @@ async fn real_vllm_router_passes_a_400_through_and_hands_kv_params_to_decode() {
     .await;
     assert_eq!(s, 200, "{body}");
     assert!(body.ends_with("data: [DONE]\n\n"), "{body}");
-    assert!(body.contains("\"id\":\"chatcmpl-___prefill_addr_"), "{body}");
+    assert!(
+        body.contains("\"id\":\"chatcmpl-___prefill_addr_"),
+        "{body}"
+    );
     let d = stats(&client, &c.decode).await;
     assert_eq!(d["worker"]["remote_prefills"], 2, "{d}");
     assert_eq!(d["worker"]["local_prefills"], 0, "{d}");
@@ -162,7 +189,13 @@ async fn real_vllm_router_turns_a_prefill_503_into_500() {
     let Some(bin) = vllm_router() else { return };
     let c = Cluster::start(
         "correct",
-        &["--flavour", "vllm", "--no-router", "--prefill-args", "--overload-share 1.0"],
+        &[
+            "--flavour",
+            "vllm",
+            "--no-router",
+            "--prefill-args",
+            "--overload-share 1.0",
+        ],
     )
     .await;
     let scratch = test_harness::ScratchDir::new("vllm-router-503").unwrap();

@@ -557,7 +557,10 @@ mod tests {
             br#"{"messages":[{"role":"user","content":"one two"},{"role":"user","content":[{"type":"text","text":"x"}]}],"max_tokens":4,"stream":true,"kv_transfer_params":null}"#,
         )
         .unwrap();
-        assert_eq!((p.prompt_tokens, p.max_tokens, p.stream), (3, Some(4), true));
+        assert_eq!(
+            (p.prompt_tokens, p.max_tokens, p.stream),
+            (3, Some(4), true)
+        );
         assert!(p.kv.is_none());
         assert_eq!(
             parse(Api::Completions, br#"{"prompt":[1,2,3,4]}"#)
@@ -569,9 +572,12 @@ mod tests {
 
     #[test]
     fn bad_bodies_are_typed_errors_that_do_not_quote_the_prompt() {
-        let e = parse(Api::Completions, br#"{"prompt":"secret CANARY","stream":"x"}"#)
-            .unwrap_err()
-            .to_string();
+        let e = parse(
+            Api::Completions,
+            br#"{"prompt":"secret CANARY","stream":"x"}"#,
+        )
+        .unwrap_err()
+        .to_string();
         assert!(!e.contains("CANARY") && !e.contains("secret"), "{e}");
         assert_eq!(
             parse(Api::Chat, b"{}").unwrap_err(),
@@ -588,9 +594,19 @@ mod tests {
             tp_size: Some(1),
             ..Default::default()
         };
-        let b = render_final(Api::Completions, "cmpl-x", "m", " the", Usage::new(3, 1), Some(&kv));
+        let b = render_final(
+            Api::Completions,
+            "cmpl-x",
+            "m",
+            " the",
+            Usage::new(3, 1),
+            Some(&kv),
+        );
         let s = std::str::from_utf8(&b).unwrap();
-        assert!(s.starts_with(r#"{"id":"cmpl-x","object":"text_completion","created":"#), "{s}");
+        assert!(
+            s.starts_with(r#"{"id":"cmpl-x","object":"text_completion","created":"#),
+            "{s}"
+        );
         assert!(s.contains(r#""choices":[{"index":0,"text":" the","logprobs":null,"finish_reason":"length","stop_reason":null}],"usage":{"prompt_tokens":3,"total_tokens":4,"completion_tokens":1"#), "{s}");
         assert!(s.contains(r#""kv_transfer_params":{"do_remote_prefill":true,"do_remote_decode":false,"remote_engine_id":null,"remote_block_ids":null,"remote_request_id":"cmpl-x","remote_host":null,"remote_port":null,"tp_size":1}"#), "{s}");
         let m = metrics(&MetricsView {
@@ -607,6 +623,9 @@ mod tests {
         assert!(m.starts_with("# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n# TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{block_size=\"16\",cache_dtype=\"auto\","));
         assert!(m.contains("num_gpu_blocks=\"256\""));
         let e = too_long_message(4096, 5000, 1);
-        assert_eq!(e, "This model's maximum context length is 4096 tokens. However, you requested 5001 tokens (5000 in the messages, 1 in the completion). Please reduce the length of the messages or completion.");
+        assert_eq!(
+            e,
+            "This model's maximum context length is 4096 tokens. However, you requested 5001 tokens (5000 in the messages, 1 in the completion). Please reduce the length of the messages or completion."
+        );
     }
 }

@@ -212,10 +212,9 @@ async fn health(State(rt): State<Shared>) -> Response {
 async fn models(State(rt): State<Shared>) -> Response {
     let url = format!("{}/v1/models", rt.prefill.base);
     match crate::http::get(&rt.client, &url, Duration::from_secs(10)).await {
-        Ok((status, body)) => crate::http::json_response(
-            status,
-            String::from_utf8_lossy(&body).into_owned(),
-        ),
+        Ok((status, body)) => {
+            crate::http::json_response(status, String::from_utf8_lossy(&body).into_owned())
+        }
         Err(e) => (StatusCode::SERVICE_UNAVAILABLE, format!("prefill: {e}")).into_response(),
     }
 }
@@ -404,7 +403,14 @@ enum Leg {
 }
 
 impl Rt {
-    async fn send(&self, ep: &Endpoint, path: &str, body: Vec<u8>, x: &str, tp: &TraceParent) -> Leg {
+    async fn send(
+        &self,
+        ep: &Endpoint,
+        path: &str,
+        body: Vec<u8>,
+        x: &str,
+        tp: &TraceParent,
+    ) -> Leg {
         let req = match hyper::Request::post(format!("{}{path}", ep.base))
             .header("content-type", "application/json")
             .header("x-request-id", x)
@@ -524,7 +530,10 @@ async fn route_inner(
         Ok(m) => m,
         Err(_) => {
             rt.stats.bad_requests.fetch_add(1, Ordering::Relaxed);
-            return json_error(StatusCode::BAD_REQUEST, "request body must be a JSON object");
+            return json_error(
+                StatusCode::BAD_REQUEST,
+                "request body must be a JSON object",
+            );
         }
     };
     let x = pd_request_id(&rt.prefill.authority, &rt.decode.authority);
@@ -549,7 +558,10 @@ async fn route_inner(
                     rt.stats.prefill_failures.fetch_add(1, Ordering::Relaxed);
                     return text_response(
                         StatusCode::INTERNAL_SERVER_ERROR,
-                        format!("Transparent proxy request failed: Network error: Prefill server {}{route} body: {e}", rt.prefill.base),
+                        format!(
+                            "Transparent proxy request failed: Network error: Prefill server {}{route} body: {e}",
+                            rt.prefill.base
+                        ),
                     );
                 }
             }
@@ -603,7 +615,10 @@ async fn route_inner(
         );
     }
     // Decode: the client's body plus what prefill said about its KV (copied as found).
-    let kv = parsed.as_ref().and_then(|m| m.get("kv_transfer_params")).cloned();
+    let kv = parsed
+        .as_ref()
+        .and_then(|m| m.get("kv_transfer_params"))
+        .cloned();
     let mut dbody = client;
     if kv.as_ref().is_none_or(|v| v.is_null()) {
         rt.stats
@@ -673,7 +688,10 @@ mod tests {
             .strip_prefix("___prefill_addr_127.0.0.1:1___decode_addr_127.0.0.1:2_")
             .unwrap();
         assert_eq!(tail.len(), 32);
-        assert!(tail.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)));
+        assert!(
+            tail.bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+        );
         let client: serde_json::Map<String, serde_json::Value> = serde_json::from_str(
             r#"{"prompt":"a b","max_tokens":9,"stream":true,"stream_options":{"include_usage":true}}"#,
         )

@@ -21,7 +21,7 @@ use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot};
 
 use super::VllmArgs;
-use super::api::{self, Api, KvTransferParams, Parsed, Usage};
+use super::api::{self, Api, KvTransferParams, Usage};
 use super::side;
 use crate::ids::{new_rid, now_ns};
 use crate::kvlink::{LinkStats, Pushers, serve_pull};
@@ -219,7 +219,10 @@ impl Live {
             if ignored {
                 r.outcome = "cancel-ignored";
                 r.final_outcome = Some(outcome);
-            } else if !matches!(r.outcome, "held" | "transferred" | "aborted" | "hold-expired") {
+            } else if !matches!(
+                r.outcome,
+                "held" | "transferred" | "aborted" | "hold-expired"
+            ) {
                 // A prefill's outcome says where its held KV went; it stays.
                 r.outcome = outcome;
             }
@@ -271,39 +274,35 @@ struct Times {
     end: u64,
 }
 
-/// vLLM's `llm_request` span (SERVER), parented on the inbound `traceparent`.
-fn request_span(
-    w: &Worker,
+/// What a request's span says about it besides its times and completion.
+struct SpanFacts {
     tp: Option<TraceParent>,
-    id: &str,
-    p: &Parsed,
+    id: String,
+    prompt_tokens: u64,
     max_tokens: u64,
-    completion: u64,
-    t: &Times,
-    err: Option<&str>,
-) {
+}
+
+/// vLLM's `llm_request` span (SERVER), parented on the inbound `traceparent`.
+fn request_span(w: &Worker, r: &SpanFacts, completion: u64, t: &Times, err: Option<&str>) {
     if !w.spans.enabled() {
         return;
     }
     let s = |a: u64, b: u64| b.saturating_sub(a) as f64 / 1e9;
     let mut span = SpanSpec {
-        trace_id: tp.map(|t| t.trace_id).unwrap_or_else(random_trace_id),
+        trace_id: r.tp.map(|t| t.trace_id).unwrap_or_else(random_trace_id),
         span_id: random_span_id(),
-        parent: tp.map(|t| t.span_id),
+        parent: r.tp.map(|t| t.span_id),
         name: "llm_request".into(),
         start_ns: t.received,
         end_ns: t.end,
         attributes: vec![
             kv_str("gen_ai.response.model", w.a.model_path.clone()),
-            kv_str("gen_ai.request.id", id),
-            kv_int("gen_ai.request.max_tokens", max_tokens as i64),
+            kv_str("gen_ai.request.id", r.id.clone()),
+            kv_int("gen_ai.request.max_tokens", r.max_tokens as i64),
             kv_int("gen_ai.request.n", 1),
-            kv_int("gen_ai.usage.prompt_tokens", p.prompt_tokens as i64),
+            kv_int("gen_ai.usage.prompt_tokens", r.prompt_tokens as i64),
             kv_int("gen_ai.usage.completion_tokens", completion as i64),
-            kv_f64(
-                "gen_ai.latency.time_in_queue",
-                s(t.received, t.scheduled),
-            ),
+            kv_f64("gen_ai.latency.time_in_queue", s(t.received, t.scheduled)),
             kv_f64(
                 "gen_ai.latency.time_to_first_token",
                 s(t.received, t.first_token),
@@ -419,6 +418,12 @@ async fn serve_request(
         pulling: None,
         done: false,
     };
+    let facts = SpanFacts {
+        tp,
+        id: id.clone(),
+        prompt_tokens: p.prompt_tokens,
+        max_tokens,
+    };
     let t_sched = now_ns();
     // The prompt's KV: pulled from the remote prefill, or computed here.
     if let Some((n, host, port)) = pull {
@@ -431,7 +436,9 @@ async fn serve_request(
                 .and_then(|mut a| a.next()),
         };
         let err = match to {
-            None => Some(format!("KV transfer of request {n}: cannot resolve remote_host")),
+            None => Some(format!(
+                "KV transfer of request {n}: cannot resolve remote_host"
+            )),
             Some(to) => {
                 let (tx, rx) = oneshot::channel();
                 if let Ok(mut ws) = w.waiters.lock() {
@@ -444,10 +451,7 @@ async fn serve_request(
                     );
                 }
                 live.pulling = Some((n.clone(), to));
-                let (ip_s, port_s) = (
-                    w.side_addr.ip().to_string(),
-                    w.side_addr.port().to_string(),
-                );
+                let (ip_s, port_s) = (w.side_addr.ip().to_string(), w.side_addr.port().to_string());
                 w.pushers
                     .send(
                         to,
@@ -486,10 +490,7 @@ async fn serve_request(
             live.finish("kv-failed", |r| r.status = 500);
             request_span(
                 &w,
-                tp,
-                &id,
-                &p,
-                max_tokens,
+                &facts,
                 0,
                 &Times {
                     received: t0,
@@ -513,11 +514,10 @@ async fn serve_request(
         .prompt_tokens
         .fetch_add(p.prompt_tokens, Ordering::Relaxed);
     // A request computed for a remote decode leaves its KV held for decode's NIXL_READ.
-    let issued = p
-        .kv
-        .as_ref()
-        .is_some_and(|k| k.do_remote_decode && !k.do_remote_prefill)
-        .then(|| w.issued_params(&id, p.prompt_tokens));
+    let issued =
+        p.kv.as_ref()
+            .is_some_and(|k| k.do_remote_decode && !k.do_remote_prefill)
+            .then(|| w.issued_params(&id, p.prompt_tokens));
     if issued.is_some() {
         if let Ok(mut h) = w.holds.lock() {
             h.insert(
@@ -553,10 +553,7 @@ async fn serve_request(
             .fetch_add(n_tokens, Ordering::Relaxed);
         request_span(
             &w,
-            tp,
-            &id,
-            &p,
-            max_tokens,
+            &facts,
             n_tokens,
             &Times {
                 received: t0,
@@ -595,7 +592,12 @@ async fn serve_request(
         let ignore = w.a.decode_ignores_cancel;
         let model = w.a.model_path.clone();
         let mut gone = false;
-        if api == Api::Chat && tx.send(Ok(api::render_role_chunk(&id, &model))).await.is_err() {
+        if api == Api::Chat
+            && tx
+                .send(Ok(api::render_role_chunk(&id, &model)))
+                .await
+                .is_err()
+        {
             gone = true;
         }
         let mut sent = 0;
@@ -637,10 +639,7 @@ async fn serve_request(
         w.stats.generation_tokens.fetch_add(sent, Ordering::Relaxed);
         request_span(
             &w,
-            tp,
-            &id,
-            &p,
-            max_tokens,
+            &facts,
             sent,
             &Times {
                 received: t0,
