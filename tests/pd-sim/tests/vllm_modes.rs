@@ -284,6 +284,19 @@ async fn vllm_http_shapes_models_metrics_stream_and_chat() {
         body,
         r#"{"object":"error","message":"This model's maximum context length is 4096 tokens. However, you requested 5001 tokens (5000 in the messages, 1 in the completion). Please reduce the length of the messages or completion.","type":"BadRequestError","param":null,"code":400}"#
     );
+    // max_tokens at the edge of u64 is a 400, not an overflow.
+    let (s, _, body) = post_full(
+        &client,
+        &format!("{}/v1/completions", c.prefill),
+        Some("huge"),
+        json!({"prompt": "a", "max_tokens": u64::MAX}),
+    )
+    .await;
+    assert_eq!(s, 400, "{body}");
+    assert!(
+        body.contains("maximum context length is 4096 tokens"),
+        "{body}"
+    );
     // Through the router: X on the legs, the client's id echoed back.
     let (s, h, body) = post_full(
         &client,
@@ -700,4 +713,58 @@ async fn vllm_garbage_on_the_side_channel_is_counted_not_fatal() {
     )
     .await;
     assert_eq!(status, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_decode_ignoring_cancel_sends_no_abort() {
+    let c = vllm_cluster(
+        "correct",
+        &[
+            "--no-router",
+            "--decode-args",
+            "--kv-timeout-ms 500 --decode-ignores-cancel",
+        ],
+    )
+    .await;
+    let client = http_client(8);
+    let side = n(&c.ready["side_channel_port"]);
+    let body = json!({"prompt": "a b c", "max_tokens": 2, "kv_transfer_params": {
+        "do_remote_prefill": true, "do_remote_decode": false, "remote_engine_id": "e",
+        "remote_block_ids": [0], "remote_request_id": "cmpl-not-held",
+        "remote_host": "127.0.0.1", "remote_port": side, "tp_size": 1}})
+    .to_string();
+    let port = c.decode.rsplit(':').next().unwrap();
+    let mut sock = tokio::net::TcpStream::connect(format!("127.0.0.1:{port}"))
+        .await
+        .unwrap();
+    let req = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\nx-request-id: stays\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    sock.write_all(req.as_bytes()).await.unwrap();
+    sock.shutdown().await.unwrap();
+    let d = eventually(
+        "decode ended the request",
+        Duration::from_secs(10),
+        async || {
+            let r = requests(&client, &c.decode).await;
+            r.into_iter()
+                .find(|r| r["id"] == "cmpl-stays" && r["outcome"] != "pending")
+        },
+    )
+    .await;
+    assert_eq!(d["outcome"], "cancel-ignored", "{d}");
+    assert_eq!(d["final_outcome"], "kv-failed", "{d}");
+    assert_eq!(d["abort_frames"], 0, "{d}");
+    let p = stats(&client, &c.prefill).await;
+    assert_eq!(n(&p["worker"]["nixl_abort_frames"]), 0, "{p}");
+    assert_eq!(n(&p["worker"]["reads_unmatched"]), 1, "{p}");
+    // The answer (500) was still written on the socket.
+    let mut buf = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), sock.read_to_end(&mut buf)).await;
+    assert!(
+        String::from_utf8_lossy(&buf).starts_with("HTTP/1.1 500"),
+        "{}",
+        String::from_utf8_lossy(&buf)
+    );
 }

@@ -178,7 +178,7 @@ pub fn error(status: StatusCode, message: &str) -> Response {
 pub fn too_long_message(max_model_len: u64, prompt: u64, completion: u64) -> String {
     format!(
         "This model's maximum context length is {max_model_len} tokens. However, you requested {} tokens ({prompt} in the messages, {completion} in the completion). Please reduce the length of the messages or completion.",
-        prompt + completion
+        prompt.saturating_add(completion)
     )
 }
 

@@ -379,7 +379,7 @@ async fn serve_request(
         r.remote_request_id = pull.as_ref().map(|(n, _, _)| n.clone());
     };
     // vLLM's input processing: the whole request must fit the context (before the engine).
-    if p.prompt_tokens + max_tokens > w.v.max_model_len {
+    if p.prompt_tokens.saturating_add(max_tokens) > w.v.max_model_len {
         w.stats.rejected_400.fetch_add(1, Ordering::Relaxed);
         let now = now_ns();
         w.record(&id, |r| {
