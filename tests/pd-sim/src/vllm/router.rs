@@ -16,7 +16,8 @@
 //!   `kv_transfer_params` whatever its status, so a rejection with a JSON body still goes to
 //!   decode (without params) and the client gets decode's answer.
 //!
-//! Spans (`service.name=vllm-router`): SERVER `POST /v1/completions` with two CLIENT children
+//! Spans (`service.name=vllm-router`, scope `vllm-router`, attributes as vllm-router 0.1.17
+//! exports them with tracing enabled): SERVER `POST /v1/completions` with two CLIENT children
 //! (`vllm.request_phase` = prefill | decode); each leg's `traceparent` carries its CLIENT span.
 
 use std::pin::Pin;
@@ -33,7 +34,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
-use opentelemetry_proto::tonic::trace::v1::{Span, span::SpanKind, status};
+use opentelemetry_proto::tonic::trace::v1::{Span, span::SpanKind};
 use rand::RngExt;
 use serde::Serialize;
 use tokio::net::TcpListener;
@@ -41,7 +42,7 @@ use tokio::net::TcpListener;
 use crate::http::{HttpClient, http_client};
 use crate::ids::now_ns;
 use crate::router::{Mode, RouterArgs};
-use crate::spans::{Exporter, ExporterConfig, SpanSink, SpanSpec, kv_int, kv_str};
+use crate::spans::{Exporter, ExporterConfig, SpanSink, SpanSpec, kv_str};
 use crate::trace_ctx::{TraceParent, random_span_id, random_trace_id};
 
 #[derive(Default, Serialize)]
@@ -121,7 +122,7 @@ pub async fn run(args: RouterArgs) -> anyhow::Result<()> {
     let exporter = Exporter::start(ExporterConfig {
         endpoint: args.otlp_endpoint.clone(),
         service_name: "vllm-router",
-        scope_name: "vllm_router_rs",
+        scope_name: "vllm-router",
         resource_attrs: vec![kv_str("host.name", crate::spans::host_name())],
     });
     let rt: Shared = Arc::new(Rt {
@@ -294,15 +295,17 @@ struct OpenSpan {
 
 impl OpenSpan {
     fn build(self, trace_id: [u8; 16]) -> Span {
-        // OTel HTTP conventions: a client span is an error from 400, a server span from 500.
-        let err = match self.kind {
-            SpanKind::Server => self.status >= 500 || self.status == 0,
-            _ => self.status >= 400 || self.status == 0,
-        };
         let mut attributes = self.attributes;
         if self.status != 0 {
-            attributes.push(kv_int("http.response.status_code", self.status as i64));
+            // A string, as vllm-router 0.1.17 exports it (its tracing fields are recorded
+            // with Display).
+            attributes.push(kv_str("http.response.status_code", self.status.to_string()));
         }
+        if self.kind == SpanKind::Server {
+            let ms = self.end.saturating_sub(self.start) as f64 / 1e6;
+            attributes.push(crate::spans::kv_f64("latency_ms", ms));
+        }
+        // Status left unset whatever the HTTP status, as the real router leaves it.
         let mut s = SpanSpec {
             trace_id,
             span_id: self.id,
@@ -316,12 +319,6 @@ impl OpenSpan {
         }
         .build();
         s.kind = self.kind as i32;
-        if err {
-            s.status = Some(opentelemetry_proto::tonic::trace::v1::Status {
-                message: String::new(),
-                code: status::StatusCode::Error as i32,
-            });
-        }
         s
     }
 }
@@ -438,9 +435,10 @@ impl Rt {
             attributes: vec![
                 kv_str("vllm.request_phase", phase),
                 kv_str("http.request.method", "POST"),
-                kv_str("server.address", ep.host.clone()),
-                kv_int("server.port", ep.port as i64),
                 kv_str("url.full", format!("{}{route}", ep.base)),
+                kv_str("http.route", route.to_owned()),
+                kv_str("server.address", ep.host.clone()),
+                kv_str("server.port", ep.port.to_string()),
             ],
             status: 0,
         }
@@ -489,9 +487,10 @@ async fn route(
             start: now_ns(),
             end: 0,
             attributes: vec![
-                kv_str("request_id", client_id.clone()),
                 kv_str("http.request.method", "POST"),
+                kv_str("url.path", route),
                 kv_str("http.route", route),
+                kv_str("request_id", client_id.clone()),
             ],
             status: 0,
         }),
