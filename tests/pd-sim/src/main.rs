@@ -10,7 +10,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 #[derive(Parser)]
 #[command(
     name = "pd-sim",
-    about = "PD disaggregated serving simulator (SGLang-shaped)",
+    about = "PD disaggregated serving simulator (SGLang- or vLLM-shaped)",
     args_override_self = true
 )]
 struct Cli {
