@@ -15,6 +15,10 @@ use crate::router::Mode;
 
 #[derive(clap::Args, Clone, Debug)]
 pub struct ClusterArgs {
+    /// Wire formats: SGLang's (default) or vLLM's (router modes correct and
+    /// handoff-after-reject).
+    #[arg(long, value_enum, default_value_t = crate::Flavour::Sglang)]
+    pub flavour: crate::Flavour,
     #[arg(long, value_enum, default_value_t = Mode::Correct)]
     pub mode: Mode,
     #[arg(long, default_value = "127.0.0.1")]
@@ -33,6 +37,12 @@ pub struct ClusterArgs {
     /// Decode's ZMTP PULL port (sent in BOOTSTRAP frames).
     #[arg(long, default_value_t = 30012)]
     pub decode_kv_port: u16,
+    /// vLLM flavour: prefill's side-channel port (`kv_transfer_params.remote_port`).
+    #[arg(long, default_value_t = 5600)]
+    pub prefill_side_channel_port: u16,
+    /// vLLM flavour: decode's side-channel port (sent in `NIXL_READ`).
+    #[arg(long, default_value_t = 5601)]
+    pub decode_side_channel_port: u16,
     /// Bind every port ephemerally (tests); the READY line tells which ports were taken.
     #[arg(long)]
     pub ephemeral: bool,
@@ -138,6 +148,9 @@ async fn stop_all(procs: &mut [Proc]) {
 }
 
 pub async fn run(a: ClusterArgs) -> anyhow::Result<()> {
+    if a.flavour == crate::Flavour::Vllm {
+        return run_vllm(a).await;
+    }
     let port = |p: u16| if a.ephemeral { 0 } else { p };
     let mut common = vec!["--threads".to_string(), a.child_threads.max(1).to_string()];
     if let Some(e) = &a.otlp_endpoint {
@@ -254,7 +267,11 @@ pub async fn run(a: ClusterArgs) -> anyhow::Result<()> {
         ready["decode"],
         ready["bootstrap_port"]
     );
+    supervise(procs).await
+}
 
+/// Wait for a signal or a child's death, then stop every child.
+async fn supervise(mut procs: Vec<Proc>) -> anyhow::Result<()> {
     let exited = {
         let waits = procs.iter_mut().map(|p| {
             let name = p.name;
@@ -270,4 +287,123 @@ pub async fn run(a: ClusterArgs) -> anyhow::Result<()> {
         anyhow::bail!("{name} exited unexpectedly ({status:?}); cluster stopped");
     }
     Ok(())
+}
+
+/// `cluster --flavour vllm`: vLLM-flavoured prefill (`--max-model-len 4096`) and decode
+/// (`--max-model-len 32768`), each with KV capacity for one request of its limit, and the
+/// vLLM-flavoured router. Over-long prompts are rejected by prefill; decode, provisioned
+/// larger, admits them (which is what `handoff-after-reject` relies on).
+async fn run_vllm(a: ClusterArgs) -> anyhow::Result<()> {
+    if !matches!(a.mode, Mode::Correct | Mode::HandoffAfterReject) {
+        anyhow::bail!("--flavour vllm supports --mode correct and handoff-after-reject");
+    }
+    let port = |p: u16| if a.ephemeral { 0 } else { p };
+    let mut common = vec!["--threads".to_string(), a.child_threads.max(1).to_string()];
+    if let Some(e) = &a.otlp_endpoint {
+        common.push("--otlp-endpoint".to_string());
+        common.push(e.clone());
+    }
+    let worker = |p: u16, side: u16, len: u64, extra: &str| {
+        let mut v: Vec<String> = vec![
+            "--flavour".into(),
+            "vllm".into(),
+            "--host".into(),
+            a.host.clone(),
+            "--port".into(),
+            port(p).to_string(),
+            "--side-channel-port".into(),
+            port(side).to_string(),
+            "--max-model-len".into(),
+            len.to_string(),
+            "--num-gpu-blocks".into(),
+            len.div_ceil(16).to_string(),
+            "--block-size".into(),
+            "16".into(),
+        ];
+        v.extend(common.clone());
+        v.extend(split(extra));
+        v
+    };
+    let mut procs: Vec<Proc> = Vec::new();
+    let result = async {
+        let pargs = worker(
+            a.prefill_port,
+            a.prefill_side_channel_port,
+            4096,
+            &a.prefill_args,
+        );
+        procs.push(start("prefill", "prefill", pargs).await?);
+        let dargs = worker(
+            a.decode_port,
+            a.decode_side_channel_port,
+            32768,
+            &a.decode_args,
+        );
+        procs.push(start("decode", "decode", dargs).await?);
+        if a.no_router {
+            return Ok::<(), anyhow::Error>(());
+        }
+        let url = |i: usize| procs[i].ready["http"].as_str().unwrap_or("").to_string();
+        let mut rargs = vec![
+            "--flavour".into(),
+            "vllm".into(),
+            "--host".into(),
+            a.host.clone(),
+            "--port".into(),
+            port(a.router_port).to_string(),
+            "--mode".into(),
+            serde_json::to_value(a.mode)?
+                .as_str()
+                .unwrap_or("correct")
+                .to_string(),
+            "--prefill".into(),
+            url(0),
+            "--decode".into(),
+            url(1),
+        ];
+        rargs.extend(common.clone());
+        rargs.extend(split(&a.router_args));
+        procs.push(start("router", "router", rargs).await?);
+        Ok(())
+    }
+    .await;
+    if let Err(e) = result {
+        stop_all(&mut procs).await;
+        return Err(e);
+    }
+    let field = |n: &str, k: &str| {
+        procs
+            .iter()
+            .find(|p| p.name == n)
+            .map(|p| p.ready[k].clone())
+            .unwrap_or(serde_json::Value::Null)
+    };
+    let ready = serde_json::json!({
+        "role": "cluster",
+        "flavour": "vllm",
+        "mode": if a.no_router { serde_json::Value::Null } else { serde_json::to_value(a.mode)? },
+        "router": field("router", "http"),
+        "prefill": field("prefill", "http"),
+        "decode": field("decode", "http"),
+        "side_channel_port": field("prefill", "side_channel_port"),
+        "prefill_side_channel_port": field("prefill", "side_channel_port"),
+        "decode_side_channel_port": field("decode", "side_channel_port"),
+        "prefill_max_model_len": field("prefill", "max_model_len"),
+        "decode_max_model_len": field("decode", "max_model_len"),
+        "pids": {"router": field("router", "pid"), "prefill": field("prefill", "pid"), "decode": field("decode", "pid")},
+    });
+    crate::serve::print_ready(ready.clone());
+    eprintln!(
+        "pd-sim cluster (vllm, {}) ready: router {} prefill {} decode {} side channel port {}",
+        if a.no_router {
+            "no router".to_string()
+        } else {
+            format!("{:?}", a.mode)
+        },
+        ready["router"],
+        ready["prefill"],
+        ready["decode"],
+        ready["side_channel_port"]
+    );
+    supervise(procs).await
 }

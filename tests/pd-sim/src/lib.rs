@@ -10,5 +10,16 @@ pub mod serve;
 pub mod smg;
 pub mod spans;
 pub mod trace_ctx;
+pub mod vllm;
 pub mod worker;
 pub mod zmtp;
+
+/// Whose wire formats a process speaks: SGLang's (bootstrap server, `/generate`, rooms) or
+/// vLLM's (OpenAI API, `kv_transfer_params`, NIXL-style side channel). See README.md.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Flavour {
+    #[default]
+    Sglang,
+    Vllm,
+}

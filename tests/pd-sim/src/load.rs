@@ -44,8 +44,21 @@ impl std::str::FromStr for Range {
     }
 }
 
+/// Which request bodies the load generator sends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum LoadApi {
+    /// SGLang's `/generate` (`text`, `sampling_params.max_new_tokens`); chat as below.
+    Sglang,
+    /// OpenAI's `/v1/completions` (`prompt`, `max_tokens`), as vLLM serves it.
+    Openai,
+}
+
 #[derive(clap::Args, Clone, Debug)]
 pub struct LoadArgs {
+    /// Request bodies: `sglang` (`/generate`) or `openai` (`/v1/completions`); chat requests
+    /// (`--chat-share`) go to `/v1/chat/completions` with `messages` and `max_tokens` either way.
+    #[arg(long, value_enum, default_value_t = LoadApi::Sglang)]
+    pub api: LoadApi,
     /// Router base URL, e.g. http://127.0.0.1:30000
     #[arg(long)]
     pub router: String,
@@ -61,13 +74,15 @@ pub struct LoadArgs {
     #[arg(long, default_value_t = 0.0)]
     pub over_capacity_share: f64,
     /// Prompt length of over-capacity requests. The default sits between the simulator's
-    /// default prefill max_req_input_len (4096, set by `cluster`) and its context length (8192).
+    /// default prefill max_req_input_len (4096, set by `cluster`) and its context length (8192);
+    /// for `cluster --flavour vllm` it is above prefill's max_model_len (4096) and below
+    /// decode's (32768).
     #[arg(long, default_value = "4200..8000")]
     pub over_capacity_len: Range,
     /// Share of requests sent with `"stream": true`.
     #[arg(long, default_value_t = 0.0)]
     pub stream_share: f64,
-    /// Share of requests sent to /v1/chat/completions instead of /generate.
+    /// Share of requests sent to /v1/chat/completions instead of /generate (/v1/completions).
     #[arg(long, default_value_t = 0.0)]
     pub chat_share: f64,
     #[arg(long, default_value_t = 8)]
@@ -234,6 +249,11 @@ pub async fn run(args: LoadArgs) -> anyhow::Result<Summary> {
                 "/v1/chat/completions",
                 serde_json::json!({"model": "pd-sim", "messages": [{"role": "user", "content": text}],
                                    "max_tokens": args.max_new_tokens, "stream": stream}),
+            )
+        } else if args.api == LoadApi::Openai {
+            (
+                "/v1/completions",
+                serde_json::json!({"model": "pd-sim", "prompt": text, "max_tokens": args.max_new_tokens, "stream": stream}),
             )
         } else {
             (

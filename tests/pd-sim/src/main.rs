@@ -1,6 +1,6 @@
 use clap::{Parser, Subcommand};
 
-use pd_sim::{cluster, load, router, worker};
+use pd_sim::{Flavour, cluster, load, router, vllm, worker};
 
 // Per-request work is allocation-heavy (HTTP, JSON); glibc malloc showed up at ~12% of the
 // router's profile.
@@ -10,7 +10,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 #[derive(Parser)]
 #[command(
     name = "pd-sim",
-    about = "PD disaggregated serving simulator (SGLang-shaped)",
+    about = "PD disaggregated serving simulator (SGLang- or vLLM-shaped)",
     args_override_self = true
 )]
 struct Cli {
@@ -23,16 +23,35 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Prefill worker (HTTP API, bootstrap server, KV sender).
-    Prefill(worker::WorkerArgs),
+    /// Prefill worker (HTTP API, bootstrap server or side channel, KV sender).
+    Prefill(WorkerCmd),
     /// Decode worker (HTTP API, KV receiver).
-    Decode(worker::WorkerArgs),
+    Decode(WorkerCmd),
     /// PD router.
     Router(router::RouterArgs),
     /// Prefill + decode + router as child processes.
     Cluster(cluster::ClusterArgs),
     /// Open-loop load generator.
     Load(load::LoadArgs),
+}
+
+/// A worker's flags: the common ones, plus the vLLM flavour's own (ignored by SGLang's).
+#[derive(clap::Args)]
+struct WorkerCmd {
+    /// Wire formats: SGLang's (default) or vLLM's.
+    #[arg(long, value_enum, default_value_t = Flavour::Sglang)]
+    flavour: Flavour,
+    #[command(flatten)]
+    common: worker::WorkerArgs,
+    #[command(flatten)]
+    vllm: vllm::VllmArgs,
+}
+
+async fn run_worker(role: worker::Role, a: WorkerCmd) -> anyhow::Result<()> {
+    match a.flavour {
+        Flavour::Sglang => worker::run(role, a.common).await,
+        Flavour::Vllm => vllm::worker::run(role, a.common, a.vllm).await,
+    }
 }
 
 fn main() -> std::process::ExitCode {
@@ -73,8 +92,8 @@ fn main() -> std::process::ExitCode {
     };
     let res = rt.block_on(async move {
         match cli.cmd {
-            Cmd::Prefill(a) => worker::run(worker::Role::Prefill, a).await,
-            Cmd::Decode(a) => worker::run(worker::Role::Decode, a).await,
+            Cmd::Prefill(a) => run_worker(worker::Role::Prefill, a).await,
+            Cmd::Decode(a) => run_worker(worker::Role::Decode, a).await,
             Cmd::Router(a) => router::run(a).await,
             Cmd::Cluster(a) => cluster::run(a).await,
             Cmd::Load(a) => load::run(a).await.map(|_| ()),

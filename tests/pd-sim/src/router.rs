@@ -63,6 +63,13 @@ pub enum Mode {
 
 #[derive(clap::Args, Clone, Debug)]
 pub struct RouterArgs {
+    /// Wire formats: SGLang's router (default) or vllm-router's (`--mode correct` or
+    /// `handoff-after-reject`).
+    #[arg(long, value_enum, default_value_t = crate::Flavour::Sglang)]
+    pub flavour: crate::Flavour,
+    /// vLLM flavour: how often the router polls each worker's `/health`.
+    #[arg(long, default_value_t = 10)]
+    pub health_check_interval_secs: u64,
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
     #[arg(long, default_value_t = 30000)]
@@ -159,6 +166,9 @@ async fn pause(d: Duration) {
 type Shared = Arc<Rt>;
 
 pub async fn run(args: RouterArgs) -> anyhow::Result<()> {
+    if args.flavour == crate::Flavour::Vllm {
+        return crate::vllm::router::run(args).await;
+    }
     let prefill = args.prefill.trim_end_matches('/').to_string();
     let decode = args.decode.trim_end_matches('/').to_string();
     let prefill_uri: hyper::Uri = prefill.parse()?;

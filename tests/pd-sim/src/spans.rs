@@ -44,6 +44,16 @@ pub fn kv_int(k: &str, v: i64) -> KeyValue {
     }
 }
 
+pub fn kv_f64(k: &str, v: f64) -> KeyValue {
+    KeyValue {
+        key: k.into(),
+        key_strindex: 0,
+        value: Some(AnyValue {
+            value: Some(any_value::Value::DoubleValue(v)),
+        }),
+    }
+}
+
 /// A finished span, built by the roles from timestamps they took while serving.
 pub struct SpanSpec<'a> {
     pub trace_id: [u8; 16],

@@ -65,7 +65,7 @@ pub enum Role {
 }
 
 impl Role {
-    fn as_str(self) -> &'static str {
+    pub fn as_str(self) -> &'static str {
         match self {
             Role::Prefill => "prefill",
             Role::Decode => "decode",

@@ -1,0 +1,222 @@
+//! The real vllm-router 0.1.17 in front of `cluster --flavour vllm --no-router`.
+//! The router comes from `PD_SIM_VLLM_ROUTER`, else the venv the xtask creates,
+//! `target/vllm-router-venv/bin/vllm-router`:
+//!   python3 -m venv target/vllm-router-venv && target/vllm-router-venv/bin/pip install vllm-router==0.1.17
+//! Without either the tests say so on stderr and pass (nothing to run against).
+
+mod support;
+
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use pd_sim::http::{HttpClient, http_client};
+use serde_json::{Value, json};
+use support::*;
+
+fn vllm_router() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("PD_SIM_VLLM_ROUTER") {
+        let p = PathBuf::from(p);
+        assert!(
+            p.is_file(),
+            "PD_SIM_VLLM_ROUTER={} does not exist",
+            p.display()
+        );
+        return Some(p);
+    }
+    let p = test_harness::workspace_root().join("target/vllm-router-venv/bin/vllm-router");
+    if p.is_file() {
+        return Some(p);
+    }
+    eprintln!(
+        "skipped: no vllm-router (set PD_SIM_VLLM_ROUTER or create target/vllm-router-venv with vllm-router==0.1.17)"
+    );
+    None
+}
+
+/// `vllm-router --vllm-pd-disaggregation` in front of the cluster's workers; dropped, stopped.
+fn start_router(bin: &PathBuf, c: &Cluster, log: &std::path::Path) -> (test_harness::Proc, String) {
+    let port = test_harness::free_port().unwrap();
+    let prom = test_harness::free_port().unwrap();
+    let out = std::fs::File::create(log).unwrap();
+    let err = out.try_clone().unwrap();
+    let mut cmd = Command::new(bin);
+    cmd.args(["--host", "127.0.0.1", "--port", &port.to_string()])
+        .args([
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            &prom.to_string(),
+        ])
+        .args([
+            "--vllm-pd-disaggregation",
+            "--prefill",
+            &c.prefill,
+            "--decode",
+            &c.decode,
+        ])
+        .args(["--policy", "round_robin"])
+        .stdin(Stdio::null())
+        .stdout(out)
+        .stderr(err);
+    // Forked from this long-lived worker thread (the child's PDEATHSIG follows the thread).
+    let proc = tokio::task::block_in_place(|| test_harness::Proc::spawn("vllm-router", &mut cmd))
+        .unwrap()
+        .with_grace(Duration::from_secs(3));
+    (proc, format!("http://127.0.0.1:{port}"))
+}
+
+async fn post(
+    client: &HttpClient,
+    url: &str,
+    id: &str,
+    body: Value,
+) -> (u16, hyper::HeaderMap, String) {
+    use http_body_util::{BodyExt, Full};
+    let req = hyper::Request::post(url)
+        .header("content-type", "application/json")
+        .header("x-request-id", id)
+        .body(Full::new(bytes::Bytes::from(body.to_string())))
+        .unwrap();
+    let resp = tokio::time::timeout(Duration::from_secs(30), client.request(req))
+        .await
+        .expect("answer within 30 s")
+        .expect("POST");
+    let status = resp.status().as_u16();
+    let headers = resp.headers().clone();
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    (status, headers, String::from_utf8_lossy(&body).into_owned())
+}
+
+async fn stats(client: &HttpClient, base: &str) -> Value {
+    get_json(client, &format!("{base}/sim/stats")).await
+}
+
+fn authority(url: &str) -> &str {
+    url.trim_start_matches("http://")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_vllm_router_passes_a_400_through_and_hands_kv_params_to_decode() {
+    let Some(bin) = vllm_router() else { return };
+    let c = Cluster::start("correct", &["--flavour", "vllm", "--no-router"]).await;
+    let scratch = test_harness::ScratchDir::new("vllm-router").unwrap();
+    let log = scratch.path().join("vllm-router.log");
+    let (_router, url) = start_router(&bin, &c, &log);
+    let client = http_client(8);
+    eventually("vllm-router healthy", Duration::from_secs(60), async || {
+        matches!(get(&client, &format!("{url}/health")).await, Ok((200, _))).then_some(())
+    })
+    .await;
+
+    let (s, h, body) = post(
+        &client,
+        &format!("{url}/v1/completions"),
+        "real-ok",
+        json!({"model": "pd-sim/tiny-model", "prompt": words(20), "max_tokens": 4}),
+    )
+    .await;
+    assert_eq!(s, 200, "{body}\n{}", test_harness::tail(&log, 20));
+    assert_eq!(h["x-request-id"], "real-ok");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    let id = v["id"].as_str().unwrap();
+    let prefix = format!(
+        "cmpl-___prefill_addr_{}___decode_addr_{}_",
+        authority(&c.prefill),
+        authority(&c.decode)
+    );
+    let hex = id.strip_prefix(&prefix).unwrap_or_else(|| panic!("{id}"));
+    assert_eq!(hex.len(), 32, "{id}");
+    assert_eq!(v["usage"]["completion_tokens"], 4);
+
+    // Prefill issued params for N, decode pulled N's KV over the side channel.
+    let preq = get_json(&client, &format!("{}/sim/requests?id={id}", c.prefill)).await;
+    let preq = &preq[0];
+    assert_eq!(preq["kv_params_issued"], true, "{preq}");
+    assert_eq!(preq["max_tokens"], 1, "{preq}");
+    assert_eq!(preq["outcome"], "transferred", "{preq}");
+    let dreq = get_json(&client, &format!("{}/sim/requests?id={id}", c.decode)).await;
+    let dreq = &dreq[0];
+    assert_eq!(dreq["remote_request_id"], id, "{dreq}");
+    assert_eq!(dreq["kv_done"], true, "{dreq}");
+    assert_eq!(dreq["outcome"], "generated", "{dreq}");
+    assert_eq!(dreq["request_id"], &id[5..], "X on the decode leg: {dreq}");
+
+    // Over-long: prefill's 400 passed through; decode never contacted.
+    let before = stats(&client, &c.decode).await["worker"]["requests"]
+        .as_u64()
+        .unwrap();
+    let (s, h, body) = post(
+        &client,
+        &format!("{url}/v1/completions"),
+        "real-rej",
+        json!({"model": "pd-sim/tiny-model", "prompt": words(5000), "max_tokens": 4}),
+    )
+    .await;
+    assert_eq!(s, 400, "{body}");
+    assert_eq!(h["x-request-id"], "real-rej");
+    let e: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(e["type"], "BadRequestError");
+    assert!(e["message"].as_str().unwrap().starts_with("This model's maximum context length is 4096 tokens. However, you requested 5001 tokens (5000 in the messages, 1 in the completion)."));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let after = stats(&client, &c.decode).await["worker"]["requests"]
+        .as_u64()
+        .unwrap();
+    assert_eq!(after, before, "decode was contacted after a prefill 400");
+
+    // Streamed chat end to end.
+    let (s, _, body) = post(
+        &client,
+        &format!("{url}/v1/chat/completions"),
+        "real-chat",
+        json!({"model": "pd-sim/tiny-model", "messages": [{"role": "user", "content": words(8)}],
+               "max_tokens": 3, "stream": true}),
+    )
+    .await;
+    assert_eq!(s, 200, "{body}");
+    assert!(body.ends_with("data: [DONE]\n\n"), "{body}");
+    assert!(
+        body.contains("\"id\":\"chatcmpl-___prefill_addr_"),
+        "{body}"
+    );
+    let d = stats(&client, &c.decode).await;
+    assert_eq!(d["worker"]["remote_prefills"], 2, "{d}");
+    assert_eq!(d["worker"]["local_prefills"], 0, "{d}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_vllm_router_turns_a_prefill_503_into_500() {
+    let Some(bin) = vllm_router() else { return };
+    let c = Cluster::start(
+        "correct",
+        &[
+            "--flavour",
+            "vllm",
+            "--no-router",
+            "--prefill-args",
+            "--overload-share 1.0",
+        ],
+    )
+    .await;
+    let scratch = test_harness::ScratchDir::new("vllm-router-503").unwrap();
+    let log = scratch.path().join("vllm-router.log");
+    let (_router, url) = start_router(&bin, &c, &log);
+    let client = http_client(8);
+    eventually("vllm-router healthy", Duration::from_secs(60), async || {
+        matches!(get(&client, &format!("{url}/health")).await, Ok((200, _))).then_some(())
+    })
+    .await;
+    let (s, _, body) = post(
+        &client,
+        &format!("{url}/v1/completions"),
+        "real-busy",
+        json!({"model": "pd-sim/tiny-model", "prompt": "a b", "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(s, 500, "{body}");
+    assert!(body.contains("returned 503 Service Unavailable"), "{body}");
+    let d = stats(&client, &c.decode).await;
+    assert_eq!(d["worker"]["requests"], 0, "{d}");
+    let p = stats(&client, &c.prefill).await;
+    assert_eq!(p["worker"]["rejected_503"], 1, "one attempt, no retry: {p}");
+}
