@@ -185,6 +185,7 @@ fn real_component_tests(cargo: &str) -> std::io::Result<std::process::ExitStatus
         "smg_1_13",
         "ebpf_real_router",
         "vllm_pd",
+        "vllm_real_router",
     ];
     // The same package selection as the first run (`--workspace`): cargo resolves features per
     // selection, so `-p pd-sim` or `-p revenant` would build every crate again, a second ~5 GB

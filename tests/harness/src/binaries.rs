@@ -209,15 +209,16 @@ pub fn system_bin(binary: &str) -> PathBuf {
     })
 }
 
-/// A real router binary the caller names by environment variable (`PD_SIM_SMG` for
-/// sglang-router 0.3.2, `PD_SIM_SMG113` for smg 1.13.0; `cargo xtask test` creates their venvs
-/// and sets both). Panics with what to set when it is missing: the tests that call this are the
+/// A real router binary (or interpreter) the caller names by environment variable (`PD_SIM_SMG`
+/// for sglang-router 0.3.2, `PD_SIM_SMG113` for smg 1.13.0, `PD_SIM_VLLM_ROUTER` /
+/// `PD_SIM_VLLM_ROUTER_PYTHON` for vllm-router 0.1.17; `cargo xtask test` creates their venvs and
+/// sets them all). Panics with what to set when it is missing: the tests that call this are the
 /// ones that must run against the real wheel.
 pub fn router_from_env(var: &str, what: &str) -> std::path::PathBuf {
     let p = std::env::var_os(var).unwrap_or_else(|| {
         panic!(
-            "{var} is not set: point it at the `smg` binary of {what} \
-             (`cargo xtask test` creates its venv under target/ and sets it)"
+            "{var} is not set: point it at {what} in its venv \
+             (`cargo xtask test` creates the venv under target/ and sets it)"
         )
     });
     let p = std::path::PathBuf::from(p);

@@ -1,8 +1,8 @@
 //! The real vllm-router 0.1.17 in front of `cluster --flavour vllm --no-router`.
-//! The router comes from `PD_SIM_VLLM_ROUTER`, else the venv the xtask creates,
-//! `target/vllm-router-venv/bin/vllm-router`:
-//!   python3 -m venv target/vllm-router-venv && target/vllm-router-venv/bin/pip install vllm-router==0.1.17
-//! Without either the tests say so on stderr and pass (nothing to run against).
+//! Ignored by default: `cargo xtask test` creates target/xtask-venv-vllm-router and runs them
+//! with `PD_SIM_VLLM_ROUTER` set (they fail, never skip, without it); by hand:
+//!   python3 -m venv target/xtask-venv-vllm-router && target/xtask-venv-vllm-router/bin/pip install vllm-router==0.1.17
+//!   PD_SIM_VLLM_ROUTER=target/xtask-venv-vllm-router/bin/vllm-router cargo test -p pd-sim --test vllm_real_router -- --ignored
 
 mod support;
 
@@ -14,24 +14,8 @@ use pd_sim::http::{HttpClient, http_client};
 use serde_json::{Value, json};
 use support::*;
 
-fn vllm_router() -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("PD_SIM_VLLM_ROUTER") {
-        let p = PathBuf::from(p);
-        assert!(
-            p.is_file(),
-            "PD_SIM_VLLM_ROUTER={} does not exist",
-            p.display()
-        );
-        return Some(p);
-    }
-    let p = test_harness::workspace_root().join("target/vllm-router-venv/bin/vllm-router");
-    if p.is_file() {
-        return Some(p);
-    }
-    eprintln!(
-        "skipped: no vllm-router (set PD_SIM_VLLM_ROUTER or create target/vllm-router-venv with vllm-router==0.1.17)"
-    );
-    None
+fn vllm_router() -> PathBuf {
+    test_harness::router_from_env("PD_SIM_VLLM_ROUTER", "vllm-router 0.1.17")
 }
 
 /// `vllm-router --vllm-pd-disaggregation` in front of the cluster's workers; dropped, stopped.
@@ -97,8 +81,9 @@ fn authority(url: &str) -> &str {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs vllm-router 0.1.17 (PD_SIM_VLLM_ROUTER); cargo xtask test runs it"]
 async fn real_vllm_router_passes_a_400_through_and_hands_kv_params_to_decode() {
-    let Some(bin) = vllm_router() else { return };
+    let bin = vllm_router();
     let c = Cluster::start("correct", &["--flavour", "vllm", "--no-router"]).await;
     let scratch = test_harness::ScratchDir::new("vllm-router").unwrap();
     let log = scratch.path().join("vllm-router.log");
@@ -185,8 +170,9 @@ async fn real_vllm_router_passes_a_400_through_and_hands_kv_params_to_decode() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs vllm-router 0.1.17 (PD_SIM_VLLM_ROUTER); cargo xtask test runs it"]
 async fn real_vllm_router_turns_a_prefill_503_into_500() {
-    let Some(bin) = vllm_router() else { return };
+    let bin = vllm_router();
     let c = Cluster::start(
         "correct",
         &[
