@@ -16,6 +16,7 @@
 //!   leg's `traceparent` carries this span's id. A prefill answering ≥ 400 has no decode sibling.
 //!   A CLIENT span ends when the router dropped the worker's response, which can be after the
 //!   SERVER span ended (≈ 1 ms in the capture).
+//!
 //! No span event, no attribute carries the id X the router sends the workers
 //! (`___prefill_addr_…___decode_addr_…_<hex>`), so no router span names the attempt: vLLM's
 //! `llm_request` span of either leg does (`gen_ai.request.id` = N = `cmpl-X`), in the same trace.
