@@ -513,3 +513,26 @@ fn successful_flow_is_no_violation() {
         assert!(v.is_empty(), "{v:#?}");
     }
 }
+
+/// A decode leg's end (even a 5xx) is the router's view only: dispatched, nothing about decode.
+#[test]
+fn decode_leg_end_claims_nothing_about_decode() {
+    let mut sp = rejected_span(9, S);
+    for a in &mut sp.attributes {
+        if a.key == vllm_router::PHASE {
+            *a = s(vllm_router::PHASE, "decode");
+        }
+        if a.key == "http.response.status_code" {
+            *a = s("http.response.status_code", "503");
+        }
+    }
+    let mut n = normalizer();
+    let (ev, tally) = run(&mut n, &export("vllm-router", "vllm-router", vec![sp]), 1);
+    let got: Vec<_> = ev.iter().map(|e| (e.stage, e.kind, e.to)).collect();
+    assert_eq!(
+        got,
+        vec![(Stage::Router, Kind::Dispatched, Some(Stage::Decode))]
+    );
+    assert_eq!(tally.total_unmapped(), 0);
+    assert_eq!(n.join_pending(), 0);
+}
