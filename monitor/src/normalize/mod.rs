@@ -268,8 +268,9 @@ pub fn builtin_profile(ctx: &SpanCtx<'_>) -> Option<ProfileId> {
     }
 }
 
-/// Turns OTLP exports into events. Holds the SGLang span tree, so one instance is shared (behind
-/// a lock) by all receivers.
+/// Turns OTLP exports into events. Holds the SGLang span tree and the vllm-router trace join, so
+/// one instance is shared (behind a lock) by all receivers: a router's spans and its workers'
+/// may come in through different receivers.
 #[derive(Debug)]
 pub struct Normalizer {
     selector: Selector,
