@@ -1,9 +1,11 @@
 //! Normalize: OTLP spans and log records → [`LifecycleEvent`]s.
 //!
 //! Each serving stack has a *profile* that knows its span shapes: [`sglang`] (workers),
-//! [`smg`] (sglang-router), [`vllm`] and [`generic`] (a YAML mapping for anything else). The
+//! [`smg`] (sglang-router), [`vllm`], [`vllm_router`] and [`generic`] (a YAML mapping for anything else). The
 //! profiles for single spans are pure functions; SGLang needs the span tree (only its root
-//! names the attempt), so [`sglang::SpanTree`] keeps a small, bounded, time-injected state.
+//! names the attempt), so [`sglang::SpanTree`] keeps a small, bounded, time-injected state; so
+//! does [`vllm_router::TraceJoin`] (only vLLM's worker spans name the attempt the router's
+//! spans are about).
 //!
 //! Nothing here copies prompt or completion text: events carry ids, times, status codes,
 //! token counts and short machine-made reasons only.
@@ -13,6 +15,7 @@ pub mod generic;
 pub mod sglang;
 pub mod smg;
 pub mod vllm;
+pub mod vllm_router;
 
 use std::collections::HashMap;
 
@@ -57,15 +60,17 @@ pub enum ProfileLabel {
     Smg = 2,
     Vllm = 3,
     Generic = 4,
+    VllmRouter = 5,
 }
 
 impl ProfileLabel {
-    pub const ALL: [ProfileLabel; 5] = [
+    pub const ALL: [ProfileLabel; 6] = [
         ProfileLabel::None,
         ProfileLabel::Sglang,
         ProfileLabel::Smg,
         ProfileLabel::Vllm,
         ProfileLabel::Generic,
+        ProfileLabel::VllmRouter,
     ];
     pub fn as_str(self) -> &'static str {
         match self {
@@ -74,6 +79,7 @@ impl ProfileLabel {
             ProfileLabel::Smg => "smg",
             ProfileLabel::Vllm => "vllm",
             ProfileLabel::Generic => "generic",
+            ProfileLabel::VllmRouter => "vllm-router",
         }
     }
 }
@@ -123,6 +129,7 @@ impl Unmapped {
 
 const NP: usize = ProfileLabel::ALL.len();
 const NR: usize = Unmapped::ALL.len();
+const NJ: usize = vllm_router::JoinOutcome::ALL.len();
 
 /// Counts from one normalization call; the receiver adds them to its atomics in one go.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
@@ -132,6 +139,8 @@ pub struct Tally {
     pub events: u64,
     /// Spans parked waiting for their attempt root (they may still resolve later).
     pub orphans_buffered: u64,
+    /// What became of trace-join entries (vllm-router rejections waiting for their rid).
+    pub join: [u64; NJ],
 }
 
 impl Tally {
@@ -147,6 +156,12 @@ impl Tally {
     pub fn total_unmapped(&self) -> u64 {
         self.unmapped.iter().flatten().sum()
     }
+    pub fn join(&mut self, o: vllm_router::JoinOutcome) {
+        self.join[o as usize] += 1;
+    }
+    pub fn join_count(&self, o: vllm_router::JoinOutcome) -> u64 {
+        self.join[o as usize]
+    }
 }
 
 /// Which profile reads a span.
@@ -155,6 +170,7 @@ pub enum ProfileId {
     Sglang,
     Smg,
     Vllm,
+    VllmRouter,
     /// A generic mapping, by its index in the configured list.
     Generic(usize),
 }
@@ -165,6 +181,7 @@ impl ProfileId {
             ProfileId::Sglang => ProfileLabel::Sglang,
             ProfileId::Smg => ProfileLabel::Smg,
             ProfileId::Vllm => ProfileLabel::Vllm,
+            ProfileId::VllmRouter => ProfileLabel::VllmRouter,
             ProfileId::Generic(_) => ProfileLabel::Generic,
         }
     }
@@ -174,7 +191,8 @@ impl ProfileId {
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct NormalizeConfig {
-    /// Force a profile for a resource `service.name`: `sglang`, `smg`, `vllm` or `generic:NAME`.
+    /// Force a profile for a resource `service.name`: `sglang`, `smg`, `vllm`, `vllm-router` or
+    /// `generic:NAME`.
     #[serde(default)]
     pub by_service_name: HashMap<String, String>,
     /// Force a profile for an instrumentation scope name.
@@ -182,6 +200,9 @@ pub struct NormalizeConfig {
     pub by_scope_name: HashMap<String, String>,
     #[serde(default)]
     pub sglang: sglang::TreeConfig,
+    /// Bounds of the trace → rid join (vllm-router rejections waiting for vLLM's rid).
+    #[serde(default)]
+    pub trace_join: vllm_router::JoinConfig,
     /// Mappings for stacks without a built-in profile.
     #[serde(default)]
     pub generic: Vec<generic::Mapping>,
@@ -190,13 +211,15 @@ pub struct NormalizeConfig {
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error(
-        "unknown profile {0:?} (expected sglang, smg, vllm or generic:NAME of a configured mapping)"
+        "unknown profile {0:?} (expected sglang, smg, vllm, vllm-router or generic:NAME of a configured mapping)"
     )]
     UnknownProfile(String),
     #[error("generic mapping {name:?}: {msg}")]
     Generic { name: String, msg: String },
     #[error("sglang: {0}")]
     Sglang(String),
+    #[error("trace_join: {0}")]
+    TraceJoin(&'static str),
 }
 
 #[derive(Debug)]
@@ -224,7 +247,13 @@ impl Selector {
 pub fn builtin_profile(ctx: &SpanCtx<'_>) -> Option<ProfileId> {
     let svc = ctx.service_name.unwrap_or("");
     let scope = ctx.scope_name;
-    if scope == "smg"
+    if svc == vllm_router::SERVICE_NAME
+        || scope == vllm_router::SCOPE_NAME
+        || svc.starts_with("vllm-router")
+        || svc.starts_with("vllm_router")
+    {
+        Some(ProfileId::VllmRouter)
+    } else if scope == "smg"
         || svc == "smg"
         || svc.starts_with("sglang-router")
         || svc.starts_with("sglang_router")
@@ -239,13 +268,15 @@ pub fn builtin_profile(ctx: &SpanCtx<'_>) -> Option<ProfileId> {
     }
 }
 
-/// Turns OTLP exports into events. Holds the SGLang span tree, so one instance is shared (behind
-/// a lock) by all receivers.
+/// Turns OTLP exports into events. Holds the SGLang span tree and the vllm-router trace join, so
+/// one instance is shared (behind a lock) by all receivers: a router's spans and its workers'
+/// may come in through different receivers.
 #[derive(Debug)]
 pub struct Normalizer {
     selector: Selector,
     generic: Vec<generic::Mapping>,
     tree: sglang::SpanTree,
+    join: vllm_router::TraceJoin,
 }
 
 impl Normalizer {
@@ -258,6 +289,7 @@ impl Normalizer {
                 "sglang" => Ok(ProfileId::Sglang),
                 "smg" => Ok(ProfileId::Smg),
                 "vllm" => Ok(ProfileId::Vllm),
+                "vllm-router" => Ok(ProfileId::VllmRouter),
                 _ => s
                     .strip_prefix("generic:")
                     .and_then(|n| cfg.generic.iter().position(|m| m.name == n))
@@ -280,6 +312,7 @@ impl Normalizer {
             },
             generic: cfg.generic.clone(),
             tree: sglang::SpanTree::new(cfg.sglang.clone())?,
+            join: vllm_router::TraceJoin::new(cfg.trace_join.clone())?,
         })
     }
 
@@ -319,7 +352,12 @@ impl Normalizer {
                             self.tree.observe(&ctx, span, now_ns, out, tally)
                         }
                         Some(ProfileId::Smg) => smg::map_span(&ctx, span, out, tally),
-                        Some(ProfileId::Vllm) => vllm::map_span(&ctx, span, out, tally),
+                        Some(ProfileId::Vllm) => {
+                            vllm::map_span(&ctx, span, now_ns, &mut self.join, out, tally)
+                        }
+                        Some(ProfileId::VllmRouter) => {
+                            vllm_router::map_span(&ctx, span, now_ns, &mut self.join, out, tally)
+                        }
                         Some(ProfileId::Generic(i)) => {
                             self.generic[*i].map_span(&ctx, span, out, tally)
                         }
@@ -370,6 +408,7 @@ impl Normalizer {
     pub fn tick(&mut self, now_ns: u64, out: &mut Vec<LifecycleEvent>, tally: &mut Tally) {
         let before = out.len();
         self.tree.tick(now_ns, out, tally);
+        self.join.tick(now_ns, tally);
         tally.events += (out.len() - before) as u64;
     }
 
@@ -384,6 +423,11 @@ impl Normalizer {
 
     pub fn orphans_waiting(&self) -> usize {
         self.tree.orphans_waiting()
+    }
+
+    /// vllm-router rejections waiting for their trace's rid.
+    pub fn join_pending(&self) -> usize {
+        self.join.pending_len()
     }
 }
 
@@ -434,3 +478,5 @@ pub(crate) fn apply_token_attrs(e: &mut LifecycleEvent, a: &[KeyValue]) {
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod vllm_pd_tests;

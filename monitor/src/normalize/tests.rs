@@ -20,7 +20,7 @@ const SGLANG: &str = include_str!("testdata/sglang-0.5.23-trace-spans.jsonl");
 
 /// A fixture line is one span plus `_resource` (flat map) and `_scope` (name): wrap it in a
 /// real OTLP/JSON export and decode it with the receiver's decoder.
-fn fixture_export(lines: &[&str]) -> ExportTraceServiceRequest {
+pub(super) fn fixture_export(lines: &[&str]) -> ExportTraceServiceRequest {
     let mut rs = Vec::new();
     for line in lines {
         let mut span: serde_json::Value = serde_json::from_str(line).unwrap();
@@ -42,11 +42,11 @@ fn fixture_export(lines: &[&str]) -> ExportTraceServiceRequest {
     json::decode_traces(doc.to_string().as_bytes()).unwrap()
 }
 
-fn lines(s: &str) -> Vec<&str> {
+pub(super) fn lines(s: &str) -> Vec<&str> {
     s.lines().filter(|l| !l.trim().is_empty()).collect()
 }
 
-fn run(
+pub(super) fn run(
     n: &mut Normalizer,
     req: &ExportTraceServiceRequest,
     now: u64,
@@ -57,7 +57,7 @@ fn run(
     (out, tally)
 }
 
-fn normalizer() -> Normalizer {
+pub(super) fn normalizer() -> Normalizer {
     Normalizer::new(&NormalizeConfig::default()).unwrap()
 }
 
@@ -304,18 +304,18 @@ fn sglang_orphans_bounded_in_count() {
 
 // ---- synthetic spans ----
 
-fn kv(k: &str, v: Value) -> KeyValue {
+pub(super) fn kv(k: &str, v: Value) -> KeyValue {
     KeyValue {
         key: k.into(),
         value: Some(AnyValue { value: Some(v) }),
         key_strindex: 0,
     }
 }
-fn s(k: &str, v: &str) -> KeyValue {
+pub(super) fn s(k: &str, v: &str) -> KeyValue {
     kv(k, Value::StringValue(v.into()))
 }
 
-fn span(
+pub(super) fn span(
     trace: u8,
     id: u64,
     parent: u64,
@@ -340,7 +340,7 @@ fn span(
     }
 }
 
-fn export(service: &str, scope: &str, spans: Vec<Span>) -> ExportTraceServiceRequest {
+pub(super) fn export(service: &str, scope: &str, spans: Vec<Span>) -> ExportTraceServiceRequest {
     ExportTraceServiceRequest {
         resource_spans: vec![ResourceSpans {
             resource: Some(Resource {

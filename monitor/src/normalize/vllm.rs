@@ -12,13 +12,19 @@
 //! aborted, prompt tokens. Not covered: vLLM emits nothing for requests rejected before the
 //! engine (validation errors answer 400 without a span) and nothing from its KV connectors
 //! (NIXL/LMCache/Mooncake) — PD transfer in vLLM is only visible to the eBPF side. A vLLM
-//! process does not say whether it is a prefill or decode instance: set the resource attribute
-//! `revenant.stage=prefill|decode` (OTEL_RESOURCE_ATTRIBUTES); the default is `decode`, the
-//! stage that generates tokens. `gen_ai.request.id` names one attempt at one instance (the
-//! proxy reuses it on both legs), so it is the event's `rid`.
+//! process does not say whether it is a prefill or decode instance: the resource attribute
+//! `revenant.stage=prefill|decode` (OTEL_RESOURCE_ATTRIBUTES) says so when set; otherwise the
+//! span is a prefill leg when `gen_ai.request.max_tokens` is 1 and at most one token was
+//! generated (the router's prefill body: `max_tokens: 1`), else decode.
+//!
+//! `gen_ai.request.id` is N = `cmpl-X` (`chatcmpl-X`), X the router's per-request id sent on
+//! both legs: it names the request's one attempt, so it is the event's `rid`; the trace id (the
+//! inbound `traceparent`, the router's CLIENT span) is `trace_id`. Every span with both teaches
+//! the [`TraceJoin`] the trace's rid, which gives the router's prefill rejections their attempt.
 
 use opentelemetry_proto::tonic::trace::v1::Span;
 
+use super::vllm_router::TraceJoin;
 use super::{ProfileLabel, SpanCtx, Tally, Unmapped, apply_token_attrs, attrs, otlp_event};
 use crate::event::{Kind, LifecycleEvent, Stage};
 
@@ -40,7 +46,23 @@ fn latency(span: &Span, key: &str) -> Option<u64> {
     }
 }
 
-pub fn map_span(ctx: &SpanCtx<'_>, span: &Span, out: &mut Vec<LifecycleEvent>, tally: &mut Tally) {
+/// Which leg a span is, when the resource does not say: the router sends prefill `max_tokens: 1`.
+pub fn infer_stage(max_tokens: Option<u64>, completion_tokens: Option<u64>) -> Stage {
+    if max_tokens == Some(1) && completion_tokens.is_none_or(|c| c <= 1) {
+        Stage::Prefill
+    } else {
+        Stage::Decode
+    }
+}
+
+pub fn map_span(
+    ctx: &SpanCtx<'_>,
+    span: &Span,
+    now_ns: u64,
+    join: &mut TraceJoin,
+    out: &mut Vec<LifecycleEvent>,
+    tally: &mut Tally,
+) {
     if span.name != SPAN_NAME {
         tally.unmapped(P, Unmapped::UnknownSpan);
         return;
@@ -51,7 +73,6 @@ pub fn map_span(ctx: &SpanCtx<'_>, span: &Span, out: &mut Vec<LifecycleEvent>, t
         tally.unmapped(P, Unmapped::MissingIds);
         return;
     }
-    let stage = ctx.stage_hint.unwrap_or(Stage::Decode);
     let completion = attrs::first_u64(
         a,
         &[
@@ -59,6 +80,9 @@ pub fn map_span(ctx: &SpanCtx<'_>, span: &Span, out: &mut Vec<LifecycleEvent>, t
             "gen_ai.usage.output_tokens",
         ],
     );
+    let stage = ctx
+        .stage_hint
+        .unwrap_or_else(|| infer_stage(attrs::u64(a, "gen_ai.request.max_tokens"), completion));
     let ev = |time: u64, stage: Stage, kind: Kind| {
         let mut e = otlp_event(ctx, span, time, stage, kind);
         e.ids.rid = rid.clone();
@@ -130,4 +154,7 @@ pub fn map_span(ctx: &SpanCtx<'_>, span: &Span, out: &mut Vec<LifecycleEvent>, t
         end.reason = Some(crate::event::truncate_reason(s).into());
     }
     out.push(end);
+    if let Some(rid) = &rid {
+        join.learn(attrs::trace_key(&span.trace_id), rid, now_ns, out, tally);
+    }
 }

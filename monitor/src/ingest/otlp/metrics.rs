@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::DescriptorEncoder;
 
+use crate::normalize::vllm_router::JoinOutcome;
 use crate::normalize::{ProfileLabel, Tally, Unmapped};
 use crate::telemetry::metrics::{Metrics, counters, gauge};
 
@@ -73,6 +74,7 @@ const NT: usize = Transport::ALL.len();
 const NRJ: usize = RejectReason::ALL.len();
 const NP: usize = ProfileLabel::ALL.len();
 const NU: usize = Unmapped::ALL.len();
+const NJ: usize = JoinOutcome::ALL.len();
 
 #[derive(Debug, Default)]
 pub struct OtlpStats {
@@ -94,6 +96,10 @@ pub struct OtlpStats {
     pub orphans_buffered: AtomicU64,
     /// Gauge: orphans currently waiting for their root.
     pub orphans_waiting: AtomicU64,
+    /// What became of trace-join entries (`revenant_otlp_trace_join_total{outcome}`).
+    pub trace_join: [AtomicU64; NJ],
+    /// Gauge: router rejections waiting for their trace's rid.
+    pub trace_join_pending: AtomicU64,
 }
 
 impl OtlpStats {
@@ -114,6 +120,11 @@ impl OtlpStats {
         self.events_emitted.fetch_add(tally.events, Relaxed);
         self.orphans_buffered
             .fetch_add(tally.orphans_buffered, Relaxed);
+        for (c, n) in self.trace_join.iter().zip(tally.join) {
+            if n != 0 {
+                c.fetch_add(n, Relaxed);
+            }
+        }
     }
 
     pub fn accepted(&self, t: Transport, tally: &Tally) {
@@ -221,6 +232,21 @@ impl OtlpStats {
             s,
             "revenant_otlp_orphans_waiting {}",
             self.orphans_waiting.load(Relaxed)
+        );
+        for o in JoinOutcome::ALL {
+            let v = self.trace_join[o as usize].load(Relaxed);
+            if v != 0 {
+                let _ = writeln!(
+                    s,
+                    "revenant_otlp_trace_join_total{{outcome=\"{}\"}} {v}",
+                    o.as_str()
+                );
+            }
+        }
+        let _ = writeln!(
+            s,
+            "revenant_otlp_trace_join_pending {}",
+            self.trace_join_pending.load(Relaxed)
         );
         s
     }
@@ -348,6 +374,23 @@ impl Collector for OtlpCollector {
             "revenant_otlp_orphans_waiting",
             "Child spans currently waiting for their root",
             s.orphans_waiting.load(Relaxed) as i64,
+        )?;
+        counters(
+            &mut enc,
+            "revenant_otlp_trace_join",
+            "vllm-router rejections and trace rids in the trace join, by outcome (evicted_* are drops)",
+            JoinOutcome::ALL.map(|o| {
+                (
+                    vec![("outcome", o.as_str().to_string())],
+                    s.trace_join[o as usize].load(Relaxed),
+                )
+            }),
+        )?;
+        gauge(
+            &mut enc,
+            "revenant_otlp_trace_join_pending",
+            "vllm-router rejections currently waiting for their trace's rid",
+            s.trace_join_pending.load(Relaxed) as i64,
         )
     }
 }
@@ -369,6 +412,8 @@ mod tests {
             "revenant_otlp_rejected_items_total{transport=\"grpc\",reason=\"pipeline_full\"} 10",
             "revenant_otlp_requests_rejected_total{transport=\"http\",reason=\"malformed\"} 0",
             "revenant_otlp_orphans_waiting 0\n",
+            "revenant_otlp_trace_join_total{outcome=\"evicted_pending\"} 0",
+            "revenant_otlp_trace_join_pending 0\n",
         ] {
             assert!(text.contains(needle), "missing {needle} in\n{text}");
         }

@@ -23,6 +23,7 @@ pub use config::OtlpConfig;
 pub use metrics::{OtlpStats, RejectReason, Transport};
 
 use crate::event::EventBatch;
+use crate::normalize::vllm_router::JoinOutcome;
 use crate::normalize::{Normalizer, Tally};
 
 /// Why an export was not accepted; decides the status code the client sees.
@@ -153,15 +154,26 @@ impl Ingest {
     pub async fn tick(&self) {
         let mut tally = Tally::default();
         let mut out = Vec::new();
-        let waiting = {
+        let (waiting, join_pending) = {
             let mut n = self.normalizer.lock().unwrap_or_else(|p| p.into_inner());
             n.tick(now_ns(), &mut out, &mut tally);
-            n.orphans_waiting()
+            (n.orphans_waiting(), n.join_pending())
         };
         self.stats.add_tally(&tally);
         self.stats
             .orphans_waiting
             .store(waiting as u64, std::sync::atomic::Ordering::Relaxed);
+        self.stats
+            .trace_join_pending
+            .store(join_pending as u64, std::sync::atomic::Ordering::Relaxed);
+        let evicted = tally.join_count(JoinOutcome::EvictedPending)
+            + tally.join_count(JoinOutcome::EvictedTrace);
+        if evicted > 0 {
+            tracing::warn!(
+                count = evicted,
+                "otlp: trace join full, dropped router rejections or trace rids (normalize.trace_join)"
+            );
+        }
         let given_up = tally.total_unmapped();
         if given_up > 0 {
             tracing::warn!(
