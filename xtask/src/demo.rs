@@ -35,6 +35,11 @@ pub struct DemoArgs {
     /// rejected request), correct (no alert expected).
     #[arg(long, default_value = "handoff-after-reject")]
     mode: String,
+    /// Serving stack the simulator speaks: sglang (concurrent legs, bootstrap rooms) or vllm
+    /// (vllm-router's sequential legs, `kv_transfer_params`, a NIXL-style side channel; modes
+    /// handoff-after-reject and correct).
+    #[arg(long, default_value = "sglang")]
+    flavour: String,
     /// Share of requests longer than prefill can take (rejected with 400).
     #[arg(long, default_value_t = 0.01)]
     over_capacity_share: f64,
@@ -73,6 +78,12 @@ pub fn run(args: DemoArgs) -> Result<()> {
         bail!(
             "--mode must be handoff-after-reject, concurrent-no-cancel, concurrent-cancel or correct"
         );
+    }
+    match args.flavour.as_str() {
+        "sglang" => {}
+        "vllm" if ["handoff-after-reject", "correct"].contains(&args.mode.as_str()) => {}
+        "vllm" => bail!("--flavour vllm has the modes handoff-after-reject and correct"),
+        other => bail!("--flavour must be sglang or vllm, not {other:?}"),
     }
     let root = test_harness::is_root();
     let ebpf = match args.ebpf.as_str() {
@@ -129,6 +140,8 @@ fn run_demo(args: &DemoArgs, bins: &Binaries, dir: &std::path::Path, ebpf: bool)
     let cluster = Cluster::start(
         &bins.pd_sim,
         &[
+            "--flavour".into(),
+            args.flavour.clone(),
             "--mode".into(),
             args.mode.clone(),
             "--otlp-endpoint".into(),
@@ -215,6 +228,13 @@ fn run_demo(args: &DemoArgs, bins: &Binaries, dir: &std::path::Path, ebpf: bool)
         &bins.pd_sim,
         &cluster.router,
         &[
+            "--api".into(),
+            if args.flavour == "vllm" {
+                "openai"
+            } else {
+                "sglang"
+            }
+            .into(),
             "--rate".into(),
             args.rate.to_string(),
             "--requests".into(),
@@ -238,9 +258,17 @@ fn run_demo(args: &DemoArgs, bins: &Binaries, dir: &std::path::Path, ebpf: bool)
         )?;
         let prefill_stats = test_harness::http_json(&format!("{}/sim/stats", cluster.prefill)).ok();
         let decode_stats = test_harness::http_json(&format!("{}/sim/stats", cluster.decode)).ok();
-        summary = Some((load, load_time, metrics, prefill_stats, decode_stats));
+        let router_stats = test_harness::http_json(&format!("{}/sim/stats", cluster.router)).ok();
+        summary = Some((
+            load,
+            load_time,
+            metrics,
+            prefill_stats,
+            decode_stats,
+            router_stats,
+        ));
     }
-    if let Some((load, load_time, metrics, pstats, dstats)) = &summary {
+    if let Some((load, load_time, metrics, pstats, dstats, rstats)) = &summary {
         // The printer catches up with the file before the table.
         std::thread::sleep(Duration::from_millis(250));
         let notes = seen.lock().unwrap_or_else(|p| p.into_inner()).clone();
@@ -251,6 +279,7 @@ fn run_demo(args: &DemoArgs, bins: &Binaries, dir: &std::path::Path, ebpf: bool)
             metrics,
             pstats.as_ref(),
             dstats.as_ref(),
+            rstats.as_ref(),
             &notes,
         );
         print_next(&admin, &notes, dir);
@@ -288,6 +317,7 @@ fn print_summary(
     m: &[Sample],
     prefill: Option<&Value>,
     decode: Option<&Value>,
+    router: Option<&Value>,
     notes: &[Value],
 ) {
     let rows: &mut Vec<(String, String)> = &mut Vec::new();
@@ -309,12 +339,25 @@ fn print_summary(
         .unwrap_or_default();
     row("rejections (client saw)", list_or_none(rejected));
     if let Some(p) = prefill {
+        let handed_on = if args.flavour == "vllm" {
+            format!(
+                "{} of them still sent to decode by the router",
+                router.map_or(0, |r| get(
+                    r,
+                    &["router", "decode_legs_after_prefill_rejection"]
+                ))
+            )
+        } else {
+            format!(
+                "{} rejected rooms still transferred to decode",
+                get(p, &["worker", "kv_transfers_after_reject"])
+            )
+        };
         row(
             "prefill (simulator)",
             format!(
-                "{} rejected with 400, {} rejected rooms still transferred to decode",
+                "{} rejected with 400, {handed_on}",
                 get(p, &["worker", "rejected_400"]),
-                get(p, &["worker", "kv_transfers_after_reject"])
             ),
         );
     }

@@ -23,8 +23,11 @@
 //!   (e.g. `concurrent-cancel/ignores`, `*/*/ebpf`, `correct,handoff-after-reject/*/otlp`).
 //!   Routers: `correct`, `concurrent-cancel`, `concurrent-no-cancel`, `handoff-after-reject`
 //!   (pd-sim's router modes), `sglang-router-0.3.2` (`PD_SIM_SMG`), `smg-1.13.0`
-//!   (`PD_SIM_SMG113`): the real routers run in front of `pd-sim cluster --no-router` and are
-//!   skipped, with the reason printed, when their variable is unset. Decode: `honours` (the
+//!   (`PD_SIM_SMG113`); vLLM: `vllm-correct`, `vllm-handoff-after-reject` (pd-sim's
+//!   `--flavour vllm` router modes) and `vllm-router-0.1.17` (`PD_SIM_VLLM_ROUTER_PYTHON`, the
+//!   python of its venv; started through `tests/e2e/scripts/vllm_router_traced.py`, traced
+//!   when the witness has OTLP): the real routers run in front of `pd-sim cluster --no-router`
+//!   and are skipped, with the reason printed, when their variable is unset. Decode: `honours` (the
 //!   router's cancel) or `ignores` (`--decode-ignores-cancel`; only for the routers that withdraw
 //!   legs: `concurrent-cancel`, `smg-1.13.0`). Witness: `ebpf` (`--ebpf on`, the three pids, no
 //!   spans), `otlp` (`--ebpf off`, the workers' spans from `--otlp-endpoint`, a real router's
@@ -35,10 +38,12 @@
 //!   otherwise unless `--keep`.
 //!
 //! Oracle (README, "What is advancement"): no attempt is a breach behind `correct`,
-//! `concurrent-cancel` or `smg-1.13.0` with a decode that honours the cancel; behind
-//! `concurrent-no-cancel`, `sglang-router-0.3.2`, `handoff-after-reject`, and with any decode
-//! that ignores the cancel, every attempt prefill refused (status ≥ 400) whose decode leg
-//! reached decode (the room is in decode's `/sim/rooms`) is a breach.
+//! `concurrent-cancel`, `smg-1.13.0`, `vllm-correct` or `vllm-router-0.1.17` with a decode that
+//! honours the cancel; behind `concurrent-no-cancel`, `sglang-router-0.3.2`,
+//! `handoff-after-reject`, `vllm-handoff-after-reject`, and with any decode that ignores the
+//! cancel, every attempt prefill refused (status ≥ 400) whose decode leg reached decode (the room
+//! is in decode's `/sim/rooms`; for vLLM the request name in decode's `/sim/requests`) is a
+//! breach. A vLLM request is one attempt, named `cmpl-`/`chatcmpl-` + the router's `X-Request-Id`.
 //!
 //! Columns: requests sent; rejected attempts (prefill rooms with status ≥ 400); breaches
 //! expected; caught (breaches with at least one violation in `/api/violations`); false alerts
@@ -130,6 +135,10 @@ enum Router {
     Sim(&'static str),
     Smg032,
     Smg113,
+    /// A `pd-sim router --flavour vllm --mode` in front of the simulator's vLLM workers.
+    VllmSim(&'static str),
+    /// The real vllm-router 0.1.17 in front of them.
+    VllmRouter,
 }
 
 impl Router {
@@ -138,7 +147,15 @@ impl Router {
             Router::Sim(m) => m,
             Router::Smg032 => "sglang-router-0.3.2",
             Router::Smg113 => "smg-1.13.0",
+            Router::VllmSim("correct") => "vllm-correct",
+            Router::VllmSim("handoff-after-reject") => "vllm-handoff-after-reject",
+            Router::VllmSim(m) => m,
+            Router::VllmRouter => "vllm-router-0.1.17",
         }
+    }
+    /// The simulator speaks vLLM (one attempt per request, named by vLLM's request name).
+    fn vllm(self) -> bool {
+        matches!(self, Router::VllmSim(_) | Router::VllmRouter)
     }
     /// It withdraws the decode leg of a refused attempt (so a decode ignoring that is a row).
     fn withdraws(self) -> bool {
@@ -151,6 +168,7 @@ impl Router {
             Router::Sim("concurrent-no-cancel")
                 | Router::Sim("handoff-after-reject")
                 | Router::Smg032
+                | Router::VllmSim("handoff-after-reject")
         )
     }
 }
@@ -222,6 +240,9 @@ fn all_rows() -> Vec<Row> {
         Router::Sim("handoff-after-reject"),
         Router::Smg032,
         Router::Smg113,
+        Router::VllmSim("correct"),
+        Router::VllmSim("handoff-after-reject"),
+        Router::VllmRouter,
     ];
     let mut rows = Vec::new();
     for router in routers {
@@ -244,9 +265,10 @@ fn all_rows() -> Vec<Row> {
 /// The real router binary a row needs, or why the row is skipped.
 fn real_router(router: Router) -> Result<Option<PathBuf>, String> {
     let (var, want) = match router {
-        Router::Sim(_) => return Ok(None),
+        Router::Sim(_) | Router::VllmSim(_) => return Ok(None),
         Router::Smg032 => ("PD_SIM_SMG", "0.3.2"),
         Router::Smg113 => ("PD_SIM_SMG113", "smg 1.13.0"),
+        Router::VllmRouter => return vllm_router_python(),
     };
     let Some(p) = std::env::var_os(var) else {
         return Err(format!("{var} is not set (the `smg` binary of {want})"));
@@ -257,6 +279,86 @@ fn real_router(router: Router) -> Result<Option<PathBuf>, String> {
         Ok(v) => Err(format!("{var}={} is {v}, not {want}", p.display())),
         Err(e) => Err(format!("{var}={}: {e:#}", p.display())),
     }
+}
+
+/// The Python of the vllm-router 0.1.17 venv (`PD_SIM_VLLM_ROUTER_PYTHON`): the router is
+/// started through its Python API, which can turn its tracing on.
+fn vllm_router_python() -> Result<Option<PathBuf>, String> {
+    let var = "PD_SIM_VLLM_ROUTER_PYTHON";
+    let Some(p) = std::env::var_os(var) else {
+        return Err(format!(
+            "{var} is not set (the python of a venv with vllm-router==0.1.17)"
+        ));
+    };
+    let p = PathBuf::from(p);
+    let out = std::process::Command::new(&p)
+        .args([
+            "-c",
+            "import importlib.metadata as m; print(m.version('vllm-router'))",
+        ])
+        .output()
+        .map_err(|e| format!("{var}={}: {e}", p.display()))?;
+    let v = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    if v == "0.1.17" {
+        Ok(Some(p))
+    } else {
+        Err(format!(
+            "{var}={} has vllm-router {v:?}, not 0.1.17",
+            p.display()
+        ))
+    }
+}
+
+/// A real router in front of the simulator's workers; stopped when dropped.
+enum RealRouter {
+    Smg(SmgProcess),
+    Vllm {
+        proc: test_harness::Proc,
+        url: String,
+    },
+}
+
+impl RealRouter {
+    fn url(&self) -> &str {
+        match self {
+            RealRouter::Smg(s) => &s.url,
+            RealRouter::Vllm { url, .. } => url,
+        }
+    }
+    fn pid(&self) -> u32 {
+        match self {
+            RealRouter::Smg(s) => s.pid(),
+            RealRouter::Vllm { proc, .. } => proc.pid(),
+        }
+    }
+}
+
+/// vllm-router through `tests/e2e/scripts/vllm_router_traced.py` (OTLP/gRPC to `trace`, or
+/// `off`).
+fn start_vllm_router(python: &Path, cluster: &Cluster, trace: &str, log: &Path) -> RealRouter {
+    let script = test_harness::workspace_root().join("tests/e2e/scripts/vllm_router_traced.py");
+    let port = free_port().unwrap();
+    let prom = free_port().unwrap();
+    let mut cmd = std::process::Command::new(python);
+    cmd.arg(script)
+        .arg(trace)
+        .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+        .args([
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            &prom.to_string(),
+        ])
+        .args(["--vllm-pd-disaggregation", "--policy", "round_robin"])
+        .args(["--prefill", &cluster.prefill, "--decode", &cluster.decode])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::fs::File::create(log).unwrap())
+        .stderr(std::fs::File::create(log.with_extension("err")).unwrap());
+    let proc = test_harness::Proc::spawn("vllm-router", &mut cmd).unwrap();
+    let url = format!("http://127.0.0.1:{port}");
+    test_harness::wait_healthy(&url, Duration::from_secs(60))
+        .unwrap_or_else(|e| panic!("vllm-router: {e:#}"));
+    RealRouter::Vllm { proc, url }
 }
 
 struct RowResult {
@@ -286,20 +388,33 @@ fn room_of(v: &Value) -> Option<u64> {
     }
 }
 
-fn rooms(url: &str) -> Vec<Value> {
-    match http_json(&format!("{url}/sim/rooms")) {
+/// The simulator's per-attempt records: SGLang's per room (`/sim/rooms`), vLLM's per request
+/// (`/sim/requests`, one attempt each).
+fn rooms(url: &str, vllm: bool) -> Vec<Value> {
+    let path = if vllm { "/sim/requests" } else { "/sim/rooms" };
+    match http_json(&format!("{url}{path}")) {
         Ok(Value::Array(a)) => a,
-        other => panic!("{url}/sim/rooms: {other:?}"),
+        other => panic!("{url}{path}: {other:?}"),
     }
 }
 
-fn wait_rooms_settled(cluster: &Cluster, timeout: Duration) -> bool {
+/// The attempt a record is about: the room (SGLang), the request name (vLLM).
+fn key_of(r: &Value, vllm: bool) -> Option<String> {
+    if vllm {
+        r["id"].as_str().map(str::to_string)
+    } else {
+        r["room"].as_u64().map(|r| r.to_string())
+    }
+}
+
+fn wait_rooms_settled(cluster: &Cluster, vllm: bool, timeout: Duration) -> bool {
     let deadline = Instant::now() + timeout;
     loop {
+        // vLLM's prefill holds the KV of an admitted request until decode has read it.
         let pending = [&cluster.prefill, &cluster.decode]
             .iter()
-            .flat_map(|u| rooms(u))
-            .any(|r| r["outcome"] == "pending");
+            .flat_map(|u| rooms(u, vllm))
+            .any(|r| r["outcome"] == "pending" || r["outcome"] == "held");
         if !pending {
             return true;
         }
@@ -313,10 +428,11 @@ fn wait_rooms_settled(cluster: &Cluster, timeout: Duration) -> bool {
 fn run_row(
     o: &Opts,
     row: Row,
-    smg: Option<&Path>,
+    real: Option<&Path>,
     revenant_bin: &Path,
     pd_sim: &Path,
 ) -> RowResult {
+    let vllm = row.router.vllm();
     let t0 = Instant::now();
     let dir = o.out.join(row.name().replace('/', "-"));
     let _ = std::fs::remove_dir_all(&dir);
@@ -326,8 +442,13 @@ fn run_row(
 
     // The cluster first: eBPF needs its pids; span exporters connect once there are spans.
     let mut cluster_args: Vec<String> = Vec::new();
+    if vllm {
+        cluster_args.extend(["--flavour".into(), "vllm".into()]);
+    }
     match row.router {
-        Router::Sim(mode) => cluster_args.extend(["--mode".into(), mode.into()]),
+        Router::Sim(mode) | Router::VllmSim(mode) => {
+            cluster_args.extend(["--mode".into(), mode.into()])
+        }
         _ => cluster_args.push("--no-router".into()),
     }
     if row.witness.otlp() {
@@ -344,16 +465,26 @@ fn run_row(
     }
     let cluster = Cluster::start(pd_sim, &cluster_args, Some(&dir.join("pd-sim.log")))
         .unwrap_or_else(|e| panic!("{}: pd-sim cluster: {e:#}", row.name()));
-    let smg_proc = smg.map(|bin| {
+    let real_router = real.map(|bin| {
+        if vllm {
+            let trace = if row.witness.otlp() {
+                grpc.as_str()
+            } else {
+                "off"
+            };
+            return start_vllm_router(bin, &cluster, trace, &dir.join("vllm-router.log"));
+        }
         let model = dir.join("model");
         write_tiny_model(&model).unwrap();
         let trace = row.witness.otlp().then_some(grpc.as_str());
-        SmgProcess::start(bin, &cluster, &model, trace, &dir.join("smg.log"), &[])
-            .unwrap_or_else(|e| panic!("{}: smg: {e:#}", row.name()))
+        RealRouter::Smg(
+            SmgProcess::start(bin, &cluster, &model, trace, &dir.join("smg.log"), &[])
+                .unwrap_or_else(|e| panic!("{}: smg: {e:#}", row.name())),
+        )
     });
-    let router_url = smg_proc
+    let router_url = real_router
         .as_ref()
-        .map_or(cluster.router.clone(), |s| s.url.clone());
+        .map_or(cluster.router.clone(), |s| s.url().to_string());
 
     let events_path = dir.join("events.jsonl");
     let mut args: Vec<String> = [
@@ -384,7 +515,7 @@ fn run_row(
             "--no-sglang-conventions".into(),
         ]);
         args.extend(cluster.pid_args());
-        if let Some(s) = &smg_proc {
+        if let Some(s) = &real_router {
             args.extend(["--pid".into(), format!("router={}", s.pid())]);
         }
     } else {
@@ -405,6 +536,8 @@ fn run_row(
         pd_sim,
         &router_url,
         &[
+            "--api".to_string(),
+            if vllm { "openai" } else { "sglang" }.to_string(),
             "--requests".to_string(),
             o.requests.to_string(),
             "--rate".into(),
@@ -428,10 +561,10 @@ fn run_row(
     // (orphaned-leg) of the last rejection must have been judged: `revenant run` judges a
     // deadline once its watermark (wall clock minus the allowed lateness) passes it, checked on
     // a 1 s tick; then revenant quiet (no alert pending in its group wait).
-    if !wait_rooms_settled(&cluster, Duration::from_secs(120)) {
+    if !wait_rooms_settled(&cluster, vllm, Duration::from_secs(120)) {
         notes.push("rooms still pending after 120 s".into());
     }
-    let last_rejection = rooms(&cluster.prefill)
+    let last_rejection = rooms(&cluster.prefill, vllm)
         .iter()
         .filter(|r| r["status"].as_u64().unwrap_or(0) >= 400)
         .filter_map(|r| r["answered_ns"].as_u64())
@@ -457,8 +590,8 @@ fn run_row(
             violations.len()
         ));
     }
-    let prefill = rooms(&cluster.prefill);
-    let decode = rooms(&cluster.decode);
+    let prefill = rooms(&cluster.prefill, vllm);
+    let decode = rooms(&cluster.decode, vllm);
     let sim_losses: u64 = [&cluster.prefill, &cluster.decode]
         .iter()
         .map(|u| {
@@ -472,34 +605,35 @@ fn run_row(
         .unwrap_or_else(|e| panic!("{}: revenant stop: {e:#}", row.name()));
     assert!(stopped.success(), "{}: {}", row.name(), rev.log_tail(30));
     let alerts = rev.notifications().unwrap_or_default();
-    drop(smg_proc);
+    drop(real_router);
     drop(cluster);
     let wall_s = t0.elapsed().as_secs_f64();
 
-    // The oracle, from the simulator's rooms.
-    let decode_rooms: HashMap<u64, &Value> = decode
+    // The oracle, from the simulator's records: an attempt is a room (SGLang) or a request
+    // name (vLLM).
+    let decode_rooms: HashMap<String, &Value> = decode
         .iter()
-        .filter_map(|r| Some((r["room"].as_u64()?, r)))
+        .filter_map(|r| Some((key_of(r, vllm)?, r)))
         .collect();
-    let prefill_rooms: HashMap<u64, &Value> = prefill
+    let prefill_rooms: HashMap<String, &Value> = prefill
         .iter()
-        .filter_map(|r| Some((r["room"].as_u64()?, r)))
+        .filter_map(|r| Some((key_of(r, vllm)?, r)))
         .collect();
-    let mut rid_room: HashMap<String, u64> = HashMap::new();
+    let mut rid_room: HashMap<String, String> = HashMap::new();
     for r in prefill.iter().chain(&decode) {
-        if let (Some(rid), Some(room)) = (r["rid"].as_str(), r["room"].as_u64()) {
+        if let (Some(rid), Some(room)) = (r["rid"].as_str(), key_of(r, vllm)) {
             rid_room.insert(rid.to_string(), room);
         }
     }
-    let rejected: BTreeSet<u64> = prefill
+    let rejected: BTreeSet<String> = prefill
         .iter()
         .filter(|r| r["status"].as_u64().unwrap_or(0) >= 400)
-        .filter_map(|r| r["room"].as_u64())
+        .filter_map(|r| key_of(r, vllm))
         .collect();
-    let breaches: BTreeSet<u64> = if row.breach_row() {
+    let breaches: BTreeSet<String> = if row.breach_row() {
         rejected
             .iter()
-            .copied()
+            .cloned()
             // Reached decode: decode read the leg's HTTP request.
             .filter(|r| {
                 decode_rooms
@@ -510,7 +644,12 @@ fn run_row(
     } else {
         BTreeSet::new()
     };
-    let request_of = |room: &u64| {
+    // vLLM: one attempt per request, so the request is its attempt (the notification names
+    // it by the client's id or the router's X-Request-Id, depending on the witness).
+    let request_of = |room: &String| {
+        if vllm {
+            return room.clone();
+        }
         prefill_rooms
             .get(room)
             .and_then(|r| r["request_id"].as_str())
@@ -520,15 +659,20 @@ fn run_row(
     let breached_requests: BTreeSet<String> = breaches.iter().map(request_of).collect();
 
     // revenant's verdicts.
-    let attempt_of = |v: &Value| {
-        room_of(&v["attempt"]["bootstrap_room"]).or_else(|| {
-            v["attempt"]["rid"]
-                .as_str()
-                .and_then(|rid| rid_room.get(rid).copied())
-        })
+    let attempt_of = |v: &Value| -> Option<String> {
+        if vllm {
+            return v["attempt"]["rid"].as_str().map(str::to_string);
+        }
+        room_of(&v["attempt"]["bootstrap_room"])
+            .map(|r| r.to_string())
+            .or_else(|| {
+                v["attempt"]["rid"]
+                    .as_str()
+                    .and_then(|rid| rid_room.get(rid).cloned())
+            })
     };
-    let mut violated: BTreeSet<u64> = BTreeSet::new();
-    let mut false_rooms: BTreeSet<u64> = BTreeSet::new();
+    let mut violated: BTreeSet<String> = BTreeSet::new();
+    let mut false_rooms: BTreeSet<String> = BTreeSet::new();
     let mut false_alerts = 0usize;
     let mut caught_rules: BTreeMap<String, usize> = BTreeMap::new();
     let mut false_rules: BTreeMap<String, usize> = BTreeMap::new();
@@ -537,14 +681,14 @@ fn run_row(
         let rule = v["rule"].as_str().unwrap_or("?").to_string();
         let first = v["corroborates"] != true;
         let room = attempt_of(v);
-        let on_breach = match room {
-            Some(r) => breaches.contains(&r),
+        let on_breach = match &room {
+            Some(r) => breaches.contains(r),
             None => v["request"]["request_id"]
                 .as_str()
                 .is_some_and(|id| breached_requests.contains(id)),
         };
-        if let Some(r) = room {
-            violated.insert(r);
+        if let Some(r) = &room {
+            violated.insert(r.clone());
         }
         if on_breach {
             if first {
@@ -562,7 +706,7 @@ fn run_row(
         }
     }
     let caught = breaches.intersection(&violated).count();
-    let missed: Vec<u64> = breaches.difference(&violated).copied().collect();
+    let missed: Vec<String> = breaches.difference(&violated).cloned().collect();
 
     // Notifications: incident notifications (and rate-limit summaries, which must not occur).
     let incidents: Vec<&Value> = alerts.iter().filter(|n| n["type"] == "incident").collect();
@@ -583,6 +727,7 @@ fn run_row(
             .filter(|id| !id.is_empty())
             .collect();
         match n["request"]["request_id"].as_str() {
+            Some(_) if vllm => {}
             Some(id) => {
                 about.insert(id.to_string());
             }
@@ -691,8 +836,8 @@ fn run_row(
         && suppressed == 0;
     if !clean {
         // Enough to start digging: the rooms' records and revenant's events of them.
-        let mut look: Vec<u64> = missed.iter().take(3).copied().collect();
-        look.extend(false_rooms.iter().take(3));
+        let mut look: Vec<String> = missed.iter().take(3).cloned().collect();
+        look.extend(false_rooms.iter().take(3).cloned());
         let events = test_harness::read_jsonl(&events_path).unwrap_or_default();
         for room in look {
             let kind = if breaches.contains(&room) {
@@ -710,13 +855,21 @@ fn run_row(
                     .get(&room)
                     .map_or("-".into(), |r| r.to_string()),
             ));
-            for e in events
-                .iter()
-                .filter(|e| room_of(&e["ids"]["bootstrap_room"]) == Some(room))
-            {
+            let of_room = |e: &&Value| {
+                if vllm {
+                    e["ids"]["rid"].as_str() == Some(room.as_str())
+                } else {
+                    room_of(&e["ids"]["bootstrap_room"]).map(|r| r.to_string())
+                        == Some(room.clone())
+                }
+            };
+            for e in events.iter().filter(of_room) {
                 notes.push(format!("    {e}"));
             }
-            for v in violations.iter().filter(|v| attempt_of(v) == Some(room)) {
+            for v in violations
+                .iter()
+                .filter(|v| attempt_of(v).as_ref() == Some(&room))
+            {
                 notes.push(format!("    violation: {}", v["summary"]));
             }
         }
@@ -818,7 +971,7 @@ fn main() {
             eprintln!("skip {}", skipped.last().unwrap());
             continue;
         }
-        let smg = match real_router(row.router) {
+        let real = match real_router(row.router) {
             Ok(s) => s,
             Err(why) => {
                 skipped.push(format!("{}: {why}", row.name()));
@@ -827,7 +980,7 @@ fn main() {
             }
         };
         eprintln!("row {} …", row.name());
-        let r = run_row(&o, row, smg.as_deref(), &revenant, &pd_sim);
+        let r = run_row(&o, row, real.as_deref(), &revenant, &pd_sim);
         eprintln!("{}", table_line(&r));
         results.push(r);
     }

@@ -334,3 +334,13 @@ fn alias_table_is_bounded_by_what_is_live() {
         c.alias_entries()
     );
 }
+
+/// A tick at the end of time (a clock gone wrong) retires attempts without overflowing.
+#[test]
+fn a_tick_near_the_end_of_time_does_not_overflow() {
+    let mut c = Checker::new(RuleSet::embedded_defaults(), CheckerConfig::default());
+    c.observe(&ev(S, Stage::Prefill, Kind::Rejected).with_rid("r-1"));
+    c.observe(&ev(S + MS, Stage::Decode, Kind::Completed).with_rid("r-1"));
+    let _ = c.tick(u64::MAX / 2);
+    let _ = c.tick(u64::MAX);
+}

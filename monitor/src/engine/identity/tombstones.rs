@@ -116,9 +116,10 @@ impl Store {
             .room()
             .map(key_room)
             .or_else(|| self.verifier().first_rid_key(i));
+        // Saturating: a watermark near the end of time (a clock gone wrong) must not overflow.
         let expires_s = ((watermark_ns.saturating_add(self.limits.retention_ns)) / 1_000_000_000)
-            .min(u32::MAX as u64) as u32
-            + 1;
+            .min(u32::MAX as u64) as u32;
+        let expires_s = expires_s.saturating_add(1);
         let fired = at.fired;
         let tomb = Tombstone {
             request: at.request.index(),
