@@ -1,6 +1,6 @@
 //! Scenario tests: `tests/scenarios/NAME.jsonl` events with `NAME.expected.jsonl` verdicts.
 //!
-//! Each expected line names a rule plus any of bootstrap_room / request_id / worker; every
+//! Each expected line names a rule plus any of bootstrap_room / rid / request_id / worker; every
 //! violation must match exactly one expected line and vice versa. The same verdicts must come out
 //! whatever the arrival order, once lateness covers the whole file.
 
@@ -57,15 +57,25 @@ fn run(events: &[LifecycleEvent], cfg: CheckerConfig) -> Vec<Violation> {
 /// The identity of a verdict: rule and what broke it. Request aliases are enrichment known only
 /// once the event linking attempt and request arrived, so they are not part of it.
 /// Request-scope rules are about the request: which attempt's event proved it first is enrichment.
-fn key(v: &Violation) -> (String, Option<u64>, Option<String>) {
+/// An attempt is its room (SGLang) or, without one, its rid (vLLM: one attempt per request).
+fn key(v: &Violation) -> (String, Option<u64>, Option<String>, Option<String>) {
     let set = RuleSet::embedded_defaults();
     let scope = set.rules.iter().find(|r| r.name == v.rule).unwrap().scope;
     match scope {
         revenant::engine::rules::Scope::Attempt => {
-            (v.rule.clone(), v.attempt.bootstrap_room, v.worker.clone())
+            let rid = match v.attempt.bootstrap_room {
+                Some(_) => None,
+                None => v.attempt.rid.clone(),
+            };
+            (
+                v.rule.clone(),
+                v.attempt.bootstrap_room,
+                rid,
+                v.worker.clone(),
+            )
         }
         revenant::engine::rules::Scope::Request => {
-            (v.rule.clone(), None, v.request.request_id.clone())
+            (v.rule.clone(), None, None, v.request.request_id.clone())
         }
     }
 }
@@ -75,6 +85,8 @@ fn matches(expected: &serde_json::Value, v: &Violation) -> bool {
     e.get("rule").and_then(|r| r.as_str()) == Some(v.rule.as_str())
         && e.get("bootstrap_room")
             .is_none_or(|r| r.as_u64() == v.attempt.bootstrap_room)
+        && e.get("rid")
+            .is_none_or(|r| r.as_str() == v.attempt.rid.as_deref())
         && e.get("request_id")
             .is_none_or(|r| r.as_str() == v.request.request_id.as_deref())
         && e.get("worker")

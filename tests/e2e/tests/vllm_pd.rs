@@ -520,3 +520,123 @@ fn vllm_handoff_after_reject_caught_once_per_request_with_both_sources_merged() 
         "findings not corroborated by both witnesses: {by:?}"
     );
 }
+
+/// The capacity check for vLLM, from the wire: a prefill whose KV cache holds fewer tokens than
+/// its `max_model_len` (what `/v1/models` says against what `/metrics` says) is reported once,
+/// as that worker; decode, whose cache holds its context, is not.
+#[test]
+fn vllm_worker_whose_kv_cache_is_smaller_than_its_context_is_reported() {
+    let _g = serial();
+    assert!(
+        test_harness::is_root(),
+        "this test loads eBPF probes and must run as root (cargo xtask test does, as CI)"
+    );
+    let b = bins();
+    let dir = tempfile::Builder::new()
+        .prefix("revenant-vllm-capacity-")
+        .tempdir()
+        .unwrap();
+    // 128 blocks of 16 tokens: 2048 tokens of KV for a context of 4096.
+    let cluster = Cluster::start(
+        &b.pd_sim,
+        &[
+            "--flavour",
+            "vllm",
+            "--mode",
+            "correct",
+            "--prefill-args",
+            "--num-gpu-blocks 128",
+            "--router-args",
+            "--metrics-poll-interval-secs 1",
+        ],
+        Some(&dir.path().join("pd-sim.log")),
+    )
+    .unwrap_or_else(|e| panic!("{e:#}"));
+    let mut args: Vec<String> = [
+        "--admin",
+        "127.0.0.1:0",
+        "--otlp-http",
+        "off",
+        "--otlp-grpc",
+        "off",
+        "--rate-limit",
+        "0",
+        "--spool-no-fsync",
+        "--no-sglang-conventions",
+        "--ebpf",
+        "on",
+    ]
+    .map(String::from)
+    .to_vec();
+    args.extend(cluster.pid_args());
+    let mut revenant =
+        Revenant::start_recording(&b.revenant, dir.path(), &args, Duration::from_secs(60))
+            .unwrap_or_else(|e| panic!("{e:#}"));
+    // A client asks the model list (the router answers prefill's); the router reads /metrics
+    // every second.
+    let models = http_json(&format!("{}/v1/models", cluster.router)).unwrap();
+    assert_eq!(models["data"][0]["max_model_len"], 4096, "{models}");
+    let prefill_addr = cluster.prefill.trim_start_matches("http://").to_string();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let violations = loop {
+        let (status, v) = revenant.admin_json("/api/violations").unwrap();
+        assert_eq!(status, 200, "{v}");
+        let found: Vec<Value> = v["violations"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|v| v["rule"] == "context-exceeds-capacity")
+            .collect();
+        if !found.is_empty() || Instant::now() > deadline {
+            break found;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    // A few more polls: a repeated report must not repeat the alert.
+    std::thread::sleep(Duration::from_secs(3));
+    let metrics = revenant
+        .wait_quiet(Duration::from_secs(1), Duration::from_secs(30), None)
+        .unwrap();
+    let router_stats = http_json(&format!("{}/sim/stats", cluster.router)).unwrap();
+    assert!(
+        router_stats["router"]["metrics_polls"]
+            .as_u64()
+            .unwrap_or(0)
+            >= 4,
+        "{router_stats}"
+    );
+    let status = revenant.stop().unwrap();
+    assert!(
+        status.success(),
+        "{}",
+        test_harness::tail(&revenant.log, 30)
+    );
+    assert_eq!(violations.len(), 1, "{violations:#?}");
+    let v = &violations[0];
+    assert_eq!(v["worker"], prefill_addr.as_str(), "{v}");
+    assert!(
+        v["summary"].as_str().unwrap_or("").contains("4096"),
+        "the alert says the context it found: {v}"
+    );
+    assert_eq!(
+        metric_sum(
+            &metrics,
+            "revenant_checker_violations_total",
+            &[("rule", "context-exceeds-capacity")]
+        ),
+        1.0
+    );
+    // Both workers' KV sizes were read off the wire; only prefill's context was asked.
+    assert!(
+        metric_sum(
+            &metrics,
+            "revenant_events_total",
+            &[
+                ("source", "ebpf"),
+                ("kind", "capacity"),
+                ("stage", "decode")
+            ]
+        ) >= 1.0
+    );
+}

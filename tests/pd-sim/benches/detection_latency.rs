@@ -16,6 +16,15 @@
 //! cargo build --release -p revenant -p pd-sim
 //! cargo bench -p pd-sim --bench detection_latency -- [--rates 1000,10000] [--seconds 10]
 //!     [--otlp-linger-ms 20] [--over-capacity-share 0.02] [--skip-clean] [--source otlp|ebpf]
+//!     [--flavour sglang|vllm]
+//! ```
+//!
+//! `--flavour vllm`: the simulator's vLLM workers behind its vllm-router-shaped router
+//! (sequential legs; in `handoff-after-reject` a prefill 400 still goes to decode, which computes
+//! it itself), `pd-sim load --api openai`; the offending event is decode's work on the rejected
+//! request.
+//!
+//! ```text
 //! ```
 
 use std::path::{Path, PathBuf};
@@ -35,6 +44,8 @@ struct Opts {
     /// `otlp`: spans from every pd-sim process, revenant `--ebpf off`; `ebpf`: no spans,
     /// revenant `--ebpf on --pid ROLE=PID` for the three processes (needs root).
     source: String,
+    /// `sglang` or `vllm` (`pd-sim cluster --flavour vllm`, `load --api openai`).
+    flavour: String,
 }
 
 fn opts() -> Opts {
@@ -45,6 +56,7 @@ fn opts() -> Opts {
         over_capacity_share: 0.02,
         skip_clean: false,
         source: "otlp".into(),
+        flavour: "sglang".into(),
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -63,6 +75,7 @@ fn opts() -> Opts {
             }
             "--skip-clean" => o.skip_clean = true,
             "--source" => o.source = val(),
+            "--flavour" => o.flavour = val(),
             // `cargo bench` passes `--bench`; ignore it and anything else libtest-like.
             _ => {}
         }
@@ -183,7 +196,7 @@ fn one_run(
     unsafe { std::env::set_var("PD_SIM_OTLP_LINGER_MS", o.linger_ms.to_string()) };
     let (mut rev, cluster) = if o.source == "ebpf" {
         // The kernel side watches the processes, so they start first (no span export).
-        let cluster = Cluster::start(pd_sim, &["--mode", mode], None)
+        let cluster = Cluster::start(pd_sim, &["--flavour", &o.flavour, "--mode", mode], None)
             .unwrap_or_else(|e| panic!("cluster: {e}"));
         common.extend(["--ebpf".to_string(), "on".to_string()]);
         for role in ["router", "prefill", "decode"] {
@@ -203,8 +216,19 @@ fn one_run(
         let rev = Revenant::start(revenant_bin, scratch.path(), &common)
             .unwrap_or_else(|e| panic!("revenant: {e}"));
         let otlp = format!("http://{}", rev.otlp_http);
-        let cluster = Cluster::start(pd_sim, &["--mode", mode, "--otlp-endpoint", &otlp], None)
-            .unwrap_or_else(|e| panic!("cluster: {e}"));
+        let cluster = Cluster::start(
+            pd_sim,
+            &[
+                "--flavour",
+                &o.flavour,
+                "--mode",
+                mode,
+                "--otlp-endpoint",
+                &otlp,
+            ],
+            None,
+        )
+        .unwrap_or_else(|e| panic!("cluster: {e}"));
         (rev, cluster)
     };
     let cpu0 = proc_cpu_s(rev.pid());
@@ -214,6 +238,12 @@ fn one_run(
         pd_sim,
         &cluster.router,
         &[
+            "--api",
+            if o.flavour == "vllm" {
+                "openai"
+            } else {
+                "sglang"
+            },
             "--rate",
             &rate.to_string(),
             "--requests",
@@ -231,9 +261,14 @@ fn one_run(
     )
     .unwrap_or_else(|e| panic!("load: {e}"));
     let prefill = stat(&cluster.prefill);
-    let expected = prefill["worker"]["kv_transfers_after_reject"]
-        .as_u64()
-        .unwrap_or(0);
+    // The breaches the simulator says happened: rejected rooms transferred (SGLang), rejected
+    // requests the router still sent to decode (vLLM).
+    let expected = if o.flavour == "vllm" {
+        stat(&cluster.router)["router"]["decode_legs_after_prefill_rejection"].as_u64()
+    } else {
+        prefill["worker"]["kv_transfers_after_reject"].as_u64()
+    }
+    .unwrap_or(0);
     // Drain: wait for the alerts the simulator says are due (or, in the clean run, for the
     // pipeline to go quiet), bounded.
     let deadline = Instant::now() + Duration::from_secs(60);

@@ -70,6 +70,10 @@ pub struct RouterArgs {
     /// vLLM flavour: how often the router polls each worker's `/health`.
     #[arg(long, default_value_t = 10)]
     pub health_check_interval_secs: u64,
+    /// vLLM flavour: how often the router reads each worker's `/metrics` after the read at
+    /// start; 0 (the default, as vllm-router 0.1.17) reads it at start only.
+    #[arg(long, default_value_t = 0)]
+    pub metrics_poll_interval_secs: u64,
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
     #[arg(long, default_value_t = 30000)]

@@ -68,6 +68,8 @@ pub struct Stats {
     pub responses_5xx: AtomicU64,
     pub health_checks: AtomicU64,
     pub health_failures: AtomicU64,
+    /// `/metrics` reads of the workers (answered 2xx).
+    pub metrics_polls: AtomicU64,
 }
 
 struct Endpoint {
@@ -134,8 +136,22 @@ pub async fn run(args: RouterArgs) -> anyhow::Result<()> {
         stats: Stats::default(),
         spans: exporter.sink.clone(),
     });
-    // As vllm-router does: check the workers at start, then every interval.
+    // As vllm-router does: check the workers and read their metrics at start, then check them
+    // every interval (and, when asked, read the metrics every interval of their own).
     poll_health(&rt).await;
+    poll_metrics(&rt).await;
+    if args.metrics_poll_interval_secs > 0 {
+        let rt = rt.clone();
+        let every = Duration::from_secs(args.metrics_poll_interval_secs);
+        tokio::spawn(async move {
+            let mut iv = tokio::time::interval(every);
+            iv.tick().await;
+            loop {
+                iv.tick().await;
+                poll_metrics(&rt).await;
+            }
+        });
+    }
     {
         let rt = rt.clone();
         let every = Duration::from_secs(args.health_check_interval_secs.max(1));
@@ -176,6 +192,18 @@ pub async fn run(args: RouterArgs) -> anyhow::Result<()> {
         .await?;
     exporter.shutdown(Duration::from_secs(3)).await;
     Ok(())
+}
+
+async fn poll_metrics(rt: &Rt) {
+    for ep in [&rt.prefill, &rt.decode] {
+        let url = format!("{}/metrics", ep.base);
+        if matches!(
+            crate::http::get(&rt.client, &url, Duration::from_secs(5)).await,
+            Ok((s, _)) if s.is_success()
+        ) {
+            rt.stats.metrics_polls.fetch_add(1, Ordering::Relaxed);
+        }
+    }
 }
 
 async fn poll_health(rt: &Rt) {
