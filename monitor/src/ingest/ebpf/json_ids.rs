@@ -154,30 +154,49 @@ impl CacheConfig {
     }
 }
 
+/// The sample's labels are read up to its `}` or wherever the window cuts the line: the line is
+/// long (every CacheConfig field is a label) and a syscall's captured head often ends inside it.
+/// Only a value whose closing quote was seen counts.
 fn cache_config_in(part: &[u8]) -> Option<CacheConfig> {
     let at = CACHE_CONFIG_INFO.find_iter(part).find(|&p| {
         // The sample line (a `# HELP` / `# TYPE` line names the family without a `{`).
         (p == 0 || part[p - 1] == b'\n')
             && part.get(p + CACHE_CONFIG_INFO.needle().len()) == Some(&b'{')
     })?;
-    let rest = &part[at + CACHE_CONFIG_INFO.needle().len() + 1..];
-    let end = rest
-        .iter()
-        .position(|&b| b == b'}' || b == b'\n' || b == GAP)?;
-    if rest[end] != b'}' {
-        return None;
+    let mut rest = &part[at + CACHE_CONFIG_INFO.needle().len() + 1..];
+    let (mut blocks, mut block_size) = (None, None);
+    loop {
+        let eq = rest.iter().position(|&b| b == b'=')?;
+        let name = &rest[..eq];
+        if name.iter().any(|&b| matches!(b, b'}' | b'\n' | GAP)) || rest.get(eq + 1) != Some(&b'"')
+        {
+            break;
+        }
+        let value_at = eq + 2;
+        let close = rest[value_at..].iter().position(|&b| b == b'"')?;
+        let value = &rest[value_at..value_at + close];
+        if value.iter().any(|&b| matches!(b, b'\n' | GAP | b'\\')) {
+            break;
+        }
+        let number = || std::str::from_utf8(value).ok()?.parse::<u64>().ok();
+        match name {
+            b"num_gpu_blocks" => blocks = number(),
+            b"block_size" => block_size = number(),
+            _ => {}
+        }
+        if let (Some(num_gpu_blocks), Some(block_size)) = (blocks, block_size) {
+            return Some(CacheConfig {
+                num_gpu_blocks,
+                block_size,
+            });
+        }
+        rest = &rest[value_at + close + 1..];
+        match rest.first() {
+            Some(b',') => rest = &rest[1..],
+            _ => break,
+        }
     }
-    let labels = std::str::from_utf8(&rest[..end]).ok()?;
-    let label = |name: &str| -> Option<u64> {
-        labels.split(',').find_map(|kv| {
-            let (k, v) = kv.split_once('=')?;
-            (k.trim() == name).then(|| v.trim().trim_matches('"').parse().ok())?
-        })
-    };
-    Some(CacheConfig {
-        num_gpu_blocks: label("num_gpu_blocks")?,
-        block_size: label("block_size")?,
-    })
+    None
 }
 
 /// Which leg of a vLLM PD pair a request body is, from its `kv_transfer_params`: the router
@@ -482,12 +501,22 @@ mod tests {
             (c.num_gpu_blocks, c.block_size, c.tokens()),
             (2048, 16, 32768)
         );
-        // A line cut by a gap is not trusted.
+        // A label cut by a gap is not trusted.
         let mut w = BodyWindow::default();
         w.push(b"vllm:cache_config_info{block_size=\"16\",num_gpu");
         w.skip(100);
         w.push(b"_blocks=\"5\"} 1.0\n");
         assert_eq!(w.vllm_cache_config(), None);
+        let mut w = BodyWindow::default();
+        w.push(b"vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"12");
+        w.skip(100);
+        assert_eq!(w.vllm_cache_config(), None);
+        // A line the window cuts after the labels it needs still gives them.
+        let cut = b"vllm:cache_config_info{block_size=\"16\",cache_dtype=\"auto\",num_gpu_blocks=\"128\",calculate_kv_scales=\"Fal";
+        assert_eq!(
+            window(&[cut]).vllm_cache_config().map(|c| c.tokens()),
+            Some(2048)
+        );
         assert_eq!(
             window(&[b"# TYPE vllm:cache_config_info gauge\n"]).vllm_cache_config(),
             None
