@@ -7,12 +7,13 @@ use std::sync::Arc;
 use axum::Json;
 use axum::Router;
 use axum::extract::{Path, State};
-use axum::http::{StatusCode, header};
+use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 
 use super::timeline::TimelineProvider;
 use super::violations;
+use crate::telemetry::exposition::Format;
 use crate::telemetry::metrics::Metrics;
 use crate::telemetry::ready::Readiness;
 use crate::telemetry::recent::RecentViolations;
@@ -81,13 +82,16 @@ impl AdminServer {
     }
 }
 
-async fn metrics(State(s): State<AdminState>) -> Response {
+/// OpenMetrics when the scraper asks for it, the Prometheus text format 0.0.4 otherwise.
+async fn metrics(State(s): State<AdminState>, headers: HeaderMap) -> Response {
+    let accept = headers.get(header::ACCEPT).and_then(|v| v.to_str().ok());
+    let format = Format::negotiate(accept);
     (
-        [(
-            header::CONTENT_TYPE,
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        )],
-        s.metrics.render(),
+        [
+            (header::CONTENT_TYPE, format.content_type()),
+            (header::VARY, "accept"),
+        ],
+        s.metrics.render_as(format),
     )
         .into_response()
 }

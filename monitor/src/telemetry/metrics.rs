@@ -436,12 +436,20 @@ impl Metrics {
         }
     }
 
-    /// Prometheus/OpenMetrics text exposition.
+    /// The OpenMetrics text exposition.
     pub fn render(&self) -> String {
         let mut out = String::with_capacity(16 * 1024);
         // Writing into a String cannot fail.
         let _ = prometheus_client::encoding::text::encode(&mut out, &lock(&self.registry));
         out
+    }
+
+    /// The exposition in `format` (what `/metrics` answers after negotiating on `Accept`).
+    pub fn render_as(&self, format: super::exposition::Format) -> String {
+        match format {
+            super::exposition::Format::OpenMetrics => self.render(),
+            super::exposition::Format::Text => super::exposition::to_text_004(&self.render()),
+        }
     }
 
     /// Renders `collector` at every scrape from now on, after the families and the collectors

@@ -3,6 +3,7 @@
 //! It imports only the shared vocabulary (`event`, `violation`).
 
 pub mod events;
+pub mod exposition;
 pub mod logging;
 pub mod metrics;
 pub mod ready;
