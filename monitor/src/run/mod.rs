@@ -1,9 +1,11 @@
 //! `revenant run`: the all-in-one pipeline on one node.
 //!
 //! It reads in a fixed order (linkerd2-proxy style), one call per step:
-//! [`prepare`] (load and validate every config; no port bound, no probe loaded) → [`bind`] (the
-//! admin server and the OTLP receivers; then the eBPF probes, per `--ebpf`) → [`start_sources`]
-//! (the alert dispatcher, resuming its spool, and the sources) → [`start_engine`] → announce
+//! [`prepare`] (load and validate every config; no port bound, no probe loaded) → [`claim`] (the
+//! files it owns: the spool, locked, the sinks' files, `--events-jsonl`, the ready file's
+//! directory; still no port) → [`bind`] (the admin server and the OTLP receivers; then the eBPF
+//! probes, per `--ebpf`) → [`start_outputs`] (the admin server and the alert dispatcher, resuming
+//! its spool) → [`start_sources`] → [`start_engine`] → announce
 //! readiness → [`wait`] for Ctrl-C / SIGTERM or a failed receiver → [`drain`] (stop the sources,
 //! drain the channel through the engine, drain the dispatcher, each within the drain budget).
 //! Exit codes: 0 clean, 1 runtime failure, 2 usage/config error.
@@ -33,7 +35,7 @@ use tokio::task::{JoinHandle, JoinSet};
 
 use crate::admin::timeline::TimelineTap;
 use crate::admin::{AdminArgs, AdminServer, AdminState, RecentEvents, RecentEventsLimits};
-use crate::alert::{AlertConfig, AlertPipeline, DispatchReport};
+use crate::alert::{AlertConfig, AlertPipeline, DispatchReport, OpenedAlerts};
 use crate::config::RunConfig;
 use crate::event::Source;
 use crate::ingest::ebpf::EbpfStart;
@@ -93,7 +95,11 @@ fn run_logged(args: RunArgs) -> ExitCode {
             eprintln!("revenant: {e}");
             match e {
                 // A required source or sink that cannot start is a configuration problem.
-                RunError::Ebpf(_) | RunError::Alert(_) | RunError::Bind { .. } => ExitCode::from(2),
+                RunError::Ebpf(_)
+                | RunError::Alert(_)
+                | RunError::Bind { .. }
+                | RunError::Open { .. }
+                | RunError::ReadyFile { .. } => ExitCode::from(2),
                 _ => ExitCode::from(1),
             }
         }
@@ -111,13 +117,21 @@ pub enum RunError {
         addr: SocketAddr,
         source: std::io::Error,
     },
-    #[error("opening {path}: {source}")]
+    #[error("--events-jsonl {path}: {source}")]
     Open {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("writing readiness file: {0}")]
-    Ready(std::io::Error),
+    #[error("--ready-file {path}: cannot create it: {source}")]
+    ReadyFile {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("writing the readiness file {path}: {source}")]
+    Ready {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("checker output failed: {0}")]
     Output(std::io::Error),
     #[error("drain did not finish within {0:?}; queued events were not checked")]
@@ -168,11 +182,33 @@ struct Bound {
     grpc: Option<(TcpListener, SocketAddr)>,
     http: Option<(TcpListener, SocketAddr)>,
     ebpf: EbpfStart,
+}
+
+/// The files `run` owns, opened before any port is bound: the spool (locked) and the sinks,
+/// the events recording, and the ready file's place checked.
+struct Claimed {
+    alerts: OpenedAlerts,
     events_jsonl: Option<ReplayWriter>,
 }
 
-/// Binds every port and loads the probes; a failure here is a configuration problem (exit 2).
-async fn bind(cfg: &RunConfig, admin: &AdminArgs) -> Result<Bound, RunError> {
+/// Opens what `run` writes to, so that a spool held by another instance, a `--spool-dir` that
+/// is a file, an `--events-jsonl` or `--ready-file` in a missing directory fail (exit 2) before
+/// anything listens.
+fn claim(
+    cfg: &RunConfig,
+    alert: &AlertConfig,
+    ready_file: Option<&PathBuf>,
+) -> Result<Claimed, RunError> {
+    if let Some(path) = ready_file {
+        // The file is written (then renamed into place) once ready: its directory must take it.
+        let tmp = path.with_extension("tmp");
+        std::fs::File::create(&tmp)
+            .and_then(|_| std::fs::remove_file(&tmp))
+            .map_err(|source| RunError::ReadyFile {
+                path: path.clone(),
+                source,
+            })?;
+    }
     let events_jsonl = match &cfg.events_jsonl {
         Some(path) => Some(ReplayWriter::open(path).map_err(|source| RunError::Open {
             path: path.clone(),
@@ -180,6 +216,15 @@ async fn bind(cfg: &RunConfig, admin: &AdminArgs) -> Result<Bound, RunError> {
         })?),
         None => None,
     };
+    let alerts = OpenedAlerts::open(alert).map_err(RunError::Alert)?;
+    Ok(Claimed {
+        alerts,
+        events_jsonl,
+    })
+}
+
+/// Binds every port and loads the probes; a failure here is a configuration problem (exit 2).
+async fn bind(cfg: &RunConfig, admin: &AdminArgs) -> Result<Bound, RunError> {
     let admin = match admin.no_admin {
         true => None,
         false => Some(AdminServer::bind(admin.admin).await.map_err(|e| match e {
@@ -212,7 +257,6 @@ async fn bind(cfg: &RunConfig, admin: &AdminArgs) -> Result<Bound, RunError> {
         grpc,
         http,
         ebpf,
-        events_jsonl,
     })
 }
 
@@ -240,11 +284,12 @@ struct Outputs {
 /// Starts the admin server and the alert dispatcher (resuming its spool).
 fn start_outputs(
     alert: &mut AlertConfig,
+    opened: OpenedAlerts,
     admin: Option<AdminServer>,
     shared: &Shared,
     shutdown: &Shutdown,
     bound: &mut serde_json::Map<String, serde_json::Value>,
-) -> Result<Outputs, RunError> {
+) -> Outputs {
     let admin = admin.map(|server| {
         bound.insert("admin".into(), server.local_addr().to_string().into());
         if alert.external_url.is_none() {
@@ -261,15 +306,14 @@ fn start_outputs(
         handle.ready();
         task
     });
-    let alerts = AlertPipeline::start(
+    let alerts = opened.start(
         alert,
         shared.metrics.clone(),
         Some(&shared.readiness),
         Some(shared.recent.clone()),
-    )
-    .map_err(RunError::Alert)?;
+    );
     tracing::info!(spool = %alerts.spool_dir.display(), "alert dispatcher started");
-    Ok(Outputs { admin, alerts })
+    Outputs { admin, alerts }
 }
 
 /// Spawns the eBPF source and the OTLP receivers, each sending into `tx`; they stop at
@@ -448,7 +492,10 @@ fn announce_ready(
         let tmp = path.with_extension("tmp");
         std::fs::write(&tmp, ready.to_string())
             .and_then(|_| std::fs::rename(&tmp, path))
-            .map_err(RunError::Ready)?;
+            .map_err(|source| RunError::Ready {
+                path: path.clone(),
+                source,
+            })?;
     }
     Ok(())
 }
@@ -561,10 +608,18 @@ pub async fn run_async(p: Prepared) -> Result<(), RunError> {
     } = p;
     let shutdown = Shutdown::new();
     let shared = Shared::new(&admin);
+    let claimed = claim(&cfg, &alert, ready_file.as_ref())?;
     let mut b = bind(&cfg, &admin).await?;
     let mut bound = serde_json::Map::new();
-    let outputs = start_outputs(&mut alert, b.admin.take(), &shared, &shutdown, &mut bound)?;
-    let replay = b.events_jsonl.take();
+    let outputs = start_outputs(
+        &mut alert,
+        claimed.alerts,
+        b.admin.take(),
+        &shared,
+        &shutdown,
+        &mut bound,
+    );
+    let replay = claimed.events_jsonl;
     let (tx, rx) = event_channel(cfg.channel_capacity());
     let mut sources = start_sources(&cfg, normalizer, b, tx, &shared, &shutdown, bound);
     let engine = start_engine(
