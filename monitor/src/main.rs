@@ -1,9 +1,11 @@
 //! The `revenant` command line: parses the arguments and dispatches to one subcommand.
 //!
-//! Exit codes, per subcommand:
-//! - `check`: 0 no violation, 1 violations found, 2 usage or input error.
-//! - `run`: 0 clean shutdown, 1 runtime failure (a receiver died, the drain timed out),
-//!   2 usage or configuration error (including a required source or sink that cannot start).
+//! Exit codes, per subcommand (the README's table):
+//! - `check`: 0 no violation (or standard output closed by its reader), 1 violations found,
+//!   2 usage or input error.
+//! - `run`: 0 clean shutdown (SIGTERM, SIGINT, SIGHUP), 1 runtime failure once running (a
+//!   receiver died, the drain timed out), 2 usage, configuration or start-up error (a port in
+//!   use, a spool in use, a required source or sink that cannot start).
 //! - `rules list`: 0 listed, 2 usage error or a rules file that does not load.
 //!
 //! A command line clap cannot parse is exit code 2; `--help` and `--version` are 0.

@@ -202,3 +202,49 @@ fn usage_errors_exit_2() {
         Some(2)
     );
 }
+
+/// `revenant check … | head -1`: the reader goes away after one line; check stops quietly, 0.
+#[test]
+fn check_into_a_closed_pipe_exits_0_quietly() {
+    let mut events = String::new();
+    for i in 0..20_000u64 {
+        let t = 1_795_986_920_000_000_000u64 + i * 1_000_000;
+        events.push_str(&format!(
+            "{{\"time_unix_nano\":{t},\"stage\":\"prefill\",\"kind\":\"rejected\",\"ids\":{{\"bootstrap_room\":{i}}},\"status\":400}}\n\
+             {{\"time_unix_nano\":{},\"stage\":\"decode\",\"kind\":\"work\",\"ids\":{{\"bootstrap_room\":{i}}}}}\n",
+            t + 1000
+        ));
+    }
+    let file = tmp("many.jsonl", &events);
+    let mut child = bin()
+        .args(["check", "--events"])
+        .arg(&file)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut first = String::new();
+    std::io::BufRead::read_line(&mut stdout, &mut first).unwrap();
+    assert!(first.contains("activity-after-rejection"), "{first}");
+    drop(stdout);
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert!(err.is_empty(), "{err}");
+}
+
+#[test]
+fn rules_list_into_a_closed_pipe_exits_0() {
+    let mut child = bin()
+        .args(["rules", "list", "--yaml"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+}

@@ -144,3 +144,70 @@ fn events_jsonl_in_a_missing_directory_is_a_config_error_before_binding() {
         "{err}"
     );
 }
+
+#[test]
+fn a_port_in_use_exits_2_naming_it() {
+    let dir = scratch("port-in-use");
+    let taken = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+    let out = bin()
+        .arg("run")
+        .args(["--ebpf", "off", "--otlp-grpc", "off", "--otlp-http", "off"])
+        .args(["--admin", &addr, "--alerts-jsonl"])
+        .arg(dir.join("alerts.jsonl"))
+        .arg("--spool-dir")
+        .arg(dir.join("spool"))
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains(&format!("binding admin on {addr}")), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+#[test]
+fn sighup_drains_like_sigterm() {
+    let mut rv = Revenant::start("sighup", &[]);
+    let (status, in_time) = rv
+        .proc
+        .stop_in_time(libc::SIGHUP, std::time::Duration::from_secs(20));
+    let log = rv.log_text();
+    assert!(in_time, "did not stop on SIGHUP:\n{log}");
+    assert!(status.unwrap().success(), "{log}");
+    assert!(log.contains("signal=\"SIGHUP\""), "{log}");
+    assert!(log.contains("revenant: stopped after draining"), "{log}");
+}
+
+/// Standard error is a pipe whose reader goes away (`revenant run 2>&1 | head -2`): the run goes
+/// on, and stops cleanly on SIGTERM, writing its summary into nothing.
+#[test]
+fn a_closed_stderr_never_panics() {
+    let dir = scratch("closed-stderr");
+    let ready = dir.join("ready.json");
+    let mut cmd = bin();
+    cmd.arg("run")
+        .args(["--ebpf", "off", "--admin", "127.0.0.1:0"])
+        .args(["--otlp-grpc", "127.0.0.1:0", "--otlp-http", "127.0.0.1:0"])
+        .arg("--alerts-jsonl")
+        .arg(dir.join("alerts.jsonl"))
+        .arg("--spool-dir")
+        .arg(dir.join("spool"))
+        .arg("--ready-file")
+        .arg(&ready)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    let mut proc = Proc::spawn("revenant", &mut cmd).unwrap();
+    let stderr = proc.child_mut().stderr.take().unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while !ready.exists() {
+        assert!(proc.exited().is_none(), "revenant exited before ready");
+        assert!(std::time::Instant::now() < deadline, "not ready in 20 s");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    drop(stderr);
+    let (status, in_time) = proc.stop_in_time(libc::SIGTERM, std::time::Duration::from_secs(20));
+    assert!(in_time, "did not stop on SIGTERM");
+    let status = status.unwrap();
+    assert!(status.success(), "{status} (101 is a panic)");
+}

@@ -2,15 +2,34 @@
 //! engine offline and prints the violations as JSON Lines; `--stats` summarises on standard error.
 //!
 //! Exit codes: 0 no violation, 1 violations found, 2 usage or input error (unreadable file or
-//! rules, a bad line, a failed write).
+//! rules, a bad line, a failed write). A reader of standard output that went away (`| head`)
+//! ends the check quietly with 0.
 
-use std::io::{BufRead, BufReader, Write};
+use std::cell::Cell;
+use std::io::{BufRead, BufReader, Read, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::rc::Rc;
 use std::time::Duration;
 
 use crate::engine::check::{Checker, CheckerConfig, RuleSet};
 use crate::ingest::replay;
+use crate::telemetry::console;
+
+/// A reader that ends (reads 0 bytes) once `gone` is set.
+struct UntilGone {
+    inner: Box<dyn Read>,
+    gone: Rc<Cell<bool>>,
+}
+
+impl Read for UntilGone {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        if self.gone.get() {
+            return Ok(0);
+        }
+        self.inner.read(buf)
+    }
+}
 
 #[derive(Debug, clap::Args)]
 pub struct CheckArgs {
@@ -41,7 +60,7 @@ pub(crate) fn load_rules(path: Option<&PathBuf>) -> Result<RuleSet, ExitCode> {
     match path {
         None => Ok(RuleSet::embedded_defaults()),
         Some(p) => RuleSet::from_file(p).map_err(|e| {
-            eprintln!("revenant: {e}");
+            console::error(&e);
             ExitCode::from(2)
         }),
     }
@@ -60,16 +79,25 @@ pub fn run(args: CheckArgs) -> ExitCode {
     let lateness = cfg.allowed_lateness;
     let mut checker = Checker::new(rules, cfg);
 
+    // Once standard output is gone (`| head`), reading on is pointless: the input ends there.
+    let reader_gone = Rc::new(Cell::new(false));
+    let until_gone = |r: Box<dyn Read>| UntilGone {
+        inner: r,
+        gone: reader_gone.clone(),
+    };
     let input: Box<dyn BufRead> = if args.events.as_os_str() == "-" {
-        Box::new(BufReader::with_capacity(1 << 20, std::io::stdin().lock()))
+        Box::new(BufReader::with_capacity(
+            1 << 20,
+            until_gone(Box::new(std::io::stdin().lock())),
+        ))
     } else {
         match std::fs::File::open(&args.events) {
-            Ok(f) => Box::new(BufReader::with_capacity(1 << 20, f)),
+            Ok(f) => Box::new(BufReader::with_capacity(1 << 20, until_gone(Box::new(f)))),
             Err(e) => {
-                eprintln!(
-                    "revenant: cannot open events file {}: {e}",
+                console::error(&format!(
+                    "cannot open events file {}: {e}",
                     args.events.display()
-                );
+                ));
                 return ExitCode::from(2);
             }
         }
@@ -83,13 +111,16 @@ pub fn run(args: CheckArgs) -> ExitCode {
     // choice of what to print.
     let mut emit = |v: &crate::violation::Violation,
                     out: &mut std::io::BufWriter<std::io::StdoutLock<'_>>| {
-        if v.corroborates && !args.corroborations {
+        if (v.corroborates && !args.corroborations) || write_failed.is_some() {
             return;
         }
         let res = serde_json::to_writer(&mut *out, v)
             .map_err(std::io::Error::from)
             .and_then(|_| out.write_all(b"\n"));
         if let Err(e) = res {
+            if e.kind() == std::io::ErrorKind::BrokenPipe {
+                reader_gone.set(true);
+            }
             write_failed.get_or_insert(e);
         }
     };
@@ -101,8 +132,12 @@ pub fn run(args: CheckArgs) -> ExitCode {
             }
         },
         |err| {
+            // Input cut short once standard output is gone: its last line is no error.
+            if reader_gone.get() {
+                return;
+            }
             bad_lines += 1;
-            eprintln!("revenant: {}: {err}", args.events.display());
+            console::error(&format!("{}: {err}", args.events.display()));
         },
     );
     // Judge what the input can still prove: every deadline up to the last event time.
@@ -113,18 +148,26 @@ pub fn run(args: CheckArgs) -> ExitCode {
     for v in checker.tick(end) {
         emit(&v, &mut out);
     }
-    let flushed = out.flush();
-    if let Err(e) = read {
-        eprintln!("revenant: reading {}: {e}", args.events.display());
+    let flushed = if write_failed.is_some() {
+        Ok(())
+    } else {
+        out.flush()
+    };
+    if let Some(e) = write_failed.or(flushed.err()) {
+        // The reader of standard output went away (`| head`): it has what it wanted.
+        if e.kind() == std::io::ErrorKind::BrokenPipe {
+            return ExitCode::SUCCESS;
+        }
+        console::error(&format!("writing violations: {e}"));
         return ExitCode::from(2);
     }
-    if let Some(e) = write_failed.or(flushed.err()) {
-        eprintln!("revenant: writing violations: {e}");
+    if let Err(e) = read {
+        console::error(&format!("reading {}: {e}", args.events.display()));
         return ExitCode::from(2);
     }
     if args.stats {
         let s = checker.stats();
-        eprintln!(
+        console::write_line(&format!(
             "revenant: {} events ({} attempt, {} request-only, {} unattributed, {} capacity, {} on tombstones, {} late), {} bad lines",
             s.events,
             s.events_attempt,
@@ -134,11 +177,11 @@ pub fn run(args: CheckArgs) -> ExitCode {
             s.events_on_tombstones,
             s.events_late,
             bad_lines
-        );
+        ));
         for (rule, n) in checker.rules().zip(checker.violations_per_rule()) {
-            eprintln!("revenant:   {:<32} {n}", rule.name);
+            console::write_line(&format!("revenant:   {:<32} {n}", rule.name));
         }
-        eprintln!(
+        console::write_line(&format!(
             "revenant: {} violations, {} corroborating follow-ups{}",
             s.violations,
             s.corroborations,
@@ -147,8 +190,8 @@ pub fn run(args: CheckArgs) -> ExitCode {
             } else {
                 " (not printed: --corroborations)"
             }
-        );
-        eprintln!(
+        ));
+        console::write_line(&format!(
             "revenant: {} attempts created, {} live, {} tombstones, {} requests live ({} with a record); evicted {} by ttl, {} by cap",
             s.correlate.attempts_created,
             s.live_attempts,
@@ -157,10 +200,12 @@ pub fn run(args: CheckArgs) -> ExitCode {
             s.request_records,
             s.correlate.evicted_ttl,
             s.correlate.evicted_cap
-        );
+        ));
     }
     if bad_lines > 0 {
-        eprintln!("revenant: {bad_lines} bad line(s) skipped; the rest of the file was checked");
+        console::write_line(&format!(
+            "revenant: {bad_lines} bad line(s) skipped; the rest of the file was checked"
+        ));
         return ExitCode::from(2);
     }
     if checker.stats().violations > 0 {

@@ -45,7 +45,8 @@ use crate::pipeline::taps::{EngineMetrics, Observed, ReplayWriter, SourceActivit
 use crate::pipeline::{
     EngineTask, EngineTotals, EventSender, EventTap, ViolationSender, event_channel,
 };
-use crate::telemetry::{ComponentKind, Metrics, Readiness, ReadyHandle, RecentViolations};
+use crate::telemetry::logging::LogFormat;
+use crate::telemetry::{ComponentKind, Metrics, Readiness, ReadyHandle, RecentViolations, console};
 
 pub use prepare::{Prepared, RunArgs, RunConfigError, load_config, prepare};
 pub use shutdown::{Drain, Phase, Shutdown};
@@ -54,7 +55,7 @@ pub fn run(args: RunArgs) -> ExitCode {
     let self_traces = match args.log.init() {
         Ok(g) => g,
         Err(e) => {
-            eprintln!("revenant: {e}");
+            console::error(&e);
             return ExitCode::from(2);
         }
     };
@@ -69,7 +70,7 @@ fn run_logged(args: RunArgs) -> ExitCode {
     let prepared = match prepare(&args) {
         Ok(p) => p,
         Err(e) => {
-            eprintln!("revenant: {e}");
+            console::error(&e);
             return ExitCode::from(2);
         }
     };
@@ -80,7 +81,7 @@ fn run_logged(args: RunArgs) -> ExitCode {
     {
         Ok(rt) => rt,
         Err(e) => {
-            eprintln!("revenant: cannot start the runtime: {e}");
+            console::error(&format!("cannot start the runtime: {e}"));
             return ExitCode::from(1);
         }
     };
@@ -92,7 +93,7 @@ fn run_logged(args: RunArgs) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("revenant: {e}");
+            console::error(&e);
             match e {
                 // A required source or sink that cannot start is a configuration problem.
                 RunError::Ebpf(_)
@@ -486,7 +487,12 @@ fn announce_ready(
     ready_file: Option<&PathBuf>,
 ) -> Result<(), RunError> {
     let ready = serde_json::Value::Object(bound.clone());
-    eprintln!("revenant: ready {ready}");
+    console::say(
+        console::Level::Info,
+        &format!("ready {ready}"),
+        "ready",
+        bound.clone(),
+    );
     if let Some(path) = ready_file {
         // Write then rename: a reader never sees a half-written file.
         let tmp = path.with_extension("tmp");
@@ -569,16 +575,17 @@ async fn drain(
         let _ = tokio::time::timeout(Duration::from_secs(2), t).await;
     }
     report_totals(&drain, &totals, &report);
-    eprint!("{}", sources.otlp_stats.render());
+    report_counters(&sources.otlp_stats.render());
     match failure {
         Some(e) => Err(RunError::Receiver(e)),
         None => Ok(()),
     }
 }
 
+/// The shutdown summary: one line (in JSON, its figures as fields).
 fn report_totals(drain: &Drain, totals: &EngineTotals, report: &DispatchReport) {
-    eprintln!(
-        "revenant: stopped after draining in {:?}: {} batches, {} events checked, {} violations; \
+    let human = format!(
+        "stopped after draining in {:?}: {} batches, {} events checked, {} violations; \
          alerts: {} incidents, {} findings merged, {} repeats, {} notifications, {} findings rate-limited, \
          {} dropped by the spool, {} left in the spool",
         drain.elapsed(),
@@ -593,6 +600,52 @@ fn report_totals(drain: &Drain, totals: &EngineTotals, report: &DispatchReport) 
         report.spool_dropped,
         report.undelivered_at_exit,
     );
+    let fields = serde_json::json!({
+        "drain_seconds": drain.elapsed().as_secs_f64(),
+        "batches": totals.batches,
+        "events_checked": totals.events,
+        "violations": totals.violations,
+        "incidents": report.incidents,
+        "findings_merged": report.merged,
+        "repeats": report.deduplicated,
+        "notifications": report.notified,
+        "findings_rate_limited": report.rate_limited,
+        "spool_dropped": report.spool_dropped,
+        "spool_left": report.undelivered_at_exit,
+    });
+    let serde_json::Value::Object(fields) = fields else {
+        return;
+    };
+    console::say(console::Level::Info, &human, "stopped", fields);
+}
+
+/// The OTLP counters that moved (`name{labels} value` lines): as they are in the human format,
+/// one record with a `counters` object (sample → value) in JSON.
+fn report_counters(rendered: &str) {
+    let mut counters = serde_json::Map::new();
+    for line in rendered.lines().filter(|l| !l.is_empty()) {
+        if let Some((sample, value)) = line.rsplit_once(' ') {
+            let value = value
+                .parse::<u64>()
+                .map_or_else(|_| value.into(), serde_json::Value::from);
+            counters.insert(sample.to_owned(), value);
+        }
+    }
+    if counters.is_empty() {
+        return;
+    }
+    match console::format() {
+        LogFormat::Human => {
+            for line in rendered.lines().filter(|l| !l.is_empty()) {
+                console::write_line(line);
+            }
+        }
+        LogFormat::Json => {
+            let mut fields = serde_json::Map::new();
+            fields.insert("counters".into(), counters.into());
+            console::say(console::Level::Info, "", "otlp counters", fields);
+        }
+    }
 }
 
 /// `revenant run` once prepared: bind → start → wait → drain.

@@ -121,7 +121,7 @@ pub struct SelfTraces {
 impl SelfTraces {
     pub fn shutdown(self) {
         if let Err(e) = self.provider.shutdown() {
-            eprintln!("revenant: flushing self-traces: {e}");
+            super::console::error(&format!("flushing self-traces: {e}"));
         }
     }
 }

@@ -2,6 +2,7 @@
 //! registry, internal events, the readiness latch, the recent-violations ring and logging.
 //! It imports only the shared vocabulary (`event`, `violation`).
 
+pub mod console;
 pub mod events;
 pub mod exposition;
 pub mod logging;
