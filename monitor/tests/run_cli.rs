@@ -211,3 +211,68 @@ fn a_closed_stderr_never_panics() {
     let status = status.unwrap();
     assert!(status.success(), "{status} (101 is a panic)");
 }
+
+/// `--log-format json`: every line on standard error is a JSON object, the ready line, the
+/// shutdown summary and the counters included (as fields), and so is a start-up error.
+#[test]
+fn json_log_format_makes_every_stderr_line_json() {
+    use std::io::{Read as _, Write as _};
+    let mut rv = Revenant::start("json-log", &["--log-format", "json"]);
+    // A malformed export moves an OTLP counter, so the counter dump has something to say.
+    let mut s = std::net::TcpStream::connect(&rv.otlp_http).unwrap();
+    write!(
+        s,
+        "POST /v1/traces HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-protobuf\r\n\
+         Content-Length: 3\r\nConnection: close\r\n\r\n\x0f\x0f\x0f"
+    )
+    .unwrap();
+    let mut answer = String::new();
+    let _ = s.read_to_string(&mut answer);
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    assert!(rv.stop().success());
+    let log = rv.log_text();
+    let records: Vec<serde_json::Value> = log
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l:?}\n{log}")))
+        .collect();
+    let find = |message: &str| {
+        records
+            .iter()
+            .find(|r| r["fields"]["message"] == message)
+            .unwrap_or_else(|| panic!("no {message:?} record in\n{log}"))
+    };
+    assert_eq!(find("ready")["fields"]["admin"], rv.admin.as_str(), "{log}");
+    assert_eq!(find("stopped")["fields"]["events_checked"], 0, "{log}");
+    let counters = &find("otlp counters")["fields"]["counters"];
+    assert_eq!(
+        counters["revenant_otlp_requests_rejected_total{transport=\"http\",reason=\"malformed\"}"],
+        1,
+        "{log}"
+    );
+
+    let dir = scratch("json-log-error");
+    let out = bin()
+        .args(["run", "--log-format", "json", "--ebpf", "off"])
+        .arg("--spool-dir")
+        .arg(dir.join("spool"))
+        .arg("--rules")
+        .arg(dir.join("missing.yaml"))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    for line in err.lines() {
+        let v: serde_json::Value =
+            serde_json::from_str(line).unwrap_or_else(|e| panic!("not JSON ({e}): {line:?}"));
+        if v["level"] == "ERROR" {
+            assert!(
+                v["fields"]["message"]
+                    .as_str()
+                    .unwrap()
+                    .contains("missing.yaml"),
+                "{v}"
+            );
+        }
+    }
+    assert!(err.contains("\"level\":\"ERROR\""), "{err}");
+}

@@ -25,7 +25,8 @@ pub enum LogFormat {
 
 #[derive(Debug, Clone, Args)]
 pub struct LogArgs {
-    /// Log format on standard error.
+    /// Format of everything on standard error: the log, and the ready line, shutdown summary,
+    /// counters and errors (`json`: one JSON object per line).
     #[arg(long, value_enum, default_value_t = LogFormat::Human)]
     pub log_format: LogFormat,
     /// Log filter (tracing EnvFilter syntax); `REVENANT_LOG` (or `RUST_LOG`) overrides it.
@@ -49,6 +50,8 @@ impl LogArgs {
         use tracing_subscriber::util::SubscriberInitExt as _;
         use tracing_subscriber::{EnvFilter, Layer, Registry};
         type Base = tracing_subscriber::layer::Layered<EnvFilter, Registry>;
+        // revenant's own lines (ready, summary, errors) follow the log's format.
+        super::console::set_format(self.log_format);
 
         let filter = EnvFilter::try_from_env("REVENANT_LOG")
             .or_else(|_| EnvFilter::try_from_default_env())
