@@ -248,3 +248,43 @@ fn rules_list_into_a_closed_pipe_exits_0() {
     assert_eq!(out.status.code(), Some(0), "{err}");
     assert!(!err.contains("panicked"), "{err}");
 }
+
+/// A file saved with a UTF-8 byte order mark: the mark is skipped, the first line kept.
+#[test]
+fn check_keeps_the_first_line_after_a_bom() {
+    let events = std::fs::read(scenario("smg-prefill-400-decode-alive.jsonl")).unwrap();
+    let mut bom = b"\xEF\xBB\xBF".to_vec();
+    bom.extend_from_slice(&events);
+    let dir = std::env::temp_dir().join(format!("revenant-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("bom.jsonl");
+    std::fs::write(&file, bom).unwrap();
+    let o = bin()
+        .args(["check", "--events"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    let (out, err) = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.is_empty(), "{err}");
+    assert_eq!(out.lines().count(), 2, "{out}");
+}
+
+#[test]
+fn rules_errors_carry_line_and_column_and_every_unknown_placeholder() {
+    let rules = tmp(
+        "r_placeholder.yaml",
+        "rules:\n  - name: my-rule\n    description: d\n    severity: warning\n    output: \"{event.node} {foo}\"\n    never_after:\n      trigger: [{kind: [rejected]}]\n      forbidden: [{kind: [work]}]\n",
+    );
+    let o = bin()
+        .args(["rules", "list", "--rules"])
+        .arg(&rules)
+        .output()
+        .unwrap();
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("at line 5, column 13: unknown placeholders {event.node}, {foo}"),
+        "{err}"
+    );
+}
