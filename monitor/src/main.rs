@@ -36,7 +36,8 @@ struct Cli {
 enum Command {
     /// Check recorded lifecycle events (JSON Lines) against the rules, offline.
     Check(check::CheckArgs),
-    /// Run the pipeline: OTLP receivers → normalize → checker → violations as JSON Lines.
+    /// Run the node agent: eBPF capture and OTLP receivers → normalize → checker → alerts
+    /// (webhook, Alertmanager, JSON Lines), with an admin server.
     Run(Box<revenant::run::RunArgs>),
     /// Inspect the rule set.
     Rules {

@@ -288,3 +288,109 @@ fn rules_errors_carry_line_and_column_and_every_unknown_placeholder() {
         "{err}"
     );
 }
+
+/// Every option's long help, keyed by its flag (`--rules`): the text below its header line.
+fn long_help(args: &[&str]) -> Vec<(String, String)> {
+    let o = bin().args(args).arg("--help").output().unwrap();
+    assert_eq!(o.status.code(), Some(0));
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    let mut options: Vec<(String, String)> = Vec::new();
+    for line in out.lines() {
+        let t = line.trim_start();
+        // Headers are indented 2 (`-h, --help`) or 6 columns; possible values more.
+        if line.len() - t.len() <= 6 && line.starts_with("  ") && t.starts_with('-') {
+            let flag = t
+                .split([' ', ','])
+                .find(|w| w.starts_with("--"))
+                .unwrap_or(t)
+                .to_owned();
+            // A short help puts the description on the header line, after two spaces.
+            let inline = t.split_once("  ").map_or("", |(_, d)| d.trim());
+            options.push((flag, inline.to_owned()));
+        } else if let Some((_, text)) = options.last_mut() {
+            text.push_str(t);
+            text.push(' ');
+        }
+    }
+    options
+}
+
+#[test]
+fn help_describes_every_flag_and_shows_documented_defaults() {
+    for cmd in [&["run"][..], &["check"], &["rules", "list"]] {
+        for (flag, text) in long_help(cmd) {
+            assert!(!text.trim().is_empty(), "{cmd:?} {flag} has no description");
+            assert!(!text.contains("RunConfig"), "{cmd:?} {flag}: {text}");
+        }
+    }
+    let run: std::collections::HashMap<String, String> = long_help(&["run"]).into_iter().collect();
+    for (flag, default) in [
+        ("--channel-capacity", "1024"),
+        ("--max-message-bytes", "8388608"),
+        ("--clock-skew", "50ms"),
+        ("--allowed-lateness", "15s"),
+        ("--drain-timeout", "10s"),
+        ("--alertmanager-resend", "1m"),
+        ("--spool-max-entries", "10000"),
+        ("--rate-limit-window", "1m"),
+        ("--otlp-grpc", "127.0.0.1:4317"),
+        ("--admin", "127.0.0.1:9464"),
+    ] {
+        assert!(
+            run[flag].contains(&format!("[default: {default}]")),
+            "{flag}: {}",
+            run[flag]
+        );
+    }
+    assert!(run["--config"].contains("YAML"), "{}", run["--config"]);
+    let o = bin().arg("--help").output().unwrap();
+    let top = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        top.contains("eBPF"),
+        "the run summary names its sources:\n{top}"
+    );
+}
+
+#[test]
+fn self_traces_sample_ratio_is_range_checked() {
+    for bad in ["2", "-0.1", "x"] {
+        let o = bin()
+            .args(["run", &format!("--self-traces-sample-ratio={bad}")])
+            .output()
+            .unwrap();
+        let (_, err) = text(&o);
+        assert_eq!(o.status.code(), Some(2), "{bad}: {err}");
+        assert!(err.contains("--self-traces-sample-ratio"), "{err}");
+    }
+}
+
+/// `--pid`/`--watch` with `--ebpf off`, and `--admin 0.0.0.0:P` without `--external-url`, are
+/// said at start-up. (The run stops before binding anything: its spool directory is a file.)
+#[test]
+fn pointless_settings_are_warned_about() {
+    let not_a_dir = tmp("not-a-dir", "");
+    let o = bin()
+        .args([
+            "run",
+            "--ebpf",
+            "off",
+            "--pid",
+            "999999",
+            "--watch",
+            "prefill=sglang.*",
+        ])
+        .args(["--admin", "0.0.0.0:9", "--spool-dir"])
+        .arg(&not_a_dir)
+        .output()
+        .unwrap();
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("which is off (--ebpf off): they do nothing"),
+        "{err}"
+    );
+    assert!(
+        err.contains("alert links will say http://0.0.0.0:9/…") && err.contains("--external-url"),
+        "{err}"
+    );
+}

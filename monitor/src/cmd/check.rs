@@ -36,8 +36,8 @@ pub struct CheckArgs {
     /// Events file in the replay format (JSON Lines); `-` reads standard input.
     #[arg(long, short = 'e')]
     pub events: PathBuf,
-    /// Rules file extending or overriding the embedded defaults.
-    #[arg(long)]
+    /// Rules file (YAML) extending or overriding the embedded defaults.
+    #[arg(long, value_name = "FILE")]
     pub rules: Option<PathBuf>,
     /// Events from different nodes count as later only beyond this skew.
     #[arg(long, default_value = "50ms", value_parser = humantime::parse_duration)]

@@ -10,7 +10,8 @@ use std::process::ExitCode;
 pub enum RulesCommand {
     /// List the active rules (embedded defaults plus `--rules FILE`).
     List {
-        #[arg(long)]
+        /// Rules file (YAML) extending or overriding the embedded defaults.
+        #[arg(long, value_name = "FILE")]
         rules: Option<PathBuf>,
         /// Print the full rule definitions as YAML instead of a table.
         #[arg(long)]

@@ -37,8 +37,18 @@ pub struct LogArgs {
     #[arg(long, value_name = "URL")]
     pub self_traces_otlp: Option<String>,
     /// Share of revenant's own traces exported (head sampling, 0..=1).
-    #[arg(long, default_value_t = 0.1, value_name = "RATIO")]
+    #[arg(long, default_value_t = 0.1, value_name = "RATIO", value_parser = sample_ratio)]
     pub self_traces_sample_ratio: f64,
+}
+
+/// `--self-traces-sample-ratio`: a number within 0..=1.
+fn sample_ratio(s: &str) -> Result<f64, String> {
+    let r: f64 = s.parse().map_err(|e| format!("{e}"))?;
+    if (0.0..=1.0).contains(&r) {
+        Ok(r)
+    } else {
+        Err(format!("{r} is not within 0..=1"))
+    }
 }
 
 impl LogArgs {
