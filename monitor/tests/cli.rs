@@ -68,7 +68,7 @@ fn check_prints_a_corroborated_breach_once() {
     assert_eq!(lines[0]["rule"], "activity-after-rejection");
     assert!(lines[0].get("corroborates").is_none());
     assert!(
-        err.contains("1 violations, 1 corroborating follow-ups"),
+        err.contains("1 violation, 1 corroborating follow-up"),
         "{err}"
     );
     let (lines, _) = run(&["--corroborations"]);
@@ -393,4 +393,56 @@ fn pointless_settings_are_warned_about() {
         err.contains("alert links will say http://0.0.0.0:9/…") && err.contains("--external-url"),
         "{err}"
     );
+}
+
+/// Files as arguments, several of them: one stream, in order; errors name the file and the
+/// column within the line.
+#[test]
+fn check_takes_several_files_as_one_stream() {
+    let rejected = tmp(
+        "part1.jsonl",
+        "{\"time_unix_nano\":1000,\"stage\":\"prefill\",\"kind\":\"rejected\",\"ids\":{\"bootstrap_room\":7},\"status\":400}\n",
+    );
+    let worked = tmp(
+        "part2.jsonl",
+        "{\"time_unix_nano\":2000,\"stage\":\"decode\",\"kind\":\"work\",\"ids\":{\"bootstrap_room\":7}}\n",
+    );
+    let o = bin()
+        .arg("check")
+        .arg(&rejected)
+        .arg(&worked)
+        .arg("--stats")
+        .output()
+        .unwrap();
+    let (out, err) = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert_eq!(out.lines().count(), 1, "{out}");
+    assert!(err.contains("revenant: 2 events ("), "{err}");
+    assert!(err.contains("0 bad lines"), "{err}");
+    assert!(
+        err.contains("1 violation, 0 corroborating follow-ups"),
+        "{err}"
+    );
+
+    let bad = tmp(
+        "bad-status.jsonl",
+        "{\"time_unix_nano\":1,\"stage\":\"prefill\",\"kind\":\"rejected\",\"status\":99999}\n",
+    );
+    let o = bin().args(["check", "-e"]).arg(&bad).output().unwrap();
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains(&format!(
+            "{}: line 1: invalid value: integer `99999`",
+            bad.display()
+        )),
+        "{err}"
+    );
+    assert!(err.contains("(column "), "{err}");
+    assert!(!err.contains("at line 1 column"), "{err}");
+
+    let o = bin().arg("check").output().unwrap();
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("no events file"), "{err}");
 }

@@ -33,9 +33,13 @@ impl Read for UntilGone {
 
 #[derive(Debug, clap::Args)]
 pub struct CheckArgs {
-    /// Events file in the replay format (JSON Lines); `-` reads standard input.
-    #[arg(long, short = 'e')]
-    pub events: PathBuf,
+    /// Events file in the replay format (JSON Lines); `-` reads standard input. Repeatable:
+    /// several files are checked as one stream, in the order given.
+    #[arg(long = "events", short = 'e', value_name = "FILE")]
+    pub events: Vec<PathBuf>,
+    /// More events files, as `--events` (`revenant check a.jsonl b.jsonl`).
+    #[arg(value_name = "FILE")]
+    pub files: Vec<PathBuf>,
     /// Rules file (YAML) extending or overriding the embedded defaults.
     #[arg(long, value_name = "FILE")]
     pub rules: Option<PathBuf>,
@@ -66,6 +70,57 @@ pub(crate) fn load_rules(path: Option<&PathBuf>) -> Result<RuleSet, ExitCode> {
     }
 }
 
+/// Why `check` cannot read what it was given (exit code 2).
+#[derive(Debug, thiserror::Error)]
+pub enum InputError {
+    #[error("no events file: give --events FILE (or FILE; `-` is standard input)")]
+    None,
+    #[error("standard input (`-`) given more than once")]
+    StdinTwice,
+    #[error("cannot open events file {path}: {source}")]
+    Open {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+/// The inputs in order, each opened (all before any is read: a missing one is found first).
+fn open_inputs(
+    paths: &[PathBuf],
+    wrap: impl Fn(Box<dyn Read>) -> UntilGone,
+) -> Result<Vec<(&PathBuf, Box<dyn BufRead>)>, InputError> {
+    if paths.is_empty() {
+        return Err(InputError::None);
+    }
+    if paths.iter().filter(|p| p.as_os_str() == "-").count() > 1 {
+        return Err(InputError::StdinTwice);
+    }
+    paths
+        .iter()
+        .map(|p| {
+            let r: Box<dyn Read> = if p.as_os_str() == "-" {
+                Box::new(std::io::stdin().lock())
+            } else {
+                Box::new(std::fs::File::open(p).map_err(|source| InputError::Open {
+                    path: p.clone(),
+                    source,
+                })?)
+            };
+            let input: Box<dyn BufRead> = Box::new(BufReader::with_capacity(1 << 20, wrap(r)));
+            Ok((p, input))
+        })
+        .collect()
+}
+
+/// `n thing` or `n things`.
+fn count(n: u64, thing: &str) -> String {
+    if n == 1 {
+        format!("1 {thing}")
+    } else {
+        format!("{n} {thing}s")
+    }
+}
+
 pub fn run(args: CheckArgs) -> ExitCode {
     let rules = match load_rules(args.rules.as_ref()) {
         Ok(r) => r,
@@ -85,21 +140,12 @@ pub fn run(args: CheckArgs) -> ExitCode {
         inner: r,
         gone: reader_gone.clone(),
     };
-    let input: Box<dyn BufRead> = if args.events.as_os_str() == "-" {
-        Box::new(BufReader::with_capacity(
-            1 << 20,
-            until_gone(Box::new(std::io::stdin().lock())),
-        ))
-    } else {
-        match std::fs::File::open(&args.events) {
-            Ok(f) => Box::new(BufReader::with_capacity(1 << 20, until_gone(Box::new(f)))),
-            Err(e) => {
-                console::error(&format!(
-                    "cannot open events file {}: {e}",
-                    args.events.display()
-                ));
-                return ExitCode::from(2);
-            }
+    let paths: Vec<PathBuf> = args.events.iter().chain(&args.files).cloned().collect();
+    let inputs = match open_inputs(&paths, until_gone) {
+        Ok(i) => i,
+        Err(e) => {
+            console::error(&e);
+            return ExitCode::from(2);
         }
     };
 
@@ -124,22 +170,29 @@ pub fn run(args: CheckArgs) -> ExitCode {
             write_failed.get_or_insert(e);
         }
     };
-    let read = replay::read_events(
-        input,
-        |e| {
-            for v in checker.observe(&e) {
-                emit(&v, &mut out);
-            }
-        },
-        |err| {
-            // Input cut short once standard output is gone: its last line is no error.
-            if reader_gone.get() {
-                return;
-            }
-            bad_lines += 1;
-            console::error(&format!("{}: {err}", args.events.display()));
-        },
-    );
+    let mut read = Ok(());
+    for (path, input) in inputs {
+        let r = replay::read_events(
+            input,
+            |e| {
+                for v in checker.observe(&e) {
+                    emit(&v, &mut out);
+                }
+            },
+            |err| {
+                // Input cut short once standard output is gone: its last line is no error.
+                if reader_gone.get() {
+                    return;
+                }
+                bad_lines += 1;
+                console::error(&format!("{}: {err}", path.display()));
+            },
+        );
+        if let Err(e) = r {
+            read = Err((path, e));
+            break;
+        }
+    }
     // Judge what the input can still prove: every deadline up to the last event time.
     let end = checker
         .stats()
@@ -161,30 +214,30 @@ pub fn run(args: CheckArgs) -> ExitCode {
         console::error(&format!("writing violations: {e}"));
         return ExitCode::from(2);
     }
-    if let Err(e) = read {
-        console::error(&format!("reading {}: {e}", args.events.display()));
+    if let Err((path, e)) = read {
+        console::error(&format!("reading {}: {e}", path.display()));
         return ExitCode::from(2);
     }
     if args.stats {
         let s = checker.stats();
         console::write_line(&format!(
-            "revenant: {} events ({} attempt, {} request-only, {} unattributed, {} capacity, {} on tombstones, {} late), {} bad lines",
-            s.events,
+            "revenant: {} ({} attempt, {} request-only, {} unattributed, {} capacity, {} on tombstones, {} late), {}",
+            count(s.events, "event"),
             s.events_attempt,
             s.events_request_only,
             s.events_unattributed,
             s.capacity_reports,
             s.events_on_tombstones,
             s.events_late,
-            bad_lines
+            count(bad_lines, "bad line")
         ));
         for (rule, n) in checker.rules().zip(checker.violations_per_rule()) {
             console::write_line(&format!("revenant:   {:<32} {n}", rule.name));
         }
         console::write_line(&format!(
-            "revenant: {} violations, {} corroborating follow-ups{}",
-            s.violations,
-            s.corroborations,
+            "revenant: {}, {}{}",
+            count(s.violations, "violation"),
+            count(s.corroborations, "corroborating follow-up"),
             if args.corroborations {
                 ""
             } else {
@@ -192,11 +245,11 @@ pub fn run(args: CheckArgs) -> ExitCode {
             }
         ));
         console::write_line(&format!(
-            "revenant: {} attempts created, {} live, {} tombstones, {} requests live ({} with a record); evicted {} by ttl, {} by cap",
-            s.correlate.attempts_created,
+            "revenant: {} created, {} live, {}, {} live ({} with a record); evicted {} by ttl, {} by cap",
+            count(s.correlate.attempts_created, "attempt"),
             s.live_attempts,
-            s.tombstones,
-            s.live_requests,
+            count(s.tombstones as u64, "tombstone"),
+            count(s.live_requests as u64, "request"),
             s.request_records,
             s.correlate.evicted_ttl,
             s.correlate.evicted_cap

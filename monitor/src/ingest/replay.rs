@@ -66,7 +66,13 @@ pub fn parse_line(line: &str) -> Result<Option<LifecycleEvent>, String> {
     if t.is_empty() || t.starts_with('#') {
         return Ok(None);
     }
-    let r: ReplayRecord = serde_json::from_str(t).map_err(|e| e.to_string())?;
+    let r: ReplayRecord = serde_json::from_str(t).map_err(|e| {
+        // The line number is the file's (the caller's); within one line only the column counts.
+        let full = e.to_string();
+        let position = format!(" at line {} column {}", e.line(), e.column());
+        let message = full.strip_suffix(&position).unwrap_or(&full);
+        format!("{message} (column {})", e.column())
+    })?;
     r.into_event().map(Some)
 }
 
