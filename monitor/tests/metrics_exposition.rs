@@ -302,3 +302,23 @@ fn futures_block_on<F: std::future::Future>(f: F) -> F::Output {
         .unwrap()
         .block_on(f)
 }
+
+/// Before any traffic, every documented family a dashboard reads is there at 0 (not absent):
+/// the events and lag of each declared source, the delivery histograms of each sink, the
+/// alerting counters of each rule.
+#[test]
+fn documented_families_are_there_at_start_up() {
+    let rv = Revenant::start("metrics-at-start", &[]);
+    let (_, text) = scrape(&rv.admin, None);
+    for series in [
+        "revenant_events_total{source=\"otlp\",stage=\"decode\",kind=\"work\"} 0",
+        "revenant_checker_lag_seconds_count{source=\"otlp\"} 0",
+        "revenant_alert_latency_seconds_count{sink=\"jsonl\"} 0",
+        "revenant_alert_delivery_duration_seconds_count{sink=\"jsonl\"} 0",
+        "revenant_alerts_received_total{rule=\"activity-after-rejection\",severity=\"critical\"} 0",
+        "revenant_alerts_incidents_opened_total{rule=\"orphaned-leg\"} 0",
+        "revenant_alerts_notified_total{rule=\"stuck-attempt\"} 0",
+    ] {
+        assert!(text.contains(series), "no {series} in\n{text}");
+    }
+}

@@ -432,9 +432,14 @@ fn start_sources(
             }
         })
     };
+    // "started", not "live": /readyz calls a source live once it delivered an event.
     tracing::info!(
-        otlp = if otlp_on { "live" } else { "off" },
-        ebpf = ebpf_state,
+        otlp = if otlp_on { "started" } else { "off" },
+        ebpf = if ebpf_state == "live" {
+            "started"
+        } else {
+            ebpf_state
+        },
         "sources"
     );
     if !otlp_on && ebpf_state != "live" {
@@ -661,6 +666,11 @@ pub async fn run_async(p: Prepared) -> Result<(), RunError> {
     } = p;
     let shutdown = Shutdown::new();
     let shared = Shared::new(&admin);
+    for rule in checker.rules() {
+        shared
+            .metrics
+            .declare_rule(&rule.name, rule.severity.as_str());
+    }
     let claimed = claim(&cfg, &alert, ready_file.as_ref())?;
     let mut b = bind(&cfg, &admin).await?;
     let mut bound = serde_json::Map::new();
