@@ -446,3 +446,26 @@ fn check_takes_several_files_as_one_stream() {
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(err.contains("no events file"), "{err}");
 }
+
+/// `--admin` and `--otlp-*` refuse a host name with the same message, which says what to give.
+#[test]
+fn listen_addresses_are_refused_alike() {
+    for (flag, value) in [
+        ("--admin", "localhost:9464"),
+        ("--otlp-grpc", "localhost:4317"),
+    ] {
+        let o = bin()
+            .args(["run", "--ebpf", "off", flag, value])
+            .output()
+            .unwrap();
+        let (_, err) = text(&o);
+        assert_eq!(o.status.code(), Some(2), "{err}");
+        assert!(
+            err.contains(&format!(
+                "\"{value}\" is not a listen address: give IP:PORT"
+            )),
+            "{flag}: {err}"
+        );
+        assert!(!err.contains("HOST:PORT"), "{err}");
+    }
+}

@@ -76,8 +76,8 @@ pub struct RunArgs {
 pub enum RunConfigError {
     #[error(transparent)]
     File(#[from] ConfigFileError),
-    #[error("--{flag}: {value:?} is not an address (HOST:PORT or `off`)")]
-    Addr { flag: &'static str, value: String },
+    #[error("--{flag}: {message}, or `off`")]
+    Addr { flag: &'static str, message: String },
     #[error(transparent)]
     Otlp(#[from] otlp::config::OtlpConfigError),
     #[error("normalize: {0}")]
