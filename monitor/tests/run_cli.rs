@@ -276,3 +276,50 @@ fn json_log_format_makes_every_stderr_line_json() {
     }
     assert!(err.contains("\"level\":\"ERROR\""), "{err}");
 }
+
+/// A second signal during a drain that would take long (here the checker is paused, so the
+/// drain would wait out its whole timeout) exits at once, with 1.
+#[test]
+fn a_second_signal_cuts_the_drain_short() {
+    let dir = scratch("second-signal");
+    let pause = dir.join("pause");
+    std::fs::write(&pause, "").unwrap();
+    let pause_arg = pause.to_str().unwrap();
+    let mut rv = Revenant::start(
+        "second-signal",
+        &["--pause-file", pause_arg, "--drain-timeout", "60s"],
+    );
+    let pid = rv.pid() as i32;
+    // SAFETY: kill(2) on the child this test started.
+    unsafe { libc::kill(pid, libc::SIGTERM) };
+    futures_wait(|| rv.log_text().contains("shutting down: draining"));
+    assert!(rv.proc.exited().is_none(), "the paused drain ended early");
+    let sent = std::time::Instant::now();
+    let (status, in_time) = rv
+        .proc
+        .stop_in_time(libc::SIGTERM, std::time::Duration::from_secs(10));
+    assert!(
+        in_time,
+        "a second SIGTERM did not end the drain:\n{}",
+        rv.log_text()
+    );
+    assert!(sent.elapsed() < std::time::Duration::from_secs(5));
+    assert_eq!(status.unwrap().code(), Some(1), "{}", rv.log_text());
+    assert!(
+        rv.log_text().contains("second signal: exiting"),
+        "{}",
+        rv.log_text()
+    );
+}
+
+/// Polls `cond` every 20 ms for up to 20 s.
+fn futures_wait(mut cond: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while !cond() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "condition not met in 20 s"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}

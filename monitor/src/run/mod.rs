@@ -511,15 +511,32 @@ fn announce_ready(
     Ok(())
 }
 
-/// Runs until a signal, or until a receiver dies (its error is returned).
+/// Runs until a signal, or until a receiver dies (its error is returned). From then on a
+/// (second) signal ends the process at once: see [`force_exit_on_signal`].
 async fn wait(sources: &mut Sources) -> Option<String> {
-    tokio::select! {
+    let failure = tokio::select! {
         _ = shutdown::signal() => {
-            tracing::info!("shutting down: draining");
+            tracing::info!("shutting down: draining (a second signal exits at once)");
             None
         }
         e = shutdown::first_failure(&mut sources.receivers) => Some(e),
-    }
+    };
+    tokio::spawn(force_exit_on_signal());
+    failure
+}
+
+/// A signal during the drain: the operator does not want to wait for it (an unreachable
+/// webhook holds it for the dispatcher's drain timeout). Exits with 1 at once; what the spool
+/// holds stays there for the next start, queued events are not checked.
+async fn force_exit_on_signal() {
+    shutdown::signal().await;
+    console::say(
+        console::Level::Warn,
+        "second signal: exiting without finishing the drain; undelivered alerts stay in the spool",
+        "second signal: exiting without finishing the drain",
+        serde_json::Map::new(),
+    );
+    std::process::exit(1);
 }
 
 /// Stops the sources, drains the engine and the dispatcher within the drain budget, and stops
