@@ -242,7 +242,10 @@ fn json_log_format_makes_every_stderr_line_json() {
             .unwrap_or_else(|| panic!("no {message:?} record in\n{log}"))
     };
     assert_eq!(find("ready")["fields"]["admin"], rv.admin.as_str(), "{log}");
-    assert_eq!(find("stopped")["fields"]["events_checked"], 0, "{log}");
+    let stopped = &find("stopped")["fields"];
+    assert_eq!(stopped["events_checked"], 0, "{log}");
+    assert_eq!(stopped["notifications_spooled"], 0, "{log}");
+    assert_eq!(stopped["spool_left"], 0, "{log}");
     let counters = &find("otlp counters")["fields"]["counters"];
     assert_eq!(
         counters["revenant_otlp_requests_rejected_total{transport=\"http\",reason=\"malformed\"}"],

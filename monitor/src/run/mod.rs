@@ -608,7 +608,7 @@ async fn drain(
 fn report_totals(drain: &Drain, totals: &EngineTotals, report: &DispatchReport) {
     let human = format!(
         "stopped after draining in {:?}: {} batches, {} events checked, {} violations; \
-         alerts: {} incidents, {} findings merged, {} repeats, {} notifications, {} findings rate-limited, \
+         alerts: {} incidents, {} findings merged, {} repeats, {} notifications spooled for delivery, {} findings rate-limited, \
          {} dropped by the spool, {} left in the spool",
         drain.elapsed(),
         totals.batches,
@@ -630,7 +630,7 @@ fn report_totals(drain: &Drain, totals: &EngineTotals, report: &DispatchReport) 
         "incidents": report.incidents,
         "findings_merged": report.merged,
         "repeats": report.deduplicated,
-        "notifications": report.notified,
+        "notifications_spooled": report.notified,
         "findings_rate_limited": report.rate_limited,
         "spool_dropped": report.spool_dropped,
         "spool_left": report.undelivered_at_exit,
