@@ -46,6 +46,14 @@ enum Command {
     },
 }
 
+/// Whether the command line asks for `--log-format json` (read before clap could parse it).
+fn json_log_format_asked() -> bool {
+    let args: Vec<String> = std::env::args().collect();
+    args.windows(2)
+        .any(|w| w[0] == "--log-format" && w[1] == "json")
+        || args.iter().any(|a| a == "--log-format=json")
+}
+
 fn main() -> ExitCode {
     let parsed = Cli::command()
         .try_get_matches()
@@ -53,6 +61,18 @@ fn main() -> ExitCode {
     let (cli, matches) = match parsed {
         Ok(c) => c,
         Err(e) => {
+            if e.use_stderr() && json_log_format_asked() {
+                // `run --log-format json`: even a command line it cannot parse is one JSON line.
+                let text = e.render().to_string();
+                revenant::telemetry::console::write_line(
+                    &revenant::telemetry::console::json_record(
+                        revenant::telemetry::console::Level::Error,
+                        text.trim_end(),
+                        serde_json::Map::new(),
+                    ),
+                );
+                return ExitCode::from(2);
+            }
             let _ = e.print();
             return if e.use_stderr() {
                 ExitCode::from(2)

@@ -469,3 +469,35 @@ fn listen_addresses_are_refused_alike() {
         assert!(!err.contains("HOST:PORT"), "{err}");
     }
 }
+
+/// The README has one exit-code table with a row per subcommand, and says what the tests of
+/// this crate and `run_cli` check: a port in use is 2, a broken pipe on `check` is 0.
+#[test]
+fn readme_has_the_exit_code_table() {
+    let readme =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../README.md"))
+            .unwrap();
+    let section = readme
+        .split("## Exit codes")
+        .nth(1)
+        .expect("an Exit codes section")
+        .split("\n## ")
+        .next()
+        .unwrap();
+    let rows: Vec<&str> = section.lines().filter(|l| l.starts_with("| `")).collect();
+    let row = |cmd: &str| {
+        rows.iter()
+            .find(|r| r.starts_with(&format!("| `{cmd}` |")))
+            .unwrap_or_else(|| panic!("no row for {cmd}:\n{section}"))
+            .split(" | ")
+            .map(str::to_owned)
+            .collect::<Vec<_>>()
+    };
+    let run = row("run");
+    assert!(run[3].contains("a port in use"), "{run:?}");
+    assert!(run[1].contains("SIGHUP"), "{run:?}");
+    let check = row("check");
+    assert!(check[1].contains("went away"), "{check:?}");
+    assert!(check[2].contains("violations found"), "{check:?}");
+    row("rules list");
+}

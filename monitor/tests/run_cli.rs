@@ -326,3 +326,51 @@ fn futures_wait(mut cond: impl FnMut() -> bool) {
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
 }
+
+/// A command line that does not parse, with `--log-format json`: still one JSON line.
+#[test]
+fn json_log_format_covers_usage_errors() {
+    let out = bin()
+        .args(["run", "--log-format", "json", "--no-such-flag"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(err.lines().count(), 1, "{err}");
+    let v: serde_json::Value = serde_json::from_str(err.trim()).unwrap();
+    assert_eq!(v["level"], "ERROR");
+    assert!(
+        v["fields"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("--no-such-flag"),
+        "{v}"
+    );
+}
+
+#[test]
+fn alerts_jsonl_in_a_missing_directory_fails_before_binding_naming_it() {
+    let dir = scratch("alerts-missing");
+    let alerts = dir.join("no/such/dir/alerts.jsonl");
+    let held = HeldPorts::new();
+    let out = bin()
+        .args(["run", "--ebpf", "off"])
+        .args(held.flags())
+        .arg("--alerts-jsonl")
+        .arg(&alerts)
+        .arg("--spool-dir")
+        .arg(dir.join("spool"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    let parent = alerts.parent().unwrap().display().to_string();
+    assert!(
+        err.contains(&format!("directory {parent} does not exist")),
+        "{err}"
+    );
+    assert!(
+        !err.contains("already in use") && !err.contains("listening"),
+        "{err}"
+    );
+}
