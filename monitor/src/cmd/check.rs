@@ -84,11 +84,14 @@ pub enum InputError {
     },
 }
 
+/// One events file, opened, under the name it was given.
+type Input<'a> = (&'a PathBuf, Box<dyn BufRead>);
+
 /// The inputs in order, each opened (all before any is read: a missing one is found first).
 fn open_inputs(
     paths: &[PathBuf],
     wrap: impl Fn(Box<dyn Read>) -> UntilGone,
-) -> Result<Vec<(&PathBuf, Box<dyn BufRead>)>, InputError> {
+) -> Result<Vec<Input<'_>>, InputError> {
     if paths.is_empty() {
         return Err(InputError::None);
     }
@@ -248,8 +251,8 @@ pub fn run(args: CheckArgs) -> ExitCode {
             "revenant: {} created, {} live, {}, {} live ({} with a record); evicted {} by ttl, {} by cap",
             count(s.correlate.attempts_created, "attempt"),
             s.live_attempts,
-            count(s.tombstones as u64, "tombstone"),
-            count(s.live_requests as u64, "request"),
+            count(s.tombstones, "tombstone"),
+            count(s.live_requests, "request"),
             s.request_records,
             s.correlate.evicted_ttl,
             s.correlate.evicted_cap
