@@ -200,6 +200,15 @@ fn claim(
     alert: &AlertConfig,
     ready_file: Option<&PathBuf>,
 ) -> Result<Claimed, RunError> {
+    // The spool first: its lock says whether another instance owns this node's files.
+    let alerts = OpenedAlerts::open(alert).map_err(RunError::Alert)?;
+    let events_jsonl = match &cfg.events_jsonl {
+        Some(path) => Some(ReplayWriter::open(path).map_err(|source| RunError::Open {
+            path: path.clone(),
+            source,
+        })?),
+        None => None,
+    };
     if let Some(path) = ready_file {
         // The file is written (then renamed into place) once ready: its directory must take it.
         let tmp = path.with_extension("tmp");
@@ -210,14 +219,6 @@ fn claim(
                 source,
             })?;
     }
-    let events_jsonl = match &cfg.events_jsonl {
-        Some(path) => Some(ReplayWriter::open(path).map_err(|source| RunError::Open {
-            path: path.clone(),
-            source,
-        })?),
-        None => None,
-    };
-    let alerts = OpenedAlerts::open(alert).map_err(RunError::Alert)?;
     Ok(Claimed {
         alerts,
         events_jsonl,
