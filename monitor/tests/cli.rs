@@ -468,6 +468,49 @@ fn listen_addresses_are_refused_alike() {
         );
         assert!(!err.contains("HOST:PORT"), "{err}");
     }
+    // The config file says the same, with the key's position.
+    for (name, yaml, value) in [
+        (
+            "admin-host.yaml",
+            "admin:\n  addr: localhost:9464\n",
+            "localhost:9464",
+        ),
+        (
+            "otlp-host.yaml",
+            "otlp:\n  grpc: localhost:4317\n",
+            "localhost:4317",
+        ),
+    ] {
+        let cfg = tmp(name, yaml);
+        let o = bin()
+            .args(["run", "--ebpf", "off", "--config"])
+            .arg(&cfg)
+            .output()
+            .unwrap();
+        let (_, err) = text(&o);
+        assert_eq!(o.status.code(), Some(2), "{err}");
+        assert!(
+            err.contains(&format!(
+                "\"{value}\" is not a listen address: give IP:PORT"
+            )),
+            "{name}: {err}"
+        );
+        assert!(err.contains("line 2"), "{name}: {err}");
+    }
+    let cfg = tmp(
+        "admin-null.yaml",
+        "admin:\n  addr: null\notlp:\n  grpc: null\n  http: null\n",
+    );
+    let o = bin()
+        .args(["run", "--ebpf", "off", "--config"])
+        .arg(&cfg)
+        .arg("--spool-dir")
+        .arg(&cfg)
+        .output()
+        .unwrap();
+    let (_, err) = text(&o);
+    // null is still "off": the run gets as far as the spool (a file here, so it stops there).
+    assert!(err.contains("is not a directory"), "{err}");
 }
 
 /// The README has one exit-code table with a row per subcommand, and says what the tests of

@@ -8,7 +8,7 @@ use clap::Args;
 pub struct AdminArgs {
     /// Address of the admin server (/metrics, /healthz, /readyz, /api/violations,
     /// /api/requests/{id}).
-    #[arg(long = "admin", value_name = "ADDR", default_value = "127.0.0.1:9464", value_parser = parse_listen_addr)]
+    #[arg(long = "admin", value_name = "ADDR", default_value = "127.0.0.1:9464", value_parser = crate::addr::parse)]
     pub admin: SocketAddr,
     /// Do not start the admin server.
     #[arg(long)]
@@ -22,17 +22,6 @@ pub struct AdminArgs {
     /// A source counts as live in /readyz if it produced an event within this window.
     #[arg(long, default_value = "60s", value_parser = humantime::parse_duration, value_name = "DURATION")]
     pub source_live_window: std::time::Duration,
-}
-
-/// A listen address as every flag and config key of `revenant run` takes it: IP:PORT. Host
-/// names are not resolved (a listener binds one address; `localhost` may name two).
-pub fn parse_listen_addr(s: &str) -> Result<SocketAddr, String> {
-    s.parse().map_err(|_| {
-        format!(
-            "{s:?} is not a listen address: give IP:PORT, e.g. 127.0.0.1:9464 (host names are not \
-             resolved)"
-        )
-    })
 }
 
 impl Default for AdminArgs {

@@ -50,7 +50,7 @@ fn parse_addr(flag: &'static str, v: &str) -> Result<Option<SocketAddr>, RunConf
     if v.eq_ignore_ascii_case("off") {
         return Ok(None);
     }
-    crate::admin::config::parse_listen_addr(v)
+    crate::addr::parse(v)
         .map(Some)
         .map_err(|message| RunConfigError::Addr { flag, message })
 }
