@@ -1,9 +1,11 @@
 //! The `revenant` command line: parses the arguments and dispatches to one subcommand.
 //!
-//! Exit codes, per subcommand:
-//! - `check`: 0 no violation, 1 violations found, 2 usage or input error.
-//! - `run`: 0 clean shutdown, 1 runtime failure (a receiver died, the drain timed out),
-//!   2 usage or configuration error (including a required source or sink that cannot start).
+//! Exit codes, per subcommand (the README's table):
+//! - `check`: 0 no violation (or standard output closed by its reader), 1 violations found,
+//!   2 usage or input error.
+//! - `run`: 0 clean shutdown (SIGTERM, SIGINT, SIGHUP), 1 runtime failure once running (a
+//!   receiver died, the drain timed out), 2 usage, configuration or start-up error (a port in
+//!   use, a spool in use, a required source or sink that cannot start).
 //! - `rules list`: 0 listed, 2 usage error or a rules file that does not load.
 //!
 //! A command line clap cannot parse is exit code 2; `--help` and `--version` are 0.
@@ -34,13 +36,22 @@ struct Cli {
 enum Command {
     /// Check recorded lifecycle events (JSON Lines) against the rules, offline.
     Check(check::CheckArgs),
-    /// Run the pipeline: OTLP receivers → normalize → checker → violations as JSON Lines.
+    /// Run the node agent: eBPF capture and OTLP receivers → normalize → checker → alerts
+    /// (webhook, Alertmanager, JSON Lines), with an admin server.
     Run(Box<revenant::run::RunArgs>),
     /// Inspect the rule set.
     Rules {
         #[command(subcommand)]
         command: rules::RulesCommand,
     },
+}
+
+/// Whether the command line asks for `--log-format json` (read before clap could parse it).
+fn json_log_format_asked() -> bool {
+    let args: Vec<String> = std::env::args().collect();
+    args.windows(2)
+        .any(|w| w[0] == "--log-format" && w[1] == "json")
+        || args.iter().any(|a| a == "--log-format=json")
 }
 
 fn main() -> ExitCode {
@@ -50,6 +61,18 @@ fn main() -> ExitCode {
     let (cli, matches) = match parsed {
         Ok(c) => c,
         Err(e) => {
+            if e.use_stderr() && json_log_format_asked() {
+                // `run --log-format json`: even a command line it cannot parse is one JSON line.
+                let text = e.render().to_string();
+                revenant::telemetry::console::write_line(
+                    &revenant::telemetry::console::json_record(
+                        revenant::telemetry::console::Level::Error,
+                        text.trim_end(),
+                        serde_json::Map::new(),
+                    ),
+                );
+                return ExitCode::from(2);
+            }
             let _ = e.print();
             return if e.use_stderr() {
                 ExitCode::from(2)

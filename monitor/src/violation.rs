@@ -223,28 +223,43 @@ impl TemplateContext<'_> {
 /// A rule's output template that cannot be filled.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum TemplateError {
+    /// Every unknown placeholder of the template, in order.
     #[error(
-        "unknown placeholder {{{name}}} in output template (known: {})",
+        "unknown placeholder{} {} in output template (known: {})",
+        if .names.len() == 1 { "" } else { "s" },
+        braced(.names),
         TEMPLATE_FIELDS.join(", ")
     )]
-    UnknownPlaceholder { name: String },
+    UnknownPlaceholder { names: Vec<String> },
     #[error("unclosed '{{' in output template {template:?}")]
     Unclosed { template: String },
 }
 
-/// Checks that every `{placeholder}` in `template` is known.
-pub fn validate_template(template: &str) -> Result<(), TemplateError> {
-    for name in placeholders(template)? {
-        if !TEMPLATE_FIELDS.contains(&name) {
-            return Err(TemplateError::UnknownPlaceholder {
-                name: name.to_owned(),
-            });
-        }
-    }
-    Ok(())
+/// `{a}, {b}`: placeholder names as a template writes them.
+pub fn braced(names: &[String]) -> String {
+    names
+        .iter()
+        .map(|n| format!("{{{n}}}"))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
-fn placeholders(template: &str) -> Result<Vec<&str>, TemplateError> {
+/// Checks that every `{placeholder}` in `template` is known; the error lists all that are not.
+pub fn validate_template(template: &str) -> Result<(), TemplateError> {
+    let names: Vec<String> = placeholders(template)?
+        .into_iter()
+        .filter(|n| !TEMPLATE_FIELDS.contains(n))
+        .map(str::to_owned)
+        .collect();
+    if names.is_empty() {
+        Ok(())
+    } else {
+        Err(TemplateError::UnknownPlaceholder { names })
+    }
+}
+
+/// The placeholders `template` names, in order (`{` without a `}` is an error).
+pub fn placeholders(template: &str) -> Result<Vec<&str>, TemplateError> {
     let mut out = Vec::new();
     let mut rest = template;
     while let Some(start) = rest.find('{') {
@@ -306,10 +321,16 @@ mod tests {
         assert_eq!(
             err,
             TemplateError::UnknownPlaceholder {
-                name: "bogus".into()
+                names: vec!["bogus".into()]
             }
         );
         assert!(err.to_string().contains("{bogus}"), "{err}");
+        let err = validate_template("{event.node} {rule} {foo}").unwrap_err();
+        assert!(
+            err.to_string()
+                .starts_with("unknown placeholders {event.node}, {foo} in output template"),
+            "{err}"
+        );
         let err = validate_template("{rule").unwrap_err();
         assert_eq!(
             err,

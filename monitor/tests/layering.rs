@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 /// Top-level modules of `monitor/src`, by layer (a module may import only lower layers).
 const LAYERS: &[(&str, u32)] = &[
     ("event", 0),
+    ("addr", 0),
     ("duration", 0),
     ("node", 0),
     ("violation", 1),

@@ -8,7 +8,7 @@ use clap::Args;
 pub struct AdminArgs {
     /// Address of the admin server (/metrics, /healthz, /readyz, /api/violations,
     /// /api/requests/{id}).
-    #[arg(long = "admin", value_name = "ADDR", default_value = "127.0.0.1:9464")]
+    #[arg(long = "admin", value_name = "ADDR", default_value = "127.0.0.1:9464", value_parser = crate::addr::parse)]
     pub admin: SocketAddr,
     /// Do not start the admin server.
     #[arg(long)]

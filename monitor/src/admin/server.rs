@@ -7,12 +7,13 @@ use std::sync::Arc;
 use axum::Json;
 use axum::Router;
 use axum::extract::{Path, State};
-use axum::http::{StatusCode, header};
+use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 
 use super::timeline::TimelineProvider;
 use super::violations;
+use crate::telemetry::exposition::Format;
 use crate::telemetry::metrics::Metrics;
 use crate::telemetry::ready::Readiness;
 use crate::telemetry::recent::RecentViolations;
@@ -37,13 +38,53 @@ pub struct AdminState {
     pub timeline: Arc<dyn TimelineProvider>,
 }
 
+/// The endpoints, for `/` and the answer to an unknown path.
+const ENDPOINTS: &[(&str, &str)] = &[
+    (
+        "/metrics",
+        "revenant's own metrics (Prometheus text format, or OpenMetrics when asked)",
+    ),
+    ("/healthz", "200 while the process serves"),
+    (
+        "/readyz",
+        "200 once every startup component reported in, else 503 (JSON)",
+    ),
+    (
+        "/api/violations?limit=&rule=&fingerprint=",
+        "the most recent violations, newest first (JSON)",
+    ),
+    (
+        "/api/requests/{alias}",
+        "the correlated timeline of a request: x-request-id, trace id, rid or bootstrap room (JSON)",
+    ),
+];
+
+fn index() -> serde_json::Value {
+    let endpoints: serde_json::Map<String, serde_json::Value> = ENDPOINTS
+        .iter()
+        .map(|(path, what)| ((*path).to_owned(), (*what).into()))
+        .collect();
+    serde_json::json!({ "endpoints": endpoints })
+}
+
+/// Every error the admin API answers: JSON `{"error": …}` with the status.
+pub(super) fn error(status: StatusCode, message: &str) -> Response {
+    (status, Json(serde_json::json!({ "error": message }))).into_response()
+}
+
 pub fn router(state: AdminState) -> Router {
     Router::new()
+        .route("/", get(|| async { Json(index()) }))
         .route("/metrics", get(metrics))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .route("/api/violations", get(violations::violations))
         .route("/api/requests/{id}", get(request_timeline))
+        .fallback(|uri: axum::http::Uri| async move {
+            let mut body = index();
+            body["error"] = format!("no such endpoint: {}", uri.path()).into();
+            (StatusCode::NOT_FOUND, Json(body)).into_response()
+        })
         .with_state(state)
 }
 
@@ -81,13 +122,16 @@ impl AdminServer {
     }
 }
 
-async fn metrics(State(s): State<AdminState>) -> Response {
+/// OpenMetrics when the scraper asks for it, the Prometheus text format 0.0.4 otherwise.
+async fn metrics(State(s): State<AdminState>, headers: HeaderMap) -> Response {
+    let accept = headers.get(header::ACCEPT).and_then(|v| v.to_str().ok());
+    let format = Format::negotiate(accept);
     (
-        [(
-            header::CONTENT_TYPE,
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        )],
-        s.metrics.render(),
+        [
+            (header::CONTENT_TYPE, format.content_type()),
+            (header::VARY, "accept"),
+        ],
+        s.metrics.render_as(format),
     )
         .into_response()
 }
@@ -104,7 +148,7 @@ async fn readyz(State(s): State<AdminState>) -> Response {
 
 async fn request_timeline(State(s): State<AdminState>, Path(id): Path<String>) -> Response {
     if id.is_empty() || id.len() > 256 {
-        return (StatusCode::BAD_REQUEST, "alias must be 1..=256 bytes\n").into_response();
+        return error(StatusCode::BAD_REQUEST, "alias must be 1..=256 bytes");
     }
     match s.timeline.timeline(&id) {
         Some(t) => Json(t).into_response(),
@@ -116,5 +160,83 @@ async fn request_timeline(State(s): State<AdminState>, Path(id): Path<String>) -
             })),
         )
             .into_response(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use axum::body::Body;
+    use axum::http::Request;
+    use tower::ServiceExt as _;
+
+    use super::*;
+    use crate::admin::{RecentEvents, RecentEventsLimits};
+    use crate::event::{Kind, LifecycleEvent, Source, Stage};
+
+    fn state() -> AdminState {
+        let metrics = Arc::new(Metrics::new());
+        let timeline = Arc::new(RecentEvents::new(RecentEventsLimits::default()));
+        timeline.record(&vec![
+            LifecycleEvent::new(1, Stage::Router, Kind::Received, Source::Otlp)
+                .with_trace_id("9b7363a4c0ffee000000000000000001"),
+        ]);
+        AdminState {
+            readiness: Readiness::new(metrics.clone(), Duration::from_secs(60)),
+            metrics,
+            violations: Arc::new(RecentViolations::new(10)),
+            timeline,
+        }
+    }
+
+    async fn get(path: &str) -> (StatusCode, String, serde_json::Value) {
+        let resp = router(state())
+            .oneshot(Request::get(path).body(Body::empty()).unwrap())
+            .await
+            .unwrap();
+        let status = resp.status();
+        let ct = resp
+            .headers()
+            .get(header::CONTENT_TYPE)
+            .map(|v| v.to_str().unwrap().to_owned())
+            .unwrap_or_default();
+        let body = axum::body::to_bytes(resp.into_body(), 1 << 20)
+            .await
+            .unwrap();
+        let json = serde_json::from_slice(&body).unwrap_or(serde_json::Value::Null);
+        (status, ct, json)
+    }
+
+    /// Every error is JSON `{"error": …}`; `/` and unknown paths list the endpoints.
+    #[tokio::test]
+    async fn errors_are_json_and_unknown_paths_list_the_endpoints() {
+        for (path, status) in [
+            ("/api/violations?limit=abc", StatusCode::BAD_REQUEST),
+            ("/api/violations?limit=-1", StatusCode::BAD_REQUEST),
+            ("/api/requests/", StatusCode::NOT_FOUND),
+            ("/nope", StatusCode::NOT_FOUND),
+            ("/api/requests/never-seen", StatusCode::NOT_FOUND),
+        ] {
+            let (got, ct, body) = get(path).await;
+            assert_eq!(got, status, "{path}");
+            assert_eq!(ct, "application/json", "{path}");
+            assert!(body["error"].is_string(), "{path}: {body}");
+        }
+        let (_, _, body) = get("/api/violations?limit=abc").await;
+        assert!(body["error"].as_str().unwrap().contains("limit"), "{body}");
+        let (_, _, body) = get("/nope").await;
+        assert!(body["endpoints"]["/readyz"].is_string(), "{body}");
+        let (status, _, body) = get("/").await;
+        assert_eq!(status, StatusCode::OK);
+        assert!(body["endpoints"]["/metrics"].is_string(), "{body}");
+    }
+
+    #[tokio::test]
+    async fn trace_ids_are_found_in_either_case() {
+        let (status, _, _) = get("/api/requests/9b7363a4c0ffee000000000000000001").await;
+        assert_eq!(status, StatusCode::OK);
+        let (status, _, body) = get("/api/requests/9B7363A4C0FFEE000000000000000001").await;
+        assert_eq!(status, StatusCode::OK, "{body}");
     }
 }

@@ -315,6 +315,13 @@ impl TimelineProvider for RecentEvents {
                 .ok()
                 .map(|r| Alias::Room(r.0)),
         )
+        // Trace ids are hex, kept lower-case: an upper-case spelling names the same trace.
+        .chain(
+            (query.len() == 32
+                && query.bytes().all(|b| b.is_ascii_hexdigit())
+                && query.bytes().any(|b| b.is_ascii_uppercase()))
+            .then(|| Alias::Trace(query.to_ascii_lowercase().into())),
+        )
         .collect();
         let mut seen_alias: HashSet<Alias> = HashSet::new();
         let mut seqs: HashSet<u64> = HashSet::new();

@@ -2,6 +2,7 @@
 //! fingerprint, read from the dispatcher's ring ([`crate::telemetry::recent::RecentViolations`]).
 
 use axum::Json;
+use axum::extract::rejection::QueryRejection;
 use axum::extract::{Query, State};
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
@@ -17,8 +18,20 @@ pub(super) struct ViolationQuery {
 
 pub(super) async fn violations(
     State(s): State<AdminState>,
-    Query(q): Query<ViolationQuery>,
+    q: Result<Query<ViolationQuery>, QueryRejection>,
 ) -> Response {
+    let q = match q {
+        Ok(Query(q)) => q,
+        Err(e) => {
+            return super::server::error(
+                axum::http::StatusCode::BAD_REQUEST,
+                &format!(
+                    "{}: limit is a count (0..), rule and fingerprint are strings",
+                    e.body_text()
+                ),
+            );
+        }
+    };
     let limit = q.limit.unwrap_or(100).min(10_000);
     let (items, total) = s
         .violations

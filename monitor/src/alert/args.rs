@@ -24,7 +24,7 @@ pub struct AlertArgs {
     /// Send alerts to this Alertmanager (base URL, repeatable).
     #[arg(long = "alertmanager", value_name = "URL")]
     pub alertmanagers: Vec<String>,
-    /// Re-post active alerts to Alertmanager this often.
+    /// Re-post active alerts to Alertmanager this often [default: 1m].
     #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
     pub alertmanager_resend: Option<Duration>,
     /// Append alerts as JSON Lines to this file; `-` for standard output.
@@ -34,7 +34,8 @@ pub struct AlertArgs {
     /// $STATE_DIRECTORY, $XDG_STATE_HOME/revenant, ~/.local/state/revenant or /var/lib/revenant].
     #[arg(long, value_name = "DIR")]
     pub spool_dir: Option<PathBuf>,
-    /// Most notifications kept in the spool; beyond it new ones are dropped (counted).
+    /// Most notifications kept in the spool; beyond it new ones are dropped (counted)
+    /// [default: 10000].
     #[arg(long, value_name = "N")]
     pub spool_max_entries: Option<usize>,
     /// Do not fsync spool entries (survives a crash of revenant, not of the machine).
@@ -47,6 +48,7 @@ pub struct AlertArgs {
     /// Incident notifications per lead rule per --rate-limit-window, 0 = unlimited [default: 50].
     #[arg(long, value_name = "N")]
     pub rate_limit: Option<u32>,
+    /// The window --rate-limit counts notifications in, per lead rule [default: 1m].
     #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
     pub rate_limit_window: Option<Duration>,
     /// Hold a first notification up to this long while two or more sources are live, so that
@@ -62,7 +64,7 @@ pub struct AlertArgs {
     /// Base URL of the admin server for links in alerts [default: http://<--admin>].
     #[arg(long, value_name = "URL")]
     pub external_url: Option<String>,
-    /// `cluster` label on alerts.
+    /// `cluster` label on alerts [default: default].
     #[arg(long, value_name = "NAME")]
     pub cluster: Option<String>,
     /// `node` label on alerts [default: host name].

@@ -3,7 +3,8 @@
 //!
 //! Wiring (what `revenant run` does): the run config's `alert` section (or `--alert-config`) with
 //! the flags applied ([`AlertArgs::apply`]) and validated, binding nothing →
-//! `AlertPipeline::start(cfg, metrics, readiness, recent)` → send violations into the returned
+//! `OpenedAlerts::open(cfg)` (sinks built, spool locked and read back; before any port is bound)
+//! → `.start(cfg, metrics, readiness, recent)` (or `AlertPipeline::start`, both at once) → send violations into the returned
 //! `mpsc::Sender<Violation>` with [`offer`] → drop the sender and await the handle to drain.
 
 pub mod alertmanager;
@@ -181,17 +182,47 @@ pub struct AlertPipeline {
     pub spool_dir: PathBuf,
 }
 
-impl AlertPipeline {
-    /// Opens the spool (resuming what it holds), builds the sinks and spawns the dispatcher.
-    /// Must run inside a tokio runtime.
+/// The sinks built and the spool opened (its lock held, what it holds read back), nothing
+/// spawned: what `revenant run` sets up before it binds a port, so that a spool held by another
+/// instance or a sink file that cannot be opened fails before anything listens.
+pub struct OpenedAlerts {
+    sinks: Vec<Arc<dyn Sink>>,
+    spool: Spool,
+    recovered: spool::Recovered,
+}
+
+impl OpenedAlerts {
+    /// Validates `cfg`, builds its sinks and opens (locks, creating) the spool.
+    pub fn open(cfg: &AlertConfig) -> Result<OpenedAlerts, AlertError> {
+        cfg.validate()?;
+        let sinks = cfg.build_sinks()?;
+        let names: Vec<String> = sinks.iter().map(|s| s.name().to_string()).collect();
+        let (spool, recovered) = Spool::open(&cfg.spool, &names)?;
+        Ok(OpenedAlerts {
+            sinks,
+            spool,
+            recovered,
+        })
+    }
+
+    pub fn spool_dir(&self) -> &std::path::Path {
+        self.spool.dir()
+    }
+
+    /// Spawns the dispatcher over what [`OpenedAlerts::open`] built; `cfg` gives the delivery
+    /// settings and the base of alert links (`external_url`).
     pub fn start(
+        self,
         cfg: &AlertConfig,
         metrics: Arc<Metrics>,
         readiness: Option<&Readiness>,
         recent: Option<Arc<RecentViolations>>,
-    ) -> Result<AlertPipeline, AlertError> {
-        cfg.validate()?;
-        let sinks = cfg.build_sinks()?;
+    ) -> AlertPipeline {
+        let OpenedAlerts {
+            sinks,
+            spool,
+            recovered: rec,
+        } = self;
         let handles: Vec<_> = readiness
             .map(|r| {
                 sinks
@@ -200,8 +231,6 @@ impl AlertPipeline {
                     .collect()
             })
             .unwrap_or_default();
-        let names: Vec<String> = sinks.iter().map(|s| s.name().to_string()).collect();
-        let (spool, rec) = Spool::open(&cfg.spool, &names)?;
         if rec.corrupt > 0 {
             ItemsDropped {
                 point: DropPoint::Spool,
@@ -247,11 +276,23 @@ impl AlertPipeline {
         for h in handles {
             h.ready();
         }
-        Ok(AlertPipeline {
+        AlertPipeline {
             sender: tx,
             handle,
             spool_dir,
-        })
+        }
+    }
+}
+
+impl AlertPipeline {
+    /// Opens the spool (resuming what it holds), builds the sinks and spawns the dispatcher.
+    pub fn start(
+        cfg: &AlertConfig,
+        metrics: Arc<Metrics>,
+        readiness: Option<&Readiness>,
+        recent: Option<Arc<RecentViolations>>,
+    ) -> Result<AlertPipeline, AlertError> {
+        Ok(OpenedAlerts::open(cfg)?.start(cfg, metrics, readiness, recent))
     }
 }
 

@@ -103,6 +103,10 @@ pub enum SpoolError {
         dir: PathBuf,
         source: std::io::Error,
     },
+    #[error(
+        "spool directory {dir} is not a directory (--spool-dir names a directory revenant owns)"
+    )]
+    NotADirectory { dir: PathBuf },
     #[error("spool write {path}: {source}")]
     Write {
         path: PathBuf,
@@ -215,6 +219,9 @@ impl Spool {
             dir: dir.clone(),
             source,
         };
+        if std::fs::metadata(&dir).is_ok_and(|m| !m.is_dir()) {
+            return Err(SpoolError::NotADirectory { dir });
+        }
         std::fs::create_dir_all(&dir).map_err(derr)?;
         let lock = std::fs::OpenOptions::new()
             .create(true)

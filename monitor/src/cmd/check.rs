@@ -2,23 +2,46 @@
 //! engine offline and prints the violations as JSON Lines; `--stats` summarises on standard error.
 //!
 //! Exit codes: 0 no violation, 1 violations found, 2 usage or input error (unreadable file or
-//! rules, a bad line, a failed write).
+//! rules, a bad line, a failed write). A reader of standard output that went away (`| head`)
+//! ends the check quietly with 0.
 
-use std::io::{BufRead, BufReader, Write};
+use std::cell::Cell;
+use std::io::{BufRead, BufReader, Read, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::rc::Rc;
 use std::time::Duration;
 
 use crate::engine::check::{Checker, CheckerConfig, RuleSet};
 use crate::ingest::replay;
+use crate::telemetry::console;
+
+/// A reader that ends (reads 0 bytes) once `gone` is set.
+struct UntilGone {
+    inner: Box<dyn Read>,
+    gone: Rc<Cell<bool>>,
+}
+
+impl Read for UntilGone {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        if self.gone.get() {
+            return Ok(0);
+        }
+        self.inner.read(buf)
+    }
+}
 
 #[derive(Debug, clap::Args)]
 pub struct CheckArgs {
-    /// Events file in the replay format (JSON Lines); `-` reads standard input.
-    #[arg(long, short = 'e')]
-    pub events: PathBuf,
-    /// Rules file extending or overriding the embedded defaults.
-    #[arg(long)]
+    /// Events file in the replay format (JSON Lines); `-` reads standard input. Repeatable:
+    /// several files are checked as one stream, in the order given.
+    #[arg(long = "events", short = 'e', value_name = "FILE")]
+    pub events: Vec<PathBuf>,
+    /// More events files, as `--events` (`revenant check a.jsonl b.jsonl`).
+    #[arg(value_name = "FILE")]
+    pub files: Vec<PathBuf>,
+    /// Rules file (YAML) extending or overriding the embedded defaults.
+    #[arg(long, value_name = "FILE")]
     pub rules: Option<PathBuf>,
     /// Events from different nodes count as later only beyond this skew.
     #[arg(long, default_value = "50ms", value_parser = humantime::parse_duration)]
@@ -41,9 +64,63 @@ pub(crate) fn load_rules(path: Option<&PathBuf>) -> Result<RuleSet, ExitCode> {
     match path {
         None => Ok(RuleSet::embedded_defaults()),
         Some(p) => RuleSet::from_file(p).map_err(|e| {
-            eprintln!("revenant: {e}");
+            console::error(&e);
             ExitCode::from(2)
         }),
+    }
+}
+
+/// Why `check` cannot read what it was given (exit code 2).
+#[derive(Debug, thiserror::Error)]
+pub enum InputError {
+    #[error("no events file: give --events FILE (or FILE; `-` is standard input)")]
+    None,
+    #[error("standard input (`-`) given more than once")]
+    StdinTwice,
+    #[error("cannot open events file {path}: {source}")]
+    Open {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+/// One events file, opened, under the name it was given.
+type Input<'a> = (&'a PathBuf, Box<dyn BufRead>);
+
+/// The inputs in order, each opened (all before any is read: a missing one is found first).
+fn open_inputs(
+    paths: &[PathBuf],
+    wrap: impl Fn(Box<dyn Read>) -> UntilGone,
+) -> Result<Vec<Input<'_>>, InputError> {
+    if paths.is_empty() {
+        return Err(InputError::None);
+    }
+    if paths.iter().filter(|p| p.as_os_str() == "-").count() > 1 {
+        return Err(InputError::StdinTwice);
+    }
+    paths
+        .iter()
+        .map(|p| {
+            let r: Box<dyn Read> = if p.as_os_str() == "-" {
+                Box::new(std::io::stdin().lock())
+            } else {
+                Box::new(std::fs::File::open(p).map_err(|source| InputError::Open {
+                    path: p.clone(),
+                    source,
+                })?)
+            };
+            let input: Box<dyn BufRead> = Box::new(BufReader::with_capacity(1 << 20, wrap(r)));
+            Ok((p, input))
+        })
+        .collect()
+}
+
+/// `n thing` or `n things`.
+fn count(n: u64, thing: &str) -> String {
+    if n == 1 {
+        format!("1 {thing}")
+    } else {
+        format!("{n} {thing}s")
     }
 }
 
@@ -60,18 +137,18 @@ pub fn run(args: CheckArgs) -> ExitCode {
     let lateness = cfg.allowed_lateness;
     let mut checker = Checker::new(rules, cfg);
 
-    let input: Box<dyn BufRead> = if args.events.as_os_str() == "-" {
-        Box::new(BufReader::with_capacity(1 << 20, std::io::stdin().lock()))
-    } else {
-        match std::fs::File::open(&args.events) {
-            Ok(f) => Box::new(BufReader::with_capacity(1 << 20, f)),
-            Err(e) => {
-                eprintln!(
-                    "revenant: cannot open events file {}: {e}",
-                    args.events.display()
-                );
-                return ExitCode::from(2);
-            }
+    // Once standard output is gone (`| head`), reading on is pointless: the input ends there.
+    let reader_gone = Rc::new(Cell::new(false));
+    let until_gone = |r: Box<dyn Read>| UntilGone {
+        inner: r,
+        gone: reader_gone.clone(),
+    };
+    let paths: Vec<PathBuf> = args.events.iter().chain(&args.files).cloned().collect();
+    let inputs = match open_inputs(&paths, until_gone) {
+        Ok(i) => i,
+        Err(e) => {
+            console::error(&e);
+            return ExitCode::from(2);
         }
     };
 
@@ -83,28 +160,42 @@ pub fn run(args: CheckArgs) -> ExitCode {
     // choice of what to print.
     let mut emit = |v: &crate::violation::Violation,
                     out: &mut std::io::BufWriter<std::io::StdoutLock<'_>>| {
-        if v.corroborates && !args.corroborations {
+        if (v.corroborates && !args.corroborations) || write_failed.is_some() {
             return;
         }
         let res = serde_json::to_writer(&mut *out, v)
             .map_err(std::io::Error::from)
             .and_then(|_| out.write_all(b"\n"));
         if let Err(e) = res {
+            if e.kind() == std::io::ErrorKind::BrokenPipe {
+                reader_gone.set(true);
+            }
             write_failed.get_or_insert(e);
         }
     };
-    let read = replay::read_events(
-        input,
-        |e| {
-            for v in checker.observe(&e) {
-                emit(&v, &mut out);
-            }
-        },
-        |err| {
-            bad_lines += 1;
-            eprintln!("revenant: {}: {err}", args.events.display());
-        },
-    );
+    let mut read = Ok(());
+    for (path, input) in inputs {
+        let r = replay::read_events(
+            input,
+            |e| {
+                for v in checker.observe(&e) {
+                    emit(&v, &mut out);
+                }
+            },
+            |err| {
+                // Input cut short once standard output is gone: its last line is no error.
+                if reader_gone.get() {
+                    return;
+                }
+                bad_lines += 1;
+                console::error(&format!("{}: {err}", path.display()));
+            },
+        );
+        if let Err(e) = r {
+            read = Err((path, e));
+            break;
+        }
+    }
     // Judge what the input can still prove: every deadline up to the last event time.
     let end = checker
         .stats()
@@ -113,54 +204,64 @@ pub fn run(args: CheckArgs) -> ExitCode {
     for v in checker.tick(end) {
         emit(&v, &mut out);
     }
-    let flushed = out.flush();
-    if let Err(e) = read {
-        eprintln!("revenant: reading {}: {e}", args.events.display());
+    let flushed = if write_failed.is_some() {
+        Ok(())
+    } else {
+        out.flush()
+    };
+    if let Some(e) = write_failed.or(flushed.err()) {
+        // The reader of standard output went away (`| head`): it has what it wanted.
+        if e.kind() == std::io::ErrorKind::BrokenPipe {
+            return ExitCode::SUCCESS;
+        }
+        console::error(&format!("writing violations: {e}"));
         return ExitCode::from(2);
     }
-    if let Some(e) = write_failed.or(flushed.err()) {
-        eprintln!("revenant: writing violations: {e}");
+    if let Err((path, e)) = read {
+        console::error(&format!("reading {}: {e}", path.display()));
         return ExitCode::from(2);
     }
     if args.stats {
         let s = checker.stats();
-        eprintln!(
-            "revenant: {} events ({} attempt, {} request-only, {} unattributed, {} capacity, {} on tombstones, {} late), {} bad lines",
-            s.events,
+        console::write_line(&format!(
+            "revenant: {} ({} attempt, {} request-only, {} unattributed, {} capacity, {} on tombstones, {} late), {}",
+            count(s.events, "event"),
             s.events_attempt,
             s.events_request_only,
             s.events_unattributed,
             s.capacity_reports,
             s.events_on_tombstones,
             s.events_late,
-            bad_lines
-        );
+            count(bad_lines, "bad line")
+        ));
         for (rule, n) in checker.rules().zip(checker.violations_per_rule()) {
-            eprintln!("revenant:   {:<32} {n}", rule.name);
+            console::write_line(&format!("revenant:   {:<32} {n}", rule.name));
         }
-        eprintln!(
-            "revenant: {} violations, {} corroborating follow-ups{}",
-            s.violations,
-            s.corroborations,
+        console::write_line(&format!(
+            "revenant: {}, {}{}",
+            count(s.violations, "violation"),
+            count(s.corroborations, "corroborating follow-up"),
             if args.corroborations {
                 ""
             } else {
                 " (not printed: --corroborations)"
             }
-        );
-        eprintln!(
-            "revenant: {} attempts created, {} live, {} tombstones, {} requests live ({} with a record); evicted {} by ttl, {} by cap",
-            s.correlate.attempts_created,
+        ));
+        console::write_line(&format!(
+            "revenant: {} created, {} live, {}, {} live ({} with a record); evicted {} by ttl, {} by cap",
+            count(s.correlate.attempts_created, "attempt"),
             s.live_attempts,
-            s.tombstones,
-            s.live_requests,
+            count(s.tombstones, "tombstone"),
+            count(s.live_requests, "request"),
             s.request_records,
             s.correlate.evicted_ttl,
             s.correlate.evicted_cap
-        );
+        ));
     }
     if bad_lines > 0 {
-        eprintln!("revenant: {bad_lines} bad line(s) skipped; the rest of the file was checked");
+        console::write_line(&format!(
+            "revenant: {bad_lines} bad line(s) skipped; the rest of the file was checked"
+        ));
         return ExitCode::from(2);
     }
     if checker.stats().violations > 0 {

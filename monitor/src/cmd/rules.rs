@@ -10,7 +10,8 @@ use std::process::ExitCode;
 pub enum RulesCommand {
     /// List the active rules (embedded defaults plus `--rules FILE`).
     List {
-        #[arg(long)]
+        /// Rules file (YAML) extending or overriding the embedded defaults.
+        #[arg(long, value_name = "FILE")]
         rules: Option<PathBuf>,
         /// Print the full rule definitions as YAML instead of a table.
         #[arg(long)]
@@ -37,16 +38,15 @@ fn list(path: Option<PathBuf>, yaml: bool) -> ExitCode {
         match serde_saphyr::to_string(&Doc {
             rules: rules.to_defs(),
         }) {
-            Ok(s) => print!("{s}"),
+            Ok(s) => return super::write_stdout(s.as_bytes()),
             Err(e) => {
-                eprintln!("revenant: cannot print rules: {e}");
+                crate::telemetry::console::error(&format!("cannot print rules: {e}"));
                 return ExitCode::from(2);
             }
         }
-        return ExitCode::SUCCESS;
     }
-    println!(
-        "{:<32} {:<9} {:<8} {:<16} {:<8} DESCRIPTION",
+    let mut out = format!(
+        "{:<32} {:<9} {:<8} {:<16} {:<8} DESCRIPTION\n",
         "NAME", "SEVERITY", "SCOPE", "SHAPE", "ENABLED"
     );
     for r in &rules.rules {
@@ -59,14 +59,14 @@ fn list(path: Option<PathBuf>, yaml: bool) -> ExitCode {
             desc.truncate(cut);
             desc.push_str("...");
         }
-        println!(
-            "{:<32} {:<9} {:<8} {:<16} {:<8} {desc}",
+        out.push_str(&format!(
+            "{:<32} {:<9} {:<8} {:<16} {:<8} {desc}\n",
             r.name,
             r.severity.as_str(),
             r.scope.as_str(),
             r.shape.kind_name(),
             if r.enabled { "yes" } else { "no" }
-        );
+        ));
     }
-    ExitCode::SUCCESS
+    super::write_stdout(out.as_bytes())
 }

@@ -111,6 +111,7 @@ impl EngineConfig {
 #[serde(deny_unknown_fields, default)]
 pub struct AdminConfig {
     /// Listen address; `null` does not start the server (`--no-admin`).
+    #[serde(deserialize_with = "crate::addr::deserialize_option")]
     pub addr: Option<SocketAddr>,
     /// Violations kept for /api/violations.
     pub recent_violations: usize,

@@ -66,7 +66,13 @@ pub fn parse_line(line: &str) -> Result<Option<LifecycleEvent>, String> {
     if t.is_empty() || t.starts_with('#') {
         return Ok(None);
     }
-    let r: ReplayRecord = serde_json::from_str(t).map_err(|e| e.to_string())?;
+    let r: ReplayRecord = serde_json::from_str(t).map_err(|e| {
+        // The line number is the file's (the caller's); within one line only the column counts.
+        let full = e.to_string();
+        let position = format!(" at line {} column {}", e.line(), e.column());
+        let message = full.strip_suffix(&position).unwrap_or(&full);
+        format!("{message} (column {})", e.column())
+    })?;
     r.into_event().map(Some)
 }
 
@@ -134,7 +140,8 @@ fn parse_rfc3339(s: &str) -> Result<u64, String> {
 }
 
 /// Reads events line by line, calling `on_event` for each good one and `on_error` for each bad
-/// line (with its 1-based number). Bad lines never stop the rest of the file.
+/// line (with its 1-based number). Bad lines never stop the rest of the file. A UTF-8 byte order
+/// mark at the start is skipped.
 pub fn read_events(
     input: impl BufRead,
     mut on_event: impl FnMut(LifecycleEvent),
@@ -152,7 +159,12 @@ pub fn read_events(
             return Ok(());
         }
         line_no += 1;
-        match std::str::from_utf8(&raw) {
+        // A UTF-8 byte order mark (editors on Windows write one) is not part of the first line.
+        let raw = match raw.strip_prefix(b"\xEF\xBB\xBF") {
+            Some(rest) if line_no == 1 => rest,
+            _ => &raw[..],
+        };
+        match std::str::from_utf8(raw) {
             Ok(s) => buf.push_str(s),
             Err(_) => {
                 on_error(ReplayError::Line {
@@ -212,6 +224,18 @@ mod tests {
         read_events(input, |_| good += 1, |e| bad.push(e.to_string())).unwrap();
         assert_eq!(good, 2);
         assert_eq!(bad.len(), 2);
+        assert!(bad[0].starts_with("line 2:"), "{bad:?}");
+    }
+
+    #[test]
+    fn a_byte_order_mark_keeps_the_first_line() {
+        let input: &[u8] = b"\xEF\xBB\xBF{\"time_unix_nano\":1,\"stage\":\"router\",\"kind\":\"received\"}\n\xEF\xBB\xBF\n";
+        let mut good = 0;
+        let mut bad = Vec::new();
+        read_events(input, |_| good += 1, |e| bad.push(e.to_string())).unwrap();
+        assert_eq!(good, 1);
+        // Only at the start of the file: elsewhere it is a bad line.
+        assert_eq!(bad.len(), 1, "{bad:?}");
         assert!(bad[0].starts_with("line 2:"), "{bad:?}");
     }
 

@@ -1,9 +1,11 @@
 //! `revenant run`: the all-in-one pipeline on one node.
 //!
 //! It reads in a fixed order (linkerd2-proxy style), one call per step:
-//! [`prepare`] (load and validate every config; no port bound, no probe loaded) → [`bind`] (the
-//! admin server and the OTLP receivers; then the eBPF probes, per `--ebpf`) → [`start_sources`]
-//! (the alert dispatcher, resuming its spool, and the sources) → [`start_engine`] → announce
+//! [`prepare`] (load and validate every config; no port bound, no probe loaded) → [`claim`] (the
+//! files it owns: the spool, locked, the sinks' files, `--events-jsonl`, the ready file's
+//! directory; still no port) → [`bind`] (the admin server and the OTLP receivers; then the eBPF
+//! probes, per `--ebpf`) → [`start_outputs`] (the admin server and the alert dispatcher, resuming
+//! its spool) → [`start_sources`] → [`start_engine`] → announce
 //! readiness → [`wait`] for Ctrl-C / SIGTERM or a failed receiver → [`drain`] (stop the sources,
 //! drain the channel through the engine, drain the dispatcher, each within the drain budget).
 //! Exit codes: 0 clean, 1 runtime failure, 2 usage/config error.
@@ -33,7 +35,7 @@ use tokio::task::{JoinHandle, JoinSet};
 
 use crate::admin::timeline::TimelineTap;
 use crate::admin::{AdminArgs, AdminServer, AdminState, RecentEvents, RecentEventsLimits};
-use crate::alert::{AlertConfig, AlertPipeline, DispatchReport};
+use crate::alert::{AlertConfig, AlertPipeline, DispatchReport, OpenedAlerts};
 use crate::config::RunConfig;
 use crate::event::Source;
 use crate::ingest::ebpf::EbpfStart;
@@ -43,7 +45,8 @@ use crate::pipeline::taps::{EngineMetrics, Observed, ReplayWriter, SourceActivit
 use crate::pipeline::{
     EngineTask, EngineTotals, EventSender, EventTap, ViolationSender, event_channel,
 };
-use crate::telemetry::{ComponentKind, Metrics, Readiness, ReadyHandle, RecentViolations};
+use crate::telemetry::logging::LogFormat;
+use crate::telemetry::{ComponentKind, Metrics, Readiness, ReadyHandle, RecentViolations, console};
 
 pub use prepare::{Prepared, RunArgs, RunConfigError, load_config, prepare};
 pub use shutdown::{Drain, Phase, Shutdown};
@@ -52,7 +55,7 @@ pub fn run(args: RunArgs) -> ExitCode {
     let self_traces = match args.log.init() {
         Ok(g) => g,
         Err(e) => {
-            eprintln!("revenant: {e}");
+            console::error(&e);
             return ExitCode::from(2);
         }
     };
@@ -67,7 +70,7 @@ fn run_logged(args: RunArgs) -> ExitCode {
     let prepared = match prepare(&args) {
         Ok(p) => p,
         Err(e) => {
-            eprintln!("revenant: {e}");
+            console::error(&e);
             return ExitCode::from(2);
         }
     };
@@ -78,7 +81,7 @@ fn run_logged(args: RunArgs) -> ExitCode {
     {
         Ok(rt) => rt,
         Err(e) => {
-            eprintln!("revenant: cannot start the runtime: {e}");
+            console::error(&format!("cannot start the runtime: {e}"));
             return ExitCode::from(1);
         }
     };
@@ -90,10 +93,14 @@ fn run_logged(args: RunArgs) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("revenant: {e}");
+            console::error(&e);
             match e {
                 // A required source or sink that cannot start is a configuration problem.
-                RunError::Ebpf(_) | RunError::Alert(_) | RunError::Bind { .. } => ExitCode::from(2),
+                RunError::Ebpf(_)
+                | RunError::Alert(_)
+                | RunError::Bind { .. }
+                | RunError::Open { .. }
+                | RunError::ReadyFile { .. } => ExitCode::from(2),
                 _ => ExitCode::from(1),
             }
         }
@@ -111,13 +118,21 @@ pub enum RunError {
         addr: SocketAddr,
         source: std::io::Error,
     },
-    #[error("opening {path}: {source}")]
+    #[error("--events-jsonl {path}: {source}")]
     Open {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("writing readiness file: {0}")]
-    Ready(std::io::Error),
+    #[error("--ready-file {path}: cannot create it: {source}")]
+    ReadyFile {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("writing the readiness file {path}: {source}")]
+    Ready {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("checker output failed: {0}")]
     Output(std::io::Error),
     #[error("drain did not finish within {0:?}; queued events were not checked")]
@@ -168,11 +183,25 @@ struct Bound {
     grpc: Option<(TcpListener, SocketAddr)>,
     http: Option<(TcpListener, SocketAddr)>,
     ebpf: EbpfStart,
+}
+
+/// The files `run` owns, opened before any port is bound: the spool (locked) and the sinks,
+/// the events recording, and the ready file's place checked.
+struct Claimed {
+    alerts: OpenedAlerts,
     events_jsonl: Option<ReplayWriter>,
 }
 
-/// Binds every port and loads the probes; a failure here is a configuration problem (exit 2).
-async fn bind(cfg: &RunConfig, admin: &AdminArgs) -> Result<Bound, RunError> {
+/// Opens what `run` writes to, so that a spool held by another instance, a `--spool-dir` that
+/// is a file, an `--events-jsonl` or `--ready-file` in a missing directory fail (exit 2) before
+/// anything listens.
+fn claim(
+    cfg: &RunConfig,
+    alert: &AlertConfig,
+    ready_file: Option<&PathBuf>,
+) -> Result<Claimed, RunError> {
+    // The spool first: its lock says whether another instance owns this node's files.
+    let alerts = OpenedAlerts::open(alert).map_err(RunError::Alert)?;
     let events_jsonl = match &cfg.events_jsonl {
         Some(path) => Some(ReplayWriter::open(path).map_err(|source| RunError::Open {
             path: path.clone(),
@@ -180,6 +209,24 @@ async fn bind(cfg: &RunConfig, admin: &AdminArgs) -> Result<Bound, RunError> {
         })?),
         None => None,
     };
+    if let Some(path) = ready_file {
+        // The file is written (then renamed into place) once ready: its directory must take it.
+        let tmp = path.with_extension("tmp");
+        std::fs::File::create(&tmp)
+            .and_then(|_| std::fs::remove_file(&tmp))
+            .map_err(|source| RunError::ReadyFile {
+                path: path.clone(),
+                source,
+            })?;
+    }
+    Ok(Claimed {
+        alerts,
+        events_jsonl,
+    })
+}
+
+/// Binds every port and loads the probes; a failure here is a configuration problem (exit 2).
+async fn bind(cfg: &RunConfig, admin: &AdminArgs) -> Result<Bound, RunError> {
     let admin = match admin.no_admin {
         true => None,
         false => Some(AdminServer::bind(admin.admin).await.map_err(|e| match e {
@@ -212,7 +259,6 @@ async fn bind(cfg: &RunConfig, admin: &AdminArgs) -> Result<Bound, RunError> {
         grpc,
         http,
         ebpf,
-        events_jsonl,
     })
 }
 
@@ -240,11 +286,12 @@ struct Outputs {
 /// Starts the admin server and the alert dispatcher (resuming its spool).
 fn start_outputs(
     alert: &mut AlertConfig,
+    opened: OpenedAlerts,
     admin: Option<AdminServer>,
     shared: &Shared,
     shutdown: &Shutdown,
     bound: &mut serde_json::Map<String, serde_json::Value>,
-) -> Result<Outputs, RunError> {
+) -> Outputs {
     let admin = admin.map(|server| {
         bound.insert("admin".into(), server.local_addr().to_string().into());
         if alert.external_url.is_none() {
@@ -261,15 +308,14 @@ fn start_outputs(
         handle.ready();
         task
     });
-    let alerts = AlertPipeline::start(
+    let alerts = opened.start(
         alert,
         shared.metrics.clone(),
         Some(&shared.readiness),
         Some(shared.recent.clone()),
-    )
-    .map_err(RunError::Alert)?;
+    );
     tracing::info!(spool = %alerts.spool_dir.display(), "alert dispatcher started");
-    Ok(Outputs { admin, alerts })
+    Outputs { admin, alerts }
 }
 
 /// Spawns the eBPF source and the OTLP receivers, each sending into `tx`; they stop at
@@ -387,9 +433,14 @@ fn start_sources(
             }
         })
     };
+    // "started", not "live": /readyz calls a source live once it delivered an event.
     tracing::info!(
-        otlp = if otlp_on { "live" } else { "off" },
-        ebpf = ebpf_state,
+        otlp = if otlp_on { "started" } else { "off" },
+        ebpf = if ebpf_state == "live" {
+            "started"
+        } else {
+            ebpf_state
+        },
         "sources"
     );
     if !otlp_on && ebpf_state != "live" {
@@ -442,26 +493,51 @@ fn announce_ready(
     ready_file: Option<&PathBuf>,
 ) -> Result<(), RunError> {
     let ready = serde_json::Value::Object(bound.clone());
-    eprintln!("revenant: ready {ready}");
+    console::say(
+        console::Level::Info,
+        &format!("ready {ready}"),
+        "ready",
+        bound.clone(),
+    );
     if let Some(path) = ready_file {
         // Write then rename: a reader never sees a half-written file.
         let tmp = path.with_extension("tmp");
         std::fs::write(&tmp, ready.to_string())
             .and_then(|_| std::fs::rename(&tmp, path))
-            .map_err(RunError::Ready)?;
+            .map_err(|source| RunError::Ready {
+                path: path.clone(),
+                source,
+            })?;
     }
     Ok(())
 }
 
-/// Runs until a signal, or until a receiver dies (its error is returned).
+/// Runs until a signal, or until a receiver dies (its error is returned). From then on a
+/// (second) signal ends the process at once: see [`force_exit_on_signal`].
 async fn wait(sources: &mut Sources) -> Option<String> {
-    tokio::select! {
+    let failure = tokio::select! {
         _ = shutdown::signal() => {
-            tracing::info!("shutting down: draining");
+            tracing::info!("shutting down: draining (a second signal exits at once)");
             None
         }
         e = shutdown::first_failure(&mut sources.receivers) => Some(e),
-    }
+    };
+    tokio::spawn(force_exit_on_signal());
+    failure
+}
+
+/// A signal during the drain: the operator does not want to wait for it (an unreachable
+/// webhook holds it for the dispatcher's drain timeout). Exits with 1 at once; what the spool
+/// holds stays there for the next start, queued events are not checked.
+async fn force_exit_on_signal() {
+    shutdown::signal().await;
+    console::say(
+        console::Level::Warn,
+        "second signal: exiting without finishing the drain; undelivered alerts stay in the spool",
+        "second signal: exiting without finishing the drain",
+        serde_json::Map::new(),
+    );
+    std::process::exit(1);
 }
 
 /// Stops the sources, drains the engine and the dispatcher within the drain budget, and stops
@@ -522,17 +598,18 @@ async fn drain(
         let _ = tokio::time::timeout(Duration::from_secs(2), t).await;
     }
     report_totals(&drain, &totals, &report);
-    eprint!("{}", sources.otlp_stats.render());
+    report_counters(&sources.otlp_stats.render());
     match failure {
         Some(e) => Err(RunError::Receiver(e)),
         None => Ok(()),
     }
 }
 
+/// The shutdown summary: one line (in JSON, its figures as fields).
 fn report_totals(drain: &Drain, totals: &EngineTotals, report: &DispatchReport) {
-    eprintln!(
-        "revenant: stopped after draining in {:?}: {} batches, {} events checked, {} violations; \
-         alerts: {} incidents, {} findings merged, {} repeats, {} notifications, {} findings rate-limited, \
+    let human = format!(
+        "stopped after draining in {:?}: {} batches, {} events checked, {} violations; \
+         alerts: {} incidents, {} findings merged, {} repeats, {} notifications spooled for delivery, {} findings rate-limited, \
          {} dropped by the spool, {} left in the spool",
         drain.elapsed(),
         totals.batches,
@@ -546,6 +623,52 @@ fn report_totals(drain: &Drain, totals: &EngineTotals, report: &DispatchReport) 
         report.spool_dropped,
         report.undelivered_at_exit,
     );
+    let fields = serde_json::json!({
+        "drain_seconds": drain.elapsed().as_secs_f64(),
+        "batches": totals.batches,
+        "events_checked": totals.events,
+        "violations": totals.violations,
+        "incidents": report.incidents,
+        "findings_merged": report.merged,
+        "repeats": report.deduplicated,
+        "notifications_spooled": report.notified,
+        "findings_rate_limited": report.rate_limited,
+        "spool_dropped": report.spool_dropped,
+        "spool_left": report.undelivered_at_exit,
+    });
+    let serde_json::Value::Object(fields) = fields else {
+        return;
+    };
+    console::say(console::Level::Info, &human, "stopped", fields);
+}
+
+/// The OTLP counters that moved (`name{labels} value` lines): as they are in the human format,
+/// one record with a `counters` object (sample → value) in JSON.
+fn report_counters(rendered: &str) {
+    let mut counters = serde_json::Map::new();
+    for line in rendered.lines().filter(|l| !l.is_empty()) {
+        if let Some((sample, value)) = line.rsplit_once(' ') {
+            let value = value
+                .parse::<u64>()
+                .map_or_else(|_| value.into(), serde_json::Value::from);
+            counters.insert(sample.to_owned(), value);
+        }
+    }
+    if counters.is_empty() {
+        return;
+    }
+    match console::format() {
+        LogFormat::Human => {
+            for line in rendered.lines().filter(|l| !l.is_empty()) {
+                console::write_line(line);
+            }
+        }
+        LogFormat::Json => {
+            let mut fields = serde_json::Map::new();
+            fields.insert("counters".into(), counters.into());
+            console::say(console::Level::Info, "", "otlp counters", fields);
+        }
+    }
 }
 
 /// `revenant run` once prepared: bind → start → wait → drain.
@@ -561,10 +684,23 @@ pub async fn run_async(p: Prepared) -> Result<(), RunError> {
     } = p;
     let shutdown = Shutdown::new();
     let shared = Shared::new(&admin);
+    for rule in checker.rules() {
+        shared
+            .metrics
+            .declare_rule(&rule.name, rule.severity.as_str());
+    }
+    let claimed = claim(&cfg, &alert, ready_file.as_ref())?;
     let mut b = bind(&cfg, &admin).await?;
     let mut bound = serde_json::Map::new();
-    let outputs = start_outputs(&mut alert, b.admin.take(), &shared, &shutdown, &mut bound)?;
-    let replay = b.events_jsonl.take();
+    let outputs = start_outputs(
+        &mut alert,
+        claimed.alerts,
+        b.admin.take(),
+        &shared,
+        &shutdown,
+        &mut bound,
+    );
+    let replay = claimed.events_jsonl;
     let (tx, rx) = event_channel(cfg.channel_capacity());
     let mut sources = start_sources(&cfg, normalizer, b, tx, &shared, &shutdown, bound);
     let engine = start_engine(

@@ -50,10 +50,9 @@ fn parse_addr(flag: &'static str, v: &str) -> Result<Option<SocketAddr>, RunConf
     if v.eq_ignore_ascii_case("off") {
         return Ok(None);
     }
-    v.parse().map(Some).map_err(|_| RunConfigError::Addr {
-        flag,
-        value: v.to_owned(),
-    })
+    crate::addr::parse(v)
+        .map(Some)
+        .map_err(|message| RunConfigError::Addr { flag, message })
 }
 
 /// Applies every flag of `args` over `cfg`. Validation is the caller's.

@@ -10,15 +10,16 @@ use crate::admin::AdminArgs;
 use crate::alert::{AlertArgs, AlertConfig, JsonlConfig};
 use crate::config::{ConfigFileError, RunConfig};
 use crate::engine::check::{Checker, CheckerConfig, RuleSet};
-use crate::ingest::ebpf::EbpfArgs;
+use crate::ingest::ebpf::{EbpfArgs, EbpfMode};
 use crate::ingest::otlp;
 use crate::normalize::Normalizer;
 use crate::telemetry::logging::LogArgs;
 
 #[derive(Debug, clap::Args)]
 pub struct RunArgs {
-    /// YAML config file with a section per component (docs/config.md); flags override it.
-    #[arg(long)]
+    /// YAML file with a section per component (node, otlp, ebpf, normalize, engine, alert,
+    /// admin; every key in docs/config.md); flags given on the command line override it.
+    #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
     /// OTLP/gRPC listen address (`off` disables) [default: 127.0.0.1:4317].
     #[arg(long, value_name = "ADDR")]
@@ -29,24 +30,25 @@ pub struct RunArgs {
     /// Also record every normalized event, in the replay format `revenant check` reads.
     #[arg(long, value_name = "PATH")]
     pub events_jsonl: Option<PathBuf>,
-    /// Rules file extending or overriding the embedded defaults.
-    #[arg(long)]
+    /// Rules file (YAML) extending or overriding the embedded defaults.
+    #[arg(long, value_name = "FILE")]
     pub rules: Option<PathBuf>,
-    /// Bounded channel between sources and checker, in batches.
-    #[arg(long)]
+    /// Bounded channel between sources and checker, in batches [default: 1024].
+    #[arg(long, value_name = "N")]
     pub channel_capacity: Option<usize>,
-    /// Largest OTLP request body in bytes.
-    #[arg(long)]
+    /// Largest OTLP request body in bytes [default: 8388608].
+    #[arg(long, value_name = "BYTES")]
     pub max_message_bytes: Option<usize>,
-    /// Events from different nodes count as later only beyond this skew.
-    #[arg(long, value_parser = humantime::parse_duration)]
+    /// Events from different nodes count as later only beyond this skew [default: 50ms].
+    #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
     pub clock_skew: Option<Duration>,
     /// How late (after its event time) an event may arrive and still count for deadline rules.
-    /// OTLP exporters batch for seconds, and SGLang root completions wait out their grace.
-    #[arg(long, value_parser = humantime::parse_duration)]
+    /// OTLP exporters batch for seconds, and SGLang root completions wait out their grace
+    /// [default: 15s].
+    #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
     pub allowed_lateness: Option<Duration>,
-    /// How long shutdown may take to drain queued events through the checker.
-    #[arg(long, value_parser = humantime::parse_duration)]
+    /// How long shutdown may take to drain queued events through the checker [default: 10s].
+    #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
     pub drain_timeout: Option<Duration>,
     /// Write the bound addresses as JSON here once every receiver listens (readiness latch for
     /// scripts and tests that bind port 0).
@@ -74,8 +76,8 @@ pub struct RunArgs {
 pub enum RunConfigError {
     #[error(transparent)]
     File(#[from] ConfigFileError),
-    #[error("--{flag}: {value:?} is not an address (HOST:PORT or `off`)")]
-    Addr { flag: &'static str, value: String },
+    #[error("--{flag}: {message}, or `off`")]
+    Addr { flag: &'static str, message: String },
     #[error(transparent)]
     Otlp(#[from] otlp::config::OtlpConfigError),
     #[error("normalize: {0}")]
@@ -146,6 +148,7 @@ pub fn prepare(args: &RunArgs) -> Result<Prepared, RunConfigError> {
     }
     // Only the sizes are checked here: loading the probes happens once the ports are bound.
     cfg.ebpf.config(None)?;
+    warn_about_pointless_settings(&cfg, &admin, &alert);
     Ok(Prepared {
         checker: Checker::new(rules, ccfg),
         normalizer,
@@ -155,6 +158,27 @@ pub fn prepare(args: &RunArgs) -> Result<Prepared, RunConfigError> {
         pause_file: args.pause_file.clone(),
         cfg,
     })
+}
+
+/// Settings that are valid but cannot do what they look like they do: said at start-up.
+fn warn_about_pointless_settings(cfg: &RunConfig, admin: &AdminArgs, alert: &AlertConfig) {
+    if cfg.ebpf.mode == EbpfMode::Off && !(cfg.ebpf.watch.is_empty() && cfg.ebpf.pid.is_empty()) {
+        tracing::warn!(
+            watch = cfg.ebpf.watch.len(),
+            pid = cfg.ebpf.pid.len(),
+            "--watch/--pid select processes for the eBPF source, which is off (--ebpf off): \
+             they do nothing"
+        );
+    }
+    if !admin.no_admin && admin.admin.ip().is_unspecified() && alert.external_url.is_none() {
+        tracing::warn!(
+            admin = %admin.admin,
+            "alert links will say http://{}/…, which no receiver can open: give --external-url \
+             (the address others reach this node's admin server at, e.g. http://NODE:{})",
+            admin.admin,
+            admin.admin.port()
+        );
+    }
 }
 
 #[cfg(test)]

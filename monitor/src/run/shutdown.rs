@@ -132,27 +132,42 @@ pub async fn join_within<T: 'static>(
     failure
 }
 
-/// Ctrl-C or SIGTERM.
+/// Ctrl-C (SIGINT), SIGTERM or SIGHUP: each starts the same drain. SIGHUP is a stop, not a
+/// reload (revenant reads its configuration once): a closed terminal or a supervisor's hang-up
+/// must not kill it without draining.
 pub async fn signal() {
     #[cfg(unix)]
     {
-        let mut term = match tokio::signal::unix::signal(
-            tokio::signal::unix::SignalKind::terminate(),
-        ) {
-            Ok(s) => s,
+        use tokio::signal::unix::{SignalKind, signal};
+        let listen = |kind: SignalKind, name: &str| match signal(kind) {
+            Ok(s) => Some(s),
             Err(e) => {
-                tracing::warn!(error = %e, "cannot listen for SIGTERM; only Ctrl-C stops revenant");
-                let _ = tokio::signal::ctrl_c().await;
-                return;
+                tracing::warn!(error = %e, "cannot listen for {name}; it will not stop revenant gracefully");
+                None
             }
         };
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = term.recv() => {}
-        }
+        let mut term = listen(SignalKind::terminate(), "SIGTERM");
+        let mut hup = listen(SignalKind::hangup(), "SIGHUP");
+        let name = tokio::select! {
+            _ = tokio::signal::ctrl_c() => "SIGINT",
+            () = recv(term.as_mut()) => "SIGTERM",
+            () = recv(hup.as_mut()) => "SIGHUP",
+        };
+        tracing::info!(signal = name, "signal received");
     }
     #[cfg(not(unix))]
     let _ = tokio::signal::ctrl_c().await;
+}
+
+/// The next delivery of `s`; never, when revenant could not listen for it.
+#[cfg(unix)]
+async fn recv(s: Option<&mut tokio::signal::unix::Signal>) {
+    match s {
+        Some(s) => {
+            s.recv().await;
+        }
+        None => std::future::pending().await,
+    }
 }
 
 #[cfg(test)]

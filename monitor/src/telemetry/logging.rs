@@ -25,7 +25,8 @@ pub enum LogFormat {
 
 #[derive(Debug, Clone, Args)]
 pub struct LogArgs {
-    /// Log format on standard error.
+    /// Format of everything on standard error: the log, and the ready line, shutdown summary,
+    /// counters and errors (`json`: one JSON object per line).
     #[arg(long, value_enum, default_value_t = LogFormat::Human)]
     pub log_format: LogFormat,
     /// Log filter (tracing EnvFilter syntax); `REVENANT_LOG` (or `RUST_LOG`) overrides it.
@@ -36,8 +37,18 @@ pub struct LogArgs {
     #[arg(long, value_name = "URL")]
     pub self_traces_otlp: Option<String>,
     /// Share of revenant's own traces exported (head sampling, 0..=1).
-    #[arg(long, default_value_t = 0.1, value_name = "RATIO")]
+    #[arg(long, default_value_t = 0.1, value_name = "RATIO", value_parser = sample_ratio)]
     pub self_traces_sample_ratio: f64,
+}
+
+/// `--self-traces-sample-ratio`: a number within 0..=1.
+fn sample_ratio(s: &str) -> Result<f64, String> {
+    let r: f64 = s.parse().map_err(|e| format!("{e}"))?;
+    if (0.0..=1.0).contains(&r) {
+        Ok(r)
+    } else {
+        Err(format!("{r} is not within 0..=1"))
+    }
 }
 
 impl LogArgs {
@@ -49,6 +60,8 @@ impl LogArgs {
         use tracing_subscriber::util::SubscriberInitExt as _;
         use tracing_subscriber::{EnvFilter, Layer, Registry};
         type Base = tracing_subscriber::layer::Layered<EnvFilter, Registry>;
+        // revenant's own lines (ready, summary, errors) follow the log's format.
+        super::console::set_format(self.log_format);
 
         let filter = EnvFilter::try_from_env("REVENANT_LOG")
             .or_else(|_| EnvFilter::try_from_default_env())
@@ -121,7 +134,7 @@ pub struct SelfTraces {
 impl SelfTraces {
     pub fn shutdown(self) {
         if let Err(e) = self.provider.shutdown() {
-            eprintln!("revenant: flushing self-traces: {e}");
+            super::console::error(&format!("flushing self-traces: {e}"));
         }
     }
 }

@@ -436,12 +436,20 @@ impl Metrics {
         }
     }
 
-    /// Prometheus/OpenMetrics text exposition.
+    /// The OpenMetrics text exposition.
     pub fn render(&self) -> String {
         let mut out = String::with_capacity(16 * 1024);
         // Writing into a String cannot fail.
         let _ = prometheus_client::encoding::text::encode(&mut out, &lock(&self.registry));
         out
+    }
+
+    /// The exposition in `format` (what `/metrics` answers after negotiating on `Accept`).
+    pub fn render_as(&self, format: super::exposition::Format) -> String {
+        match format {
+            super::exposition::Format::OpenMetrics => self.render(),
+            super::exposition::Format::Text => super::exposition::to_text_004(&self.render()),
+        }
     }
 
     /// Renders `collector` at every scrape from now on, after the families and the collectors
@@ -483,15 +491,51 @@ impl Metrics {
                 outcome: o.as_str(),
             });
         }
-        let _ = self.delivered_alerts.get_or_create(&SinkLabel {
+        let label = SinkLabel {
             sink: sink.to_string(),
-        });
+        };
+        let _ = self.delivered_alerts.get_or_create(&label);
+        let _ = self.delivery_duration.get_or_create(&label);
+        let _ = self.alert_latency.get_or_create(&label);
     }
 
+    /// A source known at start: its series at 0 (every stage and kind of
+    /// `revenant_events_total`, its lag histogram) and its last-event time at 0, which the
+    /// shipped `RevenantSourceSilent` alert reads as "never delivered".
     pub fn declare_source(&self, source: Source) {
-        let _ = self.source_last_event.get_or_create(&SourceLabels {
+        let labels = SourceLabels {
             source: source.as_str(),
+        };
+        let _ = self.source_last_event.get_or_create(&labels);
+        let _ = self.event_lag.get_or_create(&labels);
+        for stage in crate::event::Stage::ALL {
+            for kind in crate::event::Kind::ALL {
+                let _ = self
+                    .events
+                    .get_or_create(&event_labels(source, stage, kind));
+            }
+        }
+    }
+
+    /// A rule known at start: its alerting series at 0 (received, incidents opened, notified,
+    /// deduplicated, rate-limited, held), so the first finding shows in `rate()`.
+    pub fn declare_rule(&self, rule: &str, severity: &'static str) {
+        let _ = self.alerts_received.get_or_create(&RuleLabels {
+            rule: rule.to_owned(),
+            severity,
         });
+        let label = RuleLabel {
+            rule: rule.to_owned(),
+        };
+        for family in [
+            &self.incidents_opened,
+            &self.alerts_notified,
+            &self.alerts_deduplicated,
+            &self.alerts_rate_limited,
+            &self.alerts_held,
+        ] {
+            let _ = family.get_or_create(&label);
+        }
     }
 }
 

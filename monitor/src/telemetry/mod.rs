@@ -2,7 +2,9 @@
 //! registry, internal events, the readiness latch, the recent-violations ring and logging.
 //! It imports only the shared vocabulary (`event`, `violation`).
 
+pub mod console;
 pub mod events;
+pub mod exposition;
 pub mod logging;
 pub mod metrics;
 pub mod ready;

@@ -67,13 +67,32 @@ impl WebhookSink {
     }
 }
 
-/// A transport error is always worth retrying (refused, reset, timed out, DNS).
+/// A transport error is always worth retrying (refused, reset, timed out, DNS). The reason is
+/// the error with its whole source chain (`error sending request for url (…): client error
+/// (Connect): tcp connect error: Connection refused (os error 111)`): reqwest's own message never
+/// says which of those it was.
 pub fn transport_error(e: reqwest::Error) -> SinkError {
     SinkError::Retryable {
-        reason: format!("{e}"),
+        reason: with_causes(&e),
         status: None,
         retry_after: None,
     }
+}
+
+/// `e: its source: its source's source…`, each cause once (wrappers often repeat their
+/// source's message).
+pub fn with_causes(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        let text = s.to_string();
+        if !out.ends_with(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        source = s.source();
+    }
+    out
 }
 
 pub async fn read_answer(resp: reqwest::Response) -> Result<(), SinkError> {
@@ -134,6 +153,27 @@ impl Sink for WebhookSink {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A refused connection says so: the cause chain, not only "error sending request".
+    #[tokio::test]
+    async fn transport_errors_carry_their_cause() {
+        // A port just released by the test: nothing listens there.
+        let addr = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap();
+        let client = http_client(std::time::Duration::from_secs(5)).unwrap();
+        let e = client
+            .post(format!("http://{addr}/hook"))
+            .send()
+            .await
+            .unwrap_err();
+        let SinkError::Retryable { reason, .. } = transport_error(e) else {
+            panic!("a transport error is retryable");
+        };
+        assert!(reason.starts_with("error sending request"), "{reason}");
+        assert!(reason.contains("Connection refused"), "{reason}");
+    }
 
     #[test]
     fn signature_is_hmac_sha256_over_timestamp_dot_body() {

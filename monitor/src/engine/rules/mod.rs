@@ -87,13 +87,29 @@ pub enum RulesError {
     },
     #[error("invalid rules in {origin}: {message}")]
     Parse { origin: String, message: String },
-    #[error("rule {rule:?} in {origin}: {error}")]
+    #[error("rule {rule:?} in {origin}{}: {error}", at.map(|p| p.to_string()).unwrap_or_default())]
     Invalid {
         origin: String,
         rule: String,
+        /// Where in the file: the field at fault (`output`, the second shape) or else the
+        /// rule's `name`.
+        at: Option<Position>,
         #[source]
         error: RuleError,
     },
+}
+
+/// A 1-based line and column in a rules file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Position {
+    pub line: u64,
+    pub column: u64,
+}
+
+impl std::fmt::Display for Position {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, " at line {}, column {}", self.line, self.column)
+    }
 }
 
 /// Why one rule is not valid; [`RulesError::Invalid`] prefixes it with the rule and its origin.
@@ -117,6 +133,24 @@ pub enum RuleError {
     MissingSeverity,
     #[error(transparent)]
     Template(#[from] crate::violation::TemplateError),
+    /// Known placeholders that have no value in a rule of this shape (they would render `-`).
+    #[error(
+        "{} {} in output template: a {shape} rule has no value for {} (its placeholders: {})",
+        if .names.len() == 1 { "placeholder" } else { "placeholders" },
+        crate::violation::braced(.names),
+        if .names.len() == 1 { "it" } else { "them" },
+        Shape::placeholders_of(shape).join(", ")
+    )]
+    PlaceholderNotForShape {
+        shape: &'static str,
+        names: Vec<String>,
+    },
+    /// A matcher without any condition matches every event.
+    #[error(
+        "a matcher in `{role}` has no condition and would match every event: give it at least \
+         one of stage, kind, source, to, status_below, status_at_least"
+    )]
+    CatchAllMatcher { role: &'static str },
     /// The number of matchers on each side (one of them is zero).
     #[error("never_after needs at least one trigger and one forbidden matcher")]
     NeverAfterMatchers { trigger: usize, forbidden: usize },
@@ -151,6 +185,59 @@ pub enum Shape {
 }
 
 impl Shape {
+    /// The placeholders a rule of shape `kind` (as [`Shape::kind_name`] names it) can fill.
+    pub fn placeholders_of(kind: &str) -> &'static [&'static str] {
+        const EVENT: [&str; 4] = ["event.stage", "event.kind", "event.source", "event.status"];
+        const TRIGGER: [&str; 5] = [
+            "trigger.stage",
+            "trigger.kind",
+            "trigger.source",
+            "trigger.status",
+            "trigger.reason",
+        ];
+        const NEVER_AFTER: &[&str] = &const_concat::<14>(&[
+            &["rule", "severity", "request", "attempt", "delay"],
+            &TRIGGER,
+            &EVENT,
+        ]);
+        const MUST_FOLLOW: &[&str] = &const_concat::<10>(&[
+            &["rule", "severity", "request", "attempt", "within"],
+            &TRIGGER,
+        ]);
+        const REQUIRES_BEFORE: &[&str] =
+            &const_concat::<8>(&[&["rule", "severity", "request", "attempt"], &EVENT]);
+        const PREDICATE: &[&str] = &const_concat::<10>(&[
+            &["rule", "severity", "request", "attempt", "worker", "breach"],
+            &EVENT,
+        ]);
+        match kind {
+            "never_after" => NEVER_AFTER,
+            "must_follow" => MUST_FOLLOW,
+            "requires_before" => REQUIRES_BEFORE,
+            _ => PREDICATE,
+        }
+    }
+
+    /// The placeholders a rule of this shape can fill: `{delay}` needs a trigger and an
+    /// offending event, `{within}` a deadline, `{breach}` and `{worker}` a predicate.
+    pub fn placeholders(&self) -> &'static [&'static str] {
+        Shape::placeholders_of(self.kind_name())
+    }
+
+    /// The matcher lists of this shape, by the key each is written under.
+    fn matchers(&self) -> Vec<(&'static str, &[crate::engine::matcher::Matcher])> {
+        match self {
+            Shape::NeverAfter(s) => vec![("trigger", &s.trigger), ("forbidden", &s.forbidden)],
+            Shape::MustFollow(s) => vec![
+                ("trigger", &s.trigger),
+                ("expect", &s.expect),
+                ("given", &s.given),
+            ],
+            Shape::RequiresBefore(s) => vec![("event", &s.event), ("requires", &s.requires)],
+            Shape::Predicate(s) => vec![("on", &s.on)],
+        }
+    }
+
     pub fn kind_name(&self) -> &'static str {
         match self {
             Shape::NeverAfter(_) => "never_after",
@@ -207,19 +294,26 @@ impl RuleSet {
     pub fn apply_yaml(&mut self, text: &str, origin: &str) -> Result<(), RulesError> {
         let file: RulesFile = serde_saphyr::from_str(text).map_err(|e| RulesError::Parse {
             origin: origin.to_owned(),
-            message: e.to_string(),
+            // The parser's snippets name the file it did not know.
+            message: e.to_string().replace("<input>", origin),
         })?;
+        let base = self.rules.len();
         let mut seen = std::collections::HashSet::new();
-        for def in file.rules {
+        for (index, def) in file.rules.into_iter().enumerate() {
             if !seen.insert(def.name.clone()) {
-                return Err(invalid(origin, &def.name, RuleError::DefinedTwice));
+                let err = invalid(origin, &def.name, RuleError::DefinedTwice);
+                return Err(locate(err, text, index));
             }
             match self.rules.iter().position(|r| r.name == def.name) {
                 Some(i) => {
-                    let patched = patch(&self.rules[i], def, origin)?;
+                    let patched =
+                        patch(&self.rules[i], def, origin).map_err(|e| locate(e, text, index))?;
                     self.rules[i] = patched;
                 }
-                None => self.rules.push(build(def, origin)?),
+                None => {
+                    let rule = build(def, origin).map_err(|e| locate(e, text, index))?;
+                    self.rules.push(rule);
+                }
             }
         }
         let kept_on_tombstones = self
@@ -240,8 +334,10 @@ impl RuleSet {
             return Err(RulesError::Parse {
                 origin: origin.to_owned(),
                 message: format!(
-                    "{} rules; at most {MAX_RULES} are supported",
-                    self.rules.len()
+                    "{} rules ({} added by this file to the {base} already loaded, the embedded \
+                     defaults included); at most {MAX_RULES} are supported",
+                    self.rules.len(),
+                    self.rules.len() - base,
                 ),
             });
         }
@@ -265,10 +361,91 @@ pub const MAX_RULES: usize = 64;
 /// them) in 32 bits.
 pub const MAX_TOMBSTONE_RULES: usize = 32;
 
+/// The lists of `parts` one after the other (`N` is their total length).
+const fn const_concat<const N: usize>(parts: &[&[&'static str]]) -> [&'static str; N] {
+    let mut out = [""; N];
+    let (mut i, mut at) = (0, 0);
+    while i < parts.len() {
+        let mut j = 0;
+        while j < parts[i].len() {
+            out[at] = parts[i][j];
+            at += 1;
+            j += 1;
+        }
+        i += 1;
+    }
+    assert!(at == N, "N is the total length of the parts");
+    out
+}
+
 fn invalid(origin: &str, rule: &str, error: RuleError) -> RulesError {
     RulesError::Invalid {
         origin: origin.to_owned(),
         rule: rule.to_owned(),
+        at: None,
+        error,
+    }
+}
+
+/// Where each rule of a rules file and its fields are, read only to place an error.
+#[derive(Deserialize)]
+struct SpansFile {
+    rules: Vec<RuleSpans>,
+}
+
+#[derive(Deserialize)]
+struct RuleSpans {
+    name: serde_saphyr::Spanned<serde::de::IgnoredAny>,
+    #[serde(default)]
+    output: Option<serde_saphyr::Spanned<serde::de::IgnoredAny>>,
+    #[serde(default)]
+    never_after: Option<serde_saphyr::Spanned<serde::de::IgnoredAny>>,
+    #[serde(default)]
+    must_follow: Option<serde_saphyr::Spanned<serde::de::IgnoredAny>>,
+    #[serde(default)]
+    requires_before: Option<serde_saphyr::Spanned<serde::de::IgnoredAny>>,
+    #[serde(default)]
+    predicate: Option<serde_saphyr::Spanned<serde::de::IgnoredAny>>,
+}
+
+/// Adds the position of rule `index` of `text` to an [`RulesError::Invalid`]: the field the
+/// error is about (`output` for template errors, the second shape of a rule with several),
+/// else the rule's `name`.
+fn locate(err: RulesError, text: &str, index: usize) -> RulesError {
+    let RulesError::Invalid {
+        origin,
+        rule,
+        at: None,
+        error,
+    } = err
+    else {
+        return err;
+    };
+    let spans = serde_saphyr::from_str::<SpansFile>(text)
+        .ok()
+        .and_then(|f| f.rules.into_iter().nth(index));
+    let at = spans.map(|r| {
+        let field = match &error {
+            RuleError::Template(_) | RuleError::PlaceholderNotForShape { .. } => r.output.as_ref(),
+            RuleError::SeveralShapes { shapes } => match shapes.get(1).copied() {
+                Some("never_after") => r.never_after.as_ref(),
+                Some("must_follow") => r.must_follow.as_ref(),
+                Some("requires_before") => r.requires_before.as_ref(),
+                Some("predicate") => r.predicate.as_ref(),
+                _ => None,
+            },
+            _ => None,
+        };
+        let loc = field.map_or(r.name.referenced, |f| f.referenced);
+        Position {
+            line: loc.line(),
+            column: loc.column(),
+        }
+    });
+    RulesError::Invalid {
+        origin,
+        rule,
+        at: at.filter(|p| p.line > 0),
         error,
     }
 }
@@ -365,6 +542,26 @@ fn validate_name(name: &str) -> Result<(), RuleError> {
 
 fn validate(rule: &Rule) -> Result<(), RuleError> {
     crate::violation::validate_template(&rule.output)?;
+    let fits = rule.shape.placeholders();
+    let misfits: Vec<String> = crate::violation::placeholders(&rule.output)?
+        .into_iter()
+        .filter(|p| !fits.contains(p))
+        .map(str::to_owned)
+        .collect();
+    if !misfits.is_empty() {
+        return Err(RuleError::PlaceholderNotForShape {
+            shape: rule.shape.kind_name(),
+            names: misfits,
+        });
+    }
+    for (role, matchers) in rule.shape.matchers() {
+        if matchers
+            .iter()
+            .any(|m| *m == crate::engine::matcher::Matcher::default())
+        {
+            return Err(RuleError::CatchAllMatcher { role });
+        }
+    }
     match &rule.shape {
         Shape::NeverAfter(s) => s.validate(),
         Shape::MustFollow(s) => s.validate(),
@@ -627,7 +824,7 @@ mod tests {
         );
         assert_eq!(
             err.to_string(),
-            "rule \"brand-new\" in u.yaml: no such default rule to patch, and no shape given \
+            "rule \"brand-new\" in u.yaml at line 2, column 11: no such default rule to patch, and no shape given \
              (never_after, must_follow, requires_before or predicate)"
         );
         let err = RuleSet::from_yaml(
@@ -641,7 +838,7 @@ mod tests {
         );
         assert_eq!(
             err.to_string(),
-            "rule \"Bad\" in u.yaml: names are 1-64 characters of a-z, 0-9, '-' and '_'"
+            "rule \"Bad\" in u.yaml at line 2, column 11: names are 1-64 characters of a-z, 0-9, '-' and '_'"
         );
         let err = RuleSet::from_yaml(
             "rules:\n  - name: n\n    description: d\n    severity: info\n    never_after: {trigger: [{kind: [rejected]}], forbidden: []}\n",
@@ -663,8 +860,128 @@ mod tests {
         );
         assert_eq!(
             err.to_string(),
-            "rule \"n\" in u.yaml: never_after needs at least one trigger and one forbidden matcher"
+            "rule \"n\" in u.yaml at line 2, column 11: never_after needs at least one trigger and one forbidden matcher"
         );
+    }
+
+    #[test]
+    fn template_and_shape_errors_carry_line_and_column_and_every_placeholder() {
+        let text = "rules:\n  - name: my-rule\n    description: d\n    severity: info\n    \
+                    output: \"{rule} {event.node} {foo}\"\n    never_after:\n      trigger: \
+                    [{kind: [rejected]}]\n      forbidden: [{kind: [work]}]\n";
+        let err = RuleSet::from_yaml(text, "r.yaml").unwrap_err().to_string();
+        assert!(
+            err.starts_with(
+                "rule \"my-rule\" in r.yaml at line 5, column 13: unknown placeholders \
+                 {event.node}, {foo} in output template"
+            ),
+            "{err}"
+        );
+        let text = "rules:\n  - name: two\n    description: d\n    severity: info\n    \
+                    never_after: {trigger: [{kind: [rejected]}], forbidden: [{kind: [work]}]}\n    \
+                    predicate: {on: [{kind: [admitted]}], all: [{field: input_tokens, gt: {value: 1}}]}\n";
+        let err = RuleSet::from_yaml(text, "r.yaml").unwrap_err();
+        assert!(
+            matches!(
+                &err,
+                RulesError::Invalid {
+                    at: Some(Position { line: 6, .. }),
+                    error: RuleError::SeveralShapes { .. },
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains("at line 6, column "), "{err}");
+        // Errors without a field of their own point at the rule's name.
+        let err = RuleSet::from_yaml(
+            "rules:\n  - name: a\n    description: d\n    severity: info\n    \
+             never_after: {trigger: [{kind: [rejected]}], forbidden: [{kind: [work]}]}\n  \
+             - name: a\n",
+            "r.yaml",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("in r.yaml at line 6, column 11: defined twice"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn placeholders_that_do_not_fit_the_shape_are_errors_at_load() {
+        let predicate = "rules:\n  - name: p\n    description: d\n    severity: info\n    \
+                         output: \"trigger={trigger.stage}/{trigger.kind} within={within} \
+                         delay={delay} {breach}\"\n    predicate: {on: [{kind: [admitted]}], \
+                         all: [{field: input_tokens, gt: {value: 1}}]}\n";
+        let err = RuleSet::from_yaml(predicate, "r.yaml").unwrap_err();
+        assert!(
+            matches!(
+                &err,
+                RulesError::Invalid {
+                    error: RuleError::PlaceholderNotForShape { shape: "predicate", names },
+                    ..
+                } if names == &["trigger.stage", "trigger.kind", "within", "delay"]
+            ),
+            "{err:?}"
+        );
+        assert!(
+            err.to_string().contains(
+                "placeholders {trigger.stage}, {trigger.kind}, {within}, {delay} in output \
+                 template: a predicate rule has no value for them"
+            ),
+            "{err}"
+        );
+        // Patching a default's output is checked against its shape too.
+        let err = RuleSet::embedded_defaults()
+            .apply_yaml(
+                "rules:\n  - name: orphaned-leg\n    output: \"{event.kind}\"\n",
+                "u.yaml",
+            )
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("a must_follow rule has no value for it"),
+            "{err}"
+        );
+        // Every default fits its shape.
+        for r in &RuleSet::embedded_defaults().rules {
+            for p in crate::violation::placeholders(&r.output).unwrap() {
+                assert!(r.shape.placeholders().contains(&p), "{}: {p}", r.name);
+            }
+            for p in r.shape.placeholders() {
+                assert!(crate::violation::TEMPLATE_FIELDS.contains(p), "{p}");
+            }
+        }
+    }
+
+    #[test]
+    fn catch_all_matchers_are_errors() {
+        let err = RuleSet::from_yaml(
+            "rules:\n  - name: all\n    description: d\n    severity: info\n    \
+             never_after: {trigger: [{}], forbidden: [{kind: [work]}]}\n",
+            "r.yaml",
+        )
+        .unwrap_err();
+        assert!(
+            matches!(
+                &err,
+                RulesError::Invalid {
+                    error: RuleError::CatchAllMatcher { role: "trigger" },
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains("would match every event"), "{err}");
+    }
+
+    #[test]
+    fn syntax_errors_name_the_file() {
+        let err = RuleSet::from_yaml("rules:\n  - name: [\n", "r.yaml")
+            .unwrap_err()
+            .to_string();
+        assert!(!err.contains("<input>"), "{err}");
     }
 
     #[test]
@@ -679,9 +996,9 @@ mod tests {
             matches!(
                 &err,
                 RulesError::Invalid {
-                    error: RuleError::Template(TemplateError::UnknownPlaceholder { name }),
+                    error: RuleError::Template(TemplateError::UnknownPlaceholder { names }),
                     ..
-                } if name == "nope"
+                } if names == &["nope"]
             ),
             "{err:?}"
         );

@@ -8,10 +8,16 @@ use serde::Deserialize;
 #[serde(deny_unknown_fields)]
 pub struct OtlpConfig {
     /// OTLP/gRPC listen address; `null` disables the receiver.
-    #[serde(default = "default_grpc")]
+    #[serde(
+        default = "default_grpc",
+        deserialize_with = "crate::addr::deserialize_option"
+    )]
     pub grpc: Option<SocketAddr>,
     /// OTLP/HTTP listen address; `null` disables the receiver.
-    #[serde(default = "default_http")]
+    #[serde(
+        default = "default_http",
+        deserialize_with = "crate::addr::deserialize_option"
+    )]
     pub http: Option<SocketAddr>,
     /// Largest request body (gRPC message, HTTP body as sent).
     #[serde(default = "default_max_message")]
