@@ -2,7 +2,8 @@
 //!
 //! Reads `monitor/src` and collects, per module, the `crate::…` paths its code names (`use`
 //! lines, grouped `use crate::{a, b}` and inline paths). Test code may reach anything, so files
-//! named `tests.rs` and everything after a `#[cfg(test)]` module header are skipped. The layers,
+//! named `tests.rs` or `*_tests.rs` and everything after a `#[cfg(test)]` module header are
+//! skipped. The layers,
 //! bottom first, are the README's Layout; an edge to a module of the same or a higher layer
 //! fails, naming the file and line.
 
@@ -111,7 +112,12 @@ fn dependencies_point_down() {
     let mut upward = Vec::new();
     for file in &files {
         let rel = file.strip_prefix(&src).expect("under src");
-        if rel.file_name().is_some_and(|n| n == "tests.rs") {
+        // Test modules (`mod tests;`, `mod vllm_pd_tests;` behind `#[cfg(test)]`).
+        if rel
+            .file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| n == "tests.rs" || n.ends_with("_tests.rs"))
+        {
             continue;
         }
         let (top, sub) = owner(rel);
