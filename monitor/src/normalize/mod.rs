@@ -79,7 +79,7 @@ impl ProfileLabel {
             ProfileLabel::Smg => "smg",
             ProfileLabel::Vllm => "vllm",
             ProfileLabel::Generic => "generic",
-            ProfileLabel::VllmRouter => "vllm-router",
+            ProfileLabel::VllmRouter => "vllm_router",
         }
     }
 }
