@@ -10,42 +10,14 @@
 //! `cargo test -p e2e --test pd_sim_revenant -- --nocapture` prints each run's figures.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use test_harness::{Binaries, Cluster, Revenant, Sample, metric_sum, notifications};
+use test_harness::{Cluster, Revenant, Sample, metric_sum, notifications};
 
-fn bins() -> &'static Binaries {
-    static B: OnceLock<Binaries> = OnceLock::new();
-    B.get_or_init(|| {
-        Binaries::locate().unwrap_or_else(|e| {
-            panic!("cannot find or build the revenant and pd-sim binaries: {e:#}")
-        })
-    })
-}
+mod common;
 
-/// One end-to-end run at a time.
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    static M: Mutex<()> = Mutex::new(());
-    M.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-#[derive(Clone, Copy, Debug, PartialEq)]
-enum Sources {
-    Otlp,
-    Ebpf,
-    Both,
-}
-
-impl Sources {
-    fn otlp(self) -> bool {
-        self != Sources::Ebpf
-    }
-    fn ebpf(self) -> bool {
-        self != Sources::Otlp
-    }
-}
+use common::{Sources, bins, drops, serial, sim_span_losses};
 
 struct Outcome {
     load: Value,
@@ -161,32 +133,18 @@ fn rejected_400(load: &Value) -> u64 {
 
 /// Nothing was lost on the way in: a clean result must not come from dropped evidence.
 fn assert_no_loss(o: &Outcome) {
-    let drops: Vec<String> = o
-        .metrics
-        .iter()
-        .filter(|s| s.name == "revenant_dropped_items_total" && s.value > 0.0)
-        .map(|s| format!("{:?} {}", s.labels, s.value))
-        .collect();
+    let drops = drops(&o.metrics);
     assert!(drops.is_empty(), "revenant dropped data: {drops:?}");
-    let sim_losses = o.prefill_stats["otlp"]["spans_dropped_queue_full"]
-        .as_u64()
-        .unwrap_or(0)
-        + o.prefill_stats["otlp"]["spans_failed"]
-            .as_u64()
-            .unwrap_or(0);
     assert_eq!(
-        sim_losses, 0,
+        sim_span_losses(&o.prefill_stats),
+        0,
         "prefill's span exporter lost spans: {}",
         o.prefill_stats["otlp"]
     );
 }
 
 fn events(o: &Outcome, source: &str, stage: &str, kind: &str) -> u64 {
-    metric_sum(
-        &o.metrics,
-        "revenant_events_total",
-        &[("source", source), ("stage", stage), ("kind", kind)],
-    ) as u64
+    common::events(&o.metrics, source, stage, kind)
 }
 
 fn report(name: &str, o: &Outcome) {

@@ -18,47 +18,16 @@
 //! variants need root (CI runs as root) and fail, not skip, without it.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::PathBuf;
-use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use test_harness::{
-    Binaries, Cluster, Proc, Revenant, Sample, free_port, http_json, metric_sum, notifications,
-    wait_healthy,
+    Cluster, Revenant, Sample, VllmRouter, free_port, http_json, metric_sum, notifications,
 };
 
-fn bins() -> &'static Binaries {
-    static B: OnceLock<Binaries> = OnceLock::new();
-    B.get_or_init(|| {
-        Binaries::locate().unwrap_or_else(|e| {
-            panic!("cannot find or build the revenant and pd-sim binaries: {e:#}")
-        })
-    })
-}
+mod common;
 
-/// One end-to-end run at a time: each pushes thousands of requests through four processes on a
-/// 2-core machine.
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    static M: Mutex<()> = Mutex::new(());
-    M.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-#[derive(Clone, Copy, Debug, PartialEq)]
-enum Sources {
-    Otlp,
-    Ebpf,
-    Both,
-}
-
-impl Sources {
-    fn otlp(self) -> bool {
-        self != Sources::Ebpf
-    }
-    fn ebpf(self) -> bool {
-        self != Sources::Otlp
-    }
-}
+use common::{Sources, bins, drops, serial, sim_span_losses};
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Router {
@@ -88,38 +57,6 @@ fn records(url: &str) -> BTreeMap<String, Value> {
             .collect(),
         other => panic!("{url}/sim/requests: not an array: {other}"),
     }
-}
-
-/// The real vllm-router, traced through its Python API (`tests/e2e/scripts/vllm_router_traced.py`).
-fn start_real_router(cluster: &Cluster, otlp_grpc: &str, log: &std::path::Path) -> (Proc, String) {
-    let python = test_harness::router_from_env("PD_SIM_VLLM_ROUTER_PYTHON", "vllm-router 0.1.17");
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scripts/vllm_router_traced.py");
-    let port = free_port().unwrap();
-    let prom = free_port().unwrap();
-    let mut cmd = std::process::Command::new(python);
-    cmd.arg(script)
-        .arg(otlp_grpc)
-        .args(["--host", "127.0.0.1", "--port", &port.to_string()])
-        .args([
-            "--prometheus-host",
-            "127.0.0.1",
-            "--prometheus-port",
-            &prom.to_string(),
-        ])
-        .args(["--vllm-pd-disaggregation", "--policy", "round_robin"])
-        .args(["--prefill", &cluster.prefill, "--decode", &cluster.decode])
-        .stdin(std::process::Stdio::null())
-        .stdout(std::fs::File::create(log).unwrap())
-        .stderr(std::fs::File::create(log.with_extension("err")).unwrap());
-    let proc = Proc::spawn("vllm-router", &mut cmd).unwrap();
-    let url = format!("http://127.0.0.1:{port}");
-    wait_healthy(&url, Duration::from_secs(60)).unwrap_or_else(|e| {
-        panic!(
-            "vllm-router not healthy: {e:#}\n{}",
-            test_harness::tail(&log.with_extension("err"), 20)
-        )
-    });
-    (proc, url)
 }
 
 fn run(router: Router, sources: Sources, load_args: &[&str]) -> Outcome {
@@ -157,9 +94,19 @@ fn run(router: Router, sources: Sources, load_args: &[&str]) -> Outcome {
     let router_url = match router {
         Router::Sim(_) => cluster.router.clone(),
         Router::Real => {
-            // Without OTLP the router's exporter has nobody to talk to: it drops spans quietly.
-            let (p, url) = start_real_router(&cluster, &otlp_grpc, &dir.path().join("router.log"));
-            real = Some(p);
+            let python =
+                test_harness::router_from_env("PD_SIM_VLLM_ROUTER_PYTHON", "vllm-router 0.1.17");
+            let trace = sources.otlp().then_some(otlp_grpc.as_str());
+            let r = VllmRouter::start(
+                &python,
+                &cluster.prefill,
+                &cluster.decode,
+                trace,
+                &dir.path().join("router.log"),
+            )
+            .unwrap_or_else(|e| panic!("{e:#}"));
+            let url = r.url.clone();
+            real = Some(r);
             url
         }
     };
@@ -262,11 +209,7 @@ fn run(router: Router, sources: Sources, load_args: &[&str]) -> Outcome {
 }
 
 fn events(o: &Outcome, source: &str, stage: &str, kind: &str) -> u64 {
-    metric_sum(
-        &o.metrics,
-        "revenant_events_total",
-        &[("source", source), ("stage", stage), ("kind", kind)],
-    ) as u64
+    common::events(&o.metrics, source, stage, kind)
 }
 
 fn report(name: &str, o: &Outcome) {
@@ -291,20 +234,12 @@ fn report(name: &str, o: &Outcome) {
 
 /// Nothing was lost on the way in: a clean result must not come from dropped evidence.
 fn assert_no_loss(o: &Outcome) {
-    let drops: Vec<String> = o
-        .metrics
-        .iter()
-        .filter(|s| s.name == "revenant_dropped_items_total" && s.value > 0.0)
-        .map(|s| format!("{:?} {}", s.labels, s.value))
-        .collect();
+    let drops = drops(&o.metrics);
     assert!(drops.is_empty(), "revenant dropped data: {drops:?}");
     for stats in [&o.prefill_stats, &o.decode_stats] {
-        let lost = stats["otlp"]["spans_dropped_queue_full"]
-            .as_u64()
-            .unwrap_or(0)
-            + stats["otlp"]["spans_failed"].as_u64().unwrap_or(0);
         assert_eq!(
-            lost, 0,
+            sim_span_losses(stats),
+            0,
             "a worker's span exporter lost spans: {}",
             stats["otlp"]
         );

@@ -15,6 +15,7 @@ mod metrics;
 pub mod notifications;
 mod proc;
 mod revenant;
+mod vllm_router;
 
 pub use binaries::{
     Binaries, SYSTEM_TOOLS, on_path, pd_sim_bin, router_from_env, system_bin, workspace_bin,
@@ -27,6 +28,7 @@ pub use http::{free_port, http_get, http_json, wait_healthy};
 pub use metrics::{Sample, metric_sum, parse_metrics};
 pub use proc::Proc;
 pub use revenant::Revenant;
+pub use vllm_router::VllmRouter;
 
 pub fn is_root() -> bool {
     // SAFETY: geteuid has no preconditions.

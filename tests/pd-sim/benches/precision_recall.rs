@@ -312,53 +312,22 @@ fn vllm_router_python() -> Result<Option<PathBuf>, String> {
 /// A real router in front of the simulator's workers; stopped when dropped.
 enum RealRouter {
     Smg(SmgProcess),
-    Vllm {
-        proc: test_harness::Proc,
-        url: String,
-    },
+    Vllm(test_harness::VllmRouter),
 }
 
 impl RealRouter {
     fn url(&self) -> &str {
         match self {
             RealRouter::Smg(s) => &s.url,
-            RealRouter::Vllm { url, .. } => url,
+            RealRouter::Vllm(r) => &r.url,
         }
     }
     fn pid(&self) -> u32 {
         match self {
             RealRouter::Smg(s) => s.pid(),
-            RealRouter::Vllm { proc, .. } => proc.pid(),
+            RealRouter::Vllm(r) => r.pid(),
         }
     }
-}
-
-/// vllm-router through `tests/e2e/scripts/vllm_router_traced.py` (OTLP/gRPC to `trace`, or
-/// `off`).
-fn start_vllm_router(python: &Path, cluster: &Cluster, trace: &str, log: &Path) -> RealRouter {
-    let script = test_harness::workspace_root().join("tests/e2e/scripts/vllm_router_traced.py");
-    let port = free_port().unwrap();
-    let prom = free_port().unwrap();
-    let mut cmd = std::process::Command::new(python);
-    cmd.arg(script)
-        .arg(trace)
-        .args(["--host", "127.0.0.1", "--port", &port.to_string()])
-        .args([
-            "--prometheus-host",
-            "127.0.0.1",
-            "--prometheus-port",
-            &prom.to_string(),
-        ])
-        .args(["--vllm-pd-disaggregation", "--policy", "round_robin"])
-        .args(["--prefill", &cluster.prefill, "--decode", &cluster.decode])
-        .stdin(std::process::Stdio::null())
-        .stdout(std::fs::File::create(log).unwrap())
-        .stderr(std::fs::File::create(log.with_extension("err")).unwrap());
-    let proc = test_harness::Proc::spawn("vllm-router", &mut cmd).unwrap();
-    let url = format!("http://127.0.0.1:{port}");
-    test_harness::wait_healthy(&url, Duration::from_secs(60))
-        .unwrap_or_else(|e| panic!("vllm-router: {e:#}"));
-    RealRouter::Vllm { proc, url }
 }
 
 struct RowResult {
@@ -467,12 +436,17 @@ fn run_row(
         .unwrap_or_else(|e| panic!("{}: pd-sim cluster: {e:#}", row.name()));
     let real_router = real.map(|bin| {
         if vllm {
-            let trace = if row.witness.otlp() {
-                grpc.as_str()
-            } else {
-                "off"
-            };
-            return start_vllm_router(bin, &cluster, trace, &dir.join("vllm-router.log"));
+            let trace = row.witness.otlp().then_some(grpc.as_str());
+            return RealRouter::Vllm(
+                test_harness::VllmRouter::start(
+                    bin,
+                    &cluster.prefill,
+                    &cluster.decode,
+                    trace,
+                    &dir.join("vllm-router.log"),
+                )
+                .unwrap_or_else(|e| panic!("{}: vllm-router: {e:#}", row.name())),
+            );
         }
         let model = dir.join("model");
         write_tiny_model(&model).unwrap();

@@ -1,0 +1,66 @@
+//! What the end-to-end test files share: the binaries, one run at a time, the witnesses a run
+//! uses, and the figures read off revenant's metrics.
+
+use std::sync::{Mutex, OnceLock};
+
+use test_harness::{Binaries, Sample, metric_sum};
+
+pub fn bins() -> &'static Binaries {
+    static B: OnceLock<Binaries> = OnceLock::new();
+    B.get_or_init(|| {
+        Binaries::locate().unwrap_or_else(|e| {
+            panic!("cannot find or build the revenant and pd-sim binaries: {e:#}")
+        })
+    })
+}
+
+/// One end-to-end run at a time: each pushes thousands of requests through four processes on a
+/// 2-core machine.
+pub fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static M: Mutex<()> = Mutex::new(());
+    M.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Which witnesses revenant hears in a run.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Sources {
+    Otlp,
+    Ebpf,
+    Both,
+}
+
+impl Sources {
+    pub fn otlp(self) -> bool {
+        self != Sources::Ebpf
+    }
+    pub fn ebpf(self) -> bool {
+        self != Sources::Otlp
+    }
+}
+
+/// `revenant_events_total` of one source, stage and kind.
+pub fn events(metrics: &[Sample], source: &str, stage: &str, kind: &str) -> u64 {
+    metric_sum(
+        metrics,
+        "revenant_events_total",
+        &[("source", source), ("stage", stage), ("kind", kind)],
+    ) as u64
+}
+
+/// Every non-zero `revenant_dropped_items_total` series: a clean result must not come from
+/// dropped evidence.
+pub fn drops(metrics: &[Sample]) -> Vec<String> {
+    metrics
+        .iter()
+        .filter(|s| s.name == "revenant_dropped_items_total" && s.value > 0.0)
+        .map(|s| format!("{:?} {}", s.labels, s.value))
+        .collect()
+}
+
+/// Spans a pd-sim process's exporter lost (`/sim/stats` `otlp`).
+pub fn sim_span_losses(stats: &serde_json::Value) -> u64 {
+    stats["otlp"]["spans_dropped_queue_full"]
+        .as_u64()
+        .unwrap_or(0)
+        + stats["otlp"]["spans_failed"].as_u64().unwrap_or(0)
+}
