@@ -213,23 +213,7 @@ fn events(o: &Outcome, source: &str, stage: &str, kind: &str) -> u64 {
 }
 
 fn report(name: &str, o: &Outcome) {
-    let by_rule: BTreeMap<String, u64> = o
-        .metrics
-        .iter()
-        .filter(|s| s.name == "revenant_checker_violations_total" && s.value > 0.0)
-        .map(|s| (s.labels["rule"].clone(), s.value as u64))
-        .collect();
-    eprintln!(
-        "{name}: {:.1?} total; load sent {} ok {} rejected {:?} at {:.0}/s; events otlp {} ebpf {}; violations {by_rule:?}; notifications {}",
-        o.elapsed,
-        o.load["sent"],
-        o.load["ok"],
-        o.load["rejected_by_status"],
-        o.load["achieved_rate"].as_f64().unwrap_or(0.0),
-        metric_sum(&o.metrics, "revenant_events_total", &[("source", "otlp")]),
-        metric_sum(&o.metrics, "revenant_events_total", &[("source", "ebpf")]),
-        o.notifications.len(),
-    );
+    common::report(name, o.elapsed, &o.load, &o.metrics, o.notifications.len());
 }
 
 /// Nothing was lost on the way in: a clean result must not come from dropped evidence.

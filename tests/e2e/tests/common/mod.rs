@@ -64,3 +64,27 @@ pub fn sim_span_losses(stats: &serde_json::Value) -> u64 {
         .unwrap_or(0)
         + stats["otlp"]["spans_failed"].as_u64().unwrap_or(0)
 }
+
+/// One run's figures on one line of stderr (`--nocapture` shows them).
+pub fn report(
+    name: &str,
+    elapsed: std::time::Duration,
+    load: &serde_json::Value,
+    metrics: &[Sample],
+    notifications: usize,
+) {
+    let by_rule: std::collections::BTreeMap<String, u64> = metrics
+        .iter()
+        .filter(|s| s.name == "revenant_checker_violations_total" && s.value > 0.0)
+        .map(|s| (s.labels["rule"].clone(), s.value as u64))
+        .collect();
+    eprintln!(
+        "{name}: {elapsed:.1?} total; load sent {} ok {} rejected {:?} at {:.0}/s; events otlp {} ebpf {}; violations {by_rule:?}; notifications {notifications}",
+        load["sent"],
+        load["ok"],
+        load["rejected_by_status"],
+        load["achieved_rate"].as_f64().unwrap_or(0.0),
+        metric_sum(metrics, "revenant_events_total", &[("source", "otlp")]),
+        metric_sum(metrics, "revenant_events_total", &[("source", "ebpf")]),
+    );
+}
