@@ -252,21 +252,28 @@ impl Tracker {
 
     fn conn_mut(&mut self, tgid: u32, fd: u32, now: u64) -> &mut Connection {
         if !self.conns.contains_key(&(tgid, fd)) && self.conns.len() >= self.limits.max_conns {
-            // Evict the least recently active connection: bounded memory beats completeness,
-            // and the count says how often it happens.
-            if let Some(old) = self
-                .conns
-                .iter()
-                .min_by_key(|(_, c)| c.last_ns)
-                .map(|(k, _)| *k)
-            {
-                self.conns.remove(&old);
-                self.stats.conns_evicted += 1;
-            }
+            self.evict_oldest_conns();
         }
         let c = self.conns.entry((tgid, fd)).or_default();
         c.last_ns = c.last_ns.max(now);
         c
+    }
+
+    /// Evicts the least recently active connections: bounded memory beats completeness, and the
+    /// count says how often it happens. A sixteenth of the table goes at once, so that a flood of
+    /// new connections costs one scan of the table per many of them, not one each.
+    fn evict_oldest_conns(&mut self) {
+        let n = (self.limits.max_conns / 16).clamp(1, self.conns.len().max(1));
+        let mut ages: Vec<(u64, (u32, u32))> =
+            self.conns.iter().map(|(k, c)| (c.last_ns, *k)).collect();
+        if ages.is_empty() {
+            return;
+        }
+        ages.select_nth_unstable(n - 1);
+        for (_, key) in ages.into_iter().take(n) {
+            self.conns.remove(&key);
+            self.stats.conns_evicted += 1;
+        }
     }
 
     pub fn on_record(&mut self, rec: &Record<'_>, out: &mut Vec<LifecycleEvent>) {

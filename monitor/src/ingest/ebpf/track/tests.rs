@@ -344,6 +344,52 @@ fn connections_are_bounded() {
     assert_eq!(t.stats.conns_evicted, 6);
 }
 
+/// A full table sheds a sixteenth of itself at once, the least recently active first.
+#[test]
+fn a_full_connection_table_evicts_the_oldest_in_batches() {
+    let mut t = Tracker::new(
+        None,
+        Clock::default(),
+        TrackerLimits {
+            max_conns: 64,
+            max_pending: 2,
+        },
+    );
+    t.set_role(1, Role::Prefill);
+    let mut out = Vec::new();
+    let accept = |t: &mut Tracker, fd: u32, ts: u64, out: &mut Vec<LifecycleEvent>| {
+        let hdr = Header {
+            kind: kind::ACCEPT,
+            tgid: 1,
+            tid: 1,
+            _pad: 0,
+            ts_ns: ts,
+        };
+        t.on_record(
+            &Record::Accept(Conn {
+                hdr,
+                fd,
+                peer: None,
+            }),
+            out,
+        );
+    };
+    for fd in 0..64 {
+        accept(&mut t, fd, 1000 + fd as u64, &mut out);
+    }
+    assert_eq!(t.conn_count(), 64);
+    accept(&mut t, 100, 5000, &mut out);
+    assert_eq!(t.stats.conns_evicted, 4);
+    assert_eq!(t.conn_count(), 61);
+    // The four oldest went; the newest and the rest stayed.
+    for fd in 0..4 {
+        assert!(!t.conns.contains_key(&(1, fd)), "fd {fd} should be evicted");
+    }
+    for fd in (4..64).chain([100]) {
+        assert!(t.conns.contains_key(&(1, fd)), "fd {fd} should be kept");
+    }
+}
+
 proptest! {
     #[test]
     fn arbitrary_bytes_on_any_connection_never_panic(
