@@ -1,0 +1,60 @@
+//! The rules YAML compiler (`engine::rules`): a document as a whole rule set (`from_yaml`) and as
+//! a `--rules FILE` over the embedded defaults (`apply_yaml`), then compiled into slots.
+//!
+//! Holds: no panic; a refused document gets an error with a message (and a rule error names
+//! what is wrong); an accepted set has at most `MAX_RULES` rules, compiles, and what
+//! `revenant rules list --yaml` prints for it loads back into the same set.
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+use revenant::RuleSet;
+use revenant::engine::rules::{self, MAX_RULES, RuleDef, RulesError};
+use revenant::engine::state::SlotLayout;
+
+#[derive(serde::Serialize)]
+struct Doc {
+    rules: Vec<RuleDef>,
+}
+
+fn listed(set: &RuleSet) -> String {
+    serde_saphyr::to_string(&Doc {
+        rules: set.to_defs(),
+    })
+    .expect("a loaded rule set serializes")
+}
+
+fn check(result: Result<RuleSet, RulesError>) {
+    let set = match result {
+        Ok(set) => set,
+        Err(e) => {
+            assert!(!e.to_string().trim().is_empty());
+            match &e {
+                RulesError::Parse { message, .. } => {
+                    assert!(!message.trim().is_empty(), "{e}")
+                }
+                RulesError::Invalid { error, .. } => {
+                    assert!(!error.to_string().trim().is_empty(), "{e}")
+                }
+                RulesError::Read { .. } => panic!("no file was read: {e}"),
+            }
+            return;
+        }
+    };
+    assert!(set.rules.len() <= MAX_RULES);
+    let (mut attempt, mut request) = (SlotLayout::default(), SlotLayout::default());
+    let compiled = rules::compile(&set, &mut attempt, &mut request);
+    assert_eq!(compiled.len(), set.enabled().count());
+    let yaml = listed(&set);
+    let back = RuleSet::from_yaml(&yaml, "rules list --yaml")
+        .unwrap_or_else(|e| panic!("the listed rules do not load back: {e}\n{yaml}"));
+    assert_eq!(listed(&back), yaml, "the listed rules load back differently");
+}
+
+fuzz_target!(|data: &[u8]| {
+    let Ok(text) = std::str::from_utf8(data) else {
+        return;
+    };
+    check(RuleSet::from_yaml(text, "fuzz input"));
+    let mut defaults = RuleSet::embedded_defaults();
+    check(defaults.apply_yaml(text, "fuzz input").map(|()| defaults));
+});

@@ -1,0 +1,41 @@
+//! The ZMTP 3.x stream parser (`ingest::ebpf::zmtp`) fed an input in arbitrary chunks with gaps
+//! (see `revenant_fuzz::stream_ops`; a close picks the stream up mid-way again), then the
+//! control-message reader on every message.
+//!
+//! Holds: no panic; a message keeps at most `KEEP_PARTS` parts of at most `KEEP_BYTES` each
+//! (payloads are never kept) and counts at least the parts it keeps.
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+use revenant::ingest::ebpf::zmtp::{self, KEEP_BYTES, KEEP_PARTS, ZmtpStream};
+use revenant_fuzz::{Op, stream_ops};
+
+fuzz_target!(|data: &[u8]| {
+    let ops = stream_ops(data);
+    let first = ops.iter().find_map(|op| match op {
+        Op::Feed { bytes, .. } => Some(*bytes),
+        _ => None,
+    });
+    let mut stream = if first.is_some_and(zmtp::is_greeting) {
+        ZmtpStream::from_greeting()
+    } else {
+        ZmtpStream::mid_stream()
+    };
+    let mut out = Vec::new();
+    for op in &ops {
+        match *op {
+            Op::Feed {
+                bytes,
+                syscall_start,
+            } => stream.feed(bytes, syscall_start, &mut out),
+            Op::Gap(n) => stream.gap(n),
+            Op::Close => stream = ZmtpStream::mid_stream(),
+        }
+    }
+    for msg in &out {
+        assert!(msg.parts.len() <= KEEP_PARTS, "{} parts kept", msg.parts.len());
+        assert!(msg.parts.iter().all(|p| p.len() <= KEEP_BYTES));
+        assert!(msg.part_count as usize >= msg.parts.len());
+        let _ = zmtp::control(msg);
+    }
+});
