@@ -42,11 +42,14 @@ fn root() -> PathBuf {
 }
 
 /// `cargo +nightly fuzz …` from the repository root. `cargo` is rustup's proxy (on PATH), not
-/// `$CARGO`: only the proxy understands `+nightly`.
+/// `$CARGO`: only the proxy understands `+nightly`. `CARGO` is removed too: cargo-fuzz builds
+/// with the cargo it names, and `cargo xtask` sets it to the stable one, which would build the
+/// targets with stable rustc into the same directory (a full rebuild each time the two meet).
 fn cargo_fuzz() -> Command {
     let mut cmd = Command::new("cargo");
     cmd.current_dir(root())
         .env_remove("RUSTUP_TOOLCHAIN")
+        .env_remove("CARGO")
         .args(["+nightly", "fuzz"]);
     cmd
 }

@@ -81,6 +81,7 @@ pub fn test_tools() -> Result<()> {
 pub fn fuzz_tools() -> Result<()> {
     if let Ok(out) = Command::new("cargo")
         .env_remove("RUSTUP_TOOLCHAIN")
+        .env_remove("CARGO")
         .args(["+nightly", "fuzz", "--version"])
         .output()
         && out.status.success()
