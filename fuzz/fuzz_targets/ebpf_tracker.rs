@@ -162,7 +162,11 @@ fuzz_target!(|data: &[u8]| {
                 0 | 1 => {
                     let peer = input.u8().and_then(|b| PEERS.get(b as usize % 7));
                     let conn = Conn {
-                        hdr: hdr(if op & 7 == 0 { kind::CONNECT } else { kind::ACCEPT }),
+                        hdr: hdr(if op & 7 == 0 {
+                            kind::CONNECT
+                        } else {
+                            kind::ACCEPT
+                        }),
                         fd,
                         peer: peer.map(|s| s.parse::<SocketAddr>().unwrap()),
                     };
@@ -181,7 +185,12 @@ fuzz_target!(|data: &[u8]| {
                     &mut out,
                 ),
                 3 => {
-                    t.on_record(&Record::Exit { hdr: hdr(kind::EXIT) }, &mut out);
+                    t.on_record(
+                        &Record::Exit {
+                            hdr: hdr(kind::EXIT),
+                        },
+                        &mut out,
+                    );
                     t.remove_process(tgid, now, &mut out);
                     // Discovery finds it again, as a rescan would.
                     match tgid {
@@ -213,7 +222,9 @@ fuzz_target!(|data: &[u8]| {
                             (l, 0u32)
                         }
                         (6, Some(l)) => {
-                            let off = l.total.saturating_sub(bytes.len() as u64 + u64::from(extra));
+                            let off = l
+                                .total
+                                .saturating_sub(bytes.len() as u64 + u64::from(extra));
                             (l, off as u32)
                         }
                         (_, Some(l)) => (l, u32::from(extra)),
@@ -231,7 +242,11 @@ fuzz_target!(|data: &[u8]| {
                 }
             }
             let _ = t.take_learned();
-            assert!(t.conn_count() <= LIMITS.max_conns, "{} connections", t.conn_count());
+            assert!(
+                t.conn_count() <= LIMITS.max_conns,
+                "{} connections",
+                t.conn_count()
+            );
             let heap = LIVE.load(Ordering::Relaxed).saturating_sub(base);
             assert!(heap <= HEAP_BOUND, "tracker heap {heap} bytes");
             for e in out.drain(..) {

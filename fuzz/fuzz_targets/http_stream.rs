@@ -35,9 +35,12 @@ fn seen(events: Vec<HttpEvent>) -> Vec<Seen> {
             HttpEvent::RequestHead(h) => Seen::Request(h),
             HttpEvent::ResponseHead(h) => Seen::Response(h),
             HttpEvent::BodyStarted => Seen::BodyStarted,
-            HttpEvent::End { body } => {
-                Seen::End(body.len, body.gaps, body.request_ids(), body.response_info())
-            }
+            HttpEvent::End { body } => Seen::End(
+                body.len,
+                body.gaps,
+                body.request_ids(),
+                body.response_info(),
+            ),
             HttpEvent::Desync => Seen::Desync,
         })
         .collect()
@@ -72,7 +75,11 @@ fn split_invariance(ops: &[Op<'_>]) {
         s.retain(|x| *x != Seen::Desync);
         s
     };
-    assert_eq!(messages(ea), messages(eb), "the split changed what was parsed");
+    assert_eq!(
+        messages(ea),
+        messages(eb),
+        "the split changed what was parsed"
+    );
 }
 
 fuzz_target!(|data: &[u8]| {
@@ -114,12 +121,23 @@ fuzz_target!(|data: &[u8]| {
                 // Head and tail windows, plus one gap marker per operation at most.
                 assert!(kept <= 3 * WINDOW + ops.len() + 1, "{shown}");
                 let ids = body.request_ids();
-                for v in [&ids.rid, &ids.bootstrap_host, &ids.remote_request_id].into_iter().flatten() {
-                    assert!(v.chars().count() <= MAX_VALUE, "id of {} chars", v.chars().count());
+                for v in [&ids.rid, &ids.bootstrap_host, &ids.remote_request_id]
+                    .into_iter()
+                    .flatten()
+                {
+                    assert!(
+                        v.chars().count() <= MAX_VALUE,
+                        "id of {} chars",
+                        v.chars().count()
+                    );
                 }
                 let info = body.response_info();
                 if let Some(m) = &info.message {
-                    assert!(m.chars().count() <= MAX_VALUE, "message of {} chars", m.chars().count());
+                    assert!(
+                        m.chars().count() <= MAX_VALUE,
+                        "message of {} chars",
+                        m.chars().count()
+                    );
                 }
                 let _ = body.vllm_cache_config();
             }

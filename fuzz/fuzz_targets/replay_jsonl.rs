@@ -18,7 +18,10 @@ fuzz_target!(|data: &[u8]| {
         |e| events.push(e),
         |e| match e {
             ReplayError::Line { line, message } => {
-                assert!(!message.is_empty(), "line {line}: an error without a message");
+                assert!(
+                    !message.is_empty(),
+                    "line {line}: an error without a message"
+                );
                 assert!(line > last_bad && line <= lines, "line {line} of {lines}");
                 last_bad = line;
             }

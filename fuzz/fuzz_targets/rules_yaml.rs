@@ -50,7 +50,10 @@ fn check(result: Result<RuleSet, RulesError>) {
     let yaml = listed(&set);
     let back = RuleSet::from_yaml(&yaml, "rules list --yaml")
         .unwrap_or_else(|e| panic!("the listed rules do not load back: {e}\n{yaml}"));
-    assert_eq!(back.rules, set.rules, "the listed rules load back differently:\n{yaml}");
+    assert_eq!(
+        back.rules, set.rules,
+        "the listed rules load back differently:\n{yaml}"
+    );
 }
 
 /// Parsed once: every input patches a copy.

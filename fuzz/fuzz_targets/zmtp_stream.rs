@@ -59,7 +59,11 @@ fuzz_target!(|data: &[u8]| {
     }
     split_invariance(&ops);
     for msg in &out {
-        assert!(msg.parts.len() <= KEEP_PARTS, "{} parts kept", msg.parts.len());
+        assert!(
+            msg.parts.len() <= KEEP_PARTS,
+            "{} parts kept",
+            msg.parts.len()
+        );
         assert!(msg.parts.iter().all(|p| p.len() <= KEEP_BYTES));
         assert!(msg.part_count as usize >= msg.parts.len());
         let _ = zmtp::control(msg);

@@ -23,7 +23,10 @@ pub fn has_canary(data: &[u8]) -> bool {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Op<'a> {
     /// Captured bytes; `syscall_start` when they begin a syscall's payload.
-    Feed { bytes: &'a [u8], syscall_start: bool },
+    Feed {
+        bytes: &'a [u8],
+        syscall_start: bool,
+    },
     /// Bytes that went by uncaptured.
     Gap(u64),
     /// The connection closed.
@@ -162,7 +165,11 @@ pub fn normalize_checked(
     }
     normalizer.tick(now + 3_600_000_000_000, &mut out, &mut tally);
     normalizer.flush(&mut out);
-    assert_eq!(normalizer.pending_completions(), 0, "flush releases everything");
+    assert_eq!(
+        normalizer.pending_completions(),
+        0,
+        "flush releases everything"
+    );
     for e in &out {
         assert_private(e);
     }
@@ -171,5 +178,8 @@ pub fn normalize_checked(
 /// No field of `e` carries [`CANARY`].
 pub fn assert_private(e: &LifecycleEvent) {
     let text = format!("{e:?}");
-    assert!(!text.contains(CANARY), "prompt text reached an event: {text}");
+    assert!(
+        !text.contains(CANARY),
+        "prompt text reached an event: {text}"
+    );
 }

@@ -96,7 +96,9 @@ fn scratch_corpus(target: &str) -> Result<(PathBuf, PathBuf)> {
     let seeds = root().join("fuzz/corpus").join(target);
     let work = root().join("fuzz/work").join(target);
     std::fs::create_dir_all(&work).with_context(|| format!("creating {}", work.display()))?;
-    for entry in std::fs::read_dir(&seeds).with_context(|| format!("reading {}", seeds.display()))? {
+    for entry in
+        std::fs::read_dir(&seeds).with_context(|| format!("reading {}", seeds.display()))?
+    {
         let entry = entry?;
         let to = work.join(entry.file_name());
         std::fs::copy(entry.path(), &to)
@@ -224,7 +226,10 @@ mod tests {
                    stat::average_exec_per_sec:     4096\n\
                    stat::new_units_added:          2\n";
         let f = figures("t", log, 21.0).unwrap();
-        assert_eq!((f.executions, f.exec_per_sec, f.corpus_inputs), (81920, 4096, 5));
+        assert_eq!(
+            (f.executions, f.exec_per_sec, f.corpus_inputs),
+            (81920, 4096, 5)
+        );
         assert_eq!(f.corpus_bytes, "141b");
     }
 }

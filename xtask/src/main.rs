@@ -152,7 +152,9 @@ fn run_tests(args: &[String]) -> ExitCode {
 /// A venv under `target/` holding `packages`, (re)created unless `ready` (a Python snippet that
 /// exits 0) says it is already what it must be.
 fn ensure_venv(name: &str, packages: &[&str], ready: &str) -> std::io::Result<std::path::PathBuf> {
-    let venv = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target").join(name);
+    let venv = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../target")
+        .join(name);
     let python = venv.join("bin/python");
     let is_ready = python.exists()
         && Command::new(&python)
@@ -160,7 +162,11 @@ fn ensure_venv(name: &str, packages: &[&str], ready: &str) -> std::io::Result<st
             .status()
             .is_ok_and(|s| s.success());
     if !is_ready {
-        eprintln!("xtask: creating {} ({})", venv.display(), packages.join(", "));
+        eprintln!(
+            "xtask: creating {} ({})",
+            venv.display(),
+            packages.join(", ")
+        );
         let ok = Command::new("python3")
             .arg("-m")
             .arg("venv")
@@ -186,9 +192,7 @@ fn ensure_venv(name: &str, packages: &[&str], ready: &str) -> std::io::Result<st
 /// `ready` snippet: the venv holds exactly this version of that distribution (a stale venv is
 /// reinstalled).
 fn has_version(dist: &str, version: &str) -> String {
-    format!(
-        "import importlib.metadata as m, sys; sys.exit(m.version('{dist}') != '{version}')"
-    )
+    format!("import importlib.metadata as m, sys; sys.exit(m.version('{dist}') != '{version}')")
 }
 
 /// Tests against real third-party components that come from PyPI: the `sglang-router` 0.3.2
