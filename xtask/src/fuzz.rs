@@ -41,16 +41,32 @@ fn root() -> PathBuf {
         .to_path_buf()
 }
 
-/// `cargo +nightly fuzz …` from the repository root. `cargo` is rustup's proxy (on PATH), not
-/// `$CARGO`: only the proxy understands `+nightly`. `CARGO` is removed too: cargo-fuzz builds
-/// with the cargo it names, and `cargo xtask` sets it to the stable one, which would build the
-/// targets with stable rustc into the same directory (a full rebuild each time the two meet).
-fn cargo_fuzz() -> Command {
+/// `cargo +nightly fuzz …` from the repository root, in the environment a shell would give it.
+///
+/// `cargo` is rustup's proxy (on PATH), not `$CARGO`: only the proxy understands `+nightly`.
+/// What `cargo run` set for xtask itself goes: cargo-fuzz builds with the cargo `CARGO` names
+/// (the stable one here, which would build the targets with stable rustc), and build scripts
+/// that watch `CARGO_PKG_*` (ring's does) would rebuild the whole tree whenever a run from a
+/// shell and one from xtask meet in `fuzz/target`.
+pub fn cargo_fuzz() -> Command {
     let mut cmd = Command::new("cargo");
-    cmd.current_dir(root())
-        .env_remove("RUSTUP_TOOLCHAIN")
-        .env_remove("CARGO")
-        .args(["+nightly", "fuzz"]);
+    cmd.current_dir(root());
+    for (key, _) in std::env::vars_os() {
+        let Some(key) = key.to_str() else { continue };
+        if matches!(
+            key,
+            "CARGO"
+                | "RUSTUP_TOOLCHAIN"
+                | "CARGO_CRATE_NAME"
+                | "CARGO_BIN_NAME"
+                | "CARGO_PRIMARY_PACKAGE"
+        ) || key.starts_with("CARGO_PKG_")
+            || key.starts_with("CARGO_MANIFEST_")
+        {
+            cmd.env_remove(key);
+        }
+    }
+    cmd.args(["+nightly", "fuzz"]);
     cmd
 }
 

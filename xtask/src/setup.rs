@@ -79,11 +79,7 @@ pub fn test_tools() -> Result<()> {
 /// cargo-fuzz, which builds and runs the fuzz targets (`fuzz/`) on the nightly toolchain that
 /// `install_rust_src` already requires.
 pub fn fuzz_tools() -> Result<()> {
-    if let Ok(out) = Command::new("cargo")
-        .env_remove("RUSTUP_TOOLCHAIN")
-        .env_remove("CARGO")
-        .args(["+nightly", "fuzz", "--version"])
-        .output()
+    if let Ok(out) = crate::fuzz::cargo_fuzz().arg("--version").output()
         && out.status.success()
     {
         println!(
