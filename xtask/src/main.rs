@@ -1,11 +1,13 @@
 //! Developer tasks: `cargo xtask test` runs every test the project has, installing what the tests
-//! need first (idempotently), exactly as CI does (`.ci/run` calls it).
+//! need first (idempotently), exactly as CI does (`.ci/run` calls it); `cargo xtask fuzz` runs
+//! the fuzz targets for longer.
 
 use std::process::{Command, ExitCode};
 
 use clap::{Parser, Subcommand};
 
 mod demo;
+mod fuzz;
 mod setup;
 
 #[derive(Parser)]
@@ -17,8 +19,9 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Task {
-    /// Install the eBPF toolchain (LLVM 22, bpf-linker, nightly rust-src) and the programs the
-    /// tests run (Prometheus, Alertmanager), and mount tracefs; idempotent. `test` runs it first.
+    /// Install the eBPF toolchain (LLVM 22, bpf-linker, nightly rust-src), cargo-fuzz and the
+    /// programs the tests run (Prometheus, Alertmanager), and mount tracefs; idempotent. `test`
+    /// runs it first.
     Setup {
         /// Also install the overhead benchmark's tools (nginx, wrk, bpftrace).
         #[arg(long)]
@@ -27,7 +30,20 @@ enum Task {
     /// The simulated PD cluster with the buggy router, revenant watching it: alerts live, then a
     /// summary. Ctrl-C stops everything.
     Demo(demo::DemoArgs),
-    /// Run the whole test suite (unit, scenario, CLI and end-to-end tests).
+    /// Run the fuzz targets (fuzz/) one after another on one core and print executions, exec/s
+    /// and corpus size per target; fails on the first crash.
+    Fuzz {
+        /// Seconds per target.
+        #[arg(long, default_value_t = fuzz::TEST_SECONDS, conflicts_with = "runs")]
+        seconds: u64,
+        /// Executions per target instead of a time limit (e.g. 10000000).
+        #[arg(long)]
+        runs: Option<u64>,
+        /// Targets to run (default: all of them).
+        targets: Vec<String>,
+    },
+    /// Run the whole test suite (unit, scenario, CLI and end-to-end tests, then a short run of
+    /// every fuzz target).
     Test {
         /// Extra arguments passed to `cargo test` (e.g. a test name filter).
         #[arg(trailing_var_arg = true)]
@@ -53,6 +69,20 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         },
+        Task::Fuzz {
+            seconds,
+            runs,
+            targets,
+        } => {
+            let budget = runs.map_or(fuzz::Budget::Seconds(seconds), fuzz::Budget::Runs);
+            match setup::fuzz_tools().and_then(|()| fuzz::run_all(&targets, budget)) {
+                Ok(_) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("xtask: fuzz failed: {e:#}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
         Task::Test { args } => {
             // Building `revenant` builds the kernel programs: the toolchain must be there first.
             if let Err(e) = setup::run() {
@@ -87,11 +117,25 @@ fn run_tests(args: &[String]) -> ExitCode {
         .env("REVENANT_BIN", &bins.revenant)
         .env("PD_SIM_BIN", &bins.pd_sim)
         .status();
-    // With a filter the caller wants a subset: the real-component suite runs on full runs only.
+    // With a filter the caller wants a subset: the real-component suite and the fuzz targets
+    // run on full runs only.
     let status = match status {
         Ok(s) if s.success() && args.is_empty() => real_component_tests(&cargo),
         other => other,
     };
+    if matches!(&status, Ok(s) if s.success()) && args.is_empty() {
+        let started = std::time::Instant::now();
+        match fuzz::run_all(&[], fuzz::Budget::Seconds(fuzz::TEST_SECONDS)) {
+            Ok(_) => eprintln!(
+                "xtask: fuzz targets clean ({:.0} s)",
+                started.elapsed().as_secs_f64()
+            ),
+            Err(e) => {
+                eprintln!("xtask: fuzzing failed: {e:#}");
+                return ExitCode::FAILURE;
+            }
+        }
+    }
     match status {
         Ok(s) if s.success() => ExitCode::SUCCESS,
         Ok(s) => {

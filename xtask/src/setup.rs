@@ -29,6 +29,7 @@ const TRACEFS: &str = "/sys/kernel/tracing";
 pub fn run() -> Result<()> {
     build_prereqs()?;
     test_tools()?;
+    fuzz_tools()?;
     mount_tracefs()?;
     println!("setup: done");
     Ok(())
@@ -73,6 +74,22 @@ pub fn test_tools() -> Result<()> {
         return Ok(());
     }
     install_apt_packages(&missing)
+}
+
+/// cargo-fuzz, which builds and runs the fuzz targets (`fuzz/`) on the nightly toolchain that
+/// `install_rust_src` already requires.
+pub fn fuzz_tools() -> Result<()> {
+    if let Ok(out) = crate::fuzz::cargo_fuzz().arg("--version").output()
+        && out.status.success()
+    {
+        println!(
+            "setup: {} already installed",
+            String::from_utf8_lossy(&out.stdout).trim()
+        );
+        return Ok(());
+    }
+    println!("setup: cargo install cargo-fuzz --locked");
+    run_cmd(Command::new("cargo").args(["install", "cargo-fuzz", "--locked"]))
 }
 
 /// Tools of `cargo bench -p revenant --bench ebpf_overhead` (not needed by the tests).

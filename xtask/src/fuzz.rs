@@ -1,0 +1,251 @@
+//! The fuzz targets (`fuzz/`, cargo-fuzz): a bounded run of each, one after another on one core,
+//! failing on the first crash. `cargo xtask test` runs every target for [`TEST_SECONDS`];
+//! `cargo xtask fuzz` runs the ones named (all by default) for as long or as many executions as
+//! asked, and both print executions, executions per second and corpus size per target.
+//!
+//! Each target starts from its seeds in `fuzz/corpus/<target>` (kept in the repository) and
+//! grows a scratch corpus in `fuzz/work/<target>` (ignored by git), so a run never dirties the
+//! tree. A crash leaves its input in `fuzz/artifacts/<target>/` and the command to replay it.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+
+/// Seconds each target runs in `cargo xtask test`.
+pub const TEST_SECONDS: u64 = 20;
+
+/// How long a run lasts: wall-clock seconds, or a number of executions.
+#[derive(Debug, Clone, Copy)]
+pub enum Budget {
+    Seconds(u64),
+    Runs(u64),
+}
+
+/// What one run did, from libFuzzer's final statistics.
+#[derive(Debug, Clone)]
+pub struct Figures {
+    pub target: String,
+    pub executions: u64,
+    pub exec_per_sec: u64,
+    pub corpus_inputs: u64,
+    pub corpus_bytes: String,
+    pub wall_secs: f64,
+}
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives in the repository root")
+        .to_path_buf()
+}
+
+/// `cargo +nightly fuzz …` from the repository root, in the environment a shell would give it.
+///
+/// `cargo` is rustup's proxy (on PATH), not `$CARGO`: only the proxy understands `+nightly`.
+/// What `cargo run` set for xtask itself goes: cargo-fuzz builds with the cargo `CARGO` names
+/// (the stable one here, which would build the targets with stable rustc), and build scripts
+/// that watch `CARGO_PKG_*` (ring's does) would rebuild the whole tree whenever a run from a
+/// shell and one from xtask meet in `fuzz/target`.
+pub fn cargo_fuzz() -> Command {
+    let mut cmd = Command::new("cargo");
+    cmd.current_dir(root());
+    for (key, _) in std::env::vars_os() {
+        let Some(key) = key.to_str() else { continue };
+        if matches!(
+            key,
+            "CARGO"
+                | "RUSTUP_TOOLCHAIN"
+                | "CARGO_CRATE_NAME"
+                | "CARGO_BIN_NAME"
+                | "CARGO_PRIMARY_PACKAGE"
+        ) || key.starts_with("CARGO_PKG_")
+            || key.starts_with("CARGO_MANIFEST_")
+        {
+            cmd.env_remove(key);
+        }
+    }
+    cmd.args(["+nightly", "fuzz"]);
+    cmd
+}
+
+/// The targets `fuzz/Cargo.toml` declares.
+pub fn targets() -> Result<Vec<String>> {
+    let out = cargo_fuzz()
+        .args(["list", "--fuzz-dir", "fuzz"])
+        .stderr(Stdio::inherit())
+        .output()
+        .context("running `cargo +nightly fuzz list`")?;
+    if !out.status.success() {
+        bail!("`cargo +nightly fuzz list` failed with {}", out.status);
+    }
+    Ok(String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .map(String::from)
+        .collect())
+}
+
+/// The flags every build and run uses. No sanitizer: the code under test is safe Rust (its one
+/// `unsafe` read is bounds-checked first), so ASan would halve the executions and find nothing
+/// the Rust checks miss; debug assertions and overflow checks are on (cargo-fuzz's default).
+const BUILD_FLAGS: [&str; 3] = ["--fuzz-dir", "fuzz", "--sanitizer=none"];
+
+/// Builds every target (one cargo invocation; later runs reuse it).
+pub fn build() -> Result<()> {
+    eprintln!("xtask: building the fuzz targets (cargo +nightly fuzz build --sanitizer=none)");
+    let status = cargo_fuzz()
+        .arg("build")
+        .args(BUILD_FLAGS)
+        .status()
+        .context("running `cargo +nightly fuzz build`")?;
+    if !status.success() {
+        bail!("building the fuzz targets failed with {status}");
+    }
+    Ok(())
+}
+
+/// Copies the seeds into the scratch corpus and returns its path.
+fn scratch_corpus(target: &str) -> Result<(PathBuf, PathBuf)> {
+    let seeds = root().join("fuzz/corpus").join(target);
+    let work = root().join("fuzz/work").join(target);
+    std::fs::create_dir_all(&work).with_context(|| format!("creating {}", work.display()))?;
+    for entry in
+        std::fs::read_dir(&seeds).with_context(|| format!("reading {}", seeds.display()))?
+    {
+        let entry = entry?;
+        let to = work.join(entry.file_name());
+        std::fs::copy(entry.path(), &to)
+            .with_context(|| format!("copying {} to {}", entry.path().display(), to.display()))?;
+    }
+    Ok((work, seeds))
+}
+
+/// Runs one target for `budget` on one core; an error when it found a crash (or could not run).
+pub fn run(target: &str, budget: Budget) -> Result<Figures> {
+    let (work, seeds) = scratch_corpus(target)?;
+    let limit = match budget {
+        Budget::Seconds(s) => format!("-max_total_time={s}"),
+        Budget::Runs(n) => format!("-runs={n}"),
+    };
+    eprintln!("xtask: fuzz {target} ({limit})");
+    let started = Instant::now();
+    let out = cargo_fuzz()
+        .args(["run", target])
+        .args(BUILD_FLAGS)
+        .arg(&work)
+        .arg(&seeds)
+        .args([
+            "--",
+            &limit,
+            "-print_final_stats=1",
+            // An input that takes ten seconds is a hang worth failing on.
+            "-timeout=10",
+            "-rss_limit_mb=2048",
+        ])
+        .stdout(Stdio::inherit())
+        .stderr(Stdio::piped())
+        .output()
+        .with_context(|| format!("running `cargo +nightly fuzz run {target}`"))?;
+    let wall_secs = started.elapsed().as_secs_f64();
+    let log = String::from_utf8_lossy(&out.stderr);
+    if !out.status.success() {
+        // libFuzzer's report: the panic, the backtrace and the artifact path.
+        let tail: Vec<&str> = log.lines().rev().take(60).collect();
+        for line in tail.into_iter().rev() {
+            eprintln!("{line}");
+        }
+        bail!(
+            "fuzz target {target} failed ({}): the input is in fuzz/artifacts/{target}/; \
+             replay it with `cargo +nightly fuzz run {target} --sanitizer=none fuzz/artifacts/{target}/<file>`",
+            out.status
+        );
+    }
+    figures(target, &log, wall_secs)
+        .with_context(|| format!("no final statistics in the output of fuzz target {target}"))
+}
+
+/// Reads libFuzzer's `stat::` lines and the corpus of its `DONE` line.
+fn figures(target: &str, log: &str, wall_secs: f64) -> Option<Figures> {
+    let stat = |name: &str| -> Option<u64> {
+        log.lines()
+            .find_map(|l| l.strip_prefix(&format!("stat::{name}:")))
+            .and_then(|v| v.trim().parse().ok())
+    };
+    // "#1234	DONE   cov: 567 ft: 890 corp: 12/3456b lim: … exec/s: 789 rss: 45Mb"
+    let corp = log
+        .lines()
+        .rev()
+        .find(|l| l.contains("DONE") || l.contains("corp: "))
+        .and_then(|l| l.split("corp: ").nth(1))
+        .and_then(|s| s.split_whitespace().next())?;
+    let (inputs, bytes) = corp.split_once('/')?;
+    Some(Figures {
+        target: target.to_owned(),
+        executions: stat("number_of_executed_units")?,
+        exec_per_sec: stat("average_exec_per_sec")?,
+        corpus_inputs: inputs.parse().ok()?,
+        corpus_bytes: bytes.to_owned(),
+        wall_secs,
+    })
+}
+
+/// Runs `targets` (all when empty) one after another and prints a table; stops at the first
+/// crash.
+pub fn run_all(names: &[String], budget: Budget) -> Result<Vec<Figures>> {
+    let all = targets()?;
+    let chosen: Vec<String> = if names.is_empty() {
+        all
+    } else {
+        for n in names {
+            if !all.contains(n) {
+                bail!("no fuzz target {n:?} (there are: {})", all.join(", "));
+            }
+        }
+        names.to_vec()
+    };
+    build()?;
+    let mut done = Vec::new();
+    for t in &chosen {
+        done.push(run(t, budget)?);
+    }
+    print_table(&done);
+    Ok(done)
+}
+
+pub fn print_table(figures: &[Figures]) {
+    println!(
+        "{:<14} {:>12} {:>9} {:>8} {:>10} {:>7}",
+        "target", "executions", "exec/s", "corpus", "bytes", "wall"
+    );
+    for f in figures {
+        println!(
+            "{:<14} {:>12} {:>9} {:>8} {:>10} {:>6.0}s",
+            f.target, f.executions, f.exec_per_sec, f.corpus_inputs, f.corpus_bytes, f.wall_secs
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_libfuzzer_final_statistics() {
+        let log = "#2	INITED cov: 10 ft: 11 corp: 3/120b exec/s: 0 rss: 40Mb\n\
+                   #4096	pulse  cov: 12 ft: 14 corp: 4/130b lim: 4 exec/s: 2048 rss: 41Mb\n\
+                   #81920	DONE   cov: 12 ft: 14 corp: 5/141b lim: 4096 exec/s: 4096 rss: 41Mb\n\
+                   Done 81920 runs in 20 second(s)\n\
+                   stat::number_of_executed_units: 81920\n\
+                   stat::average_exec_per_sec:     4096\n\
+                   stat::new_units_added:          2\n";
+        let f = figures("t", log, 21.0).unwrap();
+        assert_eq!(
+            (f.executions, f.exec_per_sec, f.corpus_inputs),
+            (81920, 4096, 5)
+        );
+        assert_eq!(f.corpus_bytes, "141b");
+    }
+}
