@@ -120,7 +120,7 @@ fn run_tests(args: &[String]) -> ExitCode {
     // With a filter the caller wants a subset: the real-component suite and the fuzz targets
     // run on full runs only.
     let status = match status {
-        Ok(s) if s.success() && args.is_empty() => real_component_tests(&cargo),
+        Ok(s) if s.success() && args.is_empty() => real_component_tests(&cargo, &bins),
         other => other,
     };
     if matches!(&status, Ok(s) if s.success()) && args.is_empty() {
@@ -200,7 +200,10 @@ fn has_version(dist: &str, version: &str) -> String {
 /// successor `smg` 1.13.0, and `vllm-router` 0.1.17 in front of the simulator's vLLM workers.
 /// Both smg wheels install a binary named `smg`, so each router has a venv of its own. The venvs
 /// are created once under `target/`; failing to create one fails the run loudly.
-fn real_component_tests(cargo: &str) -> std::io::Result<std::process::ExitStatus> {
+fn real_component_tests(
+    cargo: &str,
+    bins: &test_harness::Binaries,
+) -> std::io::Result<std::process::ExitStatus> {
     let ready = format!("{}; import zmq", has_version("sglang-router", "0.3.2"));
     let venv = ensure_venv("xtask-venv", &["sglang-router==0.3.2", "pyzmq"], &ready)?;
     let python = venv.join("bin/python");
@@ -246,5 +249,8 @@ fn real_component_tests(cargo: &str) -> std::io::Result<std::process::ExitStatus
         .env("PD_SIM_PYTHON", &python)
         .env("PD_SIM_VLLM_ROUTER", venv_vllm.join("bin/vllm-router"))
         .env("PD_SIM_VLLM_ROUTER_PYTHON", venv_vllm.join("bin/python"))
+        // The end-to-end tests among them (tests/e2e vllm_pd) use the release builds made above.
+        .env("REVENANT_BIN", &bins.revenant)
+        .env("PD_SIM_BIN", &bins.pd_sim)
         .status()
 }
