@@ -401,16 +401,7 @@ fn handoff(sources: Sources) -> Outcome {
 }
 
 fn sources_of(o: &Outcome) -> BTreeMap<String, usize> {
-    let mut m = BTreeMap::new();
-    for f in o
-        .notifications
-        .iter()
-        .filter_map(|n| notifications::finding(n, "activity-after-rejection"))
-    {
-        *m.entry(notifications::evidence_sources(f).join("+"))
-            .or_default() += 1;
-    }
-    m
+    common::sources_of(&o.notifications)
 }
 
 #[test]

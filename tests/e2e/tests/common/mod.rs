@@ -88,3 +88,19 @@ pub fn report(
         metric_sum(metrics, "revenant_events_total", &[("source", "ebpf")]),
     );
 }
+
+/// How many `activity-after-rejection` findings carry each combination of evidence sources
+/// (`ebpf`, `otlp`, `ebpf+otlp`).
+pub fn sources_of(
+    notifications: &[serde_json::Value],
+) -> std::collections::BTreeMap<String, usize> {
+    let mut m = std::collections::BTreeMap::new();
+    for f in notifications
+        .iter()
+        .filter_map(|n| test_harness::notifications::finding(n, "activity-after-rejection"))
+    {
+        *m.entry(test_harness::notifications::evidence_sources(f).join("+"))
+            .or_default() += 1;
+    }
+    m
+}

@@ -193,7 +193,7 @@ impl Tracker {
             conns: HashMap::new(),
             learned: Vec::new(),
             transfer_names: vllm::TransferNames::default(),
-            capacity: vllm::capacity_table(),
+            capacity: vllm::CapacityTable::default(),
             stats: TrackStats::default(),
         }
     }

@@ -17,7 +17,7 @@
 
 use std::collections::VecDeque;
 
-use foldhash::{HashMap, HashMapExt};
+use foldhash::HashMap;
 
 use super::lifecycle::PathKind;
 use super::{Endpoint, Tracker};
@@ -201,7 +201,3 @@ impl Tracker {
 
 /// Capacity reports remembered per worker key.
 pub(super) type CapacityTable = HashMap<String, WorkerCapacity>;
-
-pub(super) fn capacity_table() -> CapacityTable {
-    HashMap::new()
-}
