@@ -163,8 +163,14 @@ pub fn run(target: &str, budget: Budget) -> Result<Figures> {
             out.status
         );
     }
-    figures(target, &log, wall_secs)
-        .with_context(|| format!("no final statistics in the output of fuzz target {target}"))
+    figures(target, &log, wall_secs).with_context(|| {
+        let tail: Vec<&str> = log.lines().rev().take(20).collect();
+        let tail: Vec<&str> = tail.into_iter().rev().collect();
+        format!(
+            "no final statistics in the output of fuzz target {target}; its last lines:\n{}",
+            tail.join("\n")
+        )
+    })
 }
 
 /// Reads libFuzzer's `stat::` lines and the corpus of its `DONE` line.
@@ -174,13 +180,10 @@ fn figures(target: &str, log: &str, wall_secs: f64) -> Option<Figures> {
             .find_map(|l| l.strip_prefix(&format!("stat::{name}:")))
             .and_then(|v| v.trim().parse().ok())
     };
-    // "#1234	DONE   cov: 567 ft: 890 corp: 12/3456b lim: … exec/s: 789 rss: 45Mb"
-    let corp = log
-        .lines()
-        .rev()
-        .find(|l| l.contains("DONE") || l.contains("corp: "))
-        .and_then(|l| l.split("corp: ").nth(1))
-        .and_then(|s| s.split_whitespace().next())?;
+    // "#1234	DONE   cov: 567 ft: 890 corp: 12/3456b lim: … exec/s: 789 rss: 45Mb": the last
+    // status line, which starts with '#'. The recommended dictionary printed after it quotes
+    // input bytes, and those can spell anything (an SSE stream's `[DONE]`, even "corp: ").
+    let corp = status_corpus(log)?;
     let (inputs, bytes) = corp.split_once('/')?;
     Some(Figures {
         target: target.to_owned(),
@@ -190,6 +193,18 @@ fn figures(target: &str, log: &str, wall_secs: f64) -> Option<Figures> {
         corpus_bytes: bytes.to_owned(),
         wall_secs,
     })
+}
+
+/// The `corp: N/SIZE` field of libFuzzer's last status line (`#<executions>\t<EVENT> …`).
+fn status_corpus(log: &str) -> Option<&str> {
+    log.lines()
+        .rev()
+        .filter(|l| {
+            l.strip_prefix('#')
+                .is_some_and(|rest| rest.starts_with(|c: char| c.is_ascii_digit()))
+        })
+        .find_map(|l| l.split("corp: ").nth(1))
+        .and_then(|s| s.split_whitespace().next())
 }
 
 /// Runs `targets` (all when empty) one after another and prints a table; stops at the first
@@ -247,5 +262,31 @@ mod tests {
             (81920, 4096, 5)
         );
         assert_eq!(f.corpus_bytes, "141b");
+    }
+
+    /// The end of a real run's stderr: the DONE status line, then a recommended dictionary whose
+    /// entries quote input bytes (here an SSE terminator and a "corp: " look-alike), then stats.
+    const LOG: &str = "#2432600\tDONE   cov: 1203 ft: 5120 corp: 2275/481Kb lim: 4096 exec/s: 115838 rss: 85Mb\n\
+###### Recommended dictionary. ######\n\
+\"data: [DONE]\" # Uses: 580\n\
+\"corp: 9/9b\" # Uses: 12\n\
+###### End of recommended dictionary. ######\n\
+Done 2432600 runs in 21 second(s)\n\
+stat::number_of_executed_units: 2432600\n\
+stat::average_exec_per_sec:     115838\n\
+stat::new_units_added:          1278\n";
+
+    #[test]
+    fn figures_come_from_the_status_line_not_the_dictionary() {
+        let f = figures("http_stream", LOG, 21.0).expect("figures");
+        assert_eq!(f.executions, 2_432_600);
+        assert_eq!(f.exec_per_sec, 115_838);
+        assert_eq!(f.corpus_inputs, 2275);
+        assert_eq!(f.corpus_bytes, "481Kb");
+    }
+
+    #[test]
+    fn a_log_without_statistics_has_no_figures() {
+        assert!(figures("t", "\"DONE\" # Uses: 3\nDone 5 runs in 1 second(s)\n", 1.0).is_none());
     }
 }
