@@ -247,41 +247,34 @@ fn run_demo(args: &DemoArgs, bins: &Binaries, dir: &std::path::Path, ebpf: bool)
         Duration::from_secs(args.requests / args.rate.max(1) * 4 + 120),
         Some(&INTERRUPTED),
     )?;
-    let mut summary = None;
-    if let Some(load) = load {
-        let load_time = t_load.elapsed();
-        // Let revenant finish what the exporters still hold (they batch every 200 ms).
-        let metrics = revenant.wait_quiet(
-            Duration::from_millis(1500),
-            Duration::from_secs(30),
-            Some(&INTERRUPTED),
-        )?;
-        let prefill_stats = test_harness::http_json(&format!("{}/sim/stats", cluster.prefill)).ok();
-        let decode_stats = test_harness::http_json(&format!("{}/sim/stats", cluster.decode)).ok();
-        let router_stats = test_harness::http_json(&format!("{}/sim/stats", cluster.router)).ok();
-        summary = Some((
-            load,
-            load_time,
-            metrics,
-            prefill_stats,
-            decode_stats,
-            router_stats,
-        ));
-    }
-    if let Some((load, load_time, metrics, pstats, dstats, rstats)) = &summary {
+    let load_time = t_load.elapsed();
+    let observed = match load {
+        Some(load) => {
+            // Let revenant finish what the exporters still hold (they batch every 200 ms).
+            let metrics = revenant.wait_quiet(
+                Duration::from_millis(1500),
+                Duration::from_secs(30),
+                Some(&INTERRUPTED),
+            )?;
+            Some(Observed::gather(&cluster, Some((load, load_time)), metrics))
+        }
+        // Ctrl-C during the traffic: what revenant saw until then, without waiting for quiet.
+        None if interrupted() => revenant
+            .metrics()
+            .ok()
+            .map(|metrics| Observed::gather(&cluster, None, metrics)),
+        None => None,
+    };
+    if let Some(observed) = &observed {
         // The printer catches up with the file before the table.
         std::thread::sleep(Duration::from_millis(250));
         let notes = seen.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        print_summary(
-            args,
-            load,
-            *load_time,
-            metrics,
-            pstats.as_ref(),
-            dstats.as_ref(),
-            rstats.as_ref(),
-            &notes,
-        );
+        if observed.load.is_none() {
+            println!(
+                "\ndemo: interrupted after {load_time:.1?} of traffic: what revenant saw until then"
+            );
+        }
+        print_summary(args, observed, &notes);
         print_next(&admin, &notes, dir);
     }
     if args.keep_running && !interrupted() {
@@ -310,34 +303,62 @@ fn get(v: &Value, path: &[&str]) -> u64 {
     cur.as_u64().unwrap_or(0)
 }
 
-fn print_summary(
-    args: &DemoArgs,
-    load: &Value,
-    load_time: Duration,
-    m: &[Sample],
-    prefill: Option<&Value>,
-    decode: Option<&Value>,
-    router: Option<&Value>,
-    notes: &[Value],
-) {
+/// What the demo gathered for its summary: the load generator's totals (absent when the traffic
+/// was interrupted), revenant's metrics and the simulator's own counters.
+struct Observed {
+    load: Option<(Value, Duration)>,
+    metrics: Vec<Sample>,
+    prefill: Option<Value>,
+    decode: Option<Value>,
+    router: Option<Value>,
+}
+
+impl Observed {
+    fn gather(cluster: &Cluster, load: Option<(Value, Duration)>, metrics: Vec<Sample>) -> Self {
+        let stats = |base: &str| test_harness::http_json(&format!("{base}/sim/stats")).ok();
+        Observed {
+            load,
+            metrics,
+            prefill: stats(&cluster.prefill),
+            decode: stats(&cluster.decode),
+            router: stats(&cluster.router),
+        }
+    }
+}
+
+fn print_summary(args: &DemoArgs, observed: &Observed, notes: &[Value]) {
+    let m = &observed.metrics[..];
+    let (prefill, decode, router) = (
+        observed.prefill.as_ref(),
+        observed.decode.as_ref(),
+        observed.router.as_ref(),
+    );
     let rows: &mut Vec<(String, String)> = &mut Vec::new();
     let mut row = |k: &str, v: String| rows.push((k.to_string(), v));
-    row(
-        "requests",
-        format!(
-            "{} sent in {:.1?} ({:.0}/s), {} ok, {} errors",
-            get(load, &["sent"]),
-            load_time,
-            load["achieved_rate"].as_f64().unwrap_or(0.0),
-            get(load, &["ok"]),
-            get(load, &["errors"])
+    match &observed.load {
+        Some((load, load_time)) => {
+            row(
+                "requests",
+                format!(
+                    "{} sent in {:.1?} ({:.0}/s), {} ok, {} errors",
+                    get(load, &["sent"]),
+                    load_time,
+                    load["achieved_rate"].as_f64().unwrap_or(0.0),
+                    get(load, &["ok"]),
+                    get(load, &["errors"])
+                ),
+            );
+            let rejected: Vec<String> = load["rejected_by_status"]
+                .as_object()
+                .map(|o| o.iter().map(|(k, v)| format!("{v} x {k}")).collect())
+                .unwrap_or_default();
+            row("rejections (client saw)", list_or_none(rejected));
+        }
+        None => row(
+            "requests",
+            "interrupted: the load generator's totals are not available".into(),
         ),
-    );
-    let rejected: Vec<String> = load["rejected_by_status"]
-        .as_object()
-        .map(|o| o.iter().map(|(k, v)| format!("{v} x {k}")).collect())
-        .unwrap_or_default();
-    row("rejections (client saw)", list_or_none(rejected));
+    }
     if let Some(p) = prefill {
         let handed_on = if args.flavour == "vllm" {
             format!(

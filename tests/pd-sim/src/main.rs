@@ -66,8 +66,11 @@ fn main() -> std::process::ExitCode {
             };
         }
     };
+    // Colour codes only for a terminal: a cluster's log file or a test's pipe gets plain text.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
+        .with_ansi(ansi)
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("PD_SIM_LOG")
                 .unwrap_or_else(|_| "warn,pd_sim=info".into()),
