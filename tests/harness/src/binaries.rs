@@ -184,6 +184,7 @@ pub const SYSTEM_TOOLS: &[(&str, &str)] = &[
     ("prometheus", "prometheus"),
     ("promtool", "prometheus"),
     ("prometheus-alertmanager", "prometheus-alertmanager"),
+    ("amtool", "prometheus-alertmanager"),
 ];
 
 /// Where `binary` is on PATH, if it is.
