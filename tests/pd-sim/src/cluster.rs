@@ -237,37 +237,67 @@ pub async fn run(a: ClusterArgs) -> anyhow::Result<()> {
         stop_all(&mut procs).await;
         return Err(e);
     }
-    let find = |n: &str| procs.iter().find(|p| p.name == n);
+    announce(
+        &a,
+        &procs,
+        None,
+        &[
+            ("bootstrap_port", "prefill", "bootstrap_port"),
+            ("prefill_kv_port", "prefill", "kv_port"),
+            ("decode_kv_port", "decode", "kv_port"),
+        ],
+        ("bootstrap port", "bootstrap_port"),
+    )?;
+    supervise(procs).await
+}
+
+/// Prints the cluster's READY line: role, flavour, mode, the three HTTP addresses and pids, and
+/// `fields` (cluster key, child, child key) from the children's own READY lines; then a line for
+/// people naming `port` (its label and cluster key). Returns what it printed.
+fn announce(
+    a: &ClusterArgs,
+    procs: &[Proc],
+    flavour: Option<&str>,
+    fields: &[(&str, &str, &str)],
+    port: (&str, &str),
+) -> anyhow::Result<serde_json::Value> {
     let field = |n: &str, k: &str| {
-        find(n)
+        procs
+            .iter()
+            .find(|p| p.name == n)
             .map(|p| p.ready[k].clone())
             .unwrap_or(serde_json::Value::Null)
     };
-    let ready = serde_json::json!({
+    let mut ready = serde_json::json!({
         "role": "cluster",
         "mode": if a.no_router { serde_json::Value::Null } else { serde_json::to_value(a.mode)? },
         "router": field("router", "http"),
         "prefill": field("prefill", "http"),
         "decode": field("decode", "http"),
-        "bootstrap_port": field("prefill", "bootstrap_port"),
-        "prefill_kv_port": field("prefill", "kv_port"),
-        "decode_kv_port": field("decode", "kv_port"),
         "pids": {"router": field("router", "pid"), "prefill": field("prefill", "pid"), "decode": field("decode", "pid")},
     });
+    if let Some(f) = flavour {
+        ready["flavour"] = f.into();
+    }
+    for (key, child, child_key) in fields {
+        ready[*key] = field(child, child_key);
+    }
     crate::serve::print_ready(ready.clone());
+    let mode = if a.no_router {
+        "no router".to_string()
+    } else {
+        format!("{:?}", a.mode)
+    };
     eprintln!(
-        "pd-sim cluster ({}) ready: router {} prefill {} decode {} bootstrap port {}",
-        if a.no_router {
-            "no router".to_string()
-        } else {
-            format!("{:?}", a.mode)
-        },
+        "pd-sim cluster ({}{mode}) ready: router {} prefill {} decode {} {} {}",
+        flavour.map(|f| format!("{f}, ")).unwrap_or_default(),
         ready["router"],
         ready["prefill"],
         ready["decode"],
-        ready["bootstrap_port"]
+        port.0,
+        ready[port.1]
     );
-    supervise(procs).await
+    Ok(ready)
 }
 
 /// Wait for a signal or a child's death, then stop every child.
@@ -371,39 +401,18 @@ async fn run_vllm(a: ClusterArgs) -> anyhow::Result<()> {
         stop_all(&mut procs).await;
         return Err(e);
     }
-    let field = |n: &str, k: &str| {
-        procs
-            .iter()
-            .find(|p| p.name == n)
-            .map(|p| p.ready[k].clone())
-            .unwrap_or(serde_json::Value::Null)
-    };
-    let ready = serde_json::json!({
-        "role": "cluster",
-        "flavour": "vllm",
-        "mode": if a.no_router { serde_json::Value::Null } else { serde_json::to_value(a.mode)? },
-        "router": field("router", "http"),
-        "prefill": field("prefill", "http"),
-        "decode": field("decode", "http"),
-        "side_channel_port": field("prefill", "side_channel_port"),
-        "prefill_side_channel_port": field("prefill", "side_channel_port"),
-        "decode_side_channel_port": field("decode", "side_channel_port"),
-        "prefill_max_model_len": field("prefill", "max_model_len"),
-        "decode_max_model_len": field("decode", "max_model_len"),
-        "pids": {"router": field("router", "pid"), "prefill": field("prefill", "pid"), "decode": field("decode", "pid")},
-    });
-    crate::serve::print_ready(ready.clone());
-    eprintln!(
-        "pd-sim cluster (vllm, {}) ready: router {} prefill {} decode {} side channel port {}",
-        if a.no_router {
-            "no router".to_string()
-        } else {
-            format!("{:?}", a.mode)
-        },
-        ready["router"],
-        ready["prefill"],
-        ready["decode"],
-        ready["side_channel_port"]
-    );
+    announce(
+        &a,
+        &procs,
+        Some("vllm"),
+        &[
+            ("side_channel_port", "prefill", "side_channel_port"),
+            ("prefill_side_channel_port", "prefill", "side_channel_port"),
+            ("decode_side_channel_port", "decode", "side_channel_port"),
+            ("prefill_max_model_len", "prefill", "max_model_len"),
+            ("decode_max_model_len", "decode", "max_model_len"),
+        ],
+        ("side channel port", "side_channel_port"),
+    )?;
     supervise(procs).await
 }
