@@ -138,7 +138,7 @@ enum Router {
     /// A `pd-sim router --flavour vllm --mode` in front of the simulator's vLLM workers.
     VllmSim(&'static str),
     /// The real vllm-router 0.1.17 in front of them.
-    VllmRouter,
+    Vllm0117,
 }
 
 impl Router {
@@ -150,12 +150,12 @@ impl Router {
             Router::VllmSim("correct") => "vllm-correct",
             Router::VllmSim("handoff-after-reject") => "vllm-handoff-after-reject",
             Router::VllmSim(m) => m,
-            Router::VllmRouter => "vllm-router-0.1.17",
+            Router::Vllm0117 => "vllm-router-0.1.17",
         }
     }
     /// The simulator speaks vLLM (one attempt per request, named by vLLM's request name).
     fn vllm(self) -> bool {
-        matches!(self, Router::VllmSim(_) | Router::VllmRouter)
+        matches!(self, Router::VllmSim(_) | Router::Vllm0117)
     }
     /// It withdraws the decode leg of a refused attempt (so a decode ignoring that is a row).
     fn withdraws(self) -> bool {
@@ -242,7 +242,7 @@ fn all_rows() -> Vec<Row> {
         Router::Smg113,
         Router::VllmSim("correct"),
         Router::VllmSim("handoff-after-reject"),
-        Router::VllmRouter,
+        Router::Vllm0117,
     ];
     let mut rows = Vec::new();
     for router in routers {
@@ -268,7 +268,7 @@ fn real_router(router: Router) -> Result<Option<PathBuf>, String> {
         Router::Sim(_) | Router::VllmSim(_) => return Ok(None),
         Router::Smg032 => ("PD_SIM_SMG", "0.3.2"),
         Router::Smg113 => ("PD_SIM_SMG113", "smg 1.13.0"),
-        Router::VllmRouter => return vllm_router_python(),
+        Router::Vllm0117 => return vllm_router_python(),
     };
     let Some(p) = std::env::var_os(var) else {
         return Err(format!("{var} is not set (the `smg` binary of {want})"));
@@ -607,13 +607,13 @@ fn run_row(
     let breaches: BTreeSet<String> = if row.breach_row() {
         rejected
             .iter()
-            .cloned()
             // Reached decode: decode read the leg's HTTP request.
             .filter(|r| {
                 decode_rooms
-                    .get(r)
+                    .get(*r)
                     .is_some_and(|d| d["received_ns"].as_u64().unwrap_or(0) > 0)
             })
+            .cloned()
             .collect()
     } else {
         BTreeSet::new()
