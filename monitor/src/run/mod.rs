@@ -610,7 +610,7 @@ fn report_totals(drain: &Drain, totals: &EngineTotals, report: &DispatchReport) 
     let human = format!(
         "stopped after draining in {:?}: {} batches, {} events checked, {} violations; \
          alerts: {} incidents, {} findings merged, {} repeats, {} notifications spooled for delivery, {} findings rate-limited, \
-         {} dropped by the spool, {} left in the spool",
+         {} delivered to every sink, {} pending in the spool, {} dropped by the spool{}",
         drain.elapsed(),
         totals.batches,
         totals.events,
@@ -620,8 +620,17 @@ fn report_totals(drain: &Drain, totals: &EngineTotals, report: &DispatchReport) 
         report.deduplicated,
         report.notified,
         report.rate_limited,
-        report.spool_dropped,
+        report.delivered,
         report.undelivered_at_exit,
+        report.spool_dropped,
+        if report.spool_discarded > 0 {
+            format!(
+                ", {} discarded from the spool at your request",
+                report.spool_discarded
+            )
+        } else {
+            String::new()
+        },
     );
     let fields = serde_json::json!({
         "drain_seconds": drain.elapsed().as_secs_f64(),
@@ -635,6 +644,8 @@ fn report_totals(drain: &Drain, totals: &EngineTotals, report: &DispatchReport) 
         "findings_rate_limited": report.rate_limited,
         "spool_dropped": report.spool_dropped,
         "spool_left": report.undelivered_at_exit,
+        "delivered": report.delivered,
+        "spool_discarded": report.spool_discarded,
     });
     let serde_json::Value::Object(fields) = fields else {
         return;
