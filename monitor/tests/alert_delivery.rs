@@ -675,3 +675,320 @@ async fn group_wait_zero_notifies_each_finding() {
     assert_ne!(alerts[0]["incident"], alerts[1]["incident"]);
     assert_eq!((report.incidents, report.merged), (2, 0));
 }
+
+/// OTLP/HTTP JSON traffic for a real `revenant run`: prefill rejects an attempt, decode decodes
+/// it anyway (one `activity-after-rejection` violation per call, `i` makes each request distinct).
+mod traffic {
+    use std::io::{Read, Write};
+    use std::net::TcpStream;
+    use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+    use serde_json::{Value, json};
+
+    const MS: u128 = 1_000_000;
+
+    fn b64(bytes: &[u8]) -> String {
+        use base64::Engine as _;
+        base64::engine::general_purpose::STANDARD.encode(bytes)
+    }
+
+    fn span(
+        trace: u128,
+        id: u64,
+        parent: u64,
+        name: &str,
+        start: u128,
+        end: u128,
+        attrs: Value,
+    ) -> Value {
+        let attrs: Vec<Value> = attrs
+            .as_object()
+            .unwrap()
+            .iter()
+            .map(|(k, v)| match v {
+                Value::Number(n) => json!({"key": k, "value": {"intValue": n.to_string()}}),
+                other => json!({"key": k, "value": {"stringValue": other.as_str().unwrap()}}),
+            })
+            .collect();
+        let mut s = json!({
+            "traceId": b64(&trace.to_be_bytes()),
+            "spanId": b64(&id.to_be_bytes()),
+            "name": name,
+            "kind": "SPAN_KIND_INTERNAL",
+            "startTimeUnixNano": start.to_string(),
+            "endTimeUnixNano": end.to_string(),
+            "attributes": attrs,
+            "status": {},
+        });
+        if parent != 0 {
+            s["parentSpanId"] = json!(b64(&parent.to_be_bytes()));
+        }
+        s
+    }
+
+    fn export(http: &str, host: &str, spans: Vec<Value>) {
+        let doc = json!({"resourceSpans": [{
+            "resource": {"attributes": [
+                {"key": "service.name", "value": {"stringValue": "sglang"}},
+                {"key": "host.name", "value": {"stringValue": host}},
+            ]},
+            "scopeSpans": [{"scope": {"name": "sglang server"}, "spans": spans}],
+        }]})
+        .to_string();
+        let mut s = TcpStream::connect(http).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        write!(
+            s,
+            "POST /v1/traces HTTP/1.1\r\nHost: {http}\r\nContent-Type: application/json\r\n\
+             Content-Length: {}\r\nConnection: close\r\n\r\n{doc}",
+            doc.len()
+        )
+        .unwrap();
+        let mut answer = String::new();
+        let _ = s.read_to_string(&mut answer);
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    }
+
+    pub fn reject_then_decode(http: &str, i: u64) {
+        let t0 = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap()
+            .as_nanos();
+        let rid = format!("8f3c2b1a9d7e4f60a1b2c3d4e5f6{i:04x}");
+        let room = format!("{:#x}", 0x314783F6BEF70000u64 + i);
+        let reason = format!("Request {rid} exceeds the maximum number of tokens: 9000 > 8192");
+        let (tp, td) = (
+            (0x11u128 << 64) | (2 * i as u128 + 1),
+            (0x22u128 << 64) | (2 * i as u128 + 2),
+        );
+        let mut sched = span(
+            tp,
+            2,
+            1,
+            "Prefill Scheduler [TP 0] (host:prefill- | pid:4242)",
+            t0 + MS,
+            t0 + 4 * MS,
+            json!({"thread_label": "Prefill Scheduler", "pid": 4242, "reason": reason}),
+        );
+        sched["status"] = json!({"code": "STATUS_CODE_ERROR"});
+        let prefill = vec![
+            span(
+                tp,
+                3,
+                2,
+                "prefill_prepare",
+                t0 + 2 * MS,
+                t0 + 3 * MS,
+                json!({}),
+            ),
+            sched,
+            span(
+                tp,
+                1,
+                99,
+                "prefill Req",
+                t0,
+                t0 + 5 * MS,
+                json!({"rid": rid, "bootstrap_room": room}),
+            ),
+        ];
+        let dt = t0 + 204 * MS;
+        let decode = vec![
+            span(td, 3, 2, "decode_transferred", dt, dt + 5 * MS, json!({})),
+            span(
+                td,
+                4,
+                2,
+                "decode_loop",
+                dt + 5 * MS,
+                dt + 20 * MS,
+                json!({}),
+            ),
+            span(
+                td,
+                2,
+                1,
+                "Decode Scheduler [TP 0] (host:decode-n | pid:4243)",
+                t0 + MS,
+                dt + 21 * MS,
+                json!({"thread_label": "Decode Scheduler", "pid": 4243}),
+            ),
+            span(
+                td,
+                1,
+                0,
+                "decode Req",
+                t0,
+                dt + 22 * MS,
+                json!({"rid": rid, "bootstrap_room": room}),
+            ),
+        ];
+        export(http, "prefill-node", prefill);
+        export(http, "decode-node", decode);
+    }
+}
+
+/// Runs `revenant run` in `dir` (its log and ready file there) on the spool `spool`.
+fn run_on_spool(
+    dir: &std::path::Path,
+    spool: &std::path::Path,
+    extra: &[&str],
+) -> test_harness::Revenant {
+    std::fs::create_dir_all(dir).unwrap();
+    let mut args: Vec<&str> = vec![
+        "--spool-dir",
+        spool.to_str().unwrap(),
+        "--spool-no-fsync",
+        "--group-wait",
+        "0s",
+    ];
+    args.extend_from_slice(extra);
+    test_harness::Revenant::start_within(
+        std::path::Path::new(env!("CARGO_BIN_EXE_revenant")),
+        dir,
+        &args,
+        Duration::from_secs(20),
+    )
+    .unwrap_or_else(|e| panic!("{e:#}"))
+}
+
+fn jsonl_ids(path: &std::path::Path) -> Vec<String> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            v["id"].as_str().unwrap().to_string()
+        })
+        .collect()
+}
+
+fn wait_for_lines(path: &std::path::Path, n: usize, rv: &test_harness::Revenant) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while jsonl_ids(path).len() < n {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{} has {} of {n} alerts:\n{}",
+            path.display(),
+            jsonl_ids(path).len(),
+            rv.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The `stopped` summary line of a run's log.
+fn summary(log: &str) -> String {
+    log.lines()
+        .rfind(|l| l.contains("stopped after draining"))
+        .unwrap_or_else(|| panic!("no summary in\n{log}"))
+        .to_string()
+}
+
+/// Alerts spooled for a webhook that refuses every connection survive a restart without that
+/// webhook: the sink configured now gets each exactly once, a further restart sends nothing
+/// again, and dropping them takes `--spool-discard-removed-sinks` (counted and summarised).
+#[test]
+fn spooled_alerts_for_a_removed_sink_are_rerouted_not_dropped() {
+    const N: u64 = 3;
+    let tmp = tempfile::tempdir().unwrap();
+    let spool = tmp.path().join("spool");
+    let first_jsonl = tmp.path().join("first.jsonl");
+    let refused = "http://127.0.0.1:1/hook";
+
+    let mut rv = run_on_spool(
+        &tmp.path().join("run1"),
+        &spool,
+        &[
+            "--webhook",
+            refused,
+            "--alerts-jsonl",
+            first_jsonl.to_str().unwrap(),
+        ],
+    );
+    for i in 0..N {
+        traffic::reject_then_decode(&rv.otlp_http, i);
+    }
+    wait_for_lines(&first_jsonl, N as usize, &rv);
+    let log = rv.stop_log().unwrap();
+    let s = summary(&log);
+    assert!(s.contains(&format!("{N} pending in the spool")), "{s}");
+    let spooled = jsonl_ids(&first_jsonl);
+
+    // Without the webhook: re-routed to the JSON Lines sink configured now.
+    let second_jsonl = tmp.path().join("second.jsonl");
+    let second = ["--alerts-jsonl", second_jsonl.to_str().unwrap()];
+    let mut rv = run_on_spool(&tmp.path().join("run2"), &spool, &second);
+    wait_for_lines(&second_jsonl, N as usize, &rv);
+    let (_, metrics) = support::admin_get(&rv.admin, "/metrics");
+    let log = rv.stop_log().unwrap();
+    assert!(log.contains("re-routed"), "{log}");
+    assert!(!log.contains("items dropped"), "{log}");
+    assert!(
+        !metrics.contains("reason=\"sink_removed\"} 1")
+            && !metrics.contains("reason=\"sink_removed\"} 3"),
+        "{metrics}"
+    );
+    let s = summary(&log);
+    assert!(s.contains("0 pending in the spool"), "{s}");
+    assert!(s.contains(&format!("{N} delivered to every sink")), "{s}");
+    let mut got = jsonl_ids(&second_jsonl);
+    got.sort();
+    let mut want = spooled.clone();
+    want.sort();
+    assert_eq!(got, want, "each spooled alert exactly once");
+
+    // The same configuration again: nothing is sent twice.
+    let mut rv = run_on_spool(&tmp.path().join("run3"), &spool, &second);
+    std::thread::sleep(Duration::from_millis(500));
+    let log = rv.stop_log().unwrap();
+    assert!(!log.contains("re-routed"), "{log}");
+    assert_eq!(jsonl_ids(&second_jsonl).len(), N as usize, "no duplicate");
+
+    // Spool again for the refusing webhook, then discard on request.
+    let mut rv = run_on_spool(
+        &tmp.path().join("run4"),
+        &spool,
+        &[
+            "--webhook",
+            refused,
+            "--alerts-jsonl",
+            first_jsonl.to_str().unwrap(),
+        ],
+    );
+    for i in 10..10 + N {
+        traffic::reject_then_decode(&rv.otlp_http, i);
+    }
+    wait_for_lines(&first_jsonl, 2 * N as usize, &rv);
+    rv.stop_log().unwrap();
+    let third_jsonl = tmp.path().join("third.jsonl");
+    let mut rv = run_on_spool(
+        &tmp.path().join("run5"),
+        &spool,
+        &[
+            "--alerts-jsonl",
+            third_jsonl.to_str().unwrap(),
+            "--spool-discard-removed-sinks",
+        ],
+    );
+    let (_, metrics) = support::admin_get(&rv.admin, "/metrics");
+    let log = rv.stop_log().unwrap();
+    assert!(
+        metrics.contains(&format!(
+            "revenant_dropped_items_total{{point=\"spool\",reason=\"sink_removed\"}} {N}"
+        )),
+        "{metrics}"
+    );
+    assert!(
+        log.lines()
+            .any(|l| l.contains("ERROR") && l.contains("--spool-discard-removed-sinks")),
+        "{log}"
+    );
+    let s = summary(&log);
+    assert!(
+        s.contains(&format!("{N} discarded from the spool at your request")),
+        "{s}"
+    );
+    assert!(jsonl_ids(&third_jsonl).is_empty());
+    assert_eq!(spool_entries(&spool), 0);
+}
