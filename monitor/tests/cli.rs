@@ -544,3 +544,40 @@ fn readme_has_the_exit_code_table() {
     assert!(check[2].contains("violations found"), "{check:?}");
     row("rules list");
 }
+
+/// An admission whose end the file never shows leaves a deadline open: `--stats` reports it as
+/// pending under its rule, and counts in the singular say so.
+#[test]
+fn stats_report_deadlines_still_open_at_end_of_input() {
+    let f = tmp(
+        "open-deadline.jsonl",
+        "{\"time_unix_nano\":1000000000,\"stage\":\"prefill\",\"kind\":\"admitted\",\"ids\":{\"rid\":\"r1\",\"bootstrap_room\":\"0x10\"}}\n",
+    );
+    let o = bin().args(["check", "--stats"]).arg(&f).output().unwrap();
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    let stuck = err
+        .lines()
+        .find(|l| l.contains("stuck-attempt"))
+        .unwrap_or_else(|| panic!("{err}"));
+    assert!(
+        stuck.ends_with(" 0 (1 deadline still open at end of input: pending)"),
+        "{err}"
+    );
+    assert!(
+        err.contains("revenant: 1 deadline pending: the input ends before it can be judged"),
+        "{err}"
+    );
+    assert!(err.contains("revenant: 1 event ("), "{err}");
+    assert!(err.contains("revenant: 0 violations,"), "{err}");
+    assert!(err.contains("revenant: 1 attempt created,"), "{err}");
+    // The same attempt ended: nothing pending.
+    let f = tmp(
+        "closed-deadline.jsonl",
+        "{\"time_unix_nano\":1000000000,\"stage\":\"prefill\",\"kind\":\"admitted\",\"ids\":{\"rid\":\"r1\",\"bootstrap_room\":\"0x10\"}}\n\
+         {\"time_unix_nano\":2000000000,\"stage\":\"prefill\",\"kind\":\"completed\",\"ids\":{\"rid\":\"r1\",\"bootstrap_room\":\"0x10\"}}\n",
+    );
+    let o = bin().args(["check", "--stats"]).arg(&f).output().unwrap();
+    let (_, err) = text(&o);
+    assert!(!err.contains("pending"), "{err}");
+}

@@ -270,8 +270,29 @@ pub fn run(args: CheckArgs) -> ExitCode {
             s.events_late,
             count(bad_lines, "bad line")
         ));
-        for (rule, n) in checker.rules().zip(checker.violations_per_rule()) {
-            console::write_line(&format!("revenant:   {:<32} {n}", rule.name));
+        let open = checker.open_deadlines_per_rule();
+        for ((rule, n), o) in checker
+            .rules()
+            .zip(checker.violations_per_rule())
+            .zip(&open)
+        {
+            let pending = if *o > 0 {
+                format!(
+                    " ({} still open at end of input: pending)",
+                    count(*o, "deadline")
+                )
+            } else {
+                String::new()
+            };
+            console::write_line(&format!("revenant:   {:<32} {n}{pending}", rule.name));
+        }
+        let open_total: u64 = open.iter().sum();
+        if open_total > 0 {
+            console::write_line(&format!(
+                "revenant: {} pending: the input ends before {} can be judged",
+                count(open_total, "deadline"),
+                if open_total == 1 { "it" } else { "they" }
+            ));
         }
         console::write_line(&format!(
             "revenant: {}, {}{}",
