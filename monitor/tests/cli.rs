@@ -581,3 +581,43 @@ fn stats_report_deadlines_still_open_at_end_of_input() {
     let (_, err) = text(&o);
     assert!(!err.contains("pending"), "{err}");
 }
+
+/// A rejection that names a reason but no status (or a status but no reason): the summary shows
+/// what is known, no `-` placeholder in the parentheses.
+#[test]
+fn summaries_show_only_the_known_status_and_reason() {
+    let f = tmp(
+        "no-status.jsonl",
+        "{\"time_unix_nano\":1000000000,\"stage\":\"prefill\",\"kind\":\"rejected\",\"ids\":{\"bootstrap_room\":\"0x20\"},\"reason\":\"Input length (6189 tokens) exceeds\"}\n\
+         {\"time_unix_nano\":1100000000,\"stage\":\"decode\",\"kind\":\"work\",\"ids\":{\"bootstrap_room\":\"0x20\"}}\n\
+         {\"time_unix_nano\":1000000000,\"stage\":\"prefill\",\"kind\":\"rejected\",\"ids\":{\"bootstrap_room\":\"0x21\"},\"status\":400}\n\
+         {\"time_unix_nano\":1100000000,\"stage\":\"decode\",\"kind\":\"work\",\"ids\":{\"bootstrap_room\":\"0x21\"}}\n",
+    );
+    let o = bin().arg("check").arg(&f).output().unwrap();
+    let (out, err) = text(&o);
+    let summaries: Vec<String> = out
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            v["summary"].as_str().unwrap().to_owned()
+        })
+        .filter(|s| s.starts_with("activity-after-rejection"))
+        .collect();
+    assert_eq!(summaries.len(), 2, "{out}\n{err}");
+    assert!(
+        summaries
+            .iter()
+            .any(|s| s.contains("(Input length (6189 tokens) exceeds)")),
+        "{summaries:?}"
+    );
+    assert!(
+        summaries.iter().any(|s| s.contains("(400)")),
+        "{summaries:?}"
+    );
+    assert!(
+        summaries
+            .iter()
+            .all(|s| !s.contains("(- ") && !s.contains(" -)")),
+        "{summaries:?}"
+    );
+}
