@@ -173,9 +173,11 @@ pub struct TemplateContext<'a> {
 }
 
 impl TemplateContext<'_> {
-    /// Fills `template` (validated at load by [`validate_template`]).
+    /// Fills `template` (validated at load by [`validate_template`]). Within parentheses only
+    /// what is known is shown: `(400 -)` reads `(400)`, `(- reason)` reads `(reason)`, and a
+    /// group of nothing known is left out.
     pub fn render(&self, template: &str) -> String {
-        render(template, |k| self.value(k))
+        omit_unknown_in_groups(&render(template, |k| self.value(k)))
     }
 
     /// The text of placeholder `field`: "-" for a value this violation lacks, empty for an
@@ -295,6 +297,16 @@ pub fn render(template: &str, value: impl Fn(&str) -> String) -> String {
     out
 }
 
+/// Drops the `-` of unknown values at the edges of a parenthesized group, and groups left empty
+/// (with the space before them).
+fn omit_unknown_in_groups(text: &str) -> String {
+    let mut s = text.to_owned();
+    for empty in [" (- -)", " (-)", "(- -)", "(-)"] {
+        s = s.replace(empty, "");
+    }
+    s.replace("(- ", "(").replace(" -)", ")")
+}
+
 /// Human text for a nanosecond duration (used for `{delay}` and `{within}`).
 pub fn format_nanos(ns: u64) -> String {
     let mut s = String::new();
@@ -312,6 +324,21 @@ pub fn format_nanos(ns: u64) -> String {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn groups_show_only_what_is_known() {
+        use super::omit_unknown_in_groups as o;
+        assert_eq!(
+            o("rejected room 0x1 (400 -), then"),
+            "rejected room 0x1 (400), then"
+        );
+        assert_eq!(
+            o("rejected rid r (- Input length (6189 tokens) exceeds), then"),
+            "rejected rid r (Input length (6189 tokens) exceeds), then"
+        );
+        assert_eq!(o("rejected rid r (- -), then"), "rejected rid r, then");
+        assert_eq!(o("failed - (completed 500)"), "failed - (completed 500)");
+    }
+
     use super::*;
 
     #[test]

@@ -4,6 +4,7 @@
 //! no grouping with a group wait of 0). Run: `cargo test -p revenant --test alert_delivery`.
 
 mod support;
+mod traffic;
 
 use std::collections::HashSet;
 use std::io::BufRead;
@@ -674,4 +675,169 @@ async fn group_wait_zero_notifies_each_finding() {
     }
     assert_ne!(alerts[0]["incident"], alerts[1]["incident"]);
     assert_eq!((report.incidents, report.merged), (2, 0));
+}
+
+/// Runs `revenant run` in `dir` (its log and ready file there) on the spool `spool`.
+fn run_on_spool(
+    dir: &std::path::Path,
+    spool: &std::path::Path,
+    extra: &[&str],
+) -> test_harness::Revenant {
+    std::fs::create_dir_all(dir).unwrap();
+    let mut args: Vec<&str> = vec![
+        "--spool-dir",
+        spool.to_str().unwrap(),
+        "--spool-no-fsync",
+        "--group-wait",
+        "0s",
+    ];
+    args.extend_from_slice(extra);
+    test_harness::Revenant::start_within(
+        std::path::Path::new(env!("CARGO_BIN_EXE_revenant")),
+        dir,
+        &args,
+        Duration::from_secs(20),
+    )
+    .unwrap_or_else(|e| panic!("{e:#}"))
+}
+
+fn jsonl_ids(path: &std::path::Path) -> Vec<String> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            v["id"].as_str().unwrap().to_string()
+        })
+        .collect()
+}
+
+fn wait_for_lines(path: &std::path::Path, n: usize, rv: &test_harness::Revenant) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while jsonl_ids(path).len() < n {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{} has {} of {n} alerts:\n{}",
+            path.display(),
+            jsonl_ids(path).len(),
+            rv.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The `stopped` summary line of a run's log.
+fn summary(log: &str) -> String {
+    log.lines()
+        .rfind(|l| l.contains("stopped after draining"))
+        .unwrap_or_else(|| panic!("no summary in\n{log}"))
+        .to_string()
+}
+
+/// Alerts spooled for a webhook that refuses every connection survive a restart without that
+/// webhook: the sink configured now gets each exactly once, a further restart sends nothing
+/// again, and dropping them takes `--spool-discard-removed-sinks` (counted and summarised).
+#[test]
+fn spooled_alerts_for_a_removed_sink_are_rerouted_not_dropped() {
+    const N: u64 = 3;
+    let tmp = tempfile::tempdir().unwrap();
+    let spool = tmp.path().join("spool");
+    let first_jsonl = tmp.path().join("first.jsonl");
+    let refused = "http://127.0.0.1:1/hook";
+
+    let mut rv = run_on_spool(
+        &tmp.path().join("run1"),
+        &spool,
+        &[
+            "--webhook",
+            refused,
+            "--alerts-jsonl",
+            first_jsonl.to_str().unwrap(),
+        ],
+    );
+    for i in 0..N {
+        traffic::reject_then_decode(&rv.otlp_http, i);
+    }
+    wait_for_lines(&first_jsonl, N as usize, &rv);
+    let log = rv.stop_log().unwrap();
+    let s = summary(&log);
+    assert!(s.contains(&format!("{N} pending in the spool")), "{s}");
+    let spooled = jsonl_ids(&first_jsonl);
+
+    // Without the webhook: re-routed to the JSON Lines sink configured now.
+    let second_jsonl = tmp.path().join("second.jsonl");
+    let second = ["--alerts-jsonl", second_jsonl.to_str().unwrap()];
+    let mut rv = run_on_spool(&tmp.path().join("run2"), &spool, &second);
+    wait_for_lines(&second_jsonl, N as usize, &rv);
+    let (_, metrics) = support::admin_get(&rv.admin, "/metrics");
+    let log = rv.stop_log().unwrap();
+    assert!(log.contains("re-routed"), "{log}");
+    assert!(!log.contains("items dropped"), "{log}");
+    assert!(
+        !metrics.contains("reason=\"sink_removed\"} 1")
+            && !metrics.contains("reason=\"sink_removed\"} 3"),
+        "{metrics}"
+    );
+    let s = summary(&log);
+    assert!(s.contains("0 pending in the spool"), "{s}");
+    assert!(s.contains(&format!("{N} delivered to every sink")), "{s}");
+    let mut got = jsonl_ids(&second_jsonl);
+    got.sort();
+    let mut want = spooled.clone();
+    want.sort();
+    assert_eq!(got, want, "each spooled alert exactly once");
+
+    // The same configuration again: nothing is sent twice.
+    let mut rv = run_on_spool(&tmp.path().join("run3"), &spool, &second);
+    std::thread::sleep(Duration::from_millis(500));
+    let log = rv.stop_log().unwrap();
+    assert!(!log.contains("re-routed"), "{log}");
+    assert_eq!(jsonl_ids(&second_jsonl).len(), N as usize, "no duplicate");
+
+    // Spool again for the refusing webhook, then discard on request.
+    let mut rv = run_on_spool(
+        &tmp.path().join("run4"),
+        &spool,
+        &[
+            "--webhook",
+            refused,
+            "--alerts-jsonl",
+            first_jsonl.to_str().unwrap(),
+        ],
+    );
+    for i in 10..10 + N {
+        traffic::reject_then_decode(&rv.otlp_http, i);
+    }
+    wait_for_lines(&first_jsonl, 2 * N as usize, &rv);
+    rv.stop_log().unwrap();
+    let third_jsonl = tmp.path().join("third.jsonl");
+    let mut rv = run_on_spool(
+        &tmp.path().join("run5"),
+        &spool,
+        &[
+            "--alerts-jsonl",
+            third_jsonl.to_str().unwrap(),
+            "--spool-discard-removed-sinks",
+        ],
+    );
+    let (_, metrics) = support::admin_get(&rv.admin, "/metrics");
+    let log = rv.stop_log().unwrap();
+    assert!(
+        metrics.contains(&format!(
+            "revenant_dropped_items_total{{point=\"spool\",reason=\"sink_removed\"}} {N}"
+        )),
+        "{metrics}"
+    );
+    assert!(
+        log.lines()
+            .any(|l| l.contains("ERROR") && l.contains("--spool-discard-removed-sinks")),
+        "{log}"
+    );
+    let s = summary(&log);
+    assert!(
+        s.contains(&format!("{N} discarded from the spool at your request")),
+        "{s}"
+    );
+    assert!(jsonl_ids(&third_jsonl).is_empty());
+    assert_eq!(spool_entries(&spool), 0);
 }

@@ -544,3 +544,80 @@ fn readme_has_the_exit_code_table() {
     assert!(check[2].contains("violations found"), "{check:?}");
     row("rules list");
 }
+
+/// An admission whose end the file never shows leaves a deadline open: `--stats` reports it as
+/// pending under its rule, and counts in the singular say so.
+#[test]
+fn stats_report_deadlines_still_open_at_end_of_input() {
+    let f = tmp(
+        "open-deadline.jsonl",
+        "{\"time_unix_nano\":1000000000,\"stage\":\"prefill\",\"kind\":\"admitted\",\"ids\":{\"rid\":\"r1\",\"bootstrap_room\":\"0x10\"}}\n",
+    );
+    let o = bin().args(["check", "--stats"]).arg(&f).output().unwrap();
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    let stuck = err
+        .lines()
+        .find(|l| l.contains("stuck-attempt"))
+        .unwrap_or_else(|| panic!("{err}"));
+    assert!(
+        stuck.ends_with(" 0 (1 deadline still open at end of input: pending)"),
+        "{err}"
+    );
+    assert!(
+        err.contains("revenant: 1 deadline pending: the input ends before it can be judged"),
+        "{err}"
+    );
+    assert!(err.contains("revenant: 1 event ("), "{err}");
+    assert!(err.contains("revenant: 0 violations,"), "{err}");
+    assert!(err.contains("revenant: 1 attempt created,"), "{err}");
+    // The same attempt ended: nothing pending.
+    let f = tmp(
+        "closed-deadline.jsonl",
+        "{\"time_unix_nano\":1000000000,\"stage\":\"prefill\",\"kind\":\"admitted\",\"ids\":{\"rid\":\"r1\",\"bootstrap_room\":\"0x10\"}}\n\
+         {\"time_unix_nano\":2000000000,\"stage\":\"prefill\",\"kind\":\"completed\",\"ids\":{\"rid\":\"r1\",\"bootstrap_room\":\"0x10\"}}\n",
+    );
+    let o = bin().args(["check", "--stats"]).arg(&f).output().unwrap();
+    let (_, err) = text(&o);
+    assert!(!err.contains("pending"), "{err}");
+}
+
+/// A rejection that names a reason but no status (or a status but no reason): the summary shows
+/// what is known, no `-` placeholder in the parentheses.
+#[test]
+fn summaries_show_only_the_known_status_and_reason() {
+    let f = tmp(
+        "no-status.jsonl",
+        "{\"time_unix_nano\":1000000000,\"stage\":\"prefill\",\"kind\":\"rejected\",\"ids\":{\"bootstrap_room\":\"0x20\"},\"reason\":\"Input length (6189 tokens) exceeds\"}\n\
+         {\"time_unix_nano\":1100000000,\"stage\":\"decode\",\"kind\":\"work\",\"ids\":{\"bootstrap_room\":\"0x20\"}}\n\
+         {\"time_unix_nano\":1000000000,\"stage\":\"prefill\",\"kind\":\"rejected\",\"ids\":{\"bootstrap_room\":\"0x21\"},\"status\":400}\n\
+         {\"time_unix_nano\":1100000000,\"stage\":\"decode\",\"kind\":\"work\",\"ids\":{\"bootstrap_room\":\"0x21\"}}\n",
+    );
+    let o = bin().arg("check").arg(&f).output().unwrap();
+    let (out, err) = text(&o);
+    let summaries: Vec<String> = out
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            v["summary"].as_str().unwrap().to_owned()
+        })
+        .filter(|s| s.starts_with("activity-after-rejection"))
+        .collect();
+    assert_eq!(summaries.len(), 2, "{out}\n{err}");
+    assert!(
+        summaries
+            .iter()
+            .any(|s| s.contains("(Input length (6189 tokens) exceeds)")),
+        "{summaries:?}"
+    );
+    assert!(
+        summaries.iter().any(|s| s.contains("(400)")),
+        "{summaries:?}"
+    );
+    assert!(
+        summaries
+            .iter()
+            .all(|s| !s.contains("(- ") && !s.contains(" -)")),
+        "{summaries:?}"
+    );
+}

@@ -2,6 +2,7 @@
 //! its standard error (human and JSON), its signals. Run: `cargo test -p revenant --test run_cli`.
 
 mod support;
+mod traffic;
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
@@ -372,5 +373,97 @@ fn alerts_jsonl_in_a_missing_directory_fails_before_binding_naming_it() {
     assert!(
         !err.contains("already in use") && !err.contains("listening"),
         "{err}"
+    );
+}
+
+/// The `violations` figure of a run's shutdown summary.
+fn summary_violations(log: &str) -> u64 {
+    let line = log
+        .lines()
+        .rfind(|l| l.contains("stopped after draining"))
+        .unwrap_or_else(|| panic!("no summary in\n{log}"));
+    let before = line.split(" violations").next().unwrap();
+    before.rsplit(' ').next().unwrap().parse().unwrap()
+}
+
+/// `check` on a file recorded by `run --events-jsonl` (OTLP input arriving out of order) uses the
+/// run's lateness from the file's header: nothing late, the run's violations. The same file
+/// without its header still reads, and says how many events came late.
+#[test]
+fn check_reproduces_a_run_recorded_with_events_jsonl() {
+    const N: u64 = 3;
+    let mut rv = Revenant::start("check-replay", &["--group-wait", "0s"]);
+    for i in 0..N {
+        traffic::decode_reported_first(&rv.otlp_http, i);
+    }
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while rv.lines("alerts.jsonl").len() < N as usize {
+        assert!(std::time::Instant::now() < deadline, "{}", rv.stderr());
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert!(rv.stop().success(), "{}", rv.stderr());
+    let ran = summary_violations(&rv.stderr());
+    assert!(ran >= N, "{}", rv.stderr());
+    let events = rv.dir.join("events.jsonl");
+    let text = std::fs::read_to_string(&events).unwrap();
+    let header = text.lines().next().unwrap();
+    assert!(header.starts_with("# revenant-run {"), "{header}");
+    assert!(
+        header.contains("\"allowed_lateness_ns\":15000000000"),
+        "{header}"
+    );
+
+    let out = bin()
+        .args(["check", "--stats"])
+        .arg(&events)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains(", 0 late)"), "{stderr}");
+    assert!(!stderr.contains("warning"), "{stderr}");
+    assert_eq!(stdout.lines().count() as u64, ran, "{stdout}\n{stderr}");
+
+    // Without the header: the file still reads; the 50 ms default makes prefill's events late,
+    // which `check` says without --stats.
+    let bare = rv.dir.join("bare.jsonl");
+    let body: String = text
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    std::fs::write(&bare, body).unwrap();
+    let out = bin().arg("check").arg(&bare).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(matches!(out.status.code(), Some(0 | 1)), "{stderr}");
+    let warnings: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.contains("arrived later than"))
+        .collect();
+    assert_eq!(warnings.len(), 1, "{stderr}");
+    assert!(warnings[0].contains("--allowed-lateness 50ms"), "{stderr}");
+
+    // Other rules than the run's: said, with the flags that reproduce the run.
+    let rules = rv.dir.join("rules.yaml");
+    std::fs::write(
+        &rules,
+        "rules:\n  - name: activity-after-rejection\n    enabled: false\n",
+    )
+    .unwrap();
+    let out = bin()
+        .arg("check")
+        .arg("--rules")
+        .arg(&rules)
+        .arg(&events)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_ne!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("differ from the recording run's")
+            && stderr.contains("no --rules (the embedded defaults)")
+            && stderr.contains("--allowed-lateness 15s"),
+        "{stderr}"
     );
 }

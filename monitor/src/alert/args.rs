@@ -41,6 +41,10 @@ pub struct AlertArgs {
     /// Do not fsync spool entries (survives a crash of revenant, not of the machine).
     #[arg(long)]
     pub spool_no_fsync: bool,
+    /// At start, drop alerts the spool holds for sinks no longer configured, instead of
+    /// re-routing them to the sinks configured now (counted, logged at ERROR, in the summary).
+    #[arg(long)]
+    pub spool_discard_removed_sinks: bool,
     /// An incident notified within this window is not notified again for later findings of the
     /// same request (merged into it), unless one raises its severity [default: 5m].
     #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
@@ -128,6 +132,9 @@ impl AlertArgs {
         }
         if self.spool_no_fsync {
             cfg.spool.fsync = false;
+        }
+        if self.spool_discard_removed_sinks {
+            cfg.spool.discard_removed_sinks = true;
         }
         if let Some(d) = self.dedup_window {
             cfg.flood.dedup_window = d;

@@ -151,9 +151,18 @@ impl AlertConfig {
         self.node.clone().unwrap_or_else(crate::node::hostname)
     }
 
-    /// Builds the sinks (no network I/O: HTTP clients connect lazily). Names: `webhook-<i>`,
-    /// `alertmanager-<i>`, `jsonl`.
+    /// Builds the sinks (no network I/O: HTTP clients connect lazily). Names (the `sink` metric
+    /// label): `webhook-<i>`, `alertmanager-<i>`, `jsonl`; spool identities: [`sink_identities`].
     pub fn build_sinks(&self) -> Result<Vec<Arc<dyn Sink>>, AlertError> {
+        let sinks = self.build_sinks_by_position()?;
+        Ok(sinks
+            .into_iter()
+            .zip(sink_identities(self))
+            .map(|(inner, identity)| Arc::new(Identified { inner, identity }) as Arc<dyn Sink>)
+            .collect())
+    }
+
+    fn build_sinks_by_position(&self) -> Result<Vec<Arc<dyn Sink>>, AlertError> {
         let c = |e: String| AlertError::Config(e);
         let mut sinks: Vec<Arc<dyn Sink>> = Vec::new();
         for (i, w) in self.webhooks.iter().enumerate() {
@@ -172,6 +181,78 @@ impl AlertConfig {
             sinks.push(Arc::new(JsonlSink::new("jsonl", j).map_err(c)?));
         }
         Ok(sinks)
+    }
+}
+
+/// The spool identity of each sink `build_sinks` builds, in the same order: the kind and a
+/// digest of the destination, `webhook:<16 hex>` (SHA-256 of the URL), `alertmanager:<16 hex>`,
+/// `jsonl:<path>` (`jsonl:-` for standard output). A digest rather than the URL because webhook
+/// URLs often carry their token. The same destination configured twice gets `#2`, `#3`, ….
+/// Reordering sinks or adding one keeps what is pending routed to the same destination; changing
+/// a URL makes it another sink (what was pending for the old one is re-routed, see
+/// [`spool`]).
+pub fn sink_identities(cfg: &AlertConfig) -> Vec<String> {
+    use sha2::Digest;
+    let digest = |kind: &str, url: &str| {
+        let h = sha2::Sha256::digest(url.as_bytes());
+        let hex: String = h.iter().take(8).map(|b| format!("{b:02x}")).collect();
+        format!("{kind}:{hex}")
+    };
+    let mut out: Vec<String> = Vec::new();
+    let mut push = |id: String| {
+        let n = out
+            .iter()
+            .filter(|o| o.split('#').next() == Some(&id))
+            .count();
+        out.push(if n == 0 {
+            id
+        } else {
+            format!("{id}#{}", n + 1)
+        });
+    };
+    for w in &cfg.webhooks {
+        push(digest("webhook", &w.url));
+    }
+    for a in &cfg.alertmanagers {
+        push(digest("alertmanager", &a.url));
+    }
+    if let Some(j) = &cfg.jsonl {
+        push(format!("jsonl:{}", j.path.display()));
+    }
+    out
+}
+
+/// A sink under its spool identity.
+struct Identified {
+    inner: Arc<dyn Sink>,
+    identity: String,
+}
+
+impl Sink for Identified {
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+    fn identity(&self) -> &str {
+        &self.identity
+    }
+    fn max_batch(&self) -> usize {
+        self.inner.max_batch()
+    }
+    fn deliver<'a>(
+        &'a self,
+        batch: &'a [Arc<Notification>],
+    ) -> sink::BoxFuture<'a, Result<(), SinkError>> {
+        self.inner.deliver(batch)
+    }
+    fn refresh_interval(&self) -> Option<Duration> {
+        self.inner.refresh_interval()
+    }
+    fn refresh<'a>(
+        &'a self,
+        active: &'a [flood::ActiveAlert],
+        resolved: &'a [flood::ActiveAlert],
+    ) -> sink::BoxFuture<'a, Result<(), SinkError>> {
+        self.inner.refresh(active, resolved)
     }
 }
 
@@ -196,7 +277,7 @@ impl OpenedAlerts {
     pub fn open(cfg: &AlertConfig) -> Result<OpenedAlerts, AlertError> {
         cfg.validate()?;
         let sinks = cfg.build_sinks()?;
-        let names: Vec<String> = sinks.iter().map(|s| s.name().to_string()).collect();
+        let names: Vec<String> = sinks.iter().map(|s| s.identity().to_string()).collect();
         let (spool, recovered) = Spool::open(&cfg.spool, &names)?;
         Ok(OpenedAlerts {
             sinks,
@@ -239,13 +320,33 @@ impl OpenedAlerts {
             }
             .emit(&metrics);
         }
-        if rec.orphaned_acks > 0 {
+        if rec.discarded > 0 {
+            tracing::error!(
+                count = rec.discarded,
+                dir = %spool.dir().display(),
+                "discarding alerts pending for sinks no longer configured (--spool-discard-removed-sinks)"
+            );
             ItemsDropped {
                 point: DropPoint::Spool,
                 reason: DropReason::SinkRemoved,
-                count: rec.orphaned_acks as u64,
+                count: rec.discarded as u64,
             }
             .emit(&metrics);
+        }
+        if rec.rerouted > 0 {
+            tracing::warn!(
+                count = rec.rerouted,
+                dir = %spool.dir().display(),
+                "alerts pending for sinks no longer configured are re-routed to the sinks configured now"
+            );
+        }
+        if rec.stranded > 0 {
+            tracing::error!(
+                count = rec.stranded,
+                dir = %spool.dir().display(),
+                "alerts pending for sinks no longer configured, and no sink to take them: kept in the spool \
+                 until one is configured (or --spool-discard-removed-sinks drops them)"
+            );
         }
         if rec.entries > 0 {
             tracing::info!(entries = rec.entries, dir = %spool.dir().display(), "resuming alert delivery from the spool");
@@ -264,6 +365,7 @@ impl OpenedAlerts {
             sinks,
             metrics,
         );
+        d = d.with_spool_discarded(rec.discarded as u64);
         if let Some(r) = recent {
             d = d.with_recent(r);
         }
@@ -490,5 +592,53 @@ mod tests {
         .unwrap_err();
         assert_eq!(e, FloodConfigError::ZeroMaxTracked);
         assert_eq!(e.to_string(), "max_tracked must be > 0");
+    }
+}
+
+#[cfg(test)]
+mod identity_tests {
+    use super::*;
+
+    #[test]
+    fn sink_identities_follow_the_destination_not_the_position() {
+        let hook = |url: &str| WebhookConfig {
+            url: url.into(),
+            secret: None,
+            secret_file: None,
+            timeout: Duration::from_secs(1),
+            max_batch: 10,
+        };
+        let a = hook("http://127.0.0.1:9/a");
+        let b = hook("http://127.0.0.1:9/b");
+        let one = AlertConfig {
+            webhooks: vec![a.clone(), b.clone()],
+            jsonl: Some(JsonlConfig { path: "-".into() }),
+            ..AlertConfig::default()
+        };
+        let swapped = AlertConfig {
+            webhooks: vec![b.clone(), a.clone()],
+            ..one.clone()
+        };
+        let ids = sink_identities(&one);
+        let ids2 = sink_identities(&swapped);
+        assert_eq!(ids[0], ids2[1]);
+        assert_eq!(ids[1], ids2[0]);
+        assert_ne!(ids[0], ids[1]);
+        assert!(ids[0].starts_with("webhook:"), "{ids:?}");
+        assert!(
+            !ids[0].contains("127.0.0.1"),
+            "URLs may hold tokens: {ids:?}"
+        );
+        assert_eq!(ids[2], "jsonl:-");
+        let twice = AlertConfig {
+            webhooks: vec![a.clone(), a],
+            ..AlertConfig::default()
+        };
+        let ids = sink_identities(&twice);
+        assert_eq!(ids[1], format!("{}#2", ids[0]));
+        let built = one.build_sinks().unwrap();
+        let got: Vec<&str> = built.iter().map(|s| s.identity()).collect();
+        assert_eq!(got, sink_identities(&one));
+        assert_eq!(built[0].name(), "webhook-0");
     }
 }

@@ -38,6 +38,13 @@ pub trait Sink: Send + Sync + 'static {
     /// `sink` metric label (bounded: it comes from the config).
     fn name(&self) -> &str;
 
+    /// What the spool records acknowledgements under: stable across restarts for the same
+    /// destination (see [`crate::alert::sink_identities`]), so that an entry stays routed to the
+    /// destination it was meant for whatever the sinks' order.
+    fn identity(&self) -> &str {
+        self.name()
+    }
+
     /// Largest batch one `deliver` call should get.
     fn max_batch(&self) -> usize {
         64

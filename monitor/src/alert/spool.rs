@@ -3,8 +3,14 @@
 //! delivery resumes. One small JSON file per notification: writes are rare (alerts, not events),
 //! and a file per entry makes acknowledgement a rename or an unlink, with no log compaction.
 //!
-//! File `<seq:016x>.json` = `{"v":2,"seq":N,"pending":["webhook-0",...],"notification":{...}}`,
+//! File `<seq:016x>.json` = `{"v":2,"seq":N,"pending":["webhook:3f2a…",...],"acked":[...],"notification":{...}}`,
 //! written to a `.tmp` file, optionally fsynced, then renamed into place (atomic on POSIX).
+//! `pending` and `acked` hold sink identities ([`crate::alert::sink_identities`]): derived from
+//! each sink's configuration, not its position, so reordering sinks routes nothing elsewhere.
+//!
+//! An entry pending for a sink that is no longer configured is re-routed at open to the sinks
+//! configured now that have not acknowledged it yet; with no sink at all it stays on disk. Only
+//! `discard_removed_sinks` (`--spool-discard-removed-sinks`) drops those acknowledgements.
 //! Version 1 entries hold single-violation alerts (`"type":"violation"`); they are read back as
 //! one-finding incidents, so an upgrade delivers what the previous version left.
 
@@ -31,6 +37,9 @@ pub struct SpoolConfig {
     pub max_bytes: u64,
     /// fsync each new entry (survives power loss, not only a crash of revenant).
     pub fsync: bool,
+    /// At open, drop what is pending for sinks no longer configured instead of re-routing it to
+    /// the sinks configured now (counted as `reason="sink_removed"` drops).
+    pub discard_removed_sinks: bool,
 }
 
 impl Default for SpoolConfig {
@@ -40,6 +49,7 @@ impl Default for SpoolConfig {
             max_entries: 10_000,
             max_bytes: 64 << 20,
             fsync: true,
+            discard_removed_sinks: false,
         }
     }
 }
@@ -128,6 +138,9 @@ struct OnDisk {
     v: u32,
     seq: u64,
     pending: Vec<String>,
+    /// Sinks that already took the entry: a re-route never sends it to them again.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    acked: Vec<String>,
     notification: Notification,
 }
 
@@ -172,6 +185,8 @@ impl From<Stored> for Notification {
 struct OnDiskRead {
     seq: u64,
     pending: Vec<String>,
+    #[serde(default)]
+    acked: Vec<String>,
     notification: Stored,
 }
 
@@ -180,6 +195,7 @@ pub struct Entry {
     pub seq: u64,
     pub notification: Arc<Notification>,
     pub pending: Vec<String>,
+    pub acked: Vec<String>,
     bytes: u64,
 }
 
@@ -188,6 +204,8 @@ struct State {
     entries: BTreeMap<u64, Entry>,
     bytes: u64,
     next_seq: u64,
+    /// Entries acknowledged by every sink they were pending for since open.
+    completed: u64,
 }
 
 /// What `open` found on disk.
@@ -196,8 +214,15 @@ pub struct Recovered {
     pub entries: usize,
     /// Unreadable files, renamed to `*.corrupt` and counted as drops.
     pub corrupt: usize,
-    /// Pending acknowledgements for sinks no longer configured (dropped, counted).
-    pub orphaned_acks: usize,
+    /// Entries pending for sinks no longer configured, handed to the sinks configured now.
+    pub rerouted: usize,
+    /// Entries whose pending sinks are all gone, and that every sink configured now already
+    /// took: delivered, removed.
+    pub already_delivered: usize,
+    /// Entries pending for removed sinks with no sink configured at all: kept on disk.
+    pub stranded: usize,
+    /// Entries whose acknowledgements for removed sinks were dropped (`discard_removed_sinks`).
+    pub discarded: usize,
 }
 
 #[derive(Debug, Clone)]
@@ -262,26 +287,71 @@ impl Spool {
                     });
                     match parsed {
                         Some((d, len)) => {
-                            let before = d.pending.len();
-                            let pending: Vec<String> = d
-                                .pending
-                                .into_iter()
-                                .filter(|p| sinks.contains(p))
-                                .collect();
-                            rec.orphaned_acks += before - pending.len();
                             st.next_seq = st.next_seq.max(d.seq + 1);
-                            if pending.is_empty() {
-                                let _ = std::fs::remove_file(&path);
-                                continue;
-                            }
-                            st.bytes += len as u64;
+                            let notification: Notification = d.notification.into();
+                            let route =
+                                reroute(d.pending, d.acked, sinks, cfg.discard_removed_sinks);
+                            let (pending, acked, len) = match route {
+                                Route::Unchanged { pending, acked } => (pending, acked, len as u64),
+                                Route::Stranded { pending, acked } => {
+                                    rec.stranded += 1;
+                                    (pending, acked, len as u64)
+                                }
+                                Route::Done { discarded } => {
+                                    if discarded {
+                                        rec.discarded += 1;
+                                    } else {
+                                        rec.already_delivered += 1;
+                                    }
+                                    let _ = std::fs::remove_file(&path);
+                                    continue;
+                                }
+                                Route::Changed {
+                                    pending,
+                                    acked,
+                                    discarded,
+                                } => {
+                                    if discarded {
+                                        rec.discarded += 1;
+                                    } else {
+                                        rec.rerouted += 1;
+                                    }
+                                    let disk = OnDisk {
+                                        v: VERSION,
+                                        seq: d.seq,
+                                        pending,
+                                        acked,
+                                        notification,
+                                    };
+                                    let bytes = serde_json::to_vec(&disk)?;
+                                    // The new routing must survive a restart before any delivery
+                                    // to it is acknowledged; otherwise it would be routed again.
+                                    write_atomic(&dir, d.seq, &bytes, cfg.fsync)?;
+                                    let len = bytes.len() as u64;
+                                    st.bytes += len;
+                                    st.entries.insert(
+                                        d.seq,
+                                        Entry {
+                                            seq: d.seq,
+                                            notification: Arc::new(disk.notification),
+                                            pending: disk.pending,
+                                            acked: disk.acked,
+                                            bytes: len,
+                                        },
+                                    );
+                                    rec.entries += 1;
+                                    continue;
+                                }
+                            };
+                            st.bytes += len;
                             st.entries.insert(
                                 d.seq,
                                 Entry {
                                     seq: d.seq,
-                                    notification: Arc::new(d.notification.into()),
+                                    notification: Arc::new(notification),
                                     pending,
-                                    bytes: len as u64,
+                                    acked,
+                                    bytes: len,
                                 },
                             );
                             rec.entries += 1;
@@ -315,7 +385,7 @@ impl Spool {
     }
 
     fn path(&self, seq: u64) -> PathBuf {
-        self.dir.join(format!("{seq:016x}.json"))
+        entry_path(&self.dir, seq)
     }
 
     /// (entries, bytes)
@@ -360,6 +430,7 @@ impl Spool {
             v: VERSION,
             seq,
             pending: sinks.to_vec(),
+            acked: Vec::new(),
             notification: n,
         };
         let bytes = serde_json::to_vec(&d)?;
@@ -372,6 +443,7 @@ impl Spool {
                 seq,
                 notification: Arc::new(d.notification),
                 pending: d.pending,
+                acked: Vec::new(),
                 bytes: bytes.len() as u64,
             },
         );
@@ -406,6 +478,7 @@ impl Spool {
                         seq: s,
                         notification: Arc::new(n.clone()),
                         pending: Vec::new(),
+                        acked: Vec::new(),
                         bytes: 0,
                     },
                 );
@@ -415,6 +488,7 @@ impl Spool {
                 v: VERSION,
                 seq,
                 pending: sinks.to_vec(),
+                acked: Vec::new(),
                 notification: n,
             };
             let res = serde_json::to_vec(&d)
@@ -446,6 +520,7 @@ impl Spool {
                     seq,
                     notification: Arc::new(d.notification),
                     pending: d.pending,
+                    acked: Vec::new(),
                     bytes: len,
                 },
             );
@@ -464,26 +539,12 @@ impl Spool {
     }
 
     fn write_atomic(&self, seq: u64, bytes: &[u8], fsync: bool) -> Result<(), SpoolError> {
-        let path = self.path(seq);
-        let tmp = path.with_extension("tmp");
-        let werr = |source| SpoolError::Write {
-            path: path.clone(),
-            source,
-        };
-        let mut f = std::fs::File::create(&tmp).map_err(werr)?;
-        f.write_all(bytes).map_err(werr)?;
-        if fsync {
-            f.sync_data().map_err(werr)?;
-        }
-        drop(f);
-        std::fs::rename(&tmp, &path).map_err(werr)?;
-        if fsync {
-            // The rename itself is durable only once the directory is.
-            std::fs::File::open(&self.dir)
-                .and_then(|d| d.sync_all())
-                .map_err(werr)?;
-        }
-        Ok(())
+        write_atomic(&self.dir, seq, bytes, fsync)
+    }
+
+    /// Entries that every sink they were pending for acknowledged since open.
+    pub fn completed(&self) -> u64 {
+        self.lock().completed
     }
 
     /// Records that `sink` is done with `seq` (delivered, or refused for good). Removes the file
@@ -495,17 +556,23 @@ impl Spool {
             let Some(e) = g.entries.get_mut(&seq) else {
                 return Ok(());
             };
+            if !e.pending.iter().any(|p| p == sink) {
+                return Ok(());
+            }
             e.pending.retain(|p| p != sink);
+            e.acked.push(sink.to_string());
             if e.pending.is_empty() {
                 let b = e.bytes;
                 g.entries.remove(&seq);
                 g.bytes -= b;
+                g.completed += 1;
                 None
             } else {
                 Some(OnDisk {
                     v: VERSION,
                     seq,
                     pending: e.pending.clone(),
+                    acked: e.acked.clone(),
                     notification: (*e.notification).clone(),
                 })
             }
@@ -524,6 +591,100 @@ impl Spool {
                 self.write_atomic(seq, &bytes, false)
             }
         }
+    }
+}
+
+fn entry_path(dir: &Path, seq: u64) -> PathBuf {
+    dir.join(format!("{seq:016x}.json"))
+}
+
+fn write_atomic(dir: &Path, seq: u64, bytes: &[u8], fsync: bool) -> Result<(), SpoolError> {
+    let path = entry_path(dir, seq);
+    let tmp = path.with_extension("tmp");
+    let werr = |source| SpoolError::Write {
+        path: path.clone(),
+        source,
+    };
+    let mut f = std::fs::File::create(&tmp).map_err(werr)?;
+    f.write_all(bytes).map_err(werr)?;
+    if fsync {
+        f.sync_data().map_err(werr)?;
+    }
+    drop(f);
+    std::fs::rename(&tmp, &path).map_err(werr)?;
+    if fsync {
+        // The rename itself is durable only once the directory is.
+        std::fs::File::open(dir)
+            .and_then(|d| d.sync_all())
+            .map_err(werr)?;
+    }
+    Ok(())
+}
+
+/// What happens at open to an entry read back.
+#[derive(Debug, PartialEq, Eq)]
+enum Route {
+    /// Every pending sink is still configured.
+    Unchanged {
+        pending: Vec<String>,
+        acked: Vec<String>,
+    },
+    /// Pending for removed sinks, and no sink is configured to take it over: kept as it is.
+    Stranded {
+        pending: Vec<String>,
+        acked: Vec<String>,
+    },
+    /// Nothing left to deliver: every configured sink already took it, or the rest was discarded.
+    Done { discarded: bool },
+    /// Pending for removed sinks: re-routed to the configured sinks that have not taken it, or
+    /// (on request) those acknowledgements discarded.
+    Changed {
+        pending: Vec<String>,
+        acked: Vec<String>,
+        discarded: bool,
+    },
+}
+
+fn reroute(pending: Vec<String>, acked: Vec<String>, sinks: &[String], discard: bool) -> Route {
+    let (kept, removed): (Vec<String>, Vec<String>) =
+        pending.into_iter().partition(|p| sinks.contains(p));
+    if removed.is_empty() {
+        return Route::Unchanged {
+            pending: kept,
+            acked,
+        };
+    }
+    if discard {
+        return if kept.is_empty() {
+            Route::Done { discarded: true }
+        } else {
+            Route::Changed {
+                pending: kept,
+                acked,
+                discarded: true,
+            }
+        };
+    }
+    if sinks.is_empty() {
+        let mut pending = kept;
+        pending.extend(removed);
+        return Route::Stranded { pending, acked };
+    }
+    // Still pending for a configured sink: the alert reaches someone without a new receiver.
+    let mut pending = kept;
+    let reaches_someone = !pending.is_empty();
+    for s in sinks.iter().filter(|_| !reaches_someone) {
+        if !pending.contains(s) && !acked.contains(s) {
+            pending.push(s.clone());
+        }
+    }
+    if pending.is_empty() {
+        return Route::Done { discarded: false };
+    }
+    Route::Changed {
+        pending,
+        acked,
+        discarded: false,
     }
 }
 
@@ -648,8 +809,96 @@ mod tests {
         drop(s);
         let (s, rec) = Spool::open(&cfg, &["a".into()]).unwrap();
         assert_eq!(rec.corrupt, 1);
-        assert_eq!(rec.orphaned_acks, 2);
-        assert_eq!(rec.entries, 1);
-        assert_eq!(s.size().0, 1);
+        // Entry 0 still reaches "a"; entry 1 was only for "gone" and is handed to "a".
+        assert_eq!(rec.rerouted, 2);
+        assert_eq!(rec.entries, 2);
+        assert_eq!(s.size().0, 2);
+        assert_eq!(s.pending_for("a").len(), 2);
+        assert_eq!(s.pending_for("gone").len(), 0);
+    }
+
+    fn cfg_in(dir: &Path) -> SpoolConfig {
+        SpoolConfig {
+            dir: Some(dir.to_path_buf()),
+            fsync: false,
+            ..Default::default()
+        }
+    }
+
+    fn strs(v: &[&str]) -> Vec<String> {
+        v.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn entries_for_a_removed_sink_go_to_the_sinks_configured_now_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = cfg_in(dir.path());
+        let (s, _) = Spool::open(&cfg, &strs(&["old", "both"])).unwrap();
+        let only_old = s.put(note(0), &strs(&["old"])).unwrap();
+        let shared = s.put(note(1), &strs(&["old", "both"])).unwrap();
+        // "both" already took `shared`: it must not get it a second time.
+        s.ack(shared, "both").unwrap();
+        drop(s);
+        let (s, rec) = Spool::open(&cfg, &strs(&["both", "new"])).unwrap();
+        assert_eq!((rec.rerouted, rec.already_delivered), (2, 0));
+        assert_eq!(rec.discarded, 0);
+        assert_eq!(s.pending_for("both"), vec![only_old]);
+        assert_eq!(s.pending_for("new"), vec![only_old, shared]);
+        drop(s);
+        // The routing was written back: reopening unchanged routes nothing again.
+        let (s, rec) = Spool::open(&cfg, &strs(&["both", "new"])).unwrap();
+        assert_eq!((rec.rerouted, rec.entries), (0, 2));
+        for seq in [only_old, shared] {
+            s.ack(seq, "new").unwrap();
+        }
+        s.ack(only_old, "both").unwrap();
+        assert_eq!(s.size().0, 0);
+        assert_eq!(s.completed(), 2);
+    }
+
+    #[test]
+    fn an_entry_every_current_sink_already_took_is_complete() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = cfg_in(dir.path());
+        let (s, _) = Spool::open(&cfg, &strs(&["old", "b"])).unwrap();
+        let seq = s.put(note(0), &strs(&["old", "b"])).unwrap();
+        s.ack(seq, "b").unwrap();
+        drop(s);
+        let (s, rec) = Spool::open(&cfg, &strs(&["b"])).unwrap();
+        assert_eq!((rec.already_delivered, rec.entries), (1, 0));
+        assert_eq!(s.size().0, 0);
+    }
+
+    #[test]
+    fn without_any_sink_entries_stay_on_disk() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = cfg_in(dir.path());
+        let (s, _) = Spool::open(&cfg, &strs(&["old"])).unwrap();
+        let seq = s.put(note(0), &strs(&["old"])).unwrap();
+        drop(s);
+        let (s, rec) = Spool::open(&cfg, &[]).unwrap();
+        assert_eq!((rec.stranded, rec.entries, rec.discarded), (1, 1, 0));
+        drop(s);
+        let (s, rec) = Spool::open(&cfg, &strs(&["later"])).unwrap();
+        assert_eq!(rec.rerouted, 1);
+        assert_eq!(s.pending_for("later"), vec![seq]);
+    }
+
+    #[test]
+    fn discarding_removed_sinks_is_explicit_and_counted() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = cfg_in(dir.path());
+        let (s, _) = Spool::open(&cfg, &strs(&["old", "b"])).unwrap();
+        s.put(note(0), &strs(&["old"])).unwrap();
+        let kept = s.put(note(1), &strs(&["old", "b"])).unwrap();
+        drop(s);
+        let discard = SpoolConfig {
+            discard_removed_sinks: true,
+            ..cfg.clone()
+        };
+        let (s, rec) = Spool::open(&discard, &strs(&["b", "new"])).unwrap();
+        assert_eq!((rec.discarded, rec.rerouted, rec.entries), (2, 0, 1));
+        assert_eq!(s.pending_for("b"), vec![kept]);
+        assert_eq!(s.pending_for("new"), Vec::<u64>::new());
     }
 }

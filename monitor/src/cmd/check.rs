@@ -43,11 +43,12 @@ pub struct CheckArgs {
     /// Rules file (YAML) extending or overriding the embedded defaults.
     #[arg(long, value_name = "FILE")]
     pub rules: Option<PathBuf>,
-    /// Events from different nodes count as later only beyond this skew.
-    #[arg(long, default_value = "50ms", value_parser = humantime::parse_duration)]
-    pub clock_skew: Duration,
-    /// How late (in event time) an event may arrive and still count for deadline rules.
-    /// Defaults to the clock skew.
+    /// Events from different nodes count as later only beyond this skew [default: the recording
+    /// run's (its `# revenant-run` header), else 50ms].
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub clock_skew: Option<Duration>,
+    /// How late (in event time) an event may arrive and still count for deadline rules
+    /// [default: the recording run's (its header), else the clock skew].
     #[arg(long, value_parser = humantime::parse_duration)]
     pub allowed_lateness: Option<Duration>,
     /// Print a summary (events, violations per rule, state) to standard error at the end.
@@ -115,6 +116,9 @@ fn open_inputs(
         .collect()
 }
 
+/// `--clock-skew` of a file without a run header.
+const DEFAULT_CLOCK_SKEW: Duration = Duration::from_millis(50);
+
 /// `n thing` or `n things`.
 fn count(n: u64, thing: &str) -> String {
     if n == 1 {
@@ -129,9 +133,42 @@ pub fn run(args: CheckArgs) -> ExitCode {
         Ok(r) => r,
         Err(code) => return code,
     };
+    let paths: Vec<PathBuf> = args.events.iter().chain(&args.files).cloned().collect();
+    // The settings of the run that recorded the first file, when it says (standard input cannot
+    // be read twice: no header from it).
+    let header = paths
+        .first()
+        .filter(|p| p.as_os_str() != "-")
+        .and_then(|p| std::fs::File::open(p).ok())
+        .and_then(|f| replay::RunHeader::read(BufReader::new(f)));
+    let recorded = |ns: u64| Duration::from_nanos(ns);
+    let clock_skew = args
+        .clock_skew
+        .or(header.as_ref().map(|h| recorded(h.clock_skew_ns)))
+        .unwrap_or(DEFAULT_CLOCK_SKEW);
+    let allowed_lateness = args
+        .allowed_lateness
+        .or(header.as_ref().map(|h| recorded(h.allowed_lateness_ns)))
+        .unwrap_or(clock_skew);
+    if let Some(h) = &header {
+        let fingerprint = replay::rules_fingerprint(rules.rules.iter());
+        if fingerprint != h.rules_fingerprint {
+            let rules_flag = match &h.rules {
+                Some(p) => format!("--rules {p}"),
+                None => "no --rules (the embedded defaults)".into(),
+            };
+            console::write_line(&format!(
+                "revenant: warning: these rules differ from the recording run's (fingerprint {} vs \
+                 {fingerprint}); to reproduce it: {rules_flag} --allowed-lateness {:?} --clock-skew {:?}",
+                h.rules_fingerprint,
+                recorded(h.allowed_lateness_ns),
+                recorded(h.clock_skew_ns),
+            ));
+        }
+    }
     let cfg = CheckerConfig {
-        clock_skew: args.clock_skew,
-        allowed_lateness: args.allowed_lateness.unwrap_or(args.clock_skew),
+        clock_skew,
+        allowed_lateness,
         ..CheckerConfig::default()
     };
     let lateness = cfg.allowed_lateness;
@@ -143,7 +180,6 @@ pub fn run(args: CheckArgs) -> ExitCode {
         inner: r,
         gone: reader_gone.clone(),
     };
-    let paths: Vec<PathBuf> = args.events.iter().chain(&args.files).cloned().collect();
     let inputs = match open_inputs(&paths, until_gone) {
         Ok(i) => i,
         Err(e) => {
@@ -234,8 +270,29 @@ pub fn run(args: CheckArgs) -> ExitCode {
             s.events_late,
             count(bad_lines, "bad line")
         ));
-        for (rule, n) in checker.rules().zip(checker.violations_per_rule()) {
-            console::write_line(&format!("revenant:   {:<32} {n}", rule.name));
+        let open = checker.open_deadlines_per_rule();
+        for ((rule, n), o) in checker
+            .rules()
+            .zip(checker.violations_per_rule())
+            .zip(&open)
+        {
+            let pending = if *o > 0 {
+                format!(
+                    " ({} still open at end of input: pending)",
+                    count(*o, "deadline")
+                )
+            } else {
+                String::new()
+            };
+            console::write_line(&format!("revenant:   {:<32} {n}{pending}", rule.name));
+        }
+        let open_total: u64 = open.iter().sum();
+        if open_total > 0 {
+            console::write_line(&format!(
+                "revenant: {} pending: the input ends before {} can be judged",
+                count(open_total, "deadline"),
+                if open_total == 1 { "it" } else { "they" }
+            ));
         }
         console::write_line(&format!(
             "revenant: {}, {}{}",
@@ -256,6 +313,14 @@ pub fn run(args: CheckArgs) -> ExitCode {
             s.request_records,
             s.correlate.evicted_ttl,
             s.correlate.evicted_cap
+        ));
+    }
+    let late = checker.stats().events_late;
+    if late > 0 && !args.stats {
+        console::write_line(&format!(
+            "revenant: warning: {} arrived later than --allowed-lateness {lateness:?} and did not \
+             count for deadline rules (--stats for details)",
+            count(late, "event"),
         ));
     }
     if bad_lines > 0 {

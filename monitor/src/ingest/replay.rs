@@ -5,6 +5,13 @@
 //! ```
 //! `time` (RFC 3339, up to ns) or `time_unix_nano` (integer) is required; so are `stage` and
 //! `kind`. Unknown fields are errors, so a typo never silently drops a fact.
+//!
+//! A file written by `revenant run --events-jsonl` starts (each run appending to it, each run's
+//! part starts) with a [`RunHeader`] comment line, which readers that skip `#` lines ignore:
+//! ```text
+//! # revenant-run {"version":"0.1.0","allowed_lateness_ns":2000000000,"clock_skew_ns":50000000,"rules":null,"rules_fingerprint":"9c1e…"}
+//! ```
+//! `revenant check` takes the lateness and skew from the first one unless given as flags.
 
 use std::io::BufRead;
 
@@ -58,6 +65,73 @@ pub enum ReplayError {
     Line { line: u64, message: String },
     #[error("reading events: {0}")]
     Io(#[from] std::io::Error),
+}
+
+/// What starts a run header line.
+pub const RUN_HEADER_PREFIX: &str = "# revenant-run ";
+
+/// The engine settings of the run that recorded a file: what changes verdicts on replay.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunHeader {
+    /// revenant's version.
+    pub version: String,
+    pub allowed_lateness_ns: u64,
+    pub clock_skew_ns: u64,
+    /// The `--rules` file of the run; `null` for the embedded defaults.
+    pub rules: Option<String>,
+    /// [`rules_fingerprint`] of the compiled rule set.
+    pub rules_fingerprint: String,
+}
+
+impl RunHeader {
+    /// The header line, newline included.
+    pub fn line(&self) -> String {
+        let json = serde_json::to_string(self).unwrap_or_default();
+        format!("{RUN_HEADER_PREFIX}{json}\n")
+    }
+
+    /// A run header line, or `None` for any other line (other comments included).
+    pub fn parse(line: &str) -> Option<RunHeader> {
+        let line = line.strip_prefix('\u{feff}').unwrap_or(line);
+        serde_json::from_str(line.trim_end().strip_prefix(RUN_HEADER_PREFIX)?).ok()
+    }
+
+    /// The first run header among the leading comment lines of `input`.
+    pub fn read(input: impl BufRead) -> Option<RunHeader> {
+        for line in input.lines().take(64) {
+            let line = line.ok()?;
+            let t = line.trim_start_matches('\u{feff}').trim();
+            if t.is_empty() {
+                continue;
+            }
+            if !t.starts_with('#') {
+                return None;
+            }
+            if let Some(h) = RunHeader::parse(t) {
+                return Some(h);
+            }
+        }
+        None
+    }
+}
+
+/// A digest of a compiled rule set (first 16 hex digits of SHA-256 over its rules): equal
+/// fingerprints mean the same rules, whatever file they came from. Computed from the rules' debug
+/// form, so a different revenant version may give another fingerprint for the same file.
+pub fn rules_fingerprint<'a>(
+    rules: impl Iterator<Item = &'a crate::engine::rules::Rule>,
+) -> String {
+    use sha2::Digest;
+    let mut h = sha2::Sha256::new();
+    for r in rules {
+        h.update(format!("{r:?}").as_bytes());
+        h.update(b"\n");
+    }
+    h.finalize()
+        .iter()
+        .take(8)
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }
 
 /// Parses one line. Empty lines and `#` comments give `Ok(None)`.
@@ -237,6 +311,34 @@ mod tests {
         // Only at the start of the file: elsewhere it is a bad line.
         assert_eq!(bad.len(), 1, "{bad:?}");
         assert!(bad[0].starts_with("line 2:"), "{bad:?}");
+    }
+
+    #[test]
+    fn run_header_is_found_among_leading_comments_and_skipped_by_the_reader() {
+        let h = RunHeader {
+            version: "0.1.0".into(),
+            allowed_lateness_ns: 15_000_000_000,
+            clock_skew_ns: 50_000_000,
+            rules: None,
+            rules_fingerprint: "00ff".into(),
+        };
+        let line = h.line();
+        assert!(
+            line.starts_with("# revenant-run {") && line.ends_with('\n'),
+            "{line}"
+        );
+        let file = format!(
+            "\u{feff}# a note\n{line}{{\"time_unix_nano\":1,\"stage\":\"prefill\",\"kind\":\"rejected\"}}\n"
+        );
+        assert_eq!(RunHeader::read(file.as_bytes()), Some(h.clone()));
+        let (mut events, mut errors) = (0, 0);
+        read_events(file.as_bytes(), |_| events += 1, |_| errors += 1).unwrap();
+        assert_eq!((events, errors), (1, 0));
+        // A header after the first event belongs to a later run appended to the file.
+        let late =
+            format!("{{\"time_unix_nano\":1,\"stage\":\"prefill\",\"kind\":\"rejected\"}}\n{line}");
+        assert_eq!(RunHeader::read(late.as_bytes()), None);
+        assert_eq!(RunHeader::parse("# revenant-run {broken"), None);
     }
 
     #[test]

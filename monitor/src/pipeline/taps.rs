@@ -102,6 +102,15 @@ impl ReplayWriter {
             line: Vec::with_capacity(512),
         })
     }
+
+    /// [`ReplayWriter::open`], then writes `header` (a `#` line: see
+    /// [`crate::ingest::replay::RunHeader`]) at once.
+    pub fn open_with_header(path: &Path, header: &str) -> std::io::Result<ReplayWriter> {
+        let mut w = ReplayWriter::open(path)?;
+        w.out.write_all(header.as_bytes())?;
+        w.out.flush()?;
+        Ok(w)
+    }
 }
 
 impl EventTap for ReplayWriter {

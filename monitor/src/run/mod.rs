@@ -40,6 +40,7 @@ use crate::config::RunConfig;
 use crate::event::Source;
 use crate::ingest::ebpf::EbpfStart;
 use crate::ingest::otlp::{self, Ingest, OtlpStats};
+use crate::ingest::replay::{RunHeader, rules_fingerprint};
 use crate::normalize::Normalizer;
 use crate::pipeline::taps::{EngineMetrics, Observed, ReplayWriter, SourceActivity};
 use crate::pipeline::{
@@ -199,14 +200,17 @@ fn claim(
     cfg: &RunConfig,
     alert: &AlertConfig,
     ready_file: Option<&PathBuf>,
+    events_header: &str,
 ) -> Result<Claimed, RunError> {
     // The spool first: its lock says whether another instance owns this node's files.
     let alerts = OpenedAlerts::open(alert).map_err(RunError::Alert)?;
     let events_jsonl = match &cfg.events_jsonl {
-        Some(path) => Some(ReplayWriter::open(path).map_err(|source| RunError::Open {
-            path: path.clone(),
-            source,
-        })?),
+        Some(path) => Some(ReplayWriter::open_with_header(path, events_header).map_err(
+            |source| RunError::Open {
+                path: path.clone(),
+                source,
+            },
+        )?),
         None => None,
     };
     if let Some(path) = ready_file {
@@ -610,7 +614,7 @@ fn report_totals(drain: &Drain, totals: &EngineTotals, report: &DispatchReport) 
     let human = format!(
         "stopped after draining in {:?}: {} batches, {} events checked, {} violations; \
          alerts: {} incidents, {} findings merged, {} repeats, {} notifications spooled for delivery, {} findings rate-limited, \
-         {} dropped by the spool, {} left in the spool",
+         {} delivered to every sink, {} pending in the spool, {} dropped by the spool{}",
         drain.elapsed(),
         totals.batches,
         totals.events,
@@ -620,8 +624,17 @@ fn report_totals(drain: &Drain, totals: &EngineTotals, report: &DispatchReport) 
         report.deduplicated,
         report.notified,
         report.rate_limited,
-        report.spool_dropped,
+        report.delivered,
         report.undelivered_at_exit,
+        report.spool_dropped,
+        if report.spool_discarded > 0 {
+            format!(
+                ", {} discarded from the spool at your request",
+                report.spool_discarded
+            )
+        } else {
+            String::new()
+        },
     );
     let fields = serde_json::json!({
         "drain_seconds": drain.elapsed().as_secs_f64(),
@@ -635,6 +648,8 @@ fn report_totals(drain: &Drain, totals: &EngineTotals, report: &DispatchReport) 
         "findings_rate_limited": report.rate_limited,
         "spool_dropped": report.spool_dropped,
         "spool_left": report.undelivered_at_exit,
+        "delivered": report.delivered,
+        "spool_discarded": report.spool_discarded,
     });
     let serde_json::Value::Object(fields) = fields else {
         return;
@@ -689,7 +704,14 @@ pub async fn run_async(p: Prepared) -> Result<(), RunError> {
             .metrics
             .declare_rule(&rule.name, rule.severity.as_str());
     }
-    let claimed = claim(&cfg, &alert, ready_file.as_ref())?;
+    let header = RunHeader {
+        version: env!("CARGO_PKG_VERSION").into(),
+        allowed_lateness_ns: cfg.engine.allowed_lateness().as_nanos() as u64,
+        clock_skew_ns: cfg.engine.clock_skew().as_nanos() as u64,
+        rules: cfg.engine.rules.as_ref().map(|p| p.display().to_string()),
+        rules_fingerprint: rules_fingerprint(checker.rules()),
+    };
+    let claimed = claim(&cfg, &alert, ready_file.as_ref(), &header.line())?;
     let mut b = bind(&cfg, &admin).await?;
     let mut bound = serde_json::Map::new();
     let outputs = start_outputs(

@@ -167,7 +167,7 @@ fn ack_all(
     metrics: &Metrics,
 ) {
     for (seq, _) in batch {
-        if let Err(e) = spool.ack(*seq, name) {
+        if let Err(e) = spool.ack(*seq, q.sink.identity()) {
             // The entry stays on disk and is redelivered after a restart: duplicates, not loss.
             tracing::error!(sink = name, error = %e, "cannot record acknowledgement in the spool");
         }

@@ -74,6 +74,10 @@ pub struct DispatchReport {
     /// Follow-ups from a second source (merged, never counted as repeats).
     pub corroborated: u64,
     pub spool_dropped: u64,
+    /// Notifications every sink they were routed to took (delivered, or refused for good).
+    pub delivered: u64,
+    /// Spool entries for removed sinks dropped at start (`--spool-discard-removed-sinks`).
+    pub spool_discarded: u64,
     /// Notifications still awaiting a sink when the dispatcher stopped (kept in the spool).
     pub undelivered_at_exit: usize,
 }
@@ -91,6 +95,7 @@ pub struct Dispatcher {
     recent: Option<Arc<RecentViolations>>,
     /// Tells how many sources are live (holding for corroboration only makes sense with two).
     readiness: Option<Readiness>,
+    spool_discarded: u64,
 }
 
 impl Dispatcher {
@@ -113,6 +118,7 @@ impl Dispatcher {
             sinks,
             metrics,
             recent: None,
+            spool_discarded: 0,
             readiness: None,
         }
     }
@@ -130,14 +136,24 @@ impl Dispatcher {
             .is_none_or(|r| r.presumed_live_source_count() >= 2)
     }
 
+    /// Entries the spool discarded at open, reported in the summary.
+    pub fn with_spool_discarded(mut self, n: u64) -> Dispatcher {
+        self.spool_discarded = n;
+        self
+    }
+
     /// Also record every received violation for `/api/violations`.
     pub fn with_recent(mut self, recent: Arc<RecentViolations>) -> Dispatcher {
         self.recent = Some(recent);
         self
     }
 
+    /// The spool identities of the sinks (what entries are pending for).
     pub fn sink_names(&self) -> Vec<String> {
-        self.sinks.iter().map(|s| s.name().to_string()).collect()
+        self.sinks
+            .iter()
+            .map(|s| s.identity().to_string())
+            .collect()
     }
 
     /// Runs until `rx` is closed (every sender dropped), then drains for `drain_timeout`.
@@ -154,7 +170,7 @@ impl Dispatcher {
                     outstanding: AtomicUsize::new(0),
                 });
                 // Resume what a previous run left in the spool.
-                for seq in self.spool.pending_for(s.name()) {
+                for seq in self.spool.pending_for(s.identity()) {
                     q.push(seq);
                 }
                 q
@@ -173,7 +189,10 @@ impl Dispatcher {
                 ))
             })
             .collect();
-        let mut report = DispatchReport::default();
+        let mut report = DispatchReport {
+            spool_discarded: self.spool_discarded,
+            ..DispatchReport::default()
+        };
         let mut tick = tokio::time::interval(self.cfg.tick);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let start = Instant::now();
@@ -315,6 +334,7 @@ impl Dispatcher {
             w.abort();
         }
         report.undelivered_at_exit = self.spool.size().0;
+        report.delivered = self.spool.completed();
         if report.undelivered_at_exit > 0 {
             tracing::warn!(
                 entries = report.undelivered_at_exit,

@@ -65,6 +65,50 @@ impl Checker {
         &self.per_rule
     }
 
+    /// Per rule (in [`Checker::rules`] order): deadlines still open at the watermark, i.e.
+    /// attempts whose `must_follow` or `requires_before` deadline has not passed and that nothing
+    /// has settled yet. What a `check` of a file ending mid-flight cannot judge.
+    pub fn open_deadlines_per_rule(&self) -> Vec<u64> {
+        use crate::engine::rules::Shape;
+        let wm = self.stats.watermark_ns;
+        let mut open = vec![0u64; self.rules.len()];
+        let mut seen = std::collections::HashSet::new();
+        self.timers.for_each(|&(due, a, generation)| {
+            if !self.store.timer_valid(due, a, generation) || !seen.insert(a) {
+                return;
+            }
+            let s = self.store.attempt_slots(a);
+            let fired = self.store.attempt(a).fired;
+            for (ri, r) in self.rules.iter().enumerate() {
+                if fired & (1 << ri) != 0 {
+                    continue;
+                }
+                let k = r.slots;
+                let pending = match &r.rule.shape {
+                    Shape::MustFollow(m) => {
+                        m.due(s.get(k.trigger), self.skew_ns).is_some_and(|d| {
+                            d > wm
+                                && !m.satisfied(
+                                    s.get(k.trigger),
+                                    s.get(k.other),
+                                    s.get(k.other_latest),
+                                    self.skew_ns,
+                                )
+                        })
+                    }
+                    Shape::RequiresBefore(m) => m.due(s.get(k.trigger)).is_some_and(|d| {
+                        d > wm && m.breached(s.get(k.trigger), s.get(k.other), self.skew_ns)
+                    }),
+                    _ => false,
+                };
+                if pending {
+                    open[ri] += 1;
+                }
+            }
+        });
+        open
+    }
+
     /// Bytes held by the engine's state tables (capacity-based; for memory benchmarks).
     pub fn state_bytes(&self) -> usize {
         self.store.table_bytes() + self.timers.capacity_bytes()

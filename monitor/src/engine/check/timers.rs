@@ -135,6 +135,18 @@ enum From {
 }
 
 impl TimerQueue {
+    /// Every queued entry, in no particular order (for end-of-input reports, not the hot path).
+    pub fn for_each(&self, mut f: impl FnMut(&Entry)) {
+        for r in &self.runs {
+            for k in 0..r.len {
+                f(r.at(k));
+            }
+        }
+        for Reverse(e) in &self.heap {
+            f(e);
+        }
+    }
+
     /// The earliest due time queued, `u64::MAX` if none.
     #[inline]
     pub fn next_due(&self) -> u64 {
