@@ -37,6 +37,12 @@ pub struct RequestAliases {
     pub trace_id: Option<String>,
 }
 
+impl RequestAliases {
+    pub fn is_empty(&self) -> bool {
+        self.request_id.is_none() && self.trace_id.is_none()
+    }
+}
+
 /// The aliases by which the attempt is known (any subset).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct AttemptAliases {
@@ -84,7 +90,11 @@ pub struct Violation {
     pub rule: String,
     pub severity: Severity,
     pub summary: String,
+    /// Omitted when no alias of the request is known (a worker-level finding, an attempt seen
+    /// only by its room).
+    #[serde(default, skip_serializing_if = "RequestAliases::is_empty")]
     pub request: RequestAliases,
+    #[serde(default, skip_serializing_if = "AttemptAliases::is_empty")]
     pub attempt: AttemptAliases,
     /// For worker-level rules (capacity reports): the worker or node concerned.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -340,6 +350,31 @@ mod tests {
     }
 
     use super::*;
+
+    #[test]
+    fn unknown_aliases_are_omitted_not_empty_objects() {
+        let mut v = Violation {
+            rule: "capacity".into(),
+            severity: Severity::Warning,
+            summary: "s".into(),
+            request: RequestAliases::default(),
+            attempt: AttemptAliases::default(),
+            worker: Some("prefill-0".into()),
+            detected_at_ns: 1,
+            fingerprint: "f".into(),
+            evidence: Vec::new(),
+            corroborates: false,
+        };
+        let json: serde_json::Value = serde_json::to_value(&v).unwrap();
+        assert!(json.get("request").is_none(), "{json}");
+        assert!(json.get("attempt").is_none(), "{json}");
+        // What is omitted reads back as unknown.
+        let back: Violation = serde_json::from_value(json).unwrap();
+        assert_eq!(back, v);
+        v.request.request_id = Some("req-1".into());
+        let json = serde_json::to_value(&v).unwrap();
+        assert_eq!(json["request"], serde_json::json!({"request_id": "req-1"}));
+    }
 
     #[test]
     fn templates_validate_and_render() {
