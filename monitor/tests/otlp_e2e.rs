@@ -313,7 +313,8 @@ fn malformed_and_oversized_grpc_get_error_codes_and_are_counted() {
             },
         )
         .await;
-        assert_eq!(bad.unwrap_err().code(), tonic::Code::Internal);
+        // Undecodable: INVALID_ARGUMENT (non-retryable), not tonic's INTERNAL (retryable).
+        assert_eq!(bad.unwrap_err().code(), tonic::Code::InvalidArgument);
         let big = ExportTraceServiceRequest {
             resource_spans: vec![ResourceSpans {
                 scope_spans: vec![ScopeSpans {
@@ -330,8 +331,9 @@ fn malformed_and_oversized_grpc_get_error_codes_and_are_counted() {
         let bomb = raw_export_with(&rv.otlp_grpc, big.clone(), true).await;
         assert_eq!(bomb.unwrap_err().code(), tonic::Code::ResourceExhausted);
         let too_big = raw_export(&rv.otlp_grpc, big).await;
-        // tonic answers an over-limit message with OUT_OF_RANGE (not retryable: resending cannot help).
-        assert_eq!(too_big.unwrap_err().code(), tonic::Code::OutOfRange);
+        // Over the limit: RESOURCE_EXHAUSTED without RetryInfo, which the OTLP spec makes
+        // non-retryable (tonic's own OUT_OF_RANGE is retryable there).
+        assert_eq!(too_big.unwrap_err().code(), tonic::Code::ResourceExhausted);
         // The receiver still serves well-formed exports afterwards.
         let ok = raw_export(&rv.otlp_grpc, ExportTraceServiceRequest::default()).await;
         assert!(ok.is_ok(), "{ok:?}");
@@ -339,17 +341,25 @@ fn malformed_and_oversized_grpc_get_error_codes_and_are_counted() {
     assert!(rv.stop().success());
     let stderr = rv.stderr();
     assert!(
-        stderr.contains("revenant_otlp_grpc_error_responses_total{code=\"13\"} 1"),
+        stderr.contains("revenant_otlp_grpc_error_responses_total{code=\"3\"} 1"),
         "{stderr}"
     );
     assert!(
-        stderr.contains("revenant_otlp_grpc_error_responses_total{code=\"11\"} 1"),
+        stderr.contains("revenant_otlp_grpc_error_responses_total{code=\"8\"} 2"),
         "{stderr}"
     );
     assert!(
-        stderr.contains("revenant_otlp_grpc_error_responses_total{code=\"8\"} 1"),
+        !stderr.contains("revenant_otlp_grpc_error_responses_total{code=\"13\"}")
+            && !stderr.contains("revenant_otlp_grpc_error_responses_total{code=\"11\"}"),
         "{stderr}"
     );
+    // tonic's refusals are counted as rejected exports (of one item each).
+    for (reason, n) in [("malformed", 1), ("too_large", 2)] {
+        let needle = format!(
+            "revenant_otlp_requests_rejected_total{{transport=\"grpc\",reason=\"{reason}\"}} {n}"
+        );
+        assert!(stderr.contains(&needle), "{needle}: {stderr}");
+    }
     assert!(
         stderr.contains("revenant_otlp_requests_accepted_total{transport=\"grpc\"} 1"),
         "{stderr}"
