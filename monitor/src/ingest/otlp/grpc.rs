@@ -1,12 +1,14 @@
 //! OTLP/gRPC: the generated `TraceService` / `LogsService` servers from `opentelemetry-proto`.
 //!
 //! tonic enforces the message size limit on the frame as sent and while decompressing
-//! (decompression-bomb guard), and decodes the request before our handler runs. Its codes for
-//! those (OUT_OF_RANGE, INTERNAL) are retryable in the OTLP spec, yet resending the same bytes
-//! cannot help, so a response layer rewrites them: oversized → RESOURCE_EXHAUSTED without
-//! RetryInfo (non-retryable per the spec), undecodable → INVALID_ARGUMENT. The same layer counts
-//! every non-OK status by code and counts tonic's refusals as rejected exports (one item each).
-//! Our handler returns neither INTERNAL nor OUT_OF_RANGE, so every such code came from tonic.
+//! (decompression-bomb guard), and decodes the request before our handler runs. Resending the
+//! same bytes cannot help, so a response layer rewrites tonic's codes for those to
+//! INVALID_ARGUMENT, which the OTLP spec and every exporter treat as permanent: tonic's
+//! OUT_OF_RANGE is retryable in the spec, and the opentelemetry-python exporter retries
+//! RESOURCE_EXHAUSTED even without RetryInfo; INTERNAL (tonic's decode error) says "our bug"
+//! where the client's bytes are at fault. The same layer counts every non-OK status by code and
+//! counts tonic's refusals as rejected exports (one item each). Our handler returns none of
+//! INTERNAL, OUT_OF_RANGE or RESOURCE_EXHAUSTED, so every such code came from tonic.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
@@ -96,7 +98,7 @@ fn rewrite_status<B>(ingest: &Ingest, resp: &mut http::Response<B>) {
         return;
     }
     let refused = match code {
-        OUT_OF_RANGE | RESOURCE_EXHAUSTED => Some((RejectReason::TooLarge, RESOURCE_EXHAUSTED)),
+        OUT_OF_RANGE | RESOURCE_EXHAUSTED => Some((RejectReason::TooLarge, INVALID_ARGUMENT)),
         INTERNAL => Some((RejectReason::Malformed, INVALID_ARGUMENT)),
         _ => None,
     };
