@@ -224,6 +224,14 @@ fn backpressure(transport: &str) {
         "every export must succeed once the pipeline drains: {out} {err}"
     );
     assert!(out["transient_errors"].as_u64().unwrap() >= 1, "{out}");
+    if transport == "grpc" {
+        // The exporter logs our status message: the refusal reached it as UNAVAILABLE + text.
+        let log = out["exporter_log"].to_string();
+        assert!(
+            log.contains("StatusCode.UNAVAILABLE") && log.contains("pipeline full, retry later"),
+            "{log}"
+        );
+    }
     let st = rv.stop();
     assert!(st.success(), "{}", rv.stderr());
     let events = rv.lines("events.jsonl");
