@@ -224,6 +224,14 @@ fn backpressure(transport: &str) {
         "every export must succeed once the pipeline drains: {out} {err}"
     );
     assert!(out["transient_errors"].as_u64().unwrap() >= 1, "{out}");
+    if transport == "grpc" {
+        // The exporter logs our status message: the refusal reached it as UNAVAILABLE + text.
+        let log = out["exporter_log"].to_string();
+        assert!(
+            log.contains("StatusCode.UNAVAILABLE") && log.contains("pipeline full, retry later"),
+            "{log}"
+        );
+    }
     let st = rv.stop();
     assert!(st.success(), "{}", rv.stderr());
     let events = rv.lines("events.jsonl");
@@ -257,6 +265,58 @@ fn saturated_pipeline_makes_grpc_sdk_retry_and_loses_nothing() {
 #[test]
 fn saturated_pipeline_makes_http_sdk_retry_and_loses_nothing() {
     backpressure("http-protobuf");
+}
+
+/// The real OpenTelemetry SDK exporter sends an export over `--max-message-bytes` once: the
+/// refusal is permanent (HTTP 413 / gRPC INVALID_ARGUMENT), so it gives up without retrying, and
+/// it logs the refusal (gRPC: our status message; the HTTP exporter logs only the status line).
+fn oversized_export_is_not_retried(transport: &str) {
+    let mut rv = Revenant::start(
+        &format!("oversized-{transport}"),
+        &["--max-message-bytes", "2000"],
+    );
+    let started = Instant::now();
+    let (ok, out, err) = rv.emit(&["--transport", transport, "--scenario", "oversized"]);
+    assert!(!ok, "the export must fail: {out} {err}");
+    assert_eq!(
+        out["results"],
+        serde_json::json!(["FAILURE"]),
+        "{out} {err}"
+    );
+    let log = out["exporter_log"].to_string();
+    assert!(
+        !log.to_lowercase().contains("retrying"),
+        "no retry for a permanent error: {log}"
+    );
+    // The SDKs back off at least 1 s before a retry; a permanent error returns at once.
+    assert!(started.elapsed() < Duration::from_secs(20), "{err}");
+    let needle = if transport == "grpc" {
+        "INVALID_ARGUMENT, error details: Error, decoded message length too large"
+    } else {
+        "code: 413"
+    };
+    assert!(
+        log.contains(needle),
+        "the exporter must log the refusal's message: {log}"
+    );
+    assert!(rv.stop().success());
+    let stderr = rv.stderr();
+    let wire = if transport == "grpc" { "grpc" } else { "http" };
+    // Exactly one request arrived: the exporter did not resend it.
+    let counted = format!(
+        "revenant_otlp_requests_rejected_total{{transport=\"{wire}\",reason=\"too_large\"}} 1\n"
+    );
+    assert!(stderr.contains(&counted), "{counted}: {stderr}");
+}
+
+#[test]
+fn oversized_export_is_not_retried_by_the_grpc_sdk() {
+    oversized_export_is_not_retried("grpc");
+}
+
+#[test]
+fn oversized_export_is_not_retried_by_the_http_sdk() {
+    oversized_export_is_not_retried("http-protobuf");
 }
 
 /// Sends `msg` (any prost message) as the request of the OTLP trace Export method.
@@ -313,7 +373,8 @@ fn malformed_and_oversized_grpc_get_error_codes_and_are_counted() {
             },
         )
         .await;
-        assert_eq!(bad.unwrap_err().code(), tonic::Code::Internal);
+        // Undecodable: INVALID_ARGUMENT (non-retryable), not tonic's INTERNAL (retryable).
+        assert_eq!(bad.unwrap_err().code(), tonic::Code::InvalidArgument);
         let big = ExportTraceServiceRequest {
             resource_spans: vec![ResourceSpans {
                 scope_spans: vec![ScopeSpans {
@@ -328,10 +389,10 @@ fn malformed_and_oversized_grpc_get_error_codes_and_are_counted() {
         };
         // A small gzip frame that inflates past the limit: decompression stops at the limit.
         let bomb = raw_export_with(&rv.otlp_grpc, big.clone(), true).await;
-        assert_eq!(bomb.unwrap_err().code(), tonic::Code::ResourceExhausted);
+        assert_eq!(bomb.unwrap_err().code(), tonic::Code::InvalidArgument);
         let too_big = raw_export(&rv.otlp_grpc, big).await;
-        // tonic answers an over-limit message with OUT_OF_RANGE (not retryable: resending cannot help).
-        assert_eq!(too_big.unwrap_err().code(), tonic::Code::OutOfRange);
+        // Over the limit: INVALID_ARGUMENT, permanent (tonic's own OUT_OF_RANGE is retryable).
+        assert_eq!(too_big.unwrap_err().code(), tonic::Code::InvalidArgument);
         // The receiver still serves well-formed exports afterwards.
         let ok = raw_export(&rv.otlp_grpc, ExportTraceServiceRequest::default()).await;
         assert!(ok.is_ok(), "{ok:?}");
@@ -339,17 +400,22 @@ fn malformed_and_oversized_grpc_get_error_codes_and_are_counted() {
     assert!(rv.stop().success());
     let stderr = rv.stderr();
     assert!(
-        stderr.contains("revenant_otlp_grpc_error_responses_total{code=\"13\"} 1"),
+        stderr.contains("revenant_otlp_grpc_error_responses_total{code=\"3\"} 3"),
         "{stderr}"
     );
     assert!(
-        stderr.contains("revenant_otlp_grpc_error_responses_total{code=\"11\"} 1"),
+        !stderr.contains("revenant_otlp_grpc_error_responses_total{code=\"13\"}")
+            && !stderr.contains("revenant_otlp_grpc_error_responses_total{code=\"11\"}")
+            && !stderr.contains("revenant_otlp_grpc_error_responses_total{code=\"8\"}"),
         "{stderr}"
     );
-    assert!(
-        stderr.contains("revenant_otlp_grpc_error_responses_total{code=\"8\"} 1"),
-        "{stderr}"
-    );
+    // tonic's refusals are counted as rejected exports (of one item each).
+    for (reason, n) in [("malformed", 1), ("too_large", 2)] {
+        let needle = format!(
+            "revenant_otlp_requests_rejected_total{{transport=\"grpc\",reason=\"{reason}\"}} {n}"
+        );
+        assert!(stderr.contains(&needle), "{needle}: {stderr}");
+    }
     assert!(
         stderr.contains("revenant_otlp_requests_accepted_total{transport=\"grpc\"} 1"),
         "{stderr}"

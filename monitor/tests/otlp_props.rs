@@ -265,6 +265,27 @@ proptest! {
             let rejected: u64 = revenant::ingest::otlp::RejectReason::ALL.iter().map(|r| ingest.stats.get_rejected(revenant::ingest::otlp::Transport::Http, *r)).sum();
             // Every refusal is counted; an accepted body is never counted as refused.
             assert_eq!(rejected, u64::from(code != 200));
+            let items: u64 = revenant::ingest::otlp::RejectReason::ALL.iter().map(|r| ingest.stats.items_rejected[revenant::ingest::otlp::Transport::Http as usize][*r as usize].load(std::sync::atomic::Ordering::Relaxed)).sum();
+            // A refused export counts at least one rejected item, so the refusing-data alert fires.
+            assert_eq!(items >= 1, code != 200);
+            if code != 200 {
+                // The OTLP spec: the error body is a google.rpc.Status, encoded like the request.
+                let resp_ctype = resp.headers().get("content-type").and_then(|v| v.to_str().ok()).unwrap_or("").to_string();
+                let bytes = axum::body::to_bytes(resp.into_body(), 1 << 20).await.unwrap();
+                let status = if ctype == "application/json" && code != 415 {
+                    assert_eq!(resp_ctype, "application/json");
+                    let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+                    revenant::ingest::otlp::RpcStatus {
+                        code: v["code"].as_i64().unwrap() as i32,
+                        message: v["message"].as_str().unwrap().to_string(),
+                    }
+                } else {
+                    assert_eq!(resp_ctype, "application/x-protobuf");
+                    <revenant::ingest::otlp::RpcStatus as prost::Message>::decode(bytes.as_ref()).unwrap()
+                };
+                assert!(!status.message.is_empty(), "{status:?}");
+                assert_eq!(status.code, if code == 413 { 8 } else { 3 }, "{status:?}");
+            }
             rx.close();
         });
     }

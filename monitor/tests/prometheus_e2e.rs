@@ -274,3 +274,100 @@ async fn prometheus_scrapes_and_every_dashboard_query_has_data() {
     eprintln!("{fed} OTLP scenarios fed");
     hook_task.abort();
 }
+
+/// Every series name and label the alert rules and their promtool cases use exists in the
+/// `/metrics` of a real `revenant run` (after a malformed OTLP export and a refusing webhook), so
+/// renaming a metric or a label breaks this test instead of silently disarming an alert.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn alert_rules_use_only_series_and_labels_revenant_exposes() {
+    // Port 9 on loopback (discard) is closed: every delivery attempt fails.
+    let mut rv = tokio::task::block_in_place(|| {
+        Revenant::start(
+            "rule-names",
+            &["--webhook", "http://127.0.0.1:9/hook", "--spool-no-fsync"],
+        )
+    });
+    let http = revenant::alert::webhook::http_client(Duration::from_secs(10)).unwrap();
+    let resp = http
+        .post(format!("http://{}/v1/traces", rv.otlp_http))
+        .header("content-type", "application/x-protobuf")
+        .body(vec![0xff_u8, 0xff, 0xff])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 400);
+    let text = http
+        .get(format!("http://{}/metrics", rv.admin))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    // name -> label names seen on it in the exposition.
+    let mut exposed: std::collections::HashMap<String, std::collections::HashSet<String>> =
+        Default::default();
+    let sample = regex::Regex::new(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([^}]*)\})?\s").unwrap();
+    let label = regex::Regex::new(r#"([a-zA-Z_][a-zA-Z0-9_]*)=""#).unwrap();
+    for line in text.lines().filter(|l| !l.starts_with('#')) {
+        if let Some(c) = sample.captures(line) {
+            let labels = exposed.entry(c[1].to_string()).or_default();
+            if let Some(ls) = c.get(3) {
+                labels.extend(label.captures_iter(ls.as_str()).map(|l| l[1].to_string()));
+            }
+        }
+    }
+    // The malformed export moved the counter the refusing-data alert reads.
+    assert!(
+        text.contains(
+            "revenant_otlp_rejected_items_total{transport=\"http\",reason=\"malformed\"} 1"
+        ),
+        "{text}"
+    );
+    let root = workspace_root().join("dashboards");
+    // A selector `name{labels}` or a bare name, in the rules and in the promtool cases.
+    let selector = regex::Regex::new(r"\b(revenant_[a-z0-9_]+)(\{([^}]*)\})?").unwrap();
+    let grouping = regex::Regex::new(r"by \(([^)]*)\) \(\w+\((revenant_[a-z0-9_]+)").unwrap();
+    let negated = regex::Regex::new(r"([a-zA-Z_][a-zA-Z0-9_]*)\s*(!=|=~|!~)").unwrap();
+    // Added by Prometheus (target labels) or by the rule itself, never by revenant.
+    let external = ["job", "instance"];
+    let mut checked = 0;
+    for file in ["revenant-alerts.yaml", "revenant-alerts.test.yaml"] {
+        let src = std::fs::read_to_string(root.join(file)).unwrap();
+        let mut uses: Vec<(String, Vec<String>)> = Vec::new();
+        for c in selector.captures_iter(&src) {
+            let labels = c
+                .get(3)
+                .map(|ls| {
+                    label
+                        .captures_iter(ls.as_str())
+                        .map(|l| l[1].to_string())
+                        .chain(negated.captures_iter(ls.as_str()).map(|l| l[1].to_string()))
+                        .collect()
+                })
+                .unwrap_or_default();
+            uses.push((c[1].to_string(), labels));
+        }
+        for c in grouping.captures_iter(&src) {
+            let labels = c[1].split(',').map(|l| l.trim().to_string()).collect();
+            uses.push((c[2].to_string(), labels));
+        }
+        for (name, labels) in uses {
+            let Some(have) = exposed.get(&name) else {
+                panic!("{file} uses {name}, which revenant's /metrics does not expose:\n{text}");
+            };
+            for l in labels.iter().filter(|l| !external.contains(&l.as_str())) {
+                assert!(
+                    have.contains(l),
+                    "{file}: {name} has no label {l:?} in /metrics (it has {have:?})"
+                );
+            }
+            checked += 1;
+        }
+    }
+    assert!(
+        checked > 20,
+        "only {checked} uses parsed: is the regex stale?"
+    );
+    assert!(rv.stop().success(), "{}", rv.stderr());
+}

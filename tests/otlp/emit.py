@@ -47,8 +47,10 @@ class TransientCounter(logging.Handler):
         super().__init__()
         self.count = 0
         self.marker = marker
+        self.messages = []
 
     def emit(self, record):
+        self.messages.append(record.getMessage())
         msg = record.getMessage().lower()
         if "transient" in msg or "retrying" in msg or "retry" in msg:
             self.count += 1
@@ -236,6 +238,16 @@ def backpressure(args):
     return {"request_ids": ids, "results": [x for e in exporters for x in e.results]}
 
 
+def oversized(args):
+    """One span far over the receiver's --max-message-bytes: a permanent refusal."""
+    exporters = []
+    tp = provider(args, "smg", "router-node", exporters)
+    span = tp.get_tracer("emit").start_span("big", attributes={"blob": "x" * 8000})
+    span.end()
+    tp.shutdown()
+    return {"results": [x for e in exporters for x in e.results]}
+
+
 # ---- OTLP/JSON over urllib, in the fixture's shape (base64 ids, enum names, string ints) ----
 
 
@@ -319,7 +331,7 @@ def main():
     ap.add_argument("--grpc")
     ap.add_argument("--http")
     ap.add_argument("--transport", choices=["grpc", "http-protobuf", "http-json"], required=True)
-    ap.add_argument("--scenario", choices=["reject-then-decode", "retry-storm", "failed-then-decode", "backpressure"], required=True)
+    ap.add_argument("--scenario", choices=["reject-then-decode", "retry-storm", "failed-then-decode", "backpressure", "oversized"], required=True)
     ap.add_argument("--tag", default="0001", help="4 hex digits making rid/room unique per run")
     ap.add_argument("--count", type=int, default=20)
     ap.add_argument("--timeout", type=int, default=30)
@@ -338,9 +350,12 @@ def main():
         out = retry_storm(args)
     elif args.scenario == "failed-then-decode":
         out = failed_then_decode(args)
+    elif args.scenario == "oversized":
+        out = oversized(args)
     else:
         out = backpressure(args)
     out["transient_errors"] = counter.count
+    out["exporter_log"] = counter.messages
     print(json.dumps(out))
     return 0 if all(r == "SUCCESS" for r in out["results"]) else 1
 

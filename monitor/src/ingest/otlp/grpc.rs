@@ -1,8 +1,14 @@
 //! OTLP/gRPC: the generated `TraceService` / `LogsService` servers from `opentelemetry-proto`.
 //!
-//! tonic enforces the message size limit on the frame as sent (OUT_OF_RANGE) and while
-//! decompressing (decompression-bomb guard: RESOURCE_EXHAUSTED); decode errors get INTERNAL. A response layer counts every non-OK status by code, including those tonic
-//! produced before our handler ran.
+//! tonic enforces the message size limit on the frame as sent and while decompressing
+//! (decompression-bomb guard), and decodes the request before our handler runs. Resending the
+//! same bytes cannot help, so a response layer rewrites tonic's codes for those to
+//! INVALID_ARGUMENT, which the OTLP spec and every exporter treat as permanent: tonic's
+//! OUT_OF_RANGE is retryable in the spec, and the opentelemetry-python exporter retries
+//! RESOURCE_EXHAUSTED even without RetryInfo; INTERNAL (tonic's decode error) says "our bug"
+//! where the client's bytes are at fault. The same layer counts every non-OK status by code and
+//! counts tonic's refusals as rejected exports (one item each). Our handler returns none of
+//! INTERNAL, OUT_OF_RANGE or RESOURCE_EXHAUSTED, so every such code came from tonic.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
@@ -22,14 +28,20 @@ use opentelemetry_proto::tonic::collector::trace::v1::{
 use tonic::codec::CompressionEncoding;
 use tonic::{Request, Response, Status};
 
-use super::{AcceptError, Ingest, OtlpStats, Transport};
+use super::{AcceptError, Ingest, RejectReason, Transport};
 
 #[derive(Clone)]
 pub struct GrpcReceiver {
     ingest: Arc<Ingest>,
 }
 
-fn status(e: AcceptError) -> Status {
+fn status(ingest: &Ingest, e: AcceptError) -> Status {
+    let (reason, code) = match e {
+        AcceptError::Full => (RejectReason::PipelineFull, 14),
+        AcceptError::Closed => (RejectReason::PipelineClosed, 14),
+        AcceptError::TooManyItems { .. } => (RejectReason::TooManyItems, 3),
+    };
+    ingest.log_refusal(Transport::Grpc, reason, code, &e.to_string());
     match e {
         // UNAVAILABLE is what OTLP exporters retry with backoff.
         AcceptError::Full | AcceptError::Closed => Status::unavailable(e.to_string()),
@@ -47,10 +59,7 @@ impl TraceService for GrpcReceiver {
             Ok(_) => Ok(Response::new(ExportTraceServiceResponse {
                 partial_success: None,
             })),
-            Err(e) => {
-                tracing::debug!(error = %e, "otlp/grpc: traces export refused");
-                Err(status(e))
-            }
+            Err(e) => Err(status(&self.ingest, e)),
         }
     }
 }
@@ -65,26 +74,51 @@ impl LogsService for GrpcReceiver {
             Ok(_) => Ok(Response::new(ExportLogsServiceResponse {
                 partial_success: None,
             })),
-            Err(e) => {
-                tracing::debug!(error = %e, "otlp/grpc: logs export refused");
-                Err(status(e))
-            }
+            Err(e) => Err(status(&self.ingest, e)),
         }
     }
 }
 
-fn count_status<B>(stats: &OtlpStats, resp: &http::Response<B>) {
+const INVALID_ARGUMENT: usize = 3;
+const RESOURCE_EXHAUSTED: usize = 8;
+const OUT_OF_RANGE: usize = 11;
+const INTERNAL: usize = 13;
+
+fn rewrite_status<B>(ingest: &Ingest, resp: &mut http::Response<B>) {
     // Trailers-only responses (every error of a unary call) carry the status in the headers.
-    if let Some(code) = resp
+    let Some(code) = resp
         .headers()
         .get("grpc-status")
         .and_then(|v| v.to_str().ok())
         .and_then(|s| s.parse::<usize>().ok())
-        && code != 0
-    {
-        stats.grpc_error_responses[code.min(16)].fetch_add(1, Relaxed);
-        tracing::debug!(code, "otlp/grpc: error response");
+    else {
+        return;
+    };
+    if code == 0 {
+        return;
     }
+    let refused = match code {
+        OUT_OF_RANGE | RESOURCE_EXHAUSTED => Some((RejectReason::TooLarge, INVALID_ARGUMENT)),
+        INTERNAL => Some((RejectReason::Malformed, INVALID_ARGUMENT)),
+        _ => None,
+    };
+    let code = match refused {
+        Some((reason, new_code)) => {
+            ingest.stats.rejected(Transport::Grpc, reason, 1);
+            let msg = resp
+                .headers()
+                .get("grpc-message")
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("")
+                .to_string();
+            ingest.log_refusal(Transport::Grpc, reason, new_code as u16, &msg);
+            resp.headers_mut()
+                .insert("grpc-status", http::HeaderValue::from(new_code));
+            new_code
+        }
+        None => code,
+    };
+    ingest.stats.grpc_error_responses[code.min(16)].fetch_add(1, Relaxed);
 }
 
 /// Serves until `shutdown` resolves; `listener` is bound by the caller (so tests can use port 0).
@@ -103,10 +137,9 @@ pub async fn serve(
     let logs = LogsServiceServer::new(recv)
         .accept_compressed(CompressionEncoding::Gzip)
         .max_decoding_message_size(max_message_bytes);
-    let stats = ingest.stats.clone();
     let layer =
-        tower::util::MapResponseLayer::new(move |resp: http::Response<tonic::body::Body>| {
-            count_status(&stats, &resp);
+        tower::util::MapResponseLayer::new(move |mut resp: http::Response<tonic::body::Body>| {
+            rewrite_status(&ingest, &mut resp);
             resp
         });
     // Exports are latency-sensitive acks, not bulk streams: no Nagle delay.

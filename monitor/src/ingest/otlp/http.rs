@@ -3,7 +3,9 @@
 //!
 //! Status codes follow the OTLP/HTTP spec: 200 accepted; 400 malformed or over the item cap;
 //! 413 too large (as sent or after decompression); 415 unknown content type or encoding; 503
-//! with `Retry-After` when the pipeline is full (the SDKs retry 429/502/503/504).
+//! with `Retry-After` when the pipeline is full (the SDKs retry 429/502/503/504). Every error
+//! body is a `google.rpc.Status` encoded like the request (protobuf, or JSON for JSON requests;
+//! protobuf when the content type itself was refused), so exporters log its message.
 
 use std::io::Read;
 use std::sync::Arc;
@@ -16,7 +18,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use prost::Message;
 
-use super::{AcceptError, Ingest, RETRY_AFTER, RejectReason, Transport, json};
+use super::{AcceptError, Ingest, RETRY_AFTER, RejectReason, RpcStatus, Transport, json};
 use opentelemetry_proto::tonic::collector::logs::v1::{
     ExportLogsServiceRequest, ExportLogsServiceResponse,
 };
@@ -91,7 +93,7 @@ async fn read_body(
     st: &AppState,
     headers: &HeaderMap,
     body: Body,
-) -> Result<(Encoding, Vec<u8>), Refusal> {
+) -> Result<(Encoding, Vec<u8>), (Encoding, Refusal)> {
     let ctype = headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
@@ -106,10 +108,13 @@ async fn read_body(
         "application/x-protobuf" | "application/protobuf" => Encoding::Protobuf,
         "application/json" => Encoding::Json,
         _ => {
-            return Err(Refusal::new(
-                StatusCode::UNSUPPORTED_MEDIA_TYPE,
-                RejectReason::UnsupportedMediaType,
-                "content-type must be application/x-protobuf or application/json",
+            return Err((
+                Encoding::Protobuf,
+                Refusal::new(
+                    StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                    RejectReason::UnsupportedMediaType,
+                    "content-type must be application/x-protobuf or application/json",
+                ),
             ));
         }
     };
@@ -121,7 +126,8 @@ async fn read_body(
                 RejectReason::TooLarge,
                 format!("body over {} bytes (or unreadable)", st.max_message_bytes),
             )
-        })?;
+        })
+        .map_err(|r| (enc, r))?;
     let cenc = headers
         .get(header::CONTENT_ENCODING)
         .and_then(|v| v.to_str().ok())
@@ -130,14 +136,17 @@ async fn read_body(
         .to_ascii_lowercase();
     let bytes = match cenc.as_str() {
         "" | "identity" => raw.to_vec(),
-        "gzip" | "x-gzip" => gunzip(&raw, st.max_decompressed_bytes)?,
+        "gzip" | "x-gzip" => gunzip(&raw, st.max_decompressed_bytes).map_err(|r| (enc, r))?,
         other => {
-            return Err(Refusal::new(
-                StatusCode::UNSUPPORTED_MEDIA_TYPE,
-                RejectReason::UnsupportedMediaType,
-                format!(
-                    "content-encoding {:?} not supported (gzip or identity)",
-                    crate::event::truncate_reason(other)
+            return Err((
+                enc,
+                Refusal::new(
+                    StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                    RejectReason::UnsupportedMediaType,
+                    format!(
+                        "content-encoding {:?} not supported (gzip or identity)",
+                        crate::event::truncate_reason(other)
+                    ),
                 ),
             ));
         }
@@ -166,16 +175,58 @@ fn gunzip(raw: &[u8], limit: usize) -> Result<Vec<u8>, Refusal> {
     Ok(out)
 }
 
-fn refuse(st: &AppState, what: &'static str, r: Refusal) -> Response {
-    st.ingest.stats.rejected(Transport::Http, r.reason, 0);
-    tracing::warn!(signal = what, reason = r.reason.as_str(), status = r.status.as_u16(), error = %r.msg, "otlp/http: export refused");
-    (r.status, r.msg).into_response()
+/// The `google.rpc.Code` carried in the Status body for an HTTP refusal.
+fn rpc_code(status: StatusCode) -> i32 {
+    match status {
+        StatusCode::PAYLOAD_TOO_LARGE => 8,    // RESOURCE_EXHAUSTED
+        StatusCode::SERVICE_UNAVAILABLE => 14, // UNAVAILABLE
+        _ => 3,                                // INVALID_ARGUMENT
+    }
 }
 
-fn accept_error(e: AcceptError) -> Response {
+/// An error response whose body is a `google.rpc.Status` in the request's encoding.
+fn status_response(status: StatusCode, enc: Encoding, msg: &str) -> Response {
+    let st = RpcStatus {
+        code: rpc_code(status),
+        message: msg.to_string(),
+    };
+    match enc {
+        Encoding::Protobuf => (
+            status,
+            [(header::CONTENT_TYPE, "application/x-protobuf")],
+            st.encode_to_vec(),
+        )
+            .into_response(),
+        Encoding::Json => (
+            status,
+            [(header::CONTENT_TYPE, "application/json")],
+            serde_json::json!({"code": st.code, "message": st.message}).to_string(),
+        )
+            .into_response(),
+    }
+}
+
+/// Refuses an export whose items could not be counted (unreadable, undecodable, too large):
+/// it counts as one rejected item, so `revenant_otlp_rejected_items_total` moves for every
+/// refused export, not only for those that decoded.
+fn refuse(st: &AppState, enc: Encoding, r: Refusal) -> Response {
+    st.ingest.stats.rejected(Transport::Http, r.reason, 1);
+    st.ingest
+        .log_refusal(Transport::Http, r.reason, r.status.as_u16(), &r.msg);
+    status_response(r.status, enc, &r.msg)
+}
+
+fn accept_error(st: &AppState, enc: Encoding, e: AcceptError) -> Response {
+    let msg = e.to_string();
     match e {
         AcceptError::Full | AcceptError::Closed => {
-            let mut resp = (StatusCode::SERVICE_UNAVAILABLE, e.to_string()).into_response();
+            let reason = if e == AcceptError::Full {
+                RejectReason::PipelineFull
+            } else {
+                RejectReason::PipelineClosed
+            };
+            st.ingest.log_refusal(Transport::Http, reason, 503, &msg);
+            let mut resp = status_response(StatusCode::SERVICE_UNAVAILABLE, enc, &msg);
             resp.headers_mut().insert(
                 header::RETRY_AFTER,
                 HeaderValue::from(RETRY_AFTER.as_secs()),
@@ -183,7 +234,9 @@ fn accept_error(e: AcceptError) -> Response {
             resp
         }
         AcceptError::TooManyItems { .. } => {
-            (StatusCode::BAD_REQUEST, e.to_string()).into_response()
+            st.ingest
+                .log_refusal(Transport::Http, RejectReason::TooManyItems, 400, &msg);
+            status_response(StatusCode::BAD_REQUEST, enc, &msg)
         }
     }
 }
@@ -202,7 +255,7 @@ fn ok(enc: Encoding, protobuf_body: Vec<u8>) -> Response {
 async fn traces(State(st): State<AppState>, headers: HeaderMap, body: Body) -> Response {
     let (enc, bytes) = match read_body(&st, &headers, body).await {
         Ok(v) => v,
-        Err(r) => return refuse(&st, "traces", r),
+        Err((enc, r)) => return refuse(&st, enc, r),
     };
     let req = match enc {
         Encoding::Protobuf => {
@@ -215,7 +268,7 @@ async fn traces(State(st): State<AppState>, headers: HeaderMap, body: Body) -> R
         Err(e) => {
             return refuse(
                 &st,
-                "traces",
+                enc,
                 Refusal::new(StatusCode::BAD_REQUEST, RejectReason::Malformed, e),
             );
         }
@@ -228,14 +281,14 @@ async fn traces(State(st): State<AppState>, headers: HeaderMap, body: Body) -> R
             }
             .encode_to_vec(),
         ),
-        Err(e) => accept_error(e),
+        Err(e) => accept_error(&st, enc, e),
     }
 }
 
 async fn logs(State(st): State<AppState>, headers: HeaderMap, body: Body) -> Response {
     let (enc, bytes) = match read_body(&st, &headers, body).await {
         Ok(v) => v,
-        Err(r) => return refuse(&st, "logs", r),
+        Err((enc, r)) => return refuse(&st, enc, r),
     };
     let req = match enc {
         Encoding::Protobuf => {
@@ -248,7 +301,7 @@ async fn logs(State(st): State<AppState>, headers: HeaderMap, body: Body) -> Res
         Err(e) => {
             return refuse(
                 &st,
-                "logs",
+                enc,
                 Refusal::new(StatusCode::BAD_REQUEST, RejectReason::Malformed, e),
             );
         }
@@ -269,6 +322,6 @@ async fn logs(State(st): State<AppState>, headers: HeaderMap, body: Body) -> Res
             }
             .encode_to_vec(),
         ),
-        Err(e) => accept_error(e),
+        Err(e) => accept_error(&st, enc, e),
     }
 }

@@ -46,6 +46,8 @@ pub struct Ingest {
     normalizer: Mutex<Normalizer>,
     pub stats: Arc<OtlpStats>,
     pub max_items_per_request: usize,
+    /// Rate limit of the refusal WARN lines, shared by both transports.
+    pub refusal_log: RefusalLog,
 }
 
 fn now_ns() -> u64 {
@@ -67,6 +69,7 @@ impl Ingest {
             normalizer: Mutex::new(normalizer),
             stats,
             max_items_per_request,
+            refusal_log: RefusalLog::default(),
         }
     }
 
@@ -221,3 +224,87 @@ impl Ingest {
 
 /// Retry-After sent with 503: long enough for the checker to drain a full channel.
 pub const RETRY_AFTER: Duration = Duration::from_secs(1);
+
+/// How often one refusal reason may log a WARN line; the metrics count every refusal.
+pub const REFUSAL_LOG_INTERVAL: Duration = Duration::from_secs(10);
+
+/// Rate-limits the per-export refusal WARN: at most one line per reason per
+/// [`REFUSAL_LOG_INTERVAL`], carrying how many refusals were not logged since the last line. A
+/// misbehaving client sending thousands of bad exports a second must not flood the log.
+#[derive(Debug, Default)]
+pub struct RefusalLog {
+    slots: Mutex<[(Option<std::time::Instant>, u64); RejectReason::ALL.len()]>,
+}
+
+impl RefusalLog {
+    /// `Some(suppressed)` when this refusal should be logged (with the count of refusals of the
+    /// same reason not logged since the previous line), `None` when it is suppressed.
+    pub fn admit(&self, reason: RejectReason, now: std::time::Instant) -> Option<u64> {
+        let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+        let (last, suppressed) = &mut slots[reason as usize];
+        match last {
+            Some(t) if now.saturating_duration_since(*t) < REFUSAL_LOG_INTERVAL => {
+                *suppressed += 1;
+                None
+            }
+            _ => {
+                *last = Some(now);
+                Some(std::mem::take(suppressed))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod refusal_log_tests {
+    use super::*;
+    use std::time::Instant;
+
+    #[test]
+    fn one_line_per_reason_per_interval_with_suppressed_count() {
+        let log = RefusalLog::default();
+        let t0 = Instant::now();
+        assert_eq!(log.admit(RejectReason::Malformed, t0), Some(0));
+        assert_eq!(log.admit(RejectReason::Malformed, t0), None);
+        assert_eq!(
+            log.admit(RejectReason::Malformed, t0 + Duration::from_secs(9)),
+            None
+        );
+        // Another reason has its own budget.
+        assert_eq!(log.admit(RejectReason::TooLarge, t0), Some(0));
+        assert_eq!(
+            log.admit(RejectReason::Malformed, t0 + REFUSAL_LOG_INTERVAL),
+            Some(2)
+        );
+        assert_eq!(
+            log.admit(RejectReason::Malformed, t0 + REFUSAL_LOG_INTERVAL),
+            None
+        );
+    }
+}
+
+impl Ingest {
+    /// Logs a refused export at WARN, at most once per reason per [`REFUSAL_LOG_INTERVAL`].
+    pub fn log_refusal(&self, transport: Transport, reason: RejectReason, code: u16, msg: &str) {
+        if let Some(suppressed) = self.refusal_log.admit(reason, std::time::Instant::now()) {
+            tracing::warn!(
+                transport = transport.as_str(),
+                reason = reason.as_str(),
+                code,
+                suppressed,
+                error = %crate::event::truncate_reason(msg),
+                "otlp: export refused (suppressed = same-reason refusals not logged in the last 10s; every one is counted in revenant_otlp_requests_rejected_total)"
+            );
+        }
+    }
+}
+
+/// `google.rpc.Status`, the body of every OTLP/HTTP error response (the OTLP spec requires it,
+/// encoded like the request). `details` (field 3) is never sent.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct RpcStatus {
+    #[prost(int32, tag = "1")]
+    pub code: i32,
+    #[prost(string, tag = "2")]
+    pub message: String,
+}
