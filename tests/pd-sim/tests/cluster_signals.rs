@@ -22,7 +22,10 @@ fn sigterm_stops_the_cluster_and_its_children_and_the_log_is_plain_text() {
         .expect("starting pd-sim cluster");
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
     let ready = lines
-        .find_map(|l| l.ok().and_then(|l| l.strip_prefix("READY ").map(String::from)))
+        .find_map(|l| {
+            l.ok()
+                .and_then(|l| l.strip_prefix("READY ").map(String::from))
+        })
         .expect("a READY line");
     let ready: serde_json::Value = serde_json::from_str(&ready).unwrap();
     let pids: Vec<i32> = ["router", "prefill", "decode"]
@@ -38,7 +41,10 @@ fn sigterm_stops_the_cluster_and_its_children_and_the_log_is_plain_text() {
         if let Some(s) = child.try_wait().unwrap() {
             break s;
         }
-        assert!(Instant::now() < deadline, "pd-sim cluster still running 10 s after SIGTERM");
+        assert!(
+            Instant::now() < deadline,
+            "pd-sim cluster still running 10 s after SIGTERM"
+        );
         std::thread::sleep(Duration::from_millis(50));
     };
     assert!(status.success(), "cluster exit after SIGTERM: {status}");
@@ -48,13 +54,20 @@ fn sigterm_stops_the_cluster_and_its_children_and_the_log_is_plain_text() {
         // SAFETY: clean up what the assertion below reports.
         unsafe { libc::kill(p, libc::SIGKILL) };
     }
-    assert!(lingering.is_empty(), "children left after the cluster exited: {lingering:?}");
+    assert!(
+        lingering.is_empty(),
+        "children left after the cluster exited: {lingering:?}"
+    );
 
     let mut log = Vec::new();
-    std::fs::File::open(&err_path).unwrap().read_to_end(&mut log).unwrap();
+    std::fs::File::open(&err_path)
+        .unwrap()
+        .read_to_end(&mut log)
+        .unwrap();
     let _ = std::fs::remove_file(&err_path);
     assert!(
-        log.windows(b"worker ready".len()).any(|w| w == b"worker ready"),
+        log.windows(b"worker ready".len())
+            .any(|w| w == b"worker ready"),
         "the cluster's log has the workers' lines: {}",
         String::from_utf8_lossy(&log)
     );
