@@ -13,8 +13,10 @@ pub fn read_jsonl(path: &Path) -> Result<Vec<Value>> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
         Err(e) => return Err(e).with_context(|| path.display().to_string()),
     };
+    // `#` lines are comments in the replay format (the `# revenant-run` header of an
+    // `--events-jsonl` recording among them).
     text.lines()
-        .filter(|l| !l.trim().is_empty())
+        .filter(|l| !l.trim().is_empty() && !l.starts_with('#'))
         .map(|l| serde_json::from_str(l).with_context(|| format!("{}: {l}", path.display())))
         .collect()
 }
