@@ -147,7 +147,7 @@ impl Default for AdminConfig {
 pub const DEFAULT_CHANNEL_CAPACITY: usize = 1024;
 pub const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// A DaemonSet's usual limit leaves room for this with the receivers' buffers: about 600k live
+/// A DaemonSet's usual limit leaves room for this with the receivers' buffers: about 570k live
 /// attempts and 1.2M tombstones, minutes of never-ending attempts at thousands per second.
 pub const DEFAULT_MEMORY_BUDGET: u64 = 512 << 20;
 
