@@ -3,7 +3,7 @@
 //! million spans and its peak RSS.
 //!
 //! Run: `cargo bench -p revenant --bench otlp_load -- [--seconds 20] [--connections 4]
-//!       [--batch 1000] [--channel-capacity 16]`
+//!       [--batch 1000] [--channel-capacity 16] [--memory-budget 256MiB]`
 //!
 //! The workload is SGLang-shaped: per attempt a root ("prefill Req …" with `rid` and a hex
 //! `bootstrap_room`), the scheduler thread span and three stage slices, exported children first
@@ -36,6 +36,8 @@ struct Args {
     connections: usize,
     batch: usize,
     channel_capacity: usize,
+    /// `--memory-budget` passed to revenant (its default when absent).
+    memory_budget: Option<String>,
 }
 
 fn parse_args() -> Args {
@@ -49,6 +51,7 @@ fn parse_args() -> Args {
             connections: 4,
             batch: 1000,
             channel_capacity: 16,
+            memory_budget: None,
         }
     } else {
         Args {
@@ -57,6 +60,7 @@ fn parse_args() -> Args {
             connections: 1,
             batch: 120,
             channel_capacity: 16,
+            memory_budget: None,
         }
     };
     let mut i = 1;
@@ -68,6 +72,7 @@ fn parse_args() -> Args {
             "--connections" => a.connections = next().unwrap_or(a.connections),
             "--batch" => a.batch = next().unwrap_or(a.batch),
             "--channel-capacity" => a.channel_capacity = next().unwrap_or(a.channel_capacity),
+            "--memory-budget" => a.memory_budget = argv.get(i + 1).cloned(),
             _ => {
                 i += 1;
                 continue;
@@ -329,6 +334,11 @@ fn main() {
             "--drain-timeout",
             "60s",
         ])
+        .args(
+            args.memory_budget
+                .iter()
+                .flat_map(|b| ["--memory-budget", b.as_str()]),
+        )
         .env("REVENANT_LOG", "warn")
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(dir.join("stderr.log")).unwrap())
@@ -446,7 +456,11 @@ fn main() {
         "  generator CPU:      {:.2} s (same machine, shares the cores)",
         g1 - g0
     );
-    println!("  revenant peak RSS:  {:.1} MiB", hwm as f64 / 1024.0);
+    let budget = args.memory_budget.as_deref().unwrap_or("512MiB (default)");
+    println!(
+        "  revenant peak RSS:  {:.1} MiB (memory budget {budget})",
+        hwm as f64 / 1024.0
+    );
     println!("  revenant exit:      {st}");
     for l in stderr.lines().filter(|l| {
         l.starts_with("revenant: stopped")

@@ -65,6 +65,8 @@ pub struct RunConfig {
     clock_skew: Option<Duration>,
     #[serde(default, with = "duration::option")]
     allowed_lateness: Option<Duration>,
+    #[serde(default, deserialize_with = "deserialize_size_option")]
+    memory_budget: Option<u64>,
 }
 
 /// Who this revenant is: the `node` and `cluster` labels of its alerts and the node of the
@@ -94,9 +96,17 @@ pub struct EngineConfig {
     /// [default: 15s].
     #[serde(with = "duration::option")]
     pub allowed_lateness: Option<Duration>,
+    /// Memory the engine's state may use (`512MiB`, `1GiB` or bytes); its caps on live attempts
+    /// and tombstones derive from it [default: 512MiB].
+    #[serde(deserialize_with = "deserialize_size_option")]
+    pub memory_budget: Option<u64>,
 }
 
 impl EngineConfig {
+    pub fn memory_budget(&self) -> u64 {
+        self.memory_budget.unwrap_or(DEFAULT_MEMORY_BUDGET)
+    }
+
     pub fn clock_skew(&self) -> Duration {
         self.clock_skew.unwrap_or(DEFAULT_CLOCK_SKEW)
     }
@@ -136,6 +146,51 @@ impl Default for AdminConfig {
 
 pub const DEFAULT_CHANNEL_CAPACITY: usize = 1024;
 pub const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A DaemonSet's usual limit leaves room for this with the receivers' buffers: about 570k live
+/// attempts and 1.2M tombstones, minutes of never-ending attempts at thousands per second.
+pub const DEFAULT_MEMORY_BUDGET: u64 = 512 << 20;
+
+/// Why a size (`512MiB`, `1GiB`, `4096`) cannot be read.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid size `{0}`: expected bytes or a number with KiB, MiB, GiB (or KB, MB, GB)")]
+pub struct SizeError(pub String);
+
+/// Parses a size in bytes: a plain number, or one with a binary (`KiB`, `MiB`, `GiB`) or decimal
+/// (`KB`, `MB`, `GB`) unit.
+pub fn parse_size(text: &str) -> Result<u64, SizeError> {
+    let t = text.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: u64 = num.parse().map_err(|_| SizeError(text.into()))?;
+    let mul: u64 = match unit.trim() {
+        "" | "B" => 1,
+        "KiB" | "Ki" | "K" => 1 << 10,
+        "MiB" | "Mi" | "M" => 1 << 20,
+        "GiB" | "Gi" | "G" => 1 << 30,
+        "KB" => 1_000,
+        "MB" => 1_000_000,
+        "GB" => 1_000_000_000,
+        _ => return Err(SizeError(text.into())),
+    };
+    n.checked_mul(mul).ok_or_else(|| SizeError(text.into()))
+}
+
+fn deserialize_size_option<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> Result<Option<u64>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Size {
+        Bytes(u64),
+        Text(String),
+    }
+    match Option::<Size>::deserialize(d)? {
+        None => Ok(None),
+        Some(Size::Bytes(n)) => Ok(Some(n)),
+        Some(Size::Text(t)) => parse_size(&t).map(Some).map_err(serde::de::Error::custom),
+    }
+}
 
 pub const DEFAULT_CLOCK_SKEW: Duration = Duration::from_millis(50);
 /// Python's BatchSpanProcessor flushes every 5 s; SGLang root completions wait 5 s more.
@@ -218,6 +273,12 @@ impl RunConfig {
             &mut self.allowed_lateness,
             &mut self.engine.allowed_lateness,
             "allowed_lateness",
+            path,
+        )?;
+        fold(
+            &mut self.memory_budget,
+            &mut self.engine.memory_budget,
+            "memory_budget",
             path,
         )
     }

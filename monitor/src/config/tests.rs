@@ -148,3 +148,58 @@ fn node_identity_falls_back_to_the_alert_configuration() {
     overlay::apply(&mut cfg, &args(&[])).unwrap();
     assert_eq!(cfg.alert.cluster, "staging");
 }
+
+#[test]
+fn memory_budget_reads_units_in_the_file_at_either_level_and_from_the_flag() {
+    assert_eq!(
+        RunConfig::default().engine.memory_budget(),
+        DEFAULT_MEMORY_BUDGET
+    );
+    let eng = RunConfig::from_yaml(&path(), "engine: { memory_budget: 256MiB }\n").unwrap();
+    assert_eq!(eng.engine.memory_budget(), 256 << 20);
+    let top = RunConfig::from_yaml(&path(), "memory_budget: 1GiB\n").unwrap();
+    assert_eq!(top.engine.memory_budget(), 1 << 30);
+    let bytes = RunConfig::from_yaml(&path(), "engine: { memory_budget: 200000000 }\n").unwrap();
+    assert_eq!(bytes.engine.memory_budget(), 200_000_000);
+    let both = RunConfig::from_yaml(
+        &path(),
+        "memory_budget: 1GiB\nengine: { memory_budget: 256MiB }\n",
+    );
+    assert!(matches!(
+        both,
+        Err(ConfigFileError::Duplicate {
+            key: "memory_budget",
+            ..
+        })
+    ));
+    assert!(matches!(
+        RunConfig::from_yaml(&path(), "engine: { memory_budget: 12 parsecs }\n"),
+        Err(ConfigFileError::Parse { .. })
+    ));
+    let a = args(&["--memory-budget", "300MiB"]);
+    let cfg = crate::run::load_config(&a).unwrap();
+    assert_eq!(cfg.engine.memory_budget(), 300 << 20);
+}
+
+#[test]
+fn sizes_parse_with_binary_and_decimal_units_and_reject_the_rest() {
+    assert_eq!(parse_size("4096"), Ok(4096));
+    assert_eq!(parse_size("512MiB"), Ok(512 << 20));
+    assert_eq!(parse_size("2GiB"), Ok(2 << 30));
+    assert_eq!(parse_size("64KiB"), Ok(64 << 10));
+    assert_eq!(parse_size("5MB"), Ok(5_000_000));
+    for bad in ["", "MiB", "1.5GiB", "-1", "10TB", "99999999999999999999GiB"] {
+        assert!(parse_size(bad).is_err(), "{bad:?} accepted");
+    }
+}
+
+#[test]
+fn a_budget_too_small_to_run_is_refused_before_anything_starts() {
+    let a = args(&["--memory-budget", "1MiB", "--no-admin"]);
+    let err = crate::run::prepare(&a).err().expect("1 MiB is refused");
+    let msg = err.to_string();
+    assert!(
+        msg.contains("memory budget") && msg.contains("too small"),
+        "{msg}"
+    );
+}

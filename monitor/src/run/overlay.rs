@@ -82,6 +82,9 @@ pub fn apply(cfg: &mut RunConfig, args: &RunArgs) -> Result<(), RunConfigError> 
     if let Some(v) = args.allowed_lateness {
         cfg.engine.allowed_lateness = Some(v);
     }
+    if let Some(v) = args.memory_budget {
+        cfg.engine.memory_budget = Some(v);
+    }
     if args.rules.is_some() {
         cfg.engine.rules = args.rules.clone();
     }

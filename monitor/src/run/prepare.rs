@@ -9,7 +9,7 @@ use super::overlay::{self, Given};
 use crate::admin::AdminArgs;
 use crate::alert::{AlertArgs, AlertConfig, JsonlConfig};
 use crate::config::{ConfigFileError, RunConfig};
-use crate::engine::check::{Checker, CheckerConfig, RuleSet};
+use crate::engine::check::{BudgetCaps, Checker, CheckerConfig, RuleSet};
 use crate::ingest::ebpf::{EbpfArgs, EbpfMode};
 use crate::ingest::otlp;
 use crate::normalize::Normalizer;
@@ -47,6 +47,10 @@ pub struct RunArgs {
     /// [default: 15s].
     #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
     pub allowed_lateness: Option<Duration>,
+    /// Memory the engine's state may use (`512MiB`, `1GiB`, bytes): the caps on live attempts and
+    /// tombstones derive from it, and the oldest are evicted (counted) at the cap [default: 512MiB].
+    #[arg(long, value_name = "SIZE", value_parser = crate::config::parse_size)]
+    pub memory_budget: Option<u64>,
     /// How long shutdown may take to drain queued events through the checker [default: 10s].
     #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
     pub drain_timeout: Option<Duration>,
@@ -132,9 +136,12 @@ pub fn prepare(args: &RunArgs) -> Result<Prepared, RunConfigError> {
         Some(p) => RuleSet::from_file(p)?,
         None => RuleSet::embedded_defaults(),
     };
+    let caps = BudgetCaps::from_budget(cfg.engine.memory_budget())?;
     let ccfg = CheckerConfig {
         clock_skew: cfg.engine.clock_skew(),
         allowed_lateness: cfg.engine.allowed_lateness(),
+        max_attempts: caps.max_attempts,
+        max_tombstones: caps.max_tombstones,
         ..CheckerConfig::default()
     };
     ccfg.validate()?;

@@ -112,6 +112,50 @@ impl CheckerConfig {
     }
 }
 
+/// Bytes the engine charges per live attempt, its request included: the state_size bench measures
+/// 254 B at a table's fill; hash tables double when they grow, so the worst case is twice that.
+pub const BYTES_PER_ATTEMPT: u64 = 512;
+/// Bytes per tombstone: 56 B measured (queue, kept slot, alias index), doubled for table growth.
+pub const BYTES_PER_TOMBSTONE: u64 = 128;
+/// What the budget keeps outside the engine's tables: runtime, receivers' buffers, the channel,
+/// the admin buffers and the eBPF rings.
+pub const BUDGET_RESERVE: u64 = 96 << 20;
+/// Fewest live attempts a budget must leave room for; below it eviction would judge nothing.
+pub const MIN_BUDGET_ATTEMPTS: usize = 4096;
+
+/// The engine's caps derived from a memory budget in bytes: after [`BUDGET_RESERVE`], two thirds
+/// for live attempts and one third for tombstones (a tombstone outlives its attempt by the
+/// retention, so there are more of them, but each is a quarter of the size).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BudgetCaps {
+    pub max_attempts: usize,
+    pub max_tombstones: usize,
+}
+
+impl BudgetCaps {
+    pub fn from_budget(bytes: u64) -> Result<BudgetCaps, ConfigError> {
+        let min = BUDGET_RESERVE + 3 * MIN_BUDGET_ATTEMPTS as u64 * BYTES_PER_ATTEMPT / 2;
+        if bytes < min {
+            return Err(ConfigError::Invalid(format!(
+                "memory budget {bytes} B is too small to run: at least {min} B ({} MiB) \
+                 is needed for {BUDGET_RESERVE} B of runtime and buffers and {MIN_BUDGET_ATTEMPTS} \
+                 live attempts",
+                min.div_ceil(1 << 20)
+            )));
+        }
+        let engine = bytes - BUDGET_RESERVE;
+        Ok(BudgetCaps {
+            max_attempts: (engine / 3 * 2 / BYTES_PER_ATTEMPT) as usize,
+            max_tombstones: (engine / 3 / BYTES_PER_TOMBSTONE) as usize,
+        })
+    }
+
+    /// The engine's estimated use at these counts, in bytes (for the budget gauge).
+    pub fn estimate(live_attempts: u64, tombstones: u64) -> u64 {
+        BUDGET_RESERVE + live_attempts * BYTES_PER_ATTEMPT + tombstones * BYTES_PER_TOMBSTONE
+    }
+}
+
 /// A duration in nanoseconds, saturated at `u64::MAX`.
 fn ns(d: Duration) -> u64 {
     d.as_nanos().min(u64::MAX as u128) as u64

@@ -344,3 +344,37 @@ fn a_tick_near_the_end_of_time_does_not_overflow() {
     let _ = c.tick(u64::MAX / 2);
     let _ = c.tick(u64::MAX);
 }
+
+/// Attempts that never end, past the cap a budget derives: the live count stays at the cap and
+/// every attempt beyond it is an eviction counted as such.
+#[test]
+fn never_ending_attempts_past_the_budget_cap_are_evicted_and_counted() {
+    use super::BudgetCaps;
+    let budget = 100 << 20;
+    let caps = BudgetCaps::from_budget(budget).unwrap();
+    assert!(caps.max_attempts >= super::MIN_BUDGET_ATTEMPTS);
+    let estimate = BudgetCaps::estimate(caps.max_attempts as u64, caps.max_tombstones as u64);
+    assert!(estimate <= budget, "{estimate} B estimated over {budget} B");
+    let cfg = CheckerConfig {
+        max_attempts: caps.max_attempts,
+        max_tombstones: caps.max_tombstones,
+        ..CheckerConfig::default()
+    };
+    let mut c = Checker::new(RuleSet::embedded_defaults(), cfg);
+    let n = caps.max_attempts as u64 + 1000;
+    let t0 = 1_000 * S;
+    for i in 0..n {
+        // Admitted and never completed, 10 µs apart: far inside the idle TTL.
+        c.observe(&ev(t0 + i * 10_000, Stage::Prefill, Kind::Admitted).with_room(1 + i));
+    }
+    let s = c.stats();
+    assert_eq!(s.live_attempts as usize, caps.max_attempts);
+    assert_eq!(s.correlate.evicted_cap, 1000);
+}
+
+#[test]
+fn a_budget_below_the_reserve_is_refused() {
+    use super::BudgetCaps;
+    assert!(BudgetCaps::from_budget(64 << 20).is_err());
+    assert!(BudgetCaps::from_budget(0).is_err());
+}
