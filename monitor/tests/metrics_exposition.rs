@@ -4,17 +4,16 @@
 //! Run: `cargo test -p revenant --test metrics_exposition`.
 
 mod support;
+mod traffic;
 
 use std::collections::BTreeSet;
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::process::{Command, Stdio};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
-use serde_json::{Value, json};
+use serde_json::Value;
 use support::*;
-
-const MS: u128 = 1_000_000;
 
 /// One blocking HTTP/1.1 exchange: status, lower-cased head, body.
 fn exchange(addr: &str, request: &str, body: &[u8]) -> (u16, String, String) {
@@ -51,143 +50,6 @@ fn scrape(admin: &str, accept: Option<&str>) -> (String, String) {
     (ct, body)
 }
 
-fn b64(bytes: &[u8]) -> String {
-    use base64::Engine as _;
-    base64::engine::general_purpose::STANDARD.encode(bytes)
-}
-
-fn span(
-    trace: u128,
-    id: u64,
-    parent: u64,
-    name: &str,
-    start: u128,
-    end: u128,
-    attrs: Value,
-) -> Value {
-    let attrs: Vec<Value> = attrs
-        .as_object()
-        .unwrap()
-        .iter()
-        .map(|(k, v)| match v {
-            Value::Number(n) => json!({"key": k, "value": {"intValue": n.to_string()}}),
-            other => json!({"key": k, "value": {"stringValue": other.as_str().unwrap()}}),
-        })
-        .collect();
-    let mut s = json!({
-        "traceId": b64(&trace.to_be_bytes()),
-        "spanId": b64(&id.to_be_bytes()),
-        "name": name,
-        "kind": "SPAN_KIND_INTERNAL",
-        "startTimeUnixNano": start.to_string(),
-        "endTimeUnixNano": end.to_string(),
-        "attributes": attrs,
-        "status": {},
-    });
-    if parent != 0 {
-        s["parentSpanId"] = json!(b64(&parent.to_be_bytes()));
-    }
-    s
-}
-
-fn export(http: &str, service: &str, host: &str, scope: &str, spans: Vec<Value>) {
-    let doc = json!({"resourceSpans": [{
-        "resource": {"attributes": [
-            {"key": "service.name", "value": {"stringValue": service}},
-            {"key": "host.name", "value": {"stringValue": host}},
-        ]},
-        "scopeSpans": [{"scope": {"name": scope}, "spans": spans}],
-    }]})
-    .to_string();
-    let (status, head, body) = exchange(
-        http,
-        &format!(
-            "POST /v1/traces HTTP/1.1\r\nHost: {http}\r\nContent-Type: application/json\r\n\
-             Content-Length: {}\r\nConnection: close\r\n\r\n",
-            doc.len()
-        ),
-        doc.as_bytes(),
-    );
-    assert_eq!(status, 200, "{head}\n{body}");
-}
-
-/// SGLang's prefill rejects an attempt and its decode leg decodes anyway (the disclosed bug),
-/// over OTLP/HTTP JSON.
-fn reject_then_decode(http: &str) {
-    let t0 = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_nanos();
-    let rid = "8f3c2b1a9d7e4f60a1b2c3d4e5f6a001";
-    let room = format!("{:#x}", 0x314783F6BEF7A001u64);
-    let reason = format!("Request {rid} exceeds the maximum number of tokens: 9000 > 8192");
-    let (tp, td) = (0x11u128 << 64 | 1, 0x22u128 << 64 | 2);
-    let mut prefill_sched = span(
-        tp,
-        2,
-        1,
-        "Prefill Scheduler [TP 0] (host:prefill- | pid:4242)",
-        t0 + MS,
-        t0 + 4 * MS,
-        json!({"thread_label": "Prefill Scheduler", "pid": 4242, "reason": reason}),
-    );
-    prefill_sched["status"] = json!({"code": "STATUS_CODE_ERROR"});
-    let prefill = vec![
-        span(
-            tp,
-            3,
-            2,
-            "prefill_prepare",
-            t0 + 2 * MS,
-            t0 + 3 * MS,
-            json!({}),
-        ),
-        prefill_sched,
-        span(
-            tp,
-            1,
-            99,
-            "prefill Req 8f3c2b1a",
-            t0,
-            t0 + 5 * MS,
-            json!({"rid": rid, "bootstrap_room": room}),
-        ),
-    ];
-    let dt = t0 + 204 * MS;
-    let decode = vec![
-        span(td, 3, 2, "decode_transferred", dt, dt + 5 * MS, json!({})),
-        span(
-            td,
-            4,
-            2,
-            "decode_loop",
-            dt + 5 * MS,
-            dt + 20 * MS,
-            json!({}),
-        ),
-        span(
-            td,
-            2,
-            1,
-            "Decode Scheduler [TP 0] (host:decode-n | pid:4243)",
-            t0 + MS,
-            dt + 21 * MS,
-            json!({"thread_label": "Decode Scheduler", "pid": 4243}),
-        ),
-        span(
-            td,
-            1,
-            0,
-            "decode Req 8f3c2b1a",
-            t0,
-            dt + 22 * MS,
-            json!({"rid": rid, "bootstrap_room": room}),
-        ),
-    ];
-    export(http, "sglang", "prefill-node", "sglang server", prefill);
-    export(http, "sglang", "decode-node", "sglang server", decode);
-}
-
 /// The metric names a text exposition's samples use, and the names its HELP and TYPE lines give.
 fn names(text: &str) -> (BTreeSet<String>, BTreeSet<String>, BTreeSet<String>) {
     let (mut samples, mut help, mut types) = (BTreeSet::new(), BTreeSet::new(), BTreeSet::new());
@@ -214,7 +76,7 @@ fn names(text: &str) -> (BTreeSet<String>, BTreeSet<String>, BTreeSet<String>) {
 fn metrics_negotiate_the_format_and_the_text_format_passes_promtool() {
     let promtool = system_bin("promtool");
     let rv = Revenant::start("metrics-exposition", &[]);
-    reject_then_decode(&rv.otlp_http);
+    traffic::reject_then_decode(&rv.otlp_http, 1);
     let admin = rv.admin.clone();
     futures_block_on(eventually(
         "a violation in /api/violations",
