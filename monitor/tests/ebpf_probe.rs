@@ -36,7 +36,9 @@ struct Fake {
 }
 
 impl Fake {
-    fn spawn(args: &[String]) -> Fake {
+    /// Starts it and waits for READY; `None` when it exited first (a port another process took
+    /// between `free_port` and its bind: the caller retries with new ports).
+    fn spawn(args: &[String]) -> Option<Fake> {
         let mut child = test_harness::Proc::spawn(
             "python3",
             Command::new("python3")
@@ -62,24 +64,33 @@ impl Fake {
             stdin,
             lines,
         };
-        p.expect_line("READY");
-        p
+        match p.next_line("READY") {
+            Ok(_) => Some(p),
+            Err(mpsc::RecvTimeoutError::Disconnected) => None,
+            Err(e) => panic!("process {} never printed READY: {e}", p.child.pid()),
+        }
     }
 
     fn pid(&self) -> u32 {
         self.child.pid()
     }
 
-    fn expect_line(&mut self, prefix: &str) -> String {
+    fn next_line(&mut self, prefix: &str) -> Result<String, mpsc::RecvTimeoutError> {
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             match self.lines.recv_timeout(left) {
-                Ok(l) if l.starts_with(prefix) => return l,
+                Ok(l) if l.starts_with(prefix) => return Ok(l),
                 Ok(_) => continue,
-                Err(e) => panic!("process {} never printed {prefix:?}: {e}", self.child.pid()),
+                Err(e) => return Err(e),
             }
         }
+    }
+
+    fn expect_line(&mut self, prefix: &str) -> String {
+        self.next_line(prefix).unwrap_or_else(|e| {
+            panic!("process {} never printed {prefix:?}: {e}", self.child.pid())
+        })
     }
 
     fn go(&mut self) {
@@ -96,7 +107,8 @@ struct Pd {
     room: u64,
 }
 
-/// Starts fake prefill (rejecting with 400) and decode workers and a fake router in front.
+/// Starts fake prefill (rejecting with 400) and decode workers and a fake router in front; with
+/// new ports when one of them was taken before a fake could bind it.
 fn start_pd(
     canary: &str,
     request_id: &str,
@@ -104,6 +116,21 @@ fn start_pd(
     prompt_bytes: usize,
     router_extra: &[&str],
 ) -> Pd {
+    for _ in 0..5 {
+        if let Some(pd) = try_start_pd(canary, request_id, repeat, prompt_bytes, router_extra) {
+            return pd;
+        }
+    }
+    panic!("the fake workers and router could not bind their ports in 5 tries");
+}
+
+fn try_start_pd(
+    canary: &str,
+    request_id: &str,
+    repeat: u32,
+    prompt_bytes: usize,
+    router_extra: &[&str],
+) -> Option<Pd> {
     let (pp, dp, bp, kp) = (free_port(), free_port(), free_port(), free_port());
     let worker = fixture("fake_worker.py").display().to_string();
     let prefill = Fake::spawn(&[
@@ -116,14 +143,14 @@ fn start_pd(
         bp.to_string(),
         "--kv-port".into(),
         kp.to_string(),
-    ]);
+    ])?;
     let decode = Fake::spawn(&[
         worker,
         "--role".into(),
         "decode".into(),
         "--port".into(),
         dp.to_string(),
-    ]);
+    ])?;
     let room = 9066467638188682269u64 - u64::from(pp);
     let router = Fake::spawn(
         &[
@@ -148,13 +175,13 @@ fn start_pd(
         .into_iter()
         .chain(router_extra.iter().map(|a| a.to_string()))
         .collect::<Vec<_>>(),
-    );
-    Pd {
+    )?;
+    Some(Pd {
         prefill,
         decode,
         router,
         room,
-    }
+    })
 }
 
 fn pd_discovery(pd: &Pd) -> Discovery {

@@ -82,10 +82,23 @@ pub fn wait_healthy(base: &str, timeout: Duration) -> Result<()> {
 /// An ephemeral loopback port, free when asked (another process may take it before we bind it:
 /// only for addresses that must be known before the listener exists).
 pub fn free_port() -> Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")
-        .context("bind an ephemeral loopback port")?
-        .local_addr()?
-        .port())
+    // The tests of one binary run in parallel threads: the kernel may hand the same ephemeral
+    // port to two of them in turn once the first probe socket is closed. A port is given out
+    // once per process. (Another process can still take it: callers that start a server on it
+    // retry with a new port when the bind fails.)
+    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    let mut given = GIVEN.lock().unwrap_or_else(|p| p.into_inner());
+    for _ in 0..64 {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .context("bind an ephemeral loopback port")?
+            .local_addr()?
+            .port();
+        if !given.contains(&port) {
+            given.push(port);
+            return Ok(port);
+        }
+    }
+    anyhow::bail!("no loopback port not given out before in 64 tries")
 }
 
 #[cfg(test)]
