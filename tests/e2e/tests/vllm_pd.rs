@@ -178,8 +178,16 @@ fn run(router: Router, sources: Sources, load_args: &[&str]) -> Outcome {
     )
     .unwrap_or_else(|e| panic!("{e:#}"))
     .expect("not interrupted");
+    // The real vllm-router exports through OpenTelemetry's batch span processor, which holds
+    // spans for up to 5 s (its default schedule delay): quiet means no change for longer than
+    // that, or its last batch (the router's view of the last rejections) is not in yet.
+    let quiet = if router == Router::Real && sources.otlp() {
+        Duration::from_secs(7)
+    } else {
+        Duration::from_secs(2)
+    };
     let metrics = revenant
-        .wait_quiet(Duration::from_secs(2), Duration::from_secs(60), None)
+        .wait_quiet(quiet, Duration::from_secs(60), None)
         .unwrap_or_else(|e| panic!("{e:#}\n{}", test_harness::tail(&revenant.log, 30)));
     let prefill = records(&cluster.prefill);
     let decode = records(&cluster.decode);
