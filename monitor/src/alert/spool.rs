@@ -291,11 +291,13 @@ impl Spool {
                             let notification: Notification = d.notification.into();
                             let route =
                                 reroute(d.pending, d.acked, sinks, cfg.discard_removed_sinks);
-                            let (pending, acked, len) = match route {
-                                Route::Unchanged { pending, acked } => (pending, acked, len as u64),
+                            let (notification, pending, acked, len) = match route {
+                                Route::Unchanged { pending, acked } => {
+                                    (notification, pending, acked, len as u64)
+                                }
                                 Route::Stranded { pending, acked } => {
                                     rec.stranded += 1;
-                                    (pending, acked, len as u64)
+                                    (notification, pending, acked, len as u64)
                                 }
                                 Route::Done { discarded } => {
                                     if discarded {
@@ -328,19 +330,7 @@ impl Spool {
                                     // to it is acknowledged; otherwise it would be routed again.
                                     write_atomic(&dir, d.seq, &bytes, cfg.fsync)?;
                                     let len = bytes.len() as u64;
-                                    st.bytes += len;
-                                    st.entries.insert(
-                                        d.seq,
-                                        Entry {
-                                            seq: d.seq,
-                                            notification: Arc::new(disk.notification),
-                                            pending: disk.pending,
-                                            acked: disk.acked,
-                                            bytes: len,
-                                        },
-                                    );
-                                    rec.entries += 1;
-                                    continue;
+                                    (disk.notification, disk.pending, disk.acked, len)
                                 }
                             };
                             st.bytes += len;
