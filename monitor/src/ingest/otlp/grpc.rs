@@ -36,17 +36,23 @@ pub struct GrpcReceiver {
 }
 
 fn status(ingest: &Ingest, e: AcceptError) -> Status {
-    let (reason, code) = match e {
-        AcceptError::Full => (RejectReason::PipelineFull, 14),
-        AcceptError::Closed => (RejectReason::PipelineClosed, 14),
-        AcceptError::TooManyItems { .. } => (RejectReason::TooManyItems, 3),
-    };
-    ingest.log_refusal(Transport::Grpc, reason, code, &e.to_string());
-    match e {
+    let (reason, st) = match e {
         // UNAVAILABLE is what OTLP exporters retry with backoff.
-        AcceptError::Full | AcceptError::Closed => Status::unavailable(e.to_string()),
-        AcceptError::TooManyItems { .. } => Status::invalid_argument(e.to_string()),
-    }
+        AcceptError::Full => (
+            RejectReason::PipelineFull,
+            Status::unavailable(e.to_string()),
+        ),
+        AcceptError::Closed => (
+            RejectReason::PipelineClosed,
+            Status::unavailable(e.to_string()),
+        ),
+        AcceptError::TooManyItems { .. } => (
+            RejectReason::TooManyItems,
+            Status::invalid_argument(e.to_string()),
+        ),
+    };
+    ingest.log_refusal(Transport::Grpc, reason, st.code() as u16, st.message());
+    st
 }
 
 #[tonic::async_trait]
