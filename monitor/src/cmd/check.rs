@@ -116,8 +116,6 @@ fn open_inputs(
         .collect()
 }
 
-/// `--clock-skew` of a file without a run header.
-const DEFAULT_CLOCK_SKEW: Duration = Duration::from_millis(50);
 
 /// `n thing` or `n things`.
 fn count(n: u64, thing: &str) -> String {
@@ -145,7 +143,7 @@ pub fn run(args: CheckArgs) -> ExitCode {
     let clock_skew = args
         .clock_skew
         .or(header.as_ref().map(|h| recorded(h.clock_skew_ns)))
-        .unwrap_or(DEFAULT_CLOCK_SKEW);
+        .unwrap_or(crate::config::DEFAULT_CLOCK_SKEW);
     let allowed_lateness = args
         .allowed_lateness
         .or(header.as_ref().map(|h| recorded(h.allowed_lateness_ns)))
