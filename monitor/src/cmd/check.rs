@@ -116,7 +116,6 @@ fn open_inputs(
         .collect()
 }
 
-
 /// `n thing` or `n things`.
 fn count(n: u64, thing: &str) -> String {
     if n == 1 {
