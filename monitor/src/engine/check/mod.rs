@@ -150,7 +150,8 @@ impl BudgetCaps {
         })
     }
 
-    /// The engine's estimated use at these counts, in bytes (for the budget gauge).
+    /// The estimated use at these counts, reserve included, in bytes: what the caps must keep
+    /// within the budget.
     pub fn estimate(live_attempts: u64, tombstones: u64) -> u64 {
         BUDGET_RESERVE + live_attempts * BYTES_PER_ATTEMPT + tombstones * BYTES_PER_TOMBSTONE
     }
