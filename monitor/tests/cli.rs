@@ -621,3 +621,30 @@ fn summaries_show_only_the_known_status_and_reason() {
         "{summaries:?}"
     );
 }
+
+/// Events that name no request or attempt cannot be judged by request or attempt rules: `check`
+/// says how many there were instead of passing over them silently.
+#[test]
+fn check_warns_about_events_that_name_nothing() {
+    let file = tmp(
+        "no-ids.jsonl",
+        "{\"time_unix_nano\":1,\"stage\":\"decode\",\"kind\":\"work\",\"ids\":{}}\n\
+         {\"time_unix_nano\":2,\"stage\":\"decode\",\"kind\":\"work\"}\n\
+         {\"time_unix_nano\":3,\"stage\":\"decode\",\"kind\":\"work\",\"ids\":{\"rid\":\"r1\"}}\n",
+    );
+    let o = bin().arg("check").arg(&file).output().unwrap();
+    let (out, err) = text(&o);
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    assert_eq!(out, "");
+    assert!(
+        err.contains("warning: 2 events named no request or attempt"),
+        "{err}"
+    );
+    let named = tmp(
+        "ids.jsonl",
+        "{\"time_unix_nano\":3,\"stage\":\"decode\",\"kind\":\"work\",\"ids\":{\"rid\":\"r1\"}}\n",
+    );
+    let o = bin().arg("check").arg(&named).output().unwrap();
+    let (_, err) = text(&o);
+    assert!(!err.contains("named no request"), "{err}");
+}

@@ -320,6 +320,14 @@ pub fn run(args: CheckArgs) -> ExitCode {
             count(late, "event"),
         ));
     }
+    let unattributed = checker.stats().events_unattributed;
+    if unattributed > 0 && !args.stats {
+        console::write_line(&format!(
+            "revenant: warning: {} named no request or attempt (ids: request_id, trace_id, rid, \
+             bootstrap_room) and were checked only against worker-level rules (--stats for details)",
+            count(unattributed, "event"),
+        ));
+    }
     if bad_lines > 0 {
         console::write_line(&format!(
             "revenant: {bad_lines} bad line(s) skipped; the rest of the file was checked"
