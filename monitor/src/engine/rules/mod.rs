@@ -611,6 +611,7 @@ impl Rule {
     pub fn horizon(&self) -> Duration {
         match &self.shape {
             Shape::MustFollow(s) => s.within.0,
+            Shape::RequiresBefore(s) => s.grace.0,
             _ => Duration::ZERO,
         }
     }
@@ -684,6 +685,12 @@ pub fn compile(
 #[serde(transparent)]
 pub struct HumanDuration(#[serde(with = "crate::duration")] pub Duration);
 
+impl HumanDuration {
+    pub fn is_zero(&self) -> bool {
+        self.0.is_zero()
+    }
+}
+
 /// Stages are small; used by shapes that name one.
 pub fn stage_list(stages: &[Stage]) -> String {
     stages
@@ -709,6 +716,7 @@ mod tests {
                 "handoff-after-rejection",
                 "activity-after-request-failed",
                 "orphaned-leg",
+                "unknown-room",
                 "over-capacity-admitted",
                 "stuck-attempt",
                 "context-exceeds-capacity"
@@ -718,6 +726,7 @@ mod tests {
         assert_eq!(sev("activity-after-rejection"), Severity::Critical);
         assert_eq!(sev("handoff-after-rejection"), Severity::Critical);
         assert_eq!(sev("orphaned-leg"), Severity::Warning);
+        assert_eq!(sev("unknown-room"), Severity::Warning);
         assert_eq!(sev("over-capacity-admitted"), Severity::Critical);
     }
 

@@ -1,11 +1,14 @@
 //! `requires_before`: an event is only legitimate if another one happened earlier.
 //!
 //! E.g. decode work requires a prefill admission of the same attempt. Judged when the watermark
-//! passes the event, so a required event that arrives late (within the allowed lateness) counts.
+//! passes the event (plus the grace), so a required event that arrives late (within the allowed
+//! lateness) counts. A `grace` lets the required event come that long *after* the event too:
+//! legs a router sends at once reach their workers in either order, so "prefill received the
+//! room" may follow "decode contacted prefill about it" by the network's jitter.
 
 use serde::{Deserialize, Serialize};
 
-use super::{RuleError, RuleSlots};
+use super::{HumanDuration, RuleError, RuleSlots};
 use crate::engine::matcher::Matcher;
 use crate::engine::state::{Keep, Slot, SlotLayout};
 
@@ -14,6 +17,9 @@ use crate::engine::state::{Keep, Slot, SlotLayout};
 pub struct RequiresBefore {
     pub event: Vec<Matcher>,
     pub requires: Vec<Matcher>,
+    /// A required event up to this long after the event still counts (concurrent legs).
+    #[serde(default, skip_serializing_if = "HumanDuration::is_zero")]
+    pub grace: HumanDuration,
 }
 
 impl RequiresBefore {
@@ -35,9 +41,16 @@ impl RequiresBefore {
         }
     }
 
-    /// When the check can be judged: once nothing earlier than the event can still arrive.
+    fn grace_ns(&self) -> u64 {
+        self.grace.0.as_nanos().min(u64::MAX as u128) as u64
+    }
+
+    /// When the check can be judged: once nothing earlier than the event's grace can still
+    /// arrive.
     pub fn due(&self, event: Slot) -> Option<u64> {
-        event.is_set().then(|| event.time())
+        event
+            .is_set()
+            .then(|| event.time().saturating_add(self.grace_ns()))
     }
 
     pub fn breached(&self, event: Slot, required: Slot, skew_ns: u64) -> bool {
@@ -52,7 +65,7 @@ impl RequiresBefore {
         } else {
             skew_ns
         };
-        required.time() > event.time().saturating_add(tolerance)
+        required.time() > event.time().saturating_add(self.grace_ns() + tolerance)
     }
 }
 
@@ -73,11 +86,27 @@ mod tests {
         let r = RequiresBefore {
             event: vec![Matcher::default()],
             requires: vec![Matcher::default()],
+            grace: HumanDuration::default(),
         };
         assert!(!r.breached(at(100, 0), at(90, 0), 0));
         assert!(!r.breached(at(100, 0), at(100, 0), 0));
         assert!(r.breached(at(100, 0), at(101, 0), 0));
         assert!(r.breached(at(100, 0), Slot::EMPTY, 0));
         assert!(!r.breached(at(100, 0), at(120, 1), 50));
+    }
+
+    #[test]
+    fn grace_admits_a_required_event_that_follows_closely() {
+        let r = RequiresBefore {
+            event: vec![Matcher::default()],
+            requires: vec![Matcher::default()],
+            grace: HumanDuration(std::time::Duration::from_nanos(30)),
+        };
+        assert_eq!(r.due(at(100, 0)), Some(130));
+        assert!(!r.breached(at(100, 0), at(130, 0), 0));
+        assert!(r.breached(at(100, 0), at(131, 0), 0));
+        assert!(!r.breached(at(100, 0), at(180, 1), 50));
+        assert!(r.breached(at(100, 0), at(181, 1), 50));
+        assert!(r.breached(at(100, 0), Slot::EMPTY, 0));
     }
 }
