@@ -22,16 +22,24 @@ use common::{Sources, bins, drops, serial, sim_span_losses};
 struct Outcome {
     load: Value,
     rooms: Vec<Value>,
+    decode_rooms: Vec<Value>,
     prefill_stats: Value,
     metrics: Vec<Sample>,
     notifications: Vec<Value>,
     elapsed: Duration,
 }
 
-/// Cluster (exporting OTLP to revenant when `sources` has OTLP), revenant (OTLP receiver and/or
-/// eBPF on the cluster's pids), the load; then waits until revenant is quiet, stops it (it
-/// drains every held or queued alert into its JSONL file) and collects everything.
-fn run(mode: &str, sources: Sources, load_args: &[&str]) -> Outcome {
+/// Cluster (`pd-sim cluster --mode MODE` and `cluster_args`, exporting OTLP to revenant when
+/// `sources` has OTLP), revenant (OTLP receiver and/or eBPF on the cluster's pids), the load;
+/// then `settle` (waits for what the test needs judged), waits until revenant is quiet, stops it
+/// (it drains every held or queued alert into its JSONL file) and collects everything.
+fn run_with(
+    mode: &str,
+    cluster_args: &[&str],
+    sources: Sources,
+    load_args: &[&str],
+    settle: &dyn Fn(&Revenant, &Cluster),
+) -> Outcome {
     let t0 = Instant::now();
     if sources.ebpf() {
         assert!(
@@ -44,10 +52,17 @@ fn run(mode: &str, sources: Sources, load_args: &[&str]) -> Outcome {
         .prefix("revenant-e2e-")
         .tempdir()
         .unwrap();
+    if std::env::var_os("REVENANT_E2E_KEEP").is_some() {
+        eprintln!("keeping {}", dir.path().display());
+    }
     // The cluster starts first (revenant needs its pids for eBPF); its exporters connect only
     // once there are spans, after revenant is ready.
     let otlp = format!("127.0.0.1:{}", test_harness::free_port().unwrap());
-    let mut cluster_args = vec!["--mode".to_string(), mode.to_string()];
+    let mut cluster_args: Vec<String> = ["--mode", mode]
+        .iter()
+        .chain(cluster_args)
+        .map(|s| s.to_string())
+        .collect();
     if sources.otlp() {
         cluster_args.extend(["--otlp-endpoint".into(), format!("http://{otlp}")]);
     }
@@ -104,10 +119,12 @@ fn run(mode: &str, sources: Sources, load_args: &[&str]) -> Outcome {
     )
     .unwrap_or_else(|e| panic!("{e:#}"))
     .expect("not interrupted");
+    settle(&revenant, &cluster);
     let metrics = revenant
         .wait_quiet(Duration::from_secs(2), Duration::from_secs(60), None)
         .unwrap_or_else(|e| panic!("{e:#}\n{}", test_harness::tail(&revenant.log, 30)));
     let rooms = cluster.prefill_rooms().unwrap();
+    let decode_rooms = cluster.decode_rooms().unwrap();
     let prefill_stats = test_harness::http_json(&format!("{}/sim/stats", cluster.prefill)).unwrap();
     let status = revenant.stop().unwrap();
     assert!(
@@ -117,13 +134,45 @@ fn run(mode: &str, sources: Sources, load_args: &[&str]) -> Outcome {
     );
     let notifications = revenant.notifications().unwrap();
     drop(cluster);
+    if std::env::var_os("REVENANT_E2E_KEEP").is_some() {
+        let _ = dir.keep();
+    }
     Outcome {
         load,
         rooms,
+        decode_rooms,
         prefill_stats,
         metrics,
         notifications,
         elapsed: t0.elapsed(),
+    }
+}
+
+fn run(mode: &str, sources: Sources, load_args: &[&str]) -> Outcome {
+    run_with(mode, &[], sources, load_args, &|_, _| {})
+}
+
+/// Waits (at most 90 s) until revenant's watermark is `beyond` past now: every deadline of a
+/// rule due by then (the end of the load plus the longest grace or window that matters to the
+/// test) has been judged, so a silent result covers the whole load.
+fn judged_beyond(r: &Revenant, beyond: Duration) {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64();
+    let target = now + beyond.as_secs_f64();
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        let m = r.metrics().unwrap();
+        let wm = metric_sum(&m, "revenant_checker_watermark_timestamp_seconds", &[]);
+        if wm >= target {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "revenant's watermark {wm} did not pass {target} within 90 s"
+        );
+        std::thread::sleep(Duration::from_millis(250));
     }
 }
 
@@ -175,8 +224,10 @@ fn correct_router_10k_requests_zero_violations() {
     } else {
         Sources::Otlp
     };
-    let o = run(
+    // Judged past the end of the load plus unknown-room's grace and orphaned-leg's window.
+    let o = run_with(
         "correct",
+        &[],
         sources,
         &[
             "--rate",
@@ -186,6 +237,7 @@ fn correct_router_10k_requests_zero_violations() {
             "--over-capacity-share",
             "0.1",
         ],
+        &|r, _| judged_beyond(r, Duration::from_secs(6)),
     );
     report("correct/10k", &o);
     assert_eq!(o.load["sent"], 10000);
@@ -367,4 +419,87 @@ fn handoff_after_reject_caught_once_per_request_with_both_sources_merged() {
         "every notification's evidence should show both sources: {by:?}; corroborations seen: {}",
         metric_sum(&o.metrics, "revenant_alerts_corroborated_total", &[])
     );
+}
+
+/// `--fault unknown-room`: decode also bootstraps, for 2 % of its legs, a room nobody created.
+/// Each injected room is one unknown-room notification, from eBPF (the injected handshake has
+/// no spans, so OTLP cannot see it), and the cluster's own traffic stays silent: concurrent legs
+/// whose handshake precedes prefill's receipt are not unknown.
+#[test]
+fn unknown_rooms_caught_once_each_and_nothing_else() {
+    let _g = serial();
+    let sources = Sources::Both;
+    // The verdict is due 5 s (the rule's grace) after the handshake, judged once the watermark
+    // passes it: the allowed lateness (15 s) after the last event, by the checker's tick.
+    let settle = |r: &Revenant, _: &Cluster| judged_beyond(r, Duration::from_secs(6));
+    let o = run_with(
+        "correct",
+        &["--fault", "unknown-room", "--fault-rate", "0.02"],
+        sources,
+        &[
+            "--rate",
+            "500",
+            "--requests",
+            "3000",
+            "--over-capacity-share",
+            "0.05",
+        ],
+        &settle,
+    );
+    report("unknown-room/Both", &o);
+    assert_eq!(o.load["errors"], 0, "{}", o.load);
+    let want: BTreeSet<u64> = o
+        .decode_rooms
+        .iter()
+        .filter(|r| r["outcome"] == "injected-unknown-room")
+        .map(|r| r["room"].as_u64().unwrap())
+        .collect();
+    assert!(want.len() > 20, "2 % of 3000 legs: {} injected", want.len());
+    assert_no_loss(&o);
+    let mut got: BTreeMap<u64, usize> = BTreeMap::new();
+    for n in &o.notifications {
+        assert!(notifications::is_incident(n), "{n}");
+        let f = notifications::finding(n, "unknown-room")
+            .unwrap_or_else(|| panic!("only unknown-room may fire here: {n}"));
+        let room = f["attempt"]["bootstrap_room"]
+            .as_u64()
+            .unwrap_or_else(|| panic!("finding names no attempt room: {n}"));
+        *got.entry(room).or_default() += 1;
+    }
+    let got_rooms: BTreeSet<u64> = got.keys().copied().collect();
+    let unexpected: Vec<&Value> = o
+        .notifications
+        .iter()
+        .filter(|n| {
+            notifications::finding(n, "unknown-room")
+                .and_then(|f| f["attempt"]["bootstrap_room"].as_u64())
+                .is_some_and(|r| !want.contains(&r))
+        })
+        .take(3)
+        .collect();
+    let records = |room: &u64| {
+        o.rooms
+            .iter()
+            .chain(&o.decode_rooms)
+            .filter(|r| r["room"].as_u64() == Some(*room))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        got_rooms,
+        want,
+        "missed {:?}, unexpected {:?}: {unexpected:#?}; the simulator's records of them: {:#?}",
+        want.difference(&got_rooms).take(10).collect::<Vec<_>>(),
+        got_rooms.difference(&want).take(10).collect::<Vec<_>>(),
+        got_rooms
+            .difference(&want)
+            .take(3)
+            .map(records)
+            .collect::<Vec<_>>()
+    );
+    assert!(
+        got.values().all(|&n| n == 1),
+        "notified more than once: {got:?}"
+    );
+    let by = common::sources_of_rule(&o.notifications, "unknown-room");
+    assert_eq!(by.keys().collect::<Vec<_>>(), ["ebpf"], "{by:?}");
 }

@@ -95,10 +95,19 @@ impl Cluster {
 
     /// The prefill's per-room records (`/sim/rooms`).
     pub fn prefill_rooms(&self) -> Result<Vec<Value>> {
-        match http_json(&format!("{}/sim/rooms", self.prefill))? {
-            Value::Array(a) => Ok(a),
-            other => bail!("/sim/rooms: not an array: {other}"),
-        }
+        sim_rooms(&self.prefill)
+    }
+
+    /// The decode's per-room records (`/sim/rooms`).
+    pub fn decode_rooms(&self) -> Result<Vec<Value>> {
+        sim_rooms(&self.decode)
+    }
+}
+
+fn sim_rooms(worker: &str) -> Result<Vec<Value>> {
+    match http_json(&format!("{worker}/sim/rooms"))? {
+        Value::Array(a) => Ok(a),
+        other => bail!("{worker}/sim/rooms: not an array: {other}"),
     }
 }
 

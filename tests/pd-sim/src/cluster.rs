@@ -63,6 +63,9 @@ pub struct ClusterArgs {
     /// Start only prefill and decode (put another router, e.g. the real sglang-router, in front).
     #[arg(long)]
     pub no_router: bool,
+    /// Isolation breaches, passed to both workers (each acts on its own role's).
+    #[command(flatten)]
+    pub faults: crate::fault::FaultArgs,
 }
 
 struct Proc {
@@ -148,7 +151,11 @@ async fn stop_all(procs: &mut [Proc]) {
 }
 
 pub async fn run(a: ClusterArgs) -> anyhow::Result<()> {
+    a.faults.validate()?;
     if a.flavour == crate::Flavour::Vllm {
+        if !a.faults.faults.is_empty() {
+            anyhow::bail!("--fault is implemented for the SGLang flavour only");
+        }
         return run_vllm(a).await;
     }
     let port = |p: u16| if a.ephemeral { 0 } else { p };
@@ -182,6 +189,7 @@ pub async fn run(a: ClusterArgs) -> anyhow::Result<()> {
             pargs.push("--transfer-after-reject".into());
         }
         pargs.extend(common.clone());
+        pargs.extend(a.faults.to_args());
         pargs.extend(split(&a.prefill_args));
         let prefill = start("prefill", "prefill", pargs).await?;
         let p_port = prefill.ready["port"].as_u64().unwrap_or(0);
@@ -201,6 +209,7 @@ pub async fn run(a: ClusterArgs) -> anyhow::Result<()> {
             "65536".into(),
         ];
         dargs.extend(common.clone());
+        dargs.extend(a.faults.to_args());
         dargs.extend(split(&a.decode_args));
         let decode = start("decode", "decode", dargs).await?;
         let d_port = decode.ready["port"].as_u64().unwrap_or(0);

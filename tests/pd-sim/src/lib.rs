@@ -1,6 +1,7 @@
 //! PD (prefill/decode) disaggregated serving simulator. See README.md for the wire formats.
 
 pub mod cluster;
+pub mod fault;
 pub mod http;
 pub mod ids;
 pub mod kvlink;

@@ -78,6 +78,11 @@ impl Collector for EbpfCollector {
                 "Stream bytes not captured (payload between the captured head and tail)",
                 s.gap_bytes.load(Relaxed),
             ),
+            (
+                "revenant_ebpf_zmtp_damaged_messages",
+                "KV-transfer control messages left unread because a capture gap cut into their verb or key (read, they could name another room)",
+                s.zmtp_damaged.load(Relaxed),
+            ),
         ] {
             counter_metric(&mut enc, name, help, v)?;
         }

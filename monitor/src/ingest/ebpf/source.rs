@@ -65,6 +65,7 @@ pub struct EbpfStats {
     pub conns_evicted: AtomicU64,
     pub http_desyncs: AtomicU64,
     pub gap_bytes: AtomicU64,
+    pub zmtp_damaged: AtomicU64,
     pub watched_processes: AtomicU64,
     /// Connections the tracker currently holds state for.
     pub connections: AtomicU64,
@@ -333,6 +334,7 @@ impl Inner {
         self.stats.conns_evicted.store(t.conns_evicted, Relaxed);
         self.stats.http_desyncs.store(t.http_desyncs, Relaxed);
         self.stats.gap_bytes.store(t.gap_bytes, Relaxed);
+        self.stats.zmtp_damaged.store(t.zmtp_damaged, Relaxed);
         self.stats
             .connections
             .store(self.tracker.conn_count() as u64, Relaxed);

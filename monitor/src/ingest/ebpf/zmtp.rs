@@ -20,6 +20,9 @@ pub struct Message {
     /// Up to [`KEEP_PARTS`] parts, each cut to [`KEEP_BYTES`].
     pub parts: Vec<Vec<u8>>,
     pub part_count: u32,
+    /// Bit `i` set: bytes of kept part `i` were lost to a capture gap, so what was kept of it has
+    /// a hole or lacks its end (a room cut to its first digits is another room).
+    pub damaged: u32,
 }
 
 #[derive(Debug)]
@@ -151,6 +154,14 @@ impl ZmtpStream {
     }
 
     pub fn gap(&mut self, n: u64) {
+        if let State::FrameBody {
+            remaining, command, ..
+        } = self.state
+            && n <= remaining
+            && !command
+        {
+            self.mark_damaged();
+        }
         match &mut self.state {
             State::FrameBody { remaining, .. } if n < *remaining => *remaining -= n,
             State::FrameBody { remaining, .. } if n == *remaining => {
@@ -161,6 +172,17 @@ impl ZmtpStream {
             }
             State::Greeting(rem) if (n as usize) < *rem => *rem -= n as usize,
             _ => self.state = State::Desync,
+        }
+    }
+
+    /// The part being read lost bytes it would have kept.
+    fn mark_damaged(&mut self) {
+        let kept = self.msg.part_count as usize <= KEEP_PARTS;
+        if let Some(p) = self.msg.parts.last()
+            && kept
+            && p.len() < KEEP_BYTES
+        {
+            self.msg.damaged |= 1 << (self.msg.parts.len() - 1);
         }
     }
 
@@ -209,10 +231,12 @@ pub enum Control {
 /// `[b"NIXL_KV", name, chunk, payload]`, `[b"NIXL_DONE", name, tokens]`. Only the verb, the key
 /// and the chunk index are read, never the payload.
 pub fn control(msg: &Message) -> Option<Control> {
-    let first = msg.parts.first()?;
-    let room = |i: usize| parse_room(msg.parts.get(i)?).map(TransferKey::Room);
-    let name = |i: usize| parse_name(msg.parts.get(i)?).map(TransferKey::Request);
-    let chunk = || -> Option<u64> { std::str::from_utf8(msg.parts.get(2)?).ok()?.parse().ok() };
+    // A part with a hole is not read: its bytes may spell another verb, room or name.
+    let part = |i: usize| msg.parts.get(i).filter(|_| msg.damaged & (1 << i) == 0);
+    let first = part(0)?;
+    let room = |i: usize| parse_room(part(i)?).map(TransferKey::Room);
+    let name = |i: usize| parse_name(part(i)?).map(TransferKey::Request);
+    let chunk = || -> Option<u64> { std::str::from_utf8(part(2)?).ok()?.parse().ok() };
     match first.as_slice() {
         b"BOOTSTRAP" => room(1).map(|key| Control::Bootstrap { key }),
         b"ABORT" => room(1).map(|key| Control::Abort { key }),
@@ -327,11 +351,55 @@ mod tests {
         );
     }
 
+    /// Bytes lost inside a room (the capture missed part of a syscall) never yield a room: a
+    /// 19-digit room cut to its first digits is another room. A hole in the payload alone
+    /// keeps the message.
+    #[test]
+    fn a_capture_gap_inside_a_kept_part_voids_it() {
+        let mut wire = greeting_and_ready();
+        let head = wire.len();
+        wire.extend(frame(b"KV_DONE", true));
+        let room_at = wire.len() + 2;
+        wire.extend(frame(b"9066467638188682269", true));
+        wire.extend(frame(b"64", false));
+        // The room's last 14 digits fall into a gap (n == what the frame had left), or its middle
+        // digits do (n < remaining).
+        for (cut, lost) in [(5usize, 14u64), (5, 6)] {
+            let mut s = ZmtpStream::from_greeting();
+            let mut out = Vec::new();
+            s.feed(&wire[..room_at + cut], true, &mut out);
+            s.gap(lost);
+            s.feed(&wire[room_at + cut + lost as usize..], false, &mut out);
+            assert_eq!(out.len(), 1, "cut {cut} lost {lost}");
+            assert_eq!(control(&out[0]), None, "{:?}", out[0]);
+        }
+        let mut kv = wire[..head].to_vec();
+        kv.extend(frame(b"KV", true));
+        kv.extend(frame(b"42", true));
+        kv.extend(frame(b"0", true));
+        let payload_at = kv.len() + 9;
+        kv.extend(frame(&[7u8; 4096], false));
+        let mut s = ZmtpStream::from_greeting();
+        let mut out = Vec::new();
+        s.feed(&kv[..payload_at + 100], true, &mut out);
+        s.gap(4096 - 200);
+        s.feed(&kv[payload_at + 4096 - 100..], false, &mut out);
+        assert_eq!(out.len(), 1);
+        assert_eq!(
+            control(&out[0]),
+            Some(Control::Kv {
+                key: TransferKey::Room(42),
+                chunk: 0
+            })
+        );
+    }
+
     #[test]
     fn sglang_transfer_info_names_the_room_first() {
         let msg = Message {
             parts: vec![b"123".to_vec(), b"10.0.0.1".to_vec()],
             part_count: 6,
+            damaged: 0,
         };
         assert_eq!(
             control(&msg),
@@ -342,6 +410,7 @@ mod tests {
         let msg = Message {
             parts: vec![b"hello".to_vec(), b"x".to_vec()],
             part_count: 2,
+            damaged: 0,
         };
         assert_eq!(control(&msg), None);
     }
@@ -352,6 +421,7 @@ mod tests {
         let msg = |parts: &[&[u8]]| Message {
             parts: parts.iter().map(|p| p.to_vec()).collect(),
             part_count: parts.len() as u32,
+            damaged: 0,
         };
         let key = TransferKey::Request(name.to_owned());
         assert_eq!(

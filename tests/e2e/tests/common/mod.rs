@@ -94,10 +94,18 @@ pub fn report(
 pub fn sources_of(
     notifications: &[serde_json::Value],
 ) -> std::collections::BTreeMap<String, usize> {
+    sources_of_rule(notifications, "activity-after-rejection")
+}
+
+/// How many findings of `rule` carry each combination of evidence sources.
+pub fn sources_of_rule(
+    notifications: &[serde_json::Value],
+    rule: &str,
+) -> std::collections::BTreeMap<String, usize> {
     let mut m = std::collections::BTreeMap::new();
     for f in notifications
         .iter()
-        .filter_map(|n| test_harness::notifications::finding(n, "activity-after-rejection"))
+        .filter_map(|n| test_harness::notifications::finding(n, rule))
     {
         *m.entry(test_harness::notifications::evidence_sources(f).join("+"))
             .or_default() += 1;

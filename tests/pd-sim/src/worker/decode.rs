@@ -5,6 +5,7 @@ use super::api::{Api, Parsed};
 use super::render::{WORDS, gen_text, render_chunk, render_final};
 use super::trace::ReqTrace;
 use super::*;
+use crate::fault::Fault;
 
 pub(super) struct DecodeWaiter {
     pub(super) done: oneshot::Sender<()>,
@@ -85,6 +86,32 @@ impl Drop for DecodeGuard {
 }
 
 impl Worker {
+    /// `--fault unknown-room`: a `BOOTSTRAP` for a room no router created and no prefill
+    /// received, with this decode's KV endpoint, as a client talking to prefill's KV port
+    /// directly would send. Recorded as `injected-unknown-room`.
+    async fn inject_unknown_room(&self, prefill: SocketAddr, kv: SocketAddr) {
+        let room = rand::rng().random::<u64>();
+        let (room_s, ip_s, port_s) = (room.to_string(), kv.ip().to_string(), kv.port().to_string());
+        self.pushers
+            .send(
+                prefill,
+                &[
+                    &b"BOOTSTRAP"[..],
+                    room_s.as_bytes(),
+                    ip_s.as_bytes(),
+                    port_s.as_bytes(),
+                ],
+            )
+            .await;
+        let now = now_ns();
+        self.stats.faults_injected.fetch_add(1, Ordering::Relaxed);
+        self.record(room, |r| {
+            r.bootstrap_frames += 1;
+            r.bootstrap_ns = now;
+            r.outcome = Fault::UnknownRoom.outcome();
+        });
+    }
+
     /// Record how a decode request ended: `outcome`, or `cancel-ignored` (with `outcome` as
     /// `final_outcome`) when its client had gone and it went on (`--decode-ignores-cancel`).
     pub(super) fn end_decode(
@@ -218,6 +245,9 @@ pub(super) async fn decode(
                     }
                 });
                 t_boot = now_ns();
+                if w.args.faults.hits(Fault::UnknownRoom) {
+                    w.inject_unknown_room(to, kv).await;
+                }
                 match tokio::time::timeout(Duration::from_millis(w.args.kv_timeout_ms), rx).await {
                     Ok(Ok(())) => {
                         g.armed = false;

@@ -155,6 +155,8 @@ pub struct WorkerArgs {
     /// How many rooms `/sim/rooms` remembers.
     #[arg(long, default_value_t = 200_000)]
     pub room_log: usize,
+    #[command(flatten)]
+    pub faults: crate::fault::FaultArgs,
 }
 
 impl WorkerArgs {
@@ -190,6 +192,8 @@ pub struct WorkerStats {
     pub cancels_ignored: AtomicU64,
     pub route_lookups: AtomicU64,
     pub route_failures: AtomicU64,
+    /// Breaches `--fault` injected (each also in the room log, outcome `injected-…`).
+    pub faults_injected: AtomicU64,
 }
 
 /// What a worker remembers about one room, for tests and demos (`GET /sim/rooms`).
@@ -397,6 +401,7 @@ pub async fn run(role: Role, args: WorkerArgs) -> anyhow::Result<()> {
     if !(0.0..=1.0).contains(&args.overload_share) {
         anyhow::bail!("--overload-share must be within 0..=1");
     }
+    args.faults.validate()?;
     if role == Role::Prefill && args.decode_ignores_cancel {
         anyhow::bail!("--decode-ignores-cancel is a decode flag");
     }

@@ -256,6 +256,9 @@ impl Tracker {
         out: &mut Vec<LifecycleEvent>,
     ) {
         let Some(ctl) = zmtp::control(msg) else {
+            if msg.damaged != 0 {
+                self.stats.zmtp_damaged += 1;
+            }
             return;
         };
         // Each message is reported once, by its sender; by its receiver only when the sender's

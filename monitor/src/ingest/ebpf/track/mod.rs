@@ -53,6 +53,8 @@ pub struct TrackStats {
     pub pending_dropped: u64,
     pub http_desyncs: u64,
     pub gap_bytes: u64,
+    /// ZMTP messages left unread because a capture gap cut into their verb or key.
+    pub zmtp_damaged: u64,
     pub events: u64,
 }
 
