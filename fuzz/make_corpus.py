@@ -403,6 +403,7 @@ for p in sorted((ROOT / "tests/scenarios").glob("*.jsonl")):
 put("replay_jsonl", "readme-example.jsonl",
     '{"time":"2026-10-26T10:00:00.000412Z","stage":"prefill","kind":"rejected","ids":{"rid":"8f3c2b1a9d7e4f60a1b2c3d4e5f60718","bootstrap_room":"0x314783f6bef71155"},"source":"otlp","status":400,"reason":"exceeds the maximum number of tokens: 9000 > 8192"}\n'
     '{"time_unix_nano":1793008800002000000,"stage":"decode","kind":"work","ids":{"bootstrap_room":3550951926993981781},"source":"ebpf","node":"gpu-node-7"}\n'
+    '{"time_unix_nano":1793008800003000000,"stage":"decode","kind":"completed","ids":{"bootstrap_room":"3550951926993981781","bootstrap_room_hex":"0x314783f6bef71155"},"source":"ebpf","status":200}\n'
     '# a comment\n\n{"time_unix_nano":1,"stage":"prefill","kind":"capacity","worker":"w","context_tokens":8192,"max_input_tokens":8191,"max_total_tokens":65536}\n')
 
 # ---- rules YAML ---------------------------------------------------------------------------------

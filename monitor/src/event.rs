@@ -207,9 +207,18 @@ impl fmt::Display for BootstrapRoom {
     }
 }
 
+impl BootstrapRoom {
+    /// The `0x` hex spelling (lower case, no padding), as spans write it.
+    pub fn hex(self) -> String {
+        format!("{:#x}", self.0)
+    }
+}
+
+/// Written as a decimal string: JSON readers that hold numbers as doubles (JavaScript, jq) round a
+/// u64 above 2^53, and SGLang draws rooms from the whole u64 range.
 impl Serialize for BootstrapRoom {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_u64(self.0)
+        s.collect_str(&self.0)
     }
 }
 
@@ -237,21 +246,154 @@ impl<'de> Deserialize<'de> for BootstrapRoom {
     }
 }
 
+/// A room in its `0x` hex spelling, written next to the decimal [`BootstrapRoom`] in every output
+/// (spans and SGLang's logs show rooms in hex). Reads any spelling [`BootstrapRoom`] reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RoomHex(pub u64);
+
+impl Serialize for RoomHex {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(&format_args!("{:#x}", self.0))
+    }
+}
+
+impl<'de> Deserialize<'de> for RoomHex {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        BootstrapRoom::deserialize(d).map(|r| RoomHex(r.0))
+    }
+}
+
+/// How every output names a room: `"bootstrap_room": "<decimal>"` (a string, see
+/// [`BootstrapRoom`]'s `Serialize`) and `"bootstrap_room_hex": "0x<hex>"` next to it. Flattened
+/// into the object that names the room, or one object per room in a list.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "RoomFieldsWire")]
+pub struct RoomFields {
+    pub bootstrap_room: BootstrapRoom,
+    pub bootstrap_room_hex: RoomHex,
+}
+
+impl RoomFields {
+    pub fn new(room: u64) -> RoomFields {
+        RoomFields {
+            bootstrap_room: BootstrapRoom(room),
+            bootstrap_room_hex: RoomHex(room),
+        }
+    }
+
+    pub fn room(self) -> u64 {
+        self.bootstrap_room.0
+    }
+}
+
+#[derive(Deserialize)]
+struct RoomFieldsWire {
+    #[serde(default)]
+    bootstrap_room: Option<BootstrapRoom>,
+    #[serde(default)]
+    bootstrap_room_hex: Option<RoomHex>,
+}
+
+impl TryFrom<RoomFieldsWire> for RoomFields {
+    type Error = RoomFieldsError;
+    fn try_from(w: RoomFieldsWire) -> Result<Self, Self::Error> {
+        room_from_fields(w.bootstrap_room, w.bootstrap_room_hex)?
+            .map(RoomFields::new)
+            .ok_or(RoomFieldsError::Missing)
+    }
+}
+
+/// A room given in both spellings that disagree, or in neither where one is required.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RoomFieldsError {
+    #[error("bootstrap_room {decimal} and bootstrap_room_hex {hex:#x} name different rooms")]
+    Mismatch { decimal: u64, hex: u64 },
+    #[error("missing bootstrap_room (or bootstrap_room_hex)")]
+    Missing,
+}
+
+/// The room named by the two fields of [`RoomFields`] as read: either alone is enough (files
+/// written before the hex field existed hold only `bootstrap_room`), both must agree.
+pub fn room_from_fields(
+    decimal: Option<BootstrapRoom>,
+    hex: Option<RoomHex>,
+) -> Result<Option<u64>, RoomFieldsError> {
+    match (decimal, hex) {
+        (Some(d), Some(h)) if d.0 != h.0 => Err(RoomFieldsError::Mismatch {
+            decimal: d.0,
+            hex: h.0,
+        }),
+        (Some(d), _) => Ok(Some(d.0)),
+        (None, Some(h)) => Ok(Some(h.0)),
+        (None, None) => Ok(None),
+    }
+}
+
 /// The identities an event carries. Any subset may be present.
 ///
 /// `request_id` (the client's `x-request-id`) and `trace_id` name the whole client request;
 /// `rid` and `bootstrap_room` name one attempt of it (the router retries with a new room).
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+/// Written with the room as [`RoomFields`]; read with the room in any spelling, either field of
+/// the pair alone, and no other field (a typo never silently drops a fact).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(try_from = "IdsWire")]
 pub struct Ids {
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub request_id: Option<Box<str>>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub trace_id: Option<Box<str>>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rid: Option<Box<str>>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bootstrap_room: Option<BootstrapRoom>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct IdsWire {
+    #[serde(default)]
+    request_id: Option<Box<str>>,
+    #[serde(default)]
+    trace_id: Option<Box<str>>,
+    #[serde(default)]
+    rid: Option<Box<str>>,
+    #[serde(default)]
+    bootstrap_room: Option<BootstrapRoom>,
+    #[serde(default)]
+    bootstrap_room_hex: Option<RoomHex>,
+}
+
+impl TryFrom<IdsWire> for Ids {
+    type Error = RoomFieldsError;
+    fn try_from(w: IdsWire) -> Result<Self, Self::Error> {
+        Ok(Ids {
+            request_id: w.request_id,
+            trace_id: w.trace_id,
+            rid: w.rid,
+            bootstrap_room: room_from_fields(w.bootstrap_room, w.bootstrap_room_hex)?
+                .map(BootstrapRoom),
+        })
+    }
+}
+
+#[derive(Serialize)]
+struct IdsOut<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    request_id: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    trace_id: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    rid: Option<&'a str>,
+    #[serde(flatten, skip_serializing_if = "Option::is_none")]
+    room: Option<RoomFields>,
+}
+
+impl Serialize for Ids {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        IdsOut {
+            request_id: self.request_id.as_deref(),
+            trace_id: self.trace_id.as_deref(),
+            rid: self.rid.as_deref(),
+            room: self.bootstrap_room.map(|r| RoomFields::new(r.0)),
+        }
+        .serialize(s)
+    }
 }
 
 impl Ids {
@@ -393,6 +535,63 @@ mod tests {
         assert_eq!(from_json, hex);
         let from_json_hex: BootstrapRoom = serde_json::from_str("\"0x314783F6BEF71155\"").unwrap();
         assert_eq!(from_json_hex, hex);
+    }
+
+    /// A room SGLang drew above 2^53: a double (JavaScript, jq) cannot hold it.
+    const BIG_ROOM: u64 = 9_066_467_638_188_682_269;
+
+    #[test]
+    fn ids_write_the_room_as_decimal_string_and_hex() {
+        let ids = Ids {
+            rid: Some("r-1".into()),
+            bootstrap_room: Some(BootstrapRoom(BIG_ROOM)),
+            ..Ids::default()
+        };
+        let json = serde_json::to_value(&ids).unwrap();
+        assert_eq!(
+            json,
+            serde_json::json!({
+                "rid": "r-1",
+                "bootstrap_room": "9066467638188682269",
+                "bootstrap_room_hex": "0x7dd29047ddcfac1d",
+            })
+        );
+        let back: Ids = serde_json::from_value(json).unwrap();
+        assert_eq!(back, ids);
+    }
+
+    #[test]
+    fn ids_read_the_room_in_any_spelling_and_either_field() {
+        let room = Some(BootstrapRoom(BIG_ROOM));
+        for text in [
+            r#"{"bootstrap_room": 9066467638188682269}"#,
+            r#"{"bootstrap_room": "9066467638188682269"}"#,
+            r#"{"bootstrap_room": "0x7dd29047ddcfac1d"}"#,
+            r#"{"bootstrap_room_hex": "0x7dd29047ddcfac1d"}"#,
+            r#"{"bootstrap_room": "9066467638188682269", "bootstrap_room_hex": "0x7DD29047DDCFAC1D"}"#,
+        ] {
+            let ids: Ids = serde_json::from_str(text).unwrap_or_else(|e| panic!("{text}: {e}"));
+            assert_eq!(ids.bootstrap_room, room, "{text}");
+        }
+        let err = serde_json::from_str::<Ids>(
+            r#"{"bootstrap_room": "9066467638188682269", "bootstrap_room_hex": "0x1"}"#,
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("different rooms"), "{err}");
+        let err = serde_json::from_str::<Ids>(r#"{"bootstrap_rom": 1}"#).unwrap_err();
+        assert!(err.to_string().contains("unknown field"), "{err}");
+    }
+
+    #[test]
+    fn room_fields_need_a_room() {
+        let f: RoomFields = serde_json::from_str(r#"{"bootstrap_room": 12}"#).unwrap();
+        assert_eq!(f, RoomFields::new(12));
+        assert_eq!(
+            serde_json::to_string(&f).unwrap(),
+            r#"{"bootstrap_room":"12","bootstrap_room_hex":"0xc"}"#
+        );
+        let err = serde_json::from_str::<RoomFields>("{}").unwrap_err();
+        assert!(err.to_string().contains("missing bootstrap_room"), "{err}");
     }
 
     #[test]

@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::event::{Kind, Source, Stage};
+use crate::event::{
+    BootstrapRoom, Kind, RoomFields, RoomFieldsError, RoomHex, Source, Stage, room_from_fields,
+};
 
 /// How bad a breach is; each rule declares one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -43,18 +45,57 @@ impl RequestAliases {
     }
 }
 
-/// The aliases by which the attempt is known (any subset).
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+/// The aliases by which the attempt is known (any subset). Written with the room as
+/// [`RoomFields`] (decimal string plus hex); read with the room in any spelling, as a number
+/// too (what older spool files and hand-written expectations hold).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(try_from = "AttemptAliasesWire")]
 pub struct AttemptAliases {
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bootstrap_room: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rid: Option<String>,
 }
 
 impl AttemptAliases {
     pub fn is_empty(&self) -> bool {
         self.bootstrap_room.is_none() && self.rid.is_none()
+    }
+}
+
+#[derive(Deserialize)]
+struct AttemptAliasesWire {
+    #[serde(default)]
+    bootstrap_room: Option<BootstrapRoom>,
+    #[serde(default)]
+    bootstrap_room_hex: Option<RoomHex>,
+    #[serde(default)]
+    rid: Option<String>,
+}
+
+impl TryFrom<AttemptAliasesWire> for AttemptAliases {
+    type Error = RoomFieldsError;
+    fn try_from(w: AttemptAliasesWire) -> Result<Self, Self::Error> {
+        Ok(AttemptAliases {
+            bootstrap_room: room_from_fields(w.bootstrap_room, w.bootstrap_room_hex)?,
+            rid: w.rid,
+        })
+    }
+}
+
+#[derive(Serialize)]
+struct AttemptAliasesOut<'a> {
+    #[serde(flatten, skip_serializing_if = "Option::is_none")]
+    room: Option<RoomFields>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    rid: Option<&'a str>,
+}
+
+impl Serialize for AttemptAliases {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        AttemptAliasesOut {
+            room: self.bootstrap_room.map(RoomFields::new),
+            rid: self.rid.as_deref(),
+        }
+        .serialize(s)
     }
 }
 
@@ -374,6 +415,44 @@ mod tests {
         v.request.request_id = Some("req-1".into());
         let json = serde_json::to_value(&v).unwrap();
         assert_eq!(json["request"], serde_json::json!({"request_id": "req-1"}));
+    }
+
+    #[test]
+    fn attempt_room_is_a_decimal_string_with_its_hex_and_reads_old_numbers() {
+        let attempt = AttemptAliases {
+            bootstrap_room: Some(9_066_467_638_188_682_269),
+            rid: Some("r".into()),
+        };
+        let json = serde_json::to_value(&attempt).unwrap();
+        assert_eq!(
+            json,
+            serde_json::json!({
+                "bootstrap_room": "9066467638188682269",
+                "bootstrap_room_hex": "0x7dd29047ddcfac1d",
+                "rid": "r",
+            })
+        );
+        assert_eq!(
+            serde_json::from_value::<AttemptAliases>(json).unwrap(),
+            attempt
+        );
+        // What earlier versions wrote (spool files, expectations): a JSON number.
+        let old: AttemptAliases =
+            serde_json::from_str(r#"{"bootstrap_room": 9066467638188682269, "rid": "r"}"#).unwrap();
+        assert_eq!(old, attempt);
+        let err = serde_json::from_str::<AttemptAliases>(
+            r#"{"bootstrap_room": "1", "bootstrap_room_hex": "0x2"}"#,
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("different rooms"), "{err}");
+        let rid_only = AttemptAliases {
+            bootstrap_room: None,
+            rid: Some("r".into()),
+        };
+        assert_eq!(
+            serde_json::to_value(&rid_only).unwrap(),
+            serde_json::json!({"rid": "r"})
+        );
     }
 
     #[test]

@@ -19,6 +19,7 @@ use revenant::telemetry::Metrics;
 
 use support::alerts::*;
 use support::*;
+use test_harness::notifications::{room_of, unsafe_numbers};
 
 fn config(spool: &std::path::Path, url: &str, secret: Option<&str>, batch: usize) -> AlertConfig {
     let mut w = WebhookConfig::new(url);
@@ -143,6 +144,22 @@ async fn webhook_down_then_up_delivers_each_fingerprint_exactly_once() {
         assert!(a.get(k).is_some(), "payload lacks {k}: {a}");
     }
     assert_eq!(a["evidence"][0]["source"], "otlp");
+    // Rooms above 2^53 keep every digit in the body: a decimal string with its hex, and no id
+    // as a JSON number a double would round.
+    for a in rx.alerts() {
+        let i: u64 = a["request"]["request_id"].as_str().unwrap()["req-".len()..]
+            .parse()
+            .unwrap();
+        let room = ROOM + i;
+        assert_eq!(a["attempt"]["bootstrap_room"], room.to_string(), "{a}");
+        assert_eq!(
+            a["attempt"]["bootstrap_room_hex"],
+            format!("{room:#x}"),
+            "{a}"
+        );
+        assert_eq!(room_of(&a["findings"][0]["attempt"]), Some(room), "{a}");
+        assert_eq!(unsafe_numbers(&a), Vec::<String>::new(), "{a}");
+    }
     assert!(
         a["links"]["timeline"]
             .as_str()
@@ -553,7 +570,13 @@ async fn two_rules_for_one_request_are_one_incident_notification() {
             ] {
                 assert!(f.get(k).is_some(), "finding lacks {k}: {f}");
             }
-            assert_eq!(f["attempt"]["bootstrap_room"], 0x1000 + i as u64);
+            let room = ROOM + i as u64;
+            assert_eq!(f["attempt"]["bootstrap_room"], room.to_string(), "{f}");
+            assert_eq!(
+                f["attempt"]["bootstrap_room_hex"],
+                format!("{room:#x}"),
+                "{f}"
+            );
         }
         assert_eq!(
             a["rule"], "activity-after-rejection",

@@ -114,13 +114,16 @@ async fn alertmanager_receives_reposts_and_routes_alerts() {
             findings.starts_with("critical activity-after-rejection room 0x"),
             "{an}"
         );
-        assert!(
-            an["incident_key"]
-                .as_str()
-                .unwrap()
-                .starts_with("request_id:req-"),
-            "{an}"
-        );
+        let i: u64 = an["incident_key"]
+            .as_str()
+            .unwrap()
+            .strip_prefix("request_id:req-")
+            .unwrap_or_else(|| panic!("{an}"))
+            .parse()
+            .unwrap();
+        // The room (above 2^53) with every digit, and its hex.
+        assert_eq!(an["bootstrap_room"], (ROOM + i).to_string(), "{an}");
+        assert_eq!(an["bootstrap_room_hex"], format!("{:#x}", ROOM + i), "{an}");
         assert!(
             an["summary"]
                 .as_str()

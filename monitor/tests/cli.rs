@@ -54,6 +54,27 @@ fn check_exits_1_with_violations_as_json_lines() {
     assert_eq!(lines[0]["evidence"][0]["role"], "trigger");
 }
 
+/// SGLang's rooms span the u64 range: `check` writes them as decimal strings with their hex, so
+/// jq and JavaScript keep every digit (they would round a JSON number above 2^53).
+#[test]
+fn check_writes_rooms_as_decimal_strings_with_hex() {
+    let (code, lines, err) = check_scenario("smg-prefill-400-decode-alive.jsonl", &[]);
+    assert_eq!(code, Some(1), "{err}");
+    assert_eq!(lines.len(), 2);
+    for v in &lines {
+        assert_eq!(v["attempt"]["bootstrap_room"], "9066467638188682269", "{v}");
+        assert_eq!(
+            v["attempt"]["bootstrap_room_hex"], "0x7dd29047ddcfac1d",
+            "{v}"
+        );
+        assert_eq!(
+            test_harness::notifications::unsafe_numbers(v),
+            Vec::<String>::new(),
+            "{v}"
+        );
+    }
+}
+
 /// eBPF proves the breach, OTLP proves it again later: one line per (rule, attempt) unless the
 /// follow-ups are asked for.
 #[test]

@@ -11,6 +11,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use support::{Revenant, admin_get, assert_rejected_then_decoded};
+use test_harness::notifications::{room_of, unsafe_numbers};
 
 #[test]
 fn rejected_then_decoded_raises_activity_after_rejection_over_every_transport() {
@@ -104,7 +105,7 @@ fn rejected_then_decoded_raises_activity_after_rejection_over_every_transport() 
             mine.iter().any(|e| {
                 e["stage"] == stage
                     && e["kind"] == kind
-                    && e["ids"]["bootstrap_room"] == room
+                    && room_of(&e["ids"]) == Some(room)
                     && e["source"] == "otlp"
             })
         };
@@ -611,8 +612,15 @@ fn failed_request_decoded_anyway_is_one_incident_notification() {
         "{a}"
     );
     assert_eq!(a["findings"].as_array().unwrap().len(), 2, "{a}");
+    // The room (above 2^53) keeps every digit: a decimal string, no JSON number a double rounds.
+    assert_eq!(unsafe_numbers(a), Vec::<String>::new(), "{a}");
     for f in a["findings"].as_array().unwrap() {
-        assert_eq!(f["attempt"]["bootstrap_room"], out["room"], "{f}");
+        assert_eq!(room_of(&f["attempt"]), out["room"].as_u64(), "{f}");
+        assert_eq!(
+            f["attempt"]["bootstrap_room"],
+            out["room"].as_u64().unwrap().to_string(),
+            "{f}"
+        );
         assert!(!f["evidence"].as_array().unwrap().is_empty(), "{f}");
     }
 }
@@ -676,19 +684,27 @@ fn retry_storm_is_one_request_and_one_notification() {
     );
     let mut seen_rooms: Vec<u64> = violations
         .iter()
-        .map(|v| v["attempt"]["bootstrap_room"].as_u64().unwrap())
+        .map(|v| room_of(&v["attempt"]).unwrap())
         .collect();
+    assert_eq!(
+        unsafe_numbers(&serde_json::Value::Array(violations.clone())),
+        Vec::<String>::new()
+    );
     seen_rooms.sort();
     assert_eq!(seen_rooms, rooms);
     // ... and the timeline of the x-request-id holds all four attempts.
     let (code, timeline) = admin_get(&rv.admin, &format!("/api/requests/{request_id}"));
     assert_eq!(code, 200, "{timeline}");
     let t: serde_json::Value = serde_json::from_str(&timeline).unwrap();
-    assert_eq!(
-        t["aliases"]["bootstrap_rooms"].as_array().unwrap().len(),
-        4,
-        "{t}"
-    );
+    let mut timeline_rooms: Vec<u64> = t["aliases"]["bootstrap_rooms"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| room_of(r).unwrap())
+        .collect();
+    timeline_rooms.sort();
+    assert_eq!(timeline_rooms, rooms, "{t}");
+    assert_eq!(unsafe_numbers(&t), Vec::<String>::new(), "{t}");
     let (_, metrics) = admin_get(&rv.admin, "/metrics");
     assert!(
         metrics.contains("revenant_alerts_deduplicated_total{rule=\"activity-after-rejection\"} 3"),

@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
 use support::*;
+use test_harness::notifications::unsafe_numbers;
 
 fn bin() -> Command {
     Command::new(env!("CARGO_BIN_EXE_revenant"))
@@ -384,6 +385,103 @@ fn summary_violations(log: &str) -> u64 {
         .unwrap_or_else(|| panic!("no summary in\n{log}"));
     let before = line.split(" violations").next().unwrap();
     before.rsplit(' ').next().unwrap().parse().unwrap()
+}
+
+/// SGLang's rooms span the u64 range. Every output of a real run names a room above 2^53 by its
+/// decimal string and hex (exact in jq and JavaScript, which read JSON numbers as doubles) and
+/// holds no such id as a number: `/api/violations`, `/api/requests/{room}` in either spelling,
+/// the alerts JSON Lines, the `--events-jsonl` recording and `check`'s verdicts on it.
+#[test]
+fn every_output_keeps_a_room_above_2_pow_53_exact() {
+    let room = traffic::room(9);
+    assert!(room > 1 << 53);
+    let (dec, hex) = (room.to_string(), format!("{room:#x}"));
+    let names_room = |named: &serde_json::Value| {
+        named["bootstrap_room"] == dec.as_str() && named["bootstrap_room_hex"] == hex.as_str()
+    };
+    let no_unsafe_number = |v: &serde_json::Value| {
+        assert_eq!(unsafe_numbers(v), Vec::<String>::new(), "{v}");
+    };
+    let mut rv = Revenant::start("rooms", &["--group-wait", "0s"]);
+    traffic::reject_then_decode(&rv.otlp_http, 9);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while rv.lines("alerts.jsonl").is_empty() {
+        assert!(std::time::Instant::now() < deadline, "{}", rv.stderr());
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let (code, body) = admin_get(&rv.admin, "/api/violations");
+    assert_eq!(code, 200, "{body}");
+    let listed: serde_json::Value = serde_json::from_str(&body).unwrap();
+    no_unsafe_number(&listed);
+    let violations = listed["violations"].as_array().unwrap();
+    assert!(!violations.is_empty(), "{listed}");
+    assert!(
+        violations.iter().all(|v| names_room(&v["attempt"])),
+        "{listed}"
+    );
+    for alias in [&dec, &hex] {
+        let (code, body) = admin_get(&rv.admin, &format!("/api/requests/{alias}"));
+        assert_eq!(code, 200, "{alias}: {body}");
+        let t: serde_json::Value = serde_json::from_str(&body).unwrap();
+        no_unsafe_number(&t);
+        let rooms = t["aliases"]["bootstrap_rooms"].as_array().unwrap();
+        assert!(rooms.len() == 1 && names_room(&rooms[0]), "{t}");
+        let events = t["events"].as_array().unwrap();
+        assert!(events.iter().any(&names_room), "{t}");
+        assert!(
+            events
+                .iter()
+                .all(|e| e.get("bootstrap_room").is_none() || names_room(e)),
+            "{t}"
+        );
+    }
+    assert!(rv.stop().success(), "{}", rv.stderr());
+    let alerts = rv.lines("alerts.jsonl");
+    for a in &alerts {
+        no_unsafe_number(a);
+        assert!(names_room(&a["attempt"]), "{a}");
+        assert!(
+            a["findings"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .all(|f| names_room(&f["attempt"])),
+            "{a}"
+        );
+    }
+    let events = rv.dir.join("events.jsonl");
+    let recorded: Vec<serde_json::Value> = std::fs::read_to_string(&events)
+        .unwrap()
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let with_room: Vec<_> = recorded
+        .iter()
+        .filter(|e| e["ids"].get("bootstrap_room").is_some())
+        .collect();
+    assert!(!with_room.is_empty(), "{recorded:#?}");
+    for e in &with_room {
+        no_unsafe_number(e);
+        assert!(names_room(&e["ids"]), "{e}");
+    }
+    // The recording reads back: `check` finds the same breach, with the same room.
+    let out = bin().arg("check").arg(&events).output().unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let verdicts: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert!(!verdicts.is_empty());
+    for v in &verdicts {
+        no_unsafe_number(v);
+        assert!(names_room(&v["attempt"]), "{v}");
+    }
 }
 
 /// `check` on a file recorded by `run --events-jsonl` (OTLP input arriving out of order) uses the

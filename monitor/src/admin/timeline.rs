@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 
 use serde::Serialize;
 
-use crate::event::{BootstrapRoom, Kind, LifecycleEvent, Source, Stage};
+use crate::event::{BootstrapRoom, Kind, LifecycleEvent, RoomFields, Source, Stage};
 
 /// What the run loop offers the admin server.
 pub trait TimelineProvider: Send + Sync + 'static {
@@ -34,8 +34,9 @@ pub struct TimelineEvent {
     pub trace_id: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub rid: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub bootstrap_room: Option<String>,
+    /// `bootstrap_room` (decimal string) and `bootstrap_room_hex`, as every output names a room.
+    #[serde(flatten, skip_serializing_if = "Option::is_none")]
+    pub room: Option<RoomFields>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub node: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -53,7 +54,8 @@ pub struct Aliases {
     pub request_ids: Vec<String>,
     pub trace_ids: Vec<String>,
     pub rids: Vec<String>,
-    pub bootstrap_rooms: Vec<String>,
+    /// One `{"bootstrap_room": "<decimal>", "bootstrap_room_hex": "0x…"}` object per room.
+    pub bootstrap_rooms: Vec<RoomFields>,
 }
 
 #[derive(Debug, Clone, Serialize, PartialEq, Eq)]
@@ -71,10 +73,6 @@ enum Alias {
     Trace(Box<str>),
     Rid(Box<str>),
     Room(u64),
-}
-
-fn room_text(r: u64) -> String {
-    format!("{:#x}", r)
 }
 
 /// The aliases an event carries, owned (read path only).
@@ -263,7 +261,7 @@ fn to_timeline_event(e: &LifecycleEvent) -> TimelineEvent {
         request_id: s(&e.ids.request_id),
         trace_id: s(&e.ids.trace_id),
         rid: s(&e.ids.rid),
-        bootstrap_room: e.ids.bootstrap_room.map(|r| room_text(r.0)),
+        room: e.ids.bootstrap_room.map(|r| RoomFields::new(r.0)),
         node: s(&e.node),
         worker: s(&e.worker),
         status: e.status,
@@ -373,7 +371,7 @@ impl TimelineProvider for RecentEvents {
                 Alias::Request(s) => aliases.request_ids.push(s.to_string()),
                 Alias::Trace(s) => aliases.trace_ids.push(s.to_string()),
                 Alias::Rid(s) => aliases.rids.push(s.to_string()),
-                Alias::Room(r) => aliases.bootstrap_rooms.push(room_text(*r)),
+                Alias::Room(r) => aliases.bootstrap_rooms.push(RoomFields::new(*r)),
             }
         }
         Some(Timeline {
@@ -427,11 +425,39 @@ mod tests {
             t.events.iter().map(|e| e.time_ns).collect::<Vec<_>>(),
             vec![1, 2, 3, 4, 5]
         );
-        assert_eq!(t.aliases.bootstrap_rooms, vec!["0xabc".to_string()]);
+        assert_eq!(t.aliases.bootstrap_rooms, vec![RoomFields::new(0xabc)]);
         // Any alias works, the room in hex or decimal too.
         assert_eq!(idx.timeline("d-1").unwrap().events.len(), 5);
         assert_eq!(idx.timeline("2748").unwrap().events.len(), 5);
         assert!(idx.timeline("nope").is_none());
+    }
+
+    /// Rooms above 2^53 keep every digit: decimal strings with the hex next to them, in the
+    /// events and in the aliases, found by either spelling.
+    #[test]
+    fn rooms_are_written_as_decimal_strings_with_hex() {
+        let room = 9_066_467_638_188_682_269;
+        let idx = RecentEvents::new(RecentEventsLimits::default());
+        idx.record(&[
+            ev(1, Stage::Prefill, Kind::Rejected).with_room(room),
+            ev(2, Stage::Decode, Kind::Work).with_room(room),
+        ]);
+        let pair = serde_json::json!({
+            "bootstrap_room": "9066467638188682269",
+            "bootstrap_room_hex": "0x7dd29047ddcfac1d",
+        });
+        for query in ["9066467638188682269", "0x7dd29047ddcfac1d"] {
+            let t = serde_json::to_value(idx.timeline(query).expect("known")).unwrap();
+            assert_eq!(
+                t["aliases"]["bootstrap_rooms"],
+                serde_json::json!([pair]),
+                "{t}"
+            );
+            for e in t["events"].as_array().unwrap() {
+                assert_eq!(e["bootstrap_room"], pair["bootstrap_room"], "{e}");
+                assert_eq!(e["bootstrap_room_hex"], pair["bootstrap_room_hex"], "{e}");
+            }
+        }
     }
 
     #[test]

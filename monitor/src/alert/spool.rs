@@ -758,6 +758,45 @@ mod tests {
         assert!(s.put(note(1), &["a".into()]).unwrap() > 7);
     }
 
+    /// Versions before rooms were written as decimal strings left them as JSON numbers: such an
+    /// entry loads with the exact room (above 2^53) and is delivered in the string form.
+    #[test]
+    fn entries_with_rooms_as_numbers_load_exactly() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = SpoolConfig {
+            dir: Some(dir.path().to_path_buf()),
+            fsync: false,
+            ..Default::default()
+        };
+        let finding = r#""rule":"activity-after-rejection","severity":"critical","summary":"s","request":{"request_id":"req-1"},"attempt":{"bootstrap_room":9066467638188682269,"rid":"p-1"},"detected_at_ns":4,"fingerprint":"fp","evidence":[]"#;
+        std::fs::write(
+            dir.path().join("0000000000000009.json"),
+            format!(
+                r#"{{"v":2,"seq":9,"pending":["a"],"acked":[],"notification":{{"type":"incident","id":"i-1","incident":"0123456789abcdef","incident_key":"request_id:req-1","sequence":1,"occurrences":1,"detected_at":"2026-11-29T22:10:00Z","received_at_ns":5,"rules":["activity-after-rejection"],"findings":[{{{finding},"occurrences":1,"first_sequence":1}}],{finding},"links":{{}}}}}}"#
+            ),
+        )
+        .unwrap();
+        let (s, rec) = Spool::open(&cfg, &["a".into()]).unwrap();
+        assert_eq!((rec.entries, rec.corrupt), (1, 0));
+        let n = s.get(9).unwrap();
+        let Notification::Incident(a) = n.as_ref() else {
+            panic!("{n:?}");
+        };
+        assert_eq!(
+            a.violation.attempt.bootstrap_room,
+            Some(9_066_467_638_188_682_269)
+        );
+        assert_eq!(
+            a.findings[0].violation.attempt.bootstrap_room,
+            Some(9_066_467_638_188_682_269)
+        );
+        let out = serde_json::to_value(n.as_ref()).unwrap();
+        for attempt in [&out["attempt"], &out["findings"][0]["attempt"]] {
+            assert_eq!(attempt["bootstrap_room"], "9066467638188682269", "{out}");
+            assert_eq!(attempt["bootstrap_room_hex"], "0x7dd29047ddcfac1d", "{out}");
+        }
+    }
+
     #[test]
     fn a_second_process_cannot_open_the_same_spool() {
         let dir = tempfile::tempdir().unwrap();

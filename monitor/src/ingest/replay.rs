@@ -349,5 +349,15 @@ mod tests {
             .with_request_id("r");
         let line = serde_json::to_string(&ReplayRecord::from_event(&e)).unwrap();
         assert_eq!(parse_line(&line).unwrap().unwrap(), e);
+        // A room above 2^53 is recorded as a decimal string with its hex, and reads back exactly.
+        let e = e.with_room(9_066_467_638_188_682_269);
+        let line = serde_json::to_string(&ReplayRecord::from_event(&e)).unwrap();
+        assert!(
+            line.contains(
+                r#""bootstrap_room":"9066467638188682269","bootstrap_room_hex":"0x7dd29047ddcfac1d""#
+            ),
+            "{line}"
+        );
+        assert_eq!(parse_line(&line).unwrap().unwrap(), e);
     }
 }

@@ -19,6 +19,10 @@ use revenant::event::{Kind, Source, Stage};
 use revenant::violation::Severity;
 use revenant::violation::{AttemptAliases, Evidence, EvidenceRole, RequestAliases, Violation};
 
+/// The room of violation 0 (violation `i` has `ROOM + i`): above 2^53, as SGLang's rooms are,
+/// so every alert test sees whether outputs keep all its digits.
+pub const ROOM: u64 = 9_066_467_638_188_682_269;
+
 pub fn violation(i: usize) -> Violation {
     violation_rule("activity-after-rejection", i)
 }
@@ -34,7 +38,7 @@ pub fn violation_rule(rule: &str, i: usize) -> Violation {
             trace_id: None,
         },
         attempt: AttemptAliases {
-            bootstrap_room: Some(0x1000 + i as u64),
+            bootstrap_room: Some(ROOM + i as u64),
             rid: None,
         },
         worker: None,

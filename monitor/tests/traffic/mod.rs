@@ -84,13 +84,18 @@ pub fn decode_reported_first(http: &str, i: u64) {
     send(http, i, true)
 }
 
+/// The room of request `i`'s attempt (spans carry it in hex). Above 2^53, as SGLang's are.
+pub fn room(i: u64) -> u64 {
+    0x314783F6BEF70000 + i
+}
+
 fn send(http: &str, i: u64, decode_first: bool) {
     let t0 = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .unwrap()
         .as_nanos();
     let rid = format!("8f3c2b1a9d7e4f60a1b2c3d4e5f6{i:04x}");
-    let room = format!("{:#x}", 0x314783F6BEF70000u64 + i);
+    let room = format!("{:#x}", room(i));
     let reason = format!("Request {rid} exceeds the maximum number of tokens: 9000 > 8192");
     let (tp, td) = (
         (0x11u128 << 64) | (2 * i as u128 + 1),

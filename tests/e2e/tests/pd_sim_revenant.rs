@@ -341,8 +341,7 @@ fn handoff(sources: Sources) -> Outcome {
         let Some(f) = notifications::finding(n, "activity-after-rejection") else {
             continue;
         };
-        let room = f["attempt"]["bootstrap_room"]
-            .as_u64()
+        let room = notifications::room_of(&f["attempt"])
             .unwrap_or_else(|| panic!("finding names no attempt room: {n}"));
         per_room.entry(room).or_default().push(n);
     }

@@ -6,6 +6,62 @@
 
 use serde_json::Value;
 
+/// The room an object names (a violation's `attempt`, an event's `ids`, a timeline event or
+/// alias, Alertmanager annotations): revenant writes `bootstrap_room` as a decimal string and
+/// `bootstrap_room_hex` next to it. Either field alone is read, in any spelling (a number, as
+/// older versions wrote it, a decimal or `0x` hex string); `None` when neither is there, or when
+/// the two name different rooms.
+pub fn room_of(named: &Value) -> Option<u64> {
+    let dec = room_value(&named["bootstrap_room"]);
+    let hex = room_value(&named["bootstrap_room_hex"]);
+    match (dec, hex) {
+        (Some(d), Some(h)) if d != h => None,
+        (d, h) => d.or(h),
+    }
+}
+
+/// A room value: a JSON number, a decimal string or a `0x` hex string.
+fn room_value(v: &Value) -> Option<u64> {
+    match v {
+        Value::Number(n) => n.as_u64(),
+        Value::String(s) => match s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
+            Some(h) => u64::from_str_radix(h, 16).ok(),
+            None => s.parse().ok(),
+        },
+        _ => None,
+    }
+}
+
+/// Numbers in `v` (at any depth) that a double cannot hold exactly (above 2^53), with their
+/// paths, leaving out nanosecond timestamps (`*_ns`, `time_unix_nano`): those are counts of
+/// time, documented as numbers, not ids. revenant writes every id above 2^53 as a string.
+pub fn unsafe_numbers(v: &Value) -> Vec<String> {
+    fn walk(v: &Value, path: &str, out: &mut Vec<String>) {
+        match v {
+            Value::Number(n) if n.as_u64().is_some_and(|u| u > 1 << 53) => {
+                out.push(format!("{path} = {n}"));
+            }
+            Value::Array(a) => {
+                for (i, x) in a.iter().enumerate() {
+                    walk(x, &format!("{path}[{i}]"), out);
+                }
+            }
+            Value::Object(m) => {
+                for (k, x) in m {
+                    if k.ends_with("_ns") || k == "time_unix_nano" {
+                        continue;
+                    }
+                    walk(x, &format!("{path}.{k}"), out);
+                }
+            }
+            _ => {}
+        }
+    }
+    let mut out = Vec::new();
+    walk(v, "$", &mut out);
+    out
+}
+
 /// Whether `n` is an incident notification (not a rate-limit summary).
 pub fn is_incident(n: &Value) -> bool {
     n["type"] == "incident"
@@ -75,8 +131,7 @@ pub fn one_liner(n: &Value) -> String {
                 .map(|t| format!("trace {}", &t[..t.len().min(16)]))
         })
         .unwrap_or_else(|| "-".into());
-    let room = n["attempt"]["bootstrap_room"]
-        .as_u64()
+    let room = room_of(&n["attempt"])
         .map(|r| format!(" room {r:#x}"))
         .unwrap_or_default();
     let stages: Vec<String> = n["evidence"]
@@ -129,7 +184,8 @@ mod tests {
     fn one_liner_names_request_rules_stages_and_sources() {
         let lead = serde_json::json!({
             "severity": "critical", "rule": "activity-after-rejection",
-            "request": {"request_id": "load-7"}, "attempt": {"bootstrap_room": 255},
+            "request": {"request_id": "load-7"},
+            "attempt": {"bootstrap_room": "255", "bootstrap_room_hex": "0xff"},
             "occurrences": 1,
             "evidence": [
                 {"stage": "prefill", "kind": "rejected", "status": 400, "source": "otlp"},
@@ -162,5 +218,42 @@ mod tests {
         );
         n["update"] = "escalated".into();
         assert!(one_liner(&n).ends_with(" [update: escalated]"));
+    }
+
+    #[test]
+    fn room_of_reads_every_spelling_and_refuses_a_disagreeing_pair() {
+        let big = 9_066_467_638_188_682_269u64;
+        for named in [
+            serde_json::json!({"bootstrap_room": "9066467638188682269", "bootstrap_room_hex": "0x7dd29047ddcfac1d"}),
+            serde_json::json!({"bootstrap_room": 9066467638188682269u64}),
+            serde_json::json!({"bootstrap_room": "0x7dd29047ddcfac1d"}),
+            serde_json::json!({"bootstrap_room_hex": "0x7dd29047ddcfac1d"}),
+        ] {
+            assert_eq!(room_of(&named), Some(big), "{named}");
+        }
+        assert_eq!(
+            room_of(&serde_json::json!({"bootstrap_room": "1", "bootstrap_room_hex": "0x2"})),
+            None
+        );
+        assert_eq!(room_of(&serde_json::json!({"rid": "r"})), None);
+        assert_eq!(room_of(&serde_json::json!({"bootstrap_room": "x"})), None);
+    }
+
+    #[test]
+    fn unsafe_numbers_finds_ids_above_2_pow_53_but_not_timestamps() {
+        let v = serde_json::json!({
+            "detected_at_ns": 1793008800002000000u64,
+            "evidence": [{"time_ns": 1793008800002000000u64}],
+            "attempt": {"bootstrap_room": 9066467638188682269u64},
+            "ids": [{"room": 9007199254740993u64}, {"room": 9007199254740992u64}],
+            "occurrences": 3,
+        });
+        assert_eq!(
+            unsafe_numbers(&v),
+            [
+                "$.attempt.bootstrap_room = 9066467638188682269",
+                "$.ids[0].room = 9007199254740993"
+            ]
+        );
     }
 }

@@ -69,6 +69,7 @@ use std::time::{Duration, Instant};
 
 use pd_sim::smg::{SmgProcess, smg_version, write_tiny_model};
 use serde_json::Value;
+use test_harness::notifications::room_of;
 use test_harness::{Cluster, Revenant, free_port, http_json, metric_sum};
 
 /// revenant's defaults that bound when a deadline rule is judged: the cancellation window of
@@ -344,17 +345,6 @@ struct RowResult {
     /// Per-row details printed under the table.
     notes: Vec<String>,
     clean: bool,
-}
-
-fn room_of(v: &Value) -> Option<u64> {
-    match v {
-        Value::Number(n) => n.as_u64(),
-        Value::String(s) => match s.strip_prefix("0x") {
-            Some(h) => u64::from_str_radix(h, 16).ok(),
-            None => s.parse().ok(),
-        },
-        _ => None,
-    }
 }
 
 /// The simulator's per-attempt records: SGLang's per room (`/sim/rooms`), vLLM's per request
@@ -637,13 +627,11 @@ fn run_row(
         if vllm {
             return v["attempt"]["rid"].as_str().map(str::to_string);
         }
-        room_of(&v["attempt"]["bootstrap_room"])
-            .map(|r| r.to_string())
-            .or_else(|| {
-                v["attempt"]["rid"]
-                    .as_str()
-                    .and_then(|rid| rid_room.get(rid).cloned())
-            })
+        room_of(&v["attempt"]).map(|r| r.to_string()).or_else(|| {
+            v["attempt"]["rid"]
+                .as_str()
+                .and_then(|rid| rid_room.get(rid).cloned())
+        })
     };
     let mut violated: BTreeSet<String> = BTreeSet::new();
     let mut false_rooms: BTreeSet<String> = BTreeSet::new();
@@ -833,8 +821,7 @@ fn run_row(
                 if vllm {
                     e["ids"]["rid"].as_str() == Some(room.as_str())
                 } else {
-                    room_of(&e["ids"]["bootstrap_room"]).map(|r| r.to_string())
-                        == Some(room.clone())
+                    room_of(&e["ids"]).map(|r| r.to_string()) == Some(room.clone())
                 }
             };
             for e in events.iter().filter(of_room) {

@@ -19,6 +19,7 @@ use std::time::Duration;
 use pd_sim::http::http_client;
 use serde_json::Value;
 use support::*;
+use test_harness::notifications::room_of;
 use test_harness::{Revenant, ScratchDir};
 
 const MAPPING: &str = r#"
@@ -160,7 +161,7 @@ async fn over_capacity_worker_and_admitted_over_capacity_requests_via_otlp() {
             async move {
                 let seen: BTreeSet<u64> = of_rule(&v, "over-capacity-admitted")
                     .iter()
-                    .filter_map(|v| v["attempt"]["bootstrap_room"].as_u64())
+                    .filter_map(|v| room_of(&v["attempt"]))
                     .collect();
                 over.is_subset(&seen).then_some(v)
             }

@@ -24,6 +24,7 @@ use pd_sim::http::http_client;
 use pd_sim::smg::{SmgProcess, write_tiny_model};
 use serde_json::{Value, json};
 use support::*;
+use test_harness::notifications::room_of;
 use test_harness::{Revenant, ScratchDir};
 
 fn smg_bin() -> PathBuf {
@@ -149,15 +150,6 @@ fn metric(text: &str, name: &str) -> f64 {
         .sum()
 }
 
-/// A room as the timeline prints it (`0x…`).
-struct BootstrapRoomHex(u64);
-impl std::str::FromStr for BootstrapRoomHex {
-    type Err = std::num::ParseIntError;
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        u64::from_str_radix(s.trim_start_matches("0x"), 16).map(BootstrapRoomHex)
-    }
-}
-
 /// The trace id revenant saw on the router's span for this x-request-id.
 fn router_trace(events: &[Value], request_id: &str) -> Option<String> {
     events
@@ -237,10 +229,7 @@ async fn expect_one_violation_per_attempt(
             let v = s.violations();
             let rooms = rooms.clone();
             async move {
-                let seen: BTreeSet<u64> = v
-                    .iter()
-                    .filter_map(|v| v["attempt"]["bootstrap_room"].as_u64())
-                    .collect();
+                let seen: BTreeSet<u64> = v.iter().filter_map(|v| room_of(&v["attempt"])).collect();
                 rooms.is_subset(&seen).then_some(v)
             }
         },
@@ -273,10 +262,7 @@ async fn expect_one_violation_per_attempt(
             "{ctx}"
         );
     }
-    let per_room: Vec<u64> = mine
-        .iter()
-        .filter_map(|v| v["attempt"]["bootstrap_room"].as_u64())
-        .collect();
+    let per_room: Vec<u64> = mine.iter().filter_map(|v| room_of(&v["attempt"])).collect();
     assert_eq!(
         per_room.len(),
         rooms.len(),
@@ -334,7 +320,7 @@ async fn expect_one_violation_per_attempt(
         .as_array()
         .unwrap()
         .iter()
-        .map(|r| r.as_str().unwrap().parse::<BootstrapRoomHex>().unwrap().0)
+        .map(|r| room_of(r).unwrap_or_else(|| panic!("a timeline room without its pair: {r}")))
         .collect();
     assert_eq!(
         &timeline_rooms, rooms,

@@ -46,6 +46,7 @@ use std::time::Duration;
 use pd_sim::smg::{SmgProcess, write_tiny_model};
 use serde_json::Value;
 use support::*;
+use test_harness::notifications::room_of;
 use test_harness::{Revenant, ScratchDir, free_port, http_json, metric_sum};
 
 /// How long after a prefill rejection the decode leg must have ended (the default cancellation
@@ -487,7 +488,7 @@ async fn smg_1_13_decode_ignoring_the_cancel_is_caught_once_per_request() {
         .violations
         .iter()
         .filter(|v| v["rule"] == "orphaned-leg" || v["rule"] == "activity-after-rejection")
-        .filter_map(|v| v["attempt"]["bootstrap_room"].as_u64())
+        .filter_map(|v| room_of(&v["attempt"]))
         .collect();
     let missed: Vec<u64> = reached.difference(&caught).copied().collect();
     eprintln!(

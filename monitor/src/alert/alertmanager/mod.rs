@@ -6,8 +6,9 @@
 //! `fingerprint` (the lead finding's), `incident` (what keeps two requests apart in Alertmanager)
 //! and `source="revenant"`. Annotations: `summary`, `rules` and `findings` (every rule that fired
 //! for the request, with severity, attempt and summary), `evidence` (the lead's excerpt),
-//! `timeline` (link), `request_id`, `bootstrap_room`, `occurrences`. An escalation changes the
-//! lead, hence the label set: the previous alert is posted resolved in the same request.
+//! `timeline` (link), `request_id`, `bootstrap_room` (decimal) and `bootstrap_room_hex`,
+//! `occurrences`. An escalation changes the lead, hence the label set: the previous alert is
+//! posted resolved in the same request.
 
 pub mod config;
 
@@ -150,7 +151,9 @@ impl AlertmanagerSink {
             ann.insert("request_id".into(), r.clone());
         }
         if let Some(r) = v.attempt.bootstrap_room {
-            ann.insert("bootstrap_room".into(), format!("{r:#x}"));
+            // The pair every output names a room by: decimal and hex.
+            ann.insert("bootstrap_room".into(), r.to_string());
+            ann.insert("bootstrap_room_hex".into(), format!("{r:#x}"));
         }
         PostableAlert {
             labels,
