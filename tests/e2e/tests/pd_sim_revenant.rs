@@ -460,8 +460,7 @@ fn unknown_rooms_caught_once_each_and_nothing_else() {
         assert!(notifications::is_incident(n), "{n}");
         let f = notifications::finding(n, "unknown-room")
             .unwrap_or_else(|| panic!("only unknown-room may fire here: {n}"));
-        let room = f["attempt"]["bootstrap_room"]
-            .as_u64()
+        let room = notifications::room_of(&f["attempt"])
             .unwrap_or_else(|| panic!("finding names no attempt room: {n}"));
         *got.entry(room).or_default() += 1;
     }
@@ -471,7 +470,7 @@ fn unknown_rooms_caught_once_each_and_nothing_else() {
         .iter()
         .filter(|n| {
             notifications::finding(n, "unknown-room")
-                .and_then(|f| f["attempt"]["bootstrap_room"].as_u64())
+                .and_then(|f| notifications::room_of(&f["attempt"]))
                 .is_some_and(|r| !want.contains(&r))
         })
         .take(3)
