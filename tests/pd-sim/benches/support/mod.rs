@@ -1,0 +1,765 @@
+//! What the end-to-end benches share: a row (router × decode behaviour × witness) started as
+//! real processes on loopback (`pd-sim cluster`, a real router if the row names one, `revenant
+//! run` release build), the wait until revenant can have judged everything the load caused, and
+//! the oracle that scores revenant's verdicts against the simulator's own per-room records
+//! (`/sim/rooms`, `/sim/requests`), never against revenant's output. See `precision_recall.rs`
+//! for the oracle's definition and `soak.rs` for the long run.
+
+// Each bench binary includes this module and uses a part of it.
+#![allow(dead_code)]
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use pd_sim::smg::{SmgProcess, write_tiny_model};
+use serde_json::Value;
+use test_harness::notifications::room_of;
+use test_harness::{Cluster, Revenant, Sample, free_port, http_json, metric_sum};
+
+/// revenant's defaults that bound when a deadline rule is judged: the cancellation window of
+/// `orphaned-leg`, `--clock-skew`, `revenant run --allowed-lateness`, the checker's tick.
+pub const WINDOW: Duration = Duration::from_millis(500);
+pub const SKEW: Duration = Duration::from_millis(50);
+pub const LATENESS: Duration = Duration::from_secs(15);
+pub const TICK: Duration = Duration::from_secs(1);
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Router {
+    /// A `pd-sim router --mode`.
+    Sim(&'static str),
+    Smg032,
+    Smg113,
+    /// A `pd-sim router --flavour vllm --mode` in front of the simulator's vLLM workers.
+    VllmSim(&'static str),
+    /// The real vllm-router 0.1.17 in front of them.
+    Vllm0117,
+}
+
+impl Router {
+    pub fn name(self) -> &'static str {
+        match self {
+            Router::Sim(m) => m,
+            Router::Smg032 => "sglang-router-0.3.2",
+            Router::Smg113 => "smg-1.13.0",
+            Router::VllmSim("correct") => "vllm-correct",
+            Router::VllmSim("handoff-after-reject") => "vllm-handoff-after-reject",
+            Router::VllmSim(m) => m,
+            Router::Vllm0117 => "vllm-router-0.1.17",
+        }
+    }
+    /// The simulator speaks vLLM (one attempt per request, named by vLLM's request name).
+    pub fn vllm(self) -> bool {
+        matches!(self, Router::VllmSim(_) | Router::Vllm0117)
+    }
+    /// It withdraws the decode leg of a refused attempt (so a decode ignoring that is a row).
+    pub fn withdraws(self) -> bool {
+        matches!(self, Router::Sim("concurrent-cancel") | Router::Smg113)
+    }
+    /// Hands refused attempts on by itself: every refused attempt that reached decode is a breach.
+    pub fn breaches(self) -> bool {
+        matches!(
+            self,
+            Router::Sim("concurrent-no-cancel")
+                | Router::Sim("handoff-after-reject")
+                | Router::Smg032
+                | Router::VllmSim("handoff-after-reject")
+        )
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Witness {
+    Ebpf,
+    Otlp,
+    Both,
+}
+
+impl Witness {
+    pub fn name(self) -> &'static str {
+        match self {
+            Witness::Ebpf => "ebpf",
+            Witness::Otlp => "otlp",
+            Witness::Both => "both",
+        }
+    }
+    pub fn ebpf(self) -> bool {
+        self != Witness::Otlp
+    }
+    pub fn otlp(self) -> bool {
+        self != Witness::Ebpf
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct Row {
+    pub router: Router,
+    pub ignores_cancel: bool,
+    pub witness: Witness,
+}
+
+impl Row {
+    pub fn parts(&self) -> [&'static str; 3] {
+        [
+            self.router.name(),
+            if self.ignores_cancel {
+                "ignores"
+            } else {
+                "honours"
+            },
+            self.witness.name(),
+        ]
+    }
+    pub fn name(&self) -> String {
+        self.parts().join("/")
+    }
+    pub fn breach_row(&self) -> bool {
+        self.router.breaches() || self.ignores_cancel
+    }
+    pub fn selected(&self, filter: &[Vec<String>]) -> bool {
+        let parts = self.parts();
+        filter.is_empty()
+            || filter.iter().any(|pat| {
+                pat.iter()
+                    .zip(parts)
+                    .all(|(p, v)| p == "*" || p.is_empty() || p == v)
+            })
+    }
+}
+
+/// A real router in front of the simulator's workers; stopped when dropped.
+pub enum RealRouter {
+    Smg(SmgProcess),
+    Vllm(test_harness::VllmRouter),
+}
+
+impl RealRouter {
+    pub fn url(&self) -> &str {
+        match self {
+            RealRouter::Smg(s) => &s.url,
+            RealRouter::Vllm(r) => &r.url,
+        }
+    }
+    pub fn pid(&self) -> u32 {
+        match self {
+            RealRouter::Smg(s) => s.pid(),
+            RealRouter::Vllm(r) => r.pid(),
+        }
+    }
+}
+
+pub struct RowResult {
+    pub row: Row,
+    pub requests: u64,
+    pub rejected: usize,
+    pub expected: usize,
+    pub caught: usize,
+    pub false_alerts: usize,
+    pub false_attempts: usize,
+    pub notifications: usize,
+    pub breached_requests: usize,
+    /// Breached requests notified more than once, not at all; requests notified without a
+    /// breach; rate-limit summaries.
+    pub repeated: usize,
+    pub unnotified: usize,
+    pub foreign: usize,
+    pub suppressed: usize,
+    pub wall_s: f64,
+    /// Per-row details printed under the table.
+    pub notes: Vec<String>,
+    pub clean: bool,
+}
+
+/// The simulator's per-attempt records: SGLang's per room (`/sim/rooms`), vLLM's per request
+/// (`/sim/requests`, one attempt each).
+pub fn rooms(url: &str, vllm: bool) -> Vec<Value> {
+    let path = if vllm { "/sim/requests" } else { "/sim/rooms" };
+    match http_json(&format!("{url}{path}")) {
+        Ok(Value::Array(a)) => a,
+        other => panic!("{url}{path}: {other:?}"),
+    }
+}
+
+/// The attempt a record is about: the room (SGLang), the request name (vLLM).
+pub fn key_of(r: &Value, vllm: bool) -> Option<String> {
+    if vllm {
+        r["id"].as_str().map(str::to_string)
+    } else {
+        r["room"].as_u64().map(|r| r.to_string())
+    }
+}
+
+pub fn wait_rooms_settled(cluster: &Cluster, vllm: bool, timeout: Duration) -> bool {
+    let deadline = Instant::now() + timeout;
+    loop {
+        // vLLM's prefill holds the KV of an admitted request until decode has read it.
+        let pending = [&cluster.prefill, &cluster.decode]
+            .iter()
+            .flat_map(|u| rooms(u, vllm))
+            .any(|r| r["outcome"] == "pending" || r["outcome"] == "held");
+        if !pending {
+            return true;
+        }
+        if Instant::now() > deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// What a row's processes get beyond the row itself.
+pub struct RowSetup {
+    /// Extra arguments of the prefill worker and of the decode worker.
+    pub prefill_args: Vec<String>,
+    pub decode_args: Vec<String>,
+    /// `revenant run`'s flags; the row adds its witness's (listeners, eBPF and pids).
+    pub revenant_args: Vec<String>,
+    /// Record the normalized events (`--events-jsonl DIR/events.jsonl`): shown for the rooms of
+    /// a row that is not clean.
+    pub events_jsonl: bool,
+}
+
+/// A row's running processes.
+pub struct RowRun {
+    pub row: Row,
+    pub vllm: bool,
+    /// When the row started (its wall time runs to the teardown).
+    pub t0: Instant,
+    pub dir: PathBuf,
+    pub cluster: Cluster,
+    pub real_router: Option<RealRouter>,
+    /// Where the load goes: the real router, else pd-sim's.
+    pub router_url: String,
+    pub rev: Revenant,
+    pub events_path: PathBuf,
+}
+
+/// Starts a row in `dir` (emptied first): the cluster, the real router (`real`, when the row
+/// names one), then revenant watching them.
+pub fn start_row(
+    row: Row,
+    real: Option<&Path>,
+    revenant_bin: &Path,
+    pd_sim: &Path,
+    dir: PathBuf,
+    setup: &RowSetup,
+) -> RowRun {
+    let vllm = row.router.vllm();
+    let t0 = Instant::now();
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let grpc = format!("127.0.0.1:{}", free_port().unwrap());
+    let http = format!("127.0.0.1:{}", free_port().unwrap());
+
+    // The cluster first: eBPF needs its pids; span exporters connect once there are spans.
+    let mut cluster_args: Vec<String> = Vec::new();
+    if vllm {
+        cluster_args.extend(["--flavour".into(), "vllm".into()]);
+    }
+    match row.router {
+        Router::Sim(mode) | Router::VllmSim(mode) => {
+            cluster_args.extend(["--mode".into(), mode.into()])
+        }
+        _ => cluster_args.push("--no-router".into()),
+    }
+    if row.witness.otlp() {
+        cluster_args.extend(["--otlp-endpoint".into(), format!("http://{http}")]);
+    }
+    let mut decode_args: Vec<String> = Vec::new();
+    if row.ignores_cancel {
+        decode_args.push("--decode-ignores-cancel".into());
+    }
+    decode_args.extend(setup.decode_args.iter().cloned());
+    if !decode_args.is_empty() {
+        cluster_args.extend(["--decode-args".into(), decode_args.join(" ")]);
+    }
+    if !setup.prefill_args.is_empty() {
+        cluster_args.extend(["--prefill-args".into(), setup.prefill_args.join(" ")]);
+    }
+    let cluster = Cluster::start(pd_sim, &cluster_args, Some(&dir.join("pd-sim.log")))
+        .unwrap_or_else(|e| panic!("{}: pd-sim cluster: {e:#}", row.name()));
+    let real_router = real.map(|bin| {
+        if vllm {
+            let trace = row.witness.otlp().then_some(grpc.as_str());
+            return RealRouter::Vllm(
+                test_harness::VllmRouter::start(
+                    bin,
+                    &cluster.prefill,
+                    &cluster.decode,
+                    trace,
+                    &dir.join("vllm-router.log"),
+                )
+                .unwrap_or_else(|e| panic!("{}: vllm-router: {e:#}", row.name())),
+            );
+        }
+        let model = dir.join("model");
+        write_tiny_model(&model).unwrap();
+        let trace = row.witness.otlp().then_some(grpc.as_str());
+        RealRouter::Smg(
+            SmgProcess::start(bin, &cluster, &model, trace, &dir.join("smg.log"), &[])
+                .unwrap_or_else(|e| panic!("{}: smg: {e:#}", row.name())),
+        )
+    });
+    let router_url = real_router
+        .as_ref()
+        .map_or(cluster.router.clone(), |s| s.url().to_string());
+
+    let events_path = dir.join("events.jsonl");
+    let mut args: Vec<String> = setup.revenant_args.clone();
+    if setup.events_jsonl {
+        args.extend(["--events-jsonl".into(), events_path.display().to_string()]);
+    }
+    if row.witness.otlp() {
+        args.extend(["--otlp-http".into(), http.clone()]);
+        args.extend(["--otlp-grpc".into(), grpc.clone()]);
+    } else {
+        args.extend(["--otlp-http".into(), "off".into()]);
+        args.extend(["--otlp-grpc".into(), "off".into()]);
+    }
+    if row.witness.ebpf() {
+        args.extend([
+            "--ebpf".into(),
+            "on".into(),
+            "--no-sglang-conventions".into(),
+        ]);
+        args.extend(cluster.pid_args());
+        if let Some(s) = &real_router {
+            args.extend(["--pid".into(), format!("router={}", s.pid())]);
+        }
+    } else {
+        args.extend(["--ebpf".into(), "off".into()]);
+    }
+    let rev = Revenant::start(revenant_bin, &dir, &args)
+        .unwrap_or_else(|e| panic!("{}: revenant: {e:#}", row.name()));
+    let want_ebpf = if row.witness.ebpf() { "live" } else { "off" };
+    assert_eq!(
+        rev.ready["ebpf"],
+        want_ebpf,
+        "{}: {}",
+        row.name(),
+        rev.ready
+    );
+    RowRun {
+        row,
+        vllm,
+        t0,
+        dir,
+        cluster,
+        real_router,
+        router_url,
+        rev,
+        events_path,
+    }
+}
+
+/// Waits until revenant can have judged everything the finished load caused; returns its
+/// metrics then.
+pub fn await_judgement(run: &RowRun, notes: &mut Vec<String>) -> Vec<Sample> {
+    let (row, vllm, cluster, rev) = (run.row, run.vllm, &run.cluster, &run.rev);
+    // Every leg over (a decode waiting for KV times out after 2 s); then the deadline rules
+    // (orphaned-leg) of the last rejection must have been judged: `revenant run` judges a
+    // deadline once its watermark (wall clock minus the allowed lateness) passes it, checked on
+    // a 1 s tick; then revenant quiet (no alert pending in its group wait).
+    if !wait_rooms_settled(cluster, vllm, Duration::from_secs(120)) {
+        notes.push("rooms still pending after 120 s".into());
+    }
+    let last_rejection = rooms(&cluster.prefill, vllm)
+        .iter()
+        .filter(|r| r["status"].as_u64().unwrap_or(0) >= 400)
+        .filter_map(|r| r["answered_ns"].as_u64())
+        .max()
+        .unwrap_or(0);
+    let judged_by = last_rejection + (WINDOW + SKEW + LATENESS + TICK).as_nanos() as u64;
+    let now = pd_sim::ids::now_ns();
+    if judged_by > now {
+        std::thread::sleep(Duration::from_nanos(judged_by - now) + Duration::from_millis(500));
+    }
+
+    rev.wait_quiet(Duration::from_secs(3), Duration::from_secs(120), None)
+        .unwrap_or_else(|e| panic!("{}: {e:#}\n{}", row.name(), rev.log_tail(30)))
+}
+
+/// What a finished row leaves for the oracle: the simulator's records, revenant's notifications.
+pub struct Finished {
+    pub row: Row,
+    pub vllm: bool,
+    pub dir: PathBuf,
+    pub events_path: PathBuf,
+    pub prefill: Vec<Value>,
+    pub decode: Vec<Value>,
+    /// Spans the simulator's exporters dropped or failed to send.
+    pub sim_losses: u64,
+    pub alerts: Vec<Value>,
+    pub wall_s: f64,
+}
+
+/// Reads the simulator's records, stops revenant (its drain delivers what it holds) and tears
+/// the row down.
+pub fn finish_row(run: RowRun) -> Finished {
+    let RowRun {
+        row,
+        vllm,
+        t0,
+        dir,
+        cluster,
+        real_router,
+        mut rev,
+        events_path,
+        ..
+    } = run;
+    let prefill = rooms(&cluster.prefill, vllm);
+    let decode = rooms(&cluster.decode, vllm);
+    let sim_losses: u64 = [&cluster.prefill, &cluster.decode]
+        .iter()
+        .map(|u| {
+            let s = http_json(&format!("{u}/sim/stats")).unwrap_or(Value::Null);
+            s["otlp"]["spans_dropped_queue_full"].as_u64().unwrap_or(0)
+                + s["otlp"]["spans_failed"].as_u64().unwrap_or(0)
+        })
+        .sum();
+    let stopped = rev
+        .stop()
+        .unwrap_or_else(|e| panic!("{}: revenant stop: {e:#}", row.name()));
+    assert!(stopped.success(), "{}: {}", row.name(), rev.log_tail(30));
+    let alerts = rev.notifications().unwrap_or_default();
+    drop(real_router);
+    drop(cluster);
+    let wall_s = t0.elapsed().as_secs_f64();
+    Finished {
+        row,
+        vllm,
+        dir,
+        events_path,
+        prefill,
+        decode,
+        sim_losses,
+        alerts,
+        wall_s,
+    }
+}
+
+/// The oracle against revenant's verdicts (`violations`: every one of the row, `metrics`: its
+/// counters at the end, `load`: `pd-sim load`'s summary); `notes` so far go first. The row's
+/// files are kept when it is not clean, else removed unless `keep`.
+pub fn judge(
+    f: &Finished,
+    violations: &[Value],
+    metrics: &[Sample],
+    load: &Value,
+    mut notes: Vec<String>,
+    keep: bool,
+) -> RowResult {
+    let Finished {
+        row,
+        vllm,
+        dir,
+        events_path,
+        prefill,
+        decode,
+        sim_losses,
+        alerts,
+        wall_s,
+    } = f;
+    let (row, vllm, sim_losses, wall_s) = (*row, *vllm, *sim_losses, *wall_s);
+    // The oracle, from the simulator's records: an attempt is a room (SGLang) or a request
+    // name (vLLM).
+    let decode_rooms: HashMap<String, &Value> = decode
+        .iter()
+        .filter_map(|r| Some((key_of(r, vllm)?, r)))
+        .collect();
+    let prefill_rooms: HashMap<String, &Value> = prefill
+        .iter()
+        .filter_map(|r| Some((key_of(r, vllm)?, r)))
+        .collect();
+    let mut rid_room: HashMap<String, String> = HashMap::new();
+    for r in prefill.iter().chain(decode.iter()) {
+        if let (Some(rid), Some(room)) = (r["rid"].as_str(), key_of(r, vllm)) {
+            rid_room.insert(rid.to_string(), room);
+        }
+    }
+    let rejected: BTreeSet<String> = prefill
+        .iter()
+        .filter(|r| r["status"].as_u64().unwrap_or(0) >= 400)
+        .filter_map(|r| key_of(r, vllm))
+        .collect();
+    let breaches: BTreeSet<String> = if row.breach_row() {
+        rejected
+            .iter()
+            // Reached decode: decode read the leg's HTTP request.
+            .filter(|r| {
+                decode_rooms
+                    .get(*r)
+                    .is_some_and(|d| d["received_ns"].as_u64().unwrap_or(0) > 0)
+            })
+            .cloned()
+            .collect()
+    } else {
+        BTreeSet::new()
+    };
+    // vLLM: one attempt per request, so the request is its attempt (the notification names
+    // it by the client's id or the router's X-Request-Id, depending on the witness).
+    let request_of = |room: &String| {
+        if vllm {
+            return room.clone();
+        }
+        prefill_rooms
+            .get(room)
+            .and_then(|r| r["request_id"].as_str())
+            .unwrap_or("")
+            .to_string()
+    };
+    let breached_requests: BTreeSet<String> = breaches.iter().map(request_of).collect();
+
+    // revenant's verdicts.
+    let attempt_of = |v: &Value| -> Option<String> {
+        if vllm {
+            return v["attempt"]["rid"].as_str().map(str::to_string);
+        }
+        room_of(&v["attempt"]).map(|r| r.to_string()).or_else(|| {
+            v["attempt"]["rid"]
+                .as_str()
+                .and_then(|rid| rid_room.get(rid).cloned())
+        })
+    };
+    let mut violated: BTreeSet<String> = BTreeSet::new();
+    let mut false_rooms: BTreeSet<String> = BTreeSet::new();
+    let mut false_alerts = 0usize;
+    let mut caught_rules: BTreeMap<String, usize> = BTreeMap::new();
+    let mut false_rules: BTreeMap<String, usize> = BTreeMap::new();
+    let mut false_examples: Vec<&Value> = Vec::new();
+    for v in violations {
+        let rule = v["rule"].as_str().unwrap_or("?").to_string();
+        let first = v["corroborates"] != true;
+        let room = attempt_of(v);
+        let on_breach = match &room {
+            Some(r) => breaches.contains(r),
+            None => v["request"]["request_id"]
+                .as_str()
+                .is_some_and(|id| breached_requests.contains(id)),
+        };
+        if let Some(r) = &room {
+            violated.insert(r.clone());
+        }
+        if on_breach {
+            if first {
+                *caught_rules.entry(rule).or_default() += 1;
+            }
+        } else if first {
+            false_alerts += 1;
+            if let Some(r) = room {
+                false_rooms.insert(r);
+            }
+            *false_rules.entry(rule).or_default() += 1;
+            if false_examples.len() < 5 {
+                false_examples.push(v);
+            }
+        }
+    }
+    let caught = breaches.intersection(&violated).count();
+    let missed: Vec<String> = breaches.difference(&violated).cloned().collect();
+
+    // Notifications: incident notifications (and rate-limit summaries, which must not occur).
+    let incidents: Vec<&Value> = alerts.iter().filter(|n| n["type"] == "incident").collect();
+    let suppressed = alerts.iter().filter(|n| n["type"] == "suppressed").count();
+    // A notification is about the requests of its findings' attempts (the simulator's rooms
+    // name their x-request-id), and the one it names itself. It may name the request by its
+    // trace id alone, when no source told revenant the x-request-id of the request (behind a
+    // real router the workers' spans carry none: it comes with the router's span).
+    let mut per_request: BTreeMap<String, usize> = BTreeMap::new();
+    let mut without_request_id = 0usize;
+    for n in &incidents {
+        let mut about: BTreeSet<String> = n["findings"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(&attempt_of)
+            .map(|room| request_of(&room))
+            .filter(|id| !id.is_empty())
+            .collect();
+        match n["request"]["request_id"].as_str() {
+            Some(_) if vllm => {}
+            Some(id) => {
+                about.insert(id.to_string());
+            }
+            None => without_request_id += 1,
+        }
+        if about.is_empty() {
+            about.insert(n["incident_key"].as_str().unwrap_or("?").to_string());
+        }
+        for key in about {
+            *per_request.entry(key).or_default() += 1;
+        }
+    }
+    let repeated: Vec<(&String, &usize)> = per_request.iter().filter(|(_, n)| **n > 1).collect();
+    let unnotified: Vec<&String> = breached_requests
+        .iter()
+        .filter(|r| !per_request.contains_key(*r))
+        .collect();
+    let foreign: Vec<&String> = per_request
+        .keys()
+        .filter(|k| !breached_requests.contains(*k))
+        .collect();
+
+    let requests = load["sent"].as_u64().unwrap_or(0);
+    if load["errors"].as_u64().unwrap_or(0) > 0 {
+        notes.push(format!(
+            "load errors {} {}",
+            load["errors"], load["errors_by_kind"]
+        ));
+    }
+    let sum = |name: &str| metric_sum(metrics, name, &[]) as u64;
+    // Every loss is folded into revenant_dropped_items_total; the others are the eBPF stream
+    // tracker's own trouble (gap bytes are payload deliberately not captured: not a loss).
+    let mut losses: Vec<String> = Vec::new();
+    for name in [
+        "revenant_dropped_items_total",
+        "revenant_ebpf_batches_dropped_total",
+        "revenant_ebpf_http_desyncs_total",
+        "revenant_ebpf_decode_errors_total",
+        "revenant_ebpf_connections_evicted_total",
+    ] {
+        let n = sum(name);
+        if n > 0 {
+            losses.push(format!("{name} {n}"));
+        }
+    }
+    if sim_losses > 0 {
+        losses.push(format!("pd-sim spans dropped/failed {sim_losses}"));
+    }
+    if !losses.is_empty() {
+        notes.push(format!("losses: {}", losses.join(", ")));
+    }
+    notes.push(format!(
+        "load {} ok {} rejected {} at {:.0}/s; prefill rooms {}, decode rooms {}; events ebpf {} otlp {} (router received: {} from spans); caught by {:?}",
+        load["sent"],
+        load["ok"],
+        load["rejected_by_status"],
+        load["achieved_rate"].as_f64().unwrap_or(0.0),
+        prefill.len(),
+        decode.len(),
+        metric_sum(metrics, "revenant_events_total", &[("source", "ebpf")]),
+        metric_sum(metrics, "revenant_events_total", &[("source", "otlp")]),
+        metric_sum(
+            metrics,
+            "revenant_events_total",
+            &[("source", "otlp"), ("stage", "router"), ("kind", "received")]
+        ),
+        caught_rules,
+    ));
+    if !false_rules.is_empty() {
+        notes.push(format!("false alerts by rule {false_rules:?}"));
+    }
+    if without_request_id > 0 {
+        notes.push(format!(
+            "{without_request_id} notifications name their request by trace id only (no x-request-id known to revenant)"
+        ));
+    }
+    if suppressed > 0 {
+        notes.push(format!("{suppressed} rate-limit summaries"));
+    }
+    if !repeated.is_empty() {
+        notes.push(format!(
+            "{} requests notified more than once, e.g. {:?}",
+            repeated.len(),
+            &repeated[..repeated.len().min(3)]
+        ));
+    }
+    if !unnotified.is_empty() {
+        notes.push(format!(
+            "{} breached requests not notified, e.g. {:?}",
+            unnotified.len(),
+            &unnotified[..unnotified.len().min(3)]
+        ));
+    }
+    if !foreign.is_empty() {
+        notes.push(format!(
+            "{} notifications about requests without a breach, e.g. {:?}",
+            foreign.len(),
+            &foreign[..foreign.len().min(3)]
+        ));
+    }
+    let clean = missed.is_empty()
+        && false_alerts == 0
+        && repeated.is_empty()
+        && unnotified.is_empty()
+        && foreign.is_empty()
+        && suppressed == 0;
+    if !clean {
+        // Enough to start digging: the rooms' records and revenant's events of them.
+        let mut look: Vec<String> = missed.iter().take(3).cloned().collect();
+        look.extend(false_rooms.iter().take(3).cloned());
+        let events = test_harness::read_jsonl(events_path).unwrap_or_default();
+        for room in look {
+            let kind = if breaches.contains(&room) {
+                "missed"
+            } else {
+                "false alert on"
+            };
+            notes.push(format!(
+                "{kind} room {room} ({}): prefill {} | decode {}",
+                request_of(&room),
+                prefill_rooms
+                    .get(&room)
+                    .map_or("-".into(), |r| r.to_string()),
+                decode_rooms
+                    .get(&room)
+                    .map_or("-".into(), |r| r.to_string()),
+            ));
+            let of_room = |e: &&Value| {
+                if vllm {
+                    e["ids"]["rid"].as_str() == Some(room.as_str())
+                } else {
+                    room_of(&e["ids"]).map(|r| r.to_string()) == Some(room.clone())
+                }
+            };
+            for e in events.iter().filter(of_room) {
+                notes.push(format!("    {e}"));
+            }
+            for v in violations
+                .iter()
+                .filter(|v| attempt_of(v).as_ref() == Some(&room))
+            {
+                notes.push(format!("    violation: {}", v["summary"]));
+            }
+        }
+        for v in false_examples.iter().filter(|v| attempt_of(v).is_none()) {
+            notes.push(format!("false alert naming no attempt: {}", v["summary"]));
+        }
+        std::fs::write(
+            dir.join("violations.json"),
+            serde_json::to_string_pretty(&violations).unwrap(),
+        )
+        .unwrap();
+        std::fs::write(
+            dir.join("prefill-rooms.json"),
+            Value::from(prefill.clone()).to_string(),
+        )
+        .unwrap();
+        std::fs::write(
+            dir.join("decode-rooms.json"),
+            Value::from(decode.clone()).to_string(),
+        )
+        .unwrap();
+        notes.push(format!("files kept in {}", dir.display()));
+    } else if !keep {
+        let _ = std::fs::remove_dir_all(dir);
+    }
+    RowResult {
+        row,
+        requests,
+        rejected: rejected.len(),
+        expected: breaches.len(),
+        caught,
+        false_alerts,
+        false_attempts: false_rooms.len(),
+        notifications: incidents.len(),
+        breached_requests: breached_requests.len(),
+        repeated: repeated.len(),
+        unnotified: unnotified.len(),
+        foreign: foreign.len(),
+        suppressed,
+        wall_s,
+        notes,
+        clean,
+    }
+}
