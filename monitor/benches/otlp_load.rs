@@ -257,6 +257,24 @@ fn cpu_seconds(pid: &str) -> f64 {
     (ticks(11) + ticks(12)) / 100.0
 }
 
+/// The `revenant_memory_*` samples of the admin server's `/metrics`.
+fn memory_lines(admin: &str) -> Vec<String> {
+    use std::io::{Read, Write};
+    let Ok(mut c) = std::net::TcpStream::connect(admin) else {
+        return vec!["admin server unreachable".into()];
+    };
+    let _ = c.set_read_timeout(Some(Duration::from_secs(5)));
+    let _ = write!(c, "GET /metrics HTTP/1.0\r\nHost: {admin}\r\n\r\n");
+    let mut text = String::new();
+    let _ = c.read_to_string(&mut text);
+    text.lines()
+        .filter(|l| {
+            l.starts_with("revenant_memory_") || l.starts_with("revenant_checker_evictions")
+        })
+        .map(str::to_owned)
+        .collect()
+}
+
 fn status_kb(pid: &str, key: &str) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
         .unwrap_or_default()
@@ -345,10 +363,13 @@ fn main() {
         .spawn()
         .expect("spawn revenant (build it first: cargo build --release -p revenant)");
     let deadline = Instant::now() + Duration::from_secs(20);
-    let addr = loop {
+    let (addr, admin) = loop {
         if let Ok(t) = std::fs::read_to_string(&ready) {
             let v: serde_json::Value = serde_json::from_str(&t).unwrap();
-            break v["otlp_grpc"].as_str().unwrap().to_owned();
+            break (
+                v["otlp_grpc"].as_str().unwrap().to_owned(),
+                v["admin"].as_str().unwrap().to_owned(),
+            );
         }
         assert!(Instant::now() < deadline, "revenant did not become ready");
         std::thread::sleep(Duration::from_millis(20));
@@ -423,6 +444,7 @@ fn main() {
         cpu_seconds("self"),
         t0.elapsed(),
     );
+    let memory = memory_lines(&admin);
     stop.store(true, Relaxed);
     rt.block_on(async {
         for t in tasks {
@@ -462,6 +484,10 @@ fn main() {
         hwm as f64 / 1024.0
     );
     println!("  revenant exit:      {st}");
+    println!("  memory budget's account at the end of the measurement (/metrics):");
+    for l in &memory {
+        println!("  | {l}");
+    }
     for l in stderr.lines().filter(|l| {
         l.starts_with("revenant: stopped")
             || l.contains("spans_received")

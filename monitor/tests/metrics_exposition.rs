@@ -180,7 +180,33 @@ fn documented_families_are_there_at_start_up() {
         "revenant_alerts_received_total{rule=\"activity-after-rejection\",severity=\"critical\"} 0",
         "revenant_alerts_incidents_opened_total{rule=\"orphaned-leg\"} 0",
         "revenant_alerts_notified_total{rule=\"stuck-attempt\"} 0",
+        // The memory budget (the default 512MiB) and its split, evictions at 0.
+        "revenant_memory_budget_bytes 536870912",
+        "revenant_memory_evictions_total{structure=\"attempts\"} 0",
+        "revenant_memory_evictions_total{structure=\"span_tree\"} 0",
+        "revenant_memory_evictions_total{structure=\"timeline\"} 0",
     ] {
         assert!(text.contains(series), "no {series} in\n{text}");
+    }
+    for structure in [
+        "attempts",
+        "tombstones",
+        "span_tree",
+        "event_channel",
+        "timeline",
+        "recent_violations",
+    ] {
+        for family in [
+            "revenant_memory_cap_bytes",
+            "revenant_memory_estimated_bytes",
+        ] {
+            let series = format!("{family}{{structure=\"{structure}\"}} ");
+            assert!(text.contains(&series), "no {series} in\n{text}");
+        }
+        let cap = format!("revenant_memory_cap_bytes{{structure=\"{structure}\"}} 0\n");
+        assert!(
+            !text.contains(&cap),
+            "{structure} has no share of the budget"
+        );
     }
 }

@@ -253,7 +253,7 @@ proptest! {
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         rt.block_on(async {
             let (tx, mut rx) = tokio::sync::mpsc::channel(4);
-            let ingest = Arc::new(Ingest::new(tx, Normalizer::new(&small_tree()).unwrap(), Arc::new(OtlpStats::default()), 1000));
+            let ingest = Arc::new(Ingest::new(tx, Normalizer::new(&small_tree()).unwrap(), Arc::new(OtlpStats::default()), 1000, Arc::new(revenant::telemetry::MemoryAccount::unlimited())));
             let app = revenant::ingest::otlp::http::router(ingest.clone(), 4096, 8192);
             let mut req = http::Request::post("/v1/traces").header("content-type", ctype);
             if gzip {

@@ -155,6 +155,15 @@ struct Stored {
     n: u8,
 }
 
+/// What the memory budget charges per indexed event: the ring's slot (reserved up front, so it
+/// never doubles), the event's strings, and two alias keys in a table that doubles as it grows.
+pub const TIMELINE_EVENT_BYTES: usize = std::mem::size_of::<Stored>()
+    + crate::telemetry::memory::EVENT_HEAP_BYTES
+    + 2 * 2 * LAST_SLOT_BYTES;
+
+/// One slot of the alias → newest event table: the entry, its control byte, 1/8 kept free.
+const LAST_SLOT_BYTES: usize = (std::mem::size_of::<(u64, u64)>() + 1) * 8 / 7;
+
 struct Inner {
     /// `seq` of `events[0]`; sequence numbers are dense.
     base: u64,
@@ -176,7 +185,9 @@ impl RecentEvents {
             limits,
             inner: Mutex::new(Inner {
                 base: 0,
-                events: VecDeque::new(),
+                // The whole ring at once: growing by doubling would hold up to twice the bound
+                // (and both buffers while it copies); untouched pages cost no memory.
+                events: VecDeque::with_capacity(limits.max_events),
                 last: HashMap::with_hasher(FixedState::with_seed(0x6c617374)),
                 evicted: 0,
             }),
@@ -186,6 +197,14 @@ impl RecentEvents {
     /// Events pushed out by the bound since start.
     pub fn evicted(&self) -> u64 {
         self.inner.lock().unwrap_or_else(|p| p.into_inner()).evicted
+    }
+
+    /// Estimated heap bytes held now (for the memory budget's account).
+    pub fn estimated_bytes(&self) -> usize {
+        let g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        g.events.len()
+            * (std::mem::size_of::<Stored>() + crate::telemetry::memory::EVENT_HEAP_BYTES)
+            + g.last.capacity() * LAST_SLOT_BYTES
     }
 
     pub fn len(&self) -> usize {

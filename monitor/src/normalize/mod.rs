@@ -425,6 +425,16 @@ impl Normalizer {
         self.tree.orphans_waiting()
     }
 
+    /// What the span tree's caps made it drop since start.
+    pub fn tree_evictions(&self) -> sglang::TreeEvictions {
+        self.tree.evictions()
+    }
+
+    /// Estimated heap bytes the span tree holds now.
+    pub fn tree_bytes(&self) -> usize {
+        self.tree.estimated_bytes()
+    }
+
     /// vllm-router rejections waiting for their trace's rid.
     pub fn join_pending(&self) -> usize {
         self.join.pending_len()

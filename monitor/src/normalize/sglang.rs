@@ -22,6 +22,7 @@ use serde::Deserialize;
 
 use super::{ConfigError, ProfileLabel, SpanCtx, Tally, Unmapped, attrs};
 use crate::event::{BootstrapRoom, Kind, LifecycleEvent, Source, Stage};
+use crate::telemetry::memory::EVENT_HEAP_BYTES;
 
 const P: ProfileLabel = ProfileLabel::Sglang;
 
@@ -38,9 +39,14 @@ pub struct TreeConfig {
     /// still find their attempt.
     #[serde(default = "default_retention", with = "crate::duration")]
     pub retention: Duration,
-    /// Most resolved spans remembered per retention half-window.
+    /// Most resolved spans remembered per retention half-window (`revenant run` lowers it to
+    /// what its memory budget leaves the span tree).
     #[serde(default = "default_max_known")]
     pub max_known: usize,
+    /// Most root completions waiting out `completion_grace` at once; beyond it the oldest is
+    /// released early, unless an abort already arrived (counted as an eviction).
+    #[serde(default = "default_max_completions")]
+    pub max_completions: usize,
     /// A request root ends in a different process than the scheduler that may abort it, so
     /// its "completed" waits this long for an abort from below before it is believed.
     #[serde(default = "default_completion_grace", with = "crate::duration")]
@@ -60,6 +66,9 @@ fn default_retention() -> Duration {
 fn default_max_known() -> usize {
     1_000_000
 }
+fn default_max_completions() -> usize {
+    1_000_000
+}
 fn default_completion_grace() -> Duration {
     Duration::from_secs(5)
 }
@@ -71,6 +80,7 @@ impl Default for TreeConfig {
             max_orphans: default_max_orphans(),
             retention: default_retention(),
             max_known: default_max_known(),
+            max_completions: default_max_completions(),
             completion_grace: default_completion_grace(),
         }
     }
@@ -157,9 +167,66 @@ impl Generations {
         }
         self.attempts_cur.get_mut(&id)
     }
-    fn rotate(&mut self) {
+    /// Starts a new generation; returns how many resolved spans the dropped one still held.
+    fn rotate(&mut self) -> usize {
+        let dropped = self.old.len();
         self.old = std::mem::take(&mut self.cur);
         self.attempts_old = std::mem::take(&mut self.attempts_cur);
+        dropped
+    }
+
+    fn bytes(&self) -> usize {
+        (self.cur.capacity() + self.old.capacity()) * KNOWN_ENTRY_BYTES
+            + (self.attempts_cur.capacity() + self.attempts_old.capacity()) * ATTEMPT_ENTRY_BYTES
+    }
+}
+
+/// Heap bytes of one slot of a hashbrown table: the entry, its control byte, and the 1/8 of
+/// slots kept free.
+const fn table_slot<T>() -> usize {
+    (std::mem::size_of::<T>() + 1) * 8 / 7
+}
+/// One resolved span (trace, span id → attempt).
+const KNOWN_ENTRY_BYTES: usize = table_slot::<(SpanRef, AttemptId)>();
+/// One attempt record and its rid (32 hex characters for SGLang's rids).
+const ATTEMPT_ENTRY_BYTES: usize = table_slot::<(AttemptId, Attempt)>() + 32;
+/// Heap an extracted span holds besides its struct: the node name, an error's reason and name.
+const NODE_HEAP_BYTES: usize = 64;
+
+/// What the span tree charges per entry against its share of the memory budget, worst case:
+/// hash tables and queues double when they grow, so each entry is charged twice its slot.
+pub mod cost {
+    use super::*;
+    /// Per unit of `max_known`: a span in each of the two generations, and half an attempt
+    /// record for each (a root and its thread span share one).
+    pub const KNOWN: usize = 2 * 2 * (KNOWN_ENTRY_BYTES + ATTEMPT_ENTRY_BYTES / 2);
+    /// Per orphan: its extract in a waiting list (which may hold room for four), the list's
+    /// table slot and two arrival-queue entries (resolved ones are purged lazily).
+    pub const ORPHAN: usize = 4 * std::mem::size_of::<Node>()
+        + NODE_HEAP_BYTES
+        + 2 * table_slot::<(SpanRef, Vec<Node>)>()
+        + 2 * 2 * std::mem::size_of::<(u64, SpanRef, SpanRef)>();
+    /// Per completion waiting out its grace: the queued event.
+    pub const COMPLETION: usize = 2 * std::mem::size_of::<(u64, AttemptId, LifecycleEvent)>()
+        + EVENT_HEAP_BYTES
+        + 2 * table_slot::<(AttemptId, bool)>();
+}
+
+/// What the span tree dropped because of its caps, since start (not its expiries).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct TreeEvictions {
+    /// Resolved spans forgotten early: their generation was dropped because `max_known` filled
+    /// before half the retention passed.
+    pub known: u64,
+    /// Orphans given up because `max_orphans` were waiting (also `unmapped{orphan_evicted}`).
+    pub orphans: u64,
+    /// Completions released before their grace ended because `max_completions` were waiting.
+    pub completions: u64,
+}
+
+impl TreeEvictions {
+    pub fn total(&self) -> u64 {
+        self.known + self.orphans + self.completions
     }
 }
 
@@ -177,14 +244,18 @@ pub struct SpanTree {
     last_rotate_ns: u64,
     /// Root completions waiting out `completion_grace`: (deadline, attempt, event).
     completions: VecDeque<(u64, AttemptId, LifecycleEvent)>,
+    /// The attempts of those completions, and whether an abort arrived for them since: kept
+    /// apart from the attempt records, which the generations may drop before the grace ends.
+    in_grace: HashMap<AttemptId, bool>,
     now_ns: u64,
+    evicted: TreeEvictions,
 }
 
 impl SpanTree {
     pub fn new(cfg: TreeConfig) -> Result<Self, ConfigError> {
-        if cfg.max_orphans == 0 || cfg.max_known == 0 {
+        if cfg.max_orphans == 0 || cfg.max_known == 0 || cfg.max_completions == 0 {
             return Err(ConfigError::Sglang(
-                "max_orphans and max_known must be > 0".into(),
+                "max_orphans, max_known and max_completions must be > 0".into(),
             ));
         }
         if cfg.orphan_ttl.is_zero() || cfg.retention.is_zero() {
@@ -201,12 +272,35 @@ impl SpanTree {
             orphans: 0,
             last_rotate_ns: 0,
             completions: VecDeque::new(),
+            in_grace: HashMap::default(),
             now_ns: 0,
+            evicted: TreeEvictions::default(),
         })
     }
 
     pub fn orphans_waiting(&self) -> usize {
         self.orphans
+    }
+
+    /// What the caps made the tree drop since start.
+    pub fn evictions(&self) -> TreeEvictions {
+        self.evicted
+    }
+
+    /// Estimated heap bytes held now (table and queue capacities, not lengths).
+    pub fn estimated_bytes(&self) -> usize {
+        let waiting: usize = self
+            .waiting
+            .values()
+            .map(|l| l.capacity() * std::mem::size_of::<Node>() + l.len() * NODE_HEAP_BYTES)
+            .sum();
+        self.known.bytes()
+            + waiting
+            + self.waiting.capacity() * table_slot::<(SpanRef, Vec<Node>)>()
+            + self.queue.capacity() * std::mem::size_of::<(u64, SpanRef, SpanRef)>()
+            + self.completions.capacity() * std::mem::size_of::<(u64, AttemptId, LifecycleEvent)>()
+            + self.completions.len() * EVENT_HEAP_BYTES
+            + self.in_grace.capacity() * table_slot::<(AttemptId, bool)>()
     }
 
     pub fn observe(
@@ -282,9 +376,11 @@ impl SpanTree {
             });
         }
         while self.orphans > self.cfg.max_orphans {
+            let before = self.orphans;
             if !self.give_up_front(tally, Unmapped::OrphanEvicted) {
                 break;
             }
+            self.evicted.orphans += (before - self.orphans) as u64;
         }
     }
 
@@ -328,9 +424,7 @@ impl SpanTree {
     /// At shutdown no abort can arrive any more: release every completion still in its grace.
     pub fn flush_completions(&mut self, out: &mut Vec<LifecycleEvent>) {
         while let Some((_, id, e)) = self.completions.pop_front() {
-            if self.known.attempt(id).is_some_and(|a| !a.errored) {
-                out.push(e);
-            }
+            self.release(id, e, out);
         }
     }
 
@@ -345,10 +439,7 @@ impl SpanTree {
             let Some((_, id, e)) = self.completions.pop_front() else {
                 break;
             };
-            let errored = self.known.attempt(id).is_none_or(|a| a.errored);
-            if !errored {
-                out.push(e);
-            }
+            self.release(id, e, out);
         }
         while let Some((deadline, _, _)) = self.queue.front() {
             if *deadline > now_ns {
@@ -357,11 +448,26 @@ impl SpanTree {
             self.give_up_front(tally, Unmapped::OrphanExpired);
         }
         let half = (self.cfg.retention.as_nanos() / 2) as u64;
-        if now_ns.saturating_sub(self.last_rotate_ns) >= half
-            || self.known.cur.len() > self.cfg.max_known
-        {
+        if now_ns.saturating_sub(self.last_rotate_ns) >= half {
             self.known.rotate();
             self.last_rotate_ns = now_ns;
+        } else if self.known.cur.len() > self.cfg.max_known {
+            self.evicted.known += self.known.rotate() as u64;
+            self.last_rotate_ns = now_ns;
+        }
+    }
+
+    /// A completion whose grace ended (or that the cap pushed out): believed unless an abort
+    /// arrived. That is known even once the generations forgot the attempt, and a forgotten
+    /// attempt can get no abort any more (its spans would not resolve to it): dropping its
+    /// completion would leave the attempt open in the checker, a false "stuck" finding.
+    fn release(&mut self, id: AttemptId, e: LifecycleEvent, out: &mut Vec<LifecycleEvent>) {
+        let aborted = match self.in_grace.remove(&id) {
+            Some(aborted) => aborted,
+            None => self.known.attempt(id).is_some_and(|a| a.errored),
+        };
+        if !aborted {
+            out.push(e);
         }
     }
 
@@ -384,7 +490,7 @@ impl SpanTree {
             if matches!(n.class, Class::Anchor { .. } | Class::Thread { .. }) {
                 self.known.cur.insert(n.key, id);
                 if self.known.cur.len() > self.cfg.max_known {
-                    self.known.rotate();
+                    self.evicted.known += self.known.rotate() as u64;
                 }
             }
             if let Some(children) = self.waiting.remove(&n.key) {
@@ -442,6 +548,13 @@ impl SpanTree {
                         .now_ns
                         .saturating_add(self.cfg.completion_grace.as_nanos() as u64);
                     self.completions.push_back((deadline, id, e));
+                    self.in_grace.insert(id, false);
+                    if self.completions.len() > self.cfg.max_completions
+                        && let Some((_, id, e)) = self.completions.pop_front()
+                    {
+                        self.evicted.completions += 1;
+                        self.release(id, e, out);
+                    }
                 }
             }
             Class::Anchor { .. } | Class::Structural => {
@@ -481,6 +594,13 @@ impl SpanTree {
                 }
                 out.push(e);
             }
+        }
+        // Every branch above that saw an error marked the attempt errored: a completion of it
+        // still in its grace is not believed.
+        if n.error_reason.is_some()
+            && let Some(aborted) = self.in_grace.get_mut(&id)
+        {
+            *aborted = true;
         }
     }
 }

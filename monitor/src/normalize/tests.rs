@@ -304,6 +304,146 @@ fn sglang_orphans_bounded_in_count() {
 
 // ---- synthetic spans ----
 
+/// One SGLang attempt: its scheduler thread span (an abort when `abort`) and its request root,
+/// the two spans the tree remembers. Span ids are unique across traces.
+fn sglang_attempt(i: u64, abort: bool) -> Vec<Span> {
+    let trace = (i % 200) as u8 + 1;
+    let rid = format!("rid-{i}");
+    let mut thread = span(
+        trace,
+        i << 8 | 2,
+        i << 8 | 1,
+        "Prefill Scheduler [TP 0] (host:a | pid:1)",
+        12,
+        18,
+        vec![s("thread_label", "Prefill Scheduler")],
+    );
+    if abort {
+        thread.attributes.push(s("reason", "client disconnected"));
+        thread.status = Some(Status {
+            message: String::new(),
+            code: StatusCode::Error as i32,
+        });
+    }
+    let root = span(
+        trace,
+        i << 8 | 1,
+        0,
+        &format!("prefill Req {rid}"),
+        10,
+        20,
+        vec![s("rid", &rid)],
+    );
+    vec![thread, root]
+}
+
+fn sglang_attempts(range: std::ops::Range<u64>) -> ExportTraceServiceRequest {
+    export(
+        "sglang",
+        "sglang server",
+        range.flat_map(|i| sglang_attempt(i, false)).collect(),
+    )
+}
+
+fn completed_rids(ev: &[LifecycleEvent]) -> Vec<String> {
+    ev.iter()
+        .filter(|e| e.kind == Kind::Completed)
+        .filter_map(|e| e.ids.rid.as_deref().map(str::to_string))
+        .collect()
+}
+
+fn bounded_tree(max_known: usize, max_completions: usize) -> Normalizer {
+    Normalizer::new(&NormalizeConfig {
+        sglang: sglang::TreeConfig {
+            max_known,
+            max_orphans: 10,
+            max_completions,
+            ..Default::default()
+        },
+        ..Default::default()
+    })
+    .unwrap()
+}
+
+#[test]
+fn sglang_tree_stops_growing_at_its_caps_and_counts_what_it_evicts() {
+    let (max_known, max_completions) = (100, 50);
+    let mut n = bounded_tree(max_known, max_completions);
+    let (ev, _) = run(&mut n, &sglang_attempts(0..1000), 1);
+    let ev_completed = completed_rids(&ev).len() as u64;
+    let bytes = n.tree_bytes();
+    let e = n.tree_evictions();
+    assert_eq!(n.pending_completions(), max_completions);
+    assert_eq!(e.completions, 1000 - max_completions as u64);
+    assert_eq!(ev_completed, e.completions, "released early, not dropped");
+    // 2000 spans to remember, at most two generations of `max_known` kept.
+    assert!(e.known >= 2000 - 2 * (max_known as u64 + 1), "{e:?}");
+    assert_eq!(e.total(), e.known + e.orphans + e.completions);
+    let bound = max_known * sglang::cost::KNOWN
+        + max_completions * sglang::cost::COMPLETION
+        + 10 * sglang::cost::ORPHAN;
+    assert!(bytes <= bound, "{bytes} B estimated, bound {bound} B");
+    // Ten times the traffic: the tree holds no more than before.
+    let _ = run(&mut n, &sglang_attempts(1000..11_000), 2);
+    assert!(
+        n.tree_bytes() <= bound,
+        "{} B after 10k more",
+        n.tree_bytes()
+    );
+    assert_eq!(n.pending_completions(), max_completions);
+}
+
+#[test]
+fn sglang_a_completion_is_believed_once_its_attempt_is_forgotten_never_after_an_abort() {
+    let mut n = bounded_tree(8, 1_000);
+    let grace = sglang::TreeConfig::default().completion_grace.as_nanos() as u64;
+    // rid-0 completes; then an abort arrives for rid-1 after its root (a later export).
+    let (ev, _) = run(&mut n, &sglang_attempts(0..1), 1);
+    assert!(completed_rids(&ev).is_empty(), "waits out its grace");
+    let root_1 = sglang_attempt(1, true).pop().unwrap();
+    let _ = run(&mut n, &export("sglang", "sglang server", vec![root_1]), 2);
+    let thread_1 = sglang_attempt(1, true).remove(0);
+    let (ev, _) = run(
+        &mut n,
+        &export("sglang", "sglang server", vec![thread_1]),
+        3,
+    );
+    assert!(ev.iter().any(|e| e.kind == Kind::Aborted), "{ev:#?}");
+    // Enough other attempts to push both out of the bounded tree.
+    let _ = run(&mut n, &sglang_attempts(2..100), 4);
+    assert!(n.tree_evictions().known > 0);
+    let mut out = Vec::new();
+    n.tick(5 + grace, &mut out, &mut Tally::default());
+    let done = completed_rids(&out);
+    assert!(done.contains(&"rid-0".to_string()), "{done:?}");
+    assert!(
+        !done.contains(&"rid-1".to_string()),
+        "an aborted attempt's completion: {done:?}"
+    );
+}
+
+#[test]
+fn sglang_completions_released_early_at_the_cap_keep_an_abort() {
+    let mut n = bounded_tree(100_000, 2);
+    // rid-0's root, then its abort from below, then two more completions push it out early.
+    let root_0 = sglang_attempt(0, true).pop().unwrap();
+    let _ = run(&mut n, &export("sglang", "sglang server", vec![root_0]), 1);
+    let thread_0 = sglang_attempt(0, true).remove(0);
+    let _ = run(
+        &mut n,
+        &export("sglang", "sglang server", vec![thread_0]),
+        2,
+    );
+    let (ev, _) = run(&mut n, &sglang_attempts(1..4), 3);
+    assert_eq!(n.tree_evictions().completions, 2);
+    let done = completed_rids(&ev);
+    assert_eq!(
+        done,
+        vec!["rid-1".to_string()],
+        "rid-0 aborted: never completed"
+    );
+}
+
 pub(super) fn kv(k: &str, v: Value) -> KeyValue {
     KeyValue {
         key: k.into(),

@@ -20,6 +20,7 @@
 //!                                                               /readyz activity, events JSONL (replay format)
 //! ```
 
+pub mod memory;
 pub mod overlay;
 mod prepare;
 pub mod shutdown;
@@ -47,7 +48,10 @@ use crate::pipeline::{
     EngineTask, EngineTotals, EventSender, EventTap, ViolationSender, event_channel,
 };
 use crate::telemetry::logging::LogFormat;
-use crate::telemetry::{ComponentKind, Metrics, Readiness, ReadyHandle, RecentViolations, console};
+use crate::telemetry::{
+    ComponentKind, MemoryAccount, MemoryWatch, Metrics, Readiness, ReadyHandle, RecentViolations,
+    Structure, console,
+};
 
 pub use prepare::{Prepared, RunArgs, RunConfigError, load_config, prepare};
 pub use shutdown::{Drain, Phase, Shutdown};
@@ -161,12 +165,16 @@ struct Shared {
     readiness: Readiness,
     recent: Arc<RecentViolations>,
     timeline: Arc<RecentEvents>,
+    memory: Arc<MemoryAccount>,
 }
 
 impl Shared {
-    fn new(admin: &AdminArgs) -> Shared {
+    fn new(admin: &AdminArgs, plan: &memory::MemoryPlan) -> Shared {
         let metrics = Arc::new(Metrics::new());
+        let account = Arc::new(plan.account());
+        crate::telemetry::memory::register(&metrics, account.clone());
         Shared {
+            memory: account,
             readiness: Readiness::new(metrics.clone(), admin.source_live_window),
             recent: Arc::new(RecentViolations::new(admin.recent_violations)),
             timeline: Arc::new(RecentEvents::new(RecentEventsLimits {
@@ -346,6 +354,7 @@ fn start_sources(
         normalizer,
         otlp_stats.clone(),
         cfg.otlp.max_items_per_request,
+        shared.memory.clone(),
     ));
 
     let ebpf_state = ebpf_state(&b.ebpf);
@@ -476,6 +485,13 @@ fn engine_taps(
         }),
         Box::new(Observed(shared.metrics.clone())),
         Box::new(EngineMetrics(shared.metrics.clone())),
+        Box::new(memory::MemoryTap {
+            account: shared.memory.clone(),
+            timeline: shared.timeline.clone(),
+            violations: shared.recent.clone(),
+            readiness: Some(shared.readiness.clone()),
+            watch: MemoryWatch::default(),
+        }),
     ];
     if let Some(w) = replay {
         taps.push(Box::new(w));
@@ -609,6 +625,29 @@ async fn drain(
     }
 }
 
+/// The budget's split, once at start: what each structure may hold before it evicts or refuses.
+fn log_memory_plan(plan: &memory::MemoryPlan, cfg: &RunConfig, admin: &AdminArgs) {
+    let mib = |s: Structure| plan.cap(s) as f64 / (1 << 20) as f64;
+    let t = &cfg.normalize.sglang;
+    tracing::info!(
+        budget_mib = plan.budget as f64 / (1 << 20) as f64,
+        reserve_mib = (memory::RESERVE >> 20),
+        attempts = plan.engine.max_attempts,
+        attempts_mib = mib(Structure::Attempts),
+        tombstones = plan.engine.max_tombstones,
+        tombstones_mib = mib(Structure::Tombstones),
+        span_tree_known = t.max_known,
+        span_tree_orphans = t.max_orphans,
+        span_tree_completions = t.max_completions,
+        span_tree_mib = mib(Structure::SpanTree),
+        event_channel_mib = mib(Structure::EventChannel),
+        timeline_events = admin.timeline_events,
+        timeline_mib = mib(Structure::Timeline),
+        recent_violations = admin.recent_violations,
+        "memory budget split"
+    );
+}
+
 /// The shutdown summary: one line (in JSON, its figures as fields).
 fn report_totals(drain: &Drain, totals: &EngineTotals, report: &DispatchReport) {
     let human = format!(
@@ -690,6 +729,7 @@ fn report_counters(rendered: &str) {
 pub async fn run_async(p: Prepared) -> Result<(), RunError> {
     let Prepared {
         cfg,
+        memory,
         normalizer,
         checker,
         mut alert,
@@ -698,7 +738,8 @@ pub async fn run_async(p: Prepared) -> Result<(), RunError> {
         pause_file,
     } = p;
     let shutdown = Shutdown::new();
-    let shared = Shared::new(&admin);
+    let shared = Shared::new(&admin, &memory);
+    log_memory_plan(&memory, &cfg, &admin);
     for rule in checker.rules() {
         shared
             .metrics

@@ -5,11 +5,12 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use super::memory::{BudgetTooSmall, MemoryPlan};
 use super::overlay::{self, Given};
 use crate::admin::AdminArgs;
 use crate::alert::{AlertArgs, AlertConfig, JsonlConfig};
 use crate::config::{ConfigFileError, RunConfig};
-use crate::engine::check::{BudgetCaps, Checker, CheckerConfig, RuleSet};
+use crate::engine::check::{Checker, CheckerConfig, RuleSet};
 use crate::ingest::ebpf::{EbpfArgs, EbpfMode};
 use crate::ingest::otlp;
 use crate::normalize::Normalizer;
@@ -47,8 +48,9 @@ pub struct RunArgs {
     /// [default: 15s].
     #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
     pub allowed_lateness: Option<Duration>,
-    /// Memory the engine's state may use (`512MiB`, `1GiB`, bytes): the caps on live attempts and
-    /// tombstones derive from it, and the oldest are evicted (counted) at the cap [default: 512MiB].
+    /// Memory revenant may use (`512MiB`, `1GiB`, bytes): split among the engine's attempts and
+    /// tombstones, the span tree, the event channel and the admin rings, each evicting its oldest
+    /// (counted) or refusing at its share [default: 512MiB].
     #[arg(long, value_name = "SIZE", value_parser = crate::config::parse_size)]
     pub memory_budget: Option<u64>,
     /// How long shutdown may take to drain queued events through the checker [default: 10s].
@@ -90,6 +92,8 @@ pub enum RunConfigError {
     Rules(#[from] crate::engine::check::RulesError),
     #[error("checker: {0}")]
     Checker(#[from] crate::engine::check::ConfigError),
+    #[error("--memory-budget: {0}")]
+    MemoryBudget(#[from] BudgetTooSmall),
     #[error("channel_capacity must be > 0")]
     Capacity,
     #[error("alerting: {0}")]
@@ -103,6 +107,8 @@ pub enum RunConfigError {
 /// Everything validated and built, no port bound yet.
 pub struct Prepared {
     pub cfg: RunConfig,
+    /// The budget's split; the engine, span tree and admin rings below are built with its caps.
+    pub memory: MemoryPlan,
     pub normalizer: Normalizer,
     pub checker: Checker,
     /// The alert configuration; `external_url` is filled in once the admin server is bound.
@@ -126,27 +132,29 @@ pub fn load_config(args: &RunArgs) -> Result<RunConfig, RunConfigError> {
 }
 
 pub fn prepare(args: &RunArgs) -> Result<Prepared, RunConfigError> {
-    let cfg = load_config(args)?;
+    let mut cfg = load_config(args)?;
     cfg.otlp.validate()?;
     if cfg.channel_capacity() == 0 {
         return Err(RunConfigError::Capacity);
     }
+    let memory = MemoryPlan::new(cfg.engine.memory_budget())?;
+    memory.bound_tree(&mut cfg.normalize.sglang);
     let normalizer = Normalizer::new(&cfg.normalize)?;
     let rules = match &cfg.engine.rules {
         Some(p) => RuleSet::from_file(p)?,
         None => RuleSet::embedded_defaults(),
     };
-    let caps = BudgetCaps::from_budget(cfg.engine.memory_budget())?;
     let ccfg = CheckerConfig {
         clock_skew: cfg.engine.clock_skew(),
         allowed_lateness: cfg.engine.allowed_lateness(),
-        max_attempts: caps.max_attempts,
-        max_tombstones: caps.max_tombstones,
+        max_attempts: memory.engine.max_attempts,
+        max_tombstones: memory.engine.max_tombstones,
         ..CheckerConfig::default()
     };
     ccfg.validate()?;
-    let admin = cfg.admin_args();
+    let mut admin = cfg.admin_args();
     admin.validate()?;
+    bound_admin_rings(&mut admin, &memory);
     let mut alert = cfg.alert.clone();
     alert.validate()?;
     if alert.webhooks.is_empty() && alert.alertmanagers.is_empty() && alert.jsonl.is_none() {
@@ -157,6 +165,7 @@ pub fn prepare(args: &RunArgs) -> Result<Prepared, RunConfigError> {
     cfg.ebpf.config(None)?;
     warn_about_pointless_settings(&cfg, &admin, &alert);
     Ok(Prepared {
+        memory,
         checker: Checker::new(rules, ccfg),
         normalizer,
         alert,
@@ -165,6 +174,39 @@ pub fn prepare(args: &RunArgs) -> Result<Prepared, RunConfigError> {
         pause_file: args.pause_file.clone(),
         cfg,
     })
+}
+
+/// Lowers the admin rings to what the memory plan leaves them; a size asked for explicitly that
+/// does not fit is said at start-up.
+fn bound_admin_rings(admin: &mut AdminArgs, plan: &MemoryPlan) {
+    let d = AdminArgs::default();
+    for (flag, value, cap, default) in [
+        (
+            "--timeline-events",
+            &mut admin.timeline_events,
+            plan.timeline_events,
+            d.timeline_events,
+        ),
+        (
+            "--recent-violations",
+            &mut admin.recent_violations,
+            plan.recent_violations,
+            d.recent_violations,
+        ),
+    ] {
+        if *value > cap {
+            if *value != default {
+                tracing::warn!(
+                    asked = *value,
+                    kept = cap,
+                    budget_bytes = plan.budget,
+                    "{flag} {} does not fit the memory budget's share: keeping {cap} (raise                      --memory-budget to keep more)",
+                    *value
+                );
+            }
+            *value = cap;
+        }
+    }
 }
 
 /// Settings that are valid but cannot do what they look like they do: said at start-up.

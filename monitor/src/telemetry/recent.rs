@@ -16,6 +16,10 @@ pub struct RecentViolation {
     pub violation: Violation,
 }
 
+/// What the memory budget charges per kept violation: the struct and its strings and evidence
+/// (a summary line, aliases, a few evidence entries).
+pub const VIOLATION_BYTES: usize = std::mem::size_of::<RecentViolation>() + 2048;
+
 #[derive(Debug)]
 pub struct RecentViolations {
     cap: usize,
@@ -28,6 +32,18 @@ impl RecentViolations {
             cap: cap.max(1),
             inner: Mutex::new((VecDeque::new(), 0)),
         }
+    }
+
+    /// Estimated heap bytes held now (for the memory budget's account).
+    pub fn estimated_bytes(&self) -> usize {
+        let g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        g.0.len() * VIOLATION_BYTES
+    }
+
+    /// Violations pushed out of the ring since start.
+    pub fn evicted(&self) -> u64 {
+        let g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        g.1 - g.0.len() as u64
     }
 
     pub fn push(&self, v: &Violation, received_at_ns: u64) {

@@ -117,15 +117,9 @@ impl CheckerConfig {
 pub const BYTES_PER_ATTEMPT: u64 = 512;
 /// Bytes per tombstone: 56 B measured (queue, kept slot, alias index), doubled for table growth.
 pub const BYTES_PER_TOMBSTONE: u64 = 128;
-/// What the budget keeps outside the engine's tables: runtime, receivers' buffers, the channel,
-/// the admin buffers and the eBPF rings.
-pub const BUDGET_RESERVE: u64 = 96 << 20;
-/// Fewest live attempts a budget must leave room for; below it eviction would judge nothing.
-pub const MIN_BUDGET_ATTEMPTS: usize = 4096;
 
-/// The engine's caps derived from a memory budget in bytes: after [`BUDGET_RESERVE`], two thirds
-/// for live attempts and one third for tombstones (a tombstone outlives its attempt by the
-/// retention, so there are more of them, but each is a quarter of the size).
+/// The engine's caps for its shares of a memory budget (`revenant run`'s memory plan splits the
+/// budget; these are the engine's part of it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BudgetCaps {
     pub max_attempts: usize,
@@ -133,27 +127,18 @@ pub struct BudgetCaps {
 }
 
 impl BudgetCaps {
-    pub fn from_budget(bytes: u64) -> Result<BudgetCaps, ConfigError> {
-        let min = BUDGET_RESERVE + 3 * MIN_BUDGET_ATTEMPTS as u64 * BYTES_PER_ATTEMPT / 2;
-        if bytes < min {
-            return Err(ConfigError::Invalid(format!(
-                "memory budget {bytes} B is too small to run: at least {min} B ({} MiB) \
-                 is needed for {BUDGET_RESERVE} B of runtime and buffers and {MIN_BUDGET_ATTEMPTS} \
-                 live attempts",
-                min.div_ceil(1 << 20)
-            )));
+    /// The caps that keep live attempts within `attempt_bytes` and tombstones within
+    /// `tombstone_bytes`, at least one of each.
+    pub fn from_shares(attempt_bytes: u64, tombstone_bytes: u64) -> BudgetCaps {
+        BudgetCaps {
+            max_attempts: (attempt_bytes / BYTES_PER_ATTEMPT).max(1) as usize,
+            max_tombstones: (tombstone_bytes / BYTES_PER_TOMBSTONE).max(1) as usize,
         }
-        let engine = bytes - BUDGET_RESERVE;
-        Ok(BudgetCaps {
-            max_attempts: (engine / 3 * 2 / BYTES_PER_ATTEMPT) as usize,
-            max_tombstones: (engine / 3 / BYTES_PER_TOMBSTONE) as usize,
-        })
     }
 
-    /// The estimated use at these counts, reserve included, in bytes: what the caps must keep
-    /// within the budget.
+    /// The bytes charged at these counts: what the caps keep within the shares.
     pub fn estimate(live_attempts: u64, tombstones: u64) -> u64 {
-        BUDGET_RESERVE + live_attempts * BYTES_PER_ATTEMPT + tombstones * BYTES_PER_TOMBSTONE
+        live_attempts * BYTES_PER_ATTEMPT + tombstones * BYTES_PER_TOMBSTONE
     }
 }
 

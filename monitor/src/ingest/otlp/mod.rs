@@ -25,6 +25,7 @@ pub use metrics::{OtlpStats, RejectReason, Transport};
 use crate::event::EventBatch;
 use crate::normalize::vllm_router::JoinOutcome;
 use crate::normalize::{Normalizer, Tally};
+use crate::telemetry::memory::{self, MemoryAccount, Structure};
 
 /// Why an export was not accepted; decides the status code the client sees.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -44,6 +45,9 @@ pub enum AcceptError {
 pub struct Ingest {
     tx: mpsc::Sender<EventBatch>,
     normalizer: Mutex<Normalizer>,
+    /// The event channel's and the span tree's share of the memory budget: a channel holding
+    /// its share of queued events refuses like a full one.
+    memory: Arc<MemoryAccount>,
     pub stats: Arc<OtlpStats>,
     pub max_items_per_request: usize,
     /// Rate limit of the refusal WARN lines, shared by both transports.
@@ -63,10 +67,12 @@ impl Ingest {
         normalizer: Normalizer,
         stats: Arc<OtlpStats>,
         max_items_per_request: usize,
+        memory: Arc<MemoryAccount>,
     ) -> Self {
         Ingest {
             tx,
             normalizer: Mutex::new(normalizer),
+            memory,
             stats,
             max_items_per_request,
             refusal_log: RefusalLog::default(),
@@ -85,6 +91,11 @@ impl Ingest {
                 got: items,
                 limit: self.max_items_per_request,
             });
+        }
+        if self.memory.full(Structure::EventChannel) {
+            self.stats
+                .rejected(transport, RejectReason::PipelineFull, items as u64);
+            return Err(AcceptError::Full);
         }
         self.tx.try_reserve().map_err(|e| match e {
             mpsc::error::TrySendError::Full(()) => {
@@ -121,6 +132,8 @@ impl Ingest {
         self.stats.accepted(transport, &tally);
         let events = out.len();
         if !out.is_empty() {
+            self.memory
+                .add_used(Structure::EventChannel, memory::batch_bytes(&out));
             permit.send(out);
         }
         Ok(events)
@@ -147,6 +160,8 @@ impl Ingest {
         self.stats.accepted_logs(transport, &tally);
         let events = out.len();
         if !out.is_empty() {
+            self.memory
+                .add_used(Structure::EventChannel, memory::batch_bytes(&out));
             permit.send(out);
         }
         Ok(events)
@@ -160,6 +175,10 @@ impl Ingest {
         let (waiting, join_pending) = {
             let mut n = self.normalizer.lock().unwrap_or_else(|p| p.into_inner());
             n.tick(now_ns(), &mut out, &mut tally);
+            self.memory
+                .set_used(Structure::SpanTree, n.tree_bytes() as u64);
+            self.memory
+                .set_evictions(Structure::SpanTree, n.tree_evictions().total());
             (n.orphans_waiting(), n.join_pending())
         };
         self.stats.add_tally(&tally);
@@ -184,8 +203,13 @@ impl Ingest {
                 "otlp: gave up on orphan spans whose attempt root never arrived"
             );
         }
-        if !out.is_empty() && self.tx.send(out).await.is_err() {
-            tracing::warn!("otlp: pipeline closed, deferred completions not delivered");
+        if !out.is_empty() {
+            let bytes = memory::batch_bytes(&out);
+            self.memory.add_used(Structure::EventChannel, bytes);
+            if self.tx.send(out).await.is_err() {
+                self.memory.sub_used(Structure::EventChannel, bytes);
+                tracing::warn!("otlp: pipeline closed, deferred completions not delivered");
+            }
         }
     }
 }
@@ -211,7 +235,10 @@ impl Ingest {
         self.stats
             .events_emitted
             .fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
+        let bytes = memory::batch_bytes(&out);
+        self.memory.add_used(Structure::EventChannel, bytes);
         if n > 0 && self.tx.send(out).await.is_err() {
+            self.memory.sub_used(Structure::EventChannel, bytes);
             tracing::warn!(
                 count = n,
                 "shutdown: pipeline closed, deferred completions not delivered"
