@@ -257,7 +257,7 @@ async fn prometheus_scrapes_and_every_dashboard_query_has_data() {
         .as_array()
         .map(|a| a.len())
         .unwrap_or(0);
-    assert_eq!(n, 10, "{rules}");
+    assert_eq!(n, 11, "{rules}");
     assert!(
         !receiver.alerts().is_empty(),
         "the webhook received nothing"
