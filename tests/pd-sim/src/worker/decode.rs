@@ -91,6 +91,13 @@ impl Worker {
     /// directly would send. Recorded as `injected-unknown-room`.
     async fn inject_unknown_room(&self, prefill: SocketAddr, kv: SocketAddr) {
         let room = rand::rng().random::<u64>();
+        self.send_bootstrap(prefill, room, kv).await;
+        self.stats.faults_injected.fetch_add(1, Ordering::Relaxed);
+        self.record(room, |r| r.outcome = Fault::UnknownRoom.outcome());
+    }
+
+    /// `BOOTSTRAP room ip port` to prefill's KV port, recorded in the room log.
+    async fn send_bootstrap(&self, prefill: SocketAddr, room: u64, kv: SocketAddr) {
         let (room_s, ip_s, port_s) = (room.to_string(), kv.ip().to_string(), kv.port().to_string());
         self.pushers
             .send(
@@ -104,11 +111,11 @@ impl Worker {
             )
             .await;
         let now = now_ns();
-        self.stats.faults_injected.fetch_add(1, Ordering::Relaxed);
         self.record(room, |r| {
             r.bootstrap_frames += 1;
-            r.bootstrap_ns = now;
-            r.outcome = Fault::UnknownRoom.outcome();
+            if r.bootstrap_ns == 0 {
+                r.bootstrap_ns = now;
+            }
         });
     }
 
@@ -224,26 +231,7 @@ pub(super) async fn decode(
             Ok(to) => {
                 g.prefill = Some(to);
                 let kv = w.kv_addr.lock().expect("kv addr").expect("bound at start");
-                let (room_s, ip_s, port_s) =
-                    (room.to_string(), kv.ip().to_string(), kv.port().to_string());
-                w.pushers
-                    .send(
-                        to,
-                        &[
-                            &b"BOOTSTRAP"[..],
-                            room_s.as_bytes(),
-                            ip_s.as_bytes(),
-                            port_s.as_bytes(),
-                        ],
-                    )
-                    .await;
-                let now = now_ns();
-                w.record(room, |r| {
-                    r.bootstrap_frames += 1;
-                    if r.bootstrap_ns == 0 {
-                        r.bootstrap_ns = now;
-                    }
-                });
+                w.send_bootstrap(to, room, kv).await;
                 t_boot = now_ns();
                 if w.args.faults.hits(Fault::UnknownRoom) {
                     w.inject_unknown_room(to, kv).await;
