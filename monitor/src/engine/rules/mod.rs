@@ -689,6 +689,11 @@ impl HumanDuration {
     pub fn is_zero(&self) -> bool {
         self.0.is_zero()
     }
+
+    /// In nanoseconds, as event times are, saturated at `u64::MAX`.
+    pub fn ns(&self) -> u64 {
+        self.0.as_nanos().min(u64::MAX as u128) as u64
+    }
 }
 
 /// Stages are small; used by shapes that name one.

@@ -50,11 +50,9 @@ impl MustFollow {
     }
 
     pub fn deadline(&self, trigger: Slot) -> Option<u64> {
-        trigger.is_set().then(|| {
-            trigger
-                .time()
-                .saturating_add(self.within.0.as_nanos() as u64)
-        })
+        trigger
+            .is_set()
+            .then(|| trigger.time().saturating_add(self.within.ns()))
     }
 
     /// When the rule can be judged: an expected event from another node than the trigger's

@@ -75,7 +75,7 @@ impl NeverAfter {
         if !trigger.is_set() || !forbidden.is_set() {
             return false;
         }
-        let tolerance = self.grace.0.as_nanos() as u64
+        let tolerance = self.grace.ns()
             + if trigger.node() == forbidden.node() {
                 0
             } else {

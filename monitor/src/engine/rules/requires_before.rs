@@ -41,16 +41,12 @@ impl RequiresBefore {
         }
     }
 
-    fn grace_ns(&self) -> u64 {
-        self.grace.0.as_nanos().min(u64::MAX as u128) as u64
-    }
-
     /// When the check can be judged: once nothing earlier than the event's grace can still
     /// arrive.
     pub fn due(&self, event: Slot) -> Option<u64> {
         event
             .is_set()
-            .then(|| event.time().saturating_add(self.grace_ns()))
+            .then(|| event.time().saturating_add(self.grace.ns()))
     }
 
     pub fn breached(&self, event: Slot, required: Slot, skew_ns: u64) -> bool {
@@ -65,7 +61,7 @@ impl RequiresBefore {
         } else {
             skew_ns
         };
-        required.time() > event.time().saturating_add(self.grace_ns() + tolerance)
+        required.time() > event.time().saturating_add(self.grace.ns() + tolerance)
     }
 }
 
