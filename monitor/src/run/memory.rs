@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use crate::admin::RecentEvents;
 use crate::admin::timeline::TIMELINE_EVENT_BYTES;
-use crate::engine::check::{BYTES_PER_ATTEMPT, BYTES_PER_TOMBSTONE, BudgetCaps, Checker};
+use crate::engine::check::{BYTES_PER_ATTEMPT, BYTES_PER_REQUEST, BudgetCaps, Checker};
 use crate::event::Source;
 use crate::normalize::sglang::{TreeConfig, cost};
 use crate::pipeline::{EventBatch, EventTap};
@@ -84,7 +84,7 @@ impl MemoryPlan {
     pub fn min_budget() -> u64 {
         let attempts = SHARES[0].1;
         // Shares are whole thousandths of what the reserve leaves: round up to one.
-        RESERVE + (MIN_ATTEMPTS * BYTES_PER_ATTEMPT).div_ceil(attempts) * 1000
+        RESERVE + (MIN_ATTEMPTS * (BYTES_PER_ATTEMPT + BYTES_PER_REQUEST)).div_ceil(attempts) * 1000
     }
 
     pub fn new(budget: u64) -> Result<MemoryPlan, BudgetTooSmall> {
@@ -97,11 +97,10 @@ impl MemoryPlan {
         Ok(MemoryPlan {
             budget,
             caps,
-            engine: BudgetCaps {
-                max_attempts: (share(budget, Structure::Attempts) / BYTES_PER_ATTEMPT) as usize,
-                max_tombstones: (share(budget, Structure::Tombstones) / BYTES_PER_TOMBSTONE)
-                    as usize,
-            },
+            engine: BudgetCaps::from_shares(
+                share(budget, Structure::Attempts),
+                share(budget, Structure::Tombstones),
+            ),
             max_known: count(tree * TREE_KNOWN, cost::KNOWN),
             max_orphans: count(tree * TREE_ORPHANS, cost::ORPHAN),
             max_completions: count(tree * TREE_COMPLETIONS, cost::COMPLETION),
@@ -161,7 +160,11 @@ impl EventTap for MemoryTap {
             (engine.state_bytes() as u64).saturating_sub(tombs),
         );
         a.set_used(Structure::Tombstones, tombs);
-        a.set_evictions(Structure::Attempts, stats.correlate.evicted_cap);
+        // Request records are charged to the attempts' share, so their evictions count there.
+        a.set_evictions(
+            Structure::Attempts,
+            stats.correlate.evicted_cap + stats.correlate.requests_evicted_cap,
+        );
         a.set_evictions(
             Structure::Tombstones,
             stats.correlate.tombstones_evicted_cap,
@@ -182,6 +185,7 @@ impl EventTap for MemoryTap {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::engine::check::BYTES_PER_TOMBSTONE;
 
     const MIB: u64 = 1 << 20;
 
@@ -211,10 +215,11 @@ mod tests {
             };
             within(
                 p.engine.max_attempts,
-                BYTES_PER_ATTEMPT,
+                BYTES_PER_ATTEMPT + BYTES_PER_REQUEST,
                 Structure::Attempts,
                 1000,
             );
+            assert_eq!(p.engine.max_requests, p.engine.max_attempts);
             within(
                 p.engine.max_tombstones,
                 BYTES_PER_TOMBSTONE,

@@ -633,6 +633,7 @@ fn log_memory_plan(plan: &memory::MemoryPlan, cfg: &RunConfig, admin: &AdminArgs
         budget_mib = plan.budget as f64 / (1 << 20) as f64,
         reserve_mib = (memory::RESERVE >> 20),
         attempts = plan.engine.max_attempts,
+        request_records = plan.engine.max_requests,
         attempts_mib = mib(Structure::Attempts),
         tombstones = plan.engine.max_tombstones,
         tombstones_mib = mib(Structure::Tombstones),

@@ -149,6 +149,7 @@ pub fn prepare(args: &RunArgs) -> Result<Prepared, RunConfigError> {
         allowed_lateness: cfg.engine.allowed_lateness(),
         max_attempts: memory.engine.max_attempts,
         max_tombstones: memory.engine.max_tombstones,
+        max_requests: memory.engine.max_requests,
         ..CheckerConfig::default()
     };
     ccfg.validate()?;

@@ -107,6 +107,10 @@ impl Snapshot for CheckerSnapshot {
                     [("what", "request"), ("reason", "expired")],
                     c.requests_expired,
                 ),
+                (
+                    [("what", "request"), ("reason", "capacity")],
+                    c.requests_evicted_cap,
+                ),
             ],
         )?;
         gauge(

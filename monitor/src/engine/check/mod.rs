@@ -55,6 +55,8 @@ pub struct CheckerConfig {
     pub max_attempts: usize,
     /// Hard cap on tombstones; beyond it the oldest is dropped (counted).
     pub max_tombstones: usize,
+    /// Hard cap on request records; beyond it one nothing points to is freed (counted).
+    pub max_requests: usize,
     /// Live attempts idle this long are compacted even if not ended.
     pub attempt_ttl: Duration,
     /// Ended attempts are compacted once quiet this long.
@@ -70,6 +72,7 @@ impl Default for CheckerConfig {
             allowed_lateness: Duration::from_millis(50),
             max_attempts: 1_000_000,
             max_tombstones: 2_000_000,
+            max_requests: 2_000_000,
             attempt_ttl: Duration::from_secs(600),
             linger: Duration::from_secs(1),
             retention: Duration::from_secs(600),
@@ -85,9 +88,9 @@ pub enum ConfigError {
 
 impl CheckerConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
-        if self.max_attempts == 0 || self.max_tombstones == 0 {
+        if self.max_attempts == 0 || self.max_tombstones == 0 || self.max_requests == 0 {
             return Err(ConfigError::Invalid(
-                "max_attempts and max_tombstones must be at least 1".into(),
+                "max_attempts, max_tombstones and max_requests must be at least 1".into(),
             ));
         }
         if self.retention.is_zero() {
@@ -103,6 +106,7 @@ impl CheckerConfig {
         StoreLimits {
             max_attempts: self.max_attempts.max(1),
             max_tombstones: self.max_tombstones.max(1),
+            max_requests: self.max_requests.max(1),
             // An attempt must outlive its longest deadline, or the deadline could never be judged.
             attempt_ttl_ns: ns(self.attempt_ttl)
                 .max(ns(horizon) + ns(self.clock_skew) + lateness_ns + ns(self.linger)),
@@ -117,6 +121,9 @@ impl CheckerConfig {
 pub const BYTES_PER_ATTEMPT: u64 = 512;
 /// Bytes per tombstone: 56 B measured (queue, kept slot, alias index), doubled for table growth.
 pub const BYTES_PER_TOMBSTONE: u64 = 128;
+/// Bytes per request record (a request not living in its only attempt, e.g. a router's request
+/// no attempt named): about 90 B in the `otlp_load` bench's tables, doubled for table growth.
+pub const BYTES_PER_REQUEST: u64 = 192;
 
 /// The engine's caps for its shares of a memory budget (`revenant run`'s memory plan splits the
 /// budget; these are the engine's part of it).
@@ -124,21 +131,27 @@ pub const BYTES_PER_TOMBSTONE: u64 = 128;
 pub struct BudgetCaps {
     pub max_attempts: usize,
     pub max_tombstones: usize,
+    /// As many request records as live attempts, charged to the attempts' share.
+    pub max_requests: usize,
 }
 
 impl BudgetCaps {
-    /// The caps that keep live attempts within `attempt_bytes` and tombstones within
-    /// `tombstone_bytes`, at least one of each.
+    /// The caps that keep live attempts and as many request records within `attempt_bytes`,
+    /// and tombstones within `tombstone_bytes`, at least one of each.
     pub fn from_shares(attempt_bytes: u64, tombstone_bytes: u64) -> BudgetCaps {
+        let attempts = (attempt_bytes / (BYTES_PER_ATTEMPT + BYTES_PER_REQUEST)).max(1) as usize;
         BudgetCaps {
-            max_attempts: (attempt_bytes / BYTES_PER_ATTEMPT).max(1) as usize,
+            max_attempts: attempts,
             max_tombstones: (tombstone_bytes / BYTES_PER_TOMBSTONE).max(1) as usize,
+            max_requests: attempts,
         }
     }
 
     /// The bytes charged at these counts: what the caps keep within the shares.
-    pub fn estimate(live_attempts: u64, tombstones: u64) -> u64 {
-        live_attempts * BYTES_PER_ATTEMPT + tombstones * BYTES_PER_TOMBSTONE
+    pub fn estimate(live_attempts: u64, request_records: u64, tombstones: u64) -> u64 {
+        live_attempts * BYTES_PER_ATTEMPT
+            + request_records * BYTES_PER_REQUEST
+            + tombstones * BYTES_PER_TOMBSTONE
     }
 }
 

@@ -352,9 +352,15 @@ fn never_ending_attempts_past_the_budget_cap_are_evicted_and_counted() {
     use super::BudgetCaps;
     let (attempt_bytes, tomb_bytes) = (4 << 20, 2 << 20);
     let caps = BudgetCaps::from_shares(attempt_bytes, tomb_bytes);
-    assert_eq!(caps.max_attempts, 8192);
-    assert!(BudgetCaps::estimate(caps.max_attempts as u64, 0) <= attempt_bytes);
-    assert!(BudgetCaps::estimate(0, caps.max_tombstones as u64) <= tomb_bytes);
+    // Each live attempt is charged with as many request records.
+    assert_eq!(
+        caps.max_attempts as u64,
+        attempt_bytes / (super::BYTES_PER_ATTEMPT + super::BYTES_PER_REQUEST)
+    );
+    assert_eq!(caps.max_requests, caps.max_attempts);
+    let full = BudgetCaps::estimate(caps.max_attempts as u64, caps.max_requests as u64, 0);
+    assert!(full <= attempt_bytes);
+    assert!(BudgetCaps::estimate(0, 0, caps.max_tombstones as u64) <= tomb_bytes);
     let cfg = CheckerConfig {
         max_attempts: caps.max_attempts,
         max_tombstones: caps.max_tombstones,
@@ -381,6 +387,50 @@ fn never_ending_attempts_past_the_budget_cap_are_evicted_and_counted() {
     );
 }
 
+/// Router-level events for requests no attempt ever names: each gets a request record, and past
+/// `max_requests` the records nothing holds are freed (counted) while held ones stay.
+#[test]
+fn request_records_past_their_cap_are_freed_and_counted() {
+    let cfg = CheckerConfig {
+        max_requests: 500,
+        ..CheckerConfig::default()
+    };
+    let mut c = Checker::new(RuleSet::embedded_defaults(), cfg);
+    let t0 = 1_000 * S;
+    // One request with an attempt: its record is held and must survive the cap.
+    c.observe(&ev(t0, Stage::Router, Kind::Received).with_request_id("held"));
+    c.observe(
+        &ev(t0 + MS, Stage::Router, Kind::Dispatched)
+            .with_request_id("held")
+            .with_room(7),
+    );
+    c.observe(
+        &ev(t0 + 2 * MS, Stage::Router, Kind::Dispatched)
+            .with_request_id("held")
+            .with_room(8),
+    );
+    for i in 0..2_000u64 {
+        c.observe(
+            &ev(t0 + 3 * MS + i * 10_000, Stage::Router, Kind::Received)
+                .with_request_id(format!("bare-{i}")),
+        );
+    }
+    let s = c.stats();
+    assert!(s.request_records <= 500, "{} records", s.request_records);
+    assert!(
+        s.correlate.requests_evicted_cap >= 1_500,
+        "{} evicted",
+        s.correlate.requests_evicted_cap
+    );
+    // The held request still fails as one: its router rejection reaches both attempts.
+    c.observe(&ev(t0 + 3 * S, Stage::Router, Kind::Rejected).with_request_id("held"));
+    let v = c.observe(&ev(t0 + 4 * S, Stage::Decode, Kind::Admitted).with_room(8));
+    assert!(
+        v.iter().any(|v| v.rule == "activity-after-request-failed"),
+        "{v:?}"
+    );
+}
+
 #[test]
 fn zero_shares_still_give_one_of_each() {
     use super::BudgetCaps;
@@ -388,7 +438,8 @@ fn zero_shares_still_give_one_of_each() {
         BudgetCaps::from_shares(0, 0),
         BudgetCaps {
             max_attempts: 1,
-            max_tombstones: 1
+            max_tombstones: 1,
+            max_requests: 1,
         }
     );
 }

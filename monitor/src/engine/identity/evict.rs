@@ -14,6 +14,10 @@ fn next_hand(hand: &mut usize, n: usize) -> usize {
     i
 }
 
+/// Records examined per sweep step while over the request cap: eviction must outpace creation
+/// (at most one record per event) even where most records are held.
+const REQUEST_EVICTION_STEPS: usize = 4;
+
 impl Store {
     pub(super) fn evict_one_attempt(&mut self) {
         let n = self.attempts.len();
@@ -24,6 +28,24 @@ impl Store {
                 self.compact(i as u32, wm);
                 self.stats.evicted_cap += 1;
                 return;
+            }
+        }
+    }
+
+    /// Frees request records nothing points to while there are more than `max_requests`,
+    /// examining at most `steps` (attempts and tombstones hold their request: what they hold
+    /// stays, so records over the cap that are all held are left to the attempts' own caps).
+    fn evict_requests(&mut self, steps: usize) {
+        let n = self.requests.len();
+        for _ in 0..steps.min(n) {
+            if self.request_records() <= self.limits.max_requests {
+                return;
+            }
+            let i = next_hand(&mut self.request_hand, n);
+            let r = &self.requests[i];
+            if r.is_live() && r.refs == 0 {
+                self.free_request(i as u32);
+                self.stats.requests_evicted_cap += 1;
             }
         }
     }
@@ -64,5 +86,8 @@ impl Store {
                 self.stats.requests_expired += 1;
             }
         }
+        // After resolution, never during it: a record being linked may still have no reference.
+        // Bounded like the rest, so records held over the cap cost no full scan per event.
+        self.evict_requests(steps * REQUEST_EVICTION_STEPS);
     }
 }

@@ -85,6 +85,8 @@ pub struct CorrelateStats {
     pub requests_created: u64,
     pub requests_merged: u64,
     pub requests_expired: u64,
+    /// Request records nothing pointed to, freed before their retention at `max_requests`.
+    pub requests_evicted_cap: u64,
     /// Requests given a record after living in their only attempt (see [`RequestLink`]).
     pub requests_materialized: u64,
     /// Records of requests taken over by their first attempt (made by a request-level event).
@@ -95,6 +97,9 @@ pub struct CorrelateStats {
 pub struct StoreLimits {
     pub max_attempts: usize,
     pub max_tombstones: usize,
+    /// Request records (requests not living in their only attempt); beyond it the
+    /// oldest-visited one nothing points to is freed (counted).
+    pub max_requests: usize,
     /// Idle live attempts are compacted after this (ns).
     pub attempt_ttl_ns: u64,
     /// Ended attempts are compacted once quiet for this long (ns).

@@ -10,6 +10,7 @@ fn store() -> Store {
     let limits = StoreLimits {
         max_attempts: 1000,
         max_tombstones: 1000,
+        max_requests: 1000,
         attempt_ttl_ns: 60_000_000_000,
         linger_ns: 1_000_000_000,
         retention_ns: 600_000_000_000,
@@ -210,6 +211,7 @@ fn verification_rejects_a_colliding_alias_of_another_owner() {
         let limits = StoreLimits {
             max_attempts: 1 << 20,
             max_tombstones: 1 << 20,
+            max_requests: 1 << 20,
             attempt_ttl_ns: u64::MAX,
             linger_ns: u64::MAX,
             retention_ns: 1_000_000_000_000,
