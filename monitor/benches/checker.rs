@@ -16,7 +16,7 @@ fn engine(c: &mut Criterion) {
     g.sample_size(10);
     g.bench_function("observe_realistic_mix_100k_live", |b| {
         b.iter_batched(
-            || Checker::new(RuleSet::embedded_defaults(), CheckerConfig::default()),
+            || Checker::new(rules(), CheckerConfig::default()),
             |mut checker| {
                 let mut violations = 0usize;
                 for e in &events {
@@ -36,3 +36,10 @@ fn engine(c: &mut Criterion) {
 
 criterion_group!(benches, engine);
 criterion_main!(benches);
+
+/// The default rules, minus those named in `REVENANT_BENCH_DISABLE` (comma-separated): the same
+/// run without them shows what they cost.
+fn rules() -> RuleSet {
+    RuleSet::embedded_defaults_without(&std::env::var("REVENANT_BENCH_DISABLE").unwrap_or_default())
+        .unwrap_or_else(|name| panic!("REVENANT_BENCH_DISABLE: no rule {name:?}"))
+}

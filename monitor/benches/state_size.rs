@@ -40,7 +40,7 @@ fn main() {
         reject_every: 100,
         ..Mix::default()
     };
-    let mut checker = Checker::new(RuleSet::embedded_defaults(), CheckerConfig::default());
+    let mut checker = Checker::new(rules(), CheckerConfig::default());
 
     // Live: every attempt gets all but its last event, so none ends.
     let mut tails = Vec::with_capacity(n as usize);
@@ -130,4 +130,11 @@ fn main() {
         std::mem::size_of::<revenant::engine::identity::Tombstone>(),
         checker.stats().wide_slot_rows
     );
+}
+
+/// The default rules, minus those named in `REVENANT_BENCH_DISABLE` (comma-separated): the same
+/// run without them shows what they cost.
+fn rules() -> RuleSet {
+    RuleSet::embedded_defaults_without(&std::env::var("REVENANT_BENCH_DISABLE").unwrap_or_default())
+        .unwrap_or_else(|name| panic!("REVENANT_BENCH_DISABLE: no rule {name:?}"))
 }

@@ -94,9 +94,10 @@ fn verdicts(events: &[LifecycleEvent]) -> BTreeSet<(String, Option<u64>, Option<
     for e in events {
         out.extend(c.observe(e));
     }
-    // Past the longest deadline the stream can hold short of stuck-attempt's (unknown-room's
-    // grace), so those verdicts are part of what must not depend on arrival order.
-    let end = c.stats().max_event_ns + (SKEW + Duration::from_secs(6)).as_nanos() as u64;
+    // Past the longest deadline the stream can hold short of stuck-attempt's (the 30 s windows
+    // of stranded-kv and held-decode-slot), so those verdicts are part of what must not depend
+    // on arrival order.
+    let end = c.stats().max_event_ns + (SKEW + Duration::from_secs(31)).as_nanos() as u64;
     out.extend(c.tick(end));
     out.into_iter()
         .map(|v| (v.rule, v.attempt.bootstrap_room, v.worker))

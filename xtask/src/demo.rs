@@ -55,7 +55,22 @@ pub struct DemoArgs {
     /// Kernel capture: on (needs root), off, auto (on when root).
     #[arg(long, default_value = "auto")]
     ebpf: String,
+    /// Isolation breach the simulator injects (repeatable): unknown-room, success-after-abort,
+    /// stranded-kv (see tests/pd-sim/README.md, "Faults"). None by default.
+    #[arg(long = "fault")]
+    faults: Vec<String>,
+    /// Share of requests each `--fault` hits.
+    #[arg(long, default_value_t = 0.02)]
+    fault_rate: f64,
 }
+
+/// The simulator's faults and how long after the traffic their rule can have a verdict (its
+/// grace or window: unknown-room 5 s, stranded-kv's rules 30 s).
+const FAULTS: [(&str, u64); 3] = [
+    ("unknown-room", 5),
+    ("success-after-abort", 0),
+    ("stranded-kv", 30),
+];
 
 fn interrupted() -> bool {
     INTERRUPTED.load(Ordering::Relaxed)
@@ -78,6 +93,17 @@ pub fn run(args: DemoArgs) -> Result<()> {
         bail!(
             "--mode must be handoff-after-reject, concurrent-no-cancel, concurrent-cancel or correct"
         );
+    }
+    for f in &args.faults {
+        if !FAULTS.iter().any(|(name, _)| name == f) {
+            bail!("--fault {f:?}: expected unknown-room, success-after-abort or stranded-kv");
+        }
+    }
+    if !(0.0..=1.0).contains(&args.fault_rate) {
+        bail!("--fault-rate must be within 0..=1, not {}", args.fault_rate);
+    }
+    if !args.faults.is_empty() && args.flavour != "sglang" {
+        bail!("--fault needs --flavour sglang (the faults live on the bootstrap/KV path)");
     }
     match args.flavour.as_str() {
         "sglang" => {}
@@ -137,18 +163,27 @@ fn run_demo(args: &DemoArgs, bins: &Binaries, dir: &std::path::Path, ebpf: bool)
     // (Its exporters only connect once there are spans, i.e. once traffic starts.)
     let otlp_port = test_harness::free_port()?;
     let otlp = format!("127.0.0.1:{otlp_port}");
-    let cluster = Cluster::start(
-        &bins.pd_sim,
-        &[
-            "--flavour".into(),
-            args.flavour.clone(),
-            "--mode".into(),
-            args.mode.clone(),
-            "--otlp-endpoint".into(),
-            format!("http://{otlp}"),
-        ],
-        Some(&dir.join("pd-sim.log")),
-    )?;
+    let mut cluster_args = vec![
+        "--flavour".into(),
+        args.flavour.clone(),
+        "--mode".into(),
+        args.mode.clone(),
+        "--otlp-endpoint".into(),
+        format!("http://{otlp}"),
+    ];
+    for f in &args.faults {
+        cluster_args.extend(["--fault".into(), f.clone()]);
+    }
+    if !args.faults.is_empty() {
+        // A held leg lets go 5 s after its rule's window, so the demo ends in about a minute.
+        cluster_args.extend([
+            "--fault-rate".into(),
+            args.fault_rate.to_string(),
+            "--fault-hold-ms".into(),
+            "35000".into(),
+        ]);
+    }
+    let cluster = Cluster::start(&bins.pd_sim, &cluster_args, Some(&dir.join("pd-sim.log")))?;
     let mut rev_args: Vec<String> = vec![
         "--otlp-http".into(),
         otlp.clone(),
@@ -250,6 +285,7 @@ fn run_demo(args: &DemoArgs, bins: &Binaries, dir: &std::path::Path, ebpf: bool)
     let load_time = t_load.elapsed();
     let observed = match load {
         Some(load) => {
+            wait_for_fault_verdicts(args, &revenant)?;
             // Let revenant finish what the exporters still hold (they batch every 200 ms).
             let metrics = revenant.wait_quiet(
                 Duration::from_millis(1500),
@@ -292,6 +328,36 @@ fn run_demo(args: &DemoArgs, bins: &Binaries, dir: &std::path::Path, ebpf: bool)
     let _ = printer.join();
     drop(cluster);
     println!("demo: revenant exited ({status}); cluster stopped; no process left behind");
+    Ok(())
+}
+
+/// With faults injected, waits (printing why) until revenant's watermark passed the end of the
+/// traffic plus the longest window of their rules: their verdicts are due then.
+fn wait_for_fault_verdicts(args: &DemoArgs, revenant: &Revenant) -> Result<()> {
+    let Some(window) = FAULTS
+        .iter()
+        .filter(|(name, _)| args.faults.iter().any(|f| f == name))
+        .map(|(_, secs)| *secs)
+        .max()
+    else {
+        return Ok(());
+    };
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)?
+        .as_secs_f64();
+    let target = now + window as f64 + 1.0;
+    println!(
+        "\ndemo: waiting for the fault rules' verdicts ({window} s window + revenant's allowed \
+         lateness; Ctrl-C to stop early)"
+    );
+    let deadline = Instant::now() + Duration::from_secs(window + 120);
+    while !interrupted() && Instant::now() < deadline {
+        let m = revenant.metrics()?;
+        if metric_sum(&m, "revenant_checker_watermark_timestamp_seconds", &[]) >= target {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
     Ok(())
 }
 

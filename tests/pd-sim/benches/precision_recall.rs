@@ -45,6 +45,14 @@
 //! is in decode's `/sim/rooms`; for vLLM the request name in decode's `/sim/requests`) is a
 //! breach. A vLLM request is one attempt, named `cmpl-`/`chatcmpl-` + the router's `X-Request-Id`.
 //!
+//! Isolation rows (`correct+fault:NAME`, each witness): the correct router in front of workers
+//! that inject one breach (`--fault NAME --fault-rate 0.05`, `--fault-hold-ms 40000`): the
+//! breaches are the rooms the simulator records as injected (`injected-NAME` in prefill's or
+//! decode's `/sim/rooms`), each its own request when it has none (an injected unknown room).
+//! A witness that cannot see a fault (OTLP an unknown room or a held leg in time, either witness
+//! alone a success after an abort) shows its recall as "cannot see" and is judged on its
+//! silence. Their rows wait for the fault's rule window (up to 30 s) past the last leg.
+//!
 //! Columns: requests sent; rejected attempts (prefill rooms with status ≥ 400); breaches
 //! expected; caught (breaches with at least one violation in `/api/violations`); false alerts
 //! (first proofs, corroborations left out, about an attempt that is not a breach, or naming no
@@ -66,6 +74,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use pd_sim::fault::Fault;
 use pd_sim::smg::smg_version;
 
 #[path = "support/mod.rs"]
@@ -148,8 +157,24 @@ fn all_rows() -> Vec<Row> {
                     router,
                     ignores_cancel,
                     witness,
+                    fault: None,
                 });
             }
+        }
+    }
+    // The isolation invariants: the correct router, each breach injected by the simulator.
+    for fault in [
+        Fault::UnknownRoom,
+        Fault::SuccessAfterAbort,
+        Fault::StrandedKv,
+    ] {
+        for witness in [Witness::Ebpf, Witness::Otlp, Witness::Both] {
+            rows.push(Row {
+                router: Router::Sim("correct"),
+                ignores_cancel: false,
+                witness,
+                fault: Some(fault),
+            });
         }
     }
     rows
@@ -297,7 +322,11 @@ fn table_line(r: &RowResult) -> String {
         r.false_alerts,
         r.notifications,
         r.breached_requests,
-        pct(r.caught, r.expected),
+        if r.row.visible() {
+            pct(r.caught, r.expected)
+        } else {
+            format!("– (cannot see; {})", pct(r.caught, r.expected))
+        },
         pct(r.caught, r.caught + r.false_attempts),
         r.wall_s,
     )

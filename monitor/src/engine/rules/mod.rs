@@ -290,6 +290,28 @@ impl RuleSet {
         Ok(set)
     }
 
+    /// The defaults with the rules named in `names` (comma-separated) turned off, as
+    /// `{name: NAME, enabled: false}` does; the first name that is no rule is the error.
+    pub fn embedded_defaults_without(names: &str) -> Result<RuleSet, String> {
+        let mut set = RuleSet::embedded_defaults();
+        for name in names.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+            match set.rules.iter_mut().find(|r| r.name == name) {
+                Some(r) => r.enabled = false,
+                None => return Err(name.to_owned()),
+            }
+        }
+        Ok(set)
+    }
+
+    /// How many rules a tombstone keeps state for (attempt-scope never_after): at most
+    /// [`MAX_TOMBSTONE_RULES`].
+    pub fn tombstone_rules(&self) -> usize {
+        self.rules
+            .iter()
+            .filter(|r| matches!(r.shape, Shape::NeverAfter(_)) && r.scope == Scope::Attempt)
+            .count()
+    }
+
     /// Adds the rules of `text`; an entry named like an existing rule patches it.
     pub fn apply_yaml(&mut self, text: &str, origin: &str) -> Result<(), RulesError> {
         let file: RulesFile = serde_saphyr::from_str(text).map_err(|e| RulesError::Parse {
@@ -316,11 +338,7 @@ impl RuleSet {
                 }
             }
         }
-        let kept_on_tombstones = self
-            .rules
-            .iter()
-            .filter(|r| matches!(r.shape, Shape::NeverAfter(_)) && r.scope == Scope::Attempt)
-            .count();
+        let kept_on_tombstones = self.tombstone_rules();
         if kept_on_tombstones > MAX_TOMBSTONE_RULES {
             return Err(RulesError::Parse {
                 origin: origin.to_owned(),
@@ -722,6 +740,9 @@ mod tests {
                 "activity-after-request-failed",
                 "orphaned-leg",
                 "unknown-room",
+                "success-after-abort",
+                "stranded-kv",
+                "held-decode-slot",
                 "over-capacity-admitted",
                 "stuck-attempt",
                 "context-exceeds-capacity"
@@ -732,6 +753,9 @@ mod tests {
         assert_eq!(sev("handoff-after-rejection"), Severity::Critical);
         assert_eq!(sev("orphaned-leg"), Severity::Warning);
         assert_eq!(sev("unknown-room"), Severity::Warning);
+        assert_eq!(sev("success-after-abort"), Severity::Critical);
+        assert_eq!(sev("stranded-kv"), Severity::Warning);
+        assert_eq!(sev("held-decode-slot"), Severity::Warning);
         assert_eq!(sev("over-capacity-admitted"), Severity::Critical);
     }
 
@@ -772,13 +796,13 @@ mod tests {
             }
             y
         };
-        // The defaults already hold two attempt-scope never_after rules.
+        // The defaults already hold some attempt-scope never_after rules.
+        let room = MAX_TOMBSTONE_RULES - RuleSet::embedded_defaults().tombstone_rules();
         let mut set = RuleSet::embedded_defaults();
-        set.apply_yaml(&rules(MAX_TOMBSTONE_RULES - 2), "ok.yaml")
-            .unwrap();
+        set.apply_yaml(&rules(room), "ok.yaml").unwrap();
         let mut set = RuleSet::embedded_defaults();
         let err = set
-            .apply_yaml(&rules(MAX_TOMBSTONE_RULES - 1), "u.yaml")
+            .apply_yaml(&rules(room + 1), "u.yaml")
             .unwrap_err()
             .to_string();
         assert!(

@@ -123,6 +123,11 @@ impl BodyWindow {
             if info.max_model_len.is_none() {
                 info.max_model_len = find_value(part, &MAX_MODEL_LEN).and_then(|v| v.parse().ok());
             }
+            // The last finish reason in the body is the answer's: a stream's earlier chunks
+            // carry `null`, its final one the reason.
+            if let Some(f) = finish_reason(part) {
+                info.finish = Some(f);
+            }
             if info.message.is_none() {
                 info.message = find_string(part, &MESSAGE)
                     .or_else(|| find_string(part, &DETAIL))
@@ -240,6 +245,49 @@ pub struct ResponseInfo {
     pub remote_request_id: Option<String>,
     /// vLLM `/v1/models`: the context length it serves.
     pub max_model_len: Option<u64>,
+    /// How a successful generation answer says it finished (`finish_reason`, the final one).
+    pub finish: Option<Finish>,
+}
+
+/// A generation answer's `finish_reason`: SGLang writes `{"type": "abort", "message": ..}` in
+/// `meta_info` (or `"abort"` in its OpenAI answers), vLLM `"abort"`. Only whether it is an abort
+/// is kept: an aborted request that is answered 200 ended, it did not complete.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Finish {
+    Abort,
+    /// `stop`, `length` and the like: the request ran to its end.
+    Normal,
+}
+
+/// The last non-null `finish_reason` of `part`: a string, or the `type` of an object.
+fn finish_reason(part: &[u8]) -> Option<Finish> {
+    let mut found = None;
+    for at in value_positions(part, &FINISH_REASON) {
+        let v = &part[at..];
+        let name = match v.first() {
+            Some(b'{') => {
+                // The reason object is small and flat: its `type` is within its braces.
+                let end = v
+                    .iter()
+                    .take(MAX_VALUE * 2)
+                    .position(|&b| b == b'}' || b == GAP)
+                    .unwrap_or(v.len().min(MAX_VALUE * 2));
+                find_string(&v[..end], &TYPE)
+            }
+            _ => match parse_value(v) {
+                Some(Value::Str(s)) => Some(s),
+                _ => None,
+            },
+        };
+        if let Some(name) = name {
+            found = Some(if name.eq_ignore_ascii_case("abort") {
+                Finish::Abort
+            } else {
+                Finish::Normal
+            });
+        }
+    }
+    found
 }
 
 /// Searchers for the keys revenant reads, built once: building one per search cost more than
@@ -264,6 +312,8 @@ keys! {
     DO_REMOTE_PREFILL = b"do_remote_prefill";
     MAX_MODEL_LEN = b"max_model_len";
     CACHE_CONFIG_INFO = b"vllm:cache_config_info";
+    FINISH_REASON = b"finish_reason";
+    TYPE = b"type";
 }
 
 /// The last string value of `key` in a structural position.
@@ -287,36 +337,36 @@ enum Value {
 }
 
 fn find(buf: &[u8], finder: &Finder<'_>) -> Option<Value> {
+    value_positions(buf, finder)
+        .filter_map(|j| parse_value(&buf[j..]))
+        .last()
+}
+
+/// Where each value of `key` starts, for every `"key":` in a structural position.
+fn value_positions<'a>(buf: &'a [u8], finder: &'a Finder<'_>) -> impl Iterator<Item = usize> + 'a {
     let key = finder.needle();
-    let mut found = None;
-    let mut i = 0;
-    while let Some(pos) = finder.find(&buf[i..]).map(|p| p + i) {
-        i = pos + 1;
+    finder.find_iter(buf).filter_map(move |pos| {
         // `"key"` with the opening quote unescaped and in a structural position.
         if pos == 0 || buf[pos - 1] != b'"' || buf.get(pos + key.len()) != Some(&b'"') {
-            continue;
+            return None;
         }
         let q = pos - 1;
         if q > 0 && buf[q - 1] == b'\\' {
-            continue;
+            return None;
         }
         let before = buf[..q].iter().rev().find(|b| !b.is_ascii_whitespace());
         // After a gap the context is unknown; a quote inside a string would be escaped anyway.
         if !matches!(before, Some(b'{') | Some(b',') | Some(&GAP)) {
-            continue;
+            return None;
         }
         let mut j = pos + key.len() + 1;
         j += ws(&buf[j..]);
         if buf.get(j) != Some(&b':') {
-            continue;
+            return None;
         }
         j += 1;
-        j += ws(&buf[j..]);
-        if let Some(v) = parse_value(&buf[j..]) {
-            found = Some(v);
-        }
-    }
-    found
+        Some(j + ws(&buf[j..]))
+    })
 }
 
 fn ws(b: &[u8]) -> usize {
@@ -391,6 +441,47 @@ mod tests {
             w.push(p);
         }
         w
+    }
+
+    #[test]
+    fn finish_reason_of_sglang_vllm_and_stream_answers() {
+        let info = |parts: &[&[u8]]| window(parts).response_info().finish;
+        // SGLang `/generate`: an object in meta_info.
+        assert_eq!(
+            info(&[br#"{"text":"","meta_info":{"id":"r1","finish_reason":{"type":"abort","message":"Request r1 aborted"},"prompt_tokens":5}}"#]),
+            Some(Finish::Abort)
+        );
+        assert_eq!(
+            info(&[br#"{"text":" the","meta_info":{"id":"r1","finish_reason":{"type":"length","length":1},"prompt_tokens":5}}"#]),
+            Some(Finish::Normal)
+        );
+        // OpenAI shapes (SGLang and vLLM): a string.
+        assert_eq!(
+            info(&[
+                br#"{"id":"cmpl-1","choices":[{"index":0,"text":"","finish_reason":"abort"}]}"#
+            ]),
+            Some(Finish::Abort)
+        );
+        // A stream: every chunk but the last says null; the last one counts.
+        let mid: &[u8] =
+            br#"data: {"choices":[{"index":0,"delta":{"content":" x"},"finish_reason":null}]}
+
+"#;
+        let mut chunks = vec![mid; 200];
+        chunks.push(
+            br#"data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}
+
+data: [DONE]
+
+"#,
+        );
+        assert_eq!(info(&chunks), Some(Finish::Normal));
+        // No reason, or a completion text that merely contains the words, says nothing.
+        assert_eq!(
+            info(&[br#"{"text":"finish_reason: abort","meta_info":{}}"#]),
+            None
+        );
+        assert_eq!(info(&[br#"{"error":{"message":"bad"}}"#]), None);
     }
 
     #[test]

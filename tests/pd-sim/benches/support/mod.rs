@@ -12,6 +12,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use pd_sim::fault::Fault;
 use pd_sim::smg::{SmgProcess, write_tiny_model};
 use serde_json::Value;
 use test_harness::notifications::room_of;
@@ -96,12 +97,46 @@ pub struct Row {
     pub router: Router,
     pub ignores_cancel: bool,
     pub witness: Witness,
+    /// An isolation breach the simulator injects (`--fault`, at [`FAULT_RATE`]): the breaches
+    /// are then the rooms it records as injected, not refused attempts.
+    pub fault: Option<Fault>,
+}
+
+/// Share of requests a fault row's `--fault` hits.
+pub const FAULT_RATE: f64 = 0.05;
+/// `stranded-kv`: how long the holding side keeps the request, past the rules' 30 s window.
+pub const FAULT_HOLD: Duration = Duration::from_secs(40);
+
+/// How long after an injected room's leg arrived its default rule can have a verdict: the
+/// rule's grace or window (`unknown-room` 5 s; `stranded-kv` and `held-decode-slot` 30 s;
+/// `success-after-abort` none).
+pub fn fault_window(f: Fault) -> Duration {
+    match f {
+        Fault::UnknownRoom => Duration::from_secs(5),
+        Fault::SuccessAfterAbort => Duration::ZERO,
+        Fault::StrandedKv => Duration::from_secs(30),
+    }
+}
+
+/// Whether the witness can see the fault at all: an injected handshake has no spans (OTLP
+/// cannot see an unknown room); a success after an abort needs the spans (the abort) and the
+/// wire (the answer); a held leg is on the wire at once, its spans only once it lets go.
+pub fn fault_visible(f: Fault, w: Witness) -> bool {
+    match f {
+        Fault::UnknownRoom | Fault::StrandedKv => w.ebpf(),
+        Fault::SuccessAfterAbort => w == Witness::Both,
+    }
 }
 
 impl Row {
     pub fn parts(&self) -> [&'static str; 3] {
         [
-            self.router.name(),
+            match self.fault {
+                None => self.router.name(),
+                Some(Fault::UnknownRoom) => "correct+fault:unknown-room",
+                Some(Fault::SuccessAfterAbort) => "correct+fault:success-after-abort",
+                Some(Fault::StrandedKv) => "correct+fault:stranded-kv",
+            },
             if self.ignores_cancel {
                 "ignores"
             } else {
@@ -115,6 +150,11 @@ impl Row {
     }
     pub fn breach_row(&self) -> bool {
         self.router.breaches() || self.ignores_cancel
+    }
+    /// The witness can see this row's breaches (every row without a fault: both witnesses see
+    /// a refused attempt advance).
+    pub fn visible(&self) -> bool {
+        self.fault.is_none_or(|f| fault_visible(f, self.witness))
     }
     pub fn selected(&self, filter: &[Vec<String>]) -> bool {
         let parts = self.parts();
@@ -276,6 +316,16 @@ pub fn start_row(
     if !setup.prefill_args.is_empty() {
         cluster_args.extend(["--prefill-args".into(), setup.prefill_args.join(" ")]);
     }
+    if let Some(f) = row.fault {
+        cluster_args.extend([
+            "--fault".into(),
+            f.as_str().into(),
+            "--fault-rate".into(),
+            FAULT_RATE.to_string(),
+            "--fault-hold-ms".into(),
+            FAULT_HOLD.as_millis().to_string(),
+        ]);
+    }
     let cluster = Cluster::start(pd_sim, &cluster_args, Some(&dir.join("pd-sim.log")))
         .unwrap_or_else(|e| panic!("{}: pd-sim cluster: {e:#}", row.name()));
     let real_router = real.map(|bin| {
@@ -369,7 +419,21 @@ pub fn await_judgement(run: &RowRun, notes: &mut Vec<String>) -> Vec<Sample> {
         .filter_map(|r| r["answered_ns"].as_u64())
         .max()
         .unwrap_or(0);
-    let judged_by = last_rejection + (WINDOW + SKEW + LATENESS + TICK).as_nanos() as u64;
+    let mut judged_by = last_rejection + (WINDOW + SKEW + LATENESS + TICK).as_nanos() as u64;
+    if let Some(f) = row.fault {
+        // An injected room's verdict is due its rule's window after its leg arrived.
+        let last_leg = rooms(&cluster.prefill, vllm)
+            .iter()
+            .chain(&rooms(&cluster.decode, vllm))
+            .map(|r| {
+                let at = |k: &str| r[k].as_u64().unwrap_or(0);
+                at("received_ns").max(at("bootstrap_ns"))
+            })
+            .max()
+            .unwrap_or(0);
+        judged_by = judged_by
+            .max(last_leg + (fault_window(f) + WINDOW + SKEW + LATENESS + TICK).as_nanos() as u64);
+    }
     let now = pd_sim::ids::now_ns();
     if judged_by > now {
         std::thread::sleep(Duration::from_nanos(judged_by - now) + Duration::from_millis(500));
@@ -482,7 +546,15 @@ pub fn judge(
         .filter(|r| r["status"].as_u64().unwrap_or(0) >= 400)
         .filter_map(|r| key_of(r, vllm))
         .collect();
-    let breaches: BTreeSet<String> = if row.breach_row() {
+    let breaches: BTreeSet<String> = if let Some(f) = row.fault {
+        // What the simulator injected (the holding side records a stranded room).
+        prefill
+            .iter()
+            .chain(decode.iter())
+            .filter(|r| r["outcome"] == f.outcome())
+            .filter_map(|r| key_of(r, vllm))
+            .collect()
+    } else if row.breach_row() {
         rejected
             .iter()
             // Reached decode: decode read the leg's HTTP request.
@@ -502,11 +574,12 @@ pub fn judge(
         if vllm {
             return room.clone();
         }
+        // An injected room belongs to no request: it is its own.
         prefill_rooms
             .get(room)
+            .or_else(|| decode_rooms.get(room))
             .and_then(|r| r["request_id"].as_str())
-            .unwrap_or("")
-            .to_string()
+            .map_or_else(|| format!("room {room}"), str::to_string)
     };
     let breached_requests: BTreeSet<String> = breaches.iter().map(request_of).collect();
 
@@ -678,10 +751,12 @@ pub fn judge(
             &foreign[..foreign.len().min(3)]
         ));
     }
-    let clean = missed.is_empty()
+    // A witness that cannot see the row's breaches is judged on its silence alone.
+    let visible = row.visible();
+    let clean = (missed.is_empty() || !visible)
         && false_alerts == 0
         && repeated.is_empty()
-        && unnotified.is_empty()
+        && (unnotified.is_empty() || !visible)
         && foreign.is_empty()
         && suppressed == 0;
     if !clean {

@@ -5,7 +5,7 @@ use super::api::{Api, Parsed};
 use super::render::{WORDS, gen_text, render_chunk, render_final};
 use super::trace::ReqTrace;
 use super::*;
-use crate::fault::Fault;
+use crate::fault::{Fault, Holder};
 
 pub(super) struct DecodeWaiter {
     pub(super) done: oneshot::Sender<()>,
@@ -190,6 +190,11 @@ pub(super) async fn decode(
     let mut t_kv = t_sched;
     let mut err: Option<(StatusCode, String)> = None;
     let mut guard = None;
+    let faults = &w.args.faults;
+    let stranded = p
+        .room
+        .filter(|&r| faults.hits_room(Fault::StrandedKv, r))
+        .map(|r| faults.holder(r));
     if let Some(room) = p.room {
         w.record(room, |r| {
             r.rid = rid.clone();
@@ -197,6 +202,9 @@ pub(super) async fn decode(
             r.input_tokens = p.input_tokens;
             r.received_ns = t0;
         });
+        if stranded == Some(Holder::Prefill) {
+            return give_up_before_bootstrap(&w, &p, &rid, room, conn.as_ref(), trace, t0, t_tok);
+        }
         let (tx, rx) = oneshot::channel();
         w.waiters
             .lock()
@@ -236,7 +244,14 @@ pub(super) async fn decode(
                 if w.args.faults.hits(Fault::UnknownRoom) {
                     w.inject_unknown_room(to, kv).await;
                 }
-                match tokio::time::timeout(Duration::from_millis(w.args.kv_timeout_ms), rx).await {
+                // `--fault stranded-kv`, decode holds: prefill aborted at once and told nothing,
+                // so this room waits the fault's hold instead of the usual KV timeout.
+                let kv_wait = Duration::from_millis(if stranded == Some(Holder::Decode) {
+                    faults.fault_hold_ms
+                } else {
+                    w.args.kv_timeout_ms
+                });
+                match tokio::time::timeout(kv_wait, rx).await {
                     Ok(Ok(())) => {
                         g.armed = false;
                         t_kv = now_ns();
@@ -247,7 +262,7 @@ pub(super) async fn decode(
                             StatusCode::INTERNAL_SERVER_ERROR,
                             format!(
                                 "Decode transfer failed for request rank=0 rid={rid} bootstrap_room={room} with exception KVTransferError: timed out waiting for KV cache after {} ms",
-                                w.args.kv_timeout_ms
+                                kv_wait.as_millis()
                             ),
                         ));
                     }
@@ -273,7 +288,10 @@ pub(super) async fn decode(
         trace.stage(th, "decode_bootstrap", t_sched, t_boot);
         trace.finish(&w, &rid, p.room, t0, t_end);
         if let Some(room) = p.room {
-            let outcome = if status == StatusCode::INTERNAL_SERVER_ERROR {
+            let outcome = if stranded == Some(Holder::Decode) {
+                w.stats.faults_injected.fetch_add(1, Ordering::Relaxed);
+                Fault::StrandedKv.outcome()
+            } else if status == StatusCode::INTERNAL_SERVER_ERROR {
                 "kv-failed"
             } else {
                 "failed"
@@ -384,6 +402,49 @@ pub(super) async fn decode(
         .header("cache-control", "no-cache")
         .body(Body::from_stream(stream))
         .expect("static response parts")
+}
+
+/// `--fault stranded-kv`, prefill holds: decode drops the request before it bootstraps (as a
+/// decode that lost it would) and answers the abort; prefill, told nothing, keeps the room.
+#[allow(clippy::too_many_arguments)]
+fn give_up_before_bootstrap(
+    w: &Shared,
+    p: &Parsed,
+    rid: &str,
+    room: u64,
+    conn: Option<&ClientConn>,
+    mut trace: ReqTrace,
+    t0: u64,
+    t_tok: u64,
+) -> Response {
+    let msg =
+        format!("Request {rid} aborted: decode dropped bootstrap_room={room} before bootstrap");
+    let t_end = now_ns();
+    let th = trace.thread(w, false, t0, t_tok, None);
+    trace.stage(th, "tokenize", t0, t_tok);
+    let th = trace.thread(w, true, t_tok, t_end, Some(&msg));
+    trace.stage(th, "decode_prepare", t_tok, t_end);
+    trace.finish(w, rid, Some(room), t0, t_end);
+    w.end_decode(room, conn, "aborted", |r| r.status = 200);
+    let body = render_final(
+        p,
+        rid,
+        &w.args.model_path,
+        "",
+        0,
+        Some(&msg),
+        (t_end - t0) as f64 / 1e9,
+    );
+    let ct = if p.stream {
+        "text/event-stream"
+    } else {
+        "application/json"
+    };
+    Response::builder()
+        .status(200)
+        .header("content-type", ct)
+        .body(Body::from(body))
+        .expect("static")
 }
 
 #[allow(clippy::too_many_arguments)]

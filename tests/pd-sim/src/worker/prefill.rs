@@ -6,6 +6,7 @@ use super::api::Parsed;
 use super::render::render_final;
 use super::trace::ReqTrace;
 use super::*;
+use crate::fault::{Fault, Holder};
 
 pub(super) struct XferDone {
     pub(super) start_ns: u64,
@@ -24,6 +25,10 @@ pub(super) enum Pending {
         done: Option<oneshot::Sender<XferDone>>,
         late: Option<LateTrace>,
         since: Instant,
+        /// How long the room waits for decode's BOOTSTRAP.
+        hold: Duration,
+        /// `--fault success-after-abort`: the transfer stops before `KV_DONE`.
+        abort_midway: bool,
     },
     Bootstrap {
         endpoint: SocketAddr,
@@ -32,13 +37,7 @@ pub(super) enum Pending {
 }
 
 impl Worker {
-    pub(super) fn meet_request(
-        self: &Arc<Self>,
-        room: u64,
-        tokens: u64,
-        done: Option<oneshot::Sender<XferDone>>,
-        late: Option<LateTrace>,
-    ) {
+    pub(super) fn meet_request(self: &Arc<Self>, room: u64, req: RoomRequest) {
         let endpoint = {
             let mut p = self.pending.lock().expect("pending lock");
             match p.remove(&room) {
@@ -47,26 +46,39 @@ impl Worker {
                     p.insert(
                         room,
                         Pending::Request {
-                            tokens,
-                            done,
-                            late,
+                            tokens: req.tokens,
+                            done: req.done,
+                            late: req.late,
                             since: Instant::now(),
+                            hold: req.hold,
+                            abort_midway: req.abort_midway,
                         },
                     );
                     return;
                 }
             }
         };
-        self.spawn_transfer(room, tokens, endpoint, done, late);
+        self.spawn_transfer(
+            room,
+            req.tokens,
+            endpoint,
+            req.done,
+            req.late,
+            req.abort_midway,
+        );
     }
 
     pub(super) fn meet_bootstrap(self: &Arc<Self>, room: u64, endpoint: SocketAddr) {
-        let (tokens, done, late) = {
+        let (tokens, done, late, abort_midway) = {
             let mut p = self.pending.lock().expect("pending lock");
             match p.remove(&room) {
                 Some(Pending::Request {
-                    tokens, done, late, ..
-                }) => (tokens, done, late),
+                    tokens,
+                    done,
+                    late,
+                    abort_midway,
+                    ..
+                }) => (tokens, done, late, abort_midway),
                 _ => {
                     p.insert(
                         room,
@@ -79,7 +91,7 @@ impl Worker {
                 }
             }
         };
-        self.spawn_transfer(room, tokens, endpoint, done, late);
+        self.spawn_transfer(room, tokens, endpoint, done, late, abort_midway);
     }
 
     pub(super) fn spawn_transfer(
@@ -89,6 +101,7 @@ impl Worker {
         to: SocketAddr,
         done: Option<oneshot::Sender<XferDone>>,
         late: Option<LateTrace>,
+        abort_midway: bool,
     ) {
         let w = self.clone();
         tokio::spawn(async move {
@@ -113,12 +126,14 @@ impl Worker {
                 idx += 1;
             }
             let tok_s = tokens.to_string();
-            crate::zmtp::encode_message(
-                &mut buf,
-                &[&b"KV_DONE"[..], room_s.as_bytes(), tok_s.as_bytes()],
-            );
+            if !abort_midway {
+                crate::zmtp::encode_message(
+                    &mut buf,
+                    &[&b"KV_DONE"[..], room_s.as_bytes(), tok_s.as_bytes()],
+                );
+            }
             w.pushers
-                .send_encoded(to, buf.freeze(), idx as u64 + 1)
+                .send_encoded(to, buf.freeze(), idx as u64 + u64::from(!abort_midway))
                 .await;
             let end_ns = now_ns();
             w.stats.kv_transfers.fetch_add(1, Ordering::Relaxed);
@@ -126,7 +141,7 @@ impl Worker {
             let after_reject = late.is_some();
             w.record(room, |r| {
                 r.kv_chunks += idx;
-                r.kv_done = true;
+                r.kv_done = !abort_midway;
                 if after_reject {
                     r.outcome = "rejected-transferred";
                 }
@@ -199,6 +214,27 @@ impl Worker {
     }
 }
 
+/// A prefill request's side of a room, waiting for (or meeting) decode's BOOTSTRAP.
+pub(super) struct RoomRequest {
+    pub(super) tokens: u64,
+    pub(super) done: Option<oneshot::Sender<XferDone>>,
+    pub(super) late: Option<LateTrace>,
+    pub(super) hold: Duration,
+    pub(super) abort_midway: bool,
+}
+
+impl RoomRequest {
+    pub(super) fn new(w: &Worker, tokens: u64, done: Option<oneshot::Sender<XferDone>>) -> Self {
+        RoomRequest {
+            tokens,
+            done,
+            late: None,
+            hold: Duration::from_millis(w.args.bootstrap_timeout_ms),
+            abort_midway: false,
+        }
+    }
+}
+
 pub(super) async fn sweeper(w: Shared) {
     let timeout = Duration::from_millis(w.args.bootstrap_timeout_ms);
     let mut tick = tokio::time::interval(Duration::from_millis(250));
@@ -208,7 +244,7 @@ pub(super) async fn sweeper(w: Shared) {
         {
             let mut p = w.pending.lock().expect("pending lock");
             p.retain(|_, v| match v {
-                Pending::Request { since, .. } => since.elapsed() < timeout,
+                Pending::Request { since, hold, .. } => since.elapsed() < *hold,
                 Pending::Bootstrap { since, .. } => {
                     let keep = since.elapsed() < timeout;
                     if !keep {
@@ -267,7 +303,13 @@ pub(super) async fn prefill(
                 r.ended_ns = t_end;
             });
             if let Some(late) = late {
-                w.meet_request(room, p.input_tokens, None, Some(late));
+                w.meet_request(
+                    room,
+                    RoomRequest {
+                        late: Some(late),
+                        ..RoomRequest::new(&w, p.input_tokens, None)
+                    },
+                );
             }
         }
         return error_response(status, &msg);
@@ -301,12 +343,42 @@ pub(super) async fn prefill(
         }
         let t_fwd = now_ns();
         let mut err: Option<String> = None;
+        // What the answer says: the abort, unless `--fault success-after-abort` hides it.
+        let mut answer_abort = true;
         let mut xfer = None;
-        if let Some(room) = p.room {
+        let faults = &w.args.faults;
+        let stranded = p
+            .room
+            .filter(|&r| faults.hits_room(Fault::StrandedKv, r))
+            .map(|r| faults.holder(r));
+        if let (Some(room), Some(Holder::Decode)) = (p.room, stranded) {
+            // `--fault stranded-kv`, decode holds: prefill gives up on the room at once and
+            // says so; decode, told nothing, keeps waiting for the KV.
+            err = Some(format!(
+                "Request {rid} aborted: KV sender failed for bootstrap_room={room}"
+            ));
+            w.record(room, |r| r.outcome = "aborted");
+        } else if let Some(room) = p.room {
             let (tx, rx) = oneshot::channel();
-            w.meet_request(room, p.input_tokens, Some(tx), None);
-            match tokio::time::timeout(Duration::from_millis(w.args.bootstrap_timeout_ms), rx).await
-            {
+            let mut req = RoomRequest::new(&w, p.input_tokens, Some(tx));
+            if stranded == Some(Holder::Prefill) {
+                req.hold = Duration::from_millis(faults.fault_hold_ms);
+            }
+            req.abort_midway = stranded.is_none() && faults.hits(Fault::SuccessAfterAbort);
+            let (hold, abort_midway) = (req.hold, req.abort_midway);
+            w.meet_request(room, req);
+            match tokio::time::timeout(hold, rx).await {
+                Ok(Ok(x)) if abort_midway => {
+                    // The transfer stopped short of `KV_DONE`: prefill's spans report the
+                    // abort, its answer a normal finish (the breach).
+                    w.stats.faults_injected.fetch_add(1, Ordering::Relaxed);
+                    err = Some(format!(
+                        "Request {rid} aborted during KV transfer for bootstrap_room={room}: KVTransferError"
+                    ));
+                    answer_abort = false;
+                    xfer = Some(x);
+                    w.record(room, |r| r.outcome = Fault::SuccessAfterAbort.outcome());
+                }
                 Ok(Ok(x)) => xfer = Some(x),
                 Ok(Err(_)) => {
                     w.stats.cancelled.fetch_add(1, Ordering::Relaxed);
@@ -319,12 +391,17 @@ pub(super) async fn prefill(
                     w.stats.bootstrap_timeouts.fetch_add(1, Ordering::Relaxed);
                     err = Some(format!(
                         "Request {rid} timed out waiting for decode bootstrap (bootstrap_room={room}, {} ms)",
-                        w.args.bootstrap_timeout_ms
+                        hold.as_millis()
                     ));
-                    w.record(room, |r| r.outcome = "bootstrap-timeout");
+                    if stranded == Some(Holder::Prefill) {
+                        w.stats.faults_injected.fetch_add(1, Ordering::Relaxed);
+                        w.record(room, |r| r.outcome = Fault::StrandedKv.outcome());
+                    } else {
+                        w.record(room, |r| r.outcome = "bootstrap-timeout");
+                    }
                 }
             }
-            if xfer.is_some() {
+            if xfer.is_some() && !abort_midway {
                 w.record(room, |r| r.outcome = "transferred");
             }
         }
@@ -351,7 +428,7 @@ pub(super) async fn prefill(
             &w.args.model_path,
             "",
             1,
-            err.as_deref(),
+            err.as_deref().filter(|_| answer_abort),
             secs,
         ))
     };

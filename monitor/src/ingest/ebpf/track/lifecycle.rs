@@ -2,7 +2,8 @@
 //! - router → worker `/generate` (or OpenAI endpoints): router `dispatched` (to = the worker's
 //!   stage); worker inbound: `received`;
 //! - worker response status >= 400: `rejected` with status and a truncated reason; 2xx end:
-//!   `completed`; decode response bytes: decode `work`;
+//!   `completed`, or `aborted` when the answer's final `finish_reason` is an abort (SGLang
+//!   answers an aborted request 200); decode response bytes: decode `work`;
 //! - decode → prefill bootstrap server `GET /route`: transfer `received` (the handshake);
 //! - ZMTP `[BOOTSTRAP, room, ..]`: transfer `received`; the first `KV` chunk of a room: transfer
 //!   `work` (KV is moving); `KV_DONE`: transfer `completed`; `[ABORT, room]`: transfer

@@ -14,7 +14,7 @@ use foldhash::{HashMap, HashMapExt};
 use std::net::SocketAddr;
 
 use super::http::{HttpEvent, HttpStream, RequestHead, Side, detect};
-use super::json_ids::{BodyWindow, RequestIds};
+use super::json_ids::{BodyWindow, Finish, RequestIds};
 use super::procs::Role;
 use super::record::{Conn, DataPiece, Record};
 use super::zmtp::{self, ZmtpStream};
@@ -498,6 +498,18 @@ impl Tracker {
             Answer {
                 reason: Some(reason),
                 ..Answer::new(Kind::Rejected, head_ts, Some(status))
+            }
+        } else if info.finish == Some(Finish::Abort) {
+            // Answered 200, but the request was aborted (SGLang answers an abort this way):
+            // it ended, it did not complete.
+            let reason = info
+                .message
+                .map(|m| truncate_reason(&m).to_owned())
+                .unwrap_or_else(|| "finish_reason abort".to_owned());
+            Answer {
+                reason: Some(reason),
+                tokens: info.prompt_tokens,
+                ..Answer::new(Kind::Aborted, ts, Some(status))
             }
         } else {
             Answer {

@@ -126,6 +126,56 @@ fn generate_request(prompt_len: usize, room: u64, canary: &str) -> Vec<u8> {
     .into_bytes()
 }
 
+/// SGLang answers an aborted request 200 with `finish_reason` `{"type": "abort"}`: that answer
+/// ends the leg as `aborted`; one with a normal finish is `completed`.
+#[test]
+fn answer_200_with_an_abort_finish_is_aborted() {
+    let ok_with = |body: &[u8]| {
+        let mut r = format!(
+            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+            body.len()
+        )
+        .into_bytes();
+        r.extend_from_slice(body);
+        r
+    };
+    let mut s = Sim::new();
+    s.accept(PREFILL, 7);
+    s.accept(PREFILL, 9);
+    s.io(
+        PREFILL,
+        7,
+        syscall::RECVFROM,
+        &generate_request(10, 77, "CANARY-a"),
+        65536,
+    );
+    let aborted = ok_with(br#"{"text":"","meta_info":{"id":"r-77","finish_reason":{"type":"abort","message":"Request r-77 aborted: decode aborted the transfer"},"prompt_tokens":10}}"#);
+    s.io(PREFILL, 7, syscall::SENDTO, &aborted, 4096);
+    s.io(
+        PREFILL,
+        9,
+        syscall::RECVFROM,
+        &generate_request(10, 78, "CANARY-b"),
+        65536,
+    );
+    let done = ok_with(br#"{"text":"","meta_info":{"id":"r-78","finish_reason":{"type":"length","length":1},"prompt_tokens":10}}"#);
+    s.io(PREFILL, 9, syscall::SENDTO, &done, 4096);
+    assert_eq!(
+        s.kinds(),
+        vec![
+            (Stage::Prefill, Kind::Received, Some(77)),
+            (Stage::Prefill, Kind::Aborted, Some(77)),
+            (Stage::Prefill, Kind::Received, Some(78)),
+            (Stage::Prefill, Kind::Completed, Some(78)),
+        ]
+    );
+    assert_eq!(s.out[1].status, Some(200));
+    assert_eq!(
+        s.out[1].reason.as_deref(),
+        Some("Request r-77 aborted: decode aborted the transfer")
+    );
+}
+
 #[test]
 fn prefill_rejects_while_decode_works_big_prompt() {
     let mut s = Sim::new();
