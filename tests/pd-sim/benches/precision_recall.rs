@@ -49,8 +49,9 @@
 //! that inject one breach (`--fault NAME --fault-rate 0.05`, `--fault-hold-ms 40000`): the
 //! breaches are the rooms the simulator records as injected (`injected-NAME` in prefill's or
 //! decode's `/sim/rooms`), each its own request when it has none (an injected unknown room).
-//! A witness that cannot see a fault (OTLP an unknown room or a held leg in time, either witness
-//! alone a success after an abort) shows its recall as "cannot see" and is judged on its
+//! A witness that cannot see a fault (OTLP an unknown room, either witness alone a success
+//! after an abort; OTLP sees a held leg only because the 40 s hold ends within the allowed
+//! lateness after the rules' 30 s window) shows its recall as "cannot see" and is judged on its
 //! silence. Their rows wait for the fault's rule window (up to 30 s) past the last leg.
 //!
 //! Columns: requests sent; rejected attempts (prefill rooms with status ≥ 400); breaches

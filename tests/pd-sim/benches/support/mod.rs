@@ -120,10 +120,13 @@ pub fn fault_window(f: Fault) -> Duration {
 
 /// Whether the witness can see the fault at all: an injected handshake has no spans (OTLP
 /// cannot see an unknown room); a success after an abort needs the spans (the abort) and the
-/// wire (the answer); a held leg is on the wire at once, its spans only once it lets go.
+/// wire (the answer). A held leg is on the wire at once, in its spans only once it lets go:
+/// OTLP sees it because [`FAULT_HOLD`] ends within the allowed lateness after the 30 s window
+/// (a leg held longer reaches revenant too late to count).
 pub fn fault_visible(f: Fault, w: Witness) -> bool {
     match f {
-        Fault::UnknownRoom | Fault::StrandedKv => w.ebpf(),
+        Fault::UnknownRoom => w.ebpf(),
+        Fault::StrandedKv => true,
         Fault::SuccessAfterAbort => w == Witness::Both,
     }
 }
@@ -232,10 +235,12 @@ pub fn key_of(r: &Value, vllm: bool) -> Option<String> {
 pub fn wait_rooms_settled(cluster: &Cluster, vllm: bool, timeout: Duration) -> bool {
     let deadline = Instant::now() + timeout;
     loop {
-        // vLLM's prefill holds the KV of an admitted request until decode has read it.
+        // vLLM's prefill holds the KV of an admitted request until decode has read it. A room
+        // no request came for (an injected unknown room: only its handshake) never settles.
         let pending = [&cluster.prefill, &cluster.decode]
             .iter()
             .flat_map(|u| rooms(u, vllm))
+            .filter(|r| vllm || r["received_ns"].as_u64().unwrap_or(0) > 0)
             .any(|r| r["outcome"] == "pending" || r["outcome"] == "held");
         if !pending {
             return true;
