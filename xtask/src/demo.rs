@@ -14,7 +14,9 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use serde_json::Value;
-use test_harness::{Binaries, Cluster, JsonlTail, Revenant, Sample, metric_sum, notifications};
+use test_harness::{
+    Binaries, Cluster, JsonlTail, Revenant, Sample, fault_verdict_window, metric_sum, notifications,
+};
 
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
 
@@ -64,14 +66,6 @@ pub struct DemoArgs {
     fault_rate: f64,
 }
 
-/// The simulator's faults and how long after the traffic their rule can have a verdict (its
-/// grace or window: unknown-room 5 s, stranded-kv's rules 30 s).
-const FAULTS: [(&str, u64); 3] = [
-    ("unknown-room", 5),
-    ("success-after-abort", 0),
-    ("stranded-kv", 30),
-];
-
 fn interrupted() -> bool {
     INTERRUPTED.load(Ordering::Relaxed)
 }
@@ -95,7 +89,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
         );
     }
     for f in &args.faults {
-        if !FAULTS.iter().any(|(name, _)| name == f) {
+        if fault_verdict_window(f).is_none() {
             bail!("--fault {f:?}: expected unknown-room, success-after-abort or stranded-kv");
         }
     }
@@ -334,14 +328,15 @@ fn run_demo(args: &DemoArgs, bins: &Binaries, dir: &std::path::Path, ebpf: bool)
 /// With faults injected, waits (printing why) until revenant's watermark passed the end of the
 /// traffic plus the longest window of their rules: their verdicts are due then.
 fn wait_for_fault_verdicts(args: &DemoArgs, revenant: &Revenant) -> Result<()> {
-    let Some(window) = FAULTS
+    let Some(window) = args
+        .faults
         .iter()
-        .filter(|(name, _)| args.faults.iter().any(|f| f == name))
-        .map(|(_, secs)| *secs)
+        .filter_map(|f| fault_verdict_window(f))
         .max()
     else {
         return Ok(());
     };
+    let window = window.as_secs();
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)?
         .as_secs_f64();

@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use crate::admin::RecentEvents;
 use crate::admin::timeline::TIMELINE_EVENT_BYTES;
-use crate::engine::check::{BYTES_PER_ATTEMPT, BYTES_PER_REQUEST, BudgetCaps, Checker};
+use crate::engine::check::{BYTES_PER_ATTEMPT_AND_REQUEST, BudgetCaps, Checker};
 use crate::event::Source;
 use crate::normalize::sglang::{TreeConfig, cost};
 use crate::pipeline::{EventBatch, EventTap};
@@ -84,7 +84,7 @@ impl MemoryPlan {
     pub fn min_budget() -> u64 {
         let attempts = SHARES[0].1;
         // Shares are whole thousandths of what the reserve leaves: round up to one.
-        RESERVE + (MIN_ATTEMPTS * (BYTES_PER_ATTEMPT + BYTES_PER_REQUEST)).div_ceil(attempts) * 1000
+        RESERVE + (MIN_ATTEMPTS * BYTES_PER_ATTEMPT_AND_REQUEST).div_ceil(attempts) * 1000
     }
 
     pub fn new(budget: u64) -> Result<MemoryPlan, BudgetTooSmall> {
@@ -215,7 +215,7 @@ mod tests {
             };
             within(
                 p.engine.max_attempts,
-                BYTES_PER_ATTEMPT + BYTES_PER_REQUEST,
+                BYTES_PER_ATTEMPT_AND_REQUEST,
                 Structure::Attempts,
                 1000,
             );

@@ -176,3 +176,21 @@ pub fn run_load_quiet<S: AsRef<OsStr>>(
     run_load(bin, router, args, &summary, true, timeout, None)?
         .ok_or_else(|| anyhow!("pd-sim load interrupted"))
 }
+
+/// The faults `pd-sim` injects (`--fault NAME`) and how long after a hit room's leg arrived
+/// revenant's default rule for it can have a verdict: the rule's grace or window
+/// (`unknown-room` 5 s; `stranded-kv` and `held-decode-slot` 30 s; `success-after-abort` none).
+pub const FAULT_VERDICT_WINDOWS: [(&str, Duration); 3] = [
+    ("unknown-room", Duration::from_secs(5)),
+    ("success-after-abort", Duration::ZERO),
+    ("stranded-kv", Duration::from_secs(30)),
+];
+
+/// The verdict window of the fault `name` (see [`FAULT_VERDICT_WINDOWS`]); `None` for a name
+/// pd-sim does not know.
+pub fn fault_verdict_window(name: &str) -> Option<Duration> {
+    FAULT_VERDICT_WINDOWS
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map(|(_, w)| *w)
+}

@@ -21,7 +21,7 @@ pub use binaries::{
     Binaries, SYSTEM_TOOLS, on_path, pd_sim_bin, router_from_env, system_bin, workspace_bin,
     workspace_root,
 };
-pub use cluster::{Cluster, run_load, run_load_quiet};
+pub use cluster::{Cluster, FAULT_VERDICT_WINDOWS, fault_verdict_window, run_load, run_load_quiet};
 pub use eventually::eventually;
 pub use files::{JsonlTail, ScratchDir, read_jsonl, read_jsonl_so_far, tail};
 pub use http::{free_port, http_get, http_json, wait_healthy};

@@ -91,6 +91,12 @@ impl FaultArgs {
             && unit(mix(room ^ fault as u64)) < self.fault_rate
     }
 
+    /// `stranded-kv`: which side holds `room`, when the fault hits it.
+    pub fn stranded_holder(&self, room: Option<u64>) -> Option<Holder> {
+        room.filter(|&r| self.hits_room(Fault::StrandedKv, r))
+            .map(|r| self.holder(r))
+    }
+
     /// `stranded-kv`: the side that holds a hit room (an independent bit of the room's hash).
     pub fn holder(&self, room: u64) -> Holder {
         if mix(room.rotate_left(17) ^ 0x5bd1_e995) & 1 == 0 {

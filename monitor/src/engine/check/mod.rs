@@ -124,6 +124,8 @@ pub const BYTES_PER_TOMBSTONE: u64 = 128;
 /// Bytes per request record (a request not living in its only attempt, e.g. a router's request
 /// no attempt named): about 90 B in the `otlp_load` bench's tables, doubled for table growth.
 pub const BYTES_PER_REQUEST: u64 = 192;
+/// What a budget charges per live attempt: the attempt and as many request records.
+pub const BYTES_PER_ATTEMPT_AND_REQUEST: u64 = BYTES_PER_ATTEMPT + BYTES_PER_REQUEST;
 
 /// The engine's caps for its shares of a memory budget (`revenant run`'s memory plan splits the
 /// budget; these are the engine's part of it).
@@ -139,7 +141,7 @@ impl BudgetCaps {
     /// The caps that keep live attempts and as many request records within `attempt_bytes`,
     /// and tombstones within `tombstone_bytes`, at least one of each.
     pub fn from_shares(attempt_bytes: u64, tombstone_bytes: u64) -> BudgetCaps {
-        let attempts = (attempt_bytes / (BYTES_PER_ATTEMPT + BYTES_PER_REQUEST)).max(1) as usize;
+        let attempts = (attempt_bytes / BYTES_PER_ATTEMPT_AND_REQUEST).max(1) as usize;
         BudgetCaps {
             max_attempts: attempts,
             max_tombstones: (tombstone_bytes / BYTES_PER_TOMBSTONE).max(1) as usize,

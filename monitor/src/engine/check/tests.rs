@@ -355,7 +355,7 @@ fn never_ending_attempts_past_the_budget_cap_are_evicted_and_counted() {
     // Each live attempt is charged with as many request records.
     assert_eq!(
         caps.max_attempts as u64,
-        attempt_bytes / (super::BYTES_PER_ATTEMPT + super::BYTES_PER_REQUEST)
+        attempt_bytes / super::BYTES_PER_ATTEMPT_AND_REQUEST
     );
     assert_eq!(caps.max_requests, caps.max_attempts);
     let full = BudgetCaps::estimate(caps.max_attempts as u64, caps.max_requests as u64, 0);

@@ -107,15 +107,10 @@ pub const FAULT_RATE: f64 = 0.05;
 /// `stranded-kv`: how long the holding side keeps the request, past the rules' 30 s window.
 pub const FAULT_HOLD: Duration = Duration::from_secs(40);
 
-/// How long after an injected room's leg arrived its default rule can have a verdict: the
-/// rule's grace or window (`unknown-room` 5 s; `stranded-kv` and `held-decode-slot` 30 s;
-/// `success-after-abort` none).
+/// How long after an injected room's leg arrived its default rule can have a verdict.
 pub fn fault_window(f: Fault) -> Duration {
-    match f {
-        Fault::UnknownRoom => Duration::from_secs(5),
-        Fault::SuccessAfterAbort => Duration::ZERO,
-        Fault::StrandedKv => Duration::from_secs(30),
-    }
+    test_harness::fault_verdict_window(f.as_str())
+        .unwrap_or_else(|| panic!("no verdict window for --fault {}", f.as_str()))
 }
 
 /// Whether the witness can see the fault at all: an injected handshake has no spans (OTLP

@@ -2,7 +2,7 @@
 //! away mid-request cancels it (ABORT to prefill) unless `--decode-ignores-cancel`.
 
 use super::api::{Api, Parsed};
-use super::render::{WORDS, gen_text, render_chunk, render_final};
+use super::render::{WORDS, final_content_type, gen_text, render_chunk, render_final};
 use super::trace::ReqTrace;
 use super::*;
 use crate::fault::{Fault, Holder};
@@ -92,8 +92,7 @@ impl Worker {
     async fn inject_unknown_room(&self, prefill: SocketAddr, kv: SocketAddr) {
         let room = rand::rng().random::<u64>();
         self.send_bootstrap(prefill, room, kv).await;
-        self.stats.faults_injected.fetch_add(1, Ordering::Relaxed);
-        self.record(room, |r| r.outcome = Fault::UnknownRoom.outcome());
+        self.injected(room, Fault::UnknownRoom);
     }
 
     /// `BOOTSTRAP room ip port` to prefill's KV port, recorded in the room log.
@@ -191,10 +190,7 @@ pub(super) async fn decode(
     let mut err: Option<(StatusCode, String)> = None;
     let mut guard = None;
     let faults = &w.args.faults;
-    let stranded = p
-        .room
-        .filter(|&r| faults.hits_room(Fault::StrandedKv, r))
-        .map(|r| faults.holder(r));
+    let stranded = faults.stranded_holder(p.room);
     if let Some(room) = p.room {
         w.record(room, |r| {
             r.rid = rid.clone();
@@ -435,14 +431,9 @@ fn give_up_before_bootstrap(
         Some(&msg),
         (t_end - t0) as f64 / 1e9,
     );
-    let ct = if p.stream {
-        "text/event-stream"
-    } else {
-        "application/json"
-    };
     Response::builder()
         .status(200)
-        .header("content-type", ct)
+        .header("content-type", final_content_type(p.stream))
         .body(Body::from(body))
         .expect("static")
 }

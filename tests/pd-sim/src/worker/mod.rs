@@ -288,6 +288,12 @@ impl Worker {
         }
     }
 
+    /// A breach `fault` injected on `room`: counted, and the room's outcome says so.
+    fn injected(&self, room: u64, fault: crate::fault::Fault) {
+        self.stats.faults_injected.fetch_add(1, Ordering::Relaxed);
+        self.record(room, |r| r.outcome = fault.outcome());
+    }
+
     /// The tokenizer-stage and scheduler-stage admission checks, in SGLang's order, with
     /// SGLang's messages. `None` = admitted.
     fn check(&self, p: &Parsed, rid: &str) -> Option<(StatusCode, String, bool)> {

@@ -3,7 +3,7 @@
 //! whose partner never came.
 
 use super::api::Parsed;
-use super::render::render_final;
+use super::render::{final_content_type, render_final};
 use super::trace::ReqTrace;
 use super::*;
 use crate::fault::{Fault, Holder};
@@ -347,10 +347,7 @@ pub(super) async fn prefill(
         let mut answer_abort = true;
         let mut xfer = None;
         let faults = &w.args.faults;
-        let stranded = p
-            .room
-            .filter(|&r| faults.hits_room(Fault::StrandedKv, r))
-            .map(|r| faults.holder(r));
+        let stranded = faults.stranded_holder(p.room);
         if let (Some(room), Some(Holder::Decode)) = (p.room, stranded) {
             // `--fault stranded-kv`, decode holds: prefill gives up on the room at once and
             // says so; decode, told nothing, keeps waiting for the KV.
@@ -371,13 +368,12 @@ pub(super) async fn prefill(
                 Ok(Ok(x)) if abort_midway => {
                     // The transfer stopped short of `KV_DONE`: prefill's spans report the
                     // abort, its answer a normal finish (the breach).
-                    w.stats.faults_injected.fetch_add(1, Ordering::Relaxed);
                     err = Some(format!(
                         "Request {rid} aborted during KV transfer for bootstrap_room={room}: KVTransferError"
                     ));
                     answer_abort = false;
                     xfer = Some(x);
-                    w.record(room, |r| r.outcome = Fault::SuccessAfterAbort.outcome());
+                    w.injected(room, Fault::SuccessAfterAbort);
                 }
                 Ok(Ok(x)) => xfer = Some(x),
                 Ok(Err(_)) => {
@@ -394,8 +390,7 @@ pub(super) async fn prefill(
                         hold.as_millis()
                     ));
                     if stranded == Some(Holder::Prefill) {
-                        w.stats.faults_injected.fetch_add(1, Ordering::Relaxed);
-                        w.record(room, |r| r.outcome = Fault::StrandedKv.outcome());
+                        w.injected(room, Fault::StrandedKv);
                     } else {
                         w.record(room, |r| r.outcome = "bootstrap-timeout");
                     }
@@ -432,14 +427,9 @@ pub(super) async fn prefill(
             secs,
         ))
     };
-    let ct = if stream {
-        "text/event-stream"
-    } else {
-        "application/json"
-    };
     Response::builder()
         .status(StatusCode::OK)
-        .header("content-type", ct)
+        .header("content-type", final_content_type(stream))
         .body(Body::from_stream(futures_util::stream::once(fut)))
         .expect("static response parts")
 }

@@ -12,6 +12,15 @@ pub(super) fn gen_text(n: u64) -> String {
     (0..n as usize).map(|i| WORDS[i % WORDS.len()]).collect()
 }
 
+/// The content type of an answer made by [`render_final`]: an SSE stream when asked for one.
+pub(super) fn final_content_type(stream: bool) -> &'static str {
+    if stream {
+        "text/event-stream"
+    } else {
+        "application/json"
+    }
+}
+
 pub(super) fn render_final(
     p: &Parsed,
     rid: &str,

@@ -490,24 +490,22 @@ impl Tracker {
         if status < 400 {
             self.vllm_answer(at, kind, transfer_name.as_deref(), (body, &info), ts, out);
         }
+        // The answer's own message, else `fallback`.
+        let reason = |fallback: String| {
+            info.message
+                .as_deref()
+                .map_or(fallback, |m| truncate_reason(m).to_owned())
+        };
         let answer = if status >= 400 {
-            let reason = info
-                .message
-                .map(|m| truncate_reason(&m).to_owned())
-                .unwrap_or_else(|| format!("HTTP {status}"));
             Answer {
-                reason: Some(reason),
+                reason: Some(reason(format!("HTTP {status}"))),
                 ..Answer::new(Kind::Rejected, head_ts, Some(status))
             }
         } else if info.finish == Some(Finish::Abort) {
             // Answered 200, but the request was aborted (SGLang answers an abort this way):
             // it ended, it did not complete.
-            let reason = info
-                .message
-                .map(|m| truncate_reason(&m).to_owned())
-                .unwrap_or_else(|| "finish_reason abort".to_owned());
             Answer {
-                reason: Some(reason),
+                reason: Some(reason("finish_reason abort".to_owned())),
                 tokens: info.prompt_tokens,
                 ..Answer::new(Kind::Aborted, ts, Some(status))
             }
