@@ -43,24 +43,32 @@ fn arb_event(room: u64, start: u64) -> impl Strategy<Value = LifecycleEvent> {
         0..2u8,
         any::<bool>(),
         prop::option::of(8000..10_000u64),
+        // The request id on the event: none, the attempt's own, or now and then a second
+        // client request's on the same room (room-collision).
+        prop_oneof![6 => Just(None), 6 => Just(Some(0u8)), 1 => Just(Some(1u8))],
     )
-        .prop_map(move |(stage, kind, dt, status, node, with_rid, tokens)| {
-            let mut e = LifecycleEvent::new(T0 + start + dt * MS, stage, kind, Source::Ebpf)
-                .with_room(room);
-            e.status = status;
-            if node > 0 {
-                e.node = Some(format!("node-{node}").into());
-            }
-            if with_rid {
-                e.ids.rid = Some(format!("rid-{room}").into());
-            }
-            if kind == Kind::Dispatched {
-                e.to = Some(Stage::Decode);
-            }
-            e.input_tokens = tokens;
-            e.worker = Some("w".into());
-            e
-        })
+        .prop_map(
+            move |(stage, kind, dt, status, node, with_rid, tokens, request)| {
+                let mut e = LifecycleEvent::new(T0 + start + dt * MS, stage, kind, Source::Ebpf)
+                    .with_room(room);
+                e.status = status;
+                if node > 0 {
+                    e.node = Some(format!("node-{node}").into());
+                }
+                if with_rid {
+                    e.ids.rid = Some(format!("rid-{room}").into());
+                }
+                if kind == Kind::Dispatched {
+                    e.to = Some(Stage::Decode);
+                }
+                if let Some(n) = request {
+                    e.ids.request_id = Some(format!("req-{room}-{n}").into());
+                }
+                e.input_tokens = tokens;
+                e.worker = Some("w".into());
+                e
+            },
+        )
 }
 
 fn arb_stream() -> impl Strategy<Value = Vec<LifecycleEvent>> {

@@ -122,6 +122,8 @@ fn reacts(r: &CompiledRule) -> Reactions {
             ..specs(0)
         },
         (Shape::MustFollow(_) | Shape::RequiresBefore(_), _) => specs(1 << k.trigger),
+        // Judged from what resolving the event found (see `Resolved::collision`).
+        (Shape::Distinct(_), _) => specs(0),
         (Shape::Predicate(_), _) => Reactions {
             predicate: true,
             ..specs(k.stage_mask())

@@ -214,7 +214,7 @@ impl Checker {
             horizon,
         } = Layout::compile(&rules);
         let keeps = |specs: &[SlotSpec]| specs.iter().map(|s| s.keep).collect::<Vec<Keep>>();
-        let store = Store::new(
+        let mut store = Store::new(
             cfg.limits(horizon),
             keeps(&attempt_specs),
             keeps(&request_specs),
@@ -222,6 +222,12 @@ impl Checker {
             tomb_slot_map,
             tomb_rule_mask,
         );
+        if rules
+            .iter()
+            .any(|r| matches!(r.rule.shape, rules::Shape::Distinct(_)))
+        {
+            store.guard_room_request_ids();
+        }
         let n = rules.len();
         Checker {
             rules,

@@ -5,6 +5,7 @@ use std::fmt;
 
 use crate::engine::identity::Owner;
 use crate::engine::rules::Shape;
+use crate::engine::rules::distinct::Collision;
 use crate::engine::rules::predicate::Breach;
 use crate::engine::state::{Slot, SlotEvent};
 use crate::event::LifecycleEvent;
@@ -29,6 +30,8 @@ pub(super) struct Finding<'a> {
     pub expected: Option<SlotEvent>,
     pub context: Option<SlotEvent>,
     pub breach: Option<Breach>,
+    /// A `distinct` rule's finding: the two values on one key.
+    pub collision: Option<Collision>,
     pub detected_at_ns: u64,
     /// Set on a follow-up that corroborates an emitted never-after violation.
     pub corroboration: Option<Corroboration>,
@@ -58,6 +61,7 @@ impl<'a> Finding<'a> {
             expected: None,
             context: None,
             breach: None,
+            collision: None,
             detected_at_ns,
             corroboration: None,
         }
@@ -259,7 +263,11 @@ impl Checker {
                 Shape::MustFollow(m) => Some(m.within.0),
                 _ => None,
             },
-            breach: f.breach.as_ref().map(|b| b as &dyn fmt::Display),
+            breach: f
+                .breach
+                .as_ref()
+                .map(|b| b as &dyn fmt::Display)
+                .or(f.collision.as_ref().map(|c| c as &dyn fmt::Display)),
             trigger: f.trigger.map(template_event),
             trigger_reason: f.trigger_reason.as_deref(),
             event: f.offender.map(template_event),

@@ -63,14 +63,13 @@ impl Checker {
         let (r, linked) = match on.request {
             Some(r) => (r, on.linked),
             // A solo request (no record) holds its attempt's history already, and cannot
-            // breach without a trigger: only a trigger needs its record.
-            None if as_trigger => match self.store.request_record(a) {
-                Some(r) => {
-                    on.request = Some(r);
-                    (r, true)
-                }
-                None => return,
-            },
+            // breach without a trigger: only a trigger needs its record (an attempt with no
+            // request yet gets one, which its ids join when they come).
+            None if as_trigger => {
+                let r = self.store.trigger_record(a, e.time_ns);
+                on.request = Some(r);
+                (r, true)
+            }
             None => return,
         };
         let as_forbidden = hit & (1 << slots.other_latest) != 0;

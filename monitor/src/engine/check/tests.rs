@@ -443,3 +443,101 @@ fn zero_shares_still_give_one_of_each() {
         }
     );
 }
+
+/// Two client requests on one room: caught once, whichever arrives first, with both ids in the
+/// summary and one fingerprint. One request on two rooms (a retry) and one request on both legs
+/// of a room stay silent; without a distinct rule nothing is judged.
+#[test]
+fn room_collisions_are_caught_once_whichever_request_arrives_first() {
+    let t = 1_795_986_920 * S;
+    let leg = |dt: u64, stage: Stage, kind: Kind, req: &str, room: u64| {
+        LifecycleEvent::new(t + dt, stage, kind, Source::Ebpf)
+            .with_request_id(req)
+            .with_room(room)
+    };
+    let colliding = vec![
+        leg(0, Stage::Router, Kind::Dispatched, "req-a", 9).with_to(Stage::Prefill),
+        leg(MS, Stage::Prefill, Kind::Received, "req-a", 9),
+        leg(2 * MS, Stage::Router, Kind::Dispatched, "req-b", 9).with_to(Stage::Prefill),
+        leg(3 * MS, Stage::Prefill, Kind::Received, "req-b", 9),
+        leg(4 * MS, Stage::Decode, Kind::Received, "req-b", 9),
+        leg(6 * MS, Stage::Decode, Kind::Work, "req-a", 9),
+        leg(7 * MS, Stage::Decode, Kind::Completed, "req-a", 9).with_status(200),
+    ];
+    let run = |events: &[LifecycleEvent]| {
+        let mut c = Checker::new(RuleSet::embedded_defaults(), CheckerConfig::default());
+        let mut out: Vec<Violation> = events.iter().flat_map(|e| c.observe(e)).collect();
+        out.extend(c.tick(t + 60 * S));
+        out
+    };
+    let v = run(&colliding);
+    assert_eq!(v.len(), 1, "{v:#?}");
+    assert_eq!(v[0].rule, "room-collision");
+    assert_eq!(v[0].attempt.bootstrap_room, Some(9));
+    assert!(
+        v[0].summary.contains("request_id req-a and req-b"),
+        "{}",
+        v[0].summary
+    );
+    // The other arrival order: the same finding, the same fingerprint.
+    let mut reversed = colliding.clone();
+    reversed.swap(0, 2);
+    reversed.swap(1, 3);
+    let w = run(&reversed);
+    assert_eq!(w.len(), 1, "{w:#?}");
+    assert_eq!(
+        (&w[0].rule, &w[0].fingerprint, &w[0].summary),
+        (&v[0].rule, &v[0].fingerprint, &v[0].summary)
+    );
+
+    // One request retried on a new room, both legs of each room under its id: silent.
+    let clean = vec![
+        leg(0, Stage::Router, Kind::Dispatched, "req-c", 10).with_to(Stage::Prefill),
+        leg(MS, Stage::Prefill, Kind::Rejected, "req-c", 10).with_status(503),
+        leg(2 * MS, Stage::Decode, Kind::Cancelled, "req-c", 10),
+        leg(3 * MS, Stage::Router, Kind::Dispatched, "req-c", 11).with_to(Stage::Prefill),
+        leg(4 * MS, Stage::Prefill, Kind::Admitted, "req-c", 11),
+        leg(5 * MS, Stage::Decode, Kind::Work, "req-c", 11),
+        leg(6 * MS, Stage::Prefill, Kind::Completed, "req-c", 11).with_status(200),
+        leg(7 * MS, Stage::Decode, Kind::Completed, "req-c", 11).with_status(200),
+    ];
+    let v = run(&clean);
+    assert!(v.is_empty(), "{v:#?}");
+
+    // Without a distinct rule, no collision is judged.
+    let mut set = RuleSet::embedded_defaults();
+    set.apply_yaml(
+        "rules:\n  - name: room-collision\n    enabled: false\n",
+        "off.yaml",
+    )
+    .unwrap();
+    let mut c = Checker::new(set, CheckerConfig::default());
+    let v: Vec<Violation> = colliding.iter().flat_map(|e| c.observe(e)).collect();
+    assert!(v.iter().all(|v| v.rule != "room-collision"), "{v:#?}");
+}
+
+/// A request known by its x-request-id alone (the router received it), then an attempt known by
+/// its trace id alone (a worker's span), then an event naming all three: joining what the names
+/// found gives the attempt's solo request a record, and the attempt is linked to it once (no
+/// second materialization of a request that is no longer solo).
+#[test]
+fn names_joined_before_the_attempt_link_are_materialized_once() {
+    let mut c = Checker::new(RuleSet::embedded_defaults(), CheckerConfig::default());
+    let t = 1_795_986_940 * S;
+    let trace = "000000000000000000000000000000c1";
+    c.observe(&ev(t, Stage::Router, Kind::Received).with_request_id("rc-c"));
+    c.observe(
+        &ev(t + 500_000, Stage::Prefill, Kind::Admitted)
+            .with_trace_id(trace)
+            .with_room(7302),
+    );
+    let v = c.observe(
+        &ev(t + 100_000, Stage::Router, Kind::Dispatched)
+            .with_request_id("rc-c")
+            .with_trace_id(trace)
+            .with_room(7302)
+            .with_to(Stage::Decode),
+    );
+    assert!(v.is_empty(), "{v:#?}");
+    assert_eq!(c.stats().correlate.requests_merged, 1);
+}

@@ -69,6 +69,12 @@ pub struct Resolved {
     pub merged: bool,
     /// The event's request has no record: its only attempt keeps it (see [`RequestLink`]).
     pub solo: bool,
+    /// The event names its attempt's room with a request id other than the one the room's
+    /// request has ([`Store::room_request_id`]): two client requests on one room. They are
+    /// still joined through the room: whose KV a collided room moves cannot be told, so its
+    /// activity counts for each request on it (and the verdicts stay independent of which
+    /// request arrived first).
+    pub collision: bool,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -163,6 +169,9 @@ pub struct Store {
     request_hand: usize,
     /// Bumped by every request union (starts at 1; see [`RequestLink`]).
     union_epoch: u32,
+    /// A room keeps one request id (a `distinct` rule is on): an event naming a room with
+    /// another one is a collision.
+    room_request_ids_distinct: bool,
     stats: CorrelateStats,
 }
 
@@ -215,6 +224,7 @@ impl Store {
             attempt_hand: 0,
             request_hand: 0,
             union_epoch: 1,
+            room_request_ids_distinct: false,
             stats: CorrelateStats::default(),
         }
     }
@@ -270,6 +280,10 @@ impl Store {
     pub fn timer_valid(&self, due: u64, a: u32, generation: u32) -> bool {
         let at = &self.attempts[a as usize];
         at.generation == generation && at.is_live() && at.due_ns == due
+    }
+    /// Rooms keep one request id from now on (see [`Resolved::collision`]).
+    pub fn guard_room_request_ids(&mut self) {
+        self.room_request_ids_distinct = true;
     }
     pub fn stats(&self) -> CorrelateStats {
         self.stats

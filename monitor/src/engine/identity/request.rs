@@ -195,8 +195,7 @@ impl Store {
     }
 
     /// The record of attempt `a`'s request (its root), created if the request is solo; `None`
-    /// when the attempt has no request. For what needs a record: a request-level trigger, a
-    /// violation naming the request.
+    /// when the attempt has no request. For what needs a record: a violation naming the request.
     pub fn request_record(&mut self, a: u32) -> Option<u32> {
         let at = &self.attempts[a as usize];
         if at.request.is_solo() {
@@ -206,6 +205,21 @@ impl Store {
             NO_INDEX => None,
             r => Some(self.find(r)),
         }
+    }
+
+    /// [`Self::request_record`], and for an attempt no request id or trace id named yet, a
+    /// record of its own: a request-scope trigger on it (a router failure that names only the
+    /// room) must be kept for the request the attempt turns out to belong to.
+    pub fn trigger_record(&mut self, a: u32, time_ns: u64) -> u32 {
+        if let Some(r) = self.request_record(a) {
+            return r;
+        }
+        self.stats.requests_created += 1;
+        self.live_requests += 1;
+        let r = self.new_request_record();
+        self.requests[r as usize].last_ns = time_ns;
+        self.link(Some(AttemptAt::Live(a)), r);
+        r
     }
 
     /// Takes attempt `i`'s solo request ids, its aliases pointed at `to` first: an overwrite asks

@@ -19,6 +19,7 @@ impl Store {
             ids.request_id.as_deref().map(Alias::request_id),
             ids.trace_id.as_deref().map(Alias::trace_id),
         ];
+        let collision = self.room_collision(ids, attempt);
         let (request, linked) = if names.iter().all(Option::is_none) {
             (self.request_at(attempt, time_ns), false)
         } else {
@@ -34,7 +35,43 @@ impl Store {
             solo: matches!(request, Some(RequestAt::Solo(_))),
             linked: merged || linked,
             merged,
+            collision,
         }
+    }
+
+    /// Whether the event names its attempt's room with a request id other than the one the
+    /// room's request has (and rooms are to keep one: [`Self::guard_room_request_ids`]).
+    fn room_collision(&mut self, ids: &Ids, attempt: Option<AttemptAt>) -> bool {
+        if !self.room_request_ids_distinct {
+            return false;
+        }
+        let (Some(_), Some(theirs), Some(at)) =
+            (ids.bootstrap_room, ids.request_id.as_deref(), attempt)
+        else {
+            return false;
+        };
+        self.room_request_id(at)
+            .is_some_and(|ours| *ours != *theirs)
+    }
+
+    /// The request id of an attempt's request: the one it keeps solo, or its record's (the
+    /// union-find root's).
+    pub fn room_request_id(&mut self, at: AttemptAt) -> Option<Box<str>> {
+        let r = match at {
+            AttemptAt::Live(i) => {
+                let link = &self.attempts[i as usize].request;
+                if let Some(solo) = link.solo_ids() {
+                    return solo.request_id().map(Box::from);
+                }
+                link.index()
+            }
+            AttemptAt::Tomb(seq) => self.tomb_index(seq).map(|t| self.tomb(t).request)?,
+        };
+        if r == NO_INDEX {
+            return None;
+        }
+        let root = self.find(r);
+        self.requests[root as usize].request_id().map(Box::from)
     }
 
     /// The live attempt or tombstone an event's room and rid name, created if new; true when two
@@ -174,7 +211,6 @@ impl Store {
         time_ns: u64,
         request_trigger: bool,
     ) -> (RequestAt, bool) {
-        let cur = self.request_at(attempt, time_ns);
         let mut found = None;
         let mut known = [false; 2];
         // Each alias is looked up once.
@@ -193,6 +229,9 @@ impl Store {
                 Some(into) => self.join(named, into),
             });
         }
+        // After the lookups: joining what the names found may have given the attempt's solo
+        // request a record.
+        let cur = self.request_at(attempt, time_ns);
         let mut linked = false;
         let mut target = match (cur, found) {
             (Some(c), Some(f)) if c == f => c,

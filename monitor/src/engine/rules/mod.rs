@@ -4,6 +4,7 @@
 //! rules or overrides defaults by name (a partial entry such as `{name: stuck-attempt, enabled:
 //! false}` patches the default of that name).
 
+pub mod distinct;
 pub mod must_follow;
 pub mod never_after;
 pub mod predicate;
@@ -17,6 +18,7 @@ use serde::{Deserialize, Serialize};
 use crate::engine::state::SlotLayout;
 use crate::event::Stage;
 
+pub use distinct::Distinct;
 pub use must_follow::MustFollow;
 pub use never_after::NeverAfter;
 pub use predicate::Predicate;
@@ -70,6 +72,8 @@ pub struct RuleDef {
     pub requires_before: Option<RequiresBefore>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub predicate: Option<Predicate>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub distinct: Option<Distinct>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -120,11 +124,14 @@ pub enum RuleError {
     #[error("names are 1-64 characters of a-z, 0-9, '-' and '_'")]
     Name { name: String },
     /// The shapes given (two or more).
-    #[error("a rule takes exactly one of never_after, must_follow, requires_before, predicate")]
+    #[error(
+        "a rule takes exactly one of never_after, must_follow, requires_before, predicate, \
+         distinct"
+    )]
     SeveralShapes { shapes: Vec<&'static str> },
     #[error(
         "no such default rule to patch, and no shape given (never_after, must_follow, \
-         requires_before or predicate)"
+         requires_before, predicate or distinct)"
     )]
     NoShape,
     #[error("missing description")]
@@ -182,6 +189,7 @@ pub enum Shape {
     MustFollow(MustFollow),
     RequiresBefore(RequiresBefore),
     Predicate(Predicate),
+    Distinct(Distinct),
 }
 
 impl Shape {
@@ -210,8 +218,13 @@ impl Shape {
             &["rule", "severity", "request", "attempt", "worker", "breach"],
             &EVENT,
         ]);
+        const DISTINCT: &[&str] = &const_concat::<9>(&[
+            &["rule", "severity", "request", "attempt", "breach"],
+            &EVENT,
+        ]);
         match kind {
             "never_after" => NEVER_AFTER,
+            "distinct" => DISTINCT,
             "must_follow" => MUST_FOLLOW,
             "requires_before" => REQUIRES_BEFORE,
             _ => PREDICATE,
@@ -235,6 +248,7 @@ impl Shape {
             ],
             Shape::RequiresBefore(s) => vec![("event", &s.event), ("requires", &s.requires)],
             Shape::Predicate(s) => vec![("on", &s.on)],
+            Shape::Distinct(_) => vec![],
         }
     }
 
@@ -244,6 +258,7 @@ impl Shape {
             Shape::MustFollow(_) => "must_follow",
             Shape::RequiresBefore(_) => "requires_before",
             Shape::Predicate(_) => "predicate",
+            Shape::Distinct(_) => "distinct",
         }
     }
 }
@@ -424,6 +439,8 @@ struct RuleSpans {
     requires_before: Option<serde_saphyr::Spanned<serde::de::IgnoredAny>>,
     #[serde(default)]
     predicate: Option<serde_saphyr::Spanned<serde::de::IgnoredAny>>,
+    #[serde(default)]
+    distinct: Option<serde_saphyr::Spanned<serde::de::IgnoredAny>>,
 }
 
 /// Adds the position of rule `index` of `text` to an [`RulesError::Invalid`]: the field the
@@ -450,6 +467,7 @@ fn locate(err: RulesError, text: &str, index: usize) -> RulesError {
                 Some("must_follow") => r.must_follow.as_ref(),
                 Some("requires_before") => r.requires_before.as_ref(),
                 Some("predicate") => r.predicate.as_ref(),
+                Some("distinct") => r.distinct.as_ref(),
                 _ => None,
             },
             _ => None,
@@ -481,6 +499,9 @@ fn shape_of(def: &mut RuleDef) -> Result<Option<Shape>, RuleError> {
     }
     if let Some(s) = def.predicate.take() {
         shapes.push(Shape::Predicate(s));
+    }
+    if let Some(s) = def.distinct.take() {
+        shapes.push(Shape::Distinct(s));
     }
     match shapes.len() {
         0 => Ok(None),
@@ -585,6 +606,7 @@ fn validate(rule: &Rule) -> Result<(), RuleError> {
         Shape::MustFollow(s) => s.validate(),
         Shape::RequiresBefore(s) => s.validate(),
         Shape::Predicate(s) => s.validate(),
+        Shape::Distinct(_) => Ok(()),
     }
 }
 
@@ -602,6 +624,7 @@ fn default_output(shape: &Shape) -> &'static str {
         Shape::Predicate(_) => {
             "{rule}: {event.stage} {event.kind} of {attempt} breaks the condition"
         }
+        Shape::Distinct(_) => "{rule}: {attempt} carries {breach}",
     }
 }
 
@@ -621,6 +644,7 @@ impl Rule {
             Shape::MustFollow(s) => def.must_follow = Some(s.clone()),
             Shape::RequiresBefore(s) => def.requires_before = Some(s.clone()),
             Shape::Predicate(s) => def.predicate = Some(s.clone()),
+            Shape::Distinct(s) => def.distinct = Some(s.clone()),
         }
         def
     }
@@ -688,6 +712,8 @@ pub fn compile(
             // The earliest matching event per stage is judged again at the watermark, so facts
             // that arrive later (the input length, a capacity report) still count.
             Shape::Predicate(p) => p.slots(attempt),
+            // Judged on the ids as the correlator resolves them: no slots.
+            Shape::Distinct(_) => RuleSlots::default(),
         };
         out.push(CompiledRule {
             index,
@@ -729,6 +755,30 @@ mod tests {
     use crate::violation::TemplateError;
 
     #[test]
+    fn distinct_takes_only_the_alias_classes_it_can_judge() {
+        let ok = "rules:\n  - name: one-id-per-room\n    description: d\n    severity: info\n    distinct: {alias: request_id, per: bootstrap_room}\n";
+        let set = RuleSet::from_yaml(ok, "ok.yaml").unwrap();
+        assert!(matches!(set.rules[0].shape, Shape::Distinct(_)));
+        let bad = ok.replace("request_id", "trace_id");
+        let err = RuleSet::from_yaml(&bad, "bad.yaml")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("bad.yaml") && err.contains("trace_id") && err.contains("request_id"),
+            "{err}"
+        );
+        // A distinct rule has no trigger: `{trigger.*}` is an error at load.
+        let tpl = ok.replace(
+            "    distinct:",
+            "    output: \"{rule} {trigger.kind}\"\n    distinct:",
+        );
+        let err = RuleSet::from_yaml(&tpl, "tpl.yaml")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("a distinct rule has no value for"), "{err}");
+    }
+
+    #[test]
     fn embedded_defaults_have_the_documented_rules() {
         let set = RuleSet::embedded_defaults();
         let names: Vec<_> = set.rules.iter().map(|r| r.name.as_str()).collect();
@@ -740,6 +790,7 @@ mod tests {
                 "activity-after-request-failed",
                 "orphaned-leg",
                 "unknown-room",
+                "room-collision",
                 "success-after-abort",
                 "stranded-kv",
                 "held-decode-slot",
@@ -863,7 +914,7 @@ mod tests {
         assert_eq!(
             err.to_string(),
             "rule \"brand-new\" in u.yaml at line 2, column 11: no such default rule to patch, and no shape given \
-             (never_after, must_follow, requires_before or predicate)"
+             (never_after, must_follow, requires_before, predicate or distinct)"
         );
         let err = RuleSet::from_yaml(
             "rules:\n  - name: Bad\n    description: d\n    severity: info\n    never_after: {trigger: [{kind: [rejected]}], forbidden: []}\n",
