@@ -57,8 +57,8 @@ pub struct DemoArgs {
     /// Kernel capture: on (needs root), off, auto (on when root).
     #[arg(long, default_value = "auto")]
     ebpf: String,
-    /// Isolation breach the simulator injects (repeatable): unknown-room, success-after-abort,
-    /// stranded-kv (see tests/pd-sim/README.md, "Faults"). None by default.
+    /// Isolation breach the simulator injects (repeatable): room-collision, unknown-room,
+    /// success-after-abort, stranded-kv (see tests/pd-sim/README.md, "Faults"). None by default.
     #[arg(long = "fault")]
     faults: Vec<String>,
     /// Share of requests each `--fault` hits.
@@ -90,7 +90,10 @@ pub fn run(args: DemoArgs) -> Result<()> {
     }
     for f in &args.faults {
         if fault_verdict_window(f).is_none() {
-            bail!("--fault {f:?}: expected unknown-room, success-after-abort or stranded-kv");
+            bail!(
+                "--fault {f:?}: expected room-collision, unknown-room, success-after-abort or \
+                 stranded-kv"
+            );
         }
     }
     if !(0.0..=1.0).contains(&args.fault_rate) {

@@ -24,6 +24,7 @@ struct Outcome {
     rooms: Vec<Value>,
     decode_rooms: Vec<Value>,
     prefill_stats: Value,
+    router_stats: Value,
     metrics: Vec<Sample>,
     notifications: Vec<Value>,
     elapsed: Duration,
@@ -126,6 +127,7 @@ fn run_with(
     let rooms = cluster.prefill_rooms().unwrap();
     let decode_rooms = cluster.decode_rooms().unwrap();
     let prefill_stats = test_harness::http_json(&format!("{}/sim/stats", cluster.prefill)).unwrap();
+    let router_stats = test_harness::http_json(&format!("{}/sim/stats", cluster.router)).unwrap();
     let status = revenant.stop().unwrap();
     assert!(
         status.success(),
@@ -142,6 +144,7 @@ fn run_with(
         rooms,
         decode_rooms,
         prefill_stats,
+        router_stats,
         metrics,
         notifications,
         elapsed: t0.elapsed(),
@@ -564,6 +567,49 @@ fn success_after_abort_caught_once_each_with_both_witnesses() {
     assert!(
         by.keys().all(|k| k.contains("ebpf") && k.contains("otlp")),
         "the abort comes from the spans and the answer from the wire: {by:?}"
+    );
+}
+
+/// `--fault room-collision`: for 2 % of the attempts the router reuses the room of another
+/// request's attempt that just ended. Each reused room is one room-collision notification, from
+/// eBPF (the legs' x-request-id and the body's room; SGLang-shaped spans name no request id);
+/// everything else stays silent, the reused rooms' own requests included.
+#[test]
+fn room_collisions_caught_once_each() {
+    let _g = serial();
+    let o = run_with(
+        "correct",
+        &["--fault", "room-collision", "--fault-rate", "0.02"],
+        Sources::Both,
+        &["--rate", "500", "--requests", "3000"],
+        &|_: &Revenant, _: &Cluster| {},
+    );
+    report("room-collision/Both", &o);
+    assert_eq!(o.load["sent"], 3000);
+    assert_eq!(o.load["errors"], 0, "{}", o.load);
+    let want: BTreeSet<u64> = o.router_stats["collided_rooms"]
+        .as_array()
+        .expect("the router lists the rooms it reused")
+        .iter()
+        .map(|r| r.as_u64().expect("a room"))
+        .collect();
+    assert!(
+        want.len() > 20,
+        "2 % of 3000 attempts: {} rooms reused",
+        want.len()
+    );
+    assert_eq!(
+        o.router_stats["router"]["faults_injected"].as_u64(),
+        Some(want.len() as u64)
+    );
+    assert_no_loss(&o);
+    let want = want.into_iter().map(|r| (r, "room-collision")).collect();
+    assert_each_caught_once(&o, &want);
+    let by = common::sources_of_rule(&o.notifications, "room-collision");
+    eprintln!("room-collision evidence by source: {by:?}");
+    assert!(
+        by.keys().all(|k| k.contains("ebpf")),
+        "the wire names room and request id together: {by:?}"
     );
 }
 

@@ -179,8 +179,10 @@ pub fn run_load_quiet<S: AsRef<OsStr>>(
 
 /// The faults `pd-sim` injects (`--fault NAME`) and how long after a hit room's leg arrived
 /// revenant's default rule for it can have a verdict: the rule's grace or window
-/// (`unknown-room` 5 s; `stranded-kv` and `held-decode-slot` 30 s; `success-after-abort` none).
-pub const FAULT_VERDICT_WINDOWS: [(&str, Duration); 3] = [
+/// (`unknown-room` 5 s; `stranded-kv` and `held-decode-slot` 30 s; `room-collision` and
+/// `success-after-abort` none).
+pub const FAULT_VERDICT_WINDOWS: [(&str, Duration); 4] = [
+    ("room-collision", Duration::ZERO),
     ("unknown-room", Duration::from_secs(5)),
     ("success-after-abort", Duration::ZERO),
     ("stranded-kv", Duration::from_secs(30)),

@@ -165,6 +165,7 @@ fn all_rows() -> Vec<Row> {
     }
     // The isolation invariants: the correct router, each breach injected by the simulator.
     for fault in [
+        Fault::RoomCollision,
         Fault::UnknownRoom,
         Fault::SuccessAfterAbort,
         Fault::StrandedKv,

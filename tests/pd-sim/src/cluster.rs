@@ -236,6 +236,7 @@ pub async fn run(a: ClusterArgs) -> anyhow::Result<()> {
             format!("http://{}:{d_port}", a.host),
         ];
         rargs.extend(common.clone());
+        rargs.extend(a.faults.to_args());
         rargs.extend(split(&a.router_args));
         let router = start("router", "router", rargs).await?;
         procs.push(router);
@@ -401,6 +402,7 @@ async fn run_vllm(a: ClusterArgs) -> anyhow::Result<()> {
             url(1),
         ];
         rargs.extend(common.clone());
+        rargs.extend(a.faults.to_args());
         rargs.extend(split(&a.router_args));
         procs.push(start("router", "router", rargs).await?);
         Ok(())

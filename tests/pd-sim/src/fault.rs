@@ -1,6 +1,12 @@
 //! Isolation breaches on demand (`--fault NAME --fault-rate R`), so the demo and the tests can
 //! show each invariant being broken; without `--fault` the cluster stays clean.
 //!
+//! - `room-collision`: the router, for a share of its attempts, sends both legs on the room of
+//!   an attempt of another request that just succeeded, as a router that keeps client-supplied
+//!   rooms does when two clients chose the same one (SGLang #40125). Only ended rooms are
+//!   reused, so the simulated workers (which key a transfer by its room) serve both requests;
+//!   the wire shows two x-request-ids on one room. The router's `/sim/stats` lists each reused
+//!   room in `collided_rooms`.
 //! - `unknown-room`: decode, for a share of its legs, also sends prefill a `BOOTSTRAP` for a room
 //!   nobody created (what a client talking to prefill's KV port directly does: orphan rooms that
 //!   prefill keeps transfer state for). Decode's `/sim/rooms` lists each injected room with
@@ -21,6 +27,7 @@ use serde::Serialize;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Fault {
+    RoomCollision,
     UnknownRoom,
     SuccessAfterAbort,
     StrandedKv,
@@ -29,6 +36,7 @@ pub enum Fault {
 impl Fault {
     pub fn as_str(self) -> &'static str {
         match self {
+            Fault::RoomCollision => "room-collision",
             Fault::UnknownRoom => "unknown-room",
             Fault::SuccessAfterAbort => "success-after-abort",
             Fault::StrandedKv => "stranded-kv",
@@ -38,6 +46,7 @@ impl Fault {
     /// The room-log outcome of what this fault injected.
     pub fn outcome(self) -> &'static str {
         match self {
+            Fault::RoomCollision => "injected-room-collision",
             Fault::UnknownRoom => "injected-unknown-room",
             Fault::SuccessAfterAbort => "injected-success-after-abort",
             Fault::StrandedKv => "injected-stranded-kv",
@@ -56,7 +65,8 @@ pub enum Holder {
 
 #[derive(clap::Args, Clone, Debug, Default)]
 pub struct FaultArgs {
-    /// Isolation breach to inject (repeatable): unknown-room, success-after-abort, stranded-kv.
+    /// Isolation breach to inject (repeatable): room-collision, unknown-room,
+    /// success-after-abort, stranded-kv.
     /// None by default.
     #[arg(long = "fault", value_enum)]
     pub faults: Vec<Fault>,

@@ -108,6 +108,10 @@ pub struct RouterArgs {
     /// Seed of the leg-jitter draws (default: from the OS).
     #[arg(long)]
     pub jitter_seed: Option<u64>,
+    /// `--fault room-collision`: a share of attempts reuse the room of an attempt that just
+    /// ended (see `crate::fault`); the other faults are the workers'.
+    #[command(flatten)]
+    pub faults: crate::fault::FaultArgs,
 }
 
 #[derive(Default, Serialize)]
@@ -128,7 +132,22 @@ pub struct RouterStats {
     pub responses_2xx: AtomicU64,
     pub responses_4xx: AtomicU64,
     pub responses_5xx: AtomicU64,
+    /// `--fault room-collision`: attempts sent on a room another request had (each also in
+    /// `collided_rooms` of `/sim/stats`).
+    pub faults_injected: AtomicU64,
 }
+
+/// Rooms of attempts that ended, for `--fault room-collision` to reuse, and the rooms it
+/// reused (the oracle of what a monitor must report).
+#[derive(Default)]
+struct RoomReuse {
+    ended: std::collections::VecDeque<u64>,
+    collided: Vec<u64>,
+}
+
+/// Ended rooms kept for reuse, and reused rooms listed in `/sim/stats`.
+const ENDED_ROOMS_KEPT: usize = 64;
+const COLLIDED_ROOMS_LISTED: usize = 10_000;
 
 struct Rt {
     args: RouterArgs,
@@ -144,9 +163,72 @@ struct Rt {
     jitter_max_us: u64,
     jitter: Mutex<SmallRng>,
     idle: Mutex<Vec<IdleConn>>,
+    rooms: Mutex<RoomReuse>,
 }
 
 impl Rt {
+    /// The room of a new attempt: fresh, or with `--fault room-collision` now and then the room
+    /// of an attempt of another request that just ended (a router that keeps client-supplied
+    /// rooms, two clients that chose the same one). Reusing an ended room keeps the simulated
+    /// workers' own state apart (they key transfers by room) while the wire shows two requests
+    /// on one room.
+    fn attempt_room(&self, request_id: &str) -> u64 {
+        if self.args.faults.hits(crate::fault::Fault::RoomCollision) {
+            let mut r = self.rooms.lock().expect("rooms lock");
+            if let Some(room) = r.ended.pop_front() {
+                if r.collided.len() < COLLIDED_ROOMS_LISTED {
+                    r.collided.push(room);
+                }
+                self.stats.faults_injected.fetch_add(1, Ordering::Relaxed);
+                tracing::info!(room, request_id, "fault room-collision: reusing an ended room");
+                return room;
+            }
+        }
+        new_room()
+    }
+
+    /// `resp`, whose body's end (or drop) also ends the request's last attempt (on the last of
+    /// `rooms`): only then may `--fault room-collision` reuse its room (a streamed answer is
+    /// still decode's leg). Only rooms of attempts that succeeded are reused: a rejected room
+    /// that another request advances on is also activity after that rejection, a second finding
+    /// about one injected breach.
+    fn retire_rooms_after(self: &Arc<Self>, resp: Response, mut rooms: Vec<u64>) -> Response {
+        if !self.args.faults.faults.contains(&crate::fault::Fault::RoomCollision)
+            || !resp.status().is_success()
+        {
+            return resp;
+        }
+        rooms.drain(..rooms.len().saturating_sub(1));
+        struct Retire(Shared, Vec<u64>);
+        impl Drop for Retire {
+            fn drop(&mut self) {
+                self.0.rooms_ended(&self.1);
+            }
+        }
+        let retire = Retire(self.clone(), rooms);
+        let (parts, body) = resp.into_parts();
+        let body = body.map_frame(move |f| {
+            let _ = &retire;
+            f
+        });
+        Response::from_parts(parts, Body::new(body))
+    }
+
+    /// The attempts on `rooms` ended: their rooms may be reused (`--fault room-collision`).
+    fn rooms_ended(&self, rooms: &[u64]) {
+        let mut r = self.rooms.lock().expect("rooms lock");
+        for &room in rooms {
+            // A reused room is not reused again: one collision per room.
+            if r.collided.contains(&room) {
+                continue;
+            }
+            if r.ended.len() == ENDED_ROOMS_KEPT {
+                r.ended.pop_front();
+            }
+            r.ended.push_back(room);
+        }
+    }
+
     /// One leg's transit delay (see `--leg-jitter-us`).
     fn jitter(&self) -> Duration {
         if self.jitter_max_us == 0 {
@@ -211,6 +293,7 @@ pub async fn run(args: RouterArgs) -> anyhow::Result<()> {
         jitter_max_us,
         jitter,
         idle: Mutex::new(Vec::new()),
+        rooms: Mutex::new(RoomReuse::default()),
         bootstrap_host,
         client: http_client(1024),
         stats: RouterStats::default(),
@@ -255,8 +338,10 @@ pub async fn run(args: RouterArgs) -> anyhow::Result<()> {
 }
 
 async fn sim_stats(State(rt): State<Shared>) -> Response {
+    let collided = rt.rooms.lock().expect("rooms lock").collided.clone();
     axum::Json(serde_json::json!({"role": "router", "mode": rt.args.mode, "leg_jitter_us": rt.jitter_max_us,
-                                  "router": &rt.stats, "otlp": &*rt.spans.stats}))
+                                  "router": &rt.stats, "otlp": &*rt.spans.stats,
+                                  "collided_rooms": collided}))
         .into_response()
 }
 
@@ -727,6 +812,8 @@ struct RouterSpan {
     parent: Option<[u8; 8]>,
     start: u64,
     events: Vec<opentelemetry_proto::tonic::trace::v1::span::Event>,
+    /// The rooms of its attempts.
+    rooms: Vec<u64>,
 }
 
 async fn route(rt: Shared, path: &'static str, headers: HeaderMap, body: Bytes) -> Response {
@@ -746,12 +833,14 @@ async fn route(rt: Shared, path: &'static str, headers: HeaderMap, body: Bytes) 
         parent: incoming.map(|t| t.span_id),
         start: now_ns(),
         events: Vec::new(),
+        rooms: Vec::new(),
     };
     let tp = TraceParent {
         trace_id: span.trace_id,
         span_id: span.span_id,
     };
     let resp = route_inner(&rt, path, &request_id, &tp, &body, &mut span).await;
+    let resp = rt.retire_rooms_after(resp, std::mem::take(&mut span.rooms));
     let status = resp.status();
     match status.as_u16() {
         200..=299 => rt.stats.responses_2xx.fetch_add(1, Ordering::Relaxed),
@@ -820,7 +909,8 @@ async fn route_inner(
             backoff = (backoff * 2).min(Duration::from_secs(5));
         }
         rt.stats.attempts.fetch_add(1, Ordering::Relaxed);
-        let room = new_room();
+        let room = rt.attempt_room(request_id);
+        span.rooms.push(room);
         let Some(leg_body) = with_bootstrap(body, &rt.bootstrap_host, rt.args.bootstrap_port, room)
         else {
             return error_response(

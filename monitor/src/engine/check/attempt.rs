@@ -7,7 +7,6 @@
 //! place, so the path compiles to one body.
 
 use crate::engine::identity::{AttemptAt, Owner, Resolved};
-use crate::engine::rules::distinct::Collision;
 use crate::engine::rules::predicate::{Breach, Known};
 use crate::engine::rules::{RuleSlots, Scope, Shape};
 use crate::engine::state::{Candidates, NodeId, Slot};
@@ -120,44 +119,10 @@ impl Checker {
             }
         }
         if resolved.collision {
-            self.report_collisions(&mut on, out);
+            self.report_collision(AttemptAt::Live(a), e, out);
         }
         if e.kind.is_terminal() {
             self.settle(a);
-        }
-    }
-
-    /// The event named its attempt's room with a second request id: every `distinct` rule
-    /// reports it, once per attempt.
-    #[cold]
-    fn report_collisions(&mut self, on: &mut OnAttempt, out: &mut Vec<Violation>) {
-        let (a, e) = (on.a, on.e);
-        for ri in 0..self.rules.len() {
-            let Shape::Distinct(rule) = &self.rules[ri].rule.shape else {
-                continue;
-            };
-            let alias = rule.alias;
-            let bit = 1u64 << ri;
-            if self.store.attempt(a).fired & bit != 0 {
-                self.stats.repeats += 1;
-                continue;
-            }
-            self.store.mark_fired(a, bit);
-            let first = self.store.room_request_id(AttemptAt::Live(a));
-            let collision = Collision {
-                alias,
-                first: first.map(String::from).unwrap_or_default(),
-                second: e.ids.request_id.as_deref().unwrap_or("").to_owned(),
-            };
-            // No request: the two are the finding, and the room names it whichever came first.
-            let f = Finding {
-                attempt: self.attempt_aliases(a),
-                offender: Some(slot_event(e)),
-                offender_reason: e.reason.as_deref().map(str::to_owned),
-                collision: Some(collision),
-                ..Finding::new(ri, e.time_ns)
-            };
-            out.push(self.violation(f));
         }
     }
 

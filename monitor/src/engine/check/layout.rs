@@ -81,11 +81,17 @@ fn never_after_of(r: &CompiledRule, scope: Scope) -> bool {
 }
 
 /// The attempt slots tombstones keep (those of attempt-scope never-after rules, the only ones
-/// judged on them) and the mask of those rules.
+/// judged on their slots) and the mask of the rules judged on tombstones (those and the
+/// distinct rules).
 fn tombstone_slots(rules: &[CompiledRule], attempt: &SlotLayout) -> (Vec<usize>, u64) {
     let mut map = Vec::new();
     let mut mask = 0u64;
     for (ri, r) in rules.iter().enumerate() {
+        // A distinct rule keeps only its fired bit: a room that collided once reports it once.
+        if matches!(r.rule.shape, Shape::Distinct(_)) {
+            mask |= 1 << ri;
+            continue;
+        }
         if !never_after_of(r, Scope::Attempt) {
             continue;
         }

@@ -287,6 +287,9 @@ impl Checker {
                     self.stats.events_attempt += 1;
                     self.stats.events_on_tombstones += 1;
                     self.observe_tombstone(seq, resolved.request, e, node, &mut out);
+                    if resolved.collision {
+                        self.report_collision(AttemptAt::Tomb(seq), e, &mut out);
+                    }
                 }
                 None => match resolved.request {
                     Some(r) => {

@@ -3,7 +3,7 @@
 
 use std::fmt;
 
-use crate::engine::identity::Owner;
+use crate::engine::identity::{AttemptAt, Owner};
 use crate::engine::rules::Shape;
 use crate::engine::rules::distinct::Collision;
 use crate::engine::rules::predicate::Breach;
@@ -141,6 +141,56 @@ fn template_event(ev: SlotEvent) -> TemplateEvent {
 }
 
 impl Checker {
+    /// The event named the room of attempt `at` (live or a tombstone) with a second request id:
+    /// every `distinct` rule reports it, once per attempt. No request: the two are the finding,
+    /// and the room names it (its fingerprint), whichever request came first.
+    #[cold]
+    pub(super) fn report_collision(
+        &mut self,
+        at: AttemptAt,
+        e: &LifecycleEvent,
+        out: &mut Vec<Violation>,
+    ) {
+        for ri in 0..self.rules.len() {
+            let Shape::Distinct(rule) = &self.rules[ri].rule.shape else {
+                continue;
+            };
+            let alias = rule.alias;
+            let bit = 1u64 << ri;
+            let (fired, attempt) = match at {
+                AttemptAt::Live(a) => (self.store.attempt(a).fired, self.attempt_aliases(a)),
+                AttemptAt::Tomb(seq) => match self.store.tomb_index(seq) {
+                    Some(ti) => (self.store.tomb_fired(ti), event_aliases(e)),
+                    None => continue,
+                },
+            };
+            if fired & bit != 0 {
+                self.stats.repeats += 1;
+                continue;
+            }
+            match at {
+                AttemptAt::Live(a) => self.store.mark_fired(a, bit),
+                AttemptAt::Tomb(seq) => {
+                    let ti = self.store.tomb_index(seq).expect("checked above");
+                    self.store.add_tomb_fired(ti, bit);
+                }
+            }
+            let first = self.store.room_request_id(at);
+            let f = Finding {
+                attempt,
+                offender: Some(slot_event(e)),
+                offender_reason: e.reason.as_deref().map(str::to_owned),
+                collision: Some(Collision {
+                    alias,
+                    first: first.map(String::from).unwrap_or_default(),
+                    second: e.ids.request_id.as_deref().unwrap_or("").to_owned(),
+                }),
+                ..Finding::new(ri, e.time_ns)
+            };
+            out.push(self.violation(f));
+        }
+    }
+
     /// Emits a never-after finding (first or corroborating) and remembers its evidence sources.
     pub(super) fn report(
         &mut self,

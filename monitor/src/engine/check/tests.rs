@@ -504,6 +504,21 @@ fn room_collisions_are_caught_once_whichever_request_arrives_first() {
     let v = run(&clean);
     assert!(v.is_empty(), "{v:#?}");
 
+    // A room reused after its attempt was compacted: its tombstone names the first request.
+    let mut c = Checker::new(RuleSet::embedded_defaults(), CheckerConfig::default());
+    let first = [
+        leg(0, Stage::Prefill, Kind::Admitted, "req-d", 12),
+        leg(MS, Stage::Prefill, Kind::Completed, "req-d", 12).with_status(200),
+    ];
+    let mut v: Vec<Violation> = first.iter().flat_map(|e| c.observe(e)).collect();
+    v.extend(c.tick(t + 20 * S));
+    assert_eq!(c.store.tombstones(), 1, "compacted");
+    for dt in [21 * S, 22 * S] {
+        v.extend(c.observe(&leg(dt, Stage::Prefill, Kind::Received, "req-e", 12)));
+    }
+    assert_eq!(v.len(), 1, "{v:#?}");
+    assert!(v[0].summary.contains("request_id req-d and req-e"), "{}", v[0].summary);
+
     // Without a distinct rule, no collision is judged.
     let mut set = RuleSet::embedded_defaults();
     set.apply_yaml(

@@ -318,12 +318,15 @@ impl RuleSet {
         Ok(set)
     }
 
-    /// How many rules a tombstone keeps state for (attempt-scope never_after): at most
-    /// [`MAX_TOMBSTONE_RULES`].
+    /// How many rules a tombstone keeps state for (attempt-scope never_after, distinct): at
+    /// most [`MAX_TOMBSTONE_RULES`].
     pub fn tombstone_rules(&self) -> usize {
         self.rules
             .iter()
-            .filter(|r| matches!(r.shape, Shape::NeverAfter(_)) && r.scope == Scope::Attempt)
+            .filter(|r| {
+                matches!(r.shape, Shape::NeverAfter(_)) && r.scope == Scope::Attempt
+                    || matches!(r.shape, Shape::Distinct(_))
+            })
             .count()
     }
 
@@ -358,8 +361,8 @@ impl RuleSet {
             return Err(RulesError::Parse {
                 origin: origin.to_owned(),
                 message: format!(
-                    "{kept_on_tombstones} never_after rules of scope attempt; at most \
-                     {MAX_TOMBSTONE_RULES} are supported"
+                    "{kept_on_tombstones} never_after rules of scope attempt and distinct \
+                     rules; at most {MAX_TOMBSTONE_RULES} are supported"
                 ),
             });
         }

@@ -113,13 +113,16 @@ pub fn fault_window(f: Fault) -> Duration {
         .unwrap_or_else(|| panic!("no verdict window for --fault {}", f.as_str()))
 }
 
-/// Whether the witness can see the fault at all: an injected handshake has no spans (OTLP
+/// Whether the witness can see the fault at all: two requests on one room need an event that
+/// names both (the wire's legs; SGLang-shaped spans name no request id); an injected handshake has no spans (OTLP
 /// cannot see an unknown room); a success after an abort needs the spans (the abort) and the
 /// wire (the answer). A held leg is on the wire at once, in its spans only once it lets go:
 /// OTLP sees it because [`FAULT_HOLD`] ends within the allowed lateness after the 30 s window
 /// (a leg held longer reaches revenant too late to count).
 pub fn fault_visible(f: Fault, w: Witness) -> bool {
     match f {
+        // The legs name room and request id together; SGLang-shaped spans name no request id.
+        Fault::RoomCollision => w.ebpf(),
         Fault::UnknownRoom => w.ebpf(),
         Fault::StrandedKv => true,
         Fault::SuccessAfterAbort => w == Witness::Both,
@@ -131,6 +134,7 @@ impl Row {
         [
             match self.fault {
                 None => self.router.name(),
+                Some(Fault::RoomCollision) => "correct+fault:room-collision",
                 Some(Fault::UnknownRoom) => "correct+fault:unknown-room",
                 Some(Fault::SuccessAfterAbort) => "correct+fault:success-after-abort",
                 Some(Fault::StrandedKv) => "correct+fault:stranded-kv",
@@ -451,6 +455,8 @@ pub struct Finished {
     pub events_path: PathBuf,
     pub prefill: Vec<Value>,
     pub decode: Vec<Value>,
+    /// The rooms the simulator's router reused (`--fault room-collision`).
+    pub collided: Vec<Value>,
     /// Spans the simulator's exporters dropped or failed to send.
     pub sim_losses: u64,
     pub alerts: Vec<Value>,
@@ -473,6 +479,9 @@ pub fn finish_row(run: RowRun) -> Finished {
     } = run;
     let prefill = rooms(&cluster.prefill, vllm);
     let decode = rooms(&cluster.decode, vllm);
+    let collided = http_json(&format!("{}/sim/stats", cluster.router))
+        .map(|s| s["collided_rooms"].as_array().cloned().unwrap_or_default())
+        .unwrap_or_default();
     let sim_losses: u64 = [&cluster.prefill, &cluster.decode]
         .iter()
         .map(|u| {
@@ -496,6 +505,7 @@ pub fn finish_row(run: RowRun) -> Finished {
         events_path,
         prefill,
         decode,
+        collided,
         sim_losses,
         alerts,
         wall_s,
@@ -520,6 +530,7 @@ pub fn judge(
         events_path,
         prefill,
         decode,
+        collided,
         sim_losses,
         alerts,
         wall_s,
@@ -546,7 +557,13 @@ pub fn judge(
         .filter(|r| r["status"].as_u64().unwrap_or(0) >= 400)
         .filter_map(|r| key_of(r, vllm))
         .collect();
-    let breaches: BTreeSet<String> = if let Some(f) = row.fault {
+    let breaches: BTreeSet<String> = if row.fault == Some(Fault::RoomCollision) {
+        // The router's record: the rooms it reused.
+        collided
+            .iter()
+            .filter_map(|r| r.as_u64().map(|r| r.to_string()))
+            .collect()
+    } else if let Some(f) = row.fault {
         // What the simulator injected (the holding side records a stranded room).
         prefill
             .iter()
