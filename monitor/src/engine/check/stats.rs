@@ -37,7 +37,8 @@ pub struct CheckerStats {
     pub request_records: u64,
     pub tombstones: u64,
     /// Attempts, requests and tombstones whose rule slots did not fit a packed row (events more
-    /// than 9 minutes apart, statuses above 1023) and are kept at full width.
+    /// than 9 minutes apart, statuses above 1023, a live attempt's slots holding more than 15
+    /// distinct events) and are kept at full width.
     pub wide_slot_rows: u64,
     pub watermark_ns: u64,
     pub max_event_ns: u64,

@@ -306,7 +306,8 @@ impl Store {
         self.aliases.len()
     }
 
-    /// Attempts, requests and tombstones whose slots did not fit a packed row, for the stats.
+    /// Attempts, requests and tombstones whose slots did not fit a packed or mapped row, for the
+    /// stats.
     pub fn wide_rows(&self) -> usize {
         self.attempt_rows.wide_len() + self.wide_requests.len() + self.wide_tombs.len()
     }

@@ -38,7 +38,7 @@ impl Slots<'_> {
     pub fn get(&self, k: usize) -> Slot {
         match self {
             Slots::Packed(row) => packed::get(row, k),
-            Slots::Mapped { row, .. } => mapped::get(row, k),
+            Slots::Mapped { row, n } => mapped::get(row, *n as usize, k),
             Slots::Wide(s) => s[k],
         }
     }

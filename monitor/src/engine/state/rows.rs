@@ -1,18 +1,20 @@
 //! Live attempts' slot rows, stored sparsely in size classes.
 //!
-//! An attempt sets only some of its slots (a normal one 8 of the default rules' 13, a rejected
-//! one fewer), and several of those remember the same event, so a dense row of one word per
-//! slot is mostly zeros and repeats. Here a row is a [`mapped`] row, the base, a map word and
-//! one word per distinct remembered event, kept in the smallest class of rows that holds it.
+//! An attempt sets only some of its slots (a normal one 19 of the default rules' 29, a rejected
+//! one fewer), and several of those remember the same event (the normal one's 19 hold 9), so a
+//! dense row of one word per slot is mostly zeros and repeats. Here a row is a [`mapped`] row, the base, its map words
+//! (one, or two past 15 slots) and one word per distinct remembered event, kept in the smallest
+//! class of rows that holds it.
 //! Every class carves its rows out of its own 64 KiB chunks of one slab (so a row is found
 //! from its word offset alone, with no per-class table on the read path) and threads a free
 //! list through its free rows (no side vector to account for). A row that needs a word past
 //! its width drops the words no slot refers to any more, or else moves to the next class; a
 //! fresh attempt has no row until its first slot is set.
 //!
-//! Layouts of more slots than a map word indexes keep one class of dense [`packed`] rows.
-//! Rows that cannot be packed at all (events spanning more than the packed window, a status
-//! above 1023) are wide: full slots in a side map.
+//! Layouts of more slots than two map words index ([`MAPPED_MAX`]) keep one class of dense
+//! [`packed`] rows. Rows that cannot be packed at all (events spanning more than the packed
+//! window, a status above 1023) or that remember more distinct events than a mapped row's word
+//! indices name ([`mapped::WORDS_MAX`]) are wide: full slots in a side map.
 
 use std::collections::HashMap;
 
@@ -47,7 +49,12 @@ impl RowRef {
 
 /// What an absent row reads as: every slot empty (a mapped row of no word, or a dense row of
 /// zero words).
-static ZERO_ROW: [u64; 2 + SlotLayout::MAX] = [0; 2 + SlotLayout::MAX];
+static ZERO_ROW: [u64; ZERO_LEN] = [0; ZERO_LEN];
+/// The longest of a full mapped row and a dense row of the most slots.
+const ZERO_LEN: usize = {
+    let (mapped, dense) = (mapped::max_len(MAPPED_MAX), 1 + SlotLayout::MAX);
+    if mapped > dense { mapped } else { dense }
+};
 
 /// Words per slab chunk (64 KiB): a chunk holds rows of one class.
 const CHUNK_BITS: u32 = 13;
@@ -66,7 +73,7 @@ struct Class {
 pub struct SlotRows {
     /// Slots per row (the attempt layout's specs).
     n: usize,
-    /// More slots than a map word indexes: one class of dense packed rows.
+    /// More slots than a mapped row indexes: one class of dense packed rows.
     dense: bool,
     /// Every class's chunks.
     slab: Vec<Box<[u64]>>,
@@ -76,9 +83,10 @@ pub struct SlotRows {
     wide: HashMap<u32, Box<[Slot]>, FixedState>,
 }
 
-/// Row widths in words (base and map included) for rows of `n` slots. Two words per step from
-/// room for three: an attempt adds events a few at a time over its first events, and a step
-/// of one word (or a first class of one) would move a growing row at nearly every event.
+/// Row widths in words (base and map words included) for rows of `n` slots. Two words per step
+/// from five (room for three events with one map word, two with two): an attempt adds events a
+/// few at a time over its first events, and a step of one word (or a first class of one) would
+/// move a growing row at nearly every event.
 fn class_widths(n: usize) -> Vec<usize> {
     let mut widths = Vec::new();
     let mut w = 5;
@@ -117,7 +125,7 @@ impl SlotRows {
         &self.keeps
     }
 
-    /// Rows whose slots did not fit a packed row.
+    /// Rows whose slots did not fit a packed or mapped row.
     pub fn wide_len(&self) -> usize {
         self.wide.len()
     }
@@ -152,7 +160,7 @@ impl SlotRows {
     #[inline(always)]
     pub fn view(&self, r: RowRef, id: u32) -> Slots<'_> {
         let row = match r.class {
-            NO_ROW => &ZERO_ROW[..mapped::max_len(self.n)],
+            NO_ROW => &ZERO_ROW,
             WIDE_ROW => {
                 return Slots::Wide(self.wide.get(&id).expect("a wide row keeps its slots"));
             }
@@ -242,7 +250,8 @@ impl SlotRows {
     }
 
     /// Folds `slot` into every spec of the owner's row whose bit is set in `specs`; a row that
-    /// can no longer be packed becomes wide. Returns the specs whose slots changed.
+    /// can no longer be packed, or would need more distinct words than a mapped row names,
+    /// becomes wide. Returns the specs whose slots changed.
     #[inline]
     pub fn fold(&mut self, r: &mut RowRef, id: u32, specs: u64, slot: Slot) -> u64 {
         if specs == 0 || !slot.is_set() {
@@ -257,8 +266,9 @@ impl SlotRows {
         if r.class == NO_ROW {
             match mapped::fresh(slot) {
                 Ok(header) => {
+                    let words = 1 + mapped::maps(self.n);
                     *r = self.alloc(0);
-                    self.row_mut(*r)[..2].copy_from_slice(&header);
+                    self.row_mut(*r)[..words].copy_from_slice(&header[..words]);
                 }
                 Err(packed::Unpackable) => {
                     let slots = vec![Slot::EMPTY; self.n].into_boxed_slice();
@@ -276,16 +286,21 @@ impl SlotRows {
             let at = r.index as usize & (CHUNK_WORDS - 1);
             let row = &mut chunk[at..at + width];
             let keeps = &self.keeps;
-            match mapped::fold_specs(row, specs, |k| keeps[k], slot) {
+            match mapped::fold_specs(row, self.n, specs, |k| keeps[k], slot) {
                 Ok(more) => return changed | more,
                 Err(Stop::Full { changed: more }) => {
                     changed |= more;
-                    let len = mapped::len(row[1]);
-                    if !mapped::has_garbage(row[1]) || mapped::compact(row, self.n) == len {
+                    let len = mapped::len(row, self.n);
+                    if !mapped::has_garbage(row, self.n) || mapped::compact(row, self.n) == len {
                         *r = self.relocate(*r, c + 1, len);
                     }
                 }
-                Err(Stop::Rebase) => return changed | self.fold_rebased(r, id, specs, slot),
+                // Encoding the folded slots again merges equal words and drops unreferenced
+                // ones; slots that still need more than the row's word indices name go wide.
+                Err(Stop::Words { changed: more }) => {
+                    return changed | more | self.fold_reencoded(r, id, specs, slot);
+                }
+                Err(Stop::Rebase) => return changed | self.fold_reencoded(r, id, specs, slot),
             }
         }
     }
@@ -312,10 +327,11 @@ impl SlotRows {
         }
     }
 
-    /// `slot` does not fit the row's base: fold on full slots and encode them again (under a
-    /// new base, or wide when none fits).
+    /// `slot` does not fit the row's base, or needs a word index the row has not got: fold on
+    /// full slots and encode them again (under a new base, equal words once; wide when no base
+    /// fits or they remember more distinct events than a mapped row holds).
     #[cold]
-    fn fold_rebased(&mut self, r: &mut RowRef, id: u32, specs: u64, slot: Slot) -> u64 {
+    fn fold_reencoded(&mut self, r: &mut RowRef, id: u32, specs: u64, slot: Slot) -> u64 {
         let mut all = mapped::decode(self.row(*r), self.n);
         let changed = fold_specs_full(&mut all, &self.keeps, specs, slot);
         self.store(r, id, &all);
@@ -341,13 +357,15 @@ impl SlotRows {
         }
         let mut buf = [0u64; 1 + SlotLayout::MAX];
         let encoded = if self.dense {
-            packed::store_row(&mut buf[..1 + self.n], slots).map(|()| 1 + self.n)
+            packed::store_row(&mut buf[..1 + self.n], slots)
+                .map(|()| 1 + self.n)
+                .map_err(mapped::Unfit::from)
         } else {
             mapped::encode(slots, &mut buf)
         };
         match encoded {
             Ok(len) => self.place(r, &buf[..len]),
-            Err(packed::Unpackable) => {
+            Err(mapped::Unfit::Unpackable | mapped::Unfit::Words) => {
                 if r.class != NO_ROW {
                     self.release(*r);
                 }
@@ -417,18 +435,36 @@ mod tests {
 
     impl Owners {
         fn new(n_slots: usize, owners: usize) -> Owners {
+            Owners::with_keeps(keeps(n_slots), owners)
+        }
+
+        fn with_keeps(keeps: Vec<Keep>, owners: usize) -> Owners {
+            let n_slots = keeps.len();
             Owners {
-                rows: SlotRows::new(keeps(n_slots)),
+                rows: SlotRows::new(keeps),
                 refs: vec![RowRef::NONE; owners],
                 truth: vec![vec![Slot::EMPTY; n_slots]; owners],
             }
         }
 
+        fn len(&self, o: usize) -> usize {
+            mapped::len(self.rows.row(self.refs[o]), self.rows.n)
+        }
+
         fn fold(&mut self, o: usize, specs: u64, slot: Slot) -> u64 {
             let keeps = self.rows.keeps().to_vec();
+            let was_wide = self.refs[o].class == WIDE_ROW;
             let want = fold_specs_full(&mut self.truth[o], &keeps, specs, slot);
             let got = self.rows.fold(&mut self.refs[o], o as u32, specs, slot);
             assert_eq!(got, want, "changed specs of owner {o}");
+            if !was_wide && self.refs[o].class == WIDE_ROW && !self.rows.dense {
+                // Only slots that fit no mapped row go wide.
+                let mut buf = [0u64; mapped::max_len(MAPPED_MAX)];
+                assert!(
+                    mapped::encode(&self.truth[o], &mut buf).is_err(),
+                    "owner {o}"
+                );
+            }
             self.check(o);
             got
         }
@@ -479,7 +515,9 @@ mod tests {
                 }
             }
         }
-        assert_eq!(o.rows.wide_len(), 0, "everything here packs");
+        if n_slots <= mapped::WORDS_MAX {
+            assert_eq!(o.rows.wide_len(), 0, "everything here packs");
+        }
     }
 
     #[test]
@@ -487,13 +525,181 @@ mod tests {
         random_round_trip(13, 100 * S);
         random_round_trip(15, 5 * S);
         random_round_trip(3, 1_000);
+        random_round_trip(16, 20 * S);
+        random_round_trip(27, 100 * S);
+        random_round_trip(31, 5 * S);
     }
 
     #[test]
     fn dense_rows_for_wide_layouts_round_trip() {
-        let o = Owners::new(20, 1);
+        let o = Owners::new(MAPPED_MAX + 1, 1);
         assert!(o.rows.dense);
-        random_round_trip(20, 100 * S);
+        random_round_trip(40, 100 * S);
+    }
+
+    #[test]
+    fn layouts_of_up_to_31_slots_keep_mapped_rows() {
+        for (n, widths) in [
+            (13, vec![5, 7, 9, 11, 13, 15]),
+            (15, vec![5, 7, 9, 11, 13, 15, 17]),
+            (16, vec![5, 7, 9, 11, 13, 15, 17, 18]),
+            (27, vec![5, 7, 9, 11, 13, 15, 17, 18]),
+            (31, vec![5, 7, 9, 11, 13, 15, 17, 18]),
+        ] {
+            let rows = SlotRows::new(keeps(n));
+            assert!(!rows.dense, "{n} slots");
+            let got: Vec<usize> = rows.classes.iter().map(|c| c.width).collect();
+            assert_eq!(got, widths, "{n} slots");
+            // An absent row reads as every slot empty, in both map words.
+            assert_eq!(rows.view(RowRef::NONE, 0).to_vec(), vec![Slot::EMPTY; n]);
+        }
+        assert!(SlotRows::new(keeps(MAPPED_MAX + 1)).dense);
+    }
+
+    fn work(t: u64) -> Slot {
+        at(t, Kind::Work, None, 0)
+    }
+
+    #[test]
+    fn two_map_word_rows_grow_share_and_compact() {
+        let mut o = Owners::with_keeps(vec![Keep::Latest; 27], 1);
+        // One event for slots of both map words: one word.
+        assert_eq!(
+            o.fold(0, 1 << 1 | 1 << 16 | 1 << 26, work(T0)),
+            1 << 1 | 1 << 16 | 1 << 26
+        );
+        assert_eq!((o.refs[0].class, o.len(0)), (1, 1 + 2 + 1));
+        assert_eq!(o.rows.row(o.refs[0]).len(), 5, "room for two words");
+        // A later event for 16: `a` is shared, so it takes a word of its own, filling the row.
+        o.fold(0, 1 << 16, work(T0 + S));
+        assert_eq!((o.refs[0].class, o.len(0)), (1, 1 + 2 + 2));
+        // One for 26 (`a` still shared with slot 1): the full row moves to the next class.
+        o.fold(0, 1 << 26, work(T0 + 2 * S));
+        assert_eq!((o.refs[0].class, o.len(0)), (2, 1 + 2 + 3));
+        // Slot 16's word is its own now: overwritten in place, and slot 21 takes it too.
+        o.fold(0, 1 << 16 | 1 << 21, work(T0 + 3 * S));
+        assert_eq!(o.len(0), 1 + 2 + 3);
+        // One event for 16 and 21, which share a word: a new word for both, the old one (that
+        // only second-map-word slots referred to) garbage.
+        assert!(!mapped::has_garbage(o.rows.row(o.refs[0]), 27));
+        o.fold(0, 1 << 16 | 1 << 21, work(T0 + 4 * S));
+        assert!(mapped::has_garbage(o.rows.row(o.refs[0]), 27));
+        assert_eq!(o.len(0), 1 + 2 + 4);
+        assert_eq!(o.len(0), o.rows.row(o.refs[0]).len(), "full");
+        // The next word drops it instead of moving the row.
+        o.fold(0, 1 << 5, work(T0 + 5 * S));
+        assert_eq!((o.refs[0].class, o.len(0)), (2, 1 + 2 + 4));
+        assert!(!mapped::has_garbage(o.rows.row(o.refs[0]), 27));
+        // A per-node pair across the map boundary (14, 15): a second node's event goes to 15.
+        let mut keeps = vec![Keep::Latest; 27];
+        (keeps[14], keeps[15]) = (Keep::EarliestPerNode, Keep::PairTail);
+        let mut o = Owners::with_keeps(keeps, 1);
+        o.fold(0, 1 << 14 | 1 << 3, at(T0, Kind::Work, None, 0));
+        o.fold(0, 1 << 14 | 1 << 20, at(T0 + S, Kind::Work, None, 1));
+        assert_eq!(o.truth[0][15], at(T0 + S, Kind::Work, None, 1));
+        assert_eq!(o.len(0), 1 + 2 + 2);
+    }
+
+    /// Fifteen distinct events (word indices 1 to 15, the last in the second map word), the
+    /// first also in slot 10.
+    fn fifteen_words(o: &mut Owners, owner: usize) {
+        let slots = [0usize, 1, 2, 3, 4, 5, 6, 7, 15, 16, 17, 18, 19, 20, 26];
+        for (i, &k) in slots.iter().enumerate() {
+            let specs = if i == 0 { 1 | 1 << 10 } else { 1 << k };
+            o.fold(owner, specs, work(T0 + i as u64 * S));
+        }
+        assert_eq!(o.len(owner), mapped::max_len(27));
+    }
+
+    #[test]
+    fn a_row_needing_a_sixteenth_word_goes_wide() {
+        let mut o = Owners::with_keeps(vec![Keep::Latest; 27], 3);
+        for owner in 0..3 {
+            fifteen_words(&mut o, owner);
+        }
+        // Owner 0: a sixteenth distinct event (slot 10's word is shared with slot 0): wide,
+        // every slot intact (`fold` checks them), counted with the other wide rows.
+        o.fold(0, 1 << 10, work(T0 + 20 * S));
+        assert_eq!(o.refs[0].class, WIDE_ROW);
+        assert_eq!(o.rows.wide_len(), 1);
+        // Owner 1: an event the row already holds, in an empty slot: the fold stops for a
+        // sixteenth word, but encoding again stores it once.
+        o.fold(1, 1 << 12, work(T0 + 3 * S));
+        assert_ne!(o.refs[1].class, WIDE_ROW);
+        assert_eq!(o.len(1), mapped::max_len(27));
+        // Owner 2: one event replacing both slots of a shared word: fifteen words again.
+        o.fold(2, 1 | 1 << 10, work(T0 + 20 * S));
+        assert_ne!(o.refs[2].class, WIDE_ROW);
+        assert_eq!(o.rows.wide_len(), 1);
+        // The wide row keeps folding; storing fifteen distinct events packs it again,
+        // sixteen stay wide.
+        o.fold(0, 1 << 22, work(T0 + 21 * S));
+        let mut slots = o.truth[0].clone();
+        slots[22] = Slot::EMPTY;
+        o.rows.store(&mut o.refs[0], 0, &slots);
+        assert_eq!((o.refs[0].class, o.rows.wide_len()), (WIDE_ROW, 1));
+        slots[10] = Slot::EMPTY;
+        o.rows.store(&mut o.refs[0], 0, &slots);
+        o.truth[0] = slots;
+        assert_ne!(o.refs[0].class, WIDE_ROW);
+        assert_eq!(o.rows.wide_len(), 0);
+        for owner in 0..3 {
+            o.check(owner);
+        }
+    }
+
+    #[test]
+    fn a_full_row_with_garbage_takes_a_new_word_without_going_wide() {
+        let mut o = Owners::with_keeps(vec![Keep::Latest; 31], 1);
+        // Fourteen distinct events, the first in slots 0 and 20.
+        for i in 0..14 {
+            let specs = if i == 0 { 1 | 1 << 20 } else { 1 << i };
+            o.fold(0, specs, work(T0 + i as u64 * S));
+        }
+        // A later one for 0 and 20: a fifteenth word, the first garbage.
+        o.fold(0, 1 | 1 << 20, work(T0 + 20 * S));
+        assert_eq!(o.len(0), mapped::max_len(31));
+        assert!(mapped::has_garbage(o.rows.row(o.refs[0]), 31));
+        // A sixteenth word fits once the garbage is dropped.
+        o.fold(0, 1 << 30, work(T0 + 21 * S));
+        assert_ne!(o.refs[0].class, WIDE_ROW);
+        assert_eq!(o.len(0), mapped::max_len(31));
+        assert!(!mapped::has_garbage(o.rows.row(o.refs[0]), 31));
+    }
+
+    proptest::proptest! {
+        /// Random folds, merges (`store`) and frees over a few owners of mapped rows of 7 to 31
+        /// slots read back as the same folds into plain slots (`Owners::fold` also checks that
+        /// a row goes wide only when its slots fit no mapped row).
+        #[test]
+        fn random_folds_into_rows_match_plain_slots(
+            n in proptest::sample::select(vec![7usize, 15, 16, 27, 31]),
+            ops in proptest::collection::vec(
+                (0usize..3, proptest::num::u64::ANY, 0u64..30, 0u32..4, 0u16..3, 0u32..40),
+                1..200,
+            ),
+        ) {
+            let mut o = Owners::new(n, 3);
+            for (owner, bits, t, few, node, what) in ops {
+                match what {
+                    0 => o.clear(owner),
+                    1 => {
+                        let slots = o.truth[owner].clone();
+                        o.rows.store(&mut o.refs[owner], owner as u32, &slots);
+                        o.check(owner);
+                    }
+                    _ => {
+                        // Few specs per event, most of the time: more distinct events per row.
+                        let specs = specs_mask(o.rows.keeps(), bits >> (few * 16) & ((1 << n) - 1));
+                        let kind = [Kind::Work, Kind::Admitted, Kind::Completed][what as usize % 3];
+                        o.fold(owner, specs, at(T0 + t * 3 * S, kind, None, node));
+                    }
+                }
+            }
+            if n <= mapped::WORDS_MAX {
+                proptest::prop_assert_eq!(o.rows.wide_len(), 0);
+            }
+        }
     }
 
     #[test]
@@ -506,7 +712,7 @@ mod tests {
         assert_eq!(o.refs[0].class, 1, "a fresh row takes the smallest class");
         // One event kept by three specs is one word.
         assert_eq!(o.fold(0, 0b110, at(T0 + S, Kind::Admitted, None, 0)), 0b110);
-        let len = |o: &Owners, i: usize| mapped::len(o.rows.row(o.refs[i])[1]);
+        let len = |o: &Owners, i: usize| mapped::len(o.rows.row(o.refs[i]), 13);
         assert_eq!(len(&o, 0), 4, "base, map, two distinct words");
         // Distinct events grow the row through the classes.
         for (i, k) in [6usize, 7, 10, 11, 12].into_iter().enumerate() {
@@ -519,9 +725,9 @@ mod tests {
         o.fold(0, 1 << 1, at(T0 + 510 * S, Kind::Completed, Some(200), 1));
         assert_ne!(o.rows.row(o.refs[0])[0], base);
         // One event moving two slots: the second takes the first's word, its own is garbage...
-        assert!(!mapped::has_garbage(o.rows.row(o.refs[0])[1]));
+        assert!(!mapped::has_garbage(o.rows.row(o.refs[0]), 13));
         o.fold(0, 1 << 10 | 1 << 12, at(T0 + S / 2, Kind::Work, None, 0));
-        assert!(mapped::has_garbage(o.rows.row(o.refs[0])[1]));
+        assert!(mapped::has_garbage(o.rows.row(o.refs[0]), 13));
         // ... until the row is full: then it is dropped instead of the row moving.
         let (class, used) = (o.refs[0].class, len(&o, 0));
         for k in 0..=o.rows.row(o.refs[0]).len() - used {
@@ -532,7 +738,7 @@ mod tests {
             );
         }
         assert_eq!(o.refs[0].class, class);
-        assert!(!mapped::has_garbage(o.rows.row(o.refs[0])[1]));
+        assert!(!mapped::has_garbage(o.rows.row(o.refs[0]), 13));
     }
 
     #[test]
