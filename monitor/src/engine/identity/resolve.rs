@@ -50,28 +50,36 @@ impl Store {
         else {
             return false;
         };
-        self.room_request_id(at)
-            .is_some_and(|ours| *ours != *theirs)
+        // Most events repeat the id their solo request has: compared in place.
+        if let AttemptAt::Live(i) = at
+            && let Some(solo) = self.attempts[i as usize].request.solo_ids()
+        {
+            return solo.request_id().is_some_and(|ours| ours != theirs);
+        }
+        self.room_record(at)
+            .and_then(|r| self.requests[r as usize].request_id())
+            .is_some_and(|ours| ours != theirs)
     }
 
     /// The request id of an attempt's request: the one it keeps solo, or its record's (the
     /// union-find root's).
     pub fn room_request_id(&mut self, at: AttemptAt) -> Option<Box<str>> {
+        if let AttemptAt::Live(i) = at
+            && let Some(solo) = self.attempts[i as usize].request.solo_ids()
+        {
+            return solo.request_id().map(Box::from);
+        }
+        let r = self.room_record(at)?;
+        self.requests[r as usize].request_id().map(Box::from)
+    }
+
+    /// The root of the request record an attempt (live or a tombstone) is linked to.
+    fn room_record(&mut self, at: AttemptAt) -> Option<u32> {
         let r = match at {
-            AttemptAt::Live(i) => {
-                let link = &self.attempts[i as usize].request;
-                if let Some(solo) = link.solo_ids() {
-                    return solo.request_id().map(Box::from);
-                }
-                link.index()
-            }
+            AttemptAt::Live(i) => self.attempts[i as usize].request.index(),
             AttemptAt::Tomb(seq) => self.tomb_index(seq).map(|t| self.tomb(t).request)?,
         };
-        if r == NO_INDEX {
-            return None;
-        }
-        let root = self.find(r);
-        self.requests[root as usize].request_id().map(Box::from)
+        (r != NO_INDEX).then(|| self.find(r))
     }
 
     /// The live attempt or tombstone an event's room and rid name, created if new; true when two
