@@ -180,7 +180,11 @@ impl Rt {
                     r.collided.push(room);
                 }
                 self.stats.faults_injected.fetch_add(1, Ordering::Relaxed);
-                tracing::info!(room, request_id, "fault room-collision: reusing an ended room");
+                tracing::info!(
+                    room,
+                    request_id,
+                    "fault room-collision: reusing an ended room"
+                );
                 return room;
             }
         }
@@ -193,7 +197,11 @@ impl Rt {
     /// that another request advances on is also activity after that rejection, a second finding
     /// about one injected breach.
     fn retire_rooms_after(self: &Arc<Self>, resp: Response, mut rooms: Vec<u64>) -> Response {
-        if !self.args.faults.faults.contains(&crate::fault::Fault::RoomCollision)
+        if !self
+            .args
+            .faults
+            .faults
+            .contains(&crate::fault::Fault::RoomCollision)
             || !resp.status().is_success()
         {
             return resp;

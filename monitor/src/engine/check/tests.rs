@@ -517,7 +517,11 @@ fn room_collisions_are_caught_once_whichever_request_arrives_first() {
         v.extend(c.observe(&leg(dt, Stage::Prefill, Kind::Received, "req-e", 12)));
     }
     assert_eq!(v.len(), 1, "{v:#?}");
-    assert!(v[0].summary.contains("request_id req-d and req-e"), "{}", v[0].summary);
+    assert!(
+        v[0].summary.contains("request_id req-d and req-e"),
+        "{}",
+        v[0].summary
+    );
 
     // Without a distinct rule, no collision is judged.
     let mut set = RuleSet::embedded_defaults();

@@ -376,6 +376,16 @@ pub(super) async fn prefill(
                     w.injected(room, Fault::SuccessAfterAbort);
                 }
                 Ok(Ok(x)) => xfer = Some(x),
+                // A held room's request is dropped by the sweeper once its hold is over, which
+                // may come a tick before the timeout: the hold ran out either way.
+                Ok(Err(_)) if stranded == Some(Holder::Prefill) => {
+                    w.stats.bootstrap_timeouts.fetch_add(1, Ordering::Relaxed);
+                    err = Some(format!(
+                        "Request {rid} timed out waiting for decode bootstrap (bootstrap_room={room}, {} ms)",
+                        hold.as_millis()
+                    ));
+                    w.injected(room, Fault::StrandedKv);
+                }
                 Ok(Err(_)) => {
                     w.stats.cancelled.fetch_add(1, Ordering::Relaxed);
                     err = Some(format!(
