@@ -58,7 +58,7 @@ pub struct DemoArgs {
     #[arg(long, default_value = "auto")]
     ebpf: String,
     /// Isolation breach the simulator injects (repeatable): unknown-room, success-after-abort,
-    /// stranded-kv (see tests/pd-sim/README.md, "Faults"). None by default.
+    /// stranded-kv, foreign-route-put (see tests/pd-sim/README.md, "Faults"). None by default.
     #[arg(long = "fault")]
     faults: Vec<String>,
     /// Share of requests each `--fault` hits.
@@ -90,7 +90,10 @@ pub fn run(args: DemoArgs) -> Result<()> {
     }
     for f in &args.faults {
         if fault_verdict_window(f).is_none() {
-            bail!("--fault {f:?}: expected unknown-room, success-after-abort or stranded-kv");
+            bail!(
+                "--fault {f:?}: expected unknown-room, success-after-abort, stranded-kv or \
+                 foreign-route-put"
+            );
         }
     }
     if !(0.0..=1.0).contains(&args.fault_rate) {

@@ -114,6 +114,8 @@ impl Checker {
                 }
                 // A new fact (the input length) may make an earlier admission a breach.
                 (Shape::Predicate(_), _) => self.rejudge_earliest(ri, slots, &on),
+                // Judged on the event alone, whatever it names (`never.rs`).
+                (Shape::Never(_), _) => {}
             }
         }
         if e.kind.is_terminal() {

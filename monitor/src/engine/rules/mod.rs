@@ -5,6 +5,7 @@
 //! false}` patches the default of that name).
 
 pub mod must_follow;
+pub mod never;
 pub mod never_after;
 pub mod predicate;
 pub mod requires_before;
@@ -18,6 +19,7 @@ use crate::engine::state::SlotLayout;
 use crate::event::Stage;
 
 pub use must_follow::MustFollow;
+pub use never::Never;
 pub use never_after::NeverAfter;
 pub use predicate::Predicate;
 pub use requires_before::RequiresBefore;
@@ -70,6 +72,8 @@ pub struct RuleDef {
     pub requires_before: Option<RequiresBefore>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub predicate: Option<Predicate>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub never: Option<Never>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -120,11 +124,13 @@ pub enum RuleError {
     #[error("names are 1-64 characters of a-z, 0-9, '-' and '_'")]
     Name { name: String },
     /// The shapes given (two or more).
-    #[error("a rule takes exactly one of never_after, must_follow, requires_before, predicate")]
+    #[error(
+        "a rule takes exactly one of never_after, must_follow, requires_before, predicate, never"
+    )]
     SeveralShapes { shapes: Vec<&'static str> },
     #[error(
         "no such default rule to patch, and no shape given (never_after, must_follow, \
-         requires_before or predicate)"
+         requires_before, predicate or never)"
     )]
     NoShape,
     #[error("missing description")]
@@ -148,7 +154,7 @@ pub enum RuleError {
     /// A matcher without any condition matches every event.
     #[error(
         "a matcher in `{role}` has no condition and would match every event: give it at least \
-         one of stage, kind, source, to, status_below, status_at_least"
+         one of stage, kind, source, to, peer, status_below, status_at_least"
     )]
     CatchAllMatcher { role: &'static str },
     /// The number of matchers on each side (one of them is zero).
@@ -162,6 +168,8 @@ pub enum RuleError {
     /// The number of matchers on each side (one of them is zero).
     #[error("requires_before needs at least one event and one requires matcher")]
     RequiresBeforeMatchers { event: usize, requires: usize },
+    #[error("never needs at least one `event` matcher")]
+    NeverMatchers,
     #[error("predicate needs at least one `on` matcher")]
     PredicateNoOn,
     /// The number of comparisons in each list (both zero, or both non-zero).
@@ -182,6 +190,7 @@ pub enum Shape {
     MustFollow(MustFollow),
     RequiresBefore(RequiresBefore),
     Predicate(Predicate),
+    Never(Never),
 }
 
 impl Shape {
@@ -210,10 +219,15 @@ impl Shape {
             &["rule", "severity", "request", "attempt", "worker", "breach"],
             &EVENT,
         ]);
+        const NEVER: &[&str] = &const_concat::<9>(&[
+            &["rule", "severity", "request", "attempt", "worker"],
+            &EVENT,
+        ]);
         match kind {
             "never_after" => NEVER_AFTER,
             "must_follow" => MUST_FOLLOW,
             "requires_before" => REQUIRES_BEFORE,
+            "never" => NEVER,
             _ => PREDICATE,
         }
     }
@@ -235,6 +249,7 @@ impl Shape {
             ],
             Shape::RequiresBefore(s) => vec![("event", &s.event), ("requires", &s.requires)],
             Shape::Predicate(s) => vec![("on", &s.on)],
+            Shape::Never(s) => vec![("event", &s.event)],
         }
     }
 
@@ -244,6 +259,7 @@ impl Shape {
             Shape::MustFollow(_) => "must_follow",
             Shape::RequiresBefore(_) => "requires_before",
             Shape::Predicate(_) => "predicate",
+            Shape::Never(_) => "never",
         }
     }
 }
@@ -424,6 +440,8 @@ struct RuleSpans {
     requires_before: Option<serde_saphyr::Spanned<serde::de::IgnoredAny>>,
     #[serde(default)]
     predicate: Option<serde_saphyr::Spanned<serde::de::IgnoredAny>>,
+    #[serde(default)]
+    never: Option<serde_saphyr::Spanned<serde::de::IgnoredAny>>,
 }
 
 /// Adds the position of rule `index` of `text` to an [`RulesError::Invalid`]: the field the
@@ -450,6 +468,7 @@ fn locate(err: RulesError, text: &str, index: usize) -> RulesError {
                 Some("must_follow") => r.must_follow.as_ref(),
                 Some("requires_before") => r.requires_before.as_ref(),
                 Some("predicate") => r.predicate.as_ref(),
+                Some("never") => r.never.as_ref(),
                 _ => None,
             },
             _ => None,
@@ -481,6 +500,9 @@ fn shape_of(def: &mut RuleDef) -> Result<Option<Shape>, RuleError> {
     }
     if let Some(s) = def.predicate.take() {
         shapes.push(Shape::Predicate(s));
+    }
+    if let Some(s) = def.never.take() {
+        shapes.push(Shape::Never(s));
     }
     match shapes.len() {
         0 => Ok(None),
@@ -585,6 +607,7 @@ fn validate(rule: &Rule) -> Result<(), RuleError> {
         Shape::MustFollow(s) => s.validate(),
         Shape::RequiresBefore(s) => s.validate(),
         Shape::Predicate(s) => s.validate(),
+        Shape::Never(s) => s.validate(),
     }
 }
 
@@ -602,6 +625,7 @@ fn default_output(shape: &Shape) -> &'static str {
         Shape::Predicate(_) => {
             "{rule}: {event.stage} {event.kind} of {attempt} breaks the condition"
         }
+        Shape::Never(_) => "{rule}: forbidden {event.stage} {event.kind} ({event.source})",
     }
 }
 
@@ -621,6 +645,7 @@ impl Rule {
             Shape::MustFollow(s) => def.must_follow = Some(s.clone()),
             Shape::RequiresBefore(s) => def.requires_before = Some(s.clone()),
             Shape::Predicate(s) => def.predicate = Some(s.clone()),
+            Shape::Never(s) => def.never = Some(s.clone()),
         }
         def
     }
@@ -688,6 +713,7 @@ pub fn compile(
             // The earliest matching event per stage is judged again at the watermark, so facts
             // that arrive later (the input length, a capacity report) still count.
             Shape::Predicate(p) => p.slots(attempt),
+            Shape::Never(n) => n.slots(),
         };
         out.push(CompiledRule {
             index,
@@ -745,7 +771,8 @@ mod tests {
                 "held-decode-slot",
                 "over-capacity-admitted",
                 "stuck-attempt",
-                "context-exceeds-capacity"
+                "context-exceeds-capacity",
+                "foreign-bootstrap-writer"
             ]
         );
         let sev = |n: &str| set.rules.iter().find(|r| r.name == n).unwrap().severity;
@@ -757,6 +784,7 @@ mod tests {
         assert_eq!(sev("stranded-kv"), Severity::Warning);
         assert_eq!(sev("held-decode-slot"), Severity::Warning);
         assert_eq!(sev("over-capacity-admitted"), Severity::Critical);
+        assert_eq!(sev("foreign-bootstrap-writer"), Severity::Critical);
     }
 
     #[test]
@@ -863,7 +891,7 @@ mod tests {
         assert_eq!(
             err.to_string(),
             "rule \"brand-new\" in u.yaml at line 2, column 11: no such default rule to patch, and no shape given \
-             (never_after, must_follow, requires_before or predicate)"
+             (never_after, must_follow, requires_before, predicate or never)"
         );
         let err = RuleSet::from_yaml(
             "rules:\n  - name: Bad\n    description: d\n    severity: info\n    never_after: {trigger: [{kind: [rejected]}], forbidden: []}\n",
@@ -1012,6 +1040,103 @@ mod tests {
             "{err:?}"
         );
         assert!(err.to_string().contains("would match every event"), "{err}");
+    }
+
+    #[test]
+    fn never_rules_load_and_their_errors_carry_line_and_column() {
+        let set = RuleSet::from_yaml(
+            "rules:\n  - name: no-foreign\n    description: d\n    severity: critical\n    \
+             never:\n      event: [{stage: [transfer], peer: [foreign, unattributed]}]\n",
+            "r.yaml",
+        )
+        .unwrap();
+        let Shape::Never(n) = &set.rules[0].shape else {
+            panic!("{:?}", set.rules[0].shape)
+        };
+        assert_eq!(
+            n.event[0].peer,
+            [
+                crate::event::Peer::Foreign,
+                crate::event::Peer::Unattributed
+            ]
+        );
+        // An empty list, an unknown peer, a catch-all matcher, a placeholder it has no value for.
+        let err = RuleSet::from_yaml(
+            "rules:\n  - name: n\n    description: d\n    severity: info\n    never: {event: []}\n",
+            "r.yaml",
+        )
+        .unwrap_err();
+        assert!(
+            matches!(
+                &err,
+                RulesError::Invalid {
+                    error: RuleError::NeverMatchers,
+                    at: Some(Position { line: 2, .. }),
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains("at line 2, column 11"), "{err}");
+        let err = RuleSet::from_yaml(
+            "rules:\n  - name: n\n    description: d\n    severity: info\n    never:\n      \
+             event: [{peer: [stranger]}]\n",
+            "r.yaml",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("stranger") && err.contains("line 6"), "{err}");
+        let err = RuleSet::from_yaml(
+            "rules:\n  - name: n\n    description: d\n    severity: info\n    never: {event: [{}]}\n",
+            "r.yaml",
+        )
+        .unwrap_err();
+        assert!(
+            matches!(
+                &err,
+                RulesError::Invalid {
+                    error: RuleError::CatchAllMatcher { role: "event" },
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        let err = RuleSet::from_yaml(
+            "rules:\n  - name: n\n    description: d\n    severity: info\n    \
+             output: \"{delay}\"\n    never: {event: [{peer: [foreign]}]}\n",
+            "r.yaml",
+        )
+        .unwrap_err();
+        assert!(
+            matches!(
+                &err,
+                RulesError::Invalid {
+                    error: RuleError::PlaceholderNotForShape { shape: "never", .. },
+                    at: Some(Position { line: 5, .. }),
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        // Two shapes: the second one is pointed at.
+        let err = RuleSet::from_yaml(
+            "rules:\n  - name: n\n    description: d\n    severity: info\n    \
+             predicate: {on: [{kind: [admitted]}], all: [{field: input_tokens, gt: {value: 1}}]}\n    \
+             never: {event: [{peer: [foreign]}]}\n",
+            "r.yaml",
+        )
+        .unwrap_err();
+        assert!(
+            matches!(
+                &err,
+                RulesError::Invalid {
+                    error: RuleError::SeveralShapes { .. },
+                    at: Some(Position { line: 6, .. }),
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
     }
 
     #[test]
