@@ -28,6 +28,7 @@ pub mod kind {
     pub const EXEC: u32 = 5;
     pub const EXIT: u32 = 6;
     pub const FORK: u32 = 7;
+    pub const LOCAL: u32 = 8;
 }
 
 /// `DataHeader::syscall` values.
@@ -73,7 +74,10 @@ pub mod counter {
     pub const IOV_TRUNCATED: u32 = 6;
     /// Payload bytes copied to the ring buffer.
     pub const BYTES_CAPTURED: u32 = 7;
-    pub const COUNT: u32 = 8;
+    /// Connections of watched processes whose local address went unreported because the
+    /// `CONNECTING` map was full.
+    pub const CONNECTING_FULL: u32 = 8;
+    pub const COUNT: u32 = 9;
 
     pub const NAMES: [&str; COUNT as usize] = [
         "seen",
@@ -84,6 +88,7 @@ pub mod counter {
         "socks_full",
         "iov_truncated",
         "bytes_captured",
+        "connecting_full",
     ];
 }
 
@@ -159,6 +164,55 @@ pub struct ProcEvent {
     pub _pad: u32,
 }
 
+/// A TCP connection a watched process opened reached `ESTABLISHED`: its local address, so that
+/// the accepting end on this node can tell the connecting process was watched. `hdr.tgid` is the
+/// process that called `connect` (the state change itself may run in another task's softirq).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LocalEvent {
+    pub hdr: Header,
+    /// AF_INET (2) or AF_INET6 (10).
+    pub family: u16,
+    /// Local port, host byte order.
+    pub local_port: u16,
+    /// Remote port, host byte order.
+    pub remote_port: u16,
+    pub _pad: u16,
+    /// Local address: IPv4 in the first 4 bytes, or IPv6.
+    pub local: [u8; 16],
+    pub remote: [u8; 16],
+}
+
+/// Offsets in `sock/inet_sock_set_state`'s record (kernels since 4.20; the loader checks them
+/// against tracefs before attaching).
+pub mod inet_sock_set_state {
+    pub const SKADDR: usize = 8;
+    pub const OLDSTATE: usize = 16;
+    pub const NEWSTATE: usize = 20;
+    pub const SPORT: usize = 24;
+    pub const DPORT: usize = 26;
+    pub const FAMILY: usize = 28;
+    pub const PROTOCOL: usize = 30;
+    pub const SADDR: usize = 32;
+    pub const DADDR: usize = 36;
+    pub const SADDR_V6: usize = 40;
+    pub const DADDR_V6: usize = 56;
+    /// Every field the program reads, as tracefs names it, with its offset.
+    pub const FIELDS: [(&str, usize); 11] = [
+        ("skaddr", SKADDR),
+        ("oldstate", OLDSTATE),
+        ("newstate", NEWSTATE),
+        ("sport", SPORT),
+        ("dport", DPORT),
+        ("family", FAMILY),
+        ("protocol", PROTOCOL),
+        ("saddr", SADDR),
+        ("daddr", DADDR),
+        ("saddr_v6", SADDR_V6),
+        ("daddr_v6", DADDR_V6),
+    ];
+}
+
 /// A syscall between its enter and exit tracepoints.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
@@ -191,3 +245,4 @@ const _: () = assert!(core::mem::size_of::<ConnEvent>() == 56);
 const _: () = assert!(core::mem::size_of::<CloseEvent>() == 32);
 const _: () = assert!(core::mem::size_of::<ProcEvent>() == 32);
 const _: () = assert!(core::mem::size_of::<ActiveCall>() == 24);
+const _: () = assert!(core::mem::size_of::<LocalEvent>() == 64);

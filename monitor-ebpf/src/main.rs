@@ -19,8 +19,8 @@ use aya_ebpf::{
     programs::TracePointContext,
 };
 use monitor_common::{
-    ActiveCall, CloseEvent, ConnEvent, DataHeader, Header, MAX_CAPTURE, MAX_IOVECS, ProcEvent,
-    counter, kind, sock_key, syscall, watch,
+    ActiveCall, CloseEvent, ConnEvent, DataHeader, Header, LocalEvent, MAX_CAPTURE, MAX_IOVECS,
+    ProcEvent, counter, inet_sock_set_state as sk, kind, sock_key, syscall, watch,
 };
 
 /// Leading payload bytes captured per syscall; set by the loader, at most [`MAX_CAPTURE`].
@@ -52,6 +52,10 @@ static WATCHED: HashMap<u32, u32> = HashMap::with_max_entries(8192, 0);
 static SOCKS: HashMap<u64, u32> = HashMap::with_max_entries(65536, 0);
 #[map]
 static ACTIVE: HashMap<u64, ActiveCall> = HashMap::with_max_entries(16384, 0);
+/// TCP sockets a watched process is connecting (`struct sock` address → its tgid), between
+/// `SYN_SENT` and the next state: the local port is only known once the handshake is done.
+#[map]
+static CONNECTING: HashMap<u64, u32> = HashMap::with_max_entries(16384, 0);
 /// A syscall's head window (entry [`HEAD`]) and tail window (entry [`TAIL`]), each gathered
 /// across the syscall's iovecs into one record: a response written as headers + body, or
 /// hyper's 13-iovec streamed answer, costs at most two records instead of one per iovec.
@@ -78,6 +82,9 @@ static EVENTS: RingBuf = RingBuf::with_byte_size(16 << 20, 0);
 const AF_INET: u16 = 2;
 const AF_INET6: u16 = 10;
 const EINPROGRESS: i64 = 115;
+const IPPROTO_TCP: u16 = 6;
+const TCP_ESTABLISHED: i32 = 1;
+const TCP_SYN_SENT: i32 = 2;
 
 #[inline(always)]
 fn count(idx: u32, n: u64) {
@@ -560,6 +567,73 @@ fn try_sys_enter_close(ctx: &TracePointContext) -> Result<u32, u32> {
             _pad: 0,
         });
     }
+    Ok(0)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Connections: the local address of every TCP connection a watched process opens, so that the
+// accepting end on this node can tell who connected. `SYN_SENT` is set in the connecting task
+// (before the port is chosen); `ESTABLISHED` follows, in whatever task handles the SYN-ACK, and
+// before the final ACK leaves: the record precedes the peer's `accept` in the ring buffer.
+
+#[tracepoint]
+pub fn inet_sock_set_state(ctx: TracePointContext) -> u32 {
+    match try_inet_sock_set_state(&ctx) {
+        Ok(r) | Err(r) => r,
+    }
+}
+
+fn try_inet_sock_set_state(ctx: &TracePointContext) -> Result<u32, u32> {
+    let protocol: u16 = unsafe { ctx.read_at(sk::PROTOCOL) }.map_err(|_| 0u32)?;
+    if protocol != IPPROTO_TCP {
+        return Ok(0);
+    }
+    let skaddr: u64 = unsafe { ctx.read_at(sk::SKADDR) }.map_err(|_| 0u32)?;
+    let old: i32 = unsafe { ctx.read_at(sk::OLDSTATE) }.map_err(|_| 0u32)?;
+    let new: i32 = unsafe { ctx.read_at(sk::NEWSTATE) }.map_err(|_| 0u32)?;
+    if new == TCP_SYN_SENT {
+        let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
+        if watched(tgid) && CONNECTING.insert(&skaddr, &tgid, 0).is_err() {
+            count(counter::CONNECTING_FULL, 1);
+        }
+        return Ok(0);
+    }
+    if old != TCP_SYN_SENT {
+        return Ok(0);
+    }
+    let Some(&tgid) = (unsafe { CONNECTING.get(&skaddr) }) else {
+        return Ok(0);
+    };
+    let _ = CONNECTING.remove(&skaddr);
+    if new != TCP_ESTABLISHED {
+        return Ok(0);
+    }
+    let family: u16 = unsafe { ctx.read_at(sk::FAMILY) }.map_err(|_| 0u32)?;
+    let mut ev = LocalEvent {
+        hdr: Header {
+            kind: kind::LOCAL,
+            tgid,
+            tid: 0,
+            _pad: 0,
+            ts_ns: unsafe { bpf_ktime_get_ns() },
+        },
+        family,
+        local_port: unsafe { ctx.read_at(sk::SPORT) }.map_err(|_| 0u32)?,
+        remote_port: unsafe { ctx.read_at(sk::DPORT) }.map_err(|_| 0u32)?,
+        ..Default::default()
+    };
+    if family == AF_INET {
+        let l: [u8; 4] = unsafe { ctx.read_at(sk::SADDR) }.map_err(|_| 0u32)?;
+        let r: [u8; 4] = unsafe { ctx.read_at(sk::DADDR) }.map_err(|_| 0u32)?;
+        ev.local[..4].copy_from_slice(&l);
+        ev.remote[..4].copy_from_slice(&r);
+    } else if family == AF_INET6 {
+        ev.local = unsafe { ctx.read_at(sk::SADDR_V6) }.map_err(|_| 0u32)?;
+        ev.remote = unsafe { ctx.read_at(sk::DADDR_V6) }.map_err(|_| 0u32)?;
+    } else {
+        return Ok(0);
+    }
+    send(&ev);
     Ok(0)
 }
 

@@ -166,9 +166,39 @@ macro_rules! impl_from_str_display {
         }
     };
 }
+/// Who wrote a request to a worker, as the receiving end's witness can attribute its peer. Only
+/// events about writes that a deployment's own processes alone should make carry it (eBPF: a
+/// mutating request to a prefill's bootstrap server); no OTLP span says who called.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+#[repr(u8)]
+pub enum Peer {
+    /// One of the deployment's processes: a watched worker or router on this node (its socket is
+    /// known), or, across nodes, an address whose host is a known worker's.
+    Member = 0,
+    /// On this node, and no watched process holds the connecting socket.
+    Foreign = 1,
+    /// Neither can be said: another node's address that names no known worker, or a connection
+    /// whose peer address the kernel did not report.
+    Unattributed = 2,
+}
+
+impl Peer {
+    pub const ALL: [Peer; 3] = [Peer::Member, Peer::Foreign, Peer::Unattributed];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Peer::Member => "member",
+            Peer::Foreign => "foreign",
+            Peer::Unattributed => "unattributed",
+        }
+    }
+}
+
 impl_from_str_display!(Stage, "stage");
 impl_from_str_display!(Kind, "kind");
 impl_from_str_display!(Source, "source");
+impl_from_str_display!(Peer, "peer");
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("unknown {what} {got:?} (expected one of: {expected})")]
@@ -432,6 +462,9 @@ pub struct LifecycleEvent {
     /// For `dispatched`: the stage the request was sent to; for a router's `cancelled`: the
     /// stage whose leg the router withdrew.
     pub to: Option<Stage>,
+    /// Who wrote the request the event is about, when the event is about a write only the
+    /// deployment's own processes should make (see [`Peer`]).
+    pub peer: Option<Peer>,
     pub input_tokens: Option<u64>,
     pub context_tokens: Option<u64>,
     pub max_input_tokens: Option<u64>,
@@ -454,6 +487,7 @@ impl LifecycleEvent {
             reason: None,
             detail: None,
             to: None,
+            peer: None,
             input_tokens: None,
             context_tokens: None,
             max_input_tokens: None,
@@ -495,6 +529,10 @@ impl LifecycleEvent {
     }
     pub fn with_to(mut self, to: Stage) -> Self {
         self.to = Some(to);
+        self
+    }
+    pub fn with_peer(mut self, peer: Peer) -> Self {
+        self.peer = Some(peer);
         self
     }
     pub fn with_input_tokens(mut self, n: u64) -> Self {
@@ -611,6 +649,11 @@ mod tests {
         for k in Kind::ALL {
             assert_eq!(k.as_str().parse::<Kind>().unwrap(), k);
             assert_eq!(Kind::from_index(k as u8), k);
+        }
+        for p in Peer::ALL {
+            assert_eq!(p.as_str().parse::<Peer>().unwrap(), p);
+            let json = serde_json::to_string(&p).unwrap();
+            assert_eq!(json, format!("\"{}\"", p.as_str()));
         }
         let err = "preffill".parse::<Stage>().unwrap_err();
         assert!(

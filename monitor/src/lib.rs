@@ -23,5 +23,5 @@ pub mod telemetry;
 pub mod violation;
 
 pub use engine::check::{Checker, CheckerConfig, RuleSet};
-pub use event::{BootstrapRoom, Ids, Kind, LifecycleEvent, Source, Stage, UnixNanos};
+pub use event::{BootstrapRoom, Ids, Kind, LifecycleEvent, Peer, Source, Stage, UnixNanos};
 pub use violation::Violation;

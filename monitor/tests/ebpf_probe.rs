@@ -463,3 +463,94 @@ fn drops_are_counted_and_degrade_coverage() {
     );
     assert!(stats.losses() > 0);
 }
+
+/// Writes to a bootstrap server are attributed by the kernel's report of every connection a
+/// watched process opens: this test process (watched as prefill) serves `PUT /route`, writes
+/// one itself (a member's), and a python3 started before the watch, so not followed into as a
+/// child, writes another (foreign).
+#[test]
+fn bootstrap_writers_are_attributed_by_their_connections() {
+    use std::io::Read;
+    use std::net::TcpListener;
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let body = r#"{"role": "Prefill", "rank_ip": "127.0.0.1", "rank_port": 1, "engine_rank": 0}"#;
+    let put = format!(
+        "PUT /route HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    // The outsider: waits for a line on stdin, then writes and reads the answer.
+    let script = format!(
+        "import socket, sys\nsys.stdout.write('READY\\n'); sys.stdout.flush()\nsys.stdin.readline()\n\
+         s = socket.create_connection(('127.0.0.1', {}))\ns.sendall({:?}.encode())\ns.recv(100)\n\
+         sys.stdout.write('DONE %d\\n' % s.getsockname()[1]); sys.stdout.flush()\n",
+        addr.port(),
+        put
+    );
+    let mut outsider = Fake::spawn(&["-c".to_string(), script]).expect("python3 started");
+    let me = std::process::id();
+    let cfg = EbpfConfig {
+        discovery: Discovery {
+            pids: vec![revenant::ingest::ebpf::PidRule {
+                role: Role::Prefill,
+                pid: me,
+            }],
+            watch: vec![],
+            conventions: false,
+        },
+        rescan_every: Duration::from_millis(50),
+        ..Default::default()
+    };
+    let mut src = start_source(cfg);
+    wait_watched(&mut src, &[me]);
+    let serve = |listener: &TcpListener| {
+        let (mut conn, peer) = listener.accept().unwrap();
+        let mut got = Vec::new();
+        let mut buf = [0u8; 1024];
+        while !got.ends_with(body.as_bytes()) {
+            let n = conn.read(&mut buf).unwrap();
+            assert!(n > 0, "the writer went away");
+            got.extend_from_slice(&buf[..n]);
+        }
+        conn.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nOK")
+            .unwrap();
+        peer
+    };
+    // Our own write: a watched connection.
+    let mut own = std::net::TcpStream::connect(addr).unwrap();
+    own.write_all(put.as_bytes()).unwrap();
+    let own_peer = serve(&listener);
+    let mut answer = [0u8; 64];
+    let _ = own.read(&mut answer).unwrap();
+    // The outsider's.
+    outsider.go();
+    let foreign_peer = serve(&listener);
+    outsider.expect_line("DONE");
+    let mut events = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let writes = |events: &[LifecycleEvent]| {
+        events
+            .iter()
+            .filter(|e| e.stage == Stage::Transfer && e.peer.is_some())
+            .filter_map(|e| Some((e.worker.as_deref()?.to_string(), e.peer?)))
+            .collect::<Vec<_>>()
+    };
+    while writes(&events).len() < 2 {
+        assert!(
+            Instant::now() < deadline,
+            "two writes expected, got {:?}",
+            writes(&events)
+        );
+        src.drain(&mut events);
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(
+        writes(&events),
+        vec![
+            (own_peer.to_string(), revenant::Peer::Member),
+            (foreign_peer.to_string(), revenant::Peer::Foreign)
+        ]
+    );
+    let s = src.stats();
+    assert_eq!(s.kernel(counter::CONNECTING_FULL), 0);
+}

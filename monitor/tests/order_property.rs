@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use proptest::prelude::*;
 use revenant::engine::check::{Checker, CheckerConfig, RuleSet};
-use revenant::{Kind, LifecycleEvent, Source, Stage, Violation};
+use revenant::{Kind, LifecycleEvent, Peer, Source, Stage, Violation};
 
 const SKEW: Duration = Duration::from_millis(50);
 const MS: u64 = 1_000_000;
@@ -71,6 +71,47 @@ fn arb_event(room: u64, start: u64) -> impl Strategy<Value = LifecycleEvent> {
         )
 }
 
+/// Writes to a prefill's bootstrap server by every kind of peer, some naming one of the stream's
+/// rooms (1..=25), the rest none; each from its own address.
+fn arb_writes() -> impl Strategy<Value = Vec<LifecycleEvent>> {
+    let peers = prop_oneof![
+        Just(Peer::Member),
+        Just(Peer::Foreign),
+        Just(Peer::Unattributed)
+    ];
+    prop::collection::vec((0..5_800u64, peers, prop::option::of(1..=25u64)), 0..8).prop_map(
+        |writes| {
+            writes
+                .into_iter()
+                .enumerate()
+                .map(|(i, (ms, peer, room))| {
+                    let mut e = LifecycleEvent::new(
+                        T0 + ms * MS,
+                        Stage::Transfer,
+                        Kind::Received,
+                        Source::Ebpf,
+                    )
+                    .with_peer(peer)
+                    .with_worker(format!("127.0.0.1:{}", 47_000 + i));
+                    e.ids.bootstrap_room = room.map(revenant::BootstrapRoom);
+                    e
+                })
+                .collect()
+        },
+    )
+}
+
+/// The foreign-bootstrap-writer verdicts `events` must give: one per foreign write that names no
+/// room, one per room that foreign writes name.
+fn foreign_writes(events: &[LifecycleEvent]) -> usize {
+    let foreign = events.iter().filter(|e| e.peer == Some(Peer::Foreign));
+    let rooms: BTreeSet<u64> = foreign
+        .clone()
+        .filter_map(|e| e.ids.bootstrap_room.map(|r| r.0))
+        .collect();
+    rooms.len() + foreign.filter(|e| e.ids.bootstrap_room.is_none()).count()
+}
+
 fn arb_stream() -> impl Strategy<Value = Vec<LifecycleEvent>> {
     prop::collection::vec((0..5_000u64, 1..10usize), 1..25).prop_flat_map(|attempts| {
         let per: Vec<_> = attempts
@@ -80,8 +121,9 @@ fn arb_stream() -> impl Strategy<Value = Vec<LifecycleEvent>> {
                 prop::collection::vec(arb_event(i as u64 + 1, start_ms * MS), n)
             })
             .collect();
-        per.prop_map(|v| {
+        (per, arb_writes()).prop_map(|(v, writes)| {
             let mut all: Vec<LifecycleEvent> = v.into_iter().flatten().collect();
+            all.extend(writes);
             let mut cap = LifecycleEvent::new(T0, Stage::Prefill, Kind::Capacity, Source::Otlp)
                 .with_worker("w");
             cap.max_total_tokens = Some(9000);
@@ -125,6 +167,9 @@ proptest! {
         let mut arrivals: Vec<(u64, usize)> = events.iter().enumerate().map(|(i, e)| (e.time_ns + jitter[i % jitter.len()], i)).collect();
         arrivals.sort();
         let jittered: Vec<LifecycleEvent> = arrivals.into_iter().map(|(_, i)| events[i].clone()).collect();
-        prop_assert_eq!(verdicts(&in_time_order), verdicts(&jittered));
+        let reference = verdicts(&in_time_order);
+        prop_assert_eq!(&reference, &verdicts(&jittered));
+        let foreign = reference.iter().filter(|v| v.0 == "foreign-bootstrap-writer").count();
+        prop_assert_eq!(foreign, foreign_writes(&events));
     }
 }

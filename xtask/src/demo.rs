@@ -58,7 +58,8 @@ pub struct DemoArgs {
     #[arg(long, default_value = "auto")]
     ebpf: String,
     /// Isolation breach the simulator injects (repeatable): room-collision, unknown-room,
-    /// success-after-abort, stranded-kv (see tests/pd-sim/README.md, "Faults"). None by default.
+    /// success-after-abort, stranded-kv, foreign-route-put (see tests/pd-sim/README.md,
+    /// "Faults"). None by default.
     #[arg(long = "fault")]
     faults: Vec<String>,
     /// Share of requests each `--fault` hits.
@@ -91,8 +92,8 @@ pub fn run(args: DemoArgs) -> Result<()> {
     for f in &args.faults {
         if fault_verdict_window(f).is_none() {
             bail!(
-                "--fault {f:?}: expected room-collision, unknown-room, success-after-abort or \
-                 stranded-kv"
+                "--fault {f:?}: expected room-collision, unknown-room, success-after-abort, \
+                 stranded-kv or foreign-route-put"
             );
         }
     }

@@ -2,7 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::event::{Kind, LifecycleEvent, Source, Stage};
+use crate::event::{Kind, LifecycleEvent, Peer, Source, Stage};
 
 /// Matches one event. Every listed condition must hold; an absent list means "any".
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -17,6 +17,10 @@ pub struct Matcher {
     /// For `dispatched` events: the target stage.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub to: Vec<Stage>,
+    /// Who wrote the request the event is about (`member`, `foreign`, `unattributed`); an event
+    /// that attributes no writer never matches a `peer` condition.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub peer: Vec<Peer>,
     /// Matches when the status is absent or below this value (a success).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub status_below: Option<u16>,
@@ -31,6 +35,7 @@ impl Matcher {
             && (self.kind.is_empty() || self.kind.contains(&e.kind))
             && (self.source.is_empty() || self.source.contains(&e.source))
             && (self.to.is_empty() || e.to.is_some_and(|t| self.to.contains(&t)))
+            && (self.peer.is_empty() || e.peer.is_some_and(|p| self.peer.contains(&p)))
             && self
                 .status_below
                 .is_none_or(|b| e.status.is_none_or(|s| s < b))
@@ -86,5 +91,19 @@ mod tests {
         assert!(m.matches(&ev(Stage::Router, Kind::Dispatched).with_to(Stage::Decode)));
         assert!(!m.matches(&ev(Stage::Router, Kind::Dispatched).with_to(Stage::Prefill)));
         assert!(!m.matches(&ev(Stage::Router, Kind::Dispatched)));
+    }
+
+    #[test]
+    fn peer_condition() {
+        let m = Matcher {
+            peer: vec![Peer::Foreign],
+            ..Default::default()
+        };
+        let write = ev(Stage::Transfer, Kind::Received);
+        assert!(m.matches(&write.clone().with_peer(Peer::Foreign)));
+        assert!(!m.matches(&write.clone().with_peer(Peer::Member)));
+        assert!(!m.matches(&write.clone().with_peer(Peer::Unattributed)));
+        // An event that attributes no writer (a handshake, a span) is no peer's.
+        assert!(!m.matches(&write));
     }
 }

@@ -19,7 +19,7 @@ use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 
-use crate::event::{Ids, Kind, LifecycleEvent, Source, Stage, truncate_reason};
+use crate::event::{Ids, Kind, LifecycleEvent, Peer, Source, Stage, truncate_reason};
 
 /// One line of the replay format, as written on disk.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -47,6 +47,8 @@ pub struct ReplayRecord {
     pub detail: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub to: Option<Stage>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peer: Option<Peer>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub input_tokens: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -177,6 +179,7 @@ impl ReplayRecord {
         e.reason = self.reason.as_deref().map(|r| truncate_reason(r).into());
         e.detail = self.detail.as_deref().map(|r| truncate_reason(r).into());
         e.to = self.to;
+        e.peer = self.peer;
         e.input_tokens = self.input_tokens;
         e.context_tokens = self.context_tokens;
         e.max_input_tokens = self.max_input_tokens;
@@ -198,6 +201,7 @@ impl ReplayRecord {
             reason: e.reason.as_deref().map(Into::into),
             detail: e.detail.as_deref().map(Into::into),
             to: e.to,
+            peer: e.peer,
             input_tokens: e.input_tokens,
             context_tokens: e.context_tokens,
             max_input_tokens: e.max_input_tokens,
@@ -359,5 +363,19 @@ mod tests {
             "{line}"
         );
         assert_eq!(parse_line(&line).unwrap().unwrap(), e);
+    }
+
+    #[test]
+    fn peer_round_trips_and_unknown_peers_are_errors() {
+        let e = LifecycleEvent::new(42, Stage::Transfer, Kind::Received, Source::Ebpf)
+            .with_peer(crate::event::Peer::Foreign);
+        let line = serde_json::to_string(&ReplayRecord::from_event(&e)).unwrap();
+        assert!(line.contains(r#""peer":"foreign""#), "{line}");
+        assert_eq!(parse_line(&line).unwrap().unwrap(), e);
+        let err = parse_line(
+            r#"{"time_unix_nano":1,"stage":"transfer","kind":"received","peer":"stranger"}"#,
+        )
+        .unwrap_err();
+        assert!(err.contains("stranger"), "{err}");
     }
 }

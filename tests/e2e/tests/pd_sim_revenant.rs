@@ -663,3 +663,78 @@ fn stranded_kv_and_held_decode_slots_caught_once_each() {
         );
     }
 }
+
+/// `--fault foreign-route-put`: for 2 % of the requests prefill registers its own rank again
+/// (`PUT /route` to its own bootstrap server: a member's write) and a short-lived `pd-sim
+/// intrude`, started by the cluster process (no worker, not followed by revenant), writes there
+/// too. Each intruder's write is one foreign-bootstrap-writer notification, from eBPF alone (no
+/// span says who called the bootstrap server); prefill's own writes, decode's handshakes and the
+/// rest of the traffic stay silent.
+#[test]
+fn foreign_route_puts_caught_once_each_from_ebpf() {
+    let _g = serial();
+    // Judged on the event alone: due as soon as it arrives.
+    let settle = |r: &Revenant, _: &Cluster| judged_beyond(r, Duration::from_secs(1));
+    let o = run_with(
+        "correct",
+        &["--fault", "foreign-route-put", "--fault-rate", "0.02"],
+        Sources::Both,
+        &["--rate", "500", "--requests", "3000"],
+        &settle,
+    );
+    report("foreign-route-put/Both", &o);
+    assert_eq!(o.load["errors"], 0, "{}", o.load);
+    let worker = &o.prefill_stats["worker"];
+    let want = worker["foreign_route_puts"].as_u64().unwrap();
+    assert!(want > 20, "2 % of 3000 requests: {want} intruders' writes");
+    // The oracle twice over: the bootstrap server's count, and the rooms that caused them.
+    let by_rooms: u64 = o
+        .rooms
+        .iter()
+        .filter_map(|r| r["foreign_route_puts"].as_u64())
+        .sum();
+    assert_eq!(by_rooms, want, "{worker}");
+    let own = worker["route_puts"].as_u64().unwrap() - want;
+    assert!(
+        own >= want,
+        "prefill registered itself before each intruder: {own} own writes, {want} foreign"
+    );
+    assert_no_loss(&o);
+    let mut writers = BTreeSet::new();
+    for n in &o.notifications {
+        assert!(notifications::is_incident(n), "{n}");
+        assert_eq!(
+            notifications::rules(n),
+            ["foreign-bootstrap-writer"],
+            "only foreign writes may fire: {n}"
+        );
+        let f = notifications::finding(n, "foreign-bootstrap-writer").unwrap();
+        assert_eq!(
+            notifications::evidence_sources(f),
+            ["ebpf"],
+            "only the wire shows who wrote: {f}"
+        );
+        assert!(
+            f["evidence"][0]["reason"]
+                .as_str()
+                .is_some_and(|r| r.starts_with("PUT /route") && r.ends_with("(peer foreign)")),
+            "{f}"
+        );
+        let from = f["worker"].as_str().unwrap_or_else(|| panic!("{f}"));
+        assert!(writers.insert(from.to_string()), "notified twice: {from}");
+    }
+    assert_eq!(
+        writers.len() as u64,
+        want,
+        "each intruder's write is one notification (caught {} of {want})",
+        writers.len()
+    );
+    assert_eq!(
+        metric_sum(
+            &o.metrics,
+            "revenant_checker_violations_total",
+            &[("rule", "foreign-bootstrap-writer")]
+        ),
+        want as f64
+    );
+}

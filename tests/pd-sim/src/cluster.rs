@@ -75,7 +75,7 @@ struct Proc {
     ready: serde_json::Value,
 }
 
-fn command(sub: &str, args: Vec<String>) -> Command {
+pub(crate) fn command(sub: &str, args: Vec<String>) -> Command {
     let exe = std::env::current_exe().unwrap_or_else(|_| "pd-sim".into());
     let mut c = Command::new(exe);
     c.arg(sub)
@@ -165,6 +165,21 @@ pub async fn run(a: ClusterArgs) -> anyhow::Result<()> {
         common.push(e.clone());
     }
     let mut procs: Vec<Proc> = Vec::new();
+    // `--fault foreign-route-put`: this process starts the intruders prefill asks for (it is
+    // none of the cluster's workers, and no monitor follows it into its children).
+    let intruders = if a
+        .faults
+        .faults
+        .contains(&crate::fault::Fault::ForeignRoutePut)
+    {
+        Some(tokio::net::UdpSocket::bind(("127.0.0.1", 0)).await?)
+    } else {
+        None
+    };
+    let mut prefill_faults = a.faults.clone();
+    if let Some(s) = &intruders {
+        prefill_faults.fault_intruder = Some(s.local_addr()?);
+    }
     let result = async {
         // Prefill: a KV pool of 8192 tokens but inputs capped at 4096, so over-capacity
         // prompts (4097..8191 words) pass the tokenizer and are rejected by the scheduler,
@@ -189,12 +204,17 @@ pub async fn run(a: ClusterArgs) -> anyhow::Result<()> {
             pargs.push("--transfer-after-reject".into());
         }
         pargs.extend(common.clone());
-        pargs.extend(a.faults.to_args());
+        pargs.extend(prefill_faults.to_args());
         pargs.extend(split(&a.prefill_args));
         let prefill = start("prefill", "prefill", pargs).await?;
         let p_port = prefill.ready["port"].as_u64().unwrap_or(0);
         let b_port = prefill.ready["bootstrap_port"].as_u64().unwrap_or(0);
         procs.push(prefill);
+        if let Some(sock) = intruders {
+            let ip: std::net::IpAddr = a.host.parse()?;
+            let bootstrap = std::net::SocketAddr::new(ip, b_port as u16);
+            tokio::spawn(crate::fault::launch_intruders(sock, bootstrap));
+        }
 
         let mut dargs = vec![
             "--host".into(),

@@ -20,6 +20,17 @@
 //!   an abort, never bootstraps) and prefill keeps waiting for it; on the other half prefill
 //!   aborts at once and decode keeps waiting for KV that cannot come. The holding side's room
 //!   log: `injected-stranded-kv`.
+//! - `foreign-route-put`: for a share of its requests prefill first registers its own rank
+//!   again (`PUT /route` to its own bootstrap server, as SGLang's ranks do: a member's write),
+//!   then has a process that is none of the cluster's write there: `pd-sim cluster` (not a
+//!   worker, and not the parent of any process a monitor follows into its children) spawns a
+//!   short-lived `pd-sim intrude`, which `PUT`s `/route` (SGLang #39400: the bootstrap server
+//!   takes unauthenticated writes) with the address prefill advertises, so the cluster keeps
+//!   working. The bootstrap server counts each intruder's write in prefill's `/sim/stats`
+//!   (`worker.foreign_route_puts`) and on the room that caused it (`/sim/rooms`:
+//!   `foreign_route_puts`); the intruder's write names no room itself.
+
+use std::net::{IpAddr, SocketAddr};
 
 use rand::RngExt;
 use serde::Serialize;
@@ -31,6 +42,7 @@ pub enum Fault {
     UnknownRoom,
     SuccessAfterAbort,
     StrandedKv,
+    ForeignRoutePut,
 }
 
 impl Fault {
@@ -40,6 +52,7 @@ impl Fault {
             Fault::UnknownRoom => "unknown-room",
             Fault::SuccessAfterAbort => "success-after-abort",
             Fault::StrandedKv => "stranded-kv",
+            Fault::ForeignRoutePut => "foreign-route-put",
         }
     }
 
@@ -50,6 +63,7 @@ impl Fault {
             Fault::UnknownRoom => "injected-unknown-room",
             Fault::SuccessAfterAbort => "injected-success-after-abort",
             Fault::StrandedKv => "injected-stranded-kv",
+            Fault::ForeignRoutePut => "injected-foreign-route-put",
         }
     }
 }
@@ -66,8 +80,7 @@ pub enum Holder {
 #[derive(clap::Args, Clone, Debug, Default)]
 pub struct FaultArgs {
     /// Isolation breach to inject (repeatable): room-collision, unknown-room,
-    /// success-after-abort, stranded-kv.
-    /// None by default.
+    /// success-after-abort, stranded-kv, foreign-route-put. None by default.
     #[arg(long = "fault", value_enum)]
     pub faults: Vec<Fault>,
     /// Share (0..=1) of the requests each `--fault` hits.
@@ -76,6 +89,10 @@ pub struct FaultArgs {
     /// `stranded-kv`: how long the holding side keeps the request after the other ended, ms.
     #[arg(long, default_value_t = 45_000)]
     pub fault_hold_ms: u64,
+    /// `foreign-route-put`: where prefill asks for an intruder (the cluster's UDP socket, which
+    /// `pd-sim cluster` sets).
+    #[arg(long, hide = true)]
+    pub fault_intruder: Option<SocketAddr>,
 }
 
 impl FaultArgs {
@@ -129,7 +146,115 @@ impl FaultArgs {
                 self.fault_hold_ms.to_string(),
             ]);
         }
+        if let Some(a) = self.fault_intruder {
+            v.extend(["--fault-intruder".to_string(), a.to_string()]);
+        }
         v
+    }
+}
+
+/// `pd-sim intrude`: one write to a prefill's bootstrap server by a process that is none of the
+/// cluster's, then exit (0 once the server answered 200).
+#[derive(clap::Args, Clone, Debug)]
+pub struct IntrudeArgs {
+    /// The bootstrap server, `HOST:PORT`.
+    #[arg(long)]
+    pub bootstrap: SocketAddr,
+    /// The rank address to register (prefill's own: the cluster keeps working).
+    #[arg(long)]
+    pub rank_ip: IpAddr,
+    #[arg(long)]
+    pub rank_port: u16,
+    /// The room of the request that caused this write: the bootstrap server counts the write
+    /// on it (the oracle), the write itself names no room.
+    #[arg(long)]
+    pub room: u64,
+}
+
+/// The body of a registration, as SGLang's ranks `PUT` it; `injected_room` marks an intruder's.
+pub fn registration(rank_ip: IpAddr, rank_port: u16, injected_room: Option<u64>) -> String {
+    let mut body = serde_json::json!({
+        "role": "Prefill",
+        "rank_ip": rank_ip.to_string(),
+        "rank_port": rank_port,
+        "engine_rank": 0,
+    });
+    if let Some(r) = injected_room {
+        body["injected_room"] = r.into();
+    }
+    body.to_string()
+}
+
+pub fn intrude(a: &IntrudeArgs) -> anyhow::Result<()> {
+    use std::io::{Read, Write};
+    let body = registration(a.rank_ip, a.rank_port, Some(a.room));
+    let mut s =
+        std::net::TcpStream::connect_timeout(&a.bootstrap, std::time::Duration::from_secs(5))?;
+    s.set_read_timeout(Some(std::time::Duration::from_secs(5)))?;
+    write!(
+        s,
+        "PUT /route HTTP/1.1\r\nhost: {}\r\ncontent-type: application/json\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{body}",
+        a.bootstrap,
+        body.len()
+    )?;
+    let mut answer = Vec::new();
+    s.read_to_end(&mut answer)?;
+    let head = String::from_utf8_lossy(&answer[..answer.len().min(64)]).into_owned();
+    if !head.starts_with("HTTP/1.1 200") {
+        anyhow::bail!("bootstrap server answered {head:?}");
+    }
+    Ok(())
+}
+
+/// Asks the cluster for an intruder's write caused by `room`, to register `rank`.
+pub fn request_intruder(launcher: SocketAddr, room: u64, rank: SocketAddr) {
+    let msg = format!("{room} {} {}", rank.ip(), rank.port());
+    match std::net::UdpSocket::bind(("127.0.0.1", 0))
+        .and_then(|s| s.send_to(msg.as_bytes(), launcher))
+    {
+        Ok(_) => {}
+        Err(e) => tracing::warn!(error = %e, "foreign-route-put: cannot ask for an intruder"),
+    }
+}
+
+/// The cluster's side of `foreign-route-put`: for every request prefill sends to `sock`, a
+/// short-lived `pd-sim intrude` against the bootstrap server at `bootstrap`, started by this
+/// process (which no monitor follows into its children: it is not a worker).
+pub async fn launch_intruders(sock: tokio::net::UdpSocket, bootstrap: SocketAddr) {
+    let mut buf = [0u8; 256];
+    loop {
+        let Ok((n, _)) = sock.recv_from(&mut buf).await else {
+            return;
+        };
+        let msg = String::from_utf8_lossy(&buf[..n]).into_owned();
+        let mut it = msg.split_whitespace();
+        let (Some(room), Some(ip), Some(port)) = (it.next(), it.next(), it.next()) else {
+            tracing::warn!(%msg, "foreign-route-put: bad intruder request");
+            continue;
+        };
+        let args = vec![
+            "--bootstrap".to_string(),
+            bootstrap.to_string(),
+            "--rank-ip".to_string(),
+            ip.to_string(),
+            "--rank-port".to_string(),
+            port.to_string(),
+            "--room".to_string(),
+            room.to_string(),
+        ];
+        let mut cmd = crate::cluster::command("intrude", args);
+        cmd.stdout(std::process::Stdio::null());
+        match cmd.spawn() {
+            Ok(mut child) => {
+                tokio::spawn(async move {
+                    match child.wait().await {
+                        Ok(s) if s.success() => {}
+                        other => tracing::warn!(?other, "foreign-route-put: intruder failed"),
+                    }
+                });
+            }
+            Err(e) => tracing::warn!(error = %e, "foreign-route-put: cannot start an intruder"),
+        }
     }
 }
 
@@ -156,6 +281,7 @@ mod tests {
             faults: vec![Fault::StrandedKv],
             fault_rate: 0.1,
             fault_hold_ms: 1,
+            fault_intruder: None,
         };
         let hit: Vec<u64> = (1..=100_000u64)
             .filter(|&r| f.hits_room(Fault::StrandedKv, r))
@@ -184,6 +310,7 @@ mod tests {
             faults: vec![Fault::UnknownRoom],
             fault_rate: 1.0,
             fault_hold_ms: 3000,
+            fault_intruder: None,
         };
         assert!(all.hits(Fault::UnknownRoom));
         assert_eq!(
@@ -205,10 +332,36 @@ mod tests {
         assert!(
             FaultArgs {
                 fault_rate: 1.5,
-                ..all
+                ..all.clone()
             }
             .validate()
             .is_err()
         );
+        // The cluster's intruder launcher reaches prefill through its flags.
+        let intruding = FaultArgs {
+            faults: vec![Fault::ForeignRoutePut],
+            fault_intruder: Some("127.0.0.1:4000".parse().unwrap()),
+            ..all
+        };
+        assert_eq!(intruding.to_args()[..2], ["--fault", "foreign-route-put"]);
+        assert!(
+            intruding
+                .to_args()
+                .ends_with(&["--fault-intruder".to_string(), "127.0.0.1:4000".to_string()])
+        );
+    }
+
+    #[test]
+    fn an_intruders_registration_is_marked_and_names_no_room() {
+        let ip: IpAddr = "127.0.0.1".parse().unwrap();
+        let own: serde_json::Value = serde_json::from_str(&registration(ip, 30011, None)).unwrap();
+        assert_eq!(own["role"], "Prefill");
+        assert_eq!(own["rank_port"], 30011);
+        assert!(own.get("injected_room").is_none());
+        let foreign = registration(ip, 30011, Some(42));
+        let v: serde_json::Value = serde_json::from_str(&foreign).unwrap();
+        assert_eq!(v["injected_room"], 42);
+        // A monitor reads rooms from `bootstrap_room`: the intruder's write names none.
+        assert!(!foreign.contains("bootstrap_room"));
     }
 }

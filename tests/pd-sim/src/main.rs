@@ -33,6 +33,9 @@ enum Cmd {
     Cluster(cluster::ClusterArgs),
     /// Open-loop load generator.
     Load(load::LoadArgs),
+    /// One write to a prefill's bootstrap server from outside the cluster
+    /// (`--fault foreign-route-put` starts it).
+    Intrude(pd_sim::fault::IntrudeArgs),
 }
 
 /// A worker's flags: the common ones, plus the vLLM flavour's own (ignored by SGLang's).
@@ -82,7 +85,7 @@ fn main() -> std::process::ExitCode {
     // pacing loop it avoids cross-thread wake-ups (measured ~15 % less CPU per request at 3k/s
     // on the 2-core box). The servers keep the CPU-count default unless told (`cluster` passes
     // `--child-threads`).
-    let default_threads = matches!(cli.cmd, Cmd::Load(_)).then_some(1);
+    let default_threads = matches!(cli.cmd, Cmd::Load(_) | Cmd::Intrude(_)).then_some(1);
     if let Some(n) = cli.threads.or(default_threads) {
         rt.worker_threads(n.max(1));
     }
@@ -100,6 +103,7 @@ fn main() -> std::process::ExitCode {
             Cmd::Router(a) => router::run(a).await,
             Cmd::Cluster(a) => cluster::run(a).await,
             Cmd::Load(a) => load::run(a).await.map(|_| ()),
+            Cmd::Intrude(a) => pd_sim::fault::intrude(&a),
         }
     });
     match res {

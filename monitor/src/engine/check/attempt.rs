@@ -116,6 +116,8 @@ impl Checker {
                 (Shape::Predicate(_), _) => self.rejudge_earliest(ri, slots, &on),
                 // Reacts to no slot: judged below, from what resolving found.
                 (Shape::Distinct(_), _) => {}
+                // Judged on the event alone, whatever it names (`never.rs`).
+                (Shape::Never(_), _) => {}
             }
         }
         if resolved.collision {

@@ -134,5 +134,7 @@ fn reacts(r: &CompiledRule) -> Reactions {
             predicate: true,
             ..specs(k.stage_mask())
         },
+        // Judged on every event apart from the attempt's rules (`never.rs`): no slot.
+        (Shape::Never(_), _) => specs(0),
     }
 }

@@ -14,6 +14,7 @@ mod attempt;
 mod deadlines;
 mod layout;
 pub mod metrics;
+mod never;
 mod never_after;
 mod report;
 mod request;
@@ -165,6 +166,8 @@ fn ns(d: Duration) -> u64 {
 type FixedMap<K, V> = HashMap<K, V, FixedState>;
 
 const SEED: u64 = 0x636865636b6572; // "checker"
+/// Attempt-naming findings of `never` rules remembered (with the worker-level ones).
+const MAX_NEVER_DEDUP: usize = 100_000;
 /// Attempts examined by housekeeping per observed event (amortised O(1)).
 const SWEEP_PER_EVENT: usize = 2;
 /// Attempts examined by housekeeping per tick.
@@ -190,6 +193,8 @@ pub struct Checker {
     workers: FixedMap<u32, u16>,
     worker_hashes: Vec<u32>,
     worker_fired: HashSet<u64, FixedState>,
+    /// Indices of the `never` rules, judged on every event.
+    never_rules: Vec<usize>,
     skew_ns: u64,
     lateness_ns: u64,
     stats: CheckerStats,
@@ -229,6 +234,9 @@ impl Checker {
             store.guard_room_request_ids();
         }
         let n = rules.len();
+        let never_rules = (0..n)
+            .filter(|&ri| matches!(rules[ri].rule.shape, rules::Shape::Never(_)))
+            .collect();
         Checker {
             rules,
             attempt_specs,
@@ -244,6 +252,7 @@ impl Checker {
             workers: FixedMap::with_hasher(FixedState::with_seed(SEED)),
             worker_hashes: vec![0],
             worker_fired: HashSet::with_hasher(FixedState::with_seed(SEED)),
+            never_rules,
             skew_ns: ns(cfg.clock_skew),
             lateness_ns: ns(cfg.allowed_lateness),
             stats: CheckerStats::default(),
@@ -272,12 +281,16 @@ impl Checker {
             self.stats.capacity_reports += 1;
             self.record_capacity(e);
             self.check_worker_predicates(e, &mut out);
+            if !self.never_rules.is_empty() {
+                self.check_never(e, None, &mut out);
+            }
         } else {
             // A request-level event that may trigger a request-scope rule needs the request's
             // record; other ones leave a request solo in its attempt.
             let request_trigger = !e.ids.names_attempt()
                 && self.request_index.matching(e) & self.request_trigger_mask != 0;
             let resolved = self.store.resolve(&e.ids, e.time_ns, request_trigger);
+            let request = resolved.request;
             match resolved.attempt {
                 Some(AttemptAt::Live(a)) => {
                     self.stats.events_attempt += 1;
@@ -306,6 +319,9 @@ impl Checker {
                         self.check_worker_predicates(e, &mut out);
                     }
                 },
+            }
+            if !self.never_rules.is_empty() {
+                self.check_never(e, request, &mut out);
             }
         }
 

@@ -33,6 +33,9 @@ pub(super) struct Finding<'a> {
     /// A `distinct` rule's finding: the two values on one key.
     pub collision: Option<Collision>,
     pub detected_at_ns: u64,
+    /// For a finding that is one event and names no attempt (`never`): that event's time, part
+    /// of the fingerprint, so each such event is an incident of its own.
+    pub instance: Option<u64>,
     /// Set on a follow-up that corroborates an emitted never-after violation.
     pub corroboration: Option<Corroboration>,
 }
@@ -63,6 +66,7 @@ impl<'a> Finding<'a> {
             breach: None,
             collision: None,
             detected_at_ns,
+            instance: None,
             corroboration: None,
         }
     }
@@ -250,6 +254,9 @@ impl Checker {
             .or_else(|| f.attempt.rid.as_ref().map(|s| format!("rid:{s}")))
             .or_else(|| f.worker.map(|w| format!("worker:{w}")))
             .unwrap_or_default();
+        if let Some(t) = f.instance {
+            primary = format!("{primary}@{t}");
+        }
         // The first violation of a request pins its fingerprint alias: an alias learnt later
         // (the x-request-id on the router's span at the very end) must not split one request's
         // retry storm into two notifications.

@@ -6,6 +6,7 @@
 
 pub mod distinct;
 pub mod must_follow;
+pub mod never;
 pub mod never_after;
 pub mod predicate;
 pub mod requires_before;
@@ -20,6 +21,7 @@ use crate::event::Stage;
 
 pub use distinct::Distinct;
 pub use must_follow::MustFollow;
+pub use never::Never;
 pub use never_after::NeverAfter;
 pub use predicate::Predicate;
 pub use requires_before::RequiresBefore;
@@ -74,6 +76,7 @@ pub struct RuleDef {
     pub predicate: Option<Predicate>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub distinct: Option<Distinct>,
+    pub never: Option<Never>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -126,12 +129,12 @@ pub enum RuleError {
     /// The shapes given (two or more).
     #[error(
         "a rule takes exactly one of never_after, must_follow, requires_before, predicate, \
-         distinct"
+         distinct, never"
     )]
     SeveralShapes { shapes: Vec<&'static str> },
     #[error(
         "no such default rule to patch, and no shape given (never_after, must_follow, \
-         requires_before, predicate or distinct)"
+         requires_before, predicate, distinct or never)"
     )]
     NoShape,
     #[error("missing description")]
@@ -155,7 +158,7 @@ pub enum RuleError {
     /// A matcher without any condition matches every event.
     #[error(
         "a matcher in `{role}` has no condition and would match every event: give it at least \
-         one of stage, kind, source, to, status_below, status_at_least"
+         one of stage, kind, source, to, peer, status_below, status_at_least"
     )]
     CatchAllMatcher { role: &'static str },
     /// The number of matchers on each side (one of them is zero).
@@ -169,6 +172,8 @@ pub enum RuleError {
     /// The number of matchers on each side (one of them is zero).
     #[error("requires_before needs at least one event and one requires matcher")]
     RequiresBeforeMatchers { event: usize, requires: usize },
+    #[error("never needs at least one `event` matcher")]
+    NeverMatchers,
     #[error("predicate needs at least one `on` matcher")]
     PredicateNoOn,
     /// The number of comparisons in each list (both zero, or both non-zero).
@@ -190,6 +195,7 @@ pub enum Shape {
     RequiresBefore(RequiresBefore),
     Predicate(Predicate),
     Distinct(Distinct),
+    Never(Never),
 }
 
 impl Shape {
@@ -222,11 +228,16 @@ impl Shape {
             &["rule", "severity", "request", "attempt", "breach"],
             &EVENT,
         ]);
+        const NEVER: &[&str] = &const_concat::<9>(&[
+            &["rule", "severity", "request", "attempt", "worker"],
+            &EVENT,
+        ]);
         match kind {
             "never_after" => NEVER_AFTER,
             "distinct" => DISTINCT,
             "must_follow" => MUST_FOLLOW,
             "requires_before" => REQUIRES_BEFORE,
+            "never" => NEVER,
             _ => PREDICATE,
         }
     }
@@ -249,6 +260,7 @@ impl Shape {
             Shape::RequiresBefore(s) => vec![("event", &s.event), ("requires", &s.requires)],
             Shape::Predicate(s) => vec![("on", &s.on)],
             Shape::Distinct(_) => vec![],
+            Shape::Never(s) => vec![("event", &s.event)],
         }
     }
 
@@ -259,6 +271,7 @@ impl Shape {
             Shape::RequiresBefore(_) => "requires_before",
             Shape::Predicate(_) => "predicate",
             Shape::Distinct(_) => "distinct",
+            Shape::Never(_) => "never",
         }
     }
 }
@@ -444,6 +457,7 @@ struct RuleSpans {
     predicate: Option<serde_saphyr::Spanned<serde::de::IgnoredAny>>,
     #[serde(default)]
     distinct: Option<serde_saphyr::Spanned<serde::de::IgnoredAny>>,
+    never: Option<serde_saphyr::Spanned<serde::de::IgnoredAny>>,
 }
 
 /// Adds the position of rule `index` of `text` to an [`RulesError::Invalid`]: the field the
@@ -471,6 +485,7 @@ fn locate(err: RulesError, text: &str, index: usize) -> RulesError {
                 Some("requires_before") => r.requires_before.as_ref(),
                 Some("predicate") => r.predicate.as_ref(),
                 Some("distinct") => r.distinct.as_ref(),
+                Some("never") => r.never.as_ref(),
                 _ => None,
             },
             _ => None,
@@ -505,6 +520,9 @@ fn shape_of(def: &mut RuleDef) -> Result<Option<Shape>, RuleError> {
     }
     if let Some(s) = def.distinct.take() {
         shapes.push(Shape::Distinct(s));
+    }
+    if let Some(s) = def.never.take() {
+        shapes.push(Shape::Never(s));
     }
     match shapes.len() {
         0 => Ok(None),
@@ -610,6 +628,7 @@ fn validate(rule: &Rule) -> Result<(), RuleError> {
         Shape::RequiresBefore(s) => s.validate(),
         Shape::Predicate(s) => s.validate(),
         Shape::Distinct(_) => Ok(()),
+        Shape::Never(s) => s.validate(),
     }
 }
 
@@ -628,6 +647,7 @@ fn default_output(shape: &Shape) -> &'static str {
             "{rule}: {event.stage} {event.kind} of {attempt} breaks the condition"
         }
         Shape::Distinct(_) => "{rule}: {attempt} carries {breach}",
+        Shape::Never(_) => "{rule}: forbidden {event.stage} {event.kind} ({event.source})",
     }
 }
 
@@ -648,6 +668,7 @@ impl Rule {
             Shape::RequiresBefore(s) => def.requires_before = Some(s.clone()),
             Shape::Predicate(s) => def.predicate = Some(s.clone()),
             Shape::Distinct(s) => def.distinct = Some(s.clone()),
+            Shape::Never(s) => def.never = Some(s.clone()),
         }
         def
     }
@@ -717,6 +738,7 @@ pub fn compile(
             Shape::Predicate(p) => p.slots(attempt),
             // Judged on the ids as the correlator resolves them: no slots.
             Shape::Distinct(_) => RuleSlots::default(),
+            Shape::Never(n) => n.slots(),
         };
         out.push(CompiledRule {
             index,
@@ -799,7 +821,8 @@ mod tests {
                 "held-decode-slot",
                 "over-capacity-admitted",
                 "stuck-attempt",
-                "context-exceeds-capacity"
+                "context-exceeds-capacity",
+                "foreign-bootstrap-writer"
             ]
         );
         let sev = |n: &str| set.rules.iter().find(|r| r.name == n).unwrap().severity;
@@ -811,6 +834,7 @@ mod tests {
         assert_eq!(sev("stranded-kv"), Severity::Warning);
         assert_eq!(sev("held-decode-slot"), Severity::Warning);
         assert_eq!(sev("over-capacity-admitted"), Severity::Critical);
+        assert_eq!(sev("foreign-bootstrap-writer"), Severity::Critical);
     }
 
     #[test]
@@ -917,7 +941,7 @@ mod tests {
         assert_eq!(
             err.to_string(),
             "rule \"brand-new\" in u.yaml at line 2, column 11: no such default rule to patch, and no shape given \
-             (never_after, must_follow, requires_before, predicate or distinct)"
+             (never_after, must_follow, requires_before, predicate, distinct or never)"
         );
         let err = RuleSet::from_yaml(
             "rules:\n  - name: Bad\n    description: d\n    severity: info\n    never_after: {trigger: [{kind: [rejected]}], forbidden: []}\n",
@@ -1066,6 +1090,103 @@ mod tests {
             "{err:?}"
         );
         assert!(err.to_string().contains("would match every event"), "{err}");
+    }
+
+    #[test]
+    fn never_rules_load_and_their_errors_carry_line_and_column() {
+        let set = RuleSet::from_yaml(
+            "rules:\n  - name: no-foreign\n    description: d\n    severity: critical\n    \
+             never:\n      event: [{stage: [transfer], peer: [foreign, unattributed]}]\n",
+            "r.yaml",
+        )
+        .unwrap();
+        let Shape::Never(n) = &set.rules[0].shape else {
+            panic!("{:?}", set.rules[0].shape)
+        };
+        assert_eq!(
+            n.event[0].peer,
+            [
+                crate::event::Peer::Foreign,
+                crate::event::Peer::Unattributed
+            ]
+        );
+        // An empty list, an unknown peer, a catch-all matcher, a placeholder it has no value for.
+        let err = RuleSet::from_yaml(
+            "rules:\n  - name: n\n    description: d\n    severity: info\n    never: {event: []}\n",
+            "r.yaml",
+        )
+        .unwrap_err();
+        assert!(
+            matches!(
+                &err,
+                RulesError::Invalid {
+                    error: RuleError::NeverMatchers,
+                    at: Some(Position { line: 2, .. }),
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains("at line 2, column 11"), "{err}");
+        let err = RuleSet::from_yaml(
+            "rules:\n  - name: n\n    description: d\n    severity: info\n    never:\n      \
+             event: [{peer: [stranger]}]\n",
+            "r.yaml",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("stranger") && err.contains("line 6"), "{err}");
+        let err = RuleSet::from_yaml(
+            "rules:\n  - name: n\n    description: d\n    severity: info\n    never: {event: [{}]}\n",
+            "r.yaml",
+        )
+        .unwrap_err();
+        assert!(
+            matches!(
+                &err,
+                RulesError::Invalid {
+                    error: RuleError::CatchAllMatcher { role: "event" },
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        let err = RuleSet::from_yaml(
+            "rules:\n  - name: n\n    description: d\n    severity: info\n    \
+             output: \"{delay}\"\n    never: {event: [{peer: [foreign]}]}\n",
+            "r.yaml",
+        )
+        .unwrap_err();
+        assert!(
+            matches!(
+                &err,
+                RulesError::Invalid {
+                    error: RuleError::PlaceholderNotForShape { shape: "never", .. },
+                    at: Some(Position { line: 5, .. }),
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        // Two shapes: the second one is pointed at.
+        let err = RuleSet::from_yaml(
+            "rules:\n  - name: n\n    description: d\n    severity: info\n    \
+             predicate: {on: [{kind: [admitted]}], all: [{field: input_tokens, gt: {value: 1}}]}\n    \
+             never: {event: [{peer: [foreign]}]}\n",
+            "r.yaml",
+        )
+        .unwrap_err();
+        assert!(
+            matches!(
+                &err,
+                RulesError::Invalid {
+                    error: RuleError::SeveralShapes { .. },
+                    at: Some(Position { line: 6, .. }),
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
     }
 
     #[test]

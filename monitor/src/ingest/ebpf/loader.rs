@@ -48,6 +48,11 @@ pub const PROGRAMS: &[(&str, &str)] = &[
     ("sched_process_exit", "sched"),
 ];
 
+/// The program that reports the local address of every connection a watched process opens
+/// (`sock/inet_sock_set_state`). Without it the probes still work; a peer on this node is then
+/// unattributed rather than foreign (`track::Tracker::peer_of`).
+pub const LOCAL_ADDRESS_PROGRAM: (&str, &str) = ("inet_sock_set_state", "sock");
+
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
     #[error(
@@ -146,6 +151,9 @@ impl CaptureConfig {
 /// The loaded, attached programs. Dropping it detaches everything.
 pub struct Probes {
     ebpf: Ebpf,
+    /// [`LOCAL_ADDRESS_PROGRAM`] is attached: every connection watched processes open is
+    /// reported with its local address.
+    pub local_addresses: bool,
 }
 
 /// Sums of the per-CPU kernel counters.
@@ -200,14 +208,28 @@ impl Probes {
             prog.attach(category, name)
                 .map_err(|source| classify_program_error(name, source))?;
         }
+        let local_addresses = match attach_local_addresses(&mut ebpf, &tracefs) {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!(
+                    error = %e,
+                    "eBPF: local addresses of connections not reported; writers to a bootstrap \
+                     server on this node are unattributed, never foreign"
+                );
+                false
+            }
+        };
         tracing::info!(
-            programs = PROGRAMS.len(),
+            programs = PROGRAMS.len() + usize::from(local_addresses),
             head_bytes = cfg.head_bytes,
             tail_bytes = cfg.tail_bytes,
             ring_bytes = cfg.ring_bytes,
             "eBPF probes attached"
         );
-        Ok(Probes { ebpf })
+        Ok(Probes {
+            ebpf,
+            local_addresses,
+        })
     }
 
     /// Takes the ring buffer out (once) for the reader task.
@@ -362,6 +384,45 @@ fn ensure_tracefs() -> Result<PathBuf, LoadError> {
     })
 }
 
+/// Attaches [`LOCAL_ADDRESS_PROGRAM`] once tracefs shows the record layout it reads.
+fn attach_local_addresses(ebpf: &mut Ebpf, tracefs: &Path) -> Result<(), LoadError> {
+    let (name, category) = LOCAL_ADDRESS_PROGRAM;
+    let path = tracefs.join("events").join(category).join(name);
+    let format =
+        std::fs::read_to_string(path.join("format")).map_err(|_| LoadError::MissingTracepoint {
+            category,
+            name,
+            path: path.clone(),
+        })?;
+    check_layout(&format, &monitor_common::inet_sock_set_state::FIELDS)
+        .map_err(|m| LoadError::Config(format!("{category}/{name}: {m}")))?;
+    let prog: &mut TracePoint = ebpf
+        .program_mut(name)
+        .ok_or_else(|| LoadError::Config(format!("program {name} missing from the object")))?
+        .try_into()
+        .map_err(|source| LoadError::Program {
+            program: name,
+            source,
+        })?;
+    prog.load()
+        .map_err(|source| classify_program_error(name, source))?;
+    prog.attach(category, name)
+        .map_err(|source| classify_program_error(name, source))?;
+    Ok(())
+}
+
+/// Every `(field, offset)` is where the tracefs `format` says.
+pub fn check_layout(format: &str, fields: &[(&str, usize)]) -> Result<(), String> {
+    for &(field, want) in fields {
+        match parse_field_offset(format, field) {
+            Some(got) if got as usize == want => {}
+            Some(got) => return Err(format!("field {field} at offset {got}, not {want}")),
+            None => return Err(format!("no field {field}")),
+        }
+    }
+    Ok(())
+}
+
 fn fork_child_pid_offset(tracefs: &Path) -> io::Result<u32> {
     let fmt = std::fs::read_to_string(tracefs.join("events/sched/sched_process_fork/format"))?;
     parse_field_offset(&fmt, "child_pid")
@@ -373,7 +434,8 @@ pub fn parse_field_offset(format: &str, name: &str) -> Option<u32> {
     format.lines().find_map(|line| {
         let line = line.trim();
         let decl = line.strip_prefix("field:")?.split(';').next()?;
-        let field = decl.split_whitespace().last()?;
+        // An array field is named with its length: `__u8 saddr[4]`.
+        let field = decl.split_whitespace().last()?.split('[').next()?;
         if field != name {
             return None;
         }
@@ -430,6 +492,35 @@ mod tests {
         assert_eq!(parse_field_offset(FORK_FORMAT, "parent_pid"), Some(12));
         assert_eq!(parse_field_offset(FORK_FORMAT, "pid"), None);
         assert_eq!(parse_field_offset("garbage;;offset:", "child_pid"), None);
+    }
+
+    /// `sock/inet_sock_set_state` as kernel 6.18 describes it.
+    const SET_STATE_FORMAT: &str = "name: inet_sock_set_state\nID: 2287\nformat:\n\
+        \tfield:unsigned short common_type;\toffset:0;\tsize:2;\tsigned:0;\n\
+        \tfield:const void * skaddr;\toffset:8;\tsize:8;\tsigned:0;\n\
+        \tfield:int oldstate;\toffset:16;\tsize:4;\tsigned:1;\n\
+        \tfield:int newstate;\toffset:20;\tsize:4;\tsigned:1;\n\
+        \tfield:__u16 sport;\toffset:24;\tsize:2;\tsigned:0;\n\
+        \tfield:__u16 dport;\toffset:26;\tsize:2;\tsigned:0;\n\
+        \tfield:__u16 family;\toffset:28;\tsize:2;\tsigned:0;\n\
+        \tfield:__u16 protocol;\toffset:30;\tsize:2;\tsigned:0;\n\
+        \tfield:__u8 saddr[4];\toffset:32;\tsize:4;\tsigned:0;\n\
+        \tfield:__u8 daddr[4];\toffset:36;\tsize:4;\tsigned:0;\n\
+        \tfield:__u8 saddr_v6[16];\toffset:40;\tsize:16;\tsigned:0;\n\
+        \tfield:__u8 daddr_v6[16];\toffset:56;\tsize:16;\tsigned:0;\n";
+
+    #[test]
+    fn the_local_address_program_checks_the_record_layout() {
+        let fields = &monitor_common::inet_sock_set_state::FIELDS;
+        assert_eq!(check_layout(SET_STATE_FORMAT, fields), Ok(()));
+        // A kernel before 4.20 had no protocol field, and everything after it moved.
+        let old = SET_STATE_FORMAT.replace("protocol", "other");
+        assert_eq!(
+            check_layout(&old, fields),
+            Err("no field protocol".to_owned())
+        );
+        let moved = SET_STATE_FORMAT.replace("offset:32", "offset:30");
+        assert!(check_layout(&moved, fields).unwrap_err().contains("saddr"));
     }
 
     #[test]

@@ -36,7 +36,8 @@ impl Collector for EbpfCollector {
             &mut enc,
             "revenant_ebpf_kernel",
             "Kernel-side counters of the eBPF probes, summed over CPUs (seen, sent, ringbuf_drops, \
-             read_failures, active_full, socks_full, iov_truncated, bytes_captured)",
+             read_failures, active_full, socks_full, iov_truncated, bytes_captured, \
+             connecting_full)",
             counter::NAMES
                 .iter()
                 .enumerate()

@@ -5,17 +5,33 @@
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
-use monitor_common::{CloseEvent, ConnEvent, DataHeader, Header, ProcEvent, kind};
+use monitor_common::{CloseEvent, ConnEvent, DataHeader, Header, LocalEvent, ProcEvent, kind};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Record<'a> {
     Data(DataPiece<'a>),
     Connect(Conn),
     Accept(Conn),
-    Close { hdr: Header, fd: u32 },
-    Exec { hdr: Header },
-    Exit { hdr: Header },
-    Fork { hdr: Header, child: u32 },
+    Close {
+        hdr: Header,
+        fd: u32,
+    },
+    Exec {
+        hdr: Header,
+    },
+    Exit {
+        hdr: Header,
+    },
+    Fork {
+        hdr: Header,
+        child: u32,
+    },
+    /// A connection `hdr.tgid` opened is established: its local and remote addresses.
+    Local {
+        hdr: Header,
+        local: SocketAddr,
+        remote: SocketAddr,
+    },
 }
 
 /// One captured piece of one syscall's payload.
@@ -51,6 +67,8 @@ pub enum RecordError {
     Short { got: usize, need: usize },
     #[error("unknown record kind {0}")]
     UnknownKind(u32),
+    #[error("connection record of unknown address family {0}")]
+    Family(u16),
     #[error("data record says {claimed} payload bytes but carries {got}")]
     LengthMismatch { claimed: u32, got: usize },
 }
@@ -61,6 +79,7 @@ impl RecordError {
         match self {
             RecordError::Short { .. } => "short",
             RecordError::UnknownKind(_) => "unknown_kind",
+            RecordError::Family(_) => "unknown_family",
             RecordError::LengthMismatch { .. } => "length_mismatch",
         }
     }
@@ -139,6 +158,25 @@ pub fn decode(buf: &[u8]) -> Result<Record<'_>, RecordError> {
                 },
             })
         }
+        kind::LOCAL => {
+            let l: LocalEvent = read(buf)?;
+            let addr = |a: &[u8; 16], port: u16| match l.family {
+                2 => Some(SocketAddr::new(
+                    IpAddr::V4(Ipv4Addr::new(a[0], a[1], a[2], a[3])),
+                    port,
+                )),
+                10 => Some(SocketAddr::new(IpAddr::V6(Ipv6Addr::from(*a)), port)),
+                _ => None,
+            };
+            match (addr(&l.local, l.local_port), addr(&l.remote, l.remote_port)) {
+                (Some(local), Some(remote)) => Ok(Record::Local {
+                    hdr: l.hdr,
+                    local,
+                    remote,
+                }),
+                _ => Err(RecordError::Family(l.family)),
+            }
+        }
         other => Err(RecordError::UnknownKind(other)),
     }
 }
@@ -196,6 +234,31 @@ mod tests {
             panic!()
         };
         assert_eq!(conn.peer, Some("127.0.0.1:8998".parse().unwrap()));
+    }
+
+    #[test]
+    fn decodes_local_addresses() {
+        let mut l = LocalEvent {
+            hdr: Header {
+                kind: kind::LOCAL,
+                tgid: 42,
+                ..Default::default()
+            },
+            family: 2,
+            local_port: 51234,
+            remote_port: 8998,
+            ..Default::default()
+        };
+        l.local[..4].copy_from_slice(&[127, 0, 0, 1]);
+        l.remote[..4].copy_from_slice(&[127, 0, 0, 1]);
+        let Record::Local { hdr, local, remote } = decode(&bytes_of(&l)).unwrap() else {
+            panic!()
+        };
+        assert_eq!(hdr.tgid, 42);
+        assert_eq!(local, "127.0.0.1:51234".parse().unwrap());
+        assert_eq!(remote, "127.0.0.1:8998".parse().unwrap());
+        l.family = 1;
+        assert_eq!(decode(&bytes_of(&l)), Err(RecordError::Family(1)));
     }
 
     #[test]

@@ -86,6 +86,9 @@ impl EbpfStats {
         self.kernel(counter::RINGBUF_DROPS)
             + self.kernel(counter::ACTIVE_FULL)
             + self.kernel(counter::SOCKS_FULL)
+            // A watched connection whose local address went unreported: its writes to a
+            // bootstrap server on this node would read as foreign.
+            + self.kernel(counter::CONNECTING_FULL)
             + self.events_dropped.load(Relaxed)
             + self.decode_errors.load(Relaxed)
             + self.conns_evicted.load(Relaxed)
@@ -132,7 +135,8 @@ impl EbpfSource {
     pub fn start(cfg: EbpfConfig) -> Result<EbpfSource, LoadError> {
         let mut probes = Probes::load(&cfg.capture)?;
         let ring = probes.take_ring()?;
-        let tracker = Tracker::new(cfg.node.clone(), Clock::now(), cfg.limits);
+        let mut tracker = Tracker::new(cfg.node.clone(), Clock::now(), cfg.limits);
+        tracker.set_local_attribution(probes.local_addresses);
         let mut src = Inner {
             probes,
             tracker,
@@ -279,6 +283,8 @@ impl Inner {
             if let Err(e) = self.probes.track_socket(pid, fd) {
                 tracing::warn!(pid, fd, error = %e, "eBPF: cannot track an existing socket");
             }
+            // Connections opened before it was watched: the kernel never reported them.
+            self.tracker.add_own_socket(pid, entry.local);
             self.tracker
                 .add_existing_socket(pid, fd, Some(entry.remote));
         }

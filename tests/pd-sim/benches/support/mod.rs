@@ -126,6 +126,8 @@ pub fn fault_visible(f: Fault, w: Witness) -> bool {
         Fault::UnknownRoom => w.ebpf(),
         Fault::StrandedKv => true,
         Fault::SuccessAfterAbort => w == Witness::Both,
+        // No span says who called the bootstrap server.
+        Fault::ForeignRoutePut => w.ebpf(),
     }
 }
 
@@ -138,6 +140,7 @@ impl Row {
                 Some(Fault::UnknownRoom) => "correct+fault:unknown-room",
                 Some(Fault::SuccessAfterAbort) => "correct+fault:success-after-abort",
                 Some(Fault::StrandedKv) => "correct+fault:stranded-kv",
+                Some(Fault::ForeignRoutePut) => "correct+fault:foreign-route-put",
             },
             if self.ignores_cancel {
                 "ignores"

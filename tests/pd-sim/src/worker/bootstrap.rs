@@ -6,10 +6,11 @@ use crate::http::GetError;
 
 /// Serves `GET`/`PUT /route` and `/health` on `boot`, announcing `advertised` as prefill's KV
 /// endpoint.
-pub(super) fn spawn_server(boot: TcpListener, advertised: SocketAddr) {
+pub(super) fn spawn_server(boot: TcpListener, advertised: SocketAddr, w: Shared) {
     let app = Router::new()
         .route("/route", get(route_get).put(route_put))
         .route("/health", get(|| async { "OK" }))
+        .layer(axum::Extension(w))
         .with_state(Arc::new(Mutex::new(advertised)));
     tokio::spawn(async move {
         if let Err(e) = axum::serve(boot, app).await {
@@ -58,12 +59,29 @@ pub(super) async fn route_get(
 
 /// Registration of a prefill rank (`PUT /route`). The simulator has one rank, registered at
 /// start; a PUT replaces its address, which is how SGLang ranks announce themselves.
-pub(super) async fn route_put(State(addr): State<Arc<Mutex<SocketAddr>>>, body: Bytes) -> Response {
+pub(super) async fn route_put(
+    State(addr): State<Arc<Mutex<SocketAddr>>>,
+    axum::Extension(w): axum::Extension<Shared>,
+    body: Bytes,
+) -> Response {
     #[derive(Deserialize)]
     pub(super) struct Put {
         role: String,
         rank_ip: String,
         rank_port: u16,
+        /// `--fault foreign-route-put`: an intruder's write, caused by this room's request.
+        #[serde(default)]
+        injected_room: Option<u64>,
+    }
+    w.stats.route_puts.fetch_add(1, Ordering::Relaxed);
+    if let Ok(Put {
+        injected_room: Some(room),
+        ..
+    }) = serde_json::from_slice::<Put>(&body)
+    {
+        w.stats.foreign_route_puts.fetch_add(1, Ordering::Relaxed);
+        w.stats.faults_injected.fetch_add(1, Ordering::Relaxed);
+        w.record(room, |r| r.foreign_route_puts += 1);
     }
     match serde_json::from_slice::<Put>(&body) {
         Ok(p) if p.role == "Prefill" => match p.rank_ip.parse::<IpAddr>() {
@@ -79,6 +97,39 @@ pub(super) async fn route_put(State(addr): State<Arc<Mutex<SocketAddr>>>, body: 
 }
 
 impl Worker {
+    /// `--fault foreign-route-put`, for `room`'s request: prefill registers its own rank again
+    /// (a member's write, which a monitor must leave alone), then asks the cluster for an
+    /// intruder's write.
+    pub(super) fn foreign_route_put(self: &Arc<Self>, room: u64) {
+        let Some(launcher) = self.args.faults.fault_intruder else {
+            return;
+        };
+        let Some(kv) = *self.kv_addr.lock().expect("kv addr lock") else {
+            return;
+        };
+        let rank = SocketAddr::new(kv.ip(), self.args.advertise_kv_port.unwrap_or(kv.port()));
+        let w = self.clone();
+        tokio::spawn(async move {
+            let body = crate::fault::registration(rank.ip(), rank.port(), None);
+            let req = hyper::Request::put(format!("http://{}/route", w.boot_addr))
+                .header("content-type", "application/json")
+                .body(http_body_util::Full::new(Bytes::from(body)));
+            match req {
+                Ok(req) => match w.client.request(req).await {
+                    Ok(resp) if resp.status().is_success() => {
+                        let _ = http_body_util::BodyExt::collect(resp.into_body()).await;
+                    }
+                    Ok(resp) => {
+                        tracing::warn!(status = %resp.status(), "own registration refused")
+                    }
+                    Err(e) => tracing::warn!(error = %e, "own registration failed"),
+                },
+                Err(e) => tracing::warn!(error = %e, "own registration request"),
+            }
+            crate::fault::request_intruder(launcher, room, rank);
+        });
+    }
+
     /// Prefill's KV endpoint for a bootstrap server, looked up once and cached (SGLang caches
     /// the bootstrap info per prefill address, too).
     pub(super) async fn prefill_endpoint(

@@ -194,6 +194,10 @@ pub struct WorkerStats {
     pub route_failures: AtomicU64,
     /// Breaches `--fault` injected (each also in the room log, outcome `injected-…`).
     pub faults_injected: AtomicU64,
+    /// Prefill: writes its bootstrap server took (`PUT /route`).
+    pub route_puts: AtomicU64,
+    /// Prefill: of those, the ones `--fault foreign-route-put`'s intruders made.
+    pub foreign_route_puts: AtomicU64,
 }
 
 /// What a worker remembers about one room, for tests and demos (`GET /sim/rooms`).
@@ -210,6 +214,9 @@ pub struct RoomRecord {
     pub kv_chunks: u32,
     pub kv_done: bool,
     pub generated_tokens: u64,
+    /// Prefill: writes to its bootstrap server by an intruder this room's request caused
+    /// (`--fault foreign-route-put`).
+    pub foreign_route_puts: u32,
     pub outcome: &'static str,
     /// For outcome `cancel-ignored`: how the request ended after its client had gone
     /// (`kv-failed`, `generated`, …).
@@ -271,6 +278,8 @@ pub struct Worker {
     routes: Mutex<HashMap<String, SocketAddr>>,
     pushers: Pushers,
     kv_addr: Mutex<Option<SocketAddr>>,
+    /// Prefill: its bootstrap server's address (0 port: none).
+    boot_addr: SocketAddr,
     client: HttpClient,
 }
 
@@ -408,6 +417,17 @@ pub async fn run(role: Role, args: WorkerArgs) -> anyhow::Result<()> {
         anyhow::bail!("--overload-share must be within 0..=1");
     }
     args.faults.validate()?;
+    if role == Role::Prefill
+        && args
+            .faults
+            .faults
+            .contains(&crate::fault::Fault::ForeignRoutePut)
+        && args.faults.fault_intruder.is_none()
+    {
+        anyhow::bail!(
+            "--fault foreign-route-put needs the cluster's intruders: run `pd-sim cluster`"
+        );
+    }
     if role == Role::Prefill && args.decode_ignores_cancel {
         anyhow::bail!("--decode-ignores-cancel is a decode flag");
     }
@@ -472,6 +492,7 @@ pub async fn run(role: Role, args: WorkerArgs) -> anyhow::Result<()> {
         routes: Mutex::new(HashMap::new()),
         pushers: Pushers::new(link_stats.clone()),
         kv_addr: Mutex::new(Some(kv_addr)),
+        boot_addr: SocketAddr::new(kv_addr.ip(), boot_port),
         client: http_client(64),
         args,
     });
@@ -492,7 +513,7 @@ pub async fn run(role: Role, args: WorkerArgs) -> anyhow::Result<()> {
             kv_addr.ip(),
             w.args.advertise_kv_port.unwrap_or(kv_addr.port()),
         );
-        bootstrap::spawn_server(boot, advertised);
+        bootstrap::spawn_server(boot, advertised, w.clone());
     }
 
     let app = api::routes(&w, boot_port, http_addr.port());

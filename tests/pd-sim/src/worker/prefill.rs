@@ -347,6 +347,11 @@ pub(super) async fn prefill(
         let mut answer_abort = true;
         let mut xfer = None;
         let faults = &w.args.faults;
+        if let Some(room) = p.room
+            && faults.hits(Fault::ForeignRoutePut)
+        {
+            w.foreign_route_put(room);
+        }
         let stranded = faults.stranded_holder(p.room);
         if let (Some(room), Some(Holder::Decode)) = (p.room, stranded) {
             // `--fault stranded-kv`, decode holds: prefill gives up on the room at once and

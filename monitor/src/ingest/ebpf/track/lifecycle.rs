@@ -5,6 +5,9 @@
 //!   `completed`, or `aborted` when the answer's final `finish_reason` is an abort (SGLang
 //!   answers an aborted request 200); decode response bytes: decode `work`;
 //! - decode → prefill bootstrap server `GET /route`: transfer `received` (the handshake);
+//! - any other method on the bootstrap server's `/route` (`PUT /route`: a rank registering):
+//!   transfer `received` reported by prefill with `peer` (member, foreign, unattributed: see
+//!   [`Tracker::peer_of`]) and the writer's address as `worker`;
 //! - ZMTP `[BOOTSTRAP, room, ..]`: transfer `received`; the first `KV` chunk of a room: transfer
 //!   `work` (KV is moving); `KV_DONE`: transfer `completed`; `[ABORT, room]`: transfer
 //!   `cancelled`. The vLLM side channel's `NIXL_READ` / `NIXL_KV` / `NIXL_DONE` / `NIXL_ABORT`
@@ -29,8 +32,8 @@
 
 use std::net::SocketAddr;
 
-use super::{Answer, Endpoint, Proto, Tracker, Worker};
-use crate::event::{Kind, LifecycleEvent, Source, Stage, truncate_reason};
+use super::{Answer, Endpoint, Proto, Tracker, Worker, canonical};
+use crate::event::{Kind, LifecycleEvent, Peer, Source, Stage, truncate_reason};
 use crate::ingest::ebpf::http::{RequestHead, Side};
 use crate::ingest::ebpf::json_ids::RequestIds;
 use crate::ingest::ebpf::procs::Role;
@@ -103,6 +106,35 @@ impl Tracker {
             return self.local_ports.get(&peer.port()).copied();
         }
         None
+    }
+
+    /// Who the peer of a connection this node accepted is (see [`Peer`]): a watched process on
+    /// this node when its socket is one of theirs; foreign when it is on this node (loopback, or
+    /// an address this node's watched sockets use) and none of theirs, which only the kernel's
+    /// report of every watched connection can tell; across nodes, only an address that names the
+    /// host of a known worker attributes it.
+    pub(super) fn peer_of(&self, peer: Option<SocketAddr>) -> Peer {
+        let Some(p) = peer.map(canonical) else {
+            return Peer::Unattributed;
+        };
+        if self.own.by_addr.contains_key(&p) {
+            return Peer::Member;
+        }
+        let ip = p.ip();
+        if ip.is_unspecified() {
+            return Peer::Unattributed;
+        }
+        if ip.is_loopback() || self.own.local_ips.contains(&ip) {
+            return if self.own.complete {
+                Peer::Foreign
+            } else {
+                Peer::Unattributed
+            };
+        }
+        if self.workers.keys().any(|w| canonical(*w).ip() == ip) {
+            return Peer::Member;
+        }
+        Peer::Unattributed
     }
 
     /// A `/server_info` answer named the server's `disaggregation_mode`. The server is the
@@ -187,6 +219,12 @@ impl Tracker {
             (Role::Decode, false, PathKind::Generate) => {
                 self.event(start, Stage::Decode, Kind::Received, at.tgid)
             }
+            // A write to prefill's bootstrap server (`PUT /route`: a rank registering, or anyone
+            // who reaches the port re-pointing where decode fetches KV): reported with who wrote
+            // it; only the accepting end knows the connection came from outside.
+            (Role::Prefill, false, PathKind::Route) if is_write(&head.method) => self
+                .event(start, Stage::Transfer, Kind::Received, at.tgid)
+                .with_peer(self.peer_of(at.peer)),
             // Decode asking prefill's bootstrap server where to fetch KV: the handshake.
             (Role::Decode, true, PathKind::Route) => {
                 self.event(start, Stage::Transfer, Kind::Received, at.tgid)
@@ -340,6 +378,13 @@ impl Tracker {
             out.push(e);
         }
     }
+}
+
+/// A request that may change what the server holds: any method but `GET` and `HEAD`.
+fn is_write(method: &str) -> bool {
+    !["GET", "HEAD"]
+        .iter()
+        .any(|m| m.eq_ignore_ascii_case(method))
 }
 
 /// The trace id of a W3C `traceparent` (`00-<32 hex>-<16 hex>-<2 hex>`).

@@ -11,7 +11,7 @@
 use std::collections::VecDeque;
 
 use foldhash::{HashMap, HashMapExt};
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 
 use super::http::{HttpEvent, HttpStream, RequestHead, Side, detect};
 use super::json_ids::{BodyWindow, Finish, RequestIds};
@@ -180,7 +180,64 @@ pub struct Tracker {
     transfer_names: vllm::TransferNames,
     /// The last capacity each vLLM worker reported.
     capacity: vllm::CapacityTable,
+    /// Who connects from where on this node: see [`OwnSockets`].
+    own: OwnSockets,
     pub stats: TrackStats,
+}
+
+/// Local addresses of the TCP connections watched processes opened (the kernel reports each
+/// once established, discovery the ones that existed before), so that the accepting end of a
+/// connection on this node can tell whether its peer is a watched process. Entries are never
+/// removed when a socket closes (a writer may close before its request is read): the oldest go
+/// once the table is full, and an address reused by another process afterwards reads as the
+/// watched one's (a missed alert, never a false one).
+#[derive(Debug, Default)]
+struct OwnSockets {
+    /// The kernel reports the local address of every connection a watched process opens. Off,
+    /// a peer on this node cannot be told apart from a watched one: it is unattributed.
+    complete: bool,
+    by_addr: HashMap<SocketAddr, u32>,
+    order: VecDeque<SocketAddr>,
+    /// The addresses this node's watched sockets use (besides loopback): a peer there is on
+    /// this node.
+    local_ips: Vec<IpAddr>,
+}
+
+/// Own sockets remembered (about 4 MiB at most).
+const MAX_OWN_SOCKETS: usize = 65_536;
+/// Distinct local addresses of this node remembered.
+const MAX_LOCAL_IPS: usize = 64;
+
+/// An IPv4-mapped IPv6 address as the IPv4 one: a dual-stack listener sees `::ffff:a.b.c.d`.
+fn canonical(a: SocketAddr) -> SocketAddr {
+    match a.ip() {
+        IpAddr::V6(v6) => v6
+            .to_ipv4_mapped()
+            .map_or(a, |v4| SocketAddr::new(IpAddr::V4(v4), a.port())),
+        IpAddr::V4(_) => a,
+    }
+}
+
+impl OwnSockets {
+    fn add(&mut self, tgid: u32, local: SocketAddr) {
+        let local = canonical(local);
+        if self.by_addr.insert(local, tgid).is_none() {
+            if self.order.len() >= MAX_OWN_SOCKETS
+                && let Some(old) = self.order.pop_front()
+            {
+                self.by_addr.remove(&old);
+            }
+            self.order.push_back(local);
+        }
+        let ip = local.ip();
+        if !ip.is_loopback()
+            && !ip.is_unspecified()
+            && !self.local_ips.contains(&ip)
+            && self.local_ips.len() < MAX_LOCAL_IPS
+        {
+            self.local_ips.push(ip);
+        }
+    }
 }
 
 impl Tracker {
@@ -196,8 +253,21 @@ impl Tracker {
             learned: Vec::new(),
             transfer_names: vllm::TransferNames::default(),
             capacity: vllm::CapacityTable::default(),
+            own: OwnSockets::default(),
             stats: TrackStats::default(),
         }
+    }
+
+    /// The kernel reports the local address of every connection watched processes open
+    /// ([`Record::Local`]), so a peer on this node that is none of them is foreign.
+    pub fn set_local_attribution(&mut self, complete: bool) {
+        self.own.complete = complete;
+    }
+
+    /// A connection watched process `tgid` holds uses `local` on this node (found in /proc for
+    /// sockets that existed before it was watched).
+    pub fn add_own_socket(&mut self, tgid: u32, local: SocketAddr) {
+        self.own.add(tgid, local);
     }
 
     pub fn set_role(&mut self, tgid: u32, role: Role) {
@@ -284,6 +354,7 @@ impl Tracker {
             Record::Connect(c) | Record::Accept(c) => self.on_conn(c),
             Record::Close { hdr, fd } => self.close(hdr.tgid, *fd, hdr.ts_ns, out),
             Record::Data(d) => self.on_data(d, out),
+            Record::Local { hdr, local, .. } => self.own.add(hdr.tgid, *local),
             Record::Exec { .. } | Record::Exit { .. } | Record::Fork { .. } => {}
         }
         self.stats.events += (out.len() - before) as u64;

@@ -934,3 +934,215 @@ fn vllm_models_and_metrics_answers_are_capacity_reports() {
         ]
     );
 }
+
+// Writers to prefill's bootstrap server: who the accepting end can tell its peer is.
+
+/// What a write event says: stage, kind, who wrote it, from where, the detail.
+type Write<'a> = (Stage, Kind, Option<Peer>, Option<&'a str>, Option<&'a str>);
+
+impl Sim {
+    fn accept_from(&mut self, tgid: u32, fd: u32, peer: &str) {
+        let hdr = self.hdr(kind::ACCEPT, tgid);
+        self.t.on_record(
+            &Record::Accept(Conn {
+                hdr,
+                fd,
+                peer: Some(peer.parse().unwrap()),
+            }),
+            &mut self.out,
+        );
+    }
+
+    /// The kernel's report that a connection `tgid` opened is established, from `local`.
+    fn established(&mut self, tgid: u32, local: &str, remote: &str) {
+        let hdr = Header {
+            tid: 0,
+            ..self.hdr(kind::LOCAL, tgid)
+        };
+        self.t.on_record(
+            &Record::Local {
+                hdr,
+                local: local.parse().unwrap(),
+                remote: remote.parse().unwrap(),
+            },
+            &mut self.out,
+        );
+    }
+
+    fn writes(&self) -> Vec<Write<'_>> {
+        self.out
+            .iter()
+            .map(|e| {
+                (
+                    e.stage,
+                    e.kind,
+                    e.peer,
+                    e.worker.as_deref(),
+                    e.detail.as_deref(),
+                )
+            })
+            .collect()
+    }
+}
+
+use crate::event::Peer;
+
+const REGISTER: &str =
+    r#"{"role": "Prefill", "rank_ip": "127.0.0.1", "rank_port": 31003, "engine_rank": 0}"#;
+
+fn route_put() -> Vec<u8> {
+    format!(
+        "PUT /route HTTP/1.1\r\nhost: 127.0.0.1:8998\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{REGISTER}",
+        REGISTER.len()
+    )
+    .into_bytes()
+}
+
+fn put_detail() -> String {
+    format!("PUT /route body_bytes={}", REGISTER.len())
+}
+
+/// Prefill with local attribution on (the kernel reports every watched connection).
+fn attributing() -> Sim {
+    let mut s = Sim::new();
+    s.t.set_local_attribution(true);
+    s
+}
+
+/// A prefill's scheduler child registers its rank with the bootstrap server of its parent: both
+/// ends are watched, the accepting end knows the connecting socket, nothing is foreign. The
+/// child's own (client) side reports nothing.
+#[test]
+fn a_prefill_child_registering_its_rank_is_a_member() {
+    let mut s = attributing();
+    let child = PREFILL + 1;
+    s.t.set_role(child, Role::Prefill);
+    s.connect(child, 5, "127.0.0.1:8998");
+    s.established(child, "127.0.0.1:45000", "127.0.0.1:8998");
+    s.accept_from(PREFILL, 20, "127.0.0.1:45000");
+    s.io(child, 5, syscall::WRITE, &route_put(), 4096);
+    s.io(PREFILL, 20, syscall::READ, &route_put(), 4096);
+    let detail = put_detail();
+    assert_eq!(
+        s.writes(),
+        vec![(
+            Stage::Transfer,
+            Kind::Received,
+            Some(Peer::Member),
+            Some("127.0.0.1:45000"),
+            Some(detail.as_str())
+        )]
+    );
+    // No body bytes in the event: the detail names method, path and length only.
+    assert!(!format!("{:?}", s.out).contains("rank_ip"));
+}
+
+/// The prefill process registering with its own bootstrap server, through a dual-stack listener
+/// (the peer as `::ffff:a.b.c.d`), and a connection it held before it was watched (found in
+/// /proc): members both.
+#[test]
+fn a_prefill_registering_itself_is_a_member_in_every_spelling() {
+    let mut s = attributing();
+    s.established(PREFILL, "127.0.0.1:45001", "127.0.0.1:8998");
+    s.accept_from(PREFILL, 21, "[::ffff:127.0.0.1]:45001");
+    s.io(PREFILL, 21, syscall::READ, &route_put(), 4096);
+    s.t.add_own_socket(PREFILL, "127.0.0.1:45002".parse().unwrap());
+    s.accept_from(PREFILL, 22, "127.0.0.1:45002");
+    s.io(PREFILL, 22, syscall::READ, &route_put(), 4096);
+    let peers: Vec<_> = s.out.iter().map(|e| e.peer).collect();
+    assert_eq!(peers, vec![Some(Peer::Member), Some(Peer::Member)]);
+}
+
+/// Decode's `GET /route` is the transfer handshake, reported by decode; prefill's end reports
+/// no write. A router's health check of the bootstrap server is no event at all.
+#[test]
+fn decode_reading_the_route_and_a_router_health_check_are_no_writes() {
+    let mut s = attributing();
+    let get = b"GET /route?engine_rank=0&target_dp_group=0 HTTP/1.1\r\nhost: x\r\n\r\n";
+    s.connect(DECODE, 9, "127.0.0.1:8998");
+    s.established(DECODE, "127.0.0.1:45010", "127.0.0.1:8998");
+    s.accept_from(PREFILL, 30, "127.0.0.1:45010");
+    s.io(DECODE, 9, syscall::WRITE, get, 4096);
+    s.io(PREFILL, 30, syscall::READ, get, 4096);
+    let health = b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n";
+    s.connect(ROUTER, 9, "127.0.0.1:8998");
+    s.established(ROUTER, "127.0.0.1:45011", "127.0.0.1:8998");
+    s.accept_from(PREFILL, 31, "127.0.0.1:45011");
+    s.io(ROUTER, 9, syscall::WRITE, health, 4096);
+    s.io(PREFILL, 31, syscall::READ, health, 4096);
+    assert_eq!(s.kinds(), vec![(Stage::Transfer, Kind::Received, None)]);
+    assert!(s.out.iter().all(|e| e.peer.is_none()), "{:?}", s.out);
+}
+
+/// A `PUT /route` from a process on this node that revenant does not watch: no watched
+/// connection uses that address, so the writer is foreign. Any write method counts.
+#[test]
+fn a_write_from_an_unwatched_process_on_this_node_is_foreign() {
+    let mut s = attributing();
+    s.established(DECODE, "127.0.0.1:45020", "127.0.0.1:8998");
+    s.accept_from(PREFILL, 40, "127.0.0.1:47000");
+    s.io(PREFILL, 40, syscall::READ, &route_put(), 4096);
+    let post = b"POST /route HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}";
+    s.accept_from(PREFILL, 41, "127.0.0.1:47001");
+    s.io(PREFILL, 41, syscall::READ, post, 4096);
+    let detail = put_detail();
+    assert_eq!(
+        s.writes(),
+        vec![
+            (
+                Stage::Transfer,
+                Kind::Received,
+                Some(Peer::Foreign),
+                Some("127.0.0.1:47000"),
+                Some(detail.as_str())
+            ),
+            (
+                Stage::Transfer,
+                Kind::Received,
+                Some(Peer::Foreign),
+                Some("127.0.0.1:47001"),
+                Some("POST /route body_bytes=2")
+            )
+        ]
+    );
+}
+
+/// Without the kernel's report of watched connections, a writer on this node cannot be told
+/// apart from a watched one: unattributed, never foreign.
+#[test]
+fn without_local_addresses_a_local_writer_is_unattributed() {
+    let mut s = Sim::new();
+    s.accept_from(PREFILL, 40, "127.0.0.1:47000");
+    s.io(PREFILL, 40, syscall::READ, &route_put(), 4096);
+    assert_eq!(s.out.len(), 1);
+    assert_eq!(s.out[0].peer, Some(Peer::Unattributed));
+}
+
+/// Across nodes only an address attributes a writer: the host of a known worker is a member,
+/// any other host unattributed. An address of this node (learnt from a watched connection's
+/// local address) that no watched connection uses is foreign.
+#[test]
+fn writers_on_other_nodes_are_attributed_by_address_only() {
+    let mut s = attributing();
+    s.t.add_worker("10.0.0.9:31001".parse().unwrap(), Role::Prefill);
+    s.established(PREFILL, "10.0.0.5:40000", "10.0.0.9:31001");
+    for (fd, peer) in [
+        (50, "10.0.0.9:52000"),
+        (51, "10.0.0.7:52000"),
+        (52, "10.0.0.5:41000"),
+        (53, "10.0.0.5:40000"),
+    ] {
+        s.accept_from(PREFILL, fd, peer);
+        s.io(PREFILL, fd, syscall::READ, &route_put(), 4096);
+    }
+    let peers: Vec<_> = s.out.iter().map(|e| e.peer).collect();
+    assert_eq!(
+        peers,
+        vec![
+            Some(Peer::Member),
+            Some(Peer::Unattributed),
+            Some(Peer::Foreign),
+            Some(Peer::Member)
+        ]
+    );
+}
