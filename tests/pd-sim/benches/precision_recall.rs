@@ -169,6 +169,7 @@ fn all_rows() -> Vec<Row> {
         Fault::UnknownRoom,
         Fault::SuccessAfterAbort,
         Fault::StrandedKv,
+        Fault::ForeignRoutePut,
     ] {
         for witness in [Witness::Ebpf, Witness::Otlp, Witness::Both] {
             rows.push(Row {

@@ -215,6 +215,85 @@ pub struct RowResult {
     pub clean: bool,
 }
 
+/// [`judge`] for `foreign-route-put` rows, whose breaches are writes to prefill's bootstrap
+/// server that name no attempt: each intruder's write (prefill counts them per room that caused
+/// one) must be one `foreign-bootstrap-writer` violation naming its writer, and nothing else may
+/// fire.
+fn judge_writes(
+    f: &Finished,
+    violations: &[Value],
+    load: &Value,
+    mut notes: Vec<String>,
+    keep: bool,
+) -> RowResult {
+    const RULE: &str = "foreign-bootstrap-writer";
+    let expected: u64 = f
+        .prefill
+        .iter()
+        .filter_map(|r| r["foreign_route_puts"].as_u64())
+        .sum();
+    let firsts = violations.iter().filter(|v| v["corroborates"] != true);
+    let mut writers: BTreeMap<String, usize> = BTreeMap::new();
+    let mut others: Vec<&Value> = Vec::new();
+    for v in firsts {
+        match (v["rule"].as_str(), v["worker"].as_str()) {
+            (Some(RULE), Some(w)) => *writers.entry(w.to_string()).or_default() += 1,
+            _ => others.push(v),
+        }
+    }
+    let repeated = writers.values().filter(|n| **n > 1).count();
+    let caught = writers.len().min(expected as usize);
+    let false_alerts = others.len() + writers.len().saturating_sub(expected as usize);
+    let incidents = f.alerts.iter().filter(|n| n["type"] == "incident").count();
+    let suppressed = f.alerts.iter().filter(|n| n["type"] == "suppressed").count();
+    let visible = f.row.visible();
+    let unnotified = if visible {
+        (expected as usize).saturating_sub(caught)
+    } else {
+        0
+    };
+    let clean = false_alerts == 0
+        && repeated == 0
+        && unnotified == 0
+        && suppressed == 0
+        && (visible || writers.is_empty());
+    for v in others.iter().take(3) {
+        notes.push(format!("false alert: {}", v["summary"]));
+    }
+    if !clean {
+        std::fs::write(
+            f.dir.join("violations.json"),
+            serde_json::to_string_pretty(&violations).unwrap(),
+        )
+        .unwrap();
+        notes.push(format!("files kept in {}", f.dir.display()));
+    } else if !keep {
+        let _ = std::fs::remove_dir_all(&f.dir);
+    }
+    RowResult {
+        row: f.row,
+        requests: load["sent"].as_u64().unwrap_or(0),
+        rejected: f
+            .prefill
+            .iter()
+            .filter(|r| r["status"].as_u64().unwrap_or(0) >= 400)
+            .count(),
+        expected: expected as usize,
+        caught,
+        false_alerts,
+        false_attempts: 0,
+        notifications: incidents,
+        breached_requests: expected as usize,
+        repeated,
+        unnotified,
+        foreign: 0,
+        suppressed,
+        wall_s: f.wall_s,
+        notes,
+        clean,
+    }
+}
+
 /// The simulator's per-attempt records: SGLang's per room (`/sim/rooms`), vLLM's per request
 /// (`/sim/requests`, one attempt each).
 pub fn rooms(url: &str, vllm: bool) -> Vec<Value> {
@@ -539,6 +618,9 @@ pub fn judge(
         wall_s,
     } = f;
     let (row, vllm, sim_losses, wall_s) = (*row, *vllm, *sim_losses, *wall_s);
+    if row.fault == Some(Fault::ForeignRoutePut) {
+        return judge_writes(f, violations, load, notes, keep);
+    }
     // The oracle, from the simulator's records: an attempt is a room (SGLang) or a request
     // name (vLLM).
     let decode_rooms: HashMap<String, &Value> = decode
