@@ -1,7 +1,8 @@
 //! Feeds the benchmark mix through the engine once, for profilers and for comparing builds on a
 //! busy machine: `cargo run --release -p revenant --example engine_profile [ATTEMPTS] [PASSES]`.
 //! Besides wall time it reports the thread's CPU time, which other processes on the same cores
-//! inflate far less than wall time.
+//! inflate far less than wall time. `REVENANT_BENCH_DISABLE=NAME,…` leaves the rules named out,
+//! as in the `checker` bench (under callgrind: the instructions a rule costs).
 
 use std::time::Instant;
 
@@ -28,8 +29,11 @@ fn main() {
         ..Mix::default()
     });
     eprintln!("generated in {:.2} s", t.elapsed().as_secs_f64());
+    let disable = std::env::var("REVENANT_BENCH_DISABLE").unwrap_or_default();
+    let rules = RuleSet::embedded_defaults_without(&disable)
+        .unwrap_or_else(|name| panic!("REVENANT_BENCH_DISABLE: no rule {name:?}"));
     for _ in 0..passes {
-        let mut checker = Checker::new(RuleSet::embedded_defaults(), CheckerConfig::default());
+        let mut checker = Checker::new(rules.clone(), CheckerConfig::default());
         let start = Instant::now();
         let cpu = thread_cpu_s();
         let mut violations = 0;

@@ -193,8 +193,9 @@ pub struct Checker {
     workers: FixedMap<u32, u16>,
     worker_hashes: Vec<u32>,
     worker_fired: HashSet<u64, FixedState>,
-    /// Indices of the `never` rules, judged on every event.
+    /// Indices of the `never` rules, judged on every event that passes `never_gate`.
     never_rules: Vec<usize>,
+    never_gate: never::NeverGate,
     skew_ns: u64,
     lateness_ns: u64,
     stats: CheckerStats,
@@ -234,9 +235,18 @@ impl Checker {
             store.guard_room_request_ids();
         }
         let n = rules.len();
-        let never_rules = (0..n)
+        let never_rules: Vec<usize> = (0..n)
             .filter(|&ri| matches!(rules[ri].rule.shape, rules::Shape::Never(_)))
             .collect();
+        let never_gate =
+            never::NeverGate::of(
+                never_rules
+                    .iter()
+                    .flat_map(|&ri| match &rules[ri].rule.shape {
+                        rules::Shape::Never(n) => n.event.as_slice(),
+                        _ => &[],
+                    }),
+            );
         Checker {
             rules,
             attempt_specs,
@@ -253,6 +263,7 @@ impl Checker {
             worker_hashes: vec![0],
             worker_fired: HashSet::with_hasher(FixedState::with_seed(SEED)),
             never_rules,
+            never_gate,
             skew_ns: ns(cfg.clock_skew),
             lateness_ns: ns(cfg.allowed_lateness),
             stats: CheckerStats::default(),
@@ -281,7 +292,7 @@ impl Checker {
             self.stats.capacity_reports += 1;
             self.record_capacity(e);
             self.check_worker_predicates(e, &mut out);
-            if !self.never_rules.is_empty() {
+            if self.never_gate.may_match(e) {
                 self.check_never(e, None, &mut out);
             }
         } else {
@@ -320,7 +331,7 @@ impl Checker {
                     }
                 },
             }
-            if !self.never_rules.is_empty() {
+            if self.never_gate.may_match(e) {
                 self.check_never(e, request, &mut out);
             }
         }

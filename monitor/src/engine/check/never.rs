@@ -4,13 +4,57 @@
 //! remembered in the bounded set of fired worker-level findings; one that names none fires once
 //! per event (its own fingerprint: two foreign writes are two incidents).
 
+use crate::engine::matcher::Matcher;
 use crate::engine::rules::Shape;
-use crate::event::LifecycleEvent;
+use crate::event::{Kind, LifecycleEvent, Stage};
 use crate::violation::{self, Violation};
 
 use super::Checker;
 use super::MAX_NEVER_DEDUP;
 use super::report::{Finding, event_aliases, slot_event};
+
+/// What any `never` rule's matchers could match at all, checked before the matchers themselves
+/// (they run on every event): the (stage, kind) pairs they name, and whether every one of them
+/// needs the event to name its writer (`peer`), which only writes to a bootstrap server do.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct NeverGate {
+    /// Per stage, a bit per kind.
+    kinds: [u16; 4],
+    needs_peer: bool,
+}
+
+impl NeverGate {
+    pub(super) fn of<'a>(matchers: impl Iterator<Item = &'a Matcher>) -> NeverGate {
+        let mut g = NeverGate {
+            kinds: [0; 4],
+            needs_peer: true,
+        };
+        let mut any = false;
+        for m in matchers {
+            any = true;
+            g.needs_peer &= !m.peer.is_empty();
+            for stage in Stage::ALL {
+                if !m.stage.is_empty() && !m.stage.contains(&stage) {
+                    continue;
+                }
+                for kind in Kind::ALL {
+                    if m.kind.is_empty() || m.kind.contains(&kind) {
+                        g.kinds[stage as usize] |= 1 << kind as u16;
+                    }
+                }
+            }
+        }
+        g.needs_peer &= any;
+        g
+    }
+
+    /// Whether some `never` rule may forbid `e` (false: none does).
+    #[inline(always)]
+    pub(super) fn may_match(&self, e: &LifecycleEvent) -> bool {
+        self.kinds[e.stage as usize] & (1 << e.kind as u16) != 0
+            && (!self.needs_peer || e.peer.is_some())
+    }
+}
 
 impl Checker {
     /// Judges the `never` rules on `e`; `request` is the request record it resolved to, if any.
@@ -74,5 +118,38 @@ fn offence(e: &LifecycleEvent) -> Option<String> {
         (None, Some(p), Some(from)) => Some(format!("from {from} (peer {p})")),
         (None, Some(p), None) => Some(format!("peer {p}")),
         (w, None, _) => w.map(str::to_owned),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::event::{Peer, Source};
+
+    #[test]
+    fn the_gate_passes_what_a_matcher_could_match() {
+        let writes = Matcher {
+            stage: vec![Stage::Transfer],
+            peer: vec![Peer::Foreign],
+            ..Default::default()
+        };
+        let g = NeverGate::of([&writes].into_iter());
+        let ev = |stage, kind| LifecycleEvent::new(1, stage, kind, Source::Ebpf);
+        assert!(g.may_match(&ev(Stage::Transfer, Kind::Received).with_peer(Peer::Member)));
+        assert!(
+            !g.may_match(&ev(Stage::Transfer, Kind::Received)),
+            "no peer"
+        );
+        assert!(!g.may_match(&ev(Stage::Decode, Kind::Received).with_peer(Peer::Foreign)));
+        // A matcher without `peer` lets peerless events through, on its (stage, kind) only.
+        let aborts = Matcher {
+            kind: vec![Kind::Aborted],
+            ..Default::default()
+        };
+        let g = NeverGate::of([&writes, &aborts].into_iter());
+        assert!(g.may_match(&ev(Stage::Decode, Kind::Aborted)));
+        assert!(!g.may_match(&ev(Stage::Decode, Kind::Work)));
+        // No never rule: nothing passes.
+        assert!(!NeverGate::of(std::iter::empty()).may_match(&ev(Stage::Decode, Kind::Aborted)));
     }
 }

@@ -245,7 +245,11 @@ fn judge_writes(
     let caught = writers.len().min(expected as usize);
     let false_alerts = others.len() + writers.len().saturating_sub(expected as usize);
     let incidents = f.alerts.iter().filter(|n| n["type"] == "incident").count();
-    let suppressed = f.alerts.iter().filter(|n| n["type"] == "suppressed").count();
+    let suppressed = f
+        .alerts
+        .iter()
+        .filter(|n| n["type"] == "suppressed")
+        .count();
     let visible = f.row.visible();
     let unnotified = if visible {
         (expected as usize).saturating_sub(caught)
