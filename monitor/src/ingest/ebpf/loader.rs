@@ -193,20 +193,7 @@ impl Probes {
                     path,
                 });
             }
-            let prog: &mut TracePoint = ebpf
-                .program_mut(name)
-                .ok_or_else(|| {
-                    LoadError::Config(format!("program {name} missing from the object"))
-                })?
-                .try_into()
-                .map_err(|source| LoadError::Program {
-                    program: name,
-                    source,
-                })?;
-            prog.load()
-                .map_err(|source| classify_program_error(name, source))?;
-            prog.attach(category, name)
-                .map_err(|source| classify_program_error(name, source))?;
+            attach_tracepoint(&mut ebpf, category, name)?;
         }
         let local_addresses = match attach_local_addresses(&mut ebpf, &tracefs) {
             Ok(()) => true,
@@ -396,6 +383,15 @@ fn attach_local_addresses(ebpf: &mut Ebpf, tracefs: &Path) -> Result<(), LoadErr
         })?;
     check_layout(&format, &monitor_common::inet_sock_set_state::FIELDS)
         .map_err(|m| LoadError::Config(format!("{category}/{name}: {m}")))?;
+    attach_tracepoint(ebpf, category, name)
+}
+
+/// Loads program `name` of the object and attaches it to tracepoint `category/name`.
+fn attach_tracepoint(
+    ebpf: &mut Ebpf,
+    category: &'static str,
+    name: &'static str,
+) -> Result<(), LoadError> {
     let prog: &mut TracePoint = ebpf
         .program_mut(name)
         .ok_or_else(|| LoadError::Config(format!("program {name} missing from the object")))?
