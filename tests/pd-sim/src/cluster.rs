@@ -422,7 +422,6 @@ async fn run_vllm(a: ClusterArgs) -> anyhow::Result<()> {
             url(1),
         ];
         rargs.extend(common.clone());
-        rargs.extend(a.faults.to_args());
         rargs.extend(split(&a.router_args));
         procs.push(start("router", "router", rargs).await?);
         Ok(())

@@ -171,8 +171,9 @@ impl Rt {
     /// of an attempt of another request that just ended (a router that keeps client-supplied
     /// rooms, two clients that chose the same one). Reusing an ended room keeps the simulated
     /// workers' own state apart (they key transfers by room) while the wire shows two requests
-    /// on one room.
-    fn attempt_room(&self, request_id: &str) -> u64 {
+    /// on one room. Whether the room is fresh (only a fresh one may be reused later: one
+    /// collision per room).
+    fn attempt_room(&self, request_id: &str) -> (u64, bool) {
         if self.args.faults.hits(crate::fault::Fault::RoomCollision) {
             let mut r = self.rooms.lock().expect("rooms lock");
             if let Some(room) = r.ended.pop_front() {
@@ -185,18 +186,19 @@ impl Rt {
                     request_id,
                     "fault room-collision: reusing an ended room"
                 );
-                return room;
+                return (room, false);
             }
         }
-        new_room()
+        (new_room(), true)
     }
 
-    /// `resp`, whose body's end (or drop) also ends the request's last attempt (on the last of
-    /// `rooms`): only then may `--fault room-collision` reuse its room (a streamed answer is
-    /// still decode's leg). Only rooms of attempts that succeeded are reused: a rejected room
-    /// that another request advances on is also activity after that rejection, a second finding
-    /// about one injected breach.
-    fn retire_rooms_after(self: &Arc<Self>, resp: Response, mut rooms: Vec<u64>) -> Response {
+    /// `resp`, whose body's end (or drop) also ends the request's last attempt, on the fresh
+    /// room `room`: only then may `--fault room-collision` reuse it (a streamed answer is still
+    /// decode's leg). Only rooms of attempts that succeeded are reused: a rejected room that
+    /// another request advances on is also activity after that rejection, a second finding about
+    /// one injected breach.
+    fn retire_room_after(self: &Arc<Self>, resp: Response, room: Option<u64>) -> Response {
+        let Some(room) = room else { return resp };
         if !self
             .args
             .faults
@@ -206,14 +208,13 @@ impl Rt {
         {
             return resp;
         }
-        rooms.drain(..rooms.len().saturating_sub(1));
-        struct Retire(Shared, Vec<u64>);
+        struct Retire(Shared, u64);
         impl Drop for Retire {
             fn drop(&mut self) {
-                self.0.rooms_ended(&self.1);
+                self.0.room_ended(self.1);
             }
         }
-        let retire = Retire(self.clone(), rooms);
+        let retire = Retire(self.clone(), room);
         let (parts, body) = resp.into_parts();
         let body = body.map_frame(move |f| {
             let _ = &retire;
@@ -222,19 +223,13 @@ impl Rt {
         Response::from_parts(parts, Body::new(body))
     }
 
-    /// The attempts on `rooms` ended: their rooms may be reused (`--fault room-collision`).
-    fn rooms_ended(&self, rooms: &[u64]) {
+    /// The attempt on fresh room `room` ended: the room may be reused (`--fault room-collision`).
+    fn room_ended(&self, room: u64) {
         let mut r = self.rooms.lock().expect("rooms lock");
-        for &room in rooms {
-            // A reused room is not reused again: one collision per room.
-            if r.collided.contains(&room) {
-                continue;
-            }
-            if r.ended.len() == ENDED_ROOMS_KEPT {
-                r.ended.pop_front();
-            }
-            r.ended.push_back(room);
+        if r.ended.len() == ENDED_ROOMS_KEPT {
+            r.ended.pop_front();
         }
+        r.ended.push_back(room);
     }
 
     /// One leg's transit delay (see `--leg-jitter-us`).
@@ -820,8 +815,8 @@ struct RouterSpan {
     parent: Option<[u8; 8]>,
     start: u64,
     events: Vec<opentelemetry_proto::tonic::trace::v1::span::Event>,
-    /// The rooms of its attempts.
-    rooms: Vec<u64>,
+    /// The room of its last attempt, when fresh (see [`Rt::attempt_room`]).
+    fresh_room: Option<u64>,
 }
 
 async fn route(rt: Shared, path: &'static str, headers: HeaderMap, body: Bytes) -> Response {
@@ -841,14 +836,14 @@ async fn route(rt: Shared, path: &'static str, headers: HeaderMap, body: Bytes) 
         parent: incoming.map(|t| t.span_id),
         start: now_ns(),
         events: Vec::new(),
-        rooms: Vec::new(),
+        fresh_room: None,
     };
     let tp = TraceParent {
         trace_id: span.trace_id,
         span_id: span.span_id,
     };
     let resp = route_inner(&rt, path, &request_id, &tp, &body, &mut span).await;
-    let resp = rt.retire_rooms_after(resp, std::mem::take(&mut span.rooms));
+    let resp = rt.retire_room_after(resp, span.fresh_room);
     let status = resp.status();
     match status.as_u16() {
         200..=299 => rt.stats.responses_2xx.fetch_add(1, Ordering::Relaxed),
@@ -917,8 +912,8 @@ async fn route_inner(
             backoff = (backoff * 2).min(Duration::from_secs(5));
         }
         rt.stats.attempts.fetch_add(1, Ordering::Relaxed);
-        let room = rt.attempt_room(request_id);
-        span.rooms.push(room);
+        let (room, fresh) = rt.attempt_room(request_id);
+        span.fresh_room = fresh.then_some(room);
         let Some(leg_body) = with_bootstrap(body, &rt.bootstrap_host, rt.args.bootstrap_port, room)
         else {
             return error_response(

@@ -238,15 +238,10 @@ impl Checker {
         let never_rules: Vec<usize> = (0..n)
             .filter(|&ri| matches!(rules[ri].rule.shape, rules::Shape::Never(_)))
             .collect();
-        let never_gate =
-            never::NeverGate::of(
-                never_rules
-                    .iter()
-                    .flat_map(|&ri| match &rules[ri].rule.shape {
-                        rules::Shape::Never(n) => n.event.as_slice(),
-                        _ => &[],
-                    }),
-            );
+        let never_gate = never::NeverGate::of(rules.iter().flat_map(|r| match &r.rule.shape {
+            rules::Shape::Never(n) => n.event.as_slice(),
+            _ => &[],
+        }));
         Checker {
             rules,
             attempt_specs,

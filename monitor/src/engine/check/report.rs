@@ -161,24 +161,28 @@ impl Checker {
             };
             let alias = rule.alias;
             let bit = 1u64 << ri;
-            let (fired, attempt) = match at {
-                AttemptAt::Live(a) => (self.store.attempt(a).fired, self.attempt_aliases(a)),
-                AttemptAt::Tomb(seq) => match self.store.tomb_index(seq) {
-                    Some(ti) => (self.store.tomb_fired(ti), event_aliases(e)),
-                    None => continue,
-                },
-            };
-            if fired & bit != 0 {
-                self.stats.repeats += 1;
-                continue;
-            }
-            match at {
-                AttemptAt::Live(a) => self.store.mark_fired(a, bit),
-                AttemptAt::Tomb(seq) => {
-                    let ti = self.store.tomb_index(seq).expect("checked above");
-                    self.store.add_tomb_fired(ti, bit);
+            // The owner's fired bits, marked here once: a live attempt, or a tombstone still kept.
+            let attempt = match at {
+                AttemptAt::Live(a) => {
+                    if self.store.attempt(a).fired & bit != 0 {
+                        self.stats.repeats += 1;
+                        continue;
+                    }
+                    self.store.mark_fired(a, bit);
+                    self.attempt_aliases(a)
                 }
-            }
+                AttemptAt::Tomb(seq) => {
+                    let Some(ti) = self.store.tomb_index(seq) else {
+                        continue;
+                    };
+                    if self.store.tomb_fired(ti) & bit != 0 {
+                        self.stats.repeats += 1;
+                        continue;
+                    }
+                    self.store.add_tomb_fired(ti, bit);
+                    event_aliases(e)
+                }
+            };
             let first = self.store.room_request_id(at);
             let f = Finding {
                 attempt,

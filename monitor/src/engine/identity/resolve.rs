@@ -50,27 +50,25 @@ impl Store {
         else {
             return false;
         };
-        // Most events repeat the id their solo request has: compared in place.
-        if let AttemptAt::Live(i) = at
-            && let Some(solo) = self.attempts[i as usize].request.solo_ids()
-        {
-            return solo.request_id().is_some_and(|ours| ours != theirs);
-        }
-        self.room_record(at)
-            .and_then(|r| self.requests[r as usize].request_id())
-            .is_some_and(|ours| ours != theirs)
+        self.with_room_request_id(at, |ours| ours.is_some_and(|ours| ours != theirs))
     }
 
     /// The request id of an attempt's request: the one it keeps solo, or its record's (the
     /// union-find root's).
     pub fn room_request_id(&mut self, at: AttemptAt) -> Option<Box<str>> {
+        self.with_room_request_id(at, |id| id.map(Box::from))
+    }
+
+    /// `f` of the request id of an attempt's request, read in place (most events repeat the id
+    /// their solo request has: no copy on the hot path).
+    fn with_room_request_id<R>(&mut self, at: AttemptAt, f: impl FnOnce(Option<&str>) -> R) -> R {
         if let AttemptAt::Live(i) = at
             && let Some(solo) = self.attempts[i as usize].request.solo_ids()
         {
-            return solo.request_id().map(Box::from);
+            return f(solo.request_id());
         }
-        let r = self.room_record(at)?;
-        self.requests[r as usize].request_id().map(Box::from)
+        let r = self.room_record(at);
+        f(r.and_then(|r| self.requests[r as usize].request_id()))
     }
 
     /// The root of the request record an attempt (live or a tombstone) is linked to.

@@ -736,9 +736,9 @@ pub fn compile(
             // The earliest matching event per stage is judged again at the watermark, so facts
             // that arrive later (the input length, a capacity report) still count.
             Shape::Predicate(p) => p.slots(attempt),
-            // Judged on the ids as the correlator resolves them: no slots.
-            Shape::Distinct(_) => RuleSlots::default(),
-            Shape::Never(n) => n.slots(),
+            // Judged on the ids as the correlator resolves them (distinct), or on the event
+            // alone as it is observed (never): no slots.
+            Shape::Distinct(_) | Shape::Never(_) => RuleSlots::default(),
         };
         out.push(CompiledRule {
             index,

@@ -7,7 +7,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{RuleError, RuleSlots};
+use super::RuleError;
 use crate::engine::matcher::{Matcher, any_matches};
 use crate::event::LifecycleEvent;
 
@@ -24,11 +24,6 @@ impl Never {
             return Err(RuleError::NeverMatchers);
         }
         Ok(())
-    }
-
-    /// No slot: the event is judged as it is observed.
-    pub fn slots(&self) -> RuleSlots {
-        RuleSlots::default()
     }
 
     pub fn forbids(&self, e: &LifecycleEvent) -> bool {

@@ -122,17 +122,10 @@ pub fn decode(buf: &[u8]) -> Result<Record<'_>, RecordError> {
         }
         kind::CONNECT | kind::ACCEPT => {
             let c: ConnEvent = read(buf)?;
-            let ip = match c.family {
-                2 => Some(IpAddr::V4(Ipv4Addr::new(
-                    c.addr[0], c.addr[1], c.addr[2], c.addr[3],
-                ))),
-                10 => Some(IpAddr::V6(Ipv6Addr::from(c.addr))),
-                _ => None,
-            };
             let conn = Conn {
                 hdr: c.hdr,
                 fd: c.fd,
-                peer: ip.map(|ip| SocketAddr::new(ip, c.port)),
+                peer: socket_addr(c.family, &c.addr, c.port),
             };
             Ok(if hdr.kind == kind::CONNECT {
                 Record::Connect(conn)
@@ -160,15 +153,10 @@ pub fn decode(buf: &[u8]) -> Result<Record<'_>, RecordError> {
         }
         kind::LOCAL => {
             let l: LocalEvent = read(buf)?;
-            let addr = |a: &[u8; 16], port: u16| match l.family {
-                2 => Some(SocketAddr::new(
-                    IpAddr::V4(Ipv4Addr::new(a[0], a[1], a[2], a[3])),
-                    port,
-                )),
-                10 => Some(SocketAddr::new(IpAddr::V6(Ipv6Addr::from(*a)), port)),
-                _ => None,
-            };
-            match (addr(&l.local, l.local_port), addr(&l.remote, l.remote_port)) {
+            match (
+                socket_addr(l.family, &l.local, l.local_port),
+                socket_addr(l.family, &l.remote, l.remote_port),
+            ) {
                 (Some(local), Some(remote)) => Ok(Record::Local {
                     hdr: l.hdr,
                     local,
@@ -179,6 +167,17 @@ pub fn decode(buf: &[u8]) -> Result<Record<'_>, RecordError> {
         }
         other => Err(RecordError::UnknownKind(other)),
     }
+}
+
+/// A kernel record's address: AF_INET (2) in the first 4 bytes of `addr`, or AF_INET6 (10);
+/// `None` for any other family.
+fn socket_addr(family: u16, addr: &[u8; 16], port: u16) -> Option<SocketAddr> {
+    let ip = match family {
+        2 => IpAddr::V4(Ipv4Addr::new(addr[0], addr[1], addr[2], addr[3])),
+        10 => IpAddr::V6(Ipv6Addr::from(*addr)),
+        _ => return None,
+    };
+    Some(SocketAddr::new(ip, port))
 }
 
 #[cfg(test)]
