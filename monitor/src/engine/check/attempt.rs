@@ -6,7 +6,7 @@
 //! This is the per-event hot path: the steps are `#[inline(always)]`, each called from one
 //! place, so the path compiles to one body.
 
-use crate::engine::identity::{AttemptAt, Owner, Resolved};
+use crate::engine::identity::{Owner, Resolved};
 use crate::engine::rules::predicate::{Breach, Known};
 use crate::engine::rules::{RuleSlots, Scope, Shape};
 use crate::engine::state::{Candidates, NodeId, Slot};
@@ -120,8 +120,8 @@ impl Checker {
                 (Shape::Never(_), _) => {}
             }
         }
-        if resolved.collision {
-            self.report_collision(AttemptAt::Live(a), e, out);
+        if let Some(room_owner) = resolved.collision {
+            self.report_collision(room_owner, e, out);
         }
         if e.kind.is_terminal() {
             self.settle(a);

@@ -295,6 +295,7 @@ impl Checker {
             // record; other ones leave a request solo in its attempt.
             let request_trigger = !e.ids.names_attempt()
                 && self.request_index.matching(e) & self.request_trigger_mask != 0;
+            self.store.set_clock(self.stats.watermark_ns, e.time_ns);
             let resolved = self.store.resolve(&e.ids, e.time_ns, request_trigger);
             let request = resolved.request;
             match resolved.attempt {
@@ -306,8 +307,8 @@ impl Checker {
                     self.stats.events_attempt += 1;
                     self.stats.events_on_tombstones += 1;
                     self.observe_tombstone(seq, resolved.request, e, node, &mut out);
-                    if resolved.collision {
-                        self.report_collision(AttemptAt::Tomb(seq), e, &mut out);
+                    if let Some(room_owner) = resolved.collision {
+                        self.report_collision(room_owner, e, &mut out);
                     }
                 }
                 None => match resolved.request {

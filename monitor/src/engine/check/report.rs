@@ -155,6 +155,7 @@ impl Checker {
         e: &LifecycleEvent,
         out: &mut Vec<Violation>,
     ) {
+        let first = self.store.take_collided_with();
         for ri in 0..self.rules.len() {
             let Shape::Distinct(rule) = &self.rules[ri].rule.shape else {
                 continue;
@@ -183,14 +184,13 @@ impl Checker {
                     event_aliases(e)
                 }
             };
-            let first = self.store.room_request_id(at);
             let f = Finding {
                 attempt,
                 offender: Some(slot_event(e)),
                 offender_reason: e.reason.as_deref().map(str::to_owned),
                 collision: Some(Collision {
                     alias,
-                    first: first.map(String::from).unwrap_or_default(),
+                    first: first.as_deref().map(String::from).unwrap_or_default(),
                     second: e.ids.request_id.as_deref().unwrap_or("").to_owned(),
                 }),
                 ..Finding::new(ri, e.time_ns)

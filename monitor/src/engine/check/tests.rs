@@ -523,6 +523,41 @@ fn room_collisions_are_caught_once_whichever_request_arrives_first() {
         v[0].summary
     );
 
+    // The second request's attempt first seen by its rid alone (a worker's span), then named
+    // with the room: the event merges the two attempts, and the collision is still one finding,
+    // whether the room's attempt is live or compacted.
+    for compacted in [false, true] {
+        let mut c = Checker::new(RuleSet::embedded_defaults(), CheckerConfig::default());
+        let mut v: Vec<Violation> = Vec::new();
+        v.extend(c.observe(&leg(0, Stage::Prefill, Kind::Admitted, "req-f", 13)));
+        let mut later = 2 * MS;
+        if compacted {
+            v.extend(c.observe(&leg(MS, Stage::Prefill, Kind::Completed, "req-f", 13)));
+            v.extend(c.tick(t + 20 * S));
+            assert_eq!(c.store.tombstones(), 1, "compacted");
+            later = 21 * S;
+        }
+        let mut by_rid =
+            LifecycleEvent::new(t + later, Stage::Prefill, Kind::Received, Source::Otlp)
+                .with_request_id("req-g");
+        by_rid.ids.rid = Some("rid-g".into());
+        v.extend(c.observe(&by_rid));
+        let mut both = leg(later + MS, Stage::Prefill, Kind::Admitted, "req-g", 13);
+        both.ids.rid = Some("rid-g".into());
+        v.extend(c.observe(&both));
+        // Each of the second request's events names its rid too (a leg's body carries both).
+        let mut decode = leg(later + 2 * MS, Stage::Decode, Kind::Received, "req-g", 13);
+        decode.ids.rid = Some("rid-g".into());
+        v.extend(c.observe(&decode));
+        let collisions: Vec<_> = v.iter().filter(|v| v.rule == "room-collision").collect();
+        assert_eq!(collisions.len(), 1, "compacted {compacted}: {v:#?}");
+        assert!(
+            collisions[0].summary.contains("request_id req-f and req-g"),
+            "{}",
+            collisions[0].summary
+        );
+    }
+
     // Without a distinct rule, no collision is judged.
     let mut set = RuleSet::embedded_defaults();
     set.apply_yaml(
@@ -559,4 +594,58 @@ fn names_joined_before_the_attempt_link_are_materialized_once() {
     );
     assert!(v.is_empty(), "{v:#?}");
     assert_eq!(c.stats().correlate.requests_merged, 1);
+}
+
+/// Activity on an attempt that ended longer than the linger before it is judged on the attempt's
+/// tombstone whatever the sweep did meanwhile: here a transfer receipt 2 s after the attempt
+/// ended, for a room no router dispatched, arrives before or after another room's event that
+/// lets the sweep compact the attempt. Both orders give the same verdicts (the receipt is late
+/// activity: no unknown-room on the tombstone); the receipt arriving while the attempt is
+/// still live, 0.5 s after its end, is judged on it (unknown-room after the grace).
+#[test]
+fn late_activity_is_judged_on_the_tombstone_whatever_the_sweep_did() {
+    let t = 1_795_986_920 * S;
+    let at = |dt: u64, stage: Stage, kind: Kind, room: u64| {
+        LifecycleEvent::new(t + dt, stage, kind, Source::Ebpf).with_room(room)
+    };
+    let ended = [
+        at(0, Stage::Router, Kind::Admitted, 1),
+        at(100 * MS, Stage::Transfer, Kind::Dispatched, 1),
+        at(300 * MS, Stage::Transfer, Kind::Aborted, 1),
+        at(400 * MS, Stage::Decode, Kind::Completed, 1).with_status(200),
+        at(400 * MS, Stage::Router, Kind::Completed, 1).with_status(200),
+    ];
+    let run = |tail: &[LifecycleEvent]| {
+        let cfg = CheckerConfig {
+            clock_skew: Duration::from_millis(50),
+            allowed_lateness: Duration::from_millis(50),
+            ..CheckerConfig::default()
+        };
+        let mut c = Checker::new(RuleSet::embedded_defaults(), cfg);
+        let mut out: Vec<Violation> = ended
+            .iter()
+            .chain(tail)
+            .flat_map(|e| c.observe(e))
+            .collect();
+        out.extend(c.tick(t + 60 * S));
+        let mut v: Vec<_> = out
+            .into_iter()
+            .map(|v| (v.rule, v.attempt.bootstrap_room))
+            .collect();
+        v.sort();
+        v
+    };
+    let receipt = at(2400 * MS, Stage::Transfer, Kind::Received, 1);
+    let other = at(2410 * MS, Stage::Prefill, Kind::Admitted, 2);
+    let first = run(&[receipt.clone(), other.clone()]);
+    let second = run(&[other.clone(), receipt.clone()]);
+    assert_eq!(first, second);
+    assert!(
+        first.iter().all(|(rule, _)| rule != "unknown-room"),
+        "{first:?}"
+    );
+    // Within the linger the attempt is live for it: transfer traffic no router dispatched.
+    let soon = at(900 * MS, Stage::Transfer, Kind::Received, 1);
+    let v = run(&[soon, other]);
+    assert!(v.contains(&("unknown-room".to_string(), Some(1))), "{v:?}");
 }

@@ -50,6 +50,33 @@ impl Store {
         }
     }
 
+    /// The watermark and the time of the next event to resolve: an ended attempt the event
+    /// finds quiet for longer than the linger is compacted before the event is judged
+    /// ([`Self::compact_if_stale`]).
+    pub fn set_clock(&mut self, watermark_ns: u64, event_ns: u64) {
+        self.watermark_ns = watermark_ns;
+        self.event_ns = event_ns;
+    }
+
+    /// Compacts live attempt `i` if it ended and was quiet for longer than the linger before
+    /// the event being resolved (and no deadline of its own is pending). The sweep compacts
+    /// it once the watermark is that far past its last activity, and an event that is not
+    /// late is no earlier than the watermark: so whether late activity is judged on the live
+    /// attempt or on its tombstone depends on event times, not on where the sweep's hand is.
+    pub(super) fn compact_if_stale(&mut self, i: u32) -> bool {
+        let at = &self.attempts[i as usize];
+        // Most events are an active attempt's: the quiet time rules them out first.
+        let stale = self.event_ns.saturating_sub(at.last_ns) > self.limits.linger_ns
+            && at.is_live()
+            && at.ended()
+            && (at.due_ns == 0 || at.due_ns <= self.watermark_ns);
+        if stale {
+            self.compact(i, self.watermark_ns);
+            self.stats.compacted_ended += 1;
+        }
+        stale
+    }
+
     /// Bounded housekeeping: examines up to `steps` attempts and requests, compacts what ended or
     /// idled, and drops expired tombstones and unreferenced requests.
     pub fn sweep(&mut self, watermark_ns: u64, steps: usize) {

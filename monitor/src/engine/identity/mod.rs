@@ -69,12 +69,12 @@ pub struct Resolved {
     pub merged: bool,
     /// The event's request has no record: its only attempt keeps it (see [`RequestLink`]).
     pub solo: bool,
-    /// The event names its attempt's room with a request id other than the one the room's
-    /// request has ([`Store::room_request_id`]): two client requests on one room. They are
-    /// still joined through the room: whose KV a collided room moves cannot be told, so its
-    /// activity counts for each request on it (and the verdicts stay independent of which
-    /// request arrived first).
-    pub collision: bool,
+    /// The attempt (live or a tombstone) of the room the event names, when the event names it
+    /// with a request id other than the one the room's request has ([`Store::room_request_id`]):
+    /// two client requests on one room. They are still joined through the room: whose KV a
+    /// collided room moves cannot be told, so its activity counts for each request on it (and
+    /// the verdicts stay independent of which request arrived first).
+    pub collision: Option<AttemptAt>,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -172,6 +172,11 @@ pub struct Store {
     /// A room keeps one request id (a `distinct` rule is on): an event naming a room with
     /// another one is a collision.
     room_request_ids_distinct: bool,
+    /// The first request id of the room of the collision being resolved (for its report).
+    collided_with: Option<Box<str>>,
+    /// See [`Self::set_clock`].
+    watermark_ns: u64,
+    event_ns: u64,
     stats: CorrelateStats,
 }
 
@@ -225,6 +230,9 @@ impl Store {
             request_hand: 0,
             union_epoch: 1,
             room_request_ids_distinct: false,
+            collided_with: None,
+            watermark_ns: 0,
+            event_ns: 0,
             stats: CorrelateStats::default(),
         }
     }

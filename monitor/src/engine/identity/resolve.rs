@@ -14,12 +14,11 @@ impl Store {
     /// `request_trigger`: the event may trigger a request-scope rule, so a request it names
     /// without naming an attempt needs a record.
     pub fn resolve(&mut self, ids: &Ids, time_ns: u64, request_trigger: bool) -> Resolved {
-        let (attempt, merged) = self.resolve_attempt(ids);
+        let (attempt, merged, collision) = self.resolve_attempt(ids);
         let names = [
             ids.request_id.as_deref().map(Alias::request_id),
             ids.trace_id.as_deref().map(Alias::trace_id),
         ];
-        let collision = self.room_collision(ids, attempt);
         let (request, linked) = if names.iter().all(Option::is_none) {
             (self.request_at(attempt, time_ns), false)
         } else {
@@ -39,18 +38,30 @@ impl Store {
         }
     }
 
-    /// Whether the event names its attempt's room with a request id other than the one the
-    /// room's request has (and rooms are to keep one: [`Self::guard_room_request_ids`]).
-    fn room_collision(&mut self, ids: &Ids, attempt: Option<AttemptAt>) -> bool {
+    /// `at`, the attempt (live or a tombstone) the event's room names, when the event names it
+    /// with a request id other than the one the room's request has (and rooms are to keep one:
+    /// [`Self::guard_room_request_ids`]). Judged before the event merges anything: a merge
+    /// (the second request's attempt, first seen by its rid, found again through the room)
+    /// would join the two requests and hide the collision.
+    fn room_collision(&mut self, ids: &Ids, at: Option<AttemptAt>) -> Option<AttemptAt> {
         if !self.room_request_ids_distinct {
-            return false;
+            return None;
         }
-        let (Some(_), Some(theirs), Some(at)) =
-            (ids.bootstrap_room, ids.request_id.as_deref(), attempt)
+        let (Some(_), Some(theirs), Some(at)) = (ids.bootstrap_room, ids.request_id.as_deref(), at)
         else {
-            return false;
+            return None;
         };
-        self.with_room_request_id(at, |ours| ours.is_some_and(|ours| ours != theirs))
+        if !self.with_room_request_id(at, |ours| ours.is_some_and(|ours| ours != theirs)) {
+            return None;
+        }
+        // Kept for the report: the merge that may follow joins the two requests.
+        self.collided_with = self.room_request_id(at);
+        Some(at)
+    }
+
+    /// The request id the room had when the last collision was found ([`Self::room_collision`]).
+    pub fn take_collided_with(&mut self) -> Option<Box<str>> {
+        self.collided_with.take()
     }
 
     /// The request id of an attempt's request: the one it keeps solo, or its record's (the
@@ -80,15 +91,22 @@ impl Store {
         (r != NO_INDEX).then(|| self.find(r))
     }
 
-    /// The live attempt or tombstone an event's room and rid name, created if new; true when two
-    /// attempts turned out to be one (the merged history must reach the request).
-    fn resolve_attempt(&mut self, ids: &Ids) -> (Option<AttemptAt>, bool) {
+    /// The live attempt or tombstone an event's room and rid name, created if new; whether two
+    /// attempts turned out to be one (the merged history must reach the request); and the
+    /// room's attempt when the event collides with it ([`Self::room_collision`]).
+    fn resolve_attempt(&mut self, ids: &Ids) -> (Option<AttemptAt>, bool, Option<AttemptAt>) {
         let room_alias = ids.bootstrap_room.map(|r| Alias::room(r.0));
         let room_key = room_alias.map(|a| a.key);
         if room_key.is_none() && ids.rid.is_none() {
-            return (None, false);
+            return (None, false, None);
         }
-        let by_room = room_alias.and_then(|a| self.lookup_attempt(&a));
+        let mut by_room = room_alias.and_then(|a| self.lookup_attempt(&a));
+        if let Some(AttemptAt::Live(i)) = by_room
+            && self.compact_if_stale(i)
+        {
+            by_room = room_alias.and_then(|a| self.lookup_attempt(&a));
+        }
+        let collision = self.room_collision(ids, by_room);
         // Most events repeat the rid the attempt already has: skip the second table probe.
         let rid_known = match (by_room, ids.rid.as_deref()) {
             (Some(AttemptAt::Live(i)), Some(rid)) => self.verifier().rid_is_first(i, rid),
@@ -104,7 +122,15 @@ impl Store {
         let by_rid = if rid_known {
             by_room
         } else {
-            rid_alias.and_then(|a| self.lookup_attempt(&a))
+            let found = rid_alias.and_then(|a| self.lookup_attempt(&a));
+            match found {
+                Some(AttemptAt::Live(i))
+                    if Some(AttemptAt::Live(i)) != by_room && self.compact_if_stale(i) =>
+                {
+                    rid_alias.and_then(|a| self.lookup_attempt(&a))
+                }
+                _ => found,
+            }
         };
         // A merge brings the other attempt's history: request-scope state must be folded again.
         let merged = matches!((by_room, by_rid), (Some(a), Some(b)) if a != b);
@@ -150,7 +176,13 @@ impl Store {
             )),
         };
 
-        (Some(attempt), merged)
+        // A room new to the store becomes the attempt's its rid found: the event collides with
+        // that attempt's request, if it has another one.
+        let collision = match by_room {
+            Some(_) => collision,
+            None => self.room_collision(ids, Some(attempt)),
+        };
+        (Some(attempt), merged, collision)
     }
 
     /// The request of an event's attempt, for an event naming no request.
