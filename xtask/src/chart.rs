@@ -35,6 +35,31 @@ const CASES: &[(&str, Option<&str>, bool)] = &[
     ("otlp-only", Some("otlp-only.yaml"), false),
 ];
 
+/// `--set`s over the defaults, rendered, validated and started (not scanned by checkov).
+const EXTRA_CASES: &[(&str, &[&str])] = &[
+    (
+        "webhook-and-flood",
+        &[
+            "alerts.webhooks[0].url=https://hooks.example/revenant",
+            "alerts.webhooks[0].secret=an-hmac-key",
+            "alerts.webhooks[0].timeout=5s",
+            "alerts.flood.group_wait=1s",
+            "alerts.flood.rate_limit=10",
+        ],
+    ),
+    (
+        "pvc-spool-watch-config",
+        &[
+            "spool.type=persistentVolumeClaim",
+            "spool.existingClaim=revenant-spool",
+            "ebpf.mode=auto",
+            "ebpf.watch[0]=decode=my-server.*--decode",
+            "config.engine.clock_skew=100ms",
+            "otlp.hostPort.enabled=true",
+        ],
+    ),
+];
+
 const NAMESPACE: &str = "revenant";
 
 struct Tools {
@@ -99,6 +124,18 @@ pub fn run(revenant: &Path) -> Result<()> {
             "xtask: chart {case}: lint, template, kubernetes-validate {OLDEST_KUBERNETES} and \
              {newest}, checkov, promtool, revenant run: ok"
         );
+    }
+    // Values no example file sets: what they render must be valid and must start too.
+    for (case, sets) in EXTRA_CASES {
+        let rendered = render(&tools, &chart, &[], sets)?;
+        let file = out.join(format!("{case}.yaml"));
+        std::fs::write(&file, &rendered)?;
+        for k in [OLDEST_KUBERNETES, newest.as_str()] {
+            validate(&tools, &file, k).with_context(|| format!("{case} for Kubernetes {k}"))?;
+        }
+        let docs = to_json(&tools, &rendered)?;
+        starts(revenant, &docs, &out, case)?;
+        eprintln!("xtask: chart {case}: template, kubernetes-validate, revenant run: ok");
     }
     job_label_is_templated(&tools, &chart)?;
     bad_values_are_refused(&tools, &chart)?;
