@@ -680,3 +680,32 @@ fn run_quiet(cmd: &mut Command, what: &str) -> Result<()> {
     );
     Ok(())
 }
+
+/// The chart's eBPF capabilities, measured against the real binary (`deploy/measure_privileges.py
+/// --check`): enough for the probes to load, watch, name every socket and catch an incident, and
+/// each one needed. Root only, as the eBPF tests.
+pub fn privileges(revenant: &Path) -> Result<()> {
+    ensure!(
+        test_harness::is_root(),
+        "the capability measurement runs revenant with a subset of root's capabilities: run as root"
+    );
+    let caps: Vec<String> = EBPF_CAPABILITIES.iter().map(|c| c.to_lowercase()).collect();
+    let out = Command::new("python3")
+        .arg(test_harness::workspace_root().join("deploy/measure_privileges.py"))
+        .arg(revenant)
+        .arg("--check")
+        .arg(caps.join(","))
+        .stderr(Stdio::inherit())
+        .output()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    ensure!(
+        out.status.success(),
+        "the chart's capabilities {caps:?} are not exactly what the eBPF source needs:\n{text}"
+    );
+    eprintln!(
+        "xtask: capabilities {} measured: enough, and each needed ({} sets)",
+        caps.join(","),
+        text.lines().count()
+    );
+    Ok(())
+}

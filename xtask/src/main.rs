@@ -51,6 +51,10 @@ enum Task {
         /// The revenant binary to run the rendered command line with [default: a release build].
         #[arg(long, value_name = "PATH")]
         revenant: Option<std::path::PathBuf>,
+        /// Also measure that the chart's eBPF capabilities are enough and each needed (root;
+        /// `test` does).
+        #[arg(long)]
+        measure: bool,
     },
     /// Build the OCI image (localhost/revenant:VERSION) with podman, FROM scratch: the release
     /// binary and the shared libraries it loads, non-root by default. Prints its reference and id.
@@ -101,12 +105,18 @@ fn main() -> ExitCode {
                 }
             }
         }
-        Task::Chart { revenant } => {
+        Task::Chart { revenant, measure } => {
             let bin = match revenant {
                 Some(b) => Ok(b),
                 None => release_revenant(),
             };
-            match bin.and_then(|b| chart::run(&b)) {
+            match bin.and_then(|b| {
+                chart::run(&b)?;
+                if measure {
+                    chart::privileges(&b)?;
+                }
+                Ok(())
+            }) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     eprintln!("xtask: chart checks failed: {e:#}");
@@ -156,7 +166,7 @@ fn run_tests(args: &[String]) -> ExitCode {
     };
     // The Helm chart needs no test build: checked first, on full runs.
     if args.is_empty()
-        && let Err(e) = chart::run(&bins.revenant)
+        && let Err(e) = chart::run(&bins.revenant).and_then(|()| chart::privileges(&bins.revenant))
     {
         eprintln!("xtask: chart checks failed: {e:#}");
         return ExitCode::FAILURE;
