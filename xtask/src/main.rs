@@ -6,8 +6,10 @@ use std::process::{Command, ExitCode};
 
 use clap::{Parser, Subcommand};
 
+mod chart;
 mod demo;
 mod fuzz;
+mod image;
 mod setup;
 
 #[derive(Parser)]
@@ -41,6 +43,26 @@ enum Task {
         runs: Option<u64>,
         /// Targets to run (default: all of them).
         targets: Vec<String>,
+    },
+    /// Lint, render and check the Helm chart (deploy/helm/revenant) for each values file:
+    /// helm lint, kubernetes-validate, checkov, promtool, and the rendered command line run by
+    /// the real binary. `test` runs it too.
+    Chart {
+        /// The revenant binary to run the rendered command line with [default: a release build].
+        #[arg(long, value_name = "PATH")]
+        revenant: Option<std::path::PathBuf>,
+        /// Also measure that the chart's eBPF capabilities are enough and each needed (root;
+        /// `test` does).
+        #[arg(long)]
+        measure: bool,
+    },
+    /// Build the OCI image (localhost/revenant:VERSION) with podman, FROM scratch: the release
+    /// binary and the shared libraries it loads, non-root by default. Prints its reference and id.
+    Image {
+        /// Also run `revenant run` from the image's root filesystem and replay an incident into
+        /// it (as `test` does).
+        #[arg(long)]
+        test: bool,
     },
     /// Run the whole test suite (unit, scenario, CLI and end-to-end tests, then a short run of
     /// every fuzz target).
@@ -83,6 +105,43 @@ fn main() -> ExitCode {
                 }
             }
         }
+        Task::Chart { revenant, measure } => {
+            let bin = match revenant {
+                Some(b) => Ok(b),
+                None => release_revenant(),
+            };
+            match bin.and_then(|b| {
+                chart::run(&b)?;
+                if measure {
+                    chart::privileges(&b)?;
+                }
+                Ok(())
+            }) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("xtask: chart checks failed: {e:#}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+        Task::Image { test } => {
+            let built = release_revenant().and_then(|b| image::build(&b));
+            let result = built.and_then(|built| {
+                println!("{} {}", built.reference, built.id);
+                if test {
+                    image::test(&built, &otlp_venv()?)?;
+                    eprintln!("xtask: image test passed");
+                }
+                Ok(())
+            });
+            match result {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("xtask: image failed: {e:#}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
         Task::Test { args } => {
             // Building `revenant` builds the kernel programs: the toolchain must be there first.
             if let Err(e) = setup::run() {
@@ -105,6 +164,24 @@ fn run_tests(args: &[String]) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    // The Helm chart needs no test build: checked first, on full runs.
+    if args.is_empty()
+        && let Err(e) = chart::run(&bins.revenant).and_then(|()| chart::privileges(&bins.revenant))
+    {
+        eprintln!("xtask: chart checks failed: {e:#}");
+        return ExitCode::FAILURE;
+    }
+    if args.is_empty() {
+        let tested = image::build(&bins.revenant).and_then(|built| {
+            image::test(&built, &otlp_venv()?)?;
+            eprintln!("xtask: image {} ({}) tested", built.reference, built.id);
+            Ok(())
+        });
+        if let Err(e) = tested {
+            eprintln!("xtask: image test failed: {e:#}");
+            return ExitCode::FAILURE;
+        }
+    }
     let status = Command::new(&cargo)
         .args([
             "test",
@@ -187,6 +264,45 @@ fn ensure_venv(name: &str, packages: &[&str], ready: &str) -> std::io::Result<st
         }
     }
     Ok(venv)
+}
+
+/// `cargo build --release -p revenant` (alone: with pd-sim in the same build cargo resolves
+/// other features and builds every shared crate again), the binary's path from cargo's own
+/// artifact messages.
+fn release_revenant() -> anyhow::Result<std::path::PathBuf> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let out = Command::new(&cargo)
+        .current_dir(test_harness::workspace_root())
+        .args(["build", "--release", "-p", "revenant", "--bin", "revenant"])
+        .args(["--message-format", "json-render-diagnostics"])
+        .stderr(std::process::Stdio::inherit())
+        .output()?;
+    anyhow::ensure!(
+        out.status.success(),
+        "cargo build --release -p revenant failed"
+    );
+    out.stdout
+        .split(|b| *b == b'\n')
+        .filter_map(|l| serde_json::from_slice::<serde_json::Value>(l).ok())
+        .filter(|v| v["reason"] == "compiler-artifact" && v["target"]["name"] == "revenant")
+        .find_map(|v| v["executable"].as_str().map(std::path::PathBuf::from))
+        .ok_or_else(|| anyhow::anyhow!("cargo built no revenant binary"))
+}
+
+/// The OpenTelemetry SDK venv the crate's end-to-end tests use (target/otlp-venv, the same
+/// pinned exporters), for replaying incidents into `revenant run`.
+fn otlp_venv() -> anyhow::Result<std::path::PathBuf> {
+    let venv = ensure_venv(
+        "otlp-venv",
+        &[
+            "opentelemetry-sdk==1.45.2",
+            "opentelemetry-exporter-otlp-proto-grpc==1.45.2",
+            "opentelemetry-exporter-otlp-proto-http==1.45.2",
+        ],
+        "import opentelemetry.sdk, opentelemetry.exporter.otlp.proto.grpc.trace_exporter, \
+         opentelemetry.exporter.otlp.proto.http.trace_exporter",
+    )?;
+    Ok(venv.join("bin/python"))
 }
 
 /// `ready` snippet: the venv holds exactly this version of that distribution (a stale venv is

@@ -29,6 +29,7 @@ const TRACEFS: &str = "/sys/kernel/tracing";
 pub fn run() -> Result<()> {
     build_prereqs()?;
     test_tools()?;
+    image_tools()?;
     fuzz_tools()?;
     mount_tracefs()?;
     println!("setup: done");
@@ -74,6 +75,16 @@ pub fn test_tools() -> Result<()> {
         return Ok(());
     }
     install_apt_packages(&missing)
+}
+
+/// podman, which builds the OCI image (`cargo xtask image`) and mounts its root filesystem
+/// for the image test.
+pub fn image_tools() -> Result<()> {
+    if test_harness::on_path("podman").is_some() {
+        println!("setup: podman already on PATH");
+        return Ok(());
+    }
+    install_apt_packages(&["podman".into()])
 }
 
 /// cargo-fuzz, which builds and runs the fuzz targets (`fuzz/`) on the nightly toolchain that
