@@ -32,8 +32,6 @@ pub(super) struct OnAttempt<'e> {
     pub request: Option<u32>,
     /// Resolving linked the attempt to its request just now.
     pub linked: bool,
-    /// Resolving merged two attempts.
-    pub merged: bool,
 }
 
 impl Checker {
@@ -58,13 +56,13 @@ impl Checker {
             facts_changed,
             request: resolved.request,
             linked: resolved.linked,
-            merged: resolved.merged,
         };
-        for ri in 0..self.rules.len() {
-            // Most rules have nothing to do with most events: skip them before reading anything.
-            if !self.reacts(ri, &on) {
-                continue;
-            }
+        // Most rules have nothing to do with most events: only those that do are visited, in
+        // rule order.
+        let mut reacting = self.reacting.of_event(hit, facts_changed, resolved.merged);
+        while reacting != 0 {
+            let ri = reacting.trailing_zeros() as usize;
+            reacting &= reacting - 1;
             let slots = self.rules[ri].slots;
             match (&self.rules[ri].rule.shape, self.rules[ri].rule.scope) {
                 (Shape::NeverAfter(rule), Scope::Attempt) => {
@@ -159,17 +157,6 @@ impl Checker {
             self.store.set_reason_once(a, r);
         }
         facts_changed
-    }
-
-    /// Whether rule `ri` has anything to do with the event.
-    #[inline(always)]
-    fn reacts(&self, ri: usize, on: &OnAttempt) -> bool {
-        let r = self.rule_reacts[ri];
-        // A merge brings events this one did not match: never_after pairs may span the two.
-        let remerge = on.merged
-            && matches!(self.rules[ri].rule.shape, Shape::NeverAfter(_))
-            && self.rules[ri].rule.scope == Scope::Attempt;
-        on.hit & r.specs != 0 || r.always || remerge || (r.predicate && on.facts_changed)
     }
 
     /// An attempt-scope never-after rule found the breaching `pair` among `cands`: reports it,

@@ -57,10 +57,8 @@ impl Checker {
         }
         let s = self.store.attempt_slots(a);
         let fired = self.store.attempt(a).fired;
-        let pending = self.rules.iter().enumerate().any(|(ri, r)| {
-            if fired & (1 << ri) != 0 {
-                return false;
-            }
+        let pending = bits(self.deadline_rules & !fired).any(|ri| {
+            let r = &self.rules[ri];
             let k = r.slots;
             match &r.rule.shape {
                 Shape::MustFollow(m) => !m.satisfied(
@@ -95,13 +93,9 @@ impl Checker {
         // One look-up of the attempt's row for all its rules (again after a violation, which
         // needs the store mutably, though it changes no slot).
         let mut s = self.store.attempt_slots(a);
-        for ri in 0..self.rules.len() {
+        // Only the rules judged at a deadline, not fired yet (a violation marks its own bit).
+        for ri in bits(self.deadline_rules & !self.store.attempt(a).fired) {
             let bit = 1u64 << ri;
-            if self.store.attempt(a).fired & bit != 0
-                || matches!(self.rules[ri].rule.shape, Shape::NeverAfter(_))
-            {
-                continue;
-            }
             let slots = self.rules[ri].slots;
             let finding = match &self.rules[ri].rule.shape {
                 Shape::MustFollow(rule) => {
@@ -124,7 +118,12 @@ impl Checker {
                     Finding {
                         trigger: trigger.get(),
                         trigger_reason: self.store.reason(a).map(str::to_owned),
-                        expected: late.get().filter(|l| l.time_ns > due),
+                        // The first expected event past the deadline, if one came.
+                        expected: [early, late]
+                            .into_iter()
+                            .filter_map(|s| s.get())
+                            .filter(|l| l.time_ns > due)
+                            .min_by_key(|l| l.time_ns),
                         context: given.and_then(|g| g.get()),
                         ..Finding::new(ri, due)
                     }
@@ -198,4 +197,16 @@ impl Checker {
             self.schedule(a, due);
         }
     }
+}
+
+/// The indices of the bits set in `mask`, lowest first.
+#[inline(always)]
+fn bits(mut mask: u64) -> impl Iterator<Item = usize> {
+    std::iter::from_fn(move || {
+        (mask != 0).then(|| {
+            let i = mask.trailing_zeros() as usize;
+            mask &= mask - 1;
+            i
+        })
+    })
 }

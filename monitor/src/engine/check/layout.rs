@@ -18,6 +18,69 @@ pub(super) struct Reactions {
     pub always: bool,
 }
 
+/// The rules an attempt's event may concern, as bit sets over rule indices: one OR per spec the
+/// event matches instead of a test per rule.
+#[derive(Debug, Clone)]
+pub(super) struct ReactingRules {
+    /// Per attempt spec, the rules whose [`Reactions::specs`] name it.
+    by_spec: [u64; SlotLayout::MAX],
+    /// Rules that react to every event ([`Reactions::always`]).
+    always: u64,
+    /// Rules that react to a new fact ([`Reactions::predicate`]).
+    predicate: u64,
+    /// Attempt-scope never-after rules: a merge brings events this one did not match, and
+    /// their pairs may span the two attempts.
+    remerge: u64,
+}
+
+impl ReactingRules {
+    fn of(rules: &[CompiledRule], reacts: &[Reactions]) -> ReactingRules {
+        let mut m = ReactingRules {
+            by_spec: [0; SlotLayout::MAX],
+            always: 0,
+            predicate: 0,
+            remerge: 0,
+        };
+        for (ri, (rule, r)) in rules.iter().zip(reacts).enumerate() {
+            let bit = 1u64 << ri;
+            let mut specs = r.specs;
+            while specs != 0 {
+                m.by_spec[specs.trailing_zeros() as usize] |= bit;
+                specs &= specs - 1;
+            }
+            if r.always {
+                m.always |= bit;
+            }
+            if r.predicate {
+                m.predicate |= bit;
+            }
+            if never_after_of(rule, Scope::Attempt) {
+                m.remerge |= bit;
+            }
+        }
+        m
+    }
+
+    /// The rules that have anything to do with an event matching attempt specs `hit`, which
+    /// raised a fact (`facts_changed`) or merged two attempts (`merged`).
+    #[inline(always)]
+    pub fn of_event(&self, hit: u64, facts_changed: bool, merged: bool) -> u64 {
+        let mut rules = self.always;
+        if facts_changed {
+            rules |= self.predicate;
+        }
+        if merged {
+            rules |= self.remerge;
+        }
+        let mut specs = hit;
+        while specs != 0 {
+            rules |= self.by_spec[specs.trailing_zeros() as usize];
+            specs &= specs - 1;
+        }
+        rules
+    }
+}
+
 /// Everything the checker and its store are assembled from.
 pub(super) struct Layout {
     pub rules: Vec<CompiledRule>,
@@ -28,6 +91,9 @@ pub(super) struct Layout {
     /// Request slots that hold triggers (request-level events only update those).
     pub request_trigger_mask: u64,
     pub rule_reacts: Vec<Reactions>,
+    pub reacting: ReactingRules,
+    /// Rules judged when a deadline passes (must-follow, requires-before, predicates).
+    pub deadline_rules: u64,
     /// (attempt slot, request slot) pairs: what a linked attempt brings into its request.
     pub request_links: Vec<(usize, usize)>,
     /// The attempt slots a tombstone keeps, in its order.
@@ -59,7 +125,18 @@ impl Layout {
             .iter()
             .map(|r| r.rule.horizon())
             .fold(Duration::ZERO, Duration::max);
-        let rule_reacts = rules.iter().map(reacts).collect();
+        let rule_reacts: Vec<Reactions> = rules.iter().map(reacts).collect();
+        let reacting = ReactingRules::of(&rules, &rule_reacts);
+        let deadline_rules = rules
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| {
+                matches!(
+                    r.rule.shape,
+                    Shape::MustFollow(_) | Shape::RequiresBefore(_) | Shape::Predicate(_)
+                )
+            })
+            .fold(0u64, |m, (ri, _)| m | 1 << ri);
         Layout {
             attempt_index: SpecIndex::new(&attempt.specs),
             attempt_specs: attempt.specs,
@@ -67,6 +144,8 @@ impl Layout {
             request_specs: request.specs,
             request_trigger_mask,
             rule_reacts,
+            reacting,
+            deadline_rules,
             request_links,
             tomb_slot_map,
             tomb_rule_mask,

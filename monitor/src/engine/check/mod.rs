@@ -185,6 +185,9 @@ pub struct Checker {
     request_trigger_mask: u64,
     /// Per rule, which attempt events it has anything to do.
     rule_reacts: Vec<Reactions>,
+    reacting: layout::ReactingRules,
+    /// Rules judged when a deadline passes.
+    deadline_rules: u64,
     store: Store,
     timers: timers::TimerQueue,
     nodes: FixedMap<Box<str>, NodeId>,
@@ -214,6 +217,8 @@ impl Checker {
             request_index,
             request_trigger_mask,
             rule_reacts,
+            reacting,
+            deadline_rules,
             request_links,
             tomb_slot_map,
             tomb_rule_mask,
@@ -250,6 +255,8 @@ impl Checker {
             request_index,
             request_trigger_mask,
             rule_reacts,
+            reacting,
+            deadline_rules,
             store,
             timers: timers::TimerQueue::default(),
             nodes: FixedMap::with_hasher(FixedState::with_seed(SEED)),

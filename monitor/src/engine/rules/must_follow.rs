@@ -38,11 +38,25 @@ impl MustFollow {
         Ok(())
     }
 
+    /// `other` and `other_latest` are the two expected events [`Self::satisfied`] weighs:
+    /// with `after_trigger`, the earliest and the latest (one at or after the trigger must be
+    /// among them); without, the earliest of each of two nodes (a pair), which is exact for the
+    /// per-node tolerance and changes on an attempt's first expected event per node only,
+    /// where a latest slot would change on every one (a decode's every work event).
     pub fn slots(&self, attempt: &mut SlotLayout) -> RuleSlots {
+        let (other, other_latest) = if self.after_trigger {
+            (
+                attempt.slot(&self.expect, Keep::Earliest),
+                attempt.slot(&self.expect, Keep::Latest),
+            )
+        } else {
+            let pair = attempt.slot(&self.expect, Keep::EarliestPerNode);
+            (pair, pair + 1)
+        };
         RuleSlots {
             trigger: attempt.slot(&self.trigger, Keep::Latest),
-            other: attempt.slot(&self.expect, Keep::Earliest),
-            other_latest: attempt.slot(&self.expect, Keep::Latest),
+            other,
+            other_latest,
             given: (!self.given.is_empty())
                 .then(|| attempt.slot(&self.given, Keep::Earliest) as u8),
             per_stage: [None; 4],

@@ -106,13 +106,15 @@ macro_rules! map_impl {
                 x.wrapping_sub(ONES) & !x & (ONES << 3) != 0
             }
             fn has_garbage(self) -> bool {
-                let count = self.count() as u32;
-                let (mut m, mut refs) = (self & !(0xf << COUNT_SHIFT), 0u32);
-                while m != 0 {
-                    refs |= 1 << (m & 0xf);
-                    m >>= 4;
-                }
-                refs | 1 != (1 << (count + 1)) - 1
+                const ONES: $t = <$t>::MAX / 0xf;
+                // The count nibble cleared: 0 is no word index. Word `i` is referred to when
+                // some nibble equals it, a zero nibble of `m ^ i…i` (the has-zero test of
+                // `shared`): one test per word instead of a pass over every slot's nibble.
+                let m = self & !(0xf << COUNT_SHIFT);
+                (1..=self.count()).any(|i| {
+                    let x = m ^ (i as $t).wrapping_mul(ONES);
+                    x.wrapping_sub(ONES) & !x & (ONES << 3) == 0
+                })
             }
         }
     };
@@ -373,6 +375,46 @@ fn fold_with<M: Map>(
 
 #[cfg(test)]
 mod tests {
+
+    /// The has-zero test agrees with a pass over every nibble, for maps of both widths.
+    #[test]
+    fn garbage_is_any_word_no_slot_refers_to() {
+        fn reference(nibbles: &[usize], count: usize) -> bool {
+            (1..=count).any(|i| !nibbles.contains(&i))
+        }
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        for _ in 0..20_000 {
+            let count = (next() % 16) as usize;
+            let n = 1 + (next() % MAPPED_MAX as u64) as usize;
+            let nibbles: Vec<usize> = (0..n)
+                .map(|_| (next() % (count as u64 + 1)) as usize)
+                .collect();
+            let wide = nibbles
+                .iter()
+                .enumerate()
+                .fold(u128::EMPTY, |m, (k, &i)| m.with_index(k, i))
+                .with_count(count);
+            assert_eq!(
+                wide.has_garbage(),
+                reference(&nibbles, count),
+                "{nibbles:?} {count}"
+            );
+            if n <= FIRST {
+                let narrow = nibbles
+                    .iter()
+                    .enumerate()
+                    .fold(u64::EMPTY, |m, (k, &i)| m.with_index(k, i))
+                    .with_count(count);
+                assert_eq!(narrow.has_garbage(), reference(&nibbles, count));
+            }
+        }
+    }
     use super::*;
     use crate::engine::state::SlotRead;
     use crate::engine::state::Slots;
