@@ -17,6 +17,18 @@ pub struct EngineTotals {
     pub violations: u64,
 }
 
+/// What drives the engine's watermark besides the events themselves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum WatermarkClock {
+    /// Wall time: deadlines are judged once the clock passes them, with or without traffic
+    /// (live sources).
+    #[default]
+    Wall,
+    /// Event time only: the newest event's time (recorded events replayed through the
+    /// cluster judge as `revenant check` does).
+    Event,
+}
+
 /// Everything the loop owns.
 pub struct EngineTask {
     pub engine: Checker,
@@ -27,6 +39,7 @@ pub struct EngineTask {
     pub lateness: Duration,
     /// Testing aid: no batch is taken while this file exists (saturates the pipeline on purpose).
     pub pause_file: Option<PathBuf>,
+    pub clock: WatermarkClock,
 }
 
 fn wall_ns() -> u64 {
@@ -65,7 +78,11 @@ impl EngineTask {
                 },
                 _ = tick.tick() => {
                     let now = wall_ns();
-                    self.tick(now, now, &mut totals)?;
+                    let watermark = match self.clock {
+                        WatermarkClock::Wall => now,
+                        WatermarkClock::Event => self.engine.stats().max_event_ns,
+                    };
+                    self.tick(watermark, now, &mut totals)?;
                     continue;
                 }
             };
@@ -87,12 +104,12 @@ impl EngineTask {
         // Nothing more will arrive: move the watermark past the lateness window so that every
         // deadline the received events can still prove is judged.
         let now = wall_ns();
-        let end = self
-            .engine
-            .stats()
-            .max_event_ns
-            .max(now)
-            .saturating_add(self.lateness.as_nanos() as u64);
+        let newest = self.engine.stats().max_event_ns;
+        let end = match self.clock {
+            WatermarkClock::Wall => newest.max(now),
+            WatermarkClock::Event => newest,
+        }
+        .saturating_add(self.lateness.as_nanos() as u64);
         self.tick(end, now, &mut totals)?;
         Ok(totals)
     }
@@ -147,6 +164,7 @@ mod tests {
             taps: vec![Box::new(seen.clone())],
             lateness: Duration::from_millis(10),
             pause_file: None,
+            clock: WatermarkClock::Wall,
         };
         let e = |kind| {
             LifecycleEvent::new(1_000, Stage::Prefill, kind, Source::Replay).with_request_id("r1")
