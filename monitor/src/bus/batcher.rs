@@ -37,6 +37,8 @@ pub struct Batcher {
     open: Vec<Option<Open>>,
     seqs: Vec<u64>,
     next_event: u64,
+    /// The newest event time routed so far.
+    newest: u64,
     buf: Vec<u8>,
 }
 
@@ -65,6 +67,7 @@ impl Batcher {
             open: (0..p).map(|_| None).collect(),
             seqs: vec![0; p as usize],
             next_event: 0,
+            newest: 0,
             buf: Vec::with_capacity(1 << 16),
         }
     }
@@ -94,6 +97,7 @@ impl Batcher {
     pub fn push(&mut self, e: &LifecycleEvent, now_ns: u64, sealed: &mut Vec<Sealed>) {
         let id = self.next_event;
         self.next_event += 1;
+        self.newest = self.newest.max(e.time_ns);
         match self.partitioner.route(e) {
             Route::One(k) => {
                 self.add_to(k as usize, e, id, false, now_ns);
@@ -118,7 +122,13 @@ impl Batcher {
     }
 
     fn seal(&mut self, k: usize) -> Sealed {
-        let open = self.open[k].take().expect("sealing an open batch");
+        let open = self.open[k].take().unwrap_or(Open {
+            events: Vec::new(),
+            offsets: Vec::new(),
+            broadcast: Vec::new(),
+            first_event: self.next_event,
+            opened_ns: 0,
+        });
         let header = BatchHeader {
             v: WIRE_VERSION,
             node: self.node.clone(),
@@ -128,6 +138,7 @@ impl Batcher {
             first_event: open.first_event,
             offsets: open.offsets,
             broadcast: open.broadcast,
+            newest: self.newest,
         };
         self.seqs[k] += 1;
         encode(&header, &open.events, &mut self.buf);
@@ -139,15 +150,26 @@ impl Batcher {
         }
     }
 
-    /// Seals every batch whose first event waited `linger` (all of them with `force`).
-    pub fn flush(&mut self, now_ns: u64, force: bool, sealed: &mut Vec<Sealed>) {
+    /// Seals every batch whose first event waited `linger`.
+    pub fn flush(&mut self, now_ns: u64, sealed: &mut Vec<Sealed>) {
         for k in 0..self.open.len() {
             let due = self.open[k]
                 .as_ref()
-                .is_some_and(|o| force || now_ns.saturating_sub(o.opened_ns) >= self.linger_ns);
+                .is_some_and(|o| now_ns.saturating_sub(o.opened_ns) >= self.linger_ns);
             if due {
                 sealed.push(self.seal(k));
             }
+        }
+    }
+
+    /// The last batch of every partition, empty where nothing is open: each carries how far
+    /// this agent's stream came ([`BatchHeader::newest`]).
+    pub fn finish(&mut self, sealed: &mut Vec<Sealed>) {
+        if self.next_event == 0 {
+            return;
+        }
+        for k in 0..self.open.len() {
+            sealed.push(self.seal(k));
         }
     }
 }
@@ -179,15 +201,24 @@ mod tests {
         assert_eq!(full.header.partition, k);
         assert_eq!((full.event_id(0), full.event_id(1)), (0, 1));
         assert!(full.is_broadcast(1));
-        b.flush(1_000_000, false, &mut out);
+        b.flush(1_000_000, &mut out);
         assert_eq!(out.len(), 1, "not lingered yet");
-        b.flush(10_000_000, false, &mut out);
+        b.flush(10_000_000, &mut out);
         assert_eq!(out.len(), 2);
         let other = decode(&out[1].payload).unwrap();
         assert_eq!(other.event_id(0), 1, "the copy keeps the event's id");
         assert_eq!(out[1].msg_id, format!("n/1/{}/0", 1 - k));
         b.push(&room(7), 0, &mut out);
-        b.flush(0, true, &mut out);
-        assert_eq!(decode(&out[2].payload).unwrap().header.seq, 1);
+        b.finish(&mut out);
+        // The open batch, and an empty one for the other partition, both saying how far the
+        // stream came.
+        assert_eq!(out.len(), 4);
+        let last: Vec<_> = out[2..]
+            .iter()
+            .map(|s| decode(&s.payload).unwrap())
+            .collect();
+        assert_eq!(last[0].header.seq, 1);
+        assert!(last[1].events.is_empty());
+        assert!(last.iter().all(|b| b.header.newest == 2));
     }
 }

@@ -114,6 +114,9 @@ pub struct PartitionCtx {
     pub metrics: Arc<Metrics>,
     /// The lowest partition this checker owns: the one broadcast events are taken from.
     pub first_owned: u32,
+    /// The newest event time any agent reported (batch headers): where the input has come to,
+    /// for the engine's event-time watermark.
+    pub newest: Arc<AtomicU64>,
 }
 
 /// Consumes partition `k` until `stop` resolves or the engine's channel closes.
@@ -159,6 +162,7 @@ pub async fn run_partition(
                 .emit(&ctx.metrics);
             }
             Ok(batch) => {
+                ctx.newest.fetch_max(batch.header.newest, Relaxed);
                 let first = ctx
                     .dedup
                     .lock()
@@ -208,6 +212,7 @@ mod tests {
             first_event: 0,
             offsets: vec![],
             broadcast: vec![],
+            newest: 0,
         }
     }
 

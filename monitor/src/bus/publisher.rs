@@ -185,40 +185,60 @@ fn wall_ns() -> u64 {
         .unwrap_or(0)
 }
 
-/// Drains `events` into the outbox until the channel closes (every source stopped), then seals
-/// what is open. `stamp_node`: events from live sources that name no node get this agent's.
+/// Drains the live sources' channel (`events`: their events that name no node get
+/// `stamp_node`, this agent's) and the replay channel (`replay`: recorded events, kept as
+/// recorded) into the outbox until both close, then seals what is open.
 pub async fn run_batcher(
     mut events: EventReceiver,
+    mut replay: Option<EventReceiver>,
     mut batcher: Batcher,
     shared: Shared,
     linger: Duration,
-    stamp_node: Option<Box<str>>,
+    stamp_node: Box<str>,
 ) {
     let mut sealed = Vec::new();
     let mut tick = tokio::time::interval(linger.max(Duration::from_millis(1)));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    let mut live_open = true;
     loop {
-        tokio::select! {
-            b = events.recv() => {
-                let Some(batch) = b else { break };
-                let now = wall_ns();
-                shared.stats.events_in.fetch_add(batch.len() as u64, Relaxed);
-                for mut e in batch {
-                    if e.node.is_none() && e.source != crate::event::Source::Replay {
-                        e.node.clone_from(&stamp_node);
-                    }
-                    batcher.push(&e, now, &mut sealed);
+        let (batch, stamp) = tokio::select! {
+            b = events.recv(), if live_open => match b {
+                Some(b) => (b, true),
+                None => {
+                    live_open = false;
+                    if replay.is_none() { break }
+                    continue;
                 }
-                shared.store(&mut sealed);
-            }
+            },
+            b = async { replay.as_mut().expect("guarded").recv().await }, if replay.is_some() => match b {
+                Some(b) => (b, false),
+                None => {
+                    replay = None;
+                    if !live_open { break }
+                    continue;
+                }
+            },
             _ = tick.tick() => {
-                batcher.flush(wall_ns(), false, &mut sealed);
+                batcher.flush(wall_ns(), &mut sealed);
                 shared.store(&mut sealed);
                 shared.stats.links_forgotten.store(batcher.links_forgotten(), Relaxed);
+                continue;
             }
+        };
+        let now = wall_ns();
+        shared
+            .stats
+            .events_in
+            .fetch_add(batch.len() as u64, Relaxed);
+        for mut e in batch {
+            if stamp && e.node.is_none() {
+                e.node = Some(stamp_node.clone());
+            }
+            batcher.push(&e, now, &mut sealed);
         }
+        shared.store(&mut sealed);
     }
-    batcher.flush(wall_ns(), true, &mut sealed);
+    batcher.finish(&mut sealed);
     shared.store(&mut sealed);
 }
 

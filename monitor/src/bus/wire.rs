@@ -41,6 +41,12 @@ pub struct BatchHeader {
     /// Indices of the events that went to every partition (request- and worker-level).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub broadcast: Vec<u32>,
+    /// The newest event time (ns) the agent had routed when it sealed the batch, in any
+    /// partition: how far the agent's stream has come. An agent that stops sends every partition
+    /// a batch (empty if need be) with its last value, so that a checker judging on event time
+    /// knows where the whole input ends even for partitions it does not own.
+    #[serde(default)]
+    pub newest: u64,
 }
 
 impl BatchHeader {
@@ -155,6 +161,7 @@ mod tests {
             first_event: 100,
             offsets: vec![0, 7],
             broadcast: vec![1],
+            newest: 6,
         };
         let mut buf = Vec::new();
         encode(&header, &events, &mut buf);

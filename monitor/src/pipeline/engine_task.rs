@@ -5,6 +5,9 @@ use std::future::Future;
 use std::path::PathBuf;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use crate::engine::check::Checker;
 
 use super::{EventReceiver, EventTap, ViolationSender};
@@ -40,6 +43,9 @@ pub struct EngineTask {
     /// Testing aid: no batch is taken while this file exists (saturates the pipeline on purpose).
     pub pause_file: Option<PathBuf>,
     pub clock: WatermarkClock,
+    /// With [`WatermarkClock::Event`]: the newest event time known upstream (cluster mode: the
+    /// agents' reports), when it is ahead of what this engine has seen.
+    pub upstream_newest: Option<Arc<AtomicU64>>,
 }
 
 fn wall_ns() -> u64 {
@@ -80,7 +86,7 @@ impl EngineTask {
                     let now = wall_ns();
                     let watermark = match self.clock {
                         WatermarkClock::Wall => now,
-                        WatermarkClock::Event => self.engine.stats().max_event_ns,
+                        WatermarkClock::Event => self.newest_event(),
                     };
                     self.tick(watermark, now, &mut totals)?;
                     continue;
@@ -104,14 +110,22 @@ impl EngineTask {
         // Nothing more will arrive: move the watermark past the lateness window so that every
         // deadline the received events can still prove is judged.
         let now = wall_ns();
-        let newest = self.engine.stats().max_event_ns;
         let end = match self.clock {
-            WatermarkClock::Wall => newest.max(now),
-            WatermarkClock::Event => newest,
+            WatermarkClock::Wall => self.engine.stats().max_event_ns.max(now),
+            WatermarkClock::Event => self.newest_event(),
         }
         .saturating_add(self.lateness.as_nanos() as u64);
         self.tick(end, now, &mut totals)?;
         Ok(totals)
+    }
+
+    /// The newest event time: this engine's, or upstream's when that is ahead.
+    fn newest_event(&self) -> u64 {
+        let upstream = self
+            .upstream_newest
+            .as_ref()
+            .map_or(0, |n| n.load(Ordering::Relaxed));
+        self.engine.stats().max_event_ns.max(upstream)
     }
 
     /// Judges deadlines up to `watermark`, then lets the taps publish and flush.
@@ -129,7 +143,7 @@ impl EngineTask {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::{Arc, Mutex};
+    use std::sync::Mutex;
 
     use super::*;
     use crate::engine::check::{CheckerConfig, RuleSet};
@@ -165,6 +179,7 @@ mod tests {
             lateness: Duration::from_millis(10),
             pause_file: None,
             clock: WatermarkClock::Wall,
+            upstream_newest: None,
         };
         let e = |kind| {
             LifecycleEvent::new(1_000, Stage::Prefill, kind, Source::Replay).with_request_id("r1")

@@ -284,7 +284,7 @@ async fn agent_async(
     bound.insert("partitions".into(), bus.partitions.into());
 
     let (tx, rx) = event_channel(cfg.channel_capacity());
-    let replay_tx = tx.clone();
+    let (replay_tx, replay_rx) = event_channel(cfg.channel_capacity());
     let mut sources = start_sources(&cfg, normalizer, b, tx, &shared, &shutdown, bound);
     let mut replay_task = None;
     if !replay_paths.is_empty() {
@@ -297,9 +297,8 @@ async fn agent_async(
                 () = stop => Ok(()),
             }
         }));
-    } else {
-        drop(replay_tx);
     }
+    let replay_rx = replay_task.is_some().then_some(replay_rx);
     let boot = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_nanos() as u64)
@@ -321,10 +320,11 @@ async fn agent_async(
     };
     let batch_task = tokio::spawn(publisher::run_batcher(
         rx,
+        replay_rx,
         batcher,
         pubshared.clone(),
         bus.batch_linger,
-        Some(node.as_str().into()),
+        node.as_str().into(),
     ));
     let done = Arc::new(Notify::new());
     let publish_task = tokio::spawn(publisher::run_publisher(

@@ -278,6 +278,7 @@ async fn checker_async(
         stats: stats.clone(),
         metrics: shared.metrics.clone(),
         first_owned: owned.first().copied().unwrap_or(0),
+        newest: Arc::new(std::sync::atomic::AtomicU64::new(0)),
     };
     let mut partitions: JoinSet<Result<(), String>> = JoinSet::new();
     for (k, c) in consumers {
@@ -338,6 +339,7 @@ async fn checker_async(
             lateness: cfg.engine.allowed_lateness(),
             pause_file,
             clock,
+            upstream_newest: Some(ctx.newest.clone()),
         }
         .run(shutdown.at(Phase::CloseEngine)),
     );

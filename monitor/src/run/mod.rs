@@ -781,6 +781,7 @@ pub async fn run_async(p: Prepared) -> Result<(), RunError> {
             lateness: cfg.engine.allowed_lateness(),
             pause_file,
             clock: crate::pipeline::WatermarkClock::Wall,
+            upstream_newest: None,
         },
         &shutdown,
     );
