@@ -10,23 +10,15 @@
 //! worker; request-scope: the request id), as in `scenarios.rs`; corroborating follow-ups are
 //! left out on both sides.
 
-use std::collections::{BTreeMap, BTreeSet};
-use std::io::Write;
+mod support;
+
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::Command;
-use std::time::{Duration, Instant};
 
-use revenant::engine::rules::Scope;
 use revenant::engine::workload::{self, Mix};
-use revenant::ingest::replay::{self, ReplayRecord};
 use revenant::{Kind, LifecycleEvent, RuleSet, Source, Stage};
-use test_harness::{Nats, Proc, ScratchDir, http_get, metric_sum, parse_metrics};
-
-const BIN: &str = env!("CARGO_BIN_EXE_revenant");
-const LATENESS: &str = "1h";
-const WAIT: Duration = Duration::from_secs(60);
-
-type Key = (String, Option<u64>, Option<String>, Option<String>);
+use support::cluster::{Bus, Member, check, keys, load, wait_metric, write};
+use support::{Nats, ScratchDir};
 
 fn scenario_files() -> Vec<PathBuf> {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/scenarios");
@@ -41,27 +33,6 @@ fn scenario_files() -> Vec<PathBuf> {
     v.sort();
     assert!(v.len() >= 20, "scenario files missing: {v:?}");
     v
-}
-
-fn load(path: &Path) -> Vec<LifecycleEvent> {
-    let text = std::fs::read(path).unwrap();
-    let mut events = Vec::new();
-    replay::read_events(
-        &text[..],
-        |e| events.push(e),
-        |e| panic!("{}: {e}", path.display()),
-    )
-    .unwrap();
-    events
-}
-
-fn write(path: &Path, events: &[LifecycleEvent]) {
-    let mut f = std::io::BufWriter::new(std::fs::File::create(path).unwrap());
-    for e in events {
-        serde_json::to_writer(&mut f, &ReplayRecord::from_event(e)).unwrap();
-        f.write_all(b"\n").unwrap();
-    }
-    f.flush().unwrap();
 }
 
 /// Which of the three agents sees an event: a recorded node's events all go to one agent (in
@@ -95,108 +66,6 @@ fn split(events: &[LifecycleEvent]) -> (Vec<LifecycleEvent>, [Vec<LifecycleEvent
     (merged, parts)
 }
 
-fn key(rules: &RuleSet, v: &serde_json::Value) -> Key {
-    let rule = v["rule"].as_str().unwrap().to_string();
-    let scope = rules
-        .rules
-        .iter()
-        .find(|r| r.name == rule)
-        .unwrap_or_else(|| panic!("unknown rule {rule}"))
-        .scope;
-    let s = |x: &serde_json::Value| x.as_str().map(str::to_owned);
-    match scope {
-        Scope::Attempt => {
-            let room = s(&v["attempt"]["bootstrap_room"]).map(|r| r.parse::<u64>().unwrap());
-            let rid = if room.is_some() {
-                None
-            } else {
-                s(&v["attempt"]["rid"])
-            };
-            (rule, room, rid, s(&v["worker"]))
-        }
-        Scope::Request => (rule, None, None, s(&v["request"]["request_id"])),
-    }
-}
-
-fn keys(rules: &RuleSet, lines: &str) -> BTreeSet<Key> {
-    lines
-        .lines()
-        .filter(|l| !l.trim().is_empty())
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
-        .filter(|v| v["corroborates"].as_bool() != Some(true))
-        .map(|v| key(rules, &v))
-        .collect()
-}
-
-/// `revenant check` on the merged file.
-fn check(file: &Path) -> String {
-    let out = Command::new(BIN)
-        .args(["check", "--allowed-lateness", LATENESS])
-        .arg(file)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.code().is_some_and(|c| c <= 1),
-        "check {}: {}",
-        file.display(),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap()
-}
-
-/// Waits for `--ready-file` and returns the admin address.
-fn ready(proc: &mut Proc, file: &Path, stderr: &Path) -> String {
-    let deadline = Instant::now() + WAIT;
-    loop {
-        if let Ok(text) = std::fs::read_to_string(file)
-            && let Ok(v) = serde_json::from_str::<serde_json::Value>(&text)
-        {
-            return v["admin"].as_str().unwrap().to_owned();
-        }
-        if let Some(s) = proc.exited() {
-            panic!(
-                "{} exited ({s}) before ready:\n{}",
-                proc.name,
-                test_harness::tail(stderr, 30)
-            );
-        }
-        assert!(Instant::now() < deadline, "{} not ready", proc.name);
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-fn metric(admin: &str, name: &str) -> f64 {
-    match http_get(&format!("http://{admin}/metrics")) {
-        Ok((200, body)) => metric_sum(&parse_metrics(&body), name, &[]),
-        _ => -1.0,
-    }
-}
-
-fn wait_metric(what: &str, admins: &[String], name: &str, at_least: f64) {
-    let deadline = Instant::now() + WAIT;
-    loop {
-        let sum: f64 = admins.iter().map(|a| metric(a, name)).sum();
-        if sum >= at_least {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{what}: {name} = {sum}, waited for {at_least}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-/// The stop summary's `batches_published` (agents log as JSON).
-fn published(stderr: &Path) -> u64 {
-    std::fs::read_to_string(stderr)
-        .unwrap()
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .find_map(|v| v["fields"]["batches_published"].as_u64())
-        .unwrap_or_else(|| panic!("no stop summary in {}", stderr.display()))
-}
-
 /// One run: agents publish `parts`, checkers with `partitions` judge; their violations.
 fn cluster(
     nats: &str,
@@ -205,9 +74,12 @@ fn cluster(
     parts: &[Vec<LifecycleEvent>; 3],
     partitions: u32,
 ) -> String {
-    let stream = format!("{name}-p{partitions}");
-    let run = dir.join(&stream);
-    std::fs::create_dir_all(&run).unwrap();
+    let bus = Bus {
+        nats: nats.into(),
+        stream: format!("{name}-p{partitions}"),
+        partitions,
+    };
+    let run = dir.join(&bus.stream);
     let owned: Vec<Vec<u32>> = if partitions == 1 {
         vec![vec![0]]
     } else {
@@ -216,35 +88,11 @@ fn cluster(
             (0..partitions).filter(|k| k % 2 == 1).collect(),
         ]
     };
-    let bus = |c: &mut Command| {
-        c.args(["--nats", nats, "--stream", &stream])
-            .args(["--partitions", &partitions.to_string()])
-            .args(["--admin", "127.0.0.1:0", "--log-format", "json"]);
-    };
-    let mut checkers = Vec::new();
-    for (i, own) in owned.iter().enumerate() {
-        let d = run.join(format!("checker{i}"));
-        std::fs::create_dir_all(&d).unwrap();
-        let list: Vec<String> = own.iter().map(u32::to_string).collect();
-        let mut c = Command::new(BIN);
-        c.arg("checker");
-        bus(&mut c);
-        c.args(["--owned-partitions", &list.join(",")])
-            .args(["--watermark-clock", "event", "--allowed-lateness", LATENESS])
-            .arg("--violations-jsonl")
-            .arg(d.join("violations.jsonl"))
-            .arg("--alerts-jsonl")
-            .arg(d.join("alerts.jsonl"))
-            .arg("--spool-dir")
-            .arg(d.join("spool"))
-            .arg("--ready-file")
-            .arg(d.join("ready"))
-            .stdout(std::process::Stdio::null())
-            .stderr(std::fs::File::create(d.join("stderr")).unwrap());
-        let mut p = Proc::spawn(&format!("checker {i} of {stream}"), &mut c).unwrap();
-        let admin = ready(&mut p, &d.join("ready"), &d.join("stderr"));
-        checkers.push((p, admin, d));
-    }
+    let checkers: Vec<Member> = owned
+        .iter()
+        .enumerate()
+        .map(|(i, own)| Member::checker(&bus, &run.join(format!("checker{i}")), own, &[]))
+        .collect();
     let mut batches = 0u64;
     for (i, events) in parts.iter().enumerate() {
         if events.is_empty() {
@@ -253,54 +101,33 @@ fn cluster(
         let d = run.join(format!("agent{i}"));
         std::fs::create_dir_all(&d).unwrap();
         write(&d.join("events.jsonl"), events);
-        let mut c = Command::new(BIN);
-        c.arg("agent");
-        bus(&mut c);
-        c.args(["--node", &format!("agent-{i}")])
-            .args(["--otlp-grpc", "off", "--otlp-http", "off", "--ebpf", "off"])
-            .args(["--batch-events", "16"])
-            .arg("--replay")
-            .arg(d.join("events.jsonl"))
-            .arg("--spool-dir")
-            .arg(d.join("spool"))
-            .arg("--ready-file")
-            .arg(d.join("ready"))
-            .stdout(std::process::Stdio::null())
-            .stderr(std::fs::File::create(d.join("stderr")).unwrap());
-        let mut p = Proc::spawn(&format!("agent {i} of {stream}"), &mut c).unwrap();
-        let admin = ready(&mut p, &d.join("ready"), &d.join("stderr"));
+        let mut agent = Member::agent(
+            &bus,
+            &d,
+            &format!("agent-{i}"),
+            Some(&d.join("events.jsonl")),
+        );
         wait_metric(
-            &format!("agent {i} of {stream} routing its file"),
-            std::slice::from_ref(&admin),
+            &format!("agent {i} of {} routing its file", bus.stream),
+            &[&agent.admin],
             "revenant_agent_events_total",
             events.len() as f64,
         );
         // Stopping publishes what the batcher and the outbox still hold, then exits.
-        let status = p.stop(libc::SIGTERM, WAIT);
-        assert!(
-            status.is_some_and(|s| s.success()),
-            "agent {i} of {stream}: {status:?}\n{}",
-            test_harness::tail(&d.join("stderr"), 20)
-        );
-        batches += published(&d.join("stderr"));
+        agent.stop();
+        batches += agent.published();
     }
-    let admins: Vec<String> = checkers.iter().map(|c| c.1.clone()).collect();
+    let admins: Vec<&str> = checkers.iter().map(|c| c.admin.as_str()).collect();
     wait_metric(
-        &format!("checkers of {stream} taking every batch"),
+        &format!("checkers of {} taking every batch", bus.stream),
         &admins,
         "revenant_checker_messages_total",
         batches as f64,
     );
     let mut out = String::new();
-    for (mut p, _, d) in checkers {
-        let status = p.stop(libc::SIGTERM, WAIT);
-        assert!(
-            status.is_some_and(|s| s.success()),
-            "{}: {status:?}\n{}",
-            p.name,
-            test_harness::tail(&d.join("stderr"), 20)
-        );
-        out.push_str(&std::fs::read_to_string(d.join("violations.jsonl")).unwrap_or_default());
+    for mut c in checkers {
+        c.stop();
+        out.push_str(&c.violations());
     }
     out
 }

@@ -77,7 +77,7 @@ impl Batcher {
         self.partitioner.links_forgotten
     }
 
-    fn add_to(&mut self, k: usize, e: &LifecycleEvent, id: u64, broadcast: bool, now_ns: u64) {
+    fn add_to(&mut self, k: usize, e: LifecycleEvent, id: u64, broadcast: bool, now_ns: u64) {
         let open = self.open[k].get_or_insert_with(|| Open {
             events: Vec::new(),
             offsets: Vec::new(),
@@ -90,24 +90,27 @@ impl Batcher {
         }
         // Offsets fit: a batch is sealed long before 2^32 events pass.
         open.offsets.push((id - open.first_event) as u32);
-        open.events.push(e.clone());
+        open.events.push(e);
     }
 
     /// Routes one event; returns the batches it filled up.
-    pub fn push(&mut self, e: &LifecycleEvent, now_ns: u64, sealed: &mut Vec<Sealed>) {
+    pub fn push(&mut self, e: LifecycleEvent, now_ns: u64, sealed: &mut Vec<Sealed>) {
         let id = self.next_event;
         self.next_event += 1;
         self.newest = self.newest.max(e.time_ns);
-        match self.partitioner.route(e) {
+        match self.partitioner.route(&e) {
             Route::One(k) => {
                 self.add_to(k as usize, e, id, false, now_ns);
                 self.seal_if_full(k as usize, sealed);
             }
             Route::All => {
-                for k in 0..self.open.len() {
-                    self.add_to(k, e, id, true, now_ns);
+                let last = self.open.len() - 1;
+                for k in 0..last {
+                    self.add_to(k, e.clone(), id, true, now_ns);
                     self.seal_if_full(k, sealed);
                 }
+                self.add_to(last, e, id, true, now_ns);
+                self.seal_if_full(last, sealed);
             }
         }
     }
@@ -187,9 +190,9 @@ mod tests {
         let mut out = Vec::new();
         let room = |r| LifecycleEvent::new(1, Stage::Decode, Kind::Work, Source::Ebpf).with_room(r);
         let k = room_partition(7, 2);
-        b.push(&room(7), 0, &mut out);
+        b.push(room(7), 0, &mut out);
         b.push(
-            &LifecycleEvent::new(2, Stage::Router, Kind::Received, Source::Otlp)
+            LifecycleEvent::new(2, Stage::Router, Kind::Received, Source::Otlp)
                 .with_request_id("q"),
             0,
             &mut out,
@@ -208,7 +211,7 @@ mod tests {
         let other = decode(&out[1].payload).unwrap();
         assert_eq!(other.event_id(0), 1, "the copy keeps the event's id");
         assert_eq!(out[1].msg_id, format!("n/1/{}/0", 1 - k));
-        b.push(&room(7), 0, &mut out);
+        b.push(room(7), 0, &mut out);
         b.finish(&mut out);
         // The open batch, and an empty one for the other partition, both saying how far the
         // stream came.

@@ -170,15 +170,20 @@ pub async fn run_partition(
                     .first_time(&batch.header);
                 if first {
                     let take_broadcast = k == ctx.first_owned;
-                    let mut events = Vec::with_capacity(batch.events.len());
-                    let mut skipped = 0u64;
-                    for (i, e) in batch.events.iter().enumerate() {
-                        if take_broadcast || !batch.is_broadcast(i) {
-                            events.push(e.clone());
-                        } else {
-                            skipped += 1;
-                        }
-                    }
+                    let total = batch.events.len();
+                    let events: Vec<_> = if take_broadcast || batch.header.broadcast.is_empty() {
+                        batch.events
+                    } else {
+                        let broadcast = &batch.header.broadcast;
+                        batch
+                            .events
+                            .into_iter()
+                            .enumerate()
+                            .filter(|(i, _)| broadcast.binary_search(&(*i as u32)).is_err())
+                            .map(|(_, e)| e)
+                            .collect()
+                    };
+                    let skipped = (total - events.len()) as u64;
                     ctx.stats.broadcast_skipped.fetch_add(skipped, Relaxed);
                     ctx.stats.events.fetch_add(events.len() as u64, Relaxed);
                     if !events.is_empty() && tx.send(events).await.is_err() {

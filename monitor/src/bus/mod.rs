@@ -79,6 +79,8 @@ impl Default for BusConfig {
 pub enum BusConfigError {
     #[error("--nats is required (the NATS server URLs, e.g. nats://127.0.0.1:4222)")]
     NoUrl,
+    #[error("--nats: {url:?} is not a NATS server URL: {message}")]
+    Url { url: String, message: String },
     #[error("--stream {0:?}: a JetStream name (letters, digits, - and _; no spaces, dots, * or >)")]
     Stream(String),
     #[error("--partitions must be between 1 and 1024, got {0}")]
@@ -98,6 +100,7 @@ impl BusConfig {
         if self.nats.as_deref().is_none_or(|u| u.trim().is_empty()) {
             return Err(BusConfigError::NoUrl);
         }
+        self.servers()?;
         let ok_name = !self.stream.is_empty()
             && self
                 .stream
@@ -127,6 +130,24 @@ impl BusConfig {
             }
         }
         Ok(())
+    }
+
+    /// The server URLs of `nats`, each parsed.
+    pub fn servers(&self) -> Result<Vec<async_nats::ServerAddr>, BusConfigError> {
+        self.nats
+            .as_deref()
+            .unwrap_or_default()
+            .split(',')
+            .map(str::trim)
+            .filter(|u| !u.is_empty())
+            .map(|u| {
+                u.parse::<async_nats::ServerAddr>()
+                    .map_err(|e| BusConfigError::Url {
+                        url: u.into(),
+                        message: e.to_string(),
+                    })
+            })
+            .collect()
     }
 
     /// The partitions this checker consumes, ascending, without repeats.
@@ -170,11 +191,15 @@ pub enum BusError {
 /// client.
 pub async fn connect(cfg: &BusConfig, name: &str) -> Result<async_nats::Client, BusError> {
     let url = cfg.nats.clone().unwrap_or_default();
+    let servers = cfg.servers().map_err(|e| BusError::Connect {
+        url: url.clone(),
+        message: e.to_string(),
+    })?;
     async_nats::ConnectOptions::new()
         .name(name)
         .retry_on_initial_connect()
         .max_reconnects(None)
-        .connect(url.as_str())
+        .connect(servers)
         .await
         .map_err(|e| BusError::Connect {
             url,

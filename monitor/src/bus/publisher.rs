@@ -185,16 +185,23 @@ fn wall_ns() -> u64 {
         .unwrap_or(0)
 }
 
-/// Drains the live sources' channel (`events`: their events that name no node get
-/// `stamp_node`, this agent's) and the replay channel (`replay`: recorded events, kept as
-/// recorded) into the outbox until both close, then seals what is open.
+/// What the agent does to its live sources' events.
+pub struct Live {
+    /// Given to events that name no node (OTLP's).
+    pub node: Box<str>,
+    /// Added to their times (testing aid: a node clock ahead of the others).
+    pub shift_ns: u64,
+}
+
+/// Drains the live sources' channel (`events`, see [`Live`]) and the replay channel (`replay`:
+/// recorded events, kept as recorded) into the outbox until both close, then seals what is open.
 pub async fn run_batcher(
     mut events: EventReceiver,
     mut replay: Option<EventReceiver>,
     mut batcher: Batcher,
     shared: Shared,
     linger: Duration,
-    stamp_node: Box<str>,
+    live: Live,
 ) {
     let mut sealed = Vec::new();
     let mut tick = tokio::time::interval(linger.max(Duration::from_millis(1)));
@@ -231,10 +238,13 @@ pub async fn run_batcher(
             .events_in
             .fetch_add(batch.len() as u64, Relaxed);
         for mut e in batch {
-            if stamp && e.node.is_none() {
-                e.node = Some(stamp_node.clone());
+            if stamp {
+                if e.node.is_none() {
+                    e.node = Some(live.node.clone());
+                }
+                e.time_ns = e.time_ns.saturating_add(live.shift_ns);
             }
-            batcher.push(&e, now, &mut sealed);
+            batcher.push(e, now, &mut sealed);
         }
         shared.store(&mut sealed);
     }

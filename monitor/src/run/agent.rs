@@ -94,6 +94,10 @@ pub struct AgentArgs {
     /// reads), in order, then keep running. Their `node` fields are kept as recorded.
     #[arg(long, value_name = "FILE")]
     pub replay: Vec<PathBuf>,
+    /// Testing aid: live events' times are shifted this much later (a node clock that runs
+    /// ahead, inside the skew bound).
+    #[arg(long, hide = true, value_parser = humantime::parse_duration)]
+    pub clock_offset: Option<Duration>,
     #[command(flatten)]
     pub run: RunArgs,
 }
@@ -185,7 +189,8 @@ fn run_logged(args: AgentArgs) -> ExitCode {
             "outbox resumed: publishing what the last run left"
         );
     }
-    let result = rt.block_on(agent_async(prepared, bus, outbox, args.replay));
+    let offset = args.clock_offset.unwrap_or_default();
+    let result = rt.block_on(agent_async(prepared, bus, outbox, args.replay, offset));
     rt.shutdown_timeout(super::RUNTIME_EXIT_GRACE);
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -239,6 +244,7 @@ async fn agent_async(
     bus: BusConfig,
     outbox: Outbox,
     replay_paths: Vec<PathBuf>,
+    clock_offset: Duration,
 ) -> Result<(), RunError> {
     let super::Prepared {
         cfg,
@@ -324,7 +330,10 @@ async fn agent_async(
         batcher,
         pubshared.clone(),
         bus.batch_linger,
-        node.as_str().into(),
+        publisher::Live {
+            node: node.as_str().into(),
+            shift_ns: clock_offset.as_nanos() as u64,
+        },
     ));
     let done = Arc::new(Notify::new());
     let publish_task = tokio::spawn(publisher::run_publisher(
