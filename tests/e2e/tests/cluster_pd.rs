@@ -283,9 +283,9 @@ fn three_nodes_correct_and_concurrent_cancel_routers_stay_silent() {
             mode,
             &[
                 "--rate",
-                "200",
+                "50",
                 "--requests",
-                "600",
+                "300",
                 "--over-capacity-share",
                 "0.1",
             ],
