@@ -38,8 +38,8 @@ struct Cli {
 enum Command {
     /// Check recorded lifecycle events (JSON Lines) against the rules, offline.
     Check(check::CheckArgs),
-    /// Run the node agent: eBPF capture and OTLP receivers → normalize → checker → alerts
-    /// (webhook, Alertmanager, JSON Lines), with an admin server.
+    /// Run everything on one node: eBPF capture and OTLP receivers → normalize → checker →
+    /// alerts (webhook, Alertmanager, JSON Lines), with an admin server.
     Run(Box<revenant::run::RunArgs>),
     /// Cluster mode, one per node: `run`'s sources (eBPF, OTLP; `--replay FILE` for recorded
     /// events) → normalize → batches on NATS JetStream, partitioned by attempt.

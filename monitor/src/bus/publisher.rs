@@ -313,12 +313,18 @@ pub async fn run_publisher(
             {
                 Ok(Ok(_)) => stream_ok = true,
                 Ok(Err(e @ BusError::Partitions { .. })) => {
-                    tracing::error!(error = %e, "cannot publish");
-                    stream_err = e.to_string();
+                    let text = e.to_string();
+                    if text != stream_err {
+                        tracing::error!(error = %e, "cannot publish");
+                    }
+                    stream_err = text;
                 }
                 Ok(Err(e)) => {
-                    tracing::warn!(error = %e, "stream not ready");
-                    stream_err = e.to_string();
+                    let text = e.to_string();
+                    if text != stream_err {
+                        tracing::warn!(error = %e, "stream not ready");
+                    }
+                    stream_err = text;
                 }
                 Err(_) => {
                     tracing::warn!("stream lookup timed out");
@@ -378,6 +384,8 @@ pub async fn run_publisher(
         let wait = if stream_ok && connected {
             Duration::from_millis(250)
         } else {
+            // Not connected or no stream yet: look again less and less often, up to 2 s.
+            backoff = (backoff * 2).min(Duration::from_secs(2));
             backoff
         };
         tokio::select! {
