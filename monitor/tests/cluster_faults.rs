@@ -6,6 +6,8 @@
 //!   off too, catches up. The outage lasts `REVENANT_OUTAGE_SECS` (default 5 s).
 //! - An agent killed (SIGKILL) with unpublished batches: the next agent on the same spool
 //!   directory publishes them.
+//! - A three-node NATS cluster, R3 stream: its leader killed while an agent publishes (what
+//!   fails until a new leader is elected is retried with its message id), then a follower.
 
 mod support;
 
@@ -172,6 +174,118 @@ fn a_killed_agents_outbox_is_published_by_the_next_one() {
         &[&checker.admin],
         "revenant_checker_messages_total",
         sealed,
+    );
+    checker.stop();
+    assert_once_and_as_check(dir.path(), &events, &checker.violations());
+}
+
+/// The name of `stream`'s leader, asked of the first running node that knows.
+fn leader(nats: &mut Nats, stream: &str) -> Option<String> {
+    for n in &mut nats.nodes {
+        if !n.is_running() {
+            continue;
+        }
+        let url = format!(
+            "http://127.0.0.1:{}/jsz?accounts=true&streams=true",
+            n.monitor
+        );
+        let Ok((200, body)) = http_get(&url) else {
+            continue;
+        };
+        let v: serde_json::Value = serde_json::from_str(&body).ok()?;
+        for a in v["account_details"].as_array().into_iter().flatten() {
+            for s in a["stream_detail"].as_array().into_iter().flatten() {
+                if s["name"] == stream
+                    && let Some(l) = s["cluster"]["leader"].as_str()
+                {
+                    return Some(l.to_owned());
+                }
+            }
+        }
+    }
+    None
+}
+
+#[test]
+fn the_stream_leader_and_then_a_follower_killed_while_an_agent_publishes() {
+    let mut nats = Nats::cluster3().unwrap();
+    let dir = ScratchDir::new("cluster-leader").unwrap();
+    let bus = Bus {
+        nats: nats.urls(),
+        stream: "LEADER".into(),
+        partitions: 2,
+    };
+    let mut checker = Member::checker(
+        &bus,
+        &dir.path().join("checker"),
+        &[0, 1],
+        &["--replicas", "3"],
+    );
+    let mut name = None;
+    wait_for("a stream leader", || {
+        name = leader(&mut nats, "LEADER");
+        name.is_some()
+    });
+    let events = workload::stream(&Mix {
+        attempts: 4000,
+        reject_every: 5,
+        spacing_ns: 300_000,
+        ..Mix::default()
+    });
+    write(&dir.path().join("events.jsonl"), &events);
+    let mut agent = Member::agent(
+        &bus,
+        &dir.path().join("agent"),
+        "node-a",
+        Some(&dir.path().join("events.jsonl")),
+    );
+    // The leader goes while the agent publishes: some batches stored, others waiting.
+    wait_for("the first batches stored", || {
+        agent.metric("revenant_agent_batches_published_total") > 0.0
+    });
+    let i = nats
+        .nodes
+        .iter()
+        .position(|n| Some(&n.name) == name.as_ref())
+        .unwrap();
+    nats.nodes[i].kill();
+    let waiting = agent.metric("revenant_agent_outbox_batches");
+    assert!(
+        waiting > 0.0,
+        "everything was published before the leader went: nothing tested"
+    );
+    wait_metric(
+        "the agent routing its file",
+        &[&agent.admin],
+        "revenant_agent_events_total",
+        events.len() as f64,
+    );
+    wait_for("the outbox to empty under the new leader", || {
+        agent.metric("revenant_agent_outbox_batches") == 0.0
+    });
+    eprintln!(
+        "leader {} killed with {waiting} batches waiting: {} publishes failed or timed out and \
+         were retried",
+        nats.nodes[i].name,
+        agent.metric("revenant_agent_publish_failures_total")
+    );
+    nats.nodes[i].start().unwrap();
+    nats.wait_ready().unwrap();
+    // Then a follower.
+    let now = leader(&mut nats, "LEADER");
+    let f = nats
+        .nodes
+        .iter()
+        .position(|n| Some(&n.name) != now.as_ref() && n.name != nats.nodes[i].name)
+        .unwrap_or((i + 1) % 3);
+    nats.nodes[f].kill();
+    agent.stop();
+    nats.nodes[f].start().unwrap();
+    wait_metric(
+        "the checker taking every batch",
+        &[&checker.admin],
+        "revenant_checker_messages_total",
+        agent.published() as f64,
     );
     checker.stop();
     assert_once_and_as_check(dir.path(), &events, &checker.violations());

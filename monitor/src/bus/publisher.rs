@@ -281,6 +281,9 @@ pub async fn run_publisher(
     let mut report = PublishReport::default();
     let mut draining: Option<tokio::time::Instant> = None;
     let mut backoff = Duration::from_millis(100);
+    // After a failed publish, nothing is sent again before this (a new leader takes seconds to
+    // be elected: retrying at once would only fail again).
+    let mut retry_after = tokio::time::Instant::now();
     let mut last_state: Option<String> = Some(String::new());
     let mut done_wait = std::pin::pin!(done.notified());
     loop {
@@ -333,7 +336,7 @@ pub async fn run_publisher(
             }
         }
         // Send what is not in flight yet.
-        if connected && stream_ok {
+        if connected && stream_ok && tokio::time::Instant::now() >= retry_after {
             let todo: Vec<super::spool::Entry> = {
                 let o = shared.lock();
                 o.peek(0, MAX_IN_FLIGHT * 2)
@@ -363,6 +366,8 @@ pub async fn run_publisher(
                     Err(err) => {
                         shared.stats.publish_failures.fetch_add(1, Relaxed);
                         tracing::debug!(error = %err, "publish failed; retrying");
+                        retry_after = tokio::time::Instant::now() + backoff;
+                        backoff = (backoff * 2).min(Duration::from_secs(2));
                         break;
                     }
                 }
@@ -400,7 +405,10 @@ pub async fn run_publisher(
                         backoff = Duration::from_millis(100);
                     } else {
                         shared.stats.publish_failures.fetch_add(1, Relaxed);
-                        backoff = (backoff * 2).min(Duration::from_secs(2));
+                        if tokio::time::Instant::now() >= retry_after {
+                            retry_after = tokio::time::Instant::now() + backoff;
+                            backoff = (backoff * 2).min(Duration::from_secs(2));
+                        }
                     }
                 }
             }
