@@ -9,6 +9,7 @@
 pub mod addr;
 pub mod admin;
 pub mod alert;
+pub mod bus;
 pub mod cmd;
 pub mod config;
 pub mod duration;

@@ -6,6 +6,8 @@
 //! - `run`: 0 clean shutdown (SIGTERM, SIGINT, SIGHUP), 1 runtime failure once running (a
 //!   receiver died, the drain timed out), 2 usage, configuration or start-up error (a port in
 //!   use, a spool in use, a required source or sink that cannot start).
+//! - `agent`, `checker`: as `run` (0 clean shutdown, 1 runtime failure, 2 usage or
+//!   configuration error, e.g. no `--nats`, a stream made with another partition count).
 //! - `rules list`: 0 listed, 2 usage error or a rules file that does not load.
 //!
 //! A command line clap cannot parse is exit code 2; `--help` and `--version` are 0.
@@ -36,9 +38,15 @@ struct Cli {
 enum Command {
     /// Check recorded lifecycle events (JSON Lines) against the rules, offline.
     Check(check::CheckArgs),
-    /// Run the node agent: eBPF capture and OTLP receivers → normalize → checker → alerts
-    /// (webhook, Alertmanager, JSON Lines), with an admin server.
+    /// Run everything on one node: eBPF capture and OTLP receivers → normalize → checker →
+    /// alerts (webhook, Alertmanager, JSON Lines), with an admin server.
     Run(Box<revenant::run::RunArgs>),
+    /// Cluster mode, one per node: `run`'s sources (eBPF, OTLP; `--replay FILE` for recorded
+    /// events) → normalize → batches on NATS JetStream, partitioned by attempt.
+    Agent(Box<revenant::run::agent::AgentArgs>),
+    /// Cluster mode, N replicas: the partitions this replica owns from JetStream → the checker
+    /// → alerts (the same sinks and spool as `run`).
+    Checker(Box<revenant::run::checker::CheckerArgs>),
     /// Inspect the rule set.
     Rules {
         #[command(subcommand)]
@@ -89,6 +97,18 @@ fn main() -> ExitCode {
                 args.given = revenant::run::overlay::Given::from_matches(m);
             }
             revenant::run::run(*args)
+        }
+        Command::Agent(mut args) => {
+            if let Some(("agent", m)) = matches.subcommand() {
+                args.run.given = revenant::run::overlay::Given::from_matches(m);
+            }
+            revenant::run::agent::run(*args)
+        }
+        Command::Checker(mut args) => {
+            if let Some(("checker", m)) = matches.subcommand() {
+                args.run.given = revenant::run::overlay::Given::from_matches(m);
+            }
+            revenant::run::checker::run(*args)
         }
         Command::Rules { command } => rules::run(command),
     }

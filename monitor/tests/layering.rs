@@ -23,6 +23,7 @@ const LAYERS: &[(&str, u32)] = &[
     ("alert", 3),
     ("ingest", 4),
     ("pipeline", 5),
+    ("bus", 6),
     ("admin", 6),
     ("config", 7),
     ("run", 8),

@@ -1,5 +1,6 @@
 //! `cargo xtask setup`: install what building revenant (the eBPF toolchain) and running its tests
-//! (Prometheus, Alertmanager) need, idempotently. The tests themselves install nothing.
+//! (Prometheus, Alertmanager, nats-server for cluster mode) need, idempotently. The tests
+//! themselves install nothing.
 //!
 //! Every step first checks whether its result is already there, so CI can run this on every
 //! build at the cost of a few `dpkg -s` calls. Each step prints what it checks and what it does.
@@ -60,7 +61,7 @@ pub fn build_prereqs_present() -> bool {
             })
 }
 
-/// The system programs the end-to-end tests run (`test_harness::SYSTEM_TOOLS`: Prometheus,
+/// The system programs the end-to-end tests run (`test_harness::SYSTEM_TOOLS`: nats-server, Prometheus,
 /// promtool, Alertmanager): the Debian packages of those not on PATH.
 pub fn test_tools() -> Result<()> {
     let mut missing: Vec<String> = test_harness::SYSTEM_TOOLS

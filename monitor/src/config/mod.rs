@@ -48,6 +48,9 @@ pub struct RunConfig {
     pub alert: AlertConfig,
     #[serde(default)]
     pub admin: AdminConfig,
+    /// Cluster mode (`revenant agent`, `revenant checker`): NATS, stream, partitions, batches.
+    #[serde(default)]
+    pub bus: crate::bus::BusConfig,
     /// Bounded channel between sources and engine, in batches [default: 1024].
     #[serde(default)]
     pub channel_capacity: Option<usize>,

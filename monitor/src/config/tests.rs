@@ -59,6 +59,15 @@ fn documented_example_parses_with_every_section() {
     assert_eq!(cfg.channel_capacity(), 1024);
     assert_eq!(cfg.drain_timeout(), Duration::from_secs(10));
     assert!(cfg.events_jsonl.is_some());
+    assert_eq!(cfg.bus.nats.as_deref(), Some("nats://127.0.0.1:4222"));
+    assert_eq!(
+        cfg.bus,
+        crate::bus::BusConfig {
+            nats: cfg.bus.nats.clone(),
+            ..crate::bus::BusConfig::default()
+        },
+        "the documented bus values are the defaults"
+    );
 }
 
 #[test]

@@ -5,6 +5,9 @@ use std::future::Future;
 use std::path::PathBuf;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use crate::engine::check::Checker;
 
 use super::{EventReceiver, EventTap, ViolationSender};
@@ -17,6 +20,18 @@ pub struct EngineTotals {
     pub violations: u64,
 }
 
+/// What drives the engine's watermark besides the events themselves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum WatermarkClock {
+    /// Wall time: deadlines are judged once the clock passes them, with or without traffic
+    /// (live sources).
+    #[default]
+    Wall,
+    /// Event time only: the newest event's time (recorded events replayed through the
+    /// cluster judge as `revenant check` does).
+    Event,
+}
+
 /// Everything the loop owns.
 pub struct EngineTask {
     pub engine: Checker,
@@ -27,6 +42,10 @@ pub struct EngineTask {
     pub lateness: Duration,
     /// Testing aid: no batch is taken while this file exists (saturates the pipeline on purpose).
     pub pause_file: Option<PathBuf>,
+    pub clock: WatermarkClock,
+    /// With [`WatermarkClock::Event`]: the newest event time known upstream (cluster mode: the
+    /// agents' reports), when it is ahead of what this engine has seen.
+    pub upstream_newest: Option<Arc<AtomicU64>>,
 }
 
 fn wall_ns() -> u64 {
@@ -65,7 +84,11 @@ impl EngineTask {
                 },
                 _ = tick.tick() => {
                     let now = wall_ns();
-                    self.tick(now, now, &mut totals)?;
+                    let watermark = match self.clock {
+                        WatermarkClock::Wall => now,
+                        WatermarkClock::Event => self.newest_event(),
+                    };
+                    self.tick(watermark, now, &mut totals)?;
                     continue;
                 }
             };
@@ -87,14 +110,22 @@ impl EngineTask {
         // Nothing more will arrive: move the watermark past the lateness window so that every
         // deadline the received events can still prove is judged.
         let now = wall_ns();
-        let end = self
-            .engine
-            .stats()
-            .max_event_ns
-            .max(now)
-            .saturating_add(self.lateness.as_nanos() as u64);
+        let end = match self.clock {
+            WatermarkClock::Wall => self.engine.stats().max_event_ns.max(now),
+            WatermarkClock::Event => self.newest_event(),
+        }
+        .saturating_add(self.lateness.as_nanos() as u64);
         self.tick(end, now, &mut totals)?;
         Ok(totals)
+    }
+
+    /// The newest event time: this engine's, or upstream's when that is ahead.
+    fn newest_event(&self) -> u64 {
+        let upstream = self
+            .upstream_newest
+            .as_ref()
+            .map_or(0, |n| n.load(Ordering::Relaxed));
+        self.engine.stats().max_event_ns.max(upstream)
     }
 
     /// Judges deadlines up to `watermark`, then lets the taps publish and flush.
@@ -112,7 +143,7 @@ impl EngineTask {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::{Arc, Mutex};
+    use std::sync::Mutex;
 
     use super::*;
     use crate::engine::check::{CheckerConfig, RuleSet};
@@ -147,6 +178,8 @@ mod tests {
             taps: vec![Box::new(seen.clone())],
             lateness: Duration::from_millis(10),
             pause_file: None,
+            clock: WatermarkClock::Wall,
+            upstream_newest: None,
         };
         let e = |kind| {
             LifecycleEvent::new(1_000, Stage::Prefill, kind, Source::Replay).with_request_id("r1")

@@ -20,6 +20,8 @@
 //!                                                               /readyz activity, events JSONL (replay format)
 //! ```
 
+pub mod agent;
+pub mod checker;
 pub mod memory;
 pub mod overlay;
 mod prepare;
@@ -148,6 +150,9 @@ pub enum RunError {
     Ebpf(crate::ingest::ebpf::LoadError),
     #[error("alerting: {0}")]
     Alert(crate::alert::AlertError),
+    /// Cluster mode: the stream cannot be used with this configuration.
+    #[error("{0}")]
+    Bus(crate::bus::BusError),
 }
 
 /// How the eBPF source ended up, for the log, /readyz and the ready file.
@@ -775,6 +780,8 @@ pub async fn run_async(p: Prepared) -> Result<(), RunError> {
             taps: engine_taps(&shared, &sources, replay),
             lateness: cfg.engine.allowed_lateness(),
             pause_file,
+            clock: crate::pipeline::WatermarkClock::Wall,
+            upstream_newest: None,
         },
         &shutdown,
     );

@@ -54,6 +54,12 @@ pub enum DropPoint {
     EbpfTracker,
     /// A sink refused an alert for good (4xx other than 408/429).
     Sink,
+    /// Cluster mode: the agent's outbox on disk was full (or could not be written); counted in
+    /// events. Declared by `revenant agent` only.
+    BusOutbox,
+    /// Cluster mode: a message on the stream the checker could not decode; counted in
+    /// messages. Declared by `revenant checker` only.
+    BusMessage,
 }
 
 impl DropPoint {
@@ -74,6 +80,8 @@ impl DropPoint {
             DropPoint::Spool => "spool",
             DropPoint::Sink => "sink",
             DropPoint::EbpfTracker => "ebpf_tracker",
+            DropPoint::BusOutbox => "bus_outbox",
+            DropPoint::BusMessage => "bus_message",
         }
     }
 }
@@ -502,6 +510,14 @@ impl Metrics {
     /// A source known at start: its series at 0 (every stage and kind of
     /// `revenant_events_total`, its lag histogram) and its last-event time at 0, which the
     /// shipped `RevenantSourceSilent` alert reads as "never delivered".
+    /// A drop point outside [`DropPoint::ALL`] (cluster mode's), its series at 0 from the start.
+    pub fn declare_drop(&self, point: DropPoint) {
+        let _ = self.dropped.get_or_create(&DropLabels {
+            point: point.as_str(),
+            reason: default_reason(point).as_str(),
+        });
+    }
+
     pub fn declare_source(&self, source: Source) {
         let labels = SourceLabels {
             source: source.as_str(),
@@ -540,7 +556,7 @@ impl Metrics {
 }
 
 /// The reason each point's series is declared with at start.
-fn default_reason(p: DropPoint) -> DropReason {
+pub(crate) fn default_reason(p: DropPoint) -> DropReason {
     match p {
         DropPoint::KernelRingbuf => DropReason::Full,
         DropPoint::EventChannel => DropReason::Full,
@@ -548,6 +564,8 @@ fn default_reason(p: DropPoint) -> DropReason {
         DropPoint::Spool => DropReason::Full,
         DropPoint::Sink => DropReason::PermanentError,
         DropPoint::EbpfTracker => DropReason::ConnectionEvicted,
+        DropPoint::BusOutbox => DropReason::Full,
+        DropPoint::BusMessage => DropReason::Undecodable,
     }
 }
 

@@ -47,6 +47,9 @@ struct Inner {
     disabled: BTreeMap<String, String>,
     /// Running components that currently lose data, with what they lose.
     degraded: BTreeMap<String, String>,
+    /// Components that latched ready but cannot do their work right now, with why (the agent's
+    /// NATS connection): the process is not ready while any is here.
+    down: BTreeMap<String, String>,
     /// A source counts as live if it produced something within this window.
     live_window: Duration,
 }
@@ -87,6 +90,9 @@ pub struct ReadyReport {
     /// Components running but blind in part right now (eBPF losing records): the monitor says so
     /// instead of reporting a clean bill of health.
     pub degraded: BTreeMap<String, String>,
+    /// Components that cannot do their work right now, and why: the process is not ready.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub down: BTreeMap<String, String>,
     pub components: Vec<ComponentReport>,
 }
 
@@ -97,6 +103,7 @@ impl Readiness {
                 components: BTreeMap::new(),
                 disabled: BTreeMap::new(),
                 degraded: BTreeMap::new(),
+                down: BTreeMap::new(),
                 live_window,
             })),
             metrics,
@@ -151,8 +158,27 @@ impl Readiness {
         }
     }
 
+    /// Marks `name` as unable to work right now (`Some(why)`: not ready, said in /readyz) or
+    /// working again (`None`).
+    pub fn set_down(&self, name: &str, why: Option<String>) {
+        let ready = {
+            let mut g = self.lock();
+            match why {
+                Some(w) => {
+                    g.down.insert(name.to_string(), w);
+                }
+                None => {
+                    g.down.remove(name);
+                }
+            }
+            g.down.is_empty() && g.components.values().all(|c| c.ready)
+        };
+        self.metrics.ready.set(i64::from(ready));
+    }
+
     pub fn is_ready(&self) -> bool {
-        self.lock().components.values().all(|c| c.ready)
+        let g = self.lock();
+        g.down.is_empty() && g.components.values().all(|c| c.ready)
     }
 
     /// Sources expected to deliver: those that produced an event within the live window, and
@@ -197,8 +223,9 @@ impl Readiness {
             });
         }
         ReadyReport {
-            ready: pending.is_empty(),
+            ready: pending.is_empty() && g.down.is_empty(),
             pending,
+            down: g.down.clone(),
             live_sources,
             disabled: g.disabled.clone(),
             degraded: g.degraded.clone(),
@@ -223,7 +250,8 @@ impl ReadyHandle {
             c.ready = true;
             c.ready_at.get_or_insert_with(Instant::now);
             let kind = c.kind;
-            (kind, g.components.values().all(|c| c.ready), changed)
+            let all = g.down.is_empty() && g.components.values().all(|c| c.ready);
+            (kind, all, changed)
         };
         if changed {
             ComponentReady {
@@ -271,6 +299,23 @@ mod tests {
         assert_eq!(rep.degraded["otlp"], "lost 3");
         r.set_degraded("otlp", None);
         assert!(r.report().degraded.is_empty());
+    }
+
+    #[test]
+    fn a_component_down_holds_readiness_back_with_its_reason() {
+        let m = Arc::new(Metrics::new());
+        let r = Readiness::new(m.clone(), Duration::from_secs(60));
+        r.register("nats", ComponentKind::Sink).ready();
+        assert!(r.is_ready());
+        r.set_down("nats", Some("NATS unreachable".into()));
+        assert!(!r.is_ready());
+        let rep = r.report();
+        assert!(!rep.ready);
+        assert_eq!(rep.down["nats"], "NATS unreachable");
+        assert!(m.render().contains("revenant_ready 0"));
+        r.set_down("nats", None);
+        assert!(r.is_ready() && r.report().down.is_empty());
+        assert!(m.render().contains("revenant_ready 1"));
     }
 
     #[test]

@@ -7,6 +7,7 @@
 #![allow(dead_code)]
 
 pub mod alerts;
+pub mod cluster;
 pub mod ebpf;
 pub mod otlp_venv;
 pub mod prometheus;

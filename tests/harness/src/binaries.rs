@@ -185,6 +185,7 @@ pub const SYSTEM_TOOLS: &[(&str, &str)] = &[
     ("promtool", "prometheus"),
     ("prometheus-alertmanager", "prometheus-alertmanager"),
     ("amtool", "prometheus-alertmanager"),
+    ("nats-server", "nats-server"),
 ];
 
 /// Where `binary` is on PATH, if it is.

@@ -23,6 +23,15 @@ pub struct ClusterArgs {
     pub mode: Mode,
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
+    /// The prefill's address, as on a node of its own (SGLang flavour) [default: --host].
+    #[arg(long)]
+    pub prefill_host: Option<String>,
+    /// The decode's address [default: --host].
+    #[arg(long)]
+    pub decode_host: Option<String>,
+    /// The router's address [default: --host].
+    #[arg(long)]
+    pub router_host: Option<String>,
     #[arg(long, default_value_t = 30000)]
     pub router_port: u16,
     #[arg(long, default_value_t = 30001)]
@@ -184,9 +193,12 @@ pub async fn run(a: ClusterArgs) -> anyhow::Result<()> {
         // Prefill: a KV pool of 8192 tokens but inputs capped at 4096, so over-capacity
         // prompts (4097..8191 words) pass the tokenizer and are rejected by the scheduler,
         // as in the fixtures. Decode is provisioned larger, as decode nodes usually are.
+        let prefill_host = a.prefill_host.clone().unwrap_or_else(|| a.host.clone());
+        let decode_host = a.decode_host.clone().unwrap_or_else(|| a.host.clone());
+        let router_host = a.router_host.clone().unwrap_or_else(|| a.host.clone());
         let mut pargs = vec![
             "--host".into(),
-            a.host.clone(),
+            prefill_host.clone(),
             "--port".into(),
             port(a.prefill_port).to_string(),
             "--disaggregation-bootstrap-port".into(),
@@ -211,14 +223,14 @@ pub async fn run(a: ClusterArgs) -> anyhow::Result<()> {
         let b_port = prefill.ready["bootstrap_port"].as_u64().unwrap_or(0);
         procs.push(prefill);
         if let Some(sock) = intruders {
-            let ip: std::net::IpAddr = a.host.parse()?;
+            let ip: std::net::IpAddr = prefill_host.parse()?;
             let bootstrap = std::net::SocketAddr::new(ip, b_port as u16);
             tokio::spawn(crate::fault::launch_intruders(sock, bootstrap));
         }
 
         let mut dargs = vec![
             "--host".into(),
-            a.host.clone(),
+            decode_host.clone(),
             "--port".into(),
             port(a.decode_port).to_string(),
             "--kv-port".into(),
@@ -240,7 +252,7 @@ pub async fn run(a: ClusterArgs) -> anyhow::Result<()> {
         }
         let mut rargs = vec![
             "--host".into(),
-            a.host.clone(),
+            router_host,
             "--port".into(),
             port(a.router_port).to_string(),
             "--mode".into(),
@@ -249,11 +261,11 @@ pub async fn run(a: ClusterArgs) -> anyhow::Result<()> {
                 .unwrap_or("correct")
                 .to_string(),
             "--prefill".into(),
-            format!("http://{}:{p_port}", a.host),
+            format!("http://{prefill_host}:{p_port}"),
             "--bootstrap-port".into(),
             b_port.to_string(),
             "--decode".into(),
-            format!("http://{}:{d_port}", a.host),
+            format!("http://{decode_host}:{d_port}"),
         ];
         rargs.extend(common.clone());
         rargs.extend(a.faults.to_args());

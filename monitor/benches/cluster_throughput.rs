@@ -1,0 +1,216 @@
+//! Cluster mode end to end: events/s from one `revenant agent` through NATS JetStream to one
+//! `revenant checker`, the agent's CPU seconds and peak RSS per million events, on a plain
+//! `nats-server -js` (R1, file storage) or a three-node cluster (R3).
+//!
+//! Run: `cargo bench -p revenant --bench cluster_throughput -- [--events 1000000]
+//!       [--batch-events 512] [--partitions 4] [--replicas 1|3]`
+//!
+//! The events are the synthetic PD stream of `engine::workload` (ten events per attempt, one
+//! attempt in 100 rejected), replayed by the agent from a file (`--replay`: the file is read
+//! before the clock starts). The clock runs from the agent's start until the checker has handed
+//! every event to its engine and the engine has drained; the agent publishes and the checker
+//! consumes at the same time.
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use revenant::engine::workload::{self, Mix};
+use test_harness::{Nats, Proc, ScratchDir, http_get, metric_sum, parse_metrics};
+
+const BIN: &str = env!("CARGO_BIN_EXE_revenant");
+
+struct Args {
+    events: u64,
+    batch_events: usize,
+    partitions: u32,
+    replicas: usize,
+}
+
+fn args() -> Args {
+    let mut a = Args {
+        events: 1_000_000,
+        batch_events: 512,
+        partitions: 4,
+        replicas: 1,
+    };
+    let v: Vec<String> = std::env::args().collect();
+    let mut i = 1;
+    while i < v.len() {
+        let next = v.get(i + 1).cloned().unwrap_or_default();
+        match v[i].as_str() {
+            "--events" => a.events = next.parse().expect("--events N"),
+            "--batch-events" => a.batch_events = next.parse().expect("--batch-events N"),
+            "--partitions" => a.partitions = next.parse().expect("--partitions N"),
+            "--replicas" => a.replicas = next.parse().expect("--replicas 1|3"),
+            _ => {
+                i += 1;
+                continue;
+            }
+        }
+        i += 2;
+    }
+    a
+}
+
+fn metric(admin: &str, name: &str) -> f64 {
+    match http_get(&format!("http://{admin}/metrics")) {
+        Ok((200, body)) => metric_sum(&parse_metrics(&body), name, &[]),
+        _ => -1.0,
+    }
+}
+
+fn start(name: &str, dir: &Path, mut c: Command) -> (Proc, String) {
+    std::fs::create_dir_all(dir).unwrap();
+    c.arg("--ready-file")
+        .arg(dir.join("ready"))
+        .arg("--spool-dir")
+        .arg(dir.join("spool"))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(dir.join("stderr")).unwrap());
+    let mut p = Proc::spawn(name, &mut c).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Ok(t) = std::fs::read_to_string(dir.join("ready"))
+            && let Ok(v) = serde_json::from_str::<serde_json::Value>(&t)
+        {
+            return (p, v["admin"].as_str().unwrap().to_owned());
+        }
+        assert!(p.exited().is_none(), "{name} exited");
+        assert!(Instant::now() < deadline, "{name} not ready");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// utime + stime in seconds and peak RSS in MiB of a pid.
+fn cpu_rss(pid: u32) -> (f64, f64) {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .map(|(_, r)| r.split_whitespace().collect())
+        .unwrap_or_default();
+    // SAFETY: sysconf has no preconditions.
+    let tick = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    let ticks = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|f| f.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    let cpu = (ticks(11) + ticks(12)) / tick;
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let hwm = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+        .unwrap_or(0.0);
+    (cpu, hwm / 1024.0)
+}
+
+fn main() {
+    let a = args();
+    let nats = if a.replicas >= 3 {
+        Nats::cluster3().unwrap()
+    } else {
+        Nats::single().unwrap()
+    };
+    let dir = ScratchDir::new("cluster-throughput").unwrap();
+    let attempts = a.events / 10;
+    let events = workload::stream(&Mix {
+        attempts,
+        spacing_ns: 10_000,
+        ..Mix::default()
+    });
+    let n = events.len() as u64;
+    let file = dir.path().join("events.jsonl");
+    {
+        use std::io::Write;
+        let mut f = std::io::BufWriter::new(std::fs::File::create(&file).unwrap());
+        for e in &events {
+            serde_json::to_writer(
+                &mut f,
+                &revenant::ingest::replay::ReplayRecord::from_event(e),
+            )
+            .unwrap();
+            f.write_all(b"\n").unwrap();
+        }
+    }
+    drop(events);
+    let common = |c: &mut Command| {
+        c.args(["--nats", &nats.urls(), "--stream", "BENCH"])
+            .args(["--partitions", &a.partitions.to_string()])
+            .args(["--replicas", &a.replicas.to_string()])
+            .args(["--batch-events", &a.batch_events.to_string()])
+            .args(["--admin", "127.0.0.1:0", "--log-format", "json"]);
+    };
+    let mut c = Command::new(BIN);
+    c.arg("checker");
+    common(&mut c);
+    c.args(["--watermark-clock", "event", "--allowed-lateness", "1s"])
+        .arg("--alerts-jsonl")
+        .arg(dir.path().join("alerts.jsonl"));
+    let (mut checker, cadmin) = start("checker", &dir.path().join("checker"), c);
+
+    let mut c = Command::new(BIN);
+    c.arg("agent");
+    common(&mut c);
+    c.args([
+        "--node",
+        "bench",
+        "--otlp-grpc",
+        "off",
+        "--otlp-http",
+        "off",
+    ])
+    .args(["--ebpf", "off", "--replay"])
+    .arg(&file);
+    let t0 = Instant::now();
+    let (mut agent, aadmin) = start("agent", &dir.path().join("agent"), c);
+    let deadline = t0 + Duration::from_secs(600);
+    let mut published_at = None;
+    loop {
+        let taken = metric(&cadmin, "revenant_checker_events_total");
+        if published_at.is_none() && metric(&aadmin, "revenant_agent_events_total") >= n as f64 {
+            let left = metric(&aadmin, "revenant_agent_outbox_batches");
+            if left == 0.0 {
+                published_at = Some(t0.elapsed());
+            }
+        }
+        if taken >= n as f64 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "checker took {taken} of {n}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let consumed = t0.elapsed();
+    let (cpu_a, rss_a) = cpu_rss(agent.pid());
+    let (cpu_c, rss_c) = cpu_rss(checker.pid());
+    agent.stop(libc::SIGTERM, Duration::from_secs(30));
+    checker.stop(libc::SIGTERM, Duration::from_secs(30));
+    let published = published_at.unwrap_or(consumed);
+    println!(
+        "cluster_throughput: {n} events, R{} ({} partitions, {} events per batch)",
+        a.replicas, a.partitions, a.batch_events
+    );
+    println!(
+        "  end to end (agent start → checker took every event): {:.2} s, {:.0} events/s",
+        consumed.as_secs_f64(),
+        n as f64 / consumed.as_secs_f64()
+    );
+    println!(
+        "  agent published everything after {:.2} s ({:.0} events/s)",
+        published.as_secs_f64(),
+        n as f64 / published.as_secs_f64()
+    );
+    println!(
+        "  agent: {:.2} CPU s per million events, peak RSS {:.0} MiB",
+        cpu_a / (n as f64 / 1e6),
+        rss_a
+    );
+    println!(
+        "  checker: {:.2} CPU s per million events, peak RSS {:.0} MiB",
+        cpu_c / (n as f64 / 1e6),
+        rss_c
+    );
+}

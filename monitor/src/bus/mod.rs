@@ -1,0 +1,313 @@
+//! Cluster mode's transport: normalized events from `revenant agent`s to `revenant checker`s
+//! over NATS JetStream (an existing distributed log: ordering per subject, retention,
+//! replication, publish deduplication by message id).
+//!
+//! ```text
+//! agent (one per node)                         JetStream stream REVENANT            checker (N replicas)
+//! sources ─► normalize ─► batcher ─► outbox ─► subjects REVENANT.p0 … p{P-1} ─► durable pull consumer
+//!            (run's)      (partition,  (disk,   (one message = one batch)        per owned partition ─►
+//!                          batch)      bounded)                                   dedup ─► engine ─► sinks
+//! ```
+//!
+//! - [`partition`]: which partition an event goes to (pure; the rules of the split).
+//! - [`wire`]: one message, a batch of events in the replay format with their ids.
+//! - [`batcher`]: per-partition batches, sealed by size or linger.
+//! - [`spool`]: the agent's bounded outbox on disk.
+//! - [`publisher`]: the agent's publish loop (message ids, retries, readiness).
+//! - [`consumer`]: the checker's consumers, deduplication, the hand-off to the engine.
+//!
+//! The engine knows nothing of this: the checker feeds it the same `EventBatch`es `run` does.
+
+pub mod batcher;
+pub mod consumer;
+pub mod partition;
+pub mod publisher;
+pub mod spool;
+pub mod wire;
+
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::duration;
+
+/// The `bus` section of the config file (flags of `agent` and `checker` override it).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct BusConfig {
+    /// NATS server URLs, comma-separated (`nats://10.0.0.5:4222,nats://10.0.0.6:4222`).
+    pub nats: Option<String>,
+    /// JetStream stream name; also the subjects' prefix (`<stream>.p<k>`).
+    pub stream: String,
+    /// Partitions: subjects, and the unit a checker owns. Fixed for a stream's life (recorded
+    /// in its description; an agent or checker with another count refuses to start).
+    pub partitions: u32,
+    /// Stream replicas (1, or 3 on a three-node NATS cluster).
+    pub replicas: usize,
+    /// Events per message.
+    pub batch_events: usize,
+    /// How long an open batch may wait for more events.
+    #[serde(with = "duration")]
+    pub batch_linger: Duration,
+    /// How long the stream keeps events (checkers that were down catch up within it).
+    #[serde(with = "duration")]
+    pub retention: Duration,
+    /// The agent's outbox bound, bytes.
+    pub outbox_bytes: u64,
+    /// The partitions this checker owns (`null`: all).
+    pub owned: Option<Vec<u32>>,
+}
+
+impl Default for BusConfig {
+    fn default() -> Self {
+        BusConfig {
+            nats: None,
+            stream: "REVENANT".into(),
+            partitions: 4,
+            replicas: 1,
+            batch_events: 512,
+            batch_linger: Duration::from_millis(20),
+            retention: Duration::from_secs(3600),
+            outbox_bytes: 1 << 30,
+            owned: None,
+        }
+    }
+}
+
+/// Why the bus settings cannot be used (exit 2 before anything connects).
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum BusConfigError {
+    #[error("--nats is required (the NATS server URLs, e.g. nats://127.0.0.1:4222)")]
+    NoUrl,
+    #[error("--nats: {url:?} is not a NATS server URL: {message}")]
+    Url { url: String, message: String },
+    #[error("--stream {0:?}: a JetStream name (letters, digits, - and _; no spaces, dots, * or >)")]
+    Stream(String),
+    #[error("--partitions must be between 1 and 1024, got {0}")]
+    Partitions(u32),
+    #[error("--replicas must be between 1 and 5, got {0}")]
+    Replicas(usize),
+    #[error("--batch-events must be between 1 and 65536, got {0}")]
+    BatchEvents(usize),
+    #[error("--owned-partitions: partition {got} is not below --partitions {partitions}")]
+    Owned { got: u32, partitions: u32 },
+    #[error("--owned-partitions is empty")]
+    NoneOwned,
+}
+
+impl BusConfig {
+    pub fn validate(&self) -> Result<(), BusConfigError> {
+        if self.nats.as_deref().is_none_or(|u| u.trim().is_empty()) {
+            return Err(BusConfigError::NoUrl);
+        }
+        self.servers()?;
+        let ok_name = !self.stream.is_empty()
+            && self
+                .stream
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
+        if !ok_name {
+            return Err(BusConfigError::Stream(self.stream.clone()));
+        }
+        if !(1..=1024).contains(&self.partitions) {
+            return Err(BusConfigError::Partitions(self.partitions));
+        }
+        if !(1..=5).contains(&self.replicas) {
+            return Err(BusConfigError::Replicas(self.replicas));
+        }
+        if !(1..=65536).contains(&self.batch_events) {
+            return Err(BusConfigError::BatchEvents(self.batch_events));
+        }
+        if let Some(owned) = &self.owned {
+            if owned.is_empty() {
+                return Err(BusConfigError::NoneOwned);
+            }
+            if let Some(&got) = owned.iter().find(|k| **k >= self.partitions) {
+                return Err(BusConfigError::Owned {
+                    got,
+                    partitions: self.partitions,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// The server URLs of `nats`, each parsed.
+    pub fn servers(&self) -> Result<Vec<async_nats::ServerAddr>, BusConfigError> {
+        self.nats
+            .as_deref()
+            .unwrap_or_default()
+            .split(',')
+            .map(str::trim)
+            .filter(|u| !u.is_empty())
+            .map(|u| {
+                u.parse::<async_nats::ServerAddr>()
+                    .map_err(|e| BusConfigError::Url {
+                        url: u.into(),
+                        message: e.to_string(),
+                    })
+            })
+            .collect()
+    }
+
+    /// The partitions this checker consumes, ascending, without repeats.
+    pub fn owned_partitions(&self) -> Vec<u32> {
+        let mut v = self
+            .owned
+            .clone()
+            .unwrap_or_else(|| (0..self.partitions).collect());
+        v.sort_unstable();
+        v.dedup();
+        v
+    }
+
+    /// What the stream's description records; a mismatch means another partition count.
+    fn description(&self) -> String {
+        format!("revenant lifecycle events; partitions={}", self.partitions)
+    }
+}
+
+/// What can go wrong talking to JetStream.
+#[derive(Debug, thiserror::Error)]
+pub enum BusError {
+    #[error("NATS {url}: {message}")]
+    Connect { url: String, message: String },
+    #[error("stream {stream}: {message}")]
+    Stream { stream: String, message: String },
+    #[error(
+        "stream {stream} was created with {found:?}, this process is configured for partitions={partitions}: \
+         give every agent and checker the same --partitions (or a new --stream)"
+    )]
+    Partitions {
+        stream: String,
+        found: String,
+        partitions: u32,
+    },
+    #[error("consumer {name}: {message}")]
+    Consumer { name: String, message: String },
+}
+
+/// Connects (in the background: an unreachable server is retried, not an error) and returns the
+/// client.
+pub async fn connect(cfg: &BusConfig, name: &str) -> Result<async_nats::Client, BusError> {
+    let url = cfg.nats.clone().unwrap_or_default();
+    let servers = cfg.servers().map_err(|e| BusError::Connect {
+        url: url.clone(),
+        message: e.to_string(),
+    })?;
+    async_nats::ConnectOptions::new()
+        .name(name)
+        .retry_on_initial_connect()
+        .max_reconnects(None)
+        .connect(servers)
+        .await
+        .map_err(|e| BusError::Connect {
+            url,
+            message: e.to_string(),
+        })
+}
+
+/// The stream, created when missing (file storage, the configured replicas, retention and a
+/// two-minute duplicate window); one whose description names another partition count is an
+/// error.
+pub async fn ensure_stream(
+    js: &async_nats::jetstream::Context,
+    cfg: &BusConfig,
+) -> Result<async_nats::jetstream::stream::Stream, BusError> {
+    use async_nats::jetstream::stream;
+    let err = |e: &dyn std::fmt::Display| BusError::Stream {
+        stream: cfg.stream.clone(),
+        message: e.to_string(),
+    };
+    let mut s = js
+        .get_or_create_stream(stream::Config {
+            name: cfg.stream.clone(),
+            description: Some(cfg.description()),
+            subjects: vec![format!("{}.*", cfg.stream)],
+            storage: stream::StorageType::File,
+            num_replicas: cfg.replicas,
+            max_age: cfg.retention,
+            duplicate_window: Duration::from_secs(120),
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| err(&e))?;
+    let info = s.info().await.map_err(|e| err(&e))?;
+    let found = info.config.description.clone().unwrap_or_default();
+    if found != cfg.description() {
+        return Err(BusError::Partitions {
+            stream: cfg.stream.clone(),
+            found,
+            partitions: cfg.partitions,
+        });
+    }
+    Ok(s)
+}
+
+/// The durable consumer of partition `k`: `<stream>-p<k>`, filtered on that one subject (a 2.9
+/// server ignores multi-subject filters, so one consumer per partition), explicit acks.
+pub async fn ensure_consumer(
+    stream: &async_nats::jetstream::stream::Stream,
+    cfg: &BusConfig,
+    k: u32,
+) -> Result<async_nats::jetstream::consumer::PullConsumer, BusError> {
+    use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, pull};
+    let name = format!("{}-p{k}", cfg.stream);
+    stream
+        .get_or_create_consumer(
+            &name,
+            pull::Config {
+                durable_name: Some(name.clone()),
+                filter_subject: batcher::subject(&cfg.stream, k),
+                ack_policy: AckPolicy::Explicit,
+                deliver_policy: DeliverPolicy::All,
+                ack_wait: Duration::from_secs(30),
+                max_ack_pending: 4096,
+                ..Default::default()
+            },
+        )
+        .await
+        .map_err(|e| BusError::Consumer {
+            name,
+            message: e.to_string(),
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_validate_once_a_url_is_given_and_bad_values_are_named() {
+        let mut c = BusConfig {
+            nats: Some("nats://127.0.0.1:4222".into()),
+            ..BusConfig::default()
+        };
+        c.validate().unwrap();
+        assert_eq!(c.owned_partitions(), vec![0, 1, 2, 3]);
+        c.owned = Some(vec![3, 1, 3]);
+        assert_eq!(c.owned_partitions(), vec![1, 3]);
+        c.owned = Some(vec![4]);
+        assert_eq!(
+            c.validate(),
+            Err(BusConfigError::Owned {
+                got: 4,
+                partitions: 4
+            })
+        );
+        c.owned = None;
+        c.stream = "a.b".into();
+        assert!(matches!(c.validate(), Err(BusConfigError::Stream(_))));
+        c.stream = "S".into();
+        c.partitions = 0;
+        assert_eq!(c.validate(), Err(BusConfigError::Partitions(0)));
+        assert_eq!(BusConfig::default().validate(), Err(BusConfigError::NoUrl));
+        let y: BusConfig =
+            serde_saphyr::from_str("stream: X\npartitions: 2\nbatch_linger: 5ms\n").unwrap();
+        assert_eq!(
+            (y.partitions, y.batch_linger),
+            (2, Duration::from_millis(5))
+        );
+        assert!(serde_saphyr::from_str::<BusConfig>("partitons: 2\n").is_err());
+    }
+}

@@ -1,0 +1,412 @@
+//! `revenant agent`: cluster mode's per-node process. `run`'s sources (eBPF, OTLP, both through
+//! the normalize layer) and, for recorded events, `--replay FILE`; instead of the engine, the
+//! bus: events batched per partition into the outbox on disk and published to JetStream
+//! (`bus::publisher`). Its own admin server: `/metrics` (the agent's counters, drops included),
+//! `/readyz` (not ready while NATS or the stream cannot be reached, saying why).
+//!
+//! Same order as `run`: prepare (every setting validated, nothing bound) → outbox (locked) →
+//! bind → start admin, sources, batcher, publisher → ready → wait → drain (sources stop, what
+//! they queued is batched, the outbox is published within the drain budget, the rest stays on
+//! disk for the next start).
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::Notify;
+
+use super::shutdown::{self, Drain, Phase, Shutdown};
+use super::{
+    Bound, RunArgs, RunError, Shared, announce_ready, bind, force_exit_on_signal, start_sources,
+};
+use crate::admin::AdminState;
+use crate::bus::batcher::Batcher;
+use crate::bus::publisher::{self, AgentStats};
+use crate::bus::spool::Outbox;
+use crate::bus::{BusConfig, BusConfigError};
+use crate::ingest::replay;
+use crate::pipeline::{EventSender, event_channel};
+use crate::telemetry::{ComponentKind, console};
+
+/// The bus flags `agent` and `checker` share (over the config file's `bus` section).
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct BusArgs {
+    /// NATS server URLs, comma-separated (required here or as `bus.nats` in --config).
+    #[arg(long, value_name = "URL")]
+    pub nats: Option<String>,
+    /// JetStream stream (created when missing; also the subject prefix) [default: REVENANT].
+    #[arg(long, value_name = "NAME")]
+    pub stream: Option<String>,
+    /// Partitions (subjects `<stream>.p<k>`), the same on every agent and checker [default: 4].
+    #[arg(long, value_name = "N")]
+    pub partitions: Option<u32>,
+    /// Stream replicas when this process creates it: 1, or 3 on a NATS cluster [default: 1].
+    #[arg(long, value_name = "N")]
+    pub replicas: Option<usize>,
+    /// Events per message [default: 512].
+    #[arg(long, value_name = "N")]
+    pub batch_events: Option<usize>,
+    /// How long an open batch may wait for more events [default: 20ms].
+    #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
+    pub batch_linger: Option<Duration>,
+    /// How long the stream keeps events when this process creates it [default: 1h].
+    #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
+    pub retention: Option<Duration>,
+}
+
+impl BusArgs {
+    /// The config file's `bus` section with these flags over it.
+    pub fn apply(&self, b: &mut BusConfig) {
+        if let Some(v) = &self.nats {
+            b.nats = Some(v.clone());
+        }
+        if let Some(v) = &self.stream {
+            b.stream = v.clone();
+        }
+        if let Some(v) = self.partitions {
+            b.partitions = v;
+        }
+        if let Some(v) = self.replicas {
+            b.replicas = v;
+        }
+        if let Some(v) = self.batch_events {
+            b.batch_events = v;
+        }
+        if let Some(v) = self.batch_linger {
+            b.batch_linger = v;
+        }
+        if let Some(v) = self.retention {
+            b.retention = v;
+        }
+    }
+}
+
+#[derive(Debug, clap::Args)]
+pub struct AgentArgs {
+    #[command(flatten)]
+    pub bus: BusArgs,
+    /// The agent's outbox bound: batches NATS has not acknowledged yet wait on disk up to this
+    /// size, then new ones are dropped (counted) [default: 1GiB].
+    #[arg(long, value_name = "SIZE", value_parser = crate::config::parse_size)]
+    pub outbox_bytes: Option<u64>,
+    /// Also publish the events of these recorded files (the replay format `revenant check`
+    /// reads), in order, then keep running. Their `node` fields are kept as recorded.
+    #[arg(long, value_name = "FILE")]
+    pub replay: Vec<PathBuf>,
+    /// Testing aid: live events' times are shifted this much later (a node clock that runs
+    /// ahead, inside the skew bound).
+    #[arg(long, hide = true, value_parser = humantime::parse_duration)]
+    pub clock_offset: Option<Duration>,
+    #[command(flatten)]
+    pub run: RunArgs,
+}
+
+/// Why `agent` cannot start (exit 2).
+#[derive(Debug, thiserror::Error)]
+pub enum AgentConfigError {
+    #[error(transparent)]
+    Run(#[from] super::RunConfigError),
+    #[error(transparent)]
+    Bus(#[from] BusConfigError),
+    #[error("--replay {path}: {source}")]
+    Replay {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Outbox(#[from] crate::bus::spool::OutboxError),
+}
+
+pub fn run(args: AgentArgs) -> ExitCode {
+    let self_traces = match args.run.log.init() {
+        Ok(g) => g,
+        Err(e) => {
+            console::error(&e);
+            return ExitCode::from(2);
+        }
+    };
+    let code = run_logged(args);
+    if let Some(t) = self_traces {
+        t.shutdown();
+    }
+    code
+}
+
+fn run_logged(args: AgentArgs) -> ExitCode {
+    let prepared = match super::prepare(&args.run) {
+        Ok(p) => p,
+        Err(e) => {
+            console::error(&e);
+            return ExitCode::from(2);
+        }
+    };
+    let mut bus = prepared.cfg.bus.clone();
+    args.bus.apply(&mut bus);
+    if let Some(v) = args.outbox_bytes {
+        bus.outbox_bytes = v;
+    }
+    let checked = bus
+        .validate()
+        .map_err(AgentConfigError::from)
+        .and_then(|()| {
+            for p in &args.replay {
+                std::fs::File::open(p).map_err(|source| AgentConfigError::Replay {
+                    path: p.clone(),
+                    source,
+                })?;
+            }
+            Ok(())
+        });
+    if let Err(e) = checked {
+        console::error(&e);
+        return ExitCode::from(2);
+    }
+    let outbox_dir = prepared.alert.spool.resolved_dir().join("bus-outbox");
+    let (outbox, resumed) = match Outbox::open(&outbox_dir, bus.outbox_bytes) {
+        Ok(o) => o,
+        Err(e) => {
+            console::error(&e);
+            return ExitCode::from(2);
+        }
+    };
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            console::error(&format!("cannot start the runtime: {e}"));
+            return ExitCode::from(1);
+        }
+    };
+    if resumed.batches > 0 || resumed.corrupt > 0 {
+        tracing::info!(
+            batches = resumed.batches,
+            corrupt = resumed.corrupt,
+            dir = %outbox_dir.display(),
+            "outbox resumed: publishing what the last run left"
+        );
+    }
+    let offset = args.clock_offset.unwrap_or_default();
+    let result = rt.block_on(agent_async(prepared, bus, outbox, args.replay, offset));
+    rt.shutdown_timeout(super::RUNTIME_EXIT_GRACE);
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            console::error(&e);
+            match e {
+                RunError::Ebpf(_) | RunError::Bind { .. } | RunError::ReadyFile { .. } => {
+                    ExitCode::from(2)
+                }
+                _ => ExitCode::from(1),
+            }
+        }
+    }
+}
+
+/// Sends the recorded events, in batches, into the pipeline (waiting on it: a file can wait).
+async fn replay_files(paths: Vec<PathBuf>, tx: EventSender) -> Result<(), String> {
+    for p in paths {
+        let events = tokio::task::spawn_blocking({
+            let p = p.clone();
+            move || -> Result<(Vec<crate::event::LifecycleEvent>, u64), std::io::Error> {
+                let f = std::io::BufReader::new(std::fs::File::open(&p)?);
+                let mut events = Vec::new();
+                let mut bad = 0u64;
+                replay::read_events(f, |e| events.push(e), |_| bad += 1)?;
+                Ok((events, bad))
+            }
+        })
+        .await
+        .map_err(|e| e.to_string())?
+        .map_err(|e| format!("--replay {}: {e}", p.display()))?;
+        let (events, bad) = events;
+        if bad > 0 {
+            tracing::warn!(file = %p.display(), bad_lines = bad, "replay: bad lines skipped");
+        }
+        let n = events.len();
+        let mut it = events.into_iter().peekable();
+        while it.peek().is_some() {
+            let chunk: Vec<_> = it.by_ref().take(512).collect();
+            if tx.send(chunk).await.is_err() {
+                return Ok(());
+            }
+        }
+        tracing::info!(file = %p.display(), events = n, "replay: file sent");
+    }
+    Ok(())
+}
+
+async fn agent_async(
+    p: super::Prepared,
+    bus: BusConfig,
+    outbox: Outbox,
+    replay_paths: Vec<PathBuf>,
+    clock_offset: Duration,
+) -> Result<(), RunError> {
+    let super::Prepared {
+        cfg,
+        memory,
+        normalizer,
+        admin,
+        ready_file,
+        ..
+    } = p;
+    let shutdown = Shutdown::new();
+    let shared = Shared::new(&admin, &memory);
+    let stats = Arc::new(AgentStats::default());
+    publisher::register(&shared.metrics, stats.clone());
+    if let Some(path) = &ready_file {
+        let tmp = path.with_extension("tmp");
+        std::fs::File::create(&tmp)
+            .and_then(|_| std::fs::remove_file(&tmp))
+            .map_err(|source| RunError::ReadyFile {
+                path: path.clone(),
+                source,
+            })?;
+    }
+    let mut b: Bound = bind(&cfg, &admin).await?;
+    let mut bound = serde_json::Map::new();
+    let admin_task = b.admin.take().map(|server| {
+        bound.insert("admin".into(), server.local_addr().to_string().into());
+        let state = AdminState {
+            metrics: shared.metrics.clone(),
+            readiness: shared.readiness.clone(),
+            violations: shared.recent.clone(),
+            timeline: shared.timeline.clone(),
+        };
+        let handle = shared.readiness.register("admin", ComponentKind::Server);
+        let task = tokio::spawn(server.serve(state, shutdown.at(Phase::StopAdmin)));
+        handle.ready();
+        task
+    });
+    let client = crate::bus::connect(&bus, &format!("revenant-agent {}", cfg.node_name()))
+        .await
+        .map_err(|e| RunError::Receiver(e.to_string()))?;
+    bound.insert("nats".into(), bus.nats.clone().unwrap_or_default().into());
+    bound.insert("stream".into(), bus.stream.clone().into());
+    bound.insert("partitions".into(), bus.partitions.into());
+
+    let (tx, rx) = event_channel(cfg.channel_capacity());
+    let (replay_tx, replay_rx) = event_channel(cfg.channel_capacity());
+    let mut sources = start_sources(&cfg, normalizer, b, tx, &shared, &shutdown, bound);
+    let mut replay_task = None;
+    if !replay_paths.is_empty() {
+        let h = shared.readiness.register("replay", ComponentKind::Source);
+        h.ready();
+        let stop = shutdown.at(Phase::StopSources);
+        replay_task = Some(tokio::spawn(async move {
+            tokio::select! {
+                r = replay_files(replay_paths, replay_tx) => r,
+                () = stop => Ok(()),
+            }
+        }));
+    }
+    let replay_rx = replay_task.is_some().then_some(replay_rx);
+    let boot = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
+    let node = cfg.node_name();
+    let batcher = Batcher::new(
+        node.clone(),
+        boot,
+        bus.stream.clone(),
+        bus.partitions,
+        bus.batch_events,
+        bus.batch_linger,
+    );
+    let pubshared = publisher::Shared {
+        outbox: Arc::new(Mutex::new(outbox)),
+        wake: Arc::new(Notify::new()),
+        stats: stats.clone(),
+        metrics: shared.metrics.clone(),
+    };
+    let batch_task = tokio::spawn(publisher::run_batcher(
+        rx,
+        replay_rx,
+        batcher,
+        pubshared.clone(),
+        bus.batch_linger,
+        publisher::Live {
+            node: node.as_str().into(),
+            shift_ns: clock_offset.as_nanos() as u64,
+        },
+    ));
+    let done = Arc::new(Notify::new());
+    let publish_task = tokio::spawn(publisher::run_publisher(
+        client,
+        bus.clone(),
+        pubshared,
+        shared.readiness.clone(),
+        done.clone(),
+        cfg.drain_timeout(),
+    ));
+    announce_ready(&sources.bound, ready_file.as_ref())?;
+    let failure = tokio::select! {
+        _ = shutdown::signal() => {
+            tracing::info!("shutting down: publishing what is queued (a second signal exits at once)");
+            None
+        }
+        e = shutdown::first_failure(&mut sources.receivers) => Some(e),
+    };
+    tokio::spawn(force_exit_on_signal());
+
+    let drain = Drain::start(cfg.drain_timeout());
+    shutdown.advance(Phase::StopSources);
+    let grace = drain.source_grace();
+    shutdown::join_within(
+        &mut sources.receivers,
+        grace,
+        "shutdown: a receiver still had open connections; closing them",
+    )
+    .await;
+    shutdown::join_within(
+        &mut sources.ebpf,
+        grace,
+        "shutdown: the eBPF source did not stop in time",
+    )
+    .await;
+    let _ = sources.ticker.await;
+    if let Some(t) = replay_task {
+        let _ = t.await;
+    }
+    let _ = tokio::time::timeout(drain.remaining(), sources.ingest.flush()).await;
+    drop(sources.ingest);
+    // Every sender is gone: the batcher seals what is open and ends.
+    let _ = tokio::time::timeout(drain.remaining(), batch_task).await;
+    done.notify_one();
+    let report = publish_task.await.unwrap_or_default();
+    shutdown.advance(Phase::StopAdmin);
+    if let Some(t) = admin_task {
+        let _ = tokio::time::timeout(Duration::from_secs(2), t).await;
+    }
+    let s = &stats;
+    use std::sync::atomic::Ordering::Relaxed;
+    let human = format!(
+        "stopped after {:?}: {} events routed, {} batches published, {} events dropped, {} batches left in the outbox",
+        drain.elapsed(),
+        s.events_in.load(Relaxed),
+        s.batches_published.load(Relaxed),
+        s.events_dropped.load(Relaxed),
+        report.left,
+    );
+    let mut fields = serde_json::Map::new();
+    fields.insert("events_routed".into(), s.events_in.load(Relaxed).into());
+    fields.insert(
+        "batches_published".into(),
+        s.batches_published.load(Relaxed).into(),
+    );
+    fields.insert(
+        "events_dropped".into(),
+        s.events_dropped.load(Relaxed).into(),
+    );
+    fields.insert("outbox_left".into(), report.left.into());
+    console::say(console::Level::Info, &human, "stopped", fields);
+    match failure {
+        Some(e) => Err(RunError::Receiver(e)),
+        None => Ok(()),
+    }
+}

@@ -1,0 +1,392 @@
+//! `revenant checker`: cluster mode's checking tier. Consumes the partitions it owns from
+//! JetStream (one durable pull consumer each, created when missing, like the stream), feeds the
+//! same engine task `run` drives (the engine is unchanged: it sees `EventBatch`es), and sends
+//! what it finds through the same alert dispatcher, sinks and spool. No source of its own: OTLP
+//! and eBPF stay off.
+//!
+//! prepare → claim (alert spool, files) → bind (admin) → start outputs → connect, stream,
+//! consumers → engine → ready → wait → drain (consumers stop and leave what they did not take
+//! unacknowledged for the next checker, the engine drains, then the dispatcher).
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::task::JoinSet;
+
+use super::agent::BusArgs;
+use super::shutdown::{self, Drain, Phase, Shutdown};
+use super::{
+    RunArgs, RunError, Shared, announce_ready, bind, claim, force_exit_on_signal, start_outputs,
+};
+use crate::admin::timeline::TimelineTap;
+use crate::alert::AlertPipeline;
+use crate::bus::consumer::{self, CheckerStats, Dedup, PartitionCtx};
+use crate::bus::{BusConfig, BusConfigError};
+use crate::ingest::ebpf::EbpfMode;
+use crate::ingest::replay::{RunHeader, rules_fingerprint};
+use crate::pipeline::taps::{EngineMetrics, Observed};
+use crate::pipeline::{EngineTask, EventTap, ViolationSender, WatermarkClock, event_channel};
+use crate::telemetry::{ComponentKind, MemoryWatch, console};
+use crate::violation::Violation;
+
+#[derive(Debug, clap::Args)]
+pub struct CheckerArgs {
+    #[command(flatten)]
+    pub bus: BusArgs,
+    /// The partitions this checker consumes, comma-separated (`0,2`); the others belong to
+    /// other checker replicas [default: all].
+    #[arg(long, value_name = "LIST", value_delimiter = ',')]
+    pub owned_partitions: Option<Vec<u32>>,
+    /// What moves the engine's watermark besides the events: `wall` (live traffic: deadlines
+    /// are judged as the clock passes them) or `event` (recorded events replayed through the
+    /// cluster: judged on event time only, as `revenant check` does) [default: wall].
+    #[arg(long, value_name = "CLOCK", value_enum, default_value_t = WatermarkClock::Wall)]
+    pub watermark_clock: WatermarkClock,
+    /// Also write every violation, one JSON object per line (the `revenant check` output).
+    #[arg(long, value_name = "PATH")]
+    pub violations_jsonl: Option<PathBuf>,
+    #[command(flatten)]
+    pub run: RunArgs,
+}
+
+/// Why `checker` cannot start (exit 2).
+#[derive(Debug, thiserror::Error)]
+pub enum CheckerConfigError {
+    #[error(transparent)]
+    Run(#[from] super::RunConfigError),
+    #[error(transparent)]
+    Bus(#[from] BusConfigError),
+    #[error("--violations-jsonl {path}: {source}")]
+    Violations {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+pub fn run(mut args: CheckerArgs) -> ExitCode {
+    let self_traces = match args.run.log.init() {
+        Ok(g) => g,
+        Err(e) => {
+            console::error(&e);
+            return ExitCode::from(2);
+        }
+    };
+    // The checker listens for no telemetry: its events come from the bus.
+    args.run.otlp_grpc = Some("off".into());
+    args.run.otlp_http = Some("off".into());
+    args.run.ebpf.ebpf = EbpfMode::Off;
+    let code = run_logged(args);
+    if let Some(t) = self_traces {
+        t.shutdown();
+    }
+    code
+}
+
+fn run_logged(args: CheckerArgs) -> ExitCode {
+    let prepared = match super::prepare(&args.run) {
+        Ok(p) => p,
+        Err(e) => {
+            console::error(&e);
+            return ExitCode::from(2);
+        }
+    };
+    let mut bus = prepared.cfg.bus.clone();
+    args.bus.apply(&mut bus);
+    if args.owned_partitions.is_some() {
+        bus.owned.clone_from(&args.owned_partitions);
+    }
+    let out = bus
+        .validate()
+        .map_err(CheckerConfigError::from)
+        .and_then(|()| match &args.violations_jsonl {
+            None => Ok(None),
+            Some(p) => std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(p)
+                .map(Some)
+                .map_err(|source| CheckerConfigError::Violations {
+                    path: p.clone(),
+                    source,
+                }),
+        });
+    let violations_out = match out {
+        Ok(o) => o,
+        Err(e) => {
+            console::error(&e);
+            return ExitCode::from(2);
+        }
+    };
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            console::error(&format!("cannot start the runtime: {e}"));
+            return ExitCode::from(1);
+        }
+    };
+    let result = rt.block_on(checker_async(
+        prepared,
+        bus,
+        args.watermark_clock,
+        violations_out,
+    ));
+    rt.shutdown_timeout(super::RUNTIME_EXIT_GRACE);
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            console::error(&e);
+            match e {
+                RunError::Alert(_)
+                | RunError::Bus(_)
+                | RunError::Bind { .. }
+                | RunError::Open { .. }
+                | RunError::ReadyFile { .. } => ExitCode::from(2),
+                _ => ExitCode::from(1),
+            }
+        }
+    }
+}
+
+/// Writes every violation as a JSON line, then hands it to the dispatcher.
+async fn forward_violations(
+    mut rx: tokio::sync::mpsc::Receiver<Violation>,
+    out: ViolationSender,
+    file: Option<std::fs::File>,
+) -> std::io::Result<()> {
+    let mut file = file.map(|f| std::io::BufWriter::with_capacity(1 << 16, f));
+    let mut line = Vec::with_capacity(1024);
+    while let Some(v) = rx.recv().await {
+        if let Some(f) = &mut file {
+            line.clear();
+            serde_json::to_writer(&mut line, &v)?;
+            line.push(b'\n');
+            f.write_all(&line)?;
+            if rx.is_empty() {
+                f.flush()?;
+            }
+        }
+        out.offer(v);
+    }
+    if let Some(f) = &mut file {
+        f.flush()?;
+    }
+    Ok(())
+}
+
+async fn checker_async(
+    p: super::Prepared,
+    bus: BusConfig,
+    clock: WatermarkClock,
+    violations_out: Option<std::fs::File>,
+) -> Result<(), RunError> {
+    let super::Prepared {
+        cfg,
+        memory,
+        checker,
+        mut alert,
+        admin,
+        ready_file,
+        pause_file,
+        ..
+    } = p;
+    let shutdown = Shutdown::new();
+    let shared = Shared::new(&admin, &memory);
+    for rule in checker.rules() {
+        shared
+            .metrics
+            .declare_rule(&rule.name, rule.severity.as_str());
+    }
+    let stats = Arc::new(CheckerStats::default());
+    consumer::register(&shared.metrics, stats.clone());
+    let header = RunHeader {
+        version: env!("CARGO_PKG_VERSION").into(),
+        allowed_lateness_ns: cfg.engine.allowed_lateness().as_nanos() as u64,
+        clock_skew_ns: cfg.engine.clock_skew().as_nanos() as u64,
+        rules: cfg.engine.rules.as_ref().map(|p| p.display().to_string()),
+        rules_fingerprint: rules_fingerprint(checker.rules()),
+    };
+    let claimed = claim(&cfg, &alert, ready_file.as_ref(), &header.line())?;
+    let mut b = bind(&cfg, &admin).await?;
+    let mut bound = serde_json::Map::new();
+    let outputs = start_outputs(
+        &mut alert,
+        claimed.alerts,
+        b.admin.take(),
+        &shared,
+        &shutdown,
+        &mut bound,
+    );
+
+    // The bus: connect, the stream and one consumer per owned partition, each retried until
+    // NATS answers (readiness says why meanwhile).
+    let nats = shared.readiness.register("nats", ComponentKind::Source);
+    let client = crate::bus::connect(&bus, "revenant-checker")
+        .await
+        .map_err(|e| RunError::Receiver(e.to_string()))?;
+    let js = async_nats::jetstream::new(client.clone());
+    let owned = bus.owned_partitions();
+    let url = bus.nats.clone().unwrap_or_default();
+    let mut consumers = Vec::new();
+    let mut stop_wait = std::pin::pin!(shutdown::signal());
+    'setup: loop {
+        let attempt = async {
+            let stream = crate::bus::ensure_stream(&js, &bus).await?;
+            let mut cs = Vec::new();
+            for k in &owned {
+                cs.push((*k, crate::bus::ensure_consumer(&stream, &bus, *k).await?));
+            }
+            Ok::<_, crate::bus::BusError>(cs)
+        };
+        tokio::select! {
+            r = tokio::time::timeout(Duration::from_secs(5), attempt) => match r {
+                Ok(Ok(cs)) => { consumers = cs; break 'setup; }
+                Ok(Err(e @ crate::bus::BusError::Partitions { .. })) => {
+                    return Err(RunError::Bus(e));
+                }
+                Ok(Err(e)) => {
+                    shared.readiness.set_down("nats", Some(e.to_string()));
+                    tracing::warn!(error = %e, "bus not ready; retrying");
+                }
+                Err(_) => {
+                    shared.readiness.set_down("nats", Some(format!("NATS {url} unreachable")));
+                    tracing::warn!(nats = %url, "NATS unreachable; retrying");
+                }
+            },
+            _ = &mut stop_wait => break 'setup,
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    shared.readiness.set_down("nats", None);
+    nats.ready();
+    bound.insert("nats".into(), url.clone().into());
+    bound.insert("stream".into(), bus.stream.clone().into());
+    bound.insert(
+        "partitions".into(),
+        serde_json::Value::from(owned.iter().map(|k| u64::from(*k)).collect::<Vec<_>>()),
+    );
+
+    let (tx, rx) = event_channel(cfg.channel_capacity());
+    let ctx = PartitionCtx {
+        dedup: Arc::new(Mutex::new(Dedup::default())),
+        stats: stats.clone(),
+        metrics: shared.metrics.clone(),
+        first_owned: owned.first().copied().unwrap_or(0),
+        newest: Arc::new(std::sync::atomic::AtomicU64::new(0)),
+    };
+    let mut partitions: JoinSet<Result<(), String>> = JoinSet::new();
+    for (k, c) in consumers {
+        partitions.spawn(consumer::run_partition(
+            c,
+            k,
+            tx.clone(),
+            ctx.clone(),
+            shutdown.at(Phase::StopSources),
+        ));
+    }
+    drop(tx);
+    // Readiness follows the connection.
+    let watch = {
+        let (readiness, client, url) = (shared.readiness.clone(), client.clone(), url.clone());
+        let mut stop = Box::pin(shutdown.at(Phase::StopSources));
+        tokio::spawn(async move {
+            let mut iv = tokio::time::interval(Duration::from_millis(500));
+            loop {
+                tokio::select! {
+                    _ = iv.tick() => {
+                        let up = client.connection_state() == async_nats::connection::State::Connected;
+                        readiness.set_down("nats", (!up).then(|| format!("NATS {url} unreachable")));
+                    }
+                    () = &mut stop => break,
+                }
+            }
+        })
+    };
+
+    let (vtx, vrx) = tokio::sync::mpsc::channel(alert.channel_capacity.max(16));
+    let forward = tokio::spawn(forward_violations(
+        vrx,
+        ViolationSender::new(outputs.alerts.sender.clone(), shared.metrics.clone()),
+        violations_out,
+    ));
+    let mut taps: Vec<Box<dyn EventTap>> = vec![
+        Box::new(TimelineTap(shared.timeline.clone())),
+        Box::new(Observed(shared.metrics.clone())),
+        Box::new(EngineMetrics(shared.metrics.clone())),
+        Box::new(super::memory::MemoryTap {
+            account: shared.memory.clone(),
+            timeline: shared.timeline.clone(),
+            violations: shared.recent.clone(),
+            readiness: Some(shared.readiness.clone()),
+            watch: MemoryWatch::default(),
+        }),
+    ];
+    if let Some(w) = claimed.events_jsonl {
+        taps.push(Box::new(w));
+    }
+    let engine = tokio::spawn(
+        EngineTask {
+            engine: checker,
+            events: rx,
+            violations: ViolationSender::new(vtx, shared.metrics.clone()),
+            taps,
+            lateness: cfg.engine.allowed_lateness(),
+            pause_file,
+            clock,
+            upstream_newest: Some(ctx.newest.clone()),
+        }
+        .run(shutdown.at(Phase::CloseEngine)),
+    );
+    announce_ready(&bound, ready_file.as_ref())?;
+    let failure = tokio::select! {
+        _ = shutdown::signal() => {
+            tracing::info!("shutting down: draining (a second signal exits at once)");
+            None
+        }
+        e = shutdown::first_failure(&mut partitions) => Some(e),
+    };
+    tokio::spawn(force_exit_on_signal());
+
+    let drain = Drain::start(cfg.drain_timeout());
+    shutdown.advance(Phase::StopSources);
+    shutdown::join_within(
+        &mut partitions,
+        drain.source_grace(),
+        "shutdown: a partition consumer did not stop in time",
+    )
+    .await;
+    let _ = watch.await;
+    shutdown.advance(Phase::CloseEngine);
+    let remaining = drain.remaining().max(Duration::from_millis(100));
+    let totals = match tokio::time::timeout(remaining, engine).await {
+        Err(_) => return Err(RunError::DrainTimeout(drain.budget())),
+        Ok(Err(e)) => return Err(RunError::Receiver(format!("checker task: {e}"))),
+        Ok(Ok(r)) => r.map_err(RunError::Output)?,
+    };
+    match forward.await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => return Err(RunError::Output(e)),
+        Err(e) => return Err(RunError::Receiver(format!("violation output: {e}"))),
+    }
+    let AlertPipeline { sender, handle, .. } = outputs.alerts;
+    drop(sender);
+    let report = match handle.await {
+        Ok(r) => r,
+        Err(e) => return Err(RunError::Receiver(format!("alert dispatcher: {e}"))),
+    };
+    shutdown.advance(Phase::StopAdmin);
+    if let Some(t) = outputs.admin {
+        let _ = tokio::time::timeout(Duration::from_secs(2), t).await;
+    }
+    super::report_totals(&drain, &totals, &report);
+    match failure {
+        Some(e) => Err(RunError::Receiver(e)),
+        None => Ok(()),
+    }
+}

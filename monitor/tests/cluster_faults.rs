@@ -1,0 +1,292 @@
+//! Cluster mode under faults, each with every violation found once (the set `revenant check`
+//! finds on the same events, no violation reported twice):
+//!
+//! - NATS unreachable while an agent has events: the agent keeps them in its outbox, says so
+//!   in `/readyz` (503, `down.nats`), and publishes them once NATS is back; the checker, cut
+//!   off too, catches up. The outage lasts `REVENANT_OUTAGE_SECS` (default 5 s).
+//! - An agent killed (SIGKILL) with unpublished batches: the next agent on the same spool
+//!   directory publishes them.
+//! - A three-node NATS cluster, R3 stream: its leader killed while an agent publishes (what
+//!   fails until a new leader is elected is retried with its message id), then a follower.
+
+mod support;
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use revenant::engine::workload::{self, Mix};
+use revenant::{LifecycleEvent, RuleSet};
+use support::cluster::{Bus, Member, WAIT, check, key_list, keys, wait_metric, write};
+use support::{Nats, ScratchDir, http_get};
+
+fn events() -> Vec<LifecycleEvent> {
+    workload::stream(&Mix {
+        attempts: 800,
+        reject_every: 5,
+        spacing_ns: 300_000,
+        ..Mix::default()
+    })
+}
+
+/// Every violation once, and the same set as `check`.
+fn assert_once_and_as_check(dir: &Path, events: &[LifecycleEvent], got: &str) {
+    let rules = RuleSet::embedded_defaults();
+    let merged = dir.join("merged.jsonl");
+    write(&merged, events);
+    let expected = keys(&rules, &check(&merged));
+    assert!(
+        expected.len() > 10,
+        "too few violations to tell: {expected:?}"
+    );
+    let list = key_list(&rules, got);
+    let set: std::collections::BTreeSet<_> = list.iter().cloned().collect();
+    assert_eq!(list.len(), set.len(), "a violation reported twice");
+    assert_eq!(
+        set,
+        expected,
+        "missing {:?}, extra {:?}",
+        expected.difference(&set).collect::<Vec<_>>(),
+        set.difference(&expected).collect::<Vec<_>>()
+    );
+}
+
+fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + WAIT;
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn an_agent_keeps_what_nats_did_not_take_and_publishes_it_once_nats_is_back() {
+    let mut nats = Nats::single().unwrap();
+    let dir = ScratchDir::new("cluster-outage").unwrap();
+    let bus = Bus {
+        nats: nats.urls(),
+        stream: "OUTAGE".into(),
+        partitions: 2,
+    };
+    let mut checker = Member::checker(&bus, &dir.path().join("checker"), &[0, 1], &[]);
+    nats.nodes[0].kill();
+
+    let events = events();
+    write(&dir.path().join("events.jsonl"), &events);
+    let mut agent = Member::agent(
+        &bus,
+        &dir.path().join("agent"),
+        "node-a",
+        Some(&dir.path().join("events.jsonl")),
+    );
+    wait_metric(
+        "the agent routing its file",
+        &[&agent.admin],
+        "revenant_agent_events_total",
+        events.len() as f64,
+    );
+    wait_for("batches waiting in the outbox", || {
+        agent.metric("revenant_agent_outbox_batches") > 0.0
+    });
+    let (status, body) = http_get(&format!("http://{}/readyz", agent.admin)).unwrap();
+    assert_eq!(status, 503, "{body}");
+    let ready: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let why = ready["down"]["nats"].as_str().unwrap_or_default();
+    assert!(why.contains("unreachable"), "{body}");
+    assert_eq!(agent.metric("revenant_agent_nats_connected"), 0.0);
+
+    let outage: u64 = std::env::var("REVENANT_OUTAGE_SECS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(5);
+    std::thread::sleep(Duration::from_secs(outage));
+    assert_eq!(agent.metric("revenant_agent_events_dropped_total"), 0.0);
+
+    nats.nodes[0].start().unwrap();
+    nats.wait_ready().unwrap();
+    wait_for("the outbox to empty", || {
+        agent.metric("revenant_agent_outbox_batches") == 0.0
+    });
+    wait_for("the agent ready again", || {
+        matches!(
+            http_get(&format!("http://{}/readyz", agent.admin)),
+            Ok((200, _))
+        )
+    });
+    agent.stop();
+    wait_metric(
+        "the checker taking every batch",
+        &[&checker.admin],
+        "revenant_checker_messages_total",
+        agent.published() as f64,
+    );
+    checker.stop();
+    assert_once_and_as_check(dir.path(), &events, &checker.violations());
+}
+
+#[test]
+fn a_killed_agents_outbox_is_published_by_the_next_one() {
+    let mut nats = Nats::single().unwrap();
+    let dir = ScratchDir::new("cluster-agent-restart").unwrap();
+    let bus = Bus {
+        nats: nats.urls(),
+        stream: "RESTART".into(),
+        partitions: 1,
+    };
+    nats.nodes[0].kill();
+    let events = events();
+    write(&dir.path().join("events.jsonl"), &events);
+    let agent_dir = dir.path().join("agent");
+    let mut first = Member::agent(
+        &bus,
+        &agent_dir,
+        "node-a",
+        Some(&dir.path().join("events.jsonl")),
+    );
+    wait_metric(
+        "the agent routing its file",
+        &[&first.admin],
+        "revenant_agent_events_total",
+        events.len() as f64,
+    );
+    // Every batch sealed (the open ones after the linger) and on disk, none published.
+    let mut last = -1.0;
+    wait_for("the outbox to stop growing", || {
+        let now = first.metric("revenant_agent_outbox_batches");
+        let stable = now > 0.0 && now == last;
+        last = now;
+        stable
+    });
+    let sealed = first.metric("revenant_agent_batches_sealed_total");
+    assert_eq!(first.metric("revenant_agent_batches_published_total"), 0.0);
+    first.proc.stop(libc::SIGKILL, Duration::ZERO);
+
+    nats.nodes[0].start().unwrap();
+    nats.wait_ready().unwrap();
+    let mut checker = Member::checker(&bus, &dir.path().join("checker"), &[0], &[]);
+    let mut second = Member::agent(&bus, &agent_dir, "node-a", None);
+    wait_for("the resumed outbox to empty", || {
+        second.metric("revenant_agent_outbox_batches") == 0.0
+            && second.metric("revenant_agent_batches_published_total") >= sealed
+    });
+    second.stop();
+    wait_metric(
+        "the checker taking every batch",
+        &[&checker.admin],
+        "revenant_checker_messages_total",
+        sealed,
+    );
+    checker.stop();
+    assert_once_and_as_check(dir.path(), &events, &checker.violations());
+}
+
+/// The name of `stream`'s leader, asked of the first running node that knows.
+fn leader(nats: &mut Nats, stream: &str) -> Option<String> {
+    for n in &mut nats.nodes {
+        if !n.is_running() {
+            continue;
+        }
+        let url = format!(
+            "http://127.0.0.1:{}/jsz?accounts=true&streams=true",
+            n.monitor
+        );
+        let Ok((200, body)) = http_get(&url) else {
+            continue;
+        };
+        let v: serde_json::Value = serde_json::from_str(&body).ok()?;
+        for a in v["account_details"].as_array().into_iter().flatten() {
+            for s in a["stream_detail"].as_array().into_iter().flatten() {
+                if s["name"] == stream
+                    && let Some(l) = s["cluster"]["leader"].as_str()
+                {
+                    return Some(l.to_owned());
+                }
+            }
+        }
+    }
+    None
+}
+
+#[test]
+fn the_stream_leader_and_then_a_follower_killed_while_an_agent_publishes() {
+    let mut nats = Nats::cluster3().unwrap();
+    let dir = ScratchDir::new("cluster-leader").unwrap();
+    let bus = Bus {
+        nats: nats.urls(),
+        stream: "LEADER".into(),
+        partitions: 2,
+    };
+    let mut checker = Member::checker(
+        &bus,
+        &dir.path().join("checker"),
+        &[0, 1],
+        &["--replicas", "3"],
+    );
+    let mut name = None;
+    wait_for("a stream leader", || {
+        name = leader(&mut nats, "LEADER");
+        name.is_some()
+    });
+    let events = workload::stream(&Mix {
+        attempts: 4000,
+        reject_every: 5,
+        spacing_ns: 300_000,
+        ..Mix::default()
+    });
+    write(&dir.path().join("events.jsonl"), &events);
+    let mut agent = Member::agent(
+        &bus,
+        &dir.path().join("agent"),
+        "node-a",
+        Some(&dir.path().join("events.jsonl")),
+    );
+    // The leader goes while the agent publishes: some batches stored, others waiting.
+    wait_for("the first batches stored", || {
+        agent.metric("revenant_agent_batches_published_total") > 0.0
+    });
+    let i = nats
+        .nodes
+        .iter()
+        .position(|n| Some(&n.name) == name.as_ref())
+        .unwrap();
+    nats.nodes[i].kill();
+    let waiting = agent.metric("revenant_agent_outbox_batches");
+    assert!(
+        waiting > 0.0,
+        "everything was published before the leader went: nothing tested"
+    );
+    wait_metric(
+        "the agent routing its file",
+        &[&agent.admin],
+        "revenant_agent_events_total",
+        events.len() as f64,
+    );
+    wait_for("the outbox to empty under the new leader", || {
+        agent.metric("revenant_agent_outbox_batches") == 0.0
+    });
+    eprintln!(
+        "leader {} killed with {waiting} batches waiting: {} publishes failed or timed out and \
+         were retried",
+        nats.nodes[i].name,
+        agent.metric("revenant_agent_publish_failures_total")
+    );
+    nats.nodes[i].start().unwrap();
+    nats.wait_ready().unwrap();
+    // Then a follower.
+    let now = leader(&mut nats, "LEADER");
+    let f = nats
+        .nodes
+        .iter()
+        .position(|n| Some(&n.name) != now.as_ref() && n.name != nats.nodes[i].name)
+        .unwrap_or((i + 1) % 3);
+    nats.nodes[f].kill();
+    agent.stop();
+    nats.nodes[f].start().unwrap();
+    wait_metric(
+        "the checker taking every batch",
+        &[&checker.admin],
+        "revenant_checker_messages_total",
+        agent.published() as f64,
+    );
+    checker.stop();
+    assert_once_and_as_check(dir.path(), &events, &checker.violations());
+}

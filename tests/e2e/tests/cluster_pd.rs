@@ -1,0 +1,306 @@
+//! Cluster mode on real processes: the simulator's router, prefill and decode as three "nodes",
+//! each bound to its own loopback address (127.0.3.1, 127.0.1.1, 127.0.2.1), one
+//! `revenant agent --ebpf on` per node watching only that node's process (the prefill node's
+//! clock 20 ms ahead, inside the 50 ms skew bound), a three-node NATS cluster holding an R3
+//! stream, and two `revenant checker`s sharing four partitions. From eBPF alone, a router that
+//! hands rejected requests to decode is caught once per request; a correct router and one that
+//! cancels the decode leg concurrently (smg 1.13.0) stay silent.
+//!
+//! Root only (the agents load eBPF probes), release builds (`REVENANT_BIN`/`PD_SIM_BIN`, as
+//! `cargo xtask test` passes them).
+
+// Shared with the other end-to-end files; this one uses only the binaries and the serial lock.
+#[allow(dead_code)]
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use test_harness::{
+    Cluster, Nats, Proc, http_get, metric_sum, notifications, parse_metrics, read_jsonl_so_far,
+    tail,
+};
+
+use common::{bins, serial};
+
+const WAIT: Duration = Duration::from_secs(60);
+
+struct Member {
+    proc: Proc,
+    admin: String,
+    dir: PathBuf,
+}
+
+fn start(name: &str, dir: &Path, mut c: Command) -> Member {
+    std::fs::create_dir_all(dir).unwrap();
+    c.arg("--ready-file")
+        .arg(dir.join("ready"))
+        .arg("--spool-dir")
+        .arg(dir.join("spool"))
+        .args(["--admin", "127.0.0.1:0", "--log-format", "json"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(dir.join("stderr")).unwrap());
+    let mut proc = Proc::spawn(name, &mut c).unwrap();
+    let deadline = Instant::now() + WAIT;
+    loop {
+        if let Ok(t) = std::fs::read_to_string(dir.join("ready"))
+            && let Ok(v) = serde_json::from_str::<Value>(&t)
+        {
+            return Member {
+                proc,
+                admin: v["admin"].as_str().unwrap().to_owned(),
+                dir: dir.into(),
+            };
+        }
+        if let Some(s) = proc.exited() {
+            panic!("{name} exited ({s}):\n{}", tail(&dir.join("stderr"), 30));
+        }
+        assert!(Instant::now() < deadline, "{name} not ready");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn metric(admin: &str, name: &str) -> f64 {
+    match http_get(&format!("http://{admin}/metrics")) {
+        Ok((200, body)) => metric_sum(&parse_metrics(&body), name, &[]),
+        _ => -1.0,
+    }
+}
+
+fn stop(m: &mut Member) {
+    let status = m.proc.stop(libc::SIGTERM, WAIT);
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "{}: {status:?}\n{}",
+        m.proc.name,
+        tail(&m.dir.join("stderr"), 20)
+    );
+}
+
+struct Outcome {
+    notifications: Vec<Value>,
+    rooms: Vec<Value>,
+    load: Value,
+    routed: f64,
+}
+
+fn run(mode: &str, load_args: &[&str]) -> Outcome {
+    assert!(
+        test_harness::is_root(),
+        "this test loads eBPF probes and must run as root (cargo xtask test does, as CI)"
+    );
+    let b = bins();
+    let dir = tempfile::Builder::new()
+        .prefix("revenant-cluster-pd-")
+        .tempdir()
+        .unwrap();
+    let nats = Nats::cluster3().unwrap();
+    let cluster = Cluster::start(
+        &b.pd_sim,
+        &[
+            "--mode",
+            mode,
+            "--router-host",
+            "127.0.3.1",
+            "--prefill-host",
+            "127.0.1.1",
+            "--decode-host",
+            "127.0.2.1",
+        ],
+        Some(&dir.path().join("pd-sim.log")),
+    )
+    .unwrap_or_else(|e| panic!("{e:#}"));
+    assert!(cluster.prefill.contains("127.0.1.1"), "{}", cluster.ready);
+    let bus = |c: &mut Command| {
+        c.args(["--nats", &nats.urls(), "--stream", "PD"]).args([
+            "--partitions",
+            "4",
+            "--replicas",
+            "3",
+        ]);
+    };
+    let mut checkers: Vec<Member> = [[0u32, 2], [1, 3]]
+        .iter()
+        .enumerate()
+        .map(|(i, own)| {
+            let d = dir.path().join(format!("checker{i}"));
+            let mut c = Command::new(&b.revenant);
+            c.arg("checker");
+            bus(&mut c);
+            c.args(["--owned-partitions", &format!("{},{}", own[0], own[1])])
+                .args(["--allowed-lateness", "2s", "--rate-limit", "0"])
+                .arg("--alerts-jsonl")
+                .arg(d.join("alerts.jsonl"));
+            start(&format!("checker {i}"), &d, c)
+        })
+        .collect();
+    let mut agents: Vec<Member> = cluster
+        .pids
+        .iter()
+        .map(|(role, pid)| {
+            let d = dir.path().join(format!("agent-{role}"));
+            let mut c = Command::new(&b.revenant);
+            c.arg("agent");
+            bus(&mut c);
+            c.args(["--node", &format!("{role}-node"), "--ebpf", "on"])
+                .args(["--pid", &format!("{role}={pid}")])
+                .args(["--otlp-grpc", "off", "--otlp-http", "off"]);
+            if role == "prefill" {
+                c.args(["--clock-offset", "20ms"]);
+            }
+            start(&format!("agent {role}"), &d, c)
+        })
+        .collect();
+    let load = test_harness::run_load(
+        &b.pd_sim,
+        &cluster.router,
+        &load_args.iter().map(|s| s.to_string()).collect::<Vec<_>>(),
+        &dir.path().join("load.json"),
+        true,
+        Duration::from_secs(300),
+        None,
+    )
+    .unwrap_or_else(|e| panic!("{e:#}"))
+    .expect("not interrupted");
+    // The agents are quiet once nothing more arrives; then every deadline (500 ms window, 50 ms
+    // skew) is past the checkers' watermark (2 s lateness) after a few seconds.
+    let mut last = -1.0;
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let routed: f64 = agents
+            .iter()
+            .map(|a| metric(&a.admin, "revenant_agent_events_total"))
+            .sum();
+        if routed == last {
+            break;
+        }
+        last = routed;
+        assert!(Instant::now() < deadline, "agents never quiet");
+        std::thread::sleep(Duration::from_secs(2));
+    }
+    let rooms = cluster.prefill_rooms().unwrap();
+    let mut published = 0.0;
+    for a in &mut agents {
+        stop(a);
+        published += std::fs::read_to_string(a.dir.join("stderr"))
+            .unwrap()
+            .lines()
+            .rev()
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+            .find_map(|v| v["fields"]["batches_published"].as_f64())
+            .unwrap_or(0.0);
+    }
+    let deadline = Instant::now() + WAIT;
+    while checkers
+        .iter()
+        .map(|c| metric(&c.admin, "revenant_checker_messages_total"))
+        .sum::<f64>()
+        < published
+    {
+        assert!(
+            Instant::now() < deadline,
+            "checkers did not take every batch"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_secs(4));
+    let mut notifications = Vec::new();
+    for c in &mut checkers {
+        stop(c);
+        notifications.extend(read_jsonl_so_far(&c.dir.join("alerts.jsonl")));
+    }
+    drop(cluster);
+    Outcome {
+        notifications,
+        rooms,
+        load,
+        routed: last,
+    }
+}
+
+#[test]
+fn three_nodes_handoff_after_reject_is_caught_once_per_request_from_ebpf_alone() {
+    let _g = serial();
+    let o = run(
+        "handoff-after-reject",
+        &[
+            "--rate",
+            "200",
+            "--requests",
+            "600",
+            "--over-capacity-share",
+            "0.1",
+        ],
+    );
+    assert_eq!(o.load["errors"], 0, "{}", o.load);
+    let expected: BTreeSet<u64> = o
+        .rooms
+        .iter()
+        .filter(|r| r["outcome"] == "rejected-transferred")
+        .map(|r| r["room"].as_u64().unwrap())
+        .collect();
+    assert!(expected.len() > 20, "too few handed off: {}", o.load);
+    let mut per_room: BTreeMap<u64, usize> = BTreeMap::new();
+    let mut per_incident: BTreeMap<String, usize> = BTreeMap::new();
+    for n in &o.notifications {
+        assert!(notifications::is_incident(n), "{n}");
+        *per_incident
+            .entry(n["incident_key"].as_str().unwrap_or("").to_string())
+            .or_default() += 1;
+        if let Some(f) = notifications::finding(n, "activity-after-rejection") {
+            assert_eq!(
+                notifications::evidence_sources(f),
+                ["ebpf"],
+                "eBPF is the only witness: {n}"
+            );
+            let room = notifications::room_of(&f["attempt"]).expect("a room");
+            *per_room.entry(room).or_default() += 1;
+        }
+    }
+    let twice: Vec<_> = per_incident.iter().filter(|(_, n)| **n > 1).collect();
+    assert!(twice.is_empty(), "notified more than once: {twice:?}");
+    let got: BTreeSet<u64> = per_room.keys().copied().collect();
+    assert_eq!(
+        got,
+        expected,
+        "{} routed; missed {:?}, unexpected {:?}",
+        o.routed,
+        expected.difference(&got).take(10).collect::<Vec<_>>(),
+        got.difference(&expected).take(10).collect::<Vec<_>>()
+    );
+    assert!(per_room.values().all(|n| *n == 1), "{per_room:?}");
+}
+
+#[test]
+fn three_nodes_correct_and_concurrent_cancel_routers_stay_silent() {
+    let _g = serial();
+    for mode in ["correct", "concurrent-cancel"] {
+        let o = run(
+            mode,
+            &[
+                "--rate",
+                "50",
+                "--requests",
+                "300",
+                "--over-capacity-share",
+                "0.1",
+            ],
+        );
+        assert_eq!(o.load["errors"], 0, "{mode}: {}", o.load);
+        assert!(
+            o.routed > 1000.0,
+            "{mode}: the agents saw too little: {}",
+            o.routed
+        );
+        assert!(
+            o.notifications.is_empty(),
+            "{mode}: {} notifications, first: {:#?}",
+            o.notifications.len(),
+            &o.notifications[..o.notifications.len().min(3)]
+        );
+    }
+}
