@@ -119,18 +119,8 @@ pub enum AgentConfigError {
 }
 
 pub fn run(args: AgentArgs) -> ExitCode {
-    let self_traces = match args.run.log.init() {
-        Ok(g) => g,
-        Err(e) => {
-            console::error(&e);
-            return ExitCode::from(2);
-        }
-    };
-    let code = run_logged(args);
-    if let Some(t) = self_traces {
-        t.shutdown();
-    }
-    code
+    let log = args.run.log.clone();
+    super::logged(&log, || run_logged(args))
 }
 
 fn run_logged(args: AgentArgs) -> ExitCode {
@@ -170,16 +160,9 @@ fn run_logged(args: AgentArgs) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let rt = match tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-    {
+    let rt = match super::runtime() {
         Ok(rt) => rt,
-        Err(e) => {
-            console::error(&format!("cannot start the runtime: {e}"));
-            return ExitCode::from(1);
-        }
+        Err(code) => return code,
     };
     if resumed.batches > 0 || resumed.corrupt > 0 {
         tracing::info!(

@@ -26,7 +26,7 @@ use crate::alert::AlertPipeline;
 use crate::bus::consumer::{self, CheckerStats, Dedup, PartitionCtx};
 use crate::bus::{BusConfig, BusConfigError};
 use crate::ingest::ebpf::EbpfMode;
-use crate::ingest::replay::{RunHeader, rules_fingerprint};
+
 use crate::pipeline::taps::{EngineMetrics, Observed};
 use crate::pipeline::{EngineTask, EventTap, ViolationSender, WatermarkClock, event_channel};
 use crate::telemetry::{ComponentKind, MemoryWatch, console};
@@ -67,22 +67,12 @@ pub enum CheckerConfigError {
 }
 
 pub fn run(mut args: CheckerArgs) -> ExitCode {
-    let self_traces = match args.run.log.init() {
-        Ok(g) => g,
-        Err(e) => {
-            console::error(&e);
-            return ExitCode::from(2);
-        }
-    };
     // The checker listens for no telemetry: its events come from the bus.
     args.run.otlp_grpc = Some("off".into());
     args.run.otlp_http = Some("off".into());
     args.run.ebpf.ebpf = EbpfMode::Off;
-    let code = run_logged(args);
-    if let Some(t) = self_traces {
-        t.shutdown();
-    }
-    code
+    let log = args.run.log.clone();
+    super::logged(&log, || run_logged(args))
 }
 
 fn run_logged(args: CheckerArgs) -> ExitCode {
@@ -120,16 +110,9 @@ fn run_logged(args: CheckerArgs) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let rt = match tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-    {
+    let rt = match super::runtime() {
         Ok(rt) => rt,
-        Err(e) => {
-            console::error(&format!("cannot start the runtime: {e}"));
-            return ExitCode::from(1);
-        }
+        Err(code) => return code,
     };
     let result = rt.block_on(checker_async(
         prepared,
@@ -198,20 +181,9 @@ async fn checker_async(
     } = p;
     let shutdown = Shutdown::new();
     let shared = Shared::new(&admin, &memory);
-    for rule in checker.rules() {
-        shared
-            .metrics
-            .declare_rule(&rule.name, rule.severity.as_str());
-    }
+    let header = super::announce_rules(&shared, &checker, &cfg);
     let stats = Arc::new(CheckerStats::default());
     consumer::register(&shared.metrics, stats.clone());
-    let header = RunHeader {
-        version: env!("CARGO_PKG_VERSION").into(),
-        allowed_lateness_ns: cfg.engine.allowed_lateness().as_nanos() as u64,
-        clock_skew_ns: cfg.engine.clock_skew().as_nanos() as u64,
-        rules: cfg.engine.rules.as_ref().map(|p| p.display().to_string()),
-        rules_fingerprint: rules_fingerprint(checker.rules()),
-    };
     let claimed = claim(&cfg, &alert, ready_file.as_ref(), &header.line())?;
     let mut b = bind(&cfg, &admin).await?;
     let mut bound = serde_json::Map::new();

@@ -49,7 +49,7 @@ use crate::pipeline::taps::{EngineMetrics, Observed, ReplayWriter, SourceActivit
 use crate::pipeline::{
     EngineTask, EngineTotals, EventSender, EventTap, ViolationSender, event_channel,
 };
-use crate::telemetry::logging::LogFormat;
+use crate::telemetry::logging::{LogArgs, LogFormat};
 use crate::telemetry::{
     ComponentKind, MemoryAccount, MemoryWatch, Metrics, Readiness, ReadyHandle, RecentViolations,
     Structure, console,
@@ -59,18 +59,59 @@ pub use prepare::{Prepared, RunArgs, RunConfigError, load_config, prepare};
 pub use shutdown::{Drain, Phase, Shutdown};
 
 pub fn run(args: RunArgs) -> ExitCode {
-    let self_traces = match args.log.init() {
+    let log = args.log.clone();
+    logged(&log, || run_logged(args))
+}
+
+/// Runs `body` with logging (and revenant's own traces, if asked for) set up from `log`, and
+/// flushes those traces once it returns: the frame of `run`, `agent` and `checker`.
+fn logged(log: &LogArgs, body: impl FnOnce() -> ExitCode) -> ExitCode {
+    let self_traces = match log.init() {
         Ok(g) => g,
         Err(e) => {
             console::error(&e);
             return ExitCode::from(2);
         }
     };
-    let code = run_logged(args);
+    let code = body();
     if let Some(t) = self_traces {
         t.shutdown();
     }
     code
+}
+
+/// The runtime every long-running command runs on (two workers: the machine's sources, the
+/// engine and the outputs share them), or the exit code after saying why there is none.
+fn runtime() -> Result<tokio::runtime::Runtime, ExitCode> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| {
+            console::error(&format!("cannot start the runtime: {e}"));
+            ExitCode::from(1)
+        })
+}
+
+/// Declares every rule's series on `/metrics` (so a rule that never fired still reads 0) and
+/// returns the header the outputs' first line carries.
+fn announce_rules(
+    shared: &Shared,
+    checker: &crate::engine::check::Checker,
+    cfg: &RunConfig,
+) -> RunHeader {
+    for rule in checker.rules() {
+        shared
+            .metrics
+            .declare_rule(&rule.name, rule.severity.as_str());
+    }
+    RunHeader {
+        version: env!("CARGO_PKG_VERSION").into(),
+        allowed_lateness_ns: cfg.engine.allowed_lateness().as_nanos() as u64,
+        clock_skew_ns: cfg.engine.clock_skew().as_nanos() as u64,
+        rules: cfg.engine.rules.as_ref().map(|p| p.display().to_string()),
+        rules_fingerprint: rules_fingerprint(checker.rules()),
+    }
 }
 
 fn run_logged(args: RunArgs) -> ExitCode {
@@ -81,16 +122,9 @@ fn run_logged(args: RunArgs) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let rt = match tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-    {
+    let rt = match runtime() {
         Ok(rt) => rt,
-        Err(e) => {
-            console::error(&format!("cannot start the runtime: {e}"));
-            return ExitCode::from(1);
-        }
+        Err(code) => return code,
     };
     let result = rt.block_on(run_async(prepared));
     // The drain has already delivered or spooled everything. A task still inside synchronous
@@ -746,18 +780,7 @@ pub async fn run_async(p: Prepared) -> Result<(), RunError> {
     let shutdown = Shutdown::new();
     let shared = Shared::new(&admin, &memory);
     log_memory_plan(&memory, &cfg, &admin);
-    for rule in checker.rules() {
-        shared
-            .metrics
-            .declare_rule(&rule.name, rule.severity.as_str());
-    }
-    let header = RunHeader {
-        version: env!("CARGO_PKG_VERSION").into(),
-        allowed_lateness_ns: cfg.engine.allowed_lateness().as_nanos() as u64,
-        clock_skew_ns: cfg.engine.clock_skew().as_nanos() as u64,
-        rules: cfg.engine.rules.as_ref().map(|p| p.display().to_string()),
-        rules_fingerprint: rules_fingerprint(checker.rules()),
-    };
+    let header = announce_rules(&shared, &checker, &cfg);
     let claimed = claim(&cfg, &alert, ready_file.as_ref(), &header.line())?;
     let mut b = bind(&cfg, &admin).await?;
     let mut bound = serde_json::Map::new();
