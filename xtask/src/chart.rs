@@ -886,13 +886,13 @@ fn local_args(
 }
 
 /// `revenant SUB args --ready-file DIR/ready`, ready file within 30 s, then `/readyz` 200
-/// within 30 s. Returns the process (stopped on drop) and its admin address.
+/// within 30 s. Returns the process (stopped on drop) and its ready file's object.
 fn start_member(
     revenant: &Path,
     dir: &Path,
     sub: &str,
     args: &[String],
-) -> Result<(test_harness::Proc, String)> {
+) -> Result<(test_harness::Proc, Value)> {
     use std::time::Instant;
     let ready = dir.join("ready");
     let log = dir.join("stderr");
@@ -906,11 +906,11 @@ fn start_member(
         .stderr(std::fs::File::create(&log)?);
     let mut proc = test_harness::Proc::spawn(&format!("revenant {sub}"), &mut cmd)?;
     let deadline = Instant::now() + Duration::from_secs(30);
-    let admin = loop {
+    let announced = loop {
         if let Ok(text) = std::fs::read_to_string(&ready)
             && let Ok(v) = serde_json::from_str::<Value>(&text)
         {
-            break v["admin"].as_str().unwrap_or_default().to_string();
+            break v;
         }
         if let Some(s) = proc.exited() {
             bail!(
@@ -925,6 +925,7 @@ fn start_member(
         );
         std::thread::sleep(Duration::from_millis(50));
     };
+    let admin = announced["admin"].as_str().unwrap_or_default().to_string();
     let (code, body) = test_harness::http_get(&format!("http://{admin}/healthz"))?;
     ensure!(code == 200, "revenant {sub}: /healthz {code} {body}");
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -940,7 +941,7 @@ fn start_member(
         );
         std::thread::sleep(Duration::from_millis(200));
     }
-    Ok((proc, admin))
+    Ok((proc, announced))
 }
 
 /// Cluster mode's rendered command lines run by the real binary against a real
@@ -1006,13 +1007,25 @@ fn cluster_starts(
             &[("POD_NAME", &pod), ("POD_IP", "127.0.0.1")],
             case,
         )?;
-        let started = start_member(revenant, &dir, "checker", &args).with_context(|| {
-            format!(
-                "{case}: {pod} (partitions {owned:?}): revenant checker {}",
-                args.join(" ")
-            )
-        })?;
-        checkers.push(started);
+        let (proc, announced) =
+            start_member(revenant, &dir, "checker", &args).with_context(|| {
+                format!(
+                    "{case}: {pod} (partitions {owned:?}): revenant checker {}",
+                    args.join(" ")
+                )
+            })?;
+        // What the replica consumes, as it announces it: its file's partitions.
+        let consumed: Vec<u64> = announced["partitions"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(Value::as_u64)
+            .collect();
+        ensure!(
+            consumed == owned,
+            "{case}: {pod} consumes partitions {consumed:?}, its file says {owned:?}"
+        );
+        checkers.push(proc);
     }
     drop(checkers);
     drop(agent);
