@@ -956,16 +956,25 @@ fn cluster_starts(
     case: &str,
 ) -> Result<()> {
     let agent = &one(docs, "DaemonSet")?["spec"]["template"]["spec"]["containers"][0];
-    // An R3 stream (the chart's three NATS servers) needs three servers here too.
-    let nats = match flag(&strings(&agent["args"]), "--replicas") {
-        Some("1") => test_harness::Nats::single(),
-        Some("3") => test_harness::Nats::cluster3(),
-        other => bail!("{case}: --replicas {other:?}: the test runs NATS for 1 or 3"),
-    }
-    .context("nats-server -js (cargo xtask setup)")?;
-    let url = nats.urls();
     let base = out.join(format!("{case}-run"));
     let _ = std::fs::remove_dir_all(&base);
+    // The chart's NATS: its rendered command line, every server on loopback. An external one:
+    // a `nats-server -js` of the harness.
+    let (rendered_nats, harness_nats, url) = match kind(docs, "StatefulSet")
+        .into_iter()
+        .find(|s| s["metadata"]["labels"]["app.kubernetes.io/component"] == "nats")
+    {
+        Some(sts) => {
+            let (servers, url) = nats_starts(sts, &base.join("nats"), case)?;
+            (servers, None, url)
+        }
+        None => {
+            let nats =
+                test_harness::Nats::single().context("nats-server -js (cargo xtask setup)")?;
+            let url = nats.urls();
+            (Vec::new(), Some(nats), url)
+        }
+    };
     let write_files = |dir: &Path| -> Result<()> {
         std::fs::create_dir_all(dir)?;
         if let Some(secret) = kind(docs, "Secret").first() {
@@ -1029,9 +1038,99 @@ fn cluster_starts(
     }
     drop(checkers);
     drop(agent);
-    drop(nats);
+    drop(harness_nats);
+    drop(rendered_nats);
     let _ = std::fs::remove_dir_all(&base);
     Ok(())
+}
+
+/// The chart's NATS StatefulSet as rendered, one `nats-server` per replica on loopback: the
+/// rendered flags, with the addresses on 127.0.0.1 and free ports, the routes' stable names
+/// mapped to the servers' route ports, the store in `dir`. Returns the servers once each one's
+/// liveness check (`/healthz?js-enabled-only=true`) answers 200, and their client URLs.
+fn nats_starts(sts: &Value, dir: &Path, case: &str) -> Result<(Vec<test_harness::Proc>, String)> {
+    use std::time::Instant;
+    let name = sts["metadata"]["name"].as_str().unwrap_or_default();
+    let n = sts["spec"]["replicas"].as_u64().unwrap_or(0) as usize;
+    let c = &sts["spec"]["template"]["spec"]["containers"][0];
+    let args = strings(&c["args"]);
+    let live = c["livenessProbe"]["httpGet"]["path"]
+        .as_str()
+        .unwrap_or("/healthz");
+    let mut ports = Vec::new();
+    for _ in 0..n {
+        ports.push((
+            test_harness::free_port()?,
+            test_harness::free_port()?,
+            test_harness::free_port()?,
+        ));
+    }
+    let mut servers = Vec::new();
+    for (i, (client, route, monitor)) in ports.iter().enumerate() {
+        let pod = format!("{name}-{i}");
+        let store = dir.join(&pod);
+        std::fs::create_dir_all(&store)?;
+        let mut cmd = Command::new(test_harness::system_bin("nats-server"));
+        for a in &args {
+            let (f, v) = a.split_once('=').unwrap_or((a, ""));
+            let v = match f {
+                "--server_name" => v.replace("$(POD_NAME)", &pod),
+                "--addr" => "127.0.0.1".into(),
+                "--port" => client.to_string(),
+                "--http_port" => monitor.to_string(),
+                "--store_dir" => store.display().to_string(),
+                "--cluster" => format!("nats://127.0.0.1:{route}"),
+                "--routes" => {
+                    let mut mapped = Vec::new();
+                    for (j, r) in v.split(',').enumerate() {
+                        ensure!(
+                            r.starts_with(&format!("nats://{name}-{j}.{name}.")),
+                            "{case}: route {r} is not server {j}'s stable name"
+                        );
+                        mapped.push(format!("nats://127.0.0.1:{}", ports[j].1));
+                    }
+                    mapped.join(",")
+                }
+                _ => v.to_string(),
+            };
+            ensure!(
+                !v.contains("$("),
+                "{case}: NATS {a} needs an unset variable"
+            );
+            cmd.arg(if a.contains('=') {
+                format!("{f}={v}")
+            } else {
+                a.to_string()
+            });
+        }
+        cmd.arg("-l")
+            .arg(dir.join(format!("{pod}.log")))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        servers.push(test_harness::Proc::spawn(&pod, &mut cmd)?.with_grace(Duration::ZERO));
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    for (i, (_, _, monitor)) in ports.iter().enumerate() {
+        loop {
+            if let Ok((200, _)) =
+                test_harness::http_get(&format!("http://127.0.0.1:{monitor}{live}"))
+            {
+                break;
+            }
+            ensure!(
+                Instant::now() < deadline && servers[i].exited().is_none(),
+                "{case}: rendered NATS server {i} not healthy ({live}) within 30 s:\n{}",
+                test_harness::tail(&dir.join(format!("{name}-{i}.log")), 20)
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+    let urls: Vec<String> = ports
+        .iter()
+        .map(|(client, _, _)| format!("nats://127.0.0.1:{client}"))
+        .collect();
+    Ok((servers, urls.join(",")))
 }
 
 /// serviceMonitor.jobLabel reaches the rules' selectors and the ServiceMonitor's relabelling.
