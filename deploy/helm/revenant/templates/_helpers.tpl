@@ -17,19 +17,92 @@
 {{- end }}
 {{- end }}
 
-{{- define "revenant.selectorLabels" -}}
+{{/* The release's pods, whatever their component. */}}
+{{- define "revenant.instanceLabels" -}}
 app.kubernetes.io/name: {{ include "revenant.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "revenant.selectorLabels" -}}
+{{ include "revenant.instanceLabels" . }}
 app.kubernetes.io/component: node-agent
 {{- end }}
 
-{{- define "revenant.labels" -}}
-helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
-{{ include "revenant.selectorLabels" . }}
-app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
-app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{/* Cluster mode's checker tier and NATS. */}}
+{{- define "revenant.checkerSelectorLabels" -}}
+{{ include "revenant.instanceLabels" . }}
+app.kubernetes.io/component: checker
+{{- end }}
+
+{{- define "revenant.natsSelectorLabels" -}}
+{{ include "revenant.instanceLabels" . }}
+app.kubernetes.io/component: nats
+{{- end }}
+
+{{/* Every object's labels: the chart, its component's selector labels, version and owner. */}}
+{{- define "revenant.labelsWith" -}}
+helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include .selector .root }}
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 app.kubernetes.io/part-of: revenant
 {{- end }}
+
+{{- define "revenant.labels" -}}
+{{ include "revenant.labelsWith" (dict "root" . "selector" "revenant.selectorLabels") }}
+{{- end }}
+
+{{- define "revenant.checkerLabels" -}}
+{{ include "revenant.labelsWith" (dict "root" . "selector" "revenant.checkerSelectorLabels") }}
+{{- end }}
+
+{{- define "revenant.natsLabels" -}}
+{{ include "revenant.labelsWith" (dict "root" . "selector" "revenant.natsSelectorLabels") }}
+{{- end }}
+
+{{/* mode: all-in-one (one `revenant run` per node) or cluster (agents, checkers, NATS). */}}
+{{- define "revenant.cluster" -}}
+{{- if eq .Values.mode "cluster" }}true
+{{- else if ne .Values.mode "all-in-one" }}{{ fail (printf "mode must be all-in-one or cluster, not %q" .Values.mode) }}
+{{- end }}
+{{- end }}
+
+{{/* Whether the chart runs NATS itself: cluster mode without bus.natsUrl. */}}
+{{- define "revenant.natsInChart" -}}
+{{- if and (include "revenant.cluster" .) (not .Values.bus.natsUrl) }}true{{ end }}
+{{- end }}
+
+{{/* The --nats URLs: bus.natsUrl, or every server of the chart's NATS by its stable name. */}}
+{{- define "revenant.natsUrls" -}}
+{{- if .Values.bus.natsUrl }}
+{{- .Values.bus.natsUrl }}
+{{- else }}
+{{- $name := printf "%s-nats" (include "revenant.fullname" .) }}
+{{- $urls := list }}
+{{- range $i := until (int .Values.nats.replicas) }}
+{{- $urls = append $urls (printf "nats://%s-%d.%s.%s.svc:%v" $name $i $name $.Release.Namespace $.Values.nats.clientPort) }}
+{{- end }}
+{{- join "," $urls }}
+{{- end }}
+{{- end }}
+
+{{/* Stream replicas: bus.streamReplicas, else 3 on the chart's three-server NATS, else 1. */}}
+{{- define "revenant.streamReplicas" -}}
+{{- if .Values.bus.streamReplicas }}{{ .Values.bus.streamReplicas }}
+{{- else if and (include "revenant.natsInChart" .) (ge (int .Values.nats.replicas) 3) }}3
+{{- else }}1
+{{- end }}
+{{- end }}
+
+{{/* The bus flags agent and checker share; the stream records the partition count. */}}
+{{- define "revenant.busArgs" -}}
+- --nats={{ include "revenant.natsUrls" . }}
+- --stream={{ .Values.bus.stream }}
+- --partitions={{ .Values.bus.partitions }}
+- --replicas={{ include "revenant.streamReplicas" . }}
+- --retention={{ .Values.bus.retention }}
+{{- end }}
+
 
 {{- define "revenant.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create }}
