@@ -33,6 +33,10 @@ static TAIL_BYTES: Global<u32> = Global::new(monitor_common::DEFAULT_TAIL_BYTES)
 /// the loader reads it from tracefs.
 #[unsafe(no_mangle)]
 static FORK_CHILD_PID_OFFSET: Global<u32> = Global::new(20);
+/// Offset of `group_dead` in `sched_process_exit`'s record (kernel 6.16 and later), set by the
+/// loader from tracefs; 0 on kernels without the field.
+#[unsafe(no_mangle)]
+static EXIT_GROUP_DEAD_OFFSET: Global<u32> = Global::new(0);
 
 /// Ring-buffer bytes pending before the consumer is woken; 0 wakes it for every record.
 ///
@@ -688,16 +692,24 @@ pub fn sched_process_exit(ctx: TracePointContext) -> u32 {
     }
 }
 
-fn try_sched_process_exit(_ctx: &TracePointContext) -> Result<u32, u32> {
+fn try_sched_process_exit(ctx: &TracePointContext) -> Result<u32, u32> {
     let pid_tgid = bpf_get_current_pid_tgid();
     let tgid = (pid_tgid >> 32) as u32;
     let tid = pid_tgid as u32;
     if tid != tgid {
         // A thread of a watched process inherited an entry at clone time.
         let _ = WATCHED.remove(&tid);
-        return Ok(0);
     }
-    if WATCHED.remove(&tgid).is_ok() {
+    // The process is gone when its last thread exits, which need not be its leader: a leader
+    // that leaves with `pthread_exit` exits first while its threads go on serving. Kernels
+    // without `group_dead` can only tell the leader.
+    let off = EXIT_GROUP_DEAD_OFFSET.load() as usize;
+    let group_dead = if off == 0 {
+        tid == tgid
+    } else {
+        unsafe { ctx.read_at::<u8>(off) }.map_err(|_| 0u32)? != 0
+    };
+    if group_dead && WATCHED.remove(&tgid).is_ok() {
         send_now(&ProcEvent {
             hdr: header(kind::EXIT, pid_tgid),
             child: 0,

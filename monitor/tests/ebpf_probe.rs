@@ -375,6 +375,118 @@ fn big_prompt_room_at_the_end_prefill_rejects_decode_works() {
     assert!(!stats.coverage_degraded());
 }
 
+/// A router whose connections to both workers were open before revenant started (its
+/// keep-alive pool across an agent restart): the sockets are found in /proc, in the table of
+/// the router's own network namespace, and the request sent on them afterwards is dispatched to
+/// both workers. (The workers' ends of those connections are followed too, but the first request
+/// on each is read by a `recv` that was already waiting when the watch began: the kernel never
+/// reported its entry, so that one request is not seen at the workers; docs/deploy.md.)
+#[test]
+fn connections_open_before_the_watch_are_followed() {
+    let mut pd = start_pd("", "req-ebpf-keepalive", 1, 3000, &["--keep-alive"]);
+    let cfg = EbpfConfig {
+        discovery: pd_discovery(&pd),
+        node: Some("test-node".into()),
+        ..Default::default()
+    };
+    let mut src = start_source(cfg);
+    wait_watched(
+        &mut src,
+        &[pd.prefill.pid(), pd.decode.pid(), pd.router.pid()],
+    );
+    pd.router.go();
+    let outcome = pd.router.expect_line("{");
+    assert!(
+        outcome.contains("\"prefill\": 400") && outcome.contains("\"decode\": 200"),
+        "{outcome}"
+    );
+    let dispatched_to = |events: &[LifecycleEvent]| {
+        let mut to: Vec<Stage> = events
+            .iter()
+            .filter(|e| {
+                e.kind == Kind::Dispatched && e.ids.bootstrap_room.map(|r| r.0) == Some(pd.room)
+            })
+            .filter_map(|e| e.to)
+            .collect();
+        to.sort_by_key(|s| format!("{s:?}"));
+        to
+    };
+    let mut events = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while dispatched_to(&events).len() < 2 && Instant::now() < deadline {
+        src.drain(&mut events);
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(
+        dispatched_to(&events),
+        vec![Stage::Decode, Stage::Prefill],
+        "{events:#?}"
+    );
+    assert!(
+        events
+            .iter()
+            .filter(|e| e.stage == Stage::Router)
+            .all(|e| e.ids.request_id.as_deref() == Some("req-ebpf-keepalive"))
+    );
+}
+
+/// A router whose main thread leaves with `pthread_exit` while a thread it started goes on
+/// serving: the kernel reports the leader's exit, but the process is alive, stays watched
+/// (without a rescan to watch it again) and its request is seen.
+#[test]
+fn a_process_whose_leader_thread_exits_stays_watched() {
+    let mut pd = start_pd("", "req-ebpf-leader", 1, 3000, &["--leader-exits"]);
+    let router = pd.router.pid();
+    let cfg = EbpfConfig {
+        discovery: pd_discovery(&pd),
+        rescan_every: Duration::from_secs(3600),
+        ..Default::default()
+    };
+    let mut src = start_source(cfg);
+    wait_watched(&mut src, &[pd.prefill.pid(), pd.decode.pid(), router]);
+    // The leader leaves; its thread waits for the next line.
+    pd.router.go();
+    let status =
+        |pid: u32| std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !status(router).contains("State:\tZ") {
+        assert!(
+            Instant::now() < deadline,
+            "the leader never exited: {}",
+            status(router)
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        !status(router).contains("Threads:\t1\n"),
+        "{}",
+        status(router)
+    );
+    let mut events = Vec::new();
+    for _ in 0..10 {
+        src.drain(&mut events);
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(
+        src.watched().get(&router),
+        Some(&Role::Router),
+        "a leader thread's exit was taken for the process's"
+    );
+    pd.router.go();
+    let outcome = pd.router.expect_line("{");
+    assert!(outcome.contains("\"decode\": 200"), "{outcome}");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !has(&events, Stage::Router, Kind::Dispatched, Some(pd.room)) && Instant::now() < deadline
+    {
+        src.drain(&mut events);
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        has(&events, Stage::Router, Kind::Dispatched, Some(pd.room)),
+        "the router's request after its leader left was not seen: {events:#?}"
+    );
+}
+
 /// A router that writes each request with one `sendmsg` over a dozen iovecs (request line,
 /// each header, uneven body pieces, `bootstrap_room` cut across the last two): the kernel gathers
 /// each window across iovecs, and the router's own capture still yields the room.

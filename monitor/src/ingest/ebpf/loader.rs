@@ -176,10 +176,13 @@ impl Probes {
             tracing::warn!(error = %e, "reading sched_process_fork format; assuming offset 20");
             20
         });
+        // 0 (the leader's exit ends the process) on kernels before 6.16, which have no field.
+        let group_dead_off = exit_group_dead_offset(&tracefs).unwrap_or(0);
         let mut ebpf = EbpfLoader::new()
             .override_global("HEAD_BYTES", &cfg.head_bytes, true)
             .override_global("TAIL_BYTES", &cfg.tail_bytes, true)
             .override_global("FORK_CHILD_PID_OFFSET", &fork_off, true)
+            .override_global("EXIT_GROUP_DEAD_OFFSET", &group_dead_off, true)
             .override_global("WAKEUP_BYTES", &cfg.wakeup_bytes, true)
             .map_max_entries("EVENTS", cfg.ring_bytes)
             .load(OBJECT)
@@ -425,6 +428,13 @@ fn fork_child_pid_offset(tracefs: &Path) -> io::Result<u32> {
         .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "no child_pid field"))
 }
 
+/// Where `sched_process_exit` says whether the exiting thread was its process's last.
+fn exit_group_dead_offset(tracefs: &Path) -> Option<u32> {
+    let fmt =
+        std::fs::read_to_string(tracefs.join("events/sched/sched_process_exit/format")).ok()?;
+    parse_field_offset(&fmt, "group_dead")
+}
+
 /// Reads `offset:N` of field `name` from a tracefs `format` file.
 pub fn parse_field_offset(format: &str, name: &str) -> Option<u32> {
     format.lines().find_map(|line| {
@@ -481,6 +491,24 @@ mod tests {
         \tfield:pid_t parent_pid;\toffset:12;\tsize:4;\tsigned:1;\n\
         \tfield:__data_loc char[] child_comm;\toffset:16;\tsize:4;\tsigned:0;\n\
         \tfield:pid_t child_pid;\toffset:20;\tsize:4;\tsigned:1;\n";
+
+    /// `sched/sched_process_exit` as kernel 6.18 describes it.
+    const EXIT_FORMAT: &str = "name: sched_process_exit\nID: 369\nformat:\n\
+        \tfield:unsigned short common_type;\toffset:0;\tsize:2;\tsigned:0;\n\
+        \tfield:char comm[16];\toffset:8;\tsize:16;\tsigned:0;\n\
+        \tfield:pid_t pid;\toffset:24;\tsize:4;\tsigned:1;\n\
+        \tfield:int prio;\toffset:28;\tsize:4;\tsigned:1;\n\
+        \tfield:bool group_dead;\toffset:32;\tsize:1;\tsigned:0;\n";
+
+    #[test]
+    fn finds_the_exit_record_s_group_dead_flag() {
+        assert_eq!(parse_field_offset(EXIT_FORMAT, "group_dead"), Some(32));
+        let old = EXIT_FORMAT.replace(
+            "\tfield:bool group_dead;\toffset:32;\tsize:1;\tsigned:0;\n",
+            "",
+        );
+        assert_eq!(parse_field_offset(&old, "group_dead"), None);
+    }
 
     #[test]
     fn finds_field_offsets_in_tracefs_formats() {

@@ -306,28 +306,94 @@ pub fn ppid_of(pid: u32) -> Option<u32> {
     parse_stat_ppid(&s)
 }
 
+/// Process `pid` has exited: a zombie its parent has not reaped yet (still in /proc, with an
+/// empty command line and no sockets), or gone altogether. A zombie leader whose threads go on
+/// (it left with `pthread_exit`) is alive.
+pub fn has_exited(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| parse_status_exited(&s))
+        .unwrap_or(true)
+}
+
+fn parse_status_exited(status: &str) -> Option<bool> {
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .map(str::trim)
+    };
+    let state = field("State:")?.chars().next()?;
+    let threads: u32 = field("Threads:")?.parse().ok()?;
+    Some(matches!(state, 'Z' | 'X') && threads <= 1)
+}
+
 fn parse_stat_ppid(stat: &str) -> Option<u32> {
     let rest = &stat[stat.rfind(')')? + 1..];
     rest.split_whitespace().nth(1)?.parse().ok()
 }
 
-/// The process listening on TCP `port` of this host (loopback or any address), if one is.
-pub fn listener_pid(port: u16) -> Option<u32> {
-    let inodes: Vec<u64> = tcp_table(Path::new("/proc"))
-        .into_values()
-        .filter(|e| {
-            e.listen
-                && e.local.port() == port
-                && (e.local.ip().is_loopback() || e.local.ip().is_unspecified())
+/// The process listening on TCP `port` on loopback or any address, in one of the network
+/// namespaces `tables` holds, if one is. A loopback address learnt from a watched process's
+/// traffic is one of that process's namespace: `tables` are the watched processes' (a process
+/// of another namespace holds none of their sockets).
+pub fn listener_pid(port: u16, tables: &NetTables) -> Option<u32> {
+    all_pids().into_iter().find(|&pid| {
+        socket_fds(pid).iter().any(|(_, ino)| {
+            tables.get(ino).is_some_and(|e| {
+                e.listen
+                    && e.local.port() == port
+                    && (e.local.ip().is_loopback() || e.local.ip().is_unspecified())
+            })
         })
-        .map(|e| e.inode)
-        .collect();
-    if inodes.is_empty() {
-        return None;
+    })
+}
+
+/// Network namespace of process `pid` (the inode `/proc/PID/ns/net` names).
+pub fn netns_of(pid: u32) -> Option<u64> {
+    let link = std::fs::read_link(format!("/proc/{pid}/ns/net")).ok()?;
+    link.to_str()?
+        .strip_prefix("net:[")?
+        .strip_suffix(']')?
+        .parse()
+        .ok()
+}
+
+/// Socket inode -> TCP entry over the network namespaces of some processes. Each namespace's
+/// table is read once, through one of its processes (`/proc/PID/net/tcp{,6}`: the table of the
+/// namespace that process is in, not revenant's own); socket inodes are unique across
+/// namespaces, so one map holds them all.
+#[derive(Debug, Default)]
+pub struct NetTables {
+    entries: HashMap<u64, TcpEntry>,
+    /// Namespaces read already.
+    seen: std::collections::HashSet<u64>,
+}
+
+impl NetTables {
+    /// The tables of the namespaces of `pids`.
+    pub fn of(pids: impl IntoIterator<Item = u32>) -> NetTables {
+        let mut t = NetTables::default();
+        for pid in pids {
+            t.add(pid);
+        }
+        t
     }
-    all_pids()
-        .into_iter()
-        .find(|&pid| socket_fds(pid).iter().any(|(_, ino)| inodes.contains(ino)))
+
+    /// Adds the table of `pid`'s namespace unless it is there already.
+    pub fn add(&mut self, pid: u32) {
+        if let Some(ns) = netns_of(pid)
+            && !self.seen.insert(ns)
+        {
+            return;
+        }
+        self.entries
+            .extend(tcp_table(Path::new(&format!("/proc/{pid}"))));
+    }
+
+    pub fn get(&self, inode: &u64) -> Option<&TcpEntry> {
+        self.entries.get(inode)
+    }
 }
 
 /// All process ids in /proc.
@@ -411,7 +477,8 @@ fn parse_hex_addr(s: &str) -> Option<SocketAddr> {
     Some(SocketAddr::new(ip, port))
 }
 
-/// Socket inode → TCP entry, for the whole host network namespace.
+/// Socket inode → TCP entry from `PROC_ROOT/net/tcp{,6}`: with `/proc/PID` as the root, the
+/// table of the network namespace process PID is in.
 pub fn tcp_table(proc_root: &Path) -> HashMap<u64, TcpEntry> {
     let mut out = HashMap::new();
     for f in ["net/tcp", "net/tcp6"] {
@@ -569,6 +636,15 @@ mod tests {
         assert_eq!(Role::Unknown.stage(), None);
         assert_eq!(parse_stat_ppid("77 (a) b (c)) S 12 77 77 0 -1"), Some(12));
         assert_eq!(parse_stat_ppid("garbage"), None);
+        let status = |state: &str, threads: u32| {
+            format!("Name:\tpython3\nState:\t{state}\nTgid:\t7\nThreads:\t{threads}\n")
+        };
+        assert_eq!(parse_status_exited(&status("Z (zombie)", 1)), Some(true));
+        assert_eq!(parse_status_exited(&status("Z (zombie)", 2)), Some(false));
+        assert_eq!(parse_status_exited(&status("S (sleeping)", 1)), Some(false));
+        assert_eq!(parse_status_exited("garbage"), None);
+        assert!(!has_exited(std::process::id()));
+        assert!(has_exited(u32::MAX));
     }
 
     #[test]
@@ -583,6 +659,21 @@ mod tests {
                 (Role::Decode, "::1".into(), 31002)
             ]
         );
+    }
+
+    /// The table is the one of the process's own namespace, read through `/proc/PID/net`.
+    #[test]
+    fn a_process_s_sockets_are_named_from_its_namespace_table() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        let me = std::process::id();
+        let tables = NetTables::of([me, me]);
+        let named = socket_fds(me)
+            .iter()
+            .filter_map(|(_, ino)| tables.get(ino))
+            .any(|e| e.listen && e.local.port() == port);
+        assert!(named, "the listener on {port} is in /proc/{me}/net/tcp");
+        assert_eq!(listener_pid(port, &tables), Some(me));
     }
 
     #[test]

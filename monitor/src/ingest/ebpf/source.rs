@@ -8,7 +8,6 @@
 use std::collections::{HashMap, HashSet};
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::os::fd::{AsRawFd, RawFd};
-use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::time::{Duration, Instant};
@@ -271,7 +270,9 @@ impl Inner {
                 }
             }
         }
-        let table = procs::tcp_table(Path::new("/proc"));
+        // The table of the process's own network namespace (a serving pod's, when revenant
+        // runs in a pod of its own).
+        let table = procs::NetTables::of([pid]);
         for (fd, inode) in procs::socket_fds(pid) {
             let Some(entry) = table.get(&inode) else {
                 continue;
@@ -302,7 +303,11 @@ impl Inner {
             let Some(args) = procs::read_cmdline(pid) else {
                 continue;
             };
+            // A process that exited and that its parent has not reaped yet is still in /proc
+            // (a `--pid` rule matches it whatever its empty command line): it is not watched
+            // again, it is gone.
             if let Some(role) = self.cfg.discovery.classify(pid, &args)
+                && !procs::has_exited(pid)
                 && let Err(e) = self.watch(pid, role)
             {
                 tracing::warn!(pid, error = %e, "eBPF: cannot watch process");
@@ -316,7 +321,7 @@ impl Inner {
     fn scan_listeners(&mut self) {
         self.last_listener_scan = Some(Instant::now());
         self.listeners_stale = false;
-        let table = procs::tcp_table(Path::new("/proc"));
+        let table = procs::NetTables::of(self.watched.keys().copied());
         let watched: Vec<(u32, Role)> = self.watched.iter().map(|(p, r)| (*p, *r)).collect();
         for (pid, role) in watched {
             for (_, inode) in procs::socket_fds(pid) {
@@ -417,7 +422,10 @@ impl Inner {
         let pid = match from {
             Learned::Process(pid) => Some(pid),
             Learned::Address(addr) if addr.ip().is_loopback() || addr.ip().is_unspecified() => {
-                procs::listener_pid(addr.port())
+                procs::listener_pid(
+                    addr.port(),
+                    &procs::NetTables::of(self.watched.keys().copied()),
+                )
             }
             Learned::Address(_) => None,
         };
