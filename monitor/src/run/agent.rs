@@ -20,7 +20,7 @@ use super::shutdown::{self, Drain, Phase, Shutdown};
 use super::{
     Bound, RunArgs, RunError, Shared, announce_ready, bind, force_exit_on_signal, start_sources,
 };
-use crate::admin::AdminState;
+
 use crate::bus::batcher::Batcher;
 use crate::bus::publisher::{self, AgentStats};
 use crate::bus::spool::Outbox;
@@ -254,16 +254,7 @@ async fn agent_async(
     let mut bound = serde_json::Map::new();
     let admin_task = b.admin.take().map(|server| {
         bound.insert("admin".into(), server.local_addr().to_string().into());
-        let state = AdminState {
-            metrics: shared.metrics.clone(),
-            readiness: shared.readiness.clone(),
-            violations: shared.recent.clone(),
-            timeline: shared.timeline.clone(),
-        };
-        let handle = shared.readiness.register("admin", ComponentKind::Server);
-        let task = tokio::spawn(server.serve(state, shutdown.at(Phase::StopAdmin)));
-        handle.ready();
-        task
+        super::serve_admin(server, &shared, &shutdown)
     });
     let client = crate::bus::connect(&bus, &format!("revenant-agent {}", cfg.node_name()))
         .await

@@ -93,6 +93,25 @@ fn runtime() -> Result<tokio::runtime::Runtime, ExitCode> {
         })
 }
 
+/// Serves the admin API on `server` until the shutdown reaches it, registered (and ready) in
+/// the readiness report.
+fn serve_admin(
+    server: AdminServer,
+    shared: &Shared,
+    shutdown: &Shutdown,
+) -> JoinHandle<Result<(), crate::admin::AdminError>> {
+    let state = AdminState {
+        metrics: shared.metrics.clone(),
+        readiness: shared.readiness.clone(),
+        violations: shared.recent.clone(),
+        timeline: shared.timeline.clone(),
+    };
+    let handle = shared.readiness.register("admin", ComponentKind::Server);
+    let task = tokio::spawn(server.serve(state, shutdown.at(Phase::StopAdmin)));
+    handle.ready();
+    task
+}
+
 /// Declares every rule's series on `/metrics` (so a rule that never fired still reads 0) and
 /// returns the header the outputs' first line carries.
 fn announce_rules(
@@ -348,16 +367,7 @@ fn start_outputs(
         if alert.external_url.is_none() {
             alert.external_url = Some(format!("http://{}", server.local_addr()));
         }
-        let state = AdminState {
-            metrics: shared.metrics.clone(),
-            readiness: shared.readiness.clone(),
-            violations: shared.recent.clone(),
-            timeline: shared.timeline.clone(),
-        };
-        let handle = shared.readiness.register("admin", ComponentKind::Server);
-        let task = tokio::spawn(server.serve(state, shutdown.at(Phase::StopAdmin)));
-        handle.ready();
-        task
+        serve_admin(server, shared, shutdown)
     });
     let alerts = opened.start(
         alert,
