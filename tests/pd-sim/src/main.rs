@@ -97,6 +97,9 @@ fn main() -> std::process::ExitCode {
         }
     };
     let res = rt.block_on(async move {
+        if !matches!(cli.cmd, Cmd::Load(_) | Cmd::Intrude(_)) {
+            pd_sim::serve::install_shutdown_signals();
+        }
         match cli.cmd {
             Cmd::Prefill(a) => run_worker(worker::Role::Prefill, a).await,
             Cmd::Decode(a) => run_worker(worker::Role::Decode, a).await,

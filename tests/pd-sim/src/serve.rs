@@ -268,18 +268,46 @@ pub fn print_ready(v: serde_json::Value) {
     let _ = out.flush();
 }
 
-/// Wait for SIGINT or SIGTERM.
+/// SIGINT/SIGTERM seen by the process, once handlers are installed (`None` if they could not be).
+static SHUTDOWN: std::sync::OnceLock<Option<tokio::sync::watch::Sender<bool>>> =
+    std::sync::OnceLock::new();
+
+/// Install the SIGINT/SIGTERM handlers now (inside a runtime). A server calls this before it
+/// prints READY: a signal sent right after READY, before anything awaits [`shutdown_signal`],
+/// must still stop it gracefully rather than kill it with the default disposition.
+pub fn install_shutdown_signals() {
+    SHUTDOWN.get_or_init(|| {
+        use tokio::signal::unix::{SignalKind, signal};
+        let (mut term, mut int) = match (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::interrupt()),
+        ) {
+            (Ok(t), Ok(i)) => (t, i),
+            _ => return None,
+        };
+        let (tx, _) = tokio::sync::watch::channel(false);
+        let notify = tx.clone();
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = int.recv() => {}
+            }
+            notify.send_replace(true);
+        });
+        Some(tx)
+    });
+}
+
+/// Wait for SIGINT or SIGTERM (any signal since [`install_shutdown_signals`] counts).
 pub async fn shutdown_signal() {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut term = match signal(SignalKind::terminate()) {
-        Ok(s) => s,
-        Err(_) => {
-            let _ = tokio::signal::ctrl_c().await;
-            return;
+    install_shutdown_signals();
+    match SHUTDOWN.get().and_then(Option::as_ref) {
+        Some(tx) => {
+            let mut rx = tx.subscribe();
+            let _ = rx.wait_for(|&stop| stop).await;
         }
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => {}
+        None => {
+            let _ = tokio::signal::ctrl_c().await;
+        }
     }
 }
