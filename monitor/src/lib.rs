@@ -6,6 +6,7 @@
 //! component reports through; [`admin`] is the HTTP surface on top. [`config`] is `revenant run`'s
 //! configuration file and flags, [`cmd`] the offline subcommands.
 
+pub mod access;
 pub mod addr;
 pub mod admin;
 pub mod alert;

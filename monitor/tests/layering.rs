@@ -18,6 +18,7 @@ const LAYERS: &[(&str, u32)] = &[
     ("node", 0),
     ("violation", 1),
     ("telemetry", 2),
+    ("access", 3),
     ("engine", 3),
     ("normalize", 3),
     ("alert", 3),

@@ -254,7 +254,12 @@ proptest! {
         rt.block_on(async {
             let (tx, mut rx) = tokio::sync::mpsc::channel(4);
             let ingest = Arc::new(Ingest::new(tx, Normalizer::new(&small_tree()).unwrap(), Arc::new(OtlpStats::default()), 1000, Arc::new(revenant::telemetry::MemoryAccount::unlimited())));
-            let app = revenant::ingest::otlp::http::router(ingest.clone(), 4096, 8192);
+            let app = revenant::ingest::otlp::http::router(
+                ingest.clone(),
+                4096,
+                8192,
+                revenant::access::Access::open(),
+            );
             let mut req = http::Request::post("/v1/traces").header("content-type", ctype);
             if gzip {
                 req = req.header("content-encoding", "gzip");

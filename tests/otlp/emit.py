@@ -18,6 +18,8 @@ Scenarios (--scenario):
   backpressure        N router spans, one export each, while revenant's pipeline is paused:
                       the SDK must see retryable errors, and every export must succeed in the end.
 Transport (--transport): grpc | http-protobuf | http-json (fixture-shaped JSON via urllib).
+--secure: TLS, configured by the OTEL_EXPORTER_OTLP_* environment (CERTIFICATE, CLIENT_KEY,
+CLIENT_CERTIFICATE, HEADERS) as a deployment would.
 
 Prints one JSON object on stdout: what was sent (ids) and what the exporter saw.
 """
@@ -79,13 +81,18 @@ class RecordingExporter:
 
 
 def make_exporter(args):
+    # --secure: https endpoints, and everything else (CA, client certificate, the token header)
+    # from the OTEL_EXPORTER_OTLP_* environment, as a deployment configures the exporters.
     if args.transport == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
+        if args.secure:
+            return OTLPSpanExporter(endpoint=f"https://{args.grpc}", timeout=args.timeout)
         return OTLPSpanExporter(endpoint=args.grpc, insecure=True, timeout=args.timeout)
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-    return OTLPSpanExporter(endpoint=f"http://{args.http}/v1/traces", timeout=args.timeout)
+    scheme = "https" if args.secure else "http"
+    return OTLPSpanExporter(endpoint=f"{scheme}://{args.http}/v1/traces", timeout=args.timeout)
 
 
 def provider(args, service, host, exporters):
@@ -336,6 +343,7 @@ def main():
     ap.add_argument("--count", type=int, default=20)
     ap.add_argument("--timeout", type=int, default=30)
     ap.add_argument("--transient-marker", help="file created when the first retryable error is seen")
+    ap.add_argument("--secure", action="store_true", help="TLS; CA, client certificate and headers from OTEL_EXPORTER_OTLP_*")
     args = ap.parse_args()
 
     counter = TransientCounter(args.transient_marker)

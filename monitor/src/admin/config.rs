@@ -13,6 +13,11 @@ pub struct AdminArgs {
     /// Do not start the admin server.
     #[arg(long)]
     pub no_admin: bool,
+    /// Serve /metrics, /healthz and /readyz on this address of their own (plain HTTP, no
+    /// token: for scrapers and probes); the admin address keeps / and /api/* [default: the
+    /// admin address serves all].
+    #[arg(long, value_name = "ADDR", value_parser = crate::addr::parse)]
+    pub metrics_addr: Option<SocketAddr>,
     /// Violations kept for /api/violations.
     #[arg(long, default_value_t = 1000, value_name = "N")]
     pub recent_violations: usize,
@@ -29,6 +34,7 @@ impl Default for AdminArgs {
         AdminArgs {
             admin: SocketAddr::from(([127, 0, 0, 1], 9464)),
             no_admin: false,
+            metrics_addr: None,
             recent_violations: 1000,
             timeline_events: 100_000,
             source_live_window: std::time::Duration::from_secs(60),
@@ -43,6 +49,8 @@ pub enum AdminConfigError {
     RecentViolations { value: usize, max: usize },
     #[error("--timeline-events must be at most {max}, not {value}")]
     TimelineEvents { value: usize, max: usize },
+    #[error("--metrics-addr {0} is the admin address too: give it a port of its own")]
+    MetricsOnAdmin(SocketAddr),
 }
 
 /// Bounds of the admin server's in-memory rings.
@@ -56,6 +64,12 @@ impl AdminArgs {
                 value: self.recent_violations,
                 max: MAX_RECENT_VIOLATIONS,
             });
+        }
+        if let Some(m) = self.metrics_addr
+            && m == self.admin
+            && m.port() != 0
+        {
+            return Err(AdminConfigError::MetricsOnAdmin(m));
         }
         if self.timeline_events > MAX_TIMELINE_EVENTS {
             return Err(AdminConfigError::TimelineEvents {

@@ -1,4 +1,9 @@
 //! The admin HTTP server (axum): /metrics, /healthz, /readyz, /api/violations, /api/requests/{id}.
+//!
+//! `/api/*` shows request ids and timings: with a bearer token configured it answers 401
+//! without it. `/metrics`, `/healthz` and `/readyz` stay open (scrapers and probes carry no
+//! token); with `--metrics-addr` they move to a port of their own, plain HTTP, and the admin
+//! port keeps `/` and `/api/*` (over TLS when configured).
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -13,6 +18,7 @@ use axum::routing::get;
 
 use super::timeline::TimelineProvider;
 use super::violations;
+use crate::access::{Access, Alpn, Incoming, Server};
 use crate::telemetry::exposition::Format;
 use crate::telemetry::metrics::Metrics;
 use crate::telemetry::ready::Readiness;
@@ -22,6 +28,11 @@ use crate::telemetry::recent::RecentViolations;
 pub enum AdminError {
     #[error("cannot bind the admin server to {addr}: {source}")]
     Bind {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("cannot bind the metrics server to {addr}: {source}")]
+    BindMetrics {
         addr: SocketAddr,
         source: std::io::Error,
     },
@@ -36,6 +47,7 @@ pub struct AdminState {
     pub readiness: Readiness,
     pub violations: Arc<RecentViolations>,
     pub timeline: Arc<dyn TimelineProvider>,
+    pub access: Access,
 }
 
 /// The endpoints, for `/` and the answer to an unknown path.
@@ -72,40 +84,121 @@ pub(super) fn error(status: StatusCode, message: &str) -> Response {
     (status, Json(serde_json::json!({ "error": message }))).into_response()
 }
 
-pub fn router(state: AdminState) -> Router {
+/// `/metrics`, `/healthz`, `/readyz`: open to scrapers and probes.
+fn ops_routes() -> Router<AdminState> {
     Router::new()
-        .route("/", get(|| async { Json(index()) }))
         .route("/metrics", get(metrics))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
+}
+
+async fn not_found(uri: axum::http::Uri) -> Response {
+    let mut body = index();
+    body["error"] = format!("no such endpoint: {}", uri.path()).into();
+    (StatusCode::NOT_FOUND, Json(body)).into_response()
+}
+
+/// Every endpoint on one port.
+pub fn router(state: AdminState) -> Router {
+    api_router(state.clone()).merge(ops_routes().with_state(state))
+}
+
+/// `/` and `/api/*` (the admin port when `/metrics` has a port of its own).
+pub fn api_router(state: AdminState) -> Router {
+    let api = Router::new()
         .route("/api/violations", get(violations::violations))
         .route("/api/requests/{id}", get(request_timeline))
-        .fallback(|uri: axum::http::Uri| async move {
-            let mut body = index();
-            body["error"] = format!("no such endpoint: {}", uri.path()).into();
-            (StatusCode::NOT_FOUND, Json(body)).into_response()
-        })
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            require_token,
+        ));
+    Router::new()
+        .route("/", get(|| async { Json(index()) }))
+        .merge(api)
+        .fallback(not_found)
         .with_state(state)
 }
 
-/// A bound admin server; binding is separate from serving so that `run` can fail fast (exit 2)
-/// on a taken port before starting anything else.
+/// The metrics port: `/metrics`, `/healthz`, `/readyz`.
+pub fn ops_router(state: AdminState) -> Router {
+    ops_routes().fallback(not_found).with_state(state)
+}
+
+/// 401 without the bearer token, when one is configured.
+async fn require_token(
+    State(s): State<AdminState>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if let Some(token) = &s.access.token
+        && !token.admits(
+            req.headers()
+                .get(header::AUTHORIZATION)
+                .map(|v| v.as_bytes()),
+        )
+    {
+        s.access.stats.unauthenticated(Server::Admin);
+        let mut resp = error(
+            StatusCode::UNAUTHORIZED,
+            "missing or wrong bearer token (authorization: Bearer <token>)",
+        );
+        resp.headers_mut().insert(
+            header::WWW_AUTHENTICATE,
+            axum::http::HeaderValue::from_static("Bearer"),
+        );
+        return resp;
+    }
+    next.run(req).await
+}
+
+/// A bound admin server (and metrics server); binding is separate from serving so that `run`
+/// can fail fast (exit 2) on a taken port before starting anything else.
 pub struct AdminServer {
-    listener: tokio::net::TcpListener,
+    incoming: Incoming,
+    local: SocketAddr,
+    metrics: Option<(tokio::net::TcpListener, SocketAddr)>,
 }
 
 impl AdminServer {
-    pub async fn bind(addr: SocketAddr) -> Result<AdminServer, AdminError> {
+    /// Binds `addr` (TLS when `access` has it) and, if given, `metrics_addr` (plain HTTP).
+    pub async fn bind(
+        addr: SocketAddr,
+        metrics_addr: Option<SocketAddr>,
+        access: &Access,
+    ) -> Result<AdminServer, AdminError> {
+        let bind_err = |source| AdminError::Bind { addr, source };
         let listener = tokio::net::TcpListener::bind(addr)
             .await
-            .map_err(|source| AdminError::Bind { addr, source })?;
-        Ok(AdminServer { listener })
+            .map_err(bind_err)?;
+        let local = listener.local_addr().map_err(bind_err)?;
+        let incoming = access
+            .incoming(listener, Alpn::Http1, Server::Admin)
+            .map_err(bind_err)?;
+        let metrics = match metrics_addr {
+            None => None,
+            Some(addr) => {
+                let bind_err = |source| AdminError::BindMetrics { addr, source };
+                let l = tokio::net::TcpListener::bind(addr)
+                    .await
+                    .map_err(bind_err)?;
+                let local = l.local_addr().map_err(bind_err)?;
+                Some((l, local))
+            }
+        };
+        Ok(AdminServer {
+            incoming,
+            local,
+            metrics,
+        })
     }
 
     pub fn local_addr(&self) -> SocketAddr {
-        self.listener
-            .local_addr()
-            .expect("a bound TCP listener has an address")
+        self.local
+    }
+
+    /// The metrics server's address, when `/metrics` has a port of its own.
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics.as_ref().map(|(_, a)| *a)
     }
 
     /// Serves until `shutdown` completes.
@@ -114,11 +207,45 @@ impl AdminServer {
         state: AdminState,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> Result<(), AdminError> {
-        tracing::info!(addr = %self.local_addr(), "admin server listening");
-        axum::serve(self.listener, router(state))
-            .with_graceful_shutdown(shutdown)
-            .await
-            .map_err(AdminError::Serve)
+        tracing::info!(addr = %self.local, tls = state.access.tls.is_some(), "admin server listening");
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        let stopped = move || {
+            let mut rx = stop_rx.clone();
+            async move {
+                let _ = rx.wait_for(|&s| s).await;
+            }
+        };
+        tokio::spawn(async move {
+            shutdown.await;
+            let _ = stop_tx.send(true);
+        });
+        let ops = match self.metrics {
+            None => None,
+            Some((l, addr)) => {
+                tracing::info!(%addr, "metrics server listening");
+                let app = ops_router(state.clone());
+                Some(tokio::spawn(
+                    axum::serve(l, app)
+                        .with_graceful_shutdown(stopped())
+                        .into_future(),
+                ))
+            }
+        };
+        let app = match ops {
+            None => router(state),
+            Some(_) => api_router(state),
+        };
+        let served = match self.incoming {
+            Incoming::Plain(l) => axum::serve(l, app).with_graceful_shutdown(stopped()).await,
+            Incoming::Tls(l) => axum::serve(l, app).with_graceful_shutdown(stopped()).await,
+        };
+        if let Some(ops) = ops {
+            match ops.await {
+                Ok(r) => r.map_err(AdminError::Serve)?,
+                Err(e) => return Err(AdminError::Serve(std::io::Error::other(e))),
+            }
+        }
+        served.map_err(AdminError::Serve)
     }
 }
 
@@ -187,6 +314,7 @@ mod tests {
             metrics,
             violations: Arc::new(RecentViolations::new(10)),
             timeline,
+            access: Access::open(),
         }
     }
 

@@ -9,6 +9,7 @@
 //! engine: { clock_skew: 50ms, allowed_lateness: 15s }
 //! alert: { webhooks: [{ url: "https://hooks.example/revenant" }] }
 //! admin: { addr: 127.0.0.1:9464 }
+//! access: { tls: { cert: tls.crt, key: tls.key }, auth_token_file: token }
 //! channel_capacity: 1024
 //! drain_timeout: 10s
 //! ```
@@ -48,6 +49,9 @@ pub struct RunConfig {
     pub alert: AlertConfig,
     #[serde(default)]
     pub admin: AdminConfig,
+    /// TLS and the bearer token for the OTLP receivers and the admin server.
+    #[serde(default)]
+    pub access: crate::access::AccessConfig,
     /// Cluster mode (`revenant agent`, `revenant checker`): NATS, stream, partitions, batches.
     #[serde(default)]
     pub bus: crate::bus::BusConfig,
@@ -126,6 +130,9 @@ pub struct AdminConfig {
     /// Listen address; `null` does not start the server (`--no-admin`).
     #[serde(deserialize_with = "crate::addr::deserialize_option")]
     pub addr: Option<SocketAddr>,
+    /// `/metrics`, `/healthz`, `/readyz` on an address of their own (plain HTTP, no token).
+    #[serde(deserialize_with = "crate::addr::deserialize_option")]
+    pub metrics_addr: Option<SocketAddr>,
     /// Violations kept for /api/violations.
     pub recent_violations: usize,
     /// Events kept for /api/requests/{id}.
@@ -140,6 +147,7 @@ impl Default for AdminConfig {
         let a = crate::admin::AdminArgs::default();
         AdminConfig {
             addr: Some(a.admin),
+            metrics_addr: None,
             recent_violations: a.recent_violations,
             timeline_events: a.timeline_events,
             source_live_window: a.source_live_window,

@@ -234,11 +234,12 @@ async fn agent_async(
         memory,
         normalizer,
         admin,
+        access,
         ready_file,
         ..
     } = p;
     let shutdown = Shutdown::new();
-    let shared = Shared::new(&admin, &memory);
+    let shared = Shared::new(&admin, &memory, access);
     let stats = Arc::new(AgentStats::default());
     publisher::register(&shared.metrics, stats.clone());
     if let Some(path) = &ready_file {
@@ -250,10 +251,13 @@ async fn agent_async(
                 source,
             })?;
     }
-    let mut b: Bound = bind(&cfg, &admin).await?;
+    let mut b: Bound = bind(&cfg, &admin, &shared, &shutdown).await?;
     let mut bound = serde_json::Map::new();
     let admin_task = b.admin.take().map(|server| {
         bound.insert("admin".into(), server.local_addr().to_string().into());
+        if let Some(m) = server.metrics_addr() {
+            bound.insert("metrics".into(), m.to_string().into());
+        }
         super::serve_admin(server, &shared, &shutdown)
     });
     let client = crate::bus::connect(&bus, &format!("revenant-agent {}", cfg.node_name()))

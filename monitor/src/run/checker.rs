@@ -175,17 +175,18 @@ async fn checker_async(
         checker,
         mut alert,
         admin,
+        access,
         ready_file,
         pause_file,
         ..
     } = p;
     let shutdown = Shutdown::new();
-    let shared = Shared::new(&admin, &memory);
+    let shared = Shared::new(&admin, &memory, access);
     let header = super::announce_rules(&shared, &checker, &cfg);
     let stats = Arc::new(CheckerStats::default());
     consumer::register(&shared.metrics, stats.clone());
     let claimed = claim(&cfg, &alert, ready_file.as_ref(), &header.line())?;
-    let mut b = bind(&cfg, &admin).await?;
+    let mut b = bind(&cfg, &admin, &shared, &shutdown).await?;
     let mut bound = serde_json::Map::new();
     let outputs = start_outputs(
         &mut alert,

@@ -36,6 +36,7 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::task::{JoinHandle, JoinSet};
 
+use crate::access::{Access, Alpn, Incoming, Server};
 use crate::admin::timeline::TimelineTap;
 use crate::admin::{AdminArgs, AdminServer, AdminState, RecentEvents, RecentEventsLimits};
 use crate::alert::{AlertConfig, AlertPipeline, DispatchReport, OpenedAlerts};
@@ -105,6 +106,7 @@ fn serve_admin(
         readiness: shared.readiness.clone(),
         violations: shared.recent.clone(),
         timeline: shared.timeline.clone(),
+        access: shared.access.clone(),
     };
     let handle = shared.readiness.register("admin", ComponentKind::Server);
     let task = tokio::spawn(server.serve(state, shutdown.at(Phase::StopAdmin)));
@@ -224,14 +226,18 @@ struct Shared {
     recent: Arc<RecentViolations>,
     timeline: Arc<RecentEvents>,
     memory: Arc<MemoryAccount>,
+    /// TLS and token of every server.
+    access: Access,
 }
 
 impl Shared {
-    fn new(admin: &AdminArgs, plan: &memory::MemoryPlan) -> Shared {
+    fn new(admin: &AdminArgs, plan: &memory::MemoryPlan, access: Access) -> Shared {
         let metrics = Arc::new(Metrics::new());
         let account = Arc::new(plan.account());
         crate::telemetry::memory::register(&metrics, account.clone());
+        access.register(&metrics);
         Shared {
+            access,
             memory: account,
             readiness: Readiness::new(metrics.clone(), admin.source_live_window),
             recent: Arc::new(RecentViolations::new(admin.recent_violations)),
@@ -247,8 +253,8 @@ impl Shared {
 /// The listeners, bound, and the eBPF source, loaded.
 struct Bound {
     admin: Option<AdminServer>,
-    grpc: Option<(TcpListener, SocketAddr)>,
-    http: Option<(TcpListener, SocketAddr)>,
+    grpc: Option<(Incoming, SocketAddr)>,
+    http: Option<(Incoming, SocketAddr)>,
     ebpf: EbpfStart,
 }
 
@@ -296,30 +302,45 @@ fn claim(
 }
 
 /// Binds every port and loads the probes; a failure here is a configuration problem (exit 2).
-async fn bind(cfg: &RunConfig, admin: &AdminArgs) -> Result<Bound, RunError> {
+/// From here on the TLS and token files are re-read when they change, until the admin stops.
+async fn bind(
+    cfg: &RunConfig,
+    admin: &AdminArgs,
+    shared: &Shared,
+    shutdown: &Shutdown,
+) -> Result<Bound, RunError> {
+    let access = &shared.access;
     let admin = match admin.no_admin {
         true => None,
-        false => Some(AdminServer::bind(admin.admin).await.map_err(|e| match e {
-            crate::admin::AdminError::Bind { addr, source } => RunError::Bind {
-                what: "admin",
-                addr,
-                source,
-            },
-            other => RunError::Receiver(other.to_string()),
-        })?),
+        false => Some(
+            AdminServer::bind(admin.admin, admin.metrics_addr, access)
+                .await
+                .map_err(|e| match e {
+                    crate::admin::AdminError::Bind { addr, source } => RunError::Bind {
+                        what: "admin",
+                        addr,
+                        source,
+                    },
+                    crate::admin::AdminError::BindMetrics { addr, source } => RunError::Bind {
+                        what: "metrics",
+                        addr,
+                        source,
+                    },
+                    other => RunError::Receiver(other.to_string()),
+                })?,
+        ),
     };
-    let listen = |what: &'static str, addr: Option<SocketAddr>| async move {
+    let listen = |what: &'static str, addr: Option<SocketAddr>, alpn, server| async move {
         let Some(addr) = addr else { return Ok(None) };
-        let l = TcpListener::bind(addr)
-            .await
-            .map_err(|source| RunError::Bind { what, addr, source })?;
-        let local = l
-            .local_addr()
-            .map_err(|source| RunError::Bind { what, addr, source })?;
-        Ok::<_, RunError>(Some((l, local)))
+        let bind_err = |source| RunError::Bind { what, addr, source };
+        let l = TcpListener::bind(addr).await.map_err(bind_err)?;
+        let local = l.local_addr().map_err(bind_err)?;
+        let incoming = access.incoming(l, alpn, server).map_err(bind_err)?;
+        Ok::<_, RunError>(Some((incoming, local)))
     };
-    let grpc = listen("otlp-grpc", cfg.otlp.grpc).await?;
-    let http = listen("otlp-http", cfg.otlp.http).await?;
+    let grpc = listen("otlp-grpc", cfg.otlp.grpc, Alpn::H2, Server::OtlpGrpc).await?;
+    let http = listen("otlp-http", cfg.otlp.http, Alpn::Http1, Server::OtlpHttp).await?;
+    tokio::spawn(access.clone().watch(shutdown.at(Phase::StopAdmin)));
     let ebpf = cfg
         .ebpf
         .start(Some(cfg.node_name()))
@@ -364,8 +385,15 @@ fn start_outputs(
 ) -> Outputs {
     let admin = admin.map(|server| {
         bound.insert("admin".into(), server.local_addr().to_string().into());
+        if let Some(m) = server.metrics_addr() {
+            bound.insert("metrics".into(), m.to_string().into());
+        }
         if alert.external_url.is_none() {
-            alert.external_url = Some(format!("http://{}", server.local_addr()));
+            alert.external_url = Some(format!(
+                "{}://{}",
+                shared.access.scheme(),
+                server.local_addr()
+            ));
         }
         serve_admin(server, shared, shutdown)
     });
@@ -452,13 +480,14 @@ fn start_sources(
     let mut receivers = JoinSet::new();
     if let Some((l, addr)) = b.grpc {
         bound.insert("otlp_grpc".into(), addr.to_string().into());
-        let (ing, max, stop) = (
+        let (ing, max, access, stop) = (
             ingest.clone(),
             cfg.otlp.max_message_bytes,
+            shared.access.clone(),
             shutdown.at(Phase::StopSources),
         );
         receivers.spawn(async move {
-            otlp::grpc::serve(l, ing, max, stop)
+            otlp::grpc::serve(l, ing, max, access, stop)
                 .await
                 .map_err(|e| e.to_string())
         });
@@ -466,14 +495,15 @@ fn start_sources(
     }
     if let Some((l, addr)) = b.http {
         bound.insert("otlp_http".into(), addr.to_string().into());
-        let (ing, max, maxd, stop) = (
+        let (ing, max, maxd, access, stop) = (
             ingest.clone(),
             cfg.otlp.max_message_bytes,
             cfg.otlp.max_decompressed_bytes,
+            shared.access.clone(),
             shutdown.at(Phase::StopSources),
         );
         receivers.spawn(async move {
-            otlp::http::serve(l, ing, max, maxd, stop)
+            otlp::http::serve(l, ing, max, maxd, access, stop)
                 .await
                 .map_err(|e| e.to_string())
         });
@@ -784,15 +814,16 @@ pub async fn run_async(p: Prepared) -> Result<(), RunError> {
         checker,
         mut alert,
         admin,
+        access,
         ready_file,
         pause_file,
     } = p;
     let shutdown = Shutdown::new();
-    let shared = Shared::new(&admin, &memory);
+    let shared = Shared::new(&admin, &memory, access);
     log_memory_plan(&memory, &cfg, &admin);
     let header = announce_rules(&shared, &checker, &cfg);
     let claimed = claim(&cfg, &alert, ready_file.as_ref(), &header.line())?;
-    let mut b = bind(&cfg, &admin).await?;
+    let mut b = bind(&cfg, &admin, &shared, &shutdown).await?;
     let mut bound = serde_json::Map::new();
     let outputs = start_outputs(
         &mut alert,

@@ -90,6 +90,7 @@ pub fn apply(cfg: &mut RunConfig, args: &RunArgs) -> Result<(), RunConfigError> 
     }
     ebpf(cfg, &args.ebpf, &args.given);
     admin(cfg, &args.admin, &args.given);
+    args.access.apply(&mut cfg.access)?;
     alert(cfg, args)
 }
 
@@ -132,6 +133,9 @@ fn admin(cfg: &mut RunConfig, a: &AdminArgs, given: &Given) {
     }
     if a.no_admin {
         c.addr = None;
+    }
+    if a.metrics_addr.is_some() {
+        c.metrics_addr = a.metrics_addr;
     }
     given.set(
         "recent_violations",
@@ -183,6 +187,7 @@ impl RunConfig {
         AdminArgs {
             admin: self.admin.addr.unwrap_or(d.admin),
             no_admin: self.admin.addr.is_none(),
+            metrics_addr: self.admin.metrics_addr,
             recent_violations: self.admin.recent_violations,
             timeline_events: self.admin.timeline_events,
             source_live_window: self.admin.source_live_window,

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use super::memory::{BudgetTooSmall, MemoryPlan};
 use super::overlay::{self, Given};
+use crate::access::{Access, AccessArgs};
 use crate::admin::AdminArgs;
 use crate::alert::{AlertArgs, AlertConfig, JsonlConfig};
 use crate::config::{ConfigFileError, RunConfig};
@@ -69,6 +70,8 @@ pub struct RunArgs {
     #[command(flatten)]
     pub admin: AdminArgs,
     #[command(flatten)]
+    pub access: AccessArgs,
+    #[command(flatten)]
     pub alert: AlertArgs,
     #[command(flatten)]
     pub log: LogArgs,
@@ -102,6 +105,8 @@ pub enum RunConfigError {
     Admin(#[from] crate::admin::config::AdminConfigError),
     #[error("eBPF: {0}")]
     Ebpf(#[from] crate::ingest::ebpf::LoadError),
+    #[error(transparent)]
+    Access(#[from] crate::access::AccessError),
 }
 
 /// Everything validated and built, no port bound yet.
@@ -114,6 +119,8 @@ pub struct Prepared {
     /// The alert configuration; `external_url` is filled in once the admin server is bound.
     pub alert: AlertConfig,
     pub admin: AdminArgs,
+    /// TLS and token, loaded.
+    pub access: Access,
     pub ready_file: Option<PathBuf>,
     pub pause_file: Option<PathBuf>,
 }
@@ -164,6 +171,7 @@ pub fn prepare(args: &RunArgs) -> Result<Prepared, RunConfigError> {
     }
     // Only the sizes are checked here: loading the probes happens once the ports are bound.
     cfg.ebpf.config(None)?;
+    let access = Access::load(&cfg.access)?;
     warn_about_pointless_settings(&cfg, &admin, &alert);
     Ok(Prepared {
         memory,
@@ -171,6 +179,7 @@ pub fn prepare(args: &RunArgs) -> Result<Prepared, RunConfigError> {
         normalizer,
         alert,
         admin,
+        access,
         ready_file: args.ready_file.clone(),
         pause_file: args.pause_file.clone(),
         cfg,

@@ -69,8 +69,25 @@ impl Revenant {
     /// Runs `tests/otlp/emit.py {args}` against its OTLP listeners: success, the last stdout
     /// line as JSON, stderr.
     pub fn emit(&self, args: &[&str]) -> (bool, serde_json::Value, String) {
+        self.emit_with_env(args, &[])
+    }
+
+    /// [`Revenant::emit`] with `env` set for the exporters (`OTEL_EXPORTER_OTLP_*`).
+    pub fn emit_with_env(
+        &self,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> (bool, serde_json::Value, String) {
         let py = venv_python();
-        let mut child = Command::new(py)
+        let mut cmd = Command::new(py);
+        if !env.is_empty() {
+            // requests lets these override the exporter's own CA file
+            // (OTEL_EXPORTER_OTLP_CERTIFICATE): a machine that sets them would test its bundle.
+            cmd.env_remove("REQUESTS_CA_BUNDLE")
+                .env_remove("CURL_CA_BUNDLE");
+        }
+        let mut child = cmd
+            .envs(env.iter().copied())
             .arg(workspace_root().join("tests/otlp/emit.py"))
             .args(["--grpc", &self.otlp_grpc, "--http", &self.otlp_http])
             .args(args)

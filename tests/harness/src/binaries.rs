@@ -186,6 +186,9 @@ pub const SYSTEM_TOOLS: &[(&str, &str)] = &[
     ("prometheus-alertmanager", "prometheus-alertmanager"),
     ("amtool", "prometheus-alertmanager"),
     ("nats-server", "nats-server"),
+    // TLS tests: a throwaway PKI, and a client that shows the handshake.
+    ("openssl", "openssl"),
+    ("curl", "curl"),
 ];
 
 /// Where `binary` is on PATH, if it is.

@@ -26,9 +26,11 @@ use opentelemetry_proto::tonic::collector::trace::v1::{
     ExportTraceServiceRequest, ExportTraceServiceResponse,
 };
 use tonic::codec::CompressionEncoding;
+use tonic::service::interceptor::ResponseBody;
 use tonic::{Request, Response, Status};
 
 use super::{AcceptError, Ingest, RejectReason, Transport};
+use crate::access::{Access, Incoming, Server};
 
 #[derive(Clone)]
 pub struct GrpcReceiver {
@@ -127,11 +129,37 @@ fn rewrite_status<B>(ingest: &Ingest, resp: &mut http::Response<B>) {
     ingest.stats.grpc_error_responses[code.min(16)].fetch_add(1, Relaxed);
 }
 
-/// Serves until `shutdown` resolves; `listener` is bound by the caller (so tests can use port 0).
+/// Refuses an export without the bearer token (before tonic decodes it): UNAUTHENTICATED,
+/// which exporters do not retry. Nothing of it reaches the engine.
+fn authorize(ingest: &Ingest, access: &Access, req: &Request<()>) -> Result<(), Status> {
+    let Some(token) = &access.token else {
+        return Ok(());
+    };
+    let given = req.metadata().get("authorization").map(|v| v.as_bytes());
+    if token.admits(given) {
+        return Ok(());
+    }
+    access.stats.unauthenticated(Server::OtlpGrpc);
+    ingest
+        .stats
+        .rejected(Transport::Grpc, RejectReason::Unauthenticated, 1);
+    let st = Status::unauthenticated("missing or wrong bearer token (authorization metadata)");
+    ingest.log_refusal(
+        Transport::Grpc,
+        RejectReason::Unauthenticated,
+        st.code() as u16,
+        st.message(),
+    );
+    Err(st)
+}
+
+/// Serves until `shutdown` resolves; `incoming` is bound by the caller (so tests can use port
+/// 0). Over TLS, only connections that completed their handshake reach tonic.
 pub async fn serve(
-    listener: tokio::net::TcpListener,
+    incoming: Incoming,
     ingest: Arc<Ingest>,
     max_message_bytes: usize,
+    access: Access,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), tonic::transport::Error> {
     let recv = GrpcReceiver {
@@ -143,17 +171,39 @@ pub async fn serve(
     let logs = LogsServiceServer::new(recv)
         .accept_compressed(CompressionEncoding::Gzip)
         .max_decoding_message_size(max_message_bytes);
-    let layer =
-        tower::util::MapResponseLayer::new(move |mut resp: http::Response<tonic::body::Body>| {
-            rewrite_status(&ingest, &mut resp);
-            resp
-        });
-    // Exports are latency-sensitive acks, not bulk streams: no Nagle delay.
-    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
-    tonic::transport::Server::builder()
-        .layer(layer)
+    let rewrite = {
+        let ingest = ingest.clone();
+        tower::util::MapResponseLayer::new(
+            move |mut resp: http::Response<ResponseBody<tonic::body::Body>>| {
+                rewrite_status(&ingest, &mut resp);
+                resp
+            },
+        )
+    };
+    let auth = {
+        let access = access.clone();
+        tonic::service::InterceptorLayer::new(move |req: Request<()>| {
+            authorize(&ingest, &access, &req).map(|()| req)
+        })
+    };
+    // The rewrite sits outside the token check, so UNAUTHENTICATED is counted by code too.
+    let router = tonic::transport::Server::builder()
+        .layer(tower::ServiceBuilder::new().layer(rewrite).layer(auth))
         .add_service(traces)
-        .add_service(logs)
-        .serve_with_incoming_shutdown(incoming, shutdown)
-        .await
+        .add_service(logs);
+    match incoming {
+        Incoming::Tls(listener) => {
+            router
+                .serve_with_incoming_shutdown(listener.incoming(), shutdown)
+                .await
+        }
+        Incoming::Plain(listener) => {
+            // Exports are latency-sensitive acks, not bulk streams: no Nagle delay.
+            let incoming =
+                tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+            router
+                .serve_with_incoming_shutdown(incoming, shutdown)
+                .await
+        }
+    }
 }

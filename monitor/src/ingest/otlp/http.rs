@@ -19,6 +19,7 @@ use axum::routing::post;
 use prost::Message;
 
 use super::{AcceptError, Ingest, RETRY_AFTER, RejectReason, RpcStatus, Transport, json};
+use crate::access::{Access, Incoming, Server};
 use opentelemetry_proto::tonic::collector::logs::v1::{
     ExportLogsServiceRequest, ExportLogsServiceResponse,
 };
@@ -29,6 +30,7 @@ use opentelemetry_proto::tonic::collector::trace::v1::{
 #[derive(Clone)]
 struct AppState {
     ingest: Arc<Ingest>,
+    access: Access,
     max_message_bytes: usize,
     max_decompressed_bytes: usize,
 }
@@ -60,9 +62,11 @@ pub fn router(
     ingest: Arc<Ingest>,
     max_message_bytes: usize,
     max_decompressed_bytes: usize,
+    access: Access,
 ) -> Router {
     let state = AppState {
         ingest,
+        access,
         max_message_bytes,
         max_decompressed_bytes,
     };
@@ -75,18 +79,18 @@ pub fn router(
 }
 
 pub async fn serve(
-    listener: tokio::net::TcpListener,
+    incoming: Incoming,
     ingest: Arc<Ingest>,
     max_message_bytes: usize,
     max_decompressed_bytes: usize,
+    access: Access,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(
-        listener,
-        router(ingest, max_message_bytes, max_decompressed_bytes),
-    )
-    .with_graceful_shutdown(shutdown)
-    .await
+    let app = router(ingest, max_message_bytes, max_decompressed_bytes, access);
+    match incoming {
+        Incoming::Plain(l) => axum::serve(l, app).with_graceful_shutdown(shutdown).await,
+        Incoming::Tls(l) => axum::serve(l, app).with_graceful_shutdown(shutdown).await,
+    }
 }
 
 async fn read_body(
@@ -104,6 +108,24 @@ async fn read_body(
         .unwrap_or("")
         .trim()
         .to_ascii_lowercase();
+    // The token first: a client without it learns nothing else, and its body is never read.
+    if let Some(token) = &st.access.token
+        && !token.admits(headers.get(header::AUTHORIZATION).map(|v| v.as_bytes()))
+    {
+        st.access.stats.unauthenticated(Server::OtlpHttp);
+        let enc = match mime.as_str() {
+            "application/json" => Encoding::Json,
+            _ => Encoding::Protobuf,
+        };
+        return Err((
+            enc,
+            Refusal::new(
+                StatusCode::UNAUTHORIZED,
+                RejectReason::Unauthenticated,
+                "missing or wrong bearer token (authorization header)",
+            ),
+        ));
+    }
     let enc = match mime.as_str() {
         "application/x-protobuf" | "application/protobuf" => Encoding::Protobuf,
         "application/json" => Encoding::Json,
@@ -180,6 +202,7 @@ fn rpc_code(status: StatusCode) -> i32 {
     match status {
         StatusCode::PAYLOAD_TOO_LARGE => 8,    // RESOURCE_EXHAUSTED
         StatusCode::SERVICE_UNAVAILABLE => 14, // UNAVAILABLE
+        StatusCode::UNAUTHORIZED => 16,        // UNAUTHENTICATED
         _ => 3,                                // INVALID_ARGUMENT
     }
 }
@@ -213,7 +236,12 @@ fn refuse(st: &AppState, enc: Encoding, r: Refusal) -> Response {
     st.ingest.stats.rejected(Transport::Http, r.reason, 1);
     st.ingest
         .log_refusal(Transport::Http, r.reason, r.status.as_u16(), &r.msg);
-    status_response(r.status, enc, &r.msg)
+    let mut resp = status_response(r.status, enc, &r.msg);
+    if r.status == StatusCode::UNAUTHORIZED {
+        resp.headers_mut()
+            .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+    }
+    resp
 }
 
 fn accept_error(st: &AppState, enc: Encoding, e: AcceptError) -> Response {

@@ -45,10 +45,12 @@ pub enum RejectReason {
     /// gzip stream broken.
     BadEncoding = 5,
     UnsupportedMediaType = 6,
+    /// No or a wrong bearer token (`--auth-token-file`): gRPC UNAUTHENTICATED, HTTP 401.
+    Unauthenticated = 7,
 }
 
 impl RejectReason {
-    pub const ALL: [RejectReason; 7] = [
+    pub const ALL: [RejectReason; 8] = [
         RejectReason::PipelineFull,
         RejectReason::PipelineClosed,
         RejectReason::TooManyItems,
@@ -56,6 +58,7 @@ impl RejectReason {
         RejectReason::Malformed,
         RejectReason::BadEncoding,
         RejectReason::UnsupportedMediaType,
+        RejectReason::Unauthenticated,
     ];
     pub fn as_str(self) -> &'static str {
         match self {
@@ -66,6 +69,7 @@ impl RejectReason {
             RejectReason::Malformed => "malformed",
             RejectReason::BadEncoding => "bad_encoding",
             RejectReason::UnsupportedMediaType => "unsupported_media_type",
+            RejectReason::Unauthenticated => "unauthenticated",
         }
     }
 }
