@@ -62,6 +62,26 @@ const EXTRA_CASES: &[(&str, &[&str])] = &[
         ],
     ),
     (
+        // TLS with client certificates, a token and the metrics port, from Secrets.
+        "tls-mtls-token",
+        &[
+            "tls.secretName=revenant-tls",
+            "tls.requireClientCert=true",
+            "auth.tokenSecretName=revenant-token",
+            "serviceMonitor.enabled=true",
+            "networkPolicy.enabled=true",
+        ],
+    ),
+    (
+        // The agents and checkers of cluster mode with TLS and a token.
+        "cluster-tls-token",
+        &[
+            "mode=cluster",
+            "tls.secretName=revenant-tls",
+            "auth.tokenSecretName=revenant-token",
+        ],
+    ),
+    (
         // Cluster mode on an existing NATS, partitions not a multiple of the replicas, the
         // chart's configuration merged into each replica's file.
         "cluster-external-nats",
@@ -616,11 +636,18 @@ fn starts(revenant: &Path, docs: &[Value], out: &Path, case: &str) -> Result<()>
             std::fs::write(dir.join(key), body.as_str().unwrap_or_default())?;
         }
     }
+    let pki = test_harness::Pki::new(&format!("chart-{case}"));
     let mut args = Vec::new();
     for a in strings(&c["args"]).into_iter().skip(1) {
         let (flag, value) = a.split_once('=').unwrap_or((a, ""));
+        if let Some(local) = access_file(flag, &dir, &pki)? {
+            args.extend([flag.to_string(), local]);
+            continue;
+        }
         let value = match flag {
-            "--otlp-grpc" | "--otlp-http" | "--admin" => "127.0.0.1:0".to_string(),
+            "--otlp-grpc" | "--otlp-http" | "--admin" | "--metrics-addr" => {
+                "127.0.0.1:0".to_string()
+            }
             "--node" => "chart-test".into(),
             "--external-url" => value.replace("$(POD_IP)", "127.0.0.1"),
             "--ebpf" => "off".into(),
@@ -639,12 +666,116 @@ fn starts(revenant: &Path, docs: &[Value], out: &Path, case: &str) -> Result<()>
     }
     let run = test_harness::Revenant::start_within(revenant, &dir, &args, Duration::from_secs(30))
         .with_context(|| format!("{case}: revenant run {}", args.join(" ")))?;
-    let (code, body) = test_harness::http_get(&format!("http://{}/healthz", run.admin))?;
+    let ops = run.ready["metrics"]
+        .as_str()
+        .unwrap_or(&run.admin)
+        .to_string();
+    probes_use(c, &ops, &run.admin, case)?;
+    let (code, body) = test_harness::http_get(&format!("http://{ops}/healthz"))?;
     ensure!(code == 200, "{case}: /healthz {code} {body}");
-    let (code, body) = test_harness::http_get(&format!("http://{}/readyz", run.admin))?;
+    let (code, body) = test_harness::http_get(&format!("http://{ops}/readyz"))?;
     ensure!(code == 200, "{case}: /readyz {code} {body}");
+    access_holds(&args, &run.admin, &dir, &pki, case)?;
     drop(run);
     let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
+
+/// The token the chart cases' runs are started with (`--auth-token-file`).
+const CHART_TOKEN: &str = "chart-test-token";
+
+/// A local file in place of a Secret's mounted file, for the access flags: the PKI's server
+/// certificate, key and CA, a token file in `dir`. `None` for every other flag.
+fn access_file(flag: &str, dir: &Path, pki: &test_harness::Pki) -> Result<Option<String>> {
+    Ok(Some(match flag {
+        "--tls-cert" => pki.path_str("server.crt"),
+        "--tls-key" => pki.path_str("server.key"),
+        "--tls-client-ca" => pki.path_str("ca.crt"),
+        "--auth-token-file" => {
+            std::fs::create_dir_all(dir)?;
+            let path = dir.join("token");
+            std::fs::write(&path, format!("{CHART_TOKEN}\n"))?;
+            path.display().to_string()
+        }
+        _ => return Ok(None),
+    }))
+}
+
+/// The pod's probes use the port that answers them unauthenticated: `metrics` when the run
+/// announced a metrics address, else `admin`.
+fn probes_use(container: &Value, ops: &str, admin: &str, case: &str) -> Result<()> {
+    let want = if ops == admin { "admin" } else { "metrics" };
+    for probe in ["startupProbe", "livenessProbe", "readinessProbe"] {
+        let port = &container[probe]["httpGet"]["port"];
+        ensure!(
+            port == want,
+            "{case}: {probe} uses port {port}, but /healthz and /readyz are on `{want}`"
+        );
+    }
+    Ok(())
+}
+
+/// With TLS or a token among `args`, the admin API of the run at `admin` holds them: curl with
+/// the CA (and the client certificate when one is required) and the token gets 200; without
+/// the token, 401.
+fn access_holds(
+    args: &[String],
+    admin: &str,
+    dir: &Path,
+    pki: &test_harness::Pki,
+    case: &str,
+) -> Result<()> {
+    let has = |f: &str| args.iter().any(|a| a == f);
+    let (tls, mutual, token) = (
+        has("--tls-cert"),
+        has("--tls-client-ca"),
+        has("--auth-token-file"),
+    );
+    if !tls && !token {
+        return Ok(());
+    }
+    let scheme = if tls { "https" } else { "http" };
+    let url = format!("{scheme}://{admin}/api/violations");
+    let curl = |with_token: bool| -> Result<String> {
+        let mut cmd = Command::new(test_harness::system_bin("curl"));
+        cmd.args([
+            "-s",
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{http_code}",
+            "--max-time",
+            "10",
+        ]);
+        if tls {
+            cmd.arg("--cacert").arg(pki.path("ca.crt"));
+        }
+        if mutual {
+            cmd.arg("--cert").arg(pki.path("client.crt"));
+            cmd.arg("--key").arg(pki.path("client.key"));
+        }
+        if with_token {
+            cmd.args(["-H", &format!("Authorization: Bearer {CHART_TOKEN}")]);
+        }
+        let out = cmd
+            .arg(&url)
+            .current_dir(dir)
+            .stdin(Stdio::null())
+            .output()?;
+        Ok(String::from_utf8_lossy(&out.stdout).to_string())
+    };
+    let with = curl(true)?;
+    ensure!(
+        with == "200",
+        "{case}: {url} with the token answered {with}"
+    );
+    if token {
+        let without = curl(false)?;
+        ensure!(
+            without == "401",
+            "{case}: {url} without the token answered {without}"
+        );
+    }
     Ok(())
 }
 
@@ -854,11 +985,16 @@ fn local_args(
     dir: &Path,
     nats: &str,
     vars: &[(&str, &str)],
+    pki: &test_harness::Pki,
     case: &str,
 ) -> Result<Vec<String>> {
     let mut out = Vec::new();
     for a in args.iter().skip(1) {
         let (flag, value) = a.split_once('=').unwrap_or((a, ""));
+        if let Some(local) = access_file(flag, dir, pki)? {
+            out.extend([flag.to_string(), local]);
+            continue;
+        }
         let mut value = value.to_string();
         for (k, v) in vars {
             value = value.replace(&format!("$({k})"), v);
@@ -869,7 +1005,9 @@ fn local_args(
                 .to_string()
         };
         let value = match flag {
-            "--otlp-grpc" | "--otlp-http" | "--admin" => "127.0.0.1:0".to_string(),
+            "--otlp-grpc" | "--otlp-http" | "--admin" | "--metrics-addr" => {
+                "127.0.0.1:0".to_string()
+            }
             "--nats" => nats.to_string(),
             "--ebpf" => "off".into(),
             "--spool-dir" => dir.join("spool").display().to_string(),
@@ -925,7 +1063,12 @@ fn start_member(
         );
         std::thread::sleep(Duration::from_millis(50));
     };
-    let admin = announced["admin"].as_str().unwrap_or_default().to_string();
+    // Probes and scrapers use the metrics port when the admin port is behind TLS or a token.
+    let admin = announced["metrics"]
+        .as_str()
+        .or(announced["admin"].as_str())
+        .unwrap_or_default()
+        .to_string();
     let (code, body) = test_harness::http_get(&format!("http://{admin}/healthz"))?;
     ensure!(code == 200, "revenant {sub}: /healthz {code} {body}");
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -991,6 +1134,7 @@ fn cluster_starts(
         }
         Ok(())
     };
+    let pki = test_harness::Pki::new(&format!("chart-{case}"));
     let dir = base.join("agent");
     write_files(&dir)?;
     let args = local_args(
@@ -998,10 +1142,13 @@ fn cluster_starts(
         &dir,
         &url,
         &[("NODE_NAME", "chart-test")],
+        &pki,
         case,
     )?;
-    let (agent, _) = start_member(revenant, &dir, "agent", &args)
+    let (agent, announced) = start_member(revenant, &dir, "agent", &args)
         .with_context(|| format!("{case}: revenant agent {}", args.join(" ")))?;
+    let admin = announced["admin"].as_str().unwrap_or_default();
+    access_holds(&args, admin, &dir, &pki, &format!("{case} agent"))?;
     let checker =
         &component(docs, "StatefulSet", "checker")?["spec"]["template"]["spec"]["containers"][0];
     let mut checkers = Vec::new();
@@ -1014,6 +1161,7 @@ fn cluster_starts(
             &dir,
             &url,
             &[("POD_NAME", &pod), ("POD_IP", "127.0.0.1")],
+            &pki,
             case,
         )?;
         let (proc, announced) =
@@ -1023,6 +1171,8 @@ fn cluster_starts(
                     args.join(" ")
                 )
             })?;
+        let admin = announced["admin"].as_str().unwrap_or_default();
+        access_holds(&args, admin, &dir, &pki, &format!("{case} {pod}"))?;
         // What the replica consumes, as it announces it: its file's partitions.
         let consumed: Vec<u64> = announced["partitions"]
             .as_array()

@@ -142,3 +142,77 @@ app.kubernetes.io/part-of: revenant
 {{- else }}{{ fail (printf "ebpf.mode must be on, off or auto, not %q" $m) }}
 {{- end }}
 {{- end }}
+
+{{/* TLS or a token on the servers: probes and scraping then use the plain metrics port. */}}
+{{- define "revenant.access" -}}
+{{- if or .Values.tls.secretName .Values.auth.tokenSecretName }}true{{- end }}
+{{- end }}
+
+{{/* The scheme of the admin port. */}}
+{{- define "revenant.adminScheme" -}}
+{{- if .Values.tls.secretName }}https{{ else }}http{{ end }}
+{{- end }}
+
+{{/* The port probes and Prometheus use: `metrics` when access control is on, else `admin`. */}}
+{{- define "revenant.opsPort" -}}
+{{- if include "revenant.access" . }}metrics{{ else }}admin{{ end }}
+{{- end }}
+
+{{/* Flags of TLS, the token and the metrics port (agents and checkers alike). */}}
+{{- define "revenant.accessArgs" -}}
+{{- if .Values.tls.secretName }}
+- --tls-cert=/etc/revenant/tls/tls.crt
+- --tls-key=/etc/revenant/tls/tls.key
+{{- if .Values.tls.requireClientCert }}
+- --tls-client-ca=/etc/revenant/tls/ca.crt
+{{- end }}
+{{- end }}
+{{- if .Values.auth.tokenSecretName }}
+- --auth-token-file=/etc/revenant/token/token
+{{- end }}
+{{- if include "revenant.access" . }}
+- --metrics-addr=0.0.0.0:{{ .Values.admin.metricsPort }}
+{{- end }}
+{{- end }}
+
+{{/* Mounted whole (no subPath), so the kubelet's updates of a rotated Secret reach the files
+revenant re-reads. */}}
+{{- define "revenant.accessMounts" -}}
+{{- if .Values.tls.secretName }}
+- name: tls
+  mountPath: /etc/revenant/tls
+  readOnly: true
+{{- end }}
+{{- if .Values.auth.tokenSecretName }}
+- name: auth-token
+  mountPath: /etc/revenant/token
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{- define "revenant.accessVolumes" -}}
+{{- if .Values.tls.secretName }}
+- name: tls
+  secret:
+    secretName: {{ .Values.tls.secretName }}
+    defaultMode: 0440
+{{- end }}
+{{- if .Values.auth.tokenSecretName }}
+- name: auth-token
+  secret:
+    secretName: {{ .Values.auth.tokenSecretName }}
+    defaultMode: 0440
+    items:
+      - key: {{ .Values.auth.tokenSecretKey }}
+        path: token
+{{- end }}
+{{- end }}
+
+{{/* The metrics container port, when access control is on. */}}
+{{- define "revenant.metricsContainerPort" -}}
+{{- if include "revenant.access" . }}
+- name: metrics
+  containerPort: {{ .Values.admin.metricsPort }}
+  protocol: TCP
+{{- end }}
+{{- end }}
