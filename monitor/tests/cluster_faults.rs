@@ -3,7 +3,7 @@
 //!
 //! - NATS unreachable while an agent has events: the agent keeps them in its outbox, says so
 //!   in `/readyz` (503, `down.nats`), and publishes them once NATS is back; the checker, cut
-//!   off too, catches up. The outage lasts `REVENANT_OUTAGE_SECS` (default 5 s).
+//!   off too, catches up. The outage lasts `REVENANT_OUTAGE_SECS` (default 30 s).
 //! - An agent killed (SIGKILL) with unpublished batches: the next agent on the same spool
 //!   directory publishes them.
 //! - A three-node NATS cluster, R3 stream: its leader killed while an agent publishes (what
@@ -100,7 +100,7 @@ fn an_agent_keeps_what_nats_did_not_take_and_publishes_it_once_nats_is_back() {
     let outage: u64 = std::env::var("REVENANT_OUTAGE_SECS")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or(5);
+        .unwrap_or(30);
     std::thread::sleep(Duration::from_secs(outage));
     assert_eq!(agent.metric("revenant_agent_events_dropped_total"), 0.0);
 
