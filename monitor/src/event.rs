@@ -560,6 +560,14 @@ pub fn truncate_reason(s: &str) -> &str {
 /// what sources hand to the pipeline, so the channel costs one synchronisation per batch.
 pub type EventBatch = Vec<LifecycleEvent>;
 
+/// The wall clock in nanoseconds since the Unix epoch (0 before it).
+pub fn now_unix_ns() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

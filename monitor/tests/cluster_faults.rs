@@ -3,11 +3,14 @@
 //!
 //! - NATS unreachable while an agent has events: the agent keeps them in its outbox, says so
 //!   in `/readyz` (503, `down.nats`), and publishes them once NATS is back; the checker, cut
-//!   off too, catches up. The outage lasts `REVENANT_OUTAGE_SECS` (default 5 s).
+//!   off too, catches up. The outage lasts `REVENANT_OUTAGE_SECS` (default 30 s).
 //! - An agent killed (SIGKILL) with unpublished batches: the next agent on the same spool
 //!   directory publishes them.
 //! - A three-node NATS cluster, R3 stream: its leader killed while an agent publishes (what
 //!   fails until a new leader is elected is retried with its message id), then a follower.
+//! - A checker killed (SIGKILL) mid-stream and another started on its partitions: it reads
+//!   them again from before where the first had come, and sends every notification the first
+//!   did not send, none twice.
 
 mod support;
 
@@ -97,7 +100,7 @@ fn an_agent_keeps_what_nats_did_not_take_and_publishes_it_once_nats_is_back() {
     let outage: u64 = std::env::var("REVENANT_OUTAGE_SECS")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or(5);
+        .unwrap_or(30);
     std::thread::sleep(Duration::from_secs(outage));
     assert_eq!(agent.metric("revenant_agent_events_dropped_total"), 0.0);
 
@@ -240,8 +243,9 @@ fn the_stream_leader_and_then_a_follower_killed_while_an_agent_publishes() {
         Some(&dir.path().join("events.jsonl")),
     );
     // The leader goes while the agent publishes: some batches stored, others waiting.
-    wait_for("the first batches stored", || {
-        agent.metric("revenant_agent_batches_published_total") > 0.0
+    // (Events, not batches: an agent announces itself with empty batches first.)
+    wait_for("the first events stored", || {
+        agent.metric("revenant_agent_events_published_total") > 0.0
     });
     let i = nats
         .nodes
@@ -289,4 +293,141 @@ fn the_stream_leader_and_then_a_follower_killed_while_an_agent_publishes() {
     );
     checker.stop();
     assert_once_and_as_check(dir.path(), &events, &checker.violations());
+}
+
+/// The notifications in an alerts JSONL file, as (lead rule, incident key).
+fn notified(path: &Path) -> Vec<(String, String)> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|n| n["type"] == "incident")
+        .map(|n| {
+            (
+                n["rule"].as_str().unwrap().to_owned(),
+                n["incident_key"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn a_killed_checker_is_replaced_and_every_notification_goes_out_once() {
+    let nats = Nats::single().unwrap();
+    let dir = ScratchDir::new("cluster-checker-kill").unwrap();
+    let bus = Bus {
+        nats: nats.urls(),
+        stream: "CHECKERKILL".into(),
+        partitions: 2,
+    };
+    let events = workload::stream(&Mix {
+        attempts: 3000,
+        reject_every: 5,
+        spacing_ns: 300_000,
+        ..Mix::default()
+    });
+    // Two nodes' recordings: the first half of the time, then the second.
+    let middle = events[events.len() / 2].time_ns;
+    let (early, late): (Vec<_>, Vec<_>) = events.iter().cloned().partition(|e| e.time_ns < middle);
+    write(&dir.path().join("early.jsonl"), &early);
+    write(&dir.path().join("late.jsonl"), &late);
+    // One notification per (rule, request), sent at once, none rate-limited: each breach's
+    // notification is countable.
+    let alerting = ["--group-wait", "0s", "--rate-limit", "0"];
+    let pause = dir.path().join("pause");
+    let first_dir = dir.path().join("checker-1");
+    let mut first = Member::checker(
+        &bus,
+        &first_dir,
+        &[0, 1],
+        &[&alerting[..], &["--pause-file", pause.to_str().unwrap()]].concat(),
+    );
+    let mut agent = Member::agent(
+        &bus,
+        &dir.path().join("agent-early"),
+        "node-a",
+        Some(&dir.path().join("early.jsonl")),
+    );
+    wait_metric(
+        "the first agent routing its file",
+        &[&agent.admin],
+        "revenant_agent_events_total",
+        early.len() as f64,
+    );
+    agent.stop();
+    wait_metric(
+        "the first checker taking the first half",
+        &[&first.admin],
+        "revenant_checker_messages_total",
+        agent.published() as f64,
+    );
+    wait_for("the first checker's notifications", || {
+        !notified(&first_dir.join("alerts.jsonl")).is_empty()
+    });
+    // The first checker stops taking batches (so that no notification is between its spool and
+    // its claim when it dies), the second half is published, and it is killed.
+    std::fs::write(&pause, b"").unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let mut agent = Member::agent(
+        &bus,
+        &dir.path().join("agent-late"),
+        "node-b",
+        Some(&dir.path().join("late.jsonl")),
+    );
+    wait_metric(
+        "the second agent routing its file",
+        &[&agent.admin],
+        "revenant_agent_events_total",
+        late.len() as f64,
+    );
+    agent.stop();
+    first.proc.stop(libc::SIGKILL, Duration::ZERO);
+
+    let second_dir = dir.path().join("checker-2");
+    let mut second = Member::checker(&bus, &second_dir, &[0, 1], &alerting);
+    // Every agent stream ended (its last batches taken): the input is whole.
+    wait_for("the second checker at the end of every stream", || {
+        second.metric("revenant_checker_recovering_partitions") == 0.0
+            && second.metric("revenant_checker_agent_streams") == 0.0
+            && second.metric("revenant_checker_messages_total") > 0.0
+    });
+    let recovered = second.metric("revenant_checker_recovered_messages_total");
+    assert!(recovered > 0.0, "the second checker read nothing again");
+    second.stop();
+
+    let merged = dir.path().join("merged.jsonl");
+    write(&merged, &events);
+    let expected: std::collections::BTreeSet<(String, String)> = check(&merged)
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| serde_json::from_str::<revenant::Violation>(l).unwrap())
+        .filter(|v| !v.corroborates)
+        .map(|v| {
+            let key = revenant::alert::notification::incident_alias(&v);
+            (v.rule, key)
+        })
+        .collect();
+    let before = notified(&first_dir.join("alerts.jsonl"));
+    let after = notified(&second_dir.join("alerts.jsonl"));
+    assert!(
+        !before.is_empty() && !after.is_empty(),
+        "{} then {}",
+        before.len(),
+        after.len()
+    );
+    let all: Vec<_> = before.iter().chain(&after).cloned().collect();
+    let set: std::collections::BTreeSet<_> = all.iter().cloned().collect();
+    assert_eq!(all.len(), set.len(), "a notification sent twice");
+    assert_eq!(
+        set,
+        expected,
+        "missing {:?}, extra {:?}",
+        expected.difference(&set).take(5).collect::<Vec<_>>(),
+        set.difference(&expected).take(5).collect::<Vec<_>>()
+    );
+    assert!(
+        second.stopped_field("notifications_sent_before") >= before.len() as f64,
+        "the second checker found the first one's breaches again and sent none of them"
+    );
 }

@@ -9,6 +9,7 @@
 
 pub mod alertmanager;
 pub mod args;
+pub mod claims;
 pub mod dispatcher;
 pub mod flood;
 pub mod jsonl;
@@ -270,6 +271,7 @@ pub struct OpenedAlerts {
     sinks: Vec<Arc<dyn Sink>>,
     spool: Spool,
     recovered: spool::Recovered,
+    claims: Option<Arc<dyn claims::NotificationClaims>>,
 }
 
 impl OpenedAlerts {
@@ -283,7 +285,15 @@ impl OpenedAlerts {
             sinks,
             spool,
             recovered,
+            claims: None,
         })
+    }
+
+    /// Notifications another process may have sent already are not sent again
+    /// ([`claims::NotificationClaims`]).
+    pub fn with_claims(mut self, claims: Arc<dyn claims::NotificationClaims>) -> OpenedAlerts {
+        self.claims = Some(claims);
+        self
     }
 
     pub fn spool_dir(&self) -> &std::path::Path {
@@ -303,6 +313,7 @@ impl OpenedAlerts {
             sinks,
             spool,
             recovered: rec,
+            claims,
         } = self;
         let handles: Vec<_> = readiness
             .map(|r| {
@@ -371,6 +382,9 @@ impl OpenedAlerts {
         }
         if let Some(r) = readiness {
             d = d.with_readiness(r.clone());
+        }
+        if let Some(c) = claims {
+            d = d.with_claims(c);
         }
         let (tx, rx) = mpsc::channel(cfg.channel_capacity);
         let handle = tokio::spawn(d.run(rx));

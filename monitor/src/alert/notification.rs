@@ -16,12 +16,7 @@ pub fn rfc3339(unix_ns: u64) -> String {
         .unwrap_or_else(|_| "1970-01-01T00:00:00Z".to_string())
 }
 
-pub fn now_unix_ns() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(0)
-}
+pub use crate::event::now_unix_ns;
 
 // Notifications live behind an `Arc` in the spool; the size difference does not matter.
 #[allow(clippy::large_enum_variant)]

@@ -1,13 +1,19 @@
 //! The agent's batcher: events in (each given its id and routed), sealed batches out, one open
 //! batch per partition, sealed when it holds `batch_events` events or its oldest event waited
-//! `linger`. Pure and synchronous: the agent's task drives it and hands what it seals to the
-//! spool.
+//! `linger`; a partition that sealed nothing for [`HEARTBEAT`] gets an empty batch, so checkers
+//! know how far this agent's stream came (`bus::progress`). Pure and synchronous: the agent's
+//! task drives it and hands what it seals to the spool.
 
 use std::time::Duration;
 
 use super::partition::{Partitioner, Route};
 use super::wire::{BatchHeader, WIRE_VERSION, encode};
 use crate::event::LifecycleEvent;
+
+/// How long a partition may go without a batch from this agent: then an empty one says how far
+/// the agent came. A checker's watermark waits for the slowest stream it reads, so this is the
+/// most an idle partition adds to the time a deadline takes to be judged.
+pub const HEARTBEAT: Duration = Duration::from_millis(500);
 
 /// A sealed batch: its subject, its `Nats-Msg-Id` and the encoded message.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -36,6 +42,8 @@ pub struct Batcher {
     partitioner: Partitioner,
     open: Vec<Option<Open>>,
     seqs: Vec<u64>,
+    /// Wall time (ns) each partition's last batch was sealed.
+    sealed_ns: Vec<u64>,
     next_event: u64,
     /// The newest event time routed so far.
     newest: u64,
@@ -66,6 +74,7 @@ impl Batcher {
             partitioner: Partitioner::new(p, 1 << 16),
             open: (0..p).map(|_| None).collect(),
             seqs: vec![0; p as usize],
+            sealed_ns: vec![0; p as usize],
             next_event: 0,
             newest: 0,
             buf: Vec::with_capacity(1 << 16),
@@ -101,30 +110,31 @@ impl Batcher {
         match self.partitioner.route(&e) {
             Route::One(k) => {
                 self.add_to(k as usize, e, id, false, now_ns);
-                self.seal_if_full(k as usize, sealed);
+                self.seal_if_full(k as usize, now_ns, sealed);
             }
             Route::All => {
                 let last = self.open.len() - 1;
                 for k in 0..last {
                     self.add_to(k, e.clone(), id, true, now_ns);
-                    self.seal_if_full(k, sealed);
+                    self.seal_if_full(k, now_ns, sealed);
                 }
                 self.add_to(last, e, id, true, now_ns);
-                self.seal_if_full(last, sealed);
+                self.seal_if_full(last, now_ns, sealed);
             }
         }
     }
 
-    fn seal_if_full(&mut self, k: usize, sealed: &mut Vec<Sealed>) {
+    fn seal_if_full(&mut self, k: usize, now_ns: u64, sealed: &mut Vec<Sealed>) {
         if self.open[k]
             .as_ref()
             .is_some_and(|o| o.events.len() >= self.batch_events)
         {
-            sealed.push(self.seal(k));
+            sealed.push(self.seal(k, now_ns, false));
         }
     }
 
-    fn seal(&mut self, k: usize) -> Sealed {
+    /// Seals partition `k`'s open batch (an empty one if none is open) at wall time `now_ns`.
+    fn seal(&mut self, k: usize, now_ns: u64, last: bool) -> Sealed {
         let open = self.open[k].take().unwrap_or(Open {
             events: Vec::new(),
             offsets: Vec::new(),
@@ -142,8 +152,11 @@ impl Batcher {
             offsets: open.offsets,
             broadcast: open.broadcast,
             newest: self.newest,
+            sent_ns: now_ns,
+            last,
         };
         self.seqs[k] += 1;
+        self.sealed_ns[k] = now_ns;
         encode(&header, &open.events, &mut self.buf);
         Sealed {
             subject: subject(&self.stream_subject, k as u32),
@@ -153,26 +166,26 @@ impl Batcher {
         }
     }
 
-    /// Seals every batch whose first event waited `linger`.
+    /// Seals every batch whose first event waited `linger`, and an empty one for every
+    /// partition that had no batch for [`HEARTBEAT`].
     pub fn flush(&mut self, now_ns: u64, sealed: &mut Vec<Sealed>) {
+        let heartbeat = HEARTBEAT.as_nanos() as u64;
         for k in 0..self.open.len() {
-            let due = self.open[k]
-                .as_ref()
-                .is_some_and(|o| now_ns.saturating_sub(o.opened_ns) >= self.linger_ns);
+            let due = match &self.open[k] {
+                Some(o) => now_ns.saturating_sub(o.opened_ns) >= self.linger_ns,
+                None => now_ns.saturating_sub(self.sealed_ns[k]) >= heartbeat,
+            };
             if due {
-                sealed.push(self.seal(k));
+                sealed.push(self.seal(k, now_ns, false));
             }
         }
     }
 
     /// The last batch of every partition, empty where nothing is open: each carries how far
-    /// this agent's stream came ([`BatchHeader::newest`]).
-    pub fn finish(&mut self, sealed: &mut Vec<Sealed>) {
-        if self.next_event == 0 {
-            return;
-        }
+    /// this agent's stream came and says that nothing follows ([`BatchHeader::last`]).
+    pub fn finish(&mut self, now_ns: u64, sealed: &mut Vec<Sealed>) {
         for k in 0..self.open.len() {
-            sealed.push(self.seal(k));
+            sealed.push(self.seal(k, now_ns, true));
         }
     }
 }
@@ -212,9 +225,9 @@ mod tests {
         assert_eq!(other.event_id(0), 1, "the copy keeps the event's id");
         assert_eq!(out[1].msg_id, format!("n/1/{}/0", 1 - k));
         b.push(room(7), 0, &mut out);
-        b.finish(&mut out);
+        b.finish(20_000_000, &mut out);
         // The open batch, and an empty one for the other partition, both saying how far the
-        // stream came.
+        // stream came and that nothing follows.
         assert_eq!(out.len(), 4);
         let last: Vec<_> = out[2..]
             .iter()
@@ -223,5 +236,40 @@ mod tests {
         assert_eq!(last[0].header.seq, 1);
         assert!(last[1].events.is_empty());
         assert!(last.iter().all(|b| b.header.newest == 2));
+        assert!(
+            last.iter()
+                .all(|b| b.header.last && b.header.sent_ns == 20_000_000)
+        );
+    }
+
+    #[test]
+    fn an_idle_partition_gets_an_empty_batch_every_heartbeat() {
+        let hb = HEARTBEAT.as_nanos() as u64;
+        let mut b = Batcher::new("n".into(), 1, "S".into(), 2, 100, Duration::from_millis(5));
+        let mut out = Vec::new();
+        b.flush(hb, &mut out);
+        assert_eq!(out.len(), 2, "the first flush announces every partition");
+        out.clear();
+        let k = room_partition(7, 2) as usize;
+        b.push(
+            LifecycleEvent::new(1, Stage::Decode, Kind::Work, Source::Ebpf).with_room(7),
+            hb + 1,
+            &mut out,
+        );
+        b.flush(hb + hb / 2, &mut out);
+        assert_eq!(
+            out.len(),
+            1,
+            "the open batch lingered; the idle one is not due yet"
+        );
+        assert_eq!(decode(&out[0].payload).unwrap().header.partition, k as u32);
+        out.clear();
+        b.flush(2 * hb, &mut out);
+        assert_eq!(out.len(), 1);
+        let beat = decode(&out[0].payload).unwrap();
+        assert_eq!(beat.header.partition, 1 - k as u32);
+        assert!(beat.events.is_empty());
+        assert_eq!((beat.header.seq, beat.header.sent_ns), (1, 2 * hb));
+        assert!(!beat.header.last);
     }
 }

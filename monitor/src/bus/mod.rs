@@ -14,13 +14,18 @@
 //! - [`batcher`]: per-partition batches, sealed by size or linger.
 //! - [`spool`]: the agent's bounded outbox on disk.
 //! - [`publisher`]: the agent's publish loop (message ids, retries, readiness).
-//! - [`consumer`]: the checker's consumers, deduplication, the hand-off to the engine.
+//! - [`progress`]: which batches a checker took and how far every agent's stream came (the
+//!   watermark's bound).
+//! - [`consumer`]: the checker's consumers, the hand-off to the engine, the start-up replay.
+//! - [`claims`]: each violation notified once across checker lives and replicas.
 //!
 //! The engine knows nothing of this: the checker feeds it the same `EventBatch`es `run` does.
 
 pub mod batcher;
+pub mod claims;
 pub mod consumer;
 pub mod partition;
+pub mod progress;
 pub mod publisher;
 pub mod spool;
 pub mod wire;
@@ -56,6 +61,18 @@ pub struct BusConfig {
     pub outbox_bytes: u64,
     /// The partitions this checker owns (`null`: all).
     pub owned: Option<Vec<u32>>,
+    /// How far back, before where its consumers had come, a starting checker reads its
+    /// partitions again to rebuild the engine's state (`null`: the engine's retention of ended
+    /// attempts plus the allowed lateness, so that late activity is still caught after a
+    /// restart).
+    #[serde(with = "duration::option")]
+    pub recovery_window: Option<Duration>,
+    /// An agent stream heard nothing from for this long, while the checker is connected and
+    /// caught up, stops holding the watermark back (the agent was killed or its node is gone);
+    /// a batch its agent dropped is skipped after as long. Until then, verdicts that wait for
+    /// the watermark wait for that agent.
+    #[serde(with = "duration")]
+    pub agent_silence: Duration,
 }
 
 impl Default for BusConfig {
@@ -70,6 +87,8 @@ impl Default for BusConfig {
             retention: Duration::from_secs(3600),
             outbox_bytes: 1 << 30,
             owned: None,
+            recovery_window: None,
+            agent_silence: Duration::from_secs(30),
         }
     }
 }

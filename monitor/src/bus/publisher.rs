@@ -248,7 +248,7 @@ pub async fn run_batcher(
         }
         shared.store(&mut sealed);
     }
-    batcher.finish(&mut sealed);
+    batcher.finish(wall_ns(), &mut sealed);
     shared.store(&mut sealed);
 }
 

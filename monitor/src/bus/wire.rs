@@ -47,6 +47,14 @@ pub struct BatchHeader {
     /// knows where the whole input ends even for partitions it does not own.
     #[serde(default)]
     pub newest: u64,
+    /// The agent's wall clock (ns) when it sealed the batch: everything the agent took for this
+    /// partition before then is in this batch or an earlier one. Agents send an empty batch to a
+    /// partition that had nothing for a while, so a checker knows how far an idle stream came.
+    #[serde(default)]
+    pub sent_ns: u64,
+    /// The agent life's last batch of this partition (it stopped; nothing follows).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub last: bool,
 }
 
 impl BatchHeader {
@@ -162,10 +170,13 @@ mod tests {
             offsets: vec![0, 7],
             broadcast: vec![1],
             newest: 6,
+            sent_ns: 11,
+            last: true,
         };
         let mut buf = Vec::new();
         encode(&header, &events, &mut buf);
         let b = decode(&buf).unwrap();
+        assert_eq!(b.header, header);
         assert_eq!(b.events, events);
         assert_eq!((b.event_id(0), b.event_id(1)), (100, 107));
         assert!(!b.is_broadcast(0) && b.is_broadcast(1));

@@ -3,10 +3,10 @@
 
 use std::future::Future;
 use std::path::PathBuf;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
-
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use crate::event::now_unix_ns;
 
 use crate::engine::check::Checker;
 
@@ -43,16 +43,21 @@ pub struct EngineTask {
     /// Testing aid: no batch is taken while this file exists (saturates the pipeline on purpose).
     pub pause_file: Option<PathBuf>,
     pub clock: WatermarkClock,
-    /// With [`WatermarkClock::Event`]: the newest event time known upstream (cluster mode: the
-    /// agents' reports), when it is ahead of what this engine has seen.
-    pub upstream_newest: Option<Arc<AtomicU64>>,
+    /// What bounds the watermark upstream (cluster mode: how far the agents' streams came).
+    pub upstream: Option<Arc<dyn Upstream>>,
 }
 
-fn wall_ns() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(0)
+/// How far the input provably came, when the engine's own events and clock cannot tell (cluster
+/// mode: events cross a log, and an agent's may still be on their way).
+pub trait Upstream: Send + Sync {
+    /// Where the watermark may be moved at wall time `now_ns` (on the task's clock: agents' wall
+    /// clocks, or event times), before the allowed lateness is taken off; `None`: hold.
+    ///
+    /// Everything this bound covers must already be in the event channel: the task takes what
+    /// is queued before it asks.
+    fn bound(&self, now_ns: u64) -> Option<u64>;
+    /// The newest event time known upstream.
+    fn newest(&self) -> u64;
 }
 
 impl EngineTask {
@@ -83,54 +88,75 @@ impl EngineTask {
                     None => break,
                 },
                 _ = tick.tick() => {
-                    let now = wall_ns();
-                    let watermark = match self.clock {
-                        WatermarkClock::Wall => now,
-                        WatermarkClock::Event => self.newest_event(),
+                    // What upstream's bound covers is queued or observed: observe the queue
+                    // first, so the bound never runs ahead of what the engine has seen.
+                    if self.upstream.is_some() {
+                        while let Ok(b) = self.events.try_recv() {
+                            self.observe(b, &mut totals)?;
+                        }
+                    }
+                    let now = now_unix_ns();
+                    let watermark = match (&self.upstream, self.clock) {
+                        (Some(u), _) => u.bound(now),
+                        (None, WatermarkClock::Wall) => Some(now),
+                        (None, WatermarkClock::Event) => Some(self.engine.stats().max_event_ns),
                     };
                     self.tick(watermark, now, &mut totals)?;
                     continue;
                 }
             };
-            totals.batches += 1;
-            totals.events += batch.len() as u64;
-            let arrival_ns = wall_ns();
-            let span = tracing::info_span!("checker.batch", events = batch.len());
-            let _entered = span.enter();
-            for t in &mut self.taps {
-                t.batch(&batch, arrival_ns)?;
-            }
-            for e in &batch {
-                for v in self.engine.observe(e) {
-                    totals.violations += 1;
-                    self.violations.offer(v);
-                }
-            }
+            self.observe(batch, &mut totals)?;
         }
-        // Nothing more will arrive: move the watermark past the lateness window so that every
-        // deadline the received events can still prove is judged.
-        let now = wall_ns();
-        let end = match self.clock {
-            WatermarkClock::Wall => self.engine.stats().max_event_ns.max(now),
-            WatermarkClock::Event => self.newest_event(),
-        }
-        .saturating_add(self.lateness.as_nanos() as u64);
+        // Nothing more will arrive. `run` (and a checker replaying recorded events): move the
+        // watermark past the lateness window so that every deadline the received events can
+        // still prove is judged. A live checker judges only as far as its input provably came:
+        // the rest is its successor's, which reads the log again from before that point.
+        let now = now_unix_ns();
+        let lateness = self.lateness.as_nanos() as u64;
+        let max_event = self.engine.stats().max_event_ns;
+        let end = match (&self.upstream, self.clock) {
+            (Some(u), WatermarkClock::Wall) => u.bound(now),
+            (Some(u), WatermarkClock::Event) => {
+                Some(max_event.max(u.newest()).saturating_add(lateness))
+            }
+            (None, WatermarkClock::Wall) => Some(max_event.max(now).saturating_add(lateness)),
+            (None, WatermarkClock::Event) => Some(max_event.saturating_add(lateness)),
+        };
         self.tick(end, now, &mut totals)?;
         Ok(totals)
     }
 
-    /// The newest event time: this engine's, or upstream's when that is ahead.
-    fn newest_event(&self) -> u64 {
-        let upstream = self
-            .upstream_newest
-            .as_ref()
-            .map_or(0, |n| n.load(Ordering::Relaxed));
-        self.engine.stats().max_event_ns.max(upstream)
+    fn observe(
+        &mut self,
+        batch: crate::event::EventBatch,
+        totals: &mut EngineTotals,
+    ) -> std::io::Result<()> {
+        totals.batches += 1;
+        totals.events += batch.len() as u64;
+        let arrival_ns = now_unix_ns();
+        let span = tracing::info_span!("checker.batch", events = batch.len());
+        let _entered = span.enter();
+        for t in &mut self.taps {
+            t.batch(&batch, arrival_ns)?;
+        }
+        for e in &batch {
+            for v in self.engine.observe(e) {
+                totals.violations += 1;
+                self.violations.offer(v);
+            }
+        }
+        Ok(())
     }
 
-    /// Judges deadlines up to `watermark`, then lets the taps publish and flush.
-    fn tick(&mut self, watermark: u64, now: u64, totals: &mut EngineTotals) -> std::io::Result<()> {
-        for v in self.engine.tick(watermark) {
+    /// Judges deadlines up to `watermark` (`None`: holds it), then lets the taps publish and
+    /// flush.
+    fn tick(
+        &mut self,
+        watermark: Option<u64>,
+        now: u64,
+        totals: &mut EngineTotals,
+    ) -> std::io::Result<()> {
+        for v in watermark.map(|w| self.engine.tick(w)).unwrap_or_default() {
             totals.violations += 1;
             self.violations.offer(v);
         }
@@ -179,7 +205,7 @@ mod tests {
             lateness: Duration::from_millis(10),
             pause_file: None,
             clock: WatermarkClock::Wall,
-            upstream_newest: None,
+            upstream: None,
         };
         let e = |kind| {
             LifecycleEvent::new(1_000, Stage::Prefill, kind, Source::Replay).with_request_id("r1")

@@ -17,7 +17,7 @@ use tokio::sync::mpsc;
 use crate::telemetry::Metrics;
 use crate::violation::Violation;
 
-pub use engine_task::{EngineTask, EngineTotals, WatermarkClock};
+pub use engine_task::{EngineTask, EngineTotals, Upstream, WatermarkClock};
 pub use taps::EventTap;
 
 pub use crate::event::EventBatch;

@@ -5,12 +5,19 @@
 //! and eBPF stay off.
 //!
 //! prepare → claim (alert spool, files) → bind (admin) → start outputs → connect, stream,
-//! consumers → engine → ready → wait → drain (consumers stop and leave what they did not take
-//! unacknowledged for the next checker, the engine drains, then the dispatcher).
+//! consumers, notification claims → engine → each partition read again from `recovery_window`
+//! before where its consumer had come, then live → ready → wait → drain (consumers stop and
+//! leave what they did not take unacknowledged for the next checker, the engine judges only as
+//! far as every agent's stream provably came, then the dispatcher).
+//!
+//! The engine's watermark waits for the slowest agent stream it reads (`bus::progress`): a
+//! backlog, an agent's outbox held back while NATS was away, a restart's replay are judged as
+//! they would have been live.
 
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -23,8 +30,11 @@ use super::{
 };
 use crate::admin::timeline::TimelineTap;
 use crate::alert::AlertPipeline;
-use crate::bus::consumer::{self, CheckerStats, Dedup, PartitionCtx};
+use crate::bus::claims::Claims;
+use crate::bus::consumer::{self, CheckerStats, PartitionCtx, SharedStreams};
+use crate::bus::progress::{ProgressClock, Streams};
 use crate::bus::{BusConfig, BusConfigError};
+use crate::engine::check::CheckerConfig;
 use crate::ingest::ebpf::EbpfMode;
 
 use crate::pipeline::taps::{EngineMetrics, Observed};
@@ -45,6 +55,15 @@ pub struct CheckerArgs {
     /// cluster: judged on event time only, as `revenant check` does) [default: wall].
     #[arg(long, value_name = "CLOCK", value_enum, default_value_t = WatermarkClock::Wall)]
     pub watermark_clock: WatermarkClock,
+    /// How far back a starting checker reads its partitions again, before where their
+    /// consumers had come, to rebuild the engine's state [default: the engine's retention of
+    /// ended attempts (10 min) plus --allowed-lateness].
+    #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
+    pub recovery_window: Option<Duration>,
+    /// How long an agent stream may stay silent (while this checker is connected and caught up)
+    /// before verdicts stop waiting for it [default: 30s].
+    #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
+    pub agent_silence: Option<Duration>,
     /// Also write every violation, one JSON object per line (the `revenant check` output).
     #[arg(long, value_name = "PATH")]
     pub violations_jsonl: Option<PathBuf>,
@@ -87,6 +106,12 @@ fn run_logged(args: CheckerArgs) -> ExitCode {
     args.bus.apply(&mut bus);
     if args.owned_partitions.is_some() {
         bus.owned.clone_from(&args.owned_partitions);
+    }
+    if args.recovery_window.is_some() {
+        bus.recovery_window = args.recovery_window;
+    }
+    if let Some(v) = args.agent_silence {
+        bus.agent_silence = v;
     }
     let out = bus
         .validate()
@@ -184,13 +209,29 @@ async fn checker_async(
     let shared = Shared::new(&admin, &memory, access);
     let header = super::announce_rules(&shared, &checker, &cfg);
     let stats = Arc::new(CheckerStats::default());
-    consumer::register(&shared.metrics, stats.clone());
+    let owned = bus.owned_partitions();
+    let streams = SharedStreams::new(Streams::new(
+        match clock {
+            WatermarkClock::Wall => ProgressClock::Wall,
+            WatermarkClock::Event => ProgressClock::Event,
+        },
+        &owned,
+    ));
+    consumer::register(&shared.metrics, stats.clone(), streams.clone());
+    // What the engine keeps of ended attempts, and how late events may come: a restart reads
+    // that much again, and claims outlast it.
+    let recovery_window = bus
+        .recovery_window
+        .unwrap_or(CheckerConfig::default().retention + cfg.engine.allowed_lateness());
     let claimed = claim(&cfg, &alert, ready_file.as_ref(), &header.line())?;
+    // Notifications an earlier life of this checker (or another replica) sent are not sent
+    // again; the bucket opens once NATS answers.
+    let claims = Claims::new(&shared.metrics);
     let mut b = bind(&cfg, &admin, &shared, &shutdown).await?;
     let mut bound = serde_json::Map::new();
     let outputs = start_outputs(
         &mut alert,
-        claimed.alerts,
+        claimed.alerts.with_claims(claims.clone()),
         b.admin.take(),
         &shared,
         &shutdown,
@@ -204,9 +245,8 @@ async fn checker_async(
         .await
         .map_err(|e| RunError::Receiver(e.to_string()))?;
     let js = async_nats::jetstream::new(client.clone());
-    let owned = bus.owned_partitions();
     let url = bus.nats.clone().unwrap_or_default();
-    let mut consumers = Vec::new();
+    let mut setup = None;
     let mut stop_wait = std::pin::pin!(shutdown::signal());
     'setup: loop {
         let attempt = async {
@@ -215,11 +255,14 @@ async fn checker_async(
             for k in &owned {
                 cs.push((*k, crate::bus::ensure_consumer(&stream, &bus, *k).await?));
             }
-            Ok::<_, crate::bus::BusError>(cs)
+            claims
+                .open(&js, &bus, bus.retention.max(recovery_window * 2))
+                .await?;
+            Ok::<_, crate::bus::BusError>((stream, cs))
         };
         tokio::select! {
             r = tokio::time::timeout(Duration::from_secs(5), attempt) => match r {
-                Ok(Ok(cs)) => { consumers = cs; break 'setup; }
+                Ok(Ok(done)) => { setup = Some(done); break 'setup; }
                 Ok(Err(e @ crate::bus::BusError::Partitions { .. })) => {
                     return Err(RunError::Bus(e));
                 }
@@ -236,6 +279,10 @@ async fn checker_async(
         }
         tokio::time::sleep(Duration::from_secs(1)).await;
     }
+    let Some((stream, consumers)) = setup else {
+        // Stopped before NATS ever answered.
+        return Ok(());
+    };
     shared.readiness.set_down("nats", None);
     nats.ready();
     bound.insert("nats".into(), url.clone().into());
@@ -247,26 +294,58 @@ async fn checker_async(
 
     let (tx, rx) = event_channel(cfg.channel_capacity());
     let ctx = PartitionCtx {
-        dedup: Arc::new(Mutex::new(Dedup::default())),
+        streams: streams.clone(),
         stats: stats.clone(),
         metrics: shared.metrics.clone(),
         first_owned: owned.first().copied().unwrap_or(0),
-        newest: Arc::new(std::sync::atomic::AtomicU64::new(0)),
     };
+    // Each partition: read again from before where its consumer had come (readiness waits for
+    // every one), then live.
+    let recovery = shared.readiness.register("recovery", ComponentKind::Source);
+    let recovering = Arc::new(std::sync::atomic::AtomicUsize::new(consumers.len()));
+    stats.recovering.store(consumers.len() as u64, Relaxed);
+    if consumers.is_empty() {
+        recovery.ready();
+    }
+    let recovery = Arc::new(Mutex::new(Some(recovery)));
     let mut partitions: JoinSet<Result<(), String>> = JoinSet::new();
     for (k, c) in consumers {
-        partitions.spawn(consumer::run_partition(
-            c,
-            k,
-            tx.clone(),
-            ctx.clone(),
-            shutdown.at(Phase::StopSources),
-        ));
+        let (stream, tx, ctx) = (stream.clone(), tx.clone(), ctx.clone());
+        let (recovering, recovery) = (recovering.clone(), recovery.clone());
+        let subject = crate::bus::batcher::subject(&bus.stream, k);
+        let stop = shutdown.at(Phase::StopSources);
+        partitions.spawn(async move {
+            let mut stop = std::pin::pin!(stop);
+            let started = std::time::Instant::now();
+            tokio::select! {
+                r = consumer::recover(&stream, &c, subject, k, recovery_window, &tx, &ctx) => {
+                    let read = r?;
+                    if read > 0 {
+                        tracing::info!(
+                            partition = k, messages = read, took = ?started.elapsed(),
+                            "partition read again from {recovery_window:?} before where its consumer had come"
+                        );
+                    }
+                }
+                () = &mut stop => return Ok(()),
+            }
+            ctx.stats.recovering.fetch_sub(1, Relaxed);
+            if recovering.fetch_sub(1, Relaxed) == 1
+                && let Some(h) = recovery.lock().unwrap_or_else(|p| p.into_inner()).take()
+            {
+                h.ready();
+            }
+            consumer::run_partition(c, k, tx, ctx, stop).await
+        });
     }
     drop(tx);
-    // Readiness follows the connection.
+    // Readiness and the streams' view follow the connection; silent agent streams are given
+    // up on.
     let watch = {
         let (readiness, client, url) = (shared.readiness.clone(), client.clone(), url.clone());
+        let (streams, stats) = (streams.clone(), stats.clone());
+        let silence = bus.agent_silence.as_nanos() as u64;
+        let keep = bus.retention.as_nanos() as u64;
         let mut stop = Box::pin(shutdown.at(Phase::StopSources));
         tokio::spawn(async move {
             let mut iv = tokio::time::interval(Duration::from_millis(500));
@@ -275,6 +354,28 @@ async fn checker_async(
                     _ = iv.tick() => {
                         let up = client.connection_state() == async_nats::connection::State::Connected;
                         readiness.set_down("nats", (!up).then(|| format!("NATS {url} unreachable")));
+                        let now = crate::event::now_unix_ns();
+                        let expired = {
+                            let mut st = streams.lock();
+                            st.set_connected(up);
+                            let e = st.expire(now, silence);
+                            st.forget(now, keep);
+                            e
+                        };
+                        if !expired.silent.is_empty() {
+                            stats.streams_silent.fetch_add(expired.silent.len() as u64, Relaxed);
+                            tracing::warn!(
+                                agents = ?expired.silent, silence = ?Duration::from_nanos(silence),
+                                "agent streams silent while caught up: verdicts no longer wait for them"
+                            );
+                        }
+                        if expired.gaps_skipped > 0 {
+                            stats.batches_missing.fetch_add(expired.gaps_skipped, Relaxed);
+                            tracing::warn!(
+                                batches = expired.gaps_skipped,
+                                "batches never received (dropped by their agent): skipped over"
+                            );
+                        }
                     }
                     () = &mut stop => break,
                 }
@@ -312,7 +413,7 @@ async fn checker_async(
             lateness: cfg.engine.allowed_lateness(),
             pause_file,
             clock,
-            upstream_newest: Some(ctx.newest.clone()),
+            upstream: Some(Arc::new(streams.clone())),
         }
         .run(shutdown.at(Phase::CloseEngine)),
     );

@@ -733,7 +733,7 @@ fn report_totals(drain: &Drain, totals: &EngineTotals, report: &DispatchReport) 
     let human = format!(
         "stopped after draining in {:?}: {} batches, {} events checked, {} violations; \
          alerts: {} incidents, {} findings merged, {} repeats, {} notifications spooled for delivery, {} findings rate-limited, \
-         {} delivered to every sink, {} pending in the spool, {} dropped by the spool{}",
+         {} delivered to every sink, {} pending in the spool, {} dropped by the spool{}{}",
         drain.elapsed(),
         totals.batches,
         totals.events,
@@ -754,6 +754,14 @@ fn report_totals(drain: &Drain, totals: &EngineTotals, report: &DispatchReport) 
         } else {
             String::new()
         },
+        if report.sent_before > 0 {
+            format!(
+                ", {} not sent again (another checker life or replica had sent them)",
+                report.sent_before
+            )
+        } else {
+            String::new()
+        },
     );
     let fields = serde_json::json!({
         "drain_seconds": drain.elapsed().as_secs_f64(),
@@ -765,6 +773,7 @@ fn report_totals(drain: &Drain, totals: &EngineTotals, report: &DispatchReport) 
         "repeats": report.deduplicated,
         "notifications_spooled": report.notified,
         "findings_rate_limited": report.rate_limited,
+        "notifications_sent_before": report.sent_before,
         "spool_dropped": report.spool_dropped,
         "spool_left": report.undelivered_at_exit,
         "delivered": report.delivered,
@@ -845,7 +854,7 @@ pub async fn run_async(p: Prepared) -> Result<(), RunError> {
             lateness: cfg.engine.allowed_lateness(),
             pause_file,
             clock: crate::pipeline::WatermarkClock::Wall,
-            upstream_newest: None,
+            upstream: None,
         },
         &shutdown,
     );

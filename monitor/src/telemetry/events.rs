@@ -131,6 +131,24 @@ impl AlertDeduplicated<'_> {
     }
 }
 
+pub struct AlertSentBefore<'a> {
+    pub rule: &'a str,
+}
+
+impl AlertSentBefore<'_> {
+    pub fn emit(&self, m: &Metrics) {
+        debug!(
+            rule = self.rule,
+            "notification sent before by another process: not spooled again"
+        );
+        m.alerts_sent_before
+            .get_or_create(&RuleLabel {
+                rule: self.rule.to_string(),
+            })
+            .inc();
+    }
+}
+
 pub struct AlertRateLimited<'a> {
     pub rule: &'a str,
 }

@@ -244,6 +244,7 @@ pub struct Metrics {
     pub dropped: Family<DropLabels, Counter>,
     pub alerts_received: Family<RuleLabels, Counter>,
     pub alerts_deduplicated: Family<RuleLabel, Counter>,
+    pub alerts_sent_before: Family<RuleLabel, Counter>,
     pub alerts_rate_limited: Family<RuleLabel, Counter>,
     pub alerts_notified: Family<RuleLabel, Counter>,
     pub alerts_corroborated: Family<CorroborationLabels, Counter>,
@@ -311,6 +312,12 @@ impl Metrics {
             "revenant_alerts_deduplicated",
             "Repeats: findings of a rule an open incident already lists (another attempt of the request), folded into that finding's occurrences",
             alerts_deduplicated.clone(),
+        );
+        let alerts_sent_before = Family::default();
+        r.register(
+            "revenant_alerts_sent_before",
+            "Notifications not spooled because another process had sent them (cluster mode: an earlier life of this checker, or another replica, found the same breach)",
+            alerts_sent_before.clone(),
         );
         let alerts_rate_limited = Family::default();
         r.register(
@@ -426,6 +433,7 @@ impl Metrics {
             dropped,
             alerts_received,
             alerts_deduplicated,
+            alerts_sent_before,
             alerts_rate_limited,
             alerts_notified,
             alerts_corroborated,
@@ -547,6 +555,7 @@ impl Metrics {
             &self.incidents_opened,
             &self.alerts_notified,
             &self.alerts_deduplicated,
+            &self.alerts_sent_before,
             &self.alerts_rate_limited,
             &self.alerts_held,
         ] {

@@ -209,13 +209,18 @@ impl Member {
 
     /// The stop summary's `batches_published` (an agent's, once stopped).
     pub fn published(&self) -> u64 {
+        self.stopped_field("batches_published") as u64
+    }
+
+    /// A figure of the stop summary (once stopped).
+    pub fn stopped_field(&self, name: &str) -> f64 {
         std::fs::read_to_string(self.dir.join("stderr"))
             .unwrap()
             .lines()
             .rev()
             .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-            .find_map(|v| v["fields"]["batches_published"].as_u64())
-            .unwrap_or_else(|| panic!("no stop summary in {}", self.dir.display()))
+            .find_map(|v| v["fields"][name].as_f64())
+            .unwrap_or_else(|| panic!("no {name} in the stop summary in {}", self.dir.display()))
     }
 
     /// What a checker wrote to `violations.jsonl`.

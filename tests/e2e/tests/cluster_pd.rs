@@ -4,7 +4,10 @@
 //! clock 20 ms ahead, inside the 50 ms skew bound), a three-node NATS cluster holding an R3
 //! stream, and two `revenant checker`s sharing four partitions. From eBPF alone, a router that
 //! hands rejected requests to decode is caught once per request; a correct router and one that
-//! cancels the decode leg concurrently (smg 1.13.0) stay silent.
+//! cancels the decode leg concurrently (smg 1.13.0) stay silent. The same hold under faults in
+//! the middle of the load: a checker killed (SIGKILL) and a new one started on its partitions,
+//! and the whole NATS cluster down for ten seconds (the agents keep what they could not publish,
+//! the checkers wait for it).
 //!
 //! Root only (the agents load eBPF probes), release builds (`REVENANT_BIN`/`PD_SIM_BIN`, as
 //! `cargo xtask test` passes them).
@@ -81,6 +84,17 @@ fn stop(m: &mut Member) {
     );
 }
 
+/// What goes wrong while the load runs (from 4 s into it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fault {
+    None,
+    /// Checker 0 is killed; 2 s later a new one (its own directory and spool, as a replacement
+    /// pod elsewhere) takes its partitions.
+    KillChecker,
+    /// Every NATS server is killed, and started again 10 s later.
+    NatsOutage,
+}
+
 struct Outcome {
     notifications: Vec<Value>,
     rooms: Vec<Value>,
@@ -88,7 +102,7 @@ struct Outcome {
     routed: f64,
 }
 
-fn run(mode: &str, load_args: &[&str]) -> Outcome {
+fn run(mode: &str, load_args: &[&str], fault: Fault) -> Outcome {
     assert!(
         test_harness::is_root(),
         "this test loads eBPF probes and must run as root (cargo xtask test does, as CI)"
@@ -98,7 +112,7 @@ fn run(mode: &str, load_args: &[&str]) -> Outcome {
         .prefix("revenant-cluster-pd-")
         .tempdir()
         .unwrap();
-    let nats = Nats::cluster3().unwrap();
+    let mut nats = Nats::cluster3().unwrap();
     let cluster = Cluster::start(
         &b.pd_sim,
         &[
@@ -123,20 +137,26 @@ fn run(mode: &str, load_args: &[&str]) -> Outcome {
             "3",
         ]);
     };
-    let mut checkers: Vec<Member> = [[0u32, 2], [1, 3]]
+    let owned = [[0u32, 2], [1, 3]];
+    let start_checker = |i: usize, life: u32| {
+        let d = dir.path().join(format!("checker{i}-{life}"));
+        let mut c = Command::new(&b.revenant);
+        c.arg("checker");
+        bus(&mut c);
+        c.args([
+            "--owned-partitions",
+            &format!("{},{}", owned[i][0], owned[i][1]),
+        ])
+        .args(["--allowed-lateness", "2s", "--rate-limit", "0"])
+        .arg("--alerts-jsonl")
+        .arg(d.join("alerts.jsonl"));
+        start(&format!("checker {i} ({life})"), &d, c)
+    };
+    let mut checkers: Vec<Member> = (0..owned.len()).map(|i| start_checker(i, 1)).collect();
+    // Every life's alerts file, the killed ones' too.
+    let mut alert_files: Vec<PathBuf> = checkers
         .iter()
-        .enumerate()
-        .map(|(i, own)| {
-            let d = dir.path().join(format!("checker{i}"));
-            let mut c = Command::new(&b.revenant);
-            c.arg("checker");
-            bus(&mut c);
-            c.args(["--owned-partitions", &format!("{},{}", own[0], own[1])])
-                .args(["--allowed-lateness", "2s", "--rate-limit", "0"])
-                .arg("--alerts-jsonl")
-                .arg(d.join("alerts.jsonl"));
-            start(&format!("checker {i}"), &d, c)
-        })
+        .map(|c| c.dir.join("alerts.jsonl"))
         .collect();
     let mut agents: Vec<Member> = cluster
         .pids
@@ -155,17 +175,48 @@ fn run(mode: &str, load_args: &[&str]) -> Outcome {
             start(&format!("agent {role}"), &d, c)
         })
         .collect();
-    let load = test_harness::run_load(
-        &b.pd_sim,
-        &cluster.router,
-        &load_args.iter().map(|s| s.to_string()).collect::<Vec<_>>(),
-        &dir.path().join("load.json"),
-        true,
-        Duration::from_secs(300),
-        None,
-    )
-    .unwrap_or_else(|e| panic!("{e:#}"))
-    .expect("not interrupted");
+    let load = {
+        let (pd_sim, router) = (b.pd_sim.clone(), cluster.router.clone());
+        let args: Vec<String> = load_args.iter().map(|s| s.to_string()).collect();
+        let summary = dir.path().join("load.json");
+        std::thread::spawn(move || {
+            test_harness::run_load(
+                &pd_sim,
+                &router,
+                &args,
+                &summary,
+                true,
+                Duration::from_secs(300),
+                None,
+            )
+        })
+    };
+    match fault {
+        Fault::None => {}
+        Fault::KillChecker => {
+            std::thread::sleep(Duration::from_secs(4));
+            checkers[0].proc.stop(libc::SIGKILL, Duration::ZERO);
+            std::thread::sleep(Duration::from_secs(2));
+            checkers[0] = start_checker(0, 2);
+            alert_files.push(checkers[0].dir.join("alerts.jsonl"));
+        }
+        Fault::NatsOutage => {
+            std::thread::sleep(Duration::from_secs(4));
+            for n in &mut nats.nodes {
+                n.kill();
+            }
+            std::thread::sleep(Duration::from_secs(10));
+            for n in &mut nats.nodes {
+                n.start().unwrap();
+            }
+            nats.wait_ready().unwrap();
+        }
+    }
+    let load = load
+        .join()
+        .unwrap()
+        .unwrap_or_else(|e| panic!("{e:#}"))
+        .expect("not interrupted");
     // The agents are quiet once nothing more arrives; then every deadline (500 ms window, 50 ms
     // skew) is past the checkers' watermark (2 s lateness) after a few seconds.
     let mut last = -1.0;
@@ -194,8 +245,13 @@ fn run(mode: &str, load_args: &[&str]) -> Outcome {
             .find_map(|v| v["fields"]["batches_published"].as_f64())
             .unwrap_or(0.0);
     }
+    // Each checker has taken every agent stream's last batch (the input is whole), then every
+    // deadline is judged within a few seconds.
     let deadline = Instant::now() + WAIT;
-    while checkers
+    while checkers.iter().any(|c| {
+        metric(&c.admin, "revenant_checker_agent_streams") != 0.0
+            || metric(&c.admin, "revenant_checker_recovering_partitions") != 0.0
+    }) || checkers
         .iter()
         .map(|c| metric(&c.admin, "revenant_checker_messages_total"))
         .sum::<f64>()
@@ -208,11 +264,13 @@ fn run(mode: &str, load_args: &[&str]) -> Outcome {
         std::thread::sleep(Duration::from_millis(50));
     }
     std::thread::sleep(Duration::from_secs(4));
-    let mut notifications = Vec::new();
     for c in &mut checkers {
         stop(c);
-        notifications.extend(read_jsonl_so_far(&c.dir.join("alerts.jsonl")));
     }
+    let notifications = alert_files
+        .iter()
+        .flat_map(|f| read_jsonl_so_far(f))
+        .collect();
     drop(cluster);
     Outcome {
         notifications,
@@ -222,20 +280,8 @@ fn run(mode: &str, load_args: &[&str]) -> Outcome {
     }
 }
 
-#[test]
-fn three_nodes_handoff_after_reject_is_caught_once_per_request_from_ebpf_alone() {
-    let _g = serial();
-    let o = run(
-        "handoff-after-reject",
-        &[
-            "--rate",
-            "200",
-            "--requests",
-            "600",
-            "--over-capacity-share",
-            "0.1",
-        ],
-    );
+/// Every handed-off room caught once, from eBPF alone, in one notification per request.
+fn assert_caught_once_per_request(o: &Outcome) {
     assert_eq!(o.load["errors"], 0, "{}", o.load);
     let expected: BTreeSet<u64> = o
         .rooms
@@ -275,6 +321,50 @@ fn three_nodes_handoff_after_reject_is_caught_once_per_request_from_ebpf_alone()
     assert!(per_room.values().all(|n| *n == 1), "{per_room:?}");
 }
 
+/// No notification at all, from agents that saw the traffic.
+fn assert_silent(what: &str, o: &Outcome) {
+    assert_eq!(o.load["errors"], 0, "{what}: {}", o.load);
+    assert!(
+        o.routed > 1000.0,
+        "{what}: the agents saw too little: {}",
+        o.routed
+    );
+    assert!(
+        o.notifications.is_empty(),
+        "{what}: {} notifications, first: {:#?}",
+        o.notifications.len(),
+        &o.notifications[..o.notifications.len().min(3)]
+    );
+}
+
+/// Long enough for a fault 4 s in and 10 s long.
+const LOAD_THROUGH_A_FAULT: &[&str] = &[
+    "--rate",
+    "100",
+    "--requests",
+    "1600",
+    "--over-capacity-share",
+    "0.1",
+];
+
+#[test]
+fn three_nodes_handoff_after_reject_is_caught_once_per_request_from_ebpf_alone() {
+    let _g = serial();
+    let o = run(
+        "handoff-after-reject",
+        &[
+            "--rate",
+            "200",
+            "--requests",
+            "600",
+            "--over-capacity-share",
+            "0.1",
+        ],
+        Fault::None,
+    );
+    assert_caught_once_per_request(&o);
+}
+
 #[test]
 fn three_nodes_correct_and_concurrent_cancel_routers_stay_silent() {
     let _g = serial();
@@ -289,18 +379,43 @@ fn three_nodes_correct_and_concurrent_cancel_routers_stay_silent() {
                 "--over-capacity-share",
                 "0.1",
             ],
+            Fault::None,
         );
-        assert_eq!(o.load["errors"], 0, "{mode}: {}", o.load);
-        assert!(
-            o.routed > 1000.0,
-            "{mode}: the agents saw too little: {}",
-            o.routed
-        );
-        assert!(
-            o.notifications.is_empty(),
-            "{mode}: {} notifications, first: {:#?}",
-            o.notifications.len(),
-            &o.notifications[..o.notifications.len().min(3)]
-        );
+        assert_silent(mode, &o);
     }
+}
+
+#[test]
+fn a_checker_killed_midway_and_replaced_still_catches_each_handoff_once() {
+    let _g = serial();
+    let o = run(
+        "handoff-after-reject",
+        LOAD_THROUGH_A_FAULT,
+        Fault::KillChecker,
+    );
+    assert_caught_once_per_request(&o);
+}
+
+#[test]
+fn correct_routers_stay_silent_through_a_checker_kill_and_a_nats_outage() {
+    let _g = serial();
+    let o = run(
+        "concurrent-cancel",
+        LOAD_THROUGH_A_FAULT,
+        Fault::KillChecker,
+    );
+    assert_silent("concurrent-cancel, a checker killed", &o);
+    let o = run("correct", LOAD_THROUGH_A_FAULT, Fault::NatsOutage);
+    assert_silent("correct, NATS down for 10 s", &o);
+}
+
+#[test]
+fn handoffs_during_a_nats_outage_are_caught_once_each_after_it() {
+    let _g = serial();
+    let o = run(
+        "handoff-after-reject",
+        LOAD_THROUGH_A_FAULT,
+        Fault::NatsOutage,
+    );
+    assert_caught_once_per_request(&o);
 }

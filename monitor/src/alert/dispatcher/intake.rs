@@ -5,10 +5,11 @@ use std::sync::Arc;
 
 use super::delivery::SinkQueue;
 use super::{DispatchReport, Dispatcher};
+use crate::alert::claims::NotificationClaims;
 use crate::alert::flood::Release;
 use crate::alert::notification::Notification;
 use crate::alert::spool::SpoolError;
-use crate::telemetry::events::{AlertRateLimited, AlertSpooled, ItemsDropped};
+use crate::telemetry::events::{AlertRateLimited, AlertSentBefore, AlertSpooled, ItemsDropped};
 use crate::telemetry::metrics::{DropPoint, DropReason, Metrics};
 
 impl Dispatcher {
@@ -19,6 +20,13 @@ impl Dispatcher {
         queues: &[Arc<SinkQueue>],
         report: &mut DispatchReport,
     ) {
+        if notes.is_empty() {
+            return;
+        }
+        let (notes, keys) = match &self.claims {
+            Some(c) => self.unclaimed(c.as_ref(), notes, report).await,
+            None => (notes, Vec::new()),
+        };
         if notes.is_empty() {
             return;
         }
@@ -39,9 +47,13 @@ impl Dispatcher {
                     })
                     .collect()
             });
-        for (res, rule) in results.into_iter().zip(&rules) {
+        let mut spooled_keys = Vec::with_capacity(keys.len());
+        for (i, (res, rule)) in results.into_iter().zip(&rules).enumerate() {
             match res {
                 Ok(seq) => {
+                    if let Some(Some(k)) = keys.get(i) {
+                        spooled_keys.push(k.clone());
+                    }
                     report.notified += 1;
                     let (entries, bytes) = self.spool.size();
                     AlertSpooled {
@@ -70,6 +82,38 @@ impl Dispatcher {
                 }
             }
         }
+        if let Some(c) = &self.claims
+            && !spooled_keys.is_empty()
+        {
+            c.record(&spooled_keys).await;
+        }
+    }
+
+    /// The notifications the claims do not know as sent before, with their claim keys (`None`
+    /// for those never claimed); the others are counted as deduplicated and dropped here.
+    async fn unclaimed(
+        &self,
+        claims: &dyn NotificationClaims,
+        notes: Vec<Notification>,
+        report: &mut DispatchReport,
+    ) -> (Vec<Notification>, Vec<Option<String>>) {
+        let keys: Vec<Option<String>> = notes.iter().map(Notification::claim_key).collect();
+        let asked: Vec<String> = keys.iter().flatten().cloned().collect();
+        let mut before = claims.sent_before(&asked).await.into_iter();
+        let mut kept = (
+            Vec::with_capacity(notes.len()),
+            Vec::with_capacity(notes.len()),
+        );
+        for (n, k) in notes.into_iter().zip(keys) {
+            if k.is_some() && before.next().unwrap_or(false) {
+                report.sent_before += 1;
+                AlertSentBefore { rule: n.rule() }.emit(&self.metrics);
+                continue;
+            }
+            kept.0.push(n);
+            kept.1.push(k);
+        }
+        kept
     }
 }
 

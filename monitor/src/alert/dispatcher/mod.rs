@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::{Notify, mpsc};
 use tokio::task::JoinHandle;
 
+use super::claims::NotificationClaims;
 use super::flood::{ActiveAlert, Admission, Corroboration, FloodConfig, FloodControl};
 use super::notification::{LinkBase, Notification, now_unix_ns};
 use super::sink::Sink;
@@ -71,6 +72,8 @@ pub struct DispatchReport {
     pub deduplicated: u64,
     /// Findings whose notification the rate limit suppressed.
     pub rate_limited: u64,
+    /// Notifications not spooled: another process had sent them (`with_claims`).
+    pub sent_before: u64,
     /// Follow-ups from a second source (merged, never counted as repeats).
     pub corroborated: u64,
     pub spool_dropped: u64,
@@ -96,6 +99,8 @@ pub struct Dispatcher {
     /// Tells how many sources are live (holding for corroboration only makes sense with two).
     readiness: Option<Readiness>,
     spool_discarded: u64,
+    /// Notifications another process may have sent already (cluster mode's checkers).
+    claims: Option<Arc<dyn NotificationClaims>>,
 }
 
 impl Dispatcher {
@@ -120,6 +125,7 @@ impl Dispatcher {
             recent: None,
             spool_discarded: 0,
             readiness: None,
+            claims: None,
         }
     }
 
@@ -127,6 +133,12 @@ impl Dispatcher {
     /// are live (or just started); without readiness, whenever a window is configured.
     pub fn with_readiness(mut self, readiness: Readiness) -> Dispatcher {
         self.readiness = Some(readiness);
+        self
+    }
+
+    /// Spools no notification the claims say was sent before; records the ones it spools.
+    pub fn with_claims(mut self, claims: Arc<dyn NotificationClaims>) -> Dispatcher {
+        self.claims = Some(claims);
         self
     }
 

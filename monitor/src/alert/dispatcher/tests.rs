@@ -290,3 +290,103 @@ async fn late_corroboration_is_reposted_merged_not_notified_again() {
     assert_eq!(report.corroborated, 1);
     assert_eq!(report.deduplicated, 0);
 }
+
+/// In-memory claims shared by two dispatchers, as two lives of one checker share the bucket.
+#[derive(Default)]
+struct MemoryClaims {
+    sent: Mutex<std::collections::BTreeSet<String>>,
+    /// Bytes in the spool's files when each key was recorded (records come after the spool).
+    spooled_at_record: Mutex<Vec<usize>>,
+    spool_dir: Mutex<Option<std::path::PathBuf>>,
+}
+
+impl crate::alert::claims::NotificationClaims for MemoryClaims {
+    fn sent_before<'a>(
+        &'a self,
+        keys: &'a [String],
+    ) -> crate::alert::claims::ClaimFuture<'a, Vec<bool>> {
+        let sent = self.sent.lock().unwrap();
+        let r = keys.iter().map(|k| sent.contains(k)).collect();
+        Box::pin(async move { r })
+    }
+    fn record<'a>(&'a self, keys: &'a [String]) -> crate::alert::claims::ClaimFuture<'a, ()> {
+        let dir = self.spool_dir.lock().unwrap().clone();
+        let bytes: u64 = dir.map_or(0, |d| {
+            std::fs::read_dir(d)
+                .unwrap()
+                .map(|e| e.unwrap().metadata().unwrap().len())
+                .sum()
+        });
+        self.spooled_at_record.lock().unwrap().push(bytes as usize);
+        self.sent.lock().unwrap().extend(keys.iter().cloned());
+        Box::pin(async {})
+    }
+}
+
+/// A second life that finds the same breaches again sends none of the notifications the first
+/// sent, and only the new one; each key is recorded once the spool holds its notification.
+#[tokio::test]
+async fn notifications_claimed_by_an_earlier_life_are_not_sent_again() {
+    let claims = Arc::new(MemoryClaims::default());
+    let life = |claims: Arc<MemoryClaims>, findings: Vec<Violation>| async move {
+        let dir = tempfile::tempdir().unwrap();
+        *claims.spool_dir.lock().unwrap() = Some(dir.path().to_path_buf());
+        let spool_cfg = SpoolConfig {
+            dir: Some(dir.path().to_path_buf()),
+            fsync: false,
+            ..SpoolConfig::default()
+        };
+        let (spool, _) = Spool::open(&spool_cfg, &["recorder".to_string()]).unwrap();
+        let rec = Arc::new(Recorder::default());
+        let d = Dispatcher::new(
+            DispatchConfig::default(),
+            FloodConfig {
+                group_wait: Duration::ZERO,
+                ..FloodConfig::default()
+            },
+            LinkBase::default(),
+            spool,
+            vec![Arc::new(RecordingSink(rec.clone()))],
+            Arc::new(Metrics::new()),
+        )
+        .with_claims(claims);
+        let (tx, rx) = mpsc::channel(16);
+        let handle = tokio::spawn(d.run(rx));
+        for f in findings {
+            tx.send(f).await.unwrap();
+        }
+        drop(tx);
+        let report = handle.await.unwrap();
+        let keys: Vec<String> = rec
+            .delivered
+            .lock()
+            .unwrap()
+            .iter()
+            .filter_map(Notification::claim_key)
+            .collect();
+        (report, keys)
+    };
+    let first = vec![
+        finding("orphaned-leg", "req-1", Severity::Warning),
+        finding("activity-after-rejection", "req-2", Severity::Critical),
+    ];
+    let (r1, sent1) = life(claims.clone(), first.clone()).await;
+    assert_eq!((r1.notified, r1.sent_before, sent1.len()), (2, 0, 2));
+    let mut again = first;
+    again.push(finding("orphaned-leg", "req-3", Severity::Warning));
+    let (r2, sent2) = life(claims.clone(), again).await;
+    assert_eq!((r2.notified, r2.sent_before), (1, 2), "{r2:?}");
+    assert_eq!(sent2.len(), 1);
+    assert!(!sent1.contains(&sent2[0]));
+    assert_eq!(claims.sent.lock().unwrap().len(), 3);
+    let at_record = claims.spooled_at_record.lock().unwrap().clone();
+    assert_eq!(
+        at_record.len(),
+        2,
+        "one record per intake batch that spooled: {at_record:?}"
+    );
+    assert!(
+        at_record.iter().all(|n| *n > 0),
+        "a key recorded before its notification was spooled: {at_record:?}"
+    );
+}

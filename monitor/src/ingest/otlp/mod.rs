@@ -13,7 +13,9 @@ pub mod json;
 pub mod metrics;
 
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
+
+use crate::event::now_unix_ns;
 
 use opentelemetry_proto::tonic::collector::logs::v1::ExportLogsServiceRequest;
 use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
@@ -52,13 +54,6 @@ pub struct Ingest {
     pub max_items_per_request: usize,
     /// Rate limit of the refusal WARN lines, shared by both transports.
     pub refusal_log: RefusalLog,
-}
-
-fn now_ns() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(0)
 }
 
 impl Ingest {
@@ -127,7 +122,7 @@ impl Ingest {
         let mut tally = Tally::default();
         {
             let mut n = self.normalizer.lock().unwrap_or_else(|p| p.into_inner());
-            n.traces(req, now_ns(), &mut out, &mut tally);
+            n.traces(req, now_unix_ns(), &mut out, &mut tally);
         }
         self.stats.accepted(transport, &tally);
         let events = out.len();
@@ -174,7 +169,7 @@ impl Ingest {
         let mut out = Vec::new();
         let (waiting, join_pending) = {
             let mut n = self.normalizer.lock().unwrap_or_else(|p| p.into_inner());
-            n.tick(now_ns(), &mut out, &mut tally);
+            n.tick(now_unix_ns(), &mut out, &mut tally);
             self.memory
                 .set_used(Structure::SpanTree, n.tree_bytes() as u64);
             self.memory
