@@ -79,6 +79,11 @@ impl NatsNode {
         }
     }
 
+    /// The process id while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.proc.as_ref().map(Proc::pid)
+    }
+
     pub fn is_running(&mut self) -> bool {
         self.proc.as_mut().is_some_and(|p| p.exited().is_none())
     }

@@ -49,6 +49,18 @@ impl Revenant {
         args: &[S],
         ready_timeout: Duration,
     ) -> Result<Revenant> {
+        Revenant::start_subcommand(bin, "run", dir, args, ready_timeout)
+    }
+
+    /// [`Revenant::start_within`] for another subcommand that takes `run`'s flags (`agent`,
+    /// `checker`).
+    pub fn start_subcommand<S: AsRef<OsStr>>(
+        bin: &Path,
+        subcommand: &str,
+        dir: &Path,
+        args: &[S],
+        ready_timeout: Duration,
+    ) -> Result<Revenant> {
         let value_of = |flag: &str| {
             args.iter()
                 .position(|a| a.as_ref() == flag)
@@ -69,7 +81,7 @@ impl Revenant {
             ("--spool-dir", &dir.join("spool").into_os_string()),
         ];
         let mut cmd = Command::new(bin);
-        cmd.arg("run");
+        cmd.arg(subcommand);
         for (flag, value) in defaults {
             if !args.iter().any(|a| a.as_ref() == flag) {
                 cmd.arg(flag).arg(value);

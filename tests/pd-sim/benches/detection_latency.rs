@@ -12,11 +12,17 @@
 //! (every violation revenant reports there is one). revenant's CPU time comes from
 //! /proc/PID/stat (utime+stime), its peak RSS from VmHWM in /proc/PID/status.
 //!
+//! `--deploy cluster` puts cluster mode in `run`'s place: a `nats-server -js` (R1), one
+//! `revenant agent` taking the spans (or watching the processes) and one `revenant checker`
+//! owning every partition and posting to the webhook; CPU and peak RSS are reported per process
+//! (agent, checker, nats-server). `--deploy both` runs `run` then the cluster at each rate, so
+//! the two are compared in one sitting.
+//!
 //! ```text
 //! cargo build --release -p revenant -p pd-sim
 //! cargo bench -p pd-sim --bench detection_latency -- [--rates 1000,10000] [--seconds 10]
 //!     [--otlp-linger-ms 20] [--over-capacity-share 0.02] [--skip-clean] [--source otlp|ebpf]
-//!     [--flavour sglang|vllm]
+//!     [--flavour sglang|vllm] [--deploy run|cluster|both]
 //! ```
 //!
 //! `--flavour vllm`: the simulator's vLLM workers behind its vllm-router-shaped router
@@ -46,6 +52,16 @@ struct Opts {
     source: String,
     /// `sglang` or `vllm` (`pd-sim cluster --flavour vllm`, `load --api openai`).
     flavour: String,
+    /// Which deployments to measure, in order.
+    deploys: Vec<Deploy>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Deploy {
+    /// `revenant run`.
+    Run,
+    /// `nats-server -js`, `revenant agent`, `revenant checker`.
+    Cluster,
 }
 
 fn opts() -> Opts {
@@ -57,6 +73,7 @@ fn opts() -> Opts {
         skip_clean: false,
         source: "otlp".into(),
         flavour: "sglang".into(),
+        deploys: vec![Deploy::Run],
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -76,6 +93,14 @@ fn opts() -> Opts {
             "--skip-clean" => o.skip_clean = true,
             "--source" => o.source = val(),
             "--flavour" => o.flavour = val(),
+            "--deploy" => {
+                o.deploys = match val().as_str() {
+                    "run" => vec![Deploy::Run],
+                    "cluster" => vec![Deploy::Cluster],
+                    "both" => vec![Deploy::Run, Deploy::Cluster],
+                    other => panic!("--deploy run|cluster|both, not {other}"),
+                }
+            }
             // `cargo bench` passes `--bench`; ignore it and anything else libtest-like.
             _ => {}
         }
@@ -140,7 +165,95 @@ fn pct(sorted: &[f64], p: f64) -> f64 {
     sorted[i]
 }
 
+/// CPU seconds and peak RSS of one process over a run.
+#[derive(Default)]
+struct Cost {
+    cpu_s: f64,
+    hwm_mib: f64,
+}
+
+/// The processes of one deployment: the one whose admin API holds the violations and posts the
+/// webhook (`run`, or the checker), the one the telemetry reaches (`run` again, or the agent),
+/// and what else runs (the cluster's NATS, the agent).
+struct Deployed {
+    judge: Revenant,
+    agent: Option<Revenant>,
+    nats: Option<test_harness::Nats>,
+}
+
+impl Deployed {
+    fn start(
+        deploy: Deploy,
+        bin: &Path,
+        dir: &Path,
+        common: &[String],
+        ingest: &[String],
+    ) -> Deployed {
+        let within = Duration::from_secs(60);
+        match deploy {
+            Deploy::Run => {
+                let all: Vec<String> = [common, ingest].concat();
+                Deployed {
+                    judge: Revenant::start(bin, dir, &all)
+                        .unwrap_or_else(|e| panic!("revenant: {e}")),
+                    agent: None,
+                    nats: None,
+                }
+            }
+            Deploy::Cluster => {
+                let nats = test_harness::Nats::single().unwrap_or_else(|e| panic!("nats: {e}"));
+                let bus = [
+                    "--nats".to_string(),
+                    nats.urls(),
+                    "--stream".into(),
+                    "DL".into(),
+                ];
+                let (checker_dir, agent_dir) = (dir.join("checker"), dir.join("agent"));
+                for d in [&checker_dir, &agent_dir] {
+                    std::fs::create_dir_all(d).unwrap();
+                }
+                let judge = Revenant::start_subcommand(
+                    bin,
+                    "checker",
+                    &checker_dir,
+                    &[common, &bus].concat(),
+                    within,
+                )
+                .unwrap_or_else(|e| panic!("revenant checker: {e}"));
+                let node = ["--node".to_string(), "bench-node".into()];
+                let agent = Revenant::start_subcommand(
+                    bin,
+                    "agent",
+                    &agent_dir,
+                    &[&bus[..], &node, ingest].concat(),
+                    within,
+                )
+                .unwrap_or_else(|e| panic!("revenant agent: {e}"));
+                Deployed {
+                    judge,
+                    agent: Some(agent),
+                    nats: Some(nats),
+                }
+            }
+        }
+    }
+
+    /// Where the telemetry goes.
+    fn receiver(&self) -> &Revenant {
+        self.agent.as_ref().unwrap_or(&self.judge)
+    }
+
+    fn pids(&self) -> [Option<u32>; 3] {
+        [
+            Some(self.judge.pid()),
+            self.agent.as_ref().map(Revenant::pid),
+            self.nats.as_ref().and_then(|n| n.nodes[0].pid()),
+        ]
+    }
+}
+
 struct RunResult {
+    deploy: Deploy,
     mode: &'static str,
     target_rate: u64,
     load: Value,
@@ -149,8 +262,8 @@ struct RunResult {
     notifications: usize,
     latencies_ms: Vec<f64>,
     internal_ms: Vec<f64>,
-    cpu_s: f64,
-    hwm_mib: f64,
+    /// `run` or the checker; the agent; nats-server.
+    costs: [Option<Cost>; 3],
     wall_s: f64,
     rules: std::collections::BTreeMap<String, u64>,
     otlp_dropped: u64,
@@ -163,6 +276,7 @@ fn stat(url: &str) -> Value {
 
 fn one_run(
     o: &Opts,
+    deploy: Deploy,
     mode: &'static str,
     rate: u64,
     revenant_bin: &Path,
@@ -171,8 +285,7 @@ fn one_run(
 ) -> RunResult {
     let scratch = ScratchDir::new("detect-bench").unwrap();
     let (hook, got) = start_webhook(rt);
-    let events = scratch.path().join("events.jsonl").display().to_string();
-    let mut common: Vec<String> = [
+    let common: Vec<String> = [
         "--admin",
         "127.0.0.1:0",
         "--rate-limit",
@@ -182,8 +295,6 @@ fn one_run(
         "--group-wait",
         "0",
         "--spool-no-fsync",
-        "--events-jsonl",
-        &events,
         "--webhook",
         &hook,
         "--log-format",
@@ -194,28 +305,27 @@ fn one_run(
     .collect();
     // SAFETY: the bench is single-threaded apart from the webhook runtime, which reads no env.
     unsafe { std::env::set_var("PD_SIM_OTLP_LINGER_MS", o.linger_ms.to_string()) };
-    let (mut rev, cluster) = if o.source == "ebpf" {
+    let (deployed, cluster) = if o.source == "ebpf" {
         // The kernel side watches the processes, so they start first (no span export).
         let cluster = Cluster::start(pd_sim, &["--flavour", &o.flavour, "--mode", mode], None)
             .unwrap_or_else(|e| panic!("cluster: {e}"));
-        common.extend(["--ebpf".to_string(), "on".to_string()]);
+        let mut ingest = vec!["--ebpf".to_string(), "on".to_string()];
         for role in ["router", "prefill", "decode"] {
             let pid = cluster.ready["pids"][role].as_u64().expect("pid");
-            common.extend(["--pid".to_string(), format!("{role}={pid}")]);
+            ingest.extend(["--pid".to_string(), format!("{role}={pid}")]);
         }
-        let rev = Revenant::start(revenant_bin, scratch.path(), &common)
-            .unwrap_or_else(|e| panic!("revenant: {e}"));
+        let d = Deployed::start(deploy, revenant_bin, scratch.path(), &common, &ingest);
         assert_eq!(
-            rev.ready["ebpf"], "live",
+            d.receiver().ready["ebpf"],
+            "live",
             "eBPF source not live: {}",
-            rev.ready
+            d.receiver().ready
         );
-        (rev, cluster)
+        (d, cluster)
     } else {
-        common.extend(["--ebpf".to_string(), "off".to_string()]);
-        let rev = Revenant::start(revenant_bin, scratch.path(), &common)
-            .unwrap_or_else(|e| panic!("revenant: {e}"));
-        let otlp = format!("http://{}", rev.otlp_http);
+        let ingest = ["--ebpf".to_string(), "off".to_string()];
+        let d = Deployed::start(deploy, revenant_bin, scratch.path(), &common, &ingest);
+        let otlp = format!("http://{}", d.receiver().otlp_http);
         let cluster = Cluster::start(
             pd_sim,
             &[
@@ -229,9 +339,11 @@ fn one_run(
             None,
         )
         .unwrap_or_else(|e| panic!("cluster: {e}"));
-        (rev, cluster)
+        (d, cluster)
     };
-    let cpu0 = proc_cpu_s(rev.pid());
+    let rev = &deployed.judge;
+    let pids = deployed.pids();
+    let cpu0 = pids.map(|p| p.map(proc_cpu_s));
     let t0 = Instant::now();
     let n = (rate * o.seconds).to_string();
     let load = test_harness::run_load_quiet(
@@ -294,8 +406,12 @@ fn one_run(
         std::thread::sleep(Duration::from_millis(200));
     }
     let wall_s = t0.elapsed().as_secs_f64();
-    let cpu_s = proc_cpu_s(rev.pid()) - cpu0;
-    let hwm_mib = proc_hwm_mib(rev.pid());
+    let costs = [0, 1, 2].map(|i| {
+        pids[i].map(|p| Cost {
+            cpu_s: proc_cpu_s(p) - cpu0[i].unwrap_or(0.0),
+            hwm_mib: proc_hwm_mib(p),
+        })
+    });
     let violations_seen = rev
         .admin_json("/api/violations?limit=1")
         .map(|(_, v)| v["total_seen"].as_u64().unwrap_or(0))
@@ -345,11 +461,18 @@ fn one_run(
         })
         .sum::<u64>();
     drop(cluster);
-    let summary = rev.stop_log().unwrap_or_else(|e| e.to_string());
+    let Deployed {
+        mut judge, agent, ..
+    } = deployed;
+    if let Some(mut a) = agent {
+        let _ = a.stop_log();
+    }
+    let summary = judge.stop_log().unwrap_or_else(|e| e.to_string());
     if std::env::var_os("BENCH_VERBOSE").is_some() {
         eprintln!("{summary}");
     }
     RunResult {
+        deploy,
         mode,
         target_rate: rate,
         load,
@@ -358,8 +481,7 @@ fn one_run(
         notifications,
         latencies_ms,
         internal_ms,
-        cpu_s,
-        hwm_mib,
+        costs,
         wall_s,
         rules,
         otlp_dropped,
@@ -368,10 +490,31 @@ fn one_run(
 
 fn report(r: &RunResult) {
     let l = &r.load;
+    let sent = l["sent"].as_f64().unwrap_or(1.0).max(1.0);
+    let names: [&str; 3] = match r.deploy {
+        Deploy::Run => ["revenant run", "", ""],
+        Deploy::Cluster => ["checker", "agent", "nats-server"],
+    };
+    let costs: Vec<String> = r
+        .costs
+        .iter()
+        .zip(names)
+        .filter_map(|(c, name)| {
+            c.as_ref().map(|c| {
+                format!(
+                    "{name} CPU {:.2} s ({:.1} µs/request), peak RSS {:.0} MiB",
+                    c.cpu_s,
+                    c.cpu_s * 1e6 / sent,
+                    c.hwm_mib
+                )
+            })
+        })
+        .collect();
     println!(
-        "{mode:<21} target {rate:>6}/s achieved {ach:>7.0}/s sent {sent} ok {ok} errors {err} | due {due} violations {v} notified {n} {rules:?} | \
+        "{deploy:<7} {mode:<21} target {rate:>6}/s achieved {ach:>7.0}/s sent {sent} ok {ok} errors {err} | due {due} violations {v} notified {n} {rules:?} | \
          latency p50 {p50:.1} ms p99 {p99:.1} ms max {max:.1} ms (dispatcher accept p50 {i50:.1} p99 {i99:.1}) | \
-         revenant CPU {cpu:.2} s in {wall:.1} s ({per:.1} µs/request), peak RSS {hwm:.0} MiB | spans dropped/failed at pd-sim {drop}",
+         {costs} in {wall:.1} s | spans dropped/failed at pd-sim {drop}",
+        deploy = format!("{:?}", r.deploy).to_lowercase(),
         mode = r.mode,
         rate = r.target_rate,
         ach = l["achieved_rate"].as_f64().unwrap_or(0.0),
@@ -387,10 +530,8 @@ fn report(r: &RunResult) {
         max = r.latencies_ms.last().copied().unwrap_or(f64::NAN),
         i50 = pct(&r.internal_ms, 0.5),
         i99 = pct(&r.internal_ms, 0.99),
-        cpu = r.cpu_s,
+        costs = costs.join(", "),
         wall = r.wall_s,
-        per = r.cpu_s * 1e6 / l["sent"].as_f64().unwrap_or(1.0).max(1.0),
-        hwm = r.hwm_mib,
         drop = r.otlp_dropped,
     );
 }
@@ -408,12 +549,13 @@ fn main() {
     let pd_sim: PathBuf =
         test_harness::workspace_bin("pd-sim", "PD_SIM_BIN").unwrap_or_else(|e| panic!("{e}"));
     eprintln!(
-        "detection_latency: revenant {} , pd-sim {}, source {}, OTLP linger {} ms, {} s per rate",
+        "detection_latency: revenant {} , pd-sim {}, source {}, OTLP linger {} ms, {} s per rate, {:?}",
         revenant.display(),
         pd_sim.display(),
         o.source,
         o.linger_ms,
-        o.seconds
+        o.seconds,
+        o.deploys
     );
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
@@ -421,11 +563,21 @@ fn main() {
         .build()
         .unwrap();
     for &rate in &o.rates {
-        let r = one_run(&o, "handoff-after-reject", rate, &revenant, &pd_sim, &rt);
-        report(&r);
-        if !o.skip_clean {
-            let c = one_run(&o, "correct", rate, &revenant, &pd_sim, &rt);
-            report(&c);
+        for &deploy in &o.deploys {
+            let r = one_run(
+                &o,
+                deploy,
+                "handoff-after-reject",
+                rate,
+                &revenant,
+                &pd_sim,
+                &rt,
+            );
+            report(&r);
+            if !o.skip_clean {
+                let c = one_run(&o, deploy, "correct", rate, &revenant, &pd_sim, &rt);
+                report(&c);
+            }
         }
     }
 }
