@@ -670,6 +670,52 @@ fn late_activity_is_judged_on_the_tombstone_whatever_the_sweep_did() {
     assert!(unknown_room(&v, 1), "{v:?}");
 }
 
+/// The router's answer naming only the x-request-id reaches the attempt through its solo
+/// request: 2 s after the attempt ended it finds the attempt as an event naming the room would,
+/// compacted, whether or not another room's event let the sweep compact it first. (Were the
+/// answer to find it live, it would keep it so, and the transfer receipt that follows would be
+/// judged on a live attempt no router dispatched.)
+#[test]
+fn an_answer_by_request_id_finds_the_attempt_as_its_room_would() {
+    let t = 1_795_986_920 * S;
+    let mut ended = ended_room(t, 1);
+    ended[0] = ended[0].clone().with_request_id("req-1");
+    let answer = LifecycleEvent::new(t + 2400 * MS, Stage::Router, Kind::Completed, Source::Otlp)
+        .with_request_id("req-1")
+        .with_status(200);
+    let receipt = on_room(t, 2410 * MS, 1, Stage::Transfer, Kind::Received);
+    let other = on_room(t, 2440 * MS, 2, Stage::Prefill, Kind::Admitted);
+    let first = verdicts(&then(&ended, &[&answer, &receipt, &other]));
+    let second = verdicts(&then(&ended, &[&other, &answer, &receipt]));
+    assert_eq!(first, second);
+    assert!(!unknown_room(&first, 1), "{first:?}");
+}
+
+/// An event older than the watermark finds an attempt live or compacted as the sweep would at
+/// that watermark, whether or not the sweep's hand reached the attempt: here the same late
+/// transfer receipt 0.6 s after the attempt ended, with 0 to 11 other attempts in the sweep's
+/// round, arrives once another room's event put the watermark 1.55 s past the attempt's end.
+#[test]
+fn late_events_find_the_attempt_as_the_sweep_would_wherever_its_hand_is() {
+    let t = 1_795_986_920 * S;
+    let receipt = on_room(t, 1000 * MS, 1, Stage::Transfer, Kind::Received);
+    let runs: Vec<_> = (0..12)
+        .map(|others| {
+            let mut events: Vec<_> = (0..others)
+                .map(|k| on_room(t, 50 * MS, 100 + k, Stage::Prefill, Kind::Received))
+                .collect();
+            events.extend(ended_room(t, 1));
+            events.push(on_room(t, 2000 * MS, 2, Stage::Prefill, Kind::Received));
+            events.push(receipt.clone());
+            verdicts(&events)
+        })
+        .collect();
+    for v in &runs {
+        assert_eq!(v, &runs[0], "{runs:?}");
+    }
+    assert!(!unknown_room(&runs[0], 1), "{runs:?}");
+}
+
 /// Whether a pending deadline still holds an ended attempt live does not depend on arrival
 /// order: not on whether the required event came before or after the terminal one (settled
 /// either way), nor on whether the watermark passed the deadline before the next event of the
