@@ -3,6 +3,10 @@
 //! Arrival order is event time plus a random delay of at most the skew (and the allowed lateness
 //! equals the skew), as when nodes' exporters deliver a little late and out of order.
 //!
+//! Each attempt has its events within 800 ms, and may have late activity up to 6 s after it
+//! started, when it may have ended and been compacted; with up to 24 attempts, the sweep's hand is
+//! anywhere when late activity arrives.
+//!
 //! Events of one attempt come from at most two clock domains here (no node, and one named node):
 //! the engine keeps per-node extremes for two nodes per attempt, which is exact up to two; with a
 //! third node in the skew window an out-of-order trigger can miss a same-node offender (README).
@@ -11,6 +15,7 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use proptest::prelude::*;
+use proptest::test_runner::RngSeed;
 use revenant::engine::check::{Checker, CheckerConfig, RuleSet};
 use revenant::{Kind, LifecycleEvent, Peer, Source, Stage, Violation};
 
@@ -112,13 +117,49 @@ fn foreign_writes(events: &[LifecycleEvent]) -> usize {
     rooms.len() + foreign.filter(|e| e.ids.bootstrap_room.is_none()).count()
 }
 
+/// Late activity on one attempt: events 1 to 6 s after its start, when its first 800 ms of
+/// events may have ended it and its linger (1 s) run out, so they find it live or compacted;
+/// now and then one names only the attempt's request (the router's answer by x-request-id).
+/// They are spaced more than the skew apart: two of an attempt's events closer than the
+/// lateness on either side of the instant it becomes due for compaction are the one case where
+/// the first to arrive decides whether both are judged live (see the identity store's
+/// `compact_if_stale`), so that case is left out.
+fn arb_late(room: u64, start: u64) -> impl Strategy<Value = Vec<LifecycleEvent>> {
+    prop::collection::btree_set(10..60u64, 0..3).prop_flat_map(move |steps| {
+        steps
+            .into_iter()
+            .map(|step| {
+                (arb_event(room, start), prop::bool::weighted(0.25)).prop_map(
+                    move |(mut e, by_request)| {
+                        e.time_ns = T0 + start + step * 100 * MS;
+                        if by_request {
+                            e.ids.bootstrap_room = None;
+                            e.ids.rid = None;
+                            e.ids.request_id = Some(format!("req-{room}-0").into());
+                        }
+                        e
+                    },
+                )
+            })
+            .collect::<Vec<_>>()
+    })
+}
+
 fn arb_stream() -> impl Strategy<Value = Vec<LifecycleEvent>> {
     prop::collection::vec((0..5_000u64, 1..10usize), 1..25).prop_flat_map(|attempts| {
         let per: Vec<_> = attempts
             .into_iter()
             .enumerate()
             .map(|(i, (start_ms, n))| {
-                prop::collection::vec(arb_event(i as u64 + 1, start_ms * MS), n)
+                let room = i as u64 + 1;
+                (
+                    prop::collection::vec(arb_event(room, start_ms * MS), n),
+                    arb_late(room, start_ms * MS),
+                )
+                    .prop_map(|(mut v, late)| {
+                        v.extend(late);
+                        v
+                    })
             })
             .collect();
         (per, arb_writes()).prop_map(|(v, writes)| {
@@ -154,8 +195,23 @@ fn verdicts(events: &[LifecycleEvent]) -> BTreeSet<(String, Option<u64>, Option<
         .collect()
 }
 
+/// Proptest's 256 cases, from a fixed seed so that every run checks the same cases;
+/// `PROPTEST_CASES` and `PROPTEST_RNG_SEED` ask for a longer or another run.
+fn config() -> ProptestConfig {
+    let env = ProptestConfig::default();
+    let seeded = std::env::var_os("PROPTEST_RNG_SEED").is_some();
+    ProptestConfig {
+        rng_seed: if seeded {
+            env.rng_seed
+        } else {
+            RngSeed::Fixed(0x006f_7264_6572) // "order"
+        },
+        ..env
+    }
+}
+
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+    #![proptest_config(config())]
 
     #[test]
     fn verdicts_survive_arrival_jitter_within_the_skew(

@@ -121,7 +121,10 @@ impl Checker {
         if let Some(room_owner) = resolved.collision {
             self.report_collision(room_owner, e, out);
         }
-        if e.kind.is_terminal() {
+        // Once every leg ended, any event may be the one that satisfies the last pending
+        // deadline (a required event that arrives after the terminal one): whether a deadline
+        // still holds the attempt live must not depend on which came last.
+        if e.kind.is_terminal() || self.store.attempt(a).ended() {
             self.settle(a);
         }
     }

@@ -131,12 +131,17 @@ impl Checker {
                 Shape::RequiresBefore(rule) => {
                     let ev = s.get(slots.trigger);
                     let Some(due) = rule.due(ev) else { continue };
+                    let req = s.get(slots.other);
+                    let breached = rule.breached(ev, req, self.skew_ns);
                     if due > wm {
-                        next = Some(next.map_or(due, |n| n.min(due)));
+                        // Already satisfied: as `settle` would, no need to wake up for it (the
+                        // pending deadline keeps the attempt live).
+                        if breached {
+                            next = Some(next.map_or(due, |n| n.min(due)));
+                        }
                         continue;
                     }
-                    let req = s.get(slots.other);
-                    if !rule.breached(ev, req, self.skew_ns) {
+                    if !breached {
                         continue;
                     }
                     Finding {

@@ -289,6 +289,14 @@ impl Checker {
             self.stats.events_late += 1;
         }
         let node = self.node_id(e.node.as_deref());
+        // The watermark moves to the event's own before the event is judged: deadlines it
+        // passes are judged on the events before it (it is more than the lateness later, so it
+        // cannot count for them), and the attempt it names is compacted or not by the same
+        // deadlines whatever arrived first (the store's `compact_if_stale`).
+        if e.time_ns > self.stats.max_event_ns {
+            self.stats.max_event_ns = e.time_ns;
+            self.advance(e.time_ns.saturating_sub(self.lateness_ns), &mut out);
+        }
 
         if e.kind == Kind::Capacity {
             self.stats.capacity_reports += 1;
@@ -339,10 +347,6 @@ impl Checker {
             }
         }
 
-        if e.time_ns > self.stats.max_event_ns {
-            self.stats.max_event_ns = e.time_ns;
-            self.advance(e.time_ns.saturating_sub(self.lateness_ns), &mut out);
-        }
         self.store.sweep(self.stats.watermark_ns, SWEEP_PER_EVENT);
         out
     }
@@ -369,7 +373,7 @@ impl Checker {
                 continue; // attempt gone, or superseded by an earlier deadline
             }
             self.stats.timers_fired += 1;
-            self.store.set_due(a, 0);
+            self.store.deadline_judged(a, due);
             self.store.set_rejudge(a, false);
             self.judge_deadlines(a, out);
         }

@@ -596,6 +596,58 @@ fn names_joined_before_the_attempt_link_are_materialized_once() {
     assert_eq!(c.stats().correlate.requests_merged, 1);
 }
 
+/// Skew and lateness of 50 ms (the order property's), so the 1 s linger is what compacts.
+fn fifty_ms() -> CheckerConfig {
+    CheckerConfig {
+        clock_skew: Duration::from_millis(50),
+        allowed_lateness: Duration::from_millis(50),
+        ..CheckerConfig::default()
+    }
+}
+
+/// The (rule, room) of every verdict `events` give in this order, once every deadline passed.
+fn verdicts(events: &[LifecycleEvent]) -> Vec<(String, Option<u64>)> {
+    let mut c = Checker::new(RuleSet::embedded_defaults(), fifty_ms());
+    let mut out: Vec<Violation> = events.iter().flat_map(|e| c.observe(e)).collect();
+    out.extend(c.tick(c.stats().max_event_ns + 60 * S));
+    let mut v: Vec<_> = out
+        .into_iter()
+        .map(|v| (v.rule, v.attempt.bootstrap_room))
+        .collect();
+    v.sort();
+    v
+}
+
+/// An event of room `room` at `t + dt`, seen by eBPF.
+fn on_room(t: u64, dt: u64, room: u64, stage: Stage, kind: Kind) -> LifecycleEvent {
+    LifecycleEvent::new(t + dt, stage, kind, Source::Ebpf).with_room(room)
+}
+
+/// A room whose attempt no router dispatched and no prefill saw, ended within 0.4 s of `t`:
+/// transfer traffic for it while it is live is an unknown room's, on its tombstone late
+/// activity.
+fn ended_room(t: u64, room: u64) -> Vec<LifecycleEvent> {
+    vec![
+        on_room(t, 0, room, Stage::Router, Kind::Admitted),
+        on_room(t, 100 * MS, room, Stage::Transfer, Kind::Dispatched),
+        on_room(t, 300 * MS, room, Stage::Transfer, Kind::Aborted),
+        on_room(t, 400 * MS, room, Stage::Decode, Kind::Completed).with_status(200),
+        on_room(t, 400 * MS, room, Stage::Router, Kind::Completed).with_status(200),
+    ]
+}
+
+fn then(first: &[LifecycleEvent], rest: &[&LifecycleEvent]) -> Vec<LifecycleEvent> {
+    first
+        .iter()
+        .cloned()
+        .chain(rest.iter().map(|&e| e.clone()))
+        .collect()
+}
+
+fn unknown_room(v: &[(String, Option<u64>)], room: u64) -> bool {
+    v.contains(&("unknown-room".to_string(), Some(room)))
+}
+
 /// Activity on an attempt that ended longer than the linger before it is judged on the attempt's
 /// tombstone whatever the sweep did meanwhile: here a transfer receipt 2 s after the attempt
 /// ended, for a room no router dispatched, arrives before or after another room's event that
@@ -605,47 +657,121 @@ fn names_joined_before_the_attempt_link_are_materialized_once() {
 #[test]
 fn late_activity_is_judged_on_the_tombstone_whatever_the_sweep_did() {
     let t = 1_795_986_920 * S;
-    let at = |dt: u64, stage: Stage, kind: Kind, room: u64| {
-        LifecycleEvent::new(t + dt, stage, kind, Source::Ebpf).with_room(room)
-    };
-    let ended = [
-        at(0, Stage::Router, Kind::Admitted, 1),
-        at(100 * MS, Stage::Transfer, Kind::Dispatched, 1),
-        at(300 * MS, Stage::Transfer, Kind::Aborted, 1),
-        at(400 * MS, Stage::Decode, Kind::Completed, 1).with_status(200),
-        at(400 * MS, Stage::Router, Kind::Completed, 1).with_status(200),
-    ];
-    let run = |tail: &[LifecycleEvent]| {
-        let cfg = CheckerConfig {
-            clock_skew: Duration::from_millis(50),
-            allowed_lateness: Duration::from_millis(50),
-            ..CheckerConfig::default()
-        };
-        let mut c = Checker::new(RuleSet::embedded_defaults(), cfg);
-        let mut out: Vec<Violation> = ended
-            .iter()
-            .chain(tail)
-            .flat_map(|e| c.observe(e))
-            .collect();
-        out.extend(c.tick(t + 60 * S));
-        let mut v: Vec<_> = out
-            .into_iter()
-            .map(|v| (v.rule, v.attempt.bootstrap_room))
-            .collect();
-        v.sort();
-        v
-    };
-    let receipt = at(2400 * MS, Stage::Transfer, Kind::Received, 1);
-    let other = at(2410 * MS, Stage::Prefill, Kind::Admitted, 2);
-    let first = run(&[receipt.clone(), other.clone()]);
-    let second = run(&[other.clone(), receipt.clone()]);
+    let ended = ended_room(t, 1);
+    let receipt = on_room(t, 2400 * MS, 1, Stage::Transfer, Kind::Received);
+    let other = on_room(t, 2410 * MS, 2, Stage::Prefill, Kind::Admitted);
+    let first = verdicts(&then(&ended, &[&receipt, &other]));
+    let second = verdicts(&then(&ended, &[&other, &receipt]));
     assert_eq!(first, second);
-    assert!(
-        first.iter().all(|(rule, _)| rule != "unknown-room"),
-        "{first:?}"
-    );
+    assert!(!unknown_room(&first, 1), "{first:?}");
     // Within the linger the attempt is live for it: transfer traffic no router dispatched.
-    let soon = at(900 * MS, Stage::Transfer, Kind::Received, 1);
-    let v = run(&[soon, other]);
-    assert!(v.contains(&("unknown-room".to_string(), Some(1))), "{v:?}");
+    let soon = on_room(t, 900 * MS, 1, Stage::Transfer, Kind::Received);
+    let v = verdicts(&then(&ended, &[&soon, &other]));
+    assert!(unknown_room(&v, 1), "{v:?}");
+}
+
+/// The router's answer naming only the x-request-id reaches the attempt through its solo
+/// request: 2 s after the attempt ended it finds the attempt as an event naming the room would,
+/// compacted, whether or not another room's event let the sweep compact it first. (Were the
+/// answer to find it live, it would keep it so, and the transfer receipt that follows would be
+/// judged on a live attempt no router dispatched.)
+#[test]
+fn an_answer_by_request_id_finds_the_attempt_as_its_room_would() {
+    let t = 1_795_986_920 * S;
+    let mut ended = ended_room(t, 1);
+    ended[0] = ended[0].clone().with_request_id("req-1");
+    let answer = LifecycleEvent::new(t + 2400 * MS, Stage::Router, Kind::Completed, Source::Otlp)
+        .with_request_id("req-1")
+        .with_status(200);
+    let receipt = on_room(t, 2410 * MS, 1, Stage::Transfer, Kind::Received);
+    let other = on_room(t, 2440 * MS, 2, Stage::Prefill, Kind::Admitted);
+    let first = verdicts(&then(&ended, &[&answer, &receipt, &other]));
+    let second = verdicts(&then(&ended, &[&other, &answer, &receipt]));
+    assert_eq!(first, second);
+    assert!(!unknown_room(&first, 1), "{first:?}");
+}
+
+/// An event older than the watermark finds an attempt live or compacted as the sweep would at
+/// that watermark, whether or not the sweep's hand reached the attempt: here the same late
+/// transfer receipt 0.6 s after the attempt ended, with 0 to 11 other attempts in the sweep's
+/// round, arrives once another room's event put the watermark 1.55 s past the attempt's end.
+#[test]
+fn late_events_find_the_attempt_as_the_sweep_would_wherever_its_hand_is() {
+    let t = 1_795_986_920 * S;
+    let receipt = on_room(t, 1000 * MS, 1, Stage::Transfer, Kind::Received);
+    let runs: Vec<_> = (0..12)
+        .map(|others| {
+            let mut events: Vec<_> = (0..others)
+                .map(|k| on_room(t, 50 * MS, 100 + k, Stage::Prefill, Kind::Received))
+                .collect();
+            events.extend(ended_room(t, 1));
+            events.push(on_room(t, 2000 * MS, 2, Stage::Prefill, Kind::Received));
+            events.push(receipt.clone());
+            verdicts(&events)
+        })
+        .collect();
+    for v in &runs {
+        assert_eq!(v, &runs[0], "{runs:?}");
+    }
+    assert!(!unknown_room(&runs[0], 1), "{runs:?}");
+}
+
+/// Whether a pending deadline still holds an ended attempt live does not depend on arrival
+/// order: not on whether the required event came before or after the terminal one (settled
+/// either way), nor on whether the watermark passed the deadline before the next event of the
+/// attempt arrived or only with it (judging a deadline is activity at its time). The witness
+/// is an admission over the prefill's capacity: judged on a live attempt only.
+#[test]
+fn a_deadline_holds_its_attempt_whichever_arrived_first() {
+    let t = 1_795_986_920 * S;
+    let mut cap =
+        LifecycleEvent::new(t, Stage::Prefill, Kind::Capacity, Source::Otlp).with_worker("w");
+    cap.max_total_tokens = Some(9000);
+    let over = |dt: u64| {
+        on_room(t, dt, 1, Stage::Prefill, Kind::Admitted)
+            .with_worker("w")
+            .with_input_tokens(20_000)
+    };
+
+    // The router's receipt is required by the transfer receipt before it (unknown-room); the
+    // router's answer ends the attempt 10 ms after, the receipt arriving just before or after.
+    let transfer = on_room(t, 100 * MS, 1, Stage::Transfer, Kind::Received);
+    let required = on_room(t, 120 * MS, 1, Stage::Router, Kind::Received);
+    let end = on_room(t, 130 * MS, 1, Stage::Router, Kind::Completed).with_status(200);
+    let late = over(2000 * MS);
+    let settled = verdicts(&[
+        cap.clone(),
+        transfer.clone(),
+        required.clone(),
+        end.clone(),
+        late.clone(),
+    ]);
+    assert_eq!(
+        settled,
+        verdicts(&[cap.clone(), transfer, end, required, late])
+    );
+    assert!(
+        settled.is_empty(),
+        "late activity, on the tombstone: {settled:?}"
+    );
+
+    // No router saw it: unknown-room is due 5 s after the transfer receipt and keeps the ended
+    // attempt live until judged. The admission 5.02 s after the receipt comes before or after
+    // another room's event that lets the watermark pass the deadline; so does one 5.2 s after.
+    let unknown = [
+        cap,
+        on_room(t, 100 * MS, 1, Stage::Transfer, Kind::Received),
+        on_room(t, 130 * MS, 1, Stage::Decode, Kind::Completed).with_status(200),
+    ];
+    for dt in [5120 * MS, 5300 * MS] {
+        let admitted = over(dt);
+        let other = on_room(t, dt + 40 * MS, 2, Stage::Prefill, Kind::Received);
+        let first = verdicts(&then(&unknown, &[&admitted, &other]));
+        assert_eq!(first, verdicts(&then(&unknown, &[&other, &admitted])));
+        assert!(
+            first.contains(&("over-capacity-admitted".to_string(), Some(1))),
+            "{first:?}"
+        );
+        assert!(unknown_room(&first, 1), "{first:?}");
+    }
 }

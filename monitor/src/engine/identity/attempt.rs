@@ -58,7 +58,7 @@ pub(super) const RID_TEXT: u8 = 16;
 pub(super) const MORE_RIDS: u8 = 32;
 
 impl Attempt {
-    pub(super) fn ended(&self) -> bool {
+    pub fn ended(&self) -> bool {
         self.legs_closed != 0 && self.legs_open & !self.legs_closed == 0
     }
     pub fn is_live(&self) -> bool {

@@ -277,6 +277,17 @@ impl Store {
     pub fn set_due(&mut self, a: u32, due_ns: u64) {
         self.attempts[a as usize].due_ns = due_ns;
     }
+    /// Attempt `a`'s pending deadline `due_ns` is being judged: none is pending any more, and
+    /// the judgement counts as the attempt's activity at that time, so its linger runs from it.
+    /// An event less than the linger after the deadline then finds the attempt live whether
+    /// the watermark passed the deadline before the event arrived or only with it (see
+    /// [`Self::compact_if_stale`]).
+    #[inline]
+    pub fn deadline_judged(&mut self, a: u32, due_ns: u64) {
+        let at = &mut self.attempts[a as usize];
+        at.due_ns = 0;
+        at.last_ns = at.last_ns.max(due_ns);
+    }
     /// Attempt `a` waits (or no longer waits) for a predicate to be judged again.
     #[inline]
     pub fn set_rejudge(&mut self, a: u32, on: bool) {

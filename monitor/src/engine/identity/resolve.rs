@@ -253,9 +253,18 @@ impl Store {
         let mut known = [false; 2];
         // Each alias is looked up once.
         for (n, name) in names.iter().enumerate() {
-            let Some(v) = name.and_then(|a| self.alias_get(&a)) else {
+            let Some(mut v) = name.and_then(|a| self.alias_get(&a)) else {
                 continue;
             };
+            // A solo request lives in its attempt: an event naming it (the router's answer, by
+            // the x-request-id alone) is that attempt's activity, and finds it live or compacted
+            // as an event naming its room would. Compacted, the request has a record.
+            if tag(v) == TAG_SOLO
+                && self.compact_if_stale(v & INDEX_MASK)
+                && let Some(moved) = name.and_then(|a| self.alias_get(&a))
+            {
+                v = moved;
+            }
             known[n] = true;
             let named = match tag(v) {
                 TAG_REQUEST => RequestAt::Record(self.find(v & INDEX_MASK)),
