@@ -91,34 +91,46 @@ fn finding(rule: &str, req: &str, severity: Severity) -> Violation {
     }
 }
 
-/// The group wait is timer-driven: two rules about one request become one notification,
-/// another request its own; an escalation after delivery is exactly one update.
-#[tokio::test]
-async fn findings_of_one_request_are_one_notification_and_escalate_once() {
-    let dir = tempfile::tempdir().unwrap();
+/// A dispatcher over a fresh spool in `dir` (no fsync) delivering to one recorder, its ticks
+/// every 20 ms.
+fn recording(
+    dir: &std::path::Path,
+    flood: FloodConfig,
+    metrics: Arc<Metrics>,
+) -> (Dispatcher, Arc<Recorder>) {
     let spool_cfg = SpoolConfig {
-        dir: Some(dir.path().to_path_buf()),
+        dir: Some(dir.to_path_buf()),
         fsync: false,
         ..SpoolConfig::default()
     };
     let (spool, _) = Spool::open(&spool_cfg, &["recorder".to_string()]).unwrap();
     let rec = Arc::new(Recorder::default());
-    let metrics = Arc::new(Metrics::new());
-    let wait = Duration::from_millis(300);
     let d = Dispatcher::new(
         DispatchConfig {
             tick: Duration::from_millis(20),
             ..DispatchConfig::default()
         },
-        FloodConfig {
-            group_wait: wait,
-            ..FloodConfig::default()
-        },
+        flood,
         LinkBase::default(),
         spool,
         vec![Arc::new(RecordingSink(rec.clone()))],
-        metrics.clone(),
+        metrics,
     );
+    (d, rec)
+}
+
+/// The group wait is timer-driven: two rules about one request become one notification,
+/// another request its own; an escalation after delivery is exactly one update.
+#[tokio::test]
+async fn findings_of_one_request_are_one_notification_and_escalate_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let metrics = Arc::new(Metrics::new());
+    let wait = Duration::from_millis(300);
+    let flood = FloodConfig {
+        group_wait: wait,
+        ..FloodConfig::default()
+    };
+    let (d, rec) = recording(dir.path(), flood, metrics.clone());
     let (tx, rx) = mpsc::channel(16);
     let handle = tokio::spawn(d.run(rx));
     let t0 = Instant::now();
@@ -217,24 +229,7 @@ async fn findings_of_one_request_are_one_notification_and_escalate_once() {
 #[tokio::test]
 async fn late_corroboration_is_reposted_merged_not_notified_again() {
     let dir = tempfile::tempdir().unwrap();
-    let spool_cfg = SpoolConfig {
-        dir: Some(dir.path().to_path_buf()),
-        fsync: false,
-        ..SpoolConfig::default()
-    };
-    let (spool, _) = Spool::open(&spool_cfg, &["recorder".to_string()]).unwrap();
-    let rec = Arc::new(Recorder::default());
-    let d = Dispatcher::new(
-        DispatchConfig {
-            tick: Duration::from_millis(20),
-            ..DispatchConfig::default()
-        },
-        FloodConfig::default(),
-        LinkBase::default(),
-        spool,
-        vec![Arc::new(RecordingSink(rec.clone()))],
-        Arc::new(Metrics::new()),
-    );
+    let (d, rec) = recording(dir.path(), FloodConfig::default(), Arc::new(Metrics::new()));
     let (tx, rx) = mpsc::channel(16);
     let handle = tokio::spawn(d.run(rx));
     let v = Violation {
@@ -331,25 +326,12 @@ async fn notifications_claimed_by_an_earlier_life_are_not_sent_again() {
     let life = |claims: Arc<MemoryClaims>, findings: Vec<Violation>| async move {
         let dir = tempfile::tempdir().unwrap();
         *claims.spool_dir.lock().unwrap() = Some(dir.path().to_path_buf());
-        let spool_cfg = SpoolConfig {
-            dir: Some(dir.path().to_path_buf()),
-            fsync: false,
-            ..SpoolConfig::default()
+        let flood = FloodConfig {
+            group_wait: Duration::ZERO,
+            ..FloodConfig::default()
         };
-        let (spool, _) = Spool::open(&spool_cfg, &["recorder".to_string()]).unwrap();
-        let rec = Arc::new(Recorder::default());
-        let d = Dispatcher::new(
-            DispatchConfig::default(),
-            FloodConfig {
-                group_wait: Duration::ZERO,
-                ..FloodConfig::default()
-            },
-            LinkBase::default(),
-            spool,
-            vec![Arc::new(RecordingSink(rec.clone()))],
-            Arc::new(Metrics::new()),
-        )
-        .with_claims(claims);
+        let (d, rec) = recording(dir.path(), flood, Arc::new(Metrics::new()));
+        let d = d.with_claims(claims);
         let (tx, rx) = mpsc::channel(16);
         let handle = tokio::spawn(d.run(rx));
         for f in findings {
