@@ -221,7 +221,7 @@ mod tests {
         Sealed {
             subject: "S.p0".into(),
             msg_id: format!("n/1/0/{i}"),
-            payload: vec![b'x'; 10],
+            payload: vec![b'x'; 10].into(),
             events: 1,
         }
     }
