@@ -4,12 +4,13 @@
 //!
 //! Run: `cargo bench -p revenant --bench cluster_throughput -- [--events 1000000]
 //!       [--batch-events 512] [--partitions 4] [--replicas 1|3]`
+//! (`REVENANT_BIN=path` runs another build of `revenant` under the same driver.)
 //!
 //! The events are the synthetic PD stream of `engine::workload` (ten events per attempt, one
-//! attempt in 100 rejected), replayed by the agent from a file (`--replay`: the file is read
-//! before the clock starts). The clock runs from the agent's start until the checker has handed
-//! every event to its engine and the engine has drained; the agent publishes and the checker
-//! consumes at the same time.
+//! attempt in 100 rejected), written to a file in the replay format before the clock starts and
+//! replayed by the agent (`--replay`: it parses the file as it publishes, within the clock). The
+//! clock runs from the agent's start until the checker has handed every event to its engine;
+//! the agent publishes and the checker consumes at the same time.
 
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -18,7 +19,10 @@ use std::time::{Duration, Instant};
 use revenant::engine::workload::{self, Mix};
 use test_harness::{Nats, Proc, ScratchDir, http_get, metric_sum, parse_metrics};
 
-const BIN: &str = env!("CARGO_BIN_EXE_revenant");
+/// The `revenant` under test: `REVENANT_BIN`, else the one built with this bench.
+fn bin() -> String {
+    std::env::var("REVENANT_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_revenant").into())
+}
 
 struct Args {
     events: u64,
@@ -144,7 +148,7 @@ fn main() {
             .args(["--batch-events", &a.batch_events.to_string()])
             .args(["--admin", "127.0.0.1:0", "--log-format", "json"]);
     };
-    let mut c = Command::new(BIN);
+    let mut c = Command::new(bin());
     c.arg("checker");
     common(&mut c);
     c.args(["--watermark-clock", "event", "--allowed-lateness", "1s"])
@@ -152,7 +156,7 @@ fn main() {
         .arg(dir.path().join("alerts.jsonl"));
     let (mut checker, cadmin) = start("checker", &dir.path().join("checker"), c);
 
-    let mut c = Command::new(BIN);
+    let mut c = Command::new(bin());
     c.arg("agent");
     common(&mut c);
     c.args([
