@@ -87,7 +87,10 @@ impl Partitioner {
         }
         if self.young.len() >= self.max_links {
             self.links_forgotten += self.old.len() as u64;
-            self.old = std::mem::take(&mut self.young);
+            // The dropped generation's table holds the new one: no regrowth from empty.
+            let mut table = std::mem::take(&mut self.old);
+            table.clear();
+            self.old = std::mem::replace(&mut self.young, table);
         }
         self.young.insert(rid.into(), room);
     }

@@ -193,6 +193,8 @@ fn run_logged(args: AgentArgs) -> ExitCode {
 
 /// Events per batch sent from a replayed file.
 const REPLAY_BATCH: usize = 512;
+/// Batches a replayed file may have queued for the batcher.
+const REPLAY_QUEUE: usize = 8;
 
 /// A reader that ends (reads as end of file) once `stop` is set.
 struct Stoppable<'a, R> {
@@ -308,7 +310,8 @@ async fn agent_async(
     bound.insert("partitions".into(), bus.partitions.into());
 
     let (tx, rx) = event_channel(cfg.channel_capacity());
-    let (replay_tx, replay_rx) = event_channel(cfg.channel_capacity());
+    // A file can wait: a short queue keeps the reader's batches few (and their memory reused).
+    let (replay_tx, replay_rx) = event_channel(REPLAY_QUEUE);
     let mut sources = start_sources(&cfg, normalizer, b, tx, &shared, &shutdown, bound);
     let mut replay_task = None;
     if !replay_paths.is_empty() {
