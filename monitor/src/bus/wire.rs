@@ -38,6 +38,10 @@ use crate::event::{BootstrapRoom, Kind, LifecycleEvent, Peer, Source, Stage, tru
 /// The wire version this build writes and reads.
 pub const WIRE_VERSION: u32 = 2;
 
+/// Events one batch may hold (`--batch-events` at most): a message claiming more is refused
+/// before anything is built for it.
+pub const MAX_EVENTS: usize = 65536;
+
 /// Where a batch comes from and how far its agent has come. One line per field.
 #[derive(Clone, PartialEq, Eq, prost::Message)]
 pub struct BatchHeader {
@@ -412,6 +416,11 @@ fn next<T: Copy>(
 
 fn read_events(cols: Columns) -> Result<Vec<LifecycleEvent>, WireError> {
     let n = cols.time.len();
+    if n > MAX_EVENTS {
+        return Err(WireError::Malformed(format!(
+            "{n} events (a batch holds at most {MAX_EVENTS})"
+        )));
+    }
     if cols.shape.len() != n {
         return Err(WireError::Malformed(format!(
             "{n} times but {} shapes",
@@ -658,6 +667,41 @@ mod tests {
         assert_eq!(b.events[1].node.as_deref(), Some("b"));
     }
 
+    /// `fuzz/make_corpus.py` writes its batches field by field: they must stay batches of
+    /// this version.
+    #[test]
+    fn the_fuzz_seeds_are_batches_of_this_version() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/corpus/bus_wire");
+        let read = |name: &str| {
+            decode(&std::fs::read(dir.join(name)).unwrap()).map_err(|e| format!("{name}: {e}"))
+        };
+        let a = read("attempt").unwrap();
+        assert_eq!(
+            (a.header.partition, a.header.seq, a.events.len()),
+            (2, 41, 6)
+        );
+        assert_eq!(
+            a.events[4].ids.bootstrap_room,
+            Some(BootstrapRoom(BIG_ROOM))
+        );
+        assert_eq!(a.events[4].status, Some(400));
+        assert_eq!(a.events[5].to, Some(Stage::Decode));
+        let every = read("every-field").unwrap();
+        let full = &every.events[36];
+        assert_eq!(full.peer, Some(Peer::Foreign));
+        assert_eq!(full.max_total_tokens, Some(u64::MAX));
+        assert_eq!(
+            full.ids.trace_id.as_deref(),
+            Some("4bf92f3577b34da6a3ce929d0e0e4736")
+        );
+        assert_eq!(full.worker.as_deref(), Some("http://10.0.0.5:30001"));
+        let r = read("request-level").unwrap();
+        assert!((0..3).all(|i| r.is_broadcast(i)));
+        assert_eq!(r.event_id(2), 106);
+        assert!(read("final-empty").unwrap().events.is_empty());
+        assert!(read("v1-json").unwrap_err().contains("wire version 1"));
+    }
+
     #[test]
     fn other_versions_and_bad_messages_are_errors() {
         assert_eq!(decode(b""), Err(WireError::Empty));
@@ -694,6 +738,16 @@ mod tests {
             decode(&encode(header((0..n).collect(), vec![]), c))
         };
         assert!(bad(|_| ()).is_ok());
+        let many = Columns {
+            time: vec![0; MAX_EVENTS + 1],
+            shape: vec![0; MAX_EVENTS + 1],
+            ..Columns::default()
+        };
+        let offsets = vec![0; MAX_EVENTS + 1];
+        assert!(matches!(
+            decode(&encode(header(offsets, vec![]), many)),
+            Err(WireError::Malformed(m)) if m.contains("at most")
+        ));
         let cases: [(&str, Damage); 10] = [
             ("kind", |c| c.shape[0] |= 15 << shape::KIND),
             ("source", |c| c.shape[0] |= 3 << shape::SOURCE),
