@@ -430,7 +430,7 @@ def zigzag(n):
     return ((n << 1) ^ (n >> 63)) & 0xFFFFFFFFFFFFFFFF
 
 
-def bus_batch(events, seq=0, partition=0, broadcast=(), version=2, first_event=0):
+def bus_batch(events, seq=0, partition=0, broadcast=(), version=2, first_event=0, final=False):
     time, shape, rooms, pids, statuses, tokens = [], [], [], [], [], []
     id_len, ids, names, name_ref = [], b"", [], []
     last = 0
@@ -471,7 +471,8 @@ def bus_batch(events, seq=0, partition=0, broadcast=(), version=2, first_event=0
     newest = max([e["time"] for e in events], default=1795986920376000000)
     header = (vi(1, version) + ld(2, "gpu-7") + vi(3, 1795986920376000000) + vi(4, partition)
               + vi(5, seq) + vi(6, first_event) + packed(7, [3 * i for i in range(len(events))])
-              + packed(8, list(broadcast)) + vi(9, newest))
+              + packed(8, list(broadcast)) + vi(9, newest) + vi(10, newest + 20000000)
+              + (vi(11, 1) if final else b""))
     columns = (packed(1, time) + packed(2, shape)
                + ld(3, b"".join(struct.pack("<Q", r) for r in rooms)) + packed(4, pids)
                + packed(5, statuses) + packed(6, tokens) + packed(7, id_len) + ld(8, ids)
@@ -512,7 +513,7 @@ put("bus_wire", "request-level", bus_batch(
      dict(time=T0 + 9, stage="router", kind="completed", source="otlp", request_id="q-1",
           status=200)],
     seq=3, partition=1, broadcast=[0, 1, 2], first_event=100))
-put("bus_wire", "final-empty", bus_batch([], seq=9, partition=3))
+put("bus_wire", "final-empty", bus_batch([], seq=9, partition=3, final=True))
 put("bus_wire", "v1-json",
     '{"v":1,"node":"a","boot":1,"partition":0,"seq":0,"first_event":0,"offsets":[0]}\n'
     '{"time_unix_nano":1,"stage":"router","kind":"received"}')

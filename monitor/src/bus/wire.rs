@@ -698,7 +698,9 @@ mod tests {
         let r = read("request-level").unwrap();
         assert!((0..3).all(|i| r.is_broadcast(i)));
         assert_eq!(r.event_id(2), 106);
-        assert!(read("final-empty").unwrap().events.is_empty());
+        let last = read("final-empty").unwrap();
+        assert!(last.events.is_empty() && last.header.last);
+        assert_eq!(last.header.sent_ns, last.header.newest + 20_000_000);
         assert!(read("v1-json").unwrap_err().contains("wire version 1"));
     }
 
