@@ -1,5 +1,6 @@
 //! Cluster mode end to end: events/s from one `revenant agent` through NATS JetStream to one
-//! `revenant checker`, the agent's CPU seconds and peak RSS per million events, on a plain
+//! `revenant checker`, CPU seconds per million events of the agent, the checker and the NATS
+//! servers, and the peak RSS of agent and checker, on a plain
 //! `nats-server -js` (R1, file storage) or a three-node cluster (R3).
 //!
 //! Run: `cargo bench -p revenant --bench cluster_throughput -- [--events 1000000]
@@ -171,6 +172,14 @@ fn main() {
     ])
     .args(["--ebpf", "off", "--replay"])
     .arg(&file);
+    let nats_cpu = |nats: &Nats| -> f64 {
+        nats.nodes
+            .iter()
+            .filter_map(|n| n.pid())
+            .map(|pid| cpu_rss(pid).0)
+            .sum()
+    };
+    let nats_cpu0 = nats_cpu(&nats);
     let t0 = Instant::now();
     let (mut agent, aadmin) = start("agent", &dir.path().join("agent"), c);
     let deadline = t0 + Duration::from_secs(600);
@@ -208,6 +217,7 @@ fn main() {
     let observed = t0.elapsed();
     let (cpu_a, rss_a) = cpu_rss(agent.pid());
     let (cpu_c, rss_c) = cpu_rss(checker.pid());
+    let cpu_n = nats_cpu(&nats) - nats_cpu0;
     agent.stop(libc::SIGTERM, Duration::from_secs(30));
     checker.stop(libc::SIGTERM, Duration::from_secs(30));
     let published = published_at.unwrap_or(observed);
@@ -240,5 +250,10 @@ fn main() {
         "  checker: {:.2} CPU s per million events, peak RSS {:.0} MiB",
         cpu_c / (n as f64 / 1e6),
         rss_c
+    );
+    println!(
+        "  nats-server ({} of them): {:.2} CPU s per million events",
+        nats.nodes.len(),
+        cpu_n / (n as f64 / 1e6)
     );
 }
