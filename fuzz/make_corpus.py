@@ -406,6 +406,118 @@ put("replay_jsonl", "readme-example.jsonl",
     '{"time_unix_nano":1793008800003000000,"stage":"decode","kind":"completed","ids":{"bootstrap_room":"3550951926993981781","bootstrap_room_hex":"0x314783f6bef71155"},"source":"ebpf","status":200}\n'
     '# a comment\n\n{"time_unix_nano":1,"stage":"prefill","kind":"capacity","worker":"w","context_tokens":8192,"max_input_tokens":8191,"max_total_tokens":65536}\n')
 
+# ---- bus messages ------------------------------------------------------------------------------
+# A batch as an agent publishes it (monitor/src/bus/wire.rs, WIRE_VERSION 2: the field numbers and
+# shape bits below are the ones wire.rs defines).
+
+STAGES = ["router", "prefill", "transfer", "decode"]
+KINDS = ["received", "dispatched", "admitted", "rejected", "work", "completed", "aborted",
+         "cancelled", "capacity"]
+SOURCES = ["ebpf", "otlp", "replay"]
+PEERS = ["member", "foreign", "unattributed"]
+BIT = {"room": 1 << 8, "rid": 1 << 9, "request_id": 1 << 10, "trace_id": 1 << 11,
+       "node": 1 << 12, "status": 1 << 13, "pid": 1 << 19, "worker": 1 << 20,
+       "reason": 1 << 21, "detail": 1 << 22, "input_tokens": 1 << 23,
+       "context_tokens": 1 << 24, "max_input_tokens": 1 << 25, "max_total_tokens": 1 << 26}
+TOKENS = ["input_tokens", "context_tokens", "max_input_tokens", "max_total_tokens"]
+
+
+def packed(num, values, enc=varint):
+    return ld(num, b"".join(enc(v) for v in values))
+
+
+def zigzag(n):
+    return ((n << 1) ^ (n >> 63)) & 0xFFFFFFFFFFFFFFFF
+
+
+def bus_batch(events, seq=0, partition=0, broadcast=(), version=2, first_event=0, final=False):
+    time, shape, rooms, pids, statuses, tokens = [], [], [], [], [], []
+    id_len, ids, names, name_ref = [], b"", [], []
+    last = 0
+    for e in events:
+        d = (e["time"] - last) & 0xFFFFFFFFFFFFFFFF
+        time.append(zigzag(d - (1 << 64) if d >= 1 << 63 else d))
+        last = e["time"]
+        s = STAGES.index(e["stage"]) | KINDS.index(e["kind"]) << 2 | SOURCES.index(e["source"]) << 6
+        if "room" in e:
+            s |= BIT["room"]
+            rooms.append(e["room"])
+        for k in ("request_id", "trace_id", "rid"):
+            if k in e:
+                s |= BIT[k]
+                id_len.append(len(e[k].encode()))
+                ids += e[k].encode()
+        for k in ("node", "worker", "reason", "detail"):
+            if k in e:
+                s |= BIT[k]
+                if e[k] not in names:
+                    names.append(e[k])
+                name_ref.append(names.index(e[k]))
+        if "status" in e:
+            s |= BIT["status"]
+            statuses.append(e["status"])
+        if "pid" in e:
+            s |= BIT["pid"]
+            pids.append(e["pid"])
+        if "to" in e:
+            s |= (STAGES.index(e["to"]) + 1) << 14
+        if "peer" in e:
+            s |= (PEERS.index(e["peer"]) + 1) << 17
+        for k in TOKENS:
+            if k in e:
+                s |= BIT[k]
+                tokens.append(e[k])
+        shape.append(s)
+    newest = max([e["time"] for e in events], default=1795986920376000000)
+    header = (vi(1, version) + ld(2, "gpu-7") + vi(3, 1795986920376000000) + vi(4, partition)
+              + vi(5, seq) + vi(6, first_event) + packed(7, [3 * i for i in range(len(events))])
+              + packed(8, list(broadcast)) + vi(9, newest) + vi(10, newest + 20000000)
+              + (vi(11, 1) if final else b""))
+    columns = (packed(1, time) + packed(2, shape)
+               + ld(3, b"".join(struct.pack("<Q", r) for r in rooms)) + packed(4, pids)
+               + packed(5, statuses) + packed(6, tokens) + packed(7, id_len) + ld(8, ids)
+               + b"".join(ld(9, n) for n in names) + packed(10, name_ref))
+    return ld(1, header) + ld(2, columns)
+
+
+T0 = 1795986920376000000
+attempt = [
+    dict(time=T0, stage="router", kind="dispatched", source="ebpf", room=ROOM,
+         request_id="req-000000000001", to="prefill", input_tokens=900),
+    dict(time=T0, stage="router", kind="dispatched", source="ebpf", room=ROOM,
+         request_id="req-000000000001", to="decode"),
+    dict(time=T0 + 1000000, stage="prefill", kind="received", source="ebpf", room=ROOM),
+    dict(time=T0 + 1000000, stage="decode", kind="received", source="ebpf", room=ROOM),
+    dict(time=T0 + 2000000, stage="prefill", kind="rejected", source="otlp", room=ROOM,
+         rid="7dd29047ddcfac1d0000000000000001", status=400,
+         reason="exceeds the maximum number of tokens"),
+    dict(time=T0 + 3000000, stage="decode", kind="cancelled", source="ebpf", room=ROOM,
+         to="decode"),
+]
+put("bus_wire", "attempt", bus_batch(attempt, seq=41, partition=2))
+every = [dict(time=T0 + i, stage=STAGES[i % 4], kind=KINDS[i % 9], source=SOURCES[i % 3])
+         for i in range(36)]
+every.append(dict(time=0, stage="transfer", kind="dispatched", source="ebpf", room=(1 << 64) - 1,
+                  request_id="r", trace_id="4bf92f3577b34da6a3ce929d0e0e4736", rid="8f3c",
+                  node="gpu-7", worker="http://10.0.0.5:30001", reason="overloaded",
+                  detail="/generate", status=503, pid=4242, to="decode", peer="foreign",
+                  input_tokens=1 << 53, context_tokens=131072, max_input_tokens=131072,
+                  max_total_tokens=(1 << 64) - 1))
+every += [dict(time=T0, stage="prefill", kind="received", source="ebpf", node="gpu-7",
+               peer=p, worker="10.0.0.5:8998") for p in PEERS]
+put("bus_wire", "every-field", bus_batch(every, seq=7))
+put("bus_wire", "request-level", bus_batch(
+    [dict(time=T0, stage="router", kind="received", source="otlp", request_id="q-1"),
+     dict(time=T0 + 5, stage="decode", kind="capacity", source="otlp", worker="w",
+          context_tokens=4096, max_total_tokens=8192),
+     dict(time=T0 + 9, stage="router", kind="completed", source="otlp", request_id="q-1",
+          status=200)],
+    seq=3, partition=1, broadcast=[0, 1, 2], first_event=100))
+put("bus_wire", "final-empty", bus_batch([], seq=9, partition=3, final=True))
+put("bus_wire", "v1-json",
+    '{"v":1,"node":"a","boot":1,"partition":0,"seq":0,"first_event":0,"offsets":[0]}\n'
+    '{"time_unix_nano":1,"stage":"router","kind":"received"}')
+
 # ---- rules YAML ---------------------------------------------------------------------------------
 
 put("rules_yaml", "default.yaml", (ROOT / "monitor/rules/default.yaml").read_bytes())

@@ -71,11 +71,11 @@ fn pct(v: &[Duration], p: f64) -> f64 {
     v[((v.len() as f64 * p) as usize).min(v.len() - 1)].as_secs_f64() * 1e3
 }
 
-/// Per-event cost the admin layer adds to the run loop: metrics (`EventObserved`) and the
+/// Per-event cost the admin layer adds to the run loop: metrics (`EventsObserved`) and the
 /// timeline index (`RecentEvents::record`), one batch of 1000 at a time.
 fn hot_path() {
     use revenant::admin::{RecentEvents, RecentEventsLimits};
-    use revenant::telemetry::events::EventObserved;
+    use revenant::telemetry::events::EventsObserved;
     let mix = revenant::engine::workload::Mix {
         attempts: 100_000,
         ..Default::default()
@@ -86,13 +86,11 @@ fn hot_path() {
     let now = revenant::alert::notification::now_unix_ns();
     let t = Instant::now();
     for batch in events.chunks(1000) {
-        for e in batch {
-            EventObserved {
-                event: e,
-                arrival_ns: now,
-            }
-            .emit(&metrics);
+        EventsObserved {
+            events: batch,
+            arrival_ns: now,
         }
+        .emit(&metrics);
     }
     let metrics_ns = t.elapsed().as_nanos() as f64 / events.len() as f64;
     let t = Instant::now();
@@ -117,7 +115,7 @@ fn hot_path() {
     }
     let lookup_us = t.elapsed().as_secs_f64() * 1e6 / recent.len() as f64;
     println!(
-        "hot path over {} events: EventObserved {:.0} ns/event, timeline index (100k cap) {:.0} ns/event, \
+        "hot path over {} events: EventsObserved {:.0} ns/event, timeline index (100k cap) {:.0} ns/event, \
          lookup by rid {:.1} µs ({:.1} events per timeline)",
         events.len(),
         metrics_ns,

@@ -1,15 +1,19 @@
 //! Cluster mode end to end: events/s from one `revenant agent` through NATS JetStream to one
-//! `revenant checker`, the agent's CPU seconds and peak RSS per million events, on a plain
+//! `revenant checker`, CPU seconds per million events of the agent, the checker and the NATS
+//! servers, and the peak RSS of agent and checker, on a plain
 //! `nats-server -js` (R1, file storage) or a three-node cluster (R3).
 //!
 //! Run: `cargo bench -p revenant --bench cluster_throughput -- [--events 1000000]
 //!       [--batch-events 512] [--partitions 4] [--replicas 1|3]`
+//! (`REVENANT_BIN=path` runs another build of `revenant` under the same driver.)
 //!
 //! The events are the synthetic PD stream of `engine::workload` (ten events per attempt, one
-//! attempt in 100 rejected), replayed by the agent from a file (`--replay`: the file is read
-//! before the clock starts). The clock runs from the agent's start until the checker has handed
-//! every event to its engine and the engine has drained; the agent publishes and the checker
-//! consumes at the same time.
+//! attempt in 100 rejected), written to a file in the replay format before the clock starts and
+//! replayed by the agent (`--replay`: it parses the file as it publishes, within the clock). The
+//! clock runs from the agent's start until the checker's engine has observed every event
+//! (`revenant_events_total`); the agent publishes and the checker consumes at the same time.
+//! Also printed: when the agent had published everything, and when the checker had taken every
+//! event off the bus (handed to its engine's channel, which holds up to 1024 batches).
 
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -18,7 +22,10 @@ use std::time::{Duration, Instant};
 use revenant::engine::workload::{self, Mix};
 use test_harness::{Nats, Proc, ScratchDir, http_get, metric_sum, parse_metrics};
 
-const BIN: &str = env!("CARGO_BIN_EXE_revenant");
+/// The `revenant` under test: `REVENANT_BIN`, else the one built with this bench.
+fn bin() -> String {
+    std::env::var("REVENANT_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_revenant").into())
+}
 
 struct Args {
     events: u64,
@@ -144,7 +151,7 @@ fn main() {
             .args(["--batch-events", &a.batch_events.to_string()])
             .args(["--admin", "127.0.0.1:0", "--log-format", "json"]);
     };
-    let mut c = Command::new(BIN);
+    let mut c = Command::new(bin());
     c.arg("checker");
     common(&mut c);
     c.args(["--watermark-clock", "event", "--allowed-lateness", "1s"])
@@ -152,7 +159,7 @@ fn main() {
         .arg(dir.path().join("alerts.jsonl"));
     let (mut checker, cadmin) = start("checker", &dir.path().join("checker"), c);
 
-    let mut c = Command::new(BIN);
+    let mut c = Command::new(bin());
     c.arg("agent");
     common(&mut c);
     c.args([
@@ -165,38 +172,69 @@ fn main() {
     ])
     .args(["--ebpf", "off", "--replay"])
     .arg(&file);
+    let nats_cpu = |nats: &Nats| -> f64 {
+        nats.nodes
+            .iter()
+            .filter_map(|n| n.pid())
+            .map(|pid| cpu_rss(pid).0)
+            .sum()
+    };
+    let nats_cpu0 = nats_cpu(&nats);
     let t0 = Instant::now();
     let (mut agent, aadmin) = start("agent", &dir.path().join("agent"), c);
     let deadline = t0 + Duration::from_secs(600);
     let mut published_at = None;
+    let mut taken_at = None;
     loop {
-        let taken = metric(&cadmin, "revenant_checker_events_total");
+        let (taken, observed) = match http_get(&format!("http://{cadmin}/metrics")) {
+            Ok((200, body)) => {
+                let m = parse_metrics(&body);
+                (
+                    metric_sum(&m, "revenant_checker_events_total", &[]),
+                    metric_sum(&m, "revenant_events_total", &[]),
+                )
+            }
+            _ => (-1.0, -1.0),
+        };
         if published_at.is_none() && metric(&aadmin, "revenant_agent_events_total") >= n as f64 {
             let left = metric(&aadmin, "revenant_agent_outbox_batches");
             if left == 0.0 {
                 published_at = Some(t0.elapsed());
             }
         }
-        if taken >= n as f64 {
+        if taken_at.is_none() && taken >= n as f64 {
+            taken_at = Some(t0.elapsed());
+        }
+        if observed >= n as f64 {
             break;
         }
-        assert!(Instant::now() < deadline, "checker took {taken} of {n}");
+        assert!(
+            Instant::now() < deadline,
+            "checker took {taken} and observed {observed} of {n}"
+        );
         std::thread::sleep(Duration::from_millis(5));
     }
-    let consumed = t0.elapsed();
+    let observed = t0.elapsed();
     let (cpu_a, rss_a) = cpu_rss(agent.pid());
     let (cpu_c, rss_c) = cpu_rss(checker.pid());
+    let cpu_n = nats_cpu(&nats) - nats_cpu0;
     agent.stop(libc::SIGTERM, Duration::from_secs(30));
     checker.stop(libc::SIGTERM, Duration::from_secs(30));
-    let published = published_at.unwrap_or(consumed);
+    let published = published_at.unwrap_or(observed);
+    let taken = taken_at.unwrap_or(observed);
     println!(
         "cluster_throughput: {n} events, R{} ({} partitions, {} events per batch)",
         a.replicas, a.partitions, a.batch_events
     );
     println!(
-        "  end to end (agent start → checker took every event): {:.2} s, {:.0} events/s",
-        consumed.as_secs_f64(),
-        n as f64 / consumed.as_secs_f64()
+        "  end to end (agent start → the checker's engine observed every event): {:.2} s, {:.0} events/s",
+        observed.as_secs_f64(),
+        n as f64 / observed.as_secs_f64()
+    );
+    println!(
+        "  checker took every event off the bus after {:.2} s ({:.0} events/s)",
+        taken.as_secs_f64(),
+        n as f64 / taken.as_secs_f64()
     );
     println!(
         "  agent published everything after {:.2} s ({:.0} events/s)",
@@ -212,5 +250,10 @@ fn main() {
         "  checker: {:.2} CPU s per million events, peak RSS {:.0} MiB",
         cpu_c / (n as f64 / 1e6),
         rss_c
+    );
+    println!(
+        "  nats-server ({} of them): {:.2} CPU s per million events",
+        nats.nodes.len(),
+        cpu_n / (n as f64 / 1e6)
     );
 }

@@ -186,8 +186,9 @@ impl RecentEvents {
             inner: Mutex::new(Inner {
                 base: 0,
                 // The whole ring at once: growing by doubling would hold up to twice the bound
-                // (and both buffers while it copies); untouched pages cost no memory.
-                events: VecDeque::with_capacity(limits.max_events),
+                // (and both buffers while it copies); untouched pages cost no memory. One more
+                // than the bound: an event is pushed before the oldest is evicted.
+                events: VecDeque::with_capacity(limits.max_events + 1),
                 last: HashMap::with_hasher(FixedState::with_seed(0x6c617374)),
                 evicted: 0,
             }),
@@ -489,9 +490,12 @@ mod tests {
         let batch: Vec<_> = (0..25)
             .map(|i| ev(i, Stage::Decode, Kind::Work).with_rid(format!("r{}", i % 2)))
             .collect();
+        let capacity = |idx: &RecentEvents| idx.inner.lock().unwrap().events.capacity();
+        let ring = capacity(&idx);
         idx.record(&batch);
         assert_eq!(idx.len(), 10);
         assert_eq!(idx.evicted(), 15);
+        assert_eq!(capacity(&idx), ring, "the ring never grows");
         let t = idx.timeline("r0").unwrap();
         assert!(t.truncated);
         assert_eq!(

@@ -2,12 +2,16 @@
 //! batch per partition, sealed when it holds `batch_events` events or its oldest event waited
 //! `linger`; a partition that sealed nothing for [`HEARTBEAT`] gets an empty batch, so checkers
 //! know how far this agent's stream came (`bus::progress`). Pure and synchronous: the agent's
-//! task drives it and hands what it seals to the spool.
+//! task drives it and hands what it seals to the spool. An event is written into its batch's
+//! columns as it is routed (`wire::EventWriter`), so nothing is kept of it, and an event that
+//! goes to every partition is not copied.
 
 use std::time::Duration;
 
+use bytes::Bytes;
+
 use super::partition::{Partitioner, Route};
-use super::wire::{BatchHeader, WIRE_VERSION, encode};
+use super::wire::{BatchHeader, EventWriter, WIRE_VERSION, encode};
 use crate::event::LifecycleEvent;
 
 /// How long a partition may go without a batch from this agent: then an empty one says how far
@@ -20,12 +24,12 @@ pub const HEARTBEAT: Duration = Duration::from_millis(500);
 pub struct Sealed {
     pub subject: String,
     pub msg_id: String,
-    pub payload: Vec<u8>,
+    pub payload: Bytes,
     pub events: u32,
 }
 
 struct Open {
-    events: Vec<LifecycleEvent>,
+    events: EventWriter,
     offsets: Vec<u32>,
     broadcast: Vec<u32>,
     first_event: u64,
@@ -47,7 +51,6 @@ pub struct Batcher {
     next_event: u64,
     /// The newest event time routed so far.
     newest: u64,
-    buf: Vec<u8>,
 }
 
 /// Subject of partition `k`: `<subject prefix>.p<k>`.
@@ -77,7 +80,6 @@ impl Batcher {
             sealed_ns: vec![0; p as usize],
             next_event: 0,
             newest: 0,
-            buf: Vec::with_capacity(1 << 16),
         }
     }
 
@@ -86,10 +88,11 @@ impl Batcher {
         self.partitioner.links_forgotten
     }
 
-    fn add_to(&mut self, k: usize, e: LifecycleEvent, id: u64, broadcast: bool, now_ns: u64) {
+    fn add_to(&mut self, k: usize, e: &LifecycleEvent, id: u64, broadcast: bool, now_ns: u64) {
+        let batch_events = self.batch_events;
         let open = self.open[k].get_or_insert_with(|| Open {
-            events: Vec::new(),
-            offsets: Vec::new(),
+            events: EventWriter::with_capacity(batch_events),
+            offsets: Vec::with_capacity(batch_events),
             broadcast: Vec::new(),
             first_event: id,
             opened_ns: now_ns,
@@ -109,17 +112,14 @@ impl Batcher {
         self.newest = self.newest.max(e.time_ns);
         match self.partitioner.route(&e) {
             Route::One(k) => {
-                self.add_to(k as usize, e, id, false, now_ns);
+                self.add_to(k as usize, &e, id, false, now_ns);
                 self.seal_if_full(k as usize, now_ns, sealed);
             }
             Route::All => {
-                let last = self.open.len() - 1;
-                for k in 0..last {
-                    self.add_to(k, e.clone(), id, true, now_ns);
+                for k in 0..self.open.len() {
+                    self.add_to(k, &e, id, true, now_ns);
                     self.seal_if_full(k, now_ns, sealed);
                 }
-                self.add_to(last, e, id, true, now_ns);
-                self.seal_if_full(last, now_ns, sealed);
             }
         }
     }
@@ -136,7 +136,7 @@ impl Batcher {
     /// Seals partition `k`'s open batch (an empty one if none is open) at wall time `now_ns`.
     fn seal(&mut self, k: usize, now_ns: u64, last: bool) -> Sealed {
         let open = self.open[k].take().unwrap_or(Open {
-            events: Vec::new(),
+            events: EventWriter::default(),
             offsets: Vec::new(),
             broadcast: Vec::new(),
             first_event: self.next_event,
@@ -157,12 +157,13 @@ impl Batcher {
         };
         self.seqs[k] += 1;
         self.sealed_ns[k] = now_ns;
-        encode(&header, &open.events, &mut self.buf);
+        let msg_id = header.batch_id();
+        let events = open.events.len() as u32;
         Sealed {
             subject: subject(&self.stream_subject, k as u32),
-            msg_id: header.batch_id(),
-            payload: self.buf.clone(),
-            events: open.events.len() as u32,
+            msg_id,
+            payload: encode(header, open.events.into_columns()).into(),
+            events,
         }
     }
 

@@ -134,7 +134,7 @@ impl BusConfig {
         if !(1..=5).contains(&self.replicas) {
             return Err(BusConfigError::Replicas(self.replicas));
         }
-        if !(1..=65536).contains(&self.batch_events) {
+        if !(1..=wire::MAX_EVENTS).contains(&self.batch_events) {
             return Err(BusConfigError::BatchEvents(self.batch_events));
         }
         if let Some(owned) = &self.owned {

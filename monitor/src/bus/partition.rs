@@ -21,6 +21,8 @@
 
 use std::collections::HashMap;
 
+use foldhash::fast::RandomState;
+
 use crate::event::LifecycleEvent;
 
 /// Where one event goes.
@@ -57,8 +59,8 @@ pub fn rid_partition(rid: &str, partitions: u32) -> u32 {
 pub struct Partitioner {
     partitions: u32,
     max_links: usize,
-    young: HashMap<Box<str>, u64>,
-    old: HashMap<Box<str>, u64>,
+    young: HashMap<Box<str>, u64, RandomState>,
+    old: HashMap<Box<str>, u64, RandomState>,
     /// Links forgotten when a generation was dropped.
     pub links_forgotten: u64,
 }
@@ -68,8 +70,8 @@ impl Partitioner {
         Partitioner {
             partitions: partitions.max(1),
             max_links: max_links.max(1),
-            young: HashMap::new(),
-            old: HashMap::new(),
+            young: HashMap::default(),
+            old: HashMap::default(),
             links_forgotten: 0,
         }
     }
@@ -79,9 +81,16 @@ impl Partitioner {
     }
 
     fn remember(&mut self, rid: &str, room: u64) {
+        if let Some(r) = self.young.get_mut(rid) {
+            *r = room;
+            return;
+        }
         if self.young.len() >= self.max_links {
             self.links_forgotten += self.old.len() as u64;
-            self.old = std::mem::take(&mut self.young);
+            // The dropped generation's table holds the new one: no regrowth from empty.
+            let mut table = std::mem::take(&mut self.old);
+            table.clear();
+            self.old = std::mem::replace(&mut self.young, table);
         }
         self.young.insert(rid.into(), room);
     }

@@ -356,7 +356,7 @@ pub async fn run_publisher(
                 };
                 let events = e.events;
                 let publish = async_nats::jetstream::message::PublishMessage::build()
-                    .payload(payload.into())
+                    .payload(payload)
                     .message_id(e.msg_id.as_str());
                 match js.send_publish(e.subject.clone(), publish).await {
                     Ok(ack) => {

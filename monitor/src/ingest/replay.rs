@@ -226,12 +226,11 @@ pub fn read_events(
     mut on_error: impl FnMut(ReplayError),
 ) -> Result<(), std::io::Error> {
     let mut line_no = 0u64;
-    let mut buf = String::new();
+    let mut raw = Vec::new();
     let mut input = input;
     loop {
-        buf.clear();
+        raw.clear();
         // Lines that are not UTF-8 are reported, not fatal.
-        let mut raw = Vec::new();
         let n = input.read_until(b'\n', &mut raw)?;
         if n == 0 {
             return Ok(());
@@ -242,17 +241,14 @@ pub fn read_events(
             Some(rest) if line_no == 1 => rest,
             _ => &raw[..],
         };
-        match std::str::from_utf8(raw) {
-            Ok(s) => buf.push_str(s),
-            Err(_) => {
-                on_error(ReplayError::Line {
-                    line: line_no,
-                    message: "not valid UTF-8".into(),
-                });
-                continue;
-            }
-        }
-        match parse_line(&buf) {
+        let Ok(line) = std::str::from_utf8(raw) else {
+            on_error(ReplayError::Line {
+                line: line_no,
+                message: "not valid UTF-8".into(),
+            });
+            continue;
+        };
+        match parse_line(line) {
             Ok(Some(e)) => on_event(e),
             Ok(None) => {}
             Err(message) => on_error(ReplayError::Line {

@@ -4,7 +4,7 @@
 //! - the per-request event history behind `/api/requests/{id}` is admin's tap
 //!   (`admin::timeline::TimelineTap`): the HTTP surface sits above the pipeline.
 //! - [`SourceActivity`]: a source that delivers counts as live in `/readyz`.
-//! - [`Observed`]: the `EventObserved` internal event (ingest lag, events per source).
+//! - [`Observed`]: the `EventsObserved` internal event (ingest lag, events per source).
 //! - [`EngineMetrics`]: the engine's gauges and counters, published on each tick.
 //! - [`ReplayWriter`]: every event in the replay format `revenant check` reads (`--events-jsonl`).
 
@@ -15,7 +15,7 @@ use std::sync::Arc;
 use crate::engine::check::Checker;
 use crate::event::Source;
 use crate::ingest::replay::ReplayRecord;
-use crate::telemetry::events::EventObserved;
+use crate::telemetry::events::EventsObserved;
 use crate::telemetry::{Metrics, ReadyHandle};
 
 use super::EventBatch;
@@ -58,14 +58,16 @@ impl EventTap for SourceActivity {
     }
 }
 
-/// Emits `EventObserved` for every event.
+/// Emits `EventsObserved` for every batch.
 pub struct Observed(pub Arc<Metrics>);
 
 impl EventTap for Observed {
     fn batch(&mut self, batch: &EventBatch, arrival_ns: u64) -> std::io::Result<()> {
-        for event in batch {
-            EventObserved { event, arrival_ns }.emit(&self.0);
+        EventsObserved {
+            events: batch,
+            arrival_ns,
         }
+        .emit(&self.0);
         Ok(())
     }
 }

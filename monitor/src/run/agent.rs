@@ -11,6 +11,8 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::atomic::AtomicBool;
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -189,35 +191,75 @@ fn run_logged(args: AgentArgs) -> ExitCode {
     }
 }
 
-/// Sends the recorded events, in batches, into the pipeline (waiting on it: a file can wait).
-async fn replay_files(paths: Vec<PathBuf>, tx: EventSender) -> Result<(), String> {
+/// Events per batch sent from a replayed file.
+const REPLAY_BATCH: usize = 512;
+/// Batches a replayed file may have queued for the batcher.
+const REPLAY_QUEUE: usize = 8;
+
+/// A reader that ends (reads as end of file) once `stop` is set.
+struct Stoppable<'a, R> {
+    inner: R,
+    stop: &'a AtomicBool,
+}
+
+impl<R: std::io::Read> std::io::Read for Stoppable<'_, R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        if self.stop.load(Relaxed) {
+            return Ok(0);
+        }
+        self.inner.read(buf)
+    }
+}
+
+impl<R: std::io::BufRead> std::io::BufRead for Stoppable<'_, R> {
+    fn fill_buf(&mut self) -> std::io::Result<&[u8]> {
+        if self.stop.load(Relaxed) {
+            return Ok(&[]);
+        }
+        self.inner.fill_buf()
+    }
+    fn consume(&mut self, n: usize) {
+        self.inner.consume(n);
+    }
+}
+
+/// Reads the recorded files and sends their events into the pipeline in batches as they are
+/// read (waiting on it: a file can wait), until `stop` is set. Blocking: run off the runtime.
+fn replay_files(paths: Vec<PathBuf>, tx: EventSender, stop: &AtomicBool) -> Result<(), String> {
     for p in paths {
-        let events = tokio::task::spawn_blocking({
-            let p = p.clone();
-            move || -> Result<(Vec<crate::event::LifecycleEvent>, u64), std::io::Error> {
-                let f = std::io::BufReader::new(std::fs::File::open(&p)?);
-                let mut events = Vec::new();
-                let mut bad = 0u64;
-                replay::read_events(f, |e| events.push(e), |_| bad += 1)?;
-                Ok((events, bad))
-            }
-        })
-        .await
-        .map_err(|e| e.to_string())?
+        let f = std::fs::File::open(&p).map_err(|e| format!("--replay {}: {e}", p.display()))?;
+        let input = Stoppable {
+            inner: std::io::BufReader::with_capacity(1 << 16, f),
+            stop,
+        };
+        let (mut events, mut bad, mut closed) = (0u64, 0u64, false);
+        let mut batch = Vec::with_capacity(REPLAY_BATCH);
+        replay::read_events(
+            input,
+            |e| {
+                if closed {
+                    return;
+                }
+                events += 1;
+                batch.push(e);
+                if batch.len() == REPLAY_BATCH {
+                    let full = std::mem::replace(&mut batch, Vec::with_capacity(REPLAY_BATCH));
+                    closed = tx.blocking_send(full).is_err();
+                }
+            },
+            |_| bad += 1,
+        )
         .map_err(|e| format!("--replay {}: {e}", p.display()))?;
-        let (events, bad) = events;
+        if !batch.is_empty() && !closed {
+            closed = tx.blocking_send(batch).is_err();
+        }
         if bad > 0 {
             tracing::warn!(file = %p.display(), bad_lines = bad, "replay: bad lines skipped");
         }
-        let n = events.len();
-        let mut it = events.into_iter().peekable();
-        while it.peek().is_some() {
-            let chunk: Vec<_> = it.by_ref().take(512).collect();
-            if tx.send(chunk).await.is_err() {
-                return Ok(());
-            }
+        if closed || stop.load(Relaxed) {
+            return Ok(());
         }
-        tracing::info!(file = %p.display(), events = n, "replay: file sent");
+        tracing::info!(file = %p.display(), events, "replay: file sent");
     }
     Ok(())
 }
@@ -268,7 +310,8 @@ async fn agent_async(
     bound.insert("partitions".into(), bus.partitions.into());
 
     let (tx, rx) = event_channel(cfg.channel_capacity());
-    let (replay_tx, replay_rx) = event_channel(cfg.channel_capacity());
+    // A file can wait: a short queue keeps the reader's batches few (and their memory reused).
+    let (replay_tx, replay_rx) = event_channel(REPLAY_QUEUE);
     let mut sources = start_sources(&cfg, normalizer, b, tx, &shared, &shutdown, bound);
     let mut replay_task = None;
     if !replay_paths.is_empty() {
@@ -276,9 +319,18 @@ async fn agent_async(
         h.ready();
         let stop = shutdown.at(Phase::StopSources);
         replay_task = Some(tokio::spawn(async move {
+            let stopped = Arc::new(AtomicBool::new(false));
+            let reader = tokio::task::spawn_blocking({
+                let stopped = stopped.clone();
+                move || replay_files(replay_paths, replay_tx, &stopped)
+            });
             tokio::select! {
-                r = replay_files(replay_paths, replay_tx) => r,
-                () = stop => Ok(()),
+                r = reader => r.map_err(|e| e.to_string())?,
+                () = stop => {
+                    // The reader sees it within one read and drops its sender.
+                    stopped.store(true, Relaxed);
+                    Ok(())
+                }
             }
         }));
     }
@@ -362,7 +414,6 @@ async fn agent_async(
         let _ = tokio::time::timeout(Duration::from_secs(2), t).await;
     }
     let s = &stats;
-    use std::sync::atomic::Ordering::Relaxed;
     let human = format!(
         "stopped after {:?}: {} events routed, {} batches published, {} events dropped, {} batches left in the outbox",
         drain.elapsed(),

@@ -9,36 +9,59 @@ use super::metrics::{
     DeliveryLabels, DropLabels, DropPoint, DropReason, Metrics, Outcome, RuleLabel, RuleLabels,
     SinkLabel, SourceLabels, event_labels,
 };
-use crate::event::LifecycleEvent;
+use crate::event::{Kind, LifecycleEvent, Source, Stage};
 
-/// A source handed an event to the checker. Hot path: trace-level log only.
-pub struct EventObserved<'a> {
-    pub event: &'a LifecycleEvent,
-    /// Wall clock (unix ns) when the checker received it.
+/// A batch of events reached the checker. Hot path: trace-level log only, and each label set
+/// looked up once per batch, not per event.
+pub struct EventsObserved<'a> {
+    pub events: &'a [LifecycleEvent],
+    /// Wall clock (unix ns) when the checker received them.
     pub arrival_ns: u64,
 }
 
-impl EventObserved<'_> {
+impl EventsObserved<'_> {
     pub fn emit(&self, m: &Metrics) {
-        let e = self.event;
-        trace!(
-            source = e.source.as_str(),
-            stage = e.stage.as_str(),
-            kind = e.kind.as_str(),
-            "event observed"
-        );
-        m.events
-            .get_or_create(&event_labels(e.source, e.stage, e.kind))
-            .inc();
-        let src = SourceLabels {
-            source: e.source.as_str(),
-        };
-        // Events stamped in the future (clock skew) count as zero lag, not as a negative value.
-        let lag = self.arrival_ns.saturating_sub(e.time_ns) as f64 / 1e9;
-        m.event_lag.get_or_create(&src).observe(lag);
-        m.source_last_event
-            .get_or_create(&src)
-            .set(self.arrival_ns as f64 / 1e9);
+        let mut counts = [[[0u64; Kind::ALL.len()]; Stage::ALL.len()]; Source::ALL.len()];
+        for e in self.events {
+            trace!(
+                source = e.source.as_str(),
+                stage = e.stage.as_str(),
+                kind = e.kind.as_str(),
+                "event observed"
+            );
+            counts[e.source as usize][e.stage as usize][e.kind as usize] += 1;
+        }
+        for source in Source::ALL {
+            let mut any = false;
+            for stage in Stage::ALL {
+                for kind in Kind::ALL {
+                    let n = counts[source as usize][stage as usize][kind as usize];
+                    if n > 0 {
+                        any = true;
+                        m.events
+                            .get_or_create(&event_labels(source, stage, kind))
+                            .inc_by(n);
+                    }
+                }
+            }
+            if !any {
+                continue;
+            }
+            let src = SourceLabels {
+                source: source.as_str(),
+            };
+            {
+                let lag = m.event_lag.get_or_create(&src);
+                for e in self.events.iter().filter(|e| e.source == source) {
+                    // Events stamped in the future (clock skew) count as zero lag, not as a
+                    // negative value.
+                    lag.observe(self.arrival_ns.saturating_sub(e.time_ns) as f64 / 1e9);
+                }
+            }
+            m.source_last_event
+                .get_or_create(&src)
+                .set(self.arrival_ns as f64 / 1e9);
+        }
     }
 }
 
