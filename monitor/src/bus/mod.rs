@@ -112,6 +112,11 @@ pub enum BusConfigError {
     Owned { got: u32, partitions: u32 },
     #[error("--owned-partitions is empty")]
     NoneOwned,
+    #[error(
+        "--agent-silence {0:?} is shorter than two agent heartbeats ({heartbeat:?}): every idle agent would count as gone",
+        heartbeat = batcher::HEARTBEAT * 2
+    )]
+    AgentSilence(Duration),
 }
 
 impl BusConfig {
@@ -136,6 +141,9 @@ impl BusConfig {
         }
         if !(1..=wire::MAX_EVENTS).contains(&self.batch_events) {
             return Err(BusConfigError::BatchEvents(self.batch_events));
+        }
+        if self.agent_silence < batcher::HEARTBEAT * 2 {
+            return Err(BusConfigError::AgentSilence(self.agent_silence));
         }
         if let Some(owned) = &self.owned {
             if owned.is_empty() {
@@ -315,6 +323,13 @@ mod tests {
             })
         );
         c.owned = None;
+        c.agent_silence = Duration::from_millis(900);
+        assert_eq!(
+            c.validate(),
+            Err(BusConfigError::AgentSilence(Duration::from_millis(900)))
+        );
+        c.agent_silence = Duration::from_secs(1);
+        c.validate().unwrap();
         c.stream = "a.b".into();
         assert!(matches!(c.validate(), Err(BusConfigError::Stream(_))));
         c.stream = "S".into();
