@@ -257,7 +257,7 @@ async fn prometheus_scrapes_and_every_dashboard_query_has_data() {
         .as_array()
         .map(|a| a.len())
         .unwrap_or(0);
-    assert_eq!(n, 11, "{rules}");
+    assert_eq!(n, 12, "{rules}");
     assert!(
         !receiver.alerts().is_empty(),
         "the webhook received nothing"
@@ -276,8 +276,9 @@ async fn prometheus_scrapes_and_every_dashboard_query_has_data() {
 }
 
 /// Every series name and label the alert rules and their promtool cases use exists in the
-/// `/metrics` of a real `revenant run` (after a malformed OTLP export and a refusing webhook), so
-/// renaming a metric or a label breaks this test instead of silently disarming an alert.
+/// `/metrics` of a real `revenant run` (after a malformed OTLP export and a refusing webhook) or,
+/// for cluster mode's rules, of a real `revenant checker`, so renaming a metric or a label breaks
+/// this test instead of silently disarming an alert.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn alert_rules_use_only_series_and_labels_revenant_exposes() {
     // Port 9 on loopback (discard) is closed: every delivery attempt fails.
@@ -309,14 +310,33 @@ async fn alert_rules_use_only_series_and_labels_revenant_exposes() {
         Default::default();
     let sample = regex::Regex::new(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([^}]*)\})?\s").unwrap();
     let label = regex::Regex::new(r#"([a-zA-Z_][a-zA-Z0-9_]*)=""#).unwrap();
-    for line in text.lines().filter(|l| !l.starts_with('#')) {
-        if let Some(c) = sample.captures(line) {
-            let labels = exposed.entry(c[1].to_string()).or_default();
-            if let Some(ls) = c.get(3) {
-                labels.extend(label.captures_iter(ls.as_str()).map(|l| l[1].to_string()));
+    let mut absorb = |text: &str| {
+        for line in text.lines().filter(|l| !l.starts_with('#')) {
+            if let Some(c) = sample.captures(line) {
+                let labels = exposed.entry(c[1].to_string()).or_default();
+                if let Some(ls) = c.get(3) {
+                    labels.extend(label.captures_iter(ls.as_str()).map(|l| l[1].to_string()));
+                }
             }
         }
-    }
+    };
+    absorb(&text);
+    // Cluster mode's rules read what a `revenant checker` exposes besides.
+    let checker_text = tokio::task::block_in_place(|| {
+        let nats = Nats::single().unwrap();
+        let dir = ScratchDir::new("rule-names-checker").unwrap();
+        let bus = cluster::Bus {
+            nats: nats.urls(),
+            stream: "RULES".into(),
+            partitions: 1,
+        };
+        let mut checker = cluster::Member::checker(&bus, dir.path(), &[0], &[]);
+        let (status, body) = http_get(&format!("http://{}/metrics", checker.admin)).unwrap();
+        assert_eq!(status, 200, "{body}");
+        checker.stop();
+        body
+    });
+    absorb(&checker_text);
     // The malformed export moved the counter the refusing-data alert reads.
     assert!(
         text.contains(
