@@ -26,6 +26,7 @@ use super::spool::Outbox;
 use super::{BusConfig, BusError};
 use crate::pipeline::EventReceiver;
 use crate::telemetry::events::ItemsDropped;
+use crate::telemetry::memory::MemoryAccount;
 use crate::telemetry::metrics::{DropPoint, DropReason, Metrics, counter, gauge};
 use crate::telemetry::{ComponentKind, Readiness};
 
@@ -191,6 +192,9 @@ pub struct Live {
     pub node: Box<str>,
     /// Added to their times (testing aid: a node clock ahead of the others).
     pub shift_ns: u64,
+    /// Credited back for each batch taken off the channel, as the engine task does in `run`:
+    /// the OTLP receivers refuse exports while the channel's share is spent.
+    pub memory: Arc<MemoryAccount>,
 }
 
 /// Drains the live sources' channel (`events`, see [`Live`]) and the replay channel (`replay`:
@@ -232,6 +236,9 @@ pub async fn run_batcher(
                 continue;
             }
         };
+        if stamp {
+            live.memory.taken_from_channel(&batch);
+        }
         let now = wall_ns();
         shared
             .stats

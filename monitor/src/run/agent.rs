@@ -363,6 +363,7 @@ async fn agent_async(
         publisher::Live {
             node: node.as_str().into(),
             shift_ns: clock_offset.as_nanos() as u64,
+            memory: shared.memory.clone(),
         },
     ));
     let done = Arc::new(Notify::new());

@@ -10,10 +10,9 @@ use std::time::Instant;
 use crate::admin::RecentEvents;
 use crate::admin::timeline::TIMELINE_EVENT_BYTES;
 use crate::engine::check::{BYTES_PER_ATTEMPT_AND_REQUEST, BudgetCaps, Checker};
-use crate::event::Source;
 use crate::normalize::sglang::{TreeConfig, cost};
 use crate::pipeline::{EventBatch, EventTap};
-use crate::telemetry::memory::{self, MemoryAccount, MemoryWatch, Structure};
+use crate::telemetry::memory::{MemoryAccount, MemoryWatch, Structure};
 use crate::telemetry::recent::VIOLATION_BYTES;
 use crate::telemetry::{Readiness, RecentViolations};
 
@@ -142,12 +141,7 @@ pub struct MemoryTap {
 
 impl EventTap for MemoryTap {
     fn batch(&mut self, batch: &EventBatch, _: u64) -> std::io::Result<()> {
-        // Only the OTLP receivers charge the channel: a source's batches are all its own, and
-        // the eBPF source's are bounded by its batch size and answered by counted drops.
-        if batch.first().is_some_and(|e| e.source == Source::Otlp) {
-            self.account
-                .sub_used(Structure::EventChannel, memory::batch_bytes(batch));
-        }
+        self.account.taken_from_channel(batch);
         Ok(())
     }
 

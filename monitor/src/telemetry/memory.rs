@@ -16,7 +16,7 @@ use prometheus_client::metrics::gauge::ConstGauge;
 
 use super::metrics::{Metrics, counters, gauge};
 use super::ready::Readiness;
-use crate::event::{EventBatch, LifecycleEvent};
+use crate::event::{EventBatch, LifecycleEvent, Source};
 
 /// A structure with a share of the budget: the `structure` label.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -135,6 +135,16 @@ impl MemoryAccount {
     pub fn sub_used(&self, s: Structure, bytes: u64) {
         let _ =
             self.used[s as usize].fetch_update(Relaxed, Relaxed, |v| Some(v.saturating_sub(bytes)));
+    }
+
+    /// Credits back what the OTLP receivers charged the event channel for `batch`, once the
+    /// channel's consumer (the engine task, or an agent's batcher) has taken it. Only they charge
+    /// it: a source's batches are all its own, and the eBPF source's are bounded by its batch size
+    /// and answered by counted drops.
+    pub fn taken_from_channel(&self, batch: &EventBatch) {
+        if batch.first().is_some_and(|e| e.source == Source::Otlp) {
+            self.sub_used(Structure::EventChannel, batch_bytes(batch));
+        }
     }
 
     /// Whether `s` has reached its cap.

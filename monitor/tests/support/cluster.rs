@@ -192,6 +192,29 @@ impl Member {
         Member::start(&format!("agent {}", dir.display()), dir, c)
     }
 
+    /// `revenant agent --node NODE` taking OTLP/HTTP on an ephemeral port (no eBPF), with
+    /// `extra` flags; returns it and the OTLP/HTTP address.
+    pub fn agent_otlp(bus: &Bus, dir: &Path, node: &str, extra: &[&str]) -> (Member, String) {
+        let mut c = Command::new(BIN);
+        c.arg("agent");
+        bus.args(&mut c);
+        c.args(["--node", node])
+            .args([
+                "--otlp-grpc",
+                "off",
+                "--otlp-http",
+                "127.0.0.1:0",
+                "--ebpf",
+                "off",
+            ])
+            .args(extra);
+        let m = Member::start(&format!("agent {}", dir.display()), dir, c);
+        let ready: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("ready")).unwrap()).unwrap();
+        let otlp = ready["otlp_http"].as_str().unwrap().to_owned();
+        (m, otlp)
+    }
+
     pub fn metric(&self, name: &str) -> f64 {
         metric(&self.admin, name)
     }

@@ -8,6 +8,15 @@ use serde_json::Value;
 /// Minimal blocking HTTP/1.1 GET on loopback (`Connection: close`): status and body, a chunked
 /// body decoded.
 pub fn http_get(url: &str) -> Result<(u16, String)> {
+    request("GET", url, None)
+}
+
+/// [`http_get`]'s POST: `body` sent with its content type.
+pub fn http_post(url: &str, content_type: &str, body: &[u8]) -> Result<(u16, String)> {
+    request("POST", url, Some((content_type, body)))
+}
+
+fn request(method: &str, url: &str, body: Option<(&str, &[u8])>) -> Result<(u16, String)> {
     let rest = url
         .strip_prefix("http://")
         .ok_or_else(|| anyhow!("not an http URL: {url}"))?;
@@ -15,24 +24,35 @@ pub fn http_get(url: &str) -> Result<(u16, String)> {
         Some(i) => (&rest[..i], &rest[i..]),
         None => (rest, "/"),
     };
-    let mut s = TcpStream::connect(host).with_context(|| format!("GET {url}"))?;
+    let mut s = TcpStream::connect(host).with_context(|| format!("{method} {url}"))?;
     s.set_read_timeout(Some(Duration::from_secs(10)))?;
     write!(
         s,
-        "GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
+        "{method} {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n"
     )?;
+    match body {
+        Some((content_type, b)) => {
+            write!(
+                s,
+                "Content-Type: {content_type}\r\nContent-Length: {}\r\n\r\n",
+                b.len()
+            )?;
+            s.write_all(b)?;
+        }
+        None => write!(s, "\r\n")?,
+    }
     let mut buf = Vec::new();
     s.read_to_end(&mut buf)?;
     let end = buf
         .windows(4)
         .position(|w| w == b"\r\n\r\n")
-        .ok_or_else(|| anyhow!("GET {url}: no header end"))?;
+        .ok_or_else(|| anyhow!("{method} {url}: no header end"))?;
     let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
     let status = head
         .split_whitespace()
         .nth(1)
         .and_then(|s| s.parse().ok())
-        .ok_or_else(|| anyhow!("GET {url}: bad status line"))?;
+        .ok_or_else(|| anyhow!("{method} {url}: bad status line"))?;
     let mut body = buf[end + 4..].to_vec();
     if head.contains("transfer-encoding: chunked") {
         body = dechunk(&body);

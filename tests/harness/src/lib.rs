@@ -26,7 +26,7 @@ pub use binaries::{
 pub use cluster::{Cluster, FAULT_VERDICT_WINDOWS, fault_verdict_window, run_load, run_load_quiet};
 pub use eventually::eventually;
 pub use files::{JsonlTail, ScratchDir, read_jsonl, read_jsonl_so_far, tail};
-pub use http::{free_port, http_get, http_json, wait_healthy};
+pub use http::{free_port, http_get, http_json, http_post, wait_healthy};
 pub use metrics::{Sample, metric_sum, parse_metrics};
 pub use nats::{Nats, NatsNode};
 pub use pki::Pki;
