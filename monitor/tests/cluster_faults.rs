@@ -343,19 +343,13 @@ fn a_killed_checker_is_replaced_and_every_notification_goes_out_once() {
         &[0, 1],
         &[&alerting[..], &["--pause-file", pause.to_str().unwrap()]].concat(),
     );
-    let mut agent = Member::agent(
+    let agent = Member::publish_file(
         &bus,
         &dir.path().join("agent-early"),
         "node-a",
-        Some(&dir.path().join("early.jsonl")),
+        &dir.path().join("early.jsonl"),
+        early.len(),
     );
-    wait_metric(
-        "the first agent routing its file",
-        &[&agent.admin],
-        "revenant_agent_events_total",
-        early.len() as f64,
-    );
-    agent.stop();
     wait_metric(
         "the first checker taking the first half",
         &[&first.admin],
@@ -369,19 +363,13 @@ fn a_killed_checker_is_replaced_and_every_notification_goes_out_once() {
     // its claim when it dies), the second half is published, and it is killed.
     std::fs::write(&pause, b"").unwrap();
     std::thread::sleep(Duration::from_millis(300));
-    let mut agent = Member::agent(
+    Member::publish_file(
         &bus,
         &dir.path().join("agent-late"),
         "node-b",
-        Some(&dir.path().join("late.jsonl")),
+        &dir.path().join("late.jsonl"),
+        late.len(),
     );
-    wait_metric(
-        "the second agent routing its file",
-        &[&agent.admin],
-        "revenant_agent_events_total",
-        late.len() as f64,
-    );
-    agent.stop();
     first.proc.stop(libc::SIGKILL, Duration::ZERO);
 
     let second_dir = dir.path().join("checker-2");

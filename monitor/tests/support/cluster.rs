@@ -192,6 +192,20 @@ impl Member {
         Member::start(&format!("agent {}", dir.display()), dir, c)
     }
 
+    /// An agent that publishes the `events` events of `file` and stops (its stop summary says
+    /// how many batches it published).
+    pub fn publish_file(bus: &Bus, dir: &Path, node: &str, file: &Path, events: usize) -> Member {
+        let mut agent = Member::agent(bus, dir, node, Some(file));
+        wait_metric(
+            &format!("agent {node} routing {}", file.display()),
+            &[&agent.admin],
+            "revenant_agent_events_total",
+            events as f64,
+        );
+        agent.stop();
+        agent
+    }
+
     /// `revenant agent --node NODE` taking OTLP/HTTP on an ephemeral port (no eBPF), with
     /// `extra` flags; returns it and the OTLP/HTTP address.
     pub fn agent_otlp(bus: &Bus, dir: &Path, node: &str, extra: &[&str]) -> (Member, String) {
