@@ -104,6 +104,7 @@ fn an_agent_keeps_what_nats_did_not_take_and_publishes_it_once_nats_is_back() {
     std::thread::sleep(Duration::from_secs(outage));
     assert_eq!(agent.metric("revenant_agent_events_dropped_total"), 0.0);
 
+    checker.assert_alive();
     nats.nodes[0].start().unwrap();
     nats.wait_ready().unwrap();
     wait_for("the outbox to empty", || {
@@ -314,7 +315,7 @@ fn notified(path: &Path) -> Vec<(String, String)> {
 
 #[test]
 fn a_killed_checker_is_replaced_and_every_notification_goes_out_once() {
-    let nats = Nats::single().unwrap();
+    let mut nats = Nats::single().unwrap();
     let dir = ScratchDir::new("cluster-checker-kill").unwrap();
     let bus = Bus {
         nats: nats.urls(),
@@ -372,8 +373,34 @@ fn a_killed_checker_is_replaced_and_every_notification_goes_out_once() {
     );
     first.proc.stop(libc::SIGKILL, Duration::ZERO);
 
+    // The replacement reads its partitions again with its engine paused and a short channel,
+    // so that NATS goes away in the middle of that reading and stays away past the reading's
+    // own patience (10 s without a message): the checker must keep running, hold the
+    // notifications of what it finds meanwhile (their claims cannot be looked up), and read on
+    // once NATS is back.
     let second_dir = dir.path().join("checker-2");
-    let mut second = Member::checker(&bus, &second_dir, &[0, 1], &alerting);
+    let paused = dir.path().join("pause-2");
+    std::fs::write(&paused, b"").unwrap();
+    let mut second = Member::checker(
+        &bus,
+        &second_dir,
+        &[0, 1],
+        &[
+            &alerting[..],
+            &["--pause-file", paused.to_str().unwrap()],
+            &["--channel-capacity", "4"],
+        ]
+        .concat(),
+    );
+    wait_for("the second checker reading its partitions again", || {
+        second.metric("revenant_checker_recovered_messages_total") > 0.0
+    });
+    nats.nodes[0].kill();
+    std::fs::remove_file(&paused).unwrap();
+    std::thread::sleep(Duration::from_secs(13));
+    second.assert_alive();
+    nats.nodes[0].start().unwrap();
+    nats.wait_ready().unwrap();
     // Every agent stream ended (its last batches taken): the input is whole.
     wait_for("the second checker at the end of every stream", || {
         second.metric("revenant_checker_recovering_partitions") == 0.0
@@ -381,7 +408,11 @@ fn a_killed_checker_is_replaced_and_every_notification_goes_out_once() {
             && second.metric("revenant_checker_messages_total") > 0.0
     });
     let recovered = second.metric("revenant_checker_recovered_messages_total");
-    assert!(recovered > 0.0, "the second checker read nothing again");
+    assert!(
+        recovered >= agent.published() as f64,
+        "the second checker read {recovered} messages again, fewer than the {} its predecessor took",
+        agent.published()
+    );
     second.stop();
 
     let merged = dir.path().join("merged.jsonl");

@@ -6,9 +6,9 @@
 //! A checker that starts reads its partitions again from before where the last one stopped
 //! (`consumer::recover`), so its engine finds again what an earlier life found, and its
 //! dispatcher opens those incidents again: their notifications are looked up here before they
-//! are spooled, and only the ones not found are sent. The bucket is opened once NATS answers;
-//! until then, or when it cannot be reached within [`CLAIM_TIMEOUT`], notifications are sent
-//! (counted): a repeat is better than a loss.
+//! are spooled, and only the ones not found are sent. A lookup that cannot be answered (NATS
+//! disconnected, or no answer within [`CLAIM_TIMEOUT`]) is counted and left to the dispatcher,
+//! which asks again and sends after `alert::claims::CLAIM_HOLD`: a repeat is better than a loss.
 
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
@@ -51,7 +51,7 @@ impl Collector for ClaimCollector {
             &mut enc,
             "revenant_checker_notification_claims",
             "Notifications looked up before spooling (new: sent; sent_before: another checker life or replica sent it, skipped; \
-             unavailable: the bucket did not answer, sent) and recorded after (unrecorded: the record failed, a restart may send it again)",
+             unavailable: the bucket did not answer, held and asked again) and recorded after (unrecorded: the record failed, a restart may send it again)",
             [
                 ("new", &s.new),
                 ("sent_before", &s.sent_before),
@@ -64,9 +64,9 @@ impl Collector for ClaimCollector {
     }
 }
 
-/// The checker's claims: the bucket, once open.
+/// The checker's claims: the bucket, once open, and the connection it is reached by.
 pub struct Claims {
-    store: OnceCell<kv::Store>,
+    store: OnceCell<(kv::Store, async_nats::Client)>,
     stats: Arc<ClaimStats>,
 }
 
@@ -87,6 +87,7 @@ impl Claims {
     /// 2.9 server answers in a shape the client does not read.
     pub async fn open(
         &self,
+        client: &async_nats::Client,
         js: &async_nats::jetstream::Context,
         cfg: &BusConfig,
         keep: Duration,
@@ -117,14 +118,23 @@ impl Claims {
         .await
         .map_err(|e| err(&e))?;
         let store = js.get_key_value(&name).await.map_err(|e| err(&e))?;
-        let _ = self.store.set(store);
+        let _ = self.store.set((store, client.clone()));
         Ok(())
     }
 
-    async fn sent_before_one(&self, key: &str) -> bool {
-        let Some(store) = self.store.get() else {
+    /// The bucket while its connection is up (a request on a dropped connection would only
+    /// wait out its timeout).
+    fn reachable(&self) -> Option<&kv::Store> {
+        self.store
+            .get()
+            .filter(|(_, c)| c.connection_state() == async_nats::connection::State::Connected)
+            .map(|(s, _)| s)
+    }
+
+    async fn sent_before_one(&self, key: &str) -> Option<bool> {
+        let Some(store) = self.reachable() else {
             self.stats.unavailable.fetch_add(1, Relaxed);
-            return false;
+            return None;
         };
         match tokio::time::timeout(CLAIM_TIMEOUT, store.get(key)).await {
             Ok(Ok(found)) => {
@@ -134,24 +144,27 @@ impl Claims {
                     &self.stats.new
                 };
                 c.fetch_add(1, Relaxed);
-                found.is_some()
+                Some(found.is_some())
             }
             Ok(Err(e)) => {
                 self.stats.unavailable.fetch_add(1, Relaxed);
-                tracing::warn!(error = %e, "notification claim lookup failed: sending it");
-                false
+                tracing::warn!(error = %e, "notification claim lookup failed: held");
+                None
             }
             Err(_) => {
                 self.stats.unavailable.fetch_add(1, Relaxed);
-                tracing::warn!("notification claim lookup timed out: sending it");
-                false
+                tracing::warn!("notification claim lookup timed out: held");
+                None
             }
         }
     }
 
     async fn record_one(&self, key: &str) {
-        let Some(store) = self.store.get() else {
+        let Some(store) = self.reachable() else {
             self.stats.unrecorded.fetch_add(1, Relaxed);
+            tracing::warn!(
+                "notification claim not recorded (NATS away): a restart may send it again"
+            );
             return;
         };
         // Only if absent (JetStream decides it atomically): of two processes racing on one key,
@@ -174,7 +187,7 @@ impl Claims {
 }
 
 impl NotificationClaims for Claims {
-    fn sent_before<'a>(&'a self, keys: &'a [String]) -> ClaimFuture<'a, Vec<bool>> {
+    fn sent_before<'a>(&'a self, keys: &'a [String]) -> ClaimFuture<'a, Vec<Option<bool>>> {
         Box::pin(join_all(keys.iter().map(|k| self.sent_before_one(k))))
     }
 

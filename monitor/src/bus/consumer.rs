@@ -159,6 +159,9 @@ pub fn register(metrics: &Metrics, stats: Arc<CheckerStats>, streams: SharedStre
     metrics.register_collector(CheckerCollector { stats, streams });
 }
 
+/// How long a partition waits before trying NATS again after a failed request.
+pub const RETRY: Duration = Duration::from_secs(1);
+
 /// What one partition's loop shares with the others.
 #[derive(Clone)]
 pub struct PartitionCtx {
@@ -222,31 +225,51 @@ async fn feed(payload: &[u8], k: u32, tx: &EventSender, ctx: &PartitionCtx) -> b
     true
 }
 
-/// Consumes partition `k` until `stop` resolves or the engine's channel closes. Whether the
-/// consumer is caught up (nothing pending) is read from each message and, while idle, from the
-/// consumer's info once a second.
+/// Consumes partition `k` until `stop` resolves or the engine's channel closes; never gives up
+/// on NATS. Whether the consumer is caught up (nothing pending) is read from each message and,
+/// while idle, from the consumer's info once a second.
 pub async fn run_partition(
     consumer: async_nats::jetstream::consumer::PullConsumer,
     k: u32,
     tx: EventSender,
     ctx: PartitionCtx,
     stop: impl std::future::Future<Output = ()>,
-) -> Result<(), String> {
-    let mut messages = consumer
-        .stream()
-        .max_messages_per_batch(256)
-        .heartbeat(Duration::from_secs(5))
-        .expires(Duration::from_secs(30))
-        .messages()
-        .await
-        .map_err(|e| format!("partition {k}: {e}"))?;
+) {
     let mut stop = std::pin::pin!(stop);
+    // The pull is opened again whenever it cannot be opened or ends (NATS away, the consumer
+    // being moved in a cluster): a checker outlives any outage of the bus.
+    let mut messages = None;
     let mut poll = tokio::time::interval(Duration::from_secs(1));
     poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut idle = true;
     loop {
+        let stream = match &mut messages {
+            Some(s) => s,
+            None => {
+                let opened = tokio::select! {
+                    () = &mut stop => return,
+                    r = consumer
+                        .stream()
+                        .max_messages_per_batch(256)
+                        .heartbeat(Duration::from_secs(5))
+                        .expires(Duration::from_secs(30))
+                        .messages() => r,
+                };
+                match opened {
+                    Ok(s) => messages.insert(s),
+                    Err(e) => {
+                        tracing::warn!(partition = k, error = %e, "consumer not reachable; retrying");
+                        tokio::select! {
+                            () = &mut stop => return,
+                            () = tokio::time::sleep(RETRY) => {}
+                        }
+                        continue;
+                    }
+                }
+            }
+        };
         let msg = tokio::select! {
-            () = &mut stop => return Ok(()),
+            () = &mut stop => return,
             _ = poll.tick() => {
                 if idle && let Ok(info) = consumer.get_info().await {
                     ctx.streams.lock().set_caught_up(k, info.num_pending == 0);
@@ -254,8 +277,16 @@ pub async fn run_partition(
                 idle = true;
                 continue;
             }
-            m = messages.next() => match m {
-                None => return Err(format!("partition {k}: the consumer's message stream ended")),
+            m = stream.next() => match m {
+                None => {
+                    tracing::warn!(partition = k, "the consumer's message stream ended; opening it again");
+                    messages = None;
+                    tokio::select! {
+                        () = &mut stop => return,
+                        () = tokio::time::sleep(RETRY) => {}
+                    }
+                    continue;
+                }
                 Some(Err(e)) => {
                     // Heartbeats missed while the server is away: the stream recovers by itself.
                     tracing::warn!(partition = k, error = %e, "consumer");
@@ -268,7 +299,7 @@ pub async fn run_partition(
         let pending = msg.info().map(|i| i.pending).ok();
         if !feed(&msg.payload, k, &tx, &ctx).await {
             // The engine is draining: leave the message unacknowledged for the next checker.
-            return Ok(());
+            return;
         }
         if let Some(p) = pending {
             ctx.streams.lock().set_caught_up(k, p == 0);
@@ -342,8 +373,20 @@ pub async fn recover(
         let msg = match next {
             Ok(Some(Ok(m))) => m,
             Ok(Some(Err(e))) => return Err(err("replay", &e)),
-            // Nothing more within the time: what is left was removed (retention).
-            Ok(None) | Err(_) => break,
+            Ok(None) => return Err(err("replay", &"the message stream ended")),
+            // Nothing within the time: done if nothing is left (retention removed the rest),
+            // else NATS is away and the caller reads the partition again once it is back.
+            Err(_) => match replay.get_info().await {
+                Ok(info) if info.num_pending == 0 => break,
+                Ok(info) => {
+                    let _ = stream.delete_consumer(&name).await;
+                    return Err(err(
+                        "replay",
+                        &format!("stalled with {} messages pending", info.num_pending),
+                    ));
+                }
+                Err(e) => return Err(err("replay consumer info", &e)),
+            },
         };
         read += 1;
         ctx.stats.recovered_messages.fetch_add(1, Relaxed);

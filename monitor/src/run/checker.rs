@@ -256,7 +256,7 @@ async fn checker_async(
                 cs.push((*k, crate::bus::ensure_consumer(&stream, &bus, *k).await?));
             }
             claims
-                .open(&js, &bus, bus.retention.max(recovery_window * 2))
+                .open(&client, &js, &bus, bus.retention.max(recovery_window * 2))
                 .await?;
             Ok::<_, crate::bus::BusError>((stream, cs))
         };
@@ -317,17 +317,29 @@ async fn checker_async(
         partitions.spawn(async move {
             let mut stop = std::pin::pin!(stop);
             let started = std::time::Instant::now();
-            tokio::select! {
-                r = consumer::recover(&stream, &c, subject, k, recovery_window, &tx, &ctx) => {
-                    let read = r?;
-                    if read > 0 {
-                        tracing::info!(
-                            partition = k, messages = read, took = ?started.elapsed(),
-                            "partition read again from {recovery_window:?} before where its consumer had come"
-                        );
-                    }
+            // NATS may go away while a partition is read again: try again once it answers (what
+            // was already fed is recognised and skipped), the checker keeps running meanwhile.
+            let read = loop {
+                tokio::select! {
+                    r = consumer::recover(&stream, &c, subject.clone(), k, recovery_window, &tx, &ctx) => match r {
+                        Ok(read) => break read,
+                        Err(e) => tracing::warn!(
+                            partition = k, error = %e,
+                            "reading the partition again failed; retrying"
+                        ),
+                    },
+                    () = &mut stop => return Ok(()),
                 }
-                () = &mut stop => return Ok(()),
+                tokio::select! {
+                    () = tokio::time::sleep(consumer::RETRY) => {}
+                    () = &mut stop => return Ok(()),
+                }
+            };
+            if read > 0 {
+                tracing::info!(
+                    partition = k, messages = read, took = ?started.elapsed(),
+                    "partition read again from {recovery_window:?} before where its consumer had come"
+                );
             }
             ctx.stats.recovering.fetch_sub(1, Relaxed);
             if recovering.fetch_sub(1, Relaxed) == 1
@@ -335,7 +347,8 @@ async fn checker_async(
             {
                 h.ready();
             }
-            consumer::run_partition(c, k, tx, ctx, stop).await
+            consumer::run_partition(c, k, tx, ctx, stop).await;
+            Ok(())
         });
     }
     drop(tx);

@@ -358,7 +358,7 @@ impl Metrics {
         let alerts_pending = Gauge::default();
         r.register(
             "revenant_alerts_pending",
-            "Incident notifications waiting for their group wait or corroboration before being spooled",
+            "Incident notifications waiting before being spooled: for their group wait, corroboration, or (cluster mode) the lookup of whether another checker sent them",
             alerts_pending.clone(),
         );
         let deliveries = Family::default();

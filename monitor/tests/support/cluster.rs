@@ -233,6 +233,17 @@ impl Member {
         metric(&self.admin, name)
     }
 
+    /// Panics, with the end of its log, if the process has exited.
+    pub fn assert_alive(&mut self) {
+        if let Some(s) = self.proc.exited() {
+            panic!(
+                "{} exited ({s}):\n{}",
+                self.proc.name,
+                tail(&self.dir.join("stderr"), 30)
+            );
+        }
+    }
+
     /// SIGTERM, and the exit must be clean.
     pub fn stop(&mut self) {
         let status = self.proc.stop(libc::SIGTERM, WAIT);

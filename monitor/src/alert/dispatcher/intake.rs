@@ -2,10 +2,11 @@
 //! then queued for every sink.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use super::delivery::SinkQueue;
 use super::{DispatchReport, Dispatcher};
-use crate::alert::claims::NotificationClaims;
+use crate::alert::claims::{CLAIM_HOLD, NotificationClaims};
 use crate::alert::flood::Release;
 use crate::alert::notification::Notification;
 use crate::alert::spool::SpoolError;
@@ -13,9 +14,38 @@ use crate::telemetry::events::{AlertRateLimited, AlertSentBefore, AlertSpooled, 
 use crate::telemetry::metrics::{DropPoint, DropReason, Metrics};
 
 impl Dispatcher {
+    /// Notifications the flood released: claimed (cluster mode), spooled, queued.
     pub(super) async fn spool_and_enqueue(
-        &self,
+        &mut self,
         notes: Vec<Notification>,
+        names: &[String],
+        queues: &[Arc<SinkQueue>],
+        report: &mut DispatchReport,
+    ) {
+        let now = Instant::now();
+        let notes = notes.into_iter().map(|n| (n, now)).collect();
+        self.claim_and_spool(notes, false, names, queues, report)
+            .await;
+    }
+
+    /// Asks again about the notifications whose claims could not be looked up; `last`: the
+    /// dispatcher is stopping, and what still cannot be looked up is sent.
+    pub(super) async fn retry_unconfirmed(
+        &mut self,
+        last: bool,
+        names: &[String],
+        queues: &[Arc<SinkQueue>],
+        report: &mut DispatchReport,
+    ) {
+        let held = std::mem::take(&mut self.unconfirmed);
+        self.claim_and_spool(held, last, names, queues, report)
+            .await;
+    }
+
+    async fn claim_and_spool(
+        &mut self,
+        notes: Vec<(Notification, Instant)>,
+        last: bool,
         names: &[String],
         queues: &[Arc<SinkQueue>],
         report: &mut DispatchReport,
@@ -23,9 +53,9 @@ impl Dispatcher {
         if notes.is_empty() {
             return;
         }
-        let (notes, keys) = match &self.claims {
-            Some(c) => self.unclaimed(c.as_ref(), notes, report).await,
-            None => (notes, Vec::new()),
+        let (notes, keys) = match self.claims.clone() {
+            Some(c) => self.unclaimed(c.as_ref(), notes, last, report).await,
+            None => (notes.into_iter().map(|(n, _)| n).collect(), Vec::new()),
         };
         if notes.is_empty() {
             return;
@@ -90,25 +120,43 @@ impl Dispatcher {
     }
 
     /// The notifications the claims do not know as sent before, with their claim keys (`None`
-    /// for those never claimed); the others are counted as deduplicated and dropped here.
+    /// for those never claimed); those sent before are counted and dropped here; those that
+    /// cannot be looked up are held in `unconfirmed` (since when they were released) until
+    /// [`CLAIM_HOLD`] has passed or `last`, then sent.
     async fn unclaimed(
-        &self,
+        &mut self,
         claims: &dyn NotificationClaims,
-        notes: Vec<Notification>,
+        notes: Vec<(Notification, Instant)>,
+        last: bool,
         report: &mut DispatchReport,
     ) -> (Vec<Notification>, Vec<Option<String>>) {
-        let keys: Vec<Option<String>> = notes.iter().map(Notification::claim_key).collect();
+        let keys: Vec<Option<String>> = notes.iter().map(|(n, _)| n.claim_key()).collect();
         let asked: Vec<String> = keys.iter().flatten().cloned().collect();
         let mut before = claims.sent_before(&asked).await.into_iter();
         let mut kept = (
             Vec::with_capacity(notes.len()),
             Vec::with_capacity(notes.len()),
         );
-        for (n, k) in notes.into_iter().zip(keys) {
-            if k.is_some() && before.next().unwrap_or(false) {
-                report.sent_before += 1;
-                AlertSentBefore { rule: n.rule() }.emit(&self.metrics);
-                continue;
+        for ((n, since), k) in notes.into_iter().zip(keys) {
+            if k.is_some() {
+                match before.next().flatten() {
+                    Some(true) => {
+                        report.sent_before += 1;
+                        AlertSentBefore { rule: n.rule() }.emit(&self.metrics);
+                        continue;
+                    }
+                    Some(false) => {}
+                    None if last || since.elapsed() >= CLAIM_HOLD => {
+                        tracing::warn!(
+                            rule = n.rule(), held = ?since.elapsed(),
+                            "notification claim could not be looked up: sending it (it may repeat one another checker sent)"
+                        );
+                    }
+                    None => {
+                        self.unconfirmed.push((n, since));
+                        continue;
+                    }
+                }
             }
             kept.0.push(n);
             kept.1.push(k);

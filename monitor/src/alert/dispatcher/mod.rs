@@ -101,6 +101,9 @@ pub struct Dispatcher {
     spool_discarded: u64,
     /// Notifications another process may have sent already (cluster mode's checkers).
     claims: Option<Arc<dyn NotificationClaims>>,
+    /// Released notifications whose claims could not be looked up yet, with when they were
+    /// released: asked about again every tick.
+    unconfirmed: Vec<(Notification, Instant)>,
 }
 
 impl Dispatcher {
@@ -126,6 +129,7 @@ impl Dispatcher {
             spool_discarded: 0,
             readiness: None,
             claims: None,
+            unconfirmed: Vec::new(),
         }
     }
 
@@ -216,7 +220,7 @@ impl Dispatcher {
         let mut refresh_now = false;
         loop {
             AlertsPending {
-                count: self.flood.pending(),
+                count: self.flood.pending() + self.unconfirmed.len(),
             }
             .emit(&self.metrics);
             let next_release = self.flood.next_release_ns().map(|due| {
@@ -278,6 +282,7 @@ impl Dispatcher {
                     self.spool_and_enqueue(notes, &names, &queues, &mut report).await;
                 }
                 _ = tick.tick() => {
+                    self.retry_unconfirmed(false, &names, &queues, &mut report).await;
                     let (summaries, resolved) = self.flood.tick(now_unix_ns());
                     for s in &summaries {
                         SuppressionSummarised { rule: &s.rule, suppressed: s.suppressed }.emit(&self.metrics);
@@ -317,9 +322,11 @@ impl Dispatcher {
             &self.metrics,
             &mut report,
         );
-        AlertsPending { count: 0 }.emit(&self.metrics);
         self.spool_and_enqueue(held, &names, &queues, &mut report)
             .await;
+        self.retry_unconfirmed(true, &names, &queues, &mut report)
+            .await;
+        AlertsPending { count: 0 }.emit(&self.metrics);
         let summaries = self.flood.flush_summaries(now_unix_ns());
         for s in &summaries {
             SuppressionSummarised {

@@ -293,15 +293,21 @@ struct MemoryClaims {
     /// Bytes in the spool's files when each key was recorded (records come after the spool).
     spooled_at_record: Mutex<Vec<usize>>,
     spool_dir: Mutex<Option<std::path::PathBuf>>,
+    /// The store cannot be reached: every lookup answers "unknown".
+    away: std::sync::atomic::AtomicBool,
 }
 
 impl crate::alert::claims::NotificationClaims for MemoryClaims {
     fn sent_before<'a>(
         &'a self,
         keys: &'a [String],
-    ) -> crate::alert::claims::ClaimFuture<'a, Vec<bool>> {
+    ) -> crate::alert::claims::ClaimFuture<'a, Vec<Option<bool>>> {
         let sent = self.sent.lock().unwrap();
-        let r = keys.iter().map(|k| sent.contains(k)).collect();
+        let away = self.away.load(std::sync::atomic::Ordering::SeqCst);
+        let r = keys
+            .iter()
+            .map(|k| (!away).then(|| sent.contains(k)))
+            .collect();
         Box::pin(async move { r })
     }
     fn record<'a>(&'a self, keys: &'a [String]) -> crate::alert::claims::ClaimFuture<'a, ()> {
@@ -371,4 +377,75 @@ async fn notifications_claimed_by_an_earlier_life_are_not_sent_again() {
         at_record.iter().all(|n| *n > 0),
         "a key recorded before its notification was spooled: {at_record:?}"
     );
+}
+
+/// While the claims cannot be looked up, released notifications wait (none sent) and are asked
+/// about again each tick: once the store answers, the one sent before is dropped and the new one
+/// sent. What still cannot be looked up when the dispatcher stops is sent (a repeat is better
+/// than a loss).
+#[tokio::test]
+async fn notifications_wait_for_claims_that_cannot_be_looked_up() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let claims = Arc::new(MemoryClaims::default());
+    let life = |claims: Arc<MemoryClaims>| {
+        let dir = tempfile::tempdir().unwrap();
+        let flood = FloodConfig {
+            group_wait: Duration::ZERO,
+            ..FloodConfig::default()
+        };
+        let (d, rec) = recording(dir.path(), flood, Arc::new(Metrics::new()));
+        let (tx, rx) = mpsc::channel(16);
+        let handle = tokio::spawn(d.with_claims(claims).run(rx));
+        (dir, tx, handle, rec)
+    };
+    let delivered = |rec: &Recorder| {
+        rec.delivered
+            .lock()
+            .unwrap()
+            .iter()
+            .filter_map(Notification::claim_key)
+            .collect::<Vec<_>>()
+    };
+    let known = finding("orphaned-leg", "req-1", Severity::Warning);
+    let (_dir, tx, handle, rec) = life(claims.clone());
+    tx.send(known.clone()).await.unwrap();
+    drop(tx);
+    assert_eq!(handle.await.unwrap().notified, 1);
+    let known_key = delivered(&rec).pop().unwrap();
+
+    claims.away.store(true, SeqCst);
+    let (_dir, tx, handle, rec) = life(claims.clone());
+    tx.send(known.clone()).await.unwrap();
+    tx.send(finding("orphaned-leg", "req-2", Severity::Warning))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        rec.delivered.lock().unwrap().is_empty(),
+        "sent before its claim could be looked up"
+    );
+    claims.away.store(false, SeqCst);
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while delivered(&rec).is_empty() {
+        assert!(std::time::Instant::now() < deadline, "never sent");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    drop(tx);
+    let report = handle.await.unwrap();
+    assert_eq!((report.notified, report.sent_before), (1, 1), "{report:?}");
+    let sent = delivered(&rec);
+    assert_eq!(sent.len(), 1);
+    assert_ne!(sent[0], known_key);
+
+    claims.away.store(true, SeqCst);
+    let (_dir, tx, handle, rec) = life(claims.clone());
+    tx.send(finding("orphaned-leg", "req-3", Severity::Warning))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(rec.delivered.lock().unwrap().is_empty());
+    drop(tx);
+    let report = handle.await.unwrap();
+    assert_eq!((report.notified, report.sent_before), (1, 0), "{report:?}");
+    assert_eq!(delivered(&rec).len(), 1, "held at stop and never sent");
 }
