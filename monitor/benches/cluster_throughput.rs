@@ -227,7 +227,7 @@ fn main() {
             Ok((200, body)) => {
                 let m = parse_metrics(&body);
                 (
-                    metric_sum(&m, "revenant_checker_events_total", &[]),
+                    metric_sum(&m, "revenant_checker_bus_events_total", &[]),
                     metric_sum(&m, "revenant_events_total", &[]),
                 )
             }

@@ -10,7 +10,9 @@
 //!   fails until a new leader is elected is retried with its message id), then a follower.
 //! - A checker killed (SIGKILL) mid-stream and another started on its partitions: it reads
 //!   them again from before where the first had come, and sends every notification the first
-//!   did not send, none twice.
+//!   did not send, none twice; NATS goes away in the middle of its reading and it reads on.
+//! - A partition's durable consumer deleted under a running checker: it is created again, and
+//!   what it delivers again is recognised.
 
 mod support;
 
@@ -449,4 +451,80 @@ fn a_killed_checker_is_replaced_and_every_notification_goes_out_once() {
         second.stopped_field("notifications_sent_before") >= before.len() as f64,
         "the second checker found the first one's breaches again and sent none of them"
     );
+}
+
+/// Deletes a durable consumer as an operator (or a stream edit) would.
+fn delete_consumer(url: &str, stream: &str, name: &str) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let client = async_nats::connect(url).await.unwrap();
+        let js = async_nats::jetstream::new(client);
+        let s = js.get_stream(stream).await.unwrap();
+        assert!(s.delete_consumer(name).await.unwrap().success);
+    });
+}
+
+#[test]
+fn a_deleted_consumer_is_created_again_and_nothing_is_judged_twice() {
+    let nats = Nats::single().unwrap();
+    let dir = ScratchDir::new("cluster-consumer-deleted").unwrap();
+    let bus = Bus {
+        nats: nats.urls(),
+        stream: "DELETED".into(),
+        partitions: 1,
+    };
+    let events = events();
+    let middle = events[events.len() / 2].time_ns;
+    let (early, late): (Vec<_>, Vec<_>) = events.iter().cloned().partition(|e| e.time_ns < middle);
+    write(&dir.path().join("early.jsonl"), &early);
+    write(&dir.path().join("late.jsonl"), &late);
+    let mut checker = Member::checker(&bus, &dir.path().join("checker"), &[0], &[]);
+    Member::publish_file(
+        &bus,
+        &dir.path().join("agent-early"),
+        "node-a",
+        &dir.path().join("early.jsonl"),
+        early.len(),
+    );
+    wait_metric(
+        "the checker taking the first half",
+        &[&checker.admin],
+        "revenant_checker_bus_events_total",
+        early.len() as f64,
+    );
+    delete_consumer(&bus.nats, &bus.stream, "DELETED-p0");
+    Member::publish_file(
+        &bus,
+        &dir.path().join("agent-late"),
+        "node-b",
+        &dir.path().join("late.jsonl"),
+        late.len(),
+    );
+    // The consumer created again starts from the stream's first message: the first half comes
+    // again and is recognised.
+    wait_metric(
+        "the checker taking the second half from a new consumer",
+        &[&checker.admin],
+        "revenant_checker_bus_events_total",
+        events.len() as f64,
+    );
+    wait_for("the first half recognised when delivered again", || {
+        checker.metric("revenant_checker_duplicate_batches_total") > 0.0
+    });
+    assert_eq!(
+        checker.metric("revenant_checker_bus_events_total"),
+        events.len() as f64
+    );
+    // One family per name in the exposition (two counters of one name would add up).
+    let (_, body) = http_get(&format!("http://{}/metrics", checker.admin)).unwrap();
+    let mut families = std::collections::BTreeSet::new();
+    for l in body.lines().filter(|l| l.starts_with("# TYPE ")) {
+        let name = l.split_whitespace().nth(2).unwrap();
+        assert!(families.insert(name.to_owned()), "{name} declared twice");
+    }
+    checker.stop();
+    assert_once_and_as_check(dir.path(), &events, &checker.violations());
 }

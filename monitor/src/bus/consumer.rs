@@ -87,8 +87,8 @@ impl Collector for CheckerCollector {
                 &s.messages,
             ),
             (
-                "revenant_checker_events",
-                "Events handed to the engine",
+                "revenant_checker_bus_events",
+                "Events taken off the bus and handed to the engine (batches taken before not counted)",
                 &s.events,
             ),
             (
@@ -225,11 +225,36 @@ async fn feed(payload: &[u8], k: u32, tx: &EventSender, ctx: &PartitionCtx) -> b
     true
 }
 
+/// Partition `k`'s durable consumer looked up again (created again if it was deleted);
+/// `None` while NATS does not answer.
+pub async fn reopen(
+    stream: &async_nats::jetstream::stream::Stream,
+    bus: &super::BusConfig,
+    k: u32,
+) -> Option<async_nats::jetstream::consumer::PullConsumer> {
+    match tokio::time::timeout(
+        Duration::from_secs(5),
+        super::ensure_consumer(stream, bus, k),
+    )
+    .await
+    {
+        Ok(Ok(c)) => Some(c),
+        Ok(Err(e)) => {
+            tracing::warn!(partition = k, error = %e, "consumer not opened again");
+            None
+        }
+        Err(_) => None,
+    }
+}
+
 /// Consumes partition `k` until `stop` resolves or the engine's channel closes; never gives up
-/// on NATS. Whether the consumer is caught up (nothing pending) is read from each message and,
+/// on NATS (a consumer that cannot be pulled from is looked up again, created again if it was
+/// deleted). Whether the consumer is caught up (nothing pending) is read from each message and,
 /// while idle, from the consumer's info once a second.
 pub async fn run_partition(
-    consumer: async_nats::jetstream::consumer::PullConsumer,
+    stream: async_nats::jetstream::stream::Stream,
+    bus: super::BusConfig,
+    mut consumer: async_nats::jetstream::consumer::PullConsumer,
     k: u32,
     tx: EventSender,
     ctx: PartitionCtx,
@@ -243,7 +268,7 @@ pub async fn run_partition(
     poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut idle = true;
     loop {
-        let stream = match &mut messages {
+        let pull = match &mut messages {
             Some(s) => s,
             None => {
                 let opened = tokio::select! {
@@ -263,6 +288,10 @@ pub async fn run_partition(
                             () = &mut stop => return,
                             () = tokio::time::sleep(RETRY) => {}
                         }
+                        tokio::select! {
+                            () = &mut stop => return,
+                            c = reopen(&stream, &bus, k) => if let Some(c) = c { consumer = c },
+                        }
                         continue;
                     }
                 }
@@ -277,13 +306,19 @@ pub async fn run_partition(
                 idle = true;
                 continue;
             }
-            m = stream.next() => match m {
+            m = pull.next() => match m {
                 None => {
+                    // Ended by the client (the consumer deleted, a pull refused for good): the
+                    // consumer is looked up again, created again if it is gone.
                     tracing::warn!(partition = k, "the consumer's message stream ended; opening it again");
                     messages = None;
                     tokio::select! {
                         () = &mut stop => return,
                         () = tokio::time::sleep(RETRY) => {}
+                    }
+                    tokio::select! {
+                        () = &mut stop => return,
+                        c = reopen(&stream, &bus, k) => if let Some(c) = c { consumer = c },
                     }
                     continue;
                 }

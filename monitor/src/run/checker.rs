@@ -309,8 +309,8 @@ async fn checker_async(
     }
     let recovery = Arc::new(Mutex::new(Some(recovery)));
     let mut partitions: JoinSet<Result<(), String>> = JoinSet::new();
-    for (k, c) in consumers {
-        let (stream, tx, ctx) = (stream.clone(), tx.clone(), ctx.clone());
+    for (k, mut c) in consumers {
+        let (stream, tx, ctx, bus) = (stream.clone(), tx.clone(), ctx.clone(), bus.clone());
         let (recovering, recovery) = (recovering.clone(), recovery.clone());
         let subject = crate::bus::batcher::subject(&bus.stream, k);
         let stop = shutdown.at(Phase::StopSources);
@@ -334,6 +334,10 @@ async fn checker_async(
                     () = tokio::time::sleep(consumer::RETRY) => {}
                     () = &mut stop => return Ok(()),
                 }
+                tokio::select! {
+                    r = consumer::reopen(&stream, &bus, k) => if let Some(fresh) = r { c = fresh },
+                    () = &mut stop => return Ok(()),
+                }
             };
             if read > 0 {
                 tracing::info!(
@@ -347,7 +351,7 @@ async fn checker_async(
             {
                 h.ready();
             }
-            consumer::run_partition(c, k, tx, ctx, stop).await;
+            consumer::run_partition(stream, bus, c, k, tx, ctx, stop).await;
             Ok(())
         });
     }
