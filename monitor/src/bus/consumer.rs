@@ -301,7 +301,7 @@ pub async fn run_partition(
             () = &mut stop => return,
             _ = poll.tick() => {
                 if idle && let Ok(info) = consumer.get_info().await {
-                    ctx.streams.lock().set_caught_up(k, info.num_pending == 0);
+                    ctx.streams.lock().set_caught_up(k, info.num_pending == 0, now_unix_ns());
                 }
                 idle = true;
                 continue;
@@ -337,7 +337,7 @@ pub async fn run_partition(
             return;
         }
         if let Some(p) = pending {
-            ctx.streams.lock().set_caught_up(k, p == 0);
+            ctx.streams.lock().set_caught_up(k, p == 0, now_unix_ns());
         }
         if let Err(e) = msg.ack().await {
             tracing::warn!(partition = k, error = %e, "ack failed (the batch will be redelivered and recognised)");

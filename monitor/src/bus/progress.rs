@@ -15,7 +15,9 @@
 //! Agents send an empty batch to a partition that had nothing for a while (`heartbeat`), so an
 //! idle stream moves too; a stopping agent's last batch per partition says so (`last`), which
 //! ends its streams. A stream heard nothing from for `silence` while this checker is connected
-//! and caught up on its partition (an agent that was killed, a node that is gone) stops holding
+//! and caught up on its partition (an agent that was killed, a node that is gone; the silence
+//! counts from when this checker last reconnected at the earliest, so an outage of NATS that
+//! kept every agent's batches in its outbox is not taken for agents gone) stops holding
 //! the watermark back, and so does a gap in a stream's sequence (a batch the agent dropped,
 //! counted there) after the same time; both are counted, and what such an agent sends later is
 //! counted as late.
@@ -121,6 +123,9 @@ pub struct Streams {
     streams: HashMap<StreamKey, Stream>,
     /// Per owned partition: caught up with (nothing pending on its consumer).
     caught_up: BTreeMap<u32, bool>,
+    /// Per owned partition: since when (checker wall time) it has been read without a break in
+    /// the connection; silence is counted from then at the earliest.
+    reading_since: BTreeMap<u32, u64>,
     connected: bool,
     /// The newest event time any batch reported.
     newest: u64,
@@ -132,6 +137,7 @@ impl Streams {
             clock,
             streams: HashMap::new(),
             caught_up: owned.iter().map(|k| (*k, false)).collect(),
+            reading_since: BTreeMap::new(),
             connected: false,
             newest: 0,
         }
@@ -173,10 +179,12 @@ impl Streams {
         Taken::First { late }
     }
 
-    /// Whether partition `k`'s consumer has nothing pending.
-    pub fn set_caught_up(&mut self, k: u32, caught_up: bool) {
+    /// Whether partition `k`'s consumer has nothing pending, as read at checker wall time
+    /// `now_ns` (the partition is being read from then on, until the connection breaks).
+    pub fn set_caught_up(&mut self, k: u32, caught_up: bool, now_ns: u64) {
         if let Some(c) = self.caught_up.get_mut(&k) {
             *c = caught_up;
+            self.reading_since.entry(k).or_insert(now_ns);
         }
     }
 
@@ -185,6 +193,7 @@ impl Streams {
         self.connected = connected;
         if !connected {
             self.caught_up.values_mut().for_each(|c| *c = false);
+            self.reading_since.clear();
         }
     }
 
@@ -238,8 +247,11 @@ impl Streams {
             if s.done || !self.caught_up.get(k).copied().unwrap_or(false) {
                 continue;
             }
+            let Some(&reading) = self.reading_since.get(k) else {
+                continue;
+            };
             if let Some(since) = s.gap_since_ns
-                && now_ns.saturating_sub(since) >= silence_ns
+                && now_ns.saturating_sub(since.max(reading)) >= silence_ns
                 && let Some((&next, _)) = s.above.first_key_value()
             {
                 out.gaps_skipped += next - s.floor;
@@ -247,7 +259,7 @@ impl Streams {
                 s.fold();
                 s.gap_since_ns = (!s.above.is_empty()).then_some(now_ns);
             }
-            if !s.done && now_ns.saturating_sub(s.heard_ns) >= silence_ns {
+            if !s.done && now_ns.saturating_sub(s.heard_ns.max(reading)) >= silence_ns {
                 s.done = true;
                 out.silent.push(node.to_string());
             }
@@ -325,7 +337,7 @@ mod tests {
             None,
             "partition 1 neither caught up nor heard from"
         );
-        alone.set_caught_up(1, true);
+        alone.set_caught_up(1, true, 0);
         assert_eq!(alone.bound(NOW), Some(100));
         // Batch 2 before batch 1 (a retried publish): progress waits for 1.
         s.take(&h("a", 0, 2, 500), NOW);
@@ -346,9 +358,9 @@ mod tests {
     fn with_no_stream_the_wall_clock_bounds_only_once_every_partition_is_caught_up() {
         let mut s = Streams::new(ProgressClock::Wall, &[0, 1]);
         s.set_connected(true);
-        s.set_caught_up(0, true);
+        s.set_caught_up(0, true, 0);
         assert_eq!(s.bound(NOW), None);
-        s.set_caught_up(1, true);
+        s.set_caught_up(1, true, 0);
         assert_eq!(s.bound(NOW), Some(NOW));
         s.set_connected(false);
         assert_eq!(s.bound(NOW), None, "disconnected: nothing is caught up");
@@ -365,7 +377,7 @@ mod tests {
         assert_eq!(s.expire(5_000, silence), Expired::default());
         s.set_connected(true);
         assert_eq!(s.expire(5_000, silence), Expired::default());
-        s.set_caught_up(0, true);
+        s.set_caught_up(0, true, 0);
         let e = s.expire(5_000, silence);
         assert_eq!(e.gaps_skipped, 1, "b's batch 1 never came");
         assert_eq!(e.silent, vec!["a".to_string(), "b".to_string()]);
@@ -379,6 +391,27 @@ mod tests {
         assert_eq!(s.bound(6_000), Some(200));
         s.forget(100_000, silence);
         assert_eq!(s.streams.len(), 1, "b forgotten, a live again");
+    }
+
+    #[test]
+    fn silence_counts_from_the_reconnection_not_from_before_an_outage() {
+        let silence = 1_000;
+        let mut s = Streams::new(ProgressClock::Wall, &[0]);
+        s.set_connected(true);
+        s.set_caught_up(0, true, 0);
+        s.take(&h("a", 0, 0, 100), 100);
+        // NATS away from 200 to 5 000: a's outbox holds its batches meanwhile.
+        s.set_connected(false);
+        assert_eq!(s.expire(3_000, silence), Expired::default());
+        s.set_connected(true);
+        s.set_caught_up(0, true, 5_000);
+        assert_eq!(
+            s.expire(5_500, silence),
+            Expired::default(),
+            "silent since 100, but read again only since 5 000"
+        );
+        assert_eq!(s.live(), 1);
+        assert_eq!(s.expire(6_000, silence).silent, vec!["a".to_string()]);
     }
 
     #[test]
@@ -405,7 +438,7 @@ mod tests {
             "ended, but the partition not caught up with yet"
         );
         s.set_connected(true);
-        s.set_caught_up(0, true);
+        s.set_caught_up(0, true, 0);
         assert_eq!(s.bound(NOW), Some(90));
         assert_eq!(s.newest(), 90);
     }
