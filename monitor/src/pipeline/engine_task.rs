@@ -60,13 +60,25 @@ pub trait Upstream: Send + Sync {
     fn newest(&self) -> u64;
 }
 
+/// How often a driver with an upstream bound (cluster mode) moves the watermark.
+const UPSTREAM_TICK: Duration = Duration::from_millis(250);
+
 impl EngineTask {
     /// Runs until `close` resolves and the channel is drained (or every sender is gone). After
     /// `close` new batches are refused (senders see "closed" and answer UNAVAILABLE) while what is
     /// queued is still checked. Dropping `self` at the end closes the dispatcher's input.
     pub async fn run(mut self, close: impl Future<Output = ()>) -> std::io::Result<EngineTotals> {
         let mut totals = EngineTotals::default();
-        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        // Input from several agent streams (cluster mode): an event's time says nothing of
+        // what other streams still have on the way, so only the upstream bound, at each tick,
+        // moves the watermark; ticks come more often for it.
+        let every = if self.upstream.is_some() {
+            self.engine.watermark_from_ticks_only();
+            UPSTREAM_TICK
+        } else {
+            Duration::from_secs(1)
+        };
+        let mut tick = tokio::time::interval(every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
         let mut close = std::pin::pin!(close);
         let mut closed = false;
@@ -88,16 +100,18 @@ impl EngineTask {
                     None => break,
                 },
                 _ = tick.tick() => {
-                    // What upstream's bound covers is queued or observed: observe the queue
-                    // first, so the bound never runs ahead of what the engine has seen.
-                    if self.upstream.is_some() {
-                        while let Ok(b) = self.events.try_recv() {
-                            self.observe(b, &mut totals)?;
-                        }
-                    }
                     let now = now_unix_ns();
                     let watermark = match (&self.upstream, self.clock) {
-                        (Some(u), _) => u.bound(now),
+                        (Some(u), _) => {
+                            // What the bound covers was in the queue when it was read (a batch
+                            // is queued before its progress counts): observe the queue after
+                            // reading it, so the bound never runs ahead of what the engine saw.
+                            let bound = u.bound(now);
+                            while let Ok(b) = self.events.try_recv() {
+                                self.observe(b, &mut totals)?;
+                            }
+                            bound
+                        }
                         (None, WatermarkClock::Wall) => Some(now),
                         (None, WatermarkClock::Event) => Some(self.engine.stats().max_event_ns),
                     };
@@ -221,5 +235,65 @@ mod tests {
         assert_eq!(events, 3);
         assert!(ticks >= 1, "the drain ends with a tick");
         assert!(tx.send(vec![]).await.is_err(), "closed to new batches");
+    }
+
+    /// An upstream whose streams have come only as far as `bound`.
+    struct Held(Mutex<Option<u64>>);
+
+    impl Upstream for Held {
+        fn bound(&self, _now_ns: u64) -> Option<u64> {
+            *self.0.lock().unwrap()
+        }
+        fn newest(&self) -> u64 {
+            0
+        }
+    }
+
+    /// One agent's backlog may come before another's: an event far later than a deadline does
+    /// not judge it while upstream's bound has not passed it (the other agent's events for it
+    /// may be on their way); once the bound passes, it is judged.
+    #[tokio::test]
+    async fn with_an_upstream_only_its_bound_moves_the_watermark() {
+        const S: u64 = 1_000_000_000;
+        let (tx, rx) = event_channel(4);
+        let (vtx, mut vrx) = tokio::sync::mpsc::channel(16);
+        let upstream = Arc::new(Held(Mutex::new(Some(S))));
+        let task = EngineTask {
+            engine: Checker::new(RuleSet::embedded_defaults(), CheckerConfig::default()),
+            events: rx,
+            violations: ViolationSender::new(vtx, Arc::new(Metrics::new())),
+            taps: vec![],
+            lateness: Duration::from_secs(2),
+            pause_file: None,
+            clock: WatermarkClock::Wall,
+            upstream: Some(upstream.clone()),
+        };
+        let (close_tx, close_rx) = tokio::sync::oneshot::channel::<()>();
+        let handle = tokio::spawn(task.run(async {
+            let _ = close_rx.await;
+        }));
+        // A transfer for room 7 that no router dispatched (yet), then, from another agent's
+        // backlog, an event 100 s later.
+        tx.send(vec![
+            LifecycleEvent::new(10 * S, Stage::Transfer, Kind::Received, Source::Ebpf).with_room(7),
+            LifecycleEvent::new(110 * S, Stage::Router, Kind::Dispatched, Source::Ebpf)
+                .with_room(8),
+        ])
+        .await
+        .unwrap();
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        assert!(
+            vrx.try_recv().is_err(),
+            "judged before upstream's bound passed the deadline"
+        );
+        *upstream.0.lock().unwrap() = Some(60 * S);
+        let v = tokio::time::timeout(Duration::from_secs(5), vrx.recv())
+            .await
+            .expect("judged once the bound passed")
+            .unwrap();
+        assert_eq!(v.rule, "unknown-room");
+        drop(close_tx);
+        drop(tx);
+        handle.await.unwrap().unwrap();
     }
 }

@@ -201,6 +201,9 @@ pub struct Checker {
     never_gate: never::NeverGate,
     skew_ns: u64,
     lateness_ns: u64,
+    /// Whether a newer event moves the watermark (to its time minus the lateness); off when the
+    /// driver knows better how far the input came (cluster mode: only `tick` moves it).
+    events_move_watermark: bool,
     stats: CheckerStats,
     per_rule: RuleCounts,
 }
@@ -268,6 +271,7 @@ impl Checker {
             never_gate,
             skew_ns: ns(cfg.clock_skew),
             lateness_ns: ns(cfg.allowed_lateness),
+            events_move_watermark: true,
             stats: CheckerStats::default(),
             per_rule: vec![0; n],
         }
@@ -279,6 +283,14 @@ impl Checker {
 
     pub fn watermark_ns(&self) -> u64 {
         self.stats.watermark_ns
+    }
+
+    /// Moves the watermark only on `tick`, not on newer events: for a driver whose input comes
+    /// from several streams that may be far apart (cluster mode: one agent's backlog before
+    /// another's), where an event's time says nothing of what is still on its way and the
+    /// driver ticks with how far every stream provably came.
+    pub fn watermark_from_ticks_only(&mut self) {
+        self.events_move_watermark = false;
     }
 
     /// Feeds one event; returns the violations it proves (each (rule, attempt) at most once).
@@ -295,7 +307,9 @@ impl Checker {
         // deadlines whatever arrived first (the store's `compact_if_stale`).
         if e.time_ns > self.stats.max_event_ns {
             self.stats.max_event_ns = e.time_ns;
-            self.advance(e.time_ns.saturating_sub(self.lateness_ns), &mut out);
+            if self.events_move_watermark {
+                self.advance(e.time_ns.saturating_sub(self.lateness_ns), &mut out);
+            }
         }
 
         if e.kind == Kind::Capacity {
