@@ -160,7 +160,7 @@ pub fn register(metrics: &Metrics, stats: Arc<CheckerStats>, streams: SharedStre
 }
 
 /// How long a partition waits before trying NATS again after a failed request.
-pub const RETRY: Duration = Duration::from_secs(1);
+const RETRY: Duration = Duration::from_secs(1);
 
 /// What one partition's loop shares with the others.
 #[derive(Clone)]
@@ -225,13 +225,14 @@ async fn feed(payload: &[u8], k: u32, tx: &EventSender, ctx: &PartitionCtx) -> b
     true
 }
 
-/// Partition `k`'s durable consumer looked up again (created again if it was deleted);
-/// `None` while NATS does not answer.
+/// After a pause of [`RETRY`], partition `k`'s durable consumer looked up again (created
+/// again if it was deleted); `None` while NATS does not answer.
 pub async fn reopen(
     stream: &async_nats::jetstream::stream::Stream,
     bus: &super::BusConfig,
     k: u32,
 ) -> Option<async_nats::jetstream::consumer::PullConsumer> {
+    tokio::time::sleep(RETRY).await;
     match tokio::time::timeout(
         Duration::from_secs(5),
         super::ensure_consumer(stream, bus, k),
@@ -286,10 +287,6 @@ pub async fn run_partition(
                         tracing::warn!(partition = k, error = %e, "consumer not reachable; retrying");
                         tokio::select! {
                             () = &mut stop => return,
-                            () = tokio::time::sleep(RETRY) => {}
-                        }
-                        tokio::select! {
-                            () = &mut stop => return,
                             c = reopen(&stream, &bus, k) => if let Some(c) = c { consumer = c },
                         }
                         continue;
@@ -312,10 +309,6 @@ pub async fn run_partition(
                     // consumer is looked up again, created again if it is gone.
                     tracing::warn!(partition = k, "the consumer's message stream ended; opening it again");
                     messages = None;
-                    tokio::select! {
-                        () = &mut stop => return,
-                        () = tokio::time::sleep(RETRY) => {}
-                    }
                     tokio::select! {
                         () = &mut stop => return,
                         c = reopen(&stream, &bus, k) => if let Some(c) = c { consumer = c },

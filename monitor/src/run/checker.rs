@@ -331,10 +331,6 @@ async fn checker_async(
                     () = &mut stop => return Ok(()),
                 }
                 tokio::select! {
-                    () = tokio::time::sleep(consumer::RETRY) => {}
-                    () = &mut stop => return Ok(()),
-                }
-                tokio::select! {
                     r = consumer::reopen(&stream, &bus, k) => if let Some(fresh) = r { c = fresh },
                     () = &mut stop => return Ok(()),
                 }
