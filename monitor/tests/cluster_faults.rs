@@ -299,6 +299,49 @@ fn the_stream_leader_and_then_a_follower_killed_while_an_agent_publishes() {
 }
 
 /// The notifications in an alerts JSONL file, as (lead rule, incident key).
+/// Two nodes' recordings of `events`: the first half of the time (`node-a`), then the second
+/// (`node-b`), as files in one directory.
+struct Halves {
+    dir: std::path::PathBuf,
+    early: usize,
+    late: usize,
+}
+
+impl Halves {
+    fn write(dir: &Path, events: &[LifecycleEvent]) -> Halves {
+        let middle = events[events.len() / 2].time_ns;
+        let (early, late): (Vec<_>, Vec<_>) =
+            events.iter().cloned().partition(|e| e.time_ns < middle);
+        write(&dir.join("early.jsonl"), &early);
+        write(&dir.join("late.jsonl"), &late);
+        Halves {
+            dir: dir.into(),
+            early: early.len(),
+            late: late.len(),
+        }
+    }
+
+    fn publish(&self, bus: &Bus, half: &str, node: &str, n: usize) -> Member {
+        Member::publish_file(
+            bus,
+            &self.dir.join(format!("agent-{half}")),
+            node,
+            &self.dir.join(format!("{half}.jsonl")),
+            n,
+        )
+    }
+
+    /// The first half through an agent on `node-a`, which then stops.
+    fn publish_early(&self, bus: &Bus) -> Member {
+        self.publish(bus, "early", "node-a", self.early)
+    }
+
+    /// The second half through an agent on `node-b`, which then stops.
+    fn publish_late(&self, bus: &Bus) -> Member {
+        self.publish(bus, "late", "node-b", self.late)
+    }
+}
+
 fn notified(path: &Path) -> Vec<(String, String)> {
     std::fs::read_to_string(path)
         .unwrap_or_default()
@@ -330,11 +373,7 @@ fn a_killed_checker_is_replaced_and_every_notification_goes_out_once() {
         spacing_ns: 300_000,
         ..Mix::default()
     });
-    // Two nodes' recordings: the first half of the time, then the second.
-    let middle = events[events.len() / 2].time_ns;
-    let (early, late): (Vec<_>, Vec<_>) = events.iter().cloned().partition(|e| e.time_ns < middle);
-    write(&dir.path().join("early.jsonl"), &early);
-    write(&dir.path().join("late.jsonl"), &late);
+    let halves = Halves::write(dir.path(), &events);
     // One notification per (rule, request), sent at once, none rate-limited: each breach's
     // notification is countable.
     let alerting = ["--group-wait", "0s", "--rate-limit", "0"];
@@ -346,13 +385,7 @@ fn a_killed_checker_is_replaced_and_every_notification_goes_out_once() {
         &[0, 1],
         &[&alerting[..], &["--pause-file", pause.to_str().unwrap()]].concat(),
     );
-    let agent = Member::publish_file(
-        &bus,
-        &dir.path().join("agent-early"),
-        "node-a",
-        &dir.path().join("early.jsonl"),
-        early.len(),
-    );
+    let agent = halves.publish_early(&bus);
     wait_metric(
         "the first checker taking the first half",
         &[&first.admin],
@@ -366,13 +399,7 @@ fn a_killed_checker_is_replaced_and_every_notification_goes_out_once() {
     // its claim when it dies), the second half is published, and it is killed.
     std::fs::write(&pause, b"").unwrap();
     std::thread::sleep(Duration::from_millis(300));
-    Member::publish_file(
-        &bus,
-        &dir.path().join("agent-late"),
-        "node-b",
-        &dir.path().join("late.jsonl"),
-        late.len(),
-    );
+    halves.publish_late(&bus);
     first.proc.stop(libc::SIGKILL, Duration::ZERO);
 
     // The replacement reads its partitions again with its engine paused and a short channel,
@@ -477,32 +504,17 @@ fn a_deleted_consumer_is_created_again_and_nothing_is_judged_twice() {
         partitions: 1,
     };
     let events = events();
-    let middle = events[events.len() / 2].time_ns;
-    let (early, late): (Vec<_>, Vec<_>) = events.iter().cloned().partition(|e| e.time_ns < middle);
-    write(&dir.path().join("early.jsonl"), &early);
-    write(&dir.path().join("late.jsonl"), &late);
+    let halves = Halves::write(dir.path(), &events);
     let mut checker = Member::checker(&bus, &dir.path().join("checker"), &[0], &[]);
-    Member::publish_file(
-        &bus,
-        &dir.path().join("agent-early"),
-        "node-a",
-        &dir.path().join("early.jsonl"),
-        early.len(),
-    );
+    halves.publish_early(&bus);
     wait_metric(
         "the checker taking the first half",
         &[&checker.admin],
         "revenant_checker_bus_events_total",
-        early.len() as f64,
+        halves.early as f64,
     );
     delete_consumer(&bus.nats, &bus.stream, "DELETED-p0");
-    Member::publish_file(
-        &bus,
-        &dir.path().join("agent-late"),
-        "node-b",
-        &dir.path().join("late.jsonl"),
-        late.len(),
-    );
+    halves.publish_late(&bus);
     // The consumer created again starts from the stream's first message: the first half comes
     // again and is recognised.
     wait_metric(
