@@ -66,6 +66,7 @@ fuzz_target!(|data: &[u8]| {
         );
         assert!(msg.parts.iter().all(|p| p.len() <= KEEP_BYTES));
         assert!(msg.part_count as usize >= msg.parts.len());
-        let _ = zmtp::control(msg);
+        let _ = zmtp::control(msg, zmtp::Sender::Prefill);
+        let _ = zmtp::control(msg, zmtp::Sender::Decode);
     }
 });

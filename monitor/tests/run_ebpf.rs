@@ -12,7 +12,8 @@ use std::time::{Duration, Instant};
 
 use support::{Revenant, admin_get, metric_sum, parse_metrics, spawn};
 
-/// One POST /generate on a fresh connection; Python's http.server answers 501 (a rejection).
+/// One POST /generate on a fresh connection; Python's http.server answers 501 (a failure after
+/// the request was taken on: an abort, as a 5xx other than 503 is).
 fn post_generate(port: u16, i: u32) -> bool {
     let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else {
         return false;
@@ -142,12 +143,12 @@ fn ebpf_source_counts_losses_and_readyz_says_degraded() {
     // never reached a log line, metric, event or alert.
     std::fs::remove_file(&pause).unwrap();
     // The one batch that fit in the channel while paused holds whatever the source had parsed
-    // by then (it can be a single request's start), so the prefill rejection is looked for in
+    // by then (it can be a single request's start), so the prefill's answer is looked for in
     // requests made once events flow again. The file is flushed every checker tick.
-    let is_rejection = |e: &serde_json::Value| {
+    let is_answer = |e: &serde_json::Value| {
         e["source"] == "ebpf"
             && e["stage"] == "prefill"
-            && e["kind"] == "rejected"
+            && e["kind"] == "aborted"
             && e["status"] == 501
     };
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -155,13 +156,13 @@ fn ebpf_source_counts_losses_and_readyz_says_degraded() {
         post_generate(port, i);
         i += 1;
         let flowing = test_harness::read_jsonl(&rv.dir.join("events.jsonl"))
-            .is_ok_and(|events| events.iter().any(is_rejection));
+            .is_ok_and(|events| events.iter().any(is_answer));
         if flowing {
             break;
         }
         assert!(
             Instant::now() < deadline,
-            "eBPF derived no prefill rejection within 30 s of unpausing ({i} requests):\n{}",
+            "eBPF derived no prefill answer within 30 s of unpausing ({i} requests):\n{}",
             rv.stderr()
         );
         std::thread::sleep(Duration::from_millis(200));
@@ -181,8 +182,8 @@ fn ebpf_source_counts_losses_and_readyz_says_degraded() {
     }
     let events = rv.lines("events.jsonl");
     assert!(
-        events.iter().any(is_rejection),
-        "eBPF derived no prefill rejection from {} events",
+        events.iter().any(is_answer),
+        "eBPF derived no prefill answer from {} events",
         events.len()
     );
     drop(server);

@@ -811,6 +811,7 @@ mod tests {
             names,
             [
                 "activity-after-rejection",
+                "advanced-before-rejection",
                 "handoff-after-rejection",
                 "activity-after-request-failed",
                 "orphaned-leg",
@@ -819,6 +820,7 @@ mod tests {
                 "success-after-abort",
                 "stranded-kv",
                 "held-decode-slot",
+                "failed-room-advanced",
                 "over-capacity-admitted",
                 "stuck-attempt",
                 "context-exceeds-capacity",
@@ -828,6 +830,8 @@ mod tests {
         let sev = |n: &str| set.rules.iter().find(|r| r.name == n).unwrap().severity;
         assert_eq!(sev("activity-after-rejection"), Severity::Critical);
         assert_eq!(sev("handoff-after-rejection"), Severity::Critical);
+        assert_eq!(sev("advanced-before-rejection"), Severity::Critical);
+        assert_eq!(sev("failed-room-advanced"), Severity::Critical);
         assert_eq!(sev("orphaned-leg"), Severity::Warning);
         assert_eq!(sev("unknown-room"), Severity::Warning);
         assert_eq!(sev("success-after-abort"), Severity::Critical);

@@ -103,6 +103,9 @@ impl BodyWindow {
             if ids.kv_leg.is_none() {
                 ids.kv_leg = kv_leg(part);
             }
+            if let Some(n) = find_value(part, &N).and_then(|v| v.parse().ok()) {
+                ids.samples = Some(n);
+            }
         }
         ids
     }
@@ -127,6 +130,9 @@ impl BodyWindow {
             // carry `null`, its final one the reason.
             if let Some(f) = finish_reason(part) {
                 info.finish = Some(f);
+            }
+            if let Some(code) = stream_error(part) {
+                info.stream_error = Some(code);
             }
             if info.message.is_none() {
                 info.message = find_string(part, &MESSAGE)
@@ -232,6 +238,39 @@ pub struct RequestIds {
     /// vLLM decode leg: the prefill request whose KV it fetches (`kv_transfer_params`).
     pub remote_request_id: Option<String>,
     pub kv_leg: Option<KvLeg>,
+    /// Parallel samples the body asks for (`n`, in `sampling_params` on `/generate`, top level
+    /// on the OpenAI endpoints); absent means one.
+    pub samples: Option<u32>,
+}
+
+/// Most sub-requests one body is read as (SGLang's `n` is rarely above a few dozen).
+pub const MAX_SUB_REQUESTS: u32 = 64;
+
+/// SGLang's fake bootstrap host: warmup requests name it, and no transfer ever happens for them
+/// (`disaggregation/utils.py` `FAKE_BOOTSTRAP_HOST`, `http_server.py` warmup).
+pub const FAKE_BOOTSTRAP_HOST: &str = "2.2.2.2";
+
+impl RequestIds {
+    /// The rooms and rids of the sub-requests SGLang makes of one body with a scalar room: a body
+    /// with `n > 1` is `n` requests, rooms `room + i` and rids `rid_i`
+    /// (`io_struct.py` `_normalize_bootstrap_params`, `_normalize_rid`).
+    pub fn sub_requests(&self) -> impl Iterator<Item = (Option<u64>, Option<String>)> + '_ {
+        let n = self.samples.unwrap_or(1).clamp(1, MAX_SUB_REQUESTS);
+        (0..n).map(move |i| {
+            if n == 1 {
+                return (self.bootstrap_room, self.rid.clone());
+            }
+            (
+                self.bootstrap_room.map(|r| r.wrapping_add(u64::from(i))),
+                self.rid.as_ref().map(|r| format!("{r}_{i}")),
+            )
+        })
+    }
+
+    /// A warmup request (fake bootstrap host): it never enters the disaggregated path.
+    pub fn is_warmup(&self) -> bool {
+        self.bootstrap_host.as_deref() == Some(FAKE_BOOTSTRAP_HOST)
+    }
 }
 
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
@@ -247,41 +286,43 @@ pub struct ResponseInfo {
     pub max_model_len: Option<u64>,
     /// How a successful generation answer says it finished (`finish_reason`, the final one).
     pub finish: Option<Finish>,
+    /// The status of an error event inside a successful (streamed) answer: the request was
+    /// refused or failed after the 200 went out.
+    pub stream_error: Option<u16>,
 }
 
-/// A generation answer's `finish_reason`: SGLang writes `{"type": "abort", "message": ..}` in
-/// `meta_info` (or `"abort"` in its OpenAI answers), vLLM `"abort"`. Only whether it is an abort
-/// is kept: an aborted request that is answered 200 ended, it did not complete.
+/// A generation answer's `finish_reason`: SGLang writes `{"type": "abort", "message": ..,
+/// "status_code": 400}` in `meta_info` (or `"abort"` in its OpenAI answers), vLLM `"abort"`.
+/// An aborted request answered 200 ended, it did not complete.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Finish {
-    Abort,
+    /// `status` is the `status_code` SGLang gives an abort it reports as an error (400 a refused
+    /// input, 503 a refusal, 500 a failure; `tokenizer_manager.py` answers it as that status
+    /// when not streaming). A graceful abort (the client or the router withdrew) has none.
+    Abort { status: Option<u16> },
     /// `stop`, `length` and the like: the request ran to its end.
     Normal,
 }
 
-/// The last non-null `finish_reason` of `part`: a string, or the `type` of an object.
+/// The last non-null `finish_reason` of `part`: a string, or the `type` (and `status_code`) of
+/// an object.
 fn finish_reason(part: &[u8]) -> Option<Finish> {
     let mut found = None;
     for at in value_positions(part, &FINISH_REASON) {
         let v = &part[at..];
-        let name = match v.first() {
+        let (name, status) = match v.first() {
             Some(b'{') => {
-                // The reason object is small and flat: its `type` is within its braces.
-                let end = v
-                    .iter()
-                    .take(MAX_VALUE * 2)
-                    .position(|&b| b == b'}' || b == GAP)
-                    .unwrap_or(v.len().min(MAX_VALUE * 2));
-                find_string(&v[..end], &TYPE)
+                let obj = object_prefix(v);
+                (find_string(obj, &TYPE), find_status(obj, &STATUS_CODE))
             }
             _ => match parse_value(v) {
-                Some(Value::Str(s)) => Some(s),
-                _ => None,
+                Some(Value::Str(s)) => (Some(s), None),
+                _ => (None, None),
             },
         };
         if let Some(name) = name {
             found = Some(if name.eq_ignore_ascii_case("abort") {
-                Finish::Abort
+                Finish::Abort { status }
             } else {
                 Finish::Normal
             });
@@ -289,6 +330,61 @@ fn finish_reason(part: &[u8]) -> Option<Finish> {
     }
     found
 }
+
+/// The status of the last error event in `part`: SGLang streams a refusal inside its HTTP 200
+/// as `data: {"error": {"message": .., "code": 400, ..}}` (`http_server.py`, and the OpenAI
+/// endpoints' `create_streaming_error_response`), vLLM its later errors the same way.
+fn stream_error(part: &[u8]) -> Option<u16> {
+    value_positions(part, &ERROR)
+        .filter(|&at| part[at] == b'{')
+        .filter_map(|at| find_status(object_prefix(&part[at..]), &CODE))
+        .last()
+}
+
+/// An HTTP status as an error object names it (a number from 100 to 599).
+fn find_status(obj: &[u8], key: &Finder<'_>) -> Option<u16> {
+    match find(obj, key)? {
+        Value::Scalar(s) => s.parse().ok().filter(|c| (100..600).contains(c)),
+        Value::Str(_) => None,
+    }
+}
+
+/// The bytes of the small object `v` starts (`{`…`}`), strings skipped so a brace in a message
+/// does not end it; at most [`MAX_OBJECT`] bytes, and never past a gap.
+fn object_prefix(v: &[u8]) -> &[u8] {
+    let mut depth = 0usize;
+    let mut in_str = false;
+    let mut escaped = false;
+    for (i, &b) in v.iter().enumerate().take(MAX_OBJECT) {
+        if b == GAP {
+            return &v[..i];
+        }
+        if in_str {
+            match (escaped, b) {
+                (true, _) => escaped = false,
+                (false, b'\\') => escaped = true,
+                (false, b'"') => in_str = false,
+                _ => {}
+            }
+            continue;
+        }
+        match b {
+            b'"' => in_str = true,
+            b'{' | b'[' => depth += 1,
+            b'}' | b']' => {
+                depth = depth.saturating_sub(1);
+                if depth == 0 {
+                    return &v[..=i];
+                }
+            }
+            _ => {}
+        }
+    }
+    &v[..v.len().min(MAX_OBJECT)]
+}
+
+/// Longest error or finish-reason object read.
+const MAX_OBJECT: usize = 2048;
 
 /// Searchers for the keys revenant reads, built once: building one per search cost more than
 /// the search itself on the short bodies of a busy server (a quarter of the reader's CPU).
@@ -314,6 +410,9 @@ keys! {
     CACHE_CONFIG_INFO = b"vllm:cache_config_info";
     FINISH_REASON = b"finish_reason";
     TYPE = b"type";
+    STATUS_CODE = b"status_code";
+    N = b"n";
+    CODE = b"code";
 }
 
 /// The last string value of `key` in a structural position.
@@ -449,7 +548,7 @@ mod tests {
         // SGLang `/generate`: an object in meta_info.
         assert_eq!(
             info(&[br#"{"text":"","meta_info":{"id":"r1","finish_reason":{"type":"abort","message":"Request r1 aborted"},"prompt_tokens":5}}"#]),
-            Some(Finish::Abort)
+            Some(Finish::Abort { status: None })
         );
         assert_eq!(
             info(&[br#"{"text":" the","meta_info":{"id":"r1","finish_reason":{"type":"length","length":1},"prompt_tokens":5}}"#]),
@@ -460,7 +559,7 @@ mod tests {
             info(&[
                 br#"{"id":"cmpl-1","choices":[{"index":0,"text":"","finish_reason":"abort"}]}"#
             ]),
-            Some(Finish::Abort)
+            Some(Finish::Abort { status: None })
         );
         // A stream: every chunk but the last says null; the last one counts.
         let mid: &[u8] =
@@ -482,6 +581,40 @@ data: [DONE]
             None
         );
         assert_eq!(info(&[br#"{"error":{"message":"bad"}}"#]), None);
+    }
+
+    /// SGLang 0.5.23 answers a streamed request 200 before it validates it: the refusal is an
+    /// event inside the stream (`http_server.py` `stream_results`, `serving_base.py`
+    /// `create_streaming_error_response`), or a scheduler abort with its status.
+    #[test]
+    fn refusals_inside_a_stream() {
+        let info = |parts: &[&[u8]]| window(parts).response_info();
+        let generate = info(&[
+            b"data: {\"error\": {\"message\": \"The input (9000 tokens) is longer than the model's context length (8192 tokens).\", \"type\": \"invalid_request_error\", \"code\": 400, \"retryable\": false}}\n\n",
+            b"data: [DONE]\n\n",
+        ]);
+        assert_eq!(generate.stream_error, Some(400));
+        assert!(generate.message.unwrap().contains("context length"));
+        let openai = info(&[
+            br#"data: {"error": {"object": "error", "message": "a } brace {", "type": "BadRequestError", "param": null, "code": 503}}"#,
+            b"\n\ndata: [DONE]\n\n",
+        ]);
+        assert_eq!(openai.stream_error, Some(503));
+        let scheduler = info(&[
+            br#"data: {"text": "", "meta_info": {"id": "r", "finish_reason": {"type": "abort", "message": "Request r exceeds the maximum number of tokens: 9000 > 8192", "status_code": 400}, "prompt_tokens": 9000}}"#,
+            b"\n\ndata: [DONE]\n\n",
+        ]);
+        assert_eq!(scheduler.finish, Some(Finish::Abort { status: Some(400) }));
+        assert_eq!(scheduler.stream_error, None);
+        // An error split across reads and a prompt that mentions one are both read right.
+        let split = info(&[b"data: {\"err", b"or\": {\"code\"", b": 400}}\n\n"]);
+        assert_eq!(split.stream_error, Some(400));
+        let quoted = info(&[br#"{"text": "say \"error\": {\"code\": 400}", "meta_info": {"finish_reason": {"type": "stop"}}}"#]);
+        assert_eq!(quoted.stream_error, None);
+        assert_eq!(quoted.finish, Some(Finish::Normal));
+        // A code that is no HTTP status is not one.
+        assert_eq!(info(&[br#"{"error": {"code": "E42"}}"#]).stream_error, None);
+        assert_eq!(info(&[br#"{"error": {"code": 4000}}"#]).stream_error, None);
     }
 
     #[test]

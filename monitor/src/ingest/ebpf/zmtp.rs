@@ -1,9 +1,10 @@
 //! ZMTP 3.x (ZeroMQ over TCP, as libzmq/pyzmq send it), one direction of a connection.
 //!
-//! The KV-transfer control channel between decode and prefill is ZeroMQ: decode pushes
-//! multipart messages such as `[b"BOOTSTRAP", room, ip, port]` or `[b"ABORT", room]`. We decode
-//! frames and keep only the first few bytes of the first few parts of each message: enough for
-//! the verb and the room, never payloads.
+//! The KV-transfer control channel between decode and prefill is ZeroMQ (PUSH to PULL, one
+//! connection per direction and peer): decode pushes where prefill must write a room's KV,
+//! prefill pushes the room's status back (see [`control`] for every message SGLang sends). We
+//! decode frames and keep only the first few bytes of the first few parts of each message:
+//! enough for the verb, the room, a status and an address, never payloads.
 
 /// Parts of a message we keep, and bytes of each.
 pub const KEEP_PARTS: usize = 4;
@@ -208,53 +209,197 @@ pub enum TransferKey {
     Request(String),
 }
 
+/// Which side of a prefill/decode pair wrote a control message. Several SGLang messages share
+/// their first frame across directions (a decimal room first: decode's destinations or prefill's
+/// status; `MoriMsgGuard` first: Mori's destinations or its status), so a message is read by
+/// who sent it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sender {
+    Prefill,
+    Decode,
+}
+
+/// SGLang's `KVPoll` as prefill's status message carries it (`disaggregation/base/conn.py`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvPoll {
+    Failed,
+    Bootstrapping,
+    /// Under `prefill_complete`: prefill prefilled the room and waits for decode's destinations
+    /// (the readiness message, `[room, "2", rank]`).
+    WaitingForInput,
+    Transferring,
+    /// The room's KV landed in decode's pages.
+    Success,
+}
+
+impl KvPoll {
+    fn from_ascii(b: &[u8]) -> Option<KvPoll> {
+        Some(match b {
+            b"0" => KvPoll::Failed,
+            b"1" => KvPoll::Bootstrapping,
+            b"2" => KvPoll::WaitingForInput,
+            b"3" => KvPoll::Transferring,
+            b"4" => KvPoll::Success,
+            _ => return None,
+        })
+    }
+}
+
+/// SGLang's transfer backends, as their control messages name them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// Mooncake (and Ascend): untagged frames, the room first.
+    Mooncake,
+    /// NIXL: `NixlMsgGuard` on decode's messages, `KV_STATUS` on prefill's status.
+    Nixl,
+    /// Mori: `MoriMsgGuard` on both.
+    Mori,
+}
+
+impl Backend {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Backend::Mooncake => "mooncake",
+            Backend::Nixl => "nixl",
+            Backend::Mori => "mori",
+        }
+    }
+}
+
 /// What a decoded message means for the request lifecycle.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Control {
-    /// Decode registered for (and so asked for the KV of) this transfer: the handshake.
-    Bootstrap { key: TransferKey },
-    /// Decode withdrew before the KV arrived.
-    Abort { key: TransferKey },
-    /// A chunk of the KV cache, sent by prefill (`chunk` counts from 0).
-    Kv { key: TransferKey, chunk: u64 },
-    /// Prefill sent the last KV chunk.
-    KvDone { key: TransferKey },
+    /// Decode asked for this transfer before reserving anything: SGLang's `[BOOTSTRAP, room,
+    /// ip, port]` (policy `prefill_complete`), the vLLM side channel's `NIXL_READ`.
+    Bootstrap {
+        key: TransferKey,
+    },
+    /// Decode reserved KV pages for the room and told prefill where to write them (policy
+    /// `early`, or after readiness under `prefill_complete`). `endpoint` is decode's rank
+    /// address from the message (`ip:port`), when it was kept whole.
+    Destinations {
+        room: u64,
+        backend: Backend,
+        endpoint: Option<String>,
+    },
+    /// Prefill's status for the room, sent to decode.
+    Status {
+        room: u64,
+        status: KvPoll,
+        backend: Backend,
+    },
+    /// Decode withdrew: SGLang's `[ABORT, room, ip, port(, generation)]`, the side channel's
+    /// `NIXL_ABORT`.
+    Abort {
+        key: TransferKey,
+    },
+    /// Prefill's acknowledgement that its writes for an aborted room drained.
+    AbortAck {
+        room: u64,
+    },
+    /// Bytes of the room's KV moved or a chunk of it landed, as told over the control channel:
+    /// `AUX_DATA` (aux data over TCP), `CHUNK_READY` (a staging chunk written).
+    KvMoved {
+        room: u64,
+        what: &'static str,
+    },
+    /// Prefill asked decode for staging space before its forward (`STAGING_REQ`): prefill holds
+    /// a sender for the room and is computing its KV.
+    StagingRequest {
+        room: u64,
+    },
+    /// The vLLM side channel (pd-sim's model of it): a chunk of the KV cache (`chunk` counts
+    /// from 0), and its last one.
+    Kv {
+        key: TransferKey,
+        chunk: u64,
+    },
+    KvDone {
+        key: TransferKey,
+    },
 }
 
-/// Reads the verb and key of a KV-transfer control message.
+/// Reads the verb and key of a KV-transfer control message written by `sender`.
 ///
-/// SGLang, decode to prefill: `[b"BOOTSTRAP", room, ..]`, `[b"ABORT", room]`, and SGLang's
-/// transfer-info message whose first part is the room itself (`[str(room), ip, port, ..]`);
-/// prefill to decode: `[b"KV", room, chunk, payload]` and `[b"KV_DONE", room, tokens]`.
-/// The vLLM side channel (pd-sim's model of NIXL's, keyed by the request name): decode to
-/// prefill `[b"NIXL_READ", name, ..]`, `[b"NIXL_ABORT", name]`; prefill to decode
-/// `[b"NIXL_KV", name, chunk, payload]`, `[b"NIXL_DONE", name, tokens]`. Only the verb, the key
-/// and the chunk index are read, never the payload.
-pub fn control(msg: &Message) -> Option<Control> {
+/// SGLang 0.5.23 (`disaggregation/common/conn.py`, `mooncake/conn.py`, `nixl/conn.py`,
+/// `mori/conn.py`; the table in docs/ebpf.md cites each line):
+/// - decode → prefill: `[room, ip, port, session, kv_indices, …]` (Mooncake destinations, 10
+///   frames), `[NixlMsgGuard|MoriMsgGuard, room, ip, port, …]` (NIXL/Mori destinations),
+///   `[BOOTSTRAP, room, ip, port]`, `[ABORT, room, ip, port, generation]`; registrations name
+///   the room `None` and are skipped, as are `WATERMARK` and `STAGING_RSP`;
+/// - prefill → decode: `[room, status, rank]` (Mooncake status), `[KV_STATUS, room, status,
+///   rank, reason]` (NIXL), `[MoriMsgGuard, room, status, rank, reason]` (Mori),
+///   `[ABORT_ACK, room(, rank, generation)]`, `[AUX_DATA, room, …]`, `[CHUNK_READY, room, …]`,
+///   `[STAGING_REQ, room, …]`.
+///
+/// KV pages themselves never cross the control channel (the transfer engine writes them), so a
+/// room's KV is known to have landed only from prefill's Success status. The vLLM side channel
+/// (pd-sim's model, keyed by the request name): decode to prefill `[b"NIXL_READ", name, ..]`,
+/// `[b"NIXL_ABORT", name]`; prefill to decode `[b"NIXL_KV", name, chunk, payload]`,
+/// `[b"NIXL_DONE", name, tokens]`. Only verbs, keys, statuses and addresses are read, never a
+/// payload.
+pub fn control(msg: &Message, sender: Sender) -> Option<Control> {
     // A part with a hole is not read: its bytes may spell another verb, room or name.
     let part = |i: usize| msg.parts.get(i).filter(|_| msg.damaged & (1 << i) == 0);
     let first = part(0)?;
-    let room = |i: usize| parse_room(part(i)?).map(TransferKey::Room);
+    let room_at = |i: usize| part(i).and_then(|b| parse_room(b));
+    let room = |i: usize| room_at(i).map(TransferKey::Room);
     let name = |i: usize| parse_name(part(i)?).map(TransferKey::Request);
     let chunk = || -> Option<u64> { std::str::from_utf8(part(2)?).ok()?.parse().ok() };
-    match first.as_slice() {
-        b"BOOTSTRAP" => room(1).map(|key| Control::Bootstrap { key }),
-        b"ABORT" => room(1).map(|key| Control::Abort { key }),
-        b"KV" => Some(Control::Kv {
-            key: room(1)?,
-            chunk: chunk()?,
+    let endpoint = |ip: usize, port: usize| -> Option<String> {
+        let ip = std::str::from_utf8(part(ip)?).ok()?;
+        let port: u16 = std::str::from_utf8(part(port)?).ok()?.parse().ok()?;
+        (!ip.is_empty() && ip.len() <= 64 && ip.bytes().all(|c| c.is_ascii_graphic()))
+            .then(|| format!("{ip}:{port}"))
+    };
+    let status = |room: usize, status: usize, backend| {
+        Some(Control::Status {
+            room: room_at(room)?,
+            status: KvPoll::from_ascii(part(status)?)?,
+            backend,
+        })
+    };
+    let destinations = |backend, room: usize, ip: usize| {
+        Some(Control::Destinations {
+            room: room_at(room)?,
+            backend,
+            endpoint: endpoint(ip, ip + 1),
+        })
+    };
+    use Sender::{Decode, Prefill};
+    match (sender, first.as_slice()) {
+        (Decode, b"BOOTSTRAP") => room(1).map(|key| Control::Bootstrap { key }),
+        (Decode, b"ABORT") => room(1).map(|key| Control::Abort { key }),
+        (Decode, b"NixlMsgGuard") => destinations(Backend::Nixl, 1, 2),
+        (Decode, b"MoriMsgGuard") => destinations(Backend::Mori, 1, 2),
+        (Prefill, b"KV_STATUS") => status(1, 2, Backend::Nixl),
+        (Prefill, b"MoriMsgGuard") => status(1, 2, Backend::Mori),
+        (Prefill, b"ABORT_ACK") => room_at(1).map(|room| Control::AbortAck { room }),
+        (Prefill, b"AUX_DATA") => room_at(1).map(|room| Control::KvMoved {
+            room,
+            what: "AUX_DATA",
         }),
-        b"KV_DONE" => room(1).map(|key| Control::KvDone { key }),
-        b"NIXL_READ" => name(1).map(|key| Control::Bootstrap { key }),
-        b"NIXL_ABORT" => name(1).map(|key| Control::Abort { key }),
-        b"NIXL_KV" => Some(Control::Kv {
+        (Prefill, b"CHUNK_READY") => room_at(1).map(|room| Control::KvMoved {
+            room,
+            what: "CHUNK_READY",
+        }),
+        (Prefill, b"STAGING_REQ") => room_at(1).map(|room| Control::StagingRequest { room }),
+        (Decode, b"NIXL_READ") => name(1).map(|key| Control::Bootstrap { key }),
+        (Decode, b"NIXL_ABORT") => name(1).map(|key| Control::Abort { key }),
+        (Prefill, b"NIXL_KV") => Some(Control::Kv {
             key: name(1)?,
             chunk: chunk()?,
         }),
-        b"NIXL_DONE" => name(1).map(|key| Control::KvDone { key }),
-        other if msg.part_count >= 2 => parse_room_text(other).map(|room| Control::Bootstrap {
-            key: TransferKey::Room(room),
-        }),
+        (Prefill, b"NIXL_DONE") => name(1).map(|key| Control::KvDone { key }),
+        // Mooncake's untagged messages start with the room in decimal: decode's destinations
+        // are ten frames (`build_receiver_metadata_message`), prefill's status three
+        // (`_encode_kv_status_message`, four where a backend adds the reason).
+        (Decode, _) if msg.part_count >= 8 && parse_room(first).is_some() => {
+            destinations(Backend::Mooncake, 0, 1)
+        }
+        (Prefill, _) if (3..=4).contains(&msg.part_count) && parse_room(first).is_some() => {
+            status(0, 1, Backend::Mooncake)
+        }
         _ => None,
     }
 }
@@ -265,19 +410,13 @@ fn parse_name(b: &[u8]) -> Option<String> {
         .then(|| String::from_utf8_lossy(b).into_owned())
 }
 
-fn parse_room_text(b: &[u8]) -> Option<u64> {
-    let s = std::str::from_utf8(b).ok()?;
-    if s.is_empty() || s.len() > 20 {
+/// A room as SGLang writes it on the control channel: `str(room).encode("ascii")`, decimal
+/// digits only (Python's `int()` on the reading side takes nothing else SGLang sends).
+fn parse_room(b: &[u8]) -> Option<u64> {
+    if b.is_empty() || b.len() > 20 || !b.iter().all(u8::is_ascii_digit) {
         return None;
     }
-    s.parse::<crate::event::BootstrapRoom>().ok().map(|r| r.0)
-}
-
-fn parse_room(b: &[u8]) -> Option<u64> {
-    parse_room_text(b).or_else(|| {
-        // A room sent as a raw 8-byte integer.
-        (b.len() == 8).then(|| u64::from_le_bytes(b.try_into().expect("8 bytes")))
-    })
+    std::str::from_utf8(b).ok()?.parse().ok()
 }
 
 #[cfg(test)]
@@ -309,32 +448,194 @@ mod tests {
         g
     }
 
+    fn msg(parts: &[&[u8]]) -> Message {
+        Message {
+            parts: parts.iter().take(KEEP_PARTS).map(|p| p.to_vec()).collect(),
+            part_count: parts.len() as u32,
+            damaged: 0,
+        }
+    }
+
+    /// Decode's Mooncake destinations as `build_receiver_metadata_message` builds them (10
+    /// frames; `mooncake/conn.py`).
+    fn mooncake_destinations(room: &[u8]) -> Vec<Vec<u8>> {
+        vec![
+            room.to_vec(),
+            b"127.0.0.1".to_vec(),
+            b"17001".to_vec(),
+            b"127.0.0.1:15001".to_vec(),
+            [1i32, 2, 3].iter().flat_map(|i| i.to_le_bytes()).collect(),
+            b"0".to_vec(),
+            b"".to_vec(),
+            b"1".to_vec(),
+            b"0".to_vec(),
+            b"".to_vec(),
+        ]
+    }
+
+    fn refs(v: &[Vec<u8>]) -> Vec<&[u8]> {
+        v.iter().map(|p| p.as_slice()).collect()
+    }
+
     #[test]
-    fn bootstrap_and_abort_messages() {
+    fn mooncake_messages_by_direction() {
+        const ROOM: &[u8] = b"9066467638188682269";
+        let room = 9066467638188682269;
+        let dst = mooncake_destinations(ROOM);
+        assert_eq!(
+            control(&msg(&refs(&dst)), Sender::Decode),
+            Some(Control::Destinations {
+                room,
+                backend: Backend::Mooncake,
+                endpoint: Some("127.0.0.1:17001".into()),
+            })
+        );
+        // The same frames from prefill are no status, and a status from decode no destinations.
+        assert_eq!(control(&msg(&refs(&dst)), Sender::Prefill), None);
+        for (status, poll) in [
+            (&b"4"[..], KvPoll::Success),
+            (b"0", KvPoll::Failed),
+            (b"2", KvPoll::WaitingForInput),
+        ] {
+            let m = msg(&[ROOM, status, b"0"]);
+            assert_eq!(
+                control(&m, Sender::Prefill),
+                Some(Control::Status {
+                    room,
+                    status: poll,
+                    backend: Backend::Mooncake
+                })
+            );
+            assert_eq!(control(&m, Sender::Decode), None);
+        }
+        assert_eq!(control(&msg(&[ROOM, b"9", b"0"]), Sender::Prefill), None);
+        // The receiver registration names the room `None`.
+        let mut reg: Vec<&[u8]> = vec![b"None", b"127.0.0.1", b"17001", b"127.0.0.1:15001"];
+        reg.resize(20, b"");
+        assert_eq!(control(&msg(&reg), Sender::Decode), None);
+        assert_eq!(
+            control(
+                &msg(&[b"ABORT", ROOM, b"127.0.0.1", b"17001", b"3"]),
+                Sender::Decode
+            ),
+            Some(Control::Abort {
+                key: TransferKey::Room(room)
+            })
+        );
+        assert_eq!(
+            control(&msg(&[b"ABORT_ACK", ROOM, b"0", b"3"]), Sender::Prefill),
+            Some(Control::AbortAck { room })
+        );
+        assert_eq!(
+            control(&msg(&[b"AUX_DATA", ROOM, b"x", b"0"]), Sender::Prefill),
+            Some(Control::KvMoved {
+                room,
+                what: "AUX_DATA"
+            })
+        );
+        assert_eq!(
+            control(
+                &msg(&[b"BOOTSTRAP", ROOM, b"127.0.0.1", b"17001"]),
+                Sender::Decode
+            ),
+            Some(Control::Bootstrap {
+                key: TransferKey::Room(room)
+            })
+        );
+        assert_eq!(
+            control(&msg(&[b"WATERMARK", b"1", b"2", b"s"]), Sender::Decode),
+            None
+        );
+        // Hex and signs are not how SGLang writes a room.
+        assert_eq!(control(&msg(&[b"0x10", b"4", b"0"]), Sender::Prefill), None);
+        assert_eq!(control(&msg(&[b"-1", b"4", b"0"]), Sender::Prefill), None);
+    }
+
+    #[test]
+    fn nixl_and_mori_messages() {
+        let guard_nixl: Vec<&[u8]> = vec![
+            b"NixlMsgGuard",
+            b"42",
+            b"10.0.0.2",
+            b"17001",
+            b"agent",
+            b"",
+            b"0",
+            b"1",
+            b"",
+            b"0",
+            b"0",
+        ];
+        assert_eq!(
+            control(&msg(&guard_nixl), Sender::Decode),
+            Some(Control::Destinations {
+                room: 42,
+                backend: Backend::Nixl,
+                endpoint: Some("10.0.0.2:17001".into()),
+            })
+        );
+        let reg: Vec<&[u8]> = vec![b"NixlMsgGuard", b"None", b"10.0.0.2", b"17001"];
+        assert_eq!(control(&msg(&reg), Sender::Decode), None);
+        assert_eq!(
+            control(
+                &msg(&[b"KV_STATUS", b"42", b"0", b"0", b"transfer failed"]),
+                Sender::Prefill
+            ),
+            Some(Control::Status {
+                room: 42,
+                status: KvPoll::Failed,
+                backend: Backend::Nixl
+            })
+        );
+        let mori_dst: Vec<&[u8]> = vec![b"MoriMsgGuard", b"42", b"10.0.0.2", b"17001", b"k"];
+        assert_eq!(
+            control(&msg(&mori_dst), Sender::Decode),
+            Some(Control::Destinations {
+                room: 42,
+                backend: Backend::Mori,
+                endpoint: Some("10.0.0.2:17001".into()),
+            })
+        );
+        assert_eq!(
+            control(
+                &msg(&[b"MoriMsgGuard", b"42", b"4", b"0", b""]),
+                Sender::Prefill
+            ),
+            Some(Control::Status {
+                room: 42,
+                status: KvPoll::Success,
+                backend: Backend::Mori
+            })
+        );
+    }
+
+    #[test]
+    fn messages_through_the_stream_decoder() {
         let mut wire = greeting_and_ready();
-        wire.extend(frame(b"BOOTSTRAP", true));
-        wire.extend(frame(b"9066467638188682269", true));
-        wire.extend(frame(b"127.0.0.1", true));
-        wire.extend(frame(b"17001", false));
+        for p in mooncake_destinations(b"123").iter().enumerate() {
+            wire.extend(frame(p.1, p.0 < 9));
+        }
         wire.extend(frame(b"ABORT", true));
         wire.extend(frame(&[7u8; 300], true));
         wire.extend(frame(b"42", false));
         for split in [1, 10, 63, 64, 70, 90, wire.len() - 1] {
-            assert!(is_greeting(&wire));
             let mut s = ZmtpStream::from_greeting();
             let mut out = Vec::new();
             s.feed(&wire[..split], true, &mut out);
             s.feed(&wire[split..], false, &mut out);
             assert_eq!(out.len(), 2, "split {split}");
-            assert_eq!(
-                control(&out[0]),
-                Some(Control::Bootstrap {
-                    key: TransferKey::Room(9066467638188682269)
-                })
-            );
+            assert_eq!(out[0].part_count, 10);
+            assert!(matches!(
+                control(&out[0], Sender::Decode),
+                Some(Control::Destinations { room: 123, .. })
+            ));
             assert_eq!(out[1].part_count, 3);
             assert_eq!(out[1].parts[1].len(), KEEP_BYTES);
-            assert_eq!(control(&out[1]), None, "300-byte room is not a room");
+            assert_eq!(
+                control(&out[1], Sender::Decode),
+                None,
+                "300-byte room is not a room"
+            );
         }
         let mut s = ZmtpStream::mid_stream();
         let mut out = Vec::new();
@@ -344,7 +645,7 @@ mod tests {
             &mut out,
         );
         assert_eq!(
-            control(&out[0]),
+            control(&out[0], Sender::Decode),
             Some(Control::Abort {
                 key: TransferKey::Room(42)
             })
@@ -352,16 +653,16 @@ mod tests {
     }
 
     /// Bytes lost inside a room (the capture missed part of a syscall) never yield a room: a
-    /// 19-digit room cut to its first digits is another room. A hole in the payload alone
-    /// keeps the message.
+    /// 19-digit room cut to its first digits is another room. A hole in a payload alone keeps
+    /// the message.
     #[test]
     fn a_capture_gap_inside_a_kept_part_voids_it() {
         let mut wire = greeting_and_ready();
         let head = wire.len();
-        wire.extend(frame(b"KV_DONE", true));
         let room_at = wire.len() + 2;
         wire.extend(frame(b"9066467638188682269", true));
-        wire.extend(frame(b"64", false));
+        wire.extend(frame(b"4", true));
+        wire.extend(frame(b"0", false));
         // The room's last 14 digits fall into a gap (n == what the frame had left), or its middle
         // digits do (n < remaining).
         for (cut, lost) in [(5usize, 14u64), (5, 6)] {
@@ -371,86 +672,67 @@ mod tests {
             s.gap(lost);
             s.feed(&wire[room_at + cut + lost as usize..], false, &mut out);
             assert_eq!(out.len(), 1, "cut {cut} lost {lost}");
-            assert_eq!(control(&out[0]), None, "{:?}", out[0]);
+            assert_eq!(control(&out[0], Sender::Prefill), None, "{:?}", out[0]);
         }
-        let mut kv = wire[..head].to_vec();
-        kv.extend(frame(b"KV", true));
-        kv.extend(frame(b"42", true));
-        kv.extend(frame(b"0", true));
-        let payload_at = kv.len() + 9;
-        kv.extend(frame(&[7u8; 4096], false));
+        let mut aux = wire[..head].to_vec();
+        aux.extend(frame(b"AUX_DATA", true));
+        aux.extend(frame(b"42", true));
+        aux.extend(frame(b"0", true));
+        let payload_at = aux.len() + 9;
+        aux.extend(frame(&[7u8; 4096], false));
         let mut s = ZmtpStream::from_greeting();
         let mut out = Vec::new();
-        s.feed(&kv[..payload_at + 100], true, &mut out);
+        s.feed(&aux[..payload_at + 100], true, &mut out);
         s.gap(4096 - 200);
-        s.feed(&kv[payload_at + 4096 - 100..], false, &mut out);
+        s.feed(&aux[payload_at + 4096 - 100..], false, &mut out);
         assert_eq!(out.len(), 1);
         assert_eq!(
-            control(&out[0]),
-            Some(Control::Kv {
-                key: TransferKey::Room(42),
-                chunk: 0
+            control(&out[0], Sender::Prefill),
+            Some(Control::KvMoved {
+                room: 42,
+                what: "AUX_DATA"
             })
         );
-    }
-
-    #[test]
-    fn sglang_transfer_info_names_the_room_first() {
-        let msg = Message {
-            parts: vec![b"123".to_vec(), b"10.0.0.1".to_vec()],
-            part_count: 6,
-            damaged: 0,
-        };
-        assert_eq!(
-            control(&msg),
-            Some(Control::Bootstrap {
-                key: TransferKey::Room(123)
-            })
-        );
-        let msg = Message {
-            parts: vec![b"hello".to_vec(), b"x".to_vec()],
-            part_count: 2,
-            damaged: 0,
-        };
-        assert_eq!(control(&msg), None);
     }
 
     #[test]
     fn vllm_side_channel_names_the_request() {
         let name = "cmpl-___prefill_addr_127.0.0.1:8100___decode_addr_127.0.0.1:8200_0123456789abcdef0123456789abcdef";
-        let msg = |parts: &[&[u8]]| Message {
-            parts: parts.iter().map(|p| p.to_vec()).collect(),
-            part_count: parts.len() as u32,
-            damaged: 0,
-        };
         let key = TransferKey::Request(name.to_owned());
         assert_eq!(
-            control(&msg(&[
-                b"NIXL_READ",
-                name.as_bytes(),
-                b"127.0.0.1",
-                b"7001"
-            ])),
+            control(
+                &msg(&[b"NIXL_READ", name.as_bytes(), b"127.0.0.1", b"7001"]),
+                Sender::Decode
+            ),
             Some(Control::Bootstrap { key: key.clone() })
         );
         assert_eq!(
-            control(&msg(&[b"NIXL_KV", name.as_bytes(), b"0", b"\x00\x01"])),
+            control(
+                &msg(&[b"NIXL_KV", name.as_bytes(), b"0", b"\x00\x01"]),
+                Sender::Prefill
+            ),
             Some(Control::Kv {
                 key: key.clone(),
                 chunk: 0
             })
         );
         assert_eq!(
-            control(&msg(&[b"NIXL_DONE", name.as_bytes(), b"12"])),
+            control(
+                &msg(&[b"NIXL_DONE", name.as_bytes(), b"12"]),
+                Sender::Prefill
+            ),
             Some(Control::KvDone { key: key.clone() })
         );
         assert_eq!(
-            control(&msg(&[b"NIXL_ABORT", name.as_bytes()])),
+            control(&msg(&[b"NIXL_ABORT", name.as_bytes()]), Sender::Decode),
             Some(Control::Abort { key })
         );
         // Binary or empty names are not names.
-        assert_eq!(control(&msg(&[b"NIXL_READ", b"\x00\xff"])), None);
-        assert_eq!(control(&msg(&[b"NIXL_READ", b""])), None);
+        assert_eq!(
+            control(&msg(&[b"NIXL_READ", b"\x00\xff"]), Sender::Decode),
+            None
+        );
+        assert_eq!(control(&msg(&[b"NIXL_READ", b""]), Sender::Decode), None);
         // The whole name survives the stream decoder's per-part cut.
         let mut wire = Vec::new();
         wire.extend(frame(b"NIXL_READ", true));
@@ -459,7 +741,7 @@ mod tests {
         let mut out = Vec::new();
         s.feed(&wire, true, &mut out);
         assert_eq!(
-            control(&out[0]),
+            control(&out[0], Sender::Decode),
             Some(Control::Bootstrap {
                 key: TransferKey::Request(name.to_owned())
             })
@@ -478,7 +760,8 @@ mod tests {
             for m in &out {
                 prop_assert!(m.parts.len() <= KEEP_PARTS);
                 prop_assert!(m.parts.iter().all(|p| p.len() <= KEEP_BYTES));
-                let _ = control(m);
+                let _ = control(m, Sender::Prefill);
+                let _ = control(m, Sender::Decode);
             }
         }
     }

@@ -33,11 +33,11 @@
 use std::net::SocketAddr;
 
 use super::{Answer, Endpoint, Proto, Tracker, Worker, canonical};
-use crate::event::{Kind, LifecycleEvent, Peer, Source, Stage, truncate_reason};
+use crate::event::{BootstrapRoom, Kind, LifecycleEvent, Peer, Source, Stage, truncate_reason};
 use crate::ingest::ebpf::http::{RequestHead, Side};
 use crate::ingest::ebpf::json_ids::RequestIds;
 use crate::ingest::ebpf::procs::Role;
-use crate::ingest::ebpf::zmtp::{self, Control, TransferKey};
+use crate::ingest::ebpf::zmtp::{self, Control, KvPoll, Sender, TransferKey};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum PathKind {
@@ -58,7 +58,10 @@ pub(super) fn path_kind(path: &str) -> PathKind {
         | "/v1/chat/completions"
         | "/v1/generate"
         | "/v1/responses" => PathKind::Generate,
-        p if p.starts_with("/route") => PathKind::Route,
+        // SGLang's bootstrap server (`disaggregation/common/conn.py`): `/route` (`PUT` a rank
+        // registering, `GET` decode's lookup) and `/register_dp_rank` (`POST`: a sender pins a
+        // room's DP rank). `/query_dp_ranks` is a `POST` that only reads.
+        p if p.starts_with("/route") || p == "/register_dp_rank" => PathKind::Route,
         "/server_info" | "/get_server_info" => PathKind::ServerInfo,
         "/v1/models" => PathKind::Models,
         "/metrics" => PathKind::Metrics,
@@ -173,25 +176,31 @@ impl Tracker {
         }
     }
 
-    fn with_ids(
+    /// Pushes `e` once for each sub-request the request names (see
+    /// [`RequestIds::sub_requests`]), with the request's ids; nothing for a warmup request,
+    /// which never enters the disaggregated path.
+    fn push_for_ids(
         &self,
         mut e: LifecycleEvent,
         head: &RequestHead,
         ids: &RequestIds,
-    ) -> LifecycleEvent {
+        out: &mut Vec<LifecycleEvent>,
+    ) {
+        if ids.is_warmup() {
+            return;
+        }
         if let Some(r) = &head.request_id {
             e = e.with_request_id(r.as_str());
         }
         if let Some(t) = head.traceparent.as_deref().and_then(trace_id_of) {
             e = e.with_trace_id(t);
         }
-        if let Some(r) = &ids.rid {
-            e = e.with_rid(r.as_str());
+        for (room, rid) in ids.sub_requests() {
+            let mut sub = e.clone();
+            sub.ids.rid = rid.map(Into::into);
+            sub.ids.bootstrap_room = room.map(BootstrapRoom);
+            out.push(sub);
         }
-        if let Some(r) = ids.bootstrap_room {
-            e = e.with_room(r);
-        }
-        e
     }
 
     pub(super) fn request_event(
@@ -234,12 +243,12 @@ impl Tracker {
             }
             _ => return,
         };
-        let mut e = self.with_ids(e, head, ids);
+        let mut e = e;
         e.detail = Some(truncate_reason(&detail).into());
         if let Some(p) = at.peer {
             e = e.with_worker(p.to_string());
         }
-        out.push(e);
+        self.push_for_ids(e, head, ids, out);
     }
 
     /// The worker stage whose answers this end reports: a worker its own; the router those of
@@ -273,7 +282,7 @@ impl Tracker {
         if a.kind == Kind::Work && stage != Stage::Decode {
             return;
         }
-        let mut e = self.with_ids(self.event(a.ts, stage, a.kind, at.tgid), head, ids);
+        let mut e = self.event(a.ts, stage, a.kind, at.tgid);
         e.status = a.status;
         if let Some(r) = &a.reason {
             e = e.with_reason(r);
@@ -282,7 +291,7 @@ impl Tracker {
             e = e.with_input_tokens(t);
         }
         e.detail = Some(truncate_reason(&format!("{} {}", head.method, head.path)).into());
-        out.push(e);
+        self.push_for_ids(e, head, ids, out);
     }
 
     pub(super) fn on_zmtp(
@@ -294,45 +303,45 @@ impl Tracker {
         msg: &zmtp::Message,
         out: &mut Vec<LifecycleEvent>,
     ) {
-        let Some(ctl) = zmtp::control(msg) else {
+        // The control channel joins a prefill and a decode: whoever wrote a message is this end
+        // when it sent it, else the other kind of worker.
+        let sender = match (role, dir) {
+            (Role::Prefill, 1) | (Role::Decode, 0) => Sender::Prefill,
+            (Role::Decode, 1) | (Role::Prefill, 0) => Sender::Decode,
+            _ => return,
+        };
+        let Some(ctl) = zmtp::control(msg, sender) else {
             if msg.damaged != 0 {
                 self.stats.zmtp_damaged += 1;
             }
             return;
         };
         // Each message is reported once, by its sender; by its receiver only when the sender's
-        // role is not watched here. Decode sends the handshake and the withdrawal, prefill the KV.
-        let (sender, receiver) = match ctl {
-            Control::Bootstrap { .. } | Control::Abort { .. } => (Role::Decode, Role::Prefill),
-            Control::Kv { .. } | Control::KvDone { .. } => (Role::Prefill, Role::Decode),
+        // role is not watched here.
+        let sender_role = match sender {
+            Sender::Prefill => Role::Prefill,
+            Sender::Decode => Role::Decode,
         };
-        let owner = (role == sender && dir == 1)
-            || (role == receiver && dir == 0 && !self.has_role(sender));
-        if !owner {
+        if dir != 1 && self.has_role(sender_role) {
             return;
         }
-        // The handshake is the transfer leg arriving (in flight); KV bytes moving is the
-        // request advancing. Only a room's first chunk is reported: one event says it moved.
-        let (kind, key, what) = match ctl {
-            Control::Bootstrap { key } => (Kind::Received, key, "BOOTSTRAP"),
-            Control::Abort { key } => (Kind::Cancelled, key, "ABORT"),
-            Control::Kv { key, chunk: 0 } => (Kind::Work, key, "KV"),
-            Control::Kv { .. } => return,
-            Control::KvDone { key } => (Kind::Completed, key, "KV_DONE"),
+        let Some(step) = transfer_step(ctl) else {
+            return;
         };
-        let e = self.event(ts, Stage::Transfer, kind, tgid);
-        let e = match key {
+        let mut e = self.event(ts, step.stage, step.kind, tgid);
+        e = match step.key {
             TransferKey::Room(room) => {
-                let mut e = e.with_room(room);
-                e.detail = Some(format!("zmtp {what}").into());
-                e
+                e.detail = Some(format!("zmtp {}", step.what).into());
+                e.with_room(room)
             }
             TransferKey::Request(name) => {
-                let mut e = e.with_rid(self.transfer_names.rid_of(&name));
-                e.detail = Some(format!("side channel {what}").into());
-                e
+                e.detail = Some(format!("side channel {}", step.what).into());
+                e.with_rid(self.transfer_names.rid_of(&name))
             }
         };
+        if let Some(w) = step.worker {
+            e = e.with_worker(w);
+        }
         out.push(e);
     }
 
@@ -370,12 +379,11 @@ impl Tracker {
             } else {
                 self.event(ts, stage, Kind::Cancelled, tgid)
             };
-            let mut e = self.with_ids(e, &p.head, &p.ids);
-            e = e.with_reason("connection closed before a response");
+            let mut e = e.with_reason("connection closed before a response");
             if let Some(peer) = conn.peer {
                 e = e.with_worker(peer.to_string());
             }
-            out.push(e);
+            self.push_for_ids(e, &p.head, &p.ids, out);
         }
     }
 }
@@ -393,4 +401,81 @@ pub fn trace_id_of(tp: &str) -> Option<&str> {
     let _version = it.next()?;
     let id = it.next()?;
     (id.len() == 32 && id.bytes().all(|b| b.is_ascii_hexdigit())).then_some(id)
+}
+
+/// What one control message means for its attempt.
+struct TransferStep {
+    stage: Stage,
+    kind: Kind,
+    key: TransferKey,
+    what: std::borrow::Cow<'static, str>,
+    /// The decode rank address a destinations message names.
+    worker: Option<String>,
+}
+
+/// The lifecycle meaning of each control message (docs/ebpf.md has the table, with SGLang's
+/// source for each row):
+/// - `BOOTSTRAP` (decode asks before it reserves anything): the transfer leg arriving, in
+///   flight;
+/// - destinations (decode reserved KV pages for the room and says where to write them):
+///   transfer `admitted`;
+/// - prefill's Success status (the room's KV landed in decode's pages): transfer `completed`;
+///   Failed: transfer `aborted`; readiness (`prefill_complete`: prefill prefilled the room):
+///   prefill `work`;
+/// - `ABORT` (decode withdrew): transfer `cancelled`; `ABORT_ACK` (prefill's writes for it
+///   drained): prefill `cancelled`;
+/// - `AUX_DATA`, `CHUNK_READY` (bytes of the room's KV moved): transfer `work`; `STAGING_REQ`
+///   (prefill holds a sender and computes the room): prefill `admitted`.
+/// The side channel's first KV chunk and its last: transfer `work` and `completed`.
+fn transfer_step(ctl: Control) -> Option<TransferStep> {
+    let step = |stage, kind, key, what: &'static str| TransferStep {
+        stage,
+        kind,
+        key,
+        what: what.into(),
+        worker: None,
+    };
+    Some(match ctl {
+        Control::Bootstrap { key } => step(Stage::Transfer, Kind::Received, key, "BOOTSTRAP"),
+        Control::Destinations {
+            room,
+            backend,
+            endpoint,
+        } => TransferStep {
+            stage: Stage::Transfer,
+            kind: Kind::Admitted,
+            key: TransferKey::Room(room),
+            what: format!("destinations ({})", backend.as_str()).into(),
+            worker: endpoint,
+        },
+        Control::Status { room, status, .. } => {
+            let key = TransferKey::Room(room);
+            match status {
+                KvPoll::Success => step(Stage::Transfer, Kind::Completed, key, "status Success"),
+                KvPoll::Failed => step(Stage::Transfer, Kind::Aborted, key, "status Failed"),
+                KvPoll::WaitingForInput => step(Stage::Prefill, Kind::Work, key, "readiness"),
+                KvPoll::Bootstrapping | KvPoll::Transferring => return None,
+            }
+        }
+        Control::Abort { key } => step(Stage::Transfer, Kind::Cancelled, key, "ABORT"),
+        Control::AbortAck { room } => step(
+            Stage::Prefill,
+            Kind::Cancelled,
+            TransferKey::Room(room),
+            "ABORT_ACK",
+        ),
+        Control::KvMoved { room, what } => {
+            step(Stage::Transfer, Kind::Work, TransferKey::Room(room), what)
+        }
+        Control::StagingRequest { room } => step(
+            Stage::Prefill,
+            Kind::Admitted,
+            TransferKey::Room(room),
+            "STAGING_REQ",
+        ),
+        // One event says the KV moved: only a transfer's first chunk is reported.
+        Control::Kv { key, chunk: 0 } => step(Stage::Transfer, Kind::Work, key, "KV"),
+        Control::Kv { .. } => return None,
+        Control::KvDone { key } => step(Stage::Transfer, Kind::Completed, key, "KV_DONE"),
+    })
 }

@@ -116,6 +116,17 @@ impl Pending {
     }
 }
 
+/// What a worker's failed answer was: a refusal (`rejected`: the request was not taken on, 4xx or
+/// 503 "unavailable") or a failure after it was (`aborted`: a 500 such as SGLang's "Prefill
+/// bootstrap failed" or a failed KV transfer, any other 5xx).
+fn failure_kind(status: u16) -> Kind {
+    if status < 500 || status == 503 {
+        Kind::Rejected
+    } else {
+        Kind::Aborted
+    }
+}
+
 /// What a worker's answer (or the first bytes of it) means for the request it answers.
 #[derive(Debug, Clone)]
 struct Answer {
@@ -567,12 +578,27 @@ impl Tracker {
                 .as_deref()
                 .map_or(fallback, |m| truncate_reason(m).to_owned())
         };
-        let answer = if status >= 400 {
+        // A refusal comes as an error status, or, once a stream's 200 went out (SGLang answers
+        // a streamed request before it validates it), as an error event or an abort with a
+        // status inside the stream.
+        let failed = if status >= 400 {
+            Some((status, head_ts, format!("HTTP {status}")))
+        } else if let Some(code) = info.stream_error {
+            Some((code, ts, format!("stream error {code}")))
+        } else if let Some(Finish::Abort { status: Some(code) }) =
+            info.finish.filter(|_| status < 400)
+            && code >= 400
+        {
+            Some((code, ts, format!("finish_reason abort {code}")))
+        } else {
+            None
+        };
+        let answer = if let Some((code, at_ns, fallback)) = failed {
             Answer {
-                reason: Some(reason(format!("HTTP {status}"))),
-                ..Answer::new(Kind::Rejected, head_ts, Some(status))
+                reason: Some(reason(fallback)),
+                ..Answer::new(failure_kind(code), at_ns, Some(code))
             }
-        } else if info.finish == Some(Finish::Abort) {
+        } else if matches!(info.finish, Some(Finish::Abort { .. })) {
             // Answered 200, but the request was aborted (SGLang answers an abort this way):
             // it ended, it did not complete.
             Answer {

@@ -1,5 +1,5 @@
 use super::*;
-use crate::event::{Source, Stage};
+use crate::event::{BootstrapRoom, Source, Stage};
 use crate::ingest::ebpf::record::{Conn, DataPiece, Record};
 use monitor_common::{Header, kind, syscall};
 use proptest::prelude::*;
@@ -228,6 +228,98 @@ fn prefill_rejects_while_decode_works_big_prompt() {
     }
 }
 
+/// SGLang answers a streamed request 200 before it validates it: its refusal is an SSE event
+/// (chunked, split across writes). It is a rejection all the same, at the time the event went
+/// out; decode's 500 (a failed transfer) is an abort, not a rejection.
+#[test]
+fn a_refusal_inside_a_stream_is_a_rejection() {
+    let mut s = Sim::new();
+    let req = generate_request(2_000, 42, "");
+    s.accept(PREFILL, 7);
+    s.io(PREFILL, 7, syscall::RECVFROM, &req, 65536);
+    let event = b"data: {\"error\": {\"message\": \"The input (9000 tokens) is longer than the model's context length (8192 tokens).\", \"type\": \"invalid_request_error\", \"code\": 400, \"retryable\": false}}\n\n";
+    let mut answer =
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+            .to_vec();
+    answer.extend(format!("{:x}\r\n", event.len()).as_bytes());
+    answer.extend_from_slice(event);
+    answer.extend(b"\r\ne\r\ndata: [DONE]\n\n\r\n0\r\n\r\n");
+    s.io(PREFILL, 7, syscall::SENDTO, &answer, 61);
+    s.accept(DECODE, 8);
+    s.io(DECODE, 8, syscall::RECVFROM, &req, 65536);
+    let failed = http_answer(
+        "500 Internal Server Error",
+        r#"{"detail":"KV transfer failed for room"}"#,
+    );
+    s.io(DECODE, 8, syscall::SENDTO, &failed, 4096);
+    assert_eq!(
+        s.kinds(),
+        vec![
+            (Stage::Prefill, Kind::Received, Some(42)),
+            (Stage::Prefill, Kind::Rejected, Some(42)),
+            (Stage::Decode, Kind::Received, Some(42)),
+            (Stage::Decode, Kind::Aborted, Some(42)),
+        ]
+    );
+    let rejected = &s.out[1];
+    assert_eq!(rejected.status, Some(400));
+    assert!(
+        rejected
+            .reason
+            .as_deref()
+            .is_some_and(|r| r.contains("context length")),
+        "{rejected:?}"
+    );
+    assert_eq!(s.out[3].status, Some(500));
+}
+
+/// One body with `n > 1` is `n` SGLang requests: rooms `room + i`, rids `rid_i`
+/// (`io_struct.py`). A warmup request (fake bootstrap host 2.2.2.2) is none.
+#[test]
+fn parallel_samples_are_sub_requests_and_warmups_are_nothing() {
+    let mut s = Sim::new();
+    let body = r#"{"text": "hi", "rid": "abc", "sampling_params": {"max_new_tokens": 4, "n": 3}, "stream": false, "bootstrap_host": "127.0.0.1", "bootstrap_port": 8998, "bootstrap_room": 100}"#;
+    s.accept(PREFILL, 7);
+    s.io(
+        PREFILL,
+        7,
+        syscall::RECVFROM,
+        &http_post("/generate", body),
+        4096,
+    );
+    let got: Vec<_> = s
+        .out
+        .iter()
+        .map(|e| (e.kind, e.ids.bootstrap_room.map(|r| r.0), e.ids.rid.clone()))
+        .collect();
+    assert_eq!(
+        got,
+        vec![
+            (Kind::Received, Some(100), Some("abc_0".into())),
+            (Kind::Received, Some(101), Some("abc_1".into())),
+            (Kind::Received, Some(102), Some("abc_2".into())),
+        ]
+    );
+    s.out.clear();
+    let warmup = r#"{"text": "The capital city of France is", "sampling_params": {"temperature": 0, "max_new_tokens": 8}, "bootstrap_host": "2.2.2.2", "bootstrap_room": 0}"#;
+    s.accept(DECODE, 8);
+    s.io(
+        DECODE,
+        8,
+        syscall::RECVFROM,
+        &http_post("/generate", warmup),
+        4096,
+    );
+    s.io(
+        DECODE,
+        8,
+        syscall::SENDTO,
+        &http_answer("200 OK", r#"{"text": " Paris", "meta_info": {"finish_reason": {"type": "length", "length": 8}}}"#),
+        4096,
+    );
+    assert!(s.out.is_empty(), "{:?}", s.out);
+}
+
 #[test]
 fn early_rejection_before_the_body_is_read_waits_for_the_ids() {
     let mut s = Sim::new();
@@ -283,67 +375,107 @@ fn router_cancel_and_remote_worker_answers() {
     assert_eq!(s.out[3].to, Some(Stage::Decode));
 }
 
+/// Prefill's messages to decode (SGLang 0.5.23, Mooncake): the aux data moved over TCP, then
+/// the room's Success status; a Failed status for another room, and readiness under
+/// `prefill_complete`.
 #[test]
-fn kv_from_prefill_is_transfer_work_then_completed() {
+fn prefill_status_says_the_kv_landed_or_failed() {
     let mut s = Sim::new();
     s.connect(PREFILL, 9, "127.0.0.1:17002");
-    let mut wire = vec![0xFF, 0, 0, 0, 0, 0, 0, 0, 1, 0x7F, 3, 1];
-    wire.resize(64, 0);
-    for (body, more) in [
-        (&b"KV"[..], true),
-        (b"42", true),
-        (b"0", true),
-        (b"\x00\x01payload", false),
-        (b"KV", true),
-        (b"42", true),
-        (b"1", true),
-        (b"\x00\x01payload", false),
-        (b"KV_DONE", true),
-        (b"42", true),
-        (b"9000", false),
+    let mut wire = zmtp_wire(&[
+        b"AUX_DATA",
+        b"42",
+        b"\x00\x01",
+        b"0",
+        b"\x00\x00\x00\x02",
+        b"xy",
+    ]);
+    for m in [
+        &[&b"42"[..], b"4", b"0"][..],
+        &[b"43", b"0", b"0"],
+        &[b"44", b"2", b"0"],
+        &[b"ABORT_ACK", b"45", b"0", b"7"],
     ] {
-        wire.push(more as u8);
-        wire.push(body.len() as u8);
-        wire.extend_from_slice(body);
+        wire.extend(&zmtp_wire(m)[64..]);
     }
     s.io(PREFILL, 9, syscall::SENDTO, &wire, 4096);
-    // One event for the KV moving (its first chunk), one for its end; decode's reads of the
-    // same frames are not reported again while prefill is watched.
+    // Decode's reads of the same frames are not reported again while prefill is watched.
     assert_eq!(
         s.kinds(),
         vec![
             (Stage::Transfer, Kind::Work, Some(42)),
-            (Stage::Transfer, Kind::Completed, Some(42))
+            (Stage::Transfer, Kind::Completed, Some(42)),
+            (Stage::Transfer, Kind::Aborted, Some(43)),
+            (Stage::Prefill, Kind::Work, Some(44)),
+            (Stage::Prefill, Kind::Cancelled, Some(45)),
         ]
     );
+    assert_eq!(s.out[1].detail.as_deref(), Some("zmtp status Success"));
 }
 
+/// Decode's messages to prefill: its destinations for a room (it reserved KV pages), the
+/// `prefill_complete` handshake, its withdrawal; the receiver registration names no room.
 #[test]
 fn zmtp_control_from_decode() {
     let mut s = Sim::new();
     s.connect(DECODE, 9, "127.0.0.1:17000");
-    let mut wire = vec![0xFF, 0, 0, 0, 0, 0, 0, 0, 1, 0x7F, 3, 1];
-    wire.resize(64, 0);
-    for (body, more) in [
-        (&b"BOOTSTRAP"[..], true),
-        (b"42", true),
-        (b"127.0.0.1", true),
-        (b"17001", false),
-        (b"ABORT", true),
-        (b"42", false),
+    let mut registration: Vec<&[u8]> = vec![b"None", b"127.0.0.1", b"17001", b"127.0.0.1:15001"];
+    registration.resize(20, b"\x00");
+    let mut wire = zmtp_wire(&registration);
+    let indices: Vec<u8> = [4i32, 5].iter().flat_map(|i| i.to_le_bytes()).collect();
+    for m in [
+        &[
+            &b"42"[..],
+            b"127.0.0.1",
+            b"17001",
+            b"127.0.0.1:15001",
+            &indices,
+            b"3",
+            b"",
+            b"1",
+            b"0",
+            b"",
+        ][..],
+        &[b"BOOTSTRAP", b"43", b"127.0.0.1", b"17001"],
+        &[b"ABORT", b"42", b"127.0.0.1", b"17001", b"1"],
     ] {
-        wire.push(more as u8);
-        wire.push(body.len() as u8);
-        wire.extend_from_slice(body);
+        wire.extend(&zmtp_wire(m)[64..]);
     }
     s.io(DECODE, 9, syscall::SENDTO, &wire[..10], 4096);
     s.io(DECODE, 9, syscall::SENDTO, &wire[10..], 4096);
     assert_eq!(
         s.kinds(),
         vec![
-            (Stage::Transfer, Kind::Received, Some(42)),
+            (Stage::Transfer, Kind::Admitted, Some(42)),
+            (Stage::Transfer, Kind::Received, Some(43)),
             (Stage::Transfer, Kind::Cancelled, Some(42))
         ]
+    );
+    assert_eq!(s.out[0].worker.as_deref(), Some("127.0.0.1:17001"));
+    assert_eq!(
+        s.out[0].detail.as_deref(),
+        Some("zmtp destinations (mooncake)")
+    );
+}
+
+/// With only one end watched, the receiver reports what the other sent, read as that end's
+/// message: a status read by decode, destinations read by prefill.
+#[test]
+fn the_receiver_reports_when_the_sender_is_not_watched() {
+    let mut s = Sim::new();
+    s.t = Tracker::new(None, Clock::default(), TrackerLimits::default());
+    s.t.set_role(DECODE, Role::Decode);
+    s.connect(DECODE, 9, "127.0.0.1:17000");
+    s.io(
+        DECODE,
+        9,
+        syscall::RECVFROM,
+        &zmtp_wire(&[b"42", b"4", b"0"]),
+        4096,
+    );
+    assert_eq!(
+        s.kinds(),
+        vec![(Stage::Transfer, Kind::Completed, Some(42))]
     );
 }
 
@@ -1085,6 +1217,23 @@ fn a_write_from_an_unwatched_process_on_this_node_is_foreign() {
     let post = b"POST /route HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}";
     s.accept_from(PREFILL, 41, "127.0.0.1:47001");
     s.io(PREFILL, 41, syscall::READ, post, 4096);
+    // `/register_dp_rank` re-points a room's DP rank: a write; `/query_dp_ranks` only reads.
+    let pin = br#"{"bootstrap_room": 42, "dp_rank": 1}"#;
+    let mut register = format!(
+        "POST /register_dp_rank HTTP/1.1\r\nhost: x\r\ncontent-length: {}\r\n\r\n",
+        pin.len()
+    )
+    .into_bytes();
+    register.extend_from_slice(pin);
+    s.accept_from(PREFILL, 42, "127.0.0.1:47002");
+    s.io(PREFILL, 42, syscall::READ, &register, 4096);
+    let query = b"POST /query_dp_ranks HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n[]";
+    s.accept_from(PREFILL, 43, "127.0.0.1:47003");
+    s.io(PREFILL, 43, syscall::READ, query, 4096);
+    assert_eq!(
+        s.out.last().and_then(|e| e.ids.bootstrap_room),
+        Some(BootstrapRoom(42))
+    );
     let detail = put_detail();
     assert_eq!(
         s.writes(),
@@ -1102,6 +1251,13 @@ fn a_write_from_an_unwatched_process_on_this_node_is_foreign() {
                 Some(Peer::Foreign),
                 Some("127.0.0.1:47001"),
                 Some("POST /route body_bytes=2")
+            ),
+            (
+                Stage::Transfer,
+                Kind::Received,
+                Some(Peer::Foreign),
+                Some("127.0.0.1:47002"),
+                Some("POST /register_dp_rank body_bytes=36")
             )
         ]
     );
