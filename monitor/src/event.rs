@@ -101,6 +101,18 @@ impl Kind {
         Kind::ALL[(i as usize).min(Kind::ALL.len() - 1)]
     }
 
+    /// What a stage's failed answer with HTTP status `status` was: a refusal (`rejected`: the
+    /// request was not taken on; any 4xx, and 503 "unavailable") or a failure after it was
+    /// (`aborted`: a 500 such as SGLang's "Prefill bootstrap failed" or a failed KV transfer,
+    /// any other 5xx). SGLang's own split: its refusals are 400 and 503, its failures 500.
+    pub fn of_failure(status: u16) -> Kind {
+        if status < 500 || status == 503 {
+            Kind::Rejected
+        } else {
+            Kind::Aborted
+        }
+    }
+
     /// Ends the leg of the stage that reports it.
     pub fn is_terminal(self) -> bool {
         matches!(

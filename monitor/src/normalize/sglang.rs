@@ -133,12 +133,23 @@ struct Node {
     start: u64,
     end: u64,
     error_reason: Option<Box<str>>,
+    /// The HTTP status an abort names (`status_code`), when it names one.
+    error_status: Option<u16>,
     node: Option<Box<str>>,
     pid: Option<u32>,
     input_tokens: Option<u64>,
     max_input_tokens: Option<u64>,
     max_total_tokens: Option<u64>,
     stage_hint: Option<Stage>,
+}
+
+impl Node {
+    /// What the error this span reports was: by the status it names when it names one, else by
+    /// its reason's words.
+    fn error_kind(&self, reason: &str) -> Kind {
+        self.error_status
+            .map_or_else(|| error_kind(reason), Kind::of_failure)
+    }
 }
 
 /// Two generations of "span → attempt", swapped every half retention: bounded memory with
@@ -538,7 +549,7 @@ impl SpanTree {
                 start.detail = Some("request".into());
                 out.push(start);
                 if let Some(reason) = &n.error_reason {
-                    let mut e = mk(n.end, stage, error_kind(reason), a);
+                    let mut e = mk(n.end, stage, n.error_kind(reason), a);
                     e.reason = Some(reason.clone());
                     a.errored = true;
                     out.push(e);
@@ -560,7 +571,7 @@ impl SpanTree {
             Class::Anchor { .. } | Class::Structural => {
                 if let Some(reason) = &n.error_reason {
                     let stage = role.unwrap_or(Stage::Prefill);
-                    let mut e = mk(n.end, stage, error_kind(reason), a);
+                    let mut e = mk(n.end, stage, n.error_kind(reason), a);
                     e.reason = Some(reason.clone());
                     e.detail = n.name.clone();
                     a.errored = true;
@@ -572,7 +583,7 @@ impl SpanTree {
             Class::Thread { stage } => match &n.error_reason {
                 Some(reason) => {
                     let st = stage.or(role).unwrap_or(Stage::Prefill);
-                    let mut e = mk(n.end, st, error_kind(reason), a);
+                    let mut e = mk(n.end, st, n.error_kind(reason), a);
                     e.reason = Some(reason.clone());
                     a.errored = true;
                     out.push(e);
@@ -588,7 +599,7 @@ impl SpanTree {
                 let mut e = mk(n.end, *stage, *kind, a);
                 e.detail = Some((*detail).into());
                 if let Some(reason) = &n.error_reason {
-                    e.kind = error_kind(reason);
+                    e.kind = n.error_kind(reason);
                     e.reason = Some(reason.clone());
                     a.errored = true;
                 }
@@ -607,9 +618,10 @@ impl SpanTree {
 
 /// A capacity or validation refusal is a rejection; anything else that errors is an abort.
 pub fn error_kind(reason: &str) -> Kind {
-    const REJECT: [&str; 10] = [
+    const REJECT: [&str; 11] = [
         "exceed",
         "too long",
+        "longer than",
         "maximum",
         "capacity",
         "queue is full",
@@ -627,23 +639,34 @@ pub fn error_kind(reason: &str) -> Kind {
     }
 }
 
-/// "… exceeds the maximum number of tokens: 9000 > 8192" → (9000, 8192).
+/// The input and the limit a refusal names: "… exceeds the maximum number of tokens: 9000 >
+/// 8192" (`prefill.py`), "The input (9000 tokens) is longer than the model's context length
+/// (8192 tokens)." (`tokenizer_manager.py`), "Input length (9000 tokens) exceeds the maximum
+/// allowed length (8192 tokens)…" (`scheduler.py`) → (9000, 8192).
 pub fn tokens_from_reason(reason: &str) -> Option<(u64, u64)> {
     if !reason.contains("token") {
         return None;
     }
-    let (l, r) = reason.rsplit_once(" > ")?;
-    let a = l
-        .rsplit(|c: char| !c.is_ascii_digit())
-        .next()?
-        .parse()
-        .ok()?;
-    let b = r
-        .split(|c: char| !c.is_ascii_digit())
-        .next()?
-        .parse()
-        .ok()?;
-    Some((a, b))
+    if let Some((l, r)) = reason.rsplit_once(" > ") {
+        let a = l
+            .rsplit(|c: char| !c.is_ascii_digit())
+            .next()?
+            .parse()
+            .ok()?;
+        let b = r
+            .split(|c: char| !c.is_ascii_digit())
+            .next()?
+            .parse()
+            .ok()?;
+        return Some((a, b));
+    }
+    let mut counts = reason.split('(').skip(1).filter_map(|p| {
+        let (n, rest) = p.split_once(' ')?;
+        rest.starts_with("tokens)")
+            .then(|| n.parse::<u64>().ok())
+            .flatten()
+    });
+    Some((counts.next()?, counts.next()?))
 }
 
 /// Slice name → (stage, kind). Names from `RequestStage` in 0.5.2x and the older enum.
@@ -657,10 +680,11 @@ pub fn slice_mapping(name: &str) -> Option<(Stage, Kind, &'static str)> {
         ("chunked_prefill", Prefill, Work),
         ("prefill_transfer_kv_cache", Transfer, Work),
         ("decode_prepare", Decode, Received),
-        // The handshake with prefill's bootstrap server is the transfer leg arriving (in
-        // flight); decode waiting with KV slots allocated is an admission; the KV arriving
-        // is the transfer's end.
-        ("decode_bootstrap", Transfer, Received),
+        // `decode_bootstrap` ends once decode reserved the room's KV pages and sent prefill its
+        // destinations (`decode.py` `send_metadata`): the transfer admitted, as the wire's
+        // destinations message; `decode_waiting` starts once the KV arrived and decode queues
+        // the request to run (an admission); `decode_transferred` is the KV arriving.
+        ("decode_bootstrap", Transfer, Admitted),
         ("decode_waiting", Decode, Admitted),
         ("decode_transferred", Transfer, Completed),
         ("decode_forward", Decode, Work),
@@ -715,7 +739,9 @@ fn extract(ctx: &SpanCtx<'_>, span: &Span) -> Option<Node> {
     let span_id = attrs::span_key(&span.span_id)?;
     let a = &span.attributes;
     let name = span.name.as_str();
-    let rid_attr = attrs::id(a, "rid");
+    // The root's `rid` is SGLang's rid cut at its last `_` (`trace.py` `trace_req_start`: a
+    // sub-request `X_1` reads `1`); `gen_ai.request.id`, set when the root ends, is whole.
+    let rid_attr = attrs::id(a, "gen_ai.request.id").or_else(|| attrs::id(a, "rid"));
     let room_attr = attrs::room(a, "bootstrap_room");
     let class = if rid_attr.is_some() || room_attr.is_some() {
         // The KV-transfer root uses the hex room as its rid.
@@ -759,6 +785,14 @@ fn extract(ctx: &SpanCtx<'_>, span: &Span) -> Option<Node> {
     } else {
         None
     };
+    // An abort's finish reason carries the HTTP status SGLang answers it with (400 a refused
+    // input, 503 a refusal, 500 a failure: `scheduler.py`, `prefill.py`), set on the thread span
+    // by `trace_ctx.abort(abort_info=finished_reason)`.
+    let error_status = error_reason
+        .as_ref()
+        .and_then(|_| attrs::u64(a, "status_code"))
+        .and_then(|s| u16::try_from(s).ok())
+        .filter(|s| (400..600).contains(s));
     let mut input_tokens = attrs::first_u64(
         a,
         &[
@@ -780,6 +814,7 @@ fn extract(ctx: &SpanCtx<'_>, span: &Span) -> Option<Node> {
         start: span.start_time_unix_nano,
         end: span.end_time_unix_nano,
         error_reason,
+        error_status,
         // The node (clock domain) comes from the resource only: SGLang puts `host_id` on thread
         // spans but not on roots and stage spans, and a node known for some events of a process
         // but not others would make the checker compare one clock as two (skew tolerance).
@@ -809,6 +844,16 @@ mod tests {
         );
         assert_eq!(tokens_from_reason("a > b tokens"), None);
         assert_eq!(tokens_from_reason("no numbers"), None);
+        // SGLang 0.5.23's tokenizer and scheduler refusals.
+        let tokenizer =
+            "The input (9000 tokens) is longer than the model's context length (8192 tokens).";
+        assert_eq!(error_kind(tokenizer), Kind::Rejected);
+        assert_eq!(tokens_from_reason(tokenizer), Some((9000, 8192)));
+        let scheduler = "Input length (9000 tokens) exceeds the maximum allowed length (8191 tokens). Use a shorter input or enable --allow-auto-truncate.";
+        assert_eq!(error_kind(scheduler), Kind::Rejected);
+        assert_eq!(tokens_from_reason(scheduler), Some((9000, 8191)));
+        assert_eq!(tokens_from_reason("(12 tokens)"), None);
+        assert_eq!(error_kind("Prefill bootstrap failed"), Kind::Aborted);
     }
 
     #[test]

@@ -549,6 +549,117 @@ fn sglang_retries_share_a_trace_but_never_an_attempt() {
     );
 }
 
+/// SGLang 0.5.23's aborts name the status they are answered with (`trace_ctx.abort(abort_info=
+/// finished_reason)`): 400 is a refusal whatever its words, 500 a failure. A sub-request of a
+/// body with `n > 1` is rid `X_i`: the root's `rid` is cut at the last `_`, `gen_ai.request.id`
+/// is whole. `decode_bootstrap` ends once decode reserved the room's KV: transfer admitted.
+#[test]
+fn sglang_abort_status_and_sub_request_rids() {
+    let error = Status {
+        code: StatusCode::Error as i32,
+        ..Default::default()
+    };
+    let thread = |id: u64, parent: u64, attrs: Vec<KeyValue>| {
+        let mut t = span(
+            1,
+            id,
+            parent,
+            "Prefill Scheduler [TP 0] (host:ab | pid:9)",
+            10,
+            20,
+            [vec![s("thread_label", "Prefill Scheduler")], attrs].concat(),
+        );
+        t.status = Some(error.clone());
+        t
+    };
+    let root = |id: u64, rid: &str, room: &str| {
+        span(
+            1,
+            id,
+            0,
+            "prefill Req 1",
+            5,
+            21,
+            vec![
+                s("rid", rid.rsplit('_').next().unwrap()),
+                s("bootstrap_room", room),
+                s("gen_ai.request.id", rid),
+            ],
+        )
+    };
+    let spans = vec![
+        thread(
+            2,
+            1,
+            vec![
+                s("type", "abort"),
+                s("message", "Prefill refused it"),
+                kv("status_code", Value::IntValue(400)),
+            ],
+        ),
+        root(1, "abc_0", "0x10"),
+        thread(
+            4,
+            3,
+            vec![
+                s("type", "abort"),
+                s(
+                    "message",
+                    "Input length (9000 tokens) exceeds the maximum allowed length (8191 tokens)",
+                ),
+                kv("status_code", Value::IntValue(500)),
+            ],
+        ),
+        root(3, "abc_1", "0x11"),
+        span(1, 6, 5, "decode_bootstrap", 30, 40, vec![]),
+        span(
+            1,
+            5,
+            0,
+            "decode Req 2",
+            25,
+            50,
+            vec![
+                s("rid", "2"),
+                s("bootstrap_room", "0x12"),
+                s("gen_ai.request.id", "abc_2"),
+            ],
+        ),
+    ];
+    let mut n = normalizer();
+    let (mut ev, _) = run(&mut n, &export("sglang", "sglang server", spans), 1);
+    n.tick(10_000_000_000, &mut ev, &mut Tally::default());
+    let got: Vec<_> = ev
+        .iter()
+        .filter(|e| e.kind != Kind::Received && e.kind != Kind::Completed)
+        .map(|e| (e.stage, e.kind, e.ids.rid.as_deref(), e.ids.bootstrap_room))
+        .collect();
+    assert_eq!(
+        got,
+        vec![
+            (
+                Stage::Prefill,
+                Kind::Rejected,
+                Some("abc_0"),
+                Some(BootstrapRoom(0x10))
+            ),
+            (
+                Stage::Prefill,
+                Kind::Aborted,
+                Some("abc_1"),
+                Some(BootstrapRoom(0x11))
+            ),
+            (
+                Stage::Transfer,
+                Kind::Admitted,
+                Some("abc_2"),
+                Some(BootstrapRoom(0x12))
+            ),
+        ],
+        "{ev:#?}"
+    );
+}
+
 #[test]
 fn sglang_decode_leg_and_kv_transfer_root() {
     let spans = vec![

@@ -116,17 +116,6 @@ impl Pending {
     }
 }
 
-/// What a worker's failed answer was: a refusal (`rejected`: the request was not taken on, 4xx or
-/// 503 "unavailable") or a failure after it was (`aborted`: a 500 such as SGLang's "Prefill
-/// bootstrap failed" or a failed KV transfer, any other 5xx).
-fn failure_kind(status: u16) -> Kind {
-    if status < 500 || status == 503 {
-        Kind::Rejected
-    } else {
-        Kind::Aborted
-    }
-}
-
 /// What a worker's answer (or the first bytes of it) means for the request it answers.
 #[derive(Debug, Clone)]
 struct Answer {
@@ -596,7 +585,7 @@ impl Tracker {
         let answer = if let Some((code, at_ns, fallback)) = failed {
             Answer {
                 reason: Some(reason(fallback)),
-                ..Answer::new(failure_kind(code), at_ns, Some(code))
+                ..Answer::new(Kind::of_failure(code), at_ns, Some(code))
             }
         } else if matches!(info.finish, Some(Finish::Abort { .. })) {
             // Answered 200, but the request was aborted (SGLang answers an abort this way):
