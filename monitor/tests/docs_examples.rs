@@ -99,3 +99,42 @@ fn the_grafana_provisioning_example_names_a_file_provider() {
         .collect();
     assert_eq!(vars, ["datasource", "job"]);
 }
+
+/// Every rules file the docs show (a ```` ```yaml ```` block that starts with `rules:`, in
+/// README.md and docs/) loads on top of the embedded defaults, as `--rules FILE` loads it.
+#[test]
+fn every_rules_example_in_the_docs_loads() {
+    let mut files = vec![root().join("README.md")];
+    for entry in std::fs::read_dir(root().join("docs")).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "md") {
+            files.push(path);
+        }
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut checked = 0;
+    for file in files {
+        let text = std::fs::read_to_string(&file).unwrap();
+        for (i, block) in text.split("```yaml\n").skip(1).enumerate() {
+            let body = &block[..block.find("```").expect("the block is closed")];
+            if !body.starts_with("rules:") {
+                continue;
+            }
+            let path = dir.path().join(format!("rules-{checked}.yaml"));
+            std::fs::write(&path, body).unwrap();
+            let out = Command::new(env!("CARGO_BIN_EXE_revenant"))
+                .args(["rules", "list", "--rules"])
+                .arg(&path)
+                .output()
+                .unwrap();
+            assert!(
+                out.status.success(),
+                "{} yaml block {i} does not load: {}\n{body}",
+                file.display(),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            checked += 1;
+        }
+    }
+    assert!(checked >= 3, "only {checked} rules examples found");
+}
