@@ -821,6 +821,7 @@ mod tests {
                 "stranded-kv",
                 "held-decode-slot",
                 "failed-room-advanced",
+                "rejected-room-reused",
                 "over-capacity-admitted",
                 "stuck-attempt",
                 "context-exceeds-capacity",
@@ -832,6 +833,7 @@ mod tests {
         assert_eq!(sev("handoff-after-rejection"), Severity::Critical);
         assert_eq!(sev("advanced-before-rejection"), Severity::Critical);
         assert_eq!(sev("failed-room-advanced"), Severity::Critical);
+        assert_eq!(sev("rejected-room-reused"), Severity::Critical);
         assert_eq!(sev("orphaned-leg"), Severity::Warning);
         assert_eq!(sev("unknown-room"), Severity::Warning);
         assert_eq!(sev("success-after-abort"), Severity::Critical);
