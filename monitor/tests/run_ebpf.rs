@@ -188,3 +188,73 @@ fn ebpf_source_counts_losses_and_readyz_says_degraded() {
     );
     drop(server);
 }
+
+/// A watched SGLang decode whose environment waits longer for KV than `held-decode-slot` gives
+/// it (`SGLANG_DISAGGREGATION_WAITING_TIMEOUT=600` against 330 s) is named at start, with the
+/// fix; one with SGLang's default is not.
+#[test]
+fn a_worker_timeout_longer_than_the_rule_window_is_named() {
+    assert!(
+        unsafe { libc::geteuid() } == 0,
+        "this test loads eBPF probes and must run as root (CI does); it is not skipped"
+    );
+    let worker = |tag: &str, timeout: Option<&str>| {
+        let mut cmd = Command::new("python3");
+        cmd.args([
+            "-c",
+            "import time; time.sleep(60)",
+            "--disaggregation-mode",
+            "decode",
+            tag,
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+        if let Some(t) = timeout {
+            cmd.env("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", t);
+        }
+        spawn("python3 decode stand-in", &mut cmd)
+    };
+    let tag = format!("rv-timeouts-{}", std::process::id());
+    let long = worker(&format!("{tag}-long"), Some("600"));
+    let stock = worker(&format!("{tag}-stock"), None);
+    let watch = format!("decode={tag}");
+    let mut rv = Revenant::start(
+        "run-ebpf-timeouts",
+        &[
+            "--ebpf",
+            "on",
+            "--no-sglang-conventions",
+            "--watch",
+            &watch,
+            "--otlp-grpc",
+            "off",
+            "--otlp-http",
+            "off",
+        ],
+    );
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let long_pid = long.pid().to_string();
+    let stock_pid = stock.pid().to_string();
+    loop {
+        let log = rv.stderr();
+        let watched = log.matches("eBPF: watching process").count() >= 2;
+        if watched && log.contains("SGLANG_DISAGGREGATION_WAITING_TIMEOUT=600 s") {
+            let warned: Vec<&str> = log
+                .lines()
+                .filter(|l| l.contains("SGLANG_DISAGGREGATION_WAITING_TIMEOUT"))
+                .collect();
+            assert_eq!(warned.len(), 1, "{log}");
+            assert!(warned[0].contains(&long_pid), "{log}");
+            assert!(!warned[0].contains(&stock_pid), "{log}");
+            assert!(warned[0].contains("held-decode-slot"), "{log}");
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no warning about the worker's timeout within 20 s:\n{log}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(rv.stop().success(), "{}", rv.stderr());
+    drop((long, stock));
+}

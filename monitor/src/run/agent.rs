@@ -22,6 +22,7 @@ use super::shutdown::{self, Drain, Phase, Shutdown};
 use super::{
     Bound, RunArgs, RunError, Shared, announce_ready, bind, force_exit_on_signal, start_sources,
 };
+use crate::ingest::ebpf::HoldWindows;
 
 use crate::bus::batcher::Batcher;
 use crate::bus::publisher::{self, AgentStats};
@@ -293,7 +294,7 @@ async fn agent_async(
                 source,
             })?;
     }
-    let mut b: Bound = bind(&cfg, &admin, &shared, &shutdown).await?;
+    let mut b: Bound = bind(&cfg, &admin, &shared, &shutdown, HoldWindows::default()).await?;
     let mut bound = serde_json::Map::new();
     let admin_task = b.admin.take().map(|server| {
         bound.insert("admin".into(), server.local_addr().to_string().into());

@@ -36,6 +36,7 @@ use crate::bus::progress::{ProgressClock, Streams};
 use crate::bus::{BusConfig, BusConfigError};
 use crate::engine::check::CheckerConfig;
 use crate::ingest::ebpf::EbpfMode;
+use crate::ingest::ebpf::HoldWindows;
 
 use crate::pipeline::taps::{EngineMetrics, Observed};
 use crate::pipeline::{EngineTask, EventTap, ViolationSender, WatermarkClock, event_channel};
@@ -227,7 +228,7 @@ async fn checker_async(
     // Notifications an earlier life of this checker (or another replica) sent are not sent
     // again; the bucket opens once NATS answers.
     let claims = Claims::new(&shared.metrics);
-    let mut b = bind(&cfg, &admin, &shared, &shutdown).await?;
+    let mut b = bind(&cfg, &admin, &shared, &shutdown, HoldWindows::default()).await?;
     let mut bound = serde_json::Map::new();
     let outputs = start_outputs(
         &mut alert,

@@ -42,7 +42,7 @@ use crate::admin::{AdminArgs, AdminServer, AdminState, RecentEvents, RecentEvent
 use crate::alert::{AlertConfig, AlertPipeline, DispatchReport, OpenedAlerts};
 use crate::config::RunConfig;
 use crate::event::Source;
-use crate::ingest::ebpf::EbpfStart;
+use crate::ingest::ebpf::{EbpfStart, HoldWindows};
 use crate::ingest::otlp::{self, Ingest, OtlpStats};
 use crate::ingest::replay::{RunHeader, rules_fingerprint};
 use crate::normalize::Normalizer;
@@ -112,6 +112,23 @@ fn serve_admin(
     let task = tokio::spawn(server.serve(state, shutdown.at(Phase::StopAdmin)));
     handle.ready();
     task
+}
+
+/// The windows the enabled rules give a held leg, for the eBPF source to compare with each SGLang
+/// worker's own timeouts.
+fn hold_windows<'a>(rules: impl Iterator<Item = &'a crate::engine::rules::Rule>) -> HoldWindows {
+    let mut hold = HoldWindows::default();
+    for rule in rules.filter(|r| r.enabled) {
+        let crate::engine::rules::Shape::MustFollow(m) = &rule.shape else {
+            continue;
+        };
+        match rule.name.as_str() {
+            "held-decode-slot" => hold.decode_waits_for_kv = Some(m.within.0),
+            "stranded-kv" => hold.prefill_waits_for_decode = Some(m.within.0),
+            _ => {}
+        }
+    }
+    hold
 }
 
 /// Declares every rule's series on `/metrics` (so a rule that never fired still reads 0) and
@@ -308,6 +325,7 @@ async fn bind(
     admin: &AdminArgs,
     shared: &Shared,
     shutdown: &Shutdown,
+    hold: HoldWindows,
 ) -> Result<Bound, RunError> {
     let access = &shared.access;
     let admin = match admin.no_admin {
@@ -343,7 +361,7 @@ async fn bind(
     tokio::spawn(access.clone().watch(shutdown.at(Phase::StopAdmin)));
     let ebpf = cfg
         .ebpf
-        .start(Some(cfg.node_name()))
+        .start(Some(cfg.node_name()), hold)
         .map_err(RunError::Ebpf)?;
     Ok(Bound {
         admin,
@@ -832,7 +850,8 @@ pub async fn run_async(p: Prepared) -> Result<(), RunError> {
     log_memory_plan(&memory, &cfg, &admin);
     let header = announce_rules(&shared, &checker, &cfg);
     let claimed = claim(&cfg, &alert, ready_file.as_ref(), &header.line())?;
-    let mut b = bind(&cfg, &admin, &shared, &shutdown).await?;
+    let hold = hold_windows(checker.rules());
+    let mut b = bind(&cfg, &admin, &shared, &shutdown, hold).await?;
     let mut bound = serde_json::Map::new();
     let outputs = start_outputs(
         &mut alert,

@@ -7,8 +7,8 @@ use std::time::Duration;
 use serde::{Deserialize, Deserializer};
 
 use super::loader::{CaptureConfig, LoadError};
-use super::procs::{Discovery, PidRule, WatchRule};
-use super::source::{EbpfConfig, EbpfSource};
+use super::procs::{Discovery, PidRule, Role, WatchRule};
+use super::source::{EbpfConfig, EbpfSource, HoldWindows};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -113,8 +113,8 @@ impl EbpfArgs {
     }
 
     /// See [`EbpfOptions::start`].
-    pub fn start(&self, node: Option<String>) -> Result<EbpfStart, LoadError> {
-        self.options().start(node)
+    pub fn start(&self, node: Option<String>, hold: HoldWindows) -> Result<EbpfStart, LoadError> {
+        self.options().start(node, hold)
     }
 }
 
@@ -143,12 +143,15 @@ impl EbpfOptions {
 
     /// Starts the source as the mode says. `Unavailable` only in `auto` mode (logged as a warning
     /// with the reason); with `on`, failing to load is an error.
-    pub fn start(&self, node: Option<String>) -> Result<EbpfStart, LoadError> {
+    pub fn start(&self, node: Option<String>, hold: HoldWindows) -> Result<EbpfStart, LoadError> {
         if self.mode == EbpfMode::Off {
             tracing::info!("eBPF source: off (--ebpf off)");
             return Ok(EbpfStart::Off);
         }
-        let cfg = self.config(node)?;
+        let cfg = EbpfConfig {
+            hold_windows: hold,
+            ..self.config(node)?
+        };
         match EbpfSource::start(cfg) {
             Ok(src) => {
                 tracing::info!("eBPF source: live");
@@ -222,6 +225,40 @@ mod tests {
     #[test]
     fn off_starts_nothing() {
         let t = T::try_parse_from(["x", "--ebpf", "off"]).unwrap();
-        assert!(matches!(t.e.start(None).unwrap(), EbpfStart::Off));
+        assert!(matches!(
+            t.e.start(None, HoldWindows::default()).unwrap(),
+            EbpfStart::Off
+        ));
+    }
+
+    /// A worker whose own timeout is at least the rule's window is named; SGLang's default
+    /// (300 s) under the default windows (330 s) is not.
+    #[test]
+    fn worker_timeouts_against_the_rules_windows() {
+        use super::super::procs::SglangTimeouts;
+        let w = HoldWindows {
+            decode_waits_for_kv: Some(Duration::from_secs(330)),
+            prefill_waits_for_decode: Some(Duration::from_secs(330)),
+        };
+        let set = |waiting: u64, bootstrap: u64| SglangTimeouts {
+            waiting: Some(Duration::from_secs(waiting)),
+            bootstrap: Some(Duration::from_secs(bootstrap)),
+        };
+        assert_eq!(w.beyond(Role::Decode, SglangTimeouts::default()), None);
+        assert_eq!(w.beyond(Role::Prefill, SglangTimeouts::default()), None);
+        let (var, timeout, rule, _) = w.beyond(Role::Decode, set(600, 1)).unwrap();
+        assert_eq!(
+            (var, timeout.as_secs(), rule),
+            (
+                "SGLANG_DISAGGREGATION_WAITING_TIMEOUT",
+                600,
+                "held-decode-slot"
+            )
+        );
+        let (_, _, rule, _) = w.beyond(Role::Prefill, set(1, 330)).unwrap();
+        assert_eq!(rule, "stranded-kv");
+        assert_eq!(w.beyond(Role::Router, set(900, 900)), None);
+        let off = HoldWindows::default();
+        assert_eq!(off.beyond(Role::Decode, set(900, 900)), None);
     }
 }

@@ -22,4 +22,4 @@ pub mod zmtp;
 pub use config::{EbpfArgs, EbpfMode, EbpfOptions, EbpfStart};
 pub use loader::{CaptureConfig, LoadError, Probes};
 pub use procs::{Discovery, PidRule, Role, WatchRule};
-pub use source::{EbpfConfig, EbpfSource, EbpfStats};
+pub use source::{EbpfConfig, EbpfSource, EbpfStats, HoldWindows};

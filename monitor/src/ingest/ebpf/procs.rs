@@ -13,6 +13,7 @@ use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::Path;
 use std::str::FromStr;
+use std::time::Duration;
 
 use crate::event::Stage;
 
@@ -275,6 +276,48 @@ fn parse_url_host_port(url: &str) -> Option<(String, u16)> {
         hostport.rsplit_once(':')?
     };
     Some((host.to_owned(), port.parse().ok()?))
+}
+
+/// SGLang's disaggregation timeouts as a worker's environment sets them (`srt/environ.py`:
+/// `SGLANG_DISAGGREGATION_WAITING_TIMEOUT`, how long decode waits for a room's KV, and
+/// `SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`, how long prefill waits for decode's destinations);
+/// `None` where the environment leaves SGLang's default.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SglangTimeouts {
+    pub waiting: Option<Duration>,
+    pub bootstrap: Option<Duration>,
+}
+
+/// SGLang's default for both timeouts (`environ.py`).
+pub const SGLANG_DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+
+impl SglangTimeouts {
+    /// From a NUL-separated `/proc/PID/environ`.
+    pub fn from_environ(raw: &[u8]) -> SglangTimeouts {
+        let mut t = SglangTimeouts::default();
+        for var in raw.split(|b| *b == 0) {
+            let Some((key, value)) = std::str::from_utf8(var)
+                .ok()
+                .and_then(|v| v.split_once('='))
+            else {
+                continue;
+            };
+            let secs = || value.trim().parse::<u64>().ok().map(Duration::from_secs);
+            match key {
+                "SGLANG_DISAGGREGATION_WAITING_TIMEOUT" => t.waiting = secs(),
+                "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT" => t.bootstrap = secs(),
+                _ => {}
+            }
+        }
+        t
+    }
+
+    /// What process `pid`'s environment sets (none readable: SGLang's defaults).
+    pub fn of(pid: u32) -> SglangTimeouts {
+        std::fs::read(format!("/proc/{pid}/environ"))
+            .map(|raw| SglangTimeouts::from_environ(&raw))
+            .unwrap_or_default()
+    }
 }
 
 /// NUL-separated `/proc/PID/cmdline` into arguments.
@@ -689,5 +732,16 @@ mod tests {
             parse_proc_net_tcp(v6)[0].local,
             "127.0.0.1:8080".parse().unwrap()
         );
+    }
+
+    #[test]
+    fn sglang_timeouts_from_the_environment() {
+        let t = SglangTimeouts::from_environ(
+            b"PATH=/bin\0SGLANG_DISAGGREGATION_WAITING_TIMEOUT=600\0SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT= 45 \0X=1=2\0",
+        );
+        assert_eq!(t.waiting, Some(Duration::from_secs(600)));
+        assert_eq!(t.bootstrap, Some(Duration::from_secs(45)));
+        let t = SglangTimeouts::from_environ(b"SGLANG_DISAGGREGATION_WAITING_TIMEOUT=soon\0\xff\0");
+        assert_eq!(t, SglangTimeouts::default());
     }
 }

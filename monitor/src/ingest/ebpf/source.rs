@@ -34,6 +34,47 @@ pub struct EbpfConfig {
     pub limits: TrackerLimits,
     /// Largest batch sent at once.
     pub max_batch: usize,
+    /// How long the rules give a worker to let go of a leg whose partner is gone, to compare
+    /// with the timeouts each SGLang worker's environment sets.
+    pub hold_windows: HoldWindows,
+}
+
+/// The windows of the rules that judge a held leg (`held-decode-slot`: decode waiting for KV,
+/// `stranded-kv`: prefill waiting for decode), where they are enabled. A worker whose own
+/// timeout is as long as the window holds legs that long by design: the rule would report
+/// SGLang's stock behaviour, so the source says so when it starts watching the worker.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct HoldWindows {
+    pub decode_waits_for_kv: Option<Duration>,
+    pub prefill_waits_for_decode: Option<Duration>,
+}
+
+impl HoldWindows {
+    /// What the rule named `rule` should be told about a worker of `role` with `timeouts`, if
+    /// anything: (the environment variable, the worker's timeout, the rule, its window).
+    pub fn beyond(
+        &self,
+        role: Role,
+        timeouts: procs::SglangTimeouts,
+    ) -> Option<(&'static str, Duration, &'static str, Duration)> {
+        let (var, timeout, rule, window) = match role {
+            Role::Decode => (
+                "SGLANG_DISAGGREGATION_WAITING_TIMEOUT",
+                timeouts.waiting,
+                "held-decode-slot",
+                self.decode_waits_for_kv?,
+            ),
+            Role::Prefill => (
+                "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT",
+                timeouts.bootstrap,
+                "stranded-kv",
+                self.prefill_waits_for_decode?,
+            ),
+            _ => return None,
+        };
+        let timeout = timeout.unwrap_or(procs::SGLANG_DEFAULT_TIMEOUT);
+        (timeout >= window).then_some((var, timeout, rule, window))
+    }
 }
 
 impl Default for EbpfConfig {
@@ -45,6 +86,7 @@ impl Default for EbpfConfig {
             rescan_every: Duration::from_secs(2),
             limits: TrackerLimits::default(),
             max_batch: 1024,
+            hold_windows: HoldWindows::default(),
         }
     }
 }
@@ -260,6 +302,22 @@ impl Inner {
         let first = self.watched.insert(pid, role).is_none();
         if first {
             tracing::info!(pid, role = role.as_str(), "eBPF: watching process");
+            let timeouts = procs::SglangTimeouts::of(pid);
+            if let Some((var, timeout, rule, window)) = self.cfg.hold_windows.beyond(role, timeouts)
+            {
+                tracing::warn!(
+                    pid,
+                    role = role.as_str(),
+                    timeout_s = timeout.as_secs(),
+                    window_s = window.as_secs(),
+                    "eBPF: this SGLang worker lets go of a leg whose partner is gone after {var}={} s, \
+                     no sooner than {rule} gives it ({} s): the rule would report its stock \
+                     behaviour; patch {rule}'s `within` to the timeout plus 30 s \
+                     (docs/advancement.md, \"Windows\")",
+                    timeout.as_secs(),
+                    window.as_secs(),
+                );
+            }
         }
         if role == Role::Router
             && let Some(args) = procs::read_cmdline(pid)
