@@ -128,7 +128,8 @@ pub struct RouterStats {
     pub decode_legs: AtomicU64,
     /// Decode legs left running after prefill failed (concurrent-no-cancel, handoff).
     pub decode_legs_after_prefill_failure: AtomicU64,
-    /// Decode legs withdrawn (their connection closed before an answer; concurrent-cancel).
+    /// Decode legs withdrawn (their connection closed before the answer ended; a streamed
+    /// decode answers its status line at once; concurrent-cancel).
     pub decode_legs_cancelled: AtomicU64,
     /// Of those, legs still in transit when withdrawn: delivered, then closed at once.
     pub decode_legs_cancelled_in_transit: AtomicU64,
@@ -709,6 +710,20 @@ impl DecodeLeg {
         }
     }
 
+    /// A cancelled leg's end: its connection closed, counted as withdrawn also when decode's
+    /// answer had already started (a streamed answer's status line comes at once), which is
+    /// dropped here. Runs on its own; await it to wait for the close.
+    fn withdrawn(self, rt: Shared) -> tokio::task::JoinHandle<()> {
+        tokio::spawn(async move {
+            if let Leg::Resp(r) = self.join().await {
+                drop(r);
+                rt.stats
+                    .decode_legs_cancelled
+                    .fetch_add(1, Ordering::Relaxed);
+            }
+        })
+    }
+
     /// The leg's answer (`Failed` once withdrawn); a withdrawn leg is closed when this returns.
     async fn join(mut self) -> Leg {
         match (&mut self.task).await {
@@ -973,6 +988,7 @@ async fn route_inner(
             if !pstatus.is_success() {
                 // The fix: prefill's error withdraws the decode leg before anything else.
                 leg.cancel();
+                let leg = leg.withdrawn(rt.clone());
                 rt.stats.prefill_rejections.fetch_add(1, Ordering::Relaxed);
                 span.events.push(ev("Received concurrent requests", vec![]));
                 let mut resp = buffered(prefill_resp).await;
@@ -982,7 +998,7 @@ async fn route_inner(
                 );
                 if pstatus == StatusCode::SERVICE_UNAVAILABLE && attempt + 1 < attempts {
                     // The next attempt (new room) starts once this one's decode leg is closed.
-                    let _ = leg.join().await;
+                    let _ = leg.await;
                     last = Some(resp);
                     continue;
                 }

@@ -413,7 +413,7 @@ pub(super) struct PrefillPeer {
 }
 
 impl Worker {
-    /// The rank address this prefill announces (`--advertise-kv-port` puts a tap in front).
+    /// The rank address this worker announces (`--advertise-kv-port` puts a tap in front).
     pub(super) fn advertised_rank(&self) -> SocketAddr {
         SocketAddr::new(
             self.kv_addr.ip(),
@@ -558,7 +558,7 @@ impl Worker {
         let mut t = self.decode.lock().expect("decode lock");
         Registration {
             ip: self.kv_addr.ip().to_string(),
-            port: self.kv_addr.port(),
+            port: self.advertised_rank().port(),
             session_id: self.session_id(),
             kv_ptrs: t.kv_ptrs.to_vec(),
             aux_ptrs: vec![t.aux_ptr],

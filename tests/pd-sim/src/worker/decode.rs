@@ -24,6 +24,12 @@ const KV_BASES: [u64; 2] = [0x7f00_0000_0000, 0x7f40_0000_0000];
 const AUX_BASE: u64 = 0x7f80_0000_0000;
 /// Metadata slots (`req_to_metadata_buffer_idx_allocator`).
 const AUX_SLOTS: u64 = 4096;
+/// How long an ended room's pages stay its own.
+const PAGE_GRACE: Duration = Duration::from_secs(5);
+/// Pages decode hands out (page size 1). More than a real pool, so that pd-sim, which never
+/// makes a request wait for KV space, does not have to hand out pages still in use: the
+/// destinations' indices stay apart, and the bytes landing in them are the room's.
+const PAGES: u64 = 1 << 24;
 
 pub(super) struct DecodeRoom {
     status: KvPoll,
@@ -35,11 +41,13 @@ pub(super) struct DecodeTable {
     rooms: HashMap<u64, DecodeRoom>,
     pub(super) kv_ptrs: [u64; 2],
     pub(super) aux_ptr: u64,
-    /// KV pool size in pages (page size 1).
+    /// Pages it hands out ([`PAGES`], or more).
     pool: u64,
     cursor: u64,
     /// First page → (pages, room).
     pages: BTreeMap<u64, (u64, u64)>,
+    /// When rooms that ended did (their pages stay theirs for a while: see `allocate`).
+    ended: HashMap<u64, Instant>,
     aux_next: u64,
     aux_owner: HashMap<u64, u64>,
     /// Bytes per token of one KV buffer, once known.
@@ -52,9 +60,10 @@ impl DecodeTable {
             rooms: HashMap::new(),
             kv_ptrs: KV_BASES,
             aux_ptr: AUX_BASE,
-            pool: pool.max(1),
+            pool: pool.max(PAGES),
             cursor: 0,
             pages: BTreeMap::new(),
+            ended: HashMap::new(),
             aux_next: 0,
             aux_owner: HashMap::new(),
             item_len: 0,
@@ -71,31 +80,60 @@ impl DecodeTable {
         self.item_len
     }
 
-    /// Contiguous pages for `n` tokens and a metadata slot, owned by `room`. pd-sim never runs
-    /// out: the pool wraps, and a newer room takes the pages over. A room keeps its pages after
-    /// it ends, until they are taken over: bytes the transfer engine delivers after the status
-    /// (another socket, no ordering between them) still count as the room's.
+    /// Contiguous pages for `n` tokens and a metadata slot, owned by `room`. Pages of a room
+    /// still receiving, or that ended less than [`PAGE_GRACE`] ago, are not handed out again
+    /// (unless every page is: pd-sim never refuses, it overlaps then). The grace is for bytes
+    /// the transfer engine delivers after the status (another socket, no ordering between
+    /// them): they still count as the room's.
     fn allocate(&mut self, room: u64, n: u64) -> (u64, u64) {
         let n = n.clamp(1, self.pool);
-        if self.cursor + n > self.pool {
-            self.cursor = 0;
-        }
-        let start = self.cursor;
-        self.cursor += n;
-        // Ranges never overlap: the ones this one covers start inside it, or just before.
-        let mut overlapping: Vec<u64> = self
-            .pages
-            .range(start..start + n)
-            .map(|(s, _)| *s)
-            .collect();
-        if let Some((s, (len, _))) = self.pages.range(..start).next_back()
-            && s + len > start
-        {
-            overlapping.push(*s);
-        }
-        for s in overlapping {
-            self.pages.remove(&s);
-        }
+        let mut walked = 0u64;
+        let start = loop {
+            if self.cursor + n > self.pool {
+                walked += self.pool - self.cursor;
+                self.cursor = 0;
+            }
+            let start = self.cursor;
+            // Ranges never overlap: the ones this one covers start inside it, or just before.
+            let mut covered: Vec<u64> = self
+                .pages
+                .range(start..start + n)
+                .map(|(s, _)| *s)
+                .collect();
+            if let Some((s, (len, _))) = self.pages.range(..start).next_back()
+                && s + len > start
+            {
+                covered.push(*s);
+            }
+            let now = Instant::now();
+            let busy = covered
+                .iter()
+                .filter(|s| {
+                    let r = self.pages[s].1;
+                    self.rooms.contains_key(&r)
+                        || self
+                            .ended
+                            .get(&r)
+                            .is_some_and(|t| now.duration_since(*t) < PAGE_GRACE)
+                })
+                .map(|s| s + self.pages[s].0)
+                .max();
+            match busy {
+                Some(end) if walked < self.pool => {
+                    walked += end - self.cursor;
+                    self.cursor = end;
+                }
+                _ => {
+                    for s in covered {
+                        if let Some((_, r)) = self.pages.remove(&s) {
+                            self.ended.remove(&r);
+                        }
+                    }
+                    break start;
+                }
+            }
+        };
+        self.cursor = start + n;
         self.pages.insert(start, (n, room));
         let aux = self.aux_next % AUX_SLOTS;
         self.aux_next += 1;
@@ -295,7 +333,7 @@ impl Worker {
         self.pushers
             .send(
                 peer,
-                &abort_frames(room, &ip, self.kv_addr.port(), generation),
+                &abort_frames(room, &ip, self.advertised_rank().port(), generation),
             )
             .await;
         self.stats.abort_frames.fetch_add(1, Ordering::Relaxed);
@@ -314,7 +352,7 @@ impl Worker {
         let d = Destinations {
             room,
             ip: self.kv_addr.ip().to_string(),
-            port: self.kv_addr.port(),
+            port: self.advertised_rank().port(),
             session_id: self.session_id(),
             kv_indices: vec![start as i32],
             aux_index: Some(aux),
@@ -388,7 +426,10 @@ impl Worker {
         if self.policy == AllocationPolicy::PrefillComplete {
             let ip = self.kv_addr.ip().to_string();
             self.pushers
-                .send(peer.rank, &bootstrap_frames(room, &ip, self.kv_addr.port()))
+                .send(
+                    peer.rank,
+                    &bootstrap_frames(room, &ip, self.advertised_rank().port()),
+                )
                 .await;
             self.stats.bootstrap_frames.fetch_add(1, Ordering::Relaxed);
             let now = now_ns();
@@ -439,7 +480,7 @@ impl Worker {
         let d = Destinations {
             room,
             ip: self.kv_addr.ip().to_string(),
-            port: self.kv_addr.port(),
+            port: self.advertised_rank().port(),
             session_id: self.session_id(),
             kv_indices: (start..start + n).map(|i| i as i32).collect(),
             aux_index: Some(aux),
@@ -495,7 +536,9 @@ impl Worker {
 
     /// The receiver is done with `room`: it leaves `request_status`.
     fn d_clear(&self, room: u64) {
-        self.decode.lock().expect("decode lock").rooms.remove(&room);
+        let mut t = self.decode.lock().expect("decode lock");
+        t.rooms.remove(&room);
+        t.ended.insert(room, Instant::now());
     }
 
     /// Record how a decode sub-request ended: `outcome`, or `cancel-ignored` (with `outcome` as
@@ -971,5 +1014,50 @@ impl Worker {
             });
         }
         a
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn live(t: &mut DecodeTable, room: u64) {
+        t.rooms.insert(
+            room,
+            DecodeRoom {
+                status: KvPoll::WaitingForInput,
+                wake: Arc::new(Notify::new()),
+                failure: None,
+            },
+        );
+    }
+
+    #[test]
+    fn pages_of_a_live_room_are_not_handed_out_again_and_addresses_find_their_room() {
+        let mut t = DecodeTable::new(10);
+        t.pool = 10;
+        t.kv_item_len(8);
+        live(&mut t, 1);
+        let (a, _) = t.allocate(1, 6);
+        assert_eq!(a, 0);
+        live(&mut t, 2);
+        // 6 + 6 > 10: wraps, but pages 0..6 are room 1's: room 2 goes after them.
+        let (b, aux) = t.allocate(2, 4);
+        assert_eq!(b, 6);
+        assert_eq!(t.owner_of(KV_BASES[1] + 7 * 4), Some(2));
+        assert_eq!(t.owner_of(KV_BASES[0] + 5 * 4), Some(1));
+        assert_eq!(t.owner_of(AUX_BASE + aux * AUX_ITEM_LEN), Some(2));
+        assert_eq!(t.owner_of(12), None);
+        // Room 1 ended long ago: its pages go to the next room, which then owns them.
+        t.rooms.remove(&1);
+        t.ended.insert(1, Instant::now() - PAGE_GRACE);
+        live(&mut t, 3);
+        let (c, _) = t.allocate(3, 5);
+        assert_eq!(c, 0);
+        assert_eq!(t.owner_of(KV_BASES[0]), Some(3));
+        // Every page busy: pd-sim overlaps rather than refuse.
+        live(&mut t, 4);
+        let (d, _) = t.allocate(4, 10);
+        assert_eq!(d, 0);
     }
 }

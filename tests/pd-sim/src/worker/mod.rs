@@ -164,7 +164,8 @@ pub struct WorkerArgs {
     /// ZMTP PULL port of the KV control channel, SGLang's `rank_port` (0 = ephemeral).
     #[arg(long, default_value_t = 0)]
     pub kv_port: u16,
-    /// Prefill: rank port announced by its registration (put a tap/proxy in front of the real one).
+    /// The rank port this worker announces (prefill: in its registration; decode: in its
+    /// registration, destinations, BOOTSTRAP and ABORT frames), to put a tap in front of it.
     #[arg(long)]
     pub advertise_kv_port: Option<u16>,
     /// Decode: port of its transfer engine (Mooncake TE's TCP transport; 0 = ephemeral). Its
