@@ -43,9 +43,22 @@ pub struct ClusterArgs {
     /// Prefill's ZMTP PULL port (announced by the bootstrap server as `rank_port`).
     #[arg(long, default_value_t = 30011)]
     pub prefill_kv_port: u16,
-    /// Decode's ZMTP PULL port (sent in BOOTSTRAP frames).
+    /// Decode's ZMTP PULL port (its `rank_port`, named in its registration, destinations and
+    /// ABORTs).
     #[arg(long, default_value_t = 30012)]
     pub decode_kv_port: u16,
+    /// Decode's transfer engine port (its Mooncake session id names it; prefill writes the KV
+    /// there).
+    #[arg(long, default_value_t = 30022)]
+    pub decode_te_port: u16,
+    /// SGLang's --disaggregation-decode-allocation-policy, given to both workers.
+    #[arg(
+        long = "decode-allocation-policy",
+        visible_alias = "disaggregation-decode-allocation-policy",
+        value_enum,
+        default_value_t = crate::worker::AllocationPolicy::Early
+    )]
+    pub decode_allocation_policy: crate::worker::AllocationPolicy,
     /// vLLM flavour: prefill's side-channel port (`kv_transfer_params.remote_port`).
     #[arg(long, default_value_t = 5600)]
     pub prefill_side_channel_port: u16,
@@ -212,8 +225,16 @@ pub async fn run(a: ClusterArgs) -> anyhow::Result<()> {
             "--max-req-input-len".into(),
             "4096".into(),
         ];
+        pargs.extend([
+            "--decode-allocation-policy".to_string(),
+            a.decode_allocation_policy.as_str().to_string(),
+        ]);
         if a.mode == Mode::HandoffAfterReject {
             pargs.push("--transfer-after-reject".into());
+        }
+        if !a.no_router && matches!(a.mode, Mode::Correct | Mode::HandoffAfterReject) {
+            // The sequential modes wait for prefill's verdict before they contact decode.
+            pargs.push("--status-at-admission".into());
         }
         pargs.extend(common.clone());
         pargs.extend(prefill_faults.to_args());
@@ -235,6 +256,10 @@ pub async fn run(a: ClusterArgs) -> anyhow::Result<()> {
             port(a.decode_port).to_string(),
             "--kv-port".into(),
             port(a.decode_kv_port).to_string(),
+            "--te-port".into(),
+            port(a.decode_te_port).to_string(),
+            "--decode-allocation-policy".into(),
+            a.decode_allocation_policy.as_str().to_string(),
             "--context-length".into(),
             "32768".into(),
             "--max-total-num-tokens".into(),
@@ -287,6 +312,12 @@ pub async fn run(a: ClusterArgs) -> anyhow::Result<()> {
             ("bootstrap_port", "prefill", "bootstrap_port"),
             ("prefill_kv_port", "prefill", "kv_port"),
             ("decode_kv_port", "decode", "kv_port"),
+            ("decode_te_port", "decode", "te_port"),
+            (
+                "decode_allocation_policy",
+                "decode",
+                "decode_allocation_policy",
+            ),
         ],
         ("bootstrap port", "bootstrap_port"),
     )?;

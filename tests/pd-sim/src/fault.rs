@@ -1,5 +1,6 @@
 //! Isolation breaches on demand (`--fault NAME --fault-rate R`), so the demo and the tests can
-//! show each invariant being broken; without `--fault` the cluster stays clean.
+//! show each invariant being broken; without `--fault` the cluster stays clean. Each plays out on
+//! SGLang 0.5.23's wire protocol (see `crate::kvlink`).
 //!
 //! - `room-collision`: the router, for a share of its attempts, sends both legs on the room of
 //!   an attempt of another request that just succeeded, as a router that keeps client-supplied
@@ -7,28 +8,42 @@
 //!   reused, so the simulated workers (which key a transfer by its room) serve both requests;
 //!   the wire shows two x-request-ids on one room. The router's `/sim/stats` lists each reused
 //!   room in `collided_rooms`.
-//! - `unknown-room`: decode, for a share of its legs, also sends prefill a `BOOTSTRAP` for a room
-//!   nobody created (what a client talking to prefill's KV port directly does: orphan rooms that
-//!   prefill keeps transfer state for). Decode's `/sim/rooms` lists each injected room with
-//!   outcome `injected-unknown-room`: the oracle for what a monitor must report.
-//! - `success-after-abort`: prefill, for a share of its rooms, aborts during the KV transfer (the
-//!   KV chunks go, `KV_DONE` never does; its spans report the abort) and still answers 200 with
-//!   a normal finish reason (SGLang #33507). Prefill's room log: `injected-success-after-abort`.
+//! - `unknown-room`: decode, for a share of its legs, also sends prefill destinations (the
+//!   10-frame message) for a room nobody created, straight to prefill's rank port (what a client
+//!   talking to it directly does, SGLang #39428: prefill keeps `transfer_infos` and a
+//!   WaitingForInput status for it that nothing ever clears). Decode's `/sim/rooms` lists each
+//!   injected room with outcome `injected-unknown-room`: the oracle for what a monitor must report.
+//! - `success-after-abort`: prefill, for a share of its rooms, fails the transfer it started (part
+//!   of the KV goes through the transfer engine, then the status `[room, "0", rank]`), reports the
+//!   abort in its spans and still answers 200 with a normal finish reason (SGLang #33507). Decode
+//!   fails the room (500), sends `ABORT` with a generation and gets `ABORT_ACK`. Prefill's room
+//!   log: `injected-success-after-abort`.
 //! - `stranded-kv`: one side of a pair ends and the other holds the request for
 //!   `--fault-hold-ms`. Which rooms and which side follow from the room itself, so prefill and
 //!   decode (separate processes) agree: on half of the hit rooms decode gives up at once (answers
-//!   an abort, never bootstraps) and prefill keeps waiting for it; on the other half prefill
-//!   aborts at once and decode keeps waiting for KV that cannot come. The holding side's room
-//!   log: `injected-stranded-kv`.
+//!   an abort, never publishes destinations) and prefill's sender keeps waiting for them; on the
+//!   other half prefill aborts its sender at once and decode, told nothing under `early`
+//!   (`common/conn.py:2458`), keeps waiting for KV that cannot come, then sends `ABORT`. The
+//!   holding side's room log: `injected-stranded-kv`. (Under `prefill_complete` prefill's abort
+//!   reaches decode as `[room, "0", rank]`, so decode is not stranded.)
 //! - `foreign-route-put`: for a share of its requests prefill first registers its own rank
 //!   again (`PUT /route` to its own bootstrap server, as SGLang's ranks do: a member's write),
 //!   then has a process that is none of the cluster's write there: `pd-sim cluster` (not a
 //!   worker, and not the parent of any process a monitor follows into its children) spawns a
 //!   short-lived `pd-sim intrude`, which `PUT`s `/route` (SGLang #39400: the bootstrap server
-//!   takes unauthenticated writes) with the address prefill advertises, so the cluster keeps
-//!   working. The bootstrap server counts each intruder's write in prefill's `/sim/stats`
-//!   (`worker.foreign_route_puts`) and on the room that caused it (`/sim/rooms`:
+//!   takes unauthenticated writes) with SGLang's registration of the rank prefill advertises, so
+//!   the cluster keeps working. The bootstrap server counts each intruder's write in prefill's
+//!   `/sim/stats` (`worker.foreign_route_puts`) and on the room that caused it (`/sim/rooms`:
 //!   `foreign_route_puts`); the intruder's write names no room itself.
+//! - `stub-intake`: SGLang ≤ 0.5.20 at prefill's intake. A request the scheduler refuses
+//!   (`Input length … exceeds the maximum allowed length`, or over the KV capacity) keeps a
+//!   one-token stub (`set_finish_with_abort`, `managers/schedule_batch.py:2221`) and still gets a
+//!   sender: it waits for decode's destinations, runs its forward, moves the stub's KV and sends
+//!   Success, and only then is its refusal answered (400, or 200 with the abort chunk when
+//!   streamed). Decode, which got Success, generates and answers. 0.5.23 retires such requests
+//!   at the door (`disaggregation/prefill.py:452`). Prefill's room log:
+//!   `injected-stub-intake`. Needs a router that sends both legs at once (the refusal comes after
+//!   decode's destinations).
 
 use std::net::{IpAddr, SocketAddr};
 
@@ -43,6 +58,7 @@ pub enum Fault {
     SuccessAfterAbort,
     StrandedKv,
     ForeignRoutePut,
+    StubIntake,
 }
 
 impl Fault {
@@ -53,6 +69,7 @@ impl Fault {
             Fault::SuccessAfterAbort => "success-after-abort",
             Fault::StrandedKv => "stranded-kv",
             Fault::ForeignRoutePut => "foreign-route-put",
+            Fault::StubIntake => "stub-intake",
         }
     }
 
@@ -64,6 +81,7 @@ impl Fault {
             Fault::SuccessAfterAbort => "injected-success-after-abort",
             Fault::StrandedKv => "injected-stranded-kv",
             Fault::ForeignRoutePut => "injected-foreign-route-put",
+            Fault::StubIntake => "injected-stub-intake",
         }
     }
 }
@@ -80,7 +98,7 @@ pub enum Holder {
 #[derive(clap::Args, Clone, Debug, Default)]
 pub struct FaultArgs {
     /// Isolation breach to inject (repeatable): room-collision, unknown-room,
-    /// success-after-abort, stranded-kv, foreign-route-put. None by default.
+    /// success-after-abort, stranded-kv, foreign-route-put, stub-intake. None by default.
     #[arg(long = "fault", value_enum)]
     pub faults: Vec<Fault>,
     /// Share (0..=1) of the requests each `--fault` hits.
@@ -165,29 +183,27 @@ pub struct IntrudeArgs {
     pub rank_ip: IpAddr,
     #[arg(long)]
     pub rank_port: u16,
+    /// Prefill's HTTP port, as its own registration names it.
+    #[arg(long)]
+    pub prefill_http_port: u16,
+    /// The cluster's allocation policy (the bootstrap server refuses another one).
+    #[arg(long, default_value = "early")]
+    pub decode_allocation_policy: String,
     /// The room of the request that caused this write: the bootstrap server counts the write
     /// on it (the oracle), the write itself names no room.
     #[arg(long)]
     pub room: u64,
 }
 
-/// The body of a registration, as SGLang's ranks `PUT` it; `injected_room` marks an intruder's.
-pub fn registration(rank_ip: IpAddr, rank_port: u16, injected_room: Option<u64>) -> String {
-    let mut body = serde_json::json!({
-        "role": "Prefill",
-        "rank_ip": rank_ip.to_string(),
-        "rank_port": rank_port,
-        "engine_rank": 0,
-    });
-    if let Some(r) = injected_room {
-        body["injected_room"] = r.into();
-    }
-    body.to_string()
-}
-
 pub fn intrude(a: &IntrudeArgs) -> anyhow::Result<()> {
     use std::io::{Read, Write};
-    let body = registration(a.rank_ip, a.rank_port, Some(a.room));
+    let body = crate::worker::registration_body(
+        a.rank_ip,
+        a.rank_port,
+        a.prefill_http_port,
+        &a.decode_allocation_policy,
+        Some(a.room),
+    );
     let mut s =
         std::net::TcpStream::connect_timeout(&a.bootstrap, std::time::Duration::from_secs(5))?;
     s.set_read_timeout(Some(std::time::Duration::from_secs(5)))?;
@@ -206,9 +222,16 @@ pub fn intrude(a: &IntrudeArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Asks the cluster for an intruder's write caused by `room`, to register `rank`.
-pub fn request_intruder(launcher: SocketAddr, room: u64, rank: SocketAddr) {
-    let msg = format!("{room} {} {}", rank.ip(), rank.port());
+/// Asks the cluster for an intruder's write caused by `room`, to register `rank` (with
+/// prefill's HTTP port and allocation policy, as its own registration says).
+pub fn request_intruder(
+    launcher: SocketAddr,
+    room: u64,
+    rank: SocketAddr,
+    http_port: u16,
+    policy: &str,
+) {
+    let msg = format!("{room} {} {} {http_port} {policy}", rank.ip(), rank.port());
     match std::net::UdpSocket::bind(("127.0.0.1", 0))
         .and_then(|s| s.send_to(msg.as_bytes(), launcher))
     {
@@ -228,7 +251,9 @@ pub async fn launch_intruders(sock: tokio::net::UdpSocket, bootstrap: SocketAddr
         };
         let msg = String::from_utf8_lossy(&buf[..n]).into_owned();
         let mut it = msg.split_whitespace();
-        let (Some(room), Some(ip), Some(port)) = (it.next(), it.next(), it.next()) else {
+        let (Some(room), Some(ip), Some(port), Some(http), Some(policy)) =
+            (it.next(), it.next(), it.next(), it.next(), it.next())
+        else {
             tracing::warn!(%msg, "foreign-route-put: bad intruder request");
             continue;
         };
@@ -239,6 +264,10 @@ pub async fn launch_intruders(sock: tokio::net::UdpSocket, bootstrap: SocketAddr
             ip.to_string(),
             "--rank-port".to_string(),
             port.to_string(),
+            "--prefill-http-port".to_string(),
+            http.to_string(),
+            "--decode-allocation-policy".to_string(),
+            policy.to_string(),
             "--room".to_string(),
             room.to_string(),
         ];
@@ -352,16 +381,23 @@ mod tests {
     }
 
     #[test]
-    fn an_intruders_registration_is_marked_and_names_no_room() {
+    fn an_intruders_registration_is_sglangs_marked_and_names_no_room() {
         let ip: IpAddr = "127.0.0.1".parse().unwrap();
-        let own: serde_json::Value = serde_json::from_str(&registration(ip, 30011, None)).unwrap();
-        assert_eq!(own["role"], "Prefill");
-        assert_eq!(own["rank_port"], 30011);
-        assert!(own.get("injected_room").is_none());
-        let foreign = registration(ip, 30011, Some(42));
+        let own = crate::worker::registration_body(ip, 30011, 30001, "early", None);
+        assert!(
+            own.starts_with(r#"{"attn_tp_size": 1, "attn_tp_rank": 0, "#),
+            "Python's json.dumps layout, SGLang's key order: {own}"
+        );
+        let v: serde_json::Value = serde_json::from_str(&own).unwrap();
+        assert_eq!(v["rank_port"], 30011);
+        assert_eq!(v["prefill_http_port"], 30001);
+        assert_eq!(v["decode_allocation_policy"], "early");
+        assert!(v.get("injected_room").is_none());
+        let foreign = crate::worker::registration_body(ip, 30011, 30001, "early", Some(42));
         let v: serde_json::Value = serde_json::from_str(&foreign).unwrap();
         assert_eq!(v["injected_room"], 42);
-        // A monitor reads rooms from `bootstrap_room`: the intruder's write names none.
-        assert!(!foreign.contains("bootstrap_room"));
+        // A monitor reads rooms from a `bootstrap_room` key: the intruder's write has none
+        // (SGLang's own registration does say `"load_balance_method": "follow_bootstrap_room"`).
+        assert!(!foreign.contains(r#""bootstrap_room""#));
     }
 }

@@ -81,3 +81,83 @@ pub fn json_response(status: StatusCode, body: String) -> Response {
     );
     r
 }
+
+/// `serde_json` output in the layout of Python's `json.dumps` defaults (`", "` and `": "`
+/// separators, non-ASCII escaped): what `requests.put(json=…)`, aiohttp's `json_response` and
+/// SGLang's `create_streaming_error_response` put on the wire. Key order is the value's own
+/// (structs keep their field order; `serde_json::Value` maps are sorted).
+pub fn py_json<T: serde::Serialize + ?Sized>(v: &T) -> String {
+    struct Py;
+    impl serde_json::ser::Formatter for Py {
+        fn begin_array_value<W: ?Sized + std::io::Write>(
+            &mut self,
+            w: &mut W,
+            first: bool,
+        ) -> std::io::Result<()> {
+            if first { Ok(()) } else { w.write_all(b", ") }
+        }
+        fn begin_object_key<W: ?Sized + std::io::Write>(
+            &mut self,
+            w: &mut W,
+            first: bool,
+        ) -> std::io::Result<()> {
+            if first { Ok(()) } else { w.write_all(b", ") }
+        }
+        fn begin_object_value<W: ?Sized + std::io::Write>(
+            &mut self,
+            w: &mut W,
+        ) -> std::io::Result<()> {
+            w.write_all(b": ")
+        }
+        fn write_string_fragment<W: ?Sized + std::io::Write>(
+            &mut self,
+            w: &mut W,
+            fragment: &str,
+        ) -> std::io::Result<()> {
+            // ensure_ascii=True: anything past ASCII as \uXXXX (UTF-16 units).
+            for c in fragment.chars() {
+                if c.is_ascii() {
+                    w.write_all(&[c as u8])?;
+                } else {
+                    let mut units = [0u16; 2];
+                    for u in c.encode_utf16(&mut units) {
+                        write!(w, "\\u{u:04x}")?;
+                    }
+                }
+            }
+            Ok(())
+        }
+    }
+    let mut out = Vec::new();
+    let mut ser = serde_json::Serializer::with_formatter(&mut out, Py);
+    if v.serialize(&mut ser).is_err() {
+        return "null".into();
+    }
+    String::from_utf8(out).unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn py_json_is_pythons_json_dumps() {
+        #[derive(serde::Serialize)]
+        struct E<'a> {
+            object: &'a str,
+            message: &'a str,
+            param: Option<u8>,
+            code: u16,
+            list: [u8; 2],
+        }
+        let s = super::py_json(&E {
+            object: "error",
+            message: "caf\u{e9} \"x\"",
+            param: None,
+            code: 400,
+            list: [1, 2],
+        });
+        assert_eq!(
+            s,
+            r#"{"object": "error", "message": "caf\u00e9 \"x\"", "param": null, "code": 400, "list": [1, 2]}"#
+        );
+    }
+}

@@ -10,6 +10,7 @@ pub mod router;
 pub mod serve;
 pub mod smg;
 pub mod spans;
+pub mod te;
 pub mod trace_ctx;
 pub mod vllm;
 pub mod worker;

@@ -112,6 +112,9 @@ pub struct Summary {
     pub sent: u64,
     pub ok: u64,
     pub rejected_by_status: BTreeMap<u16, u64>,
+    /// Streamed answers with status 200 that carry an error (SGLang's `data: {"error": …}` or a
+    /// chunk whose `finish_reason` is an abort with a status code), by that code. Not in `ok`.
+    pub failed_in_stream: BTreeMap<u16, u64>,
     pub errors: u64,
     /// Transport failures by kind: connect, request, body, timeout.
     pub errors_by_kind: BTreeMap<String, u64>,
@@ -123,6 +126,31 @@ pub struct Summary {
     pub latency_ms_p50: f64,
     pub latency_ms_p99: f64,
     pub latency_ms_max: f64,
+}
+
+/// The status code of the error a streamed (SSE) answer carries, if any: SGLang's
+/// `data: {"error": {…, "code": N}}` event, or a chunk whose `meta_info.finish_reason` is an
+/// abort with a `status_code`.
+pub fn stream_error_code(body: &[u8]) -> Option<u16> {
+    let text = std::str::from_utf8(body).ok()?;
+    for line in text.lines() {
+        let Some(data) = line.strip_prefix("data: ") else {
+            continue;
+        };
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(data) else {
+            continue;
+        };
+        if let Some(e) = v.get("error") {
+            return Some(e.get("code").and_then(|c| c.as_u64()).unwrap_or(400) as u16);
+        }
+        let fr = &v["meta_info"]["finish_reason"];
+        if fr["type"] == "abort"
+            && let Some(code) = fr["status_code"].as_u64()
+        {
+            return Some(code as u16);
+        }
+    }
+    None
 }
 
 #[derive(Default)]
@@ -179,8 +207,10 @@ pub async fn run(args: LoadArgs) -> anyhow::Result<Summary> {
     let client = http_client(args.max_inflight);
     let sem = Arc::new(Semaphore::new(args.max_inflight.max(1)));
     let counters = Arc::new(Counters::default());
-    let (lat_tx, mut lat_rx) =
-        tokio::sync::mpsc::unbounded_channel::<(Result<u16, &'static str>, Duration)>();
+    let (lat_tx, mut lat_rx) = tokio::sync::mpsc::unbounded_channel::<(
+        Result<(u16, Option<u16>), &'static str>,
+        Duration,
+    )>();
     let first_error_logged = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let mut rng = SmallRng::seed_from_u64(args.seed);
     let start = Instant::now();
@@ -280,20 +310,29 @@ pub async fn run(args: LoadArgs) -> anyhow::Result<Summary> {
                     (kind, e.to_string())
                 })?;
                 let status = resp.status().as_u16();
-                resp.into_body().collect().await.map_err(|e| ("body", e.to_string()))?;
-                Ok::<u16, (&'static str, String)>(status)
+                let body = resp
+                    .into_body()
+                    .collect()
+                    .await
+                    .map_err(|e| ("body", e.to_string()))?
+                    .to_bytes();
+                // A streamed refusal is a 200 whose stream carries the error.
+                let in_stream = (stream && status == 200)
+                    .then(|| stream_error_code(&body))
+                    .flatten();
+                Ok::<(u16, Option<u16>), (&'static str, String)>((status, in_stream))
             })
             .await
             .unwrap_or_else(|_| Err(("timeout", "request timed out".to_string())));
             let el = t.elapsed();
             match res {
-                Ok(status) => {
-                    if (200..300).contains(&status) {
+                Ok((status, in_stream)) => {
+                    if (200..300).contains(&status) && in_stream.is_none() {
                         c.ok.fetch_add(1, Ordering::Relaxed);
                     } else {
                         c.rejected.fetch_add(1, Ordering::Relaxed);
                     }
-                    let _ = lat_tx.send((Ok(status), el));
+                    let _ = lat_tx.send((Ok((status, in_stream)), el));
                 }
                 Err((kind, msg)) => {
                     c.errors.fetch_add(1, Ordering::Relaxed);
@@ -325,7 +364,7 @@ pub async fn run(args: LoadArgs) -> anyhow::Result<Summary> {
     };
     while let Some((res, el)) = lat_rx.recv().await {
         summary.sent += 1;
-        let status = match res {
+        let (status, in_stream) = match res {
             Ok(s) => s,
             Err(kind) => {
                 summary.errors += 1;
@@ -334,7 +373,9 @@ pub async fn run(args: LoadArgs) -> anyhow::Result<Summary> {
             }
         };
         lat.push(el.as_secs_f64() * 1000.0);
-        if (200..300).contains(&status) {
+        if let Some(code) = in_stream {
+            *summary.failed_in_stream.entry(code).or_default() += 1;
+        } else if (200..300).contains(&status) {
             summary.ok += 1;
         } else {
             *summary.rejected_by_status.entry(status).or_default() += 1;
@@ -366,19 +407,25 @@ fn print_summary(s: &Summary) {
         .iter()
         .map(|(k, v)| format!("{k}: {v}"))
         .collect();
+    let in_stream: Vec<String> = s
+        .failed_in_stream
+        .iter()
+        .map(|(k, v)| format!("{k}: {v}"))
+        .collect();
     let errors: Vec<String> = s
         .errors_by_kind
         .iter()
         .map(|(k, v)| format!("{k}: {v}"))
         .collect();
     eprintln!(
-        "pd-sim load: sent {} in {:.2}s ({:.0} req/s, target {:.0}); ok {}; rejected {{{}}}; errors {} {{{}}}; over-capacity sent {}; streamed {}; latency p50 {:.2} ms p99 {:.2} ms max {:.2} ms",
+        "pd-sim load: sent {} in {:.2}s ({:.0} req/s, target {:.0}); ok {}; rejected {{{}}}; failed in stream {{{}}}; errors {} {{{}}}; over-capacity sent {}; streamed {}; latency p50 {:.2} ms p99 {:.2} ms max {:.2} ms",
         s.sent,
         s.duration_s,
         s.achieved_rate,
         s.target_rate,
         s.ok,
         rejected.join(", "),
+        in_stream.join(", "),
         s.errors,
         errors.join(", "),
         s.over_capacity_sent,

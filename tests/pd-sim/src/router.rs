@@ -3,7 +3,10 @@
 //! decode leg, `DecodeLeg` over `Wire`, exists only for it.)
 //!
 //! - `correct`: prefill first; decode is dispatched only once prefill admitted the request
-//!   (prefill answers its status line at admission). A rejection never reaches decode.
+//!   (`cluster` runs prefill with `--status-at-admission`: it answers its status line and
+//!   `x-pd-sim-admission` at its verdict, which for a streamed refusal is a 200). A refusal never
+//!   reaches decode. This is pd-sim's model of a correct router; with SGLang's own prefill
+//!   (status line at the end) a sequential router would wait for a transfer that needs decode.
 //! - `concurrent-no-cancel`: sglang-router 0.3.2. Both legs at once with the same body plus
 //!   `bootstrap_host`/`bootstrap_port`/`bootstrap_room` appended at the end of the JSON; when
 //!   prefill fails the decode leg is left running; a 503 is retried with a new room under the
@@ -13,7 +16,8 @@
 //!   (`--leg-jitter-us`); when prefill answers an error the decode leg is withdrawn (its own
 //!   TCP connection closed, never reused) and the client gets prefill's answer at once with
 //!   `x-smg-error-code`; a 503 is retried with a new room once the previous decode leg is
-//!   closed.
+//!   closed. Like smg, it looks at the status only: a streamed refusal (200 with an SSE error)
+//!   keeps its decode leg, and decode's answer is what the client gets.
 //! - `handoff-after-reject`: the disclosed bug. Prefill first; when prefill rejects, the
 //!   request is still handed to decode (and the cluster runs prefill with
 //!   `--transfer-after-reject`, so the rejected room's KV is transferred and decode generates).
@@ -124,7 +128,8 @@ pub struct RouterStats {
     pub decode_legs: AtomicU64,
     /// Decode legs left running after prefill failed (concurrent-no-cancel, handoff).
     pub decode_legs_after_prefill_failure: AtomicU64,
-    /// Decode legs withdrawn (their connection closed before an answer; concurrent-cancel).
+    /// Decode legs withdrawn (their connection closed before the answer ended; a streamed
+    /// decode answers its status line at once; concurrent-cancel).
     pub decode_legs_cancelled: AtomicU64,
     /// Of those, legs still in transit when withdrawn: delivered, then closed at once.
     pub decode_legs_cancelled_in_transit: AtomicU64,
@@ -306,6 +311,7 @@ pub async fn run(args: RouterArgs) -> anyhow::Result<()> {
     let app = Router::new()
         .route("/generate", post(generate))
         .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions", post(completions))
         .route("/health", get(|| async { StatusCode::OK }))
         .route("/readiness", get(|| async { StatusCode::OK }))
         .route("/server_info", get(server_info))
@@ -385,6 +391,21 @@ async fn generate(State(rt): State<Shared>, headers: HeaderMap, body: Bytes) -> 
 
 async fn chat(State(rt): State<Shared>, headers: HeaderMap, body: Bytes) -> Response {
     route(rt, "/v1/chat/completions", headers, body).await
+}
+
+async fn completions(State(rt): State<Shared>, headers: HeaderMap, body: Bytes) -> Response {
+    route(rt, "/v1/completions", headers, body).await
+}
+
+/// Whether prefill refused the attempt: an error status, or (a streamed refusal is a 200)
+/// the admission header a prefill run with `--status-at-admission` adds. Only the sequential
+/// modes look at the header; smg does not.
+fn refused_by_prefill(r: &hyper::Response<Incoming>, sequential: bool) -> bool {
+    !r.status().is_success()
+        || (sequential
+            && r.headers()
+                .get("x-pd-sim-admission")
+                .is_some_and(|v| v.as_bytes() == b"refused"))
 }
 
 /// smg names requests without an `x-request-id` `req-` + 24 alphanumerics (seen in its logs).
@@ -689,6 +710,20 @@ impl DecodeLeg {
         }
     }
 
+    /// A cancelled leg's end: its connection closed, counted as withdrawn also when decode's
+    /// answer had already started (a streamed answer's status line comes at once), which is
+    /// dropped here. Runs on its own; await it to wait for the close.
+    fn withdrawn(self, rt: Shared) -> tokio::task::JoinHandle<()> {
+        tokio::spawn(async move {
+            if let Leg::Resp(r) = self.join().await {
+                drop(r);
+                rt.stats
+                    .decode_legs_cancelled
+                    .fetch_add(1, Ordering::Relaxed);
+            }
+        })
+    }
+
     /// The leg's answer (`Failed` once withdrawn); a withdrawn leg is closed when this returns.
     async fn join(mut self) -> Leg {
         match (&mut self.task).await {
@@ -953,6 +988,7 @@ async fn route_inner(
             if !pstatus.is_success() {
                 // The fix: prefill's error withdraws the decode leg before anything else.
                 leg.cancel();
+                let leg = leg.withdrawn(rt.clone());
                 rt.stats.prefill_rejections.fetch_add(1, Ordering::Relaxed);
                 span.events.push(ev("Received concurrent requests", vec![]));
                 let mut resp = buffered(prefill_resp).await;
@@ -962,7 +998,7 @@ async fn route_inner(
                 );
                 if pstatus == StatusCode::SERVICE_UNAVAILABLE && attempt + 1 < attempts {
                     // The next attempt (new room) starts once this one's decode leg is closed.
-                    let _ = leg.join().await;
+                    let _ = leg.await;
                     last = Some(resp);
                     continue;
                 }
@@ -1029,7 +1065,8 @@ async fn route_inner(
             }
         };
         let pstatus = prefill_resp.status();
-        if !pstatus.is_success() {
+        let sequential = matches!(mode, Mode::Correct | Mode::HandoffAfterReject);
+        if refused_by_prefill(&prefill_resp, sequential) {
             rt.stats.prefill_rejections.fetch_add(1, Ordering::Relaxed);
             match (mode, decode_leg) {
                 (Mode::ConcurrentNoCancel, Some(d)) => {

@@ -9,6 +9,11 @@
 //!
 //! - [`OnClientGone::Cancel`] (SGLang's decode): the connection is dropped at once, which drops
 //!   the in-flight handler (its guards run) and closes the socket.
+//! - [`OnClientGone::Notify`] (SGLang's decode): the handler decides. A request whose answer is
+//!   already streaming is dropped at once (SGLang's generator is cancelled with the stream); a
+//!   request still being worked on goes on until its handler gives up
+//!   ([`ClientConn::close_now`], after SGLang's tokenizer noticed on its next poll), and then the
+//!   socket is closed without an answer.
 //! - [`OnClientGone::Ignore`]: the handler runs on as if the client were there; its answer gets
 //!   `connection: close`, is written on the socket, and the socket is closed after it.
 //!
@@ -38,6 +43,8 @@ use crate::ids::now_ns;
 pub enum OnClientGone {
     /// Drop the in-flight request and close the connection.
     Cancel,
+    /// Tell the handler; close once it gives up (at once for an answer already streaming).
+    Notify,
     /// Serve the request to its end and write the answer, then close.
     Ignore,
 }
@@ -47,9 +54,13 @@ pub enum OnClientGone {
 pub struct ConnState {
     /// Requests received whose answer (status line and headers) is not produced yet.
     active: AtomicU32,
+    /// Requests whose status line and headers went out and whose body has not ended.
+    heads: AtomicU32,
     /// When the client closed the connection with a request in flight (0: it did not).
     gone_ns: AtomicU64,
     gone: Notify,
+    /// A handler gave its request up ([`ClientConn::close_now`]).
+    close: Notify,
 }
 
 /// The request extension handlers take (`Option<Extension<ClientConn>>`).
@@ -63,6 +74,12 @@ impl ClientConn {
             0 => None,
             t => Some(t),
         }
+    }
+
+    /// The handler gave its request up after its client left: close the connection now,
+    /// without an answer ([`OnClientGone::Notify`]).
+    pub fn close_now(&self) {
+        self.0.close.notify_one();
     }
 }
 
@@ -146,11 +163,14 @@ impl AsyncWrite for Watched {
 }
 
 /// Decrements the in-flight count when a request's answer has been produced to its end (or
-/// the handler or the body is dropped).
-struct Active(Arc<ConnState>);
+/// the handler or the body is dropped), and the count of answers streaming.
+struct Active(Arc<ConnState>, bool);
 impl Drop for Active {
     fn drop(&mut self) {
         self.0.active.fetch_sub(1, Ordering::AcqRel);
+        if self.1 {
+            self.0.heads.fetch_sub(1, Ordering::AcqRel);
+        }
     }
 }
 
@@ -220,7 +240,7 @@ async fn serve_conn(tcp: TcpStream, app: axum::Router, on_gone: OnClientGone) {
     let svc = hyper::service::service_fn(move |mut req: Request<Incoming>| {
         let (st, mut app) = (st.clone(), app.clone());
         st.active.fetch_add(1, Ordering::AcqRel);
-        let active = Active(st.clone());
+        let mut active = Active(st.clone(), false);
         req.extensions_mut().insert(ClientConn(st.clone()));
         async move {
             let mut resp = match tower_service::Service::call(&mut app, req).await {
@@ -232,6 +252,8 @@ async fn serve_conn(tcp: TcpStream, app: axum::Router, on_gone: OnClientGone) {
                     .insert(header::CONNECTION, HeaderValue::from_static("close"));
             }
             // In flight until the body's end: a client leaving mid-stream is seen, too.
+            st.heads.fetch_add(1, Ordering::AcqRel);
+            active.1 = true;
             Ok::<_, Infallible>(resp.map(|inner| {
                 axum::body::Body::new(Tail {
                     inner,
@@ -246,6 +268,21 @@ async fn serve_conn(tcp: TcpStream, app: axum::Router, on_gone: OnClientGone) {
     match on_gone {
         OnClientGone::Ignore => {
             let _ = conn.await;
+        }
+        OnClientGone::Notify => {
+            tokio::pin!(conn);
+            loop {
+                tokio::select! {
+                    biased;
+                    _ = &mut conn => break,
+                    _ = state.close.notified() => break,
+                    _ = state.gone.notified() => {
+                        if state.heads.load(Ordering::Acquire) > 0 {
+                            break;
+                        }
+                    }
+                }
+            }
         }
         OnClientGone::Cancel => {
             // Polled first, so a request that came with the client's FIN has been handed to

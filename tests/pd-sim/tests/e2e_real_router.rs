@@ -13,6 +13,11 @@
 //! bootstraps the refused room with prefill, waits for KV that never comes, answers 500, and the
 //! router retries the whole request with a new room (same `x-request-id`, same trace id: smg
 //! propagates its trace context to both workers).
+//!
+//! On SGLang 0.5.23's wire protocol "bootstraps the refused room" means: decode looks prefill
+//! up (cached), allocates the room's KV and publishes its destinations (the 10-frame message);
+//! at its waiting timeout it sends ABORT, which prefill acknowledges. What revenant must make of
+//! those frames is its own parsing (these tests assert its verdicts).
 
 mod support;
 
@@ -187,9 +192,9 @@ async fn refused_request(
         prefill.len(),
         "a new bootstrap_room per attempt: {prefill:?}"
     );
-    // The decode leg was never cancelled: it bootstrapped every refused room with prefill.
+    // The decode leg was never cancelled: it published destinations for every refused room.
     assert!(
-        prefill.iter().all(|r| r["bootstrap_frames"] == 1),
+        prefill.iter().all(|r| r["destinations_received"] == 1),
         "{prefill:?}"
     );
     let n = prefill.len();

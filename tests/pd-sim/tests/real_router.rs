@@ -91,9 +91,12 @@ async fn real_smg_keeps_the_decode_leg_of_a_rejected_request_and_retries_with_ne
         .collect();
     assert!(!attempts.is_empty());
     assert!(attempts.iter().all(|r| r["status"] == 400), "{attempts:?}");
-    // The decode leg was never cancelled: BOOTSTRAP reached prefill for every rejected room.
+    // The decode leg was never cancelled: decode published its destinations to prefill for
+    // every rejected room (and prefill, which opened no sender, moved no KV).
     assert!(
-        attempts.iter().all(|r| r["bootstrap_frames"] == 1),
+        attempts
+            .iter()
+            .all(|r| r["destinations_received"] == 1 && r["kv_bytes_sent"] == 0),
         "{attempts:?}"
     );
     let rooms_p: HashSet<u64> = attempts

@@ -18,8 +18,12 @@
 //!   decode saw its connection close 0.3 ms (p50) after prefill's answer, p99 1.9-3.1 ms, max
 //!   3.1-4.1 ms (275 and 493 legs, 200 requests/s, release simulator); in this test (debug
 //!   simulator, revenant on eBPF, 2 shared cores) p50 1.1-1.3 ms, p99 5.6-6.4 ms, max 6.9-7.6 ms.
-//!   Decode then sends `ABORT` for the room. Some decode legs (4-16 %) are closed before decode
-//!   has read the request: decode never sees that attempt at all.
+//!   Decode then sends `ABORT` for the room (when SGLang's tokenizer next polls the connection
+//!   of a non-streamed request, every 4 s; at once for a streamed one). Some decode legs (4-16 %)
+//!   are closed before decode has read the request: decode never sees that attempt at all.
+//! - It withdraws decode only on an error status: a streamed refusal is a 200 with the error in
+//!   the stream (SGLang's `http_server`), so its decode leg stays, publishes destinations and
+//!   waits for KV that never comes (`smg_1_13_keeps_the_decode_leg_of_a_streamed_refusal`).
 //! - 400 (input over capacity): not retried; the client gets 400 with
 //!   `x-smg-error-code: prefill_bad_request` and prefill's message inside smg's error JSON.
 //!   503 (queue full): retried up to 5 attempts in all (`--retry-max-retries`, default 5), each
@@ -372,7 +376,10 @@ async fn smg_1_13_cancelled_decode_legs_raise_nothing() {
             d["outcome"], "cancelled",
             "decode leg of a refused room: {d}"
         );
-        let c = ms(d, p, "ended_ns", "ended_ns").unwrap();
+        // smg closes the leg within milliseconds (decode's `client_gone_ns`); decode, a
+        // non-streamed request, aborts it when SGLang's tokenizer next polls the connection
+        // (every 4 s), so its `ended_ns` and its ABORT come up to 4 s later.
+        let c = ms(d, p, "client_gone_ns", "ended_ns").unwrap();
         assert!(
             c < WINDOW_MS,
             "decode leg closed {c:.1} ms after the refusal: {d}"
@@ -526,4 +533,134 @@ async fn smg_1_13_decode_ignoring_the_cancel_is_caught_once_per_request() {
         violated,
         "every violated request notified"
     );
+}
+
+/// The disclosed failure with the real smg 1.13.0, from the simulator's accounting alone (no
+/// revenant): a streamed request prefill refuses is answered 200 with the error in the stream,
+/// which smg does not read as a failure, so it keeps the decode leg; decode allocates the
+/// refused room's KV, publishes its destinations to prefill and waits for KV that never comes,
+/// until its waiting timeout (here 1.5 s; SGLang's default is 300 s), then withdraws it with an
+/// ABORT that prefill acknowledges. The same refusal non-streamed is a 400, and smg closes the
+/// decode leg at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs PD_SIM_SMG113 (smg 1.13.0)"]
+async fn smg_1_13_keeps_the_decode_leg_of_a_streamed_refusal() {
+    let bin = smg113_bin();
+    let scratch = ScratchDir::new("smg113-stream").unwrap();
+    let cluster = Cluster::start(
+        "correct",
+        &[
+            "--no-router",
+            "--decode-args",
+            "--kv-timeout-ms 1500 --request-state-wait-timeout-ms 100",
+        ],
+    )
+    .await;
+    let model = scratch.path().join("model");
+    write_tiny_model(&model).unwrap();
+    let log = scratch.path().join("smg.log");
+    let inner: &test_harness::Cluster = &cluster;
+    let smg =
+        tokio::task::block_in_place(|| SmgProcess::start(&bin, inner, &model, None, &log, &[]))
+            .unwrap_or_else(|e| panic!("smg: {e:#}"));
+    assert_eq!(smg.version, "smg 1.13.0", "PD_SIM_SMG113={}", bin.display());
+    let client = pd_sim::http::http_client(4);
+    let url = format!("{}/generate", smg.url);
+    let (status, body) = post(
+        &client,
+        &url,
+        "smg113-stream-rej",
+        serde_json::json!({"text": words(5000), "stream": true}),
+    )
+    .await;
+    let text = String::from_utf8_lossy(&body).into_owned();
+    eprintln!("smg 1.13.0 answered a streamed refusal with {status}: {text}");
+    let attempts: Vec<Value> = rooms(&client, &cluster.prefill)
+        .await
+        .into_iter()
+        .filter(|r| r["request_id"] == "smg113-stream-rej")
+        .collect();
+    assert_eq!(attempts.len(), 1, "{attempts:?}");
+    let p = &attempts[0];
+    assert_eq!(
+        (p["status"].as_u64(), p["error_code"].as_u64()),
+        (Some(200), Some(400)),
+        "prefill answered 200 with the refusal in the stream: {p}"
+    );
+    assert_eq!(p["kv_bytes_sent"], 0, "{p}");
+    let room = p["room"].as_u64().unwrap();
+    let d = eventually("the kept decode leg ends", Duration::from_secs(15), || {
+        let (client, url) = (client.clone(), cluster.decode.clone());
+        async move {
+            let d = rooms(&client, &url).await;
+            d.into_iter()
+                .find(|r| r["room"] == room && r["ended_ns"].as_u64().unwrap_or(0) > 0)
+        }
+    })
+    .await;
+    // smg kept the leg: decode published destinations, waited out its timeout, withdrew it.
+    assert_eq!(d["destinations_sent"], 1, "{d}");
+    assert_eq!(d["outcome"], "kv-failed", "{d}");
+    assert_eq!(d["client_gone_ns"], 0, "smg never closed the leg: {d}");
+    assert!(
+        d["ended_ns"].as_u64().unwrap() >= d["destinations_ns"].as_u64().unwrap() + 1_400_000_000,
+        "{d}"
+    );
+    assert_eq!(d["aborts_sent"], 1, "{d}");
+    let p = eventually(
+        "prefill got the destinations and the ABORT",
+        Duration::from_secs(5),
+        || {
+            let (client, url) = (client.clone(), cluster.prefill.clone());
+            async move {
+                let p = rooms(&client, &url).await;
+                p.into_iter()
+                    .find(|r| r["room"] == room && r["abort_acks_sent"] == 1)
+            }
+        },
+    )
+    .await;
+    assert_eq!(p["destinations_received"], 1, "{p}");
+
+    // Non-streamed, the refusal is a 400: smg closes the decode leg at once.
+    let (status, _) = post(
+        &client,
+        &url,
+        "smg113-rej",
+        serde_json::json!({"text": words(5000)}),
+    )
+    .await;
+    assert_eq!(status, 400);
+    let attempts: Vec<Value> = rooms(&client, &cluster.prefill)
+        .await
+        .into_iter()
+        .filter(|r| r["request_id"] == "smg113-rej")
+        .collect();
+    let room = attempts[0]["room"].as_u64().unwrap();
+    // smg may close the leg before decode has read the request: then decode never sees it.
+    let since = std::time::Instant::now();
+    let d = eventually(
+        "the withdrawn decode leg ends",
+        Duration::from_secs(10),
+        || {
+            let (client, url) = (client.clone(), cluster.decode.clone());
+            async move {
+                let d = rooms(&client, &url)
+                    .await
+                    .into_iter()
+                    .find(|r| r["room"] == room);
+                match d {
+                    Some(d) if d["ended_ns"].as_u64().unwrap_or(0) > 0 => Some(Some(d)),
+                    None if since.elapsed() > Duration::from_secs(2) => Some(None),
+                    _ => None,
+                }
+            }
+        },
+    )
+    .await;
+    if let Some(d) = d {
+        assert_eq!(d["outcome"], "cancelled", "{d}");
+        assert_eq!(d["kv_bytes_received"], 0, "{d}");
+    }
+    drop(smg);
 }

@@ -128,6 +128,8 @@ pub fn fault_visible(f: Fault, w: Witness) -> bool {
         Fault::SuccessAfterAbort => w == Witness::Both,
         // No span says who called the bootstrap server.
         Fault::ForeignRoutePut => w.ebpf(),
+        // The refused room's stub moves on the wire and in the spans alike.
+        Fault::StubIntake => true,
     }
 }
 
@@ -141,6 +143,9 @@ impl Row {
                 Some(Fault::SuccessAfterAbort) => "correct+fault:success-after-abort",
                 Some(Fault::StrandedKv) => "correct+fault:stranded-kv",
                 Some(Fault::ForeignRoutePut) => "correct+fault:foreign-route-put",
+                // Not in the catalogue: its refusal is answered only after decode's
+                // destinations, which a sequential router never sends.
+                Some(Fault::StubIntake) => "correct+fault:stub-intake",
             },
             if self.ignores_cancel {
                 "ignores"

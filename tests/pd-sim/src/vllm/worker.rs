@@ -30,6 +30,10 @@ use crate::spans::{Exporter, ExporterConfig, SpanSink, SpanSpec, kv_f64, kv_int,
 use crate::trace_ctx::{TraceParent, random_span_id, random_trace_id};
 use crate::worker::{BODY_LIMIT, Role, WorkerArgs};
 
+/// This flavour's defaults of `--kv-timeout-ms` and `--bootstrap-timeout-ms`.
+const VLLM_KV_TIMEOUT_MS: u64 = 2000;
+const VLLM_BOOTSTRAP_TIMEOUT_MS: u64 = 5000;
+
 /// Completion text is fixed filler: the simulator never echoes the prompt anywhere.
 const WORDS: [&str; 8] = [
     " the", " quick", " brown", " fox", " jumps", " over", " lazy", " dogs",
@@ -464,7 +468,8 @@ async fn serve_request(
                     r.read_frames += 1;
                     r.read_ns = now;
                 });
-                let timeout = Duration::from_millis(w.a.kv_timeout_ms);
+                let timeout =
+                    Duration::from_millis(w.a.kv_timeout_ms.unwrap_or(VLLM_KV_TIMEOUT_MS));
                 match tokio::time::timeout(timeout, rx).await {
                     Ok(Ok(_tokens)) => {
                         live.pulling = None;
@@ -479,7 +484,7 @@ async fn serve_request(
                         w.stats.kv_timeouts.fetch_add(1, Ordering::Relaxed);
                         Some(format!(
                             "KV transfer of request {n} from {to} did not complete within {} ms",
-                            w.a.kv_timeout_ms
+                            w.a.kv_timeout_ms.unwrap_or(VLLM_KV_TIMEOUT_MS)
                         ))
                     }
                 }
@@ -747,7 +752,10 @@ async fn sim_requests(State(w): State<Shared>, Query(q): Query<RequestsQuery>) -
 
 /// Drops KV holds whose decode never asked for them.
 async fn sweeper(w: Shared) {
-    let timeout = Duration::from_millis(w.a.bootstrap_timeout_ms);
+    let timeout = Duration::from_millis(
+        w.a.bootstrap_timeout_ms
+            .unwrap_or(VLLM_BOOTSTRAP_TIMEOUT_MS),
+    );
     let mut tick = tokio::time::interval(Duration::from_millis(250));
     loop {
         tick.tick().await;

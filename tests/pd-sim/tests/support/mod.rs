@@ -151,8 +151,10 @@ pub fn run_load(router: &str, args: &[&str]) -> serde_json::Value {
     .expect("load runs")
 }
 
-/// A TCP proxy in front of prefill's KV port that decodes the decode→prefill ZMTP stream,
-/// so tests see BOOTSTRAP frames on the wire independently of the simulator's bookkeeping.
+/// A TCP proxy in front of a worker's rank port that decodes the ZMTP stream into it (in front
+/// of prefill: what decode sends, registration, destinations, BOOTSTRAP, ABORT; in front of
+/// decode: what prefill sends, statuses and ABORT_ACKs), so tests see the frames on the wire
+/// independently of the simulator's bookkeeping.
 pub struct ZmtpTap {
     pub port: u16,
     upstream: Arc<Mutex<Option<SocketAddr>>>,
@@ -217,6 +219,69 @@ impl ZmtpTap {
         let kv_port = c.ready["prefill_kv_port"].as_u64().unwrap() as u16;
         tap.set_upstream(([127, 0, 0, 1], kv_port).into());
         (tap, c)
+    }
+
+    /// Both directions: a cluster whose prefill and decode each announce a tap as their rank
+    /// port. Returns (frames to prefill, frames to decode, the cluster).
+    pub async fn cluster_both(
+        mode: &str,
+        prefill_args: &str,
+        decode_args: &str,
+        extra: &[&str],
+    ) -> (ZmtpTap, ZmtpTap, Cluster) {
+        let (to_p, to_d) = (ZmtpTap::start().await, ZmtpTap::start().await);
+        let pa = format!("--advertise-kv-port {} {prefill_args}", to_p.port);
+        let da = format!("--advertise-kv-port {} {decode_args}", to_d.port);
+        let mut args = vec!["--prefill-args", pa.as_str(), "--decode-args", da.as_str()];
+        args.extend_from_slice(extra);
+        let c = Cluster::start(mode, &args).await;
+        let port = |k: &str| c.ready[k].as_u64().unwrap() as u16;
+        to_p.set_upstream(([127, 0, 0, 1], port("prefill_kv_port")).into());
+        to_d.set_upstream(([127, 0, 0, 1], port("decode_kv_port")).into());
+        (to_p, to_d, c)
+    }
+
+    pub fn all(&self) -> Vec<Vec<Bytes>> {
+        self.messages.lock().unwrap().clone()
+    }
+
+    /// Rooms of the 10-frame destinations messages (frame 0 is the room).
+    pub fn destination_rooms(&self) -> Vec<u64> {
+        self.all()
+            .iter()
+            .filter(|m| m.len() == 10)
+            .filter_map(|m| std::str::from_utf8(&m[0]).ok()?.parse().ok())
+            .collect()
+    }
+
+    /// Decode's 20-frame registrations (`b"None"` first).
+    pub fn registrations(&self) -> usize {
+        self.all()
+            .iter()
+            .filter(|m| m.len() == 20 && &m[0][..] == b"None")
+            .count()
+    }
+
+    /// The status values `[room, status, rank]` carried for `room`, in order.
+    pub fn statuses(&self, room: u64) -> Vec<u8> {
+        let r = room.to_string();
+        self.all()
+            .iter()
+            .filter(|m| m.len() == 3 && m[0] == r.as_bytes())
+            .filter_map(|m| std::str::from_utf8(&m[1]).ok()?.parse().ok())
+            .collect()
+    }
+
+    /// Every ABORT for `room`: its frames.
+    pub fn aborts(&self, room: u64) -> Vec<Vec<Bytes>> {
+        let r = room.to_string();
+        self.all()
+            .into_iter()
+            .filter(|m| {
+                m.first().is_some_and(|v| &v[..] == b"ABORT")
+                    && m.get(1).is_some_and(|x| x == r.as_bytes())
+            })
+            .collect()
     }
 
     pub fn rooms_with_verb(&self, verb: &[u8]) -> Vec<u64> {
