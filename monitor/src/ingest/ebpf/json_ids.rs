@@ -103,8 +103,11 @@ impl BodyWindow {
             if ids.kv_leg.is_none() {
                 ids.kv_leg = kv_leg(part);
             }
-            if let Some(n) = find_value(part, &N).and_then(|v| v.parse().ok()) {
-                ids.samples = Some(n);
+            if let Some(rooms) = room_list(part) {
+                ids.room_list = Some(rooms);
+            }
+            if ids.batch.is_none() {
+                ids.batch = batch_size(part);
             }
         }
         ids
@@ -238,33 +241,56 @@ pub struct RequestIds {
     /// vLLM decode leg: the prefill request whose KV it fetches (`kv_transfer_params`).
     pub remote_request_id: Option<String>,
     pub kv_leg: Option<KvLeg>,
-    /// Parallel samples the body asks for (`n`, in `sampling_params` on `/generate`, top level
-    /// on the OpenAI endpoints); absent means one.
-    pub samples: Option<u32>,
+    /// The number of prompts of a batch body (`text` a list of strings, `input_ids` a list of
+    /// lists, `prompt` a list), when the whole list was captured.
+    pub batch: Option<u32>,
+    /// `bootstrap_room` given as a list (one room per prompt of a batch).
+    pub room_list: Option<Vec<u64>>,
 }
 
-/// Most sub-requests one body is read as (SGLang's `n` is rarely above a few dozen).
-pub const MAX_SUB_REQUESTS: u32 = 64;
+/// Most sub-requests one body is read as.
+pub const MAX_SUB_REQUESTS: usize = 64;
 
 /// SGLang's fake bootstrap host: warmup requests name it, and no transfer ever happens for them
 /// (`disaggregation/utils.py` `FAKE_BOOTSTRAP_HOST`, `http_server.py` warmup).
 pub const FAKE_BOOTSTRAP_HOST: &str = "2.2.2.2";
 
 impl RequestIds {
-    /// The rooms and rids of the sub-requests SGLang makes of one body with a scalar room: a body
-    /// with `n > 1` is `n` requests, rooms `room + i` and rids `rid_i`
-    /// (`io_struct.py` `_normalize_bootstrap_params`, `_normalize_rid`).
-    pub fn sub_requests(&self) -> impl Iterator<Item = (Option<u64>, Option<String>)> + '_ {
-        let n = self.samples.unwrap_or(1).clamp(1, MAX_SUB_REQUESTS);
-        (0..n).map(move |i| {
-            if n == 1 {
-                return (self.bootstrap_room, self.rid.clone());
-            }
-            (
-                self.bootstrap_room.map(|r| r.wrapping_add(u64::from(i))),
-                self.rid.as_ref().map(|r| format!("{r}_{i}")),
-            )
-        })
+    /// The rooms and rids of the requests SGLang makes of one body (`io_struct.py`
+    /// `_normalize_bootstrap_params`, `_normalize_rid`; `tokenizer_manager.py`
+    /// `_handle_batch_request`): a batch of `k` prompts is `k` requests, rooms `room + i` for a
+    /// scalar room (the list's rooms for a list), rids `rid_i` for a string rid. Parallel
+    /// samples (`n > 1`) stay on their prompt's room: the tokenizer sends the prompt once to
+    /// cache its prefix, then every sample, each under a fresh rid, all on that room.
+    pub fn sub_requests(&self) -> Vec<(Option<u64>, Option<String>)> {
+        if let Some(rooms) = &self.room_list {
+            let k = rooms.len();
+            return rooms
+                .iter()
+                .take(MAX_SUB_REQUESTS)
+                .enumerate()
+                .map(|(i, r)| (Some(*r), self.sub_rid(i, k)))
+                .collect();
+        }
+        let k = self
+            .batch
+            .map_or(1, |b| (b as usize).clamp(1, MAX_SUB_REQUESTS));
+        (0..k)
+            .map(|i| {
+                (
+                    self.bootstrap_room.map(|r| r.wrapping_add(i as u64)),
+                    self.sub_rid(i, k),
+                )
+            })
+            .collect()
+    }
+
+    fn sub_rid(&self, i: usize, k: usize) -> Option<String> {
+        match (&self.rid, k) {
+            (rid, 1) => rid.clone(),
+            (Some(rid), _) => Some(format!("{rid}_{i}")),
+            (None, _) => None,
+        }
     }
 
     /// A warmup request (fake bootstrap host): it never enters the disaggregated path.
@@ -341,6 +367,108 @@ fn stream_error(part: &[u8]) -> Option<u16> {
         .last()
 }
 
+/// `bootstrap_room` as a list of rooms (a batch whose prompts each name theirs).
+fn room_list(part: &[u8]) -> Option<Vec<u64>> {
+    let at = value_positions(part, &BOOTSTRAP_ROOM).last()?;
+    let v = &part[at..];
+    if v.first() != Some(&b'[') {
+        return None;
+    }
+    let end = list_end(v)?;
+    let rooms: Option<Vec<u64>> = v[1..end]
+        .split(|b| *b == b',')
+        .map(|r| std::str::from_utf8(r).ok()?.trim().parse::<u64>().ok())
+        .take(MAX_SUB_REQUESTS)
+        .collect();
+    rooms.filter(|r| !r.is_empty())
+}
+
+/// The prompts of a batch body: `text` or `prompt` a list (of strings), `input_ids` a list of
+/// lists; `None` for a single prompt, or a list not captured whole.
+fn batch_size(part: &[u8]) -> Option<u32> {
+    for (key, nested) in [(&TEXT, false), (&PROMPT, false), (&INPUT_IDS, true)] {
+        for at in value_positions(part, key) {
+            let v = &part[at..];
+            if v.first() != Some(&b'[') {
+                continue;
+            }
+            let first = v[1..].iter().find(|b| !b.is_ascii_whitespace());
+            // A list of token ids is one prompt; a list of lists is a batch.
+            if nested && first != Some(&b'[') {
+                continue;
+            }
+            return top_level_elements(v);
+        }
+    }
+    None
+}
+
+/// The index of the `]` closing the list `v` starts, strings skipped; `None` when it is not
+/// closed within the captured bytes (a gap, or the window's end).
+fn list_end(v: &[u8]) -> Option<usize> {
+    let mut depth = 0usize;
+    let mut in_str = false;
+    let mut escaped = false;
+    for (i, &b) in v.iter().enumerate() {
+        if b == GAP {
+            return None;
+        }
+        if in_str {
+            match (escaped, b) {
+                (true, _) => escaped = false,
+                (false, b'\\') => escaped = true,
+                (false, b'"') => in_str = false,
+                _ => {}
+            }
+            continue;
+        }
+        match b {
+            b'"' => in_str = true,
+            b'[' | b'{' => depth += 1,
+            b']' | b'}' => {
+                depth = depth.checked_sub(1)?;
+                if depth == 0 {
+                    return Some(i);
+                }
+            }
+            _ => {}
+        }
+    }
+    None
+}
+
+/// How many elements the list `v` starts holds at its top level, when captured whole.
+fn top_level_elements(v: &[u8]) -> Option<u32> {
+    let end = list_end(v)?;
+    let inner = &v[1..end];
+    if inner.iter().all(u8::is_ascii_whitespace) {
+        return None;
+    }
+    let mut depth = 0usize;
+    let mut in_str = false;
+    let mut escaped = false;
+    let mut n = 1u32;
+    for &b in inner {
+        if in_str {
+            match (escaped, b) {
+                (true, _) => escaped = false,
+                (false, b'\\') => escaped = true,
+                (false, b'"') => in_str = false,
+                _ => {}
+            }
+            continue;
+        }
+        match b {
+            b'"' => in_str = true,
+            b'[' | b'{' => depth += 1,
+            b']' | b'}' => depth = depth.saturating_sub(1),
+            b',' if depth == 0 => n += 1,
+            _ => {}
+        }
+    }
+    Some(n)
+}
+
 /// An HTTP status as an error object names it (a number from 100 to 599).
 fn find_status(obj: &[u8], key: &Finder<'_>) -> Option<u16> {
     match find(obj, key)? {
@@ -411,7 +539,9 @@ keys! {
     FINISH_REASON = b"finish_reason";
     TYPE = b"type";
     STATUS_CODE = b"status_code";
-    N = b"n";
+    TEXT = b"text";
+    INPUT_IDS = b"input_ids";
+    PROMPT = b"prompt";
     CODE = b"code";
 }
 

@@ -273,12 +273,14 @@ fn a_refusal_inside_a_stream_is_a_rejection() {
     assert_eq!(s.out[3].status, Some(500));
 }
 
-/// One body with `n > 1` is `n` SGLang requests: rooms `room + i`, rids `rid_i`
-/// (`io_struct.py`). A warmup request (fake bootstrap host 2.2.2.2) is none.
+/// A batch of prompts is one SGLang request per prompt: rooms `room + i`, rids `rid_i`
+/// (`io_struct.py`); parallel samples (`n > 1`) stay on their prompt's room (the tokenizer
+/// sends the prefix and every sample there). A warmup request (fake bootstrap host 2.2.2.2) is
+/// none.
 #[test]
-fn parallel_samples_are_sub_requests_and_warmups_are_nothing() {
+fn batches_are_sub_requests_samples_are_not_and_warmups_are_nothing() {
     let mut s = Sim::new();
-    let body = r#"{"text": "hi", "rid": "abc", "sampling_params": {"max_new_tokens": 4, "n": 3}, "stream": false, "bootstrap_host": "127.0.0.1", "bootstrap_port": 8998, "bootstrap_room": 100}"#;
+    let body = r#"{"text": ["hi", "a \"quoted\", prompt", "x"], "rid": "abc", "sampling_params": {"max_new_tokens": 4, "n": 2}, "stream": false, "bootstrap_host": "127.0.0.1", "bootstrap_port": 8998, "bootstrap_room": 100}"#;
     s.accept(PREFILL, 7);
     s.io(
         PREFILL,
@@ -300,6 +302,39 @@ fn parallel_samples_are_sub_requests_and_warmups_are_nothing() {
             (Kind::Received, Some(102), Some("abc_2".into())),
         ]
     );
+    s.out.clear();
+    let samples = r#"{"text": "hi", "sampling_params": {"n": 3}, "input_ids": [1, 2, 3], "bootstrap_host": "127.0.0.1", "bootstrap_room": 200}"#;
+    s.accept(PREFILL, 9);
+    s.io(
+        PREFILL,
+        9,
+        syscall::RECVFROM,
+        &http_post("/generate", samples),
+        4096,
+    );
+    let rooms: Vec<_> = s
+        .out
+        .iter()
+        .map(|e| e.ids.bootstrap_room.map(|r| r.0))
+        .collect();
+    assert_eq!(rooms, vec![Some(200)]);
+    s.out.clear();
+    let listed =
+        r#"{"input_ids": [[1, 2], [3]], "bootstrap_room": [7, 9], "bootstrap_host": "127.0.0.1"}"#;
+    s.accept(PREFILL, 10);
+    s.io(
+        PREFILL,
+        10,
+        syscall::RECVFROM,
+        &http_post("/generate", listed),
+        4096,
+    );
+    let rooms: Vec<_> = s
+        .out
+        .iter()
+        .map(|e| e.ids.bootstrap_room.map(|r| r.0))
+        .collect();
+    assert_eq!(rooms, vec![Some(7), Some(9)]);
     s.out.clear();
     let warmup = r#"{"text": "The capital city of France is", "sampling_params": {"temperature": 0, "max_new_tokens": 8}, "bootstrap_host": "2.2.2.2", "bootstrap_room": 0}"#;
     s.accept(DECODE, 8);
