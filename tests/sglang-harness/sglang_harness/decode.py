@@ -503,8 +503,8 @@ class DecodeSide:
         return True
 
     def run_decode_step(self) -> bool:
-        from sglang.srt.managers.schedule_batch import FINISH_ABORT
-
+        """One decode forward of the running batch and process_batch_result_decode: a token
+        each (an abort set by abort_request lands through update_finish_state)."""
         if not self.running:
             return False
         now = time.perf_counter()
@@ -512,11 +512,9 @@ class DecodeSide:
             return False
         self.last_decode_step = now
         batch = self.running
+        self.s.schedule_event(batch, "DECODE")
         for req in batch:
             req.time_stats.set_last_decode_finish_time()
-            if req.to_finish is not None and isinstance(req.to_finish, FINISH_ABORT):
-                req.update_finish_state()
-                continue
             req.output_ids.append(model_dir.GENERATED_TOKEN_ID)
             req.update_finish_state(1)
         self.s.stream_output(batch)

@@ -253,6 +253,7 @@ class PrefillSide:
         ts = time.perf_counter()
         for req in batch:
             req.time_stats.set_forward_entry_time(ts)
+        self.s.schedule_event(batch, "EXTEND")
         # The played model forward.
         for req in batch:
             if not req.harness_fake:

@@ -404,6 +404,20 @@ class PlayedScheduler:
                         output_tokens=len(req.output_ids),
                     )
 
+    @staticmethod
+    def schedule_event(reqs: list, forward_mode: str) -> None:
+        """set_schedule_time_batch (srt/observability/req_time_stats.py) for a played batch:
+        the "schedule" trace event, and decode's last-scheduled stamp."""
+        from types import SimpleNamespace
+
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+        from sglang.srt.observability.req_time_stats import set_schedule_time_batch
+
+        if reqs:
+            set_schedule_time_batch(
+                SimpleNamespace(reqs=reqs, forward_mode=ForwardMode[forward_mode])
+            )
+
     def retire_unadmitted_request(self, req) -> None:
         """Scheduler.retire_unadmitted_request (0.5.21+): an intake reject ends here."""
         reason = req.finished_reason or req.to_finish
