@@ -11,6 +11,7 @@ mod demo;
 mod fuzz;
 mod image;
 mod setup;
+mod sglang_venv;
 
 #[derive(Parser)]
 #[command(name = "xtask")]
@@ -229,6 +230,15 @@ fn run_tests(args: &[String]) -> ExitCode {
 /// A venv under `target/` holding `packages`, (re)created unless `ready` (a Python snippet that
 /// exits 0) says it is already what it must be.
 fn ensure_venv(name: &str, packages: &[&str], ready: &str) -> std::io::Result<std::path::PathBuf> {
+    ensure_venv_steps(name, &[packages], ready)
+}
+
+/// [`ensure_venv`] with several `pip install` runs, in order (each a list of pip arguments).
+fn ensure_venv_steps(
+    name: &str,
+    installs: &[&[&str]],
+    ready: &str,
+) -> std::io::Result<std::path::PathBuf> {
     let venv = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../target")
         .join(name);
@@ -239,27 +249,27 @@ fn ensure_venv(name: &str, packages: &[&str], ready: &str) -> std::io::Result<st
             .status()
             .is_ok_and(|s| s.success());
     if !is_ready {
-        eprintln!(
-            "xtask: creating {} ({})",
-            venv.display(),
-            packages.join(", ")
-        );
-        let ok = Command::new("python3")
+        let shown: Vec<String> = installs.iter().map(|i| i.join(" ")).collect();
+        eprintln!("xtask: creating {} ({})", venv.display(), shown.join("; "));
+        let mut ok = Command::new("python3")
             .arg("-m")
             .arg("venv")
             .arg(&venv)
             .status()?
-            .success()
-            && Command::new(venv.join("bin/pip"))
-                .args(["install", "--quiet"])
-                .args(packages)
-                .status()?
-                .success();
+            .success();
+        for install in installs {
+            ok = ok
+                && Command::new(venv.join("bin/pip"))
+                    .args(["install", "--quiet"])
+                    .args(*install)
+                    .status()?
+                    .success();
+        }
         if !ok {
             return Err(std::io::Error::other(format!(
                 "could not create the venv {} (pip install {})",
                 venv.display(),
-                packages.join(" ")
+                shown.join("; pip install ")
             )));
         }
     }
@@ -313,7 +323,8 @@ fn has_version(dist: &str, version: &str) -> String {
 
 /// Tests against real third-party components that come from PyPI: the `sglang-router` 0.3.2
 /// wheel (`smg`) in front of the simulator, pyzmq (libzmq) against the simulator's ZMTP, its
-/// successor `smg` 1.13.0, and `vllm-router` 0.1.17 in front of the simulator's vLLM workers.
+/// successor `smg` 1.13.0, `vllm-router` 0.1.17 in front of the simulator's vLLM workers, and
+/// smg 1.13.0 in front of SGLang 0.5.23's own PD code (`tests/sglang-harness`, target/sglang-venv).
 /// Both smg wheels install a binary named `smg`, so each router has a venv of its own. The venvs
 /// are created once under `target/`; failing to create one fails the run loudly.
 fn real_component_tests(
@@ -335,8 +346,9 @@ fn real_component_tests(
         &["vllm-router==0.1.17"],
         &has_version("vllm-router", "0.1.17"),
     )?;
+    let sglang_python = sglang_venv::python()?;
     eprintln!(
-        "xtask: real-component tests (sglang-router 0.3.2 smg, smg 1.13.0, vllm-router 0.1.17, pyzmq)"
+        "xtask: real-component tests (sglang-router 0.3.2 smg, smg 1.13.0, vllm-router 0.1.17, pyzmq, sglang 0.5.23)"
     );
     // Ignored tests that need the venvs (pd-sim's, and revenant's `ebpf_real_router`). The eBPF
     // ones need root, as CI runs; they fail (never skip) when the probes cannot load.
@@ -349,6 +361,7 @@ fn real_component_tests(
         "ebpf_real_router",
         "vllm_pd",
         "vllm_real_router",
+        "sglang_harness",
     ];
     // The same package selection as the first run (`--workspace`): cargo resolves features per
     // selection, so `-p pd-sim` or `-p revenant` would build every crate again, a second ~5 GB
@@ -365,6 +378,7 @@ fn real_component_tests(
         .env("PD_SIM_PYTHON", &python)
         .env("PD_SIM_VLLM_ROUTER", venv_vllm.join("bin/vllm-router"))
         .env("PD_SIM_VLLM_ROUTER_PYTHON", venv_vllm.join("bin/python"))
+        .env("SGLANG_HARNESS_PYTHON", &sglang_python)
         // The end-to-end tests among them (tests/e2e vllm_pd) use the release builds made above.
         .env("REVENANT_BIN", &bins.revenant)
         .env("PD_SIM_BIN", &bins.pd_sim)

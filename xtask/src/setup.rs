@@ -61,9 +61,20 @@ pub fn build_prereqs_present() -> bool {
             })
 }
 
+/// Shared libraries the tests' Python components load: Mooncake's transfer engine
+/// (target/sglang-venv, the SGLang truth source) links `libibverbs.so.1` even for its TCP
+/// transport.
+const TEST_LIBRARIES: &[&str] = &["libibverbs1"];
+
 /// The system programs the end-to-end tests run (`test_harness::SYSTEM_TOOLS`: nats-server, Prometheus,
-/// promtool, Alertmanager): the Debian packages of those not on PATH.
+/// promtool, Alertmanager): the Debian packages of those not on PATH; and [`TEST_LIBRARIES`].
 pub fn test_tools() -> Result<()> {
+    install_apt_packages(
+        &TEST_LIBRARIES
+            .iter()
+            .map(|p| p.to_string())
+            .collect::<Vec<_>>(),
+    )?;
     let mut missing: Vec<String> = test_harness::SYSTEM_TOOLS
         .iter()
         .filter(|(binary, _)| test_harness::on_path(binary).is_none())

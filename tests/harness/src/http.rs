@@ -16,7 +16,42 @@ pub fn http_post(url: &str, content_type: &str, body: &[u8]) -> Result<(u16, Str
     request("POST", url, Some((content_type, body)))
 }
 
+/// A whole HTTP/1.1 exchange: status, headers (names lowercased) and body (a chunked body
+/// decoded).
+#[derive(Debug, Clone)]
+pub struct HttpResponse {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    pub body: String,
+}
+
+impl HttpResponse {
+    /// The first header of that (lowercase) name.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// POST a JSON body and read the whole answer (an SSE stream until the server closes it), each
+/// read waiting at most `read_timeout`.
+pub fn http_post_json(url: &str, body: &[u8], read_timeout: Duration) -> Result<HttpResponse> {
+    exchange("POST", url, Some(("application/json", body)), read_timeout)
+}
+
 fn request(method: &str, url: &str, body: Option<(&str, &[u8])>) -> Result<(u16, String)> {
+    let r = exchange(method, url, body, Duration::from_secs(10))?;
+    Ok((r.status, r.body))
+}
+
+fn exchange(
+    method: &str,
+    url: &str,
+    body: Option<(&str, &[u8])>,
+    read_timeout: Duration,
+) -> Result<HttpResponse> {
     let rest = url
         .strip_prefix("http://")
         .ok_or_else(|| anyhow!("not an http URL: {url}"))?;
@@ -25,7 +60,7 @@ fn request(method: &str, url: &str, body: Option<(&str, &[u8])>) -> Result<(u16,
         None => (rest, "/"),
     };
     let mut s = TcpStream::connect(host).with_context(|| format!("{method} {url}"))?;
-    s.set_read_timeout(Some(Duration::from_secs(10)))?;
+    s.set_read_timeout(Some(read_timeout))?;
     write!(
         s,
         "{method} {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n"
@@ -53,11 +88,21 @@ fn request(method: &str, url: &str, body: Option<(&str, &[u8])>) -> Result<(u16,
         .nth(1)
         .and_then(|s| s.parse().ok())
         .ok_or_else(|| anyhow!("{method} {url}: bad status line"))?;
+    let headers = String::from_utf8_lossy(&buf[..end])
+        .lines()
+        .skip(1)
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
+        .collect();
     let mut body = buf[end + 4..].to_vec();
     if head.contains("transfer-encoding: chunked") {
         body = dechunk(&body);
     }
-    Ok((status, String::from_utf8_lossy(&body).into_owned()))
+    Ok(HttpResponse {
+        status,
+        headers,
+        body: String::from_utf8_lossy(&body).into_owned(),
+    })
 }
 
 fn dechunk(mut b: &[u8]) -> Vec<u8> {

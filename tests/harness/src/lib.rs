@@ -17,6 +17,7 @@ pub mod notifications;
 mod pki;
 mod proc;
 mod revenant;
+pub mod sglang;
 mod vllm_router;
 
 pub use binaries::{
@@ -26,7 +27,9 @@ pub use binaries::{
 pub use cluster::{Cluster, FAULT_VERDICT_WINDOWS, fault_verdict_window, run_load, run_load_quiet};
 pub use eventually::eventually;
 pub use files::{JsonlTail, ScratchDir, read_jsonl, read_jsonl_so_far, tail};
-pub use http::{free_port, http_get, http_json, http_post, wait_healthy};
+pub use http::{
+    HttpResponse, free_port, http_get, http_json, http_post, http_post_json, wait_healthy,
+};
 pub use metrics::{Sample, metric_sum, parse_metrics};
 pub use nats::{Nats, NatsNode};
 pub use pki::Pki;
