@@ -2,8 +2,8 @@
 //! status), generation, and what a client going away does (`ABORT`).
 //!
 //! State per room mirrors SGLang's decode KV manager: `request_status` (created Bootstrapping,
-//! `disaggregation/common/conn.py:2505`; a status for a room it does not hold is dropped,
-//! `:929`), the room's KV pages and metadata slot (so that bytes the transfer engine writes can
+//! `disaggregation/common/conn.py:2510`; a status for a room it does not hold is dropped,
+//! `:934`), the room's KV pages and metadata slot (so that bytes the transfer engine writes can
 //! be told apart by address, as RDMA writes land in the room's pages).
 
 use std::collections::BTreeMap;
@@ -730,7 +730,7 @@ impl Worker {
 }
 
 /// Resolves when SGLang's tokenizer would notice that a non-streamed request's client is gone:
-/// at its next poll, every `period` from `start` (`tokenizer_manager.py:1959`).
+/// at its next poll, every `period` from `start` (`tokenizer_manager.py:1960`).
 async fn client_gone_at_poll(
     conn: Option<ClientConn>,
     start: tokio::time::Instant,
@@ -833,13 +833,17 @@ pub(super) async fn serve(w: Shared, p: Parsed, ctx: Ctx) -> Response {
                         };
                         let a = w
                             .generate(
-                                &p,
                                 &sub,
                                 run,
-                                &model,
-                                (stream, &tx, &cancel),
-                                conn.as_ref(),
-                                (t0, t_tok, tp),
+                                &Out {
+                                    p: &p,
+                                    model: &model,
+                                    stream,
+                                    tx: &tx,
+                                    cancel: &cancel,
+                                    conn: conn.as_ref(),
+                                    times: (t0, t_tok, tp),
+                                },
                             )
                             .await;
                         let refused_prefix =
@@ -950,19 +954,32 @@ pub(super) async fn serve(w: Shared, p: Parsed, ctx: Ctx) -> Response {
     render::final_answer(&p, &model, &answers, (now_ns() - t0) as f64 / 1e9)
 }
 
+/// Where a request's tokens go: its answer's shape, the stream (if any), and what ends it.
+struct Out<'a> {
+    p: &'a Parsed,
+    model: &'a str,
+    stream: bool,
+    tx: &'a mpsc::Sender<Bytes>,
+    /// Set when the client went away (and decode honours it).
+    cancel: &'a watch::Receiver<bool>,
+    conn: Option<&'a ClientConn>,
+    /// The request's start, end of tokenization, and trace context.
+    times: (u64, u64, Option<TraceParent>),
+}
+
 impl Worker {
     /// Generate a settled sub-request's tokens (streaming them when asked to) and record how it
     /// ended; its answer.
-    async fn generate(
-        &self,
-        p: &Parsed,
-        sub: &Sub,
-        run: SubRun,
-        model: &str,
-        (stream, tx, cancel): (bool, &mpsc::Sender<Bytes>, &watch::Receiver<bool>),
-        conn: Option<&ClientConn>,
-        (t0, t_tok, tp): (u64, u64, Option<TraceParent>),
-    ) -> SubAnswer {
+    async fn generate(&self, sub: &Sub, run: SubRun, out: &Out<'_>) -> SubAnswer {
+        let Out {
+            p,
+            model,
+            stream,
+            tx,
+            cancel,
+            conn,
+            times: (t0, t_tok, tp),
+        } = *out;
         let mut a = run.answer.clone();
         let delay = Duration::from_micros(self.args.decode_token_delay_us);
         let mut outcome = run.outcome;
