@@ -48,6 +48,7 @@ pub(super) struct DecodeTable {
     pages: BTreeMap<u64, (u64, u64)>,
     /// When rooms that ended did (their pages stay theirs for a while: see `allocate`).
     ended: HashMap<u64, Instant>,
+    allocations: u64,
     aux_next: u64,
     aux_owner: HashMap<u64, u64>,
     /// Bytes per token of one KV buffer, once known.
@@ -64,6 +65,7 @@ impl DecodeTable {
             cursor: 0,
             pages: BTreeMap::new(),
             ended: HashMap::new(),
+            allocations: 0,
             aux_next: 0,
             aux_owner: HashMap::new(),
             item_len: 0,
@@ -135,6 +137,15 @@ impl DecodeTable {
         };
         self.cursor = start + n;
         self.pages.insert(start, (n, room));
+        self.allocations += 1;
+        if self.allocations.is_multiple_of(4096) {
+            // Forget rooms long over, so the tables stay as small as what is in use.
+            let now = Instant::now();
+            let (rooms, ended) = (&self.rooms, &mut self.ended);
+            ended.retain(|_, t| now.duration_since(*t) < 2 * PAGE_GRACE);
+            self.pages
+                .retain(|_, (_, r)| rooms.contains_key(r) || ended.contains_key(r));
+        }
         let aux = self.aux_next % AUX_SLOTS;
         self.aux_next += 1;
         self.aux_owner.insert(aux, room);
@@ -720,9 +731,12 @@ impl Worker {
         let th = trace.thread(self, true, r.t_sched, t_end, r.err.as_deref());
         if sub.room.is_some() {
             trace.stage(th, "decode_bootstrap", r.t_sched, r.t_dests);
-            trace.stage(th, "decode_transferred", r.t_dests, r.t_kv);
         }
+        // The transfer and the forward happened only if the KV came.
         if r.answer.abort.is_none() {
+            if sub.room.is_some() {
+                trace.stage(th, "decode_transferred", r.t_dests, r.t_kv);
+            }
             trace.stage(th, "decode_forward", r.t_kv, t_end);
         }
         trace.finish(self, &sub.rid, sub.room, t0, t_end);
@@ -874,6 +888,10 @@ pub(super) async fn serve(w: Shared, p: Parsed, ctx: Ctx) -> Response {
         // SGLang's StreamingResponse answers 200 at once; a client leaving cancels the
         // generator, which aborts the request at once (`tokenizer_manager.py:958`).
         let (btx, brx) = mpsc::channel::<Result<Bytes, Infallible>>(16);
+        let now = now_ns();
+        for room in p.subs.iter().filter_map(|s| s.room) {
+            w.record(room, |r| r.answered_ns = now);
+        }
         let p2 = p.clone();
         tokio::spawn(async move {
             let (mut rx, drive) = (rx, driver);
