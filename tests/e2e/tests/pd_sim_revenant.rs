@@ -424,10 +424,11 @@ fn handoff_after_reject_caught_once_per_request_with_both_sources_merged() {
     );
 }
 
-/// `--fault unknown-room`: decode also bootstraps, for 2 % of its legs, a room nobody created.
-/// Each injected room is one unknown-room notification, from eBPF (the injected handshake has
-/// no spans, so OTLP cannot see it), and the cluster's own traffic stays silent: concurrent legs
-/// whose handshake precedes prefill's receipt are not unknown.
+/// `--fault unknown-room`: decode also publishes, for 2 % of its legs, destinations (SGLang's
+/// 10-frame message) for a room nobody created. Each injected room is one unknown-room
+/// notification, from eBPF (the injected handshake has no spans, so OTLP cannot see it), and the
+/// cluster's own traffic stays silent: concurrent legs whose destinations precede prefill's
+/// receipt are not unknown.
 #[test]
 fn unknown_rooms_caught_once_each_and_nothing_else() {
     let _g = serial();
@@ -533,8 +534,9 @@ fn rooms_with(records: &[Value], outcome: &str) -> BTreeSet<u64> {
 /// `--fault success-after-abort`: prefill aborts 2 % of its rooms during the KV transfer (its
 /// spans say so) yet answers them 200 with a normal finish. Each is one success-after-abort
 /// notification, seen only with both witnesses (the spans carry the abort, the wire the
-/// answer); the decode legs that then fail on their KV timeout, and the rest of the traffic,
-/// stay silent.
+/// answer); the decode legs, which then fail on prefill's Failed status (`[room, "0", rank]`,
+/// decode's armed ABORT and prefill's ABORT_ACK follow), and the rest of the traffic, stay
+/// silent.
 #[test]
 fn success_after_abort_caught_once_each_with_both_witnesses() {
     let _g = serial();
@@ -553,7 +555,8 @@ fn success_after_abort_caught_once_each_with_both_witnesses() {
         "2 % of 3000 rooms: {} injected",
         want.len()
     );
-    // The injected rooms' decode legs fail on their KV timeout (an answer, not a lost request).
+    // The injected rooms' decode legs fail on prefill's Failed status (an answer, a 500, not a
+    // lost request).
     assert_eq!(o.load["sent"], 3000);
     assert_eq!(o.load["errors"], 0, "{}", o.load);
     assert_no_loss(&o);

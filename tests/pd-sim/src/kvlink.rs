@@ -15,7 +15,7 @@
 //! | decode → prefill | `prefill_complete` only, per room before it allocates | `[b"BOOTSTRAP", room, decode ip, decode rank port]` — `common/conn.py:2575` |
 //! | decode → prefill | decode withdraws a room (client gone, waiting timeout, a failed transfer) | `[b"ABORT", room, decode ip, decode rank port]`, plus a 5th frame, the generation (a per-process counter from 1), once the room's destinations were published (deferred KV release, on by default) — `common/conn.py:182`, `:2977`, `:979` |
 //! | prefill → decode | the room's transfer is over | status `[room, b"4", prefill rank]` (Success); `[room, b"0", rank]` (Failed) when prefill fails a transfer it started — 3 frames, no tag, no reason (Mooncake) — `common/conn.py:739`, `:855` |
-//! | prefill → decode | `prefill_complete` only, once prefill finished its forward and knows decode's endpoint | readiness `[room, b"2", rank]`, once — `common/bootstrap.py:49`, `common/conn.py:682` |
+//! | prefill → decode | `prefill_complete` only, once prefill finished its forward and knows decode's endpoint | readiness `[room, b"2", rank]`, once — `common/bootstrap.py:48`, `common/conn.py:682` |
 //! | prefill → decode | an ABORT that carried a generation, once the room's transfer drained | `[b"ABORT_ACK", room, prefill rank, generation]` — `common/conn.py:250`, `:1032`, `mooncake/conn.py:2903` |
 //!
 //! Prefill's rank is `attn_tp_rank * (pp_size * attn_cp_size) + pp_rank * attn_cp_size +

@@ -1,4 +1,5 @@
-//! Minimal ZMTP 3.x (ZeroMQ wire protocol) for the KV-transfer control channel.
+//! Minimal ZMTP 3.x (ZeroMQ wire protocol) for the KV-transfer control channel (the messages:
+//! `crate::kvlink`).
 //!
 //! SGLang's Mooncake path talks over pyzmq PUSH/PULL sockets, so the bytes on the wire are
 //! ZMTP: a 64-byte greeting, a NULL-mechanism READY command from each side, then frames.
@@ -319,8 +320,22 @@ mod tests {
             &mut wire,
             &[&b"BOOTSTRAP"[..], b"123", b"127.0.0.1", b"4000"],
         );
-        encode_message(&mut wire, &[&b"KV"[..], b"123", b"0", &big[..]]);
-        // The long frame must use flag 0x02 and an 8-byte size.
+        // Destinations for 75 pages: their int32 indices are a long frame (flag 0x02, 8-byte size).
+        encode_message(
+            &mut wire,
+            &[
+                &b"123"[..],
+                b"127.0.0.1",
+                b"4000",
+                b"127.0.0.1:4001",
+                &big[..],
+                b"3",
+                b"",
+                b"1",
+                b"0",
+                b"",
+            ],
+        );
         let mut d = StreamDecoder::default();
         // Feed byte by byte: the decoder must cope with any split.
         let mut got = Vec::new();
@@ -340,7 +355,8 @@ mod tests {
                 "4000".into()
             ]
         );
-        assert_eq!(got[1][3].len(), 300);
+        assert_eq!(got[1].len(), 10);
+        assert_eq!(got[1][4].len(), 300);
     }
 
     #[test]

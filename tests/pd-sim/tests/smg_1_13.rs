@@ -12,8 +12,9 @@
 //! `/sim/rooms` timestamps; `docs/routers.md` has the same):
 //! - It sends the same `/generate` to prefill and decode at once, with a fresh `bootstrap_room`,
 //!   `bootstrap_host`/`bootstrap_port` added: decode's leg arrives a median ~0.01 ms after
-//!   prefill's (−5 … +5 ms), usually before prefill has answered, and decode mostly bootstraps
-//!   the room with prefill (ZMTP `BOOTSTRAP`) before the cancel reaches it.
+//!   prefill's (−5 … +5 ms), usually before prefill has answered, and decode mostly publishes
+//!   its destinations for the room to prefill (the 10-frame ZMTP message) before the cancel
+//!   reaches it.
 //! - When prefill answers an error it closes the decode leg at once and answers the client:
 //!   decode saw its connection close 0.3 ms (p50) after prefill's answer, p99 1.9-3.1 ms, max
 //!   3.1-4.1 ms (275 and 493 legs, 200 requests/s, release simulator); in this test (debug
@@ -326,9 +327,9 @@ fn assert_no_loss(o: &Outcome, s: &Setup) {
 /// attempt's decode leg is closed within milliseconds, nothing advances after a rejection, and
 /// revenant must raise nothing at all, from either source.
 ///
-/// This needs the engine's advancement model (a decode leg that arrived, bootstrapped and was
-/// withdrawn is in flight, not activity): with an engine that counts any later event as
-/// activity it reports the decode bootstrap (`transfer work`, eBPF's ZMTP `BOOTSTRAP`) as
+/// This needs the engine's advancement model (a decode leg that arrived, published its
+/// destinations and was withdrawn is in flight, not activity): with an engine that counts any
+/// later event as activity it reports decode's destinations (eBPF's ZMTP frames) as
 /// `activity-after-rejection` for about half the refused attempts.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs PD_SIM_SMG113 (smg 1.13.0), the revenant binary and root (eBPF)"]

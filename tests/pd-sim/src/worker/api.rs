@@ -171,7 +171,7 @@ pub(super) fn parse_body(api: Api, body: &[u8], default_max_new: u64) -> Result<
     };
     let batch = lens.len();
     let num = batch * n;
-    // `_normalize_bootstrap_params` (`io_struct.py:904`).
+    // `_normalize_bootstrap_params` (`io_struct.py:907`).
     let room_of = |k: usize| -> Option<u64> {
         match obj.get("bootstrap_room") {
             Some(serde_json::Value::Number(r)) => r.as_u64().map(|r| r.wrapping_add(k as u64)),

@@ -2,8 +2,8 @@
 //! status), generation, and what a client going away does (`ABORT`).
 //!
 //! State per room mirrors SGLang's decode KV manager: `request_status` (created Bootstrapping,
-//! `disaggregation/common/conn.py:2505`; a status for a room it does not hold is dropped,
-//! `:929`), the room's KV pages and metadata slot (so that bytes the transfer engine writes can
+//! `disaggregation/common/conn.py:2510`; a status for a room it does not hold is dropped,
+//! `:934`), the room's KV pages and metadata slot (so that bytes the transfer engine writes can
 //! be told apart by address, as RDMA writes land in the room's pages).
 
 use std::collections::BTreeMap;
@@ -48,6 +48,7 @@ pub(super) struct DecodeTable {
     pages: BTreeMap<u64, (u64, u64)>,
     /// When rooms that ended did (their pages stay theirs for a while: see `allocate`).
     ended: HashMap<u64, Instant>,
+    allocations: u64,
     aux_next: u64,
     aux_owner: HashMap<u64, u64>,
     /// Bytes per token of one KV buffer, once known.
@@ -64,6 +65,7 @@ impl DecodeTable {
             cursor: 0,
             pages: BTreeMap::new(),
             ended: HashMap::new(),
+            allocations: 0,
             aux_next: 0,
             aux_owner: HashMap::new(),
             item_len: 0,
@@ -135,6 +137,15 @@ impl DecodeTable {
         };
         self.cursor = start + n;
         self.pages.insert(start, (n, room));
+        self.allocations += 1;
+        if self.allocations.is_multiple_of(4096) {
+            // Forget rooms long over, so the tables stay as small as what is in use.
+            let now = Instant::now();
+            let (rooms, ended) = (&self.rooms, &mut self.ended);
+            ended.retain(|_, t| now.duration_since(*t) < 2 * PAGE_GRACE);
+            self.pages
+                .retain(|_, (_, r)| rooms.contains_key(r) || ended.contains_key(r));
+        }
         let aux = self.aux_next % AUX_SLOTS;
         self.aux_next += 1;
         self.aux_owner.insert(aux, room);
@@ -720,9 +731,12 @@ impl Worker {
         let th = trace.thread(self, true, r.t_sched, t_end, r.err.as_deref());
         if sub.room.is_some() {
             trace.stage(th, "decode_bootstrap", r.t_sched, r.t_dests);
-            trace.stage(th, "decode_transferred", r.t_dests, r.t_kv);
         }
+        // The transfer and the forward happened only if the KV came.
         if r.answer.abort.is_none() {
+            if sub.room.is_some() {
+                trace.stage(th, "decode_transferred", r.t_dests, r.t_kv);
+            }
             trace.stage(th, "decode_forward", r.t_kv, t_end);
         }
         trace.finish(self, &sub.rid, sub.room, t0, t_end);
@@ -730,7 +744,7 @@ impl Worker {
 }
 
 /// Resolves when SGLang's tokenizer would notice that a non-streamed request's client is gone:
-/// at its next poll, every `period` from `start` (`tokenizer_manager.py:1959`).
+/// at its next poll, every `period` from `start` (`tokenizer_manager.py:1960`).
 async fn client_gone_at_poll(
     conn: Option<ClientConn>,
     start: tokio::time::Instant,
@@ -833,13 +847,17 @@ pub(super) async fn serve(w: Shared, p: Parsed, ctx: Ctx) -> Response {
                         };
                         let a = w
                             .generate(
-                                &p,
                                 &sub,
                                 run,
-                                &model,
-                                (stream, &tx, &cancel),
-                                conn.as_ref(),
-                                (t0, t_tok, tp),
+                                &Out {
+                                    p: &p,
+                                    model: &model,
+                                    stream,
+                                    tx: &tx,
+                                    cancel: &cancel,
+                                    conn: conn.as_ref(),
+                                    times: (t0, t_tok, tp),
+                                },
                             )
                             .await;
                         let refused_prefix =
@@ -870,6 +888,10 @@ pub(super) async fn serve(w: Shared, p: Parsed, ctx: Ctx) -> Response {
         // SGLang's StreamingResponse answers 200 at once; a client leaving cancels the
         // generator, which aborts the request at once (`tokenizer_manager.py:958`).
         let (btx, brx) = mpsc::channel::<Result<Bytes, Infallible>>(16);
+        let now = now_ns();
+        for room in p.subs.iter().filter_map(|s| s.room) {
+            w.record(room, |r| r.answered_ns = now);
+        }
         let p2 = p.clone();
         tokio::spawn(async move {
             let (mut rx, drive) = (rx, driver);
@@ -950,19 +972,32 @@ pub(super) async fn serve(w: Shared, p: Parsed, ctx: Ctx) -> Response {
     render::final_answer(&p, &model, &answers, (now_ns() - t0) as f64 / 1e9)
 }
 
+/// Where a request's tokens go: its answer's shape, the stream (if any), and what ends it.
+struct Out<'a> {
+    p: &'a Parsed,
+    model: &'a str,
+    stream: bool,
+    tx: &'a mpsc::Sender<Bytes>,
+    /// Set when the client went away (and decode honours it).
+    cancel: &'a watch::Receiver<bool>,
+    conn: Option<&'a ClientConn>,
+    /// The request's start, end of tokenization, and trace context.
+    times: (u64, u64, Option<TraceParent>),
+}
+
 impl Worker {
     /// Generate a settled sub-request's tokens (streaming them when asked to) and record how it
     /// ended; its answer.
-    async fn generate(
-        &self,
-        p: &Parsed,
-        sub: &Sub,
-        run: SubRun,
-        model: &str,
-        (stream, tx, cancel): (bool, &mpsc::Sender<Bytes>, &watch::Receiver<bool>),
-        conn: Option<&ClientConn>,
-        (t0, t_tok, tp): (u64, u64, Option<TraceParent>),
-    ) -> SubAnswer {
+    async fn generate(&self, sub: &Sub, run: SubRun, out: &Out<'_>) -> SubAnswer {
+        let Out {
+            p,
+            model,
+            stream,
+            tx,
+            cancel,
+            conn,
+            times: (t0, t_tok, tp),
+        } = *out;
         let mut a = run.answer.clone();
         let delay = Duration::from_micros(self.args.decode_token_delay_us);
         let mut outcome = run.outcome;

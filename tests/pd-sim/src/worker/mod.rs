@@ -26,7 +26,7 @@
 //! - decode's client leaving: a streamed request is aborted at once (the generator is cancelled,
 //!   `managers/tokenizer_manager.py:958`); a non-streamed one when SGLang's tokenizer next polls
 //!   the connection, every `--request-state-wait-timeout-ms` (`SGLANG_REQUEST_STATE_WAIT_TIMEOUT`,
-//!   4 s) from the start (`tokenizer_manager.py:1946`). `--decode-ignores-cancel` never aborts.
+//!   4 s) from the start (`tokenizer_manager.py:1960`). `--decode-ignores-cancel` never aborts.
 //!
 //! Policy `prefill_complete`: decode sends `[BOOTSTRAP, R, ip, port]` after the lookup; prefill
 //! runs its forward at once, then sends readiness `[R, "2", "0"]` once it knows decode's
@@ -472,12 +472,13 @@ impl Worker {
         overloaded.then(|| "The request queue is full.".to_string())
     }
 
-    /// The scheduler's intake checks, in SGLang's order: max_req_input_len
-    /// (`managers/utils.py:259`, `err_type` BadRequestError), then the KV capacity
-    /// (`disaggregation/prefill.py:468`, `decode.py:962`, no `err_type`). `None` = admitted.
+    /// The scheduler's intake checks, in SGLang's order: max_req_input_len (an input of that
+    /// many tokens is refused already, `managers/utils.py:272`; `err_type` BadRequestError),
+    /// then the KV capacity (`disaggregation/prefill.py:468`, `decode.py:962`, no `err_type`).
+    /// `None` = admitted.
     fn scheduler_check(&self, input_tokens: u64, rid: &str) -> Option<render::Refusal> {
         let a = &self.args;
-        if input_tokens > self.max_req_input_len {
+        if input_tokens >= self.max_req_input_len {
             return Some(render::Refusal {
                 status: 400,
                 message: format!(

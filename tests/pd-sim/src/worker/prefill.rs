@@ -4,7 +4,7 @@
 //! State per room mirrors SGLang's prefill KV manager: `request_status` (`update_status`,
 //! `disaggregation/common/conn.py:653`: only Bootstrapping or WaitingForInput may create a room,
 //! Failed is terminal, otherwise the status only grows), `transfer_infos` (decode's destinations,
-//! stored by the bootstrap thread whether or not a sender exists, `mooncake/conn.py:3008`), and
+//! stored by the bootstrap thread whether or not a sender exists, `mooncake/conn.py:3020`), and
 //! under `prefill_complete` the `DeferredBootstrap` table (`common/bootstrap.py`).
 
 use super::api::{Ctx, Parsed, Sub};
@@ -64,7 +64,7 @@ impl PrefillRoom {
         }
     }
 
-    /// `DeferredBootstrap._notification` (`common/bootstrap.py:49`): `Some((endpoint, failed))`.
+    /// `DeferredBootstrap._notification` (`common/bootstrap.py:48`): `Some((endpoint, failed))`.
     fn notification(&mut self) -> Option<(SocketAddr, bool)> {
         let ep = self.endpoint?;
         if self.failed {
@@ -139,7 +139,7 @@ struct SenderOpts {
 impl Worker {
     fn orphan_ttl(&self) -> Duration {
         // SGLang's DeferredBootstrap keeps unowned entries for the waiting plus the bootstrap
-        // timeout (`common/conn.py:467`); early-policy orphans it never frees.
+        // timeout (`common/conn.py:427`); early-policy orphans it never frees.
         self.args.waiting_timeout() + self.args.bootstrap_timeout()
     }
 
@@ -290,7 +290,7 @@ impl Worker {
                 let ttl = self.orphan_ttl();
                 let mut t = self.prefill.lock().expect("prefill lock");
                 let e = t.rooms.entry(room).or_insert_with(|| PrefillRoom::new(ttl));
-                // `DeferredBootstrap.register` (`common/bootstrap.py:67`).
+                // `DeferredBootstrap.register` (`common/bootstrap.py:68`).
                 match e.endpoint {
                     Some(cur) if cur != ep => {
                         // A room is one request: a second endpoint is refused, the first kept.
@@ -642,7 +642,7 @@ impl Worker {
             let refused =
                 self.policy == AllocationPolicy::PrefillComplete && (e.owner.is_some() || e.failed);
             if refused {
-                // `DeferredBootstrap.open` refused it (`common/conn.py:2146`).
+                // `DeferredBootstrap.open` refused it (`common/conn.py:2144`).
                 e.failure
                     .get_or_insert_with(|| "Duplicate or cancelled bootstrap room".into());
             } else {
@@ -1183,7 +1183,7 @@ pub(super) async fn serve(w: Shared, p: Parsed, ctx: Ctx) -> Response {
                         let answer = end.answer.clone();
                         w.finish_prefill_sub(&sub, end, in_band, t0, t_tok);
                         // A refused prefix request fails the whole request (it raises before
-                        // any sample is sent, `tokenizer_manager.py:2145`).
+                        // any sample is sent, `tokenizer_manager.py:2151`).
                         let refused_prefix =
                             sub.prefix && answer.abort.as_ref().is_some_and(|r| r.status >= 400);
                         if !sub.prefix || refused_prefix {

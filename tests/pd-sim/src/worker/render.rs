@@ -7,8 +7,8 @@
 //!
 //! | refusal | `/generate` | `/generate` `"stream": true` | OpenAI | OpenAI streamed |
 //! |---|---|---|---|---|
-//! | tokenizer (context length) | 400 `{"error":{"message":M}}` (`http_server.py:2246`) | 200 SSE `data: {"error":{"message":M,"type":"invalid_request_error","code":400,"retryable":false}}`, `data: [DONE]` (`:951`) | 400 `{"object":"error","message":M,"type":"BadRequestError","param":null,"code":400}` (`serving_base.py:205`) | the same 400: the first chunk is awaited before the 200 goes out (`serving_completions.py:207`, `serving_chat.py:2426`) |
-//! | scheduler abort, status 400 (`FINISH_ABORT`) | 400 `{"error":{"message":M}}` (`tokenizer_manager.py:1917` raises ValueError) | 200 SSE, a chunk whose `meta_info.finish_reason` is `{"type":"abort","message":M,"status_code":400,"err_type":…}` | 400 BadRequestError | 200 SSE `data: {"error": {"object": "error", "message": M, "type": "BAD_REQUEST", "param": null, "code": 400}}` (`json.dumps`, `serving_base.py:223`) |
+//! | tokenizer (context length) | 400 `{"error":{"message":M}}` (`http_server.py:2246`) | 200 SSE `data: {"error":{"message":M,"type":"invalid_request_error","code":400,"retryable":false}}`, `data: [DONE]` (`:951`) | 400 `{"object":"error","message":M,"type":"BadRequestError","param":null,"code":400}` (`serving_base.py:205`) | the same 400: the first chunk is awaited before the 200 goes out (`serving_completions.py:210`, `serving_chat.py:2426`) |
+//! | scheduler abort, status 400 (`FINISH_ABORT`) | 400 `{"error":{"message":M}}` (`tokenizer_manager.py:1918` raises ValueError) | 200 SSE, a chunk whose `meta_info.finish_reason` is `{"type":"abort","message":M,"status_code":400,"err_type":…}` | 400 BadRequestError | 200 SSE `data: {"error": {"object": "error", "message": M, "type": "BAD_REQUEST", "param": null, "code": 400}}` (`json.dumps`, `serving_base.py:223`) |
 //! | scheduler abort, status 500 (a transfer failure) | 500 `{"object":"error","message":M,"type":"500","param":null,"code":500}` (HTTPException, `http_server.py:578`) | 200 SSE abort chunk, `status_code` 500 | 500, `"type":"500"` (`serving_base.py:119`) | 200 SSE error, `"type": "INTERNAL_SERVER_ERROR"` |
 //!
 //! A graceful abort (no status code) finishes normally with `finish_reason` abort, 200.
@@ -193,7 +193,7 @@ pub(super) struct SubAnswer {
     pub(super) completion_tokens: u64,
     /// `None`: finished normally (`length`).
     pub(super) abort: Option<Refusal>,
-    /// `finish_reason.length` of a normal finish (prefill reports 0, `prefill.py:1212`).
+    /// `finish_reason.length` of a normal finish (prefill reports 0, `prefill.py:1226`).
     pub(super) length: u64,
 }
 

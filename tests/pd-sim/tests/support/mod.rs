@@ -3,7 +3,9 @@
 //! ([`test_harness::eventually`]), a ZMTP tap and a tiny OTLP/HTTP receiver.
 #![allow(dead_code)]
 
+use std::io::{BufRead, BufReader, Read};
 use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -365,4 +367,77 @@ pub fn attr<'a>(s: &'a opentelemetry_proto::tonic::trace::v1::Span, key: &str) -
             }
             _ => None,
         })
+}
+
+/// A child process killed when dropped.
+pub struct Proc(pub Child);
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A standalone worker on ephemeral ports and its READY object.
+pub fn worker(role: &str, extra: &[&str]) -> (Proc, serde_json::Value) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_pd-sim"))
+        .args([role, "--port", "0", "--kv-port", "0"])
+        .args(extra)
+        .env("PD_SIM_LOG", "warn")
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("spawn worker");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let ready = serde_json::from_str(line.trim().strip_prefix("READY ").expect("READY")).unwrap();
+    (Proc(child), ready)
+}
+
+/// Run `interop/zmq_interop.py` with `python` against a standalone prefill and decode; what it
+/// printed.
+pub fn run_interop(python: &str, extra: &[&str]) -> serde_json::Value {
+    let (_prefill, p) = worker(
+        "prefill",
+        &[
+            "--disaggregation-bootstrap-port",
+            "0",
+            "--max-req-input-len",
+            "100",
+        ],
+    );
+    let (_decode, d) = worker("decode", &["--te-port", "0"]);
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/interop/zmq_interop.py");
+    let mut py = Proc(
+        Command::new(python)
+            .arg(script)
+            .arg(p["http"].as_str().unwrap())
+            .arg(p["bootstrap_port"].to_string())
+            .arg(d["http"].as_str().unwrap())
+            .args(extra)
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("run python"),
+    );
+    // SGLang's import alone takes ~15 s on this box.
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    let status = loop {
+        if let Some(s) = py.0.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "python interop timed out"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut out = String::new();
+    py.0.stdout
+        .take()
+        .unwrap()
+        .read_to_string(&mut out)
+        .unwrap();
+    assert!(status.success(), "interop script failed: {out}");
+    serde_json::from_str(out.trim().lines().last().unwrap_or("")).unwrap()
 }
