@@ -34,7 +34,7 @@ fn seen(events: Vec<HttpEvent>) -> Vec<Seen> {
         .map(|e| match e {
             HttpEvent::RequestHead(h) => Seen::Request(h),
             HttpEvent::ResponseHead(h) => Seen::Response(h),
-            HttpEvent::BodyStarted => Seen::BodyStarted,
+            HttpEvent::BodyStarted { .. } => Seen::BodyStarted,
             HttpEvent::End { body } => Seen::End(
                 body.len,
                 body.gaps,
@@ -141,7 +141,7 @@ fuzz_target!(|data: &[u8]| {
                 }
                 let _ = body.vllm_cache_config();
             }
-            HttpEvent::ResponseHead(_) | HttpEvent::BodyStarted | HttpEvent::Desync => {}
+            HttpEvent::ResponseHead(_) | HttpEvent::BodyStarted { .. } | HttpEvent::Desync => {}
         }
     }
 });

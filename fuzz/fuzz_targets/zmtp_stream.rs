@@ -53,7 +53,7 @@ fuzz_target!(|data: &[u8]| {
                 bytes,
                 syscall_start,
             } => stream.feed(bytes, syscall_start, &mut out),
-            Op::Gap(n) => stream.gap(n),
+            Op::Gap(n) => stream.gap(n, &mut out),
             Op::Close => stream = ZmtpStream::mid_stream(),
         }
     }

@@ -225,6 +225,18 @@ pub struct ActiveCall {
     pub syscall: u32,
 }
 
+/// How much of each syscall on a socket is captured: the value of its `SOCKS` entry, read when
+/// the syscall returns (a receive that was already waiting when user space changed it is
+/// captured in the new mode).
+pub mod capture {
+    /// The configured head and tail windows (HTTP: headers, ids, and the end of a body).
+    pub const EDGES: u32 = 0;
+    /// Up to [`super::MAX_CAPTURE`] bytes at each end: a control channel whose writes batch
+    /// many small messages (ZeroMQ writes up to 8 KiB of them at once), every one of which
+    /// counts. User space sets it once it has seen the connection's protocol.
+    pub const WHOLE: u32 = 1;
+}
+
 /// Key of the `SOCKS` map: a socket fd of a watched process.
 #[inline(always)]
 pub const fn sock_key(tgid: u32, fd: u32) -> u64 {

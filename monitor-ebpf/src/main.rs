@@ -20,7 +20,7 @@ use aya_ebpf::{
 };
 use monitor_common::{
     ActiveCall, CloseEvent, ConnEvent, DataHeader, Header, LocalEvent, MAX_CAPTURE, MAX_IOVECS,
-    ProcEvent, counter, inet_sock_set_state as sk, kind, sock_key, syscall, watch,
+    ProcEvent, capture, counter, inet_sock_set_state as sk, kind, sock_key, syscall, watch,
 };
 
 /// Leading payload bytes captured per syscall; set by the loader, at most [`MAX_CAPTURE`].
@@ -204,8 +204,16 @@ fn data_exit(ctx: &TracePointContext) -> Result<u32, u32> {
         return Ok(0);
     }
     let total = ret as u64;
-    let head = HEAD_BYTES.load() as u64;
-    let tail = TAIL_BYTES.load() as u64;
+    let tgid = (pid_tgid >> 32) as u32;
+    let whole = matches!(
+        unsafe { SOCKS.get(&sock_key(tgid, call.fd)) },
+        Some(mode) if *mode == capture::WHOLE
+    );
+    let (head, tail) = if whole {
+        (MAX_CAPTURE as u64, MAX_CAPTURE as u64)
+    } else {
+        (HEAD_BYTES.load() as u64, TAIL_BYTES.load() as u64)
+    };
     let tail_start = if total > head {
         let t = total.saturating_sub(tail);
         if t > head { t } else { head }

@@ -666,3 +666,82 @@ fn bootstrap_writers_are_attributed_by_their_connections() {
     let s = src.stats();
     assert_eq!(s.kernel(counter::CONNECTING_FULL), 0);
 }
+
+/// libzmq batches queued control messages into one write (up to 8 KiB). Once the tracker has
+/// seen a connection's ZMTP greeting, the kernel captures that socket's syscalls whole (up to
+/// 4 KiB at each end), so every one of 20 destinations messages sent in one ~6 KB write is read,
+/// where the default 512-byte head and tail windows would keep three or four.
+#[test]
+fn a_zmtp_connection_is_captured_whole() {
+    let port = free_port();
+    let script = fixture("fake_zmtp.py").display().to_string();
+    let mut prefill = Fake::spawn(&[script.clone(), "prefill".into(), port.to_string()])
+        .expect("the fake prefill could not bind its port");
+    let mut src = start_source(EbpfConfig {
+        capture: CaptureConfig::default(),
+        discovery: Discovery {
+            pids: vec![revenant::ingest::ebpf::PidRule {
+                role: Role::Prefill,
+                pid: prefill.pid(),
+            }],
+            watch: vec![],
+            conventions: false,
+        },
+        ..Default::default()
+    });
+    let mut decode = Fake::spawn(&[script, "decode".into(), port.to_string(), "20".into()])
+        .expect("the fake decode could not start");
+    let mut events = Vec::new();
+    wait_watched(&mut src, &[prefill.pid()]);
+    prefill.go();
+    decode.expect_line("GREETED");
+    // The prefill end is watched: it reads the greeting, and the source marks its socket.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while src
+        .stats()
+        .zmtp_captured_whole
+        .load(std::sync::atomic::Ordering::Relaxed)
+        == 0
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the ZMTP connection was never captured whole"
+        );
+        src.drain(&mut events);
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    decode.go();
+    decode.expect_line("SENT");
+    decode.go();
+    prefill.expect_line("DONE");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let rooms = |events: &[LifecycleEvent]| -> Vec<u64> {
+        let mut r: Vec<u64> = events
+            .iter()
+            .filter(|e| e.stage == Stage::Transfer && e.kind == Kind::Admitted)
+            .filter_map(|e| e.ids.bootstrap_room.map(|r| r.0))
+            .collect();
+        r.sort_unstable();
+        r.dedup();
+        r
+    };
+    while rooms(&events).len() < 20 {
+        assert!(
+            Instant::now() < deadline,
+            "destinations read: {:?}",
+            rooms(&events)
+        );
+        src.drain(&mut events);
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(rooms(&events), (1000..1020).collect::<Vec<_>>());
+    src.rescan();
+    let stats = src.stats();
+    assert_eq!(
+        stats
+            .zmtp_desyncs
+            .load(std::sync::atomic::Ordering::Relaxed),
+        0
+    );
+    assert_eq!(stats.kernel(counter::RINGBUF_DROPS), 0);
+}

@@ -185,10 +185,15 @@ fn handoff_after_reject_one_violation_per_handed_off_rejection() {
     let handed_off = json_u64(&router, &["router", "decode_legs_after_prefill_failure"]);
     let rejected = json_u64(&prefill, &["worker", "rejected_400"])
         + json_u64(&prefill, &["worker", "rejected_503"]);
-    let client_rejected: u64 = summary["rejected_by_status"]
-        .as_object()
-        .map(|m| m.values().filter_map(|v| v.as_u64()).sum())
-        .unwrap_or(0);
+    // A streamed request's refusal reaches the client inside a 200 (SGLang validates after the
+    // stream started): the load counts those apart.
+    let sum = |key: &str| -> u64 {
+        summary[key]
+            .as_object()
+            .map(|m| m.values().filter_map(|v| v.as_u64()).sum())
+            .unwrap_or(0)
+    };
+    let client_rejected = sum("rejected_by_status") + sum("failed_in_stream");
     eprintln!(
         "handoff: {:.1}s; load {summary}; prefill rejected {rejected}, handed off {handed_off}; \
          {} eBPF events (prefill rejected {}, decode received {}, transfer work {}); violations {:?}; \
@@ -221,7 +226,11 @@ fn handoff_after_reject_one_violation_per_handed_off_rejection() {
     let rooms: Vec<serde_json::Value> = serde_json::from_str(&body).expect("rooms json");
     let sim_rooms: BTreeSet<u64> = rooms
         .iter()
-        .filter(|r| r["status"].as_u64().is_some_and(|s| s >= 400))
+        // Refused: an error status, or (streamed) an error inside the 200.
+        .filter(|r| {
+            r["status"].as_u64().is_some_and(|s| s >= 400)
+                || r["error_code"].as_u64().is_some_and(|c| c >= 400)
+        })
         .map(|r| r["room"].as_u64().expect("room"))
         .collect();
     assert_eq!(sim_rooms.len() as u64, rejected);

@@ -102,10 +102,13 @@ pub enum Unmapped {
     BadTime = 5,
     /// Log records: no profile maps logs for this source.
     LogNotMapped = 6,
+    /// A request SGLang runs through its fake transfer backend (health checks, warmups: no
+    /// bootstrap room): it never enters the disaggregated path.
+    FakeTransfer = 7,
 }
 
 impl Unmapped {
-    pub const ALL: [Unmapped; 7] = [
+    pub const ALL: [Unmapped; 8] = [
         Unmapped::NoProfile,
         Unmapped::UnknownSpan,
         Unmapped::MissingIds,
@@ -113,6 +116,7 @@ impl Unmapped {
         Unmapped::OrphanEvicted,
         Unmapped::BadTime,
         Unmapped::LogNotMapped,
+        Unmapped::FakeTransfer,
     ];
     pub fn as_str(self) -> &'static str {
         match self {
@@ -123,6 +127,7 @@ impl Unmapped {
             Unmapped::OrphanEvicted => "orphan_evicted",
             Unmapped::BadTime => "bad_time",
             Unmapped::LogNotMapped => "log_not_mapped",
+            Unmapped::FakeTransfer => "fake_transfer",
         }
     }
 }

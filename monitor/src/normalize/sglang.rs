@@ -99,6 +99,10 @@ struct Attempt {
     role: Option<Stage>,
     /// An ERROR with a reason was seen below this root: its end is not a completion.
     errored: bool,
+    /// A prefill or decode request without a bootstrap room: SGLang runs it through its fake
+    /// transfer backend (its health checks, `HEALTH_CHECK_…`, and its startup warmup, room 0,
+    /// which the root does not name): no transfer, nothing to judge.
+    fake: bool,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -109,6 +113,10 @@ enum Class {
         room: Option<BootstrapRoom>,
         role: Option<Stage>,
         request_root: bool,
+        /// The root names itself a request of SGLang's request module (`module =
+        /// sglang::request`, 0.5.2x): in PD mode such a root without a room is a request on
+        /// the fake transfer backend.
+        request_module: bool,
     },
     /// A per-thread span; only interesting when it carries an abort.
     Thread { stage: Option<Stage> },
@@ -339,6 +347,7 @@ impl SpanTree {
                 room: *room,
                 role: *role,
                 errored: false,
+                fake: false,
             };
             // An old-style request root sits under its "Bootstrap Room" span: inherit the room.
             if let Some(pa) = node
@@ -349,6 +358,28 @@ impl SpanTree {
                 attempt.room = attempt.room.or(parent.room);
                 attempt.role = attempt.role.or(parent.role);
             }
+            // SGLang's health checks (`HEALTH_CHECK_…` rids) and its warmup (room 0, which the
+            // root leaves out: `trace.py` names a room only when it is not 0) run on the fake
+            // transfer backend.
+            attempt.fake = matches!(
+                node.class,
+                Class::Anchor {
+                    request_root: true,
+                    ..
+                }
+            ) && attempt.role.is_some()
+                && (attempt
+                    .rid
+                    .as_deref()
+                    .is_some_and(|r| r.starts_with("HEALTH_CHECK"))
+                    || (attempt.room.is_none()
+                        && matches!(
+                            node.class,
+                            Class::Anchor {
+                                request_module: true,
+                                ..
+                            }
+                        )));
             let id = self.next_attempt;
             self.next_attempt += 1;
             self.known.attempts_cur.insert(id, attempt);
@@ -523,6 +554,10 @@ impl SpanTree {
         let Some(a) = self.known.attempt(id) else {
             return;
         };
+        if a.fake {
+            tally.unmapped(P, Unmapped::FakeTransfer);
+            return;
+        }
         let role = n.stage_hint.or(a.role);
         let mk = |time: u64, stage: Stage, kind: Kind, a: &Attempt| {
             let mut e = LifecycleEvent::new(time, stage, kind, Source::Otlp);
@@ -757,6 +792,7 @@ fn extract(ctx: &SpanCtx<'_>, span: &Span) -> Option<Node> {
             room,
             role: role_from_name(name),
             request_root,
+            request_module: attrs::str(a, "module") == Some("sglang::request"),
         }
     } else if attrs::has(a, "thread_label") || name.contains("(host:") {
         let label = attrs::str(a, "thread_label").unwrap_or(name);

@@ -660,6 +660,46 @@ fn sglang_abort_status_and_sub_request_rids() {
     );
 }
 
+/// SGLang's health checks (`HEALTH_CHECK_…` rids) and its warmup (room 0, left out of the root)
+/// run on the fake transfer backend: their spans, `decode_bootstrap` included, are no events.
+#[test]
+fn sglang_fake_transfer_requests_are_no_events() {
+    let spans = vec![
+        span(1, 2, 1, "decode_bootstrap", 30, 40, vec![]),
+        span(
+            1,
+            1,
+            0,
+            "decode Req HEALTH_C",
+            25,
+            50,
+            vec![
+                s("rid", "HEALTH_CHECK_ab12"),
+                s("module", "sglang::request"),
+            ],
+        ),
+        span(2, 4, 3, "prefill_forward", 30, 40, vec![]),
+        span(
+            2,
+            3,
+            0,
+            "prefill Req 5f2e",
+            25,
+            50,
+            vec![s("rid", "5f2e"), s("module", "sglang::request")],
+        ),
+    ];
+    let mut n = normalizer();
+    let (mut ev, mut tally) = run(&mut n, &export("sglang", "sglang server", spans), 1);
+    n.tick(10_000_000_000, &mut ev, &mut tally);
+    assert!(ev.is_empty(), "{ev:#?}");
+    assert_eq!(
+        tally.unmapped_count(ProfileLabel::Sglang, Unmapped::FakeTransfer),
+        4,
+        "{tally:?}"
+    );
+}
+
 #[test]
 fn sglang_decode_leg_and_kv_transfer_root() {
     let spans = vec![

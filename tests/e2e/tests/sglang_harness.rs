@@ -27,7 +27,7 @@ use test_harness::sglang::{
     OtlpSink, Role, SglangWorker, Smg, WorkerOptions, harness_python, start_workers,
     write_model_dir,
 };
-use test_harness::{HttpResponse, ScratchDir, http_post_json};
+use test_harness::{HttpResponse, Revenant, ScratchDir, http_post_json};
 
 const PREFILL_CONTEXT: u32 = 128;
 const PREFILL_KV_PAGES: u32 = 96;
@@ -156,16 +156,74 @@ struct Setup {
     prefill_stub: SglangWorker,
     decode: SglangWorker,
     sink: OtlpSink,
+    /// `revenant run` watching it all (eBPF and OTLP), started before anything else so that it
+    /// follows each worker's scheduler processes from their fork.
+    revenant: Revenant,
     scratch: ScratchDir,
+}
+
+/// `revenant run` (release build, `REVENANT_BIN`) with both witnesses: eBPF on the harness
+/// workers of this test (their command lines name this test's scratch directory) and on smg
+/// (retitled `smg::router`), OTLP/HTTP for the spans the sink forwards. Every event is recorded
+/// (`events.jsonl`) so that each witness alone can be judged again by `revenant check`.
+fn start_revenant(dir: &std::path::Path) -> Revenant {
+    assert!(
+        test_harness::is_root(),
+        "revenant's eBPF witness needs root (cargo xtask test runs as root, as CI does)"
+    );
+    let bin = test_harness::workspace_bin("revenant", "REVENANT_BIN").unwrap();
+    let here = regex_escape(&dir.display().to_string());
+    let watch = |role: &str| format!("{role}=sglang_harness worker --role {role} .*{here}");
+    let args: Vec<String> = [
+        "--ebpf",
+        "on",
+        "--no-sglang-conventions",
+        "--watch",
+        &watch("prefill"),
+        "--watch",
+        &watch("decode"),
+        "--watch",
+        "router=^smg::router",
+        "--otlp-grpc",
+        "off",
+        "--otlp-http",
+        "127.0.0.1:0",
+        // Every violation and notification is kept and written.
+        "--rate-limit",
+        "0",
+        "--recent-violations",
+        "100000",
+        "--corroboration-window",
+        "3s",
+        "--spool-no-fsync",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let rv_dir = dir.join("revenant");
+    std::fs::create_dir_all(&rv_dir).unwrap();
+    Revenant::start_recording(&bin, &rv_dir, &args, Duration::from_secs(60))
+        .unwrap_or_else(|e| panic!("{e:#}"))
+}
+
+fn regex_escape(s: &str) -> String {
+    s.chars()
+        .flat_map(|c| {
+            let special = "\\.+*?()|[]{}^$".contains(c);
+            special.then_some('\\').into_iter().chain([c])
+        })
+        .collect()
 }
 
 fn setup() -> Setup {
     let python = harness_python();
     let smg_bin = test_harness::router_from_env("PD_SIM_SMG113", "smg 1.13.0");
     let scratch = ScratchDir::new("sglang-harness").unwrap();
+    let revenant = start_revenant(scratch.path());
     let model = scratch.path().join("model");
     write_model_dir(&python, &model).unwrap();
-    let sink = OtlpSink::start(&python, scratch.path()).unwrap();
+    let forward = format!("http://{}/v1/traces", revenant.otlp_http);
+    let sink = OtlpSink::start_forwarding(&python, scratch.path(), Some(&forward)).unwrap();
     let traced = |mut o: WorkerOptions| {
         o.otlp_http = Some(sink.endpoint.clone());
         o
@@ -220,6 +278,7 @@ fn setup() -> Setup {
         prefill_stub,
         decode,
         sink,
+        revenant,
         scratch,
     }
 }
@@ -318,6 +377,7 @@ fn smg_1_13_in_front_of_sglang_0_5_23() {
             101,
             false,
         ),
+        ("scheduler, streamed", fixed.clone(), "/generate", 102, true),
     ];
     let handles: Vec<_> = refused
         .iter()
@@ -418,6 +478,15 @@ fn smg_1_13_in_front_of_sglang_0_5_23() {
     assert!(
         streamed_took.as_secs_f64() >= DECODE_WAITING_TIMEOUT_S as f64,
         "{streamed_took:?}"
+    );
+    // The scheduler refuses inside the stream too (a chunk whose finish_reason is an abort
+    // with status_code 400): smg keeps decode's leg the same way.
+    let (_, _, sched_streamed, _) = &answers[&102];
+    assert_eq!(sched_streamed.status, 200, "{}", sched_streamed.body);
+    assert!(
+        sched_streamed.body.contains("in KVPoll.WaitingForInput"),
+        "{}",
+        sched_streamed.body
     );
 
     // ---- ground truth ----
@@ -526,7 +595,7 @@ fn smg_1_13_in_front_of_sglang_0_5_23() {
     // STATE_WAIT_S, non-streamed) or its waiting timeout (streamed).
     let d = wait_for("decode's ABORTs for the refused rooms", settle, || {
         let d = dt();
-        [200u64, 201, 202, 100]
+        [200u64, 201, 202, 100, 102]
             .iter()
             .all(|&w| {
                 rooms_of(&d, w)
@@ -597,6 +666,24 @@ fn smg_1_13_in_front_of_sglang_0_5_23() {
     );
     let st = stranded(&d, room_sched).unwrap();
     held.push((100, ms(st.published_ns, st.abort_ns)));
+    // The same refusal streamed: retired the same way; decode holds the room until its
+    // waiting timeout, as smg keeps its leg.
+    let room_sched_streamed = *rooms_of(&p, 102)
+        .iter()
+        .next()
+        .expect("prefill saw the 102-word request");
+    one(
+        of_room(&p, "retired_unadmitted", room_sched_streamed),
+        "retirement",
+    );
+    assert!(of_room(&p, "sender_created", room_sched_streamed).is_empty());
+    let st = stranded(&d, room_sched_streamed).unwrap();
+    let hold = ms(st.published_ns, st.abort_ns);
+    assert!(
+        hold / 1000.0 >= DECODE_WAITING_TIMEOUT_S as f64 - 0.5,
+        "streamed: decode held {hold:.0} ms"
+    );
+    held.push((102, hold));
 
     // Scheduler-path refusal, stub (<= 0.5.20): a one-token sender bootstrapped with decode,
     // the stub's KV landed at decode (Success on the wire) before prefill answered 400.
@@ -699,6 +786,10 @@ fn smg_1_13_in_front_of_sglang_0_5_23() {
     assert_eq!(thread["status"], 2);
     assert_eq!(thread["attributes"]["reason"], sched_msg(100).as_str());
 
+    // ---- revenant's verdicts ----
+    let verdicts = judge(&s, &p, &sp, &d);
+    eprintln!("{verdicts}");
+
     // ---- what was measured ----
     let admitted_ms = {
         let mut v = admitted_latency.clone();
@@ -739,5 +830,158 @@ fn smg_1_13_in_front_of_sglang_0_5_23() {
         "run (after start-up) {:.1} s; scratch {}",
         run_started.elapsed().as_secs_f64(),
         s.scratch.path().display()
+    );
+}
+
+/// What revenant said about the run, against SGLang's ground truth: live with both witnesses
+/// (its violations and incident notifications), then each witness alone (`revenant check` on the
+/// recorded events of that source). Returns a summary to print.
+fn judge(s: &Setup, prefill: &[Value], stub: &[Value], decode: &[Value]) -> String {
+    let room = |t: &[Value], words: u64| {
+        *rooms_of(t, words)
+            .iter()
+            .next()
+            .unwrap_or_else(|| panic!("no room with {words} words"))
+    };
+    // The breaches and the rules that may report each (the first one must).
+    let tokenizer_streamed = room(decode, 202);
+    let scheduler_streamed = room(prefill, 102);
+    let stub_room = room(stub, 101);
+    let must: BTreeMap<u64, (&str, Vec<&str>)> = [
+        // smg keeps decode's leg of a refusal streamed inside a 200: decode reserved KV for
+        // the room and held its leg until its waiting timeout.
+        (tokenizer_streamed, ("orphaned-leg", vec![])),
+        (scheduler_streamed, ("orphaned-leg", vec![])),
+        // <= 0.5.20: the refused request's stub KV landed at decode before prefill's 400.
+        (
+            stub_room,
+            (
+                "advanced-before-rejection",
+                vec!["activity-after-rejection", "orphaned-leg"],
+            ),
+        ),
+    ]
+    .into_iter()
+    .collect();
+    // Judged once revenant's watermark passed the slowest deadline: decode's abort at its
+    // waiting timeout, exported then, plus the window and run's 15 s allowed lateness.
+    let rv = &s.revenant;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let target = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64()
+        + 1.0;
+    loop {
+        let m = rv.metrics().unwrap();
+        let wm = test_harness::metric_sum(&m, "revenant_checker_watermark_timestamp_seconds", &[]);
+        if wm >= target {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "watermark {wm} never passed {target}"
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    rv.wait_quiet(Duration::from_secs(2), Duration::from_secs(60), None)
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", rv.log_tail(30)));
+    let (_, list) = rv.admin_json("/api/violations?limit=100000").unwrap();
+    let live = by_room(list["violations"].as_array().unwrap());
+    let mut summary = format!("revenant live (eBPF + OTLP): {live:?}\n");
+    check_verdicts("live", &live, &must, &[]);
+    // One notification per breached request.
+    let alerts = rv.alerts();
+    for (room, (rule, _)) in &must {
+        let n = alerts
+            .iter()
+            .filter(|a| {
+                a.to_string()
+                    .contains(&format!("\"bootstrap_room\":\"{room}\""))
+            })
+            .count();
+        assert_eq!(n, 1, "room {room} ({rule}): {n} notifications: {alerts:#?}");
+    }
+    // Each witness alone: the same events, one source at a time, through `revenant check`.
+    let events = rv.events();
+    for (source, cannot_see) in [
+        ("ebpf", vec![]),
+        // SGLang never ends (so never exports) the root span of a request its tokenizer
+        // refused: only an auto-closed thread span without ids reaches OTLP.
+        ("otlp", vec![tokenizer_streamed]),
+    ] {
+        let path = rv.dir.join(format!("events-{source}.jsonl"));
+        let lines: Vec<String> = events
+            .iter()
+            .filter(|e| e["source"] == source)
+            .map(|e| e.to_string())
+            .collect();
+        std::fs::write(&path, lines.join("\n") + "\n").unwrap();
+        let bin = test_harness::workspace_bin("revenant", "REVENANT_BIN").unwrap();
+        let out = std::process::Command::new(bin)
+            .args(["check", "--events"])
+            .arg(&path)
+            .output()
+            .unwrap();
+        let found: Vec<Value> = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect();
+        let got = by_room(&found);
+        summary.push_str(&format!(
+            "revenant check, {source} alone ({} events): {got:?}\n",
+            lines.len()
+        ));
+        check_verdicts(source, &got, &must, &cannot_see);
+    }
+    summary
+}
+
+/// Violations by room: the rules that fired for it.
+fn by_room(violations: &[Value]) -> BTreeMap<u64, BTreeSet<String>> {
+    let mut m: BTreeMap<u64, BTreeSet<String>> = BTreeMap::new();
+    for v in violations {
+        let room = v["attempt"]["bootstrap_room"]
+            .as_str()
+            .and_then(|r| r.parse().ok())
+            .unwrap_or(0);
+        m.entry(room)
+            .or_default()
+            .insert(v["rule"].as_str().unwrap_or_default().to_owned());
+    }
+    m
+}
+
+/// Every breach caught by its rule (unless the witness cannot see it), and nothing else: no
+/// rule fired for any other room, and none but the allowed ones for a breached room.
+fn check_verdicts(
+    witness: &str,
+    got: &BTreeMap<u64, BTreeSet<String>>,
+    must: &BTreeMap<u64, (&str, Vec<&str>)>,
+    cannot_see: &[u64],
+) {
+    for (room, (rule, also)) in must {
+        let rules = got.get(room).cloned().unwrap_or_default();
+        if cannot_see.contains(room) {
+            assert!(
+                rules.is_empty(),
+                "{witness}: room {room} cannot be seen, yet {rules:?}"
+            );
+            continue;
+        }
+        assert!(
+            rules.contains(*rule),
+            "{witness}: room {room} missed {rule}: {got:?}"
+        );
+        let extra: Vec<_> = rules
+            .iter()
+            .filter(|r| r.as_str() != *rule && !also.contains(&r.as_str()))
+            .collect();
+        assert!(extra.is_empty(), "{witness}: room {room} also {extra:?}");
+    }
+    let false_alerts: Vec<_> = got.iter().filter(|(r, _)| !must.contains_key(r)).collect();
+    assert!(
+        false_alerts.is_empty(),
+        "{witness}: false alerts on a correct deployment's rooms: {false_alerts:?}"
     );
 }

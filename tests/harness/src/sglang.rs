@@ -264,6 +264,12 @@ pub struct OtlpSink {
 
 impl OtlpSink {
     pub fn start(python: &Path, dir: &Path) -> Result<OtlpSink> {
+        OtlpSink::start_forwarding(python, dir, None)
+    }
+
+    /// [`OtlpSink::start`] that also posts every export to `forward` (an OTLP/HTTP traces URL:
+    /// revenant's), answering SGLang's exporters with that receiver's status.
+    pub fn start_forwarding(python: &Path, dir: &Path, forward: Option<&str>) -> Result<OtlpSink> {
         let port = free_port()?;
         let out = dir.join("spans.jsonl");
         let log = dir.join("otlp-sink.log");
@@ -277,6 +283,7 @@ impl OtlpSink {
         ])
         .arg("--out")
         .arg(&out)
+        .args(forward.map(|f| ["--forward", f]).into_iter().flatten())
         .stdout(Stdio::piped())
         .stderr(File::create(&log)?);
         let mut proc = Proc::spawn("otlp-sink", &mut cmd)?.with_grace(Duration::ZERO);

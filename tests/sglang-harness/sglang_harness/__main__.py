@@ -16,13 +16,16 @@ def main() -> None:
     sink.add_argument("--host", default="127.0.0.1")
     sink.add_argument("--port", type=int, required=True)
     sink.add_argument("--out", required=True)
+    sink.add_argument(
+        "--forward", help="also post every export to this OTLP/HTTP traces URL (revenant's)"
+    )
     args = p.parse_args()
     if args.command == "worker":
         worker.run(args)
     elif args.command == "otlp-sink":
         from . import otlp_sink
 
-        otlp_sink.serve(args.host, args.port, args.out)
+        otlp_sink.serve(args.host, args.port, args.out, args.forward)
     else:
         from . import model_dir
 

@@ -5,11 +5,17 @@ read what SGLang's tracing module exported (run the workers with
 
 Each line: service, scope, name, trace_id, span_id, parent_span_id, start/end ns, status code,
 attributes (string/int/bool/double values), event names and the number of links.
+
+`--forward URL` also posts every export, as received, to another OTLP/HTTP receiver (revenant's
+`/v1/traces`) and answers the exporter with that receiver's status, so a refusal there (429,
+503) makes SGLang's exporter retry as it would against the receiver itself.
 """
 
 import json
 import sys
 import threading
+import urllib.error
+import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
@@ -49,7 +55,21 @@ def spans_of(body: bytes):
                 }
 
 
-def serve(host: str, port: int, out: str) -> None:
+def forward(url: str, body: bytes, content_type: str) -> int:
+    """POSTs an export as received; the receiver's HTTP status (502 when unreachable)."""
+    req = urllib.request.Request(
+        url, data=body, method="POST", headers={"Content-Type": content_type}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError:
+        return 502
+
+
+def serve(host: str, port: int, out: str, forward_to: str = None) -> None:
     lock = threading.Lock()
     sink = open(out, "a", buffering=1)
 
@@ -66,7 +86,14 @@ def serve(host: str, port: int, out: str) -> None:
                 for s in spans:
                     sink.write(json.dumps(s, sort_keys=True) + "\n")
                 sink.flush()
-            self.send_response(200)
+            status = 200
+            if forward_to:
+                status = forward(
+                    forward_to,
+                    body,
+                    self.headers.get("Content-Type", "application/x-protobuf"),
+                )
+            self.send_response(status)
             self.send_header("Content-Type", "application/x-protobuf")
             self.send_header("Content-Length", "0")
             self.end_headers()

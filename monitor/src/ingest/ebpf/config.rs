@@ -7,7 +7,7 @@ use std::time::Duration;
 use serde::{Deserialize, Deserializer};
 
 use super::loader::{CaptureConfig, LoadError};
-use super::procs::{Discovery, PidRule, Role, WatchRule};
+use super::procs::{Discovery, PidRule, WatchRule};
 use super::source::{EbpfConfig, EbpfSource, HoldWindows};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, Deserialize)]
@@ -235,7 +235,7 @@ mod tests {
     /// (300 s) under the default windows (330 s) is not.
     #[test]
     fn worker_timeouts_against_the_rules_windows() {
-        use super::super::procs::SglangTimeouts;
+        use super::super::procs::{Role, SglangTimeouts};
         let w = HoldWindows {
             decode_waits_for_kv: Some(Duration::from_secs(330)),
             prefill_waits_for_decode: Some(Duration::from_secs(330)),

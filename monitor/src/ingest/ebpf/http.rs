@@ -20,12 +20,19 @@ pub enum Side {
     Responses,
 }
 
+/// Bytes of a body's first write handed out with [`HttpEvent::BodyStarted`].
+pub const FIRST_BODY_BYTES: usize = 1024;
+
 #[derive(Debug)]
 pub enum HttpEvent {
     RequestHead(RequestHead),
     ResponseHead(ResponseHead),
-    /// First body bytes of the current message (for a streamed response: tokens are flowing).
-    BodyStarted,
+    /// First body bytes of the current message (for a streamed response: tokens are flowing),
+    /// and up to [`FIRST_BODY_BYTES`] of them: whether they are output or an abort that ends the
+    /// stream at once is in its first event.
+    BodyStarted {
+        first: Vec<u8>,
+    },
     /// The current message ended; its body window holds what we saw of the body.
     End {
         body: BodyWindow,
@@ -413,7 +420,9 @@ impl HttpStream {
         }
         if !self.body_started {
             self.body_started = true;
-            out.push(HttpEvent::BodyStarted);
+            out.push(HttpEvent::BodyStarted {
+                first: data[..data.len().min(FIRST_BODY_BYTES)].to_vec(),
+            });
         }
         self.body.push(data);
     }
@@ -578,7 +587,7 @@ mod tests {
             .iter()
             .map(|e| match e {
                 HttpEvent::ResponseHead(_) => "head",
-                HttpEvent::BodyStarted => "body",
+                HttpEvent::BodyStarted { .. } => "body",
                 HttpEvent::End { .. } => "end",
                 HttpEvent::RequestHead(_) => "req",
                 HttpEvent::Desync => "desync",

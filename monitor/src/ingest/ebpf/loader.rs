@@ -276,6 +276,30 @@ impl Probes {
             })
     }
 
+    /// Captures up to [`monitor_common::MAX_CAPTURE`] bytes at each end of every syscall on
+    /// `fd` of `tgid` from now on ([`monitor_common::capture::WHOLE`]): a ZeroMQ control
+    /// connection, whose writes batch many small messages. Only a socket the kernel side still
+    /// tracks is changed (a closed one is not brought back); false when it tracks none.
+    pub fn capture_whole(&mut self, tgid: u32, fd: u32) -> Result<bool, LoadError> {
+        let map = self
+            .ebpf
+            .map_mut("SOCKS")
+            .ok_or_else(|| LoadError::Config("no SOCKS map".into()))?;
+        let mut m: BpfHashMap<&mut MapData, u64, u32> =
+            BpfHashMap::try_from(map).map_err(|source| LoadError::Map {
+                name: "SOCKS",
+                source,
+            })?;
+        /// `BPF_EXIST`: update an entry, never create one.
+        const BPF_EXIST: u64 = 2;
+        Ok(m.insert(
+            monitor_common::sock_key(tgid, fd),
+            monitor_common::capture::WHOLE,
+            BPF_EXIST,
+        )
+        .is_ok())
+    }
+
     /// Forgets every socket of an exited process.
     pub fn forget_sockets(&mut self, tgid: u32) {
         let Some(map) = self.ebpf.map_mut("SOCKS") else {

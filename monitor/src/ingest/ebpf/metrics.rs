@@ -84,6 +84,16 @@ impl Collector for EbpfCollector {
                 "KV-transfer control messages left unread because a capture gap cut into their verb or key (read, they could name another room)",
                 s.zmtp_damaged.load(Relaxed),
             ),
+            (
+                "revenant_ebpf_zmtp_desyncs",
+                "Times a capture gap cost a KV-transfer control stream its framing: the messages until the next syscall that starts a frame are lost",
+                s.zmtp_desyncs.load(Relaxed),
+            ),
+            (
+                "revenant_ebpf_zmtp_connections_captured_whole",
+                "KV-transfer control connections whose syscalls the kernel captures whole (up to 4 KiB at each end), so that batched messages are all read",
+                s.zmtp_captured_whole.load(Relaxed),
+            ),
         ] {
             counter_metric(&mut enc, name, help, v)?;
         }

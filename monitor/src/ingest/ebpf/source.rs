@@ -107,6 +107,9 @@ pub struct EbpfStats {
     pub http_desyncs: AtomicU64,
     pub gap_bytes: AtomicU64,
     pub zmtp_damaged: AtomicU64,
+    pub zmtp_desyncs: AtomicU64,
+    /// ZMTP connections whose syscalls the kernel captures whole.
+    pub zmtp_captured_whole: AtomicU64,
     pub watched_processes: AtomicU64,
     /// Connections the tracker currently holds state for.
     pub connections: AtomicU64,
@@ -133,6 +136,8 @@ impl EbpfStats {
             + self.events_dropped.load(Relaxed)
             + self.decode_errors.load(Relaxed)
             + self.conns_evicted.load(Relaxed)
+            // KV-transfer control messages lost to a gap: evidence of advancement may be gone.
+            + self.zmtp_desyncs.load(Relaxed)
     }
 }
 
@@ -230,6 +235,9 @@ impl EbpfSource {
         }
         for (from, role) in self.inner.tracker.take_learned() {
             self.inner.on_learned(from, role);
+        }
+        for (tgid, fd) in self.inner.tracker.take_zmtp_opened() {
+            self.inner.capture_whole(tgid, fd);
         }
         self.inner.stats.records.fetch_add(n as u64, Relaxed);
         n
@@ -353,6 +361,20 @@ impl Inner {
         Ok(())
     }
 
+    /// A connection carries ZMTP: its writes batch many small control messages, each of which
+    /// counts, so the kernel captures its syscalls whole (up to 4 KiB at each end).
+    fn capture_whole(&mut self, tgid: u32, fd: u32) {
+        match self.probes.capture_whole(tgid, fd) {
+            Ok(true) => {
+                self.stats.zmtp_captured_whole.fetch_add(1, Relaxed);
+            }
+            Ok(false) => {}
+            Err(e) => {
+                tracing::warn!(tgid, fd, error = %e, "eBPF: cannot capture a ZMTP connection whole")
+            }
+        }
+    }
+
     fn rescan(&mut self) {
         for pid in procs::all_pids() {
             if self.watched.contains_key(&pid) {
@@ -404,6 +426,7 @@ impl Inner {
         self.stats.http_desyncs.store(t.http_desyncs, Relaxed);
         self.stats.gap_bytes.store(t.gap_bytes, Relaxed);
         self.stats.zmtp_damaged.store(t.zmtp_damaged, Relaxed);
+        self.stats.zmtp_desyncs.store(t.zmtp_desyncs, Relaxed);
         self.stats
             .connections
             .store(self.tracker.conn_count() as u64, Relaxed);

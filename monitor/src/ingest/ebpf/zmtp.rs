@@ -24,6 +24,9 @@ pub struct Message {
     /// Bit `i` set: bytes of kept part `i` were lost to a capture gap, so what was kept of it has
     /// a hole or lacks its end (a room cut to its first digits is another room).
     pub damaged: u32,
+    /// A capture gap ran from inside the message past its end: the parts before the gap are
+    /// whole (or marked damaged), the rest and its true part count are unknown.
+    pub truncated: bool,
 }
 
 #[derive(Debug)]
@@ -42,6 +45,9 @@ enum State {
 pub struct ZmtpStream {
     state: State,
     msg: Message,
+    /// Times a capture gap (or bytes that are no frame) cost the stream its framing: the
+    /// messages after it are lost until a syscall starts with a frame again.
+    pub desyncs: u64,
 }
 
 /// True when `data` starts a ZMTP 3.x greeting: signature `FF <8 bytes> 7F`.
@@ -55,6 +61,7 @@ impl ZmtpStream {
         ZmtpStream {
             state: State::Greeting(GREETING),
             msg: Message::default(),
+            desyncs: 0,
         }
     }
 
@@ -64,6 +71,7 @@ impl ZmtpStream {
         ZmtpStream {
             state: State::Desync,
             msg: Message::default(),
+            desyncs: 0,
         }
     }
 
@@ -98,7 +106,7 @@ impl ZmtpStream {
                     h.extend_from_slice(&data[..n]);
                     data = &data[n..];
                     if h[0] & !0x07 != 0 {
-                        self.state = State::Desync;
+                        self.lose_sync();
                         return;
                     }
                     let need = if h[0] & 0x02 != 0 { 9 } else { 2 };
@@ -112,7 +120,7 @@ impl ZmtpStream {
                         h[1] as u64
                     };
                     if size > MAX_FRAME {
-                        self.state = State::Desync;
+                        self.lose_sync();
                         return;
                     }
                     let command = flags & 0x04 != 0;
@@ -154,26 +162,47 @@ impl ZmtpStream {
         }
     }
 
-    pub fn gap(&mut self, n: u64) {
-        if let State::FrameBody {
-            remaining, command, ..
-        } = self.state
-            && n <= remaining
-            && !command
-        {
-            self.mark_damaged();
-        }
+    /// `n` bytes of the stream went by uncaptured.
+    pub fn gap(&mut self, n: u64, out: &mut Vec<Message>) {
         match &mut self.state {
-            State::FrameBody { remaining, .. } if n < *remaining => *remaining -= n,
-            State::FrameBody { remaining, .. } if n == *remaining => {
-                *remaining = 0;
-                let mut sink = Vec::new();
-                self.end_frame(&mut sink);
-                // A message completed across a gap may have lost its verb; drop it.
+            State::FrameBody {
+                remaining, command, ..
+            } if n <= *remaining => {
+                let command = *command;
+                *remaining -= n;
+                let ended = *remaining == 0;
+                if !command {
+                    self.mark_damaged();
+                }
+                // A message that ends across the gap is read as any other: a part the gap cut
+                // into is marked damaged and not read.
+                if ended {
+                    self.end_frame(out);
+                }
+            }
+            State::FrameBody { command, .. } => {
+                // The gap runs past this frame: where the next one starts is unknown. What was
+                // kept of this message before the gap is still read (a parts it cut into is
+                // marked damaged), as a message whose end is unknown.
+                if !*command && !self.msg.parts.is_empty() {
+                    self.mark_damaged();
+                    let mut msg = std::mem::take(&mut self.msg);
+                    msg.truncated = true;
+                    out.push(msg);
+                }
+                self.lose_sync();
             }
             State::Greeting(rem) if (n as usize) < *rem => *rem -= n as usize,
-            _ => self.state = State::Desync,
+            _ => self.lose_sync(),
         }
+    }
+
+    fn lose_sync(&mut self) {
+        if !matches!(self.state, State::Desync) {
+            self.desyncs += 1;
+        }
+        self.state = State::Desync;
+        self.msg = Message::default();
     }
 
     /// The part being read lost bytes it would have kept.
@@ -393,11 +422,19 @@ pub fn control(msg: &Message, sender: Sender) -> Option<Control> {
         (Prefill, b"NIXL_DONE") => name(1).map(|key| Control::KvDone { key }),
         // Mooncake's untagged messages start with the room in decimal: decode's destinations
         // are ten frames (`build_receiver_metadata_message`), prefill's status three
-        // (`_encode_kv_status_message`, four where a backend adds the reason).
-        (Decode, _) if msg.part_count >= 8 && parse_room(first).is_some() => {
+        // (`_encode_kv_status_message`, four where a backend adds the reason). A message a
+        // capture gap cut short is destinations once it had five frames: no status has.
+        (Decode, _)
+            if (msg.part_count >= 8 || (msg.truncated && msg.part_count >= 5))
+                && parse_room(first).is_some() =>
+        {
             destinations(Backend::Mooncake, 0, 1)
         }
-        (Prefill, _) if (3..=4).contains(&msg.part_count) && parse_room(first).is_some() => {
+        (Prefill, _)
+            if (3..=4).contains(&msg.part_count)
+                && !msg.truncated
+                && parse_room(first).is_some() =>
+        {
             status(0, 1, Backend::Mooncake)
         }
         _ => None,
@@ -453,6 +490,7 @@ mod tests {
             parts: parts.iter().take(KEEP_PARTS).map(|p| p.to_vec()).collect(),
             part_count: parts.len() as u32,
             damaged: 0,
+            truncated: false,
         }
     }
 
@@ -669,7 +707,7 @@ mod tests {
             let mut s = ZmtpStream::from_greeting();
             let mut out = Vec::new();
             s.feed(&wire[..room_at + cut], true, &mut out);
-            s.gap(lost);
+            s.gap(lost, &mut out);
             s.feed(&wire[room_at + cut + lost as usize..], false, &mut out);
             assert_eq!(out.len(), 1, "cut {cut} lost {lost}");
             assert_eq!(control(&out[0], Sender::Prefill), None, "{:?}", out[0]);
@@ -683,7 +721,7 @@ mod tests {
         let mut s = ZmtpStream::from_greeting();
         let mut out = Vec::new();
         s.feed(&aux[..payload_at + 100], true, &mut out);
-        s.gap(4096 - 200);
+        s.gap(4096 - 200, &mut out);
         s.feed(&aux[payload_at + 4096 - 100..], false, &mut out);
         assert_eq!(out.len(), 1);
         assert_eq!(
@@ -693,6 +731,57 @@ mod tests {
                 what: "AUX_DATA"
             })
         );
+    }
+
+    /// ZeroMQ batches several messages into one write; the capture keeps its head and tail.
+    /// A gap that starts inside the first message's page indices (not kept) and runs into the
+    /// next messages still yields the first message, as destinations (five frames seen, and no
+    /// status has five); the stream is counted out of sync until a syscall starts a frame.
+    #[test]
+    fn a_gap_past_a_message_keeps_what_came_before_it() {
+        let mut wire = greeting_and_ready();
+        let dst = mooncake_destinations(b"77");
+        for (i, p) in dst.iter().enumerate() {
+            if i == 4 {
+                wire.extend(frame(&[9u8; 800], true));
+            } else {
+                wire.extend(frame(p, i < 9));
+            }
+        }
+        // The gap starts 100 bytes into the page indices and runs past the message.
+        let cut = wire.iter().rposition(|_| true).unwrap();
+        let indices_at = wire.len() - (dst[5..].iter().map(|p| p.len() + 2).sum::<usize>()) - 800;
+        let mut s = ZmtpStream::from_greeting();
+        let mut out = Vec::new();
+        s.feed(&wire[..indices_at + 100], true, &mut out);
+        assert!(out.is_empty());
+        s.gap((cut - indices_at) as u64 + 5000, &mut out);
+        assert_eq!(out.len(), 1);
+        assert!(out[0].truncated);
+        assert_eq!(
+            control(&out[0], Sender::Decode),
+            Some(Control::Destinations {
+                room: 77,
+                backend: Backend::Mooncake,
+                endpoint: Some("127.0.0.1:17001".into()),
+            })
+        );
+        // Cut short, it is no status either.
+        assert_eq!(control(&out[0], Sender::Prefill), None);
+        assert_eq!(s.desyncs, 1);
+        // Back in sync at the next syscall that starts a frame.
+        s.feed(
+            &[frame(b"ABORT", true), frame(b"77", false)].concat(),
+            true,
+            &mut out,
+        );
+        assert_eq!(
+            control(&out[1], Sender::Decode),
+            Some(Control::Abort {
+                key: TransferKey::Room(77)
+            })
+        );
+        assert_eq!(s.desyncs, 1);
     }
 
     #[test]
@@ -755,7 +844,7 @@ mod tests {
             let mut out = Vec::new();
             for (c, start, gap) in &chunks {
                 s.feed(c, *start, &mut out);
-                s.gap(*gap);
+                s.gap(*gap, &mut out);
             }
             for m in &out {
                 prop_assert!(m.parts.len() <= KEEP_PARTS);

@@ -55,6 +55,9 @@ pub struct TrackStats {
     pub gap_bytes: u64,
     /// ZMTP messages left unread because a capture gap cut into their verb or key.
     pub zmtp_damaged: u64,
+    /// Times a capture gap cost a ZMTP stream its framing (the messages until the next syscall
+    /// that starts a frame are lost).
+    pub zmtp_desyncs: u64,
     pub events: u64,
 }
 
@@ -114,6 +117,15 @@ impl Pending {
             deferred: Vec::new(),
         }
     }
+}
+
+/// The first bytes of an answer's body end the request without output: an error event, or a
+/// `finish_reason` that is an abort.
+fn ends_at_once(first: &[u8]) -> bool {
+    let mut w = BodyWindow::default();
+    w.push(first);
+    let info = w.response_info();
+    info.stream_error.is_some() || matches!(info.finish, Some(Finish::Abort { .. }))
 }
 
 /// What a worker's answer (or the first bytes of it) means for the request it answers.
@@ -176,6 +188,9 @@ pub struct Tracker {
     /// Roles named by `/server_info` answers since the last [`Tracker::take_learned`]; `None`
     /// for a server that is not disaggregated (`"null"`).
     learned: Vec<(Learned, Option<Role>)>,
+    /// Connections found to carry ZMTP since the last [`Tracker::take_zmtp_opened`]: the source
+    /// has the kernel capture their syscalls whole.
+    zmtp_opened: Vec<(u32, u32)>,
     /// vLLM side-channel names that differ from their leg's rid.
     transfer_names: vllm::TransferNames,
     /// The last capacity each vLLM worker reported.
@@ -202,6 +217,9 @@ struct OwnSockets {
     /// this node.
     local_ips: Vec<IpAddr>,
 }
+
+/// New ZMTP connections held for the source between two drains.
+const MAX_ZMTP_OPENED: usize = 4096;
 
 /// Own sockets remembered (about 4 MiB at most).
 const MAX_OWN_SOCKETS: usize = 65_536;
@@ -251,6 +269,7 @@ impl Tracker {
             local_ports: HashMap::new(),
             conns: HashMap::new(),
             learned: Vec::new(),
+            zmtp_opened: Vec::new(),
             transfer_names: vllm::TransferNames::default(),
             capacity: vllm::CapacityTable::default(),
             own: OwnSockets::default(),
@@ -283,6 +302,12 @@ impl Tracker {
     /// and watches a local server it did not watch yet.
     pub fn take_learned(&mut self) -> Vec<(Learned, Option<Role>)> {
         std::mem::take(&mut self.learned)
+    }
+
+    /// `(tgid, fd)` of the connections found to carry ZMTP since the last call (the source takes
+    /// them after every drain).
+    pub fn take_zmtp_opened(&mut self) -> Vec<(u32, u32)> {
+        std::mem::take(&mut self.zmtp_opened)
     }
 
     pub fn has_role(&self, role: Role) -> bool {
@@ -375,6 +400,8 @@ impl Tracker {
         let mut zmtp_msgs = Vec::new();
         let gap_bytes;
         let mut desyncs = 0;
+        let mut zmtp_desyncs = 0;
+        let mut zmtp_opened = false;
         {
             let conn = self.conn_mut(tgid, d.fd, d.hdr.ts_ns);
             let s = &mut conn.streams[dir];
@@ -398,6 +425,7 @@ impl Tracker {
             if matches!(s.proto, Proto::Unknown) && start {
                 if zmtp::is_greeting(d.bytes) {
                     s.proto = Proto::Zmtp(ZmtpStream::from_greeting());
+                    zmtp_opened = true;
                 } else if detect(d.bytes) != Side::Unknown {
                     s.proto = Proto::Http(HttpStream::default());
                 }
@@ -409,10 +437,12 @@ impl Tracker {
                     h.feed(d.bytes, start, &mut http_events);
                 }
                 Proto::Zmtp(z) => {
+                    let before = z.desyncs;
                     if gap > 0 {
-                        z.gap(gap);
+                        z.gap(gap, &mut zmtp_msgs);
                     }
                     z.feed(d.bytes, start, &mut zmtp_msgs);
+                    zmtp_desyncs = z.desyncs - before;
                 }
             }
             for e in &http_events {
@@ -423,6 +453,10 @@ impl Tracker {
         }
         self.stats.gap_bytes += gap_bytes;
         self.stats.http_desyncs += desyncs;
+        self.stats.zmtp_desyncs += zmtp_desyncs;
+        if zmtp_opened && self.zmtp_opened.len() < MAX_ZMTP_OPENED {
+            self.zmtp_opened.push((tgid, d.fd));
+        }
         let ts = d.hdr.ts_ns;
         for ev in http_events {
             self.on_http((tgid, d.fd), role, dir, ts, ev, out);
@@ -469,7 +503,7 @@ impl Tracker {
                 }
             }
             HttpEvent::End { body } if requests => self.request_ended(&at, &body, out),
-            HttpEvent::BodyStarted if !requests => {
+            HttpEvent::BodyStarted { first } if !requests => {
                 // Tokens are flowing: the oldest answered request whose body has not started.
                 let Some(i) = conn
                     .pending
@@ -480,12 +514,14 @@ impl Tracker {
                 };
                 conn.pending[i].work_emitted = true;
                 let status = conn.pending[i].status.map(|s| s.0);
-                if status.is_some_and(|s| s < 400) {
+                // A body whose first event already ends the request (an abort, an error event:
+                // SGLang streams a failed or refused request this way) carries no output.
+                if status.is_some_and(|s| s < 400) && !ends_at_once(&first) {
                     self.answer(&at, i, Answer::new(Kind::Work, ts, status), out);
                 }
             }
             HttpEvent::End { body } => self.response_ended(&at, ts, &body, out),
-            HttpEvent::BodyStarted | HttpEvent::Desync => {}
+            HttpEvent::BodyStarted { .. } | HttpEvent::Desync => {}
         }
     }
 

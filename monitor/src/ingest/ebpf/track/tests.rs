@@ -491,6 +491,9 @@ fn zmtp_control_from_decode() {
         s.out[0].detail.as_deref(),
         Some("zmtp destinations (mooncake)")
     );
+    // The connection carries ZMTP: the source has the kernel capture it whole from now on.
+    assert_eq!(s.t.take_zmtp_opened(), vec![(DECODE, 9)]);
+    assert!(s.t.take_zmtp_opened().is_empty());
 }
 
 /// With only one end watched, the receiver reports what the other sent, read as that end's
