@@ -143,6 +143,9 @@ struct Node {
     error_reason: Option<Box<str>>,
     /// The HTTP status an abort names (`status_code`), when it names one.
     error_status: Option<u16>,
+    /// A request root whose `gen_ai.response.finish_reasons` says it was aborted: its end is
+    /// no completion, even when no span below it reported the abort.
+    finished_by_abort: bool,
     node: Option<Box<str>>,
     pid: Option<u32>,
     input_tokens: Option<u64>,
@@ -588,6 +591,14 @@ impl SpanTree {
                     e.reason = Some(reason.clone());
                     a.errored = true;
                     out.push(e);
+                } else if n.finished_by_abort && !a.errored {
+                    // Aborted without a span below saying why (SGLang up to 0.5.20 finished a
+                    // refused request's one-token stub this way): it ended, it did not
+                    // complete, and what it was is not known.
+                    let mut e = mk(n.end, stage, Kind::Aborted, a);
+                    e.reason = Some("finish_reason abort".into());
+                    a.errored = true;
+                    out.push(e);
                 } else if !a.errored {
                     let e = mk(n.end, stage, Kind::Completed, a);
                     let deadline = self
@@ -851,6 +862,8 @@ fn extract(ctx: &SpanCtx<'_>, span: &Span) -> Option<Node> {
         end: span.end_time_unix_nano,
         error_reason,
         error_status,
+        finished_by_abort: attrs::str(a, "gen_ai.response.finish_reasons")
+            .is_some_and(|f| f.contains("abort")),
         // The node (clock domain) comes from the resource only: SGLang puts `host_id` on thread
         // spans but not on roots and stage spans, and a node known for some events of a process
         // but not others would make the checker compare one clock as two (skew tolerance).

@@ -660,6 +660,38 @@ fn sglang_abort_status_and_sub_request_rids() {
     );
 }
 
+/// A root that says it finished with an abort (`gen_ai.response.finish_reasons`), with no span
+/// below it reporting one (SGLang up to 0.5.20 ran a refused request's one-token stub to its end
+/// this way), ended without completing.
+#[test]
+fn sglang_root_finished_by_abort_is_no_completion() {
+    let spans = vec![span(
+        1,
+        1,
+        0,
+        "prefill Req 5f2e",
+        25,
+        50,
+        vec![
+            s("rid", "5f2e"),
+            s("bootstrap_room", "0x99"),
+            s("module", "sglang::request"),
+            s("gen_ai.response.finish_reasons", "[\"abort\"]"),
+        ],
+    )];
+    let mut n = normalizer();
+    let (mut ev, mut tally) = run(&mut n, &export("sglang", "sglang server", spans), 1);
+    n.tick(10_000_000_000, &mut ev, &mut tally);
+    assert_eq!(
+        kinds(&ev),
+        vec![
+            (Stage::Prefill, Kind::Received),
+            (Stage::Prefill, Kind::Aborted)
+        ],
+        "{ev:#?}"
+    );
+}
+
 /// SGLang's health checks (`HEALTH_CHECK_…` rids) and its warmup (room 0, left out of the root)
 /// run on the fake transfer backend: their spans, `decode_bootstrap` included, are no events.
 #[test]
