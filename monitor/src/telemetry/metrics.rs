@@ -197,6 +197,12 @@ pub struct ComponentLabels {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct BuildLabels {
     pub version: &'static str,
+    /// The git commit (`telemetry::build`).
+    pub revision: &'static str,
+    pub build_date: &'static str,
+    pub rustc: &'static str,
+    /// SHA-256 of the embedded eBPF object, or `none` in a build without it.
+    pub ebpf_sha256: &'static str,
 }
 
 type HistFamily<L> = Family<L, Histogram, fn() -> Histogram>;
@@ -413,10 +419,18 @@ impl Metrics {
         let build = Family::<BuildLabels, Gauge>::default();
         build
             .get_or_create(&BuildLabels {
-                version: env!("CARGO_PKG_VERSION"),
+                version: super::build::VERSION,
+                revision: super::build::COMMIT,
+                build_date: super::build::BUILD_DATE,
+                rustc: super::build::RUSTC,
+                ebpf_sha256: super::build::ebpf_label(),
             })
             .set(1);
-        r.register("revenant_build_info", "Build information", build);
+        r.register(
+            "revenant_build_info",
+            "Build information: version, git revision, build date, compiler, embedded eBPF object",
+            build,
+        );
         // Drop counters exist from the start at 0, so that `increase()` sees the first drop.
         for p in DropPoint::ALL {
             let _ = dropped.get_or_create(&DropLabels {

@@ -3,6 +3,7 @@
 //! recent-violations ring and logging.
 //! It imports only the shared vocabulary (`event`, `violation`).
 
+pub mod build;
 pub mod console;
 pub mod events;
 pub mod exposition;
