@@ -22,6 +22,8 @@
 
 pub mod agent;
 pub mod checker;
+pub mod coverage;
+pub mod flags;
 pub mod memory;
 pub mod overlay;
 mod prepare;
@@ -56,7 +58,7 @@ use crate::telemetry::{
     Structure, console,
 };
 
-pub use prepare::{Prepared, RunArgs, RunConfigError, load_config, prepare};
+pub use prepare::{Prepared, Role, RunArgs, RunConfigError, load_config, prepare, prepare_for};
 pub use shutdown::{Drain, Phase, Shutdown};
 
 pub fn run(args: RunArgs) -> ExitCode {
@@ -211,12 +213,47 @@ pub enum RunError {
 }
 
 /// How the eBPF source ended up, for the log, /readyz and the ready file.
-fn ebpf_state(start: &EbpfStart) -> &'static str {
+fn ebpf_state(start: &EbpfStart, not_built: bool) -> &'static str {
     match start {
         EbpfStart::Live(_) => "live",
+        EbpfStart::Off if not_built => "unavailable",
         EbpfStart::Off => "off",
         EbpfStart::Unavailable(_) => "unavailable",
     }
+}
+
+/// Why a build without the `ebpf` feature has no eBPF source (the log and /readyz).
+const NO_EBPF_IN_BUILD: &str =
+    "this revenant was built without the eBPF source (the `ebpf` cargo feature)";
+
+/// Starts the eBPF source as `--ebpf` (or the config file's `ebpf.mode`) says, unless `wanted`
+/// is false (the checker has no sources). Returns it and, when it is off, why, naming the flag
+/// or the config key that turned it off.
+fn start_ebpf(
+    cfg: &RunConfig,
+    given: &overlay::Given,
+    wanted: bool,
+) -> Result<(EbpfStart, Option<String>), RunError> {
+    use crate::ingest::ebpf::EbpfMode;
+    if !wanted {
+        return Ok((EbpfStart::Off, None));
+    }
+    if cfg.ebpf.mode == EbpfMode::Off {
+        let why = format!("off ({})", prepare::ebpf_mode_origin(given, "off"));
+        tracing::info!("eBPF source: {why}");
+        return Ok((EbpfStart::Off, Some(why)));
+    }
+    if !crate::telemetry::build::has_ebpf() {
+        // `--ebpf on` was refused by `prepare`: this is `auto`.
+        let why = format!("unavailable: {NO_EBPF_IN_BUILD}");
+        tracing::warn!("eBPF source: NOT live (--ebpf auto): {NO_EBPF_IN_BUILD}");
+        return Ok((EbpfStart::Off, Some(why)));
+    }
+    let start = cfg
+        .ebpf
+        .start(Some(cfg.node_name()))
+        .map_err(RunError::Ebpf)?;
+    Ok((start, None))
 }
 
 /// What every component reports to and the admin server shows.
@@ -228,6 +265,8 @@ struct Shared {
     memory: Arc<MemoryAccount>,
     /// TLS and token of every server.
     access: Access,
+    /// `--source-live-window`: how long a source's silence (or a coverage problem) counts.
+    readiness_window: Duration,
 }
 
 impl Shared {
@@ -238,6 +277,7 @@ impl Shared {
         access.register(&metrics);
         Shared {
             access,
+            readiness_window: admin.source_live_window,
             memory: account,
             readiness: Readiness::new(metrics.clone(), admin.source_live_window),
             recent: Arc::new(RecentViolations::new(admin.recent_violations)),
@@ -256,6 +296,10 @@ struct Bound {
     grpc: Option<(Incoming, SocketAddr)>,
     http: Option<(Incoming, SocketAddr)>,
     ebpf: EbpfStart,
+    /// Why the eBPF source is not running, when it is off (or not in this build).
+    ebpf_why: Option<String>,
+    /// Why OTLP is off, naming the flags or config keys that turned it off.
+    otlp_why: String,
 }
 
 /// The files `run` owns, opened before any port is bound: the spool (locked) and the sinks,
@@ -305,6 +349,8 @@ fn claim(
 /// From here on the TLS and token files are re-read when they change, until the admin stops.
 async fn bind(
     cfg: &RunConfig,
+    given: &overlay::Given,
+    role: Role,
     admin: &AdminArgs,
     shared: &Shared,
     shutdown: &Shutdown,
@@ -341,15 +387,26 @@ async fn bind(
     let grpc = listen("otlp-grpc", cfg.otlp.grpc, Alpn::H2, Server::OtlpGrpc).await?;
     let http = listen("otlp-http", cfg.otlp.http, Alpn::Http1, Server::OtlpHttp).await?;
     tokio::spawn(access.clone().watch(shutdown.at(Phase::StopAdmin)));
-    let ebpf = cfg
-        .ebpf
-        .start(Some(cfg.node_name()))
-        .map_err(RunError::Ebpf)?;
+    let (ebpf, ebpf_why) = start_ebpf(cfg, given, role != Role::Checker)?;
+    let origin = |id: &str, flag: &str, key: &str| {
+        if given.contains(id) {
+            format!("{flag} off")
+        } else {
+            format!("{key}: null in --config")
+        }
+    };
+    let otlp_why = format!(
+        "off ({} {})",
+        origin("otlp_grpc", "--otlp-grpc", "otlp.grpc"),
+        origin("otlp_http", "--otlp-http", "otlp.http")
+    );
     Ok(Bound {
         admin,
         grpc,
         http,
         ebpf,
+        ebpf_why,
+        otlp_why,
     })
 }
 
@@ -366,6 +423,9 @@ struct Sources {
     otlp_ready: Option<ReadyHandle>,
     ebpf_ready: Option<ReadyHandle>,
     bound: serde_json::Map<String, serde_json::Value>,
+    /// Why no source is running at all (OTLP off, eBPF off or unavailable), if so: the caller
+    /// decides whether something else feeds it (`agent --replay`) or it is blind.
+    blind: Option<String>,
 }
 
 /// The admin server and the alert dispatcher: they outlive the sources and the engine.
@@ -434,7 +494,7 @@ fn start_sources(
         shared.memory.clone(),
     ));
 
-    let ebpf_state = ebpf_state(&b.ebpf);
+    let ebpf_state = ebpf_state(&b.ebpf, !crate::telemetry::build::has_ebpf());
     bound.insert("ebpf".into(), ebpf_state.into());
     let mut ebpf = JoinSet::new();
     let ebpf_ready = match b.ebpf {
@@ -463,7 +523,8 @@ fn start_sources(
             Some(handle)
         }
         EbpfStart::Off => {
-            readiness.disabled("ebpf", "off (--ebpf off)");
+            let why = b.ebpf_why.clone().unwrap_or_else(|| "off".into());
+            readiness.disabled("ebpf", &why);
             None
         }
         EbpfStart::Unavailable(e) => {
@@ -472,7 +533,7 @@ fn start_sources(
         }
     };
     if !otlp_on {
-        readiness.disabled("otlp", "off (--otlp-grpc off --otlp-http off)");
+        readiness.disabled("otlp", &b.otlp_why);
     }
     // Only the sources hold senders now: the channel closes once they all stopped.
     drop(tx);
@@ -511,6 +572,17 @@ fn start_sources(
     }
     if let Some(h) = &otlp_ready {
         h.ready();
+        let (stats, readiness, stop) = (
+            otlp_stats.clone(),
+            readiness.clone(),
+            shutdown.at(Phase::StopSources),
+        );
+        tokio::spawn(coverage::watch_no_profile(
+            stats,
+            readiness,
+            shared.readiness_window,
+            stop,
+        ));
     }
     let ticker = {
         let ing = ingest.clone();
@@ -535,10 +607,20 @@ fn start_sources(
         },
         "sources"
     );
-    if !otlp_on && ebpf_state != "live" {
-        tracing::warn!("no source is live: revenant sees nothing (enable OTLP or eBPF)");
-    }
+    let blind = (!otlp_on && ebpf_state != "live").then(|| {
+        format!(
+            "OTLP is {} and eBPF is {}",
+            b.otlp_why,
+            readiness
+                .report()
+                .disabled
+                .get("ebpf")
+                .cloned()
+                .unwrap_or_else(|| ebpf_state.into())
+        )
+    });
     Sources {
+        blind,
         receivers,
         ebpf,
         ticker,
@@ -826,13 +908,14 @@ pub async fn run_async(p: Prepared) -> Result<(), RunError> {
         access,
         ready_file,
         pause_file,
+        given,
     } = p;
     let shutdown = Shutdown::new();
     let shared = Shared::new(&admin, &memory, access);
     log_memory_plan(&memory, &cfg, &admin);
     let header = announce_rules(&shared, &checker, &cfg);
     let claimed = claim(&cfg, &alert, ready_file.as_ref(), &header.line())?;
-    let mut b = bind(&cfg, &admin, &shared, &shutdown).await?;
+    let mut b = bind(&cfg, &given, Role::Run, &admin, &shared, &shutdown).await?;
     let mut bound = serde_json::Map::new();
     let outputs = start_outputs(
         &mut alert,
@@ -845,6 +928,9 @@ pub async fn run_async(p: Prepared) -> Result<(), RunError> {
     let replay = claimed.events_jsonl;
     let (tx, rx) = event_channel(cfg.channel_capacity());
     let mut sources = start_sources(&cfg, normalizer, b, tx, &shared, &shutdown, bound);
+    if let Some(why) = sources.blind.take() {
+        coverage::no_source(&shared.readiness, why);
+    }
     let engine = start_engine(
         EngineTask {
             engine: checker,
