@@ -431,6 +431,7 @@ impl Metrics {
             "Build information: version, git revision, build date, compiler, embedded eBPF object",
             build,
         );
+        r.register_collector(Box::new(super::process::ProcessCollector));
         // Drop counters exist from the start at 0, so that `increase()` sees the first drop.
         for p in DropPoint::ALL {
             let _ = dropped.get_or_create(&DropLabels {
@@ -556,7 +557,8 @@ impl Metrics {
     }
 
     /// A rule known at start: its alerting series at 0 (received, incidents opened, notified,
-    /// deduplicated, rate-limited, held), so the first finding shows in `rate()`.
+    /// deduplicated, rate-limited, held, merged by outcome), so the first finding shows in
+    /// `rate()` and the dashboard's panels have data before it.
     pub fn declare_rule(&self, rule: &str, severity: &'static str) {
         let _ = self.alerts_received.get_or_create(&RuleLabels {
             rule: rule.to_owned(),
@@ -574,6 +576,12 @@ impl Metrics {
             &self.alerts_held,
         ] {
             let _ = family.get_or_create(&label);
+        }
+        for outcome in ["pending", "notified", "escalated", "repeated"] {
+            let _ = self.findings_merged.get_or_create(&MergeLabels {
+                rule: rule.to_owned(),
+                outcome,
+            });
         }
     }
 }

@@ -10,6 +10,7 @@ pub mod exposition;
 pub mod logging;
 pub mod memory;
 pub mod metrics;
+pub mod process;
 pub mod ready;
 pub mod recent;
 
