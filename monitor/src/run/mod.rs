@@ -128,6 +128,9 @@ fn announce_rules(
             .metrics
             .declare_rule(&rule.name, rule.severity.as_str());
     }
+    shared
+        .recent
+        .set_rules(checker.rules().map(|r| r.name.clone()).collect());
     RunHeader {
         version: env!("CARGO_PKG_VERSION").into(),
         allowed_lateness_ns: cfg.engine.allowed_lateness().as_nanos() as u64,
@@ -788,10 +791,12 @@ async fn drain(
 
 /// The budget's split, once at start: what each structure may hold before it evicts or refuses.
 fn log_memory_plan(plan: &memory::MemoryPlan, cfg: &RunConfig, admin: &AdminArgs) {
-    let mib = |s: Structure| plan.cap(s) as f64 / (1 << 20) as f64;
+    // MiB to one decimal: `149.6`, not `149.63198471069336`.
+    let tenths = |bytes: u64| (bytes as f64 / (1 << 20) as f64 * 10.0).round() / 10.0;
+    let mib = |s: Structure| tenths(plan.cap(s));
     let t = &cfg.normalize.sglang;
     tracing::info!(
-        budget_mib = plan.budget as f64 / (1 << 20) as f64,
+        budget_mib = tenths(plan.budget),
         reserve_mib = (memory::RESERVE >> 20),
         attempts = plan.engine.max_attempts,
         request_records = plan.engine.max_requests,
@@ -812,19 +817,22 @@ fn log_memory_plan(plan: &memory::MemoryPlan, cfg: &RunConfig, admin: &AdminArgs
 
 /// The shutdown summary: one line (in JSON, its figures as fields).
 fn report_totals(drain: &Drain, totals: &EngineTotals, report: &DispatchReport) {
+    let n = |count: u64, one: &str, many: &str| {
+        format!("{count} {}", if count == 1 { one } else { many })
+    };
     let human = format!(
-        "stopped after draining in {:?}: {} batches, {} events checked, {} violations; \
-         alerts: {} incidents, {} findings merged, {} repeats, {} notifications spooled for delivery, {} findings rate-limited, \
+        "stopped after draining in {:?}: {}, {} checked, {}; \
+         alerts: {}, {} merged, {}, {} spooled for delivery, {} rate-limited, \
          {} delivered to every sink, {} pending in the spool, {} dropped by the spool{}{}",
         drain.elapsed(),
-        totals.batches,
-        totals.events,
-        totals.violations,
-        report.incidents,
-        report.merged,
-        report.deduplicated,
-        report.notified,
-        report.rate_limited,
+        n(totals.batches, "batch", "batches"),
+        n(totals.events, "event", "events"),
+        n(totals.violations, "violation", "violations"),
+        n(report.incidents, "incident", "incidents"),
+        n(report.merged, "finding", "findings"),
+        n(report.deduplicated, "repeat", "repeats"),
+        n(report.notified, "notification", "notifications"),
+        n(report.rate_limited, "finding", "findings"),
         report.delivered,
         report.undelivered_at_exit,
         report.spool_dropped,
