@@ -210,8 +210,8 @@ impl EventReader {
                     self.bad += 1;
                     let message = match looks_like_a_violation(text) {
                         true => format!(
-                            "this is a violation (what `revenant check` prints), not an event: \
-                             is this an expected-verdicts file? ({message})"
+                            "this is a violation (what `revenant check` prints) or an expected \
+                             verdict, not an event ({message})"
                         ),
                         false => message,
                     };
@@ -223,10 +223,11 @@ impl EventReader {
     }
 }
 
-/// Whether `line` is a JSON object shaped like a violation (`rule` and `evidence`).
+/// Whether `line` is a JSON object shaped like a violation or an expected verdict: a `rule`,
+/// no `stage`.
 fn looks_like_a_violation(line: &str) -> bool {
     serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(line)
-        .is_ok_and(|m| m.contains_key("rule") && m.contains_key("evidence"))
+        .is_ok_and(|m| m.contains_key("rule") && !m.contains_key("stage"))
 }
 
 #[cfg(test)]

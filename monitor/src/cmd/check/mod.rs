@@ -84,6 +84,10 @@ pub struct CheckArgs {
     /// bad line, without being held in memory.
     #[arg(long, value_name = "SIZE", value_parser = crate::config::parse_size, default_value = "1MiB")]
     pub max_line_bytes: u64,
+    /// How violations are printed: `json` (one object per line, the `/api/violations` shape
+    /// with `detected_at` and the files) or `text` (one line each, for a person).
+    #[arg(long, value_name = "FORMAT", value_enum, default_value_t = Format::Json)]
+    pub format: Format,
     /// Print a summary (events, violations per rule, state) to standard error at the end.
     #[arg(long)]
     pub stats: bool,
@@ -91,6 +95,13 @@ pub struct CheckArgs {
     /// breach already printed. Off by default: one line per (rule, attempt).
     #[arg(long)]
     pub corroborations: bool,
+}
+
+/// How `check` prints violations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Format {
+    Json,
+    Text,
 }
 
 /// The embedded rules, extended or overridden by `path`; a bad file is exit code 2.
@@ -180,6 +191,7 @@ struct Output<'a> {
     write_failed: Option<std::io::Error>,
     reader_gone: Rc<Cell<bool>>,
     corroborations: bool,
+    format: Format,
 }
 
 impl Output<'_> {
@@ -189,9 +201,12 @@ impl Output<'_> {
             return;
         }
         let line = annotated(v, names, index);
-        let res = serde_json::to_writer(&mut self.out, &line)
-            .map_err(std::io::Error::from)
-            .and_then(|_| self.out.write_all(b"\n"));
+        let res = match self.format {
+            Format::Json => serde_json::to_writer(&mut self.out, &line)
+                .map_err(std::io::Error::from)
+                .and_then(|_| self.out.write_all(b"\n")),
+            Format::Text => writeln!(self.out, "{}", text_line(&line, names.len() > 1)),
+        };
         if let Err(e) = res {
             if e.kind() == std::io::ErrorKind::BrokenPipe {
                 self.reader_gone.set(true);
@@ -217,6 +232,8 @@ struct Line<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     worker: Option<&'a str>,
     detected_at_ns: u64,
+    /// `detected_at_ns` as RFC 3339, as alerts carry it.
+    detected_at: String,
     fingerprint: &'a str,
     evidence: Vec<EvidenceLine<'a>>,
     #[serde(skip_serializing_if = "std::ops::Not::not")]
@@ -260,6 +277,7 @@ fn annotated<'a>(v: &'a Violation, names: &'a [String], index: Option<&FileIndex
         attempt: &v.attempt,
         worker: v.worker.as_deref(),
         detected_at_ns: v.detected_at_ns,
+        detected_at: crate::alert::notification::rfc3339(v.detected_at_ns),
         fingerprint: &v.fingerprint,
         evidence: v
             .evidence
@@ -273,6 +291,18 @@ fn annotated<'a>(v: &'a Violation, names: &'a [String], index: Option<&FileIndex
         corroborates: v.corroborates,
         files: distinct.into_iter().map(|f| names[f].as_str()).collect(),
     }
+}
+
+/// `--format text`: detection time, severity, the summary, and the files when there are several.
+fn text_line(l: &Line<'_>, several_files: bool) -> String {
+    let mut line = format!("{} {:<8} {}", l.detected_at, l.severity.as_str(), l.summary);
+    if l.corroborates {
+        line.push_str(" (corroborated by another source)");
+    }
+    if several_files && !l.files.is_empty() {
+        line.push_str(&format!(" [{}]", l.files.join(", ")));
+    }
+    line
 }
 
 /// What one checked stream (all files merged, or one file with --per-file) left to report.
@@ -489,6 +519,7 @@ pub fn run(args: CheckArgs) -> ExitCode {
         write_failed: None,
         reader_gone: reader_gone.clone(),
         corroborations: args.corroborations,
+        format: args.format,
     };
     let mut totals = Totals::default();
     let mut add = |t: Totals| {
@@ -619,8 +650,9 @@ mod tests {
     use crate::event::{Kind, Source, Stage};
     use crate::violation::{AttemptAliases, Evidence, EvidenceRole, RequestAliases, Severity};
 
-    /// `check`'s line has every field of a violation, in the same order, plus `files` (and
-    /// `file` on each evidence event): a field added to `Violation` must be added here too.
+    /// `check`'s line has every field of a violation, in the same order, plus `detected_at` and
+    /// `files` (and `file` on each evidence event): a field added to `Violation` must be added
+    /// here too.
     #[test]
     fn a_line_is_the_violation_plus_its_files() {
         let v = Violation {
@@ -654,10 +686,17 @@ mod tests {
         let plain = serde_json::to_string(&v).unwrap();
         let expected = format!(
             "{},\"files\":[\"a.jsonl\"]}}",
-            plain.strip_suffix('}').unwrap().replace(
-                "\"reason\":\"why\"}",
-                "\"reason\":\"why\",\"file\":\"a.jsonl\"}"
-            )
+            plain
+                .strip_suffix('}')
+                .unwrap()
+                .replace(
+                    "\"reason\":\"why\"}",
+                    "\"reason\":\"why\",\"file\":\"a.jsonl\"}"
+                )
+                .replace(
+                    "\"detected_at_ns\":9,",
+                    "\"detected_at_ns\":9,\"detected_at\":\"1970-01-01T00:00:00.000000009Z\","
+                )
         );
         assert_eq!(line, expected);
     }
