@@ -732,6 +732,8 @@ fn the_log_level_flag_wins_over_the_environment() {
     assert!(!run(None).contains("memory budget split"));
 }
 
+/// `rules list` prints each description whole (a terminal wraps it, a pipe keeps it), and
+/// `--yaml` only the fields a rule has.
 #[test]
 fn rules_list_prints_whole_descriptions() {
     let o = bin().args(["rules", "list"]).output().unwrap();
@@ -739,6 +741,11 @@ fn rules_list_prints_whole_descriptions() {
     let unknown = out.lines().find(|l| l.starts_with("unknown-room")).unwrap();
     assert!(!unknown.ends_with("..."), "{unknown}");
     assert!(unknown.len() > 160, "{unknown}");
+    // The YAML names each rule's one shape, not the twelve it does not have.
+    let o = bin().args(["rules", "list", "--yaml"]).output().unwrap();
+    let (yaml, _) = text(&o);
+    assert!(yaml.contains("never:"), "foreign-bootstrap-writer is a never rule: {yaml}");
+    assert!(!yaml.contains(": null"), "{yaml}");
 }
 
 /// `run --help` in the README's groups, value names alike.

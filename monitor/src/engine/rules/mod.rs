@@ -76,6 +76,7 @@ pub struct RuleDef {
     pub predicate: Option<Predicate>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub distinct: Option<Distinct>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub never: Option<Never>,
 }
 
