@@ -744,7 +744,10 @@ fn rules_list_prints_whole_descriptions() {
     // The YAML names each rule's one shape, not the twelve it does not have.
     let o = bin().args(["rules", "list", "--yaml"]).output().unwrap();
     let (yaml, _) = text(&o);
-    assert!(yaml.contains("never:"), "foreign-bootstrap-writer is a never rule: {yaml}");
+    assert!(
+        yaml.contains("never:"),
+        "foreign-bootstrap-writer is a never rule: {yaml}"
+    );
     assert!(!yaml.contains(": null"), "{yaml}");
 }
 
@@ -798,4 +801,46 @@ fn check_prints_text_for_a_person_and_rfc3339_times() {
         "{out}"
     );
     assert!(!out.contains('{'), "{out}");
+}
+
+/// A config file's error snippet names the file (as a rules file's does), and rule-file shape
+/// mistakes say what was expected instead of the parser's state.
+#[test]
+fn file_errors_name_the_file_and_say_what_was_expected() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("badcfg.yaml");
+    std::fs::write(&cfg, "otlp:\n  grpc: 127.0.0.1:1\n  grcp: x\n").unwrap();
+    let o = bin()
+        .args(["config", "validate", "--config"])
+        .arg(&cfg)
+        .output()
+        .unwrap();
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains(&format!("--> {}:3:3", cfg.display())), "{err}");
+    assert!(!err.contains("<input>"), "{err}");
+    for (name, yaml, needle) in [
+        (
+            "scalar.yaml",
+            "rules:\n  - name: x\n    description: d\n    severity: warning\n    never:\n      event: [{stage: decode}]\n",
+            "expected sequence start (a list is expected here, in brackets: `stage: [decode]`",
+        ),
+        (
+            "empty.yaml",
+            "",
+            "the file is empty: a rules file is a mapping with a `rules:` list",
+        ),
+        (
+            "no-rules-key.yaml",
+            "- name: x\n",
+            "(the file must be a mapping with a `rules:` list)",
+        ),
+    ] {
+        let f = dir.path().join(name);
+        std::fs::write(&f, yaml).unwrap();
+        let o = bin().args(["rules", "validate"]).arg(&f).output().unwrap();
+        let (_, err) = text(&o);
+        assert_eq!(o.status.code(), Some(2), "{name}: {err}");
+        assert!(err.contains(needle), "{name}: {err}");
+    }
 }
