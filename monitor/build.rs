@@ -74,6 +74,7 @@ fn build_object(object: &Path) -> anyhow::Result<()> {
     std::fs::write(object, b"").with_context(|| format!("writing {}", object.display()))
 }
 
+#[cfg(feature = "ebpf")]
 fn which(program: &str) -> Option<PathBuf> {
     let path = std::env::var_os("PATH")?;
     std::env::split_paths(&path)
