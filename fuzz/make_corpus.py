@@ -397,7 +397,7 @@ for name, doc in list(exports.items()) + [("generic-spans", generic_spans)]:
 # ---- replay JSON Lines ------------------------------------------------------------------------
 
 for p in sorted((ROOT / "tests/scenarios").glob("*.jsonl")):
-    if p.name.endswith(".expected.jsonl") or p.stat().st_size > 16 * 1024:
+    if p.stat().st_size > 16 * 1024:
         continue
     put("replay_jsonl", p.name, p.read_bytes())
 put("replay_jsonl", "readme-example.jsonl",

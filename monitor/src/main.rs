@@ -8,20 +8,27 @@
 //!   use, a spool in use, a required source or sink that cannot start).
 //! - `agent`, `checker`: as `run` (0 clean shutdown, 1 runtime failure, 2 usage or
 //!   configuration error, e.g. no `--nats`, a stream made with another partition count).
-//! - `rules list`: 0 listed, 2 usage error or a rules file that does not load.
+//! - `rules list`, `rules validate`, `config validate`: 0 listed or valid, 2 usage error or a
+//!   file that does not load.
+//! - `completions`: 0 printed.
 //!
-//! A command line clap cannot parse is exit code 2; `--help` and `--version` are 0.
+//! A command line clap cannot parse is exit code 2, and so is a flag given to a subcommand it
+//! does nothing for (`agent --webhook`: `run::flags`); `--help` and `--version` are 0.
 
 use std::process::ExitCode;
+use std::sync::LazyLock;
 
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
-use revenant::cmd::{check, rules};
+use revenant::cmd::{check, config, rules};
 
 // The OTLP path allocates many small strings per span; glibc malloc showed as ~45% of the
 // receiver's profile, mimalloc is much cheaper for that pattern.
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+/// `--version`: the version, commit, build date, compiler and eBPF object.
+static LONG_VERSION: LazyLock<String> = LazyLock::new(revenant::telemetry::build::long_version);
 
 #[derive(Parser)]
 #[command(
@@ -47,11 +54,27 @@ enum Command {
     /// Cluster mode, N replicas: the partitions this replica owns from JetStream → the checker
     /// → alerts (the same sinks and spool as `run`).
     Checker(Box<revenant::run::checker::CheckerArgs>),
-    /// Inspect the rule set.
+    /// Inspect and validate the rule set.
     Rules {
         #[command(subcommand)]
         command: rules::RulesCommand,
     },
+    /// Validate a configuration (for CI and before a rollout).
+    Config {
+        #[command(subcommand)]
+        command: config::ConfigCommand,
+    },
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell) on standard output.
+    Completions {
+        /// The shell to complete for.
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+}
+
+/// The command line, with what does not apply to `agent` and `checker` hidden from their help.
+fn command() -> clap::Command {
+    revenant::run::flags::polish(Cli::command()).long_version(LONG_VERSION.as_str())
 }
 
 /// Whether the command line asks for `--log-format json` (read before clap could parse it).
@@ -63,7 +86,7 @@ fn json_log_format_asked() -> bool {
 }
 
 fn main() -> ExitCode {
-    let parsed = Cli::command()
+    let parsed = command()
         .try_get_matches()
         .and_then(|m| Ok((Cli::from_arg_matches(&m)?, m)));
     let (cli, matches) = match parsed {
@@ -89,6 +112,16 @@ fn main() -> ExitCode {
             };
         }
     };
+    if let Some((sub, m)) = matches.subcommand() {
+        let cmd = command();
+        let Some(sub_cmd) = cmd.find_subcommand(sub) else {
+            return ExitCode::from(2);
+        };
+        if let Err(e) = revenant::run::flags::refuse_inapplicable(sub, sub_cmd, m) {
+            revenant::telemetry::console::error(&e);
+            return ExitCode::from(2);
+        }
+    }
     match cli.command {
         Command::Check(args) => check::run(args),
         // Logging is set up by `run` from its --log-format / --log-level flags.
@@ -111,5 +144,18 @@ fn main() -> ExitCode {
             revenant::run::checker::run(*args)
         }
         Command::Rules { command } => rules::run(command),
+        Command::Config { mut command } => {
+            if let Some(("config", m)) = matches.subcommand()
+                && let Some((_, m)) = m.subcommand()
+            {
+                command.record_given(m);
+            }
+            config::run(command)
+        }
+        Command::Completions { shell } => {
+            let mut out = Vec::new();
+            clap_complete::generate(shell, &mut command(), "revenant", &mut out);
+            revenant::cmd::write_stdout(&out)
+        }
     }
 }

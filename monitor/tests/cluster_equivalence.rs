@@ -25,10 +25,7 @@ fn scenario_files() -> Vec<PathBuf> {
     let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
         .unwrap()
         .map(|e| e.unwrap().path())
-        .filter(|p| {
-            p.extension().is_some_and(|e| e == "jsonl")
-                && !p.to_string_lossy().ends_with(".expected.jsonl")
-        })
+        .filter(|p| p.extension().is_some_and(|e| e == "jsonl"))
         .collect();
     v.sort();
     assert!(v.len() >= 20, "scenario files missing: {v:?}");

@@ -1,7 +1,9 @@
-//! Real Prometheus scrapes a running `revenant run` fed with real OTLP exports (the Python SDK);
-//! every query of `dashboards/revenant-overview.json` must return data through Prometheus' HTTP API,
-//! and the alerting rules load in Prometheus and pass `promtool test rules`. Also exercises the
-//! admin endpoints over HTTP. Run: `cargo test -p revenant --test prometheus_e2e`.
+//! Real Prometheus scrapes a fleet: a `revenant run` fed with real OTLP exports (the Python SDK),
+//! a second `revenant run` that is blind (no source at all), and a cluster-mode agent and checker
+//! on a loopback NATS. Every query of `dashboards/revenant-overview.json` must return data through
+//! Prometheus' HTTP API, and the node-level panels must show the blind node as its own line; the
+//! alerting rules load in Prometheus and pass `promtool test rules`. Also exercises the admin
+//! endpoints over HTTP. Run: `cargo test -p revenant --test prometheus_e2e`.
 
 mod support;
 
@@ -116,6 +118,31 @@ async fn prometheus_scrapes_and_every_dashboard_query_has_data() {
     let admin_addr = rv.admin.clone();
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let feed = feeder(&rv, stop.clone());
+    // A node that sees nothing: no OTLP listener, eBPF off.
+    let mut blind = tokio::task::block_in_place(|| {
+        Revenant::start(
+            "prometheus-blind",
+            &["--otlp-grpc", "off", "--otlp-http", "off"],
+        )
+    });
+    // Cluster mode: an agent publishing a recorded incident, a checker judging it.
+    let (nats, mut agent, mut checker, cluster_dir) = tokio::task::block_in_place(|| {
+        let nats = Nats::single().unwrap();
+        let dir = ScratchDir::new("prometheus-cluster").unwrap();
+        let bus = cluster::Bus {
+            nats: nats.urls(),
+            stream: "DASH".into(),
+            partitions: 2,
+        };
+        let checker = cluster::Member::checker(&bus, &dir.path().join("checker"), &[0, 1], &[]);
+        let agent = cluster::Member::agent(
+            &bus,
+            &dir.path().join("agent"),
+            "node-c",
+            Some(&workspace_root().join("tests/scenarios/smg-prefill-400-decode-alive.jsonl")),
+        );
+        (nats, agent, checker, dir)
+    });
 
     // --- admin endpoints over real HTTP.
     let http = revenant::alert::webhook::http_client(Duration::from_secs(10)).unwrap();
@@ -168,8 +195,11 @@ async fn prometheus_scrapes_and_every_dashboard_query_has_data() {
     std::fs::write(
         &prom_cfg,
         format!(
-            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nrule_files:\n  - {}\nscrape_configs:\n  - job_name: revenant\n    static_configs:\n      - targets: ['{admin_addr}']\n",
-            rules.display()
+            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nrule_files:\n  - {}\nscrape_configs:\n  - job_name: revenant\n    static_configs:\n      - targets: ['{admin_addr}', '{}', '{}', '{}']\n",
+            rules.display(),
+            blind.admin,
+            agent.admin,
+            checker.admin,
         ),
     )
     .unwrap();
@@ -199,9 +229,9 @@ async fn prometheus_scrapes_and_every_dashboard_query_has_data() {
             r
         }
     };
-    // Enough scrapes for rate() over the window used below.
+    // Enough scrapes of every instance for rate() over the window used below.
     eventually(
-        "5 successful scrapes",
+        "5 successful scrapes of each of the 4 instances",
         Duration::from_secs(60),
         async || {
             let r = query(
@@ -209,7 +239,7 @@ async fn prometheus_scrapes_and_every_dashboard_query_has_data() {
                     .into(),
             )
             .await;
-            (!r["data"]["result"].as_array().unwrap().is_empty()).then_some(())
+            (r["data"]["result"].as_array().unwrap().len() == 4).then_some(())
         },
     )
     .await;
@@ -232,7 +262,8 @@ async fn prometheus_scrapes_and_every_dashboard_query_has_data() {
     for (title, e) in &exprs {
         let q = e
             .replace("$__rate_interval", "30s")
-            .replace("$job", "revenant");
+            .replace("$job", "revenant")
+            .replace("$node", ".+");
         let r = query(q.clone()).await;
         assert_eq!(r["status"], "success", "{title}: {q}: {r}");
         if r["data"]["result"].as_array().is_none_or(|a| a.is_empty()) {
@@ -244,6 +275,7 @@ async fn prometheus_scrapes_and_every_dashboard_query_has_data() {
         "dashboard queries without data:\n{}",
         empty.join("\n")
     );
+    assert_node_panels_show_the_blind_node(&dash, &query, &admin_addr, &blind.admin).await;
     // The rules loaded into the real Prometheus too.
     let rules: serde_json::Value = http
         .get(format!("{prom}/api/v1/rules"))
@@ -257,7 +289,7 @@ async fn prometheus_scrapes_and_every_dashboard_query_has_data() {
         .as_array()
         .map(|a| a.len())
         .unwrap_or(0);
-    assert_eq!(n, 12, "{rules}");
+    assert_eq!(n, 13, "{rules}");
     assert!(
         !receiver.alerts().is_empty(),
         "the webhook received nothing"
@@ -269,10 +301,113 @@ async fn prometheus_scrapes_and_every_dashboard_query_has_data() {
     );
 
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    let fed = tokio::task::block_in_place(|| feed.join().unwrap());
+    let fed = tokio::task::block_in_place(|| {
+        agent.stop();
+        checker.stop();
+        drop((nats, cluster_dir));
+        feed.join().unwrap()
+    });
     assert!(rv.stop().success(), "{}", rv.stderr());
+    assert!(blind.stop().success(), "{}", blind.stderr());
     eprintln!("{fed} OTLP scenarios fed");
     hook_task.abort();
+}
+
+/// The panel of `dash` titled `title` starting so, its first query with the variables set
+/// (`$node` to the regex `node`).
+fn panel_query(dash: &serde_json::Value, title: &str, node: &str) -> String {
+    let p = dash["panels"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["title"].as_str().is_some_and(|t| t.starts_with(title)))
+        .unwrap_or_else(|| panic!("no panel titled {title:?}"));
+    p["targets"][0]["expr"]
+        .as_str()
+        .unwrap()
+        .replace("$__rate_interval", "30s")
+        .replace("$job", "revenant")
+        .replace("$node", node)
+}
+
+/// `instance` → value of each series of an instant query's result.
+fn by_instance(r: &serde_json::Value) -> std::collections::BTreeMap<String, f64> {
+    r["data"]["result"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{r}"))
+        .iter()
+        .map(|s| {
+            (
+                s["metric"]["instance"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_owned(),
+                s["value"][1].as_str().unwrap().parse().unwrap(),
+            )
+        })
+        .collect()
+}
+
+/// A fleet of a healthy node and a blind one: the node-level panels draw each as its own line
+/// (where `min`/`max` over the fleet hid it), and the `node` variable selects one node.
+async fn assert_node_panels_show_the_blind_node<F, Fut>(
+    dash: &serde_json::Value,
+    query: &F,
+    healthy: &str,
+    blind: &str,
+) where
+    F: Fn(String) -> Fut,
+    Fut: std::future::Future<Output = serde_json::Value>,
+{
+    let node_var = dash["templating"]["list"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == "node")
+        .expect("a node variable");
+    let values = node_var["query"]["query"]
+        .as_str()
+        .unwrap()
+        .replace("label_values(", "group by (instance) (")
+        .replace(", instance)", ")")
+        .replace("$job", "revenant");
+    let nodes = by_instance(&query(values).await);
+    assert!(
+        nodes.contains_key(healthy) && nodes.contains_key(blind),
+        "the node variable lists {nodes:?}"
+    );
+    let ready = by_instance(&query(panel_query(dash, "Ready, per node", ".+")).await);
+    assert_eq!(ready.get(healthy), Some(&1.0), "{ready:?}");
+    assert_eq!(
+        ready.get(blind),
+        Some(&0.0),
+        "the blind node is not ready: {ready:?}"
+    );
+    let live = by_instance(&query(panel_query(dash, "Sources live per node", ".+")).await);
+    assert_eq!(live.get(blind), Some(&0.0), "{live:?}");
+    assert!(live.get(healthy).is_some_and(|n| *n >= 1.0), "{live:?}");
+    // Selecting the blind node alone shows it alone.
+    // As Grafana writes a selected value into the regex matcher (`\.` in a PromQL string).
+    let only_blind = regex::escape(blind).replace('\\', "\\\\");
+    let one = by_instance(&query(panel_query(dash, "Ready, per node", &only_blind)).await);
+    assert_eq!(one.keys().collect::<Vec<_>>(), vec![blind], "{one:?}");
+    let down = by_instance(
+        &query(
+            panel_query(dash, "Degraded or down components", ".+")
+                .replace("revenant_component_degraded", "revenant_component_down"),
+        )
+        .await,
+    );
+    assert_eq!(
+        down.get(blind),
+        Some(&1.0),
+        "the blind node is down: {down:?}"
+    );
+    assert_eq!(down.get(healthy), Some(&0.0), "{down:?}");
+    // Each node against its own budget: under 100%, not N times over.
+    let share = by_instance(&query(panel_query(dash, "Memory per node", ".+")).await);
+    assert!(share.len() >= 2, "{share:?}");
+    assert!(share.values().all(|s| *s < 1.0), "{share:?}");
 }
 
 /// Every series name and label the alert rules and their promtool cases use exists in the

@@ -1,4 +1,5 @@
-//! Scenario tests: `tests/scenarios/NAME.jsonl` events with `NAME.expected.jsonl` verdicts.
+//! Scenario tests: `tests/scenarios/NAME.jsonl` events with `NAME.expected` verdicts (JSON
+//! Lines; not named `.jsonl`, so that `revenant check tests/scenarios/*.jsonl` reads events only).
 //!
 //! Each expected line names a rule plus any of bootstrap_room (a decimal string, as `check` writes
 //! it; a number or `0x` hex reads too) / rid / request_id / worker; every violation must match
@@ -21,13 +22,18 @@ fn scenarios() -> Vec<PathBuf> {
     let mut v: Vec<_> = std::fs::read_dir(scenario_dir())
         .unwrap()
         .map(|e| e.unwrap().path())
-        .filter(|p| {
-            p.extension().is_some_and(|e| e == "jsonl")
-                && !p.to_string_lossy().ends_with(".expected.jsonl")
-        })
+        .filter(|p| p.extension().is_some_and(|e| e == "jsonl"))
         .collect();
     v.sort();
     assert!(v.len() >= 8, "scenario files missing: {v:?}");
+    for p in &v {
+        assert!(
+            !p.to_string_lossy().ends_with(".expected.jsonl"),
+            "{}: expected verdicts are named NAME.expected, so that a glob over the events \
+             (`revenant check tests/scenarios/*.jsonl`) does not read them",
+            p.display()
+        );
+    }
     v
 }
 
@@ -109,7 +115,7 @@ fn every_scenario_yields_exactly_its_expected_verdicts() {
     for path in scenarios() {
         let events = load(&path);
         let got = run(&events, CheckerConfig::default());
-        let exp_path = path.with_extension("expected.jsonl");
+        let exp_path = path.with_extension("expected");
         let expected: Vec<serde_json::Value> = std::fs::read_to_string(&exp_path)
             .unwrap_or_else(|e| panic!("{}: {e}", exp_path.display()))
             .lines()

@@ -94,6 +94,9 @@ const EXTRA_CASES: &[(&str, &[&str])] = &[
             "config.engine.clock_skew=100ms",
             "config.bus.batch_events=256",
             "alerts.webhooks[0].url=https://hooks.example/revenant",
+            // Rules go to the checkers only: an agent refuses --rules.
+            "rules.rules[0].name=stuck-attempt",
+            "rules.rules[0].enabled=false",
         ],
     ),
 ];

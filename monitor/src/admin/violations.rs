@@ -1,5 +1,6 @@
 //! `/api/violations`: the most recent violations (newest first), optionally of one rule or one
 //! fingerprint, read from the dispatcher's ring ([`crate::telemetry::recent::RecentViolations`]).
+//! A rule that is none of the engine's is a 400 naming the rules.
 
 use axum::Json;
 use axum::extract::rejection::QueryRejection;
@@ -32,6 +33,14 @@ pub(super) async fn violations(
             );
         }
     };
+    if let (Some(rule), Some(known)) = (&q.rule, s.violations.rules())
+        && !known.contains(rule)
+    {
+        return super::server::error(
+            axum::http::StatusCode::BAD_REQUEST,
+            &format!("unknown rule {rule:?}: the rules are {}", known.join(", ")),
+        );
+    }
     let limit = q.limit.unwrap_or(100).min(10_000);
     let (items, total) = s
         .violations

@@ -1,7 +1,8 @@
-//! The subcommands that are not the daemon: offline `check` and `rules` inspection. `revenant run`
-//! lives in [`crate::run`].
+//! The subcommands that are not the daemon: offline `check`, `rules` inspection and
+//! validation, `config validate`. `revenant run` lives in [`crate::run`].
 
 pub mod check;
+pub mod config;
 pub mod rules;
 
 use std::io::Write as _;
@@ -9,7 +10,7 @@ use std::process::ExitCode;
 
 /// Writes `text` to standard output. A reader that went away (`revenant rules list | head -1`)
 /// ends the command quietly with 0; any other failure is reported, exit code 2.
-pub(crate) fn write_stdout(text: &[u8]) -> ExitCode {
+pub fn write_stdout(text: &[u8]) -> ExitCode {
     let mut out = std::io::stdout().lock();
     match out.write_all(text).and_then(|()| out.flush()) {
         Ok(()) => ExitCode::SUCCESS,

@@ -236,7 +236,10 @@ impl RunConfig {
                 path: path.into(),
                 line: at.map(|l| l.line()),
                 column: at.map(|l| l.column()),
-                msg: e.to_string(),
+                msg: crate::engine::rules::parse_message(
+                    &e.to_string(),
+                    &path.display().to_string(),
+                ),
             }
         })?;
         cfg.fold_top_level_engine_keys(path)?;

@@ -87,7 +87,7 @@ impl BusArgs {
 
 #[derive(Debug, clap::Args)]
 pub struct AgentArgs {
-    #[command(flatten)]
+    #[command(flatten, next_help_heading = "Cluster mode (NATS JetStream)")]
     pub bus: BusArgs,
     /// The agent's outbox bound: batches NATS has not acknowledged yet wait on disk up to this
     /// size, then new ones are dropped (counted) [default: 1GiB].
@@ -127,7 +127,7 @@ pub fn run(args: AgentArgs) -> ExitCode {
 }
 
 fn run_logged(args: AgentArgs) -> ExitCode {
-    let prepared = match super::prepare(&args.run) {
+    let prepared = match super::prepare_for(&args.run, super::Role::Agent) {
         Ok(p) => p,
         Err(e) => {
             console::error(&e);
@@ -279,6 +279,7 @@ async fn agent_async(
         admin,
         access,
         ready_file,
+        given,
         ..
     } = p;
     let shutdown = Shutdown::new();
@@ -294,7 +295,16 @@ async fn agent_async(
                 source,
             })?;
     }
-    let mut b: Bound = bind(&cfg, &admin, &shared, &shutdown, HoldWindows::default()).await?;
+    let mut b: Bound = bind(
+        &cfg,
+        &given,
+        super::Role::Agent,
+        &admin,
+        &shared,
+        &shutdown,
+        HoldWindows::default(),
+    )
+    .await?;
     let mut bound = serde_json::Map::new();
     let admin_task = b.admin.take().map(|server| {
         bound.insert("admin".into(), server.local_addr().to_string().into());
@@ -314,6 +324,11 @@ async fn agent_async(
     // A file can wait: a short queue keeps the reader's batches few (and their memory reused).
     let (replay_tx, replay_rx) = event_channel(REPLAY_QUEUE);
     let mut sources = start_sources(&cfg, normalizer, b, tx, &shared, &shutdown, bound);
+    if let Some(why) = sources.blind.take()
+        && replay_paths.is_empty()
+    {
+        super::coverage::no_source(&shared.readiness, why);
+    }
     let mut replay_task = None;
     if !replay_paths.is_empty() {
         let h = shared.readiness.register("replay", ComponentKind::Source);

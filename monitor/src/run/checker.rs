@@ -35,7 +35,6 @@ use crate::bus::consumer::{self, CheckerStats, PartitionCtx, SharedStreams};
 use crate::bus::progress::{ProgressClock, Streams};
 use crate::bus::{BusConfig, BusConfigError};
 use crate::engine::check::CheckerConfig;
-use crate::ingest::ebpf::EbpfMode;
 use crate::ingest::ebpf::HoldWindows;
 
 use crate::pipeline::taps::{EngineMetrics, Observed};
@@ -45,7 +44,7 @@ use crate::violation::Violation;
 
 #[derive(Debug, clap::Args)]
 pub struct CheckerArgs {
-    #[command(flatten)]
+    #[command(flatten, next_help_heading = "Cluster mode (NATS JetStream)")]
     pub bus: BusArgs,
     /// The partitions this checker consumes, comma-separated (`0,2`); the others belong to
     /// other checker replicas [default: all].
@@ -86,17 +85,14 @@ pub enum CheckerConfigError {
     },
 }
 
-pub fn run(mut args: CheckerArgs) -> ExitCode {
-    // The checker listens for no telemetry: its events come from the bus.
-    args.run.otlp_grpc = Some("off".into());
-    args.run.otlp_http = Some("off".into());
-    args.run.ebpf.ebpf = EbpfMode::Off;
+pub fn run(args: CheckerArgs) -> ExitCode {
     let log = args.run.log.clone();
     super::logged(&log, || run_logged(args))
 }
 
 fn run_logged(args: CheckerArgs) -> ExitCode {
-    let prepared = match super::prepare(&args.run) {
+    // The checker listens for no telemetry: its events come from the bus.
+    let prepared = match super::prepare_for(&args.run, super::Role::Checker) {
         Ok(p) => p,
         Err(e) => {
             console::error(&e);
@@ -204,6 +200,7 @@ async fn checker_async(
         access,
         ready_file,
         pause_file,
+        given,
         ..
     } = p;
     let shutdown = Shutdown::new();
@@ -228,7 +225,16 @@ async fn checker_async(
     // Notifications an earlier life of this checker (or another replica) sent are not sent
     // again; the bucket opens once NATS answers.
     let claims = Claims::new(&shared.metrics);
-    let mut b = bind(&cfg, &admin, &shared, &shutdown, HoldWindows::default()).await?;
+    let mut b = bind(
+        &cfg,
+        &given,
+        super::Role::Checker,
+        &admin,
+        &shared,
+        &shutdown,
+        HoldWindows::default(),
+    )
+    .await?;
     let mut bound = serde_json::Map::new();
     let outputs = start_outputs(
         &mut alert,

@@ -22,6 +22,8 @@
 
 pub mod agent;
 pub mod checker;
+pub mod coverage;
+pub mod flags;
 pub mod memory;
 pub mod overlay;
 mod prepare;
@@ -56,7 +58,7 @@ use crate::telemetry::{
     Structure, console,
 };
 
-pub use prepare::{Prepared, RunArgs, RunConfigError, load_config, prepare};
+pub use prepare::{Prepared, Role, RunArgs, RunConfigError, load_config, prepare, prepare_for};
 pub use shutdown::{Drain, Phase, Shutdown};
 
 pub fn run(args: RunArgs) -> ExitCode {
@@ -143,6 +145,9 @@ fn announce_rules(
             .metrics
             .declare_rule(&rule.name, rule.severity.as_str());
     }
+    shared
+        .recent
+        .set_rules(checker.rules().map(|r| r.name.clone()).collect());
     RunHeader {
         version: env!("CARGO_PKG_VERSION").into(),
         allowed_lateness_ns: cfg.engine.allowed_lateness().as_nanos() as u64,
@@ -228,12 +233,48 @@ pub enum RunError {
 }
 
 /// How the eBPF source ended up, for the log, /readyz and the ready file.
-fn ebpf_state(start: &EbpfStart) -> &'static str {
+fn ebpf_state(start: &EbpfStart, not_built: bool) -> &'static str {
     match start {
         EbpfStart::Live(_) => "live",
+        EbpfStart::Off if not_built => "unavailable",
         EbpfStart::Off => "off",
         EbpfStart::Unavailable(_) => "unavailable",
     }
+}
+
+/// Why a build without the `ebpf` feature has no eBPF source (the log and /readyz).
+const NO_EBPF_IN_BUILD: &str =
+    "this revenant was built without the eBPF source (the `ebpf` cargo feature)";
+
+/// Starts the eBPF source as `--ebpf` (or the config file's `ebpf.mode`) says, unless `wanted`
+/// is false (the checker has no sources). Returns it and, when it is off, why, naming the flag
+/// or the config key that turned it off.
+fn start_ebpf(
+    cfg: &RunConfig,
+    given: &overlay::Given,
+    wanted: bool,
+    hold: HoldWindows,
+) -> Result<(EbpfStart, Option<String>), RunError> {
+    use crate::ingest::ebpf::EbpfMode;
+    if !wanted {
+        return Ok((EbpfStart::Off, None));
+    }
+    if cfg.ebpf.mode == EbpfMode::Off {
+        let why = format!("off ({})", prepare::ebpf_mode_origin(given, "off"));
+        tracing::info!("eBPF source: {why}");
+        return Ok((EbpfStart::Off, Some(why)));
+    }
+    if !crate::telemetry::build::has_ebpf() {
+        // `--ebpf on` was refused by `prepare`: this is `auto`.
+        let why = format!("unavailable: {NO_EBPF_IN_BUILD}");
+        tracing::warn!("eBPF source: NOT live (--ebpf auto): {NO_EBPF_IN_BUILD}");
+        return Ok((EbpfStart::Off, Some(why)));
+    }
+    let start = cfg
+        .ebpf
+        .start(Some(cfg.node_name()), hold)
+        .map_err(RunError::Ebpf)?;
+    Ok((start, None))
 }
 
 /// What every component reports to and the admin server shows.
@@ -245,6 +286,8 @@ struct Shared {
     memory: Arc<MemoryAccount>,
     /// TLS and token of every server.
     access: Access,
+    /// `--source-live-window`: how long a source's silence (or a coverage problem) counts.
+    readiness_window: Duration,
 }
 
 impl Shared {
@@ -255,6 +298,7 @@ impl Shared {
         access.register(&metrics);
         Shared {
             access,
+            readiness_window: admin.source_live_window,
             memory: account,
             readiness: Readiness::new(metrics.clone(), admin.source_live_window),
             recent: Arc::new(RecentViolations::new(admin.recent_violations)),
@@ -273,6 +317,10 @@ struct Bound {
     grpc: Option<(Incoming, SocketAddr)>,
     http: Option<(Incoming, SocketAddr)>,
     ebpf: EbpfStart,
+    /// Why the eBPF source is not running, when it is off (or not in this build).
+    ebpf_why: Option<String>,
+    /// Why OTLP is off, naming the flags or config keys that turned it off.
+    otlp_why: String,
 }
 
 /// The files `run` owns, opened before any port is bound: the spool (locked) and the sinks,
@@ -322,6 +370,8 @@ fn claim(
 /// From here on the TLS and token files are re-read when they change, until the admin stops.
 async fn bind(
     cfg: &RunConfig,
+    given: &overlay::Given,
+    role: Role,
     admin: &AdminArgs,
     shared: &Shared,
     shutdown: &Shutdown,
@@ -359,15 +409,26 @@ async fn bind(
     let grpc = listen("otlp-grpc", cfg.otlp.grpc, Alpn::H2, Server::OtlpGrpc).await?;
     let http = listen("otlp-http", cfg.otlp.http, Alpn::Http1, Server::OtlpHttp).await?;
     tokio::spawn(access.clone().watch(shutdown.at(Phase::StopAdmin)));
-    let ebpf = cfg
-        .ebpf
-        .start(Some(cfg.node_name()), hold)
-        .map_err(RunError::Ebpf)?;
+    let (ebpf, ebpf_why) = start_ebpf(cfg, given, role != Role::Checker, hold)?;
+    let origin = |id: &str, flag: &str, key: &str| {
+        if given.contains(id) {
+            format!("{flag} off")
+        } else {
+            format!("{key}: null in --config")
+        }
+    };
+    let otlp_why = format!(
+        "off ({} {})",
+        origin("otlp_grpc", "--otlp-grpc", "otlp.grpc"),
+        origin("otlp_http", "--otlp-http", "otlp.http")
+    );
     Ok(Bound {
         admin,
         grpc,
         http,
         ebpf,
+        ebpf_why,
+        otlp_why,
     })
 }
 
@@ -384,6 +445,9 @@ struct Sources {
     otlp_ready: Option<ReadyHandle>,
     ebpf_ready: Option<ReadyHandle>,
     bound: serde_json::Map<String, serde_json::Value>,
+    /// Why no source is running at all (OTLP off, eBPF off or unavailable), if so: the caller
+    /// decides whether something else feeds it (`agent --replay`) or it is blind.
+    blind: Option<String>,
 }
 
 /// The admin server and the alert dispatcher: they outlive the sources and the engine.
@@ -452,7 +516,7 @@ fn start_sources(
         shared.memory.clone(),
     ));
 
-    let ebpf_state = ebpf_state(&b.ebpf);
+    let ebpf_state = ebpf_state(&b.ebpf, !crate::telemetry::build::has_ebpf());
     bound.insert("ebpf".into(), ebpf_state.into());
     let mut ebpf = JoinSet::new();
     let ebpf_ready = match b.ebpf {
@@ -481,7 +545,8 @@ fn start_sources(
             Some(handle)
         }
         EbpfStart::Off => {
-            readiness.disabled("ebpf", "off (--ebpf off)");
+            let why = b.ebpf_why.clone().unwrap_or_else(|| "off".into());
+            readiness.disabled("ebpf", &why);
             None
         }
         EbpfStart::Unavailable(e) => {
@@ -490,7 +555,7 @@ fn start_sources(
         }
     };
     if !otlp_on {
-        readiness.disabled("otlp", "off (--otlp-grpc off --otlp-http off)");
+        readiness.disabled("otlp", &b.otlp_why);
     }
     // Only the sources hold senders now: the channel closes once they all stopped.
     drop(tx);
@@ -529,6 +594,17 @@ fn start_sources(
     }
     if let Some(h) = &otlp_ready {
         h.ready();
+        let (stats, readiness, stop) = (
+            otlp_stats.clone(),
+            readiness.clone(),
+            shutdown.at(Phase::StopSources),
+        );
+        tokio::spawn(coverage::watch_no_profile(
+            stats,
+            readiness,
+            shared.readiness_window,
+            stop,
+        ));
     }
     let ticker = {
         let ing = ingest.clone();
@@ -553,10 +629,20 @@ fn start_sources(
         },
         "sources"
     );
-    if !otlp_on && ebpf_state != "live" {
-        tracing::warn!("no source is live: revenant sees nothing (enable OTLP or eBPF)");
-    }
+    let blind = (!otlp_on && ebpf_state != "live").then(|| {
+        format!(
+            "OTLP is {} and eBPF is {}",
+            b.otlp_why,
+            readiness
+                .report()
+                .disabled
+                .get("ebpf")
+                .cloned()
+                .unwrap_or_else(|| ebpf_state.into())
+        )
+    });
     Sources {
+        blind,
         receivers,
         ebpf,
         ticker,
@@ -724,10 +810,12 @@ async fn drain(
 
 /// The budget's split, once at start: what each structure may hold before it evicts or refuses.
 fn log_memory_plan(plan: &memory::MemoryPlan, cfg: &RunConfig, admin: &AdminArgs) {
-    let mib = |s: Structure| plan.cap(s) as f64 / (1 << 20) as f64;
+    // MiB to one decimal: `149.6`, not `149.63198471069336`.
+    let tenths = |bytes: u64| (bytes as f64 / (1 << 20) as f64 * 10.0).round() / 10.0;
+    let mib = |s: Structure| tenths(plan.cap(s));
     let t = &cfg.normalize.sglang;
     tracing::info!(
-        budget_mib = plan.budget as f64 / (1 << 20) as f64,
+        budget_mib = tenths(plan.budget),
         reserve_mib = (memory::RESERVE >> 20),
         attempts = plan.engine.max_attempts,
         request_records = plan.engine.max_requests,
@@ -748,19 +836,22 @@ fn log_memory_plan(plan: &memory::MemoryPlan, cfg: &RunConfig, admin: &AdminArgs
 
 /// The shutdown summary: one line (in JSON, its figures as fields).
 fn report_totals(drain: &Drain, totals: &EngineTotals, report: &DispatchReport) {
+    let n = |count: u64, one: &str, many: &str| {
+        format!("{count} {}", if count == 1 { one } else { many })
+    };
     let human = format!(
-        "stopped after draining in {:?}: {} batches, {} events checked, {} violations; \
-         alerts: {} incidents, {} findings merged, {} repeats, {} notifications spooled for delivery, {} findings rate-limited, \
+        "stopped after draining in {:?}: {}, {} checked, {}; \
+         alerts: {}, {} merged, {}, {} spooled for delivery, {} rate-limited, \
          {} delivered to every sink, {} pending in the spool, {} dropped by the spool{}{}",
         drain.elapsed(),
-        totals.batches,
-        totals.events,
-        totals.violations,
-        report.incidents,
-        report.merged,
-        report.deduplicated,
-        report.notified,
-        report.rate_limited,
+        n(totals.batches, "batch", "batches"),
+        n(totals.events, "event", "events"),
+        n(totals.violations, "violation", "violations"),
+        n(report.incidents, "incident", "incidents"),
+        n(report.merged, "finding", "findings"),
+        n(report.deduplicated, "repeat", "repeats"),
+        n(report.notified, "notification", "notifications"),
+        n(report.rate_limited, "finding", "findings"),
         report.delivered,
         report.undelivered_at_exit,
         report.spool_dropped,
@@ -844,6 +935,7 @@ pub async fn run_async(p: Prepared) -> Result<(), RunError> {
         access,
         ready_file,
         pause_file,
+        given,
     } = p;
     let shutdown = Shutdown::new();
     let shared = Shared::new(&admin, &memory, access);
@@ -851,7 +943,7 @@ pub async fn run_async(p: Prepared) -> Result<(), RunError> {
     let header = announce_rules(&shared, &checker, &cfg);
     let claimed = claim(&cfg, &alert, ready_file.as_ref(), &header.line())?;
     let hold = hold_windows(checker.rules());
-    let mut b = bind(&cfg, &admin, &shared, &shutdown, hold).await?;
+    let mut b = bind(&cfg, &given, Role::Run, &admin, &shared, &shutdown, hold).await?;
     let mut bound = serde_json::Map::new();
     let outputs = start_outputs(
         &mut alert,
@@ -864,6 +956,9 @@ pub async fn run_async(p: Prepared) -> Result<(), RunError> {
     let replay = claimed.events_jsonl;
     let (tx, rx) = event_channel(cfg.channel_capacity());
     let mut sources = start_sources(&cfg, normalizer, b, tx, &shared, &shutdown, bound);
+    if let Some(why) = sources.blind.take() {
+        coverage::no_source(&shared.readiness, why);
+    }
     let engine = start_engine(
         EngineTask {
             engine: checker,

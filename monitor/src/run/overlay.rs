@@ -32,6 +32,12 @@ impl Given {
         )
     }
 
+    /// Whether flag `id` (its clap id: `ebpf`, `log_level`) was given on the command line or
+    /// through its environment variable.
+    pub fn contains(&self, id: &str) -> bool {
+        self.0.contains(id)
+    }
+
     /// Whether flag `id` was given. A value other than its default was given too, whether or
     /// not the matches were recorded (arguments built in code).
     fn has<T: PartialEq>(&self, id: &str, value: &T, default: &T) -> bool {

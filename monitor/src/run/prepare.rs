@@ -21,59 +21,59 @@ use crate::telemetry::logging::LogArgs;
 pub struct RunArgs {
     /// YAML file with a section per component (node, otlp, ebpf, normalize, engine, alert,
     /// admin; every key in docs/config.md); flags given on the command line override it.
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", help_heading = "Configuration")]
     pub config: Option<PathBuf>,
     /// OTLP/gRPC listen address (`off` disables) [default: 127.0.0.1:4317].
-    #[arg(long, value_name = "ADDR")]
+    #[arg(long, value_name = "ADDR", help_heading = "OTLP source")]
     pub otlp_grpc: Option<String>,
     /// OTLP/HTTP listen address (`off` disables) [default: 127.0.0.1:4318].
-    #[arg(long, value_name = "ADDR")]
+    #[arg(long, value_name = "ADDR", help_heading = "OTLP source")]
     pub otlp_http: Option<String>,
     /// Also record every normalized event, in the replay format `revenant check` reads.
-    #[arg(long, value_name = "PATH")]
+    #[arg(long, value_name = "PATH", help_heading = "Configuration")]
     pub events_jsonl: Option<PathBuf>,
     /// Rules file (YAML) extending or overriding the embedded defaults.
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", help_heading = "Checker")]
     pub rules: Option<PathBuf>,
     /// Bounded channel between sources and checker, in batches [default: 1024].
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", help_heading = "Capacity")]
     pub channel_capacity: Option<usize>,
     /// Largest OTLP request body in bytes [default: 8388608].
-    #[arg(long, value_name = "BYTES")]
+    #[arg(long, value_name = "BYTES", help_heading = "OTLP source")]
     pub max_message_bytes: Option<usize>,
     /// Events from different nodes count as later only beyond this skew [default: 50ms].
-    #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
+    #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration, help_heading = "Checker")]
     pub clock_skew: Option<Duration>,
     /// How late (after its event time) an event may arrive and still count for deadline rules.
     /// OTLP exporters batch for seconds, and SGLang root completions wait out their grace
     /// [default: 15s].
-    #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
+    #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration, help_heading = "Checker")]
     pub allowed_lateness: Option<Duration>,
     /// Memory revenant may use (`512MiB`, `1GiB`, bytes): split among the engine's attempts and
     /// tombstones, the span tree, the event channel and the admin rings, each evicting its oldest
     /// (counted) or refusing at its share [default: 512MiB].
-    #[arg(long, value_name = "SIZE", value_parser = crate::config::parse_size)]
+    #[arg(long, value_name = "SIZE", value_parser = crate::config::parse_size, help_heading = "Capacity")]
     pub memory_budget: Option<u64>,
     /// How long shutdown may take to drain queued events through the checker [default: 10s].
-    #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
+    #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration, help_heading = "Configuration")]
     pub drain_timeout: Option<Duration>,
     /// Write the bound addresses as JSON here once every receiver listens (readiness latch for
     /// scripts and tests that bind port 0).
-    #[arg(long, value_name = "PATH")]
+    #[arg(long, value_name = "PATH", help_heading = "Configuration")]
     pub ready_file: Option<PathBuf>,
     /// Testing aid: the checker stops taking batches while this file exists (saturates the
     /// pipeline on purpose to exercise back-pressure).
     #[arg(long, hide = true)]
     pub pause_file: Option<PathBuf>,
-    #[command(flatten)]
+    #[command(flatten, next_help_heading = "eBPF source")]
     pub ebpf: EbpfArgs,
-    #[command(flatten)]
+    #[command(flatten, next_help_heading = "Admin server")]
     pub admin: AdminArgs,
-    #[command(flatten)]
+    #[command(flatten, next_help_heading = "TLS and token (OTLP and admin servers)")]
     pub access: AccessArgs,
-    #[command(flatten)]
+    #[command(flatten, next_help_heading = "Alerts")]
     pub alert: AlertArgs,
-    #[command(flatten)]
+    #[command(flatten, next_help_heading = "Logs")]
     pub log: LogArgs,
     /// Which of the flags above were given explicitly (set by `main` from the parsed matches).
     #[arg(skip)]
@@ -107,6 +107,11 @@ pub enum RunConfigError {
     Ebpf(#[from] crate::ingest::ebpf::LoadError),
     #[error(transparent)]
     Access(#[from] crate::access::AccessError),
+    #[error(
+        "{given}: this revenant was built without the eBPF source (the `ebpf` cargo feature); \
+         use a default build, or --ebpf off|auto"
+    )]
+    NoEbpfInBuild { given: String },
 }
 
 /// Everything validated and built, no port bound yet.
@@ -123,6 +128,8 @@ pub struct Prepared {
     pub access: Access,
     pub ready_file: Option<PathBuf>,
     pub pause_file: Option<PathBuf>,
+    /// The flags given on the command line: log lines name a flag only when it was given.
+    pub given: Given,
 }
 
 impl Prepared {
@@ -138,8 +145,33 @@ pub fn load_config(args: &RunArgs) -> Result<RunConfig, RunConfigError> {
     Ok(cfg)
 }
 
+/// Which command is being prepared: what it uses of the configuration differs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    Run,
+    /// Sources and the bus: no engine, no alerts.
+    Agent,
+    /// The bus, the engine and alerts: no sources (OTLP and eBPF are off whatever the
+    /// config file says).
+    Checker,
+}
+
 pub fn prepare(args: &RunArgs) -> Result<Prepared, RunConfigError> {
+    prepare_for(args, Role::Run)
+}
+
+pub fn prepare_for(args: &RunArgs, role: Role) -> Result<Prepared, RunConfigError> {
     let mut cfg = load_config(args)?;
+    if role == Role::Checker {
+        cfg.otlp.grpc = None;
+        cfg.otlp.http = None;
+        cfg.ebpf.mode = EbpfMode::Off;
+    }
+    if cfg.ebpf.mode == EbpfMode::On && !crate::telemetry::build::has_ebpf() {
+        return Err(RunConfigError::NoEbpfInBuild {
+            given: ebpf_mode_origin(&args.given, "on"),
+        });
+    }
     cfg.otlp.validate()?;
     if cfg.channel_capacity() == 0 {
         return Err(RunConfigError::Capacity);
@@ -172,7 +204,7 @@ pub fn prepare(args: &RunArgs) -> Result<Prepared, RunConfigError> {
     // Only the sizes are checked here: loading the probes happens once the ports are bound.
     cfg.ebpf.config(None)?;
     let access = Access::load(&cfg.access)?;
-    warn_about_pointless_settings(&cfg, &admin, &alert);
+    warn_about_pointless_settings(&cfg, &admin, &alert, role, &args.given);
     Ok(Prepared {
         memory,
         checker: Checker::new(rules, ccfg),
@@ -182,6 +214,7 @@ pub fn prepare(args: &RunArgs) -> Result<Prepared, RunConfigError> {
         access,
         ready_file: args.ready_file.clone(),
         pause_file: args.pause_file.clone(),
+        given: args.given.clone(),
         cfg,
     })
 }
@@ -219,17 +252,42 @@ fn bound_admin_rings(admin: &mut AdminArgs, plan: &MemoryPlan) {
     }
 }
 
+/// Where the eBPF mode came from, as a log line names it: `--ebpf off`, or the config file's
+/// `ebpf.mode: off` (no flag is blamed that was not given).
+pub fn ebpf_mode_origin(given: &Given, mode: &str) -> String {
+    if given.contains("ebpf") {
+        format!("--ebpf {mode}")
+    } else {
+        format!("ebpf.mode: {mode} in --config")
+    }
+}
+
 /// Settings that are valid but cannot do what they look like they do: said at start-up.
-fn warn_about_pointless_settings(cfg: &RunConfig, admin: &AdminArgs, alert: &AlertConfig) {
-    if cfg.ebpf.mode == EbpfMode::Off && !(cfg.ebpf.watch.is_empty() && cfg.ebpf.pid.is_empty()) {
+fn warn_about_pointless_settings(
+    cfg: &RunConfig,
+    admin: &AdminArgs,
+    alert: &AlertConfig,
+    role: Role,
+    given: &Given,
+) {
+    if role != Role::Checker
+        && cfg.ebpf.mode == EbpfMode::Off
+        && !(cfg.ebpf.watch.is_empty() && cfg.ebpf.pid.is_empty())
+    {
         tracing::warn!(
             watch = cfg.ebpf.watch.len(),
             pid = cfg.ebpf.pid.len(),
-            "--watch/--pid select processes for the eBPF source, which is off (--ebpf off): \
-             they do nothing"
+            "--watch/--pid select processes for the eBPF source, which is off ({}): they do \
+             nothing",
+            ebpf_mode_origin(given, "off")
         );
     }
-    if !admin.no_admin && admin.admin.ip().is_unspecified() && alert.external_url.is_none() {
+    // The agent sends no alerts: its admin address is in no link.
+    if role != Role::Agent
+        && !admin.no_admin
+        && admin.admin.ip().is_unspecified()
+        && alert.external_url.is_none()
+    {
         tracing::warn!(
             admin = %admin.admin,
             "alert links will say http://{}/…, which no receiver can open: give --external-url \

@@ -29,9 +29,10 @@ pub struct LogArgs {
     /// counters and errors (`json`: one JSON object per line).
     #[arg(long, value_enum, default_value_t = LogFormat::Human)]
     pub log_format: LogFormat,
-    /// Log filter (tracing EnvFilter syntax); `REVENANT_LOG` (or `RUST_LOG`) overrides it.
-    #[arg(long, default_value = "info", value_name = "FILTER")]
-    pub log_level: String,
+    /// Log filter (tracing EnvFilter syntax: `info`, `debug`, `revenant=debug,warn`). Given,
+    /// it wins; else `REVENANT_LOG`, else `RUST_LOG`, else `info`.
+    #[arg(long, value_name = "FILTER")]
+    pub log_level: Option<String>,
     /// Export revenant's own spans (checker batches, alert deliveries) to this OTLP/gRPC
     /// endpoint, e.g. http://127.0.0.1:4317 of a collector. Off by default.
     #[arg(long, value_name = "URL")]
@@ -63,10 +64,15 @@ impl LogArgs {
         // revenant's own lines (ready, summary, errors) follow the log's format.
         super::console::set_format(self.log_format);
 
-        let filter = EnvFilter::try_from_env("REVENANT_LOG")
-            .or_else(|_| EnvFilter::try_from_default_env())
-            .or_else(|_| EnvFilter::try_new(&self.log_level))
-            .map_err(|e| format!("invalid --log-level {:?}: {e}", self.log_level))?;
+        // The flag, then the environment, then `info`: a stray RUST_LOG in a base image does
+        // not beat what the command line asks for.
+        let filter = match &self.log_level {
+            Some(level) => EnvFilter::try_new(level)
+                .map_err(|e| format!("invalid --log-level {level:?}: {e}"))?,
+            None => EnvFilter::try_from_env("REVENANT_LOG")
+                .or_else(|_| EnvFilter::try_from_default_env())
+                .unwrap_or_else(|_| EnvFilter::new("info")),
+        };
         let fmt = tracing_subscriber::fmt::layer()
             .with_writer(std::io::stderr)
             // Colour codes only for a person at a terminal, not in files or journald.

@@ -197,6 +197,12 @@ pub struct ComponentLabels {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct BuildLabels {
     pub version: &'static str,
+    /// The git commit (`telemetry::build`).
+    pub revision: &'static str,
+    pub build_date: &'static str,
+    pub rustc: &'static str,
+    /// SHA-256 of the embedded eBPF object, or `none` in a build without it.
+    pub ebpf_sha256: &'static str,
 }
 
 type HistFamily<L> = Family<L, Histogram, fn() -> Histogram>;
@@ -413,10 +419,19 @@ impl Metrics {
         let build = Family::<BuildLabels, Gauge>::default();
         build
             .get_or_create(&BuildLabels {
-                version: env!("CARGO_PKG_VERSION"),
+                version: super::build::VERSION,
+                revision: super::build::COMMIT,
+                build_date: super::build::BUILD_DATE,
+                rustc: super::build::RUSTC,
+                ebpf_sha256: super::build::ebpf_label(),
             })
             .set(1);
-        r.register("revenant_build_info", "Build information", build);
+        r.register(
+            "revenant_build_info",
+            "Build information: version, git revision, build date, compiler, embedded eBPF object",
+            build,
+        );
+        r.register_collector(Box::new(super::process::ProcessCollector));
         // Drop counters exist from the start at 0, so that `increase()` sees the first drop.
         for p in DropPoint::ALL {
             let _ = dropped.get_or_create(&DropLabels {
@@ -542,7 +557,8 @@ impl Metrics {
     }
 
     /// A rule known at start: its alerting series at 0 (received, incidents opened, notified,
-    /// deduplicated, rate-limited, held), so the first finding shows in `rate()`.
+    /// deduplicated, rate-limited, held, merged by outcome), so the first finding shows in
+    /// `rate()` and the dashboard's panels have data before it.
     pub fn declare_rule(&self, rule: &str, severity: &'static str) {
         let _ = self.alerts_received.get_or_create(&RuleLabels {
             rule: rule.to_owned(),
@@ -560,6 +576,12 @@ impl Metrics {
             &self.alerts_held,
         ] {
             let _ = family.get_or_create(&label);
+        }
+        for outcome in ["pending", "notified", "escalated", "repeated"] {
+            let _ = self.findings_merged.get_or_create(&MergeLabels {
+                rule: rule.to_owned(),
+                outcome,
+            });
         }
     }
 }

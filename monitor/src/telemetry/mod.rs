@@ -3,12 +3,14 @@
 //! recent-violations ring and logging.
 //! It imports only the shared vocabulary (`event`, `violation`).
 
+pub mod build;
 pub mod console;
 pub mod events;
 pub mod exposition;
 pub mod logging;
 pub mod memory;
 pub mod metrics;
+pub mod process;
 pub mod ready;
 pub mod recent;
 

@@ -83,6 +83,9 @@ pub struct ComponentReport {
 pub struct ReadyReport {
     pub ready: bool,
     pub pending: Vec<String>,
+    /// Every source started: with `live_sources`, "no traffic yet" (expected, not live) is told
+    /// apart from "nothing to receive it" (none expected).
+    pub expected_sources: Vec<String>,
     pub live_sources: Vec<String>,
     /// Components not running and why (`ebpf: "unavailable: ..."`): they do not hold readiness
     /// back, but an operator must see that this coverage is missing.
@@ -96,18 +99,96 @@ pub struct ReadyReport {
     pub components: Vec<ComponentReport>,
 }
 
+/// Renders at every scrape what `/readyz` says about coverage, so that dashboards and alert
+/// rules see it per node: how many sources are expected and how many delivered within the live
+/// window, and which components are degraded or down.
+#[derive(Debug)]
+struct CoverageCollector(Arc<Mutex<Inner>>);
+
+impl prometheus_client::collector::Collector for CoverageCollector {
+    fn encode(&self, mut enc: prometheus_client::encoding::DescriptorEncoder) -> std::fmt::Result {
+        use prometheus_client::encoding::EncodeMetric as _;
+        use prometheus_client::metrics::gauge::ConstGauge;
+        let (expected, live, degraded, down) = {
+            let g = self.0.lock().unwrap_or_else(|p| p.into_inner());
+            let now = Instant::now();
+            let sources = g
+                .components
+                .values()
+                .filter(|c| c.kind == ComponentKind::Source);
+            let live = sources
+                .clone()
+                .filter(|c| {
+                    c.ready
+                        && c.last_activity
+                            .is_some_and(|t| now.duration_since(t) <= g.live_window)
+                })
+                .count();
+            // Every component at 0 or 1 (a series from the start), and what is degraded or
+            // down that is no registered component (`memory`, `sources`).
+            let rows = |m: &BTreeMap<String, String>| {
+                let mut names: std::collections::BTreeSet<&String> = g.components.keys().collect();
+                names.extend(m.keys());
+                names
+                    .into_iter()
+                    .map(|n| (n.clone(), i64::from(m.contains_key(n))))
+                    .collect::<Vec<_>>()
+            };
+            (sources.count(), live, rows(&g.degraded), rows(&g.down))
+        };
+        super::metrics::gauge(
+            &mut enc,
+            "revenant_sources_expected",
+            "Sources started (OTLP, eBPF, replay, NATS): what /readyz expects to deliver",
+            expected as i64,
+        )?;
+        super::metrics::gauge(
+            &mut enc,
+            "revenant_sources_live",
+            "Sources that delivered an event within --source-live-window (0: this node sees nothing)",
+            live as i64,
+        )?;
+        for (name, help, rows) in [
+            (
+                "revenant_component_degraded",
+                "1 while a component runs but is blind in part (/readyz degraded: eBPF losing \
+                 records, memory pressure, OTLP spans matching no profile), else 0",
+                degraded,
+            ),
+            (
+                "revenant_component_down",
+                "1 while a component cannot work (/readyz down: NATS unreachable, no source at \
+                 all), else 0",
+                down,
+            ),
+        ] {
+            let mut m = enc.encode_descriptor(
+                name,
+                help,
+                None,
+                prometheus_client::metrics::MetricType::Gauge,
+            )?;
+            for (component, v) in rows {
+                let labels = [("component", component)];
+                let fam = m.encode_family(&labels)?;
+                ConstGauge::new(v).encode(fam)?;
+            }
+        }
+        Ok(())
+    }
+}
+
 impl Readiness {
     pub fn new(metrics: Arc<Metrics>, live_window: Duration) -> Readiness {
-        Readiness {
-            inner: Arc::new(Mutex::new(Inner {
-                components: BTreeMap::new(),
-                disabled: BTreeMap::new(),
-                degraded: BTreeMap::new(),
-                down: BTreeMap::new(),
-                live_window,
-            })),
-            metrics,
-        }
+        let inner = Arc::new(Mutex::new(Inner {
+            components: BTreeMap::new(),
+            disabled: BTreeMap::new(),
+            degraded: BTreeMap::new(),
+            down: BTreeMap::new(),
+            live_window,
+        }));
+        metrics.register_collector(CoverageCollector(inner.clone()));
+        Readiness { inner, metrics }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -203,8 +284,12 @@ impl Readiness {
         let now = Instant::now();
         let mut pending = Vec::new();
         let mut live_sources = Vec::new();
+        let mut expected_sources = Vec::new();
         let mut components = Vec::new();
         for (name, c) in &g.components {
+            if c.kind == ComponentKind::Source {
+                expected_sources.push(name.clone());
+            }
             if !c.ready {
                 pending.push(name.clone());
             }
@@ -226,6 +311,7 @@ impl Readiness {
             ready: pending.is_empty() && g.down.is_empty(),
             pending,
             down: g.down.clone(),
+            expected_sources,
             live_sources,
             disabled: g.disabled.clone(),
             degraded: g.degraded.clone(),
@@ -299,6 +385,35 @@ mod tests {
         assert_eq!(rep.degraded["otlp"], "lost 3");
         r.set_degraded("otlp", None);
         assert!(r.report().degraded.is_empty());
+    }
+
+    #[test]
+    fn coverage_is_on_metrics_per_node() {
+        let m = Arc::new(Metrics::new());
+        let r = Readiness::new(m.clone(), Duration::from_secs(60));
+        let otlp = r.register("otlp", ComponentKind::Source);
+        otlp.ready();
+        let text = m.render();
+        assert!(text.contains("revenant_sources_expected 1"), "{text}");
+        assert!(text.contains("revenant_sources_live 0"), "{text}");
+        assert!(
+            text.contains("revenant_component_degraded{component=\"otlp\"} 0"),
+            "{text}"
+        );
+        otlp.activity();
+        r.set_degraded("otlp", Some("unmapped".into()));
+        r.set_down("sources", Some("none".into()));
+        let text = m.render();
+        assert!(text.contains("revenant_sources_live 1"), "{text}");
+        assert!(
+            text.contains("revenant_component_degraded{component=\"otlp\"} 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains("revenant_component_down{component=\"sources\"} 1"),
+            "{text}"
+        );
+        assert_eq!(r.report().expected_sources, vec!["otlp".to_string()]);
     }
 
     #[test]

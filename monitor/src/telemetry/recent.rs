@@ -24,6 +24,9 @@ pub const VIOLATION_BYTES: usize = std::mem::size_of::<RecentViolation>() + 2048
 pub struct RecentViolations {
     cap: usize,
     inner: Mutex<(VecDeque<RecentViolation>, u64)>,
+    /// The rules that can fire (set once the engine's rules are known): a filter on another
+    /// name is a mistake, not an empty answer.
+    rules: std::sync::OnceLock<Vec<String>>,
 }
 
 impl RecentViolations {
@@ -31,7 +34,18 @@ impl RecentViolations {
         RecentViolations {
             cap: cap.max(1),
             inner: Mutex::new((VecDeque::new(), 0)),
+            rules: std::sync::OnceLock::new(),
         }
+    }
+
+    /// Names the rules that can fire (the first call counts).
+    pub fn set_rules(&self, names: Vec<String>) {
+        let _ = self.rules.set(names);
+    }
+
+    /// The rules that can fire, once known.
+    pub fn rules(&self) -> Option<&[String]> {
+        self.rules.get().map(Vec::as_slice)
     }
 
     /// Estimated heap bytes held now (for the memory budget's account).

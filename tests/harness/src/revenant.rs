@@ -53,7 +53,7 @@ impl Revenant {
     }
 
     /// [`Revenant::start_within`] for another subcommand that takes `run`'s flags (`agent`,
-    /// `checker`).
+    /// `checker`); the defaults it does not use are left out.
     pub fn start_subcommand<S: AsRef<OsStr>>(
         bin: &Path,
         subcommand: &str,
@@ -80,10 +80,17 @@ impl Revenant {
             ("--alerts-jsonl", alerts.as_os_str()),
             ("--spool-dir", &dir.join("spool").into_os_string()),
         ];
+        // What a subcommand does not use it refuses: an agent sends no alerts, a checker has no
+        // sources.
+        let applies = |flag: &str| match subcommand {
+            "agent" => flag != "--alerts-jsonl",
+            "checker" => !matches!(flag, "--otlp-grpc" | "--otlp-http" | "--ebpf"),
+            _ => true,
+        };
         let mut cmd = Command::new(bin);
         cmd.arg(subcommand);
         for (flag, value) in defaults {
-            if !args.iter().any(|a| a.as_ref() == flag) {
+            if applies(flag) && !args.iter().any(|a| a.as_ref() == flag) {
                 cmd.arg(flag).arg(value);
             }
         }

@@ -76,6 +76,7 @@ pub struct RuleDef {
     pub predicate: Option<Predicate>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub distinct: Option<Distinct>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub never: Option<Never>,
 }
 
@@ -345,10 +346,15 @@ impl RuleSet {
 
     /// Adds the rules of `text`; an entry named like an existing rule patches it.
     pub fn apply_yaml(&mut self, text: &str, origin: &str) -> Result<(), RulesError> {
+        if text.trim().is_empty() {
+            return Err(RulesError::Parse {
+                origin: origin.to_owned(),
+                message: "the file is empty: a rules file is a mapping with a `rules:` list".into(),
+            });
+        }
         let file: RulesFile = serde_saphyr::from_str(text).map_err(|e| RulesError::Parse {
             origin: origin.to_owned(),
-            // The parser's snippets name the file it did not know.
-            message: e.to_string().replace("<input>", origin),
+            message: parse_message(&e.to_string(), origin),
         })?;
         let base = self.rules.len();
         let mut seen = std::collections::HashSet::new();
@@ -425,6 +431,31 @@ const fn const_concat<const N: usize>(parts: &[&[&'static str]]) -> [&'static st
     }
     assert!(at == N, "N is the total length of the parts");
     out
+}
+
+/// The parser's message for a person: its snippet names the file (it says `<input>`), and the
+/// shape mistakes it words as parser states say what was expected.
+pub fn parse_message(parser: &str, origin: &str) -> String {
+    let text = parser.replace("<input>", origin);
+    let first = text.lines().next().unwrap_or_default();
+    let hint = if first.ends_with(": expected sequence start") {
+        Some(
+            "a list is expected here, in brackets: `stage: [decode]`, `event: [{stage: [decode]}]`",
+        )
+    } else if first.ends_with("line 1 column 1: expected mapping start") {
+        Some("the file must be a mapping with a `rules:` list")
+    } else if first.ends_with(": expected mapping start") {
+        Some("a mapping is expected here: `{stage: [decode], kind: [work]}`")
+    } else {
+        None
+    };
+    match hint {
+        Some(h) => match text.split_once('\n') {
+            Some((first, snippet)) => format!("{first} ({h})\n{snippet}"),
+            None => format!("{text} ({h})"),
+        },
+        None => text,
+    }
 }
 
 fn invalid(origin: &str, rule: &str, error: RuleError) -> RulesError {
