@@ -21,8 +21,9 @@ const SKEW: Duration = Duration::from_millis(50);
 const US: u64 = 1_000;
 const MS: u64 = 1_000_000;
 const T0: u64 = 1_795_986_920_000_000_000;
-/// The default rules' cancellation window (orphaned-leg's `within`, handoff's `grace`).
-const WINDOW_MS: u64 = 500;
+/// The default window of decode's own end of its leg (orphaned-leg's `within`: SGLang's 4 s
+/// connection check and 2 s); the router's is handoff-after-rejection's `grace`, 500 ms.
+const DECODE_WINDOW_MS: u64 = 6_000;
 
 #[derive(Debug, Clone, Copy)]
 enum Advance {
@@ -70,7 +71,7 @@ fn arb_plan() -> impl Strategy<Value = Plan> {
         (100..20_000u64, prop_oneof![Just(400u16), Just(503)]),
         (0..30_000u64, prop::option::of(0..5_000u64)),
         (300..60_000u64, 0..10_000u64),
-        prop::option::weighted(0.15, prop::option::of(620..3_000u64)),
+        prop::option::weighted(0.15, prop::option::of(6_100..9_000u64)),
         prop::option::weighted(0.15, (advance, 80..3_000u64)),
         prop::option::weighted(0.1, 600..2_000u64),
         -25_000..=25_000i64,
@@ -175,7 +176,7 @@ fn request(i: u64, plan: &Plan) -> (Vec<LifecycleEvent>, BTreeSet<(String, u64)>
         // A decode success ends the leg: it may be what ends it within the window, which
         // counts decode's clock (another node's) up to the skew past the deadline.
         let reported_us = (ms * 1_000) as i64 + plan.decode_clock_us;
-        let deadline_us = ((WINDOW_MS * MS + SKEW.as_nanos() as u64) / US) as i64;
+        let deadline_us = ((DECODE_WINDOW_MS * MS + SKEW.as_nanos() as u64) / US) as i64;
         if matches!(adv, Advance::DecodeSucceeded) && reported_us <= deadline_us {
             expected.remove(&("orphaned-leg".to_string(), room));
         }
