@@ -41,6 +41,18 @@ fn run_with(
     load_args: &[&str],
     settle: &dyn Fn(&Revenant, &Cluster),
 ) -> Outcome {
+    run_with_rules(mode, cluster_args, sources, load_args, settle, None)
+}
+
+/// [`run_with`], revenant given `rules` (a rules file's YAML) when some.
+fn run_with_rules(
+    mode: &str,
+    cluster_args: &[&str],
+    sources: Sources,
+    load_args: &[&str],
+    settle: &dyn Fn(&Revenant, &Cluster),
+    rules: Option<&str>,
+) -> Outcome {
     let t0 = Instant::now();
     if sources.ebpf() {
         assert!(
@@ -93,6 +105,11 @@ fn run_with(
         args.extend(cluster.pid_args());
     } else {
         args.extend(["--ebpf".into(), "off".into()]);
+    }
+    if let Some(yaml) = rules {
+        let path = dir.path().join("rules.yaml");
+        std::fs::write(&path, yaml).unwrap();
+        args.extend(["--rules".into(), path.display().to_string()]);
     }
     if sources == Sources::Both {
         // Hold each first notification for the other witness (merged into one notification).
@@ -617,8 +634,10 @@ fn room_collisions_caught_once_each() {
 }
 
 /// `--fault stranded-kv`: for 2 % of the rooms one side ends and the other holds the request
-/// for 40 s, past the rules' 30 s window: decode gives up and prefill keeps the room
-/// (stranded-kv), or prefill aborts and decode keeps waiting for its KV (held-decode-slot). Each
+/// for 40 s: decode gives up and prefill keeps the room (stranded-kv), or prefill aborts and
+/// decode keeps waiting for its KV (held-decode-slot). The rules' windows follow the deployment's
+/// own timeouts (SGLang's 300 s by default, plus 30 s); this cluster's workers are held past
+/// timeouts of 0, so the windows are patched to 30 s, as docs/advancement.md says to. Each hold
 /// is one notification of its rule, from eBPF (the holding side's spans only come once it lets
 /// go, too late to count); everything else stays silent.
 #[test]
@@ -626,7 +645,21 @@ fn stranded_kv_and_held_decode_slots_caught_once_each() {
     let _g = serial();
     // The windows are 30 s: judged once the watermark (15 s of lateness behind) passes them.
     let settle = |r: &Revenant, _: &Cluster| judged_beyond(r, Duration::from_secs(31));
-    let o = run_with(
+    let rules = "rules:
+  - name: stranded-kv
+    must_follow:
+      trigger: [{stage: [decode], kind: [aborted, cancelled, rejected]}, {stage: [transfer], kind: [cancelled]}]
+      given: [{stage: [prefill], kind: [received, admitted, work]}]
+      expect: [{stage: [prefill], kind: [completed, aborted, cancelled, rejected]}, {stage: [transfer], kind: [completed]}]
+      within: 30s
+  - name: held-decode-slot
+    must_follow:
+      trigger: [{stage: [prefill], kind: [aborted]}]
+      given: [{stage: [decode], kind: [received, admitted, work]}]
+      expect: [{stage: [decode], kind: [work, completed, aborted, cancelled, rejected]}, {stage: [transfer], kind: [completed]}]
+      within: 30s
+";
+    let o = run_with_rules(
         "correct",
         &[
             "--fault",
@@ -639,6 +672,7 @@ fn stranded_kv_and_held_decode_slots_caught_once_each() {
         Sources::Both,
         &["--rate", "500", "--requests", "3000"],
         &settle,
+        Some(rules),
     );
     report("stranded-kv/Both", &o);
     assert_eq!(o.load["errors"], 0, "{}", o.load);
