@@ -366,7 +366,10 @@ fn spans_from_a_service_no_profile_knows_are_said_not_swallowed() {
             .map(str::to_owned)
     });
     assert!(
-        warn.contains("by_service_name") && warn.contains("spans=1"),
+        warn.contains("by_service_name")
+            && warn.contains("spans=1")
+            && warn.contains("service=myllm")
+            && warn.contains("scope=myllm.tracer"),
         "{warn}"
     );
     assert!(rv.stop().success(), "{}", rv.stderr());

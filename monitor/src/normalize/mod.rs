@@ -146,6 +146,9 @@ pub struct Tally {
     pub orphans_buffered: u64,
     /// What became of trace-join entries (vllm-router rejections waiting for their rid).
     pub join: [u64; NJ],
+    /// The service and scope of the last spans no profile claimed (each cut to
+    /// [`attrs::MAX_ID_BYTES`]): what the operator must name in `normalize.by_service_name`.
+    pub unclaimed: Option<(String, String)>,
 }
 
 impl Tally {
@@ -352,7 +355,15 @@ impl Normalizer {
                         continue;
                     }
                     match &profile {
-                        None => tally.unmapped(label, Unmapped::NoProfile),
+                        None => {
+                            tally.unmapped(label, Unmapped::NoProfile);
+                            if tally.unclaimed.is_none() {
+                                tally.unclaimed = Some((
+                                    attrs::clip_id(ctx.service_name.unwrap_or("")).to_owned(),
+                                    attrs::clip_id(scope).to_owned(),
+                                ));
+                            }
+                        }
                         Some(ProfileId::Sglang) => {
                             self.tree.observe(&ctx, span, now_ns, out, tally)
                         }

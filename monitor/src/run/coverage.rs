@@ -121,12 +121,15 @@ pub async fn watch_no_profile(
         let total = stats.get_unmapped(ProfileLabel::None, Unmapped::NoProfile);
         let step = watch.observe(total, Instant::now());
         if let Some(spans) = step.warn {
+            let (service, scope) = stats.unclaimed().unwrap_or_default();
             tracing::warn!(
                 spans,
+                service = %service,
+                scope = %scope,
                 metric =
                     "revenant_otlp_spans_unmapped_total{profile=\"none\",reason=\"no_profile\"}",
-                "otlp: spans from a service that matches no profile were accepted and NOT \
-                 checked: revenant knows a service by its resource service.name or scope name \
+                "otlp: spans from a service that matches no profile (service and scope \
+                 above) were accepted and NOT checked: revenant knows a service by its resource service.name or scope name \
                  (sglang*, smg, sglang-router*, vllm*, vllm-router*); for any other name (a \
                  custom OTEL_SERVICE_NAME) say which stack it is in the config file, \
                  `normalize: {{by_service_name: {{SERVICE: sglang}}}}` (or by_scope_name, or a \

@@ -104,6 +104,9 @@ pub struct OtlpStats {
     pub trace_join: [AtomicU64; NJ],
     /// Gauge: router rejections waiting for their trace's rid.
     pub trace_join_pending: AtomicU64,
+    /// The service and scope of the last spans no profile claimed, for the warning that says
+    /// which name to map.
+    pub unclaimed: std::sync::Mutex<Option<(String, String)>>,
 }
 
 impl OtlpStats {
@@ -112,7 +115,18 @@ impl OtlpStats {
         self.items_rejected[t as usize][r as usize].fetch_add(items, Relaxed);
     }
 
+    /// The service and scope of the last spans no profile claimed, if any.
+    pub fn unclaimed(&self) -> Option<(String, String)> {
+        self.unclaimed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
     pub fn add_tally(&self, tally: &Tally) {
+        if let Some(u) = &tally.unclaimed {
+            *self.unclaimed.lock().unwrap_or_else(|p| p.into_inner()) = Some(u.clone());
+        }
         for p in 0..NP {
             for u in 0..NU {
                 let n = tally.unmapped[p][u];
