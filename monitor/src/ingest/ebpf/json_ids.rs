@@ -293,6 +293,11 @@ impl RequestIds {
         }
     }
 
+    /// The body is several requests (a batch of prompts).
+    pub fn is_batch(&self) -> bool {
+        self.room_list.as_ref().is_some_and(|r| r.len() > 1) || self.batch.is_some_and(|b| b > 1)
+    }
+
     /// A warmup request (fake bootstrap host): it never enters the disaggregated path.
     pub fn is_warmup(&self) -> bool {
         self.bootstrap_host.as_deref() == Some(FAKE_BOOTSTRAP_HOST)
@@ -365,6 +370,94 @@ fn stream_error(part: &[u8]) -> Option<u16> {
         .filter(|&at| part[at] == b'{')
         .filter_map(|at| find_status(object_prefix(&part[at..]), &CODE))
         .last()
+}
+
+/// How one request of a batch answer ended, as its own part of the body says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SubOutcome {
+    pub finish: Option<Finish>,
+    pub stream_error: Option<u16>,
+}
+
+impl BodyWindow {
+    /// The outcome of each request of a batch answer, by its index: a stream's events name
+    /// theirs (`"index": i`, SGLang's `_stream_batch_responses`, the OpenAI choices), a whole
+    /// answer lists them in order. A request whose part the capture lost is absent. The last
+    /// outcome seen for an index wins (a stream's final event).
+    pub fn sub_outcomes(&self) -> Vec<(usize, SubOutcome)> {
+        let mut found: Vec<(usize, SubOutcome)> = Vec::new();
+        let mut note = |i: usize, o: SubOutcome| {
+            if o.finish.is_none() && o.stream_error.is_none() {
+                return;
+            }
+            if let Some(at) = found.iter().position(|(j, _)| *j == i) {
+                found[at].1 = o;
+            } else if found.len() < MAX_SUB_REQUESTS {
+                found.push((i, o));
+            }
+        };
+        let outcome = |part: &[u8]| SubOutcome {
+            finish: finish_reason(part),
+            stream_error: stream_error(part),
+        };
+        for part in self.parts() {
+            let start = part.iter().position(|b| !b.is_ascii_whitespace());
+            if start.is_some_and(|s| part[s] == b'[') {
+                // A whole answer: the list's elements, in order.
+                for (i, elem) in top_level_spans(&part[start.unwrap_or(0)..])
+                    .into_iter()
+                    .enumerate()
+                {
+                    note(i, outcome(elem));
+                }
+                continue;
+            }
+            for event in part
+                .split(|b| *b == b'\n')
+                .filter(|l| l.starts_with(b"data: "))
+            {
+                if let Some(i) = find_value(event, &INDEX).and_then(|v| v.parse().ok()) {
+                    note(i, outcome(event));
+                }
+            }
+        }
+        found
+    }
+}
+
+/// The byte spans of the top-level elements of the list `v` starts, when it was captured whole.
+fn top_level_spans(v: &[u8]) -> Vec<&[u8]> {
+    let Some(end) = list_end(v) else {
+        return Vec::new();
+    };
+    let inner = &v[1..end];
+    let mut spans = Vec::new();
+    let (mut depth, mut in_str, mut escaped, mut from) = (0usize, false, false, 0usize);
+    for (i, &b) in inner.iter().enumerate() {
+        if in_str {
+            match (escaped, b) {
+                (true, _) => escaped = false,
+                (false, b'\\') => escaped = true,
+                (false, b'"') => in_str = false,
+                _ => {}
+            }
+            continue;
+        }
+        match b {
+            b'"' => in_str = true,
+            b'[' | b'{' => depth += 1,
+            b']' | b'}' => depth = depth.saturating_sub(1),
+            b',' if depth == 0 => {
+                spans.push(&inner[from..i]);
+                from = i + 1;
+            }
+            _ => {}
+        }
+    }
+    if inner[from..].iter().any(|b| !b.is_ascii_whitespace()) {
+        spans.push(&inner[from..]);
+    }
+    spans
 }
 
 /// `bootstrap_room` as a list of rooms (a batch whose prompts each name theirs).
@@ -540,6 +633,7 @@ keys! {
     TYPE = b"type";
     STATUS_CODE = b"status_code";
     TEXT = b"text";
+    INDEX = b"index";
     INPUT_IDS = b"input_ids";
     PROMPT = b"prompt";
     CODE = b"code";

@@ -35,7 +35,7 @@ use std::net::SocketAddr;
 use super::{Answer, Endpoint, Proto, Tracker, Worker, canonical};
 use crate::event::{BootstrapRoom, Kind, LifecycleEvent, Peer, Source, Stage, truncate_reason};
 use crate::ingest::ebpf::http::{RequestHead, Side};
-use crate::ingest::ebpf::json_ids::RequestIds;
+use crate::ingest::ebpf::json_ids::{Finish, RequestIds, SubOutcome};
 use crate::ingest::ebpf::procs::Role;
 use crate::ingest::ebpf::zmtp::{self, Control, KvPoll, Sender, TransferKey};
 
@@ -181,10 +181,23 @@ impl Tracker {
     /// which never enters the disaggregated path.
     fn push_for_ids(
         &self,
+        e: LifecycleEvent,
+        head: &RequestHead,
+        ids: &RequestIds,
+        out: &mut Vec<LifecycleEvent>,
+    ) {
+        self.push_for_subs(e, head, ids, out, |_, _| true);
+    }
+
+    /// [`Self::push_for_ids`], each sub-request's copy first given to `adjust` with its index
+    /// (skipped when it says false).
+    fn push_for_subs(
+        &self,
         mut e: LifecycleEvent,
         head: &RequestHead,
         ids: &RequestIds,
         out: &mut Vec<LifecycleEvent>,
+        adjust: impl Fn(usize, &mut LifecycleEvent) -> bool,
     ) {
         if ids.is_warmup() {
             return;
@@ -195,11 +208,13 @@ impl Tracker {
         if let Some(t) = head.traceparent.as_deref().and_then(trace_id_of) {
             e = e.with_trace_id(t);
         }
-        for (room, rid) in ids.sub_requests() {
+        for (i, (room, rid)) in ids.sub_requests().into_iter().enumerate() {
             let mut sub = e.clone();
             sub.ids.rid = rid.map(Into::into);
             sub.ids.bootstrap_room = room.map(BootstrapRoom);
-            out.push(sub);
+            if adjust(i, &mut sub) {
+                out.push(sub);
+            }
         }
     }
 
@@ -291,6 +306,25 @@ impl Tracker {
             e = e.with_input_tokens(t);
         }
         e.detail = Some(truncate_reason(&format!("{} {}", head.method, head.path)).into());
+        if ids.is_batch() {
+            // One answer for several requests: a stream starting says nothing of which of them
+            // produced output, and each one's end is its own part of the body.
+            if a.kind == Kind::Work {
+                return;
+            }
+            if let Some(subs) = &a.subs {
+                self.push_for_subs(e, head, ids, out, |i, sub| {
+                    let Some((_, o)) = subs.iter().find(|(j, _)| *j == i) else {
+                        return false;
+                    };
+                    let (kind, status) = sub_outcome(o, a.status);
+                    sub.kind = kind;
+                    sub.status = status;
+                    true
+                });
+                return;
+            }
+        }
         self.push_for_ids(e, head, ids, out);
     }
 
@@ -478,4 +512,15 @@ fn transfer_step(ctl: Control) -> Option<TransferStep> {
         Control::Kv { .. } => return None,
         Control::KvDone { key } => step(Stage::Transfer, Kind::Completed, key, "KV_DONE"),
     })
+}
+
+/// How one request of a batch ended, from its own part of a successful answer.
+fn sub_outcome(o: &SubOutcome, status: Option<u16>) -> (Kind, Option<u16>) {
+    match (o.stream_error, o.finish) {
+        (Some(code), _) | (_, Some(Finish::Abort { status: Some(code) })) if code >= 400 => {
+            (Kind::of_failure(code), Some(code))
+        }
+        (_, Some(Finish::Abort { .. })) => (Kind::Aborted, status),
+        _ => (Kind::Completed, status),
+    }
 }

@@ -14,7 +14,7 @@ use foldhash::{HashMap, HashMapExt};
 use std::net::{IpAddr, SocketAddr};
 
 use super::http::{HttpEvent, HttpStream, RequestHead, Side, detect};
-use super::json_ids::{BodyWindow, Finish, RequestIds};
+use super::json_ids::{BodyWindow, Finish, RequestIds, SubOutcome};
 use super::procs::Role;
 use super::record::{Conn, DataPiece, Record};
 use super::zmtp::{self, ZmtpStream};
@@ -136,6 +136,8 @@ struct Answer {
     status: Option<u16>,
     reason: Option<String>,
     tokens: Option<u64>,
+    /// A successful answer to a batch: each request's outcome by its index.
+    subs: Option<Vec<(usize, SubOutcome)>>,
 }
 
 impl Answer {
@@ -146,6 +148,7 @@ impl Answer {
             status,
             reason: None,
             tokens: None,
+            subs: None,
         }
     }
 }
@@ -581,6 +584,9 @@ impl Tracker {
         let p = &mut conn.pending[i];
         p.done = true;
         let ended = p.ended;
+        // Known once the request's body ended (else the answer waits for it, and is read as
+        // a batch's in case it is one).
+        let p_batch = p.ids.is_batch();
         let Some((status, head_ts)) = p.status else {
             return;
         };
@@ -636,6 +642,11 @@ impl Tracker {
                 tokens: info.prompt_tokens,
                 ..Answer::new(Kind::Completed, ts, Some(status))
             }
+        };
+        let batch = !ended || p_batch;
+        let answer = Answer {
+            subs: (status < 400 && batch).then(|| body.sub_outcomes()),
+            ..answer
         };
         self.answer(at, i, answer, out);
         if ended && let Some(conn) = self.conns.get_mut(&(at.tgid, at.fd)) {

@@ -355,6 +355,87 @@ fn batches_are_sub_requests_samples_are_not_and_warmups_are_nothing() {
     assert!(s.out.is_empty(), "{:?}", s.out);
 }
 
+/// One answer to a batch tells how each of its requests ended: by its index in a stream, by its
+/// place in a whole answer. Each sub-room gets its own end; a batch's stream starting is no
+/// output of any one of them.
+#[test]
+fn a_batch_answer_ends_each_request_by_its_own_part() {
+    let body = r#"{"text": ["a", "b"], "stream": true, "bootstrap_host": "127.0.0.1", "bootstrap_room": 300}"#;
+    let mut s = Sim::new();
+    s.accept(DECODE, 8);
+    s.io(
+        DECODE,
+        8,
+        syscall::RECVFROM,
+        &http_post("/generate", body),
+        4096,
+    );
+    let events = [
+        r#"{"text": " x", "index": 0, "meta_info": {"finish_reason": null}}"#,
+        r#"{"text": "", "index": 1, "meta_info": {"finish_reason": {"type": "abort", "message": "Input length (9 tokens) exceeds", "status_code": 400}}}"#,
+        r#"{"text": " x y", "index": 0, "meta_info": {"finish_reason": {"type": "length", "length": 2}}}"#,
+    ];
+    let sse: String = events
+        .iter()
+        .map(|e| format!("data: {e}\n\n"))
+        .collect::<String>()
+        + "data: [DONE]\n\n";
+    s.io(
+        DECODE,
+        8,
+        syscall::SENDTO,
+        format!(
+            "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: {}\r\n\r\n{sse}",
+            sse.len()
+        )
+        .as_bytes(),
+        4096,
+    );
+    let got: Vec<_> = s
+        .out
+        .iter()
+        .map(|e| (e.kind, e.ids.bootstrap_room.map(|r| r.0), e.status))
+        .collect();
+    assert_eq!(
+        got,
+        vec![
+            (Kind::Received, Some(300), None),
+            (Kind::Received, Some(301), None),
+            (Kind::Completed, Some(300), Some(200)),
+            (Kind::Rejected, Some(301), Some(400)),
+        ]
+    );
+    // A whole answer lists them in order.
+    s.out.clear();
+    let body = r#"{"text": ["a", "b"], "bootstrap_host": "127.0.0.1", "bootstrap_room": 400}"#;
+    s.accept(PREFILL, 9);
+    s.io(
+        PREFILL,
+        9,
+        syscall::RECVFROM,
+        &http_post("/generate", body),
+        4096,
+    );
+    let answer = r#"[{"text": "", "meta_info": {"finish_reason": {"type": "abort", "message": "Prefill transfer failed, a } brace", "status_code": 500}}}, {"text": "", "meta_info": {"finish_reason": {"type": "length", "length": 0}}}]"#;
+    s.io(
+        PREFILL,
+        9,
+        syscall::SENDTO,
+        &http_answer("200 OK", answer),
+        4096,
+    );
+    let got: Vec<_> = s
+        .out
+        .iter()
+        .filter(|e| e.kind != Kind::Received)
+        .map(|e| (e.kind, e.ids.bootstrap_room.map(|r| r.0)))
+        .collect();
+    assert_eq!(
+        got,
+        vec![(Kind::Aborted, Some(400)), (Kind::Completed, Some(401))]
+    );
+}
+
 #[test]
 fn early_rejection_before_the_body_is_read_waits_for_the_ids() {
     let mut s = Sim::new();
