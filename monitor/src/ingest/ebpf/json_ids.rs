@@ -134,7 +134,7 @@ impl BodyWindow {
             if let Some(f) = finish_reason(part) {
                 info.finish = Some(f);
             }
-            if let Some(code) = stream_error(part) {
+            if let Some(code) = stream_error(part).or_else(|| flat_error(part)) {
                 info.stream_error = Some(code);
             }
             if info.message.is_none() {
@@ -562,6 +562,15 @@ fn top_level_elements(v: &[u8]) -> Option<u32> {
     Some(n)
 }
 
+/// The status of a body that is itself an error object, the OpenAI shape
+/// (`{"object": "error", "message": …, "code": 500}`, SGLang's `create_error_response`, vLLM's
+/// older answers): an error whatever status line carried it.
+fn flat_error(part: &[u8]) -> Option<u16> {
+    (find_string(part, &OBJECT).as_deref() == Some("error"))
+        .then(|| find_status(part, &CODE))
+        .flatten()
+}
+
 /// An HTTP status as an error object names it (a number from 100 to 599).
 fn find_status(obj: &[u8], key: &Finder<'_>) -> Option<u16> {
     match find(obj, key)? {
@@ -633,6 +642,7 @@ keys! {
     TYPE = b"type";
     STATUS_CODE = b"status_code";
     TEXT = b"text";
+    OBJECT = b"object";
     INDEX = b"index";
     INPUT_IDS = b"input_ids";
     PROMPT = b"prompt";
@@ -836,6 +846,9 @@ data: [DONE]
         let quoted = info(&[br#"{"text": "say \"error\": {\"code\": 400}", "meta_info": {"finish_reason": {"type": "stop"}}}"#]);
         assert_eq!(quoted.stream_error, None);
         assert_eq!(quoted.finish, Some(Finish::Normal));
+        // A body that is an error object (OpenAI's shape), whatever status line carried it.
+        let flat = info(&[br#"{"object": "error", "message": "Prefill transfer failed", "type": "500", "param": null, "code": 500}"#]);
+        assert_eq!(flat.stream_error, Some(500));
         // A code that is no HTTP status is not one.
         assert_eq!(info(&[br#"{"error": {"code": "E42"}}"#]).stream_error, None);
         assert_eq!(info(&[br#"{"error": {"code": 4000}}"#]).stream_error, None);
