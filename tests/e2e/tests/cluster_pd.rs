@@ -167,6 +167,7 @@ fn run(mode: &str, load_args: &[&str], fault: Fault) -> Outcome {
             c.arg("agent");
             bus(&mut c);
             c.args(["--node", &format!("{role}-node"), "--ebpf", "on"])
+                .arg("--no-sglang-conventions")
                 .args(["--pid", &format!("{role}={pid}")])
                 .args(["--otlp-grpc", "off", "--otlp-http", "off"]);
             if role == "prefill" {

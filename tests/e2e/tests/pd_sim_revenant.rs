@@ -101,7 +101,12 @@ fn run_with_rules(
         args.extend(["--otlp-http".into(), "off".into()]);
     }
     if sources.ebpf() {
-        args.extend(["--ebpf".into(), "on".into()]);
+        // This cluster's processes only: not any other SGLang-looking process on the machine.
+        args.extend([
+            "--ebpf".into(),
+            "on".into(),
+            "--no-sglang-conventions".into(),
+        ]);
         args.extend(cluster.pid_args());
     } else {
         args.extend(["--ebpf".into(), "off".into()]);

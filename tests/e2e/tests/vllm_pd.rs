@@ -130,7 +130,12 @@ fn run(router: Router, sources: Sources, load_args: &[&str]) -> Outcome {
         ]);
     }
     if sources.ebpf() {
-        args.extend(["--ebpf".into(), "on".into()]);
+        // This cluster's processes only: not any other serving process on the machine.
+        args.extend([
+            "--ebpf".into(),
+            "on".into(),
+            "--no-sglang-conventions".into(),
+        ]);
         for (role, pid) in &cluster.pids {
             if role != "router" {
                 args.extend(["--pid".into(), format!("{role}={pid}")]);
