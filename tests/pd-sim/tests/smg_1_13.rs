@@ -444,7 +444,8 @@ async fn smg_1_13_cancelled_decode_legs_raise_nothing() {
 
 /// The same traffic with a decode that ignores smg's cancel (`--decode-ignores-cancel`: the leg
 /// goes on after its connection closed, bootstraps the refused room and waits for KV that never
-/// comes, here 1.5 s): every refused attempt that reached decode must be caught
+/// comes, here 8 s, past revenant's 6 s window for a decode leg): every refused attempt that
+/// reached decode must be caught
 /// (`orphaned-leg`: the leg did not end within the window; or `activity-after-rejection` when
 /// it advanced), and each request notified once.
 ///
@@ -464,7 +465,7 @@ async fn smg_1_13_decode_ignoring_the_cancel_is_caught_once_per_request() {
     let mut s = setup(
         "smg113-ignore",
         "--overload-share 0.03",
-        "--decode-ignores-cancel --kv-timeout-ms 1500",
+        "--decode-ignores-cancel --kv-timeout-ms 8000",
     )
     .await;
     let o = drive(
@@ -534,6 +535,107 @@ async fn smg_1_13_decode_ignoring_the_cancel_is_caught_once_per_request() {
         violated,
         "every violated request notified"
     );
+}
+
+/// The disclosed failure with the real smg 1.13.0 and revenant watching (eBPF and OTLP): half
+/// the requests streamed, a quarter over prefill's capacity. A streamed refusal is a 200 with the
+/// error in the stream, smg keeps its decode leg, decode reserves KV for the refused room and
+/// holds the leg until its waiting timeout (10 s here): each such attempt is caught, once per
+/// request (`orphaned-leg`; critical when it advanced). A non-streamed refusal is withdrawn at
+/// once and raises nothing; nothing else fires.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs PD_SIM_SMG113 (smg 1.13.0), the revenant binary and root (eBPF)"]
+async fn smg_1_13_streamed_refusals_reaching_decode_are_caught_once_each() {
+    let mut s = setup(
+        "smg113-streamed",
+        "",
+        "--disaggregation-waiting-timeout-ms 10000",
+    )
+    .await;
+    let o = drive(
+        &mut s,
+        &[
+            "--requests",
+            "400",
+            "--rate",
+            "40",
+            "--over-capacity-share",
+            "0.25",
+            "--stream-share",
+            "0.5",
+            "--request-id-prefix",
+            "s113s",
+        ],
+    )
+    .await;
+    assert_eq!(o.load["errors"], 0, "{}", o.load);
+    assert_no_loss(&o, &s);
+    // Refused inside a stream: answered 200 with the error code in the stream.
+    let streamed: BTreeSet<u64> = o
+        .prefill
+        .iter()
+        .filter(|r| r["status"] == 200 && r["error_code"].as_u64().unwrap_or(0) >= 400)
+        .filter_map(|r| r["room"].as_u64())
+        .filter(|r| o.decode.contains_key(r))
+        .collect();
+    let plain: BTreeSet<u64> = o
+        .rejected()
+        .iter()
+        .filter_map(|r| r["room"].as_u64())
+        .collect();
+    assert!(
+        streamed.len() >= 10 && !plain.is_empty(),
+        "streamed refusals reaching decode {}, non-streamed refusals {}: {}",
+        streamed.len(),
+        plain.len(),
+        o.load
+    );
+    let caught: BTreeMap<u64, BTreeSet<String>> =
+        o.violations.iter().fold(BTreeMap::new(), |mut m, v| {
+            if let Some(r) = room_of(&v["attempt"]) {
+                m.entry(r)
+                    .or_default()
+                    .insert(v["rule"].as_str().unwrap_or("?").to_owned());
+            }
+            m
+        });
+    eprintln!(
+        "smg 1.13.0, streamed: {} streamed refusals reached decode, {} non-streamed refusals;          violations {:?}; notifications {}",
+        streamed.len(),
+        plain.len(),
+        o.per_rule(),
+        o.notifications.len()
+    );
+    let missed: Vec<_> = streamed
+        .iter()
+        .filter(|r| {
+            !caught.get(r).is_some_and(|rules| {
+                rules.contains("orphaned-leg") || rules.contains("activity-after-rejection")
+            })
+        })
+        .collect();
+    assert!(
+        missed.is_empty(),
+        "streamed refusals not caught: {missed:?}"
+    );
+    let extra: Vec<_> = caught.keys().filter(|r| !streamed.contains(r)).collect();
+    assert!(
+        extra.is_empty(),
+        "violations on rooms that are no breach: {extra:?}\n{}",
+        o.show_violations(10)
+    );
+    let mut notified: BTreeMap<&str, usize> = BTreeMap::new();
+    for n in &o.notifications {
+        *notified
+            .entry(n["request"]["request_id"].as_str().unwrap_or("?"))
+            .or_default() += 1;
+    }
+    assert_eq!(
+        notified.len(),
+        streamed.len(),
+        "one notification per breached request: {notified:?}"
+    );
+    assert!(notified.values().all(|n| *n == 1), "{notified:?}");
 }
 
 /// The disclosed failure with the real smg 1.13.0, from the simulator's accounting alone (no
