@@ -130,12 +130,7 @@ fn run(router: Router, sources: Sources, load_args: &[&str]) -> Outcome {
         ]);
     }
     if sources.ebpf() {
-        // This cluster's processes only: not any other serving process on the machine.
-        args.extend([
-            "--ebpf".into(),
-            "on".into(),
-            "--no-sglang-conventions".into(),
-        ]);
+        args.extend(["--ebpf".into(), "on".into()]);
         for (role, pid) in &cluster.pids {
             if role != "router" {
                 args.extend(["--pid".into(), format!("{role}={pid}")]);
