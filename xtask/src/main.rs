@@ -362,6 +362,7 @@ fn real_component_tests(
         "vllm_pd",
         "vllm_real_router",
         "sglang_harness",
+        "sglang_interop",
     ];
     // The same package selection as the first run (`--workspace`): cargo resolves features per
     // selection, so `-p pd-sim` or `-p revenant` would build every crate again, a second ~5 GB
@@ -379,6 +380,8 @@ fn real_component_tests(
         .env("PD_SIM_VLLM_ROUTER", venv_vllm.join("bin/vllm-router"))
         .env("PD_SIM_VLLM_ROUTER_PYTHON", venv_vllm.join("bin/python"))
         .env("SGLANG_HARNESS_PYTHON", &sglang_python)
+        // pd-sim's frames read by SGLang's own builders and parsers (`sglang_interop`).
+        .env("PD_SIM_SGLANG_PYTHON", &sglang_python)
         // The end-to-end tests among them (tests/e2e vllm_pd) use the release builds made above.
         .env("REVENANT_BIN", &bins.revenant)
         .env("PD_SIM_BIN", &bins.pd_sim)
