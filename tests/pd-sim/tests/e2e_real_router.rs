@@ -198,7 +198,9 @@ async fn refused_request(
         "{prefill:?}"
     );
     let n = prefill.len();
-    let decode = eventually("decode legs end", Duration::from_secs(20), || {
+    // Decode holds a refused room until its waiting timeout (8 s here, past revenant's 6 s
+    // window for a decode leg; SGLang's default is 300 s).
+    let decode = eventually("decode legs end", Duration::from_secs(30), || {
         let (url, id) = (s.cluster.decode.clone(), request_id.to_string());
         async move {
             let d = attempts_at(&url, &id).await;
@@ -227,9 +229,10 @@ async fn expect_one_violation_per_attempt(
         },
     )
     .await;
+    // Judged once revenant's watermark (15 s of lateness behind) passes the window.
     let found = eventually(
         "a violation for every refused attempt",
-        Duration::from_secs(30),
+        Duration::from_secs(45),
         || {
             let v = s.violations();
             let rooms = rooms.clone();
@@ -336,13 +339,13 @@ async fn expect_one_violation_per_attempt(
 
 /// (a) A prefill capacity rejection (400, input over `max_req_input_len`) whose decode leg
 /// continues: sglang-router 0.3.2 never withdraws it, decode bootstraps the refused room and
-/// holds the leg until its KV timeout (2 s, four times the cancellation window). Whether decode
+/// holds the leg until its KV timeout (8 s here, past revenant's 6 s window for a decode leg). Whether decode
 /// got its leg before or after the refusal, the leg outlived the window: orphaned-leg for every
 /// attempt.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs PD_SIM_SMG (sglang-router 0.3.2 `smg`) and the revenant binary"]
 async fn smg_capacity_rejection_with_live_decode_leg_is_an_orphaned_leg() {
-    let s = setup("e2e-smg-400", "", "--kv-timeout-ms 2000").await;
+    let s = setup("e2e-smg-400", "", "--kv-timeout-ms 8000").await;
     // A request that fits: served, no violation.
     let client = http_client(2);
     let (status, body) = post(
@@ -377,11 +380,11 @@ async fn smg_capacity_rejection_with_live_decode_leg_is_an_orphaned_leg() {
 /// (b) The 503 retry storm: prefill answers every attempt "queue full" (`--overload-share 1`);
 /// smg retries with a new bootstrap_room each time under one x-request-id. revenant correlates
 /// the attempts as one request (one trace, one fingerprint) and flags each refused attempt whose
-/// decode leg outlived the cancellation window.
+/// decode leg outlived its 6 s window.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs PD_SIM_SMG (sglang-router 0.3.2 `smg`) and the revenant binary"]
 async fn smg_503_retry_storm_is_one_request_with_several_attempts() {
-    let s = setup("e2e-smg-503", "--overload-share 1", "--kv-timeout-ms 2000").await;
+    let s = setup("e2e-smg-503", "--overload-share 1", "--kv-timeout-ms 8000").await;
     let prefill = refused_request(&s, "e2e-storm", json!({"text": words(8)}), 503).await;
     let rooms = room_set(&prefill);
     assert!(rooms.len() >= 2, "smg retried: {prefill:?}");
