@@ -200,7 +200,7 @@ async fn refused_request(
     let n = prefill.len();
     // Decode holds a refused room until its waiting timeout (8 s here, past revenant's 6 s
     // window for a decode leg; SGLang's default is 300 s).
-    let decode = eventually("decode legs end", Duration::from_secs(30), || {
+    let decode = eventually("decode legs end", Duration::from_secs(60), || {
         let (url, id) = (s.cluster.decode.clone(), request_id.to_string());
         async move {
             let d = attempts_at(&url, &id).await;

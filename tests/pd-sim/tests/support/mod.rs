@@ -96,7 +96,8 @@ pub async fn post(
         .header("x-request-id", request_id)
         .body(Full::new(Bytes::from(body.to_string())))
         .unwrap();
-    let resp = tokio::time::timeout(Duration::from_secs(30), client.request(req))
+    // Long enough for a router that retries an attempt whose decode leg holds for seconds.
+    let resp = tokio::time::timeout(Duration::from_secs(90), client.request(req))
         .await
         .expect("timeout")
         .expect("POST");
