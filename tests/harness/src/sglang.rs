@@ -341,29 +341,36 @@ impl Smg {
         let url = format!("http://127.0.0.1:{port}");
         crate::http::wait_healthy(&url, Duration::from_secs(30))
             .with_context(|| format!("smg not healthy; its log:\n{}", tail(log, 20)))?;
-        // smg answers /health before its worker registration (which asks each worker's
-        // /server_info and /model_info) is done: until then it answers 503
-        // "no_available_workers".
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            if let Ok((200, body)) = http_get(&format!("{url}/workers")) {
-                let has = |t: &str| body.contains(&format!("\"worker_type\":\"{t}\""));
-                if has("prefill") && has("decode") && !body.contains("\"is_healthy\":false") {
-                    break;
-                }
-            }
-            if Instant::now() > deadline {
-                bail!(
-                    "smg registered no prefill and decode; its log:\n{}",
-                    tail(log, 20)
-                );
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        wait_smg_workers(&url, Duration::from_secs(30))
+            .with_context(|| format!("its log:\n{}", tail(log, 20)))?;
         Ok(Smg {
             proc,
             url,
             log: log.to_path_buf(),
         })
+    }
+}
+
+/// Waits until the `smg` router at `url` lists a healthy prefill and decode worker. smg answers
+/// `/health` before its worker registration (which asks each worker's `/server_info` and
+/// `/model_info`) is done, and until then answers requests 503 "no_available_workers". A router
+/// without `/workers` (sglang-router 0.3.2) is taken as registered once healthy.
+pub fn wait_smg_workers(url: &str, timeout: Duration) -> Result<()> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        match http_get(&format!("{url}/workers")) {
+            Ok((200, body)) => {
+                let has = |t: &str| body.contains(&format!("\"worker_type\":\"{t}\""));
+                if has("prefill") && has("decode") && !body.contains("\"is_healthy\":false") {
+                    return Ok(());
+                }
+            }
+            Ok((404, _)) => return Ok(()),
+            _ => {}
+        }
+        if Instant::now() > deadline {
+            bail!("smg at {url} registered no healthy prefill and decode within {timeout:?}");
+        }
+        std::thread::sleep(Duration::from_millis(100));
     }
 }

@@ -109,14 +109,16 @@ impl SmgProcess {
             url: format!("http://127.0.0.1:{port}"),
             version,
         };
-        wait_healthy(&s.url, Duration::from_secs(60)).with_context(|| {
-            format!(
-                "{} ({}); its log:\n{}",
-                smg.display(),
-                s.version,
-                test_harness::tail(log, 20)
-            )
-        })?;
+        wait_healthy(&s.url, Duration::from_secs(60))
+            .and_then(|()| test_harness::sglang::wait_smg_workers(&s.url, Duration::from_secs(30)))
+            .with_context(|| {
+                format!(
+                    "{} ({}); its log:\n{}",
+                    smg.display(),
+                    s.version,
+                    test_harness::tail(log, 20)
+                )
+            })?;
         Ok(s)
     }
 
