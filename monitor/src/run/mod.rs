@@ -52,7 +52,8 @@ use crate::pipeline::taps::{EngineMetrics, Observed, ReplayWriter, SourceActivit
 use crate::pipeline::{
     EngineTask, EngineTotals, EventSender, EventTap, ViolationSender, event_channel,
 };
-use crate::telemetry::logging::{LogArgs, LogFormat};
+use crate::telemetry::console::LogFormat;
+use crate::telemetry::logging::LogArgs;
 use crate::telemetry::{
     ComponentKind, MemoryAccount, MemoryWatch, Metrics, Readiness, ReadyHandle, RecentViolations,
     Structure, console,
