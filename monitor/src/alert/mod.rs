@@ -11,6 +11,7 @@ pub mod alertmanager;
 pub mod args;
 pub mod claims;
 pub mod dispatcher;
+pub mod events;
 pub mod flood;
 pub mod jsonl;
 pub mod notification;
