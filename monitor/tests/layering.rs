@@ -27,6 +27,7 @@ const LAYERS: &[(&str, u32)] = &[
     ("addr", 0),
     ("duration", 0),
     ("node", 0),
+    ("exit", 0),
     ("violation", 1),
     ("telemetry", 2),
     ("access", 3),
@@ -380,6 +381,8 @@ fn use_tree(
 /// The module tree of `monitor/src`: module path → file.
 struct Tree {
     modules: BTreeMap<Vec<String>, PathBuf>,
+    /// What each module re-exports (`pub use child::Item;`): item name → where it comes from.
+    reexports: BTreeMap<Vec<String>, BTreeMap<String, Named>>,
 }
 
 impl Tree {
@@ -391,11 +394,35 @@ impl Tree {
             let rel = file.strip_prefix(src).expect("under src").to_path_buf();
             modules.insert(module_of(&rel), rel);
         }
-        Tree { modules }
+        Tree {
+            modules,
+            reexports: BTreeMap::new(),
+        }
     }
 
-    /// The deepest module that `anchor::segments`, named in module `here`, reaches.
+    /// Reads the `pub use` items of every module, so that a path through a re-export reaches
+    /// the module the item is defined in (`use super::RunArgs` in `run/overlay.rs` names
+    /// `run/prepare.rs`, not `run/mod.rs`).
+    fn read_reexports(&mut self, scanned: &BTreeMap<Vec<String>, Scanned>) {
+        for (module, s) in scanned {
+            let mut map = BTreeMap::new();
+            for named in reexported(&s.code) {
+                if let Some(item) = named.segments.last() {
+                    map.insert(item.clone(), named);
+                }
+            }
+            self.reexports.insert(module.clone(), map);
+        }
+    }
+
+    /// The module that defines what `anchor::segments`, named in module `here`, names: the
+    /// deepest module on the path, or, when the next segment is an item that module re-exports,
+    /// the module the re-export points at.
     fn resolve(&self, here: &[String], named: &Named) -> Option<Vec<String>> {
+        self.resolve_within(here, named, 8)
+    }
+
+    fn resolve_within(&self, here: &[String], named: &Named, depth: u32) -> Option<Vec<String>> {
         let mut at: Vec<String> = match named.anchor {
             "crate" => Vec::new(),
             "self" => here.to_vec(),
@@ -410,9 +437,14 @@ impl Tree {
             deeper.push(seg.clone());
             if self.modules.contains_key(&deeper) {
                 at = deeper;
-            } else {
-                break;
+                continue;
             }
+            if depth > 0
+                && let Some(origin) = self.reexports.get(&at).and_then(|m| m.get(seg))
+            {
+                return self.resolve_within(&at, origin, depth - 1);
+            }
+            break;
         }
         Some(at)
     }
@@ -453,7 +485,56 @@ struct Graph {
     test_files: BTreeSet<PathBuf>,
 }
 
-fn read_graph(src: &Path, tree: &Tree) -> Graph {
+/// The items a module's `pub use` lines re-export, each as a path from the module (a first
+/// segment that is no anchor names a child module: `pub use prepare::RunArgs`).
+fn reexported(code: &[(usize, String)]) -> Vec<Named> {
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < code.len() {
+        let line = code[i].1.trim_start();
+        let Some(rest) = ["pub use ", "pub(crate) use ", "pub(super) use "]
+            .iter()
+            .find_map(|p| line.strip_prefix(p))
+        else {
+            i += 1;
+            continue;
+        };
+        // The statement, to its `;`.
+        let mut stmt = rest.to_owned();
+        while !stmt.contains(';') && i + 1 < code.len() {
+            i += 1;
+            stmt.push(' ');
+            stmt.push_str(&code[i].1);
+        }
+        let chars: Vec<char> = stmt.chars().collect();
+        let mut j = 0;
+        let mut leaves = Vec::new();
+        use_tree(&chars, &mut j, Vec::new(), &mut leaves);
+        for (_, mut segments) in leaves {
+            let anchor = match segments.first().map(String::as_str) {
+                Some("crate") => "crate",
+                Some("super") => "super",
+                Some("self") => "self",
+                _ => {
+                    segments.insert(0, "self".to_owned());
+                    "self"
+                }
+            };
+            segments.remove(0);
+            if !segments.is_empty() {
+                out.push(Named {
+                    line: code[i].0,
+                    anchor,
+                    segments,
+                });
+            }
+        }
+        i += 1;
+    }
+    out
+}
+
+fn read_graph(src: &Path, tree: &mut Tree) -> Graph {
     // Which files are test code: declared `#[cfg(test)] mod name;` by their parent.
     let mut scanned = BTreeMap::new();
     let mut test_modules = BTreeSet::new();
@@ -467,6 +548,8 @@ fn read_graph(src: &Path, tree: &Tree) -> Graph {
         }
         scanned.insert(module.clone(), s);
     }
+    tree.read_reexports(&scanned);
+    let tree = &*tree;
     let is_test = |m: &Vec<String>| (1..=m.len()).any(|n| test_modules.contains(&m[..n]));
     let mut graph = Graph {
         edges: Vec::new(),
@@ -622,8 +705,8 @@ fn src() -> PathBuf {
 #[test]
 fn dependencies_point_down() {
     let src = src();
-    let tree = Tree::read(&src);
-    let graph = read_graph(&src, &tree);
+    let mut tree = Tree::read(&src);
+    let graph = read_graph(&src, &mut tree);
     let mut modules: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
     let mut wrong = Vec::new();
     for (file, line, from, to) in &graph.edges {
@@ -689,8 +772,8 @@ fn dependencies_point_down() {
 #[test]
 fn no_folder_imports_itself_in_a_circle() {
     let src = src();
-    let tree = Tree::read(&src);
-    let graph = read_graph(&src, &tree);
+    let mut tree = Tree::read(&src);
+    let graph = read_graph(&src, &mut tree);
     let found = circles(&graph);
     assert!(
         found.is_empty(),
@@ -785,6 +868,7 @@ fn resolves_paths_to_files_and_finds_circles() {
         .into_iter()
         .map(|(m, f)| (m.into_iter().map(String::from).collect(), PathBuf::from(f)))
         .collect(),
+        reexports: BTreeMap::new(),
     };
     let here: Vec<String> = vec!["admin".into(), "violations".into()];
     let named = |anchor, segs: &[&str]| Named {
