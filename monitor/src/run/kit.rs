@@ -78,7 +78,7 @@ fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
 }
 
 /// How long the runtime waits, after the drain, for tasks that did not stop before exiting.
-pub(super) const RUNTIME_EXIT_GRACE: Duration = Duration::from_secs(2);
+const RUNTIME_EXIT_GRACE: Duration = Duration::from_secs(2);
 
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
@@ -229,5 +229,5 @@ pub(super) async fn force_exit_on_signal() {
         "second signal: exiting without finishing the drain",
         serde_json::Map::new(),
     );
-    std::process::exit(1);
+    std::process::exit(Exit::Failure.code().into());
 }
