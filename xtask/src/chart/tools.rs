@@ -34,7 +34,7 @@ pub(super) struct Tools {
 impl Tools {
     /// The tools, each installed first when it is missing (idempotent).
     pub(super) fn ensure(root: &Path) -> Result<Tools> {
-        let venv = crate::ensure_venv(
+        let venv = crate::venv::ensure(
             "xtask-venv-chart",
             &[
                 format!("kubernetes-validate=={KUBERNETES_VALIDATE}").as_str(),
@@ -42,8 +42,8 @@ impl Tools {
             ],
             &format!(
                 "{}; {}",
-                crate::has_version("kubernetes-validate", KUBERNETES_VALIDATE),
-                crate::has_version("checkov", CHECKOV)
+                crate::venv::has_version("kubernetes-validate", KUBERNETES_VALIDATE),
+                crate::venv::has_version("checkov", CHECKOV)
             ),
         )?;
         Ok(Tools {
