@@ -2,10 +2,11 @@
 //! need first (idempotently), exactly as CI does (`.ci/run` calls it; `ci`, `docs/testing.md`);
 //! `cargo xtask fuzz` runs the fuzz targets for longer.
 
-use std::process::{Command, ExitCode};
+use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod cargo;
 mod chart;
 mod ci;
 mod demo;
@@ -169,9 +170,7 @@ fn main() -> ExitCode {
 /// other features and builds every shared crate again), the binary's path from cargo's own
 /// artifact messages.
 fn release_revenant() -> anyhow::Result<std::path::PathBuf> {
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let out = Command::new(&cargo)
-        .current_dir(test_harness::workspace_root())
+    let out = cargo::command()
         .args(["build", "--release", "-p", "revenant", "--bin", "revenant"])
         .args(["--message-format", "json-render-diagnostics"])
         .stderr(std::process::Stdio::inherit())

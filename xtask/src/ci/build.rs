@@ -5,7 +5,7 @@
 //! crate once; the binaries that ship are the ones tested.
 
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 
 use anyhow::{Context, Result, anyhow, bail};
 use serde_json::Value;
@@ -46,8 +46,7 @@ pub fn cargo() -> String {
 }
 
 pub fn build() -> Result<Built> {
-    let out = Command::new(cargo())
-        .current_dir(test_harness::workspace_root())
+    let out = crate::cargo::command()
         .arg("test")
         .args(SELECTION)
         .args(["--no-run", "--message-format", "json-render-diagnostics"])

@@ -5,7 +5,7 @@
 //! setup ─► build (one: cargo test --release --no-run, every target) ─┬─ product: chart ─► privileges ─► image
 //!                                                                     ├─ tests ×2: the test executables, longest first
 //!                                                                     ├─ venvs ─► (the real-component tests join the queue)
-//!                                                                     └─ fuzz (lowest priority): build ─► replay ─► short runs
+//!                                                                     └─ fuzz (lowest priority): build ─► replay ─► fixed-seed runs
 //! ```
 //!
 //! After the one build the stages run side by side. Each gets a range of loopback ports of its
@@ -336,7 +336,7 @@ pub fn run() -> Result<()> {
         let fuzz = s.spawn(|| {
             t.step("fuzz", "fuzz targets", || {
                 crate::setup::fuzz_tools()?;
-                crate::fuzz::ci(crate::fuzz::CI_SECONDS).map(|_| ())
+                crate::fuzz::ci(crate::fuzz::CI_RUNS).map(|_| ())
             })
         });
         let lanes: Vec<_> = ["tests-1", "tests-2"]
@@ -508,8 +508,7 @@ fn report(rows: &[Row], results: &[Ran], total: Duration) -> Result<()> {
 pub fn filtered(args: &[String]) -> Result<()> {
     crate::setup::run()?;
     let built = build::build()?;
-    let status = std::process::Command::new(build::cargo())
-        .current_dir(test_harness::workspace_root())
+    let status = crate::cargo::command()
         .arg("test")
         .args(build::SELECTION)
         .args(args)
