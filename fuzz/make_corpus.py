@@ -3,8 +3,8 @@
 
 Sources: the OTLP span captures in monitor/src/normalize/testdata (real SGLang 0.5.23,
 sglang-router 0.3.2 and smg 1.13.0 exports), the HTTP requests sglang-router 0.3.2 sent its
-workers (../shared/fixtures, when present), the scenario files in tests/scenarios, the rules in
-monitor/rules and the README's rules examples. Wire-level seeds (HTTP answers, ZMTP frames,
+workers (fuzz/fixtures), the scenario files in tests/scenarios, the rules in
+monitor/rules and the rules examples of docs/rules.md. Wire-level seeds (HTTP answers, ZMTP frames,
 kernel records) follow what the parsers' unit tests feed them. Deterministic: running it again
 rewrites the same files. Run from anywhere: python3 fuzz/make_corpus.py
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "fuzz" / "corpus"
-SHARED = ROOT.parent / "shared" / "fixtures" / "sglang-router-0.3.2"
+ROUTER_REQUESTS = ROOT / "fuzz" / "fixtures" / "sglang-router-0.3.2"
 
 
 def put(target, name, data):
@@ -68,12 +68,11 @@ GENERATE = {
 HDRS = {"content-type": "application/json", "host": "127.0.0.1:31001", "x-request-id": "req-1"}
 
 requests = [http_request("POST", "/generate", HDRS, GENERATE)]
-if SHARED.exists():
-    for f in ["logs_prefill.jsonl", "logs_decode.jsonl"]:
-        lines = [json.loads(x) for x in (SHARED / f).read_text().splitlines()]
-        for r in [r for r in lines if "headers" in r][:3]:
-            h = {k: v for k, v in r["headers"].items() if k != "content-length"}
-            requests.append(http_request(r["method"], r["path"], h, r["body"]))
+for f in ["logs_prefill.jsonl", "logs_decode.jsonl"]:
+    lines = [json.loads(x) for x in (ROUTER_REQUESTS / f).read_text().splitlines()]
+    for r in [r for r in lines if "headers" in r][:3]:
+        h = {k: v for k, v in r["headers"].items() if k != "content-length"}
+        requests.append(http_request(r["method"], r["path"], h, r["body"]))
 requests.append(http_request(
     "POST", "/v1/completions",
     {"content-type": "application/json", "x-request-id": "vllm-7"},
@@ -269,8 +268,6 @@ def exports_from_spans(path):
 
 
 span_files = sorted((ROOT / "monitor/src/normalize/testdata").glob("*.jsonl"))
-if SHARED.exists():
-    span_files.append(SHARED / "spans.jsonl")
 exports = {p.stem: exports_from_spans(p) for p in span_files}
 
 generic_logs = {"resourceLogs": [{"resource": {"attributes": [{"key": "service.name", "value": {"stringValue": "my-decode"}}]},
@@ -521,12 +518,12 @@ put("bus_wire", "v1-json",
 # ---- rules YAML ---------------------------------------------------------------------------------
 
 put("rules_yaml", "default.yaml", (ROOT / "monitor/rules/default.yaml").read_bytes())
-readme = (ROOT / "README.md").read_text()
-blocks = readme.split("```yaml\n")[1:]
+rules_doc = (ROOT / "docs/rules.md").read_text()
+blocks = rules_doc.split("```yaml\n")[1:]
 for i, b in enumerate(blocks):
     text = b.split("```")[0]
     if text.lstrip().startswith("rules:"):
-        put("rules_yaml", f"readme-{i}.yaml", text)
+        put("rules_yaml", f"docs-rules-{i}.yaml", text)
 put("rules_yaml", "predicate.yaml", """rules:
   - name: big-input
     description: input above the stage's capacity

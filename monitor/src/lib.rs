@@ -4,7 +4,7 @@
 //! then check) → sinks ([`alert`]), wired together by [`pipeline`] and [`run`]. [`event`] and
 //! [`violation`] are the vocabulary every layer shares; [`telemetry`] is the bottom layer every
 //! component reports through; [`admin`] is the HTTP surface on top. [`config`] is `revenant run`'s
-//! configuration file and flags, [`cmd`] the offline subcommands.
+//! configuration file and flags, [`cmd`] the offline subcommands, [`exit`] the exit codes of all.
 
 pub mod access;
 pub mod addr;
@@ -16,6 +16,7 @@ pub mod config;
 pub mod duration;
 pub mod engine;
 pub mod event;
+pub mod exit;
 pub mod ingest;
 pub mod node;
 pub mod normalize;

@@ -1,16 +1,6 @@
 //! The `revenant` command line: parses the arguments and dispatches to one subcommand.
 //!
-//! Exit codes, per subcommand (the README's table):
-//! - `check`: 0 no violation (or standard output closed by its reader), 1 violations found,
-//!   2 usage or input error.
-//! - `run`: 0 clean shutdown (SIGTERM, SIGINT, SIGHUP), 1 runtime failure once running (a
-//!   receiver died, the drain timed out), 2 usage, configuration or start-up error (a port in
-//!   use, a spool in use, a required source or sink that cannot start).
-//! - `agent`, `checker`: as `run` (0 clean shutdown, 1 runtime failure, 2 usage or
-//!   configuration error, e.g. no `--nats`, a stream made with another partition count).
-//! - `rules list`, `rules validate`, `config validate`: 0 listed or valid, 2 usage error or a
-//!   file that does not load.
-//! - `completions`: 0 printed.
+//! Exit codes: [`revenant::exit::Exit`], one meaning each (the README's table).
 //!
 //! A command line clap cannot parse is exit code 2, and so is a flag given to a subcommand it
 //! does nothing for (`agent --webhook`: `run::flags`); `--help` and `--version` are 0.
@@ -21,6 +11,7 @@ use std::sync::LazyLock;
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
 use revenant::cmd::{check, config, rules};
+use revenant::exit::Exit;
 
 // The OTLP path allocates many small strings per span; glibc malloc showed as ~45% of the
 // receiver's profile, mimalloc is much cheaper for that pattern.
@@ -102,24 +93,24 @@ fn main() -> ExitCode {
                         serde_json::Map::new(),
                     ),
                 );
-                return ExitCode::from(2);
+                return Exit::Usage.into();
             }
             let _ = e.print();
             return if e.use_stderr() {
-                ExitCode::from(2)
+                Exit::Usage.into()
             } else {
-                ExitCode::SUCCESS
+                Exit::Success.into()
             };
         }
     };
     if let Some((sub, m)) = matches.subcommand() {
         let cmd = command();
         let Some(sub_cmd) = cmd.find_subcommand(sub) else {
-            return ExitCode::from(2);
+            return Exit::Usage.into();
         };
         if let Err(e) = revenant::run::flags::refuse_inapplicable(sub, sub_cmd, m) {
             revenant::telemetry::console::error(&e);
-            return ExitCode::from(2);
+            return Exit::Usage.into();
         }
     }
     match cli.command {
@@ -127,19 +118,19 @@ fn main() -> ExitCode {
         // Logging is set up by `run` from its --log-format / --log-level flags.
         Command::Run(mut args) => {
             if let Some(("run", m)) = matches.subcommand() {
-                args.given = revenant::run::overlay::Given::from_matches(m);
+                args.given = revenant::run::Given::from_matches(m);
             }
             revenant::run::run(*args)
         }
         Command::Agent(mut args) => {
             if let Some(("agent", m)) = matches.subcommand() {
-                args.run.given = revenant::run::overlay::Given::from_matches(m);
+                args.run.given = revenant::run::Given::from_matches(m);
             }
             revenant::run::agent::run(*args)
         }
         Command::Checker(mut args) => {
             if let Some(("checker", m)) = matches.subcommand() {
-                args.run.given = revenant::run::overlay::Given::from_matches(m);
+                args.run.given = revenant::run::Given::from_matches(m);
             }
             revenant::run::checker::run(*args)
         }

@@ -55,6 +55,22 @@ fn assert_once_and_as_check(dir: &Path, events: &[LifecycleEvent], got: &str) {
     );
 }
 
+/// Waits until every metric in `names` of `member` read the same for `quiet` in a row (a process
+/// that has stopped moving), at most [`WAIT`].
+fn wait_quiet(what: &str, member: &Member, names: &[&str], quiet: Duration) {
+    let read = || names.iter().map(|n| member.metric(n)).collect::<Vec<f64>>();
+    let mut last = read();
+    let mut since = Instant::now();
+    wait_for(what, || {
+        let now = read();
+        if now != last || now.iter().any(|v| *v < 0.0) {
+            last = now;
+            since = Instant::now();
+        }
+        since.elapsed() >= quiet
+    });
+}
+
 fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
     let deadline = Instant::now() + WAIT;
     while !f() {
@@ -397,8 +413,22 @@ fn a_killed_checker_is_replaced_and_every_notification_goes_out_once() {
     });
     // The first checker stops taking batches (so that no notification is between its spool and
     // its claim when it dies), the second half is published, and it is killed.
+    // Paused once nothing moves any more: no event observed, no violation found, every
+    // notification looked up, spooled and delivered (under load that takes what it takes).
     std::fs::write(&pause, b"").unwrap();
-    std::thread::sleep(Duration::from_millis(300));
+    wait_quiet(
+        "the first checker to pause and settle",
+        &first,
+        &[
+            "revenant_events_total",
+            "revenant_alerts_received_total",
+            "revenant_checker_notification_claims_total",
+            "revenant_alerts_notified_total",
+            "revenant_alert_delivered_notifications_total",
+            "revenant_spool_entries",
+        ],
+        Duration::from_secs(1),
+    );
     halves.publish_late(&bus);
     first.proc.stop(libc::SIGKILL, Duration::ZERO);
 

@@ -761,7 +761,7 @@ fn rules_list_prints_whole_descriptions() {
     assert!(!yaml.contains(": null"), "{yaml}");
 }
 
-/// `run --help` in the README's groups, value names alike.
+/// `run --help` in the groups of `docs/run.md`, value names alike.
 #[test]
 fn run_help_is_grouped() {
     let o = bin().args(["run", "--help"]).output().unwrap();

@@ -9,7 +9,7 @@
 //!
 //! Events of one attempt come from at most two clock domains here (no node, and one named node):
 //! the engine keeps per-node extremes for two nodes per attempt, which is exact up to two; with a
-//! third node in the skew window an out-of-order trigger can miss a same-node offender (README).
+//! third node in the skew window an out-of-order trigger can miss a same-node offender (docs/memory.md).
 
 use std::collections::BTreeSet;
 use std::time::Duration;

@@ -276,7 +276,6 @@ fn oversized_export_is_not_retried(transport: &str) {
         &format!("oversized-{transport}"),
         &["--max-message-bytes", "2000"],
     );
-    let started = Instant::now();
     let (ok, out, err) = rv.emit(&["--transport", transport, "--scenario", "oversized"]);
     assert!(!ok, "the export must fail: {out} {err}");
     assert_eq!(
@@ -289,8 +288,6 @@ fn oversized_export_is_not_retried(transport: &str) {
         !log.to_lowercase().contains("retrying"),
         "no retry for a permanent error: {log}"
     );
-    // The SDKs back off at least 1 s before a retry; a permanent error returns at once.
-    assert!(started.elapsed() < Duration::from_secs(20), "{err}");
     let needle = if transport == "grpc" {
         "INVALID_ARGUMENT, error details: Error, decoded message length too large"
     } else {

@@ -63,7 +63,7 @@ const PACKAGES: &[&str] = &[
 
 /// The venv's interpreter, the venv created (or completed) first when a pinned version is
 /// missing.
-pub fn python() -> std::io::Result<PathBuf> {
+pub fn python() -> anyhow::Result<PathBuf> {
     let pins: Vec<String> = std::iter::once(SGLANG)
         .chain(PACKAGES.iter().copied())
         .map(|p| {
@@ -78,7 +78,7 @@ pub fn python() -> std::io::Result<PathBuf> {
     );
     let started = std::time::Instant::now();
     let venv =
-        crate::ensure_venv_steps("sglang-venv", &[&["--no-deps", SGLANG], PACKAGES], &ready)?;
+        crate::venv::ensure_steps("sglang-venv", &[&["--no-deps", SGLANG], PACKAGES], &ready)?;
     if started.elapsed().as_secs() > 10 {
         eprintln!(
             "xtask: {} ready after {:.0} s",

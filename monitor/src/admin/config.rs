@@ -124,7 +124,7 @@ mod tests {
         .unwrap();
         assert_eq!(p.alert.webhooks.len(), 2);
         assert_eq!(p.admin.admin.port(), 0);
-        assert_eq!(p.log.log_format, crate::telemetry::logging::LogFormat::Json);
+        assert_eq!(p.log.log_format, crate::telemetry::console::LogFormat::Json);
         assert!(Probe::try_parse_from(["x", "--admin", "nonsense"]).is_err());
     }
 

@@ -3,9 +3,11 @@
 
 pub mod config;
 pub mod server;
+pub mod state;
 pub mod timeline;
 pub mod violations;
 
 pub use config::AdminArgs;
-pub use server::{AdminError, AdminServer, AdminState};
+pub use server::{AdminError, AdminServer};
+pub use state::AdminState;
 pub use timeline::{RecentEvents, RecentEventsLimits, Timeline, TimelineProvider};

@@ -7,7 +7,6 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
-use std::sync::Arc;
 
 use axum::Json;
 use axum::Router;
@@ -16,13 +15,10 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 
-use super::timeline::TimelineProvider;
+use super::state::{AdminState, error};
 use super::violations;
 use crate::access::{Access, Alpn, Incoming, Server};
 use crate::telemetry::exposition::Format;
-use crate::telemetry::metrics::Metrics;
-use crate::telemetry::ready::Readiness;
-use crate::telemetry::recent::RecentViolations;
 
 #[derive(Debug, thiserror::Error)]
 pub enum AdminError {
@@ -38,16 +34,6 @@ pub enum AdminError {
     },
     #[error("admin server failed: {0}")]
     Serve(std::io::Error),
-}
-
-/// What the handlers read. Cheap to clone.
-#[derive(Clone)]
-pub struct AdminState {
-    pub metrics: Arc<Metrics>,
-    pub readiness: Readiness,
-    pub violations: Arc<RecentViolations>,
-    pub timeline: Arc<dyn TimelineProvider>,
-    pub access: Access,
 }
 
 /// The endpoints, for `/` and the answer to an unknown path.
@@ -77,11 +63,6 @@ fn index() -> serde_json::Value {
         .map(|(path, what)| ((*path).to_owned(), (*what).into()))
         .collect();
     serde_json::json!({ "endpoints": endpoints })
-}
-
-/// Every error the admin API answers: JSON `{"error": …}` with the status.
-pub(super) fn error(status: StatusCode, message: &str) -> Response {
-    (status, Json(serde_json::json!({ "error": message }))).into_response()
 }
 
 /// `/metrics`, `/healthz`, `/readyz`: open to scrapers and probes.
@@ -292,6 +273,7 @@ async fn request_timeline(State(s): State<AdminState>, Path(id): Path<String>) -
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
     use std::time::Duration;
 
     use axum::body::Body;
@@ -301,6 +283,9 @@ mod tests {
     use super::*;
     use crate::admin::{RecentEvents, RecentEventsLimits};
     use crate::event::{Kind, LifecycleEvent, Source, Stage};
+    use crate::telemetry::metrics::Metrics;
+    use crate::telemetry::ready::Readiness;
+    use crate::telemetry::recent::RecentViolations;
 
     fn state() -> AdminState {
         let metrics = Arc::new(Metrics::new());

@@ -8,7 +8,7 @@ use axum::extract::{Query, State};
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 
-use super::server::AdminState;
+use super::state::{AdminState, error};
 
 #[derive(Debug, Deserialize)]
 pub(super) struct ViolationQuery {
@@ -24,7 +24,7 @@ pub(super) async fn violations(
     let q = match q {
         Ok(Query(q)) => q,
         Err(e) => {
-            return super::server::error(
+            return error(
                 axum::http::StatusCode::BAD_REQUEST,
                 &format!(
                     "{}: limit is a count (0..), rule and fingerprint are strings",
@@ -36,7 +36,7 @@ pub(super) async fn violations(
     if let (Some(rule), Some(known)) = (&q.rule, s.violations.rules())
         && !known.contains(rule)
     {
-        return super::server::error(
+        return error(
             axum::http::StatusCode::BAD_REQUEST,
             &format!("unknown rule {rule:?}: the rules are {}", known.join(", ")),
         );

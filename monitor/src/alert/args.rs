@@ -100,9 +100,9 @@ impl AlertArgs {
         })?;
         AlertConfig::from_yaml(&text)
             .map(Some)
-            .map_err(|message| AlertError::File {
+            .map_err(|source| AlertError::Parse {
                 path: p.clone(),
-                message,
+                source,
             })
     }
 

@@ -11,6 +11,7 @@ pub mod alertmanager;
 pub mod args;
 pub mod claims;
 pub mod dispatcher;
+pub mod events;
 pub mod flood;
 pub mod jsonl;
 pub mod notification;
@@ -91,10 +92,20 @@ impl Default for AlertConfig {
 
 #[derive(Debug, thiserror::Error)]
 pub enum AlertError {
-    /// A check of the alert section itself (external_url, retry, channel capacity), or a sink
-    /// that cannot be built.
+    /// A check of the alert section itself (external_url, retry, channel capacity).
     #[error("invalid alert configuration: {0}")]
     Config(String),
+    #[error("invalid alert configuration: {0}")]
+    WebhookSink(#[from] webhook::WebhookSinkError),
+    #[error("invalid alert configuration: {0}")]
+    AlertmanagerSink(#[from] alertmanager::AlertmanagerSinkError),
+    #[error("invalid alert configuration: {0}")]
+    JsonlSink(#[from] jsonl::JsonlSinkError),
+    #[error("alert config file {}: {source}", .path.display())]
+    Parse {
+        path: PathBuf,
+        source: Box<serde_saphyr::Error>,
+    },
     #[error("invalid alert configuration: {0}")]
     Webhook(#[from] webhook::WebhookConfigError),
     #[error("invalid alert configuration: {0}")]
@@ -112,8 +123,8 @@ pub enum AlertError {
 }
 
 impl AlertConfig {
-    pub fn from_yaml(text: &str) -> Result<AlertConfig, String> {
-        serde_saphyr::from_str(text).map_err(|e| e.to_string())
+    pub fn from_yaml(text: &str) -> Result<AlertConfig, Box<serde_saphyr::Error>> {
+        serde_saphyr::from_str(text).map_err(Box::new)
     }
 
     /// Checks everything that can be checked without binding or connecting.
@@ -164,22 +175,21 @@ impl AlertConfig {
     }
 
     fn build_sinks_by_position(&self) -> Result<Vec<Arc<dyn Sink>>, AlertError> {
-        let c = |e: String| AlertError::Config(e);
         let mut sinks: Vec<Arc<dyn Sink>> = Vec::new();
         for (i, w) in self.webhooks.iter().enumerate() {
-            sinks.push(Arc::new(
-                WebhookSink::new(format!("webhook-{i}"), w).map_err(c)?,
-            ));
+            sinks.push(Arc::new(WebhookSink::new(format!("webhook-{i}"), w)?));
         }
         let node = self.node_name();
         for (i, a) in self.alertmanagers.iter().enumerate() {
-            sinks.push(Arc::new(
-                AlertmanagerSink::new(format!("alertmanager-{i}"), a, &node, &self.cluster)
-                    .map_err(c)?,
-            ));
+            sinks.push(Arc::new(AlertmanagerSink::new(
+                format!("alertmanager-{i}"),
+                a,
+                &node,
+                &self.cluster,
+            )?));
         }
         if let Some(j) = &self.jsonl {
-            sinks.push(Arc::new(JsonlSink::new("jsonl", j).map_err(c)?));
+            sinks.push(Arc::new(JsonlSink::new("jsonl", j)?));
         }
         Ok(sinks)
     }
@@ -473,9 +483,13 @@ mod tests {
         assert_eq!(ok.spool.max_entries, 100);
         assert!(ok.spool.fsync, "fsync stays on by default");
 
-        let e = AlertConfig::from_yaml("webhook: []\n").unwrap_err();
+        let e = AlertConfig::from_yaml("webhook: []\n")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("webhook"), "{e}");
-        let e = AlertConfig::from_yaml("flood:\n  dedup_window: soon\n").unwrap_err();
+        let e = AlertConfig::from_yaml("flood:\n  dedup_window: soon\n")
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains("soon") || e.contains("duration") || e.contains("unknown"),
             "{e}"

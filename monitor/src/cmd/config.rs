@@ -9,6 +9,7 @@
 use std::process::ExitCode;
 
 use crate::engine::check::Checker;
+use crate::exit::Exit;
 use crate::run::{Prepared, Role, RunArgs, prepare_for};
 use crate::telemetry::console;
 
@@ -41,7 +42,7 @@ impl ConfigCommand {
     pub fn record_given(&mut self, m: &clap::ArgMatches) {
         match self {
             ConfigCommand::Validate(a) => {
-                a.run.given = crate::run::overlay::Given::from_matches(m);
+                a.run.given = crate::run::Given::from_matches(m);
             }
         }
     }
@@ -59,7 +60,7 @@ fn validate(args: &ValidateArgs) -> ExitCode {
         Ok(g) => g,
         Err(e) => {
             console::error(&e);
-            return ExitCode::from(2);
+            return Exit::Usage.into();
         }
     };
     let role = match args.for_command {
@@ -71,7 +72,7 @@ fn validate(args: &ValidateArgs) -> ExitCode {
         Ok(p) => crate::cmd::write_stdout(summary(&p, role).as_bytes()),
         Err(e) => {
             console::error(&e);
-            ExitCode::from(2)
+            Exit::Usage.into()
         }
     };
     if let Some(t) = self_traces {

@@ -7,6 +7,8 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use crate::exit::Exit;
+
 #[derive(Debug, clap::Subcommand)]
 pub enum RulesCommand {
     /// List the active rules (embedded defaults plus `--rules FILE`).
@@ -56,7 +58,7 @@ fn validate(files: &[PathBuf]) -> ExitCode {
         }
     }
     let code = super::write_stdout(out.as_bytes());
-    if bad > 0 { ExitCode::from(2) } else { code }
+    if bad > 0 { Exit::Usage.into() } else { code }
 }
 
 fn list(path: Option<PathBuf>, yaml: bool) -> ExitCode {
@@ -75,7 +77,7 @@ fn list(path: Option<PathBuf>, yaml: bool) -> ExitCode {
             Ok(s) => return super::write_stdout(s.as_bytes()),
             Err(e) => {
                 crate::telemetry::console::error(&format!("cannot print rules: {e}"));
-                return ExitCode::from(2);
+                return Exit::Usage.into();
             }
         }
     }

@@ -6,7 +6,7 @@ use clap::{CommandFactory, FromArgMatches, Parser};
 use super::*;
 use crate::ingest::ebpf::EbpfMode;
 use crate::run::RunArgs;
-use crate::run::overlay::{self, Given};
+use crate::run::{Given, overlay};
 
 /// The YAML block of `docs/config.md`.
 fn documented_example() -> String {

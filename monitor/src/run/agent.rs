@@ -18,10 +18,12 @@ use std::time::Duration;
 
 use tokio::sync::Notify;
 
+use super::bind::{Bound, bind};
+use super::bus_args::BusArgs;
+use super::kit::{self, RunError, Shared, announce_ready, force_exit_on_signal, serve_admin};
 use super::shutdown::{self, Drain, Phase, Shutdown};
-use super::{
-    Bound, RunArgs, RunError, Shared, announce_ready, bind, force_exit_on_signal, start_sources,
-};
+use super::start::start_sources;
+use super::{RunArgs, coverage};
 use crate::ingest::ebpf::HoldWindows;
 
 use crate::bus::batcher::Batcher;
@@ -31,59 +33,6 @@ use crate::bus::{BusConfig, BusConfigError};
 use crate::ingest::replay;
 use crate::pipeline::{EventSender, event_channel};
 use crate::telemetry::{ComponentKind, console};
-
-/// The bus flags `agent` and `checker` share (over the config file's `bus` section).
-#[derive(Debug, Clone, Default, clap::Args)]
-pub struct BusArgs {
-    /// NATS server URLs, comma-separated (required here or as `bus.nats` in --config).
-    #[arg(long, value_name = "URL")]
-    pub nats: Option<String>,
-    /// JetStream stream (created when missing; also the subject prefix) [default: REVENANT].
-    #[arg(long, value_name = "NAME")]
-    pub stream: Option<String>,
-    /// Partitions (subjects `<stream>.p<k>`), the same on every agent and checker [default: 4].
-    #[arg(long, value_name = "N")]
-    pub partitions: Option<u32>,
-    /// Stream replicas when this process creates it: 1, or 3 on a NATS cluster [default: 1].
-    #[arg(long, value_name = "N")]
-    pub replicas: Option<usize>,
-    /// Events per message [default: 512].
-    #[arg(long, value_name = "N")]
-    pub batch_events: Option<usize>,
-    /// How long an open batch may wait for more events [default: 20ms].
-    #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
-    pub batch_linger: Option<Duration>,
-    /// How long the stream keeps events when this process creates it [default: 1h].
-    #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
-    pub retention: Option<Duration>,
-}
-
-impl BusArgs {
-    /// The config file's `bus` section with these flags over it.
-    pub fn apply(&self, b: &mut BusConfig) {
-        if let Some(v) = &self.nats {
-            b.nats = Some(v.clone());
-        }
-        if let Some(v) = &self.stream {
-            b.stream = v.clone();
-        }
-        if let Some(v) = self.partitions {
-            b.partitions = v;
-        }
-        if let Some(v) = self.replicas {
-            b.replicas = v;
-        }
-        if let Some(v) = self.batch_events {
-            b.batch_events = v;
-        }
-        if let Some(v) = self.batch_linger {
-            b.batch_linger = v;
-        }
-        if let Some(v) = self.retention {
-            b.retention = v;
-        }
-    }
-}
 
 #[derive(Debug, clap::Args)]
 pub struct AgentArgs {
@@ -123,50 +72,38 @@ pub enum AgentConfigError {
 
 pub fn run(args: AgentArgs) -> ExitCode {
     let log = args.run.log.clone();
-    super::logged(&log, || run_logged(args))
+    kit::serve(
+        &log,
+        || prepare(args),
+        |a| agent_async(a.prepared, a.bus, a.outbox, a.replay, a.clock_offset),
+    )
 }
 
-fn run_logged(args: AgentArgs) -> ExitCode {
-    let prepared = match super::prepare_for(&args.run, super::Role::Agent) {
-        Ok(p) => p,
-        Err(e) => {
-            console::error(&e);
-            return ExitCode::from(2);
-        }
-    };
+/// What `agent` starts from: every setting read and checked, the outbox locked, nothing bound.
+struct AgentStart {
+    prepared: super::Prepared,
+    bus: BusConfig,
+    outbox: Outbox,
+    replay: Vec<PathBuf>,
+    clock_offset: Duration,
+}
+
+fn prepare(args: AgentArgs) -> Result<AgentStart, AgentConfigError> {
+    let prepared = super::prepare_for(&args.run, super::Role::Agent)?;
     let mut bus = prepared.cfg.bus.clone();
     args.bus.apply(&mut bus);
     if let Some(v) = args.outbox_bytes {
         bus.outbox_bytes = v;
     }
-    let checked = bus
-        .validate()
-        .map_err(AgentConfigError::from)
-        .and_then(|()| {
-            for p in &args.replay {
-                std::fs::File::open(p).map_err(|source| AgentConfigError::Replay {
-                    path: p.clone(),
-                    source,
-                })?;
-            }
-            Ok(())
-        });
-    if let Err(e) = checked {
-        console::error(&e);
-        return ExitCode::from(2);
+    bus.validate()?;
+    for p in &args.replay {
+        std::fs::File::open(p).map_err(|source| AgentConfigError::Replay {
+            path: p.clone(),
+            source,
+        })?;
     }
     let outbox_dir = prepared.alert.spool.resolved_dir().join("bus-outbox");
-    let (outbox, resumed) = match Outbox::open(&outbox_dir, bus.outbox_bytes) {
-        Ok(o) => o,
-        Err(e) => {
-            console::error(&e);
-            return ExitCode::from(2);
-        }
-    };
-    let rt = match super::runtime() {
-        Ok(rt) => rt,
-        Err(code) => return code,
-    };
+    let (outbox, resumed) = Outbox::open(&outbox_dir, bus.outbox_bytes)?;
     if resumed.batches > 0 || resumed.corrupt > 0 {
         tracing::info!(
             batches = resumed.batches,
@@ -175,21 +112,13 @@ fn run_logged(args: AgentArgs) -> ExitCode {
             "outbox resumed: publishing what the last run left"
         );
     }
-    let offset = args.clock_offset.unwrap_or_default();
-    let result = rt.block_on(agent_async(prepared, bus, outbox, args.replay, offset));
-    rt.shutdown_timeout(super::RUNTIME_EXIT_GRACE);
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            console::error(&e);
-            match e {
-                RunError::Ebpf(_) | RunError::Bind { .. } | RunError::ReadyFile { .. } => {
-                    ExitCode::from(2)
-                }
-                _ => ExitCode::from(1),
-            }
-        }
-    }
+    Ok(AgentStart {
+        prepared,
+        bus,
+        outbox,
+        replay: args.replay,
+        clock_offset: args.clock_offset.unwrap_or_default(),
+    })
 }
 
 /// Events per batch sent from a replayed file.
@@ -311,7 +240,7 @@ async fn agent_async(
         if let Some(m) = server.metrics_addr() {
             bound.insert("metrics".into(), m.to_string().into());
         }
-        super::serve_admin(server, &shared, &shutdown)
+        serve_admin(server, &shared, &shutdown)
     });
     let client = crate::bus::connect(&bus, &format!("revenant-agent {}", cfg.node_name()))
         .await
@@ -327,7 +256,7 @@ async fn agent_async(
     if let Some(why) = sources.blind.take()
         && replay_paths.is_empty()
     {
-        super::coverage::no_source(&shared.readiness, why);
+        coverage::no_source(&shared.readiness, why);
     }
     let mut replay_task = None;
     if !replay_paths.is_empty() {

@@ -23,11 +23,13 @@ use std::time::Duration;
 
 use tokio::task::JoinSet;
 
-use super::agent::BusArgs;
+use super::bind::{bind, claim};
+use super::bus_args::BusArgs;
+use super::kit::{self, RunError, Shared, announce_ready, force_exit_on_signal};
+use super::report::report_totals;
 use super::shutdown::{self, Drain, Phase, Shutdown};
-use super::{
-    RunArgs, RunError, Shared, announce_ready, bind, claim, force_exit_on_signal, start_outputs,
-};
+use super::start::{announce_rules, start_outputs};
+use super::{RunArgs, memory};
 use crate::admin::timeline::TimelineTap;
 use crate::alert::AlertPipeline;
 use crate::bus::claims::Claims;
@@ -39,7 +41,7 @@ use crate::ingest::ebpf::HoldWindows;
 
 use crate::pipeline::taps::{EngineMetrics, Observed};
 use crate::pipeline::{EngineTask, EventTap, ViolationSender, WatermarkClock, event_channel};
-use crate::telemetry::{ComponentKind, MemoryWatch, console};
+use crate::telemetry::{ComponentKind, MemoryWatch};
 use crate::violation::Violation;
 
 #[derive(Debug, clap::Args)]
@@ -87,18 +89,20 @@ pub enum CheckerConfigError {
 
 pub fn run(args: CheckerArgs) -> ExitCode {
     let log = args.run.log.clone();
-    super::logged(&log, || run_logged(args))
+    let clock = args.watermark_clock;
+    kit::serve(
+        &log,
+        || prepare(args),
+        |(prepared, bus, violations_out)| checker_async(prepared, bus, clock, violations_out),
+    )
 }
 
-fn run_logged(args: CheckerArgs) -> ExitCode {
-    // The checker listens for no telemetry: its events come from the bus.
-    let prepared = match super::prepare_for(&args.run, super::Role::Checker) {
-        Ok(p) => p,
-        Err(e) => {
-            console::error(&e);
-            return ExitCode::from(2);
-        }
-    };
+/// Every setting read and checked, `--violations-jsonl` opened, nothing bound. The checker
+/// listens for no telemetry: its events come from the bus.
+fn prepare(
+    args: CheckerArgs,
+) -> Result<(super::Prepared, BusConfig, Option<std::fs::File>), CheckerConfigError> {
+    let prepared = super::prepare_for(&args.run, super::Role::Checker)?;
     let mut bus = prepared.cfg.bus.clone();
     args.bus.apply(&mut bus);
     if args.owned_partitions.is_some() {
@@ -110,53 +114,21 @@ fn run_logged(args: CheckerArgs) -> ExitCode {
     if let Some(v) = args.agent_silence {
         bus.agent_silence = v;
     }
-    let out = bus
-        .validate()
-        .map_err(CheckerConfigError::from)
-        .and_then(|()| match &args.violations_jsonl {
-            None => Ok(None),
-            Some(p) => std::fs::OpenOptions::new()
+    bus.validate()?;
+    let violations_out = match &args.violations_jsonl {
+        None => None,
+        Some(p) => Some(
+            std::fs::OpenOptions::new()
                 .create(true)
                 .append(true)
                 .open(p)
-                .map(Some)
                 .map_err(|source| CheckerConfigError::Violations {
                     path: p.clone(),
                     source,
-                }),
-        });
-    let violations_out = match out {
-        Ok(o) => o,
-        Err(e) => {
-            console::error(&e);
-            return ExitCode::from(2);
-        }
+                })?,
+        ),
     };
-    let rt = match super::runtime() {
-        Ok(rt) => rt,
-        Err(code) => return code,
-    };
-    let result = rt.block_on(checker_async(
-        prepared,
-        bus,
-        args.watermark_clock,
-        violations_out,
-    ));
-    rt.shutdown_timeout(super::RUNTIME_EXIT_GRACE);
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            console::error(&e);
-            match e {
-                RunError::Alert(_)
-                | RunError::Bus(_)
-                | RunError::Bind { .. }
-                | RunError::Open { .. }
-                | RunError::ReadyFile { .. } => ExitCode::from(2),
-                _ => ExitCode::from(1),
-            }
-        }
-    }
+    Ok((prepared, bus, violations_out))
 }
 
 /// Writes every violation as a JSON line, then hands it to the dispatcher.
@@ -205,7 +177,7 @@ async fn checker_async(
     } = p;
     let shutdown = Shutdown::new();
     let shared = Shared::new(&admin, &memory, access);
-    let header = super::announce_rules(&shared, &checker, &cfg);
+    let header = announce_rules(&shared, &checker, &cfg);
     let stats = Arc::new(CheckerStats::default());
     let owned = bus.owned_partitions();
     let streams = SharedStreams::new(Streams::new(
@@ -413,7 +385,7 @@ async fn checker_async(
         Box::new(TimelineTap(shared.timeline.clone())),
         Box::new(Observed(shared.metrics.clone())),
         Box::new(EngineMetrics(shared.metrics.clone())),
-        Box::new(super::memory::MemoryTap {
+        Box::new(memory::MemoryTap {
             account: shared.memory.clone(),
             timeline: shared.timeline.clone(),
             violations: shared.recent.clone(),
@@ -478,7 +450,7 @@ async fn checker_async(
     if let Some(t) = outputs.admin {
         let _ = tokio::time::timeout(Duration::from_secs(2), t).await;
     }
-    super::report_totals(&drain, &totals, &report);
+    report_totals(&drain, &totals, &report);
     match failure {
         Some(e) => Err(RunError::Receiver(e)),
         None => Ok(()),

@@ -96,7 +96,7 @@ pub fn hide_inapplicable(cmd: Command) -> Command {
 }
 
 /// Headings and value names of `run`'s flags that are defined with their component (the eBPF
-/// source's, the node's identity): grouped as the README groups them, `<BYTES>` as elsewhere.
+/// source's, the node's identity): grouped as `docs/run.md` groups them, `<BYTES>` as elsewhere.
 fn value_names(c: Command) -> Command {
     let c = [
         "ebpf",

@@ -2,55 +2,12 @@
 //! through its environment variable) wins over the file; list flags (`--webhook`, `--watch`, ...)
 //! add to the file's lists. `--alert-config FILE` replaces the `alert` section.
 
-use std::collections::BTreeSet;
 use std::net::SocketAddr;
 
-use clap::parser::ValueSource;
-
-use super::{RunArgs, RunConfigError};
+use super::args::{Given, RunArgs, RunConfigError};
 use crate::admin::AdminArgs;
 use crate::config::RunConfig;
 use crate::ingest::ebpf::EbpfArgs;
-
-/// The ids of the arguments given explicitly (not from a clap default), so that a flag with a
-/// default does not hide the file's value. Filled in by `main` from the parsed matches.
-#[derive(Debug, Clone, Default)]
-pub struct Given(BTreeSet<String>);
-
-impl Given {
-    pub fn from_matches(m: &clap::ArgMatches) -> Given {
-        Given(
-            m.ids()
-                .filter(|id| {
-                    matches!(
-                        m.value_source(id.as_str()),
-                        Some(ValueSource::CommandLine | ValueSource::EnvVariable)
-                    )
-                })
-                .map(|id| id.as_str().to_owned())
-                .collect(),
-        )
-    }
-
-    /// Whether flag `id` (its clap id: `ebpf`, `log_level`) was given on the command line or
-    /// through its environment variable.
-    pub fn contains(&self, id: &str) -> bool {
-        self.0.contains(id)
-    }
-
-    /// Whether flag `id` was given. A value other than its default was given too, whether or
-    /// not the matches were recorded (arguments built in code).
-    fn has<T: PartialEq>(&self, id: &str, value: &T, default: &T) -> bool {
-        self.0.contains(id) || value != default
-    }
-
-    /// Sets `target` to the flag's value when flag `id` was given.
-    fn set<T: PartialEq + Clone>(&self, id: &str, target: &mut T, value: &T, default: &T) {
-        if self.has(id, value, default) {
-            *target = value.clone();
-        }
-    }
-}
 
 fn parse_addr(flag: &'static str, v: &str) -> Result<Option<SocketAddr>, RunConfigError> {
     if v.eq_ignore_ascii_case("off") {

@@ -9,7 +9,14 @@ use std::sync::OnceLock;
 
 use serde_json::{Map, Value};
 
-use super::logging::LogFormat;
+/// The format of everything revenant writes on standard error: its log (`telemetry::logging`
+/// installs the subscriber in it) and its own lines (ready, summary, errors).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    #[default]
+    Human,
+    Json,
+}
 
 static FORMAT: OnceLock<LogFormat> = OnceLock::new();
 

@@ -9,19 +9,14 @@
 
 use std::time::Duration;
 
-use clap::{Args, ValueEnum};
+use clap::Args;
 use opentelemetry::trace::TracerProvider as _;
 use opentelemetry_otlp::WithExportConfig as _;
 use opentelemetry_sdk::Resource;
 use opentelemetry_sdk::error::OTelSdkResult;
 use opentelemetry_sdk::trace::{Sampler, SdkTracerProvider, SpanData, SpanExporter};
 
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, ValueEnum)]
-pub enum LogFormat {
-    #[default]
-    Human,
-    Json,
-}
+use super::console::{self, LogFormat};
 
 #[derive(Debug, Clone, Args)]
 pub struct LogArgs {
@@ -62,7 +57,7 @@ impl LogArgs {
         use tracing_subscriber::{EnvFilter, Layer, Registry};
         type Base = tracing_subscriber::layer::Layered<EnvFilter, Registry>;
         // revenant's own lines (ready, summary, errors) follow the log's format.
-        super::console::set_format(self.log_format);
+        console::set_format(self.log_format);
 
         // The flag, then the environment, then `info`: a stray RUST_LOG in a base image does
         // not beat what the command line asks for.
@@ -140,7 +135,7 @@ pub struct SelfTraces {
 impl SelfTraces {
     pub fn shutdown(self) {
         if let Err(e) = self.provider.shutdown() {
-            super::console::error(&format!("flushing self-traces: {e}"));
+            console::error(&format!("flushing self-traces: {e}"));
         }
     }
 }

@@ -50,6 +50,7 @@ impl Binaries {
     pub fn build(release: bool) -> Result<Binaries> {
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
         let mut cmd = Command::new(&cargo);
+        scrub_cargo_env(&mut cmd);
         cmd.current_dir(workspace_root())
             .args(["build", "-p", "revenant", "-p", "pd-sim", "--bins"])
             .args(["--message-format", "json-render-diagnostics"])
@@ -127,6 +128,23 @@ pub fn workspace_bin(name: &str, env_var: &str) -> Result<PathBuf> {
     )
 }
 
+/// Removes from a cargo command the variables cargo sets for the running test or `cargo run`
+/// (`CARGO_PKG_*`, `CARGO_MANIFEST_*`, …): build scripts that watch them (ring's) would see a
+/// changed environment and rebuild their crate and everything above it.
+fn scrub_cargo_env(cmd: &mut Command) {
+    for (key, _) in std::env::vars_os() {
+        let Some(key) = key.to_str() else { continue };
+        if matches!(
+            key,
+            "CARGO_CRATE_NAME" | "CARGO_BIN_NAME" | "CARGO_PRIMARY_PACKAGE"
+        ) || key.starts_with("CARGO_PKG_")
+            || key.starts_with("CARGO_MANIFEST_")
+        {
+            cmd.env_remove(key);
+        }
+    }
+}
+
 /// The `pd-sim` binary for tests of other packages (cargo hands `CARGO_BIN_EXE_pd-sim` only to
 /// pd-sim's own): `PD_SIM_BIN` if set, else built now, once per test executable, with the cargo
 /// that runs the test, into the target directory and profile that executable lives in.
@@ -159,6 +177,7 @@ fn build_pd_sim() -> Result<PathBuf> {
     let release = profile_dir.file_name().is_some_and(|n| n == "release");
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let mut cmd = Command::new(&cargo);
+    scrub_cargo_env(&mut cmd);
     cmd.args(["build", "-p", "pd-sim", "--bin", "pd-sim", "--target-dir"])
         .arg(target_dir)
         .current_dir(workspace_root());

@@ -41,9 +41,35 @@ pub fn http_post_json(url: &str, body: &[u8], read_timeout: Duration) -> Result<
     exchange("POST", url, Some(("application/json", body)), read_timeout)
 }
 
+/// How long a GET may go unanswered, in all its tries: a loaded machine (every stage of
+/// `cargo xtask test` side by side) can hold a scrape for seconds; a dead server answers at once
+/// (connection refused), which is not retried.
+const GET_PATIENCE: Duration = Duration::from_secs(40);
+
 fn request(method: &str, url: &str, body: Option<(&str, &[u8])>) -> Result<(u16, String)> {
-    let r = exchange(method, url, body, Duration::from_secs(10))?;
-    Ok((r.status, r.body))
+    let started = Instant::now();
+    loop {
+        match exchange(method, url, body, Duration::from_secs(10)) {
+            Ok(r) => return Ok((r.status, r.body)),
+            // A GET that timed out is asked again (it changes nothing), within its patience.
+            Err(e) if method == "GET" && timed_out(&e) && started.elapsed() < GET_PATIENCE => {
+                continue;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Whether `e` is a read or connect that timed out (`EAGAIN` from a socket read timeout).
+fn timed_out(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        c.downcast_ref::<std::io::Error>().is_some_and(|io| {
+            matches!(
+                io.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            )
+        })
+    })
 }
 
 fn exchange(
@@ -144,30 +170,75 @@ pub fn wait_healthy(base: &str, timeout: Duration) -> Result<()> {
     }
 }
 
-/// An ephemeral loopback port, free when asked (another process may take it before we bind it:
-/// only for addresses that must be known before the listener exists).
+/// The environment variable that gives a process its range of test ports, `LO-HI`: `cargo xtask
+/// test` gives each of the stages it runs side by side a range of its own.
+pub const PORTS_ENV: &str = "REVENANT_TEST_PORTS";
+
+/// The range ports come from without [`PORTS_ENV`]: above every range `cargo xtask test` hands
+/// out, below the kernel's ephemeral range (32768-60999), so a server that binds port 0, or an
+/// outgoing connection, never takes one of them.
+pub const DEFAULT_PORTS: (u16, u16) = (24000, 32767);
+
+/// A loopback port for an address that must be known before its listener exists (a server
+/// started with `--port N`). Ports come from this process's range ([`PORTS_ENV`], else
+/// [`DEFAULT_PORTS`]), which lies below the kernel's ephemeral range: nothing that binds port 0
+/// can take one between this call and the server's bind, and stages that run side by side have
+/// ranges of their own. Each port is given out once per process, starting at an offset drawn from
+/// the process id (test executables of one stage run one after another), and only when it can be
+/// bound now (a server of an earlier executable that still holds it is skipped).
 pub fn free_port() -> Result<u16> {
-    // The tests of one binary run in parallel threads: the kernel may hand the same ephemeral
-    // port to two of them in turn once the first probe socket is closed. A port is given out
-    // once per process. (Another process can still take it: callers that start a server on it
-    // retry with a new port when the bind fails.)
-    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
-    let mut given = GIVEN.lock().unwrap_or_else(|p| p.into_inner());
-    for _ in 0..64 {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .context("bind an ephemeral loopback port")?
-            .local_addr()?
-            .port();
-        if !given.contains(&port) {
-            given.push(port);
+    let (lo, hi) = port_range()?;
+    free_port_in(lo, hi)
+}
+
+fn port_range() -> Result<(u16, u16)> {
+    match std::env::var(PORTS_ENV) {
+        Err(_) => Ok(DEFAULT_PORTS),
+        Ok(v) => parse_range(&v).ok_or_else(|| anyhow!("{PORTS_ENV}={v:?}: expected LO-HI")),
+    }
+}
+
+fn parse_range(v: &str) -> Option<(u16, u16)> {
+    let (lo, hi) = v.split_once('-')?;
+    let (lo, hi): (u16, u16) = (lo.trim().parse().ok()?, hi.trim().parse().ok()?);
+    (lo > 0 && lo <= hi).then_some((lo, hi))
+}
+
+fn free_port_in(lo: u16, hi: u16) -> Result<u16> {
+    static NEXT: std::sync::Mutex<Option<u32>> = std::sync::Mutex::new(None);
+    let size = u32::from(hi - lo) + 1;
+    let mut next = NEXT.lock().unwrap_or_else(|p| p.into_inner());
+    let at = next.get_or_insert_with(|| std::process::id().wrapping_mul(97) % size);
+    for _ in 0..size {
+        let port = lo + (*at % size) as u16;
+        *at = (*at + 1) % size;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
             return Ok(port);
         }
     }
-    anyhow::bail!("no loopback port not given out before in 64 tries")
+    bail!("no free loopback port in {lo}-{hi}")
 }
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn ports_come_from_the_range_once_each() {
+        assert_eq!(super::parse_range("10000-11999"), Some((10000, 11999)));
+        assert_eq!(super::parse_range("12000-11999"), None);
+        assert_eq!(super::parse_range("x"), None);
+        let (lo, hi) = (28100, 28163);
+        let mut seen = std::collections::BTreeSet::new();
+        let held = std::net::TcpListener::bind(("127.0.0.1", 28130));
+        for _ in 0..32 {
+            let p = super::free_port_in(lo, hi).unwrap();
+            assert!((lo..=hi).contains(&p), "{p}");
+            assert!(seen.insert(p), "{p} given out twice");
+            if held.is_ok() {
+                assert_ne!(p, 28130, "a port held by a listener is skipped");
+            }
+        }
+    }
+
     #[test]
     fn dechunks_chunked_bodies() {
         assert_eq!(

@@ -28,7 +28,8 @@ pub use cluster::{Cluster, FAULT_VERDICT_WINDOWS, fault_verdict_window, run_load
 pub use eventually::eventually;
 pub use files::{JsonlTail, ScratchDir, read_jsonl, read_jsonl_so_far, tail};
 pub use http::{
-    HttpResponse, free_port, http_get, http_json, http_post, http_post_json, wait_healthy,
+    DEFAULT_PORTS, HttpResponse, PORTS_ENV, free_port, http_get, http_json, http_post,
+    http_post_json, wait_healthy,
 };
 pub use metrics::{Sample, metric_sum, parse_metrics};
 pub use nats::{Nats, NatsNode};

@@ -78,19 +78,33 @@ pub struct AlertmanagerSink {
     client: reqwest::Client,
 }
 
+/// Why an Alertmanager sink cannot be built (at start-up, before any port is bound).
+#[derive(Debug, thiserror::Error)]
+pub enum AlertmanagerSinkError {
+    #[error(transparent)]
+    Config(#[from] AlertmanagerConfigError),
+    #[error(transparent)]
+    Client(#[from] crate::alert::webhook::HttpClientError),
+}
+
 impl AlertmanagerSink {
     pub fn new(
         name: impl Into<String>,
         cfg: &AlertmanagerConfig,
         node: &str,
         cluster: &str,
-    ) -> Result<AlertmanagerSink, String> {
-        cfg.validate().map_err(|e| e.to_string())?;
+    ) -> Result<AlertmanagerSink, AlertmanagerSinkError> {
+        cfg.validate()?;
         let base = cfg.url.trim_end_matches('/');
+        let endpoint = format!("{base}/api/v2/alerts");
         Ok(AlertmanagerSink {
             name: name.into(),
-            endpoint: reqwest::Url::parse(&format!("{base}/api/v2/alerts"))
-                .map_err(|e| e.to_string())?,
+            endpoint: reqwest::Url::parse(&endpoint).map_err(|source| {
+                AlertmanagerConfigError::Url {
+                    url: endpoint,
+                    source,
+                }
+            })?,
             resend: cfg.resend_interval,
             node: node.to_string(),
             cluster: cluster.to_string(),

@@ -9,10 +9,10 @@ use std::time::{Duration, Instant};
 use tokio::sync::Notify;
 
 use super::DispatchConfig;
+use crate::alert::events::{AlertDeliveryFailed, AlertsDelivered, SpoolSize};
 use crate::alert::notification::{Notification, now_unix_ns};
 use crate::alert::sink::{Backoff, Sink, SinkError};
 use crate::alert::spool::Spool;
-use crate::telemetry::events::{AlertDeliveryFailed, AlertsDelivered, SpoolSize};
 use crate::telemetry::metrics::Metrics;
 
 pub(super) struct SinkQueue {

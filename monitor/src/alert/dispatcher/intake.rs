@@ -7,10 +7,11 @@ use std::time::Instant;
 use super::delivery::SinkQueue;
 use super::{DispatchReport, Dispatcher};
 use crate::alert::claims::{CLAIM_HOLD, NotificationClaims};
+use crate::alert::events::{AlertRateLimited, AlertSentBefore, AlertSpooled};
 use crate::alert::flood::Release;
 use crate::alert::notification::Notification;
 use crate::alert::spool::SpoolError;
-use crate::telemetry::events::{AlertRateLimited, AlertSentBefore, AlertSpooled, ItemsDropped};
+use crate::telemetry::events::ItemsDropped;
 use crate::telemetry::metrics::{DropPoint, DropReason, Metrics};
 
 impl Dispatcher {

@@ -13,14 +13,14 @@ use tokio::sync::{Notify, mpsc};
 use tokio::task::JoinHandle;
 
 use super::claims::NotificationClaims;
+use super::events::{
+    AlertCorroborated, AlertDeduplicated, AlertDeliveryFailed, AlertHeld, AlertReceived,
+    AlertsPending, FindingMerged, IncidentOpened, SpoolSize, SuppressionSummarised,
+};
 use super::flood::{ActiveAlert, Admission, Corroboration, FloodConfig, FloodControl};
 use super::notification::{LinkBase, Notification, now_unix_ns};
 use super::sink::Sink;
 use super::spool::Spool;
-use crate::telemetry::events::{
-    AlertCorroborated, AlertDeduplicated, AlertDeliveryFailed, AlertHeld, AlertReceived,
-    AlertsPending, FindingMerged, IncidentOpened, SpoolSize, SuppressionSummarised,
-};
 use crate::telemetry::metrics::Metrics;
 use crate::telemetry::{Readiness, RecentViolations};
 use crate::violation::Violation;

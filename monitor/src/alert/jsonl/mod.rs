@@ -21,9 +21,21 @@ pub struct JsonlSink {
     out: Arc<Mutex<Out>>,
 }
 
+/// Why the JSON Lines sink cannot be built (at start-up, before any port is bound).
+#[derive(Debug, thiserror::Error)]
+pub enum JsonlSinkError {
+    #[error(transparent)]
+    Config(#[from] JsonlConfigError),
+    #[error("alerts jsonl {}: {source}", .path.display())]
+    Open {
+        path: std::path::PathBuf,
+        source: std::io::Error,
+    },
+}
+
 impl JsonlSink {
-    pub fn new(name: impl Into<String>, cfg: &JsonlConfig) -> Result<JsonlSink, String> {
-        cfg.validate().map_err(|e| e.to_string())?;
+    pub fn new(name: impl Into<String>, cfg: &JsonlConfig) -> Result<JsonlSink, JsonlSinkError> {
+        cfg.validate()?;
         let out = if cfg.path.as_os_str() == "-" {
             Out::Stdout
         } else {
@@ -32,7 +44,10 @@ impl JsonlSink {
                     .create(true)
                     .append(true)
                     .open(&cfg.path)
-                    .map_err(|e| format!("alerts jsonl {}: {e}", cfg.path.display()))?,
+                    .map_err(|source| JsonlSinkError::Open {
+                        path: cfg.path.clone(),
+                        source,
+                    })?,
             )
         };
         Ok(JsonlSink {

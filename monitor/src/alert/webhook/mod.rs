@@ -42,8 +42,22 @@ pub fn sign(secret: &[u8], timestamp: &str, body: &[u8]) -> String {
     out.iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// The HTTP client of a sink could not be built (rustls or the system's configuration).
+#[derive(Debug, thiserror::Error)]
+#[error("cannot build HTTP client: {0}")]
+pub struct HttpClientError(#[source] reqwest::Error);
+
+/// Why a webhook sink cannot be built (at start-up, before any port is bound).
+#[derive(Debug, thiserror::Error)]
+pub enum WebhookSinkError {
+    #[error(transparent)]
+    Config(#[from] WebhookConfigError),
+    #[error(transparent)]
+    Client(#[from] HttpClientError),
+}
+
 /// The HTTP client shared by the HTTP sinks: rustls with the ring provider.
-pub fn http_client(timeout: std::time::Duration) -> Result<reqwest::Client, String> {
+pub fn http_client(timeout: std::time::Duration) -> Result<reqwest::Client, HttpClientError> {
     // Another component may have installed a provider already; either way one is installed.
     let _ = rustls::crypto::ring::default_provider().install_default();
     reqwest::Client::builder()
@@ -51,16 +65,22 @@ pub fn http_client(timeout: std::time::Duration) -> Result<reqwest::Client, Stri
         .connect_timeout(timeout.min(std::time::Duration::from_secs(5)))
         .user_agent(concat!("revenant/", env!("CARGO_PKG_VERSION")))
         .build()
-        .map_err(|e| format!("cannot build HTTP client: {e}"))
+        .map_err(HttpClientError)
 }
 
 impl WebhookSink {
-    pub fn new(name: impl Into<String>, cfg: &WebhookConfig) -> Result<WebhookSink, String> {
-        cfg.validate().map_err(|e| e.to_string())?;
+    pub fn new(
+        name: impl Into<String>,
+        cfg: &WebhookConfig,
+    ) -> Result<WebhookSink, WebhookSinkError> {
+        cfg.validate()?;
         Ok(WebhookSink {
             name: name.into(),
-            url: reqwest::Url::parse(&cfg.url).map_err(|e| e.to_string())?,
-            secret: cfg.resolve_secret().map_err(|e| e.to_string())?,
+            url: reqwest::Url::parse(&cfg.url).map_err(|source| WebhookConfigError::Url {
+                url: cfg.url.clone(),
+                source,
+            })?,
+            secret: cfg.resolve_secret()?,
             max_batch: cfg.max_batch,
             client: http_client(cfg.timeout)?,
         })

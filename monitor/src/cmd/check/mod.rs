@@ -22,6 +22,7 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use crate::engine::check::{Checker, CheckerConfig, RuleSet};
+use crate::exit::Exit;
 use crate::ingest::replay;
 use crate::telemetry::console;
 use crate::violation::Violation;
@@ -51,9 +52,6 @@ const BAD_LINES_SHOWN: u64 = 10;
 /// retention of ended attempts with room to spare), and how many events at most.
 const FILE_INDEX_HORIZON: Duration = Duration::from_secs(3600);
 const FILE_INDEX_MAX: usize = 4 << 20;
-
-/// The exit code when no event was read at all.
-pub const NO_EVENTS: u8 = 3;
 
 #[derive(Debug, clap::Args)]
 pub struct CheckArgs {
@@ -110,7 +108,7 @@ pub(crate) fn load_rules(path: Option<&PathBuf>) -> Result<RuleSet, ExitCode> {
         None => Ok(RuleSet::embedded_defaults()),
         Some(p) => RuleSet::from_file(p).map_err(|e| {
             console::error(&e);
-            ExitCode::from(2)
+            Exit::Usage.into()
         }),
     }
 }
@@ -506,7 +504,7 @@ pub fn run(args: CheckArgs) -> ExitCode {
         Ok(r) => r,
         Err(e) => {
             console::error(&e);
-            return ExitCode::from(2);
+            return Exit::Usage.into();
         }
     };
     for e in &refused {
@@ -546,32 +544,33 @@ pub fn run(args: CheckArgs) -> ExitCode {
     if let Some(e) = out.write_failed.take().or(flushed.err()) {
         // The reader of standard output went away (`| head`): it has what it wanted.
         if e.kind() == std::io::ErrorKind::BrokenPipe {
-            return ExitCode::SUCCESS;
+            return Exit::Success.into();
         }
         console::error(&format!("writing violations: {e}"));
-        return ExitCode::from(2);
+        return Exit::Usage.into();
     }
     if totals.read_errors > 0 || !refused.is_empty() {
-        return ExitCode::from(2);
+        return Exit::Usage.into();
     }
     if totals.bad_lines > 0 {
         console::write_line(&format!(
             "revenant: {} skipped; the rest was checked",
             count(totals.bad_lines, "bad line")
         ));
-        return ExitCode::from(2);
+        return Exit::Usage.into();
     }
     if totals.events == 0 {
         console::write_line(&format!(
-            "revenant: warning: no events read: nothing was checked (exit code {NO_EVENTS}, not \
-             a clean result)"
+            "revenant: warning: no events read: nothing was checked (exit code {}, not \
+             a clean result)",
+            Exit::NoEvents.code()
         ));
-        return ExitCode::from(NO_EVENTS);
+        return Exit::NoEvents.into();
     }
     if totals.violations > 0 {
-        ExitCode::from(1)
+        Exit::Violations.into()
     } else {
-        ExitCode::SUCCESS
+        Exit::Success.into()
     }
 }
 

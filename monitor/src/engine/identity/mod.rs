@@ -190,7 +190,7 @@ impl Store {
         tomb_rule_mask: u64,
     ) -> Store {
         assert!(
-            tomb_rule_mask.count_ones() as usize <= crate::engine::rules::MAX_TOMBSTONE_RULES,
+            tomb_rule_mask.count_ones() as usize <= crate::engine::state::MAX_TOMBSTONE_RULES,
             "tombstones keep at most 32 rules' fired bits"
         );
         // Alias values hold 30-bit indices; the tombstone window must stay far below that.

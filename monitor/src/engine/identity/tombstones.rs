@@ -15,7 +15,7 @@ pub struct Tombstone {
     pub expires_s: u32,
     /// The attempt's fired bits of the rules judged on tombstones, compacted (see
     /// [`Store::tomb_fired`]), so late repeats do not fire again.
-    pub(super) fired: u32,
+    pub(super) fired: crate::engine::state::TombstoneFired,
     /// Where its sparse slot row starts in the word queue (an absolute word index, wrapping).
     pub(super) row_at: u32,
     /// The low half of its primary alias's key (the alias table's fingerprint is the high

@@ -24,6 +24,13 @@ pub use slot::{
 };
 pub use spec::{SlotLayout, SlotSpec, SpecIndex, matching_specs};
 
+/// The fired bits a tombstone keeps: one per rule judged on tombstones (attempt-scope
+/// `never_after` and `distinct` rules), compacted into one word.
+pub type TombstoneFired = u32;
+
+/// Tombstones keep the fired bits of the rules judged on them in one [`TombstoneFired`].
+pub const MAX_TOMBSTONE_RULES: usize = TombstoneFired::BITS as usize;
+
 /// One owner's slots as the checker reads them: a packed row, a mapped row of `n` slots, or
 /// full slots for a wide one.
 #[derive(Debug, Clone, Copy)]
