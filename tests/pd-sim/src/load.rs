@@ -279,8 +279,11 @@ pub async fn run(args: LoadArgs) -> anyhow::Result<Summary> {
         let permit = sem.clone().acquire_owned().await?;
         let is_over = rng.random::<f64>() < args.over_capacity_share;
         let r = if is_over {
-            let ranges = &args.over_capacity_len;
-            &ranges[rng.random_range(0..ranges.len())]
+            // One range draws nothing: a seed gives the sequence it gave before ranges.
+            match args.over_capacity_len.as_slice() {
+                [one] => one,
+                ranges => &ranges[rng.random_range(0..ranges.len())],
+            }
         } else {
             &args.prompt_len
         };
