@@ -1,9 +1,11 @@
 //! Precision and recall of revenant against SGLang's own PD code: one SGLang 0.5.23 prefill and
 //! one decode worker of the harness (`tests/sglang-harness`: SGLang's HTTP server, tokenizer
 //! manager, bootstrap server and Mooncake KV managers; the model and scheduler loop played),
-//! smg 1.13.0 and sglang-router 0.3.2 both in front of them, open-loop load through each
-//! router (`/generate`, `/v1/completions`, `/v1/chat/completions`; streamed and not; a share
-//! over prefill's capacity on both of SGLang's refusal paths), and three `revenant run`
+//! smg 1.13.0 and sglang-router 0.3.2 both in front of them, a second prefill playing SGLang
+//! <= 0.5.20's intake (a refused request's one-token stub bootstraps and transfers) behind
+//! another smg 1.13.0 with the same decode, open-loop load through each router (`/generate`,
+//! `/v1/completions`, `/v1/chat/completions`; streamed and not; a share over prefill's capacity
+//! on both of SGLang's refusal paths), and three `revenant run`
 //! (release build) watching it all at once: eBPF alone, OTLP alone, both. The oracle is SGLang's
 //! own doing, per room, from the workers' ground truth (the scheduler's records and the HTTP
 //! process's: each request's `x-request-id`, room and answer), never revenant's output.
@@ -12,7 +14,7 @@
 //! ```text
 //! SGLANG_HARNESS_PYTHON=target/sglang-venv/bin/python \
 //! PD_SIM_SMG113=target/xtask-venv-smg113/bin/smg PD_SIM_SMG=target/xtask-venv/bin/smg \
-//!   cargo bench -p e2e --bench sglang_precision_recall -- [--requests 400] [--rate 8]
+//!   cargo bench -p e2e --bench sglang_precision_recall -- [--requests 500] [--rate 10]
 //!     [--over-capacity-share 0.3] [--waiting-timeout 10] [--seed 1] [--out DIR] [--keep]
 //! ```
 //!
@@ -28,10 +30,11 @@
 //! - The routers: smg 1.13.0 with its defaults; sglang-router 0.3.2 with
 //!   `--disable-circuit-breaker` (its breaker opens for 60 s after 10 failures: every request
 //!   would then be answered 503 by the router without reaching a worker).
-//! - The load: per router and per streamed/non-streamed, `--requests`/4 requests at `--rate`/4
-//!   (`pd-sim load --api mixed --chat-share 0.33`, prompts 8..80 words, a share
+//! - The load: five groups (smg 1.13.0 and sglang-router 0.3.2, each streamed and not; smg
+//!   1.13.0 in front of the <= 0.5.20 prefill, not streamed), each `--requests`/5 requests at
+//!   `--rate`/5 (`pd-sim load --api mixed --chat-share 0.33`, prompts 8..80 words, a share
 //!   `--over-capacity-share` of 92..126 or 130..200 words), each request with an
-//!   `x-request-id` naming its router and whether it streams.
+//!   `x-request-id` naming its group.
 //! - revenant: `run`'s defaults (`--allowed-lateness 15s`, `--group-wait 2s`, the embedded
 //!   rules) but `--rate-limit 0`, `--recent-violations 1000000`, `--spool-no-fsync`, and for
 //!   eBPF `--no-sglang-conventions` with `--watch` rules on this run's workers and routers.
@@ -44,10 +47,11 @@
 //! decode advanced (its KV landed, it produced output) or kept past `orphaned-leg`'s window
 //! (decode's end of the leg, its first of: ABORT sent, abort processed, transfer failed,
 //! answered, more than 6 s after prefill's refusal, or never). OTLP alone cannot see a refusal
-//! by SGLang's tokenizer (SGLang never exports that request's root span): those breaches are
+//! by SGLang's tokenizer (SGLang never exports that request's root span) nor a stub's (it runs
+//! to its end as any request, its refusal only the root's finish reason): those breaches are
 //! shown as "cannot see" for that witness.
 //!
-//! Columns per row (router × answers × witness): requests sent; refused attempts; breaches
+//! Columns per row (router × prefill × answers × witness): requests sent; refused attempts; breaches
 //! expected; caught (breaches with at least one violation of that witness's revenant); false
 //! alerts (first proofs about an attempt of the row that is not a breach); notifications
 //! (incident notifications about the row's requests) against the breached requests the witness
@@ -96,8 +100,8 @@ struct Opts {
 
 fn opts() -> Opts {
     let mut o = Opts {
-        requests: 400,
-        rate: 8.0,
+        requests: 500,
+        rate: 10.0,
         over_capacity_share: 0.3,
         waiting_timeout_s: 10,
         seed: 1,
@@ -206,14 +210,24 @@ impl Witness {
     }
 }
 
-/// The requests one router got, streamed or not: the load's `x-request-id` prefix says which.
+/// The requests one router got, streamed or not, and which prefill is behind it: the load's
+/// `x-request-id` prefix says which.
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Debug)]
 struct Group {
     router: RouterKind,
+    /// The prefill behind it plays SGLang <= 0.5.20's intake (`--intake-reject stub`).
+    stub: bool,
     stream: bool,
 }
 
 impl Group {
+    fn prefill(self) -> &'static str {
+        if self.stub {
+            "<= 0.5.20 (stub)"
+        } else {
+            "0.5.23"
+        }
+    }
     fn answers(self) -> &'static str {
         if self.stream {
             "streamed"
@@ -222,7 +236,8 @@ impl Group {
         }
     }
     fn prefix(self) -> String {
-        format!("{}-{}", self.router.name(), self.answers())
+        let stub = if self.stub { "-stub" } else { "" };
+        format!("{}{stub}-{}", self.router.name(), self.answers())
     }
 }
 
@@ -243,6 +258,8 @@ struct Attempt {
     /// the answer ended).
     p_received: bool,
     p_scheduler: bool,
+    /// Prefill (<= 0.5.20) kept a refused request's one-token stub and ran it.
+    p_stub: bool,
     p_status: u64,
     p_error_code: u64,
     p_answered_ns: u64,
@@ -346,6 +363,11 @@ fn truth(prefill: &[Value], decode: &[Value]) -> Truth {
                     }
                 }
             }
+            "stub_admitted" => {
+                if let Some(a) = room.and_then(|r| attempts.get_mut(&r)) {
+                    a.p_stub = true;
+                }
+            }
             _ => {}
         }
     }
@@ -429,15 +451,21 @@ fn table_line(r: &RowResult) -> String {
         pct(r.caught, r.expected)
     } else {
         format!(
-            "{} of what it sees; cannot see {} (tokenizer path; {} caught)",
+            "{} of what it sees; cannot see {} ({}; {} caught)",
             pct(r.caught - r.hidden_caught, visible),
             r.hidden,
+            if r.group.stub {
+                "stubs"
+            } else {
+                "tokenizer path"
+            },
             r.hidden_caught
         )
     };
     format!(
-        "| {} | {} | {} | {} | {} | {} | {} | {} | {} / {} | {} | {} |",
+        "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} / {} | {} | {} |",
         r.group.router.name(),
+        r.group.prefill(),
         r.group.answers(),
         r.witness.name(),
         r.requests,
@@ -481,7 +509,9 @@ fn score(
                 .and_then(|rid| t.rid_room.get(rid).copied())
         })
     };
-    let hidden = |a: &Attempt| witness == Witness::Otlp && a.tokenizer_path();
+    // OTLP alone cannot see a tokenizer refusal (its root span is never exported) nor a stub's
+    // (it runs to its end as any request; its refusal is only the root's finish reason).
+    let hidden = |a: &Attempt| witness == Witness::Otlp && (a.tokenizer_path() || a.p_stub);
     let mut unattributed: Vec<String> = Vec::new();
     // Violations by attempt (first proofs), and the rules.
     let mut violated: BTreeMap<u64, BTreeSet<String>> = BTreeMap::new();
@@ -599,6 +629,19 @@ fn score(
         }
         let refused: Vec<&&Attempt> = of_group.iter().filter(|a| a.refused()).collect();
         let tokenizer = refused.iter().filter(|a| a.tokenizer_path()).count();
+        // How long decode kept a refused attempt's leg after the refusal, breach or not.
+        let held = |breach: bool| {
+            let mut s: Vec<f64> = refused
+                .iter()
+                .filter(|a| a.d_received_ns > 0 && a.d_end_ns > 0 && a.breach() == breach)
+                .map(|a| (a.d_end_ns as f64 - a.p_answered_ns as f64) / 1e9)
+                .collect();
+            s.sort_by(f64::total_cmp);
+            match (s.first(), s.last()) {
+                (Some(lo), Some(hi)) => format!("{lo:.2}-{hi:.2} s ({})", s.len()),
+                _ => "none".into(),
+            }
+        };
         notes.push(format!(
             "client got {client:?}; attempts {} ({} refused: {tokenizer} by the tokenizer, {} by the scheduler); breaches {} ({} by the tokenizer path); caught by {caught_by:?}",
             of_group.len(),
@@ -606,6 +649,11 @@ fn score(
             refused.len() - tokenizer,
             breaches.len(),
             breaches.iter().filter(|a| a.tokenizer_path()).count(),
+        ));
+        notes.push(format!(
+            "decode ended a refused attempt's leg after the refusal: breaches {}, others {}",
+            held(true),
+            held(false)
         ));
         for a in missed.iter().take(3) {
             notes.push(format!("missed {a:?}"));
@@ -787,7 +835,25 @@ fn main() {
     assert!(!routers.is_empty(), "no router to run: {skipped:?}");
     let groups: Vec<Group> = routers
         .iter()
-        .flat_map(|(r, _)| [false, true].map(|stream| Group { router: *r, stream }))
+        .flat_map(|(r, _)| {
+            [false, true].map(|stream| Group {
+                router: *r,
+                stub: false,
+                stream,
+            })
+        })
+        // SGLang <= 0.5.20's prefill behind smg 1.13.0 (the router that withdraws refused
+        // non-streamed legs): its stubs are the breaches there.
+        .chain(
+            routers
+                .iter()
+                .any(|(r, _)| *r == RouterKind::Smg113)
+                .then_some(Group {
+                    router: RouterKind::Smg113,
+                    stub: true,
+                    stream: false,
+                }),
+        )
         .collect();
     let t0 = Instant::now();
     let _ = std::fs::remove_dir_all(&o.out);
@@ -832,40 +898,46 @@ fn main() {
     decode.waiting_timeout_s = Some(o.waiting_timeout_s);
     decode.extra = vec!["--metadata-slots".into(), DECODE_METADATA_SLOTS.to_string()];
     let started = Instant::now();
-    let mut workers = start_workers(
-        &python,
-        &[
-            traced(WorkerOptions::new(
-                Role::Prefill,
-                "127.0.0.2",
-                PREFILL_CONTEXT,
-                PREFILL_KV_PAGES,
-            )),
-            traced(decode),
-        ],
-        &model,
-        &here,
-        Duration::from_secs(300),
-    )
-    .unwrap_or_else(|e| panic!("{e:#}"));
+    let prefill = |host: &str, intake: &'static str| {
+        let mut w = WorkerOptions::new(Role::Prefill, host, PREFILL_CONTEXT, PREFILL_KV_PAGES);
+        w.intake_reject = intake;
+        traced(w)
+    };
+    let stub = groups.iter().any(|g| g.stub);
+    let mut opts = vec![prefill("127.0.0.2", "fixed"), traced(decode)];
+    if stub {
+        opts.push(prefill("127.0.0.4", "stub"));
+    }
+    let mut workers = start_workers(&python, &opts, &model, &here, Duration::from_secs(300))
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    let prefill_stub: Option<SglangWorker> = stub.then(|| workers.pop().unwrap());
     let decode_w: SglangWorker = workers.pop().unwrap();
     let prefill_w: SglangWorker = workers.pop().unwrap();
     eprintln!("workers ready in {:.0} s", started.elapsed().as_secs_f64());
-    let smgs: Vec<(RouterKind, Smg)> = routers
+    // One router per group but the streamed one (it shares its router with the non-streamed).
+    let smgs: Vec<((RouterKind, bool), Smg)> = groups
         .iter()
-        .map(|(r, bin)| {
-            let extra = r.extra(&sink.grpc);
+        .filter(|g| !g.stream)
+        .map(|g| {
+            let bin = &routers.iter().find(|(r, _)| *r == g.router).unwrap().1;
+            let extra = g.router.extra(&sink.grpc);
             let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+            let behind = if g.stub {
+                prefill_stub.as_ref().unwrap()
+            } else {
+                &prefill_w
+            };
+            let name = format!("{}{}", g.router.name(), if g.stub { "-stub" } else { "" });
             let smg = Smg::start(
                 bin,
-                &prefill_w,
+                behind,
                 &decode_w,
                 &model,
-                &here.join(format!("{}.log", r.name())),
+                &here.join(format!("{name}.log")),
                 &extra,
             )
-            .unwrap_or_else(|e| panic!("{}: {e:#}", r.name()));
-            (*r, smg)
+            .unwrap_or_else(|e| panic!("{name}: {e:#}"));
+            ((g.router, g.stub), smg)
         })
         .collect();
 
@@ -879,7 +951,7 @@ fn main() {
         .map(|(i, &g)| {
             let url = smgs
                 .iter()
-                .find(|(r, _)| *r == g.router)
+                .find(|(k, _)| *k == (g.router, g.stub))
                 .map(|(_, s)| s.url.clone())
                 .unwrap();
             let pd_sim = bins.pd_sim.clone();
@@ -941,7 +1013,13 @@ fn main() {
     // timeout after it arrived).
     let settle = Duration::from_secs(o.waiting_timeout_s as u64 + 60);
     let deadline = Instant::now() + settle;
-    let mut t = truth(&prefill_w.truth(), &decode_w.truth());
+    // Both prefills' records (rooms are the routers' own, never shared).
+    let prefill_truth = || {
+        let mut v = prefill_w.truth();
+        v.extend(prefill_stub.iter().flat_map(SglangWorker::truth));
+        v
+    };
+    let mut t = truth(&prefill_truth(), &decode_w.truth());
     loop {
         let open = t
             .attempts
@@ -958,7 +1036,7 @@ fn main() {
             break;
         }
         std::thread::sleep(Duration::from_millis(500));
-        t = truth(&prefill_w.truth(), &decode_w.truth());
+        t = truth(&prefill_truth(), &decode_w.truth());
     }
     // Every deadline judged: orphaned-leg's window after the last refusal, and the last leg's
     // end, behind each revenant's watermark (its clock minus the allowed lateness), then quiet.
@@ -1020,10 +1098,11 @@ fn main() {
             },
         );
     }
-    let t = truth(&prefill_w.truth(), &decode_w.truth());
+    let t = truth(&prefill_truth(), &decode_w.truth());
     let spans = sink.spans().len();
     drop(smgs);
     drop(prefill_w);
+    drop(prefill_stub);
     drop(decode_w);
     drop(sink);
     drop(revenants);
@@ -1039,9 +1118,9 @@ fn main() {
     results.sort_by_key(|r| (r.group, r.witness));
     println!();
     println!(
-        "| router | answers | witness | requests | refused attempts | breaches expected | caught | false alerts | notifications / breached requests | recall | precision |"
+        "| router | prefill | answers | witness | requests | refused attempts | breaches expected | caught | false alerts | notifications / breached requests | recall | precision |"
     );
-    println!("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
+    println!("| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
     for r in &results {
         println!("{}", table_line(r));
     }
@@ -1049,8 +1128,9 @@ fn main() {
     let clean = results.iter().all(|r| r.clean);
     for r in &results {
         println!(
-            "{} / {} / {}{}",
+            "{} / {} / {} / {}{}",
             r.group.router.name(),
+            r.group.prefill(),
             r.group.answers(),
             r.witness.name(),
             if r.clean { "" } else { "  ← not clean" }
@@ -1072,6 +1152,6 @@ fn main() {
     if clean && !o.keep {
         let _ = std::fs::remove_dir_all(&o.out);
     } else {
-        println!("files kept in {}", o.out.display());
+        println!("files kept in {}", here.display());
     }
 }
