@@ -254,11 +254,14 @@ pub fn start_workers(
     Ok(workers)
 }
 
-/// The harness's OTLP/HTTP span sink: SGLang's exporters post to [`OtlpSink::endpoint`], one
-/// JSON object per span lands in [`OtlpSink::out`].
+/// The harness's OTLP span sink: SGLang's exporters post to [`OtlpSink::endpoint`] (OTLP/HTTP),
+/// a router's gRPC exporter sends to [`OtlpSink::grpc`]; one JSON object per span lands in
+/// [`OtlpSink::out`].
 pub struct OtlpSink {
     pub proc: Proc,
     pub endpoint: String,
+    /// `host:port` of its OTLP/gRPC listener (smg's `--otlp-traces-endpoint`).
+    pub grpc: String,
     pub out: PathBuf,
 }
 
@@ -270,7 +273,14 @@ impl OtlpSink {
     /// [`OtlpSink::start`] that also posts every export to `forward` (an OTLP/HTTP traces URL:
     /// revenant's), answering SGLang's exporters with that receiver's status.
     pub fn start_forwarding(python: &Path, dir: &Path, forward: Option<&str>) -> Result<OtlpSink> {
+        OtlpSink::start_forwarding_to(python, dir, forward.as_slice())
+    }
+
+    /// [`OtlpSink::start`] that posts every export to each of `forward` (several revenants),
+    /// answering SGLang's exporters with the first refusal among them, if any.
+    pub fn start_forwarding_to(python: &Path, dir: &Path, forward: &[&str]) -> Result<OtlpSink> {
         let port = free_port()?;
+        let grpc_port = free_port()?;
         let out = dir.join("spans.jsonl");
         let log = dir.join("otlp-sink.log");
         let mut cmd = harness_command(python);
@@ -280,10 +290,12 @@ impl OtlpSink {
             "127.0.0.1",
             "--port",
             &port.to_string(),
+            "--grpc-port",
+            &grpc_port.to_string(),
         ])
         .arg("--out")
         .arg(&out)
-        .args(forward.map(|f| ["--forward", f]).into_iter().flatten())
+        .args(forward.iter().flat_map(|f| ["--forward", f]))
         .stdout(Stdio::piped())
         .stderr(File::create(&log)?);
         let mut proc = Proc::spawn("otlp-sink", &mut cmd)?.with_grace(Duration::ZERO);
@@ -296,6 +308,7 @@ impl OtlpSink {
         Ok(OtlpSink {
             proc,
             endpoint: format!("http://127.0.0.1:{port}/v1/traces"),
+            grpc: format!("127.0.0.1:{grpc_port}"),
             out,
         })
     }

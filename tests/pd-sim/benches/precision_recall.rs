@@ -1,7 +1,8 @@
-//! Precision and recall of revenant, end to end: for each router × decode behaviour × witness,
-//! a real cluster on loopback (pd-sim's prefill and decode, its router or a real `smg` in front),
-//! a real `revenant run` (release build) watching it, open-loop load from `pd-sim load` with a
-//! share of over-capacity prompts that prefill refuses. The oracle is the simulator's own
+//! Precision and recall of revenant, end to end: for each router × decode behaviour × witness
+//! (× streamed or not, for the real smg routers), a real cluster on loopback (pd-sim's prefill
+//! and decode speaking SGLang 0.5.23's Mooncake PD protocol, its router or a real `smg` in
+//! front), a real `revenant run` (release build) watching it, open-loop load from `pd-sim load`
+//! with a share of over-capacity prompts that prefill refuses. The oracle is the simulator's own
 //! per-room records (`/sim/rooms` of prefill and decode), never revenant's output.
 //! (A `harness = false` bench binary: its rows and options here; the row runner and the oracle,
 //! shared with the soak bench, in `support/mod.rs`.)
@@ -16,11 +17,12 @@
 //! Binaries: `REVENANT_BIN` and `PD_SIM_BIN`, else release builds the bench makes itself (`cargo
 //! build --release -p revenant -p pd-sim`, a no-op when up to date).
 //!
-//! - `--over-capacity-share F`: prompts over prefill's capacity (refused 400). `--overload-share
-//!   F`: prefill refuses that share with 503 ("queue full"), which every router retries on a new
-//!   room under the same x-request-id (several attempts, one request, one notification).
-//! - `--rows FILTER`: comma-separated `ROUTER[/DECODE[/WITNESS]]`, each part a name or `*`
-//!   (e.g. `concurrent-cancel/ignores`, `*/*/ebpf`, `correct,handoff-after-reject/*/otlp`).
+//! - `--over-capacity-share F`: prompts over prefill's capacity (refused 400; streamed: a 200
+//!   whose stream carries the error). `--overload-share F`: prefill refuses that share with 503
+//!   ("queue full"), which every router retries on a new room under the same x-request-id
+//!   (several attempts, one request, one notification).
+//! - `--rows FILTER`: comma-separated `ROUTER[/DECODE[/WITNESS[/ANSWERS]]]`, each part a name
+//!   or `*` (e.g. `concurrent-cancel/ignores`, `*/*/ebpf`, `smg-1.13.0/*/*/streamed`).
 //!   Routers: `correct`, `concurrent-cancel`, `concurrent-no-cancel`, `handoff-after-reject`
 //!   (pd-sim's router modes), `sglang-router-0.3.2` (`PD_SIM_SMG`), `smg-1.13.0`
 //!   (`PD_SIM_SMG113`); vLLM: `vllm-correct`, `vllm-handoff-after-reject` (pd-sim's
@@ -29,32 +31,49 @@
 //!   when the witness has OTLP): the real routers run in front of `pd-sim cluster --no-router`
 //!   and are skipped, with the reason printed, when their variable is unset. Decode: `honours` (the
 //!   router's cancel) or `ignores` (`--decode-ignores-cancel`; only for the routers that withdraw
-//!   legs: `concurrent-cancel`, `smg-1.13.0`). Witness: `ebpf` (`--ebpf on`, the three pids, no
-//!   spans), `otlp` (`--ebpf off`, the workers' spans from `--otlp-endpoint`, a real router's
-//!   from `--enable-trace`), `both`. Needs root for the eBPF rows.
+//!   legs: `concurrent-cancel`, `smg-1.13.0` non-streamed). Witness: `ebpf` (`--ebpf on`, the
+//!   three pids, no spans), `otlp` (`--ebpf off`, the workers' spans from `--otlp-endpoint`, a
+//!   real router's from `--enable-trace`), `both`. Answers: `non-streamed`, or `streamed`
+//!   (`pd-sim load --stream-share 1`; the two real smg routers only). Needs root for the eBPF
+//!   rows.
 //! - `--out DIR` (default `target/precision_recall`): one directory per row (revenant's
 //!   `--events-jsonl` file, alerts JSONL, its log, the simulator's log and rooms, the violations);
 //!   kept for rows that miss, false-alert or notify other than once per breached request, removed
 //!   otherwise unless `--keep`.
 //!
-//! Oracle (README, "What is advancement"): no attempt is a breach behind `correct`,
-//! `concurrent-cancel`, `smg-1.13.0`, `vllm-correct` or `vllm-router-0.1.17` with a decode that
-//! honours the cancel; behind `concurrent-no-cancel`, `sglang-router-0.3.2`,
-//! `handoff-after-reject`, `vllm-handoff-after-reject`, and with any decode that ignores the
-//! cancel, every attempt prefill refused (status ≥ 400) whose decode leg reached decode (the room
-//! is in decode's `/sim/rooms`; for vLLM the request name in decode's `/sim/requests`) is a
-//! breach. A vLLM request is one attempt, named `cmpl-`/`chatcmpl-` + the router's `X-Request-Id`.
+//! Decode waits [`support::DECODE_WAITING_TIMEOUT`] (10 s) for KV that never comes
+//! (`--disaggregation-waiting-timeout-ms`; SGLang's and pd-sim's default is 300 s), so a leg it
+//! keeps for a refused attempt ends in reasonable time, well past `orphaned-leg`'s 6 s.
+//!
+//! Oracle (docs/advancement.md), from the simulator's records: an attempt prefill refused
+//! (status 4xx or 503, or a 200 whose stream carried such an error: `error_code`) whose decode
+//! leg reached decode (the room is in decode's `/sim/rooms` with a `received_ns`; for vLLM the
+//! request name in decode's `/sim/requests`) is a breach when decode advanced it (KV landed in
+//! its pages, tokens generated) or kept its leg past `orphaned-leg`'s window after the refusal
+//! (decode's `ended_ns` more than 6 s after prefill's `answered_ns`, or never). As a
+//! cross-check the row's router says what to expect (a note when the two differ): none behind
+//! `correct`, `concurrent-cancel`, `smg-1.13.0` (non-streamed), `vllm-correct` or
+//! `vllm-router-0.1.17` with a decode that honours the cancel; behind `concurrent-no-cancel`,
+//! `sglang-router-0.3.2`, `handoff-after-reject`, `vllm-handoff-after-reject`, `smg-1.13.0`
+//! streamed (smg reads a streamed refusal's 200 as success and keeps decode's leg), and with
+//! any decode that ignores the cancel, every refused attempt that reached decode. A vLLM request
+//! is one attempt, named `cmpl-`/`chatcmpl-` + the router's `X-Request-Id`.
 //!
 //! Isolation rows (`correct+fault:NAME`, each witness): the correct router in front of workers
 //! that inject one breach (`--fault NAME --fault-rate 0.05`, `--fault-hold-ms 40000`): the
 //! breaches are the rooms the simulator records as injected (`injected-NAME` in prefill's or
 //! decode's `/sim/rooms`), each its own request when it has none (an injected unknown room).
-//! A witness that cannot see a fault (OTLP an unknown room, either witness alone a success
-//! after an abort; OTLP sees a held leg only because the 40 s hold ends within the allowed
-//! lateness after the rules' 30 s window) shows its recall as "cannot see" and is judged on its
+//! `stranded-kv`'s row gives revenant a rules file patching `stranded-kv` and
+//! `held-decode-slot` to 30 s ([`support::STRANDED_RULES`]: the defaults wait SGLang's 300 s
+//! timeouts and 30 s). `concurrent-cancel+fault:stub-intake` is SGLang <= 0.5.20's intake
+//! (`--fault stub-intake --fault-rate 0.2` of the refused requests: their one-token stub's KV
+//! lands at decode, which answers, before prefill's 400), behind the router that sends both legs
+//! at once. A witness that cannot see a fault (OTLP an unknown room, either witness alone a
+//! success after an abort; OTLP sees a held leg only because the 40 s hold ends within the
+//! allowed lateness after the 30 s window) shows its recall as "cannot see" and is judged on its
 //! silence. Their rows wait for the fault's rule window (up to 30 s) past the last leg.
 //!
-//! Columns: requests sent; rejected attempts (prefill rooms with status ≥ 400); breaches
+//! Columns: requests sent; rejected attempts (prefill rooms refused, as above); breaches
 //! expected; caught (breaches with at least one violation in `/api/violations`); false alerts
 //! (first proofs, corroborations left out, about an attempt that is not a breach, or naming no
 //! attempt of a breached request); notifications (incident notifications in the alerts JSONL)
@@ -62,9 +81,9 @@
 //! caught plus falsely alerted); the row's wall time (cluster start to teardown).
 //!
 //! Before reading `/api/violations` a row waits until every room left `pending` and then until
-//! revenant can have judged the last rejection's deadline rules: the cancellation window
-//! (500 ms) + clock skew (50 ms) + `revenant run`'s allowed lateness (15 s) + its 1 s tick after
-//! the last prefill rejection; so a row takes about 17 s more than its load. The lateness is
+//! revenant can have judged the last rejection's deadline rules: `orphaned-leg`'s window (6 s),
+//! the clock skew (50 ms), `revenant run`'s allowed lateness (15 s) and its 1 s tick after the
+//! last prefill rejection; so a row takes about 22 s more than its load. The lateness is
 //! `run`'s default on purpose: a lateness below the OTLP profile's completion grace (5 s) makes
 //! an OTLP-reported decode leg that ended in time count as open (README, orphaned-leg).
 //!
@@ -147,19 +166,30 @@ fn all_rows() -> Vec<Row> {
         Router::VllmSim("handoff-after-reject"),
         Router::Vllm0117,
     ];
+    let witnesses = [Witness::Ebpf, Witness::Otlp, Witness::Both];
     let mut rows = Vec::new();
     for router in routers {
-        for ignores_cancel in [false, true] {
-            if ignores_cancel && !router.withdraws() {
-                continue;
-            }
-            for witness in [Witness::Ebpf, Witness::Otlp, Witness::Both] {
-                rows.push(Row {
-                    router,
-                    ignores_cancel,
-                    witness,
-                    fault: None,
-                });
+        // The real smg routers also with every request streamed (a streamed refusal is a 200
+        // whose stream carries the error); the simulator's routers and vLLM's as before.
+        let streams: &[bool] = if matches!(router, Router::Smg032 | Router::Smg113) {
+            &[false, true]
+        } else {
+            &[false]
+        };
+        for &stream in streams {
+            for ignores_cancel in [false, true] {
+                if ignores_cancel && !router.withdraws(stream) {
+                    continue;
+                }
+                for witness in witnesses {
+                    rows.push(Row {
+                        router,
+                        ignores_cancel,
+                        witness,
+                        stream,
+                        fault: None,
+                    });
+                }
             }
         }
     }
@@ -171,14 +201,26 @@ fn all_rows() -> Vec<Row> {
         Fault::StrandedKv,
         Fault::ForeignRoutePut,
     ] {
-        for witness in [Witness::Ebpf, Witness::Otlp, Witness::Both] {
+        for witness in witnesses {
             rows.push(Row {
                 router: Router::Sim("correct"),
                 ignores_cancel: false,
                 witness,
+                stream: false,
                 fault: Some(fault),
             });
         }
+    }
+    // SGLang <= 0.5.20's stub at intake: its refusal is answered only after decode's
+    // destinations, so it needs a router that sends both legs at once (smg 1.13.0's model).
+    for witness in witnesses {
+        rows.push(Row {
+            router: Router::Sim("concurrent-cancel"),
+            ignores_cancel: false,
+            witness,
+            stream: false,
+            fault: Some(Fault::StubIntake),
+        });
     }
     rows
 }
@@ -279,6 +321,12 @@ fn run_row(
             o.seed.to_string(),
             "--request-id-prefix".into(),
             format!("pr-{}", row.name().replace('/', "-")),
+            "--stream-share".into(),
+            if row.stream { "1" } else { "0" }.into(),
+            // Behind sglang-router 0.3.2 a refused request waits for decode's timeout
+            // (DECODE_WAITING_TIMEOUT) on every attempt it retries.
+            "--timeout-secs".into(),
+            "180".into(),
         ],
         &dir.join("load.json"),
         true,
@@ -315,9 +363,9 @@ fn pct(num: usize, den: usize) -> String {
 }
 
 fn table_line(r: &RowResult) -> String {
-    let [router, decode, witness] = r.row.parts();
+    let [router, decode, witness, answers] = r.row.parts();
     format!(
-        "| {router} | {decode} | {witness} | {} | {} | {} | {} | {} | {} / {} | {} | {} | {:.0} s |",
+        "| {router} | {answers} | {decode} | {witness} | {} | {} | {} | {} | {} | {} / {} | {} | {} | {:.0} s |",
         r.requests,
         r.rejected,
         r.expected,
@@ -385,9 +433,11 @@ fn main() {
     }
     println!();
     println!(
-        "| router | decode | witness | requests | rejected attempts | breaches expected | caught | false alerts | notifications / breached requests | recall | precision | wall |"
+        "| router | answers | decode | witness | requests | rejected attempts | breaches expected | caught | false alerts | notifications / breached requests | recall | precision | wall |"
     );
-    println!("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
+    println!(
+        "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+    );
     for r in &results {
         println!("{}", table_line(r));
     }

@@ -91,6 +91,7 @@ fn opts() -> Opts {
             router: Router::Sim("handoff-after-reject"),
             ignores_cancel: false,
             witness: Witness::Both,
+            stream: false,
             fault: None,
         },
         over_capacity_share: 0.1,

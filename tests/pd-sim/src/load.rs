@@ -51,12 +51,15 @@ pub enum LoadApi {
     Sglang,
     /// OpenAI's `/v1/completions` (`prompt`, `max_tokens`), as vLLM serves it.
     Openai,
+    /// Each request `/generate` or `/v1/completions`, with equal chance (chat as above).
+    Mixed,
 }
 
 #[derive(clap::Args, Clone, Debug)]
 pub struct LoadArgs {
-    /// Request bodies: `sglang` (`/generate`) or `openai` (`/v1/completions`); chat requests
-    /// (`--chat-share`) go to `/v1/chat/completions` with `messages` and `max_tokens` either way.
+    /// Request bodies: `sglang` (`/generate`), `openai` (`/v1/completions`) or `mixed` (either,
+    /// with equal chance); chat requests (`--chat-share`) go to `/v1/chat/completions` with
+    /// `messages` and `max_tokens` whichever is chosen.
     #[arg(long, value_enum, default_value_t = LoadApi::Sglang)]
     pub api: LoadApi,
     /// Router base URL, e.g. http://127.0.0.1:30000
@@ -73,12 +76,13 @@ pub struct LoadArgs {
     /// Share of requests made over capacity (length drawn from --over-capacity-len).
     #[arg(long, default_value_t = 0.0)]
     pub over_capacity_share: f64,
-    /// Prompt length of over-capacity requests. The default sits between the simulator's
-    /// default prefill max_req_input_len (4096, set by `cluster`) and its context length (8192);
-    /// for `cluster --flavour vllm` it is above prefill's max_model_len (4096) and below
-    /// decode's (32768).
-    #[arg(long, default_value = "4200..8000")]
-    pub over_capacity_len: Range,
+    /// Prompt length of over-capacity requests: a range, or several separated by commas (each
+    /// request draws one of them with equal chance, e.g. `91..127,128..200` for both of
+    /// SGLang's refusal paths). The default sits between the simulator's default prefill
+    /// max_req_input_len (4096, set by `cluster`) and its context length (8192); for `cluster
+    /// --flavour vllm` it is above prefill's max_model_len (4096) and below decode's (32768).
+    #[arg(long, default_value = "4200..8000", value_delimiter = ',')]
+    pub over_capacity_len: Vec<Range>,
     /// Share of requests sent with `"stream": true`.
     #[arg(long, default_value_t = 0.0)]
     pub stream_share: f64,
@@ -87,6 +91,10 @@ pub struct LoadArgs {
     pub chat_share: f64,
     #[arg(long, default_value_t = 8)]
     pub max_new_tokens: u64,
+    /// The `model` of OpenAI request bodies (a router may route by it: smg wants the served
+    /// model's name).
+    #[arg(long, default_value = "pd-sim")]
+    pub model: String,
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
     /// A marker inserted into every prompt, for privacy tests (it must never leave the
@@ -100,6 +108,11 @@ pub struct LoadArgs {
     pub request_id_prefix: String,
     #[arg(long)]
     pub summary_json: Option<std::path::PathBuf>,
+    /// One JSON line per request once all are done: `i`, `request_id`, `path`, `stream`,
+    /// `words`, `over_capacity`, `sent_ns` (Unix time), `status`, `error_code` (a streamed
+    /// answer's in-stream error), `latency_ms`, or `error` (the transport failure's kind).
+    #[arg(long)]
+    pub results_jsonl: Option<std::path::PathBuf>,
     /// Per-request timeout, seconds.
     #[arg(long, default_value_t = 60)]
     pub timeout_secs: u64,
@@ -207,10 +220,12 @@ pub async fn run(args: LoadArgs) -> anyhow::Result<Summary> {
     let client = http_client(args.max_inflight);
     let sem = Arc::new(Semaphore::new(args.max_inflight.max(1)));
     let counters = Arc::new(Counters::default());
-    let (lat_tx, mut lat_rx) = tokio::sync::mpsc::unbounded_channel::<(
-        Result<(u16, Option<u16>), &'static str>,
-        Duration,
-    )>();
+    if args.over_capacity_len.is_empty() {
+        anyhow::bail!("--over-capacity-len needs at least one range");
+    }
+    let (lat_tx, mut lat_rx) = tokio::sync::mpsc::unbounded_channel::<Outcome>();
+    // What each request was, for `--results-jsonl`.
+    let mut sent_meta: Vec<RequestMeta> = Vec::new();
     let first_error_logged = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let mut rng = SmallRng::seed_from_u64(args.seed);
     let start = Instant::now();
@@ -264,26 +279,35 @@ pub async fn run(args: LoadArgs) -> anyhow::Result<Summary> {
         let permit = sem.clone().acquire_owned().await?;
         let is_over = rng.random::<f64>() < args.over_capacity_share;
         let r = if is_over {
-            &args.over_capacity_len
+            // One range draws nothing: a seed gives the sequence it gave before ranges.
+            match args.over_capacity_len.as_slice() {
+                [one] => one,
+                ranges => &ranges[rng.random_range(0..ranges.len())],
+            }
         } else {
             &args.prompt_len
         };
         let words = rng.random_range(r.min..=r.max);
         let stream = rng.random::<f64>() < args.stream_share;
         let chat = rng.random::<f64>() < args.chat_share;
+        let completions = match args.api {
+            LoadApi::Sglang => false,
+            LoadApi::Openai => true,
+            LoadApi::Mixed => rng.random::<bool>(),
+        };
         over += is_over as u64;
         streamed += stream as u64;
         let text = prompt(&mut rng, words, args.canary.as_deref());
         let (path, body) = if chat {
             (
                 "/v1/chat/completions",
-                serde_json::json!({"model": "pd-sim", "messages": [{"role": "user", "content": text}],
+                serde_json::json!({"model": args.model, "messages": [{"role": "user", "content": text}],
                                    "max_tokens": args.max_new_tokens, "stream": stream}),
             )
-        } else if args.api == LoadApi::Openai {
+        } else if completions {
             (
                 "/v1/completions",
-                serde_json::json!({"model": "pd-sim", "prompt": text, "max_tokens": args.max_new_tokens, "stream": stream}),
+                serde_json::json!({"model": args.model, "prompt": text, "max_tokens": args.max_new_tokens, "stream": stream}),
             )
         } else {
             (
@@ -291,9 +315,21 @@ pub async fn run(args: LoadArgs) -> anyhow::Result<Summary> {
                 serde_json::json!({"text": text, "sampling_params": {"max_new_tokens": args.max_new_tokens}, "stream": stream}),
             )
         };
+        let request_id = format!("{}-{i}", args.request_id_prefix);
+        if args.results_jsonl.is_some() {
+            sent_meta.push(RequestMeta {
+                i,
+                request_id: request_id.clone(),
+                path,
+                stream,
+                words,
+                over_capacity: is_over,
+                sent_ns: crate::ids::now_ns(),
+            });
+        }
         let req = hyper::Request::post(format!("{base}{path}"))
             .header("content-type", "application/json")
-            .header("x-request-id", format!("{}-{i}", args.request_id_prefix))
+            .header("x-request-id", request_id)
             .body(Full::new(Bytes::from(body.to_string())))?;
         let client = client.clone();
         let c = counters.clone();
@@ -332,7 +368,7 @@ pub async fn run(args: LoadArgs) -> anyhow::Result<Summary> {
                     } else {
                         c.rejected.fetch_add(1, Ordering::Relaxed);
                     }
-                    let _ = lat_tx.send((Ok((status, in_stream)), el));
+                    let _ = lat_tx.send((i, Ok((status, in_stream)), el));
                 }
                 Err((kind, msg)) => {
                     c.errors.fetch_add(1, Ordering::Relaxed);
@@ -340,7 +376,7 @@ pub async fn run(args: LoadArgs) -> anyhow::Result<Summary> {
                     if !logged.swap(true, Ordering::Relaxed) {
                         tracing::warn!(kind, error = %msg, "first failed request (others are only counted)");
                     }
-                    let _ = lat_tx.send((Err(kind), el));
+                    let _ = lat_tx.send((i, Err(kind), el));
                 }
             }
             c.done.fetch_add(1, Ordering::Relaxed);
@@ -362,7 +398,11 @@ pub async fn run(args: LoadArgs) -> anyhow::Result<Summary> {
         streamed,
         ..Default::default()
     };
-    while let Some((res, el)) = lat_rx.recv().await {
+    let mut results: Vec<Outcome> = Vec::new();
+    while let Some((i, res, el)) = lat_rx.recv().await {
+        if args.results_jsonl.is_some() {
+            results.push((i, res, el));
+        }
         summary.sent += 1;
         let (status, in_stream) = match res {
             Ok(s) => s,
@@ -398,7 +438,54 @@ pub async fn run(args: LoadArgs) -> anyhow::Result<Summary> {
     if let Some(p) = &args.summary_json {
         std::fs::write(p, serde_json::to_vec_pretty(&summary)?)?;
     }
+    if let Some(p) = &args.results_jsonl {
+        write_results(p, &sent_meta, results)?;
+    }
     Ok(summary)
+}
+
+/// What came back for request `i`: status and in-stream error code, or the transport
+/// failure's kind; and how long it took.
+type Outcome = (u64, Result<(u16, Option<u16>), &'static str>, Duration);
+
+/// What one request was (`--results-jsonl`).
+struct RequestMeta {
+    i: u64,
+    request_id: String,
+    path: &'static str,
+    stream: bool,
+    words: u64,
+    over_capacity: bool,
+    sent_ns: u64,
+}
+
+/// `--results-jsonl`: each request with what came back, in the order they were sent.
+fn write_results(
+    path: &std::path::Path,
+    meta: &[RequestMeta],
+    mut results: Vec<Outcome>,
+) -> anyhow::Result<()> {
+    use std::io::Write;
+    results.sort_by_key(|r| r.0);
+    let mut out = std::io::BufWriter::new(std::fs::File::create(path)?);
+    for (m, (i, res, el)) in meta.iter().zip(&results) {
+        debug_assert_eq!(m.i, *i);
+        let mut v = serde_json::json!({
+            "i": m.i, "request_id": m.request_id, "path": m.path, "stream": m.stream,
+            "words": m.words, "over_capacity": m.over_capacity, "sent_ns": m.sent_ns,
+            "latency_ms": el.as_secs_f64() * 1000.0,
+        });
+        match res {
+            Ok((status, in_stream)) => {
+                v["status"] = (*status).into();
+                v["error_code"] = in_stream.unwrap_or(0).into();
+            }
+            Err(kind) => v["error"] = (*kind).into(),
+        }
+        writeln!(out, "{v}")?;
+    }
+    out.flush()?;
+    Ok(())
 }
 
 fn print_summary(s: &Summary) {

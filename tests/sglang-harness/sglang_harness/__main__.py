@@ -17,7 +17,13 @@ def main() -> None:
     sink.add_argument("--port", type=int, required=True)
     sink.add_argument("--out", required=True)
     sink.add_argument(
-        "--forward", help="also post every export to this OTLP/HTTP traces URL (revenant's)"
+        "--forward",
+        action="append",
+        default=[],
+        help="also post every export to this OTLP/HTTP traces URL (revenant's); repeatable",
+    )
+    sink.add_argument(
+        "--grpc-port", type=int, default=0, help="also take OTLP/gRPC exports on this port"
     )
     args = p.parse_args()
     if args.command == "worker":
@@ -25,7 +31,7 @@ def main() -> None:
     elif args.command == "otlp-sink":
         from . import otlp_sink
 
-        otlp_sink.serve(args.host, args.port, args.out, args.forward)
+        otlp_sink.serve(args.host, args.port, args.out, args.forward, args.grpc_port)
     else:
         from . import model_dir
 

@@ -6,9 +6,14 @@ read what SGLang's tracing module exported (run the workers with
 Each line: service, scope, name, trace_id, span_id, parent_span_id, start/end ns, status code,
 attributes (string/int/bool/double values), event names and the number of links.
 
-`--forward URL` also posts every export, as received, to another OTLP/HTTP receiver (revenant's
-`/v1/traces`) and answers the exporter with that receiver's status, so a refusal there (429,
-503) makes SGLang's exporter retry as it would against the receiver itself.
+`--grpc-port P` also takes OTLP/gRPC exports (`TraceService/Export`, e.g. smg's
+`--enable-trace --otlp-traces-endpoint H:P`), written and forwarded the same way (as
+OTLP/HTTP protobuf: the message is the same); a refusal downstream is answered UNAVAILABLE.
+
+`--forward URL` (repeatable) also posts every export, as received, to another OTLP/HTTP
+receiver (revenant's `/v1/traces`) and answers the exporter with that receiver's status (the
+first refusal among several), so a refusal there (429, 503) makes SGLang's exporter retry as
+it would against the receiver itself.
 """
 
 import json
@@ -69,30 +74,37 @@ def forward(url: str, body: bytes, content_type: str) -> int:
         return 502
 
 
-def serve(host: str, port: int, out: str, forward_to: str = None) -> None:
+def serve(host: str, port: int, out: str, forward_to=(), grpc_port: int = 0) -> None:
+    if isinstance(forward_to, str):
+        forward_to = [forward_to]
     lock = threading.Lock()
     sink = open(out, "a", buffering=1)
+
+    def take(body: bytes, content_type: str):
+        """Writes an export's spans and forwards it; the status to answer (None: not OTLP)."""
+        try:
+            spans = list(spans_of(body))
+        except Exception:
+            return None
+        with lock:
+            for s in spans:
+                sink.write(json.dumps(s, sort_keys=True) + "\n")
+            sink.flush()
+        status = 200
+        for url in forward_to or ():
+            got = forward(url, body, content_type)
+            if status < 300 <= got:
+                status = got
+        return status
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self):
             body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
-            try:
-                spans = list(spans_of(body))
-            except Exception:
+            status = take(body, self.headers.get("Content-Type", "application/x-protobuf"))
+            if status is None:
                 self.send_response(400)
                 self.end_headers()
                 return
-            with lock:
-                for s in spans:
-                    sink.write(json.dumps(s, sort_keys=True) + "\n")
-                sink.flush()
-            status = 200
-            if forward_to:
-                status = forward(
-                    forward_to,
-                    body,
-                    self.headers.get("Content-Type", "application/x-protobuf"),
-                )
             self.send_response(status)
             self.send_header("Content-Type", "application/x-protobuf")
             self.send_header("Content-Length", "0")
@@ -108,8 +120,41 @@ def serve(host: str, port: int, out: str, forward_to: str = None) -> None:
             pass
 
     server = ThreadingHTTPServer((host, port), Handler)
-    print(f"READY otlp-sink http://{host}:{port}/v1/traces", flush=True)
+    ready = f"READY otlp-sink http://{host}:{port}/v1/traces"
+    # Kept referenced: a gRPC server that is garbage-collected stops.
+    grpc_server = serve_grpc(host, grpc_port, take) if grpc_port else None
+    if grpc_server is not None:
+        ready += f" grpc {host}:{grpc_port}"
+    print(ready, flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
+        if grpc_server is not None:
+            grpc_server.stop(0)
         sys.exit(0)
+
+
+def serve_grpc(host: str, port: int, take):
+    """OTLP/gRPC `TraceService/Export` on `host:port`, handled by `take` (raw protobuf in, an
+    empty `ExportTraceServiceResponse` out)."""
+    from concurrent import futures
+
+    import grpc
+
+    def export(body: bytes, context):
+        status = take(body, "application/x-protobuf")
+        if status is None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "not an ExportTraceServiceRequest")
+        if status >= 300:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"downstream answered {status}")
+        return b""
+
+    handler = grpc.method_handlers_generic_handler(
+        "opentelemetry.proto.collector.trace.v1.TraceService",
+        {"Export": grpc.unary_unary_rpc_method_handler(export)},
+    )
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    server.add_generic_rpc_handlers((handler,))
+    server.add_insecure_port(f"{host}:{port}")
+    server.start()
+    return server

@@ -108,10 +108,20 @@ def run(args: argparse.Namespace) -> None:
 
         mdir = model_dir.write(Path(tempfile.mkdtemp(prefix="sglang-harness-model-")))
 
-    from sglang.srt.entrypoints.http_server import launch_server
+    from sglang.srt.entrypoints.http_server import app, launch_server
     from sglang.srt.server_args import ServerArgs
 
     from .scheduler import run_scheduler_process
+
+    if args.truth_log:
+        # The HTTP process's side of the ground truth (requests the tokenizer refused, the
+        # client's x-request-id, what each request was answered), in the same log.
+        from .http_truth import HttpTruth
+        from .truth import TruthLog
+
+        app.add_middleware(
+            HttpTruth, truth=TruthLog(os.path.abspath(args.truth_log), args.role)
+        )
 
     server_args = ServerArgs(
         model_path=str(mdir),

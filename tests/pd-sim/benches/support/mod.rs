@@ -18,12 +18,19 @@ use serde_json::Value;
 use test_harness::notifications::room_of;
 use test_harness::{Cluster, Revenant, Sample, free_port, http_json, metric_sum};
 
-/// revenant's defaults that bound when a deadline rule is judged: the cancellation window of
-/// `orphaned-leg`, `--clock-skew`, `revenant run --allowed-lateness`, the checker's tick.
-pub const WINDOW: Duration = Duration::from_millis(500);
+/// revenant's defaults that bound when a deadline rule is judged: `orphaned-leg`'s window for
+/// decode's end of a refused attempt's leg (SGLang's 4 s connection check and 2 s),
+/// `--clock-skew`, `revenant run --allowed-lateness`, the checker's tick.
+pub const ORPHANED_LEG_WINDOW: Duration = Duration::from_secs(6);
 pub const SKEW: Duration = Duration::from_millis(50);
 pub const LATENESS: Duration = Duration::from_secs(15);
 pub const TICK: Duration = Duration::from_secs(1);
+
+/// How long the simulator's SGLang decode waits for KV that never comes
+/// (`--disaggregation-waiting-timeout-ms`; SGLang's default, and pd-sim's, is 300 s): a leg
+/// decode keeps for a refused attempt ends then, well past [`ORPHANED_LEG_WINDOW`], and a row
+/// ends in reasonable time.
+pub const DECODE_WAITING_TIMEOUT: Duration = Duration::from_secs(10);
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum Router {
@@ -53,19 +60,26 @@ impl Router {
     pub fn vllm(self) -> bool {
         matches!(self, Router::VllmSim(_) | Router::Vllm0117)
     }
-    /// It withdraws the decode leg of a refused attempt (so a decode ignoring that is a row).
-    pub fn withdraws(self) -> bool {
-        matches!(self, Router::Sim("concurrent-cancel") | Router::Smg113)
+    /// A real router, started in front of `pd-sim cluster --no-router`.
+    pub fn real(self) -> bool {
+        matches!(self, Router::Smg032 | Router::Smg113 | Router::Vllm0117)
     }
-    /// Hands refused attempts on by itself: every refused attempt that reached decode is a breach.
-    pub fn breaches(self) -> bool {
+    /// It withdraws the decode leg of a refused attempt (so a decode ignoring that is a row).
+    /// smg 1.13.0 (and the simulator's model of it) looks at the status only: a streamed
+    /// refusal is a 200, and its decode leg is kept.
+    pub fn withdraws(self, stream: bool) -> bool {
+        !stream && matches!(self, Router::Sim("concurrent-cancel") | Router::Smg113)
+    }
+    /// Hands refused attempts on by itself: every refused attempt that reached decode is a
+    /// breach (the oracle's cross-check; the oracle itself reads the simulator's records).
+    pub fn breaches(self, stream: bool) -> bool {
         matches!(
             self,
             Router::Sim("concurrent-no-cancel")
                 | Router::Sim("handoff-after-reject")
                 | Router::Smg032
                 | Router::VllmSim("handoff-after-reject")
-        )
+        ) || (stream && matches!(self, Router::Sim("concurrent-cancel") | Router::Smg113))
     }
 }
 
@@ -97,18 +111,50 @@ pub struct Row {
     pub router: Router,
     pub ignores_cancel: bool,
     pub witness: Witness,
-    /// An isolation breach the simulator injects (`--fault`, at [`FAULT_RATE`]): the breaches
+    /// Every request streamed (`pd-sim load --stream-share 1`): SGLang answers a streamed
+    /// refusal 200, the error inside the stream.
+    pub stream: bool,
+    /// An isolation breach the simulator injects (`--fault`, at [`fault_rate`]): the breaches
     /// are then the rooms it records as injected, not refused attempts.
     pub fault: Option<Fault>,
 }
 
-/// Share of requests a fault row's `--fault` hits.
-pub const FAULT_RATE: f64 = 0.05;
-/// `stranded-kv`: how long the holding side keeps the request, past the rules' 30 s window.
+/// Share of requests a fault row's `--fault` hits: `stub-intake` hits only refused requests
+/// (a quarter of them by default), so a larger share of those.
+pub fn fault_rate(f: Fault) -> f64 {
+    match f {
+        Fault::StubIntake => 0.2,
+        _ => 0.05,
+    }
+}
+/// `stranded-kv`: how long the holding side keeps the request, past the 30 s window of the
+/// rules file the row gives revenant ([`STRANDED_RULES`]).
 pub const FAULT_HOLD: Duration = Duration::from_secs(40);
+/// The `stranded-kv` row's windows for `stranded-kv` and `held-decode-slot`. The default rules
+/// wait SGLang's 300 s timeouts and 30 s more (330 s); the row's workers hold for
+/// [`FAULT_HOLD`], so it patches both rules (docs/advancement.md, "Windows").
+pub const STRANDED_WINDOW: Duration = Duration::from_secs(30);
+pub const STRANDED_RULES: &str = "rules:
+  - name: stranded-kv
+    must_follow:
+      trigger: [{stage: [decode], kind: [aborted, cancelled, rejected]}, {stage: [transfer], kind: [cancelled]}]
+      given: [{stage: [prefill], kind: [received, admitted, work]}]
+      expect: [{stage: [prefill], kind: [completed, aborted, cancelled, rejected]}, {stage: [transfer], kind: [completed]}]
+      within: 30s
+  - name: held-decode-slot
+    must_follow:
+      trigger: [{stage: [prefill], kind: [aborted]}]
+      given: [{stage: [decode], kind: [received, admitted, work]}]
+      expect: [{stage: [decode], kind: [work, completed, aborted, cancelled, rejected]}, {stage: [transfer], kind: [completed]}]
+      within: 30s
+";
 
-/// How long after an injected room's leg arrived its default rule can have a verdict.
+/// How long after an injected room's leg arrived its rule can have a verdict: the default
+/// rules' (`test_harness::fault_verdict_window`), but `stranded-kv`'s patched window.
 pub fn fault_window(f: Fault) -> Duration {
+    if f == Fault::StrandedKv {
+        return STRANDED_WINDOW;
+    }
     test_harness::fault_verdict_window(f.as_str())
         .unwrap_or_else(|| panic!("no verdict window for --fault {}", f.as_str()))
 }
@@ -128,38 +174,42 @@ pub fn fault_visible(f: Fault, w: Witness) -> bool {
         Fault::SuccessAfterAbort => w == Witness::Both,
         // No span says who called the bootstrap server.
         Fault::ForeignRoutePut => w.ebpf(),
-        // The refused room's stub moves on the wire and in the spans alike.
+        // The refused room's stub moves on the wire and in the simulator's spans alike.
         Fault::StubIntake => true,
     }
 }
 
+/// What a row's answers are: streamed or not.
+pub fn answers_name(stream: bool) -> &'static str {
+    if stream { "streamed" } else { "non-streamed" }
+}
+
 impl Row {
-    pub fn parts(&self) -> [&'static str; 3] {
+    /// Router (`ROUTER+fault:NAME` for an injected fault), decode, witness, answers: what
+    /// `--rows` filters on, in that order.
+    pub fn parts(&self) -> [String; 4] {
         [
             match self.fault {
-                None => self.router.name(),
-                Some(Fault::RoomCollision) => "correct+fault:room-collision",
-                Some(Fault::UnknownRoom) => "correct+fault:unknown-room",
-                Some(Fault::SuccessAfterAbort) => "correct+fault:success-after-abort",
-                Some(Fault::StrandedKv) => "correct+fault:stranded-kv",
-                Some(Fault::ForeignRoutePut) => "correct+fault:foreign-route-put",
-                // Not in the catalogue: its refusal is answered only after decode's
-                // destinations, which a sequential router never sends.
-                Some(Fault::StubIntake) => "correct+fault:stub-intake",
+                None => self.router.name().to_string(),
+                Some(f) => format!("{}+fault:{}", self.router.name(), f.as_str()),
             },
             if self.ignores_cancel {
                 "ignores"
             } else {
                 "honours"
-            },
-            self.witness.name(),
+            }
+            .to_string(),
+            self.witness.name().to_string(),
+            answers_name(self.stream).to_string(),
         ]
     }
     pub fn name(&self) -> String {
         self.parts().join("/")
     }
+    /// The router (or a decode that ignores its cancel) hands refused attempts on: the
+    /// oracle's cross-check.
     pub fn breach_row(&self) -> bool {
-        self.router.breaches() || self.ignores_cancel
+        self.router.breaches(self.stream) || self.ignores_cancel
     }
     /// The witness can see this row's breaches (every row without a fault: both witnesses see
     /// a refused attempt advance).
@@ -171,7 +221,7 @@ impl Row {
         filter.is_empty()
             || filter.iter().any(|pat| {
                 pat.iter()
-                    .zip(parts)
+                    .zip(&parts)
                     .all(|(p, v)| p == "*" || p.is_empty() || p == v)
             })
     }
@@ -282,11 +332,7 @@ fn judge_writes(
     RowResult {
         row: f.row,
         requests: load["sent"].as_u64().unwrap_or(0),
-        rejected: f
-            .prefill
-            .iter()
-            .filter(|r| r["status"].as_u64().unwrap_or(0) >= 400)
-            .count(),
+        rejected: f.prefill.iter().filter(|r| refused(r)).count(),
         expected: expected as usize,
         caught,
         false_alerts,
@@ -311,6 +357,30 @@ pub fn rooms(url: &str, vllm: bool) -> Vec<Value> {
         Ok(Value::Array(a)) => a,
         other => panic!("{url}{path}: {other:?}"),
     }
+}
+
+/// Whether a prefill record is a refusal: a 4xx or 503 answer, or (a streamed answer is a 200)
+/// such an error inside the stream. A 500 is an abort: the request had been taken on.
+pub fn refused(r: &Value) -> bool {
+    let refusal = |k: &str| {
+        let c = r[k].as_u64().unwrap_or(0);
+        (400..500).contains(&c) || c == 503
+    };
+    refusal("status") || refusal("error_code")
+}
+
+/// Whether decode's record of an attempt shows it advanced there: KV landed in its pages
+/// (SGLang's Success status, bytes through the transfer engine; vLLM's KV chunks) or decode
+/// generated tokens for it.
+pub fn decode_advanced(d: &Value) -> bool {
+    let n = |k: &str| d[k].as_u64().unwrap_or(0);
+    n("generated_tokens") > 0
+        || n("kv_bytes_received") > 0
+        || n("kv_chunks") > 0
+        || d["kv_done"] == true
+        || d["statuses_received"]
+            .as_array()
+            .is_some_and(|s| s.iter().any(|v| v == 4))
 }
 
 /// The attempt a record is about: the room (SGLang), the request name (vLLM).
@@ -401,6 +471,12 @@ pub fn start_row(
         cluster_args.extend(["--otlp-endpoint".into(), format!("http://{http}")]);
     }
     let mut decode_args: Vec<String> = Vec::new();
+    if !vllm {
+        decode_args.extend([
+            "--disaggregation-waiting-timeout-ms".into(),
+            DECODE_WAITING_TIMEOUT.as_millis().to_string(),
+        ]);
+    }
     if row.ignores_cancel {
         decode_args.push("--decode-ignores-cancel".into());
     }
@@ -416,7 +492,7 @@ pub fn start_row(
             "--fault".into(),
             f.as_str().into(),
             "--fault-rate".into(),
-            FAULT_RATE.to_string(),
+            fault_rate(f).to_string(),
             "--fault-hold-ms".into(),
             FAULT_HOLD.as_millis().to_string(),
         ]);
@@ -453,6 +529,11 @@ pub fn start_row(
     let mut args: Vec<String> = setup.revenant_args.clone();
     if setup.events_jsonl {
         args.extend(["--events-jsonl".into(), events_path.display().to_string()]);
+    }
+    if row.fault == Some(Fault::StrandedKv) {
+        let rules = dir.join("rules.yaml");
+        std::fs::write(&rules, STRANDED_RULES).unwrap();
+        args.extend(["--rules".into(), rules.display().to_string()]);
     }
     if row.witness.otlp() {
         args.extend(["--otlp-http".into(), http.clone()]);
@@ -501,20 +582,22 @@ pub fn start_row(
 /// metrics then.
 pub fn await_judgement(run: &RowRun, notes: &mut Vec<String>) -> Vec<Sample> {
     let (row, vllm, cluster, rev) = (run.row, run.vllm, &run.cluster, &run.rev);
-    // Every leg over (a decode waiting for KV times out after 2 s); then the deadline rules
-    // (orphaned-leg) of the last rejection must have been judged: `revenant run` judges a
-    // deadline once its watermark (wall clock minus the allowed lateness) passes it, checked on
-    // a 1 s tick; then revenant quiet (no alert pending in its group wait).
+    // Every leg over (a decode waiting for KV times out after [`DECODE_WAITING_TIMEOUT`]);
+    // then the deadline rules (orphaned-leg) of the last rejection must have been judged:
+    // `revenant run` judges a deadline once its watermark (wall clock minus the allowed
+    // lateness) passes it, checked on a 1 s tick; then revenant quiet (no alert pending in its
+    // group wait).
     if !wait_rooms_settled(cluster, vllm, Duration::from_secs(120)) {
         notes.push("rooms still pending after 120 s".into());
     }
     let last_rejection = rooms(&cluster.prefill, vllm)
         .iter()
-        .filter(|r| r["status"].as_u64().unwrap_or(0) >= 400)
+        .filter(|r| refused(r))
         .filter_map(|r| r["answered_ns"].as_u64())
         .max()
         .unwrap_or(0);
-    let mut judged_by = last_rejection + (WINDOW + SKEW + LATENESS + TICK).as_nanos() as u64;
+    let mut judged_by =
+        last_rejection + (ORPHANED_LEG_WINDOW + SKEW + LATENESS + TICK).as_nanos() as u64;
     if let Some(f) = row.fault {
         // An injected room's verdict is due its rule's window after its leg arrived.
         let last_leg = rooms(&cluster.prefill, vllm)
@@ -526,8 +609,8 @@ pub fn await_judgement(run: &RowRun, notes: &mut Vec<String>) -> Vec<Sample> {
             })
             .max()
             .unwrap_or(0);
-        judged_by = judged_by
-            .max(last_leg + (fault_window(f) + WINDOW + SKEW + LATENESS + TICK).as_nanos() as u64);
+        judged_by =
+            judged_by.max(last_leg + (fault_window(f) + SKEW + LATENESS + TICK).as_nanos() as u64);
     }
     let now = pd_sim::ids::now_ns();
     if judged_by > now {
@@ -648,9 +731,26 @@ pub fn judge(
     }
     let rejected: BTreeSet<String> = prefill
         .iter()
-        .filter(|r| r["status"].as_u64().unwrap_or(0) >= 400)
+        .filter(|r| refused(r))
         .filter_map(|r| key_of(r, vllm))
         .collect();
+    // A refused attempt whose decode leg reached decode (decode read its HTTP request).
+    let reached_decode = |room: &String| {
+        decode_rooms
+            .get(room)
+            .is_some_and(|d| d["received_ns"].as_u64().unwrap_or(0) > 0)
+    };
+    // ... and advanced there, or whose leg decode kept past orphaned-leg's window after the
+    // refusal (or never ended).
+    let window = ORPHANED_LEG_WINDOW.as_nanos() as u64;
+    let kept_or_advanced = |room: &String| {
+        let (Some(p), Some(d)) = (prefill_rooms.get(room), decode_rooms.get(room)) else {
+            return false;
+        };
+        let refused_at = p["answered_ns"].as_u64().unwrap_or(0);
+        let ended = d["ended_ns"].as_u64().unwrap_or(0);
+        decode_advanced(d) || ended == 0 || ended > refused_at + window
+    };
     let breaches: BTreeSet<String> = if row.fault == Some(Fault::RoomCollision) {
         // The router's record: the rooms it reused.
         collided
@@ -665,19 +765,35 @@ pub fn judge(
             .filter(|r| r["outcome"] == f.outcome())
             .filter_map(|r| key_of(r, vllm))
             .collect()
-    } else if row.breach_row() {
-        rejected
-            .iter()
-            // Reached decode: decode read the leg's HTTP request.
-            .filter(|r| {
-                decode_rooms
-                    .get(*r)
-                    .is_some_and(|d| d["received_ns"].as_u64().unwrap_or(0) > 0)
-            })
-            .cloned()
-            .collect()
     } else {
-        BTreeSet::new()
+        // What the simulator's records say happened to each refused attempt at decode.
+        let by_records: BTreeSet<String> = rejected
+            .iter()
+            .filter(|r| reached_decode(r) && kept_or_advanced(r))
+            .cloned()
+            .collect();
+        // The cross-check: what the row's router (and decode) are known to do.
+        let by_router: BTreeSet<String> = if row.breach_row() {
+            rejected
+                .iter()
+                .filter(|r| reached_decode(r))
+                .cloned()
+                .collect()
+        } else {
+            BTreeSet::new()
+        };
+        if by_records != by_router {
+            let only_records: Vec<&String> = by_records.difference(&by_router).take(3).collect();
+            let only_router: Vec<&String> = by_router.difference(&by_records).take(3).collect();
+            notes.push(format!(
+                "oracle: {} breaches by the records, {} by what the router is known to do \
+                 (only by the records, e.g. {only_records:?}; only by the router, e.g. \
+                 {only_router:?})",
+                by_records.len(),
+                by_router.len()
+            ));
+        }
+        by_records
     };
     // vLLM: one attempt per request, so the request is its attempt (the notification names
     // it by the client's id or the router's X-Request-Id, depending on the witness).
@@ -814,10 +930,11 @@ pub fn judge(
         notes.push(format!("losses: {}", losses.join(", ")));
     }
     notes.push(format!(
-        "load {} ok {} rejected {} at {:.0}/s; prefill rooms {}, decode rooms {}; events ebpf {} otlp {} (router received: {} from spans); caught by {:?}",
+        "load {} ok {} rejected {} in stream {} at {:.0}/s; prefill rooms {}, decode rooms {}; events ebpf {} otlp {} (router received: {} from spans); caught by {:?}",
         load["sent"],
         load["ok"],
         load["rejected_by_status"],
+        load["failed_in_stream"],
         load["achieved_rate"].as_f64().unwrap_or(0.0),
         prefill.len(),
         decode.len(),
