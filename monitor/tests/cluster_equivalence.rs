@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 
 use revenant::engine::workload::{self, Mix};
 use revenant::{Kind, LifecycleEvent, RuleSet, Source, Stage};
-use support::cluster::{Bus, Member, check, keys, load, wait_metric, write};
+use support::cluster::{Bus, Member, check, keys, load, wait_batches_taken, wait_metric, write};
 use support::{Nats, ScratchDir};
 
 fn scenario_files() -> Vec<PathBuf> {
@@ -115,10 +115,9 @@ fn cluster(
         batches += agent.published();
     }
     let admins: Vec<&str> = checkers.iter().map(|c| c.admin.as_str()).collect();
-    wait_metric(
+    wait_batches_taken(
         &format!("checkers of {} taking every batch", bus.stream),
         &admins,
-        "revenant_checker_messages_total",
         batches as f64,
     );
     let mut out = String::new();

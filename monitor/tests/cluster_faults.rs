@@ -21,7 +21,9 @@ use std::time::{Duration, Instant};
 
 use revenant::engine::workload::{self, Mix};
 use revenant::{LifecycleEvent, RuleSet};
-use support::cluster::{Bus, Member, WAIT, check, key_list, keys, wait_metric, write};
+use support::cluster::{
+    Bus, Member, WAIT, check, key_list, keys, wait_batches_taken, wait_metric, write,
+};
 use support::{Nats, ScratchDir, http_get};
 
 fn events() -> Vec<LifecycleEvent> {
@@ -135,10 +137,9 @@ fn an_agent_keeps_what_nats_did_not_take_and_publishes_it_once_nats_is_back() {
         )
     });
     agent.stop();
-    wait_metric(
+    wait_batches_taken(
         "the checker taking every batch",
         &[&checker.admin],
-        "revenant_checker_messages_total",
         agent.published() as f64,
     );
     checker.stop();
@@ -191,12 +192,7 @@ fn a_killed_agents_outbox_is_published_by_the_next_one() {
             && second.metric("revenant_agent_batches_published_total") >= sealed
     });
     second.stop();
-    wait_metric(
-        "the checker taking every batch",
-        &[&checker.admin],
-        "revenant_checker_messages_total",
-        sealed,
-    );
+    wait_batches_taken("the checker taking every batch", &[&checker.admin], sealed);
     checker.stop();
     assert_once_and_as_check(dir.path(), &events, &checker.violations());
 }
@@ -304,10 +300,9 @@ fn the_stream_leader_and_then_a_follower_killed_while_an_agent_publishes() {
     nats.nodes[f].kill();
     agent.stop();
     nats.nodes[f].start().unwrap();
-    wait_metric(
+    wait_batches_taken(
         "the checker taking every batch",
         &[&checker.admin],
-        "revenant_checker_messages_total",
         agent.published() as f64,
     );
     checker.stop();
@@ -402,10 +397,9 @@ fn a_killed_checker_is_replaced_and_every_notification_goes_out_once() {
         &[&alerting[..], &["--pause-file", pause.to_str().unwrap()]].concat(),
     );
     let agent = halves.publish_early(&bus);
-    wait_metric(
+    wait_batches_taken(
         "the first checker taking the first half",
         &[&first.admin],
-        "revenant_checker_messages_total",
         agent.published() as f64,
     );
     wait_for("the first checker's notifications", || {

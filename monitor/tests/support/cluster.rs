@@ -284,6 +284,31 @@ pub fn metric(admin: &str, name: &str) -> f64 {
     }
 }
 
+/// Waits until the checkers of `admins` have taken `batches` distinct batches between them:
+/// messages received less those skipped as taken before. A batch redelivered after a broker
+/// failover (its ack lost with the leader) counts once, so a count of messages alone can reach
+/// the published number while a batch is still on its way.
+pub fn wait_batches_taken(what: &str, admins: &[&str], batches: f64) {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let taken: f64 = admins
+            .iter()
+            .map(|a| {
+                metric(a, "revenant_checker_messages_total")
+                    - metric(a, "revenant_checker_duplicate_batches_total")
+            })
+            .sum();
+        if taken >= batches {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{what}: {taken} distinct batches taken, waited for {batches}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// Waits until `name` summed over `admins` reaches `at_least`.
 pub fn wait_metric(what: &str, admins: &[&str], name: &str, at_least: f64) {
     let deadline = Instant::now() + WAIT;
