@@ -145,8 +145,8 @@ fn template_event(ev: SlotEvent) -> TemplateEvent {
 }
 
 impl Checker {
-    /// The event named the room of attempt `at` (live or a tombstone) with a second request id:
-    /// every `distinct` rule reports it, once per attempt. No request: the two are the finding,
+    /// The event showed a second request on the room of attempt `at` (live or a tombstone; see
+    /// `Resolved::collision`): every `distinct` rule reports it, once per attempt. No request: the two are the finding,
     /// and the room names it (its fingerprint), whichever request came first.
     #[cold]
     pub(super) fn report_collision(
@@ -155,7 +155,7 @@ impl Checker {
         e: &LifecycleEvent,
         out: &mut Vec<Violation>,
     ) {
-        let first = self.store.take_collided_with();
+        let (first, second) = self.store.take_collided_with();
         for ri in 0..self.rules.len() {
             let Shape::Distinct(rule) = &self.rules[ri].rule.shape else {
                 continue;
@@ -191,7 +191,7 @@ impl Checker {
                 collision: Some(Collision {
                     alias,
                     first: first.as_deref().map(String::from).unwrap_or_default(),
-                    second: e.ids.request_id.as_deref().unwrap_or("").to_owned(),
+                    second: second.as_deref().map(String::from).unwrap_or_default(),
                 }),
                 ..Finding::new(ri, e.time_ns)
             };

@@ -570,6 +570,119 @@ fn room_collisions_are_caught_once_whichever_request_arrives_first() {
     assert!(v.iter().all(|v| v.rule != "room-collision"), "{v:#?}");
 }
 
+/// A room reused by a second request whose own ids reach the engine before any event naming
+/// its room with its x-request-id: the router's span (x-request-id and trace id, no room), then
+/// a worker's span (its rid, the room and the trace id, no x-request-id), and only then the
+/// wire's legs (the eBPF reader behind on a loaded node, well within the allowed lateness). The
+/// worker's span joins the two requests through the room: that join is the collision, caught
+/// once, with the same summary as when the wire comes first; a leg of the same request on its
+/// own room, named the same ways, stays silent.
+#[test]
+fn a_room_collision_revealed_by_a_join_through_the_room_is_caught_once() {
+    let t = 1_795_986_925 * S;
+    let cfg = CheckerConfig {
+        allowed_lateness: Duration::from_secs(15),
+        ..CheckerConfig::default()
+    };
+    let wire = |dt: u64, stage: Stage, kind: Kind, req: &str, tr: &str, room: u64| {
+        LifecycleEvent::new(t + dt, stage, kind, Source::Ebpf)
+            .with_request_id(req)
+            .with_trace_id(tr)
+            .with_room(room)
+    };
+    let router_span = |dt: u64, kind: Kind, req: &str, tr: &str| {
+        ev(t + dt, Stage::Router, kind)
+            .with_request_id(req)
+            .with_trace_id(tr)
+    };
+    let worker_span = |dt: u64, stage: Stage, kind: Kind, rid: &str, tr: &str, room: u64| {
+        ev(t + dt, stage, kind)
+            .with_rid(rid)
+            .with_trace_id(tr)
+            .with_room(room)
+    };
+    let (ta, tb) = (
+        "0af7651916cd43dd8448eb211c80319c",
+        "4bf92f3577b34da6a3ce929d0e0e4736",
+    );
+    let first = |room: u64| {
+        vec![
+            wire(0, Stage::Router, Kind::Dispatched, "req-a", ta, room).with_to(Stage::Prefill),
+            wire(100_000, Stage::Prefill, Kind::Received, "req-a", ta, room),
+            wire(MS, Stage::Prefill, Kind::Completed, "req-a", ta, room).with_status(200),
+            wire(MS, Stage::Router, Kind::Dispatched, "req-a", ta, room).with_to(Stage::Decode),
+            wire(MS, Stage::Decode, Kind::Received, "req-a", ta, room),
+            wire(
+                3 * MS / 2,
+                Stage::Decode,
+                Kind::Completed,
+                "req-a",
+                ta,
+                room,
+            )
+            .with_status(200),
+        ]
+    };
+    let second = |room: u64| {
+        let b = 132 * MS;
+        vec![
+            router_span(b, Kind::Received, "req-b", tb),
+            router_span(b, Kind::Dispatched, "req-b", tb).with_to(Stage::Prefill),
+            worker_span(b, Stage::Prefill, Kind::Received, "b-p", tb, room),
+            worker_span(b + MS, Stage::Prefill, Kind::Completed, "b-p", tb, room),
+            wire(b, Stage::Router, Kind::Dispatched, "req-b", tb, room).with_to(Stage::Prefill),
+            wire(b, Stage::Prefill, Kind::Received, "req-b", tb, room),
+            wire(b + MS, Stage::Prefill, Kind::Completed, "req-b", tb, room).with_status(200),
+            wire(b + MS, Stage::Decode, Kind::Received, "req-b", tb, room),
+            wire(
+                b + 2 * MS,
+                Stage::Decode,
+                Kind::Completed,
+                "req-b",
+                tb,
+                room,
+            )
+            .with_status(200),
+        ]
+    };
+    let run = |events: &[LifecycleEvent]| {
+        let mut c = Checker::new(RuleSet::embedded_defaults(), cfg.clone());
+        let mut out: Vec<Violation> = events.iter().flat_map(|e| c.observe(e)).collect();
+        out.extend(c.tick(t + 60 * S));
+        out
+    };
+    let mut late_wire = first(21);
+    late_wire.extend(second(21));
+    let v = run(&late_wire);
+    let collisions: Vec<_> = v.iter().filter(|v| v.rule == "room-collision").collect();
+    assert_eq!(collisions.len(), 1, "{v:#?}");
+    assert_eq!(collisions[0].attempt.bootstrap_room, Some(21));
+    assert!(
+        collisions[0].summary.contains("request_id req-a and req-b"),
+        "{}",
+        collisions[0].summary
+    );
+    // The wire first, as usual: the same finding (seen by the wire, not the span).
+    let mut wire_first = first(21);
+    let mut b = second(21);
+    b.rotate_left(4);
+    wire_first.extend(b);
+    let w = run(&wire_first);
+    let same: Vec<_> = w.iter().filter(|v| v.rule == "room-collision").collect();
+    assert_eq!(same.len(), 1, "{w:#?}");
+    assert_eq!(same[0].fingerprint, collisions[0].fingerprint);
+    assert!(
+        same[0].summary.contains("request_id req-a and req-b"),
+        "{}",
+        same[0].summary
+    );
+    // The second request on a room of its own: nothing.
+    let mut apart = first(21);
+    apart.extend(second(22));
+    let v = run(&apart);
+    assert!(v.iter().all(|v| v.rule != "room-collision"), "{v:#?}");
+}
+
 /// A request known by its x-request-id alone (the router received it), then an attempt known by
 /// its trace id alone (a worker's span), then an event naming all three: joining what the names
 /// found gives the attempt's solo request a record, and the attempt is linked to it once (no

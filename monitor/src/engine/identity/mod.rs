@@ -69,9 +69,10 @@ pub struct Resolved {
     pub merged: bool,
     /// The event's request has no record: its only attempt keeps it (see [`RequestLink`]).
     pub solo: bool,
-    /// The attempt (live or a tombstone) of the room the event names, when the event names it
-    /// with a request id other than the one the room's request has ([`Store::room_request_id`]):
-    /// two client requests on one room. They are still joined through the room: whose KV a
+    /// The attempt (live or a tombstone) of the room the event names, when the event shows a
+    /// second client request on it: it names the room with a request id other than the one the
+    /// room's request has ([`Store::room_request_id`]), or joins the room's request (through
+    /// the room, or a rid of the room's attempt) with a request that has another request id. They are still joined through the room: whose KV a
     /// collided room moves cannot be told, so its activity counts for each request on it (and
     /// the verdicts stay independent of which request arrived first).
     pub collision: Option<AttemptAt>,
@@ -172,8 +173,8 @@ pub struct Store {
     /// A room keeps one request id (a `distinct` rule is on): an event naming a room with
     /// another one is a collision.
     room_request_ids_distinct: bool,
-    /// The first request id of the room of the collision being resolved (for its report).
-    collided_with: Option<Box<str>>,
+    /// The request ids of the collision being resolved, the room's first (for its report).
+    collided_with: Option<(Option<Box<str>>, Option<Box<str>>)>,
     /// See [`Self::set_clock`].
     watermark_ns: u64,
     event_ns: u64,

@@ -14,15 +14,28 @@ impl Store {
     /// `request_trigger`: the event may trigger a request-scope rule, so a request it names
     /// without naming an attempt needs a record.
     pub fn resolve(&mut self, ids: &Ids, time_ns: u64, request_trigger: bool) -> Resolved {
-        let (attempt, merged, collision) = self.resolve_attempt(ids);
+        let (attempt, merged, mut collision) = self.resolve_attempt(ids);
         let names = [
             ids.request_id.as_deref().map(Alias::request_id),
             ids.trace_id.as_deref().map(Alias::trace_id),
         ];
+        // A join of the attempt's request with another one is judged when the attempt is a
+        // room's and no collision was found yet.
+        let guard = match attempt {
+            Some(at) if collision.is_none() && self.room_request_ids_distinct => match at {
+                AttemptAt::Live(i) => self.attempts[i as usize].room().is_some(),
+                AttemptAt::Tomb(_) => ids.bootstrap_room.is_some(),
+            },
+            _ => false,
+        };
         let (request, linked) = if names.iter().all(Option::is_none) {
             (self.request_at(attempt, time_ns), false)
         } else {
-            let (r, linked) = self.resolve_request(ids, names, attempt, time_ns, request_trigger);
+            let (r, linked, collided) =
+                self.resolve_request(ids, names, attempt, time_ns, request_trigger, guard);
+            if collided {
+                collision = attempt;
+            }
             (Some(r), linked)
         };
         Resolved {
@@ -55,13 +68,59 @@ impl Store {
             return None;
         }
         // Kept for the report: the merge that may follow joins the two requests.
-        self.collided_with = self.room_request_id(at);
+        self.collided_with = Some((self.room_request_id(at), Some(theirs.into())));
         Some(at)
     }
 
-    /// The request id the room had when the last collision was found ([`Self::room_collision`]).
-    pub fn take_collided_with(&mut self) -> Option<Box<str>> {
-        self.collided_with.take()
+    /// Whether the request ids of two requests the event is about to make one differ (both
+    /// known): the event shows two client requests where it found one room. If so, they are kept
+    /// for the report, the room's first. Judged before the join, which keeps one of the ids.
+    ///
+    /// The event names no request id of its own here, or the one the room's request has: a
+    /// worker's span names the room (or the attempt's rid) and a trace id only, and the trace
+    /// id may name the second request already (its router's span) while the wire's legs naming
+    /// the room with its x-request-id are still on their way. Joined silently, the room's
+    /// request would have one of the two ids after it, and those legs would find nothing amiss.
+    fn requests_collide(&mut self, room: RequestAt, other: RequestAt) -> bool {
+        let (Some(ours), Some(theirs)) = (self.request_id_at(room), self.request_id_at(other))
+        else {
+            return false;
+        };
+        if ours == theirs {
+            return false;
+        }
+        self.collided_with = Some((Some(ours), Some(theirs)));
+        true
+    }
+
+    /// The request id of a request (kept solo in its attempt, or its record's root's).
+    fn request_id_at(&mut self, at: RequestAt) -> Option<Box<str>> {
+        match at {
+            RequestAt::Solo(i) => self.attempts[i as usize]
+                .request
+                .solo_ids()
+                .and_then(|ids| ids.request_id().map(Box::from)),
+            RequestAt::Record(r) => {
+                let root = self.find(r);
+                self.requests[root as usize].request_id().map(Box::from)
+            }
+        }
+    }
+
+    /// The request of a live attempt or tombstone, if it has one.
+    fn request_of(&mut self, at: AttemptAt) -> Option<RequestAt> {
+        if let AttemptAt::Live(i) = at
+            && self.attempts[i as usize].request.is_solo()
+        {
+            return Some(RequestAt::Solo(i));
+        }
+        self.room_record(at).map(RequestAt::Record)
+    }
+
+    /// The request ids of the last collision found ([`Self::room_collision`],
+    /// [`Self::requests_collide`]): the room's first, then the other request's.
+    pub fn take_collided_with(&mut self) -> (Option<Box<str>>, Option<Box<str>>) {
+        self.collided_with.take().unwrap_or_default()
     }
 
     /// The request id of an attempt's request: the one it keeps solo, or its record's (the
@@ -134,6 +193,21 @@ impl Store {
         };
         // A merge brings the other attempt's history: request-scope state must be folded again.
         let merged = matches!((by_room, by_rid), (Some(a), Some(b)) if a != b);
+        // The attempt the rid names, without a room, has another client request than the room's
+        // attempt it is about to become one with (the merge keeps the room's request only).
+        let collision = match (collision, by_room, by_rid) {
+            (None, Some(a), Some(b @ AttemptAt::Live(j)))
+                if merged
+                    && self.room_request_ids_distinct
+                    && self.attempts[j as usize].room().is_none() =>
+            {
+                match (self.request_of(a), self.request_of(b)) {
+                    (Some(ra), Some(rb)) if ra != rb && self.requests_collide(ra, rb) => Some(a),
+                    _ => None,
+                }
+            }
+            (c, ..) => c,
+        };
         let attempt = match (by_room, by_rid) {
             (Some(a), Some(b)) if a == b => a,
             (Some(a), Some(b)) => self.merge_attempts(a, b),
@@ -239,8 +313,9 @@ impl Store {
 
     /// The request an event's request id / trace id (`names`) name, with the event's attempt:
     /// found, linked to the attempt, merged with the attempt's own when they differ, or created
-    /// (kept solo in the attempt when there is a live one). Returns the request and whether an
-    /// attempt was newly linked to a record.
+    /// (kept solo in the attempt when there is a live one). Returns the request, whether an
+    /// attempt was newly linked to a record, and whether (`guard`: the attempt is a room's) the
+    /// join showed two client requests on the room ([`Self::requests_collide`]).
     fn resolve_request(
         &mut self,
         ids: &Ids,
@@ -248,7 +323,8 @@ impl Store {
         attempt: Option<AttemptAt>,
         time_ns: u64,
         request_trigger: bool,
-    ) -> (RequestAt, bool) {
+        guard: bool,
+    ) -> (RequestAt, bool, bool) {
         let mut found = None;
         let mut known = [false; 2];
         // Each alias is looked up once.
@@ -280,10 +356,12 @@ impl Store {
         // request a record.
         let cur = self.request_at(attempt, time_ns);
         let mut linked = false;
+        let mut collided = false;
         let mut target = match (cur, found) {
             (Some(c), Some(f)) if c == f => c,
             (Some(c), Some(f)) => {
                 linked = true;
+                collided = guard && self.requests_collide(c, f);
                 self.join(c, f)
             }
             (Some(c), None) => c,
@@ -351,7 +429,7 @@ impl Store {
             let req = &mut self.requests[r as usize];
             req.last_ns = req.last_ns.max(time_ns);
         }
-        (target, linked)
+        (target, linked, collided)
     }
 
     /// The live attempt or tombstone alias `a` names. Entries of dropped tombstones met on the

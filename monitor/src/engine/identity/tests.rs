@@ -329,3 +329,61 @@ fn verdicts_do_not_depend_on_fingerprint_collisions() {
     assert!(!full.0.is_empty(), "the mix has violations");
     assert_eq!(full, collided);
 }
+
+/// Joins through a room are judged like events naming the room with a request id: a trace id
+/// (a worker's span) or a rid (an attempt first seen without its room) that brings a second
+/// client request to a room's attempt collides once; one request's ids joined through its room
+/// (a retry's trace, its own rid) do not.
+#[test]
+fn joins_through_a_room_of_two_request_ids_collide() {
+    let with_rid =
+        |rid: &str, request_id: Option<&str>, trace: Option<&str>, room: Option<u64>| Ids {
+            rid: Some(rid.into()),
+            ..ids(request_id, trace, room)
+        };
+    let mut s = store();
+    s.guard_room_request_ids();
+    let a = live(&s.resolve_t(&ids(Some("req-a"), Some("ta"), Some(7)), 1_000));
+    // The second request known by its router's span, then a worker's span naming the room.
+    assert_eq!(
+        s.resolve_t(&ids(Some("req-b"), Some("tb"), None), 2_000)
+            .collision,
+        None
+    );
+    let join = s.resolve_t(&with_rid("pb", None, Some("tb"), Some(7)), 3_000);
+    assert_eq!(join.collision, Some(AttemptAt::Live(a)));
+    assert_eq!(
+        s.take_collided_with(),
+        (Some("req-a".into()), Some("req-b".into()))
+    );
+    // An attempt seen by its rid with its request, then its rid with a room another request has.
+    let c = live(&s.resolve_t(&ids(Some("req-c"), None, Some(8)), 4_000));
+    assert_eq!(
+        s.resolve_t(&with_rid("pd", Some("req-d"), None, None), 5_000)
+            .collision,
+        None
+    );
+    let merge = s.resolve_t(&with_rid("pd", None, None, Some(8)), 6_000);
+    assert_eq!(merge.collision, Some(AttemptAt::Live(c)));
+    assert_eq!(
+        s.take_collided_with(),
+        (Some("req-c".into()), Some("req-d".into()))
+    );
+    // One request: its trace and its rid joined through its room are no collision.
+    let e = live(&s.resolve_t(&ids(Some("req-e"), None, Some(9)), 7_000));
+    assert_eq!(
+        s.resolve_t(&ids(Some("req-e"), Some("te"), None), 8_000)
+            .collision,
+        None
+    );
+    assert_eq!(
+        s.resolve_t(&with_rid("pe", Some("req-e"), None, None), 8_500)
+            .collision,
+        None
+    );
+    let own = s.resolve_t(&with_rid("pe", None, Some("te"), Some(9)), 9_000);
+    assert_eq!(
+        (own.attempt, own.collision),
+        (Some(AttemptAt::Live(e)), None)
+    );
+}
