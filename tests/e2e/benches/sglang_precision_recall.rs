@@ -47,9 +47,10 @@
 //! decode advanced (its KV landed, it produced output) or kept past `orphaned-leg`'s window
 //! (decode's end of the leg, its first of: ABORT sent, abort processed, transfer failed,
 //! answered, more than 6 s after prefill's refusal, or never). OTLP alone cannot see a refusal
-//! by SGLang's tokenizer (SGLang never exports that request's root span) nor a stub's (it runs
-//! to its end as any request, its refusal only the root's finish reason): those breaches are
-//! shown as "cannot see" for that witness.
+//! by SGLang's tokenizer (SGLang never exports that request's root span): those breaches are
+//! shown as "cannot see" for that witness. A stub's refusal is only its root's finish reason in
+//! the workers' spans; OTLP sees it through the traced router's span (the request answered 400
+//! while decode worked on it: `activity-after-request-failed`).
 //!
 //! Columns per row (router × prefill × answers × witness): requests sent; refused attempts; breaches
 //! expected; caught (breaches with at least one violation of that witness's revenant); false
@@ -454,11 +455,7 @@ fn table_line(r: &RowResult) -> String {
             "{} of what it sees; cannot see {} ({}; {} caught)",
             pct(r.caught - r.hidden_caught, visible),
             r.hidden,
-            if r.group.stub {
-                "stubs"
-            } else {
-                "tokenizer path"
-            },
+            "tokenizer path",
             r.hidden_caught
         )
     };
@@ -509,9 +506,10 @@ fn score(
                 .and_then(|rid| t.rid_room.get(rid).copied())
         })
     };
-    // OTLP alone cannot see a tokenizer refusal (its root span is never exported) nor a stub's
-    // (it runs to its end as any request; its refusal is only the root's finish reason).
-    let hidden = |a: &Attempt| witness == Witness::Otlp && (a.tokenizer_path() || a.p_stub);
+    // OTLP alone cannot see a tokenizer refusal (its root span is never exported). A stub's
+    // refusal is only its root's finish reason in the workers' spans, but the traced router's
+    // span says it answered the request 400 while decode worked on it: that it sees.
+    let hidden = |a: &Attempt| witness == Witness::Otlp && a.tokenizer_path();
     let mut unattributed: Vec<String> = Vec::new();
     // Violations by attempt (first proofs), and the rules.
     let mut violated: BTreeMap<u64, BTreeSet<String>> = BTreeMap::new();
@@ -520,11 +518,34 @@ fn score(
             continue;
         }
         let rule = x["rule"].as_str().unwrap_or("?").to_string();
-        match attempt_of(x).filter(|r| t.attempts.contains_key(r)) {
-            Some(room) => {
-                violated.entry(room).or_default().insert(rule);
-            }
-            None => unattributed.push(format!("{rule}: {}", x["summary"])),
+        if let Some(room) = attempt_of(x).filter(|r| t.attempts.contains_key(r)) {
+            violated.entry(room).or_default().insert(rule);
+            continue;
+        }
+        // A request-scope finding (the router failed the request, then one of its attempts
+        // advanced) names the request, not an attempt: it is about the request's breached
+        // attempts, or, where none is, a false alert on each of them.
+        let of_request: Vec<&Attempt> = x["request"]["request_id"]
+            .as_str()
+            .map(|id| {
+                t.attempts
+                    .values()
+                    .filter(|a| a.request_id.as_deref() == Some(id))
+                    .collect()
+            })
+            .unwrap_or_default();
+        if of_request.is_empty() {
+            unattributed.push(format!("{rule}: {}", x["summary"]));
+            continue;
+        }
+        let breached: Vec<&&Attempt> = of_request.iter().filter(|a| a.breach()).collect();
+        let about: Vec<u64> = if breached.is_empty() {
+            of_request.iter().map(|a| a.room).collect()
+        } else {
+            breached.iter().map(|a| a.room).collect()
+        };
+        for room in about {
+            violated.entry(room).or_default().insert(rule.clone());
         }
     }
     // Notifications by request.
@@ -643,10 +664,11 @@ fn score(
             }
         };
         notes.push(format!(
-            "client got {client:?}; attempts {} ({} refused: {tokenizer} by the tokenizer, {} by the scheduler); breaches {} ({} by the tokenizer path); caught by {caught_by:?}",
+            "client got {client:?}; attempts {} ({} refused: {tokenizer} by the tokenizer, {} by the scheduler; {} run as stubs); breaches {} ({} by the tokenizer path); caught by {caught_by:?}",
             of_group.len(),
             refused.len(),
             refused.len() - tokenizer,
+            refused.iter().filter(|a| a.p_stub).count(),
             breaches.len(),
             breaches.iter().filter(|a| a.tokenizer_path()).count(),
         ));
