@@ -33,7 +33,9 @@ use std::collections::HashMap;
 use foldhash::fast::RandomState;
 use prost::Message;
 
-use crate::event::{BootstrapRoom, Kind, LifecycleEvent, Peer, Source, Stage, truncate_reason};
+use crate::event::{
+    BootstrapRoom, Kind, LifecycleEvent, Peer, ProtocolBreach, Source, Stage, truncate_reason,
+};
 
 /// The wire version this build writes and reads.
 pub const WIRE_VERSION: u32 = 2;
@@ -176,8 +178,10 @@ pub mod shape {
     pub const CONTEXT_TOKENS: u32 = 1 << 24;
     pub const MAX_INPUT_TOKENS: u32 = 1 << 25;
     pub const MAX_TOTAL_TOKENS: u32 = 1 << 26;
+    /// 2 bits: 0 none, else the protocol breach + 1.
+    pub const BREACH: u32 = 27;
     /// Bits above these are not defined.
-    pub const ALL: u32 = (1 << 27) - 1;
+    pub const ALL: u32 = (1 << 29) - 1;
 }
 
 /// A batch as the checker reads it.
@@ -320,6 +324,9 @@ impl EventWriter {
         }
         if let Some(p) = e.peer {
             s |= (p as u32 + 1) << shape::PEER;
+        }
+        if let Some(b) = e.protocol_breach {
+            s |= (b as u32 + 1) << shape::BREACH;
         }
         for (bit, v) in [
             (shape::INPUT_TOKENS, e.input_tokens),
@@ -507,6 +514,10 @@ fn read_events(cols: Columns) -> Result<Vec<LifecycleEvent>, WireError> {
         if peer > 0 {
             e.peer = Some(Peer::ALL[peer as usize - 1]);
         }
+        let breach = (s >> shape::BREACH) & 3;
+        if breach > 0 {
+            e.protocol_breach = Some(ProtocolBreach::ALL[breach as usize - 1]);
+        }
         for (bit, field) in [
             (shape::INPUT_TOKENS, &mut e.input_tokens),
             (shape::CONTEXT_TOKENS, &mut e.context_tokens),
@@ -592,6 +603,7 @@ mod tests {
             detail: Some("/generate".into()),
             to: Some(Stage::Transfer),
             peer: Some(Peer::Unattributed),
+            protocol_breach: Some(ProtocolBreach::DestinationsBeforeReadiness),
             input_tokens: Some(u64::MAX),
             context_tokens: Some(0),
             max_input_tokens: Some(1 << 53),
@@ -611,6 +623,13 @@ mod tests {
                 peer: Some(peer),
                 node: Some("gpu-8".into()),
                 reason: None,
+                ..full.clone()
+            });
+        }
+        for breach in ProtocolBreach::ALL {
+            v.push(LifecycleEvent {
+                protocol_breach: Some(breach),
+                detail: None,
                 ..full.clone()
             });
         }

@@ -108,6 +108,8 @@ pub struct EbpfStats {
     pub gap_bytes: AtomicU64,
     pub zmtp_damaged: AtomicU64,
     pub zmtp_desyncs: AtomicU64,
+    /// Rooms whose control-channel protocol state the tracker forgot (table full).
+    pub room_states_evicted: AtomicU64,
     /// ZMTP connections whose syscalls the kernel captures whole.
     pub zmtp_captured_whole: AtomicU64,
     pub watched_processes: AtomicU64,
@@ -138,6 +140,8 @@ impl EbpfStats {
             + self.conns_evicted.load(Relaxed)
             // KV-transfer control messages lost to a gap: evidence of advancement may be gone.
             + self.zmtp_desyncs.load(Relaxed)
+            // A forgotten room's breaches of its control-channel protocol go unseen.
+            + self.room_states_evicted.load(Relaxed)
     }
 }
 
@@ -427,6 +431,9 @@ impl Inner {
         self.stats.gap_bytes.store(t.gap_bytes, Relaxed);
         self.stats.zmtp_damaged.store(t.zmtp_damaged, Relaxed);
         self.stats.zmtp_desyncs.store(t.zmtp_desyncs, Relaxed);
+        self.stats
+            .room_states_evicted
+            .store(t.room_states_evicted, Relaxed);
         self.stats
             .connections
             .store(self.tracker.conn_count() as u64, Relaxed);

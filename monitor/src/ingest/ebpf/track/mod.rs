@@ -26,6 +26,7 @@ use lifecycle::{PathKind, path_kind};
 
 mod clock;
 mod lifecycle;
+mod rooms;
 #[cfg(test)]
 mod tests;
 mod vllm;
@@ -58,6 +59,9 @@ pub struct TrackStats {
     /// Times a capture gap cost a ZMTP stream its framing (the messages until the next syscall
     /// that starts a frame are lost).
     pub zmtp_desyncs: u64,
+    /// Rooms whose control-channel protocol state was forgotten because the table was full
+    /// (their breaches after that go unseen).
+    pub room_states_evicted: u64,
     pub events: u64,
 }
 
@@ -200,6 +204,8 @@ pub struct Tracker {
     capacity: vllm::CapacityTable,
     /// Who connects from where on this node: see [`OwnSockets`].
     own: OwnSockets,
+    /// Each room's control-channel protocol as each watched process sees it.
+    rooms: rooms::RoomProtocols,
     pub stats: TrackStats,
 }
 
@@ -276,6 +282,7 @@ impl Tracker {
             transfer_names: vllm::TransferNames::default(),
             capacity: vllm::CapacityTable::default(),
             own: OwnSockets::default(),
+            rooms: rooms::RoomProtocols::new(),
             stats: TrackStats::default(),
         }
     }

@@ -1,5 +1,5 @@
 use super::*;
-use crate::event::{BootstrapRoom, Source, Stage};
+use crate::event::{BootstrapRoom, ProtocolBreach, Source, Stage};
 use crate::ingest::ebpf::record::{Conn, DataPiece, Record};
 use monitor_common::{Header, kind, syscall};
 use proptest::prelude::*;
@@ -1419,5 +1419,248 @@ fn writers_on_other_nodes_are_attributed_by_address_only() {
             Some(Peer::Foreign),
             Some(Peer::Member)
         ]
+    );
+}
+
+/// Decode's Mooncake destinations for `room` as `build_receiver_metadata_message` writes them
+/// (`mooncake/conn.py`): decode's rank address, its transfer session, page indices, and how many
+/// distinct sessions complete the room.
+fn mooncake_destinations(room: &str, port: &str, session: &str, required: &str) -> Vec<u8> {
+    let indices: Vec<u8> = [4i32, 5, 6].iter().flat_map(|i| i.to_le_bytes()).collect();
+    zmtp_wire(&[
+        room.as_bytes(),
+        b"127.0.0.1",
+        port.as_bytes(),
+        session.as_bytes(),
+        &indices,
+        b"3",
+        b"",
+        required.as_bytes(),
+        b"0",
+        b"",
+    ])
+}
+
+fn breaches(s: &Sim) -> Vec<(ProtocolBreach, Stage, Kind, Option<u64>)> {
+    s.out
+        .iter()
+        .filter_map(|e| {
+            e.protocol_breach
+                .map(|b| (b, e.stage, e.kind, e.ids.bootstrap_room.map(|r| r.0)))
+        })
+        .collect()
+}
+
+const ROOM: &str = "9066467638188682269";
+const ROOM_N: u64 = 9066467638188682269;
+
+/// Prefill's end sees every session a room's destinations come from: sessions up to the count
+/// the room asks for are its owners (one, or one per decode rank when decode's attention TP is
+/// a multiple of prefill's); one more is a second decode owner, reported once per room.
+#[test]
+fn a_decode_session_beyond_the_rooms_count_is_a_second_owner() {
+    let mut s = Sim::new();
+    // One decode, one session: silent.
+    s.accept(PREFILL, 5);
+    s.io(
+        PREFILL,
+        5,
+        syscall::RECVFROM,
+        &mooncake_destinations("41", "17001", "127.0.0.1:15001", "1"),
+        4096,
+    );
+    // Decode attn-TP 2 over prefill attn-TP 1: two ranks, two sessions, two asked for.
+    s.accept(PREFILL, 6);
+    s.accept(PREFILL, 7);
+    for (fd, session) in [(6, "127.0.0.1:15001"), (7, "127.0.0.1:15002")] {
+        s.io(
+            PREFILL,
+            fd,
+            syscall::RECVFROM,
+            &mooncake_destinations(ROOM, "17001", session, "2"),
+            4096,
+        );
+    }
+    // Re-sent by a session the room already has: the same owner.
+    s.io(
+        PREFILL,
+        6,
+        syscall::RECVFROM,
+        &zmtp_wire(&[b"ABORT", b"1", b"127.0.0.1", b"17001"])[64..],
+        4096,
+    );
+    assert_eq!(breaches(&s), vec![]);
+    // A third session, from another decode endpoint: a second owner. A fourth is the same
+    // breach of the same room.
+    s.accept(PREFILL, 8);
+    s.io(
+        PREFILL,
+        8,
+        syscall::RECVFROM,
+        &mooncake_destinations(ROOM, "17009", "127.0.0.1:15009", "2"),
+        4096,
+    );
+    s.accept(PREFILL, 9);
+    s.io(
+        PREFILL,
+        9,
+        syscall::RECVFROM,
+        &mooncake_destinations(ROOM, "17010", "127.0.0.1:15010", "2"),
+        4096,
+    );
+    assert_eq!(
+        breaches(&s),
+        vec![(
+            ProtocolBreach::SurplusDecodeOwner,
+            Stage::Transfer,
+            Kind::Admitted,
+            Some(ROOM_N)
+        )]
+    );
+    let e = s.out.iter().find(|e| e.protocol_breach.is_some()).unwrap();
+    assert_eq!(e.worker.as_deref(), Some("127.0.0.1:17009"));
+    // The room concluded (prefill's Success): decode may reuse it, a new lifetime.
+    s.connect(PREFILL, 20, "127.0.0.1:17001");
+    s.io(
+        PREFILL,
+        20,
+        syscall::SENDTO,
+        &zmtp_wire(&[ROOM.as_bytes(), b"4", b"0"]),
+        4096,
+    );
+    s.accept(PREFILL, 10);
+    s.io(
+        PREFILL,
+        10,
+        syscall::RECVFROM,
+        &mooncake_destinations(ROOM, "17009", "127.0.0.1:15009", "1"),
+        4096,
+    );
+    assert_eq!(breaches(&s).len(), 1);
+    // Decode's own end never judges owners: it sees only its own sessions.
+    s.connect(DECODE, 11, "127.0.0.1:31001");
+    s.io(
+        DECODE,
+        11,
+        syscall::SENDTO,
+        &mooncake_destinations("77", "17001", "127.0.0.1:15001", "1"),
+        4096,
+    );
+    s.io(
+        DECODE,
+        11,
+        syscall::SENDTO,
+        &mooncake_destinations("77", "17001", "127.0.0.1:15002", "1")[64..],
+        4096,
+    );
+    assert_eq!(breaches(&s).len(), 1);
+}
+
+/// Under `prefill_complete` prefill announces a room ready once per lifetime (`[room, "2",
+/// rank]`); decode's end, which a forged one also reaches, judges a second.
+#[test]
+fn readiness_twice_for_one_room_is_a_breach() {
+    let mut s = Sim::new();
+    s.accept(DECODE, 5);
+    let ready = zmtp_wire(&[ROOM.as_bytes(), b"2", b"0"]);
+    s.io(DECODE, 5, syscall::RECVFROM, &ready, 4096);
+    assert_eq!(breaches(&s), vec![]);
+    // Success ends the lifetime; a recompute of the retracted request may reuse the room.
+    for m in [
+        &[ROOM.as_bytes(), b"4", b"0"][..],
+        &[ROOM.as_bytes(), b"2", b"0"],
+    ] {
+        s.io(DECODE, 5, syscall::RECVFROM, &zmtp_wire(m)[64..], 4096);
+    }
+    assert_eq!(breaches(&s), vec![]);
+    s.io(DECODE, 5, syscall::RECVFROM, &ready[64..], 4096);
+    s.io(DECODE, 5, syscall::RECVFROM, &ready[64..], 4096);
+    assert_eq!(
+        breaches(&s),
+        vec![(
+            ProtocolBreach::RepeatedReadiness,
+            Stage::Prefill,
+            Kind::Work,
+            Some(ROOM_N)
+        )]
+    );
+}
+
+/// Under `prefill_complete` (the room began with `BOOTSTRAP`), destinations before prefill's
+/// readiness are a breach, judged at prefill's end, and only where its readiness could not
+/// have left unseen: on a connection to that decode endpoint read from its start.
+#[test]
+fn destinations_before_readiness_under_prefill_complete() {
+    let mut s = Sim::new();
+    s.accept(PREFILL, 5);
+    let bootstrap = |room: &str| {
+        zmtp_wire(&[b"BOOTSTRAP", room.as_bytes(), b"127.0.0.1", b"17001"])[64..].to_vec()
+    };
+    s.io(
+        PREFILL,
+        5,
+        syscall::RECVFROM,
+        &zmtp_wire(&[b"x"])[..64],
+        4096,
+    );
+    // No connection from prefill to that decode yet: its readiness may have gone unseen.
+    s.io(PREFILL, 5, syscall::RECVFROM, &bootstrap("50"), 4096);
+    s.io(
+        PREFILL,
+        5,
+        syscall::RECVFROM,
+        &mooncake_destinations("50", "17001", "127.0.0.1:15001", "1")[64..],
+        4096,
+    );
+    assert_eq!(breaches(&s), vec![]);
+    // Prefill's connection to decode, read from its greeting: the correct order is silent.
+    s.connect(PREFILL, 9, "127.0.0.1:17001");
+    s.io(
+        PREFILL,
+        9,
+        syscall::SENDTO,
+        &zmtp_wire(&[b"50", b"4", b"0"]),
+        4096,
+    );
+    s.io(PREFILL, 5, syscall::RECVFROM, &bootstrap(ROOM), 4096);
+    s.io(
+        PREFILL,
+        9,
+        syscall::SENDTO,
+        &zmtp_wire(&[ROOM.as_bytes(), b"2", b"0"])[64..],
+        4096,
+    );
+    s.io(
+        PREFILL,
+        5,
+        syscall::RECVFROM,
+        &mooncake_destinations(ROOM, "17001", "127.0.0.1:15001", "1")[64..],
+        4096,
+    );
+    // Early policy: destinations with no BOOTSTRAP are the room's first message.
+    s.io(
+        PREFILL,
+        5,
+        syscall::RECVFROM,
+        &mooncake_destinations("52", "17001", "127.0.0.1:15001", "1")[64..],
+        4096,
+    );
+    assert_eq!(breaches(&s), vec![]);
+    s.io(PREFILL, 5, syscall::RECVFROM, &bootstrap("51"), 4096);
+    s.io(
+        PREFILL,
+        5,
+        syscall::RECVFROM,
+        &mooncake_destinations("51", "17001", "127.0.0.1:15001", "1")[64..],
+        4096,
+    );
+    assert_eq!(
+        breaches(&s),
+        vec![(
+            ProtocolBreach::DestinationsBeforeReadiness,
+            Stage::Transfer,
+            Kind::Admitted,
+            Some(51)
+        )]
     );
 }
