@@ -709,6 +709,11 @@ mod tests {
         let full = &every.events[36];
         assert_eq!(full.peer, Some(Peer::Foreign));
         assert_eq!(full.max_total_tokens, Some(u64::MAX));
+        let breaches: Vec<_> = every.events[40..]
+            .iter()
+            .map(|e| e.protocol_breach)
+            .collect();
+        assert_eq!(breaches, ProtocolBreach::ALL.map(Some));
         assert_eq!(
             full.ids.trace_id.as_deref(),
             Some("4bf92f3577b34da6a3ce929d0e0e4736")
