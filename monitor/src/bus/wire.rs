@@ -19,7 +19,8 @@
 //! [`Columns`] carries exactly what the replay format (`ingest::replay`, what `revenant check`
 //! reads) carries of a [`LifecycleEvent`]: ids, times, codes, counts and short reasons, never
 //! prompt or completion text (the type has none). Per event a time delta and a `shape` (stage,
-//! kind, source, `to`, `peer` and which optional fields it has, see [`shape`]); the optional
+//! kind, source, `to`, `peer`, `protocol_breach` and which optional fields it has, see
+//! [`shape`]); the optional
 //! values follow in their own columns, in event order, for the events that have them. Request
 //! ids, trace ids and rids are concatenated in one string; node, worker, reason and detail
 //! values, which repeat, are written once per batch in `names` and referred to by index. Rooms
@@ -27,6 +28,9 @@
 //!
 //! A message of another version (v1 was a JSON Lines batch) is a [`WireError::Version`]; a
 //! malformed one another [`WireError`]: the checker counts and skips it.
+//!
+//! `protocol_breach` (shape bits 27 and 28) came after the first v2 readers: such a reader takes
+//! a batch with a marked event for malformed and skips it, so upgrade checkers before agents.
 
 use std::collections::HashMap;
 

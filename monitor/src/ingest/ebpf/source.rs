@@ -224,6 +224,16 @@ impl EbpfSource {
     /// Decodes what is in the ring buffer now, at most [`DRAIN_LIMIT`] records, so that a full
     /// ring does not turn into one huge batch; returns how many records it read.
     pub fn drain(&mut self, out: &mut EventBatch) -> usize {
+        // Records the kernel lost before this drain (ring buffer full, syscall table full) may be
+        // control messages of rooms whose next messages this drain reads: the tracker does not
+        // judge those rooms' readiness order (see `track::rooms`).
+        if let Ok(lost) = self
+            .inner
+            .probes
+            .counter_sum(&[counter::RINGBUF_DROPS, counter::ACTIVE_FULL])
+        {
+            self.inner.tracker.set_kernel_losses(lost);
+        }
         let mut n = 0;
         let mut execs = Vec::new();
         while n < DRAIN_LIMIT

@@ -447,7 +447,10 @@ impl Tracker {
             },
             _ => return None,
         };
-        let loss = self.stats.zmtp_desyncs + self.stats.zmtp_damaged + self.stats.conns_evicted;
+        let loss = self.stats.zmtp_desyncs
+            + self.stats.zmtp_damaged
+            + self.stats.conns_evicted
+            + self.kernel_losses;
         let conns = &self.conns;
         let visible = || {
             let Some(to) = endpoint.and_then(|e| e.parse::<SocketAddr>().ok()) else {

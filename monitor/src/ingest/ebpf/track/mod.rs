@@ -206,6 +206,9 @@ pub struct Tracker {
     own: OwnSockets,
     /// Each room's control-channel protocol as each watched process sees it.
     rooms: rooms::RoomProtocols,
+    /// Records the kernel lost so far (ring buffer or syscall table full), as the source last
+    /// read them: any of them may have been a room's control message.
+    kernel_losses: u64,
     pub stats: TrackStats,
 }
 
@@ -283,6 +286,7 @@ impl Tracker {
             capacity: vllm::CapacityTable::default(),
             own: OwnSockets::default(),
             rooms: rooms::RoomProtocols::new(),
+            kernel_losses: 0,
             stats: TrackStats::default(),
         }
     }
@@ -297,6 +301,12 @@ impl Tracker {
     /// sockets that existed before it was watched).
     pub fn add_own_socket(&mut self, tgid: u32, local: SocketAddr) {
         self.own.add(tgid, local);
+    }
+
+    /// Records the kernel lost so far (ring buffer or syscall table full): read before each
+    /// drain, so that a room whose control message may be among them is not judged on order.
+    pub fn set_kernel_losses(&mut self, n: u64) {
+        self.kernel_losses = n;
     }
 
     pub fn set_role(&mut self, tgid: u32, role: Role) {

@@ -1663,4 +1663,15 @@ fn destinations_before_readiness_under_prefill_complete() {
             Some(51)
         )]
     );
+    // The kernel lost records since the room began (its readiness may be one): not judged.
+    s.io(PREFILL, 5, syscall::RECVFROM, &bootstrap("53"), 4096);
+    s.t.set_kernel_losses(1);
+    s.io(
+        PREFILL,
+        5,
+        syscall::RECVFROM,
+        &mooncake_destinations("53", "17001", "127.0.0.1:15001", "1")[64..],
+        4096,
+    );
+    assert_eq!(breaches(&s).len(), 1);
 }
