@@ -8,6 +8,12 @@
 //!   decode rank that maps to the prefill rank: 1, or decode attn-TP / prefill attn-TP, or decode
 //!   attn-TP under MLA KV sharding), each from its own session, and re-sends only from the same
 //!   session.
+//!
+//!   One exception in stock SGLang: parallel samples (`n > 1`) of one prompt share its room
+//!   (`tokenizer_manager.py`: a prefix request, then each sample), and decode's data-parallel
+//!   controller spreads them round-robin over its DP ranks, each a process with its own session.
+//!   So a surplus session counts only when it comes from a host none of the room's earlier
+//!   sessions is on: DP ranks of one decode instance on one node share its address.
 //! - under `prefill_complete` (`common/bootstrap.py` `DeferredBootstrap`), decode opens a room
 //!   with `[BOOTSTRAP, room, ip, port]`, prefill announces it ready (`[room, "2", rank]`) once
 //!   per room lifetime (`ready_notified`), and decode publishes destinations only after that.
@@ -43,9 +49,11 @@ pub(super) enum RoomMessage<'a> {
     Bootstrap,
     /// Prefill's `[room, "2", rank]`.
     Readiness,
-    /// Decode's destinations from `session`, naming `required` sessions for the room.
+    /// Decode's destinations from `session` on `host` (the decode rank's address), naming
+    /// `required` sessions for the room.
     Destinations {
         session: Option<&'a str>,
+        host: Option<&'a str>,
         required: Option<u32>,
     },
     /// The room's Success or Failed status, or decode withdrew it: its lifetime ended.
@@ -80,7 +88,8 @@ struct RoomState {
     /// message since is not judged on order or repetition (the missing one may be the readiness
     /// or the conclusion that makes the rest correct).
     loss_at_start: u64,
-    sessions: Vec<u64>,
+    /// Each distinct session, with its host.
+    sessions: Vec<(u64, Option<u64>)>,
     bootstrap: bool,
     readiness: u32,
     /// When a message of this room was last seen (kernel clock).
@@ -147,18 +156,26 @@ impl RoomProtocols {
                 (judge.readiness && unbroken && st.readiness > 1)
                     .then_some(ProtocolBreach::RepeatedReadiness)
             }
-            RoomMessage::Destinations { session, required } => {
+            RoomMessage::Destinations {
+                session,
+                host,
+                required,
+            } => {
+                let host = host.map(session_key);
+                // A new session from a host none of the room's sessions is on.
+                let mut from_elsewhere = false;
                 if let Some(s) = session.map(session_key)
-                    && !st.sessions.contains(&s)
+                    && !st.sessions.iter().any(|(known, _)| *known == s)
                     && st.sessions.len() < MAX_SESSIONS
                 {
-                    st.sessions.push(s);
+                    from_elsewhere = host.is_some() && st.sessions.iter().all(|(_, h)| *h != host);
+                    st.sessions.push((s, host));
                 }
                 // Judged by the count this message names, as prefill judges it; a message whose
                 // count the capture lost is not judged (each decode rank names the same count,
                 // but another decode instance may name another).
                 let surplus = judge.owners
-                    && session.is_some()
+                    && from_elsewhere
                     && required.is_some_and(|r| st.sessions.len() > r as usize);
                 let early = judge.order && unbroken && st.bootstrap && st.readiness == 0;
                 if surplus {
@@ -244,9 +261,11 @@ mod tests {
         order: true,
     };
 
+    /// Destinations from `session` (`host:port`, as Mooncake names it) on its host.
     fn dst(session: &str, required: u32) -> RoomMessage<'_> {
         RoomMessage::Destinations {
             session: Some(session),
+            host: session.rsplit_once(':').map(|(h, _)| h),
             required: Some(required),
         }
     }
@@ -290,6 +309,7 @@ mod tests {
         // A count the capture lost is not judged; an end that does not judge owners neither.
         let lost = RoomMessage::Destinations {
             session: Some("10.0.0.3:1"),
+            host: Some("10.0.0.3"),
             required: None,
         };
         assert_eq!(r.note(at(1, 8, 0, 0), dst("a", 1), ALL, yes), None);
@@ -300,6 +320,25 @@ mod tests {
         };
         assert_eq!(r.note(at(1, 9, 0, 0), dst("a", 1), no_owners, yes), None);
         assert_eq!(r.note(at(1, 9, 0, 0), dst("b", 1), no_owners, yes), None);
+        // Parallel samples of one prompt spread over the DP ranks of one decode node: sessions
+        // beyond the count, all on the room's host, are no second owner; one from another
+        // host is.
+        assert_eq!(
+            r.note(at(1, 12, 0, 0), dst("10.0.0.2:15001", 1), ALL, yes),
+            None
+        );
+        assert_eq!(
+            r.note(at(1, 12, 0, 0), dst("10.0.0.2:15002", 1), ALL, yes),
+            None
+        );
+        assert_eq!(
+            r.note(at(1, 12, 0, 0), dst("10.0.0.2:15003", 1), ALL, yes),
+            None
+        );
+        assert_eq!(
+            r.note(at(1, 12, 0, 0), dst("10.0.0.7:15001", 1), ALL, yes),
+            Some(ProtocolBreach::SurplusDecodeOwner)
+        );
     }
 
     #[test]

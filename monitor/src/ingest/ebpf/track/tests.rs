@@ -1426,10 +1426,21 @@ fn writers_on_other_nodes_are_attributed_by_address_only() {
 /// (`mooncake/conn.py`): decode's rank address, its transfer session, page indices, and how many
 /// distinct sessions complete the room.
 fn mooncake_destinations(room: &str, port: &str, session: &str, required: &str) -> Vec<u8> {
+    mooncake_destinations_from("127.0.0.1", room, port, session, required)
+}
+
+/// [`mooncake_destinations`] from a decode rank at `ip`.
+fn mooncake_destinations_from(
+    ip: &str,
+    room: &str,
+    port: &str,
+    session: &str,
+    required: &str,
+) -> Vec<u8> {
     let indices: Vec<u8> = [4i32, 5, 6].iter().flat_map(|i| i.to_le_bytes()).collect();
     zmtp_wire(&[
         room.as_bytes(),
-        b"127.0.0.1",
+        ip.as_bytes(),
         port.as_bytes(),
         session.as_bytes(),
         &indices,
@@ -1490,14 +1501,25 @@ fn a_decode_session_beyond_the_rooms_count_is_a_second_owner() {
         4096,
     );
     assert_eq!(breaches(&s), vec![]);
-    // A third session, from another decode endpoint: a second owner. A fourth is the same
-    // breach of the same room.
+    // A third session on the room's host (a DP rank of the same decode serving a parallel
+    // sample of the prompt) is not judged.
+    s.accept(PREFILL, 12);
+    s.io(
+        PREFILL,
+        12,
+        syscall::RECVFROM,
+        &mooncake_destinations(ROOM, "17003", "127.0.0.1:15003", "2"),
+        4096,
+    );
+    assert_eq!(breaches(&s), vec![]);
+    // One from a decode on another host: a second owner. Another is the same breach of the
+    // same room.
     s.accept(PREFILL, 8);
     s.io(
         PREFILL,
         8,
         syscall::RECVFROM,
-        &mooncake_destinations(ROOM, "17009", "127.0.0.1:15009", "2"),
+        &mooncake_destinations_from("10.0.0.9", ROOM, "17009", "10.0.0.9:15009", "2"),
         4096,
     );
     s.accept(PREFILL, 9);
@@ -1505,7 +1527,7 @@ fn a_decode_session_beyond_the_rooms_count_is_a_second_owner() {
         PREFILL,
         9,
         syscall::RECVFROM,
-        &mooncake_destinations(ROOM, "17010", "127.0.0.1:15010", "2"),
+        &mooncake_destinations_from("10.0.0.9", ROOM, "17010", "10.0.0.9:15010", "2"),
         4096,
     );
     assert_eq!(
@@ -1518,7 +1540,7 @@ fn a_decode_session_beyond_the_rooms_count_is_a_second_owner() {
         )]
     );
     let e = s.out.iter().find(|e| e.protocol_breach.is_some()).unwrap();
-    assert_eq!(e.worker.as_deref(), Some("127.0.0.1:17009"));
+    assert_eq!(e.worker.as_deref(), Some("10.0.0.9:17009"));
     // The room concluded (prefill's Success): decode may reuse it, a new lifetime.
     s.connect(PREFILL, 20, "127.0.0.1:17001");
     s.io(
@@ -1550,7 +1572,7 @@ fn a_decode_session_beyond_the_rooms_count_is_a_second_owner() {
         DECODE,
         11,
         syscall::SENDTO,
-        &mooncake_destinations("77", "17001", "127.0.0.1:15002", "1")[64..],
+        &mooncake_destinations_from("10.0.0.9", "77", "17001", "10.0.0.9:15002", "1")[64..],
         4096,
     );
     assert_eq!(breaches(&s).len(), 1);
