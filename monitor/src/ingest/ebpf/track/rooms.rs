@@ -32,7 +32,8 @@ use foldhash::{HashMap, HashMapExt};
 
 use crate::event::ProtocolBreach;
 
-/// Rooms remembered per tracker (each about a hundred bytes, plus its sessions: at most 4 MiB).
+/// Rooms remembered per tracker (each about a hundred bytes plus 16 per session: at most
+/// about 10 MiB with every room at its session cap).
 pub(super) const MAX_ROOMS: usize = 16_384;
 /// Distinct sessions remembered per room: more than the decode ranks a room's prefill rank
 /// serves in any layout SGLang supports (a room asking for more is never found in surplus).
@@ -107,7 +108,8 @@ pub(super) struct RoomProtocols {
     pub evicted: u64,
 }
 
-fn session_key(s: &str) -> u64 {
+/// A session or host name as a fixed-size key (a collision merges two: a missed alert only).
+fn text_key(s: &str) -> u64 {
     let mut h = std::collections::hash_map::DefaultHasher::new();
     s.hash(&mut h);
     h.finish()
@@ -161,10 +163,10 @@ impl RoomProtocols {
                 host,
                 required,
             } => {
-                let host = host.map(session_key);
+                let host = host.map(text_key);
                 // A new session from a host none of the room's sessions is on.
                 let mut from_elsewhere = false;
-                if let Some(s) = session.map(session_key)
+                if let Some(s) = session.map(text_key)
                     && !st.sessions.iter().any(|(known, _)| *known == s)
                     && st.sessions.len() < MAX_SESSIONS
                 {
