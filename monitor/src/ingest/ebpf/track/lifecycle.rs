@@ -419,10 +419,6 @@ impl Tracker {
                 *room,
                 RoomMessage::Destinations {
                     session: session.as_deref(),
-                    host: endpoint
-                        .as_deref()
-                        .and_then(|e| e.rsplit_once(':'))
-                        .map(|(host, _)| host),
                     required: *required,
                 },
                 endpoint.as_deref(),

@@ -573,6 +573,18 @@ impl Tracker {
                 p.ids = ids.clone();
             }
         }
+        // The requests prefill runs on each room this body names: a room's owners (see
+        // `rooms`), judged where its destinations arrive.
+        if at.role == Role::Prefill
+            && !at.client
+            && path_kind(&head.path) == PathKind::Generate
+            && !ids.is_warmup()
+        {
+            for (room, requests) in ids.room_requests() {
+                self.rooms.expect(room, requests, start);
+            }
+            self.stats.room_states_evicted = self.rooms.evicted;
+        }
         let at = &at;
         self.request_event(at, &head, &ids, start, body.len, out);
         for a in deferred {

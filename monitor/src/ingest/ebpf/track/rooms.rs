@@ -9,11 +9,13 @@
 //!   attn-TP under MLA KV sharding), each from its own session, and re-sends only from the same
 //!   session.
 //!
-//!   One exception in stock SGLang: parallel samples (`n > 1`) of one prompt share its room
-//!   (`tokenizer_manager.py`: a prefix request, then each sample), and decode's data-parallel
-//!   controller spreads them round-robin over its DP ranks, each a process with its own session.
-//!   So a surplus session counts only when it comes from a host none of the room's earlier
-//!   sessions is on: DP ranks of one decode instance on one node share its address.
+//!   A room may carry several requests, though: parallel samples (`n > 1`) of one prompt share
+//!   its room (`tokenizer_manager.py`: a prefix request, then each sample), as do the prompts
+//!   of a batch that lists one room several times, and decode's data-parallel controller
+//!   spreads them round-robin over its DP ranks, each a process with its own session, on one
+//!   node or several. So a room's owners are `required_dst_info_num` times the requests SGLang
+//!   runs on it, which the request body prefill's HTTP server received tells (see
+//!   [`RoomProtocols::expect`]); a room whose body was not seen is not judged on owners.
 //! - under `prefill_complete` (`common/bootstrap.py` `DeferredBootstrap`), decode opens a room
 //!   with `[BOOTSTRAP, room, ip, port]`, prefill announces it ready (`[room, "2", rank]`) once
 //!   per room lifetime (`ready_notified`), and decode publishes destinations only after that.
@@ -32,9 +34,11 @@ use foldhash::{HashMap, HashMapExt};
 
 use crate::event::ProtocolBreach;
 
-/// Rooms remembered per tracker (each about a hundred bytes plus 16 per session: at most
-/// about 10 MiB with every room at its session cap).
+/// Rooms remembered per tracker (each about a hundred bytes plus 8 per session: at most
+/// about 6 MiB with every room at its session cap).
 pub(super) const MAX_ROOMS: usize = 16_384;
+/// Rooms whose request count is remembered, per tracker (each about 50 bytes: 3 MiB at most).
+const MAX_EXPECTED: usize = 4 * MAX_ROOMS;
 /// Distinct sessions remembered per room: more than the decode ranks a room's prefill rank
 /// serves in any layout SGLang supports (a room asking for more is never found in surplus).
 const MAX_SESSIONS: usize = 32;
@@ -50,11 +54,9 @@ pub(super) enum RoomMessage<'a> {
     Bootstrap,
     /// Prefill's `[room, "2", rank]`.
     Readiness,
-    /// Decode's destinations from `session` on `host` (the decode rank's address), naming
-    /// `required` sessions for the room.
+    /// Decode's destinations from `session`, naming `required` sessions for the room.
     Destinations {
         session: Option<&'a str>,
-        host: Option<&'a str>,
         required: Option<u32>,
     },
     /// The room's Success or Failed status, or decode withdrew it: its lifetime ended.
@@ -89,8 +91,8 @@ struct RoomState {
     /// message since is not judged on order or repetition (the missing one may be the readiness
     /// or the conclusion that makes the rest correct).
     loss_at_start: u64,
-    /// Each distinct session, with its host.
-    sessions: Vec<(u64, Option<u64>)>,
+    /// Each distinct session.
+    sessions: Vec<u64>,
     bootstrap: bool,
     readiness: u32,
     /// When a message of this room was last seen (kernel clock).
@@ -99,16 +101,30 @@ struct RoomState {
     reported: u8,
 }
 
+/// How many requests SGLang runs on a room, as the request body prefill received says.
+#[derive(Debug)]
+struct Expected {
+    /// Which insertion of this room the eviction queue's entry is.
+    seq: u64,
+    requests: u32,
+    /// When a body naming the room was last seen (kernel clock).
+    at_ns: u64,
+}
+
 #[derive(Debug, Default)]
 pub(super) struct RoomProtocols {
     rooms: HashMap<(u32, u64), RoomState>,
     order: VecDeque<((u32, u64), u64)>,
     next_seq: u64,
-    /// Rooms forgotten because the table was full while they were still active.
+    /// Per room, not per process: prefill's HTTP server (the tokenizer) and the scheduler
+    /// ranks that receive the room's destinations are different processes of this node.
+    expected: HashMap<u64, Expected>,
+    expected_order: VecDeque<(u64, u64)>,
+    /// Rooms forgotten because a table was full while they were still active.
     pub evicted: u64,
 }
 
-/// A session or host name as a fixed-size key (a collision merges two: a missed alert only).
+/// A session name as a fixed-size key (a collision merges two: a missed alert only).
 fn text_key(s: &str) -> u64 {
     let mut h = std::collections::hash_map::DefaultHasher::new();
     s.hash(&mut h);
@@ -119,8 +135,59 @@ impl RoomProtocols {
     pub(super) fn new() -> Self {
         RoomProtocols {
             rooms: HashMap::new(),
+            expected: HashMap::new(),
             ..Default::default()
         }
+    }
+
+    /// A request body prefill's HTTP server received names `room` for `requests` requests
+    /// (see `RequestIds::room_requests`). Bodies naming the same room while it is live add
+    /// up: each request on it may bring its own decode sessions.
+    pub(super) fn expect(&mut self, room: u64, requests: u32, now_ns: u64) {
+        if let Some(e) = self.expected.get_mut(&room) {
+            let live = now_ns.saturating_sub(e.at_ns) < QUIET_NS;
+            e.requests = if live {
+                e.requests.saturating_add(requests)
+            } else {
+                requests
+            };
+            e.at_ns = e.at_ns.max(now_ns);
+            return;
+        }
+        while self.expected.len() >= MAX_EXPECTED {
+            let Some((old, seq)) = self.expected_order.pop_front() else {
+                break;
+            };
+            if let Some(e) = self.expected.get(&old).filter(|e| e.seq == seq) {
+                if now_ns.saturating_sub(e.at_ns) < QUIET_NS {
+                    self.evicted += 1;
+                }
+                self.expected.remove(&old);
+            }
+        }
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        if self.expected_order.len() >= 2 * MAX_EXPECTED {
+            self.expected_order
+                .retain(|(r, s)| self.expected.get(r).is_some_and(|e| e.seq == *s));
+        }
+        self.expected_order.push_back((room, seq));
+        self.expected.insert(
+            room,
+            Expected {
+                seq,
+                requests,
+                at_ns: now_ns,
+            },
+        );
+    }
+
+    /// The requests SGLang runs on `room`, if a body naming it was seen and is not stale.
+    fn requests_on(&self, room: u64, now_ns: u64) -> Option<u32> {
+        self.expected
+            .get(&room)
+            .filter(|e| now_ns.saturating_sub(e.at_ns) < QUIET_NS)
+            .map(|e| e.requests)
     }
 
     /// Notes `msg` as [`RoomAt`] places it, and returns the breach it makes, if `judge` lets
@@ -143,8 +210,14 @@ impl RoomProtocols {
         let key = (tgid, room);
         if let RoomMessage::Concluded = msg {
             self.rooms.remove(&key);
+            // A room of one request is done with; one of several keeps its count until it
+            // goes quiet (its other requests may not have started).
+            if self.expected.get(&room).is_some_and(|e| e.requests <= 1) {
+                self.expected.remove(&room);
+            }
             return None;
         }
+        let requests = self.requests_on(room, now_ns);
         let st = self.state(key, loss, now_ns);
         st.last_ns = st.last_ns.max(now_ns);
         let unbroken = st.loss_at_start == loss;
@@ -158,27 +231,24 @@ impl RoomProtocols {
                 (judge.readiness && unbroken && st.readiness > 1)
                     .then_some(ProtocolBreach::RepeatedReadiness)
             }
-            RoomMessage::Destinations {
-                session,
-                host,
-                required,
-            } => {
-                let host = host.map(text_key);
-                // A new session from a host none of the room's sessions is on.
-                let mut from_elsewhere = false;
+            RoomMessage::Destinations { session, required } => {
+                let mut added = false;
                 if let Some(s) = session.map(text_key)
-                    && !st.sessions.iter().any(|(known, _)| *known == s)
+                    && !st.sessions.contains(&s)
                     && st.sessions.len() < MAX_SESSIONS
                 {
-                    from_elsewhere = host.is_some() && st.sessions.iter().all(|(_, h)| *h != host);
-                    st.sessions.push((s, host));
+                    st.sessions.push(s);
+                    added = true;
                 }
-                // Judged by the count this message names, as prefill judges it; a message whose
-                // count the capture lost is not judged (each decode rank names the same count,
-                // but another decode instance may name another).
+                // Judged by the count this message names, as prefill judges it, times the
+                // requests on the room; a message whose count the capture lost is not judged
+                // (each decode rank names the same count, but another decode instance may name
+                // another), nor a room whose request body was not seen.
                 let surplus = judge.owners
-                    && from_elsewhere
-                    && required.is_some_and(|r| st.sessions.len() > r as usize);
+                    && added
+                    && required.zip(requests).is_some_and(|(r, k)| {
+                        st.sessions.len() > (r as usize).saturating_mul(k as usize)
+                    });
                 let early = judge.order && unbroken && st.bootstrap && st.readiness == 0;
                 if surplus {
                     Some(ProtocolBreach::SurplusDecodeOwner)
@@ -263,11 +333,10 @@ mod tests {
         order: true,
     };
 
-    /// Destinations from `session` (`host:port`, as Mooncake names it) on its host.
+    /// Destinations from `session` (`host:port`, as Mooncake names it).
     fn dst(session: &str, required: u32) -> RoomMessage<'_> {
         RoomMessage::Destinations {
             session: Some(session),
-            host: session.rsplit_once(':').map(|(h, _)| h),
             required: Some(required),
         }
     }
@@ -276,6 +345,7 @@ mod tests {
     fn a_surplus_session_is_reported_once_per_room() {
         let mut r = RoomProtocols::new();
         let yes = || true;
+        r.expect(7, 1, 0);
         // Decode attn-TP 2 over prefill attn-TP 1: two sessions complete the room.
         assert_eq!(
             r.note(at(1, 7, 0, 0), dst("10.0.0.2:15001", 2), ALL, yes),
@@ -298,7 +368,7 @@ mod tests {
             r.note(at(1, 7, 0, 0), dst("10.0.0.9:15002", 2), ALL, yes),
             None
         );
-        // Another prefill process keeps its own rooms; a concluded room starts over.
+        // Another prefill process keeps its own sessions; a concluded room starts over.
         assert_eq!(
             r.note(at(2, 7, 0, 0), dst("10.0.0.9:15001", 2), ALL, yes),
             None
@@ -311,36 +381,78 @@ mod tests {
         // A count the capture lost is not judged; an end that does not judge owners neither.
         let lost = RoomMessage::Destinations {
             session: Some("10.0.0.3:1"),
-            host: Some("10.0.0.3"),
             required: None,
         };
+        r.expect(8, 1, 0);
         assert_eq!(r.note(at(1, 8, 0, 0), dst("a", 1), ALL, yes), None);
         assert_eq!(r.note(at(1, 8, 0, 0), lost, ALL, yes), None);
         let no_owners = Judge {
             owners: false,
             ..ALL
         };
+        r.expect(9, 1, 0);
         assert_eq!(r.note(at(1, 9, 0, 0), dst("a", 1), no_owners, yes), None);
         assert_eq!(r.note(at(1, 9, 0, 0), dst("b", 1), no_owners, yes), None);
-        // Parallel samples of one prompt spread over the DP ranks of one decode node: sessions
-        // beyond the count, all on the room's host, are no second owner; one from another
-        // host is.
+    }
+
+    /// A room's owners are the count its destinations name times the requests SGLang runs on
+    /// it, as the body prefill received says.
+    #[test]
+    fn a_rooms_owners_are_its_count_times_its_requests() {
+        let mut r = RoomProtocols::new();
+        let yes = || true;
+        let sessions = |r: &mut RoomProtocols, room: u64, hosts: &[&str], required: u32| {
+            hosts
+                .iter()
+                .filter_map(|h| r.note(at(1, room, 0, 0), dst(h, required), ALL, yes))
+                .collect::<Vec<_>>()
+        };
+        // n = 3 (a prefix request and three samples) spread over three decode nodes.
+        r.expect(20, 4, 0);
         assert_eq!(
-            r.note(at(1, 12, 0, 0), dst("10.0.0.2:15001", 1), ALL, yes),
+            sessions(&mut r, 20, &["10.0.0.2:1", "10.0.0.3:1", "10.0.0.4:1"], 1),
+            vec![]
+        );
+        // n = 1: a session from a second host is a second owner, once.
+        r.expect(21, 1, 0);
+        assert_eq!(
+            sessions(&mut r, 21, &["10.0.0.2:1", "10.0.0.3:1", "10.0.0.4:1"], 1),
+            vec![ProtocolBreach::SurplusDecodeOwner]
+        );
+        // A room listed twice in a batch: twice its count, and one more is a second owner.
+        r.expect(22, 2, 0);
+        assert_eq!(
+            sessions(&mut r, 22, &["10.0.0.2:1", "10.0.0.2:2", "10.0.0.3:1"], 2),
+            vec![]
+        );
+        assert_eq!(
+            sessions(&mut r, 22, &["10.0.0.3:2", "10.0.0.5:1"], 2),
+            vec![ProtocolBreach::SurplusDecodeOwner]
+        );
+        // No body seen for the room (a capture gap, or it predates the capture), or only one
+        // gone stale: not judged.
+        assert_eq!(
+            sessions(&mut r, 23, &["10.0.0.2:1", "10.0.0.3:1"], 1),
+            vec![]
+        );
+        r.expect(24, 1, 0);
+        r.note(at(1, 24, QUIET_NS, 0), dst("10.0.0.2:1", 1), ALL, yes);
+        assert_eq!(
+            r.note(at(1, 24, QUIET_NS, 0), dst("10.0.0.3:1", 1), ALL, yes),
             None
         );
+        // A room of one request forgets its count when it concludes (decode reusing it after a
+        // retraction is not judged); a room of several keeps it for its other requests.
+        r.note(at(1, 21, 0, 0), RoomMessage::Concluded, ALL, yes);
         assert_eq!(
-            r.note(at(1, 12, 0, 0), dst("10.0.0.2:15002", 1), ALL, yes),
-            None
+            sessions(&mut r, 21, &["10.0.0.2:1", "10.0.0.3:1"], 1),
+            vec![]
         );
-        assert_eq!(
-            r.note(at(1, 12, 0, 0), dst("10.0.0.2:15003", 1), ALL, yes),
-            None
-        );
-        assert_eq!(
-            r.note(at(1, 12, 0, 0), dst("10.0.0.7:15001", 1), ALL, yes),
-            Some(ProtocolBreach::SurplusDecodeOwner)
-        );
+        r.note(at(1, 20, 0, 0), RoomMessage::Concluded, ALL, yes);
+        assert_eq!(r.requests_on(20, 0), Some(4));
+        // Two bodies naming one live room add up.
+        r.expect(20, 4, 1);
+        assert_eq!(r.requests_on(20, 1), Some(8));
     }
 
     #[test]
@@ -420,5 +532,16 @@ mod tests {
         }
         assert_eq!(r.evicted, lost);
         assert_eq!(r.len(), MAX_ROOMS);
+        // Request counts too.
+        for room in 0..(MAX_EXPECTED as u64 + 10) {
+            r.expect(room, 2, 0);
+        }
+        assert_eq!(r.expected.len(), MAX_EXPECTED);
+        assert_eq!(r.evicted, lost + 10);
+        assert!(r.expected_order.len() <= 2 * MAX_EXPECTED);
+        for room in 0..10u64 {
+            r.expect(u64::MAX - room, 2, QUIET_NS);
+        }
+        assert_eq!(r.evicted, lost + 10);
     }
 }

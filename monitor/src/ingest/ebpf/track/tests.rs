@@ -1471,6 +1471,12 @@ const ROOM_N: u64 = 9066467638188682269;
 #[test]
 fn a_decode_session_beyond_the_rooms_count_is_a_second_owner() {
     let mut s = Sim::new();
+    // Prefill's HTTP server received the room's request: one request on it.
+    prefill_receives(
+        &mut s,
+        30,
+        &format!(r#"{{"text": "hi", "bootstrap_room": {ROOM}}}"#),
+    );
     // One decode, one session: silent.
     s.accept(PREFILL, 5);
     s.io(
@@ -1498,17 +1504,6 @@ fn a_decode_session_beyond_the_rooms_count_is_a_second_owner() {
         6,
         syscall::RECVFROM,
         &zmtp_wire(&[b"ABORT", b"1", b"127.0.0.1", b"17001"])[64..],
-        4096,
-    );
-    assert_eq!(breaches(&s), vec![]);
-    // A third session on the room's host (a DP rank of the same decode serving a parallel
-    // sample of the prompt) is not judged.
-    s.accept(PREFILL, 12);
-    s.io(
-        PREFILL,
-        12,
-        syscall::RECVFROM,
-        &mooncake_destinations(ROOM, "17003", "127.0.0.1:15003", "2"),
         4096,
     );
     assert_eq!(breaches(&s), vec![]);
@@ -1559,7 +1554,9 @@ fn a_decode_session_beyond_the_rooms_count_is_a_second_owner() {
         4096,
     );
     assert_eq!(breaches(&s).len(), 1);
-    // Decode's own end never judges owners: it sees only its own sessions.
+    // Decode's own end never judges owners, even of a room prefill's server received: it
+    // sees only its own sessions.
+    prefill_receives(&mut s, 31, r#"{"text": "hi", "bootstrap_room": 77}"#);
     s.connect(DECODE, 11, "127.0.0.1:31001");
     s.io(
         DECODE,
@@ -1576,6 +1573,103 @@ fn a_decode_session_beyond_the_rooms_count_is_a_second_owner() {
         4096,
     );
     assert_eq!(breaches(&s).len(), 1);
+}
+
+/// Prefill's HTTP server (tgid `PREFILL`) reads a `/generate` request with `body` on `fd`.
+fn prefill_receives(s: &mut Sim, fd: u32, body: &str) {
+    s.accept(PREFILL, fd);
+    s.io(
+        PREFILL,
+        fd,
+        syscall::RECVFROM,
+        &http_post("/generate", body),
+        4096,
+    );
+}
+
+/// Decode sessions on `hosts` send destinations for `room` to prefill's scheduler (another
+/// process than its HTTP server), each on its own connection from `fd` on.
+fn destinations_from_hosts(s: &mut Sim, fd: u32, room: &str, hosts: &[&str], required: &str) {
+    for (i, host) in hosts.iter().enumerate() {
+        let fd = fd + i as u32;
+        s.accept(PREFILL_SCHEDULER, fd);
+        s.io(
+            PREFILL_SCHEDULER,
+            fd,
+            syscall::RECVFROM,
+            &mooncake_destinations_from(host, room, "17001", &format!("{host}:15001"), required),
+            4096,
+        );
+    }
+}
+
+const PREFILL_SCHEDULER: u32 = 201;
+
+/// Parallel samples of one prompt (`n > 1`) and a batch listing a room more than once are
+/// several requests on one room, which decode's round-robin DP may put on different nodes:
+/// their owners are the count times those requests, as the body prefill's HTTP server read
+/// says. A room whose body was not seen is not judged.
+#[test]
+fn a_rooms_owners_are_its_count_times_the_requests_its_body_names() {
+    let mut s = Sim::new();
+    s.t.set_role(PREFILL_SCHEDULER, Role::Prefill);
+    let hosts = ["10.0.0.2", "10.0.0.3", "10.0.0.4"];
+    // n = 3 (top level, or in sampling_params) on decode DP ranks of three nodes: silent.
+    prefill_receives(
+        &mut s,
+        30,
+        r#"{"text": "hi", "n": 3, "bootstrap_room": 50}"#,
+    );
+    destinations_from_hosts(&mut s, 100, "50", &hosts, "1");
+    prefill_receives(
+        &mut s,
+        31,
+        r#"{"text": "hi", "sampling_params": {"n": 3, "temperature": 1.0}, "bootstrap_room": 51}"#,
+    );
+    destinations_from_hosts(&mut s, 110, "51", &hosts, "1");
+    assert_eq!(breaches(&s), vec![]);
+    // n = 1 (not named): a session from a second host is a second owner, reported once.
+    prefill_receives(&mut s, 32, r#"{"text": "hi", "bootstrap_room": 52}"#);
+    destinations_from_hosts(&mut s, 120, "52", &hosts, "1");
+    assert_eq!(
+        breaches(&s),
+        vec![(
+            ProtocolBreach::SurplusDecodeOwner,
+            Stage::Transfer,
+            Kind::Admitted,
+            Some(52)
+        )]
+    );
+    // A batch listing room 53 twice: twice the count is silent, one more is a second owner.
+    prefill_receives(
+        &mut s,
+        33,
+        r#"{"text": ["a", "b", "c"], "bootstrap_room": [53, 54, 53]}"#,
+    );
+    destinations_from_hosts(&mut s, 130, "53", &hosts[..2], "1");
+    assert_eq!(breaches(&s).len(), 1);
+    destinations_from_hosts(&mut s, 140, "53", &hosts[2..], "1");
+    assert_eq!(breaches(&s).len(), 2);
+    assert_eq!(breaches(&s)[1].3, Some(53));
+    // No body seen for room 55 (a capture gap, or a request from before the capture): not
+    // judged.
+    destinations_from_hosts(&mut s, 150, "55", &hosts, "1");
+    assert_eq!(breaches(&s).len(), 2);
+    // A body the capture cut in the middle may hide its `n`: not judged either.
+    let long = format!(
+        r#"{{"text": "{}", "bootstrap_room": 56}}"#,
+        "lorem ipsum ".repeat(2000)
+    );
+    s.accept(PREFILL, 34);
+    s.io(
+        PREFILL,
+        34,
+        syscall::RECVFROM,
+        &http_post("/generate", &long),
+        1 << 20,
+    );
+    destinations_from_hosts(&mut s, 160, "56", &hosts, "1");
+    assert_eq!(breaches(&s).len(), 2);
 }
 
 /// Under `prefill_complete` prefill announces a room ready once per lifetime (`[room, "2",
