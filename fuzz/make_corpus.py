@@ -139,6 +139,15 @@ zmtp_seeds = {
     "nixl": greeting + ready + zmtp_msg([b"NIXL_READ", b"cmpl-vllm-7-0"]) + zmtp_msg([b"NIXL_KV", b"cmpl-vllm-7-0", b"0", b"x" * 40])
     + zmtp_msg([b"NIXL_DONE", b"cmpl-vllm-7-0", b"5"]),
     "mid-stream": zmtp_msg([b"BOOTSTRAP", room, b"127.0.0.1", b"31002"]) + zmtp_msg([b"ABORT", room]),
+    # Mooncake destinations as build_receiver_metadata_message writes them (session, then
+    # required_dst_info_num in part 7), from two sessions of a room that asks for one.
+    "destinations-two-owners": greeting + ready
+    + zmtp_msg([room, b"127.0.0.1", b"31002", b"127.0.0.1:15001", struct.pack("<3i", 4, 5, 6),
+                b"3", b"", b"1", b"0", b""])
+    + zmtp_msg([room, b"127.0.0.1", b"31009", b"127.0.0.1:15009", struct.pack("<3i", 4, 5, 6),
+                b"3", b"", b"1", b"0", b""]),
+    # prefill_complete: readiness twice for one room.
+    "readiness-twice": greeting + ready + zmtp_msg([room, b"2", b"0"]) + zmtp_msg([room, b"2", b"0"]),
 }
 for name, data in zmtp_seeds.items():
     put("zmtp_stream", name, b"\0" + data)
@@ -224,6 +233,10 @@ tracker = {
         t_connect(2, 2, 5) + t_data(2, 2, zmtp_seeds["bootstrap"], True)
         + t_accept(1, 2, 5) + t_data(1, 2, zmtp_seeds["bootstrap"], False)
         + t_data(1, 2, zmtp_seeds["kv"], True) + t_close(1, 2)),
+    # Prefill reads destinations for one room from a second decode session (a second owner).
+    "zmtp-second-owner": (
+        t_accept(1, 3, 5) + t_data(1, 3, zmtp_seeds["destinations-two-owners"], False)
+        + t_accept(1, 4, 5) + t_data(1, 4, zmtp_seeds["readiness-twice"], False)),
     # An unknown-role server learns it is prefill from its /server_info answer.
     "server-info-learns-role": (
         t_accept(3, 0, 4) + t_data(3, 0, requests[-3], False) + t_data(3, 0, responses[4], True)
@@ -412,6 +425,7 @@ KINDS = ["received", "dispatched", "admitted", "rejected", "work", "completed", 
          "cancelled", "capacity"]
 SOURCES = ["ebpf", "otlp", "replay"]
 PEERS = ["member", "foreign", "unattributed"]
+PROTOCOL_BREACHES = ["surplus-decode-owner", "repeated-readiness", "destinations-before-readiness"]
 BIT = {"room": 1 << 8, "rid": 1 << 9, "request_id": 1 << 10, "trace_id": 1 << 11,
        "node": 1 << 12, "status": 1 << 13, "pid": 1 << 19, "worker": 1 << 20,
        "reason": 1 << 21, "detail": 1 << 22, "input_tokens": 1 << 23,
@@ -460,6 +474,8 @@ def bus_batch(events, seq=0, partition=0, broadcast=(), version=2, first_event=0
             s |= (STAGES.index(e["to"]) + 1) << 14
         if "peer" in e:
             s |= (PEERS.index(e["peer"]) + 1) << 17
+        if "protocol_breach" in e:
+            s |= (PROTOCOL_BREACHES.index(e["protocol_breach"]) + 1) << 27
         for k in TOKENS:
             if k in e:
                 s |= BIT[k]
@@ -502,6 +518,8 @@ every.append(dict(time=0, stage="transfer", kind="dispatched", source="ebpf", ro
                   max_total_tokens=(1 << 64) - 1))
 every += [dict(time=T0, stage="prefill", kind="received", source="ebpf", node="gpu-7",
                peer=p, worker="10.0.0.5:8998") for p in PEERS]
+every += [dict(time=T0, stage="transfer", kind="admitted", source="ebpf", room=ROOM,
+               worker="10.0.0.9:17001", protocol_breach=b) for b in PROTOCOL_BREACHES]
 put("bus_wire", "every-field", bus_batch(every, seq=7))
 put("bus_wire", "request-level", bus_batch(
     [dict(time=T0, stage="router", kind="received", source="otlp", request_id="q-1"),

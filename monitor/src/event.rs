@@ -211,6 +211,42 @@ impl_from_str_display!(Stage, "stage");
 impl_from_str_display!(Kind, "kind");
 impl_from_str_display!(Source, "source");
 impl_from_str_display!(Peer, "peer");
+impl_from_str_display!(ProtocolBreach, "protocol_breach");
+
+/// A control message that breaks its room's KV-transfer protocol, as the end that sees the
+/// room's whole exchange judges it (eBPF: the ZMTP channel between SGLang's decode and prefill).
+/// Only the event about that message carries it; the rest of the room's events are ordinary.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+#[repr(u8)]
+pub enum ProtocolBreach {
+    /// Destinations for a live room from one decode session more than the room asked for
+    /// (`required_dst_info_num` distinct sessions): prefill adds it and writes the room's KV to
+    /// a decode that does not own it.
+    SurplusDecodeOwner = 0,
+    /// Prefill announced the room ready (`prefill_complete`) a second time before the room
+    /// concluded.
+    RepeatedReadiness = 1,
+    /// Under `prefill_complete` (the room began with `BOOTSTRAP`), decode published its
+    /// destinations before prefill announced the room ready.
+    DestinationsBeforeReadiness = 2,
+}
+
+impl ProtocolBreach {
+    pub const ALL: [ProtocolBreach; 3] = [
+        ProtocolBreach::SurplusDecodeOwner,
+        ProtocolBreach::RepeatedReadiness,
+        ProtocolBreach::DestinationsBeforeReadiness,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ProtocolBreach::SurplusDecodeOwner => "surplus-decode-owner",
+            ProtocolBreach::RepeatedReadiness => "repeated-readiness",
+            ProtocolBreach::DestinationsBeforeReadiness => "destinations-before-readiness",
+        }
+    }
+}
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("unknown {what} {got:?} (expected one of: {expected})")]
@@ -477,6 +513,8 @@ pub struct LifecycleEvent {
     /// Who wrote the request the event is about, when the event is about a write only the
     /// deployment's own processes should make (see [`Peer`]).
     pub peer: Option<Peer>,
+    /// The control message this event is about breaks its room's protocol (see [`ProtocolBreach`]).
+    pub protocol_breach: Option<ProtocolBreach>,
     pub input_tokens: Option<u64>,
     pub context_tokens: Option<u64>,
     pub max_input_tokens: Option<u64>,
@@ -500,6 +538,7 @@ impl LifecycleEvent {
             detail: None,
             to: None,
             peer: None,
+            protocol_breach: None,
             input_tokens: None,
             context_tokens: None,
             max_input_tokens: None,
@@ -545,6 +584,10 @@ impl LifecycleEvent {
     }
     pub fn with_peer(mut self, peer: Peer) -> Self {
         self.peer = Some(peer);
+        self
+    }
+    pub fn with_protocol_breach(mut self, breach: ProtocolBreach) -> Self {
+        self.protocol_breach = Some(breach);
         self
     }
     pub fn with_input_tokens(mut self, n: u64) -> Self {
@@ -674,6 +717,11 @@ mod tests {
             assert_eq!(p.as_str().parse::<Peer>().unwrap(), p);
             let json = serde_json::to_string(&p).unwrap();
             assert_eq!(json, format!("\"{}\"", p.as_str()));
+        }
+        for b in ProtocolBreach::ALL {
+            assert_eq!(b.as_str().parse::<ProtocolBreach>().unwrap(), b);
+            let json = serde_json::to_string(&b).unwrap();
+            assert_eq!(json, format!("\"{}\"", b.as_str()));
         }
         let err = "preffill".parse::<Stage>().unwrap_err();
         assert!(

@@ -19,7 +19,8 @@
 //! [`Columns`] carries exactly what the replay format (`ingest::replay`, what `revenant check`
 //! reads) carries of a [`LifecycleEvent`]: ids, times, codes, counts and short reasons, never
 //! prompt or completion text (the type has none). Per event a time delta and a `shape` (stage,
-//! kind, source, `to`, `peer` and which optional fields it has, see [`shape`]); the optional
+//! kind, source, `to`, `peer`, `protocol_breach` and which optional fields it has, see
+//! [`shape`]); the optional
 //! values follow in their own columns, in event order, for the events that have them. Request
 //! ids, trace ids and rids are concatenated in one string; node, worker, reason and detail
 //! values, which repeat, are written once per batch in `names` and referred to by index. Rooms
@@ -27,13 +28,18 @@
 //!
 //! A message of another version (v1 was a JSON Lines batch) is a [`WireError::Version`]; a
 //! malformed one another [`WireError`]: the checker counts and skips it.
+//!
+//! `protocol_breach` (shape bits 27 and 28) came after the first v2 readers: such a reader takes
+//! a batch with a marked event for malformed and skips it, so upgrade checkers before agents.
 
 use std::collections::HashMap;
 
 use foldhash::fast::RandomState;
 use prost::Message;
 
-use crate::event::{BootstrapRoom, Kind, LifecycleEvent, Peer, Source, Stage, truncate_reason};
+use crate::event::{
+    BootstrapRoom, Kind, LifecycleEvent, Peer, ProtocolBreach, Source, Stage, truncate_reason,
+};
 
 /// The wire version this build writes and reads.
 pub const WIRE_VERSION: u32 = 2;
@@ -176,8 +182,10 @@ pub mod shape {
     pub const CONTEXT_TOKENS: u32 = 1 << 24;
     pub const MAX_INPUT_TOKENS: u32 = 1 << 25;
     pub const MAX_TOTAL_TOKENS: u32 = 1 << 26;
+    /// 2 bits: 0 none, else the protocol breach + 1.
+    pub const BREACH: u32 = 27;
     /// Bits above these are not defined.
-    pub const ALL: u32 = (1 << 27) - 1;
+    pub const ALL: u32 = (1 << 29) - 1;
 }
 
 /// A batch as the checker reads it.
@@ -320,6 +328,9 @@ impl EventWriter {
         }
         if let Some(p) = e.peer {
             s |= (p as u32 + 1) << shape::PEER;
+        }
+        if let Some(b) = e.protocol_breach {
+            s |= (b as u32 + 1) << shape::BREACH;
         }
         for (bit, v) in [
             (shape::INPUT_TOKENS, e.input_tokens),
@@ -507,6 +518,10 @@ fn read_events(cols: Columns) -> Result<Vec<LifecycleEvent>, WireError> {
         if peer > 0 {
             e.peer = Some(Peer::ALL[peer as usize - 1]);
         }
+        let breach = (s >> shape::BREACH) & 3;
+        if breach > 0 {
+            e.protocol_breach = Some(ProtocolBreach::ALL[breach as usize - 1]);
+        }
         for (bit, field) in [
             (shape::INPUT_TOKENS, &mut e.input_tokens),
             (shape::CONTEXT_TOKENS, &mut e.context_tokens),
@@ -592,6 +607,7 @@ mod tests {
             detail: Some("/generate".into()),
             to: Some(Stage::Transfer),
             peer: Some(Peer::Unattributed),
+            protocol_breach: Some(ProtocolBreach::DestinationsBeforeReadiness),
             input_tokens: Some(u64::MAX),
             context_tokens: Some(0),
             max_input_tokens: Some(1 << 53),
@@ -611,6 +627,13 @@ mod tests {
                 peer: Some(peer),
                 node: Some("gpu-8".into()),
                 reason: None,
+                ..full.clone()
+            });
+        }
+        for breach in ProtocolBreach::ALL {
+            v.push(LifecycleEvent {
+                protocol_breach: Some(breach),
+                detail: None,
                 ..full.clone()
             });
         }
@@ -690,6 +713,11 @@ mod tests {
         let full = &every.events[36];
         assert_eq!(full.peer, Some(Peer::Foreign));
         assert_eq!(full.max_total_tokens, Some(u64::MAX));
+        let breaches: Vec<_> = every.events[40..]
+            .iter()
+            .map(|e| e.protocol_breach)
+            .collect();
+        assert_eq!(breaches, ProtocolBreach::ALL.map(Some));
         assert_eq!(
             full.ids.trace_id.as_deref(),
             Some("4bf92f3577b34da6a3ce929d0e0e4736")

@@ -2,7 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::event::{Kind, LifecycleEvent, Peer, Source, Stage};
+use crate::event::{Kind, LifecycleEvent, Peer, ProtocolBreach, Source, Stage};
 
 /// Matches one event. Every listed condition must hold; an absent list means "any".
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -21,6 +21,10 @@ pub struct Matcher {
     /// that attributes no writer never matches a `peer` condition.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub peer: Vec<Peer>,
+    /// How the control message the event is about breaks its room's protocol (see
+    /// [`ProtocolBreach`]); an event that judges no breach never matches a `protocol_breach` condition.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub protocol_breach: Vec<ProtocolBreach>,
     /// Matches when the status is absent or below this value (a success).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub status_below: Option<u16>,
@@ -36,6 +40,9 @@ impl Matcher {
             && (self.source.is_empty() || self.source.contains(&e.source))
             && (self.to.is_empty() || e.to.is_some_and(|t| self.to.contains(&t)))
             && (self.peer.is_empty() || e.peer.is_some_and(|p| self.peer.contains(&p)))
+            && (self.protocol_breach.is_empty()
+                || e.protocol_breach
+                    .is_some_and(|b| self.protocol_breach.contains(&b)))
             && self
                 .status_below
                 .is_none_or(|b| e.status.is_none_or(|s| s < b))
@@ -105,5 +112,28 @@ mod tests {
         assert!(!m.matches(&write.clone().with_peer(Peer::Unattributed)));
         // An event that attributes no writer (a handshake, a span) is no peer's.
         assert!(!m.matches(&write));
+    }
+
+    #[test]
+    fn protocol_breach_condition() {
+        let m = Matcher {
+            protocol_breach: vec![ProtocolBreach::SurplusDecodeOwner],
+            ..Default::default()
+        };
+        let dst = ev(Stage::Transfer, Kind::Admitted);
+        assert!(
+            m.matches(
+                &dst.clone()
+                    .with_protocol_breach(ProtocolBreach::SurplusDecodeOwner)
+            )
+        );
+        assert!(
+            !m.matches(
+                &dst.clone()
+                    .with_protocol_breach(ProtocolBreach::DestinationsBeforeReadiness)
+            )
+        );
+        // The room's ordinary events break nothing.
+        assert!(!m.matches(&dst));
     }
 }

@@ -19,7 +19,9 @@ use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 
-use crate::event::{Ids, Kind, LifecycleEvent, Peer, Source, Stage, truncate_reason};
+use crate::event::{
+    Ids, Kind, LifecycleEvent, Peer, ProtocolBreach, Source, Stage, truncate_reason,
+};
 
 /// One line of the replay format, as written on disk.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -49,6 +51,8 @@ pub struct ReplayRecord {
     pub to: Option<Stage>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub peer: Option<Peer>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub protocol_breach: Option<ProtocolBreach>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub input_tokens: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -180,6 +184,7 @@ impl ReplayRecord {
         e.detail = self.detail.as_deref().map(|r| truncate_reason(r).into());
         e.to = self.to;
         e.peer = self.peer;
+        e.protocol_breach = self.protocol_breach;
         e.input_tokens = self.input_tokens;
         e.context_tokens = self.context_tokens;
         e.max_input_tokens = self.max_input_tokens;
@@ -202,6 +207,7 @@ impl ReplayRecord {
             detail: e.detail.as_deref().map(Into::into),
             to: e.to,
             peer: e.peer,
+            protocol_breach: e.protocol_breach,
             input_tokens: e.input_tokens,
             context_tokens: e.context_tokens,
             max_input_tokens: e.max_input_tokens,

@@ -15,24 +15,25 @@ use super::report::{Finding, event_aliases, slot_event};
 
 /// What any `never` rule's matchers could match at all, checked before the matchers themselves
 /// (they run on every event): the (stage, kind) pairs they name, and whether every one of them
-/// needs the event to name its writer (`peer`), which only writes to a bootstrap server do.
+/// needs the event to carry a mark few events carry: its writer (`peer`, only writes to a
+/// bootstrap server name one) or a protocol breach (`protocol_breach`).
 #[derive(Debug, Clone, Copy, Default)]
 pub(super) struct NeverGate {
     /// Per stage, a bit per kind.
     kinds: [u16; 4],
-    needs_peer: bool,
+    needs_mark: bool,
 }
 
 impl NeverGate {
     pub(super) fn of<'a>(matchers: impl Iterator<Item = &'a Matcher>) -> NeverGate {
         let mut g = NeverGate {
             kinds: [0; 4],
-            needs_peer: true,
+            needs_mark: true,
         };
         let mut any = false;
         for m in matchers {
             any = true;
-            g.needs_peer &= !m.peer.is_empty();
+            g.needs_mark &= !m.peer.is_empty() || !m.protocol_breach.is_empty();
             for stage in Stage::ALL {
                 if !m.stage.is_empty() && !m.stage.contains(&stage) {
                     continue;
@@ -44,7 +45,7 @@ impl NeverGate {
                 }
             }
         }
-        g.needs_peer &= any;
+        g.needs_mark &= any;
         g
     }
 
@@ -52,7 +53,7 @@ impl NeverGate {
     #[inline(always)]
     pub(super) fn may_match(&self, e: &LifecycleEvent) -> bool {
         self.kinds[e.stage as usize] & (1 << e.kind as u16) != 0
-            && (!self.needs_peer || e.peer.is_some())
+            && (!self.needs_mark || e.peer.is_some() || e.protocol_breach.is_some())
     }
 }
 
@@ -141,6 +142,19 @@ mod tests {
             "no peer"
         );
         assert!(!g.may_match(&ev(Stage::Decode, Kind::Received).with_peer(Peer::Foreign)));
+        // A matcher on a protocol breach passes marked events of any (stage, kind) it names.
+        let breaches = Matcher {
+            protocol_breach: vec![crate::event::ProtocolBreach::RepeatedReadiness],
+            ..Default::default()
+        };
+        let g2 = NeverGate::of([&writes, &breaches].into_iter());
+        assert!(
+            g2.may_match(
+                &ev(Stage::Prefill, Kind::Work)
+                    .with_protocol_breach(crate::event::ProtocolBreach::RepeatedReadiness)
+            )
+        );
+        assert!(!g2.may_match(&ev(Stage::Prefill, Kind::Work)), "unmarked");
         // A matcher without `peer` lets peerless events through, on its (stage, kind) only.
         let aborts = Matcher {
             kind: vec![Kind::Aborted],

@@ -132,7 +132,7 @@ pub enum RuleError {
     /// A matcher without any condition matches every event.
     #[error(
         "a matcher in `{role}` has no condition and would match every event: give it at least \
-         one of stage, kind, source, to, peer, status_below, status_at_least"
+         one of stage, kind, source, to, peer, protocol_breach, status_below, status_at_least"
     )]
     CatchAllMatcher { role: &'static str },
     /// The number of matchers on each side (one of them is zero).

@@ -47,7 +47,9 @@ fn embedded_defaults_have_the_documented_rules() {
             "over-capacity-admitted",
             "stuck-attempt",
             "context-exceeds-capacity",
-            "foreign-bootstrap-writer"
+            "foreign-bootstrap-writer",
+            "second-decode-owner",
+            "readiness-out-of-order"
         ]
     );
     let sev = |n: &str| set.rules.iter().find(|r| r.name == n).unwrap().severity;
@@ -56,6 +58,8 @@ fn embedded_defaults_have_the_documented_rules() {
     assert_eq!(sev("advanced-before-rejection"), Severity::Critical);
     assert_eq!(sev("failed-room-advanced"), Severity::Critical);
     assert_eq!(sev("rejected-room-reused"), Severity::Critical);
+    assert_eq!(sev("second-decode-owner"), Severity::Critical);
+    assert_eq!(sev("readiness-out-of-order"), Severity::Critical);
     assert_eq!(sev("orphaned-leg"), Severity::Warning);
     assert_eq!(sev("unknown-room"), Severity::Warning);
     assert_eq!(sev("success-after-abort"), Severity::Critical);

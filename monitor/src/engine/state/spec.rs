@@ -50,6 +50,7 @@ impl SpecIndex {
                 let plain = m.source.is_empty()
                     && m.to.is_empty()
                     && m.peer.is_empty()
+                    && m.protocol_breach.is_empty()
                     && m.status_below.is_none()
                     && m.status_at_least.is_none();
                 for stage in Stage::ALL {

@@ -27,6 +27,12 @@ pub struct BodyWindow {
     pub len: u64,
     /// Some bytes were not captured.
     pub gaps: bool,
+    /// Times the bytes `"n"` occur in the body, the middle the windows drop included: a
+    /// sample count ([`RequestIds::samples`]) is trusted only when every one was read.
+    n_keys: u32,
+    /// The body's last bytes before the current push (a `"n"` may straddle two pushes).
+    carry: [u8; 2],
+    carry_len: u8,
 }
 
 /// Lengths only: body bytes (prompts, completions) must never reach a log line.
@@ -42,6 +48,7 @@ impl std::fmt::Debug for BodyWindow {
 
 impl BodyWindow {
     pub fn push(&mut self, data: &[u8]) {
+        self.count_n_keys(data);
         self.len += data.len() as u64;
         if self.head.len() < WINDOW {
             let n = (WINDOW - self.head.len()).min(data.len());
@@ -62,10 +69,68 @@ impl BodyWindow {
         }
         self.len += n;
         self.gaps = true;
+        self.carry_len = 0;
         if self.head.len() < WINDOW {
             self.head.push(GAP);
         }
         self.tail.push(GAP);
+    }
+
+    /// Counts the `"n"` of `data`, those that start in the previous push's last bytes too.
+    fn count_n_keys(&mut self, data: &[u8]) {
+        let c = self.carry_len as usize;
+        let d = data.len().min(2);
+        let mut edge = [0u8; 4];
+        edge[..c].copy_from_slice(&self.carry[..c]);
+        edge[c..c + d].copy_from_slice(&data[..d]);
+        let edge = &edge[..c + d];
+        let straddling = (0..c).filter(|&s| edge[s..].starts_with(b"\"n\"")).count();
+        let inside = N_KEY.find_iter(data).count();
+        self.n_keys = self
+            .n_keys
+            .saturating_add((straddling + inside).min(u32::MAX as usize) as u32);
+        let last = if data.len() >= 2 {
+            &data[data.len() - 2..]
+        } else {
+            &edge[edge.len().saturating_sub(2)..]
+        };
+        self.carry[..last.len()].copy_from_slice(last);
+        self.carry_len = last.len() as u8;
+    }
+
+    /// The sample count `n` a request body asks for (`n` at top level or in `sampling_params`
+    /// for SGLang's `/generate`, `n` for the OpenAI endpoints; the largest when several are
+    /// given, as a batch's per-prompt `sampling_params` may): 1 when the body names none.
+    /// `None` when that cannot be told: bytes were not captured, or a `"n"` of the body was
+    /// not read as a key with a count (it fell in the middle the windows drop, its value is an
+    /// object or was cut, or it is a string value).
+    fn samples(&self) -> Option<u32> {
+        if self.gaps {
+            return None;
+        }
+        let tail = self.tail();
+        let whole_in_head = self.len == self.head.len() as u64;
+        let parts = [
+            Some((0u64, self.head.as_slice())),
+            (!whole_in_head).then(|| (self.len - tail.len() as u64, tail)),
+        ];
+        let mut read: Vec<u64> = Vec::new();
+        let mut n = 1u32;
+        for (base, part) in parts.into_iter().flatten() {
+            for at in value_positions(part, &N) {
+                let off = base + at as u64;
+                if read.contains(&off) {
+                    continue;
+                }
+                let (Value::Str(v) | Value::Scalar(v)) = parse_value(&part[at..])?;
+                n = n.max(sample_count(&v)?);
+                read.push(off);
+                if read.len() > self.n_keys as usize {
+                    return None;
+                }
+            }
+        }
+        (read.len() == self.n_keys as usize).then_some(n)
     }
 
     fn tail(&self) -> &[u8] {
@@ -110,6 +175,7 @@ impl BodyWindow {
                 ids.batch = batch_size(part);
             }
         }
+        ids.samples = self.samples();
         ids
     }
 
@@ -244,8 +310,12 @@ pub struct RequestIds {
     /// The number of prompts of a batch body (`text` a list of strings, `input_ids` a list of
     /// lists, `prompt` a list), when the whole list was captured.
     pub batch: Option<u32>,
-    /// `bootstrap_room` given as a list (one room per prompt of a batch).
+    /// `bootstrap_room` given as a list (one room per prompt of a batch); one more than
+    /// [`MAX_SUB_REQUESTS`] when the list is longer.
     pub room_list: Option<Vec<u64>>,
+    /// The parallel samples each prompt asks for (`n`), when the body tells it for sure (see
+    /// `BodyWindow::samples`).
+    pub samples: Option<u32>,
 }
 
 /// Most sub-requests one body is read as.
@@ -283,6 +353,34 @@ impl RequestIds {
                 )
             })
             .collect()
+    }
+
+    /// How many requests SGLang runs on each room this body names, when the body tells it
+    /// for sure (else none): a prompt with `n > 1` is `n + 1` requests on its room (the prefix
+    /// request that caches it, then each sample: `tokenizer_manager.py`
+    /// `_handle_batch_request`), a room listed several times is that many prompts' requests.
+    /// Rooms of a batch beyond [`MAX_SUB_REQUESTS`] are left out; a room list longer than that
+    /// gives none (a room may repeat in the part left out).
+    pub fn room_requests(&self) -> Vec<(u64, u32)> {
+        let Some(n) = self.samples else {
+            return Vec::new();
+        };
+        if self
+            .room_list
+            .as_ref()
+            .is_some_and(|r| r.len() > MAX_SUB_REQUESTS)
+        {
+            return Vec::new();
+        }
+        let per_prompt = if n > 1 { n.saturating_add(1) } else { 1 };
+        let mut out: Vec<(u64, u32)> = Vec::new();
+        for room in self.sub_requests().into_iter().filter_map(|(room, _)| room) {
+            match out.iter_mut().find(|(r, _)| *r == room) {
+                Some((_, k)) => *k = k.saturating_add(per_prompt),
+                None => out.push((room, per_prompt)),
+            }
+        }
+        out
     }
 
     fn sub_rid(&self, i: usize, k: usize) -> Option<String> {
@@ -471,7 +569,7 @@ fn room_list(part: &[u8]) -> Option<Vec<u64>> {
     let rooms: Option<Vec<u64>> = v[1..end]
         .split(|b| *b == b',')
         .map(|r| std::str::from_utf8(r).ok()?.trim().parse::<u64>().ok())
-        .take(MAX_SUB_REQUESTS)
+        .take(MAX_SUB_REQUESTS + 1)
         .collect();
     rooms.filter(|r| !r.is_empty())
 }
@@ -647,6 +745,21 @@ keys! {
     INPUT_IDS = b"input_ids";
     PROMPT = b"prompt";
     CODE = b"code";
+    N = b"n";
+    N_KEY = b"\"n\"";
+}
+
+/// A sample count as JSON gives it: an integer (or an integral float, which SGLang's and the
+/// OpenAI servers' validation accept), a string of one, or `null` (the default, 1).
+fn sample_count(v: &str) -> Option<u32> {
+    if v == "null" {
+        return Some(1);
+    }
+    let n = v.parse::<u32>().ok().or_else(|| {
+        let f = v.parse::<f64>().ok()?;
+        (f.fract() == 0.0 && (0.0..=f64::from(u32::MAX)).contains(&f)).then_some(f as u32)
+    })?;
+    Some(n.max(1))
 }
 
 /// The last string value of `key` in a structural position.
@@ -774,6 +887,71 @@ mod tests {
             w.push(p);
         }
         w
+    }
+
+    #[test]
+    fn samples_are_told_only_when_every_n_of_the_body_was_read() {
+        let samples = |chunks: &[&[u8]]| {
+            let mut w = BodyWindow::default();
+            for c in chunks {
+                w.push(c);
+            }
+            w.request_ids().samples
+        };
+        assert_eq!(
+            samples(&[br#"{"text": "a", "bootstrap_room": 1}"#]),
+            Some(1)
+        );
+        assert_eq!(samples(&[br#"{"text": "a", "n": 3}"#]), Some(3));
+        assert_eq!(
+            samples(&[br#"{"sampling_params": {"n": 2.0}, "n": null}"#]),
+            Some(2)
+        );
+        // A `"n"` split across two reads is still counted, and read.
+        assert_eq!(samples(&[br#"{"text": "a", ""#, br#"n": 4}"#]), Some(4));
+        // A `"n"` not read as a count: a string value, an object, text the windows dropped.
+        assert_eq!(samples(&[br#"{"text": "a", "stop": ["n"]}"#]), None);
+        assert_eq!(
+            samples(&[br#"{"tools": {"n": {"type": "integer"}}}"#]),
+            None
+        );
+        let filler = vec![b'x'; 3 * WINDOW];
+        assert_eq!(
+            samples(&[
+                br#"{"text": ""#,
+                &filler,
+                br#"", "n": 5, "input": ""#,
+                &filler,
+                br#""}"#
+            ]),
+            None
+        );
+        // Escaped quotes inside a prompt are not a key.
+        assert_eq!(samples(&[br#"{"text": "say \"n\"", "n": 2}"#]), Some(2));
+        let mut gap = BodyWindow::default();
+        gap.push(br#"{"text": "a"#);
+        gap.skip(10);
+        gap.push(br#"", "bootstrap_room": 1}"#);
+        assert_eq!(gap.request_ids().samples, None);
+        // Requests per room: n > 1 adds the prefix request; a listed room repeats.
+        let ids = |b: &[u8]| {
+            let mut w = BodyWindow::default();
+            w.push(b);
+            w.request_ids().room_requests()
+        };
+        assert_eq!(ids(br#"{"n": 3, "bootstrap_room": 9}"#), vec![(9, 4)]);
+        assert_eq!(
+            ids(br#"{"text": ["a", "b", "c"], "bootstrap_room": [9, 7, 9]}"#),
+            vec![(9, 2), (7, 1)]
+        );
+        assert_eq!(
+            ids(br#"{"text": ["a", "b"], "bootstrap_room": 9}"#),
+            vec![(9, 1), (10, 1)]
+        );
+        assert_eq!(
+            ids(br#"{"text": "a", "stop": ["n"], "bootstrap_room": 9}"#),
+            vec![]
+        );
     }
 
     #[test]

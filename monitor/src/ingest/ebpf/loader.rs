@@ -318,6 +318,29 @@ impl Probes {
         }
     }
 
+    /// The sum of some kernel counters over all CPUs: cheaper than [`Self::counters`] (one map
+    /// lookup each).
+    pub fn counter_sum(&self, idxs: &[u32]) -> Result<u64, LoadError> {
+        let map = self
+            .ebpf
+            .map("COUNTERS")
+            .ok_or_else(|| LoadError::Config("no COUNTERS map".into()))?;
+        let arr: PerCpuArray<&MapData, u64> =
+            PerCpuArray::try_from(map).map_err(|source| LoadError::Map {
+                name: "COUNTERS",
+                source,
+            })?;
+        let mut sum = 0u64;
+        for i in idxs {
+            let per_cpu = arr.get(i, 0).map_err(|source| LoadError::Map {
+                name: "COUNTERS",
+                source,
+            })?;
+            sum = per_cpu.iter().fold(sum, |a, v| a.wrapping_add(*v));
+        }
+        Ok(sum)
+    }
+
     pub fn counters(&self) -> Result<KernelCounters, LoadError> {
         let map = self
             .ebpf

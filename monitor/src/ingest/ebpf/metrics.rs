@@ -90,6 +90,11 @@ impl Collector for EbpfCollector {
                 s.zmtp_desyncs.load(Relaxed),
             ),
             (
+                "revenant_ebpf_room_states_evicted",
+                "Rooms whose KV-transfer control-channel protocol state was forgotten because the bounded room table was full (their protocol breaches after that go unseen)",
+                s.room_states_evicted.load(Relaxed),
+            ),
+            (
                 "revenant_ebpf_zmtp_connections_captured_whole",
                 "KV-transfer control connections whose syscalls the kernel captures whole (up to 4 KiB at each end), so that batched messages are all read",
                 s.zmtp_captured_whole.load(Relaxed),

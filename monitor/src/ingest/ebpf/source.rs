@@ -108,6 +108,8 @@ pub struct EbpfStats {
     pub gap_bytes: AtomicU64,
     pub zmtp_damaged: AtomicU64,
     pub zmtp_desyncs: AtomicU64,
+    /// Rooms whose control-channel protocol state the tracker forgot (table full).
+    pub room_states_evicted: AtomicU64,
     /// ZMTP connections whose syscalls the kernel captures whole.
     pub zmtp_captured_whole: AtomicU64,
     pub watched_processes: AtomicU64,
@@ -138,6 +140,8 @@ impl EbpfStats {
             + self.conns_evicted.load(Relaxed)
             // KV-transfer control messages lost to a gap: evidence of advancement may be gone.
             + self.zmtp_desyncs.load(Relaxed)
+            // A forgotten room's breaches of its control-channel protocol go unseen.
+            + self.room_states_evicted.load(Relaxed)
     }
 }
 
@@ -220,6 +224,16 @@ impl EbpfSource {
     /// Decodes what is in the ring buffer now, at most [`DRAIN_LIMIT`] records, so that a full
     /// ring does not turn into one huge batch; returns how many records it read.
     pub fn drain(&mut self, out: &mut EventBatch) -> usize {
+        // Records the kernel lost before this drain (ring buffer full, syscall table full) may be
+        // control messages of rooms whose next messages this drain reads: the tracker does not
+        // judge those rooms' readiness order (see `track::rooms`).
+        if let Ok(lost) = self
+            .inner
+            .probes
+            .counter_sum(&[counter::RINGBUF_DROPS, counter::ACTIVE_FULL])
+        {
+            self.inner.tracker.set_kernel_losses(lost);
+        }
         let mut n = 0;
         let mut execs = Vec::new();
         while n < DRAIN_LIMIT
@@ -427,6 +441,9 @@ impl Inner {
         self.stats.gap_bytes.store(t.gap_bytes, Relaxed);
         self.stats.zmtp_damaged.store(t.zmtp_damaged, Relaxed);
         self.stats.zmtp_desyncs.store(t.zmtp_desyncs, Relaxed);
+        self.stats
+            .room_states_evicted
+            .store(t.room_states_evicted, Relaxed);
         self.stats
             .connections
             .store(self.tracker.conn_count() as u64, Relaxed);

@@ -6,8 +6,9 @@
 //! decode frames and keep only the first few bytes of the first few parts of each message:
 //! enough for the verb, the room, a status and an address, never payloads.
 
-/// Parts of a message we keep, and bytes of each.
-pub const KEEP_PARTS: usize = 4;
+/// Parts of a message we keep, and bytes of each: up to the count of decode sessions a room's
+/// destinations name (`required_dst_info_num`, part 7 for Mooncake and NIXL, 8 for Mori).
+pub const KEEP_PARTS: usize = 9;
 /// Enough for a vLLM request name (`cmpl-` + vllm-router's ~100-byte id), cut where revenant
 /// cuts ids anyway.
 pub const KEEP_BYTES: usize = crate::normalize::attrs::MAX_ID_BYTES;
@@ -305,11 +306,16 @@ pub enum Control {
     },
     /// Decode reserved KV pages for the room and told prefill where to write them (policy
     /// `early`, or after readiness under `prefill_complete`). `endpoint` is decode's rank
-    /// address from the message (`ip:port`), when it was kept whole.
+    /// address from the message (`ip:port`), when it was kept whole; `session` the decode
+    /// transfer session prefill files them under (Mooncake's session id, NIXL's agent name,
+    /// Mori's engine key); `required` how many distinct sessions complete the room
+    /// (`required_dst_info_num`), when the capture kept that part.
     Destinations {
         room: u64,
         backend: Backend,
         endpoint: Option<String>,
+        session: Option<String>,
+        required: Option<u32>,
     },
     /// Prefill's status for the room, sent to decode.
     Status {
@@ -388,19 +394,31 @@ pub fn control(msg: &Message, sender: Sender) -> Option<Control> {
             backend,
         })
     };
-    let destinations = |backend, room: usize, ip: usize| {
+    let required = |i: usize| -> Option<u32> {
+        let b = part(i)?;
+        (!b.is_empty() && b.len() <= 9 && b.iter().all(u8::is_ascii_digit))
+            .then(|| std::str::from_utf8(b).ok()?.parse().ok())
+            .flatten()
+            .filter(|n| *n > 0)
+    };
+    // Frames by backend (`build_receiver_metadata_message`): Mooncake `[room, ip, port,
+    // session, kv, aux, state, required, ..]`; NIXL `[guard, room, ip, port, agent, kv, aux,
+    // required, ..]`; Mori `[guard, room, ip, port, engine key, kv, aux, state, required, ..]`.
+    let destinations = |backend, room: usize, ip: usize, session: usize, req: usize| {
         Some(Control::Destinations {
             room: room_at(room)?,
             backend,
             endpoint: endpoint(ip, ip + 1),
+            session: part(session).and_then(|b| parse_name(b)),
+            required: required(req),
         })
     };
     use Sender::{Decode, Prefill};
     match (sender, first.as_slice()) {
         (Decode, b"BOOTSTRAP") => room(1).map(|key| Control::Bootstrap { key }),
         (Decode, b"ABORT") => room(1).map(|key| Control::Abort { key }),
-        (Decode, b"NixlMsgGuard") => destinations(Backend::Nixl, 1, 2),
-        (Decode, b"MoriMsgGuard") => destinations(Backend::Mori, 1, 2),
+        (Decode, b"NixlMsgGuard") => destinations(Backend::Nixl, 1, 2, 4, 7),
+        (Decode, b"MoriMsgGuard") => destinations(Backend::Mori, 1, 2, 4, 8),
         (Prefill, b"KV_STATUS") => status(1, 2, Backend::Nixl),
         (Prefill, b"MoriMsgGuard") => status(1, 2, Backend::Mori),
         (Prefill, b"ABORT_ACK") => room_at(1).map(|room| Control::AbortAck { room }),
@@ -428,7 +446,7 @@ pub fn control(msg: &Message, sender: Sender) -> Option<Control> {
             if (msg.part_count >= 8 || (msg.truncated && msg.part_count >= 5))
                 && parse_room(first).is_some() =>
         {
-            destinations(Backend::Mooncake, 0, 1)
+            destinations(Backend::Mooncake, 0, 1, 3, 7)
         }
         (Prefill, _)
             if (3..=4).contains(&msg.part_count)
@@ -526,6 +544,8 @@ mod tests {
                 room,
                 backend: Backend::Mooncake,
                 endpoint: Some("127.0.0.1:17001".into()),
+                session: Some("127.0.0.1:15001".into()),
+                required: Some(1),
             })
         );
         // The same frames from prefill are no status, and a status from decode no destinations.
@@ -610,6 +630,8 @@ mod tests {
                 room: 42,
                 backend: Backend::Nixl,
                 endpoint: Some("10.0.0.2:17001".into()),
+                session: Some("agent".into()),
+                required: Some(1),
             })
         );
         let reg: Vec<&[u8]> = vec![b"NixlMsgGuard", b"None", b"10.0.0.2", b"17001"];
@@ -625,13 +647,37 @@ mod tests {
                 backend: Backend::Nixl
             })
         );
-        let mori_dst: Vec<&[u8]> = vec![b"MoriMsgGuard", b"42", b"10.0.0.2", b"17001", b"k"];
+        let mori_dst: Vec<&[u8]> = vec![
+            b"MoriMsgGuard",
+            b"42",
+            b"10.0.0.2",
+            b"17001",
+            b"engine-k",
+            b"",
+            b"",
+            b"",
+            b"2",
+            b"",
+        ];
         assert_eq!(
             control(&msg(&mori_dst), Sender::Decode),
             Some(Control::Destinations {
                 room: 42,
                 backend: Backend::Mori,
                 endpoint: Some("10.0.0.2:17001".into()),
+                session: Some("engine-k".into()),
+                required: Some(2),
+            })
+        );
+        // Cut short before its session count, it is still destinations.
+        assert_eq!(
+            control(&msg(&mori_dst[..5]), Sender::Decode),
+            Some(Control::Destinations {
+                room: 42,
+                backend: Backend::Mori,
+                endpoint: Some("10.0.0.2:17001".into()),
+                session: Some("engine-k".into()),
+                required: None,
             })
         );
         assert_eq!(
@@ -764,6 +810,9 @@ mod tests {
                 room: 77,
                 backend: Backend::Mooncake,
                 endpoint: Some("127.0.0.1:17001".into()),
+                session: Some("127.0.0.1:15001".into()),
+                // The session count lies past the gap.
+                required: None,
             })
         );
         // Cut short, it is no status either.

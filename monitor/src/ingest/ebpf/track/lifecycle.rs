@@ -32,8 +32,11 @@
 
 use std::net::SocketAddr;
 
+use super::rooms::{Judge, RoomAt, RoomMessage};
 use super::{Answer, Endpoint, Proto, Tracker, Worker, canonical};
-use crate::event::{BootstrapRoom, Kind, LifecycleEvent, Peer, Source, Stage, truncate_reason};
+use crate::event::{
+    BootstrapRoom, Kind, LifecycleEvent, Peer, ProtocolBreach, Source, Stage, truncate_reason,
+};
 use crate::ingest::ebpf::http::{RequestHead, Side};
 use crate::ingest::ebpf::json_ids::{Finish, RequestIds, SubOutcome};
 use crate::ingest::ebpf::procs::Role;
@@ -350,13 +353,15 @@ impl Tracker {
             }
             return;
         };
+        let breach = self.judge_room(tgid, role, dir, ts, &ctl);
         // Each message is reported once, by its sender; by its receiver only when the sender's
-        // role is not watched here.
+        // role is not watched here. A message that breaks its room's protocol is reported by
+        // the end that judged it, even where the other end reports the message itself.
         let sender_role = match sender {
             Sender::Prefill => Role::Prefill,
             Sender::Decode => Role::Decode,
         };
-        if dir != 1 && self.has_role(sender_role) {
+        if dir != 1 && self.has_role(sender_role) && breach.is_none() {
             return;
         }
         let Some(step) = transfer_step(ctl) else {
@@ -376,7 +381,97 @@ impl Tracker {
         if let Some(w) = step.worker {
             e = e.with_worker(w);
         }
+        if let Some(b) = breach {
+            e = e.with_protocol_breach(b);
+        }
         out.push(e);
+    }
+
+    /// Notes a control message in its room's protocol at this end (see [`super::rooms`]) and returns
+    /// the breach it makes, judged where the evidence is whole and reported once per node:
+    /// - a surplus decode session: at prefill's receiving end, the only one that sees every
+    ///   session a room's destinations come from;
+    /// - destinations before readiness: at prefill's receiving end too, which sees the room's
+    ///   `BOOTSTRAP`, its own readiness and the destinations, and only when it holds a connection
+    ///   to the destinations' decode endpoint it read from its start (else its readiness may
+    ///   have left on a connection that predates the capture);
+    /// - repeated readiness: at decode's receiving end (a forged one reaches only decode), and
+    ///   at prefill's sending end when no decode is watched on this node.
+    fn judge_room(
+        &mut self,
+        tgid: u32,
+        role: Role,
+        dir: usize,
+        ts: u64,
+        ctl: &Control,
+    ) -> Option<ProtocolBreach> {
+        let (room, msg, endpoint) = match ctl {
+            Control::Bootstrap {
+                key: TransferKey::Room(room),
+            } => (*room, RoomMessage::Bootstrap, None),
+            Control::Destinations {
+                room,
+                session,
+                required,
+                endpoint,
+                ..
+            } => (
+                *room,
+                RoomMessage::Destinations {
+                    session: session.as_deref(),
+                    required: *required,
+                },
+                endpoint.as_deref(),
+            ),
+            Control::Status { room, status, .. } => match status {
+                KvPoll::WaitingForInput => (*room, RoomMessage::Readiness, None),
+                KvPoll::Success | KvPoll::Failed => (*room, RoomMessage::Concluded, None),
+                KvPoll::Bootstrapping | KvPoll::Transferring => return None,
+            },
+            // Decode withdrew: SGLang fails the room at prefill and sends nothing more for it.
+            Control::Abort {
+                key: TransferKey::Room(room),
+            } => (*room, RoomMessage::Concluded, None),
+            _ => return None,
+        };
+        let receiving = dir == 0;
+        let judge = match role {
+            Role::Prefill => Judge {
+                owners: receiving,
+                order: receiving,
+                readiness: !receiving && !self.has_role(Role::Decode),
+            },
+            Role::Decode => Judge {
+                readiness: receiving,
+                ..Judge::default()
+            },
+            _ => return None,
+        };
+        let loss = self.stats.zmtp_desyncs
+            + self.stats.zmtp_damaged
+            + self.stats.conns_evicted
+            + self.kernel_losses;
+        let conns = &self.conns;
+        let visible = || {
+            let Some(to) = endpoint.and_then(|e| e.parse::<SocketAddr>().ok()) else {
+                return false;
+            };
+            let to = canonical(to);
+            conns.iter().any(|((t, _), c)| {
+                *t == tgid
+                    && c.peer.map(canonical) == Some(to)
+                    && matches!(c.streams[1].proto, Proto::Zmtp(_))
+            })
+        };
+        let at = RoomAt {
+            tgid,
+            room,
+            now_ns: ts,
+            loss,
+        };
+        let breach = self.rooms.note(at, msg, judge, visible);
+        self.stats.room_states_evicted = self.rooms.evicted;
+        breach
     }
 
     pub(super) fn close(&mut self, tgid: u32, fd: u32, ts: u64, out: &mut Vec<LifecycleEvent>) {
@@ -460,6 +555,7 @@ struct TransferStep {
 ///   drained): prefill `cancelled`;
 /// - `AUX_DATA`, `CHUNK_READY` (bytes of the room's KV moved): transfer `work`; `STAGING_REQ`
 ///   (prefill holds a sender and computes the room): prefill `admitted`.
+///
 /// The side channel's first KV chunk and its last: transfer `work` and `completed`.
 fn transfer_step(ctl: Control) -> Option<TransferStep> {
     let step = |stage, kind, key, what: &'static str| TransferStep {
@@ -475,6 +571,7 @@ fn transfer_step(ctl: Control) -> Option<TransferStep> {
             room,
             backend,
             endpoint,
+            ..
         } => TransferStep {
             stage: Stage::Transfer,
             kind: Kind::Admitted,

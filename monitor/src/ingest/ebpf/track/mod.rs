@@ -26,6 +26,7 @@ use lifecycle::{PathKind, path_kind};
 
 mod clock;
 mod lifecycle;
+mod rooms;
 #[cfg(test)]
 mod tests;
 mod vllm;
@@ -58,6 +59,9 @@ pub struct TrackStats {
     /// Times a capture gap cost a ZMTP stream its framing (the messages until the next syscall
     /// that starts a frame are lost).
     pub zmtp_desyncs: u64,
+    /// Rooms whose control-channel protocol state was forgotten because the table was full
+    /// (their breaches after that go unseen).
+    pub room_states_evicted: u64,
     pub events: u64,
 }
 
@@ -200,6 +204,11 @@ pub struct Tracker {
     capacity: vllm::CapacityTable,
     /// Who connects from where on this node: see [`OwnSockets`].
     own: OwnSockets,
+    /// Each room's control-channel protocol as each watched process sees it.
+    rooms: rooms::RoomProtocols,
+    /// Records the kernel lost so far (ring buffer or syscall table full), as the source last
+    /// read them: any of them may have been a room's control message.
+    kernel_losses: u64,
     pub stats: TrackStats,
 }
 
@@ -276,6 +285,8 @@ impl Tracker {
             transfer_names: vllm::TransferNames::default(),
             capacity: vllm::CapacityTable::default(),
             own: OwnSockets::default(),
+            rooms: rooms::RoomProtocols::new(),
+            kernel_losses: 0,
             stats: TrackStats::default(),
         }
     }
@@ -290,6 +301,12 @@ impl Tracker {
     /// sockets that existed before it was watched).
     pub fn add_own_socket(&mut self, tgid: u32, local: SocketAddr) {
         self.own.add(tgid, local);
+    }
+
+    /// Records the kernel lost so far (ring buffer or syscall table full): read before each
+    /// drain, so that a room whose control message may be among them is not judged on order.
+    pub fn set_kernel_losses(&mut self, n: u64) {
+        self.kernel_losses = n;
     }
 
     pub fn set_role(&mut self, tgid: u32, role: Role) {
@@ -555,6 +572,18 @@ impl Tracker {
             } else if let Some(p) = conn.pending.get_mut(i) {
                 p.ids = ids.clone();
             }
+        }
+        // The requests prefill runs on each room this body names: a room's owners (see
+        // `rooms`), judged where its destinations arrive.
+        if at.role == Role::Prefill
+            && !at.client
+            && path_kind(&head.path) == PathKind::Generate
+            && !ids.is_warmup()
+        {
+            for (room, requests) in ids.room_requests() {
+                self.rooms.expect(room, requests, start);
+            }
+            self.stats.room_states_evicted = self.rooms.evicted;
         }
         let at = &at;
         self.request_event(at, &head, &ids, start, body.len, out);

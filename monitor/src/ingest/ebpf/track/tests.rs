@@ -1,5 +1,5 @@
 use super::*;
-use crate::event::{BootstrapRoom, Source, Stage};
+use crate::event::{BootstrapRoom, ProtocolBreach, Source, Stage};
 use crate::ingest::ebpf::record::{Conn, DataPiece, Record};
 use monitor_common::{Header, kind, syscall};
 use proptest::prelude::*;
@@ -1420,4 +1420,374 @@ fn writers_on_other_nodes_are_attributed_by_address_only() {
             Some(Peer::Member)
         ]
     );
+}
+
+/// Decode's Mooncake destinations for `room` as `build_receiver_metadata_message` writes them
+/// (`mooncake/conn.py`): decode's rank address, its transfer session, page indices, and how many
+/// distinct sessions complete the room.
+fn mooncake_destinations(room: &str, port: &str, session: &str, required: &str) -> Vec<u8> {
+    mooncake_destinations_from("127.0.0.1", room, port, session, required)
+}
+
+/// [`mooncake_destinations`] from a decode rank at `ip`.
+fn mooncake_destinations_from(
+    ip: &str,
+    room: &str,
+    port: &str,
+    session: &str,
+    required: &str,
+) -> Vec<u8> {
+    let indices: Vec<u8> = [4i32, 5, 6].iter().flat_map(|i| i.to_le_bytes()).collect();
+    zmtp_wire(&[
+        room.as_bytes(),
+        ip.as_bytes(),
+        port.as_bytes(),
+        session.as_bytes(),
+        &indices,
+        b"3",
+        b"",
+        required.as_bytes(),
+        b"0",
+        b"",
+    ])
+}
+
+fn breaches(s: &Sim) -> Vec<(ProtocolBreach, Stage, Kind, Option<u64>)> {
+    s.out
+        .iter()
+        .filter_map(|e| {
+            e.protocol_breach
+                .map(|b| (b, e.stage, e.kind, e.ids.bootstrap_room.map(|r| r.0)))
+        })
+        .collect()
+}
+
+const ROOM: &str = "9066467638188682269";
+const ROOM_N: u64 = 9066467638188682269;
+
+/// Prefill's end sees every session a room's destinations come from: sessions up to the count
+/// the room asks for are its owners (one, or one per decode rank when decode's attention TP is
+/// a multiple of prefill's); one more is a second decode owner, reported once per room.
+#[test]
+fn a_decode_session_beyond_the_rooms_count_is_a_second_owner() {
+    let mut s = Sim::new();
+    // Prefill's HTTP server received the room's request: one request on it.
+    prefill_receives(
+        &mut s,
+        30,
+        &format!(r#"{{"text": "hi", "bootstrap_room": {ROOM}}}"#),
+    );
+    // One decode, one session: silent.
+    s.accept(PREFILL, 5);
+    s.io(
+        PREFILL,
+        5,
+        syscall::RECVFROM,
+        &mooncake_destinations("41", "17001", "127.0.0.1:15001", "1"),
+        4096,
+    );
+    // Decode attn-TP 2 over prefill attn-TP 1: two ranks, two sessions, two asked for.
+    s.accept(PREFILL, 6);
+    s.accept(PREFILL, 7);
+    for (fd, session) in [(6, "127.0.0.1:15001"), (7, "127.0.0.1:15002")] {
+        s.io(
+            PREFILL,
+            fd,
+            syscall::RECVFROM,
+            &mooncake_destinations(ROOM, "17001", session, "2"),
+            4096,
+        );
+    }
+    // Re-sent by a session the room already has: the same owner.
+    s.io(
+        PREFILL,
+        6,
+        syscall::RECVFROM,
+        &zmtp_wire(&[b"ABORT", b"1", b"127.0.0.1", b"17001"])[64..],
+        4096,
+    );
+    assert_eq!(breaches(&s), vec![]);
+    // One from a decode on another host: a second owner. Another is the same breach of the
+    // same room.
+    s.accept(PREFILL, 8);
+    s.io(
+        PREFILL,
+        8,
+        syscall::RECVFROM,
+        &mooncake_destinations_from("10.0.0.9", ROOM, "17009", "10.0.0.9:15009", "2"),
+        4096,
+    );
+    s.accept(PREFILL, 9);
+    s.io(
+        PREFILL,
+        9,
+        syscall::RECVFROM,
+        &mooncake_destinations_from("10.0.0.9", ROOM, "17010", "10.0.0.9:15010", "2"),
+        4096,
+    );
+    assert_eq!(
+        breaches(&s),
+        vec![(
+            ProtocolBreach::SurplusDecodeOwner,
+            Stage::Transfer,
+            Kind::Admitted,
+            Some(ROOM_N)
+        )]
+    );
+    let e = s.out.iter().find(|e| e.protocol_breach.is_some()).unwrap();
+    assert_eq!(e.worker.as_deref(), Some("10.0.0.9:17009"));
+    // The room concluded (prefill's Success): decode may reuse it, a new lifetime.
+    s.connect(PREFILL, 20, "127.0.0.1:17001");
+    s.io(
+        PREFILL,
+        20,
+        syscall::SENDTO,
+        &zmtp_wire(&[ROOM.as_bytes(), b"4", b"0"]),
+        4096,
+    );
+    s.accept(PREFILL, 10);
+    s.io(
+        PREFILL,
+        10,
+        syscall::RECVFROM,
+        &mooncake_destinations(ROOM, "17009", "127.0.0.1:15009", "1"),
+        4096,
+    );
+    assert_eq!(breaches(&s).len(), 1);
+    // Decode's own end never judges owners, even of a room prefill's server received: it
+    // sees only its own sessions.
+    prefill_receives(&mut s, 31, r#"{"text": "hi", "bootstrap_room": 77}"#);
+    s.connect(DECODE, 11, "127.0.0.1:31001");
+    s.io(
+        DECODE,
+        11,
+        syscall::SENDTO,
+        &mooncake_destinations("77", "17001", "127.0.0.1:15001", "1"),
+        4096,
+    );
+    s.io(
+        DECODE,
+        11,
+        syscall::SENDTO,
+        &mooncake_destinations_from("10.0.0.9", "77", "17001", "10.0.0.9:15002", "1")[64..],
+        4096,
+    );
+    assert_eq!(breaches(&s).len(), 1);
+}
+
+/// Prefill's HTTP server (tgid `PREFILL`) reads a `/generate` request with `body` on `fd`.
+fn prefill_receives(s: &mut Sim, fd: u32, body: &str) {
+    s.accept(PREFILL, fd);
+    s.io(
+        PREFILL,
+        fd,
+        syscall::RECVFROM,
+        &http_post("/generate", body),
+        4096,
+    );
+}
+
+/// Decode sessions on `hosts` send destinations for `room` to prefill's scheduler (another
+/// process than its HTTP server), each on its own connection from `fd` on.
+fn destinations_from_hosts(s: &mut Sim, fd: u32, room: &str, hosts: &[&str], required: &str) {
+    for (i, host) in hosts.iter().enumerate() {
+        let fd = fd + i as u32;
+        s.accept(PREFILL_SCHEDULER, fd);
+        s.io(
+            PREFILL_SCHEDULER,
+            fd,
+            syscall::RECVFROM,
+            &mooncake_destinations_from(host, room, "17001", &format!("{host}:15001"), required),
+            4096,
+        );
+    }
+}
+
+const PREFILL_SCHEDULER: u32 = 201;
+
+/// Parallel samples of one prompt (`n > 1`) and a batch listing a room more than once are
+/// several requests on one room, which decode's round-robin DP may put on different nodes:
+/// their owners are the count times those requests, as the body prefill's HTTP server read
+/// says. A room whose body was not seen is not judged.
+#[test]
+fn a_rooms_owners_are_its_count_times_the_requests_its_body_names() {
+    let mut s = Sim::new();
+    s.t.set_role(PREFILL_SCHEDULER, Role::Prefill);
+    let hosts = ["10.0.0.2", "10.0.0.3", "10.0.0.4"];
+    // n = 3 (top level, or in sampling_params) on decode DP ranks of three nodes: silent.
+    prefill_receives(
+        &mut s,
+        30,
+        r#"{"text": "hi", "n": 3, "bootstrap_room": 50}"#,
+    );
+    destinations_from_hosts(&mut s, 100, "50", &hosts, "1");
+    prefill_receives(
+        &mut s,
+        31,
+        r#"{"text": "hi", "sampling_params": {"n": 3, "temperature": 1.0}, "bootstrap_room": 51}"#,
+    );
+    destinations_from_hosts(&mut s, 110, "51", &hosts, "1");
+    assert_eq!(breaches(&s), vec![]);
+    // n = 1 (not named): a session from a second host is a second owner, reported once.
+    prefill_receives(&mut s, 32, r#"{"text": "hi", "bootstrap_room": 52}"#);
+    destinations_from_hosts(&mut s, 120, "52", &hosts, "1");
+    assert_eq!(
+        breaches(&s),
+        vec![(
+            ProtocolBreach::SurplusDecodeOwner,
+            Stage::Transfer,
+            Kind::Admitted,
+            Some(52)
+        )]
+    );
+    // A batch listing room 53 twice: twice the count is silent, one more is a second owner.
+    prefill_receives(
+        &mut s,
+        33,
+        r#"{"text": ["a", "b", "c"], "bootstrap_room": [53, 54, 53]}"#,
+    );
+    destinations_from_hosts(&mut s, 130, "53", &hosts[..2], "1");
+    assert_eq!(breaches(&s).len(), 1);
+    destinations_from_hosts(&mut s, 140, "53", &hosts[2..], "1");
+    assert_eq!(breaches(&s).len(), 2);
+    assert_eq!(breaches(&s)[1].3, Some(53));
+    // No body seen for room 55 (a capture gap, or a request from before the capture): not
+    // judged.
+    destinations_from_hosts(&mut s, 150, "55", &hosts, "1");
+    assert_eq!(breaches(&s).len(), 2);
+    // A body the capture cut in the middle may hide its `n`: not judged either.
+    let long = format!(
+        r#"{{"text": "{}", "bootstrap_room": 56}}"#,
+        "lorem ipsum ".repeat(2000)
+    );
+    s.accept(PREFILL, 34);
+    s.io(
+        PREFILL,
+        34,
+        syscall::RECVFROM,
+        &http_post("/generate", &long),
+        1 << 20,
+    );
+    destinations_from_hosts(&mut s, 160, "56", &hosts, "1");
+    assert_eq!(breaches(&s).len(), 2);
+}
+
+/// Under `prefill_complete` prefill announces a room ready once per lifetime (`[room, "2",
+/// rank]`); decode's end, which a forged one also reaches, judges a second.
+#[test]
+fn readiness_twice_for_one_room_is_a_breach() {
+    let mut s = Sim::new();
+    s.accept(DECODE, 5);
+    let ready = zmtp_wire(&[ROOM.as_bytes(), b"2", b"0"]);
+    s.io(DECODE, 5, syscall::RECVFROM, &ready, 4096);
+    assert_eq!(breaches(&s), vec![]);
+    // Success ends the lifetime; a recompute of the retracted request may reuse the room.
+    for m in [
+        &[ROOM.as_bytes(), b"4", b"0"][..],
+        &[ROOM.as_bytes(), b"2", b"0"],
+    ] {
+        s.io(DECODE, 5, syscall::RECVFROM, &zmtp_wire(m)[64..], 4096);
+    }
+    assert_eq!(breaches(&s), vec![]);
+    s.io(DECODE, 5, syscall::RECVFROM, &ready[64..], 4096);
+    s.io(DECODE, 5, syscall::RECVFROM, &ready[64..], 4096);
+    assert_eq!(
+        breaches(&s),
+        vec![(
+            ProtocolBreach::RepeatedReadiness,
+            Stage::Prefill,
+            Kind::Work,
+            Some(ROOM_N)
+        )]
+    );
+}
+
+/// Under `prefill_complete` (the room began with `BOOTSTRAP`), destinations before prefill's
+/// readiness are a breach, judged at prefill's end, and only where its readiness could not
+/// have left unseen: on a connection to that decode endpoint read from its start.
+#[test]
+fn destinations_before_readiness_under_prefill_complete() {
+    let mut s = Sim::new();
+    s.accept(PREFILL, 5);
+    let bootstrap = |room: &str| {
+        zmtp_wire(&[b"BOOTSTRAP", room.as_bytes(), b"127.0.0.1", b"17001"])[64..].to_vec()
+    };
+    s.io(
+        PREFILL,
+        5,
+        syscall::RECVFROM,
+        &zmtp_wire(&[b"x"])[..64],
+        4096,
+    );
+    // No connection from prefill to that decode yet: its readiness may have gone unseen.
+    s.io(PREFILL, 5, syscall::RECVFROM, &bootstrap("50"), 4096);
+    s.io(
+        PREFILL,
+        5,
+        syscall::RECVFROM,
+        &mooncake_destinations("50", "17001", "127.0.0.1:15001", "1")[64..],
+        4096,
+    );
+    assert_eq!(breaches(&s), vec![]);
+    // Prefill's connection to decode, read from its greeting: the correct order is silent.
+    s.connect(PREFILL, 9, "127.0.0.1:17001");
+    s.io(
+        PREFILL,
+        9,
+        syscall::SENDTO,
+        &zmtp_wire(&[b"50", b"4", b"0"]),
+        4096,
+    );
+    s.io(PREFILL, 5, syscall::RECVFROM, &bootstrap(ROOM), 4096);
+    s.io(
+        PREFILL,
+        9,
+        syscall::SENDTO,
+        &zmtp_wire(&[ROOM.as_bytes(), b"2", b"0"])[64..],
+        4096,
+    );
+    s.io(
+        PREFILL,
+        5,
+        syscall::RECVFROM,
+        &mooncake_destinations(ROOM, "17001", "127.0.0.1:15001", "1")[64..],
+        4096,
+    );
+    // Early policy: destinations with no BOOTSTRAP are the room's first message.
+    s.io(
+        PREFILL,
+        5,
+        syscall::RECVFROM,
+        &mooncake_destinations("52", "17001", "127.0.0.1:15001", "1")[64..],
+        4096,
+    );
+    assert_eq!(breaches(&s), vec![]);
+    s.io(PREFILL, 5, syscall::RECVFROM, &bootstrap("51"), 4096);
+    s.io(
+        PREFILL,
+        5,
+        syscall::RECVFROM,
+        &mooncake_destinations("51", "17001", "127.0.0.1:15001", "1")[64..],
+        4096,
+    );
+    assert_eq!(
+        breaches(&s),
+        vec![(
+            ProtocolBreach::DestinationsBeforeReadiness,
+            Stage::Transfer,
+            Kind::Admitted,
+            Some(51)
+        )]
+    );
+    // The kernel lost records since the room began (its readiness may be one): not judged.
+    s.io(PREFILL, 5, syscall::RECVFROM, &bootstrap("53"), 4096);
+    s.t.set_kernel_losses(1);
+    s.io(
+        PREFILL,
+        5,
+        syscall::RECVFROM,
+        &mooncake_destinations("53", "17001", "127.0.0.1:15001", "1")[64..],
+        4096,
+    );
+    assert_eq!(breaches(&s).len(), 1);
 }
