@@ -465,7 +465,8 @@ fn finish_reason(part: &[u8]) -> Option<Finish> {
 /// endpoints' `create_streaming_error_response`), vLLM its later errors the same way.
 fn stream_error(part: &[u8]) -> Option<u16> {
     value_positions(part, &ERROR)
-        .filter(|&at| part[at] == b'{')
+        // A key at the very end of the window has no value yet: `get`, not an index.
+        .filter(|&at| part.get(at) == Some(&b'{'))
         .filter_map(|at| find_status(object_prefix(&part[at..]), &CODE))
         .last()
 }
@@ -880,6 +881,18 @@ mod tests {
     use proptest::prelude::*;
 
     const FIXTURE: &[u8] = br#"{"text": "Hello", "model": null, "sampling_params": {"max_new_tokens": 4}, "return_text_in_logprobs": false, "stream": false, "log_metrics": true, "return_hidden_states": false, "background": false, "no_logs": false, "return_bytes": false, "return_entropy": false, "bootstrap_host": "127.0.0.1", "bootstrap_port": 8998, "bootstrap_room": 9066467638188682269}"#;
+
+    /// An `"error":` key that ends the captured window has no value to read: no status, no
+    /// panic (found by the http_stream fuzz target).
+    #[test]
+    fn an_error_key_at_the_end_of_the_window_has_no_status() {
+        assert_eq!(stream_error(br#"data: {"error":"#), None);
+        assert_eq!(stream_error(br#"data: {"error": "#), None);
+        assert_eq!(
+            stream_error(br#"data: {"error": {"message": "x", "code": 400}}"#),
+            Some(400)
+        );
+    }
 
     fn window(parts: &[&[u8]]) -> BodyWindow {
         let mut w = BodyWindow::default();
