@@ -683,6 +683,63 @@ fn a_room_collision_revealed_by_a_join_through_the_room_is_caught_once() {
     assert!(v.iter().all(|v| v.rule != "room-collision"), "{v:#?}");
 }
 
+/// An OpenTelemetry-instrumented client sends two LLM requests under one trace: the router
+/// continues its traceparent to the workers, so both requests' legs and spans carry the same
+/// trace id, each with its own x-request-id and room. Two requests sharing a trace are not one
+/// request, and not a room collision: the default rules stay silent.
+#[test]
+fn two_requests_sharing_one_trace_raise_nothing() {
+    let t = 1_795_986_960 * S;
+    let cfg = CheckerConfig {
+        allowed_lateness: Duration::from_secs(15),
+        ..CheckerConfig::default()
+    };
+    let trace = "0af7651916cd43dd8448eb211c80319c";
+    let wire = |dt: u64, stage: Stage, kind: Kind, req: &str, room: u64| {
+        LifecycleEvent::new(t + dt, stage, kind, Source::Ebpf)
+            .with_request_id(req)
+            .with_trace_id(trace)
+            .with_room(room)
+    };
+    let worker_span = |dt: u64, stage: Stage, kind: Kind, rid: &str, room: u64| {
+        ev(t + dt, stage, kind)
+            .with_rid(rid)
+            .with_trace_id(trace)
+            .with_room(room)
+    };
+    let request = |b: u64, req: &str, rid: &str, room: u64| {
+        vec![
+            wire(b, Stage::Router, Kind::Dispatched, req, room).with_to(Stage::Prefill),
+            wire(b + 100_000, Stage::Prefill, Kind::Received, req, room),
+            wire(b + MS, Stage::Prefill, Kind::Completed, req, room).with_status(200),
+            wire(b + MS, Stage::Router, Kind::Dispatched, req, room).with_to(Stage::Decode),
+            wire(b + MS, Stage::Decode, Kind::Received, req, room),
+            wire(b + 3 * MS / 2, Stage::Decode, Kind::Completed, req, room).with_status(200),
+            worker_span(b + 100_000, Stage::Prefill, Kind::Received, rid, room),
+            worker_span(b + MS, Stage::Prefill, Kind::Completed, rid, room),
+        ]
+    };
+    let run = |events: &[LifecycleEvent]| {
+        let mut c = Checker::new(RuleSet::embedded_defaults(), cfg.clone());
+        let mut out: Vec<Violation> = events.iter().flat_map(|e| c.observe(e)).collect();
+        out.extend(c.tick(t + 60 * S));
+        out
+    };
+    // One after the other, then interleaved.
+    let mut apart = request(0, "req-a", "a-p", 31);
+    apart.extend(request(5 * MS, "req-b", "b-p", 32));
+    let v = run(&apart);
+    assert!(v.is_empty(), "{v:#?}");
+    let (a, b) = (
+        request(0, "req-a", "a-p", 31),
+        request(MS / 2, "req-b", "b-p", 32),
+    );
+    let mut mixed: Vec<LifecycleEvent> = a.into_iter().zip(b).flat_map(|(x, y)| [x, y]).collect();
+    mixed.sort_by_key(|e| e.time_ns);
+    let v = run(&mixed);
+    assert!(v.is_empty(), "{v:#?}");
+}
+
 /// A request known by its x-request-id alone (the router received it), then an attempt known by
 /// its trace id alone (a worker's span), then an event naming all three: joining what the names
 /// found gives the attempt's solo request a record, and the attempt is linked to it once (no

@@ -3,7 +3,9 @@
 //! `request_id` (x-request-id) and `trace_id` name a client request; `bootstrap_room` and `rid`
 //! name one attempt of it. Aliases are merged incrementally: an attempt holds at most one room (the
 //! router mints a new room per retry, so two rooms are two attempts, never one), while requests
-//! merge freely (union-find). Memory is bounded: live attempts are compacted into tombstones once
+//! merge (union-find) by their aliases, except that a trace id never joins two request ids: the
+//! x-request-id is a client request's identity, and one OpenTelemetry trace may carry several
+//! client requests (a join through a room of two request ids is a collision, and is kept). Memory is bounded: live attempts are compacted into tombstones once
 //! ended or idle past a TTL, tombstones expire after a retention window, and hard caps evict with
 //! a counter. This module is sans-IO; the checker owns the per-attempt rule slots stored here.
 //!
@@ -60,7 +62,8 @@ pub enum AttemptAt {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Resolved {
     pub attempt: Option<AttemptAt>,
-    /// The request's record (its union-find root).
+    /// The request's record (its union-find root); `None` for a solo request, or an event whose
+    /// only name is a trace two requests share and whose attempt has no request.
     pub request: Option<u32>,
     /// The attempt was (re)linked to a request by this event: request-scope state must be folded.
     pub linked: bool,
@@ -173,6 +176,9 @@ pub struct Store {
     /// A room keeps one request id (a `distinct` rule is on): an event naming a room with
     /// another one is a collision.
     room_request_ids_distinct: bool,
+    /// Traces seen naming two client requests (two request ids), by alias key, with when last
+    /// seen: they join no records (see `resolve_request`).
+    shared_traces: HashMap<u64, u64, FixedState>,
     /// The request ids of the collision being resolved, the room's first (for its report).
     collided_with: Option<(Option<Box<str>>, Option<Box<str>>)>,
     /// See [`Self::set_clock`].
@@ -231,6 +237,7 @@ impl Store {
             request_hand: 0,
             union_epoch: 1,
             room_request_ids_distinct: false,
+            shared_traces: HashMap::with_hasher(stable_hasher()),
             collided_with: None,
             watermark_ns: 0,
             event_ns: 0,

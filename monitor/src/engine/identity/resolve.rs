@@ -36,7 +36,7 @@ impl Store {
             if collided {
                 collision = attempt;
             }
-            (Some(r), linked)
+            (r, linked)
         };
         Resolved {
             attempt,
@@ -313,9 +313,16 @@ impl Store {
 
     /// The request an event's request id / trace id (`names`) name, with the event's attempt:
     /// found, linked to the attempt, merged with the attempt's own when they differ, or created
-    /// (kept solo in the attempt when there is a live one). Returns the request, whether an
-    /// attempt was newly linked to a record, and whether (`guard`: the attempt is a room's) the
-    /// join showed two client requests on the room ([`Self::requests_collide`]).
+    /// (kept solo in the attempt when there is a live one). Returns the request (`None`: the
+    /// event names only a trace two client requests share, and no attempt of its own decides),
+    /// whether an attempt was newly linked to a record, and whether (`guard`: the attempt is a
+    /// room's) the join showed two client requests on the room ([`Self::requests_collide`]).
+    ///
+    /// The request id is a client request's identity; a trace id only joins what it does not
+    /// give two request ids. An OpenTelemetry client sends several requests under one trace:
+    /// an event whose trace names a request with another request id than its own marks the
+    /// trace shared (`shared_traces`) and keeps to its own request, and a shared trace
+    /// joins nothing from then on (its events find their request through their attempt).
     fn resolve_request(
         &mut self,
         ids: &Ids,
@@ -324,8 +331,8 @@ impl Store {
         time_ns: u64,
         request_trigger: bool,
         guard: bool,
-    ) -> (RequestAt, bool, bool) {
-        let mut found = None;
+    ) -> (Option<RequestAt>, bool, bool) {
+        let mut by_name: [Option<RequestAt>; 2] = [None, None];
         let mut known = [false; 2];
         // Each alias is looked up once.
         for (n, name) in names.iter().enumerate() {
@@ -342,19 +349,43 @@ impl Store {
                 v = moved;
             }
             known[n] = true;
-            let named = match tag(v) {
-                TAG_REQUEST => RequestAt::Record(self.find(v & INDEX_MASK)),
-                TAG_SOLO => RequestAt::Solo(v & INDEX_MASK),
-                _ => continue,
+            by_name[n] = match tag(v) {
+                TAG_REQUEST => Some(RequestAt::Record(self.find(v & INDEX_MASK))),
+                TAG_SOLO => Some(RequestAt::Solo(v & INDEX_MASK)),
+                _ => None,
             };
-            found = Some(match found {
-                None => named,
-                Some(into) => self.join(named, into),
-            });
         }
+        // The trace's request, unless it has another request id than the event's: then the
+        // trace is shared by two client requests, and the event keeps to its own.
+        let trace_key = names[1].map(|a| a.key);
+        let mut shared = trace_key.is_some_and(|k| self.shared_traces.contains_key(&k));
+        if !shared
+            && let (Some(mine), Some(t)) = (ids.request_id.as_deref(), by_name[1])
+            && self.request_id_at(t).is_some_and(|theirs| &*theirs != mine)
+        {
+            shared = true;
+        }
+        if shared && let Some(k) = trace_key {
+            self.mark_shared_trace(k, time_ns);
+            // Not re-pointed, not given to the event's request: the trace stays the first's.
+            known[1] = true;
+            by_name[1] = None;
+        }
+        let found = match by_name {
+            [Some(r), Some(t)] => Some(self.join(t, r)),
+            [r, t] => r.or(t),
+        };
         // After the lookups: joining what the names found may have given the attempt's solo
         // request a record.
         let cur = self.request_at(attempt, time_ns);
+        // A shared trace alone decides nothing: the attempt's own request, else none.
+        if shared && ids.request_id.is_none() {
+            if let Some(RequestAt::Record(r)) = cur {
+                let req = &mut self.requests[r as usize];
+                req.last_ns = req.last_ns.max(time_ns);
+            }
+            return (cur, false, false);
+        }
         let mut linked = false;
         let mut collided = false;
         let mut target = match (cur, found) {
@@ -429,7 +460,28 @@ impl Store {
             let req = &mut self.requests[r as usize];
             req.last_ns = req.last_ns.max(time_ns);
         }
-        (target, linked, collided)
+        (Some(target), linked, collided)
+    }
+
+    /// Trace `key` names two client requests (two request ids): remembered for the retention,
+    /// at most `max_requests` traces (beyond it, those past the retention go, and the staler
+    /// half of the rest if more than half the cap remains: a sweep is O(cap) once per cap/2
+    /// traces marked at least).
+    pub(super) fn mark_shared_trace(&mut self, key: u64, time_ns: u64) {
+        let seen = self.shared_traces.entry(key).or_insert(time_ns);
+        *seen = (*seen).max(time_ns);
+        let cap = self.limits.max_requests.max(1);
+        if self.shared_traces.len() <= cap {
+            return;
+        }
+        let horizon = time_ns.saturating_sub(self.limits.retention_ns);
+        self.shared_traces.retain(|_, t| *t >= horizon);
+        if self.shared_traces.len() > cap / 2 {
+            let mut times: Vec<u64> = self.shared_traces.values().copied().collect();
+            let mid = times.len() / 2;
+            let cutoff = *times.select_nth_unstable(mid).1;
+            self.shared_traces.retain(|_, t| *t > cutoff);
+        }
     }
 
     /// The live attempt or tombstone alias `a` names. Entries of dropped tombstones met on the

@@ -387,3 +387,91 @@ fn joins_through_a_room_of_two_request_ids_collide() {
         (Some(AttemptAt::Live(e)), None)
     );
 }
+
+/// An OpenTelemetry client sends two requests under one trace (the router continues its
+/// traceparent): each keeps its own x-request-id and room. The shared trace joins nothing: two
+/// requests, no collision, each room's attempt keeps its own request id, and a worker's span
+/// naming a room and the trace finds that room's request. A span naming the trace alone is
+/// ambiguous and joins nothing either.
+#[test]
+fn two_requests_sharing_a_trace_stay_two_requests() {
+    let with_rid = |rid: &str, trace: &str, room: u64| Ids {
+        rid: Some(rid.into()),
+        ..ids(None, Some(trace), Some(room))
+    };
+    let mut s = store();
+    s.guard_room_request_ids();
+    let a = s.resolve_t(&ids(Some("req-a"), Some("tr"), Some(1)), 1_000);
+    let b = s.resolve_t(&ids(Some("req-b"), Some("tr"), Some(2)), 2_000);
+    let (ia, ib) = (live(&a), live(&b));
+    assert_ne!(ia, ib);
+    assert_eq!((a.collision, b.collision), (None, None));
+    assert_eq!((a.linked, b.linked), (false, false));
+    assert!(
+        a.solo && b.solo,
+        "two requests, each in its attempt: {a:?} {b:?}"
+    );
+    // Worker spans (rid, room, trace) and the legs again, in any order: nothing collides.
+    for (t, e) in [
+        (3_000, with_rid("pa", "tr", 1)),
+        (3_100, with_rid("pb", "tr", 2)),
+        (3_200, ids(Some("req-b"), Some("tr"), Some(2))),
+        (3_300, ids(Some("req-a"), Some("tr"), Some(1))),
+        (3_400, with_rid("pb", "tr", 2)),
+        (3_500, ids(Some("req-b"), Some("tr"), None)),
+        (3_600, ids(Some("req-a"), Some("tr"), None)),
+    ] {
+        let r = s.resolve_t(&e, t);
+        assert_eq!(r.collision, None, "{e:?}");
+    }
+    assert_eq!(live(&s.resolve_t(&with_rid("pa", "tr", 1), 4_000)), ia);
+    assert_eq!(live(&s.resolve_t(&with_rid("pb", "tr", 2), 4_000)), ib);
+    assert_eq!(
+        s.room_request_id(AttemptAt::Live(ia)).as_deref(),
+        Some("req-a")
+    );
+    assert_eq!(
+        s.room_request_id(AttemptAt::Live(ib)).as_deref(),
+        Some("req-b")
+    );
+    // Request-scope triggers give each request a record of its own.
+    let ra = s.resolve(&ids(Some("req-a"), Some("tr"), None), 5_000, true);
+    let rb = s.resolve(&ids(Some("req-b"), Some("tr"), None), 5_000, true);
+    assert!(ra.request.is_some() && rb.request.is_some());
+    assert_ne!(ra.request, rb.request);
+    assert_eq!(s.request_record(ia), ra.request);
+    assert_eq!(s.request_record(ib), rb.request);
+    assert_eq!(s.stats.requests_merged, 0);
+    // The trace alone names neither: no request, nothing merged.
+    let alone = s.resolve(&ids(None, Some("tr"), None), 6_000, true);
+    assert_eq!((alone.request, alone.solo), (None, false));
+    // A new attempt named by the trace alone is left without a request.
+    let orphan = s.resolve_t(&with_rid("pc", "tr", 3), 6_500);
+    assert_eq!(
+        (orphan.request, orphan.solo, orphan.collision),
+        (None, false, None)
+    );
+    assert_eq!(s.stats.requests_merged, 0);
+    // Both rooms still hold their own request ids.
+    assert_eq!(
+        s.room_request_id(AttemptAt::Live(ia)).as_deref(),
+        Some("req-a")
+    );
+    assert_eq!(
+        s.room_request_id(AttemptAt::Live(ib)).as_deref(),
+        Some("req-b")
+    );
+}
+
+/// Shared traces are remembered within bounds: at most `max_requests` of them, the stalest
+/// forgotten first.
+#[test]
+fn shared_traces_are_bounded() {
+    let mut s = store();
+    for n in 0..5_000u64 {
+        s.mark_shared_trace(n, n);
+        assert!(s.shared_traces.len() <= 1_000);
+    }
+    assert!(s.shared_traces.contains_key(&4_999), "the latest is kept");
+    assert!(!s.shared_traces.contains_key(&0), "the stalest went");
+}
