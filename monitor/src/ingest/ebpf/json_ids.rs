@@ -531,28 +531,11 @@ fn top_level_spans(v: &[u8]) -> Vec<&[u8]> {
     };
     let inner = &v[1..end];
     let mut spans = Vec::new();
-    let (mut depth, mut in_str, mut escaped, mut from) = (0usize, false, false, 0usize);
-    for (i, &b) in inner.iter().enumerate() {
-        if in_str {
-            match (escaped, b) {
-                (true, _) => escaped = false,
-                (false, b'\\') => escaped = true,
-                (false, b'"') => in_str = false,
-                _ => {}
-            }
-            continue;
-        }
-        match b {
-            b'"' => in_str = true,
-            b'[' | b'{' => depth += 1,
-            b']' | b'}' => depth = depth.saturating_sub(1),
-            b',' if depth == 0 => {
-                spans.push(&inner[from..i]);
-                from = i + 1;
-            }
-            _ => {}
-        }
-    }
+    let mut from = 0;
+    for_each_top_level_comma(inner, |i| {
+        spans.push(&inner[from..i]);
+        from = i + 1;
+    });
     if inner[from..].iter().any(|b| !b.is_ascii_whitespace()) {
         spans.push(&inner[from..]);
     }
@@ -636,11 +619,16 @@ fn top_level_elements(v: &[u8]) -> Option<u32> {
     if inner.iter().all(u8::is_ascii_whitespace) {
         return None;
     }
-    let mut depth = 0usize;
-    let mut in_str = false;
-    let mut escaped = false;
     let mut n = 1u32;
-    for &b in inner {
+    for_each_top_level_comma(inner, |_| n += 1);
+    Some(n)
+}
+
+/// Calls `f` with the index of each comma of `inner` (a list's bytes between its brackets)
+/// that separates its top-level elements: outside strings and nested lists or objects.
+fn for_each_top_level_comma(inner: &[u8], mut f: impl FnMut(usize)) {
+    let (mut depth, mut in_str, mut escaped) = (0usize, false, false);
+    for (i, &b) in inner.iter().enumerate() {
         if in_str {
             match (escaped, b) {
                 (true, _) => escaped = false,
@@ -654,11 +642,10 @@ fn top_level_elements(v: &[u8]) -> Option<u32> {
             b'"' => in_str = true,
             b'[' | b'{' => depth += 1,
             b']' | b'}' => depth = depth.saturating_sub(1),
-            b',' if depth == 0 => n += 1,
+            b',' if depth == 0 => f(i),
             _ => {}
         }
     }
-    Some(n)
 }
 
 /// The status of a body that is itself an error object, the OpenAI shape

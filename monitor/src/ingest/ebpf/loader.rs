@@ -318,18 +318,22 @@ impl Probes {
         }
     }
 
-    /// The sum of some kernel counters over all CPUs: cheaper than [`Self::counters`] (one map
-    /// lookup each).
-    pub fn counter_sum(&self, idxs: &[u32]) -> Result<u64, LoadError> {
+    /// The kernel's per-CPU counters (`monitor_common::counter`).
+    fn counters_map(&self) -> Result<PerCpuArray<&MapData, u64>, LoadError> {
         let map = self
             .ebpf
             .map("COUNTERS")
             .ok_or_else(|| LoadError::Config("no COUNTERS map".into()))?;
-        let arr: PerCpuArray<&MapData, u64> =
-            PerCpuArray::try_from(map).map_err(|source| LoadError::Map {
-                name: "COUNTERS",
-                source,
-            })?;
+        PerCpuArray::try_from(map).map_err(|source| LoadError::Map {
+            name: "COUNTERS",
+            source,
+        })
+    }
+
+    /// The sum of some kernel counters over all CPUs: cheaper than [`Self::counters`] (one map
+    /// lookup each).
+    pub fn counter_sum(&self, idxs: &[u32]) -> Result<u64, LoadError> {
+        let arr = self.counters_map()?;
         let mut sum = 0u64;
         for i in idxs {
             let per_cpu = arr.get(i, 0).map_err(|source| LoadError::Map {
@@ -342,15 +346,7 @@ impl Probes {
     }
 
     pub fn counters(&self) -> Result<KernelCounters, LoadError> {
-        let map = self
-            .ebpf
-            .map("COUNTERS")
-            .ok_or_else(|| LoadError::Config("no COUNTERS map".into()))?;
-        let arr: PerCpuArray<&MapData, u64> =
-            PerCpuArray::try_from(map).map_err(|source| LoadError::Map {
-                name: "COUNTERS",
-                source,
-            })?;
+        let arr = self.counters_map()?;
         let mut out = KernelCounters::default();
         for i in 0..counter::COUNT {
             let per_cpu = arr.get(&i, 0).map_err(|source| LoadError::Map {
