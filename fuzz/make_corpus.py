@@ -425,7 +425,8 @@ KINDS = ["received", "dispatched", "admitted", "rejected", "work", "completed", 
          "cancelled", "capacity"]
 SOURCES = ["ebpf", "otlp", "replay"]
 PEERS = ["member", "foreign", "unattributed"]
-PROTOCOL_BREACHES = ["surplus-decode-owner", "repeated-readiness", "destinations-before-readiness"]
+PROTOCOL_BREACHES = ["surplus-decode-owner", "repeated-readiness", "destinations-before-readiness",
+                     "foreign-kv-handoff", "unissued-kv-handoff"]
 BIT = {"room": 1 << 8, "rid": 1 << 9, "request_id": 1 << 10, "trace_id": 1 << 11,
        "node": 1 << 12, "status": 1 << 13, "pid": 1 << 19, "worker": 1 << 20,
        "reason": 1 << 21, "detail": 1 << 22, "input_tokens": 1 << 23,

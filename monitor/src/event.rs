@@ -230,13 +230,21 @@ pub enum ProtocolBreach {
     /// Under `prefill_complete` (the room began with `BOOTSTRAP`), decode published its
     /// destinations before prefill announced the room ready.
     DestinationsBeforeReadiness = 2,
+    /// A vLLM decode leg's `kv_transfer_params` name KV (`remote_request_id`) that prefill's
+    /// answer issued to another request: decode reads that request's KV cache.
+    ForeignKvHandoff = 3,
+    /// A vLLM decode leg's `kv_transfer_params` name KV no prefill answer issued, while prefill's
+    /// answer to this request issued other KV: a stale or forged handoff.
+    UnissuedKvHandoff = 4,
 }
 
 impl ProtocolBreach {
-    pub const ALL: [ProtocolBreach; 3] = [
+    pub const ALL: [ProtocolBreach; 5] = [
         ProtocolBreach::SurplusDecodeOwner,
         ProtocolBreach::RepeatedReadiness,
         ProtocolBreach::DestinationsBeforeReadiness,
+        ProtocolBreach::ForeignKvHandoff,
+        ProtocolBreach::UnissuedKvHandoff,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -244,6 +252,8 @@ impl ProtocolBreach {
             ProtocolBreach::SurplusDecodeOwner => "surplus-decode-owner",
             ProtocolBreach::RepeatedReadiness => "repeated-readiness",
             ProtocolBreach::DestinationsBeforeReadiness => "destinations-before-readiness",
+            ProtocolBreach::ForeignKvHandoff => "foreign-kv-handoff",
+            ProtocolBreach::UnissuedKvHandoff => "unissued-kv-handoff",
         }
     }
 }

@@ -194,6 +194,7 @@ pub const TEMPLATE_FIELDS: &[&str] = &[
     "event.kind",
     "event.source",
     "event.status",
+    "event.reason",
 ];
 
 /// One event as a template names it (`{trigger.*}`, `{event.*}`).
@@ -221,6 +222,8 @@ pub struct TemplateContext<'a> {
     pub trigger_reason: Option<&'a str>,
     /// The offending event.
     pub event: Option<TemplateEvent>,
+    /// What the offending event says of itself (its reason, else its detail).
+    pub event_reason: Option<&'a str>,
 }
 
 impl TemplateContext<'_> {
@@ -264,6 +267,7 @@ impl TemplateContext<'_> {
             "trigger.source" => opt(self.trigger.map(|t| t.source.to_string())),
             "trigger.status" => opt(self.trigger.and_then(|t| t.status).map(|s| s.to_string())),
             "trigger.reason" => opt(self.trigger_reason.map(str::to_owned)),
+            "event.reason" => opt(self.event_reason.map(str::to_owned)),
             "event.stage" => opt(self.event.map(|t| t.stage.to_string())),
             "event.kind" => opt(self.event.map(|t| t.kind.to_string())),
             "event.source" => opt(self.event.map(|t| t.source.to_string())),
@@ -510,6 +514,7 @@ mod tests {
             breach: Some(&"context_tokens 9 > 8"),
             trigger: Some(event),
             trigger_reason: Some("full"),
+            event_reason: None,
             event: Some(event),
         };
         for field in TEMPLATE_FIELDS {

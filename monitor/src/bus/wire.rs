@@ -29,8 +29,9 @@
 //! A message of another version (v1 was a JSON Lines batch) is a [`WireError::Version`]; a
 //! malformed one another [`WireError`]: the checker counts and skips it.
 //!
-//! `protocol_breach` (shape bits 27 and 28) came after the first v2 readers: such a reader takes
-//! a batch with a marked event for malformed and skips it, so upgrade checkers before agents.
+//! `protocol_breach` (shape bits 27 to 29) came after the first v2 readers, and its third bit
+//! (the vLLM KV-handoff breaches) after the second: an older reader takes a batch with an event
+//! it cannot read for malformed and skips it, so upgrade checkers before agents.
 
 use std::collections::HashMap;
 
@@ -182,10 +183,10 @@ pub mod shape {
     pub const CONTEXT_TOKENS: u32 = 1 << 24;
     pub const MAX_INPUT_TOKENS: u32 = 1 << 25;
     pub const MAX_TOTAL_TOKENS: u32 = 1 << 26;
-    /// 2 bits: 0 none, else the protocol breach + 1.
+    /// 3 bits: 0 none, else the protocol breach + 1.
     pub const BREACH: u32 = 27;
     /// Bits above these are not defined.
-    pub const ALL: u32 = (1 << 29) - 1;
+    pub const ALL: u32 = (1 << 30) - 1;
 }
 
 /// A batch as the checker reads it.
@@ -518,9 +519,13 @@ fn read_events(cols: Columns) -> Result<Vec<LifecycleEvent>, WireError> {
         if peer > 0 {
             e.peer = Some(Peer::ALL[peer as usize - 1]);
         }
-        let breach = (s >> shape::BREACH) & 3;
+        let breach = (s >> shape::BREACH) & 7;
         if breach > 0 {
-            e.protocol_breach = Some(ProtocolBreach::ALL[breach as usize - 1]);
+            e.protocol_breach = Some(
+                *ProtocolBreach::ALL
+                    .get(breach as usize - 1)
+                    .ok_or_else(|| bad("undefined protocol breach".into()))?,
+            );
         }
         for (bit, field) in [
             (shape::INPUT_TOKENS, &mut e.input_tokens),

@@ -1,5 +1,7 @@
-//! vLLM (`--otlp-traces-endpoint`): one `llm_request` span (scope `vllm.llm_engine`) per request,
-//! created when the request finishes, with start time = arrival time.
+//! vLLM (`--otlp-traces-endpoint`): one `llm_request` span, kind SERVER, per finished request
+//! (`v1/engine/output_processor.py`), with start time = arrival time. The instrumentation scope
+//! is `vllm.tracing.otel` in vLLM 0.34 (`tracing/otel.py`; older builds: `vllm.llm_engine`);
+//! any `vllm*` scope or service selects this profile.
 //!
 //! Attributes (vllm/tracing.py `SpanAttributes`): `gen_ai.request.id`,
 //! `gen_ai.usage.prompt_tokens`, `gen_ai.usage.completion_tokens`, `gen_ai.request.max_tokens`,
@@ -17,8 +19,10 @@
 //! span is a prefill leg when `gen_ai.request.max_tokens` is 1 and at most one token was
 //! generated (the router's prefill body: `max_tokens: 1`), else decode.
 //!
-//! `gen_ai.request.id` is N = `cmpl-X` (`chatcmpl-X`), X the router's per-request id sent on
-//! both legs: it names the request's one attempt, so it is the event's `rid`; the trace id (the
+//! `gen_ai.request.id` is the engine's external id: `cmpl-X-0` on `/v1/completions` (the
+//! prompt's index appended), `chatcmpl-X` on chat, X the router's per-request id sent on both
+//! legs (never the internal `…-<8 chars>` id): it names the request's one attempt, so it is the
+//! event's `rid`, the same rid the eBPF side gives both legs; the trace id (the
 //! inbound `traceparent`, the router's CLIENT span) is `trace_id`. Every span with both teaches
 //! the [`TraceJoin`] the trace's rid, which gives the router's prefill rejections their attempt.
 

@@ -19,7 +19,7 @@
 //!
 //! No span event, no attribute carries the id X the router sends the workers
 //! (`___prefill_addr_…___decode_addr_…_<hex>`), so no router span names the attempt: vLLM's
-//! `llm_request` span of either leg does (`gen_ai.request.id` = N = `cmpl-X`), in the same trace.
+//! `llm_request` span of either leg does (`gen_ai.request.id` = N = `cmpl-X-0`, `chatcmpl-X` on chat), in the same trace.
 //!
 //! Mapping: SERVER → router `received` (start) and router `completed` (end, `status`; a status
 //! ≥ 400 fails the request whether the router refused it itself or passed a leg's error through,

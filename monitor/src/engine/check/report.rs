@@ -332,6 +332,7 @@ impl Checker {
             trigger: f.trigger.map(template_event),
             trigger_reason: f.trigger_reason.as_deref(),
             event: f.offender.map(template_event),
+            event_reason: f.offender_reason.as_deref(),
         }
         .render(&rule.output);
         // A follow-up proves the same breach again: it is counted (in `corroborations`, where

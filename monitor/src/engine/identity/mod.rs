@@ -118,6 +118,9 @@ pub struct StoreLimits {
     pub retention_ns: u64,
 }
 
+/// The request ids of a room collision: the room's first request's, then the other's.
+pub type CollidedWith = (Option<Box<str>>, Option<Box<str>>);
+
 /// The correlation store.
 pub struct Store {
     limits: StoreLimits,
@@ -180,7 +183,7 @@ pub struct Store {
     /// seen: they join no records (see `resolve_request`).
     shared_traces: HashMap<u64, u64, FixedState>,
     /// The request ids of the collision being resolved, the room's first (for its report).
-    collided_with: Option<(Option<Box<str>>, Option<Box<str>>)>,
+    collided_with: Option<CollidedWith>,
     /// See [`Self::set_clock`].
     watermark_ns: u64,
     event_ns: u64,

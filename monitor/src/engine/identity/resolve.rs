@@ -5,7 +5,7 @@
 use super::keys::{Alias, INDEX_MASK, TAG_ATTEMPT, TAG_REQUEST, TAG_SOLO, TAG_TOMB, key_room, tag};
 use super::request::RequestAt;
 use super::tombstones::tomb_alive;
-use super::{AttemptAt, PackedIds, RequestLink, Resolved, Rid, Store};
+use super::{AttemptAt, CollidedWith, PackedIds, RequestLink, Resolved, Rid, Store};
 use crate::engine::mem::NO_INDEX;
 use crate::event::Ids;
 
@@ -119,7 +119,7 @@ impl Store {
 
     /// The request ids of the last collision found ([`Self::room_collision`],
     /// [`Self::requests_collide`]): the room's first, then the other request's.
-    pub fn take_collided_with(&mut self) -> (Option<Box<str>>, Option<Box<str>>) {
+    pub fn take_collided_with(&mut self) -> CollidedWith {
         self.collided_with.take().unwrap_or_default()
     }
 

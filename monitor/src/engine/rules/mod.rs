@@ -175,7 +175,13 @@ pub enum Shape {
 impl Shape {
     /// The placeholders a rule of shape `kind` (as [`Shape::kind_name`] names it) can fill.
     pub fn placeholders_of(kind: &str) -> &'static [&'static str] {
-        const EVENT: [&str; 4] = ["event.stage", "event.kind", "event.source", "event.status"];
+        const EVENT: [&str; 5] = [
+            "event.stage",
+            "event.kind",
+            "event.source",
+            "event.status",
+            "event.reason",
+        ];
         const TRIGGER: [&str; 5] = [
             "trigger.stage",
             "trigger.kind",
@@ -183,7 +189,7 @@ impl Shape {
             "trigger.status",
             "trigger.reason",
         ];
-        const NEVER_AFTER: &[&str] = &const_concat::<14>(&[
+        const NEVER_AFTER: &[&str] = &const_concat::<15>(&[
             &["rule", "severity", "request", "attempt", "delay"],
             &TRIGGER,
             &EVENT,
@@ -193,16 +199,16 @@ impl Shape {
             &TRIGGER,
         ]);
         const REQUIRES_BEFORE: &[&str] =
-            &const_concat::<8>(&[&["rule", "severity", "request", "attempt"], &EVENT]);
-        const PREDICATE: &[&str] = &const_concat::<10>(&[
+            &const_concat::<9>(&[&["rule", "severity", "request", "attempt"], &EVENT]);
+        const PREDICATE: &[&str] = &const_concat::<11>(&[
             &["rule", "severity", "request", "attempt", "worker", "breach"],
             &EVENT,
         ]);
-        const DISTINCT: &[&str] = &const_concat::<9>(&[
+        const DISTINCT: &[&str] = &const_concat::<10>(&[
             &["rule", "severity", "request", "attempt", "breach"],
             &EVENT,
         ]);
-        const NEVER: &[&str] = &const_concat::<9>(&[
+        const NEVER: &[&str] = &const_concat::<10>(&[
             &["rule", "severity", "request", "attempt", "worker"],
             &EVENT,
         ]);

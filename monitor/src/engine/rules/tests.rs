@@ -49,7 +49,8 @@ fn embedded_defaults_have_the_documented_rules() {
             "context-exceeds-capacity",
             "foreign-bootstrap-writer",
             "second-decode-owner",
-            "readiness-out-of-order"
+            "readiness-out-of-order",
+            "kv-handoff-mismatch"
         ]
     );
     let sev = |n: &str| set.rules.iter().find(|r| r.name == n).unwrap().severity;
@@ -60,6 +61,7 @@ fn embedded_defaults_have_the_documented_rules() {
     assert_eq!(sev("rejected-room-reused"), Severity::Critical);
     assert_eq!(sev("second-decode-owner"), Severity::Critical);
     assert_eq!(sev("readiness-out-of-order"), Severity::Critical);
+    assert_eq!(sev("kv-handoff-mismatch"), Severity::Critical);
     assert_eq!(sev("orphaned-leg"), Severity::Warning);
     assert_eq!(sev("unknown-room"), Severity::Warning);
     assert_eq!(sev("success-after-abort"), Severity::Critical);

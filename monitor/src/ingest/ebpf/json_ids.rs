@@ -165,6 +165,9 @@ impl BodyWindow {
             if ids.remote_request_id.is_none() {
                 ids.remote_request_id = find_string(part, &REMOTE_REQUEST_ID);
             }
+            if ids.transfer_id.is_none() {
+                ids.transfer_id = find_string(part, &TRANSFER_ID);
+            }
             if ids.kv_leg.is_none() {
                 ids.kv_leg = kv_leg(part);
             }
@@ -306,6 +309,9 @@ pub struct RequestIds {
     pub bootstrap_port: Option<u16>,
     /// vLLM decode leg: the prefill request whose KV it fetches (`kv_transfer_params`).
     pub remote_request_id: Option<String>,
+    /// vLLM MooncakeConnector legs: the router's name of the transfer, the same on both legs
+    /// (`kv_transfer_params.transfer_id`), which decode's per-request pull names.
+    pub transfer_id: Option<String>,
     pub kv_leg: Option<KvLeg>,
     /// The number of prompts of a batch body (`text` a list of strings, `input_ids` a list of
     /// lists, `prompt` a list), when the whole list was captured.
@@ -720,6 +726,7 @@ keys! {
     DETAIL = b"detail";
     ERROR = b"error";
     REMOTE_REQUEST_ID = b"remote_request_id";
+    TRANSFER_ID = b"transfer_id";
     DO_REMOTE_DECODE = b"do_remote_decode";
     DO_REMOTE_PREFILL = b"do_remote_prefill";
     MAX_MODEL_LEN = b"max_model_len";

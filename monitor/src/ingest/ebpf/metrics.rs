@@ -85,6 +85,16 @@ impl Collector for EbpfCollector {
                 s.zmtp_damaged.load(Relaxed),
             ),
             (
+                "revenant_ebpf_vllm_nixl_handshakes",
+                "vLLM NixlConnector handshakes (get_meta_msg) seen: prefill/decode engine pairs that connected; they name no request",
+                s.vllm_nixl_handshakes.load(Relaxed),
+            ),
+            (
+                "revenant_ebpf_vllm_transfers_unattributed",
+                "vLLM MooncakeConnector pulls or answers for a request whose HTTP legs were not seen on this node (not reported: the request is unknown)",
+                s.vllm_transfers_unattributed.load(Relaxed),
+            ),
+            (
                 "revenant_ebpf_zmtp_desyncs",
                 "Times a capture gap cost a KV-transfer control stream its framing: the messages until the next syscall that starts a frame are lost",
                 s.zmtp_desyncs.load(Relaxed),

@@ -13,6 +13,7 @@ pub mod http;
 pub mod json_ids;
 pub mod loader;
 pub mod metrics;
+pub mod msgpack;
 pub mod procs;
 pub mod record;
 pub mod source;

@@ -107,6 +107,8 @@ pub struct EbpfStats {
     pub http_desyncs: AtomicU64,
     pub gap_bytes: AtomicU64,
     pub zmtp_damaged: AtomicU64,
+    pub vllm_nixl_handshakes: AtomicU64,
+    pub vllm_transfers_unattributed: AtomicU64,
     pub zmtp_desyncs: AtomicU64,
     /// Rooms whose control-channel protocol state the tracker forgot (table full).
     pub room_states_evicted: AtomicU64,
@@ -440,6 +442,12 @@ impl Inner {
         self.stats.http_desyncs.store(t.http_desyncs, Relaxed);
         self.stats.gap_bytes.store(t.gap_bytes, Relaxed);
         self.stats.zmtp_damaged.store(t.zmtp_damaged, Relaxed);
+        self.stats
+            .vllm_nixl_handshakes
+            .store(t.vllm_nixl_handshakes, Relaxed);
+        self.stats
+            .vllm_transfers_unattributed
+            .store(t.vllm_transfers_unattributed, Relaxed);
         self.stats.zmtp_desyncs.store(t.zmtp_desyncs, Relaxed);
         self.stats
             .room_states_evicted

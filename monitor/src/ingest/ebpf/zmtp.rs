@@ -1,17 +1,24 @@
 //! ZMTP 3.x (ZeroMQ over TCP, as libzmq/pyzmq send it), one direction of a connection.
 //!
-//! The KV-transfer control channel between decode and prefill is ZeroMQ (PUSH to PULL, one
-//! connection per direction and peer): decode pushes where prefill must write a room's KV,
-//! prefill pushes the room's status back (see [`control`] for every message SGLang sends). We
-//! decode frames and keep only the first few bytes of the first few parts of each message:
-//! enough for the verb, the room, a status and an address, never payloads.
+//! The KV-transfer control channel between decode and prefill is ZeroMQ. SGLang's is PUSH to
+//! PULL, one connection per direction and peer: decode pushes where prefill must write a room's
+//! KV, prefill pushes the room's status back (see [`control`] for every message SGLang sends).
+//! vLLM's connectors use REQ or DEALER to ROUTER with msgspec MessagePack (see
+//! [`vllm_control`]). We decode frames and keep only the first few bytes of the first few parts
+//! of each message (more of a MessagePack map, whose ids follow an address): enough for the
+//! verb, the room or request ids, a status and an address, never payloads.
+
+use super::msgpack::{Reader, Value};
 
 /// Parts of a message we keep, and bytes of each: up to the count of decode sessions a room's
 /// destinations name (`required_dst_info_num`, part 7 for Mooncake and NIXL, 8 for Mori).
 pub const KEEP_PARTS: usize = 9;
-/// Enough for a vLLM request name (`cmpl-` + vllm-router's ~100-byte id), cut where revenant
-/// cuts ids anyway.
+/// Enough for an SGLang verb, room, address or session name, cut where revenant cuts ids anyway.
 pub const KEEP_BYTES: usize = crate::normalize::attrs::MAX_ID_BYTES;
+/// Bytes kept of a message's first part when it is a MessagePack map (vLLM's KV connectors
+/// send one msgspec struct per message, and the ids of a MooncakeConnector pull follow its
+/// address and ranks).
+pub const KEEP_MSGPACK_BYTES: usize = 2048;
 /// Longest frame we accept: 1 GiB; anything larger is garbage.
 const MAX_FRAME: u64 = 1 << 30;
 const GREETING: usize = 64;
@@ -151,7 +158,12 @@ impl ZmtpStream {
                         && self.msg.part_count as usize <= KEEP_PARTS
                         && let Some(p) = self.msg.parts.last_mut()
                     {
-                        let k = (KEEP_BYTES - p.len().min(KEEP_BYTES)).min(n);
+                        let first = self.msg.part_count == 1;
+                        let keep = match p.first().or(data.first()) {
+                            Some(&b) if first && is_msgpack_map(b) => KEEP_MSGPACK_BYTES,
+                            _ => KEEP_BYTES,
+                        };
+                        let k = (keep - p.len().min(keep)).min(n);
                         p.extend_from_slice(&data[..k]);
                     }
                     data = &data[n..];
@@ -231,14 +243,6 @@ impl ZmtpStream {
     }
 }
 
-/// The transfer a control message is about: an SGLang `bootstrap_room`, or the vLLM request
-/// whose KV moves (`kv_transfer_params.remote_request_id`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum TransferKey {
-    Room(u64),
-    Request(String),
-}
-
 /// Which side of a prefill/decode pair wrote a control message. Several SGLang messages share
 /// their first frame across directions (a decimal room first: decode's destinations or prefill's
 /// status; `MoriMsgGuard` first: Mori's destinations or its status), so a message is read by
@@ -300,10 +304,8 @@ impl Backend {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Control {
     /// Decode asked for this transfer before reserving anything: SGLang's `[BOOTSTRAP, room,
-    /// ip, port]` (policy `prefill_complete`), the vLLM side channel's `NIXL_READ`.
-    Bootstrap {
-        key: TransferKey,
-    },
+    /// ip, port]` (policy `prefill_complete`).
+    Bootstrap { room: u64 },
     /// Decode reserved KV pages for the room and told prefill where to write them (policy
     /// `early`, or after readiness under `prefill_complete`). `endpoint` is decode's rank
     /// address from the message (`ip:port`), when it was kept whole; `session` the decode
@@ -323,35 +325,25 @@ pub enum Control {
         status: KvPoll,
         backend: Backend,
     },
-    /// Decode withdrew: SGLang's `[ABORT, room, ip, port(, generation)]`, the side channel's
-    /// `NIXL_ABORT`.
-    Abort {
-        key: TransferKey,
-    },
+    /// Decode withdrew: SGLang's `[ABORT, room, ip, port(, generation)]`.
+    Abort { room: u64 },
     /// Prefill's acknowledgement that its writes for an aborted room drained.
-    AbortAck {
-        room: u64,
-    },
+    AbortAck { room: u64 },
     /// Bytes of the room's KV moved or a chunk of it landed, as told over the control channel:
     /// `AUX_DATA` (aux data over TCP), `CHUNK_READY` (a staging chunk written).
-    KvMoved {
-        room: u64,
-        what: &'static str,
-    },
+    KvMoved { room: u64, what: &'static str },
     /// Prefill asked decode for staging space before its forward (`STAGING_REQ`): prefill holds
     /// a sender for the room and is computing its KV.
-    StagingRequest {
-        room: u64,
-    },
-    /// The vLLM side channel (pd-sim's model of it): a chunk of the KV cache (`chunk` counts
-    /// from 0), and its last one.
-    Kv {
-        key: TransferKey,
-        chunk: u64,
-    },
-    KvDone {
-        key: TransferKey,
-    },
+    StagingRequest { room: u64 },
+    /// vLLM NixlConnector: decode asked a prefill engine for its NIXL agent metadata
+    /// (`get_meta_msg`), once per engine pair: the engines paired. It names no request.
+    NixlHandshake,
+    /// vLLM MooncakeConnector: decode pulls the KV of these requests, each as (decode's
+    /// request id, the router's `transfer_id`).
+    MooncakePull { reqs: Vec<(String, String)> },
+    /// vLLM MooncakeConnector: prefill's answer to a pull: decode request ids whose KV landed
+    /// (`ok_reqs`) and whose pull failed (`err_reqs`).
+    MooncakeStatus { ok: Vec<String>, err: Vec<String> },
 }
 
 /// Reads the verb and key of a KV-transfer control message written by `sender`.
@@ -368,19 +360,17 @@ pub enum Control {
 ///   `[STAGING_REQ, room, …]`.
 ///
 /// KV pages themselves never cross the control channel (the transfer engine writes them), so a
-/// room's KV is known to have landed only from prefill's Success status. The vLLM side channel
-/// (pd-sim's model, keyed by the request name): decode to prefill `[b"NIXL_READ", name, ..]`,
-/// `[b"NIXL_ABORT", name]`; prefill to decode `[b"NIXL_KV", name, chunk, payload]`,
-/// `[b"NIXL_DONE", name, tokens]`. Only verbs, keys, statuses and addresses are read, never a
-/// payload.
+/// room's KV is known to have landed only from prefill's Success status. vLLM's messages (see
+/// [`vllm_control`]) say who sent them; one read for the other direction is not theirs. Only
+/// verbs, keys, statuses and addresses are read, never a payload.
 pub fn control(msg: &Message, sender: Sender) -> Option<Control> {
+    if let Some((by, ctl)) = vllm_control(msg) {
+        return (by == sender).then_some(ctl);
+    }
     // A part with a hole is not read: its bytes may spell another verb, room or name.
     let part = |i: usize| msg.parts.get(i).filter(|_| msg.damaged & (1 << i) == 0);
     let first = part(0)?;
     let room_at = |i: usize| part(i).and_then(|b| parse_room(b));
-    let room = |i: usize| room_at(i).map(TransferKey::Room);
-    let name = |i: usize| parse_name(part(i)?).map(TransferKey::Request);
-    let chunk = || -> Option<u64> { std::str::from_utf8(part(2)?).ok()?.parse().ok() };
     let endpoint = |ip: usize, port: usize| -> Option<String> {
         let ip = std::str::from_utf8(part(ip)?).ok()?;
         let port: u16 = std::str::from_utf8(part(port)?).ok()?.parse().ok()?;
@@ -415,8 +405,8 @@ pub fn control(msg: &Message, sender: Sender) -> Option<Control> {
     };
     use Sender::{Decode, Prefill};
     match (sender, first.as_slice()) {
-        (Decode, b"BOOTSTRAP") => room(1).map(|key| Control::Bootstrap { key }),
-        (Decode, b"ABORT") => room(1).map(|key| Control::Abort { key }),
+        (Decode, b"BOOTSTRAP") => room_at(1).map(|room| Control::Bootstrap { room }),
+        (Decode, b"ABORT") => room_at(1).map(|room| Control::Abort { room }),
         (Decode, b"NixlMsgGuard") => destinations(Backend::Nixl, 1, 2, 4, 7),
         (Decode, b"MoriMsgGuard") => destinations(Backend::Mori, 1, 2, 4, 8),
         (Prefill, b"KV_STATUS") => status(1, 2, Backend::Nixl),
@@ -431,13 +421,6 @@ pub fn control(msg: &Message, sender: Sender) -> Option<Control> {
             what: "CHUNK_READY",
         }),
         (Prefill, b"STAGING_REQ") => room_at(1).map(|room| Control::StagingRequest { room }),
-        (Decode, b"NIXL_READ") => name(1).map(|key| Control::Bootstrap { key }),
-        (Decode, b"NIXL_ABORT") => name(1).map(|key| Control::Abort { key }),
-        (Prefill, b"NIXL_KV") => Some(Control::Kv {
-            key: name(1)?,
-            chunk: chunk()?,
-        }),
-        (Prefill, b"NIXL_DONE") => name(1).map(|key| Control::KvDone { key }),
         // Mooncake's untagged messages start with the room in decimal: decode's destinations
         // are ten frames (`build_receiver_metadata_message`), prefill's status three
         // (`_encode_kv_status_message`, four where a backend adds the reason). A message a
@@ -457,6 +440,108 @@ pub fn control(msg: &Message, sender: Sender) -> Option<Control> {
         }
         _ => None,
     }
+}
+
+fn is_msgpack_map(b: u8) -> bool {
+    matches!(b, 0x80..=0x8f | 0xde | 0xdf)
+}
+
+/// vLLM 0.34's KV-connector messages on ZeroMQ, msgspec MessagePack, with who sent them (each
+/// kind goes one way only, so the content says it where a process's role does not: vLLM's
+/// connectors run in its engine-core process, which serves no HTTP):
+/// - NixlConnector (`nixl/base_worker.py` `_nixl_handshake`, `nixl/metadata.py`): decode's REQ
+///   sends `["", msgpack ("get_meta_msg", pp_rank, tp_rank)]` to prefill's ROUTER once per
+///   remote engine; the answer (the agent metadata) is not read. No request id travels here: KV
+///   moves by NIXL/UCX reads and per-request notifications, not over ZeroMQ.
+/// - MooncakeConnector (`mooncake/mooncake_connector.py` `MooncakeXferMetadata`,
+///   `MooncakeXferResponse`): decode's DEALER sends one map per pull whose `req_blocks` maps
+///   decode's request id to `(transfer_id, blocks)`; prefill's ROUTER answers maps with
+///   `status` and `ok_reqs` / `err_reqs` (decode request ids). Lease heartbeats
+///   (`lease_transfer_ids` only) are not read.
+pub fn vllm_control(msg: &Message) -> Option<(Sender, Control)> {
+    if msg.damaged & 0b11 != 0 {
+        return None;
+    }
+    match msg.parts.as_slice() {
+        [empty, body] if empty.is_empty() && msg.part_count == 2 => {
+            let mut r = Reader::new(body);
+            (r.array()? == 3 && r.bytes()? == b"get_meta_msg")
+                .then_some((Sender::Decode, Control::NixlHandshake))
+        }
+        [body] if msg.part_count == 1 && body.first().copied().is_some_and(is_msgpack_map) => {
+            mooncake_message(body)
+        }
+        _ => None,
+    }
+}
+
+/// Most requests one MooncakeConnector message is read for.
+const MAX_PULL_REQS: usize = 64;
+
+/// A MooncakeConnector pull or answer: the keys are read in order up to the ones that matter,
+/// and what a capture cut short is read as far as it is whole.
+fn mooncake_message(body: &[u8]) -> Option<(Sender, Control)> {
+    let mut r = Reader::new(body);
+    let fields = r.map()?;
+    let (mut reqs, mut ok, mut err, mut status) = (None, Vec::new(), Vec::new(), None);
+    let id = |b: &[u8]| parse_name(b);
+    for _ in 0..fields {
+        let Some(key) = r.bytes() else { break };
+        let read = match key {
+            b"req_blocks" => (|| {
+                let mut found = Vec::new();
+                let n = r.map()?;
+                for _ in 0..n {
+                    let d_req = r.bytes()?;
+                    let tuple = r.array()?;
+                    if tuple == 0 {
+                        return None;
+                    }
+                    let transfer = r.bytes()?;
+                    for _ in 1..tuple {
+                        r.skip()?;
+                    }
+                    if let (Some(d), Some(t)) = (id(d_req), id(transfer))
+                        && found.len() < MAX_PULL_REQS
+                    {
+                        found.push((d, t));
+                    }
+                }
+                reqs = Some(found);
+                Some(())
+            })(),
+            b"status" => r.int().map(|s| status = Some(s)),
+            b"ok_reqs" | b"err_reqs" => (|| {
+                let into = if key == b"ok_reqs" { &mut ok } else { &mut err };
+                match r.value()? {
+                    Value::Nil => {}
+                    Value::Array(n) => {
+                        for _ in 0..n {
+                            let d = r.bytes()?;
+                            if let Some(d) = id(d)
+                                && into.len() < MAX_PULL_REQS
+                            {
+                                into.push(d);
+                            }
+                        }
+                    }
+                    _ => return None,
+                }
+                Some(())
+            })(),
+            _ => r.skip(),
+        };
+        if read.is_none() {
+            break;
+        }
+    }
+    if let Some(reqs) = reqs.filter(|r| !r.is_empty()) {
+        return Some((Sender::Decode, Control::MooncakePull { reqs }));
+    }
+    // `status` is the answer's first field: a message without it is not one.
+    status?;
+    (!ok.is_empty() || !err.is_empty())
+        .then_some((Sender::Prefill, Control::MooncakeStatus { ok, err }))
 }
 
 /// A request name as an id: printable ASCII, not empty.
@@ -576,9 +661,7 @@ mod tests {
                 &msg(&[b"ABORT", ROOM, b"127.0.0.1", b"17001", b"3"]),
                 Sender::Decode
             ),
-            Some(Control::Abort {
-                key: TransferKey::Room(room)
-            })
+            Some(Control::Abort { room })
         );
         assert_eq!(
             control(&msg(&[b"ABORT_ACK", ROOM, b"0", b"3"]), Sender::Prefill),
@@ -596,9 +679,7 @@ mod tests {
                 &msg(&[b"BOOTSTRAP", ROOM, b"127.0.0.1", b"17001"]),
                 Sender::Decode
             ),
-            Some(Control::Bootstrap {
-                key: TransferKey::Room(room)
-            })
+            Some(Control::Bootstrap { room })
         );
         assert_eq!(
             control(&msg(&[b"WATERMARK", b"1", b"2", b"s"]), Sender::Decode),
@@ -730,9 +811,7 @@ mod tests {
         );
         assert_eq!(
             control(&out[0], Sender::Decode),
-            Some(Control::Abort {
-                key: TransferKey::Room(42)
-            })
+            Some(Control::Abort { room: 42 })
         );
     }
 
@@ -826,64 +905,86 @@ mod tests {
         );
         assert_eq!(
             control(&out[1], Sender::Decode),
-            Some(Control::Abort {
-                key: TransferKey::Room(77)
-            })
+            Some(Control::Abort { room: 77 })
         );
         assert_eq!(s.desyncs, 1);
     }
 
+    fn hex(s: &str) -> Vec<u8> {
+        (0..s.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
+            .collect()
+    }
+
+    // Bytes vLLM 0.34's own msgspec encoder wrote (`MooncakeXferMetadata`,
+    // `MooncakeXferResponse`, `MooncakeLeaseHeartbeat`, NIXL's `(GET_META_MSG, 0, 0)`).
+    const PULL: &str = "88af72656d6f74655f686f73746e616d65a93132372e302e302e31ab72656d6f74655f706f7274cd4269ae72656d6f74655f74705f73697a6501ae72656d6f74655f74705f72616e6b00aa7265715f626c6f636b7381b5636d706c2d7265712d372d302d316132623363346492d92435663063376531612d396437622d346133362d386634622d3266366439613063316531319193010203b36b765f6361636865735f626173655f6164647291cf0000002098a67800aa626c6f636b5f6c656e7391ce00010000ad6b765f626c6f636b5f6c656e7391ce00010000";
+    const FINISH: &str =
+        "82a673746174757300a76f6b5f7265717391b5636d706c2d7265712d372d302d3161326233633464";
+    const ERROR: &str = "83a673746174757302a86572725f7265717391b5636d706c2d7265712d372d302d3161326233633464a76572725f6d7367a4626f6f6d";
+    const HEARTBEAT: &str = "81b26c656173655f7472616e736665725f69647391a27431";
+    const GET_META: &str = "93c40c6765745f6d6574615f6d73670000";
+
     #[test]
-    fn vllm_side_channel_names_the_request() {
-        let name = "cmpl-___prefill_addr_127.0.0.1:8100___decode_addr_127.0.0.1:8200_0123456789abcdef0123456789abcdef";
-        let key = TransferKey::Request(name.to_owned());
+    fn vllm_connector_messages_say_who_sent_them() {
+        let d_req = "cmpl-req-7-0-1a2b3c4d".to_owned();
+        let transfer = "5f0c7e1a-9d7b-4a36-8f4b-2f6d9a0c1e11".to_owned();
+        let pull = msg(&[&hex(PULL)]);
+        let want = Control::MooncakePull {
+            reqs: vec![(d_req.clone(), transfer)],
+        };
+        assert_eq!(vllm_control(&pull), Some((Sender::Decode, want.clone())));
+        assert_eq!(control(&pull, Sender::Decode), Some(want));
+        // A message read for the other direction is not that direction's.
+        assert_eq!(control(&pull, Sender::Prefill), None);
         assert_eq!(
-            control(
-                &msg(&[b"NIXL_READ", name.as_bytes(), b"127.0.0.1", b"7001"]),
-                Sender::Decode
-            ),
-            Some(Control::Bootstrap { key: key.clone() })
+            vllm_control(&msg(&[&hex(FINISH)])),
+            Some((
+                Sender::Prefill,
+                Control::MooncakeStatus {
+                    ok: vec![d_req.clone()],
+                    err: vec![]
+                }
+            ))
         );
         assert_eq!(
-            control(
-                &msg(&[b"NIXL_KV", name.as_bytes(), b"0", b"\x00\x01"]),
-                Sender::Prefill
-            ),
-            Some(Control::Kv {
-                key: key.clone(),
-                chunk: 0
-            })
+            vllm_control(&msg(&[&hex(ERROR)])),
+            Some((
+                Sender::Prefill,
+                Control::MooncakeStatus {
+                    ok: vec![],
+                    err: vec![d_req]
+                }
+            ))
         );
+        assert_eq!(vllm_control(&msg(&[&hex(HEARTBEAT)])), None);
         assert_eq!(
-            control(
-                &msg(&[b"NIXL_DONE", name.as_bytes(), b"12"]),
-                Sender::Prefill
-            ),
-            Some(Control::KvDone { key: key.clone() })
+            vllm_control(&msg(&[b"", &hex(GET_META)])),
+            Some((Sender::Decode, Control::NixlHandshake))
         );
-        assert_eq!(
-            control(&msg(&[b"NIXL_ABORT", name.as_bytes()]), Sender::Decode),
-            Some(Control::Abort { key })
-        );
-        // Binary or empty names are not names.
-        assert_eq!(
-            control(&msg(&[b"NIXL_READ", b"\x00\xff"]), Sender::Decode),
-            None
-        );
-        assert_eq!(control(&msg(&[b"NIXL_READ", b""]), Sender::Decode), None);
-        // The whole name survives the stream decoder's per-part cut.
-        let mut wire = Vec::new();
-        wire.extend(frame(b"NIXL_READ", true));
-        wire.extend(frame(name.as_bytes(), false));
+        // NIXL's answer (`["", payload, time]`) and SGLang's frames are not vLLM's.
+        assert_eq!(vllm_control(&msg(&[b"", b"\x92\x01\x02", b"\xcb"])), None);
+        assert_eq!(vllm_control(&msg(&[b"123", b"127.0.0.1", b"7001"])), None);
+    }
+
+    #[test]
+    fn a_pull_survives_the_stream_decoder_and_a_cut_one_reads_what_is_whole() {
+        let body = hex(PULL);
         let mut s = ZmtpStream::mid_stream();
         let mut out = Vec::new();
-        s.feed(&wire, true, &mut out);
+        s.feed(&frame(&body, false), true, &mut out);
         assert_eq!(
-            control(&out[0], Sender::Decode),
-            Some(Control::Bootstrap {
-                key: TransferKey::Request(name.to_owned())
-            })
+            out[0].parts[0], body,
+            "a MessagePack part is kept past KEEP_BYTES"
         );
+        assert!(matches!(
+            control(&out[0], Sender::Decode),
+            Some(Control::MooncakePull { .. })
+        ));
+        // Cut inside the transfer id: nothing is read (a cut id is another id).
+        let at = body.len() - 80;
+        assert_eq!(vllm_control(&msg(&[&body[..at]])), None);
     }
 
     proptest! {

@@ -8,16 +8,17 @@
 //! - any other method on the bootstrap server's `/route` (`PUT /route`: a rank registering):
 //!   transfer `received` reported by prefill with `peer` (member, foreign, unattributed: see
 //!   [`Tracker::peer_of`]) and the writer's address as `worker`;
-//! - ZMTP `[BOOTSTRAP, room, ..]`: transfer `received`; the first `KV` chunk of a room: transfer
-//!   `work` (KV is moving); `KV_DONE`: transfer `completed`; `[ABORT, room]`: transfer
-//!   `cancelled`. The vLLM side channel's `NIXL_READ` / `NIXL_KV` / `NIXL_DONE` / `NIXL_ABORT`
-//!   the same, keyed by the request name (the rid; a `remote_request_id` that differs from the
-//!   leg's rid is translated). The sender of a control message reports it; the receiver only
-//!   when the sender's role is not watched on this node;
+//! - ZMTP, SGLang's control channel (see [`transfer_step`]): `[BOOTSTRAP, room, ..]` transfer
+//!   `received`, destinations transfer `admitted`, Success/Failed status transfer
+//!   `completed`/`aborted`, `[ABORT, room]` transfer `cancelled`; vLLM's MooncakeConnector pull
+//!   and answer the same for the request the legs' `transfer_id` names, its NIXL handshake only
+//!   counted (see [`Tracker::vllm_transfer`]). The sender of a control message reports it; the
+//!   receiver only when the sender's role is not watched on this node;
 //! - vLLM legs (OpenAI paths whose body names no rid and no room): rid = vLLM's name of the
-//!   request, `cmpl-<X-Request-Id>` (`chatcmpl-` on chat), so both legs are one attempt; a
-//!   body's `kv_transfer_params` (`do_remote_decode` / `do_remote_prefill`) gives the server its
-//!   role when discovery left it unknown;
+//!   engine's id of the request, `cmpl-<X-Request-Id>-0` (`chatcmpl-<X-Request-Id>` on chat), so
+//!   both legs are one attempt; a body's `kv_transfer_params` (`do_remote_decode` /
+//!   `do_remote_prefill`) gives the server its role when discovery left it unknown; a decode leg
+//!   naming KV prefill did not issue to its request is marked (see [`super::vllm`]);
 //! - vLLM `/v1/models` (`max_model_len`) and `/metrics` (`vllm:cache_config_info`) answers:
 //!   a `capacity` report of that worker (context vs KV cache tokens), when a value changed;
 //! - a connection closed with a request not yet answered: `router cancelled` (to = the leg's
@@ -33,6 +34,7 @@
 use std::net::SocketAddr;
 
 use super::rooms::{Judge, RoomAt, RoomMessage};
+use super::vllm::HandoffBreach;
 use super::{Answer, Endpoint, Proto, Tracker, Worker, canonical};
 use crate::event::{
     BootstrapRoom, Kind, LifecycleEvent, Peer, ProtocolBreach, Source, Stage, truncate_reason,
@@ -40,7 +42,7 @@ use crate::event::{
 use crate::ingest::ebpf::http::{RequestHead, Side};
 use crate::ingest::ebpf::json_ids::{Finish, RequestIds, SubOutcome};
 use crate::ingest::ebpf::procs::Role;
-use crate::ingest::ebpf::zmtp::{self, Control, KvPoll, Sender, TransferKey};
+use crate::ingest::ebpf::zmtp::{self, Control, KvPoll, Sender};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum PathKind {
@@ -226,8 +228,8 @@ impl Tracker {
         at: &Endpoint,
         head: &RequestHead,
         ids: &RequestIds,
-        start: u64,
-        body_len: u64,
+        (start, body_len): (u64, u64),
+        handoff: Option<&HandoffBreach>,
         out: &mut Vec<LifecycleEvent>,
     ) {
         let kind = path_kind(&head.path);
@@ -265,6 +267,18 @@ impl Tracker {
         e.detail = Some(truncate_reason(&detail).into());
         if let Some(p) = at.peer {
             e = e.with_worker(p.to_string());
+        }
+        // A decode leg that names KV prefill did not issue to it: marked once per node, on the
+        // router's dispatch when the router is watched here, else on decode's receipt.
+        if let Some(h) = handoff {
+            let marks = match (at.role, at.client) {
+                (Role::Router, true) => e.to == Some(Stage::Decode),
+                (Role::Decode, false) => !self.has_role(Role::Router),
+                _ => false,
+            };
+            if marks {
+                e = e.with_protocol_breach(h.breach).with_reason(&h.reason);
+            }
         }
         self.push_for_ids(e, head, ids, out);
     }
@@ -333,7 +347,7 @@ impl Tracker {
 
     pub(super) fn on_zmtp(
         &mut self,
-        tgid: u32,
+        (tgid, peer): (u32, Option<SocketAddr>),
         role: Role,
         dir: usize,
         ts: u64,
@@ -341,18 +355,33 @@ impl Tracker {
         out: &mut Vec<LifecycleEvent>,
     ) {
         // The control channel joins a prefill and a decode: whoever wrote a message is this end
-        // when it sent it, else the other kind of worker.
-        let sender = match (role, dir) {
-            (Role::Prefill, 1) | (Role::Decode, 0) => Sender::Prefill,
-            (Role::Decode, 1) | (Role::Prefill, 0) => Sender::Decode,
-            _ => return,
+        // when it sent it, else the other kind of worker. vLLM's connector messages say who
+        // sent them (its engine-core process serves no HTTP, so its role is often unknown).
+        let by_role = match (role, dir) {
+            (Role::Prefill, 1) | (Role::Decode, 0) => Some(Sender::Prefill),
+            (Role::Decode, 1) | (Role::Prefill, 0) => Some(Sender::Decode),
+            _ => None,
         };
-        let Some(ctl) = zmtp::control(msg, sender) else {
+        let read = match by_role {
+            Some(sender) => zmtp::control(msg, sender).map(|c| (sender, c)),
+            None => zmtp::vllm_control(msg),
+        };
+        let Some((sender, ctl)) = read else {
             if msg.damaged != 0 {
                 self.stats.zmtp_damaged += 1;
             }
             return;
         };
+        if matches!(
+            ctl,
+            Control::NixlHandshake | Control::MooncakePull { .. } | Control::MooncakeStatus { .. }
+        ) {
+            // Reported by its sender, by its receiver only when the sending socket is not one
+            // this node watches.
+            let report = dir == 1 || self.peer_of(peer) != Peer::Member;
+            self.vllm_transfer(tgid, ts, ctl, report, out);
+            return;
+        }
         let breach = self.judge_room(tgid, role, dir, ts, &ctl);
         // Each message is reported once, by its sender; by its receiver only when the sender's
         // role is not watched here. A message that breaks its room's protocol is reported by
@@ -367,17 +396,10 @@ impl Tracker {
         let Some(step) = transfer_step(ctl) else {
             return;
         };
-        let mut e = self.event(ts, step.stage, step.kind, tgid);
-        e = match step.key {
-            TransferKey::Room(room) => {
-                e.detail = Some(format!("zmtp {}", step.what).into());
-                e.with_room(room)
-            }
-            TransferKey::Request(name) => {
-                e.detail = Some(format!("side channel {}", step.what).into());
-                e.with_rid(self.transfer_names.rid_of(&name))
-            }
-        };
+        let mut e = self
+            .event(ts, step.stage, step.kind, tgid)
+            .with_room(step.room);
+        e.detail = Some(format!("zmtp {}", step.what).into());
         if let Some(w) = step.worker {
             e = e.with_worker(w);
         }
@@ -406,9 +428,7 @@ impl Tracker {
         ctl: &Control,
     ) -> Option<ProtocolBreach> {
         let (room, msg, endpoint) = match ctl {
-            Control::Bootstrap {
-                key: TransferKey::Room(room),
-            } => (*room, RoomMessage::Bootstrap, None),
+            Control::Bootstrap { room } => (*room, RoomMessage::Bootstrap, None),
             Control::Destinations {
                 room,
                 session,
@@ -429,9 +449,7 @@ impl Tracker {
                 KvPoll::Bootstrapping | KvPoll::Transferring => return None,
             },
             // Decode withdrew: SGLang fails the room at prefill and sends nothing more for it.
-            Control::Abort {
-                key: TransferKey::Room(room),
-            } => (*room, RoomMessage::Concluded, None),
+            Control::Abort { room } => (*room, RoomMessage::Concluded, None),
             _ => return None,
         };
         let receiving = dir == 0;
@@ -536,7 +554,7 @@ pub fn trace_id_of(tp: &str) -> Option<&str> {
 struct TransferStep {
     stage: Stage,
     kind: Kind,
-    key: TransferKey,
+    room: u64,
     what: std::borrow::Cow<'static, str>,
     /// The decode rank address a destinations message names.
     worker: Option<String>,
@@ -556,17 +574,17 @@ struct TransferStep {
 /// - `AUX_DATA`, `CHUNK_READY` (bytes of the room's KV moved): transfer `work`; `STAGING_REQ`
 ///   (prefill holds a sender and computes the room): prefill `admitted`.
 ///
-/// The side channel's first KV chunk and its last: transfer `work` and `completed`.
+/// vLLM's connector messages are read in [`Tracker::vllm_transfer`].
 fn transfer_step(ctl: Control) -> Option<TransferStep> {
-    let step = |stage, kind, key, what: &'static str| TransferStep {
+    let step = |stage, kind, room, what: &'static str| TransferStep {
         stage,
         kind,
-        key,
+        room,
         what: what.into(),
         worker: None,
     };
     Some(match ctl {
-        Control::Bootstrap { key } => step(Stage::Transfer, Kind::Received, key, "BOOTSTRAP"),
+        Control::Bootstrap { room } => step(Stage::Transfer, Kind::Received, room, "BOOTSTRAP"),
         Control::Destinations {
             room,
             backend,
@@ -575,12 +593,12 @@ fn transfer_step(ctl: Control) -> Option<TransferStep> {
         } => TransferStep {
             stage: Stage::Transfer,
             kind: Kind::Admitted,
-            key: TransferKey::Room(room),
+            room,
             what: format!("destinations ({})", backend.as_str()).into(),
             worker: endpoint,
         },
         Control::Status { room, status, .. } => {
-            let key = TransferKey::Room(room);
+            let key = room;
             match status {
                 KvPoll::Success => step(Stage::Transfer, Kind::Completed, key, "status Success"),
                 KvPoll::Failed => step(Stage::Transfer, Kind::Aborted, key, "status Failed"),
@@ -588,26 +606,15 @@ fn transfer_step(ctl: Control) -> Option<TransferStep> {
                 KvPoll::Bootstrapping | KvPoll::Transferring => return None,
             }
         }
-        Control::Abort { key } => step(Stage::Transfer, Kind::Cancelled, key, "ABORT"),
-        Control::AbortAck { room } => step(
-            Stage::Prefill,
-            Kind::Cancelled,
-            TransferKey::Room(room),
-            "ABORT_ACK",
-        ),
-        Control::KvMoved { room, what } => {
-            step(Stage::Transfer, Kind::Work, TransferKey::Room(room), what)
+        Control::Abort { room } => step(Stage::Transfer, Kind::Cancelled, room, "ABORT"),
+        Control::AbortAck { room } => step(Stage::Prefill, Kind::Cancelled, room, "ABORT_ACK"),
+        Control::KvMoved { room, what } => step(Stage::Transfer, Kind::Work, room, what),
+        Control::StagingRequest { room } => {
+            step(Stage::Prefill, Kind::Admitted, room, "STAGING_REQ")
         }
-        Control::StagingRequest { room } => step(
-            Stage::Prefill,
-            Kind::Admitted,
-            TransferKey::Room(room),
-            "STAGING_REQ",
-        ),
-        // One event says the KV moved: only a transfer's first chunk is reported.
-        Control::Kv { key, chunk: 0 } => step(Stage::Transfer, Kind::Work, key, "KV"),
-        Control::Kv { .. } => return None,
-        Control::KvDone { key } => step(Stage::Transfer, Kind::Completed, key, "KV_DONE"),
+        Control::NixlHandshake | Control::MooncakePull { .. } | Control::MooncakeStatus { .. } => {
+            return None;
+        }
     })
 }
 

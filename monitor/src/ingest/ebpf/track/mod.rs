@@ -56,6 +56,10 @@ pub struct TrackStats {
     pub gap_bytes: u64,
     /// ZMTP messages left unread because a capture gap cut into their verb or key.
     pub zmtp_damaged: u64,
+    /// vLLM NixlConnector handshakes (`get_meta_msg`): engine pairs that connected.
+    pub vllm_nixl_handshakes: u64,
+    /// vLLM MooncakeConnector requests a pull or answer named whose legs were not seen here.
+    pub vllm_transfers_unattributed: u64,
     /// Times a capture gap cost a ZMTP stream its framing (the messages until the next syscall
     /// that starts a frame are lost).
     pub zmtp_desyncs: u64,
@@ -200,6 +204,7 @@ pub struct Tracker {
     zmtp_opened: Vec<(u32, u32)>,
     /// vLLM side-channel names that differ from their leg's rid.
     transfer_names: vllm::TransferNames,
+    issued_kv: vllm::IssuedKv,
     /// The last capacity each vLLM worker reported.
     capacity: vllm::CapacityTable,
     /// Who connects from where on this node: see [`OwnSockets`].
@@ -283,6 +288,7 @@ impl Tracker {
             learned: Vec::new(),
             zmtp_opened: Vec::new(),
             transfer_names: vllm::TransferNames::default(),
+            issued_kv: vllm::IssuedKv::default(),
             capacity: vllm::CapacityTable::default(),
             own: OwnSockets::default(),
             rooms: rooms::RoomProtocols::new(),
@@ -481,8 +487,9 @@ impl Tracker {
         for ev in http_events {
             self.on_http((tgid, d.fd), role, dir, ts, ev, out);
         }
+        let peer = self.conns.get(&(tgid, d.fd)).and_then(|c| c.peer);
         for m in zmtp_msgs {
-            self.on_zmtp(tgid, role, dir, ts, &m, out);
+            self.on_zmtp((tgid, peer), role, dir, ts, &m, out);
         }
     }
 
@@ -560,7 +567,7 @@ impl Tracker {
         let deferred = std::mem::take(&mut p.deferred);
         let done = p.done;
         let mut at = *at;
-        let ids = self.vllm_request(
+        let (ids, handoff) = self.vllm_request(
             &mut at,
             &head.path,
             head.request_id.as_deref(),
@@ -586,7 +593,7 @@ impl Tracker {
             self.stats.room_states_evicted = self.rooms.evicted;
         }
         let at = &at;
-        self.request_event(at, &head, &ids, start, body.len, out);
+        self.request_event(at, &head, &ids, (start, body.len), handoff.as_ref(), out);
         for a in deferred {
             self.response_event(at, &head, &ids, a, out);
         }

@@ -872,8 +872,12 @@ fn an_answer_before_the_request_body_ended_keeps_its_token_count() {
 const VLLM_X: &str = "___prefill_addr_127.0.0.1:31001___decode_addr_127.0.0.1:31002_0123456789abcdef0123456789abcdef";
 
 fn http_post(path: &str, body: &str) -> Vec<u8> {
+    http_post_as(VLLM_X, path, body)
+}
+
+fn http_post_as(x: &str, path: &str, body: &str) -> Vec<u8> {
     format!(
-        "POST {path} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\nx-request-id: {VLLM_X}\r\ntraceparent: 00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01\r\ncontent-length: {}\r\n\r\n{body}",
+        "POST {path} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\nx-request-id: {x}\r\ntraceparent: 00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01\r\ncontent-length: {}\r\n\r\n{body}",
         body.len()
     )
     .into_bytes()
@@ -891,15 +895,27 @@ fn zmtp_wire(parts: &[&[u8]]) -> Vec<u8> {
     let mut wire = vec![0xFF, 0, 0, 0, 0, 0, 0, 0, 1, 0x7F, 3, 1];
     wire.resize(64, 0);
     for (i, p) in parts.iter().enumerate() {
-        wire.push((i + 1 < parts.len()) as u8);
-        wire.push(p.len() as u8);
+        let more = (i + 1 < parts.len()) as u8;
+        if p.len() > 255 {
+            wire.push(more | 2);
+            wire.extend_from_slice(&(p.len() as u64).to_be_bytes());
+        } else {
+            wire.push(more);
+            wire.push(p.len() as u8);
+        }
         wire.extend_from_slice(p);
     }
     wire
 }
 
 fn vllm_prefill_leg(prompt: &str) -> Vec<u8> {
-    http_post(
+    vllm_prefill_leg_as(VLLM_X, prompt)
+}
+
+/// The router's prefill leg, as vllm-router 0.1.17 writes it.
+fn vllm_prefill_leg_as(x: &str, prompt: &str) -> Vec<u8> {
+    http_post_as(
+        x,
         "/v1/completions",
         &format!(
             r#"{{"kv_transfer_params":{{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}},"max_tokens":1,"min_tokens":1,"model":"m","prompt":"{prompt}","stream":false}}"#
@@ -907,32 +923,40 @@ fn vllm_prefill_leg(prompt: &str) -> Vec<u8> {
     )
 }
 
+/// `kv_transfer_params` as vLLM 0.34's NIXL `request_finished` returns them
+/// (`nixl/pull_scheduler.py`), naming prefill's internal id `name`.
+fn vllm_params(name: &str) -> String {
+    format!(
+        r#""kv_transfer_params":{{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[[1,2]],"remote_engine_id":"6a1e0c2d-prefill","remote_request_id":"{name}","remote_host":"127.0.0.1","remote_port":5600,"tp_size":1,"dcp_size":1,"pp_size":1,"remote_num_tokens":3,"remote_blocks_expiry_time":1765000000.5,"remote_registration_generation":0,"transfer_mode":"pull"}}"#
+    )
+}
+
 fn vllm_decode_leg(prompt: &str, params: Option<&str>) -> Vec<u8> {
-    let params = params.map_or(String::new(), |name| {
-        format!(
-            r#""kv_transfer_params":{{"do_remote_prefill":true,"do_remote_decode":false,"remote_engine_id":"e1","remote_block_ids":[1,2],"remote_request_id":"{name}","remote_host":"127.0.0.1","remote_port":17010,"tp_size":1}},"#
-        )
-    });
-    http_post(
+    vllm_decode_leg_as(VLLM_X, prompt, params)
+}
+
+fn vllm_decode_leg_as(x: &str, prompt: &str, params: Option<&str>) -> Vec<u8> {
+    let params = params.map_or(String::new(), |name| format!("{},", vllm_params(name)));
+    http_post_as(
+        x,
         "/v1/completions",
         &format!(r#"{{{params}"max_tokens":8,"model":"m","prompt":"{prompt}","stream":false}}"#),
     )
 }
 
-fn vllm_ok(name: &str, params: bool) -> Vec<u8> {
-    let kv = if params {
-        format!(
-            r#","kv_transfer_params":{{"do_remote_prefill":true,"do_remote_decode":false,"remote_engine_id":"e1","remote_block_ids":[1,2],"remote_request_id":"{name}","remote_host":"127.0.0.1","remote_port":17010,"tp_size":1}}"#
-        )
-    } else {
-        String::new()
-    };
+/// A 200 answer to request `x`; prefill's names the KV it holds (`issued`).
+fn vllm_ok_as(x: &str, issued: Option<&str>) -> Vec<u8> {
+    let kv = issued.map_or(String::new(), |name| format!(",{}", vllm_params(name)));
     http_answer(
         "200 OK",
         &format!(
-            r#"{{"id":"{name}","object":"text_completion","model":"m","choices":[{{"index":0,"text":"CANARY-out","finish_reason":"length"}}],"usage":{{"prompt_tokens":3,"total_tokens":4,"completion_tokens":1}}{kv}}}"#
+            r#"{{"id":"cmpl-{x}","object":"text_completion","created":1,"model":"m","choices":[{{"index":0,"text":"CANARY-out","logprobs":null,"finish_reason":"length","stop_reason":null}}],"usage":{{"prompt_tokens":3,"total_tokens":4,"completion_tokens":1}}{kv}}}"#
         ),
     )
+}
+
+fn vllm_ok(issued: Option<&str>) -> Vec<u8> {
+    vllm_ok_as(VLLM_X, issued)
 }
 
 fn rid_kinds(s: &Sim) -> Vec<(Stage, Kind, Option<String>)> {
@@ -942,39 +966,41 @@ fn rid_kinds(s: &Sim) -> Vec<(Stage, Kind, Option<String>)> {
         .collect()
 }
 
+/// NIXL's handshake as decode's REQ socket writes it: an empty delimiter, then msgspec's
+/// `(b"get_meta_msg", pp_rank, tp_rank)` (`nixl/base_worker.py`).
+const NIXL_GET_META: &[u8] = b"\x93\xc4\x0cget_meta_msg\x00\x00";
+
 #[test]
 fn vllm_pair_is_one_attempt_named_as_vllm_names_it() {
     let mut s = Sim::new();
-    let name = format!("cmpl-{VLLM_X}");
-    let n = Some(name.clone());
+    // The engine's id for `/v1/completions`, and prefill's internal one.
+    let rid = format!("cmpl-{VLLM_X}-0");
+    let internal = format!("{rid}-1a2b3c4d");
+    let n = Some(rid.clone());
     s.connect(ROUTER, 5, "127.0.0.1:31001");
     s.accept(PREFILL, 7);
     let leg = vllm_prefill_leg("CANARY-7f3a lorem ipsum");
     s.io(ROUTER, 5, syscall::WRITEV, &leg, 65536);
     s.io(PREFILL, 7, syscall::RECVFROM, &leg, 65536);
-    let ok = vllm_ok(&name, true);
+    let ok = vllm_ok(Some(&internal));
     s.io(PREFILL, 7, syscall::SENDTO, &ok, 4096);
     s.io(ROUTER, 5, syscall::RECVFROM, &ok, 4096);
     // Sequential: decode's leg after prefill answered, with prefill's params.
     s.connect(ROUTER, 6, "127.0.0.1:31002");
     s.accept(DECODE, 8);
-    let leg = vllm_decode_leg("CANARY-7f3a lorem ipsum", Some(&name));
+    let leg = vllm_decode_leg("CANARY-7f3a lorem ipsum", Some(&internal));
     s.io(ROUTER, 6, syscall::WRITEV, &leg, 65536);
     s.io(DECODE, 8, syscall::RECVFROM, &leg, 65536);
-    // The side channel: decode asks prefill for the KV, prefill sends it.
-    s.connect(DECODE, 9, "127.0.0.1:17010");
+    // NIXL pairs the engines once (no request id); the KV then moves by UCX reads.
+    s.connect(DECODE, 9, "127.0.0.1:5600");
     s.io(
         DECODE,
         9,
         syscall::SENDTO,
-        &zmtp_wire(&[b"NIXL_READ", name.as_bytes(), b"127.0.0.1", b"17020"]),
+        &zmtp_wire(&[b"", NIXL_GET_META]),
         4096,
     );
-    s.connect(PREFILL, 10, "127.0.0.1:17020");
-    let mut kv = zmtp_wire(&[b"NIXL_KV", name.as_bytes(), b"0", b"\x00\x01"]);
-    kv.extend(&zmtp_wire(&[b"NIXL_DONE", name.as_bytes(), b"3"])[64..]);
-    s.io(PREFILL, 10, syscall::SENDTO, &kv, 4096);
-    let ok = vllm_ok(&name, false);
+    let ok = vllm_ok(None);
     s.io(DECODE, 8, syscall::SENDTO, &ok, 4096);
     s.io(ROUTER, 6, syscall::RECVFROM, &ok, 4096);
     assert_eq!(
@@ -985,30 +1011,31 @@ fn vllm_pair_is_one_attempt_named_as_vllm_names_it() {
             (Stage::Prefill, Kind::Completed, n.clone()),
             (Stage::Router, Kind::Dispatched, n.clone()),
             (Stage::Decode, Kind::Received, n.clone()),
-            (Stage::Transfer, Kind::Received, n.clone()),
-            (Stage::Transfer, Kind::Work, n.clone()),
-            (Stage::Transfer, Kind::Completed, n.clone()),
             (Stage::Decode, Kind::Work, n.clone()),
             (Stage::Decode, Kind::Completed, n.clone()),
         ]
     );
+    assert_eq!(s.t.stats.vllm_nixl_handshakes, 1);
     assert_eq!(s.out[0].to, Some(Stage::Prefill));
     assert_eq!(s.out[3].to, Some(Stage::Decode));
     for e in &s.out {
         assert!(e.ids.bootstrap_room.is_none());
-        if e.stage != Stage::Transfer {
-            assert_eq!(e.ids.request_id.as_deref(), Some(VLLM_X));
-            assert_eq!(
-                e.ids.trace_id.as_deref(),
-                Some("0af7651916cd43dd8448eb211c80319c")
-            );
-        }
+        assert_eq!(e.protocol_breach, None, "{e:?}");
+        assert_eq!(e.ids.request_id.as_deref(), Some(VLLM_X));
+        assert_eq!(
+            e.ids.trace_id.as_deref(),
+            Some("0af7651916cd43dd8448eb211c80319c")
+        );
         assert!(!format!("{e:?}").contains("CANARY"), "text leaked: {e:?}");
     }
-    // Chat requests are `chatcmpl-`.
+    // Chat requests keep vLLM's `chatcmpl-` name whole.
     assert_eq!(
         vllm::request_name("/v1/chat/completions", "x").as_deref(),
         Some("chatcmpl-x")
+    );
+    assert_eq!(
+        vllm::request_name("/v1/completions", "x").as_deref(),
+        Some("cmpl-x-0")
     );
     assert_eq!(vllm::request_name("/generate", "x"), None);
 }
@@ -1016,7 +1043,7 @@ fn vllm_pair_is_one_attempt_named_as_vllm_names_it() {
 #[test]
 fn vllm_handoff_after_a_prefill_rejection_is_the_same_attempt() {
     let mut s = Sim::new();
-    let n = Some(format!("cmpl-{VLLM_X}"));
+    let n = Some(format!("cmpl-{VLLM_X}-0"));
     s.accept(PREFILL, 7);
     s.io(
         PREFILL,
@@ -1025,9 +1052,10 @@ fn vllm_handoff_after_a_prefill_rejection_is_the_same_attempt() {
         &vllm_prefill_leg("long"),
         65536,
     );
+    // vLLM 0.34's refusal (`serve/exception_handling/error_response.py`).
     let rej = http_answer(
         "400 Bad Request",
-        r#"{"object":"error","message":"This model's maximum context length is 4096 tokens. However, you requested 5000 tokens (4999 in the messages, 1 in the completion). Please reduce the length of the messages or completion.","type":"BadRequestError","param":null,"code":400}"#,
+        r#"{"error":{"message":"This model's maximum context length is 4096 tokens. However, your prompt contains 4999 input tokens, which exceeds this limit even without any output tokens. Please reduce the length of the input prompt.","type":"BadRequestError","param":"input_tokens","code":400}}"#,
     );
     s.io(PREFILL, 7, syscall::SENDTO, &rej, 4096);
     // The buggy router goes on to decode without params: decode computes it all itself.
@@ -1039,13 +1067,7 @@ fn vllm_handoff_after_a_prefill_rejection_is_the_same_attempt() {
         &vllm_decode_leg("long", None),
         65536,
     );
-    s.io(
-        DECODE,
-        8,
-        syscall::SENDTO,
-        &vllm_ok(n.as_deref().unwrap(), false),
-        4096,
-    );
+    s.io(DECODE, 8, syscall::SENDTO, &vllm_ok(None), 4096);
     assert_eq!(
         rid_kinds(&s),
         vec![
@@ -1063,45 +1085,182 @@ fn vllm_handoff_after_a_prefill_rejection_is_the_same_attempt() {
             .as_deref()
             .is_some_and(|r| r.starts_with("This model's maximum context length is 4096"))
     );
+    // Before vLLM 0.10.1 the refusal was a flat error object: the same rejection.
+    let mut s = Sim::new();
+    s.accept(PREFILL, 7);
+    s.io(PREFILL, 7, syscall::RECVFROM, &vllm_prefill_leg("l"), 65536);
+    let old = http_answer(
+        "400 Bad Request",
+        r#"{"object":"error","message":"This model's maximum context length is 4096 tokens. However, you requested 5000 tokens (4999 in the messages, 1 in the completion). Please reduce the length of the messages or completion.","type":"BadRequestError","param":null,"code":400}"#,
+    );
+    s.io(PREFILL, 7, syscall::SENDTO, &old, 4096);
+    assert_eq!(rid_kinds(&s)[1], (Stage::Prefill, Kind::Rejected, n));
+}
+
+/// Request `x` through the router: prefill answers issuing `issued` (when it does), then decode
+/// gets a leg naming `named`. Returns the router's dispatch of the decode leg.
+fn vllm_round(s: &mut Sim, fd: u32, x: &str, issued: Option<&str>, named: &str) -> LifecycleEvent {
+    s.connect(ROUTER, fd, "127.0.0.1:31001");
+    s.io(
+        ROUTER,
+        fd,
+        syscall::WRITEV,
+        &vllm_prefill_leg_as(x, "p"),
+        65536,
+    );
+    s.io(ROUTER, fd, syscall::RECVFROM, &vllm_ok_as(x, issued), 4096);
+    s.connect(ROUTER, fd + 1, "127.0.0.1:31002");
+    let leg = vllm_decode_leg_as(x, "p", Some(named));
+    s.io(ROUTER, fd + 1, syscall::WRITEV, &leg, 65536);
+    s.out
+        .iter()
+        .rev()
+        .find(|e| e.stage == Stage::Router && e.to == Some(Stage::Decode))
+        .cloned()
+        .unwrap()
 }
 
 #[test]
-fn vllm_side_channel_names_that_differ_from_the_leg_are_translated() {
+fn a_decode_leg_naming_kv_prefill_did_not_issue_to_it_is_a_breach() {
     let mut s = Sim::new();
-    let rid = format!("cmpl-{VLLM_X}");
-    // Builds that suffix the engine's id: prefill answers under another name.
-    let engine_name = format!("{rid}-0-1a2b3c4d");
+    let a = vllm_round(
+        &mut s,
+        10,
+        "a",
+        Some("cmpl-a-0-11111111"),
+        "cmpl-a-0-11111111",
+    );
+    assert_eq!(a.protocol_breach, None);
+    // The router hands b's decode the KV issued to a: decode reads a's KV cache.
+    let b = vllm_round(
+        &mut s,
+        20,
+        "b",
+        Some("cmpl-b-0-22222222"),
+        "cmpl-a-0-11111111",
+    );
+    assert_eq!(b.ids.rid.as_deref(), Some("cmpl-b-0"));
+    assert_eq!(b.protocol_breach, Some(ProtocolBreach::ForeignKvHandoff));
+    assert!(b.reason.as_deref().unwrap().contains("issued to cmpl-a-0"));
+    // KV nobody issued, while prefill's answer to c issued other KV: stale or forged.
+    let c = vllm_round(
+        &mut s,
+        30,
+        "c",
+        Some("cmpl-c-0-33333333"),
+        "cmpl-z-0-99999999",
+    );
+    assert_eq!(c.protocol_breach, Some(ProtocolBreach::UnissuedKvHandoff));
+    // Randomization off: the internal id is the engine id, still issued to its own request.
+    let d = vllm_round(&mut s, 40, "d", Some("cmpl-d-0"), "cmpl-d-0");
+    assert_eq!(d.protocol_breach, None);
+    // Prefill's answer to e was not seen (no params, or before the capture): not judged.
+    let e = vllm_round(&mut s, 50, "e", None, "cmpl-q-0-55555555");
+    assert_eq!(e.protocol_breach, None);
+    // Only the router's dispatch carries it when the router is watched here.
+    let marked = s.out.iter().filter(|e| e.protocol_breach.is_some()).count();
+    assert_eq!(marked, 2);
+
+    // Without the router on this node, decode's receipt carries it, judged from what prefill
+    // answered here.
+    let mut s = Sim::new();
+    s.t.set_role(ROUTER, Role::Unknown);
     s.accept(PREFILL, 7);
-    s.io(PREFILL, 7, syscall::RECVFROM, &vllm_prefill_leg("p"), 65536);
+    s.io(
+        PREFILL,
+        7,
+        syscall::RECVFROM,
+        &vllm_prefill_leg_as("a", "p"),
+        65536,
+    );
     s.io(
         PREFILL,
         7,
         syscall::SENDTO,
-        &vllm_ok(&engine_name, true),
+        &vllm_ok_as("a", Some("cmpl-a-0-1")),
         4096,
     );
-    s.connect(DECODE, 9, "127.0.0.1:17010");
     s.io(
-        DECODE,
-        9,
-        syscall::SENDTO,
-        &zmtp_wire(&[b"NIXL_READ", engine_name.as_bytes(), b"127.0.0.1", b"17020"]),
-        4096,
+        PREFILL,
+        7,
+        syscall::RECVFROM,
+        &vllm_prefill_leg_as("b", "p"),
+        65536,
     );
-    let last = s.out.last().unwrap();
-    assert_eq!((last.stage, last.kind), (Stage::Transfer, Kind::Received));
-    assert_eq!(last.ids.rid.as_deref(), Some(rid.as_str()));
-    assert_eq!(s.t.transfer_names.len(), 1);
-    // An unknown name stays what it is.
     s.io(
-        DECODE,
-        9,
+        PREFILL,
+        7,
         syscall::SENDTO,
-        &zmtp_wire(&[b"NIXL_ABORT", b"cmpl-other"])[64..],
+        &vllm_ok_as("b", Some("cmpl-b-0-2")),
         4096,
     );
-    assert_eq!(s.out.last().unwrap().ids.rid.as_deref(), Some("cmpl-other"));
+    s.accept(DECODE, 8);
+    let leg = vllm_decode_leg_as("b", "p", Some("cmpl-a-0-1"));
+    s.io(DECODE, 8, syscall::RECVFROM, &leg, 65536);
+    let got = s.out.last().unwrap();
+    assert_eq!((got.stage, got.kind), (Stage::Decode, Kind::Received));
+    assert_eq!(got.protocol_breach, Some(ProtocolBreach::ForeignKvHandoff));
 }
+
+#[test]
+fn mooncake_connector_pulls_and_answers_are_the_transfer() {
+    let mut s = Sim::new();
+    let transfer = "5f0c7e1a-9d7b-4a36-8f4b-2f6d9a0c1e11";
+    let rid = "cmpl-req-7-0".to_owned();
+    // The router names the transfer on both legs (MooncakeConnector's `transfer_id`).
+    s.accept(PREFILL, 7);
+    let leg = http_post_as(
+        "req-7",
+        "/v1/completions",
+        &format!(
+            r#"{{"kv_transfer_params":{{"do_remote_decode":true,"do_remote_prefill":false,"transfer_id":"{transfer}"}},"max_tokens":1,"model":"m","prompt":"p"}}"#
+        ),
+    );
+    s.io(PREFILL, 7, syscall::RECVFROM, &leg, 65536);
+    // vLLM's engine core serves no HTTP: its role is unknown, its messages say who sent them.
+    s.t.set_role(UNKNOWN, Role::Unknown);
+    s.connect(UNKNOWN, 9, "10.0.0.9:17001");
+    let pull = (0..PULL_HEX.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&PULL_HEX[i..i + 2], 16).unwrap())
+        .collect::<Vec<_>>();
+    s.io(UNKNOWN, 9, syscall::SENDTO, &zmtp_wire(&[&pull]), 4096);
+    let finish = b"\x82\xa6status\x00\xa7ok_reqs\x91\xb5cmpl-req-7-0-1a2b3c4d";
+    let mut wire = vec![0xFF, 0, 0, 0, 0, 0, 0, 0, 1, 0x7F, 3, 1];
+    wire.resize(64, 0);
+    s.io(UNKNOWN, 9, syscall::RECVFROM, &wire, 4096);
+    s.io(
+        UNKNOWN,
+        9,
+        syscall::RECVFROM,
+        &zmtp_wire(&[finish])[64..],
+        4096,
+    );
+    let transfer_events: Vec<_> = s
+        .out
+        .iter()
+        .filter(|e| e.stage == Stage::Transfer)
+        .map(|e| (e.kind, e.ids.rid.clone().map(String::from)))
+        .collect();
+    assert_eq!(
+        transfer_events,
+        vec![
+            (Kind::Admitted, Some(rid.clone())),
+            (Kind::Completed, Some(rid.clone())),
+        ]
+    );
+    // A pull for a transfer no leg here named: counted, not reported.
+    let mut s2 = Sim::new();
+    s2.t.set_role(UNKNOWN, Role::Unknown);
+    s2.connect(UNKNOWN, 9, "10.0.0.9:17001");
+    s2.io(UNKNOWN, 9, syscall::SENDTO, &zmtp_wire(&[&pull]), 4096);
+    assert!(s2.out.is_empty());
+    assert_eq!(s2.t.stats.vllm_transfers_unattributed, 1);
+}
+
+/// vLLM 0.34's `MooncakeXferMetadata` for decode request `cmpl-req-7-0-1a2b3c4d` and transfer
+/// `5f0c7e1a-…`, as its msgspec encoder writes it.
+const PULL_HEX: &str = "88af72656d6f74655f686f73746e616d65a93132372e302e302e31ab72656d6f74655f706f7274cd4269ae72656d6f74655f74705f73697a6501ae72656d6f74655f74705f72616e6b00aa7265715f626c6f636b7381b5636d706c2d7265712d372d302d316132623363346492d92435663063376531612d396437622d346133362d386634622d3266366439613063316531319193010203b36b765f6361636865735f626173655f6164647291cf0000002098a67800aa626c6f636b5f6c656e7391ce00010000ad6b765f626c6f636b5f6c656e7391ce00010000";
 
 #[test]
 fn vllm_leg_params_give_unknown_workers_their_roles() {
@@ -1115,7 +1274,7 @@ fn vllm_leg_params_give_unknown_workers_their_roles() {
         vec![(
             Stage::Prefill,
             Kind::Received,
-            Some(format!("cmpl-{VLLM_X}"))
+            Some(format!("cmpl-{VLLM_X}-0"))
         )]
     );
     // The router's side: a worker address nobody named becomes a decode.
@@ -1124,7 +1283,7 @@ fn vllm_leg_params_give_unknown_workers_their_roles() {
         ROUTER,
         5,
         syscall::WRITEV,
-        &vllm_decode_leg("p", Some("cmpl-x")),
+        &vllm_decode_leg("p", Some("cmpl-x-0-1")),
         65536,
     );
     assert_eq!(

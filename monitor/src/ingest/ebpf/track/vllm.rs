@@ -1,12 +1,22 @@
-//! What the wire says about vLLM prefill/decode pairs (vllm-router in front of vLLM workers).
+//! What the wire says about vLLM prefill/decode pairs (vllm-router in front of vLLM 0.34 workers;
+//! the map with file references is docs/routers.md).
 //!
-//! - Ids: the router sends one `X-Request-Id` on both legs and vLLM names the request
-//!   `cmpl-<X-Request-Id>` (`chatcmpl-` on `/v1/chat/completions`): that name is the attempt's
-//!   rid, as in vLLM's own spans (`gen_ai.request.id`), so both legs and the spans are one attempt.
-//!   A leg whose body names a rid or a `bootstrap_room` (SGLang) keeps those.
-//! - Transfer: prefill's answer and decode's leg carry `kv_transfer_params.remote_request_id`,
-//!   the name the side channel uses. When it differs from the leg's rid (builds that suffix the
-//!   engine's id), the pair is remembered, bounded, so side-channel events get the leg's rid.
+//! - Ids: the router sends one `X-Request-Id` X on both legs. vLLM names the request `cmpl-X`
+//!   (`chatcmpl-X` on chat: `serve/engine/serving.py` `_base_request_id`) and hands its engine
+//!   `cmpl-X-0` (the prompt's index, `completion/serving.py`; chat keeps `chatcmpl-X`): that engine
+//!   id is the attempt's rid, as in vLLM's own `llm_request` span (`gen_ai.request.id`) and its
+//!   logs, so both legs and the spans are one attempt. A leg whose body names a rid or a
+//!   `bootstrap_room` (SGLang) keeps those.
+//! - Transfer: prefill's answer carries `kv_transfer_params.remote_request_id`, prefill's
+//!   internal id (`cmpl-X-0-<8 random chars>` since vLLM 0.14, `v1/engine/input_processor.py`
+//!   `assign_request_id`; the engine id itself under `VLLM_DISABLE_REQUEST_ID_RANDOMIZATION`), and
+//!   the router copies the params into decode's leg; MooncakeConnector legs also carry the
+//!   router's `transfer_id`. Each such name is remembered with the leg's rid, bounded, so
+//!   side-channel messages that name it get the rid.
+//! - Handoff: the KV a decode leg names must be KV prefill issued to the same request. The names
+//!   prefill's answers issued are remembered with the request they answered ([`IssuedKv`]); a
+//!   decode leg naming another request's KV, or (when this request's own answer was seen) KV no
+//!   answer issued, is a [`ProtocolBreach`] on the leg's event.
 //! - Roles: `do_remote_decode: true` in a leg's body means the server is a prefill,
 //!   `do_remote_prefill: true` a decode (NIXL workers run `kv_both`: their command line says
 //!   nothing).
@@ -21,19 +31,21 @@ use foldhash::HashMap;
 
 use super::lifecycle::PathKind;
 use super::{Endpoint, Tracker};
-use crate::event::{Kind, LifecycleEvent};
+use crate::event::{Kind, LifecycleEvent, ProtocolBreach, Stage};
 use crate::ingest::ebpf::json_ids::{BodyWindow, KvLeg, RequestIds, ResponseInfo};
 use crate::ingest::ebpf::procs::Role;
+use crate::ingest::ebpf::zmtp::Control;
 use crate::normalize::attrs::clip_id;
 
-/// vLLM's name for a request it got on `path` with `X-Request-Id: x`.
+/// The id vLLM's engine gives a request it got on `path` with `X-Request-Id: x`: `cmpl-x-0` on
+/// `/v1/completions` (the first prompt's; a PD leg has one), `chatcmpl-x` on chat.
 pub(super) fn request_name(path: &str, x: &str) -> Option<String> {
-    let prefix = match path {
-        "/v1/completions" => "cmpl-",
-        "/v1/chat/completions" => "chatcmpl-",
+    let name = match path {
+        "/v1/completions" => format!("cmpl-{x}-0"),
+        "/v1/chat/completions" => format!("chatcmpl-{x}"),
         _ => return None,
     };
-    Some(clip_id(&format!("{prefix}{x}")).to_owned())
+    Some(clip_id(&name).to_owned())
 }
 
 /// Side-channel names that differ from their leg's rid, oldest forgotten first.
@@ -60,15 +72,66 @@ impl TransferNames {
         self.order.push_back(name.to_owned());
     }
 
-    pub(super) fn rid_of<'a>(&'a self, name: &'a str) -> &'a str {
+    /// The rid a name was noted with; `None` for a name never noted (or forgotten).
+    fn known(&self, name: &str) -> Option<&str> {
+        self.rid.get(clip_id(name)).map(String::as_str)
+    }
+}
+
+/// The KV prefill's answers issued: each `remote_request_id` with the request (rid) it answered,
+/// and each request's latest, bounded (oldest forgotten first: a decode leg naming forgotten KV
+/// is not judged).
+#[derive(Debug, Default)]
+pub(super) struct IssuedKv {
+    owner: HashMap<String, String>,
+    latest: HashMap<String, String>,
+    order: VecDeque<(String, String)>,
+}
+
+impl IssuedKv {
+    const MAX: usize = 16_384;
+
+    fn issue(&mut self, name: &str, rid: &str) {
         let name = clip_id(name);
-        self.rid.get(name).map_or(name, String::as_str)
+        // The first answer to name it owns it: a later answer naming it again for another
+        // request hands that request KV it does not own, which its decode leg then shows.
+        if !self.owner.contains_key(name) {
+            if self.order.len() >= Self::MAX
+                && let Some((old, old_rid)) = self.order.pop_front()
+            {
+                self.owner.remove(&old);
+                if self.latest.get(&old_rid).is_some_and(|n| *n == old) {
+                    self.latest.remove(&old_rid);
+                }
+            }
+            self.owner.insert(name.to_owned(), rid.to_owned());
+            self.order.push_back((name.to_owned(), rid.to_owned()));
+        }
+        if self.latest.len() < 2 * Self::MAX || self.latest.contains_key(rid) {
+            self.latest.insert(rid.to_owned(), name.to_owned());
+        }
     }
 
-    #[cfg(test)]
-    pub(super) fn len(&self) -> usize {
-        self.order.len()
+    /// What a decode leg of `rid` naming KV `name` breaks, with the request the KV was issued to
+    /// (foreign) or the KV this request was issued (unissued).
+    fn judge(&self, name: &str, rid: &str) -> Option<(ProtocolBreach, String)> {
+        let name = clip_id(name);
+        match self.owner.get(name) {
+            Some(owner) if owner == rid => None,
+            Some(owner) => Some((ProtocolBreach::ForeignKvHandoff, owner.clone())),
+            None => self
+                .latest
+                .get(rid)
+                .map(|own| (ProtocolBreach::UnissuedKvHandoff, own.clone())),
+        }
     }
+}
+
+/// A decode leg whose `kv_transfer_params` name KV prefill did not issue to its request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct HandoffBreach {
+    pub breach: ProtocolBreach,
+    pub reason: String,
 }
 
 /// The last capacity a worker reported, per worker key.
@@ -83,22 +146,45 @@ pub(super) struct WorkerCapacity {
 const MAX_CAPACITY_WORKERS: usize = 4096;
 
 impl Tracker {
-    /// A request body ended: vLLM ids and roles. Returns the ids the leg's events carry.
+    /// A request body ended: vLLM ids and roles. Returns the ids the leg's events carry and,
+    /// for a decode leg, the handoff it breaks.
     pub(super) fn vllm_request(
         &mut self,
         at: &mut Endpoint,
         path: &str,
         request_id: Option<&str>,
         mut ids: RequestIds,
-    ) -> RequestIds {
+    ) -> (RequestIds, Option<HandoffBreach>) {
         if ids.rid.is_none()
             && ids.bootstrap_room.is_none()
             && let Some(x) = request_id
         {
             ids.rid = request_name(path, x);
         }
-        if let (Some(name), Some(rid)) = (&ids.remote_request_id, &ids.rid) {
-            self.transfer_names.note(name, rid);
+        let mut handoff = None;
+        if let Some(rid) = &ids.rid {
+            if let Some(name) = &ids.remote_request_id {
+                if ids.kv_leg == Some(KvLeg::Decode) {
+                    handoff = self.issued_kv.judge(name, rid).map(|(breach, other)| {
+                        let reason = match breach {
+                            ProtocolBreach::ForeignKvHandoff => format!(
+                                "decode leg names KV {} that prefill issued to {other}",
+                                clip_id(name)
+                            ),
+                            _ => format!(
+                                "decode leg names KV {} that no prefill answer issued \
+                                 (prefill issued {other} to this request)",
+                                clip_id(name)
+                            ),
+                        };
+                        HandoffBreach { breach, reason }
+                    });
+                }
+                self.transfer_names.note(name, rid);
+            }
+            if let Some(t) = &ids.transfer_id {
+                self.transfer_names.note(t, rid);
+            }
         }
         if let Some(leg) = ids.kv_leg {
             let role = match leg {
@@ -118,7 +204,60 @@ impl Tracker {
                 }
             }
         }
-        ids
+        (ids, handoff)
+    }
+
+    /// A vLLM KV-connector message (see [`crate::ingest::ebpf::zmtp::vllm_control`]): the NIXL handshake is counted
+    /// (it pairs engines, it names no request); a MooncakeConnector pull is the transfer
+    /// `admitted` for each request it names, prefill's answer `completed` (`ok_reqs`) or
+    /// `aborted` (`err_reqs`). A request is named by its leg's rid, learnt from the legs'
+    /// `transfer_id`; a pull for a transfer no leg here named is counted, not reported (its
+    /// request is not known).
+    pub(super) fn vllm_transfer(
+        &mut self,
+        tgid: u32,
+        ts: u64,
+        ctl: Control,
+        report: bool,
+        out: &mut Vec<LifecycleEvent>,
+    ) {
+        let mut emit = |t: &mut Self, rid: Option<String>, kind: Kind, what: &str| {
+            let Some(rid) = rid else {
+                t.stats.vllm_transfers_unattributed += 1;
+                return;
+            };
+            if report {
+                let mut e = t
+                    .event(ts, Stage::Transfer, kind, tgid)
+                    .with_rid(rid.as_str());
+                e.detail = Some(format!("zmtp mooncake {what}").into());
+                out.push(e);
+            }
+        };
+        match ctl {
+            Control::NixlHandshake => self.stats.vllm_nixl_handshakes += u64::from(report),
+            Control::MooncakePull { reqs } => {
+                for (d_req, transfer) in reqs {
+                    let rid = self.transfer_names.known(&transfer).map(str::to_owned);
+                    if let Some(rid) = &rid {
+                        self.transfer_names.note(&d_req, rid);
+                    }
+                    emit(self, rid, Kind::Admitted, "pull");
+                }
+            }
+            Control::MooncakeStatus { ok, err } => {
+                for (ids, kind, what) in [
+                    (ok, Kind::Completed, "ok_reqs"),
+                    (err, Kind::Aborted, "err_reqs"),
+                ] {
+                    for d_req in ids {
+                        let rid = self.transfer_names.known(&d_req).map(str::to_owned);
+                        emit(self, rid, kind, what);
+                    }
+                }
+            }
+            _ => {}
+        }
     }
 
     /// A response ended with a success status: what a vLLM answer tells beyond the request's
@@ -134,6 +273,7 @@ impl Tracker {
     ) {
         if let (Some(name), Some(rid)) = (&info.remote_request_id, rid) {
             self.transfer_names.note(name, rid);
+            self.issued_kv.issue(name, rid);
         }
         let report = match kind {
             PathKind::Models => info.max_model_len.map(|c| WorkerCapacity {
