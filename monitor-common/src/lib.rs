@@ -77,7 +77,10 @@ pub mod counter {
     /// Connections of watched processes whose local address went unreported because the
     /// `CONNECTING` map was full.
     pub const CONNECTING_FULL: u32 = 8;
-    pub const COUNT: u32 = 9;
+    /// Syscalls of [`crate::capture::STREAM`] sockets longer than
+    /// [`crate::MAX_STREAM_PIECES`] records: the bytes past them are not captured.
+    pub const STREAM_TRUNCATED: u32 = 9;
+    pub const COUNT: u32 = 10;
 
     pub const NAMES: [&str; COUNT as usize] = [
         "seen",
@@ -89,6 +92,7 @@ pub mod counter {
         "iov_truncated",
         "bytes_captured",
         "connecting_full",
+        "stream_truncated",
     ];
 }
 
@@ -235,7 +239,15 @@ pub mod capture {
     /// many small messages (ZeroMQ writes up to 8 KiB of them at once), every one of which
     /// counts. User space sets it once it has seen the connection's protocol.
     pub const WHOLE: u32 = 1;
+    /// Every byte of each non-vectored syscall, up to [`super::MAX_STREAM_PIECES`] records of
+    /// [`super::MAX_CAPTURE`] bytes in order (vectored ones as [`WHOLE`]): an HTTP connection
+    /// whose answers are read for a line anywhere in a long body (vLLM's `/metrics`). User space
+    /// sets it once it has seen such a request on the connection.
+    pub const STREAM: u32 = 2;
 }
+
+/// Records one syscall of a [`capture::STREAM`] socket is sent as, at most: 128 KiB.
+pub const MAX_STREAM_PIECES: u32 = 32;
 
 /// Key of the `SOCKS` map: a socket fd of a watched process.
 #[inline(always)]

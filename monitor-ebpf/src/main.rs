@@ -20,7 +20,8 @@ use aya_ebpf::{
 };
 use monitor_common::{
     ActiveCall, CloseEvent, ConnEvent, DataHeader, Header, LocalEvent, MAX_CAPTURE, MAX_IOVECS,
-    ProcEvent, capture, counter, inet_sock_set_state as sk, kind, sock_key, syscall, watch,
+    MAX_STREAM_PIECES, ProcEvent, capture, counter, inet_sock_set_state as sk, kind, sock_key,
+    syscall, watch,
 };
 
 /// Leading payload bytes captured per syscall; set by the loader, at most [`MAX_CAPTURE`].
@@ -205,10 +206,19 @@ fn data_exit(ctx: &TracePointContext) -> Result<u32, u32> {
     }
     let total = ret as u64;
     let tgid = (pid_tgid >> 32) as u32;
-    let whole = matches!(
-        unsafe { SOCKS.get(&sock_key(tgid, call.fd)) },
-        Some(mode) if *mode == capture::WHOLE
+    let mode = match unsafe { SOCKS.get(&sock_key(tgid, call.fd)) } {
+        Some(m) => *m,
+        None => capture::EDGES,
+    };
+    let vectored = matches!(
+        call.syscall,
+        syscall::READV | syscall::WRITEV | syscall::RECVMSG | syscall::SENDMSG
     );
+    if mode == capture::STREAM && !vectored {
+        capture_stream(pid_tgid, &call, total);
+        return Ok(0);
+    }
+    let whole = mode == capture::WHOLE || mode == capture::STREAM;
     let (head, tail) = if whole {
         (MAX_CAPTURE as u64, MAX_CAPTURE as u64)
     } else {
@@ -254,6 +264,67 @@ fn data_exit(ctx: &TracePointContext) -> Result<u32, u32> {
         flush(TAIL);
     }
     Ok(0)
+}
+
+/// One syscall of a [`capture::STREAM`] socket, shared with [`stream_step`].
+#[repr(C)]
+struct StreamWalk {
+    cap: Capture,
+    ptr: u64,
+}
+
+/// Sends bytes `[i·MAX_CAPTURE, (i+1)·MAX_CAPTURE)` of the syscall as one record (a
+/// `bpf_loop` callback). Returns 1 past the end.
+#[inline(never)]
+extern "C" fn stream_step(i: u64, ctx: *mut c_void) -> i64 {
+    // SAFETY: `ctx` is the `StreamWalk` on `capture_stream`'s stack, alive for the whole loop.
+    let w = unsafe { &*ctx.cast::<StreamWalk>() };
+    let off = i * MAX_CAPTURE as u64;
+    if off >= w.cap.total {
+        return 1;
+    }
+    let rest = w.cap.total - off;
+    let len = if rest < MAX_CAPTURE as u64 {
+        rest
+    } else {
+        MAX_CAPTURE as u64
+    };
+    begin(HEAD, &w.cap, off);
+    append(HEAD, w.ptr + off, len);
+    flush(HEAD);
+    0
+}
+
+/// Sends a non-vectored syscall's bytes whole, in order, as up to [`MAX_STREAM_PIECES`]
+/// records; what lies past them is counted and user space marks it a gap.
+#[inline(always)]
+fn capture_stream(pid_tgid: u64, call: &ActiveCall, total: u64) {
+    let mut w = StreamWalk {
+        cap: Capture {
+            pid_tgid,
+            ts_ns: unsafe { bpf_ktime_get_ns() },
+            fd: call.fd,
+            syscall: call.syscall,
+            total,
+            head: total,
+            tail_start: total,
+        },
+        ptr: call.ptr,
+    };
+    let walk: *mut StreamWalk = &mut w;
+    // SAFETY: bpf_loop calls `stream_step` with `walk` at most MAX_STREAM_PIECES times,
+    // synchronously.
+    unsafe {
+        aya_ebpf::helpers::generated::bpf_loop(
+            MAX_STREAM_PIECES,
+            stream_step as *const () as *mut c_void,
+            walk.cast::<c_void>(),
+            0,
+        );
+    }
+    if total > MAX_STREAM_PIECES as u64 * MAX_CAPTURE as u64 {
+        count(counter::STREAM_TRUNCATED, 1);
+    }
 }
 
 /// State of one walk over the iovecs of a vectored syscall, shared with [`iov_step`].

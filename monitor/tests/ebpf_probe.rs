@@ -745,3 +745,96 @@ fn a_zmtp_connection_is_captured_whole() {
     );
     assert_eq!(stats.kernel(counter::RINGBUF_DROPS), 0);
 }
+
+/// vLLM's `/metrics` is tens of KB written in one syscall, and its `vllm:cache_config_info`
+/// sample lies in the middle, beyond the edge windows. Once a connection carried a scrape, the
+/// kernel sends each of its syscalls whole (`capture::STREAM`), so the next scrape's sample is
+/// read and the worker's KV capacity reported.
+#[test]
+fn a_metrics_connection_is_captured_whole_and_its_page_read() {
+    use std::io::Read;
+    let port = free_port();
+    let script = fixture("fake_metrics.py").display().to_string();
+    let mut server = Fake::spawn(&[script, port.to_string(), "2731".into()])
+        .expect("the fake metrics server could not bind its port");
+    let mut src = start_source(EbpfConfig {
+        capture: CaptureConfig::default(),
+        discovery: Discovery {
+            pids: vec![revenant::ingest::ebpf::PidRule {
+                role: Role::Prefill,
+                pid: server.pid(),
+            }],
+            watch: vec![],
+            conventions: false,
+        },
+        ..Default::default()
+    });
+    let mut events = Vec::new();
+    wait_watched(&mut src, &[server.pid()]);
+    server.go();
+    let mut conn = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    conn.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let mut scrape = |conn: &mut std::net::TcpStream| {
+        conn.write_all(b"GET /metrics HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n")
+            .unwrap();
+        let mut got = Vec::new();
+        let mut buf = [0u8; 65536];
+        let len = loop {
+            let n = conn.read(&mut buf).unwrap();
+            assert!(n > 0, "the fake server closed");
+            got.extend_from_slice(&buf[..n]);
+            if let Some(h) = got.windows(4).position(|w| w == b"\r\n\r\n") {
+                let head = String::from_utf8_lossy(&got[..h]).to_lowercase();
+                let cl: usize = head
+                    .split("content-length: ")
+                    .nth(1)
+                    .and_then(|v| v.split("\r\n").next())
+                    .and_then(|v| v.trim().parse().ok())
+                    .unwrap();
+                if got.len() >= h + 4 + cl {
+                    break cl;
+                }
+            }
+        };
+        assert!(len > 40_000, "a vLLM-sized page: {len} bytes");
+    };
+    scrape(&mut conn);
+    let counted = |src: &EbpfSource| {
+        src.stats()
+            .metrics_captured_whole
+            .load(std::sync::atomic::Ordering::Relaxed)
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while counted(&src) == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the /metrics connection was never captured whole"
+        );
+        src.drain(&mut events);
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    scrape(&mut conn);
+    let kv = |events: &[LifecycleEvent]| {
+        events
+            .iter()
+            .filter(|e| e.kind == Kind::Capacity)
+            .filter_map(|e| e.max_total_tokens)
+            .collect::<Vec<_>>()
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while kv(&events).is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "no capacity report from the whole page"
+        );
+        src.drain(&mut events);
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(kv(&events), vec![2731 * 16]);
+    drop(conn);
+    server.expect_line("DONE 2");
+    let stats = src.stats();
+    assert_eq!(stats.kernel(counter::RINGBUF_DROPS), 0);
+    assert_eq!(stats.kernel(counter::STREAM_TRUNCATED), 0);
+}

@@ -33,6 +33,89 @@ pub struct BodyWindow {
     /// The body's last bytes before the current push (a `"n"` may straddle two pushes).
     carry: [u8; 2],
     carry_len: u8,
+    /// vLLM's `vllm:cache_config_info` sample, looked for in every byte that goes by.
+    cache_line: CacheLine,
+}
+
+/// The `vllm:cache_config_info` sample of a Prometheus answer, found wherever it lies: the
+/// windows keep only a body's ends, and in vLLM's `/metrics` (tens of KB) the sample may be
+/// anywhere. Every captured byte passes through [`CacheLine::push`] once.
+#[derive(Default, Clone)]
+struct CacheLine {
+    /// The body's last bytes before the current push (the sample's name may straddle pushes);
+    /// a newline stands for the body's start.
+    carry: Vec<u8>,
+    /// The sample line collected so far, from its name, until its newline.
+    line: Option<Vec<u8>>,
+    found: Option<CacheConfig>,
+}
+
+/// A sample's name at the start of a line.
+const CACHE_SAMPLE: &[u8] = b"\nvllm:cache_config_info{";
+/// Longest sample line read (every CacheConfig field is a label: about 1 KB in vLLM 0.34).
+const MAX_CACHE_LINE: usize = 8192;
+
+impl CacheLine {
+    fn push(&mut self, mut data: &[u8], body_start: bool) {
+        if self.found.is_some() {
+            return;
+        }
+        if body_start {
+            self.carry = b"\n".to_vec();
+        }
+        loop {
+            if let Some(line) = &mut self.line {
+                match memchr::memchr(b'\n', data) {
+                    Some(end) => {
+                        line.extend_from_slice(&data[..end]);
+                        self.found = cache_config_in(line);
+                        self.line = None;
+                        if self.found.is_some() {
+                            return;
+                        }
+                        data = &data[end..];
+                    }
+                    None => {
+                        line.extend_from_slice(data);
+                        if line.len() > MAX_CACHE_LINE {
+                            self.line = None;
+                        }
+                        self.carry.clear();
+                        return;
+                    }
+                }
+            }
+            // A name that starts in the carry and ends in `data`.
+            let edge_len = data.len().min(CACHE_SAMPLE.len() - 1);
+            let mut edge = std::mem::take(&mut self.carry);
+            let carried = edge.len();
+            edge.extend_from_slice(&data[..edge_len]);
+            let start = match CACHE_SAMPLE_FINDER.find(&edge) {
+                Some(q) if q < carried => Some(q + CACHE_SAMPLE.len() - carried),
+                _ => CACHE_SAMPLE_FINDER
+                    .find(data)
+                    .map(|p| p + CACHE_SAMPLE.len()),
+            };
+            let Some(after) = start else {
+                let keep = data.len().min(CACHE_SAMPLE.len() - 1);
+                if keep == CACHE_SAMPLE.len() - 1 {
+                    self.carry = data[data.len() - keep..].to_vec();
+                } else {
+                    let from = edge.len() - (CACHE_SAMPLE.len() - 1).min(edge.len());
+                    self.carry = edge[from..].to_vec();
+                }
+                return;
+            };
+            self.line = Some(CACHE_SAMPLE[1..].to_vec());
+            data = &data[after..];
+        }
+    }
+
+    /// Bytes went by uncaptured: a line with a hole is not read.
+    fn gap(&mut self) {
+        self.carry.clear();
+        self.line = None;
+    }
 }
 
 /// Lengths only: body bytes (prompts, completions) must never reach a log line.
@@ -48,6 +131,7 @@ impl std::fmt::Debug for BodyWindow {
 
 impl BodyWindow {
     pub fn push(&mut self, data: &[u8]) {
+        self.cache_line.push(data, self.len == 0);
         self.count_n_keys(data);
         self.len += data.len() as u64;
         if self.head.len() < WINDOW {
@@ -70,6 +154,7 @@ impl BodyWindow {
         self.len += n;
         self.gaps = true;
         self.carry_len = 0;
+        self.cache_line.gap();
         if self.head.len() < WINDOW {
             self.head.push(GAP);
         }
@@ -216,10 +301,13 @@ impl BodyWindow {
     }
 
     /// vLLM's KV cache size from a Prometheus text answer (`/metrics`): the labels
-    /// `num_gpu_blocks` and `block_size` of the `vllm:cache_config_info` sample, when the window
-    /// holds that line whole.
+    /// `num_gpu_blocks` and `block_size` of the `vllm:cache_config_info` sample, read wherever
+    /// the captured bytes held it (a connection that carried a scrape is captured whole), else
+    /// as far as a window kept it.
     pub fn vllm_cache_config(&self) -> Option<CacheConfig> {
-        self.parts().find_map(cache_config_in)
+        self.cache_line
+            .found
+            .or_else(|| self.parts().find_map(cache_config_in))
     }
 }
 
@@ -731,6 +819,7 @@ keys! {
     DO_REMOTE_PREFILL = b"do_remote_prefill";
     MAX_MODEL_LEN = b"max_model_len";
     CACHE_CONFIG_INFO = b"vllm:cache_config_info";
+    CACHE_SAMPLE_FINDER = b"\nvllm:cache_config_info{";
     FINISH_REASON = b"finish_reason";
     TYPE = b"type";
     STATUS_CODE = b"status_code";
@@ -894,6 +983,64 @@ mod tests {
             w.push(p);
         }
         w
+    }
+
+    /// A Prometheus page like vLLM 0.34's `/metrics`: tens of KB, the `vllm:cache_config_info`
+    /// sample (one label per CacheConfig field) in the middle, far from both windows.
+    fn metrics_page(blocks: u64) -> Vec<u8> {
+        let mut page = String::new();
+        for i in 0..400 {
+            page.push_str(&format!(
+                "# HELP vllm:m{i} a metric\n# TYPE vllm:m{i} histogram\nvllm:m{i}_bucket{{engine=\"0\",le=\"0.5\",model_name=\"m\"}} 3.0\n"
+            ));
+            if i == 200 {
+                page.push_str(&format!(
+                    "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n# TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{{block_size=\"16\",cache_dtype=\"auto\",calculate_kv_scales=\"False\",cpu_offload_gb=\"0\",enable_prefix_caching=\"True\",engine=\"0\",gpu_memory_utilization=\"0.9\",is_attention_free=\"False\",kv_cache_size_tokens=\"{t}\",num_cpu_blocks=\"None\",num_gpu_blocks=\"{blocks}\",num_gpu_blocks_override=\"None\",prefix_caching_hash_algo=\"sha256\",sliding_window=\"None\",swap_space=\"4\",swap_space_bytes=\"4294967296\"}} 1.0\n",
+                    t = blocks * 16
+                ));
+            }
+        }
+        assert!(page.len() > 40_000);
+        page.into_bytes()
+    }
+
+    #[test]
+    fn the_cache_config_sample_is_found_anywhere_in_a_long_page() {
+        let page = metrics_page(2731);
+        let want = Some(CacheConfig {
+            num_gpu_blocks: 2731,
+            block_size: 16,
+        });
+        // Whatever the pushes' sizes, the sample's name and line straddling them.
+        for chunk in [1usize, 7, 23, 24, 25, 511, 4096, page.len()] {
+            let mut w = BodyWindow::default();
+            for c in page.chunks(chunk) {
+                w.push(c);
+            }
+            assert_eq!(w.vllm_cache_config(), want, "chunks of {chunk}");
+        }
+        let at = page
+            .windows(CACHE_SAMPLE.len())
+            .position(|w| w == CACHE_SAMPLE)
+            .unwrap();
+        for split in at..at + CACHE_SAMPLE.len() + 2 {
+            let w = window(&[&page[..split], &page[split..]]);
+            assert_eq!(w.vllm_cache_config(), want, "split at {split}");
+        }
+        // A hole in the line: not read (a cut number is another number).
+        let mut w = BodyWindow::default();
+        w.push(&page[..at + 300]);
+        w.skip(10);
+        w.push(&page[at + 310..]);
+        assert_eq!(w.vllm_cache_config(), None);
+        // A name mentioned elsewhere than at a line's start is not the sample.
+        let w = window(&[
+            b"# HELP x see vllm:cache_config_info{num_gpu_blocks=\"9\",block_size=\"1\"}\n",
+        ]);
+        assert_eq!(w.vllm_cache_config(), None);
+        // The page's first line.
+        let w = window(&[b"vllm:cache_config_info{block_size=\"8\",num_gpu_blocks=\"4\"} 1.0\n"]);
+        assert_eq!(w.vllm_cache_config().map(|c| c.tokens()), Some(32));
     }
 
     #[test]

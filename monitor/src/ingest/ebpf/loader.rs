@@ -276,11 +276,13 @@ impl Probes {
             })
     }
 
-    /// Captures up to [`monitor_common::MAX_CAPTURE`] bytes at each end of every syscall on
-    /// `fd` of `tgid` from now on ([`monitor_common::capture::WHOLE`]): a ZeroMQ control
-    /// connection, whose writes batch many small messages. Only a socket the kernel side still
-    /// tracks is changed (a closed one is not brought back); false when it tracks none.
-    pub fn capture_whole(&mut self, tgid: u32, fd: u32) -> Result<bool, LoadError> {
+    /// Changes how much of every syscall on `fd` of `tgid` the kernel captures from now on
+    /// (a [`monitor_common::capture`] mode): [`monitor_common::capture::WHOLE`] for a ZeroMQ
+    /// control connection, whose writes batch many small messages;
+    /// [`monitor_common::capture::STREAM`] for an HTTP connection whose long answers are read
+    /// for a line anywhere in them. Only a socket the kernel side still tracks is changed (a
+    /// closed one is not brought back); false when it tracks none.
+    pub fn set_capture(&mut self, tgid: u32, fd: u32, mode: u32) -> Result<bool, LoadError> {
         let map = self
             .ebpf
             .map_mut("SOCKS")
@@ -292,12 +294,10 @@ impl Probes {
             })?;
         /// `BPF_EXIST`: update an entry, never create one.
         const BPF_EXIST: u64 = 2;
-        Ok(m.insert(
-            monitor_common::sock_key(tgid, fd),
-            monitor_common::capture::WHOLE,
-            BPF_EXIST,
+        Ok(
+            m.insert(monitor_common::sock_key(tgid, fd), mode, BPF_EXIST)
+                .is_ok(),
         )
-        .is_ok())
     }
 
     /// Forgets every socket of an exited process.

@@ -37,7 +37,7 @@ impl Collector for EbpfCollector {
             "revenant_ebpf_kernel",
             "Kernel-side counters of the eBPF probes, summed over CPUs (seen, sent, ringbuf_drops, \
              read_failures, active_full, socks_full, iov_truncated, bytes_captured, \
-             connecting_full)",
+             connecting_full, stream_truncated)",
             counter::NAMES
                 .iter()
                 .enumerate()
@@ -108,6 +108,11 @@ impl Collector for EbpfCollector {
                 "revenant_ebpf_zmtp_connections_captured_whole",
                 "KV-transfer control connections whose syscalls the kernel captures whole (up to 4 KiB at each end), so that batched messages are all read",
                 s.zmtp_captured_whole.load(Relaxed),
+            ),
+            (
+                "revenant_ebpf_metrics_connections_captured_whole",
+                "HTTP connections that carried a /metrics scrape, whose answers the kernel then captures whole (up to 128 KiB per syscall) so vLLM's vllm:cache_config_info is read wherever it lies",
+                s.metrics_captured_whole.load(Relaxed),
             ),
         ] {
             counter_metric(&mut enc, name, help, v)?;

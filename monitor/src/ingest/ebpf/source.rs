@@ -114,6 +114,8 @@ pub struct EbpfStats {
     pub room_states_evicted: AtomicU64,
     /// ZMTP connections whose syscalls the kernel captures whole.
     pub zmtp_captured_whole: AtomicU64,
+    /// HTTP connections carrying `/metrics` scrapes whose syscalls the kernel captures whole.
+    pub metrics_captured_whole: AtomicU64,
     pub watched_processes: AtomicU64,
     /// Connections the tracker currently holds state for.
     pub connections: AtomicU64,
@@ -253,7 +255,12 @@ impl EbpfSource {
             self.inner.on_learned(from, role);
         }
         for (tgid, fd) in self.inner.tracker.take_zmtp_opened() {
-            self.inner.capture_whole(tgid, fd);
+            self.inner
+                .set_capture(tgid, fd, monitor_common::capture::WHOLE);
+        }
+        for (tgid, fd) in self.inner.tracker.take_metrics_conns() {
+            self.inner
+                .set_capture(tgid, fd, monitor_common::capture::STREAM);
         }
         self.inner.stats.records.fetch_add(n as u64, Relaxed);
         n
@@ -377,17 +384,21 @@ impl Inner {
         Ok(())
     }
 
-    /// A connection carries ZMTP: its writes batch many small control messages, each of which
-    /// counts, so the kernel captures its syscalls whole (up to 4 KiB at each end).
-    fn capture_whole(&mut self, tgid: u32, fd: u32) {
-        match self.probes.capture_whole(tgid, fd) {
+    /// A connection carries ZMTP (its writes batch many small control messages, each of which
+    /// counts: the kernel captures its syscalls up to 4 KiB at each end), or `/metrics` scrapes
+    /// (each answer is captured whole, up to 128 KiB per syscall).
+    fn set_capture(&mut self, tgid: u32, fd: u32, mode: u32) {
+        let (count, what) = if mode == monitor_common::capture::STREAM {
+            (&self.stats.metrics_captured_whole, "a /metrics connection")
+        } else {
+            (&self.stats.zmtp_captured_whole, "a ZMTP connection")
+        };
+        match self.probes.set_capture(tgid, fd, mode) {
             Ok(true) => {
-                self.stats.zmtp_captured_whole.fetch_add(1, Relaxed);
+                count.fetch_add(1, Relaxed);
             }
             Ok(false) => {}
-            Err(e) => {
-                tracing::warn!(tgid, fd, error = %e, "eBPF: cannot capture a ZMTP connection whole")
-            }
+            Err(e) => tracing::warn!(tgid, fd, error = %e, "eBPF: cannot capture {what} whole"),
         }
     }
 

@@ -179,6 +179,8 @@ struct Connection {
     /// [ingress, egress]
     streams: [Stream; 2],
     pending: VecDeque<Pending>,
+    /// A `/metrics` request went by: the source was asked to capture the connection whole.
+    streamed: bool,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -202,6 +204,11 @@ pub struct Tracker {
     /// Connections found to carry ZMTP since the last [`Tracker::take_zmtp_opened`]: the source
     /// has the kernel capture their syscalls whole.
     zmtp_opened: Vec<(u32, u32)>,
+    /// HTTP connections that carried a `/metrics` request since the last
+    /// [`Tracker::take_metrics_conns`]: the source has the kernel capture them whole
+    /// ([`monitor_common::capture::STREAM`]), so a later scrape's long answer is read whole
+    /// (vLLM's `vllm:cache_config_info` line lies anywhere in tens of KB).
+    metrics_conns: Vec<(u32, u32)>,
     /// vLLM side-channel names that differ from their leg's rid.
     transfer_names: vllm::TransferNames,
     issued_kv: vllm::IssuedKv,
@@ -287,6 +294,7 @@ impl Tracker {
             conns: HashMap::new(),
             learned: Vec::new(),
             zmtp_opened: Vec::new(),
+            metrics_conns: Vec::new(),
             transfer_names: vllm::TransferNames::default(),
             issued_kv: vllm::IssuedKv::default(),
             capacity: vllm::CapacityTable::default(),
@@ -334,6 +342,12 @@ impl Tracker {
     /// them after every drain).
     pub fn take_zmtp_opened(&mut self) -> Vec<(u32, u32)> {
         std::mem::take(&mut self.zmtp_opened)
+    }
+
+    /// `(tgid, fd)` of the connections found to carry `/metrics` requests since the last call
+    /// (the source takes them after every drain).
+    pub fn take_metrics_conns(&mut self) -> Vec<(u32, u32)> {
+        std::mem::take(&mut self.metrics_conns)
     }
 
     pub fn has_role(&self, role: Role) -> bool {
@@ -518,6 +532,12 @@ impl Tracker {
         };
         match ev {
             HttpEvent::RequestHead(head) => {
+                if !conn.streamed && path_kind(&head.path) == PathKind::Metrics {
+                    conn.streamed = true;
+                    if self.metrics_conns.len() < MAX_ZMTP_OPENED {
+                        self.metrics_conns.push((tgid, fd));
+                    }
+                }
                 if conn.pending.len() >= max_pending {
                     conn.pending.pop_front();
                     self.stats.pending_dropped += 1;

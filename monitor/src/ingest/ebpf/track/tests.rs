@@ -103,6 +103,23 @@ impl Sim {
         }
     }
 
+    /// One syscall as the kernel sends it for a `capture::STREAM` socket: every byte, in
+    /// records of `MAX_CAPTURE`.
+    fn io_streamed(&mut self, tgid: u32, fd: u32, sc: u32, bytes: &[u8]) {
+        let hdr = self.hdr(kind::DATA, tgid);
+        for (i, piece) in bytes.chunks(monitor_common::MAX_CAPTURE).enumerate() {
+            let d = DataPiece {
+                hdr,
+                fd,
+                syscall: sc,
+                total: bytes.len() as u64,
+                off: (i * monitor_common::MAX_CAPTURE) as u32,
+                bytes: piece,
+            };
+            self.t.on_record(&Record::Data(d), &mut self.out);
+        }
+    }
+
     fn kinds(&self) -> Vec<(Stage, Kind, Option<u64>)> {
         self.out
             .iter()
@@ -1343,6 +1360,49 @@ fn vllm_models_and_metrics_answers_are_capacity_reports() {
             (Some(4096), Some(2048)),
         ]
     );
+}
+
+#[test]
+fn a_long_metrics_page_is_read_whole_once_its_connection_is_streamed() {
+    let mut s = Sim::new();
+    s.connect(ROUTER, 5, "127.0.0.1:31001");
+    let get = b"GET /metrics HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n";
+    // A vLLM-sized page: the sample in the middle of 50 KB, written in one syscall.
+    let mut body = String::new();
+    for i in 0..300 {
+        body.push_str(&format!(
+            "# HELP vllm:m{i} a metric\n# TYPE vllm:m{i} counter\nvllm:m{i}_total{{engine=\"0\",model_name=\"m\"}} 1.0\n"
+        ));
+        if i == 150 {
+            body.push_str("# TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{block_size=\"16\",cache_dtype=\"auto\",engine=\"0\",num_gpu_blocks=\"2731\"} 1.0\n");
+        }
+    }
+    let answer = format!(
+        "HTTP/1.1 200 OK\r\ncontent-type: text/plain; version=0.0.4\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes();
+    s.io(ROUTER, 5, syscall::WRITEV, get, 4096);
+    // The first scrape is read through the edge windows: the sample is not among them, and
+    // the connection is marked for whole capture.
+    s.io(ROUTER, 5, syscall::RECVFROM, &answer, answer.len());
+    assert!(s.out.is_empty());
+    assert_eq!(s.t.take_metrics_conns(), vec![(ROUTER, 5)]);
+    assert!(s.t.take_metrics_conns().is_empty());
+    // The next scrape on it comes whole.
+    s.io(ROUTER, 5, syscall::WRITEV, get, 4096);
+    s.io_streamed(ROUTER, 5, syscall::RECVFROM, &answer);
+    let caps: Vec<_> = s
+        .out
+        .iter()
+        .map(|e| (e.stage, e.kind, e.max_total_tokens))
+        .collect();
+    assert_eq!(
+        caps,
+        vec![(Stage::Prefill, Kind::Capacity, Some(2731 * 16))]
+    );
+    // Marked once per connection.
+    assert!(s.t.take_metrics_conns().is_empty());
 }
 
 // Writers to prefill's bootstrap server: who the accepting end can tell its peer is.
