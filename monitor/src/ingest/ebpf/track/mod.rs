@@ -653,10 +653,16 @@ impl Tracker {
             .remote_request_id
             .as_ref()
             .and_then(|_| p.ids.rid.clone());
+        let unnamed_answer = (kind == PathKind::Generate && transfer_name.is_none())
+            .then(|| p.ids.rid.clone())
+            .flatten();
         if kind == PathKind::ServerInfo && status < 400 {
             self.learn(at, info.disaggregation_mode.as_deref());
         }
         if status < 400 {
+            if let Some(rid) = &unnamed_answer {
+                self.issued_kv.forget_latest(rid);
+            }
             self.vllm_answer(at, kind, transfer_name.as_deref(), (body, &info), ts, out);
         }
         // The answer's own message, else `fallback`.

@@ -1174,6 +1174,10 @@ fn a_decode_leg_naming_kv_prefill_did_not_issue_to_it_is_a_breach() {
     // Prefill's answer to e was not seen (no params, or before the capture): not judged.
     let e = vllm_round(&mut s, 50, "e", None, "cmpl-q-0-55555555");
     assert_eq!(e.protocol_breach, None);
+    // A client reusing c's id: this answer's KV name was not read, so c's earlier one does not
+    // stand for it.
+    let c2 = vllm_round(&mut s, 60, "c", None, "cmpl-q-0-66666666");
+    assert_eq!(c2.protocol_breach, None);
     // Only the router's dispatch carries it when the router is watched here.
     let marked = s.out.iter().filter(|e| e.protocol_breach.is_some()).count();
     assert_eq!(marked, 2);

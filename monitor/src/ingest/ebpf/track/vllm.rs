@@ -112,6 +112,12 @@ impl IssuedKv {
         }
     }
 
+    /// A successful answer to `rid` whose KV name was not read (not there, or lost to a capture
+    /// gap): what it issued is unknown, so an earlier answer's must not stand for it.
+    pub(super) fn forget_latest(&mut self, rid: &str) {
+        self.latest.remove(rid);
+    }
+
     /// What a decode leg of `rid` naming KV `name` breaks, with the request the KV was issued to
     /// (foreign) or the KV this request was issued (unissued).
     fn judge(&self, name: &str, rid: &str) -> Option<(ProtocolBreach, String)> {
