@@ -12,3 +12,6 @@ pub mod request;
 pub mod summary;
 
 pub use model::{Aliases, CancelWindow, Timeline, TimelineEvent};
+
+#[cfg(test)]
+mod tests;
