@@ -30,7 +30,7 @@ const BOTH_WINDOW_NS: u64 = 50_000_000;
 
 const LEFT: f64 = 110.0;
 const PLOT_W: f64 = 900.0;
-const RIGHT: f64 = 30.0;
+const RIGHT: f64 = 60.0;
 const AXIS_H: f64 = 28.0;
 const BLOCK_HEAD: f64 = 20.0;
 const LANE_H: f64 = 24.0;
@@ -572,6 +572,15 @@ pub fn render(p: &RequestPage<'_>, anchor: &str) -> String {
             "<g class=\"attempt\" data-attempt=\"{attr}\"><text x=\"4\" y=\"{:.1}\" font-weight=\"bold\">{label}</text>",
             top + 14.0
         );
+        // Lane backgrounds under everything, then the windows, then the marks.
+        for li in 0..4 {
+            let _ = write!(
+                out,
+                "<rect x=\"{LEFT}\" y=\"{:.1}\" width=\"{PLOT_W}\" height=\"{LANE_H}\" fill=\"{}\"/>",
+                lanes_top + li as f64 * LANE_H,
+                if li % 2 == 0 { "#f7fafc" } else { "#edf2f7" },
+            );
+        }
         // Refusals: the cancellation window after each, then the refusal line.
         for lane in &block.lanes {
             for m in lane {
@@ -583,21 +592,21 @@ pub fn render(p: &RequestPage<'_>, anchor: &str) -> String {
                     let xe = x(m.t.saturating_add(w.grace_ns));
                     let _ = write!(
                         out,
-                        "<rect class=\"cancel-window\" data-rule=\"{}\" x=\"{xr:.1}\" y=\"{lanes_top:.1}\" width=\"{:.1}\" height=\"{:.1}\" fill=\"#cbd5e0\" fill-opacity=\"0.45\"><title>cancellation window: {} after the refusal a dispatch still counts as in flight ({})</title></rect><text class=\"cancel-window-label\" x=\"{:.1}\" y=\"{:.1}\" fill=\"#4a5568\">cancellation window {}</text>",
+                        "<rect class=\"cancel-window\" data-rule=\"{}\" x=\"{xr:.1}\" y=\"{lanes_top:.1}\" width=\"{:.1}\" height=\"{:.1}\" fill=\"#a0aec0\" fill-opacity=\"0.35\"><title>cancellation window: {} after the refusal a dispatch still counts as in flight ({})</title></rect><text class=\"cancel-window-label\" x=\"{:.1}\" y=\"{:.1}\" fill=\"#4a5568\" text-anchor=\"end\">cancellation window {}</text>",
                         Esc(&w.rule),
                         (xe - xr).max(1.0),
                         4.0 * LANE_H,
                         humantime::format_duration(std::time::Duration::from_nanos(w.grace_ns)),
                         Esc(&w.rule),
-                        xe + 3.0,
+                        xe - 3.0,
                         top + 14.0,
                         humantime::format_duration(std::time::Duration::from_nanos(w.grace_ns)),
                     );
                 }
                 let _ = write!(
                     out,
-                    "<line class=\"refusal\" x1=\"{xr:.1}\" y1=\"{lanes_top:.1}\" x2=\"{xr:.1}\" y2=\"{lanes_bottom:.1}\" stroke=\"#c53030\" stroke-dasharray=\"4 3\"/><text class=\"refusal-label\" x=\"{:.1}\" y=\"{:.1}\" fill=\"#c53030\" text-anchor=\"end\">refused by {}{}</text>",
-                    xr - 3.0,
+                    "<line class=\"refusal\" x1=\"{xr:.1}\" y1=\"{lanes_top:.1}\" x2=\"{xr:.1}\" y2=\"{lanes_bottom:.1}\" stroke=\"#c53030\" stroke-dasharray=\"4 3\"/><text class=\"refusal-label\" x=\"{:.1}\" y=\"{:.1}\" fill=\"#c53030\">refused by {}{}</text>",
+                    xr + 3.0,
                     top + 14.0,
                     events[m.ev].stage.as_str(),
                     events[m.ev].status.map(|s| format!(" ({s})")).unwrap_or_default(),
@@ -610,9 +619,8 @@ pub fn render(p: &RequestPage<'_>, anchor: &str) -> String {
             let cy = y0 + LANE_H / 2.0;
             let _ = write!(
                 out,
-                "<g class=\"lane\" data-stage=\"{}\" data-attempt=\"{attr}\"><rect x=\"{LEFT}\" y=\"{y0:.1}\" width=\"{PLOT_W}\" height=\"{LANE_H}\" fill=\"{}\" fill-opacity=\"0.5\"/><text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"end\">{}</text>",
+                "<g class=\"lane\" data-stage=\"{}\" data-attempt=\"{attr}\"><text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"end\">{}</text>",
                 stage.as_str(),
-                if li % 2 == 0 { "#f7fafc" } else { "#edf2f7" },
                 LEFT - 6.0,
                 cy + 4.0,
                 stage.as_str()
