@@ -36,7 +36,15 @@ fn attr(k: &str, v: &Value) -> Value {
 }
 
 #[allow(clippy::too_many_arguments)]
-fn span(trace: u128, id: u64, name: &str, start: u128, end: u128, attrs: Value, error: bool) -> Value {
+fn span(
+    trace: u128,
+    id: u64,
+    name: &str,
+    start: u128,
+    end: u128,
+    attrs: Value,
+    error: bool,
+) -> Value {
     let attrs: Vec<Value> = attrs
         .as_object()
         .unwrap()
@@ -83,7 +91,10 @@ const MS: u128 = 1_000_000;
 /// One request: the router receives it, prefill refuses its attempt (400), decode works on it
 /// 30 ms later anyway.
 fn send_request(http: &str, trace: u128, request_id: &str, rid: &str, room: u64, text: &str) {
-    let t0 = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_nanos();
+    let t0 = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
     let ids = |extra: Value| {
         let mut m = json!({"x-request-id": request_id, "req.id": rid, "room": room, "server.address": text});
         for (k, v) in extra.as_object().unwrap() {
@@ -95,9 +106,33 @@ fn send_request(http: &str, trace: u128, request_id: &str, rid: &str, room: u64,
         http,
         text,
         vec![
-            span(trace, 1, "route", t0, t0 + 60 * MS, json!({"x-request-id": request_id}), false),
-            span(trace, 2, "handle", t0 + MS, t0 + 3 * MS, ids(json!({"http.response.status_code": 400})), true),
-            span(trace, 3, "decode_step", t0 + 30 * MS, t0 + 31 * MS, ids(json!({})), false),
+            span(
+                trace,
+                1,
+                "route",
+                t0,
+                t0 + 60 * MS,
+                json!({"x-request-id": request_id}),
+                false,
+            ),
+            span(
+                trace,
+                2,
+                "handle",
+                t0 + MS,
+                t0 + 3 * MS,
+                ids(json!({"http.response.status_code": 400})),
+                true,
+            ),
+            span(
+                trace,
+                3,
+                "decode_step",
+                t0 + 30 * MS,
+                t0 + 31 * MS,
+                ids(json!({})),
+                false,
+            ),
         ],
     );
 }
@@ -219,8 +254,22 @@ fn pages_render_in_a_real_browser() {
     )
     .unwrap();
     let room: u64 = 0x314783F6BEF70001;
-    send_request(&rv.otlp_http, 0x11 << 64 | 1, "req-page-1", "rid-page-1", room, "worker-1");
-    send_request(&rv.otlp_http, 0x22 << 64 | 2, EVIL, &format!("rid{EVIL}"), 4242, EVIL);
+    send_request(
+        &rv.otlp_http,
+        0x11 << 64 | 1,
+        "req-page-1",
+        "rid-page-1",
+        room,
+        "worker-1",
+    );
+    send_request(
+        &rv.otlp_http,
+        0x22 << 64 | 2,
+        EVIL,
+        &format!("rid{EVIL}"),
+        4242,
+        EVIL,
+    );
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let (code, v) = rv.admin_json("/api/violations").unwrap();
@@ -231,26 +280,49 @@ fn pages_render_in_a_real_browser() {
             .iter()
             .filter_map(|x| x["rule"].as_str())
             .collect();
-        if rules.iter().filter(|r| **r == "activity-after-rejection").count() >= 2 {
+        if rules
+            .iter()
+            .filter(|r| **r == "activity-after-rejection")
+            .count()
+            >= 2
+        {
             break;
         }
-        assert!(Instant::now() < deadline, "no violations: {v}\n{}", rv.log_tail(30));
+        assert!(
+            Instant::now() < deadline,
+            "no violations: {v}\n{}",
+            rv.log_tail(30)
+        );
         std::thread::sleep(Duration::from_millis(100));
     }
     let base = format!("http://{}", rv.admin);
     let out = shots();
 
     // The breached request: its lanes, marks, the refusal, the breach, the ids once each.
-    let dom = chromium(&profile, &format!("{base}/requests/req-page-1"), &out.join("request.png"));
+    let dom = chromium(
+        &profile,
+        &format!("{base}/requests/req-page-1"),
+        &out.join("request.png"),
+    );
     assert!(dom.contains(TITLE_REQUEST), "{dom}");
     for stage in ["router", "prefill", "transfer", "decode"] {
-        assert!(dom.contains(&format!("class=\"lane\" data-stage=\"{stage}\" data-attempt=\"1\"")), "{stage}: {dom}");
+        assert!(
+            dom.contains(&format!(
+                "class=\"lane\" data-stage=\"{stage}\" data-attempt=\"1\""
+            )),
+            "{stage}: {dom}"
+        );
     }
     assert!(dom.matches("<g class=\"mark otlp\"").count() >= 3, "{dom}");
     assert!(dom.contains("class=\"refusal\""), "{dom}");
-    assert!(dom.contains("class=\"cancel-window\" data-rule=\"handoff-after-rejection\""), "{dom}");
     assert!(
-        dom.contains("<g class=\"breach\" data-rule=\"activity-after-rejection\" data-severity=\"critical\">"),
+        dom.contains("class=\"cancel-window\" data-rule=\"handoff-after-rejection\""),
+        "{dom}"
+    );
+    assert!(
+        dom.contains(
+            "<g class=\"breach\" data-rule=\"activity-after-rejection\" data-severity=\"critical\">"
+        ),
         "{dom}"
     );
     assert!(dom.contains("activity-after-rejection · critical"), "{dom}");
@@ -261,23 +333,46 @@ fn pages_render_in_a_real_browser() {
         format!("{room:#x}"),
         "00000000000000110000000000000001".to_string(),
     ] {
-        assert_eq!(dom.matches(&format!(">{id}<")).count(), 1, "{id} once: {dom}");
+        assert_eq!(
+            dom.matches(&format!(">{id}<")).count(),
+            1,
+            "{id} once: {dom}"
+        );
     }
 
     // The incidents, newest first, linking to the request pages; filters by rule and severity.
-    let dom = chromium(&profile, &format!("{base}/incidents"), &out.join("incidents.png"));
+    let dom = chromium(
+        &profile,
+        &format!("{base}/incidents"),
+        &out.join("incidents.png"),
+    );
     assert!(dom.contains("<title>revenant: incidents</title>"), "{dom}");
     assert!(dom.matches("<tr class=\"incident\" data-rule=\"activity-after-rejection\" data-severity=\"critical\">").count() >= 2, "{dom}");
     assert!(dom.contains("href=\"requests/req-page-1\""), "{dom}");
     assert_inert(&dom, "<title>revenant: incidents</title>");
-    let dom = chromium(&profile, &format!("{base}/incidents?severity=warning"), &out.join("incidents-warning.png"));
+    let dom = chromium(
+        &profile,
+        &format!("{base}/incidents?severity=warning"),
+        &out.join("incidents-warning.png"),
+    );
     assert!(dom.contains("No incident matches"), "{dom}");
-    let dom = chromium(&profile, &format!("{base}/incidents?rule=activity-after-rejection&severity=critical"), &out.join("incidents-filtered.png"));
+    let dom = chromium(
+        &profile,
+        &format!("{base}/incidents?rule=activity-after-rejection&severity=critical"),
+        &out.join("incidents-filtered.png"),
+    );
     assert!(dom.contains("href=\"requests/req-page-1\""), "{dom}");
 
     // The request whose ids are markup: text on the page, nothing ran.
-    let dom = chromium(&profile, &format!("{base}/requests/{}", url_segment(EVIL)), &out.join("request-markup.png"));
-    assert!(dom.contains("data-rule=\"activity-after-rejection\""), "{dom}");
+    let dom = chromium(
+        &profile,
+        &format!("{base}/requests/{}", url_segment(EVIL)),
+        &out.join("request-markup.png"),
+    );
+    assert!(
+        dom.contains("data-rule=\"activity-after-rejection\""),
+        "{dom}"
+    );
     assert_inert(&dom, TITLE_REQUEST);
 
     // The same events recorded, with eBPF's view of the refusal beside OTLP's: `check --report`.
@@ -309,13 +404,29 @@ fn pages_render_in_a_real_browser() {
         .status()
         .unwrap();
     assert_eq!(status.code(), Some(1), "violations found");
-    let dom = chromium(&profile, &format!("file://{}", report.display()), &out.join("report.png"));
+    let dom = chromium(
+        &profile,
+        &format!("file://{}", report.display()),
+        &out.join("report.png"),
+    );
     assert_inert(&dom, "<title>revenant check report</title>");
-    assert!(dom.contains("<tr class=\"rule-row\" data-rule=\"activity-after-rejection\">"), "{dom}");
+    assert!(
+        dom.contains("<tr class=\"rule-row\" data-rule=\"activity-after-rejection\">"),
+        "{dom}"
+    );
     assert!(dom.contains("class=\"bar\""), "histogram: {dom}");
-    assert!(dom.contains("<section class=\"request\" id=\"r1\">"), "{dom}");
-    assert!(dom.contains("<g class=\"mark both\" data-kind=\"rejected\">"), "both witnesses: {dom}");
-    assert!(dom.contains("<g class=\"breach\" data-rule=\"activity-after-rejection\""), "{dom}");
+    assert!(
+        dom.contains("<section class=\"request\" id=\"r1\">"),
+        "{dom}"
+    );
+    assert!(
+        dom.contains("<g class=\"mark both\" data-kind=\"rejected\">"),
+        "both witnesses: {dom}"
+    );
+    assert!(
+        dom.contains("<g class=\"breach\" data-rule=\"activity-after-rejection\""),
+        "{dom}"
+    );
 
     assert!(rv.stop().unwrap().success(), "{}", rv.log_tail(30));
 }

@@ -24,10 +24,7 @@ fn html(status: StatusCode, body: String) -> Response {
         status,
         [
             (header::CONTENT_TYPE, "text/html; charset=utf-8"),
-            (
-                header::CONTENT_SECURITY_POLICY,
-                crate::report::html::CSP,
-            ),
+            (header::CONTENT_SECURITY_POLICY, crate::report::html::CSP),
             (header::X_CONTENT_TYPE_OPTIONS, "nosniff"),
             // Pages name request ids: not for shared caches.
             (header::CACHE_CONTROL, "no-store"),
@@ -39,7 +36,9 @@ fn html(status: StatusCode, body: String) -> Response {
 }
 
 fn nav(up: &str) -> String {
-    format!("<nav><a href=\"{up}incidents\">incidents</a><a href=\"{up}api/violations\">/api/violations</a></nav>")
+    format!(
+        "<nav><a href=\"{up}incidents\">incidents</a><a href=\"{up}api/violations\">/api/violations</a></nav>"
+    )
 }
 
 pub(super) async fn request_page(State(s): State<AdminState>, Path(id): Path<String>) -> Response {
@@ -48,7 +47,10 @@ pub(super) async fn request_page(State(s): State<AdminState>, Path(id): Path<Str
             StatusCode::BAD_REQUEST,
             page(
                 "revenant: bad alias",
-                &format!("{}<h1>Bad alias</h1><p>An alias is 1..=256 bytes.</p>", nav("../")),
+                &format!(
+                    "{}<h1>Bad alias</h1><p>An alias is 1..=256 bytes.</p>",
+                    nav("../")
+                ),
             ),
         );
     }
@@ -105,7 +107,11 @@ pub(super) async fn incidents_page(
             StatusCode::BAD_REQUEST,
             page(
                 "revenant: incidents",
-                &format!("{}<h1>Incidents</h1><p class=\"notice\">{}</p>", nav(""), Esc(&msg)),
+                &format!(
+                    "{}<h1>Incidents</h1><p class=\"notice\">{}</p>",
+                    nav(""),
+                    Esc(&msg)
+                ),
             ),
         )
     };
@@ -131,12 +137,19 @@ pub(super) async fn incidents_page(
             ));
         }
     };
-    let known = s.violations.rules().map(<[String]>::to_vec).unwrap_or_default();
+    let known = s
+        .violations
+        .rules()
+        .map(<[String]>::to_vec)
+        .unwrap_or_default();
     if let Some(r) = rule
         && !known.is_empty()
         && !known.iter().any(|k| k == r)
     {
-        return bad(format!("unknown rule {r:?}: the rules are {}", known.join(", ")));
+        return bad(format!(
+            "unknown rule {r:?}: the rules are {}",
+            known.join(", ")
+        ));
     }
     let limit = q.limit.unwrap_or(100).clamp(1, 10_000);
     let (items, total) = s.violations.list(MAX_SCANNED, rule, None);

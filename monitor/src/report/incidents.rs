@@ -36,7 +36,11 @@ pub fn render(p: &IncidentsPage<'_>) -> String {
             out,
             "<option value=\"{}\"{}>{}</option>",
             Esc(r),
-            if p.rule == Some(r.as_str()) { " selected" } else { "" },
+            if p.rule == Some(r.as_str()) {
+                " selected"
+            } else {
+                ""
+            },
             Esc(r)
         );
     }
@@ -46,7 +50,11 @@ pub fn render(p: &IncidentsPage<'_>) -> String {
             out,
             "<option value=\"{0}\"{1}>{0}</option>",
             s.as_str(),
-            if p.severity == Some(s) { " selected" } else { "" }
+            if p.severity == Some(s) {
+                " selected"
+            } else {
+                ""
+            }
         );
     }
     let _ = write!(

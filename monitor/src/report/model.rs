@@ -52,7 +52,6 @@ pub struct Timeline {
     pub truncated: bool,
 }
 
-
 /// How long after a refusal the rules still tolerate a dispatch (a never_after rule triggered
 /// by a rejection, with a grace): what a page draws as the cancellation window.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -63,7 +62,9 @@ pub struct CancelWindow {
 
 impl CancelWindow {
     /// Every enabled rule whose trigger names `rejected` explicitly and that has a grace.
-    pub fn of_rules<'a>(rules: impl IntoIterator<Item = &'a crate::engine::rules::Rule>) -> Vec<CancelWindow> {
+    pub fn of_rules<'a>(
+        rules: impl IntoIterator<Item = &'a crate::engine::rules::Rule>,
+    ) -> Vec<CancelWindow> {
         rules
             .into_iter()
             .filter(|r| r.enabled)

@@ -288,8 +288,7 @@ fn choose(marks: &[Mark], events: &[TimelineEvent], cap: usize) -> Vec<usize> {
     if marks.len() <= cap {
         return (0..marks.len()).collect();
     }
-    let important =
-        |m: &Mark| !m.breaches.is_empty() || events[m.ev].kind != Kind::Work;
+    let important = |m: &Mark| !m.breaches.is_empty() || events[m.ev].kind != Kind::Work;
     let mut chosen: Vec<usize> = (0..marks.len())
         .filter(|&i| !marks[i].breaches.is_empty())
         .take(cap)
@@ -348,7 +347,11 @@ pub fn render(p: &RequestPage<'_>, anchor: &str) -> String {
     };
     let request_ids = distinct(|e| e.request_id.as_ref());
     let trace_ids = distinct(|e| e.trace_id.as_ref());
-    let _ = write!(out, "<section class=\"ids\" id=\"{}ids\"><h2>Ids</h2><table>", Esc(anchor));
+    let _ = write!(
+        out,
+        "<section class=\"ids\" id=\"{}ids\"><h2>Ids</h2><table>",
+        Esc(anchor)
+    );
     for (what, ids) in [("request id", &request_ids), ("trace id", &trace_ids)] {
         for id in ids.iter() {
             let _ = write!(
@@ -360,7 +363,9 @@ pub fn render(p: &RequestPage<'_>, anchor: &str) -> String {
         }
     }
     if request_ids.is_empty() && trace_ids.is_empty() {
-        out.push_str("<tr><th>request</th><td>no request or trace id seen: known by its attempts</td></tr>");
+        out.push_str(
+            "<tr><th>request</th><td>no request or trace id seen: known by its attempts</td></tr>",
+        );
     }
     out.push_str("</table><table class=\"attempts\"><tr><th>attempt</th><th>room (decimal)</th><th>room (hex)</th><th>rid</th><th>first event</th><th>events</th></tr>");
     let t0 = events.first().map_or(0, |e| e.time_ns);
@@ -391,11 +396,16 @@ pub fn render(p: &RequestPage<'_>, anchor: &str) -> String {
 
     // Blocks and marks.
     let mut blocks: Vec<Block> = Vec::new();
-    let request_level: Vec<usize> = (0..events.len()).filter(|&i| attempt_of[i].is_none()).collect();
+    let request_level: Vec<usize> = (0..events.len())
+        .filter(|&i| attempt_of[i].is_none())
+        .collect();
     let mut block_of_attempt: Vec<usize> = Vec::with_capacity(list.len());
     let lanes_of = |idx: &[usize]| -> [Vec<Mark>; 4] {
         let by_stage = |s: Stage| -> Vec<usize> {
-            idx.iter().copied().filter(|&i| events[i].stage == s).collect()
+            idx.iter()
+                .copied()
+                .filter(|&i| events[i].stage == s)
+                .collect()
         };
         Stage::ALL.map(|s| lane_marks(events, &by_stage(s)))
     };
@@ -416,7 +426,9 @@ pub fn render(p: &RequestPage<'_>, anchor: &str) -> String {
     let mut undrawn_evidence = vec![0usize; violations.len()];
     for (vi, v) in violations.iter().enumerate() {
         let attempt = list.iter().position(|a| {
-            v.attempt.bootstrap_room.is_some_and(|r| a.rooms.contains(&r))
+            v.attempt
+                .bootstrap_room
+                .is_some_and(|r| a.rooms.contains(&r))
                 || v.attempt.rid.as_ref().is_some_and(|r| a.rids.contains(r))
         });
         for ev in &v.evidence {
@@ -445,7 +457,12 @@ pub fn render(p: &RequestPage<'_>, anchor: &str) -> String {
     }
 
     // Breaches.
-    let _ = write!(out, "<section class=\"breaches\" id=\"{}breaches\"><h2>Breaches ({})</h2>", Esc(anchor), violations.len());
+    let _ = write!(
+        out,
+        "<section class=\"breaches\" id=\"{}breaches\"><h2>Breaches ({})</h2>",
+        Esc(anchor),
+        violations.len()
+    );
     if violations.is_empty() {
         out.push_str("<p>No violation about this request is known here (the admin server keeps the most recent ones).</p>");
     } else {
@@ -454,7 +471,9 @@ pub fn render(p: &RequestPage<'_>, anchor: &str) -> String {
             let attempt = list
                 .iter()
                 .position(|a| {
-                    v.attempt.bootstrap_room.is_some_and(|r| a.rooms.contains(&r))
+                    v.attempt
+                        .bootstrap_room
+                        .is_some_and(|r| a.rooms.contains(&r))
                         || v.attempt.rid.as_ref().is_some_and(|r| a.rids.contains(r))
                 })
                 .map_or_else(|| "request".to_string(), |n| format!("attempt {}", n + 1));
@@ -477,7 +496,9 @@ pub fn render(p: &RequestPage<'_>, anchor: &str) -> String {
                     e.stage.as_str(),
                     e.kind.as_str(),
                     Witness::of(e.source).label(),
-                    e.status.map(|s| format!(", status {s}")).unwrap_or_default(),
+                    e.status
+                        .map(|s| format!(", status {s}"))
+                        .unwrap_or_default(),
                     e.reason
                         .as_deref()
                         .map(|r| format!(", reason {}", Esc(r)))
@@ -521,9 +542,7 @@ pub fn render(p: &RequestPage<'_>, anchor: &str) -> String {
         ));
     }
 
-    let height = AXIS_H
-        + blocks.len() as f64 * (BLOCK_HEAD + 4.0 * LANE_H + BLOCK_GAP)
-        + 4.0;
+    let height = AXIS_H + blocks.len() as f64 * (BLOCK_HEAD + 4.0 * LANE_H + BLOCK_GAP) + 4.0;
     let width = LEFT + PLOT_W + RIGHT;
     let _ = write!(
         out,
@@ -609,7 +628,10 @@ pub fn render(p: &RequestPage<'_>, anchor: &str) -> String {
                     xr + 3.0,
                     top + 14.0,
                     events[m.ev].stage.as_str(),
-                    events[m.ev].status.map(|s| format!(" ({s})")).unwrap_or_default(),
+                    events[m.ev]
+                        .status
+                        .map(|s| format!(" ({s})"))
+                        .unwrap_or_default(),
                 );
             }
         }
@@ -651,7 +673,11 @@ pub fn render(p: &RequestPage<'_>, anchor: &str) -> String {
                 if let Some(to) = e.to {
                     let _ = write!(tip, " · to {}", to.as_str());
                 }
-                for (k, v) in [("reason", &e.reason), ("node", &e.node), ("worker", &e.worker)] {
+                for (k, v) in [
+                    ("reason", &e.reason),
+                    ("node", &e.node),
+                    ("worker", &e.worker),
+                ] {
                     if let Some(v) = v {
                         let _ = write!(tip, " · {k} {v}");
                     }
@@ -746,7 +772,9 @@ pub fn render(p: &RequestPage<'_>, anchor: &str) -> String {
             out,
             "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
             rel_ms(e.time_ns, t0),
-            attempt_of[i].map(|n| (n + 1).to_string()).unwrap_or_else(|| "-".into()),
+            attempt_of[i]
+                .map(|n| (n + 1).to_string())
+                .unwrap_or_else(|| "-".into()),
             e.stage.as_str(),
             e.kind.as_str(),
             Witness::of(e.source).label(),

@@ -39,7 +39,12 @@ fn histogram(vs: &[Violation]) -> String {
         let b = (((v.detected_at_ns - lo) as u128 * BINS as u128) / (width as u128 + 1)) as usize;
         bins[b.min(BINS - 1)][v.severity as usize] += 1;
     }
-    let max = bins.iter().map(|b| b.iter().sum::<u64>()).max().unwrap_or(1).max(1);
+    let max = bins
+        .iter()
+        .map(|b| b.iter().sum::<u64>())
+        .max()
+        .unwrap_or(1)
+        .max(1);
     let (w, h, left, bar) = (860.0, 120.0, 40.0, 20.0);
     let mut out = format!(
         "<svg xmlns=\"http://www.w3.org/2000/svg\" class=\"histogram\" width=\"{}\" height=\"{}\" role=\"img\" aria-label=\"violations over event time\">",
@@ -83,7 +88,9 @@ fn histogram(vs: &[Violation]) -> String {
 /// The whole document.
 pub fn render(r: &Report<'_>) -> String {
     let mut body = String::with_capacity(64 * 1024);
-    body.push_str("<h1>revenant check report</h1><section class=\"summary\" id=\"summary\"><h2>Summary</h2>");
+    body.push_str(
+        "<h1>revenant check report</h1><section class=\"summary\" id=\"summary\"><h2>Summary</h2>",
+    );
     let _ = write!(
         body,
         "<p>{} events read from {} file(s): <span class=\"id\">{}</span>. {} violation(s) about {} request(s).</p>",
@@ -97,7 +104,9 @@ pub fn render(r: &Report<'_>) -> String {
     for v in r.violations {
         *per_rule.entry((&v.rule, v.severity)).or_default() += 1;
     }
-    body.push_str("<table class=\"rules\"><tr><th>rule</th><th>severity</th><th>violations</th></tr>");
+    body.push_str(
+        "<table class=\"rules\"><tr><th>rule</th><th>severity</th><th>violations</th></tr>",
+    );
     for ((rule, sev), n) in &per_rule {
         let _ = write!(
             body,

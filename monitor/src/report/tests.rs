@@ -92,16 +92,40 @@ fn retried() -> (Timeline, Vec<Violation>) {
     };
     let mut events = vec![
         with(ev(t0, Stage::Router, Kind::Received, Source::Otlp), None),
-        with(ev(t0 + ms, Stage::Router, Kind::Dispatched, Source::Ebpf), Some(7)),
-        with(ev(t0 + 2 * ms, Stage::Prefill, Kind::Rejected, Source::Otlp), Some(7)),
-        with(ev(t0 + 3 * ms, Stage::Prefill, Kind::Rejected, Source::Ebpf), Some(7)),
-        with(ev(t0 + 9 * ms, Stage::Decode, Kind::Work, Source::Ebpf), Some(7)),
-        with(ev(t0 + 20 * ms, Stage::Router, Kind::Dispatched, Source::Otlp), Some(8)),
-        with(ev(t0 + 25 * ms, Stage::Decode, Kind::Completed, Source::Otlp), Some(8)),
+        with(
+            ev(t0 + ms, Stage::Router, Kind::Dispatched, Source::Ebpf),
+            Some(7),
+        ),
+        with(
+            ev(t0 + 2 * ms, Stage::Prefill, Kind::Rejected, Source::Otlp),
+            Some(7),
+        ),
+        with(
+            ev(t0 + 3 * ms, Stage::Prefill, Kind::Rejected, Source::Ebpf),
+            Some(7),
+        ),
+        with(
+            ev(t0 + 9 * ms, Stage::Decode, Kind::Work, Source::Ebpf),
+            Some(7),
+        ),
+        with(
+            ev(t0 + 20 * ms, Stage::Router, Kind::Dispatched, Source::Otlp),
+            Some(8),
+        ),
+        with(
+            ev(t0 + 25 * ms, Stage::Decode, Kind::Completed, Source::Otlp),
+            Some(8),
+        ),
     ];
     events[2].status = Some(400);
     events[2].rid = Some("rid-a".into());
-    let v = violation("activity-after-rejection", 7, "req-1", t0 + 2 * ms, t0 + 9 * ms);
+    let v = violation(
+        "activity-after-rejection",
+        7,
+        "req-1",
+        t0 + 2 * ms,
+        t0 + 9 * ms,
+    );
     (timeline(events), vec![v])
 }
 
@@ -143,7 +167,11 @@ fn request_page_draws_attempts_witnesses_refusal_window_and_breach() {
     assert!(html.contains(
         "<g class=\"breach\" data-rule=\"activity-after-rejection\" data-severity=\"critical\">"
     ));
-    assert_eq!(html.matches("class=\"breach-ring\"").count(), 2, "trigger and offender");
+    assert_eq!(
+        html.matches("class=\"breach-ring\"").count(),
+        2,
+        "trigger and offender"
+    );
     // each id once: the request id, the room in decimal and hex, the rid
     for id in ["req-1", ">7<", ">0x7<", ">8<", ">0x8<", "rid-a"] {
         assert_eq!(html.matches(id).count(), 1, "{id} in {html}");
@@ -175,7 +203,13 @@ fn markup_in_ids_and_attributes_is_escaped_everywhere() {
         events.push(e);
     }
     let t = timeline(events);
-    let mut v = violation(&format!("rule{EVIL}"), 9, EVIL, 1_000_001_000, 3_000_001_000);
+    let mut v = violation(
+        &format!("rule{EVIL}"),
+        9,
+        EVIL,
+        1_000_001_000,
+        3_000_001_000,
+    );
     v.worker = Some(EVIL.into());
     v.evidence[0].time_ns = 1_000_000 + 1_000;
     v.evidence[1].time_ns = 3_000_000 + 1_000;
@@ -217,7 +251,9 @@ fn markup_in_ids_and_attributes_is_escaped_everywhere() {
         assert!(!html.contains("<script"), "{html}");
         assert!(!html.contains("</script"), "{html}");
         assert!(!html.contains("onerror=\""), "{html}");
-        assert!(html.contains("&lt;img src=x onerror=&quot;document.title=&#39;pwned&#39;&quot;&gt;"));
+        assert!(
+            html.contains("&lt;img src=x onerror=&quot;document.title=&#39;pwned&#39;&quot;&gt;")
+        );
     }
     // the link carries the id percent-encoded: it cannot leave its attribute or its path
     assert!(list.contains("href=\"requests/%3Cimg%20src%3Dx"), "{list}");
@@ -232,7 +268,12 @@ fn thousands_of_events_are_bounded_and_the_cut_is_said() {
         e.room = Some(RoomFields::new(1));
         events.push(e);
     }
-    let mut r = ev(2_500 * 1_000_000, Stage::Prefill, Kind::Rejected, Source::Otlp);
+    let mut r = ev(
+        2_500 * 1_000_000,
+        Stage::Prefill,
+        Kind::Rejected,
+        Source::Otlp,
+    );
     r.room = Some(RoomFields::new(1));
     events.push(r);
     events.sort_by_key(|e| e.time_ns);
@@ -259,6 +300,9 @@ fn thousands_of_events_are_bounded_and_the_cut_is_said() {
     )));
     assert!(html.contains("more events not listed"));
     // the breach's offender is drawn even though most work marks are not
-    assert!(html.contains("<g class=\"breach\" data-rule=\"x\""), "offender kept");
+    assert!(
+        html.contains("<g class=\"breach\" data-rule=\"x\""),
+        "offender kept"
+    );
     assert!(html.len() < 200_000, "{} bytes", html.len());
 }

@@ -115,8 +115,7 @@ impl ReportCollector {
             events: self.events,
             violations: &self.violations,
             requests: &timelines,
-            requests_left_out: self.requests_left_out
-                + (self.requests.len() - timelines.len()),
+            requests_left_out: self.requests_left_out + (self.requests.len() - timelines.len()),
             windows,
         });
         std::fs::write(&self.path, html).map_err(|source| ReportError {
