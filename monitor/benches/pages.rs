@@ -31,7 +31,7 @@ fn workload() -> (Vec<LifecycleEvent>, Vec<Violation>) {
         let room = 0x314783F6BEF70000 + a;
         let base = t0 + a * 200 * MS;
         let src = |i: u64| {
-            if i % 2 == 0 {
+            if i.is_multiple_of(2) {
                 Source::Ebpf
             } else {
                 Source::Otlp

@@ -293,11 +293,11 @@ fn choose(marks: &[Mark], events: &[TimelineEvent], cap: usize) -> Vec<usize> {
         .filter(|&i| !marks[i].breaches.is_empty())
         .take(cap)
         .collect();
-    for i in 0..marks.len() {
+    for (i, m) in marks.iter().enumerate() {
         if chosen.len() >= cap {
             break;
         }
-        if important(&marks[i]) && marks[i].breaches.is_empty() {
+        if important(m) && m.breaches.is_empty() {
             chosen.push(i);
         }
     }
