@@ -21,6 +21,7 @@ pub mod ingest;
 pub mod node;
 pub mod normalize;
 pub mod pipeline;
+pub mod report;
 pub mod run;
 pub mod telemetry;
 pub mod violation;

@@ -166,6 +166,13 @@ async fn webhook_down_then_up_delivers_each_fingerprint_exactly_once() {
             .unwrap()
             .starts_with("http://127.0.0.1:9464/api/requests/req-")
     );
+    assert!(
+        a["links"]["page"]
+            .as_str()
+            .unwrap()
+            .starts_with("http://127.0.0.1:9464/requests/req-"),
+        "{a}"
+    );
     let text = metrics.render();
     assert!(
         text.contains(&format!(

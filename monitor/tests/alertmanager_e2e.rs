@@ -143,12 +143,15 @@ async fn alertmanager_receives_reposts_and_routes_alerts() {
                 .unwrap()
                 .starts_with("http://127.0.0.1:9464/api/requests/req-")
         );
+        // The link a person follows: the request's page, not its JSON.
         assert!(
-            a["generatorURL"]
+            an["request_page"]
                 .as_str()
                 .unwrap()
-                .starts_with("http://127.0.0.1:9464/")
+                .starts_with("http://127.0.0.1:9464/requests/req-"),
+            "{an}"
         );
+        assert_eq!(a["generatorURL"], an["request_page"], "{a}");
         assert_eq!(a["status"]["state"], "active");
     }
     fps.sort();

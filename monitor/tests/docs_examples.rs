@@ -97,7 +97,7 @@ fn the_grafana_provisioning_example_names_a_file_provider() {
         .iter()
         .filter_map(|v| v["name"].as_str())
         .collect();
-    assert_eq!(vars, ["datasource", "job", "node"]);
+    assert_eq!(vars, ["datasource", "job", "node", "admin_url"]);
 }
 
 /// Every rules file the docs show (a ```` ```yaml ```` block that starts with `rules:`, in

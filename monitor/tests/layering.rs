@@ -35,6 +35,7 @@ const LAYERS: &[(&str, u32)] = &[
     ("normalize", 3),
     ("alert", 3),
     ("ingest", 4),
+    ("report", 4),
     ("pipeline", 5),
     ("bus", 6),
     ("admin", 6),

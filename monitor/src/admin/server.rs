@@ -1,7 +1,8 @@
-//! The admin HTTP server (axum): /metrics, /healthz, /readyz, /api/violations, /api/requests/{id}.
+//! The admin HTTP server (axum): /metrics, /healthz, /readyz, /api/violations, /api/requests/{id},
+//! and the pages /requests/{alias} and /incidents.
 //!
-//! `/api/*` shows request ids and timings: with a bearer token configured it answers 401
-//! without it. `/metrics`, `/healthz` and `/readyz` stay open (scrapers and probes carry no
+//! `/api/*` and the pages show request ids and timings: with a bearer token configured they
+//! answer 401 without it. `/metrics`, `/healthz` and `/readyz` stay open (scrapers and probes carry no
 //! token); with `--metrics-addr` they move to a port of their own, plain HTTP, and the admin
 //! port keeps `/` and `/api/*` (over TLS when configured).
 
@@ -16,7 +17,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 
 use super::state::{AdminState, error};
-use super::violations;
+use super::{pages, violations};
 use crate::access::{Access, Alpn, Incoming, Server};
 use crate::telemetry::exposition::Format;
 
@@ -55,6 +56,14 @@ const ENDPOINTS: &[(&str, &str)] = &[
         "/api/requests/{alias}",
         "the correlated timeline of a request: x-request-id, trace id, rid or bootstrap room (JSON)",
     ),
+    (
+        "/requests/{alias}",
+        "the same request as a page: swimlanes of every attempt, its refusal and breaches (HTML)",
+    ),
+    (
+        "/incidents?rule=&severity=&limit=",
+        "recent violations, newest first, each linking to its request's page (HTML)",
+    ),
 ];
 
 fn index() -> serde_json::Value {
@@ -89,6 +98,8 @@ pub fn api_router(state: AdminState) -> Router {
     let api = Router::new()
         .route("/api/violations", get(violations::violations))
         .route("/api/requests/{id}", get(request_timeline))
+        .route("/requests/{id}", get(pages::request_page))
+        .route("/incidents", get(pages::incidents_page))
         .route_layer(axum::middleware::from_fn_with_state(
             state.clone(),
             require_token,
@@ -300,6 +311,7 @@ mod tests {
             violations: Arc::new(RecentViolations::new(10)),
             timeline,
             access: Access::open(),
+            windows: Default::default(),
         }
     }
 

@@ -12,59 +12,13 @@ use std::hash::{BuildHasher, Hasher};
 use foldhash::fast::FixedState;
 use std::sync::{Arc, Mutex};
 
-use serde::Serialize;
-
-use crate::event::{BootstrapRoom, Kind, LifecycleEvent, RoomFields, Source, Stage};
+use crate::event::{BootstrapRoom, LifecycleEvent, RoomFields};
+pub use crate::report::{Aliases, Timeline, TimelineEvent};
 
 /// What the run loop offers the admin server.
 pub trait TimelineProvider: Send + Sync + 'static {
     /// The events linked to `alias`, ordered by event time; `None` if the alias is unknown.
     fn timeline(&self, alias: &str) -> Option<Timeline>;
-}
-
-#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
-pub struct TimelineEvent {
-    pub time_ns: u64,
-    pub stage: Stage,
-    pub kind: Kind,
-    pub source: Source,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub request_id: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub trace_id: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub rid: Option<String>,
-    /// `bootstrap_room` (decimal string) and `bootstrap_room_hex`, as every output names a room.
-    #[serde(flatten, skip_serializing_if = "Option::is_none")]
-    pub room: Option<RoomFields>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub node: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub worker: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub status: Option<u16>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub reason: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub to: Option<Stage>,
-}
-
-#[derive(Debug, Clone, Default, Serialize, PartialEq, Eq)]
-pub struct Aliases {
-    pub request_ids: Vec<String>,
-    pub trace_ids: Vec<String>,
-    pub rids: Vec<String>,
-    /// One `{"bootstrap_room": "<decimal>", "bootstrap_room_hex": "0x…"}` object per room.
-    pub bootstrap_rooms: Vec<RoomFields>,
-}
-
-#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
-pub struct Timeline {
-    pub query: String,
-    pub aliases: Aliases,
-    pub events: Vec<TimelineEvent>,
-    /// More events were linked than the response limit allows; the oldest were left out.
-    pub truncated: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -416,6 +370,7 @@ impl crate::pipeline::EventTap for TimelineTap {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::event::{Kind, Source, Stage};
 
     fn ev(t: u64, stage: Stage, kind: Kind) -> LifecycleEvent {
         LifecycleEvent::new(t, stage, kind, Source::Otlp)

@@ -29,9 +29,13 @@ pub enum Notification {
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Links {
-    /// The correlated timeline of the request (admin API), if an external URL is known.
+    /// The correlated timeline of the request (admin API, JSON), if an external URL is known.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeline: Option<String>,
+    /// The same request as a page for people (`/requests/{alias}`: swimlanes of every attempt,
+    /// the refusal and the breaches), if an external URL is known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub page: Option<String>,
     /// Recent violations with this fingerprint (admin API).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub violations: Option<String>,
@@ -241,13 +245,17 @@ impl LinkBase {
         let Some(base) = self.0.as_deref() else {
             return Links {
                 timeline: None,
+                page: None,
                 violations: None,
             };
         };
         let base = base.trim_end_matches('/');
         let alias = primary_alias(v);
         Links {
-            timeline: alias.map(|a| format!("{base}/api/requests/{}", url_escape(&a))),
+            timeline: alias
+                .as_ref()
+                .map(|a| format!("{base}/api/requests/{}", url_escape(a))),
+            page: alias.map(|a| format!("{base}/requests/{}", url_escape(&a))),
             violations: Some(format!(
                 "{base}/api/violations?fingerprint={}",
                 url_escape(&v.fingerprint)

@@ -150,6 +150,8 @@ pub(super) struct Shared {
     pub(super) access: Access,
     /// `--source-live-window`: how long a source's silence (or a coverage problem) counts.
     pub(super) readiness_window: Duration,
+    /// The cancellation windows of the rules, for request pages (set once the rules are known).
+    pub(super) windows: Arc<std::sync::OnceLock<Vec<crate::report::CancelWindow>>>,
 }
 
 impl Shared {
@@ -168,6 +170,7 @@ impl Shared {
                 max_events: admin.timeline_events,
                 ..Default::default()
             })),
+            windows: Default::default(),
             metrics,
         }
     }
@@ -186,6 +189,7 @@ pub(super) fn serve_admin(
         violations: shared.recent.clone(),
         timeline: shared.timeline.clone(),
         access: shared.access.clone(),
+        windows: shared.windows.clone(),
     };
     let handle = shared.readiness.register("admin", ComponentKind::Server);
     let task = tokio::spawn(server.serve(state, shutdown.at(Phase::StopAdmin)));

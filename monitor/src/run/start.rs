@@ -57,6 +57,9 @@ pub(super) fn announce_rules(
     shared
         .recent
         .set_rules(checker.rules().map(|r| r.name.clone()).collect());
+    let _ = shared
+        .windows
+        .set(crate::report::CancelWindow::of_rules(checker.rules()));
     RunHeader {
         version: env!("CARGO_PKG_VERSION").into(),
         allowed_lateness_ns: cfg.engine.allowed_lateness().as_nanos() as u64,

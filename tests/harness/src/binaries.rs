@@ -208,6 +208,8 @@ pub const SYSTEM_TOOLS: &[(&str, &str)] = &[
     // TLS tests: a throwaway PKI, and a client that shows the handshake.
     ("openssl", "openssl"),
     ("curl", "curl"),
+    // The pages for people (`/requests/{alias}`, `/incidents`, `check --report`), loaded headless.
+    ("chromium", "chromium"),
 ];
 
 /// Where `binary` is on PATH, if it is.

@@ -68,6 +68,8 @@ const PROFILE: &[(&str, u32, bool)] = &[
     ("revenant/alert_delivery", 90, false),
     ("revenant/prometheus_e2e", 90, false),
     ("revenant/alertmanager_e2e", 60, false),
+    // Headless Chromium loads the pages six times (a browser start each).
+    ("revenant/pages_browser", 30, false),
     ("revenant/order_property", 60, true),
     ("revenant/cancel_property", 60, true),
     ("revenant/lib", 60, false),

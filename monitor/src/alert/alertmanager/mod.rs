@@ -161,6 +161,9 @@ impl AlertmanagerSink {
         if let Some(t) = &a.links.timeline {
             ann.insert("timeline".into(), t.clone());
         }
+        if let Some(p) = &a.links.page {
+            ann.insert("request_page".into(), p.clone());
+        }
         if let Some(r) = &a.violation.request.request_id {
             ann.insert("request_id".into(), r.clone());
         }
@@ -174,10 +177,12 @@ impl AlertmanagerSink {
             annotations: ann,
             starts_at: rfc3339(v.detected_at_ns.min(a.received_at_ns).max(1)),
             ends_at: rfc3339(ends_at_ns),
+            // Alertmanager's UI shows this as the alert's source: the page a person can read.
             generator_url: a
                 .links
-                .timeline
+                .page
                 .clone()
+                .or_else(|| a.links.timeline.clone())
                 .or_else(|| a.links.violations.clone())
                 .unwrap_or_default(),
         }

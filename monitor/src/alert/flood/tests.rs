@@ -58,6 +58,7 @@ fn crit(rule: &str, req: &str, room: u64) -> Violation {
 fn links() -> Links {
     Links {
         timeline: None,
+        page: None,
         violations: None,
     }
 }

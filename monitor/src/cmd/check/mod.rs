@@ -13,6 +13,7 @@
 
 mod input;
 mod merge;
+mod report;
 
 use std::cell::Cell;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -93,6 +94,11 @@ pub struct CheckArgs {
     /// breach already printed. Off by default: one line per (rule, attempt).
     #[arg(long)]
     pub corroborations: bool,
+    /// Also write one self-contained HTML file: a summary (violations per rule, a histogram
+    /// over event time) and the page of every violating request (swimlanes of its attempts),
+    /// as the admin server's `/requests/{alias}` draws it.
+    #[arg(long, value_name = "FILE")]
+    pub report: Option<PathBuf>,
 }
 
 /// How `check` prints violations.
@@ -190,11 +196,16 @@ struct Output<'a> {
     reader_gone: Rc<Cell<bool>>,
     corroborations: bool,
     format: Format,
+    /// `--report`: what the HTML report is drawn from.
+    report: Option<report::ReportCollector>,
 }
 
 impl Output<'_> {
     /// Prints `v` with the files its evidence came from (`names[file]`).
     fn emit(&mut self, v: &Violation, names: &[String], index: Option<&FileIndex>) {
+        if let Some(r) = &mut self.report {
+            r.violation(v);
+        }
         if (v.corroborates && !self.corroborations) || self.write_failed.is_some() {
             return;
         }
@@ -423,7 +434,13 @@ fn check_stream(
     };
     let mut merge = Merge::new(readers);
     let mut newest = 0u64;
+    if let Some(r) = &mut out.report {
+        names.iter().for_each(|n| r.file(n));
+    }
     while let Some((e, file)) = merge.next(&mut on_bad, &mut on_error) {
+        if let Some(r) = &mut out.report {
+            r.event(&e);
+        }
         if let Some(ix) = &mut index {
             ix.insert(&e, file);
             if e.time_ns > newest.saturating_add(merge::BUCKET_NS) {
@@ -498,6 +515,13 @@ pub fn run(args: CheckArgs) -> ExitCode {
         inner: r,
         gone: reader_gone.clone(),
     };
+    // A report that cannot be written is found before anything is read.
+    if let Some(p) = &args.report
+        && let Err(e) = std::fs::File::create(p)
+    {
+        console::error(&format!("cannot write the report {}: {e}", p.display()));
+        return Exit::Usage.into();
+    }
     let max_line = usize::try_from(args.max_line_bytes).unwrap_or(usize::MAX);
     let mut refused = Vec::new();
     let readers = match open_inputs(&paths, max_line, until_gone, &mut refused) {
@@ -518,7 +542,9 @@ pub fn run(args: CheckArgs) -> ExitCode {
         reader_gone: reader_gone.clone(),
         corroborations: args.corroborations,
         format: args.format,
+        report: args.report.clone().map(report::ReportCollector::new),
     };
+    let windows = crate::report::CancelWindow::of_set(&rules);
     let mut totals = Totals::default();
     let mut add = |t: Totals| {
         totals.events += t.events;
@@ -548,6 +574,14 @@ pub fn run(args: CheckArgs) -> ExitCode {
         }
         console::error(&format!("writing violations: {e}"));
         return Exit::Usage.into();
+    }
+    if let Some(r) = out.report.take() {
+        let path = r.path.clone();
+        if let Err(e) = r.write(&windows) {
+            console::error(&e);
+            return Exit::Usage.into();
+        }
+        console::write_line(&format!("revenant: report written to {}", path.display()));
     }
     if totals.read_errors > 0 || !refused.is_empty() {
         return Exit::Usage.into();
