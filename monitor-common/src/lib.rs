@@ -80,7 +80,10 @@ pub mod counter {
     /// Syscalls of [`crate::capture::STREAM`] sockets longer than
     /// [`crate::MAX_STREAM_PIECES`] records: the bytes past them are not captured.
     pub const STREAM_TRUNCATED: u32 = 9;
-    pub const COUNT: u32 = 10;
+    /// Sockets switched to [`crate::capture::STREAM`] by the kernel on a syscall that starts
+    /// with a `GET /metrics` request.
+    pub const METRICS_MARKED: u32 = 10;
+    pub const COUNT: u32 = 11;
 
     pub const NAMES: [&str; COUNT as usize] = [
         "seen",
@@ -93,6 +96,7 @@ pub mod counter {
         "bytes_captured",
         "connecting_full",
         "stream_truncated",
+        "metrics_marked",
     ];
 }
 
@@ -242,7 +246,8 @@ pub mod capture {
     /// Every byte of each non-vectored syscall, up to [`super::MAX_STREAM_PIECES`] records of
     /// [`super::MAX_CAPTURE`] bytes in order (vectored ones as [`WHOLE`]): an HTTP connection
     /// whose answers are read for a line anywhere in a long body (vLLM's `/metrics`). User space
-    /// sets it once it has seen such a request on the connection.
+    /// sets it once it has seen such a request on the connection; the kernel sets it on a
+    /// syscall that starts with `GET /metrics ` (or `?`), so the answer that follows is whole.
     pub const STREAM: u32 = 2;
 }
 

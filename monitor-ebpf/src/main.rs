@@ -99,6 +99,17 @@ fn count(idx: u32, n: u64) {
     }
 }
 
+/// Puts a map value in its own stack slot, for a helper that copies it from there. Given a
+/// constant's address instead, LLVM may point at any equal bytes of read-only data: `&0u32`
+/// became the address of `EXIT_GROUP_DEAD_OFFSET`, a global the loader sets (32 on kernel 6.18),
+/// and `&2u32` a `.rodata.cst4` constant, so map entries held what the loader wrote there. A
+/// volatile store keeps the value in the slot the helper reads.
+#[inline(always)]
+fn store(slot: &mut u32, value: u32) {
+    // SAFETY: `slot` is a valid, exclusive reference.
+    unsafe { core::ptr::write_volatile(slot, value) };
+}
+
 /// Syscall tracepoint records keep every argument in an 8-byte slot starting at offset 16.
 #[inline(always)]
 fn arg(ctx: &TracePointContext, slot: usize) -> u64 {
@@ -259,11 +270,48 @@ fn data_exit(ctx: &TracePointContext) -> Result<u32, u32> {
         }
         _ => capture_piece(&cap, call.ptr, 0, total),
     }
+    if mode == capture::EDGES {
+        mark_metrics_request(tgid, call.fd);
+    }
     flush(HEAD);
     if has_tail {
         flush(TAIL);
     }
     Ok(0)
+}
+
+/// A `/metrics` request starts the syscall just gathered (read by the server, or written by
+/// the client): the connection's answers are long pages read for one line anywhere in them
+/// (vLLM's `vllm:cache_config_info`), so its later syscalls are captured whole. Done here
+/// rather than by user space, which would mark it only after this request's answer went by.
+#[inline(always)]
+fn mark_metrics_request(tgid: u32, fd: u32) {
+    const REQUEST: [u8; 12] = *b"GET /metrics";
+    let Some(g) = GATHER.get_ptr(HEAD) else {
+        return;
+    };
+    // SAFETY: as in `begin`.
+    let g = unsafe { &*g };
+    if (g.h.len as usize) <= REQUEST.len() {
+        return;
+    }
+    let mut i = 0;
+    while i < REQUEST.len() {
+        if g.data[i] != REQUEST[i] {
+            return;
+        }
+        i += 1;
+    }
+    if !matches!(g.data[REQUEST.len()], b' ' | b'?') {
+        return;
+    }
+    /// `BPF_EXIST`: update the socket's entry, never create one.
+    const BPF_EXIST: u64 = 2;
+    let mut mode = 0;
+    store(&mut mode, capture::STREAM);
+    if SOCKS.insert(&sock_key(tgid, fd), &mode, BPF_EXIST).is_ok() {
+        count(counter::METRICS_MARKED, 1);
+    }
 }
 
 /// One syscall of a [`capture::STREAM`] socket, shared with [`stream_step`].
@@ -585,7 +633,9 @@ fn sock_exit(ctx: &TracePointContext) -> Result<u32, u32> {
             ev.port = 0;
         }
     }
-    if SOCKS.insert(&sock_key(tgid, fd), &0u32, 0).is_err() {
+    let mut mode = 0;
+    store(&mut mode, capture::EDGES);
+    if SOCKS.insert(&sock_key(tgid, fd), &mode, 0).is_err() {
         count(counter::SOCKS_FULL, 1);
     }
     send(&ev);
@@ -738,7 +788,9 @@ fn try_sched_process_fork(ctx: &TracePointContext) -> Result<u32, u32> {
     let off = FORK_CHILD_PID_OFFSET.load() as usize;
     let child: u32 = unsafe { ctx.read_at(off) }.map_err(|_| 0u32)?;
     // The child may be a thread (its tgid is the parent's); user space tells them apart.
-    let _ = WATCHED.insert(&child, &watch::INHERITED, 0);
+    let mut how = 0;
+    store(&mut how, watch::INHERITED);
+    let _ = WATCHED.insert(&child, &how, 0);
     send_now(&ProcEvent {
         hdr: header(kind::FORK, pid_tgid),
         child,

@@ -37,7 +37,7 @@ impl Collector for EbpfCollector {
             "revenant_ebpf_kernel",
             "Kernel-side counters of the eBPF probes, summed over CPUs (seen, sent, ringbuf_drops, \
              read_failures, active_full, socks_full, iov_truncated, bytes_captured, \
-             connecting_full, stream_truncated)",
+             connecting_full, stream_truncated, metrics_marked)",
             counter::NAMES
                 .iter()
                 .enumerate()
