@@ -782,11 +782,21 @@ mod tests {
 
     #[test]
     fn answers_keep_vllms_key_order() {
-        let kv = KvTransferParams {
+        let kv = IssuedParams {
             do_remote_prefill: true,
-            remote_request_id: Some("cmpl-x".into()),
-            tp_size: Some(1),
-            ..Default::default()
+            do_remote_decode: false,
+            remote_block_ids: vec![vec![1]],
+            remote_engine_id: "e".into(),
+            remote_request_id: "cmpl-x-0-0123abcd".into(),
+            remote_host: "127.0.0.1".into(),
+            remote_port: 5600,
+            tp_size: 1,
+            dcp_size: 1,
+            pp_size: 1,
+            remote_num_tokens: 3,
+            remote_blocks_expiry_time: None,
+            remote_registration_generation: 0,
+            transfer_mode: "pull",
         };
         let b = render_final(
             Api::Completions,
@@ -801,25 +811,53 @@ mod tests {
             s.starts_with(r#"{"id":"cmpl-x","object":"text_completion","created":"#),
             "{s}"
         );
-        assert!(s.contains(r#""choices":[{"index":0,"text":" the","logprobs":null,"finish_reason":"length","stop_reason":null}],"usage":{"prompt_tokens":3,"total_tokens":4,"completion_tokens":1"#), "{s}");
-        assert!(s.contains(r#""kv_transfer_params":{"do_remote_prefill":true,"do_remote_decode":false,"remote_engine_id":null,"remote_block_ids":null,"remote_request_id":"cmpl-x","remote_host":null,"remote_port":null,"tp_size":1}"#), "{s}");
-        let m = metrics(&MetricsView {
-            model: "m",
-            block_size: 16,
-            num_gpu_blocks: 256,
-            running: 0,
-            waiting: 0,
-            kv_usage: 0.0,
-            prompt_tokens: 0,
-            generation_tokens: 0,
-            success: 0,
-        });
-        assert!(m.starts_with("# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n# TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{block_size=\"16\",cache_dtype=\"auto\","));
-        assert!(m.contains("num_gpu_blocks=\"256\""));
-        let e = too_long_message(4096, 5000, 1);
+        assert!(s.contains(r#""finish_reason":"length","stop_reason":null}],"service_tier":null,"system_fingerprint":null,"usage":{"prompt_tokens":3,"total_tokens":4,"completion_tokens":1"#), "{s}");
+        assert!(s.ends_with(r#""kv_transfer_params":{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[[1]],"remote_engine_id":"e","remote_request_id":"cmpl-x-0-0123abcd","remote_host":"127.0.0.1","remote_port":5600,"tp_size":1,"dcp_size":1,"pp_size":1,"remote_num_tokens":3,"remote_blocks_expiry_time":null,"remote_registration_generation":0,"transfer_mode":"pull"},"ec_transfer_params":null,"metrics":null}"#), "{s}");
+    }
+
+    #[test]
+    fn length_rules_refuse_clamp_and_keep_the_legacy_shape() {
+        let p = |prompt: &str, max: Option<u64>| Parsed {
+            api: Api::Completions,
+            prompts: vec![Prompt {
+                tokens: count_tokens(prompt),
+                text: true,
+            }],
+            prompt_tokens: count_tokens(prompt),
+            max_tokens: max,
+            max_tokens_param: "max_tokens",
+            stream: false,
+            kv: None,
+        };
+        let long = "w ".repeat(20);
+        let r = check_length(&p(&long, Some(1)), 10, ErrorShape::Current, 16).unwrap_err();
+        assert_eq!(r.param, Some("input_tokens"));
         assert_eq!(
-            e,
-            "This model's maximum context length is 4096 tokens. However, you requested 5001 tokens (5000 in the messages, 1 in the completion). Please reduce the length of the messages or completion."
+            error_body(ErrorShape::Current, &r),
+            r#"{"error":{"message":"This model's maximum context length is 10 tokens. However, your prompt contains at least 11 input tokens, which exceeds this limit even without any output tokens. Please reduce the length of the input prompt. (parameter=input_tokens, value=11)","type":"BadRequestError","param":"input_tokens","code":400}}"#
+        );
+        assert_eq!(
+            check_length(&p("a b c", Some(9)), 10, ErrorShape::Current, 16),
+            Ok(7)
+        );
+        assert_eq!(
+            check_length(&p("a b c", None), 10, ErrorShape::Current, 4),
+            Ok(4)
+        );
+        let r = check_length(&p("a", Some(11)), 10, ErrorShape::Current, 16).unwrap_err();
+        assert_eq!(r.param, Some("max_tokens"));
+        let r = check_length(&p("a b c", Some(8)), 10, ErrorShape::Legacy, 16).unwrap_err();
+        assert_eq!(
+            error_body(ErrorShape::Legacy, &r),
+            r#"{"object":"error","message":"This model's maximum context length is 10 tokens. However, you requested 11 tokens (3 in the messages, 8 in the completion). Please reduce the length of the messages or completion.","type":"BadRequestError","param":null,"code":400}"#
+        );
+        assert_eq!(
+            &stream_error_event(&Refusal {
+                status: StatusCode::INTERNAL_SERVER_ERROR,
+                message: GENERATION_FAILED.into(),
+                param: None
+            })[..],
+            &b"data: {\"error\": {\"message\": \"Internal server error\", \"type\": \"InternalServerError\", \"param\": null, \"code\": 500}}\n\n"[..]
         );
     }
 }

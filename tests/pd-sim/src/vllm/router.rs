@@ -696,7 +696,7 @@ async fn route_inner(
             .lock()
             .ok()
             .and_then(|mut p| p.replace((x.clone(), own)));
-        if nth % rt.reuse_every == 0
+        if nth.is_multiple_of(rt.reuse_every)
             && let Some((of, theirs)) = previous
         {
             rt.stats

@@ -1031,7 +1031,7 @@ pub async fn run(role: Role, a: WorkerArgs, v: VllmArgs) -> anyhow::Result<()> {
         &h[..8],
         &h[8..12],
         &h[13..16],
-        &h[16..20],
+        &format!("{}{}", ["8", "9", "a", "b"][(u & 3) as usize], &h[17..20]),
         &h[20..]
     );
     // Bind everything before announcing readiness.
