@@ -41,18 +41,53 @@ pub fn ensure(name: &str, packages: &[&str], ready: &str) -> Result<PathBuf> {
 
 /// [`ensure`] with several `pip install` runs, in order (each a list of pip arguments).
 pub fn ensure_steps(name: &str, installs: &[&[&str]], ready: &str) -> Result<PathBuf> {
+    ensure_on(name, None, installs, ready)
+}
+
+/// A venv that sees `base`'s packages (its site-packages through a `.pth` file) under its own:
+/// what it installs with `--no-deps` reuses the base's heavy dependencies (torch) instead of
+/// installing them again. A change of the base's location builds a new venv.
+pub fn ensure_layered(
+    name: &str,
+    base_python: &Path,
+    installs: &[&[&str]],
+    ready: &str,
+) -> Result<PathBuf> {
+    let out = Command::new(base_python)
+        .args(["-c", "import site; print(site.getsitepackages()[0])"])
+        .output()
+        .with_context(|| format!("running {}", base_python.display()))?;
+    if !out.status.success() {
+        bail!("{} cannot name its site-packages", base_python.display());
+    }
+    let site = std::fs::canonicalize(String::from_utf8_lossy(&out.stdout).trim())?;
+    ensure_on(name, Some(&site), installs, ready)
+}
+
+fn ensure_on(
+    name: &str,
+    base_site: Option<&Path>,
+    installs: &[&[&str]],
+    ready: &str,
+) -> Result<PathBuf> {
     let link = target_dir().join(name);
     if is_ready(&link, ready) {
         return Ok(link);
     }
+    let base = base_site.map(|b| b.display().to_string());
+    let mut keyed: Vec<&[&str]> = installs.to_vec();
+    let base_arg = base.as_deref().map(|b| [b]);
+    if let Some(b) = &base_arg {
+        keyed.push(b);
+    }
     let cached = cache_dir()
         .join("venvs")
-        .join(format!("{name}-{:016x}", digest(installs)));
+        .join(format!("{name}-{:016x}", digest(&keyed)));
     std::fs::create_dir_all(cached.parent().expect("a parent"))?;
     {
         let _lock = Lock::take(&cached.with_extension("lock"))?;
         if !is_ready(&cached, ready) {
-            build(&cached, installs)?;
+            build(&cached, base_site, installs)?;
             if !is_ready(&cached, ready) {
                 bail!(
                     "{} was built but its check still fails: {ready}",
@@ -82,7 +117,7 @@ fn is_ready(venv: &Path, ready: &str) -> bool {
             .is_ok_and(|s| s.success())
 }
 
-fn build(venv: &Path, installs: &[&[&str]]) -> Result<()> {
+fn build(venv: &Path, base_site: Option<&Path>, installs: &[&[&str]]) -> Result<()> {
     let shown: Vec<String> = installs.iter().map(|i| i.join(" ")).collect();
     eprintln!("xtask: creating {} ({})", venv.display(), shown.join("; "));
     let started = std::time::Instant::now();
@@ -93,6 +128,14 @@ fn build(venv: &Path, installs: &[&[&str]]) -> Result<()> {
         .arg(venv)
         .status()?
         .success();
+    if ok && let Some(base) = base_site {
+        let out = Command::new(venv.join("bin/python"))
+            .args(["-c", "import site; print(site.getsitepackages()[0])"])
+            .output()?;
+        let own = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+        std::fs::write(own.join("base-venv.pth"), format!("{}\n", base.display()))
+            .with_context(|| format!("linking {} to {}", venv.display(), base.display()))?;
+    }
     for install in installs {
         ok = ok
             && Command::new(venv.join("bin/pip"))
@@ -199,6 +242,7 @@ pub fn real_components() -> Result<Vec<(&'static str, PathBuf)>> {
         &has_version("vllm-router", "0.1.17"),
     )?;
     let sglang_python = crate::sglang_venv::python()?;
+    let vllm_python = vllm_python(&sglang_python)?;
     Ok(vec![
         ("PD_SIM_SMG", venv.join("bin/smg")),
         ("PD_SIM_SMG113", venv113.join("bin/smg")),
@@ -208,5 +252,54 @@ pub fn real_components() -> Result<Vec<(&'static str, PathBuf)>> {
         ("SGLANG_HARNESS_PYTHON", sglang_python.clone()),
         // pd-sim's frames read by SGLang's own builders and parsers (`sglang_interop`).
         ("PD_SIM_SGLANG_PYTHON", sglang_python),
+        // pd-sim's vLLM wire judged by vLLM's own code (`vllm_interop`).
+        ("PD_SIM_VLLM_PYTHON", vllm_python),
     ])
+}
+
+/// vLLM 0.34.0's Python code without its engine: the wheel with `--no-deps`, the few
+/// pure-Python modules its connector, API and config modules import, and the SGLang venv's
+/// torch, pydantic, fastapi, msgspec and pyzmq underneath (`ensure_layered`).
+pub fn vllm_python(sglang_python: &Path) -> Result<PathBuf> {
+    let ready = format!(
+        "{}; import cachetools, cbor2, cloudpickle, cpuinfo, llguidance, torch, zmq",
+        has_version("vllm", "0.34.0")
+    );
+    let venv = ensure_layered(
+        "vllm-venv",
+        sglang_python,
+        &[&[
+            "--no-deps",
+            "vllm==0.34.0",
+            "cachetools==8.0.3",
+            "cbor2==6.3.0",
+            "cloudpickle==3.1.3",
+            "py-cpuinfo==9.0.0",
+            "llguidance==1.9.1",
+        ]],
+        &ready,
+    )?;
+    Ok(venv.join("bin/python"))
+}
+
+#[cfg(test)]
+mod tests {
+    /// Builds (or finds) `target/vllm-venv` over the SGLang venv and imports what the interop
+    /// test needs: `cargo test -p xtask --release -- --ignored vllm_venv_imports`.
+    #[test]
+    #[ignore = "builds a venv (pip, network)"]
+    fn vllm_venv_imports() {
+        let sglang = crate::sglang_venv::python().unwrap();
+        let python = super::vllm_python(&sglang).unwrap();
+        let ok = std::process::Command::new(python)
+            .args([
+                "-c",
+                "from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlHandshakePayload; \
+                 from vllm.v1.engine.input_processor import InputProcessor; \
+                 from vllm.entrypoints.serve.exception_handling.error_response import create_error_response",
+            ])
+            .status()
+            .unwrap();
+        assert!(ok.success());
+    }
 }

@@ -62,7 +62,7 @@ pub struct ClusterArgs {
     /// vLLM flavour: prefill's side-channel port (`kv_transfer_params.remote_port`).
     #[arg(long, default_value_t = 5600)]
     pub prefill_side_channel_port: u16,
-    /// vLLM flavour: decode's side-channel port (sent in `NIXL_READ`).
+    /// vLLM flavour: decode's side-channel port (every NIXL worker binds one).
     #[arg(long, default_value_t = 5601)]
     pub decode_side_channel_port: u16,
     /// Bind every port ephemerally (tests); the READY line tells which ports were taken.
@@ -174,10 +174,20 @@ async fn stop_all(procs: &mut [Proc]) {
 
 pub async fn run(a: ClusterArgs) -> anyhow::Result<()> {
     a.faults.validate()?;
-    if a.flavour == crate::Flavour::Vllm {
-        if !a.faults.faults.is_empty() {
-            anyhow::bail!("--fault is implemented for the SGLang flavour only");
-        }
+    let vllm = a.flavour == crate::Flavour::Vllm;
+    if let Some(f) = a
+        .faults
+        .faults
+        .iter()
+        .find(|f| crate::fault::FaultArgs::vllm_only(**f) != vllm)
+    {
+        anyhow::bail!(
+            "--fault {} is not a fault of the {} flavour",
+            f.as_str(),
+            if vllm { "vLLM" } else { "SGLang" }
+        );
+    }
+    if vllm {
         return run_vllm(a).await;
     }
     let port = |p: u16| if a.ephemeral { 0 } else { p };
@@ -397,8 +407,13 @@ async fn supervise(mut procs: Vec<Proc>) -> anyhow::Result<()> {
 /// vLLM-flavoured router. Over-long prompts are rejected by prefill; decode, provisioned
 /// larger, admits them (which is what `handoff-after-reject` relies on).
 async fn run_vllm(a: ClusterArgs) -> anyhow::Result<()> {
-    if !matches!(a.mode, Mode::Correct | Mode::HandoffAfterReject) {
-        anyhow::bail!("--flavour vllm supports --mode correct and handoff-after-reject");
+    if !matches!(
+        a.mode,
+        Mode::Correct | Mode::HandoffAfterReject | Mode::ReuseKvParams
+    ) {
+        anyhow::bail!(
+            "--flavour vllm supports --mode correct, handoff-after-reject and reuse-kv-params"
+        );
     }
     let port = |p: u16| if a.ephemeral { 0 } else { p };
     let mut common = vec!["--threads".to_string(), a.child_threads.max(1).to_string()];
@@ -429,12 +444,13 @@ async fn run_vllm(a: ClusterArgs) -> anyhow::Result<()> {
     };
     let mut procs: Vec<Proc> = Vec::new();
     let result = async {
-        let pargs = worker(
+        let mut pargs = worker(
             a.prefill_port,
             a.prefill_side_channel_port,
             4096,
             &a.prefill_args,
         );
+        pargs.extend(a.faults.to_args());
         procs.push(start("prefill", "prefill", pargs).await?);
         let dargs = worker(
             a.decode_port,

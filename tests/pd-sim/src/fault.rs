@@ -44,6 +44,17 @@
 //!   at the door (`disaggregation/prefill.py:452`). Prefill's room log:
 //!   `injected-stub-intake`. Needs a router that sends both legs at once (the refusal comes after
 //!   decode's destinations).
+//!
+//! vLLM flavour (prefill faults, so they work behind the real vllm-router; which requests are
+//! hit follows from their `X-Request-Id`, so a rerun hits the same ones):
+//! - `stale-kv-params`: prefill's 200 for request A carries the `kv_transfer_params` it issued
+//!   to the request before (B): the router forwards them and A's decode reads B's KV. A's
+//!   own blocks are never read and expire with their lease. Prefill's record of A:
+//!   `fault: injected-stale-kv-params`, `params_of`: B's engine id,
+//!   `answered_remote_request_id`: B's internal id.
+//! - `forged-kv-params`: prefill's 200 names a `remote_request_id` it never issued
+//!   (`cmpl-forged-<16 hex>`): decode reads and notifies an id prefill does not hold
+//!   (`vllm:nixl_num_notifications_after_expiry`). Record: `fault: injected-forged-kv-params`.
 
 use std::net::{IpAddr, SocketAddr};
 
@@ -59,6 +70,8 @@ pub enum Fault {
     StrandedKv,
     ForeignRoutePut,
     StubIntake,
+    StaleKvParams,
+    ForgedKvParams,
 }
 
 impl Fault {
@@ -70,6 +83,8 @@ impl Fault {
             Fault::StrandedKv => "stranded-kv",
             Fault::ForeignRoutePut => "foreign-route-put",
             Fault::StubIntake => "stub-intake",
+            Fault::StaleKvParams => "stale-kv-params",
+            Fault::ForgedKvParams => "forged-kv-params",
         }
     }
 
@@ -82,6 +97,8 @@ impl Fault {
             Fault::StrandedKv => "injected-stranded-kv",
             Fault::ForeignRoutePut => "injected-foreign-route-put",
             Fault::StubIntake => "injected-stub-intake",
+            Fault::StaleKvParams => "injected-stale-kv-params",
+            Fault::ForgedKvParams => "injected-forged-kv-params",
         }
     }
 }
@@ -98,7 +115,8 @@ pub enum Holder {
 #[derive(clap::Args, Clone, Debug, Default)]
 pub struct FaultArgs {
     /// Isolation breach to inject (repeatable): room-collision, unknown-room,
-    /// success-after-abort, stranded-kv, foreign-route-put, stub-intake. None by default.
+    /// success-after-abort, stranded-kv, foreign-route-put, stub-intake (SGLang flavour);
+    /// stale-kv-params, forged-kv-params (vLLM flavour, prefill). None by default.
     #[arg(long = "fault", value_enum)]
     pub faults: Vec<Fault>,
     /// Share (0..=1) of the requests each `--fault` hits.
@@ -114,6 +132,11 @@ pub struct FaultArgs {
 }
 
 impl FaultArgs {
+    /// The vLLM flavour's faults.
+    pub fn vllm_only(f: Fault) -> bool {
+        matches!(f, Fault::StaleKvParams | Fault::ForgedKvParams)
+    }
+
     pub fn validate(&self) -> anyhow::Result<()> {
         if !(0.0..=1.0).contains(&self.fault_rate) {
             anyhow::bail!("--fault-rate must be within 0..=1, not {}", self.fault_rate);

@@ -63,6 +63,9 @@ pub enum Mode {
     ConcurrentNoCancel,
     ConcurrentCancel,
     HandoffAfterReject,
+    /// vLLM flavour: every `--reuse-kv-params-every`-th request's decode leg gets the
+    /// previous request's `kv_transfer_params` (decode reads another request's KV).
+    ReuseKvParams,
 }
 
 #[derive(clap::Args, Clone, Debug)]
@@ -84,6 +87,10 @@ pub struct RouterArgs {
     pub port: u16,
     #[arg(long, value_enum, default_value_t = Mode::Correct)]
     pub mode: Mode,
+    /// vLLM flavour, `--mode reuse-kv-params`: which requests get the previous request's
+    /// params (every N-th, counted from the first).
+    #[arg(long, default_value_t = 9)]
+    pub reuse_kv_params_every: u64,
     /// Prefill worker URL, e.g. http://127.0.0.1:30001
     #[arg(long)]
     pub prefill: String,
@@ -262,6 +269,9 @@ type Shared = Arc<Rt>;
 pub async fn run(args: RouterArgs) -> anyhow::Result<()> {
     if args.flavour == crate::Flavour::Vllm {
         return crate::vllm::router::run(args).await;
+    }
+    if args.mode == Mode::ReuseKvParams {
+        anyhow::bail!("--mode reuse-kv-params is a mode of the vLLM flavour's router");
     }
     let prefill = args.prefill.trim_end_matches('/').to_string();
     let decode = args.decode.trim_end_matches('/').to_string();
@@ -1039,6 +1049,7 @@ async fn route_inner(
                 prefill_leg = send(rt, &rt.prefill, path, leg_body.clone(), request_id, tp).await;
             }
             Mode::ConcurrentCancel => unreachable!("served above"),
+            Mode::ReuseKvParams => unreachable!("refused at start"),
             Mode::Correct | Mode::HandoffAfterReject => {
                 span.events.push(ev(
                     "Sending prefill request",

@@ -7,7 +7,8 @@
 //! exact same bytes on the wire as libzmq does (greeting version 3.1, short frames for
 //! bodies ≤255 bytes, long frames with a 64-bit big-endian size above that).
 //!
-//! Only what the simulator needs is implemented: NULL security, PUSH/PULL, no heartbeats.
+//! Only what the simulator needs is implemented: NULL security, PUSH/PULL (SGLang), REQ,
+//! DEALER and ROUTER (vLLM's NIXL and Mooncake side channels), no heartbeats.
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -43,6 +44,9 @@ pub enum ZmtpError {
 pub enum SocketType {
     Push,
     Pull,
+    Req,
+    Dealer,
+    Router,
 }
 
 impl SocketType {
@@ -50,13 +54,28 @@ impl SocketType {
         match self {
             SocketType::Push => "PUSH",
             SocketType::Pull => "PULL",
+            SocketType::Req => "REQ",
+            SocketType::Dealer => "DEALER",
+            SocketType::Router => "ROUTER",
         }
     }
-    fn peer(self) -> &'static str {
+    /// The peer socket types libzmq accepts for this one (`socket_base.cpp` `is_compatible`).
+    fn peers(self) -> &'static [&'static str] {
         match self {
-            SocketType::Push => "PULL",
-            SocketType::Pull => "PUSH",
+            SocketType::Push => &["PULL"],
+            SocketType::Pull => &["PUSH"],
+            SocketType::Req => &["REP", "ROUTER"],
+            SocketType::Dealer => &["REP", "DEALER", "ROUTER"],
+            SocketType::Router => &["REQ", "DEALER", "ROUTER"],
         }
+    }
+    /// libzmq adds an `Identity` property (empty unless a routing id was set) to the READY
+    /// of the socket types that route (`mechanism.cpp` `make_command_with_basic_properties`).
+    fn sends_identity(self) -> bool {
+        matches!(
+            self,
+            SocketType::Req | SocketType::Dealer | SocketType::Router
+        )
     }
 }
 
@@ -100,6 +119,12 @@ pub fn ready_command(socket: SocketType) -> Bytes {
     body.put_slice(name);
     body.put_u32(socket.as_str().len() as u32);
     body.put_slice(socket.as_str().as_bytes());
+    if socket.sends_identity() {
+        let name = b"Identity";
+        body.put_u8(name.len() as u8);
+        body.put_slice(name);
+        body.put_u32(0);
+    }
     let mut out = BytesMut::new();
     put_frame(&mut out, FLAG_COMMAND, &body);
     out.freeze()
@@ -208,7 +233,7 @@ pub async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
         return Err(ZmtpError::BadCommand);
     }
     if let Some(peer) = parse_ready(&frame.body)?
-        && peer != me.peer()
+        && !me.peers().contains(&peer.as_str())
     {
         return Err(ZmtpError::IncompatibleSocket(peer, me.as_str()));
     }

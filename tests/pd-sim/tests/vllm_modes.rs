@@ -1,5 +1,6 @@
 //! The vLLM flavour end to end (`cluster --flavour vllm` on ephemeral loopback ports):
-//! router modes, the kv_transfer_params exchange and the side channel, the HTTP shapes,
+//! router modes and faults, the kv_transfer_params exchange, the NIXL handshake (once per
+//! engine pair) and notifications, the length rules and error bodies, the HTTP shapes,
 //! cancellation at decode, and the OTLP spans.
 
 mod support;
@@ -106,14 +107,14 @@ async fn vllm_correct_mode_never_contacts_decode_after_a_prefill_400() {
     assert_eq!(n(&d["worker"]["local_prefills"]), 0, "{d}");
     assert_eq!(n(&p["worker"]["rejected_400"]), rejected, "{p}");
     assert_eq!(n(&p["worker"]["kv_params_issued"]), ok, "{p}");
-    for k in ["nixl_read_frames", "nixl_done_frames", "kv_transfers"] {
-        assert_eq!(n(&p["worker"][k]), ok, "prefill {k}: {p}");
-    }
-    for k in ["nixl_read_frames", "nixl_done_frames"] {
-        assert_eq!(n(&d["worker"][k]), ok, "decode {k}: {d}");
-    }
-    assert_eq!(n(&p["worker"]["reads_unmatched"]), 0);
-    assert_eq!(n(&p["worker"]["nixl_abort_frames"]), 0);
+    // One handshake for the engine pair, one notification per request.
+    assert_eq!(n(&p["worker"]["handshakes_served"]), 1, "{p}");
+    assert_eq!(n(&d["worker"]["handshakes_done"]), 1, "{d}");
+    assert_eq!(d["remote_engines"], json!([p["engine_id"]]), "{d}");
+    assert_eq!(n(&d["worker"]["notifications_sent"]), ok, "{d}");
+    assert_eq!(n(&p["worker"]["kv_transfers"]), ok, "{p}");
+    assert_eq!(n(&p["worker"]["notifications_after_expiry"]), 0, "{p}");
+    assert_eq!(n(&p["kv_holds"]), 0, "{p}");
 
     let preqs = requests(&client, &c.prefill).await;
     let dreqs = requests(&client, &c.decode).await;
@@ -127,7 +128,9 @@ async fn vllm_correct_mode_never_contacts_decode_after_a_prefill_400() {
         preqs
             .iter()
             .filter(|r| r["status"] == 400)
-            .all(|r| r["read_frames"] == 0 && r["kv_chunks"] == 0 && r["outcome"] == "rejected")
+            .all(|r| r["notifications"] == 0
+                && r["outcome"] == "rejected"
+                && r["kv_params_issued"] == false)
     );
     let pulled: HashSet<&str> = dreqs
         .iter()
@@ -141,24 +144,42 @@ async fn vllm_correct_mode_never_contacts_decode_after_a_prefill_400() {
         rejected_ids.is_disjoint(&pulled),
         "decode pulled a rejected request"
     );
+    let rejected_internal: HashSet<&str> = preqs
+        .iter()
+        .filter(|r| r["status"] == 400)
+        .map(|r| r["internal_id"].as_str().unwrap())
+        .collect();
+    assert!(rejected_internal.is_disjoint(&pulled));
     for r in &dreqs {
         assert_eq!(r["outcome"], "generated", "{r}");
-        assert_eq!(r["kv_done"], true, "{r}");
-        // N is the same name on both sides: cmpl-X / chatcmpl-X with the router's X.
-        assert_eq!(r["id"], r["remote_request_id"], "{r}");
+        assert_eq!(r["kv_read"], true, "{r}");
+        // The engine id is cmpl-X-0 / chatcmpl-X with the router's X; decode read prefill's
+        // internal id of the same request: the engine id and 8 hex digits.
         let x = r["request_id"].as_str().unwrap();
         assert!(x.starts_with("___prefill_addr_127.0.0.1:"), "{x}");
-        assert!(r["id"].as_str().unwrap().ends_with(x));
+        let id = r["id"].as_str().unwrap();
+        assert!(
+            id == format!("cmpl-{x}-0") || id == format!("chatcmpl-{x}"),
+            "{r}"
+        );
+        let rid = r["remote_request_id"].as_str().unwrap();
+        let tail = rid
+            .strip_prefix(&format!("{id}-"))
+            .unwrap_or_else(|| panic!("{r}"));
+        assert!(
+            tail.len() == 8 && tail.bytes().all(|b| b.is_ascii_hexdigit()),
+            "{r}"
+        );
     }
-    let by_id: HashMap<&str, &Value> = preqs
+    let by_internal: HashMap<&str, &Value> = preqs
         .iter()
-        .map(|r| (r["id"].as_str().unwrap(), r))
+        .map(|r| (r["internal_id"].as_str().unwrap(), r))
         .collect();
     for id in &pulled {
-        let pr = by_id[id];
+        let pr = by_internal[id];
         assert_eq!(pr["outcome"], "transferred", "{pr}");
-        assert_eq!(pr["read_frames"], 1, "{pr}");
-        assert!(n(&pr["kv_chunks"]) >= 1, "{pr}");
+        assert_eq!(pr["notifications"], 1, "{pr}");
+        assert_eq!(pr["answered_remote_request_id"], *id, "{pr}");
     }
 }
 
@@ -247,17 +268,22 @@ async fn vllm_http_shapes_models_metrics_stream_and_chat() {
         let (s, text) = get(&client, &format!("{base}/metrics")).await.unwrap();
         assert_eq!(s, 200);
         let text = String::from_utf8_lossy(&text);
-        let mut lines = text.lines();
-        assert_eq!(
-            lines.next(),
-            Some("# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig")
+        // A realistic page: tens of KB, the info line somewhere inside.
+        assert!(text.len() > 20_000, "{}", text.len());
+        assert!(text.starts_with("# HELP python_gc_objects_collected_total"));
+        let info = text
+            .lines()
+            .find(|l| l.starts_with("vllm:cache_config_info{"))
+            .unwrap();
+        assert!(
+            info.starts_with(
+                "vllm:cache_config_info{block_size=\"16\",user_specified_block_size=\"False\","
+            ),
+            "{info}"
         );
-        assert_eq!(lines.next(), Some("# TYPE vllm:cache_config_info gauge"));
-        let info = lines.next().unwrap();
-        assert!(info.starts_with("vllm:cache_config_info{block_size=\"16\",cache_dtype=\"auto\",enable_prefix_caching=\"True\",gpu_memory_utilization=\"0.9\",num_cpu_blocks=\"0\",num_gpu_blocks=\""), "{info}");
-        assert!(info.ends_with("} 1.0"), "{info}");
+        assert!(info.ends_with(",engine=\"0\"} 1.0"), "{info}");
         let blocks: u64 = info
-            .split("num_gpu_blocks=\"")
+            .split(",num_gpu_blocks=\"")
             .nth(1)
             .and_then(|r| r.split('"').next())
             .and_then(|b| b.parse().ok())
@@ -267,11 +293,14 @@ async fn vllm_http_shapes_models_metrics_stream_and_chat() {
             "KV capacity below max_model_len: {info}"
         );
         assert!(
-            text.contains("vllm:num_requests_running{engine=\"0\",model_name=\""),
+            text.contains(
+                "vllm:num_requests_running{model_name=\"pd-sim/tiny-model\",engine=\"0\"}"
+            ),
             "{text}"
         );
     }
-    // Over-long at prefill, directly: vLLM's message and envelope.
+    // Over-long at prefill, directly: vLLM 0.34's message and envelope. Text is tokenized
+    // up to max_model_len + 1, so the message says "at least 4097"; token ids keep their count.
     let (s, _, body) = post_full(
         &client,
         &format!("{}/v1/completions", c.prefill),
@@ -282,9 +311,23 @@ async fn vllm_http_shapes_models_metrics_stream_and_chat() {
     assert_eq!(s, 400);
     assert_eq!(
         body,
-        r#"{"object":"error","message":"This model's maximum context length is 4096 tokens. However, you requested 5001 tokens (5000 in the messages, 1 in the completion). Please reduce the length of the messages or completion.","type":"BadRequestError","param":null,"code":400}"#
+        r#"{"error":{"message":"This model's maximum context length is 4096 tokens. However, your prompt contains at least 4097 input tokens, which exceeds this limit even without any output tokens. Please reduce the length of the input prompt. (parameter=input_tokens, value=4097)","type":"BadRequestError","param":"input_tokens","code":400}}"#
     );
-    // max_tokens at the edge of u64 is a 400, not an overflow.
+    let ids: Vec<u64> = (0..5000).collect();
+    let (s, _, body) = post_full(
+        &client,
+        &format!("{}/v1/completions", c.prefill),
+        Some("direct-ids"),
+        json!({"prompt": ids, "max_tokens": 1}),
+    )
+    .await;
+    assert_eq!(s, 400);
+    assert!(
+        body.contains("your prompt contains 5000 input tokens"),
+        "{body}"
+    );
+    // max_tokens above max_model_len is refused before the prompt is looked at; at the edge
+    // of u64 it is a 400, not an overflow.
     let (s, _, body) = post_full(
         &client,
         &format!("{}/v1/completions", c.prefill),
@@ -293,10 +336,49 @@ async fn vllm_http_shapes_models_metrics_stream_and_chat() {
     )
     .await;
     assert_eq!(s, 400, "{body}");
-    assert!(
-        body.contains("maximum context length is 4096 tokens"),
-        "{body}"
+    assert_eq!(
+        body,
+        format!(
+            r#"{{"error":{{"message":"max_tokens={m} cannot be greater than max_model_len=4096. Please request fewer output tokens. (parameter=max_tokens, value={m})","type":"BadRequestError","param":"max_tokens","code":400}}}}"#,
+            m = u64::MAX
+        )
     );
+    // A prompt that fits with a max_tokens that does not: clamped to what is left, 200.
+    let (s, _, body) = post_full(
+        &client,
+        &format!("{}/v1/completions", c.prefill),
+        Some("clamp"),
+        json!({"prompt": words(4000), "max_tokens": 200}),
+    )
+    .await;
+    assert_eq!(s, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["id"], "cmpl-clamp");
+    assert_eq!(v["usage"]["completion_tokens"], 96);
+    let r = &get_json(
+        &client,
+        &format!("{}/sim/requests?id=cmpl-clamp-0", c.prefill),
+    )
+    .await[0];
+    assert_eq!(
+        (
+            r["clamped"].clone(),
+            r["max_tokens"].clone(),
+            r["max_tokens_requested"].clone()
+        ),
+        (json!(true), json!(96), json!(200)),
+        "{r}"
+    );
+    // Streamed and over-long: still a JSON 400, before any stream.
+    let (s, h, _) = post_full(
+        &client,
+        &format!("{}/v1/completions", c.prefill),
+        Some("direct-stream"),
+        json!({"prompt": words(5000), "max_tokens": 1, "stream": true}),
+    )
+    .await;
+    assert_eq!(s, 400);
+    assert_eq!(h["content-type"], "application/json");
     // Through the router: X on the legs, the client's id echoed back.
     let (s, h, body) = post_full(
         &client,
@@ -335,12 +417,54 @@ async fn vllm_http_shapes_models_metrics_stream_and_chat() {
     let kv = &pv["kv_transfer_params"];
     assert_eq!(kv["do_remote_prefill"], true);
     assert_eq!(kv["do_remote_decode"], false);
-    assert_eq!(kv["remote_request_id"], "cmpl-direct-ok");
+    assert_eq!(pv["id"], "cmpl-direct-ok");
+    let rid = kv["remote_request_id"].as_str().unwrap();
+    assert!(
+        rid.starts_with("cmpl-direct-ok-0-") && rid.len() == "cmpl-direct-ok-0-".len() + 8,
+        "{rid}"
+    );
     assert_eq!(kv["remote_host"], "127.0.0.1");
     assert_eq!(kv["remote_port"], c.ready["side_channel_port"]);
-    assert_eq!(kv["tp_size"], 1);
     assert!(kv["remote_engine_id"].as_str().unwrap().len() == 36);
-    assert_eq!(kv["remote_block_ids"], json!([0]));
+    // Every field request_finished sets, in its order.
+    let keys = [
+        "do_remote_prefill",
+        "do_remote_decode",
+        "remote_block_ids",
+        "remote_engine_id",
+        "remote_request_id",
+        "remote_host",
+        "remote_port",
+        "tp_size",
+        "dcp_size",
+        "pp_size",
+        "remote_num_tokens",
+        "remote_blocks_expiry_time",
+        "remote_registration_generation",
+        "transfer_mode",
+    ];
+    let at: Vec<usize> = keys
+        .iter()
+        .map(|k| {
+            pbody
+                .find(&format!("\"{k}\":"))
+                .unwrap_or_else(|| panic!("{k}: {pbody}"))
+        })
+        .collect();
+    assert!(at.windows(2).all(|w| w[0] < w[1]), "{pbody}");
+    assert_eq!(kv["remote_block_ids"], json!([[1]]));
+    assert_eq!(
+        (
+            kv["tp_size"].clone(),
+            kv["dcp_size"].clone(),
+            kv["pp_size"].clone()
+        ),
+        (json!(1), json!(1), json!(1))
+    );
+    assert_eq!(kv["remote_num_tokens"], 3);
+    assert!(kv["remote_blocks_expiry_time"].is_null());
+    assert_eq!(kv["remote_registration_generation"], 0);
+    assert_eq!(kv["transfer_mode"], "pull");
     // Streaming completions: chunks carry N, the last before [DONE] the usage.
     let (s, h, body) = post_full(
         &client,
@@ -445,7 +569,7 @@ async fn vllm_prefill_503_becomes_500_and_decode_is_not_contacted() {
         "{body}"
     );
     assert!(
-        body.contains("returned 503 Service Unavailable: {\"object\":\"error\""),
+        body.contains("returned 503 Service Unavailable: {\"error\":{\"message\":"),
         "{body}"
     );
     assert!(
@@ -476,75 +600,116 @@ async fn vllm_prefill_503_becomes_500_and_decode_is_not_contacted() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn vllm_client_gone_at_decode_before_the_kv_sends_nixl_abort() {
-    let c = vllm_cluster(
-        "correct",
-        &["--no-router", "--decode-args", "--kv-timeout-ms 60000"],
-    )
-    .await;
+async fn vllm_handshake_is_once_per_engine_and_a_stale_id_is_counted_at_prefill() {
+    let c = vllm_cluster("correct", &["--no-router"]).await;
     let client = http_client(8);
+    let engine = stats(&client, &c.prefill).await["engine_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
     // A tap between decode and prefill's side channel: the frames as they are on the wire.
     let tap = ZmtpTap::start().await;
     tap.set_upstream(([127, 0, 0, 1], n(&c.ready["side_channel_port"]) as u16).into());
-    // Params naming an N prefill holds nothing for: decode asks (NIXL_READ) and waits.
-    let body = json!({"prompt": "a b c", "max_tokens": 2, "kv_transfer_params": {
-        "do_remote_prefill": true, "do_remote_decode": false, "remote_engine_id": "e",
-        "remote_block_ids": [0], "remote_request_id": "cmpl-never-held",
-        "remote_host": "127.0.0.1", "remote_port": tap.port, "tp_size": 1}})
-    .to_string();
-    let port = c.decode.rsplit(':').next().unwrap();
-    let mut sock = tokio::net::TcpStream::connect(format!("127.0.0.1:{port}"))
-        .await
-        .unwrap();
-    let req = format!(
-        "POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\nx-request-id: gone-1\r\ncontent-length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    sock.write_all(req.as_bytes()).await.unwrap();
-    eventually(
-        "decode sent NIXL_READ",
-        Duration::from_secs(10),
-        async || tap_has(&tap, b"NIXL_READ", "cmpl-never-held").then_some(()),
-    )
-    .await;
-    drop(sock);
-    eventually(
-        "decode sent NIXL_ABORT",
-        Duration::from_secs(10),
-        async || tap_has(&tap, b"NIXL_ABORT", "cmpl-never-held").then_some(()),
-    )
-    .await;
-    let d = eventually(
-        "decode recorded the cancel",
-        Duration::from_secs(10),
-        async || {
-            let r = requests(&client, &c.decode).await;
-            r.into_iter()
-                .find(|r| r["id"] == "cmpl-gone-1" && r["outcome"] == "cancelled")
-        },
-    )
-    .await;
-    assert_eq!(d["abort_frames"], 1, "{d}");
-    assert_eq!(d["read_frames"], 1, "{d}");
-    assert!(n(&d["client_gone_ns"]) >= n(&d["read_ns"]), "{d}");
-    assert_eq!(d["remote_request_id"], "cmpl-never-held");
+    // Params naming ids prefill never issued: decode handshakes once, reads, notifies.
+    for i in 0..3 {
+        let (s, _, body) = post_full(
+            &client,
+            &format!("{}/v1/completions", c.decode),
+            Some(&format!("stale-{i}")),
+            json!({"prompt": "a b c", "max_tokens": 2, "kv_transfer_params": {
+                "do_remote_prefill": true, "do_remote_decode": false, "remote_engine_id": engine,
+                "remote_block_ids": [[1]], "remote_request_id": format!("cmpl-never-held-{i}"),
+                "remote_host": "127.0.0.1", "remote_port": tap.port, "tp_size": 1}}),
+        )
+        .await;
+        assert_eq!(s, 200, "{body}");
+    }
+    let msgs = tap.messages.lock().unwrap().clone();
+    assert_eq!(msgs.len(), 1, "one handshake for the engine pair: {msgs:?}");
+    assert_eq!(msgs[0].len(), 2);
+    assert!(msgs[0][0].is_empty());
+    assert_eq!(&msgs[0][1][..], b"\x93\xc4\x0cget_meta_msg\x00\x00");
     let p = eventually(
-        "prefill got the abort",
+        "prefill counted the notifications",
         Duration::from_secs(10),
         async || {
             let s = stats(&client, &c.prefill).await;
-            (n(&s["worker"]["nixl_abort_frames"]) == 1).then_some(s)
+            (n(&s["worker"]["notifications_after_expiry"]) == 3).then_some(s)
         },
     )
     .await;
-    assert_eq!(n(&p["worker"]["reads_unmatched"]), 1, "{p}");
+    assert_eq!(
+        p["unrecognized_notifications"],
+        json!([
+            "cmpl-never-held-0",
+            "cmpl-never-held-1",
+            "cmpl-never-held-2"
+        ])
+    );
+    assert_eq!(n(&p["worker"]["handshakes_served"]), 1, "{p}");
+    let (_, text) = get(&client, &format!("{}/metrics", c.prefill))
+        .await
+        .unwrap();
+    assert!(String::from_utf8_lossy(&text).contains(
+        "vllm:nixl_num_notifications_after_expiry_total{model_name=\"pd-sim/tiny-model\",engine=\"0\"} 3.0\n"
+    ));
+    let d = requests(&client, &c.decode).await;
+    assert_eq!(d.len(), 3);
+    assert!(
+        d.iter()
+            .all(|r| r["kv_read"] == true && r["remote_engine_id"] == engine.as_str())
+    );
+    let made: Vec<bool> = d.iter().map(|r| r["handshake"] == true).collect();
+    assert_eq!(made, [true, false, false]);
+    // Params without the fields decode needs: computed here, no handshake, no error.
+    let (s, _, _) = post_full(
+        &client,
+        &format!("{}/v1/completions", c.decode),
+        Some("invalid"),
+        json!({"prompt": "a b", "max_tokens": 1, "kv_transfer_params": {"do_remote_prefill": true}}),
+    )
+    .await;
+    assert_eq!(s, 200);
+    let r = &get_json(
+        &client,
+        &format!("{}/sim/requests?id=cmpl-invalid-0", c.decode),
+    )
+    .await[0];
+    assert_eq!(r["invalid_kv_params"], true, "{r}");
+    assert_eq!(
+        n(&stats(&client, &c.decode).await["worker"]["local_prefills"]),
+        1
+    );
 }
 
-fn tap_has(tap: &ZmtpTap, verb: &[u8], n: &str) -> bool {
-    tap.messages.lock().unwrap().iter().any(|m| {
-        m.first().is_some_and(|v| &v[..] == verb)
-            && m.get(1).is_some_and(|x| &x[..] == n.as_bytes())
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_unread_kv_expires_with_its_lease() {
+    let c = vllm_cluster(
+        "correct",
+        &["--no-router", "--prefill-args", "--kv-lease-ms 300"],
+    )
+    .await;
+    let client = http_client(8);
+    let (s, _, body) = post_full(
+        &client,
+        &format!("{}/v1/completions", c.prefill),
+        Some("unread"),
+        json!({"prompt": "a b c", "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": true}}),
+    )
+    .await;
+    assert_eq!(s, 200, "{body}");
+    let r = eventually("the lease expired", Duration::from_secs(10), async || {
+        let r = get_json(
+            &client,
+            &format!("{}/sim/requests?id=cmpl-unread-0", c.prefill),
+        )
+        .await;
+        (r[0]["outcome"] == "lease-expired").then(|| r[0].clone())
     })
+    .await;
+    assert_eq!(r["notifications"], 0, "{r}");
+    let p = stats(&client, &c.prefill).await;
+    assert_eq!(n(&p["worker"]["kv_expired_reqs"]), 1, "{p}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -654,7 +819,11 @@ async fn vllm_spans_share_the_routers_trace() {
         assert_eq!(e.kind, SpanKind::Server as i32);
         assert_eq!(e.trace_id, ok.trace_id);
         let id = attr(e, "gen_ai.request.id").unwrap();
-        assert!(id.starts_with("cmpl-___prefill_addr_"), "{id}");
+        assert!(
+            id.starts_with("cmpl-___prefill_addr_") && id.ends_with("-0"),
+            "{id}"
+        );
+        assert_eq!(e.status, None, "vLLM leaves the status unset");
         assert_eq!(int(e, "gen_ai.usage.prompt_tokens"), Some(9));
         let prefill = attr(l, "vllm.request_phase") == Some("prefill");
         assert_eq!(
@@ -728,11 +897,12 @@ async fn vllm_decode_ignoring_cancel_sends_no_abort() {
     )
     .await;
     let client = http_client(8);
-    let side = n(&c.ready["side_channel_port"]);
+    // A side channel nobody answers on: the handshake fails.
+    let closed = test_harness::free_port().unwrap();
     let body = json!({"prompt": "a b c", "max_tokens": 2, "kv_transfer_params": {
         "do_remote_prefill": true, "do_remote_decode": false, "remote_engine_id": "e",
-        "remote_block_ids": [0], "remote_request_id": "cmpl-not-held",
-        "remote_host": "127.0.0.1", "remote_port": side, "tp_size": 1}})
+        "remote_block_ids": [[1]], "remote_request_id": "cmpl-not-held",
+        "remote_host": "127.0.0.1", "remote_port": closed, "tp_size": 1}})
     .to_string();
     let port = c.decode.rsplit(':').next().unwrap();
     let mut sock = tokio::net::TcpStream::connect(format!("127.0.0.1:{port}"))
@@ -750,16 +920,14 @@ async fn vllm_decode_ignoring_cancel_sends_no_abort() {
         async || {
             let r = requests(&client, &c.decode).await;
             r.into_iter()
-                .find(|r| r["id"] == "cmpl-stays" && r["outcome"] != "pending")
+                .find(|r| r["id"] == "cmpl-stays-0" && r["outcome"] != "pending")
         },
     )
     .await;
     assert_eq!(d["outcome"], "cancel-ignored", "{d}");
     assert_eq!(d["final_outcome"], "kv-failed", "{d}");
-    assert_eq!(d["abort_frames"], 0, "{d}");
-    let p = stats(&client, &c.prefill).await;
-    assert_eq!(n(&p["worker"]["nixl_abort_frames"]), 0, "{p}");
-    assert_eq!(n(&p["worker"]["reads_unmatched"]), 1, "{p}");
+    let st = stats(&client, &c.decode).await;
+    assert_eq!(n(&st["worker"]["handshake_failures"]), 1, "{st}");
     // The answer (500) was still written on the socket.
     let mut buf = Vec::new();
     let _ = tokio::time::timeout(Duration::from_secs(5), sock.read_to_end(&mut buf)).await;

@@ -114,16 +114,34 @@ async fn real_vllm_router_passes_a_400_through_and_hands_kv_params_to_decode() {
     assert_eq!(hex.len(), 32, "{id}");
     assert_eq!(v["usage"]["completion_tokens"], 4);
 
-    // Prefill issued params for N, decode pulled N's KV over the side channel.
-    let preq = get_json(&client, &format!("{}/sim/requests?id={id}", c.prefill)).await;
+    // Prefill issued params for its internal id, decode read that KV (handshake once).
+    let engine_id = format!("{id}-0");
+    let preq = get_json(
+        &client,
+        &format!("{}/sim/requests?id={engine_id}", c.prefill),
+    )
+    .await;
     let preq = &preq[0];
     assert_eq!(preq["kv_params_issued"], true, "{preq}");
     assert_eq!(preq["max_tokens"], 1, "{preq}");
-    assert_eq!(preq["outcome"], "transferred", "{preq}");
-    let dreq = get_json(&client, &format!("{}/sim/requests?id={id}", c.decode)).await;
+    eventually("prefill notified", Duration::from_secs(10), async || {
+        let r = get_json(
+            &client,
+            &format!("{}/sim/requests?id={engine_id}", c.prefill),
+        )
+        .await;
+        (r[0]["outcome"] == "transferred").then_some(())
+    })
+    .await;
+    let dreq = get_json(
+        &client,
+        &format!("{}/sim/requests?id={engine_id}", c.decode),
+    )
+    .await;
     let dreq = &dreq[0];
-    assert_eq!(dreq["remote_request_id"], id, "{dreq}");
-    assert_eq!(dreq["kv_done"], true, "{dreq}");
+    assert_eq!(dreq["remote_request_id"], preq["internal_id"], "{dreq}");
+    assert_eq!(dreq["kv_read"], true, "{dreq}");
+    assert_eq!(dreq["handshake"], true, "{dreq}");
     assert_eq!(dreq["outcome"], "generated", "{dreq}");
     assert_eq!(dreq["request_id"], &id[5..], "X on the decode leg: {dreq}");
 
@@ -141,8 +159,9 @@ async fn real_vllm_router_passes_a_400_through_and_hands_kv_params_to_decode() {
     assert_eq!(s, 400, "{body}");
     assert_eq!(h["x-request-id"], "real-rej");
     let e: Value = serde_json::from_str(&body).unwrap();
-    assert_eq!(e["type"], "BadRequestError");
-    assert!(e["message"].as_str().unwrap().starts_with("This model's maximum context length is 4096 tokens. However, you requested 5001 tokens (5000 in the messages, 1 in the completion)."));
+    assert_eq!(e["error"]["type"], "BadRequestError", "{body}");
+    assert_eq!(e["error"]["param"], "input_tokens", "{body}");
+    assert!(e["error"]["message"].as_str().unwrap().starts_with("This model's maximum context length is 4096 tokens. However, your prompt contains at least 4097 input tokens"), "{body}");
     tokio::time::sleep(Duration::from_millis(300)).await;
     let after = stats(&client, &c.decode).await["worker"]["requests"]
         .as_u64()
@@ -205,4 +224,69 @@ async fn real_vllm_router_turns_a_prefill_503_into_500() {
     assert_eq!(d["worker"]["requests"], 0, "{d}");
     let p = stats(&client, &c.prefill).await;
     assert_eq!(p["worker"]["rejected_503"], 1, "one attempt, no retry: {p}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs vllm-router 0.1.17 (PD_SIM_VLLM_ROUTER); cargo xtask test runs it"]
+async fn real_vllm_router_forwards_stale_kv_params_from_prefill() {
+    let bin = vllm_router();
+    let c = Cluster::start(
+        "correct",
+        &[
+            "--flavour",
+            "vllm",
+            "--no-router",
+            "--fault",
+            "stale-kv-params",
+            "--fault-rate",
+            "1",
+        ],
+    )
+    .await;
+    let scratch = test_harness::ScratchDir::new("vllm-router-stale").unwrap();
+    let log = scratch.path().join("vllm-router.log");
+    let (_router, url) = start_router(&bin, &c, &log);
+    let client = http_client(8);
+    eventually("vllm-router healthy", Duration::from_secs(60), async || {
+        matches!(get(&client, &format!("{url}/health")).await, Ok((200, _))).then_some(())
+    })
+    .await;
+    let mut ids = Vec::new();
+    for i in 0..2 {
+        let (s, _, body) = post(
+            &client,
+            &format!("{url}/v1/completions"),
+            &format!("stale-{i}"),
+            json!({"model": "pd-sim/tiny-model", "prompt": words(6), "max_tokens": 2}),
+        )
+        .await;
+        assert_eq!(s, 200, "{body}\n{}", test_harness::tail(&log, 20));
+        let v: Value = serde_json::from_str(&body).unwrap();
+        ids.push(format!("{}-0", v["id"].as_str().unwrap()));
+    }
+    let first = &get_json(
+        &client,
+        &format!("{}/sim/requests?id={}", c.prefill, ids[0]),
+    )
+    .await[0];
+    let second = &get_json(
+        &client,
+        &format!("{}/sim/requests?id={}", c.prefill, ids[1]),
+    )
+    .await[0];
+    assert!(first["fault"].is_null(), "{first}");
+    assert_eq!(second["fault"], "injected-stale-kv-params", "{second}");
+    assert_eq!(second["params_of"], ids[0].as_str(), "{second}");
+    // The real router forwarded them: the second request's decode read the first one's KV.
+    let d = &get_json(&client, &format!("{}/sim/requests?id={}", c.decode, ids[1])).await[0];
+    assert_eq!(d["remote_request_id"], first["internal_id"], "{d}");
+    eventually(
+        "prefill counted the stale read",
+        Duration::from_secs(10),
+        async || {
+            let s = stats(&client, &c.prefill).await;
+            (s["worker"]["notifications_after_expiry"] == 1).then_some(())
+        },
+    )
+    .await;
 }

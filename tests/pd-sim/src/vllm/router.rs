@@ -15,6 +15,11 @@
 //! - `handoff-after-reject` (the older bug): prefill's body is parsed for
 //!   `kv_transfer_params` whatever its status, so a rejection with a JSON body still goes to
 //!   decode (without params) and the client gets decode's answer.
+//! - `reuse-kv-params` (a fault): as `correct`, but every `--reuse-kv-params-every`-th request
+//!   (counted in prefill answers, 9 by default) goes to decode with the params prefill answered
+//!   for the request before it, so decode reads that request's KV. `/sim/stats` lists each in
+//!   `reused_kv_params` (`request_id`: the X decode served, `params_of`: the X whose params it
+//!   got, `remote_request_id`: the KV it read).
 //!
 //! Spans (`service.name=vllm-router`, scope `vllm-router`, attributes as vllm-router 0.1.17
 //! exports them with tracing enabled): SERVER `POST /v1/completions` with two CLIENT children
@@ -70,6 +75,16 @@ pub struct Stats {
     pub health_failures: AtomicU64,
     /// `/metrics` reads of the workers (answered 2xx).
     pub metrics_polls: AtomicU64,
+    /// `reuse-kv-params`: decode legs sent with the previous request's params.
+    pub decode_legs_with_reused_kv_params: AtomicU64,
+}
+
+/// One decode leg `reuse-kv-params` sent with another request's params.
+#[derive(Clone, Serialize)]
+struct Reused {
+    request_id: String,
+    params_of: String,
+    remote_request_id: Option<String>,
 }
 
 struct Endpoint {
@@ -109,13 +124,26 @@ struct Rt {
     timeout: Duration,
     stats: Stats,
     spans: SpanSink,
+    reuse_every: u64,
+    /// Prefill answers with params so far, and the last one's X and params.
+    answered: AtomicU64,
+    previous: std::sync::Mutex<Option<(String, serde_json::Value)>>,
+    reused: std::sync::Mutex<Vec<Reused>>,
 }
 
 type Shared = Arc<Rt>;
 
 pub async fn run(args: RouterArgs) -> anyhow::Result<()> {
-    if !matches!(args.mode, Mode::Correct | Mode::HandoffAfterReject) {
-        anyhow::bail!("--flavour vllm supports --mode correct and handoff-after-reject");
+    if !matches!(
+        args.mode,
+        Mode::Correct | Mode::HandoffAfterReject | Mode::ReuseKvParams
+    ) {
+        anyhow::bail!(
+            "--flavour vllm supports --mode correct, handoff-after-reject and reuse-kv-params"
+        );
+    }
+    if args.reuse_kv_params_every < 2 {
+        anyhow::bail!("--reuse-kv-params-every must be at least 2");
     }
     let prefill = Endpoint::parse(&args.prefill)?;
     let decode = Endpoint::parse(&args.decode)?;
@@ -135,6 +163,10 @@ pub async fn run(args: RouterArgs) -> anyhow::Result<()> {
         timeout: Duration::from_secs(args.request_timeout_secs),
         stats: Stats::default(),
         spans: exporter.sink.clone(),
+        reuse_every: args.reuse_kv_params_every,
+        answered: AtomicU64::new(0),
+        previous: std::sync::Mutex::new(None),
+        reused: std::sync::Mutex::new(Vec::new()),
     });
     // As vllm-router does: check the workers and read their metrics at start, then check them
     // every interval (and, when asked, read the metrics every interval of their own).
@@ -254,6 +286,7 @@ async fn sim_stats(State(rt): State<Shared>) -> Response {
         "flavour": "vllm",
         "mode": rt.mode,
         "router": &rt.stats,
+        "reused_kv_params": rt.reused.lock().map(|r| r.clone()).unwrap_or_default(),
         "prefill_healthy": rt.prefill.healthy.load(Ordering::Relaxed),
         "decode_healthy": rt.decode.healthy.load(Ordering::Relaxed),
         "otlp": &*rt.spans.stats,
@@ -482,8 +515,16 @@ fn text_response(status: StatusCode, msg: String) -> Response {
     r
 }
 
+/// The router's own refusals, in vLLM's current envelope.
 fn json_error(status: StatusCode, msg: &str) -> Response {
-    super::api::error(status, msg)
+    super::api::error(
+        super::api::ErrorShape::Current,
+        &super::api::Refusal {
+            status,
+            message: msg.to_owned(),
+            param: None,
+        },
+    )
 }
 
 async fn route(
@@ -642,10 +683,38 @@ async fn route_inner(
         );
     }
     // Decode: the client's body plus what prefill said about its KV (copied as found).
-    let kv = parsed
+    let mut kv = parsed
         .as_ref()
         .and_then(|m| m.get("kv_transfer_params"))
         .cloned();
+    if rt.mode == Mode::ReuseKvParams
+        && let Some(own) = kv.clone().filter(|v| !v.is_null())
+    {
+        let nth = rt.answered.fetch_add(1, Ordering::Relaxed) + 1;
+        let previous = rt
+            .previous
+            .lock()
+            .ok()
+            .and_then(|mut p| p.replace((x.clone(), own)));
+        if nth.is_multiple_of(rt.reuse_every)
+            && let Some((of, theirs)) = previous
+        {
+            rt.stats
+                .decode_legs_with_reused_kv_params
+                .fetch_add(1, Ordering::Relaxed);
+            if let Ok(mut r) = rt.reused.lock() {
+                r.push(Reused {
+                    request_id: x.clone(),
+                    params_of: of,
+                    remote_request_id: theirs
+                        .get("remote_request_id")
+                        .and_then(|v| v.as_str())
+                        .map(str::to_owned),
+                });
+            }
+            kv = Some(theirs);
+        }
+    }
     let mut dbody = client;
     if kv.as_ref().is_none_or(|v| v.is_null()) {
         rt.stats

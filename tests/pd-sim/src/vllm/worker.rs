@@ -3,7 +3,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::convert::Infallible;
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -17,22 +17,24 @@ use axum::routing::{get, post};
 use bytes::Bytes;
 use rand::RngExt;
 use serde::{Deserialize, Serialize};
-use tokio::net::TcpListener;
-use tokio::sync::{mpsc, oneshot};
+use tokio::net::{TcpListener, UnixDatagram};
+use tokio::sync::{OnceCell, mpsc};
 
 use super::VllmArgs;
-use super::api::{self, Api, KvTransferParams, Usage};
-use super::side;
-use crate::ids::{new_rid, now_ns};
-use crate::kvlink::{LinkStats, Pushers, serve_pull};
+use super::api::{self, Api, IssuedParams, Refusal, Usage};
+use super::{ids, metrics, nixl};
+use crate::fault::Fault;
+use crate::ids::now_ns;
+use crate::kvlink::LinkStats;
 use crate::serve::{ClientConn, OnClientGone};
 use crate::spans::{Exporter, ExporterConfig, SpanSink, SpanSpec, kv_f64, kv_int, kv_str};
 use crate::trace_ctx::{TraceParent, random_span_id, random_trace_id};
 use crate::worker::{BODY_LIMIT, Role, WorkerArgs};
 
-/// This flavour's defaults of `--kv-timeout-ms` and `--bootstrap-timeout-ms`.
-const VLLM_KV_TIMEOUT_MS: u64 = 2000;
-const VLLM_BOOTSTRAP_TIMEOUT_MS: u64 = 5000;
+/// This flavour's default of `--kv-timeout-ms`: how long decode waits for a handshake.
+const VLLM_KV_TIMEOUT_MS: u64 = 5000;
+/// How many unrecognized notifications `/sim/stats` lists.
+const UNRECOGNIZED_KEPT: usize = 1000;
 
 /// Completion text is fixed filler: the simulator never echoes the prompt anywhere.
 const WORDS: [&str; 8] = [
@@ -48,67 +50,101 @@ pub struct Stats {
     /// Bodies that do not parse (400 before the engine).
     pub bad_requests: AtomicU64,
     pub completed: AtomicU64,
+    /// Requests whose max_tokens was lowered to fit next to the prompt.
+    pub clamped: AtomicU64,
     /// Answers carrying `kv_transfer_params` for a remote decode (a KV hold each).
     pub kv_params_issued: AtomicU64,
-    /// Requests that came with a remote prefill's `kv_transfer_params` (KV pulled).
+    /// Requests that came with a remote prefill's valid `kv_transfer_params` (KV read).
     pub remote_prefills: AtomicU64,
-    /// Requests whose prompt was computed here (no `do_remote_prefill` params).
+    /// Requests whose prompt was computed here.
     pub local_prefills: AtomicU64,
-    /// Side-channel frames (prefill: received READ/ABORT, sent KV/DONE; decode: the reverse).
-    pub nixl_read_frames: AtomicU64,
-    pub nixl_kv_frames: AtomicU64,
-    pub nixl_done_frames: AtomicU64,
-    pub nixl_abort_frames: AtomicU64,
-    /// `NIXL_READ` for an N with no KV held (unknown, expired, aborted).
-    pub reads_unmatched: AtomicU64,
-    pub kv_chunks_unmatched: AtomicU64,
-    pub unknown_frames: AtomicU64,
+    /// `do_remote_prefill` params missing a field decode needs ("Got invalid
+    /// KVTransferParams"): computed here.
+    pub invalid_kv_params: AtomicU64,
+    /// Side channel: metadata requests answered (prefill) / handshakes done (decode).
+    pub handshakes_served: AtomicU64,
+    pub handshakes_done: AtomicU64,
+    pub handshake_failures: AtomicU64,
+    /// Decode: notifications sent; prefill: received.
+    pub notifications_sent: AtomicU64,
+    pub notifications_received: AtomicU64,
+    /// Decode: a notification could not be delivered (`vllm:nixl_num_failed_notifications`).
+    pub notifications_failed: AtomicU64,
+    /// Prefill: a notification for an id it does not hold.
+    pub notifications_after_expiry: AtomicU64,
+    /// Prefill: holds freed by a notification.
     pub kv_transfers: AtomicU64,
-    /// KV holds dropped after `--bootstrap-timeout-ms` without a `NIXL_READ`.
-    pub holds_expired: AtomicU64,
-    pub kv_timeouts: AtomicU64,
+    pub kv_bytes: AtomicU64,
+    /// Prefill: holds dropped at the end of their lease.
+    pub kv_expired_reqs: AtomicU64,
+    pub kv_failures: AtomicU64,
     pub cancelled: AtomicU64,
     pub cancels_ignored: AtomicU64,
     pub prompt_tokens: AtomicU64,
+    pub prompt_tokens_local: AtomicU64,
+    pub prompt_tokens_external: AtomicU64,
     pub generation_tokens: AtomicU64,
+    /// Answers a `--fault` changed.
+    pub faults_injected: AtomicU64,
 }
 
-/// What a worker remembers about one request N (`GET /sim/requests`).
+/// What a worker remembers about one request (`GET /sim/requests`), keyed by its first
+/// engine request id (`cmpl-X-0` / `chatcmpl-X`): stable and the `gen_ai.request.id` of its
+/// span. `?id=` also finds a record by its response id or internal id.
 #[derive(Clone, Default, Serialize, Debug)]
 pub struct RequestRecord {
-    /// N: `cmpl-X` / `chatcmpl-X`.
+    /// The (first) engine request id: `cmpl-X-0` / `chatcmpl-X`.
     pub id: String,
+    /// The response body's `id`: `cmpl-X` / `chatcmpl-X`.
+    pub response_id: String,
+    /// Every engine request of a batch (`cmpl-X-i`), when there is more than one.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub engine_ids: Vec<String>,
+    /// The internal id of the first engine request (what prefill's params name).
+    pub internal_id: String,
     /// X: the `x-request-id` header.
     pub request_id: Option<String>,
     pub api: Option<Api>,
     pub status: u16,
     pub prompt_tokens: u64,
+    /// The max_tokens the engine ran with (after clamping).
     pub max_tokens: u64,
+    /// The request's own max_tokens, when it named one.
+    pub max_tokens_requested: Option<u64>,
+    pub clamped: bool,
     /// Prefill: the answer carried `kv_transfer_params` (a hold for a remote decode).
     pub kv_params_issued: bool,
-    /// Decode: the N named by the request's `kv_transfer_params.remote_request_id`.
+    /// Prefill: the `remote_request_id` its answer named (its own internal id unless a fault
+    /// changed it).
+    pub answered_remote_request_id: Option<String>,
+    /// Prefill, `stale-kv-params`: the engine request whose params this answer carried.
+    pub params_of: Option<String>,
+    /// The fault that changed this request, as the fault's outcome name.
+    pub fault: Option<&'static str>,
+    /// Prefill: decode notifications received for this request's internal id.
+    pub notifications: u32,
+    /// Decode: the params' `remote_engine_id` / `remote_request_id` (whose KV it read).
+    pub remote_engine_id: Option<String>,
     pub remote_request_id: Option<String>,
-    /// Prefill: `NIXL_READ` frames received for N; decode: sent.
-    pub read_frames: u32,
-    /// Prefill: `NIXL_ABORT` frames received for N; decode: sent.
-    pub abort_frames: u32,
-    pub kv_chunks: u32,
-    pub kv_done: bool,
+    /// Decode: `do_remote_prefill` params lacking a field: computed locally.
+    pub invalid_kv_params: bool,
+    /// Decode: this request made the (first) handshake with its remote engine.
+    pub handshake: bool,
+    /// Decode: the remote blocks were read and prefill notified.
+    pub kv_read: bool,
     pub generated_tokens: u64,
-    /// pending / rejected / held / transferred / hold-expired / aborted (prefill's KV) /
-    /// generated / kv-failed / cancelled / client-gone / cancel-ignored.
+    /// pending / rejected / held / transferred / lease-expired (prefill's KV) / generated /
+    /// kv-failed / cancelled / client-gone / cancel-ignored.
     pub outcome: &'static str,
     pub final_outcome: Option<&'static str>,
     /// Unix ns, 0 = did not happen. `received_ns`: the HTTP request arrived.
     pub received_ns: u64,
-    /// Prefill: the first `NIXL_READ` arrived; decode: its `NIXL_READ` was sent.
+    /// Decode: the read began; prefill: the first notification arrived.
     pub read_ns: u64,
-    /// Prefill: `NIXL_DONE` sent (or the hold ended); decode: `NIXL_DONE` received.
+    /// Decode: the read ended (notification sent); prefill: the hold ended.
     pub kv_done_ns: u64,
-    /// The HTTP status was decided.
     pub answered_ns: u64,
     pub client_gone_ns: u64,
-    /// The HTTP request ended (answered to its end, rejected, cancelled).
     pub ended_ns: u64,
 }
 
@@ -118,14 +154,12 @@ pub(super) struct ReqLog {
     order: VecDeque<String>,
 }
 
-pub(super) struct Hold {
-    pub(super) tokens: u64,
+/// Blocks held for a remote decode, by internal id.
+struct Hold {
+    /// The record it belongs to.
+    key: String,
+    tokens: u64,
     since: Instant,
-}
-
-pub(super) struct Waiter {
-    pub(super) own: String,
-    pub(super) done: oneshot::Sender<u64>,
 }
 
 pub struct Worker {
@@ -136,17 +170,26 @@ pub struct Worker {
     engine_id: String,
     side_addr: SocketAddr,
     pub(super) stats: Stats,
-    link_stats: Arc<LinkStats>,
-    pub(super) pushers: Pushers,
+    pub(super) link_stats: Arc<LinkStats>,
+    pub(super) started: Instant,
     log: Mutex<ReqLog>,
-    pub(super) holds: Mutex<HashMap<String, Hold>>,
-    pub(super) waiters: Mutex<HashMap<String, Waiter>>,
+    holds: Mutex<HashMap<String, Hold>>,
+    /// Decode: remote engines met so far, handshaken once each.
+    remote_agents: Mutex<HashMap<String, Arc<OnceCell<nixl::RemoteAgent>>>>,
+    /// Prefill: the last params answered (`stale-kv-params` hands them to the next request).
+    last_issued: Mutex<Option<(String, IssuedParams)>>,
+    unrecognized: Mutex<VecDeque<String>>,
+    notifier: UnixDatagram,
     spans: SpanSink,
     inflight: AtomicU64,
     created: u64,
 }
 
 type Shared = Arc<Worker>;
+
+fn bump(c: &AtomicU64) {
+    c.fetch_add(1, Ordering::Relaxed);
+}
 
 impl Worker {
     pub(super) fn record(&self, id: &str, f: impl FnOnce(&mut RequestRecord)) {
@@ -172,31 +215,122 @@ impl Worker {
         }
     }
 
-    /// The params a prefill answers with: where decode pulls N's KV from.
-    fn issued_params(&self, id: &str, prompt_tokens: u64) -> KvTransferParams {
+    /// The params prefill answers with (`nixl/pull_scheduler.py:281-296`).
+    fn issued_params(&self, internal_id: &str, prompt_tokens: u64) -> IssuedParams {
         let blocks = prompt_tokens.div_ceil(self.v.block_size.max(1)).max(1);
-        KvTransferParams {
+        IssuedParams {
             do_remote_prefill: true,
             do_remote_decode: false,
-            remote_engine_id: Some(self.engine_id.clone()),
-            remote_block_ids: Some((0..blocks).collect()),
-            remote_request_id: Some(id.to_owned()),
-            remote_host: Some(self.side_addr.ip().to_string()),
-            remote_port: Some(self.side_addr.port()),
-            tp_size: Some(1),
+            remote_block_ids: vec![(1..=blocks).collect()],
+            remote_engine_id: self.engine_id.clone(),
+            remote_request_id: internal_id.to_owned(),
+            remote_host: self.a.host.clone(),
+            remote_port: self.side_addr.port(),
+            tp_size: 1,
+            dcp_size: 1,
+            pp_size: 1,
+            remote_num_tokens: prompt_tokens,
+            remote_blocks_expiry_time: None,
+            remote_registration_generation: 0,
+            transfer_mode: "pull",
+        }
+    }
+
+    /// A decode notification (`nixl/pull_worker.py:728-760`): frees the blocks it names, or is
+    /// counted when prefill does not hold them.
+    fn on_notification(&self, msg: &str) {
+        bump(&self.stats.notifications_received);
+        let Some(id) = nixl::parse_notification(msg) else {
+            return;
+        };
+        let hold = self.holds.lock().ok().and_then(|mut h| h.remove(id));
+        let now = now_ns();
+        match hold {
+            Some(h) => {
+                bump(&self.stats.kv_transfers);
+                self.stats
+                    .kv_bytes
+                    .fetch_add(h.tokens * self.a.kv_bytes_per_token, Ordering::Relaxed);
+                self.record(&h.key, |r| {
+                    r.notifications += 1;
+                    if r.read_ns == 0 {
+                        r.read_ns = now;
+                    }
+                    r.kv_done_ns = now;
+                    r.outcome = "transferred";
+                });
+            }
+            None => {
+                bump(&self.stats.notifications_after_expiry);
+                tracing::error!(
+                    "Potentially invalid KV blocks for unrecognized request {id} were retrieved by a decode worker. They may have expired."
+                );
+                if let Ok(mut u) = self.unrecognized.lock() {
+                    if u.len() >= UNRECOGNIZED_KEPT {
+                        u.pop_front();
+                    }
+                    u.push_back(id.to_owned());
+                }
+            }
+        }
+    }
+
+    /// Decode: the remote engine's agent, handshaken on first use (failures are not cached,
+    /// as vLLM retries the handshake with the next request). `Ok(true)` when this call made
+    /// the handshake.
+    async fn remote_agent(
+        &self,
+        engine: &str,
+        host: &str,
+        port: u16,
+    ) -> Result<bool, nixl::HandshakeError> {
+        let cell = {
+            let mut m = self.remote_agents.lock().expect("agents lock");
+            m.entry(engine.to_owned()).or_default().clone()
+        };
+        let mut made = false;
+        let timeout = self.a.kv_timeout_ms.unwrap_or(VLLM_KV_TIMEOUT_MS);
+        cell.get_or_try_init(|| async {
+            made = true;
+            let r = nixl::handshake(host, port, engine, timeout).await;
+            match &r {
+                Ok(_) => bump(&self.stats.handshakes_done),
+                Err(_) => bump(&self.stats.handshake_failures),
+            }
+            r
+        })
+        .await?;
+        Ok(made)
+    }
+
+    /// Decode → prefill: `"<id>:1"` to the engine's notification endpoint.
+    fn notify(&self, engine: &str, remote_request_id: &str) -> bool {
+        let path = nixl::notify_path(&self.v.notify_dir(), engine);
+        let msg = nixl::notification(remote_request_id, 1);
+        match self.notifier.try_send_to(msg.as_bytes(), &path) {
+            Ok(_) => {
+                bump(&self.stats.notifications_sent);
+                true
+            }
+            Err(e) => {
+                bump(&self.stats.notifications_failed);
+                tracing::warn!(error = %e, engine, "NIXL notification failed");
+                false
+            }
         }
     }
 }
 
 /// A request between admission and its end. Dropped before [`Live::finish`] (the client went
-/// away and the handler or the stream was dropped): outcome `cancelled`, and `NIXL_ABORT` to
-/// the remote prefill if the KV had not come yet.
+/// away and the handler or the stream was dropped): outcome `cancelled`; a decode still
+/// waiting for remote blocks notifies prefill so it frees them (an aborted `do_remote_prefill`
+/// request queues an empty read: `nixl/pull_scheduler.py:222-233`).
 struct Live {
     w: Shared,
     id: String,
     conn: Option<ClientConn>,
-    /// The remote prefill and the N it knows, while the KV is awaited.
-    pulling: Option<(String, SocketAddr)>,
+    /// The remote engine and the id of the blocks, while they are being read.
+    pulling: Option<(String, String)>,
     done: bool,
 }
 
@@ -209,7 +343,7 @@ impl Live {
         let gone = self.conn.as_ref().and_then(ClientConn::gone_ns);
         let ignored = gone.is_some() && self.w.a.decode_ignores_cancel;
         if ignored {
-            self.w.stats.cancels_ignored.fetch_add(1, Ordering::Relaxed);
+            bump(&self.w.stats.cancels_ignored);
         }
         self.w.record(&self.id, |r| {
             f(r);
@@ -223,10 +357,7 @@ impl Live {
             if ignored {
                 r.outcome = "cancel-ignored";
                 r.final_outcome = Some(outcome);
-            } else if !matches!(
-                r.outcome,
-                "held" | "transferred" | "aborted" | "hold-expired"
-            ) {
+            } else if !matches!(r.outcome, "held" | "transferred" | "lease-expired") {
                 // A prefill's outcome says where its held KV went; it stays.
                 r.outcome = outcome;
             }
@@ -240,33 +371,21 @@ impl Drop for Live {
         if self.done {
             return;
         }
-        self.w.stats.cancelled.fetch_add(1, Ordering::Relaxed);
+        bump(&self.w.stats.cancelled);
         let now = now_ns();
         let gone = self.conn.as_ref().and_then(ClientConn::gone_ns);
-        let abort = self.pulling.take();
-        if let Some((n, _)) = &abort
-            && let Ok(mut ws) = self.w.waiters.lock()
-        {
-            ws.remove(n);
-        }
+        let released = self
+            .pulling
+            .take()
+            .is_some_and(|(engine, rid)| self.w.notify(&engine, &rid));
         self.w.record(&self.id, |r| {
             r.outcome = "cancelled";
             r.ended_ns = now;
             r.client_gone_ns = gone.unwrap_or(0);
-            if abort.is_some() {
-                r.abort_frames += 1;
+            if released {
+                r.kv_done_ns = now;
             }
         });
-        if let Some((n, to)) = abort {
-            self.w
-                .stats
-                .nixl_abort_frames
-                .fetch_add(1, Ordering::Relaxed);
-            let w = self.w.clone();
-            tokio::spawn(async move {
-                w.pushers.send(to, &[side::ABORT, n.as_bytes()]).await;
-            });
-        }
     }
 }
 
@@ -281,52 +400,88 @@ struct Times {
 /// What a request's span says about it besides its times and completion.
 struct SpanFacts {
     tp: Option<TraceParent>,
-    id: String,
-    prompt_tokens: u64,
+    /// One per engine request: its id and prompt tokens.
+    engine: Vec<(String, u64)>,
     max_tokens: u64,
 }
 
-/// vLLM's `llm_request` span (SERVER), parented on the inbound `traceparent`.
-fn request_span(w: &Worker, r: &SpanFacts, completion: u64, t: &Times, err: Option<&str>) {
+/// vLLM's `llm_request` span (SERVER) per finished engine request, parented on the inbound
+/// `traceparent`, attributes as `OutputProcessor.do_tracing` sets them
+/// (`v1/engine/output_processor.py:944-1004`): `gen_ai.request.id` is the engine request's
+/// external id (`cmpl-X-0`); the sampling defaults top_p and temperature are 1.0.
+fn request_spans(w: &Worker, r: &SpanFacts, completion: u64, t: &Times) {
     if !w.spans.enabled() {
         return;
     }
     let s = |a: u64, b: u64| b.saturating_sub(a) as f64 / 1e9;
-    let mut span = SpanSpec {
-        trace_id: r.tp.map(|t| t.trace_id).unwrap_or_else(random_trace_id),
-        span_id: random_span_id(),
-        parent: r.tp.map(|t| t.span_id),
-        name: "llm_request".into(),
-        start_ns: t.received,
-        end_ns: t.end,
-        attributes: vec![
-            kv_str("gen_ai.response.model", w.a.model_path.clone()),
-            kv_str("gen_ai.request.id", r.id.clone()),
-            kv_int("gen_ai.request.max_tokens", r.max_tokens as i64),
-            kv_int("gen_ai.request.n", 1),
-            kv_int("gen_ai.usage.prompt_tokens", r.prompt_tokens as i64),
-            kv_int("gen_ai.usage.completion_tokens", completion as i64),
-            kv_f64("gen_ai.latency.time_in_queue", s(t.received, t.scheduled)),
-            kv_f64(
-                "gen_ai.latency.time_to_first_token",
-                s(t.received, t.first_token),
-            ),
-            kv_f64("gen_ai.latency.e2e", s(t.received, t.end)),
-            kv_f64(
-                "gen_ai.latency.time_in_model_prefill",
-                s(t.scheduled, t.first_token),
-            ),
-            kv_f64(
-                "gen_ai.latency.time_in_model_decode",
-                s(t.first_token, t.end),
-            ),
-        ],
-        events: Vec::new(),
-        error: err,
+    let trace_id = r.tp.map(|t| t.trace_id).unwrap_or_else(random_trace_id);
+    let spans = r
+        .engine
+        .iter()
+        .map(|(id, prompt)| {
+            let mut span = SpanSpec {
+                trace_id,
+                span_id: random_span_id(),
+                parent: r.tp.map(|t| t.span_id),
+                name: "llm_request".into(),
+                start_ns: t.received,
+                end_ns: t.end,
+                attributes: vec![
+                    kv_f64(
+                        "gen_ai.latency.time_to_first_token",
+                        s(t.received, t.first_token),
+                    ),
+                    kv_f64("gen_ai.latency.e2e", s(t.received, t.end)),
+                    kv_f64("gen_ai.latency.time_in_queue", s(t.received, t.scheduled)),
+                    kv_int("gen_ai.usage.prompt_tokens", *prompt as i64),
+                    kv_int("gen_ai.usage.completion_tokens", completion as i64),
+                    kv_f64(
+                        "gen_ai.latency.time_in_model_prefill",
+                        s(t.scheduled, t.first_token),
+                    ),
+                    kv_f64(
+                        "gen_ai.latency.time_in_model_decode",
+                        s(t.first_token, t.end),
+                    ),
+                    kv_f64(
+                        "gen_ai.latency.time_in_model_inference",
+                        s(t.scheduled, t.end),
+                    ),
+                    kv_str("gen_ai.request.id", id.clone()),
+                    kv_f64("gen_ai.request.top_p", 1.0),
+                    kv_int("gen_ai.request.max_tokens", r.max_tokens as i64),
+                    kv_f64("gen_ai.request.temperature", 1.0),
+                    kv_int("gen_ai.request.n", 1),
+                ],
+                events: Vec::new(),
+                error: None,
+            }
+            .build();
+            span.kind = opentelemetry_proto::tonic::trace::v1::span::SpanKind::Server as i32;
+            // vLLM leaves the status unset.
+            span.status = None;
+            span
+        })
+        .collect();
+    w.spans.emit(spans);
+}
+
+/// Which requests a prefill fault hits: decided by X alone, so a rerun hits the same ones.
+fn hits(w: &Worker, fault: Fault, x: &str) -> bool {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in x.bytes() {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
     }
-    .build();
-    span.kind = opentelemetry_proto::tonic::trace::v1::span::SpanKind::Server as i32;
-    w.spans.emit(vec![span]);
+    w.a.faults.hits_room(fault, h)
+}
+
+fn json_ok(body: Bytes) -> Response {
+    Response::builder()
+        .status(200)
+        .header("content-type", "application/json")
+        .body(Body::from(body))
+        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
 }
 
 async fn serve_request(
@@ -337,208 +492,235 @@ async fn serve_request(
     body: Bytes,
 ) -> Response {
     let t0 = now_ns();
-    w.stats.requests.fetch_add(1, Ordering::Relaxed);
+    bump(&w.stats.requests);
+    let shape = w.v.error_shape;
     let p = match api::parse(api, &body) {
         Ok(p) => p,
         Err(e) => {
-            w.stats.bad_requests.fetch_add(1, Ordering::Relaxed);
-            return api::error(StatusCode::BAD_REQUEST, &e.to_string());
+            bump(&w.stats.bad_requests);
+            return api::error(shape, &Refusal::bad_request(e.to_string(), None));
         }
     };
     drop(body);
-    let request_id = headers
-        .get("x-request-id")
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_owned);
-    let id = format!(
-        "{}{}",
-        api.prefix(),
-        request_id.clone().unwrap_or_else(new_rid)
-    );
+    let header_id = headers.get("x-request-id").and_then(|v| v.to_str().ok());
+    let names = ids::names(api, header_id, p.prompts.len());
+    let request_id = header_id.map(str::to_owned);
+    let randomize = !w.v.disable_request_id_randomization;
+    let internal: Vec<String> = names
+        .engine_ids
+        .iter()
+        .map(|e| ids::internal_id(e, randomize))
+        .collect();
+    let key = names.engine_ids[0].clone();
     let tp = headers
         .get("traceparent")
         .and_then(|v| v.to_str().ok())
         .and_then(TraceParent::parse);
-    let max_tokens = p.max_tokens.unwrap_or(w.a.default_max_new_tokens);
-    let remote = p.kv.as_ref().filter(|k| k.do_remote_prefill);
-    let pull = match remote {
-        None => None,
-        Some(k) => match (&k.remote_request_id, &k.remote_host, k.remote_port) {
-            (Some(n), Some(h), Some(port)) => Some((n.clone(), h.clone(), port)),
-            _ => {
-                w.stats.bad_requests.fetch_add(1, Ordering::Relaxed);
-                return api::error(
-                    StatusCode::BAD_REQUEST,
-                    "kv_transfer_params with do_remote_prefill needs remote_request_id, remote_host and remote_port",
-                );
-            }
-        },
-    };
+    let checked = api::check_length(&p, w.v.max_model_len, shape, w.a.default_max_new_tokens);
+    let max_tokens = checked.as_ref().copied().unwrap_or(0);
     let base = |r: &mut RequestRecord| {
+        r.response_id = names.response_id.clone();
+        if names.engine_ids.len() > 1 {
+            r.engine_ids = names.engine_ids.clone();
+        }
+        r.internal_id = internal[0].clone();
         r.request_id = request_id.clone();
         r.api = Some(api);
         r.prompt_tokens = p.prompt_tokens;
         r.max_tokens = max_tokens;
+        r.max_tokens_requested = p.max_tokens;
         r.received_ns = t0;
-        r.remote_request_id = pull.as_ref().map(|(n, _, _)| n.clone());
     };
-    // vLLM's input processing: the whole request must fit the context (before the engine).
-    if p.prompt_tokens.saturating_add(max_tokens) > w.v.max_model_len {
-        w.stats.rejected_400.fetch_add(1, Ordering::Relaxed);
+    // The length rules run in the API server, before the engine: no engine request, no
+    // span, no params.
+    if let Err(refusal) = checked {
+        bump(&w.stats.rejected_400);
         let now = now_ns();
-        w.record(&id, |r| {
+        w.record(&key, |r| {
             base(r);
             r.status = 400;
             r.outcome = "rejected";
             r.answered_ns = now;
             r.ended_ns = now;
         });
-        let msg = api::too_long_message(w.v.max_model_len, p.prompt_tokens, max_tokens);
-        return api::error(StatusCode::BAD_REQUEST, &msg);
+        return api::error(shape, &refusal);
+    }
+    let clamped = p.max_tokens.is_some_and(|m| m > max_tokens);
+    if clamped {
+        bump(&w.stats.clamped);
     }
     let queued = w.inflight.load(Ordering::Relaxed);
     let a = &w.a;
     if a.max_queued_requests.is_some_and(|m| queued >= m)
         || (a.overload_share > 0.0 && rand::rng().random::<f64>() < a.overload_share)
     {
-        w.stats.rejected_503.fetch_add(1, Ordering::Relaxed);
+        bump(&w.stats.rejected_503);
         let now = now_ns();
-        w.record(&id, |r| {
+        w.record(&key, |r| {
             base(r);
             r.status = 503;
             r.outcome = "rejected";
             r.answered_ns = now;
             r.ended_ns = now;
         });
-        return api::error(StatusCode::SERVICE_UNAVAILABLE, api::OVERLOADED);
+        let r = Refusal {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            message: api::OVERLOADED.into(),
+            param: None,
+        };
+        return api::error(shape, &r);
     }
-    w.stats.admitted.fetch_add(1, Ordering::Relaxed);
+    bump(&w.stats.admitted);
     w.inflight.fetch_add(1, Ordering::Relaxed);
-    w.record(&id, base);
+    let remote = p.kv.as_ref().filter(|k| k.do_remote_prefill);
+    let pull = remote.and_then(|k| k.pull_target());
+    if remote.is_some() && pull.is_none() {
+        bump(&w.stats.invalid_kv_params);
+        tracing::warn!(
+            request = %key,
+            "Got invalid KVTransferParams. This request will not utilize KVTransfer"
+        );
+    }
+    w.record(&key, |r| {
+        base(r);
+        r.clamped = clamped;
+        r.invalid_kv_params = remote.is_some() && pull.is_none();
+        if let Some((e, rid, _, _)) = pull {
+            r.remote_engine_id = Some(e.to_owned());
+            r.remote_request_id = Some(rid.to_owned());
+        }
+    });
     let mut live = Live {
         w: w.clone(),
-        id: id.clone(),
+        id: key.clone(),
         conn: conn.clone(),
         pulling: None,
         done: false,
     };
     let facts = SpanFacts {
         tp,
-        id: id.clone(),
-        prompt_tokens: p.prompt_tokens,
+        engine: names
+            .engine_ids
+            .iter()
+            .cloned()
+            .zip(p.prompts.iter().map(|x| x.tokens))
+            .collect(),
         max_tokens,
     };
     let t_sched = now_ns();
-    // The prompt's KV: pulled from the remote prefill, or computed here.
-    if let Some((n, host, port)) = pull {
-        w.stats.remote_prefills.fetch_add(1, Ordering::Relaxed);
-        let to = match host.parse::<IpAddr>() {
-            Ok(ip) => Some(SocketAddr::new(ip, port)),
-            Err(_) => tokio::net::lookup_host((host.as_str(), port))
-                .await
-                .ok()
-                .and_then(|mut a| a.next()),
-        };
-        let err = match to {
-            None => Some(format!(
-                "KV transfer of request {n}: cannot resolve remote_host"
-            )),
-            Some(to) => {
-                let (tx, rx) = oneshot::channel();
-                if let Ok(mut ws) = w.waiters.lock() {
-                    ws.insert(
-                        n.clone(),
-                        Waiter {
-                            own: id.clone(),
-                            done: tx,
-                        },
-                    );
-                }
-                live.pulling = Some((n.clone(), to));
-                let (ip_s, port_s) = (w.side_addr.ip().to_string(), w.side_addr.port().to_string());
-                w.pushers
-                    .send(
-                        to,
-                        &[side::READ, n.as_bytes(), ip_s.as_bytes(), port_s.as_bytes()],
-                    )
-                    .await;
-                w.stats.nixl_read_frames.fetch_add(1, Ordering::Relaxed);
+    w.stats
+        .prompt_tokens
+        .fetch_add(p.prompt_tokens, Ordering::Relaxed);
+    // The prompt's KV: read from the remote prefill, or computed here.
+    if let Some((engine, rid, host, port)) = pull {
+        bump(&w.stats.remote_prefills);
+        let (engine, rid) = (engine.to_owned(), rid.to_owned());
+        live.pulling = Some((engine.clone(), rid.clone()));
+        match w.remote_agent(&engine, host, port).await {
+            Ok(made) => {
                 let now = now_ns();
-                w.record(&id, |r| {
-                    r.read_frames += 1;
+                w.record(&key, |r| {
+                    r.handshake = made;
                     r.read_ns = now;
                 });
-                let timeout =
-                    Duration::from_millis(w.a.kv_timeout_ms.unwrap_or(VLLM_KV_TIMEOUT_MS));
-                match tokio::time::timeout(timeout, rx).await {
-                    Ok(Ok(_tokens)) => {
-                        live.pulling = None;
-                        None
-                    }
-                    _ => {
-                        // A local failure, not a withdrawal: no NIXL_ABORT.
-                        live.pulling = None;
-                        if let Ok(mut ws) = w.waiters.lock() {
-                            ws.remove(&n);
-                        }
-                        w.stats.kv_timeouts.fetch_add(1, Ordering::Relaxed);
-                        Some(format!(
-                            "KV transfer of request {n} from {to} did not complete within {} ms",
-                            w.a.kv_timeout_ms.unwrap_or(VLLM_KV_TIMEOUT_MS)
-                        ))
-                    }
+                if w.v.kv_read_delay_us > 0 {
+                    tokio::time::sleep(Duration::from_micros(w.v.kv_read_delay_us)).await;
                 }
+                live.pulling = None;
+                let sent = w.notify(&engine, &rid);
+                w.stats
+                    .prompt_tokens_external
+                    .fetch_add(p.prompt_tokens, Ordering::Relaxed);
+                let now = now_ns();
+                w.record(&key, |r| {
+                    r.kv_read = sent;
+                    r.kv_done_ns = now;
+                });
             }
-        };
-        if let Some(msg) = err {
-            let t_end = now_ns();
-            live.finish("kv-failed", |r| r.status = 500);
-            request_span(
-                &w,
-                &facts,
-                0,
-                &Times {
-                    received: t0,
-                    scheduled: t_sched,
-                    first_token: t_end,
-                    end: t_end,
-                },
-                Some(&msg),
-            );
-            return api::error(StatusCode::INTERNAL_SERVER_ERROR, &msg);
+            Err(e) => {
+                // kv_load_failure_policy "fail" (the default): the request ends with an error.
+                live.pulling = None;
+                bump(&w.stats.kv_failures);
+                tracing::warn!(request = %key, error = %e, "NIXL handshake failed");
+                live.finish("kv-failed", |r| r.status = if p.stream { 200 } else { 500 });
+                let r = Refusal {
+                    status: StatusCode::INTERNAL_SERVER_ERROR,
+                    message: api::GENERATION_FAILED.into(),
+                    param: None,
+                };
+                if p.stream {
+                    let mut body = api::stream_error_event(&r).to_vec();
+                    body.extend_from_slice(api::DONE);
+                    return Response::builder()
+                        .status(200)
+                        .header("content-type", "text/event-stream; charset=utf-8")
+                        .body(Body::from(body))
+                        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response());
+                }
+                return api::error(shape, &r);
+            }
         }
     } else {
-        w.stats.local_prefills.fetch_add(1, Ordering::Relaxed);
+        bump(&w.stats.local_prefills);
+        w.stats
+            .prompt_tokens_local
+            .fetch_add(p.prompt_tokens, Ordering::Relaxed);
         if w.a.prefill_delay_us > 0 {
             tokio::time::sleep(Duration::from_micros(w.a.prefill_delay_us)).await;
         }
     }
     let t_first = now_ns();
     let n_tokens = max_tokens.max(1);
-    w.stats
-        .prompt_tokens
-        .fetch_add(p.prompt_tokens, Ordering::Relaxed);
-    // A request computed for a remote decode leaves its KV held for decode's NIXL_READ.
-    let issued =
+    // A request computed for a remote decode holds its blocks for the decode's read; the
+    // answer carries the first engine request's params (`completion/serving.py:767`).
+    let for_remote =
         p.kv.as_ref()
-            .is_some_and(|k| k.do_remote_decode && !k.do_remote_prefill)
-            .then(|| w.issued_params(&id, p.prompt_tokens));
-    if issued.is_some() {
+            .is_some_and(|k| k.do_remote_decode && !k.do_remote_prefill);
+    let issued = for_remote.then(|| {
+        let own = w.issued_params(&internal[0], p.prompts[0].tokens);
         if let Ok(mut h) = w.holds.lock() {
-            h.insert(
-                id.clone(),
-                Hold {
-                    tokens: p.prompt_tokens,
-                    since: Instant::now(),
-                },
-            );
+            for ((int, eng), prompt) in internal.iter().zip(&names.engine_ids).zip(&p.prompts) {
+                let _ = eng;
+                h.insert(
+                    int.clone(),
+                    Hold {
+                        key: key.clone(),
+                        tokens: prompt.tokens,
+                        since: Instant::now(),
+                    },
+                );
+            }
         }
-        w.stats.kv_params_issued.fetch_add(1, Ordering::Relaxed);
-        w.record(&id, |r| {
+        bump(&w.stats.kv_params_issued);
+        let previous = w
+            .last_issued
+            .lock()
+            .ok()
+            .and_then(|mut l| l.replace((key.clone(), own.clone())));
+        let x = &names.x;
+        let (answer, fault, params_of) = match previous {
+            Some((of, prev)) if hits(&w, Fault::StaleKvParams, x) => {
+                (prev, Some(Fault::StaleKvParams), Some(of))
+            }
+            _ if hits(&w, Fault::ForgedKvParams, x) => {
+                let mut forged = own.clone();
+                forged.remote_request_id = format!("cmpl-forged-{}", ids::random_uuid());
+                (forged, Some(Fault::ForgedKvParams), None)
+            }
+            _ => (own, None, None),
+        };
+        if fault.is_some() {
+            bump(&w.stats.faults_injected);
+        }
+        w.record(&key, |r| {
             r.kv_params_issued = true;
             r.outcome = "held";
+            r.answered_remote_request_id = Some(answer.remote_request_id.clone());
+            r.fault = fault.map(Fault::outcome);
+            r.params_of = params_of;
         });
-    }
+        answer
+    });
     let delay = Duration::from_micros(w.a.decode_token_delay_us);
     if !p.stream {
         if !delay.is_zero() {
@@ -552,11 +734,11 @@ async fn serve_request(
             r.status = 200;
             r.generated_tokens = n_tokens;
         });
-        w.stats.completed.fetch_add(1, Ordering::Relaxed);
+        bump(&w.stats.completed);
         w.stats
             .generation_tokens
             .fetch_add(n_tokens, Ordering::Relaxed);
-        request_span(
+        request_spans(
             &w,
             &facts,
             n_tokens,
@@ -566,31 +748,26 @@ async fn serve_request(
                 first_token: t_first,
                 end: t_end,
             },
-            None,
         );
-        let body = api::render_final(
+        return json_ok(api::render_final(
             api,
-            &id,
+            &names.response_id,
             &w.a.model_path,
             &text,
             Usage::new(p.prompt_tokens, n_tokens),
             issued.as_ref(),
-        );
-        return Response::builder()
-            .status(200)
-            .header("content-type", "application/json")
-            .body(Body::from(body))
-            .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response());
+        ));
     }
     // Streaming: one SSE event per token from a task that stops when the client goes (or,
     // with --decode-ignores-cancel, generates every token all the same).
     let now = now_ns();
-    w.record(&id, |r| {
+    w.record(&key, |r| {
         r.status = 200;
         r.answered_ns = now;
     });
     let (tx, rx) = mpsc::channel::<Result<Bytes, Infallible>>(16);
     let w2 = w.clone();
+    let id = names.response_id.clone();
     tokio::spawn(async move {
         let w = w2;
         let mut live = live;
@@ -619,6 +796,7 @@ async fn serve_request(
                 &model,
                 WORDS[(i as usize) % WORDS.len()],
                 i + 1 == n_tokens,
+                issued.as_ref(),
             );
             if tx.send(Ok(ev)).await.is_err() {
                 gone = true;
@@ -640,9 +818,9 @@ async fn serve_request(
             "client-gone"
         };
         live.finish(outcome, |r| r.generated_tokens = sent);
-        w.stats.completed.fetch_add(1, Ordering::Relaxed);
+        bump(&w.stats.completed);
         w.stats.generation_tokens.fetch_add(sent, Ordering::Relaxed);
-        request_span(
+        request_spans(
             &w,
             &facts,
             sent,
@@ -652,7 +830,6 @@ async fn serve_request(
                 first_token: t_first,
                 end: t_end,
             },
-            None,
         );
     });
     let stream =
@@ -692,16 +869,30 @@ async fn metrics(State(w): State<Shared>) -> Response {
         .map(|h| h.values().map(|x| x.tokens).sum())
         .unwrap_or(0);
     let capacity = (w.blocks * w.v.block_size).max(1);
-    let text = api::metrics(&api::MetricsView {
+    let ld = |c: &AtomicU64| c.load(Ordering::Relaxed);
+    let s = &w.stats;
+    let text = metrics::render(&metrics::MetricsView {
         model: &w.a.model_path,
+        max_model_len: w.v.max_model_len,
         block_size: w.v.block_size,
         num_gpu_blocks: w.blocks,
         running: w.inflight.load(Ordering::Relaxed),
         waiting: 0,
         kv_usage: (held as f64 / capacity as f64).min(1.0),
-        prompt_tokens: w.stats.prompt_tokens.load(Ordering::Relaxed),
-        generation_tokens: w.stats.generation_tokens.load(Ordering::Relaxed),
-        success: w.stats.completed.load(Ordering::Relaxed),
+        prompt_tokens: ld(&s.prompt_tokens),
+        prompt_local_compute: ld(&s.prompt_tokens_local),
+        prompt_external_kv: ld(&s.prompt_tokens_external),
+        generation_tokens: ld(&s.generation_tokens),
+        success: ld(&s.completed),
+        started_s: w.created as f64,
+        nixl: metrics::NixlCounters {
+            failed_transfers: ld(&s.handshake_failures) + ld(&s.notifications_failed),
+            failed_notifications: ld(&s.notifications_failed),
+            kv_expired_reqs: ld(&s.kv_expired_reqs),
+            notifications_after_expiry: ld(&s.notifications_after_expiry),
+            transfers: ld(&s.kv_transfers),
+            bytes: ld(&s.kv_bytes),
+        },
     });
     let mut r = text.into_response();
     r.headers_mut().insert(
@@ -716,16 +907,19 @@ async fn sim_stats(State(w): State<Shared>) -> Response {
     axum::Json(serde_json::json!({
         "role": w.role.as_str(),
         "flavour": "vllm",
+        "engine_id": w.engine_id,
         "worker": &w.stats,
         "inflight": w.inflight.load(Ordering::Relaxed),
         "kv_holds": w.holds.lock().map(|h| h.len()).unwrap_or(0),
         "max_model_len": w.v.max_model_len,
         "num_gpu_blocks": w.blocks,
         "block_size": w.v.block_size,
+        "error_shape": w.v.error_shape,
+        "request_id_randomization": !w.v.disable_request_id_randomization,
+        "remote_engines": w.remote_agents.lock().map(|m| m.iter().filter(|(_, c)| c.initialized()).map(|(k, _)| k.clone()).collect::<Vec<_>>()).unwrap_or_default(),
+        "unrecognized_notifications": w.unrecognized.lock().map(|u| u.iter().cloned().collect::<Vec<_>>()).unwrap_or_default(),
         "side_channel": {
             "messages_sent": l.messages_sent.load(Ordering::Relaxed),
-            "messages_lost": l.messages_lost.load(Ordering::Relaxed),
-            "connect_failures": l.connect_failures.load(Ordering::Relaxed),
             "messages_received": l.messages_received.load(Ordering::Relaxed),
             "bad_connections": l.bad_connections.load(Ordering::Relaxed),
         },
@@ -744,38 +938,61 @@ async fn sim_requests(State(w): State<Shared>, Query(q): Query<RequestsQuery>) -
         return StatusCode::INTERNAL_SERVER_ERROR.into_response();
     };
     let recs: Vec<&RequestRecord> = match &q.id {
-        Some(id) => log.map.get(id).into_iter().collect(),
+        Some(id) => match log.map.get(id) {
+            Some(r) => vec![r],
+            None => log
+                .map
+                .values()
+                .filter(|r| &r.response_id == id || &r.internal_id == id)
+                .collect(),
+        },
         None => log.order.iter().filter_map(|r| log.map.get(r)).collect(),
     };
     axum::Json(recs).into_response()
 }
 
-/// Drops KV holds whose decode never asked for them.
+/// Releases holds whose lease ran out (`base_worker.py:3421-3447`).
 async fn sweeper(w: Shared) {
-    let timeout = Duration::from_millis(
-        w.a.bootstrap_timeout_ms
-            .unwrap_or(VLLM_BOOTSTRAP_TIMEOUT_MS),
-    );
-    let mut tick = tokio::time::interval(Duration::from_millis(250));
+    let lease = Duration::from_millis(w.v.kv_lease_ms);
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
     loop {
         tick.tick().await;
         let mut expired = Vec::new();
         if let Ok(mut h) = w.holds.lock() {
-            h.retain(|n, x| {
-                let keep = x.since.elapsed() < timeout;
+            h.retain(|id, x| {
+                let keep = x.since.elapsed() < lease;
                 if !keep {
-                    expired.push(n.clone());
+                    expired.push((id.clone(), x.key.clone()));
                 }
                 keep
             });
         }
         let now = now_ns();
-        for n in expired {
-            w.stats.holds_expired.fetch_add(1, Ordering::Relaxed);
-            w.record(&n, |r| {
-                r.outcome = "hold-expired";
-                r.kv_done_ns = now;
+        for (id, key) in expired {
+            bump(&w.stats.kv_expired_reqs);
+            tracing::warn!(
+                "Releasing expired KV blocks for request {id} which were retrieved by 0 remote worker(s) before lease expired."
+            );
+            w.record(&key, |r| {
+                if r.outcome == "held" {
+                    r.outcome = "lease-expired";
+                    r.kv_done_ns = now;
+                }
             });
+        }
+    }
+}
+
+/// Prefill's end of decode's notifications.
+async fn notifications(w: Shared, sock: UnixDatagram) {
+    let mut buf = vec![0u8; 4096];
+    loop {
+        match sock.recv(&mut buf).await {
+            Ok(n) => w.on_notification(&String::from_utf8_lossy(&buf[..n])),
+            Err(e) => {
+                tracing::warn!(error = %e, "NIXL notification endpoint failed");
+                return;
+            }
         }
     }
 }
@@ -783,6 +1000,18 @@ async fn sweeper(w: Shared) {
 pub async fn run(role: Role, a: WorkerArgs, v: VllmArgs) -> anyhow::Result<()> {
     if !(0.0..=1.0).contains(&a.overload_share) {
         anyhow::bail!("--overload-share must be within 0..=1");
+    }
+    a.faults.validate()?;
+    if let Some(f) = a
+        .faults
+        .faults
+        .iter()
+        .find(|f| !matches!(f, Fault::StaleKvParams | Fault::ForgedKvParams))
+    {
+        anyhow::bail!("--fault {} is not a vLLM fault", f.as_str());
+    }
+    if role == Role::Decode && !a.faults.faults.is_empty() {
+        anyhow::bail!("the vLLM faults are prefill faults");
     }
     if role == Role::Prefill && a.decode_ignores_cancel {
         anyhow::bail!("--decode-ignores-cancel is a decode flag");
@@ -794,16 +1023,38 @@ pub async fn run(role: Role, a: WorkerArgs, v: VllmArgs) -> anyhow::Result<()> {
         Role::Prefill => 5600,
         Role::Decode => 5601,
     });
+    let u: u128 = rand::rng().random();
+    let h = format!("{u:032x}");
+    // `kv_transfer_config.engine_id` defaults to a uuid4.
+    let engine_id = format!(
+        "{}-{}-4{}-{}-{}",
+        &h[..8],
+        &h[8..12],
+        &h[13..16],
+        &format!("{}{}", ["8", "9", "a", "b"][(u & 3) as usize], &h[17..20]),
+        &h[20..]
+    );
     // Bind everything before announcing readiness.
     let http = TcpListener::bind((a.host.as_str(), a.port)).await?;
     let side = TcpListener::bind((a.host.as_str(), side_port)).await?;
+    let notify_dir = v.notify_dir();
+    let inbox = nixl::bind_notifications(&notify_dir, &engine_id).map_err(|e| {
+        anyhow::anyhow!(
+            "binding the NIXL notification endpoint in {}: {e}",
+            notify_dir.display()
+        )
+    })?;
     let http_addr = http.local_addr()?;
     let side_addr = side.local_addr()?;
     let exporter = Exporter::start(ExporterConfig {
         endpoint: a.otlp_endpoint.clone(),
         service_name: "vllm",
-        scope_name: "vllm.llm_engine",
+        // `trace.get_tracer(__name__)` in `tracing/otel.py`; the module name that
+        // `init_tracer("vllm.llm_engine", …)` was given is a resource attribute.
+        scope_name: "vllm.tracing.otel",
         resource_attrs: vec![
+            kv_str("vllm.instrumenting_module_name", "vllm.llm_engine"),
+            kv_str("vllm.process_id", std::process::id().to_string()),
             kv_str("revenant.stage", role.as_str()),
             kv_str(
                 "service.instance.id",
@@ -812,44 +1063,37 @@ pub async fn run(role: Role, a: WorkerArgs, v: VllmArgs) -> anyhow::Result<()> {
             kv_str("host.name", crate::spans::host_name()),
         ],
     });
-    let link_stats = Arc::new(LinkStats::default());
-    let u: u128 = rand::rng().random();
-    let h = format!("{u:032x}");
-    let engine_id = format!(
-        "{}-{}-{}-{}-{}",
-        &h[..8],
-        &h[8..12],
-        &h[12..16],
-        &h[16..20],
-        &h[20..]
-    );
     let w: Shared = Arc::new(Worker {
         role,
         blocks: v.num_gpu_blocks(),
-        engine_id,
+        engine_id: engine_id.clone(),
         side_addr,
         stats: Stats::default(),
-        link_stats: link_stats.clone(),
-        pushers: Pushers::new(link_stats.clone()),
+        link_stats: Arc::new(LinkStats::default()),
+        started: Instant::now(),
         log: Mutex::new(ReqLog {
             cap: a.room_log.max(1),
             map: HashMap::new(),
             order: VecDeque::new(),
         }),
         holds: Mutex::new(HashMap::new()),
-        waiters: Mutex::new(HashMap::new()),
+        remote_agents: Mutex::new(HashMap::new()),
+        last_issued: Mutex::new(None),
+        unrecognized: Mutex::new(VecDeque::new()),
+        notifier: UnixDatagram::unbound()?,
         spans: exporter.sink.clone(),
         inflight: AtomicU64::new(0),
         created: now_ns() / 1_000_000_000,
         a,
         v,
     });
-    {
-        let w2 = w.clone();
-        tokio::spawn(serve_pull(side, link_stats, move |parts| {
-            w2.on_side_message(parts)
-        }));
-    }
+    let payload = Bytes::from(nixl::handshake_payload(&nixl::AgentFacts {
+        engine_id: &engine_id,
+        num_blocks: w.blocks,
+        block_size: w.v.block_size,
+    }));
+    tokio::spawn(nixl::serve(side, w.clone(), payload));
+    tokio::spawn(notifications(w.clone(), inbox));
     tokio::spawn(sweeper(w.clone()));
     let app = Router::new()
         .route("/v1/completions", post(completions))
@@ -869,6 +1113,7 @@ pub async fn run(role: Role, a: WorkerArgs, v: VllmArgs) -> anyhow::Result<()> {
         "http": format!("http://{http_addr}"),
         "port": http_addr.port(),
         "side_channel_port": side_addr.port(),
+        "engine_id": engine_id,
         "max_model_len": w.v.max_model_len,
         "num_gpu_blocks": w.blocks,
         "block_size": w.v.block_size,
@@ -883,6 +1128,7 @@ pub async fn run(role: Role, a: WorkerArgs, v: VllmArgs) -> anyhow::Result<()> {
         OnClientGone::Cancel
     };
     crate::serve::serve(http, app, on_gone).await?;
+    let _ = std::fs::remove_file(nixl::notify_path(&notify_dir, &engine_id));
     exporter.shutdown(Duration::from_secs(3)).await;
     Ok(())
 }
