@@ -409,10 +409,11 @@ async fn supervise(mut procs: Vec<Proc>) -> anyhow::Result<()> {
 async fn run_vllm(a: ClusterArgs) -> anyhow::Result<()> {
     if !matches!(
         a.mode,
-        Mode::Correct | Mode::HandoffAfterReject | Mode::ReuseKvParams
+        Mode::Correct | Mode::HandoffAfterReject | Mode::ReuseKvParams | Mode::ForgeKvParams
     ) {
         anyhow::bail!(
-            "--flavour vllm supports --mode correct, handoff-after-reject and reuse-kv-params"
+            "--flavour vllm supports --mode correct, handoff-after-reject, reuse-kv-params and \
+             forge-kv-params"
         );
     }
     let port = |p: u16| if a.ephemeral { 0 } else { p };

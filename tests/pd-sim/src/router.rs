@@ -66,6 +66,9 @@ pub enum Mode {
     /// vLLM flavour: every `--reuse-kv-params-every`-th request's decode leg gets the
     /// previous request's `kv_transfer_params` (decode reads another request's KV).
     ReuseKvParams,
+    /// vLLM flavour: every `--reuse-kv-params-every`-th request's decode leg gets its own
+    /// params with a `remote_request_id` prefill never issued (a stale or forged handoff).
+    ForgeKvParams,
 }
 
 #[derive(clap::Args, Clone, Debug)]
@@ -270,8 +273,11 @@ pub async fn run(args: RouterArgs) -> anyhow::Result<()> {
     if args.flavour == crate::Flavour::Vllm {
         return crate::vllm::router::run(args).await;
     }
-    if args.mode == Mode::ReuseKvParams {
-        anyhow::bail!("--mode reuse-kv-params is a mode of the vLLM flavour's router");
+    if matches!(args.mode, Mode::ReuseKvParams | Mode::ForgeKvParams) {
+        anyhow::bail!(
+            "--mode {:?} is a mode of the vLLM flavour's router",
+            args.mode
+        );
     }
     let prefill = args.prefill.trim_end_matches('/').to_string();
     let decode = args.decode.trim_end_matches('/').to_string();
@@ -1049,7 +1055,7 @@ async fn route_inner(
                 prefill_leg = send(rt, &rt.prefill, path, leg_body.clone(), request_id, tp).await;
             }
             Mode::ConcurrentCancel => unreachable!("served above"),
-            Mode::ReuseKvParams => unreachable!("refused at start"),
+            Mode::ReuseKvParams | Mode::ForgeKvParams => unreachable!("refused at start"),
             Mode::Correct | Mode::HandoffAfterReject => {
                 span.events.push(ev(
                     "Sending prefill request",

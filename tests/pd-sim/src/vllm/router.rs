@@ -20,6 +20,9 @@
 //!   for the request before it, so decode reads that request's KV. `/sim/stats` lists each in
 //!   `reused_kv_params` (`request_id`: the X decode served, `params_of`: the X whose params it
 //!   got, `remote_request_id`: the KV it read).
+//! - `forge-kv-params` (a fault): as `reuse-kv-params`, but the decode leg keeps its own params
+//!   with a `remote_request_id` prefill never issued (`cmpl-forged-<n>-0-<8 hex>`); listed the
+//!   same way, with `params_of` `forged`.
 //!
 //! Spans (`service.name=vllm-router`, scope `vllm-router`, attributes as vllm-router 0.1.17
 //! exports them with tracing enabled): SERVER `POST /v1/completions` with two CLIENT children
@@ -136,10 +139,11 @@ type Shared = Arc<Rt>;
 pub async fn run(args: RouterArgs) -> anyhow::Result<()> {
     if !matches!(
         args.mode,
-        Mode::Correct | Mode::HandoffAfterReject | Mode::ReuseKvParams
+        Mode::Correct | Mode::HandoffAfterReject | Mode::ReuseKvParams | Mode::ForgeKvParams
     ) {
         anyhow::bail!(
-            "--flavour vllm supports --mode correct, handoff-after-reject and reuse-kv-params"
+            "--flavour vllm supports --mode correct, handoff-after-reject, reuse-kv-params and \
+             forge-kv-params"
         );
     }
     if args.reuse_kv_params_every < 2 {
@@ -333,13 +337,34 @@ pub fn prefill_body(client: &serde_json::Map<String, serde_json::Value>) -> Vec<
     b.insert("min_tokens".into(), 1.into());
     b.insert("stream".into(), false.into());
     b.remove("stream_options");
-    b.insert(
-        "kv_transfer_params".into(),
-        serde_json::json!({"do_remote_decode": true, "do_remote_prefill": false,
-                           "remote_engine_id": null, "remote_block_ids": null,
-                           "remote_host": null, "remote_port": null}),
-    );
-    serde_json::to_vec(&b).unwrap_or_default()
+    body_with_params_last(
+        &b,
+        Some(
+            r#"{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}"#,
+        ),
+    )
+}
+
+/// A leg's body as vllm-router 0.1.17 writes it: the client's fields, then
+/// `kv_transfer_params` last, verbatim (for decode, in the order prefill answered them), so a
+/// reader of the body's end finds them there as on a real deployment.
+fn body_with_params_last(
+    fields: &serde_json::Map<String, serde_json::Value>,
+    params: Option<&str>,
+) -> Vec<u8> {
+    let mut fields = fields.clone();
+    fields.remove("kv_transfer_params");
+    let mut out = serde_json::to_vec(&fields).unwrap_or_default();
+    if let Some(p) = params {
+        out.pop();
+        if !fields.is_empty() {
+            out.push(b',');
+        }
+        out.extend_from_slice(b"\"kv_transfer_params\":");
+        out.extend_from_slice(p.as_bytes());
+        out.push(b'}');
+    }
+    out
 }
 
 /// One span of the request (SERVER, or a leg's CLIENT), ended when it is emitted.
@@ -687,7 +712,7 @@ async fn route_inner(
         .as_ref()
         .and_then(|m| m.get("kv_transfer_params"))
         .cloned();
-    if rt.mode == Mode::ReuseKvParams
+    if matches!(rt.mode, Mode::ReuseKvParams | Mode::ForgeKvParams)
         && let Some(own) = kv.clone().filter(|v| !v.is_null())
     {
         let nth = rt.answered.fetch_add(1, Ordering::Relaxed) + 1;
@@ -695,9 +720,21 @@ async fn route_inner(
             .previous
             .lock()
             .ok()
-            .and_then(|mut p| p.replace((x.clone(), own)));
+            .and_then(|mut p| p.replace((x.clone(), own.clone())));
+        let swapped = if rt.mode == Mode::ForgeKvParams {
+            let mut forged = own;
+            if let Some(m) = forged.as_object_mut() {
+                m.insert(
+                    "remote_request_id".into(),
+                    format!("cmpl-forged-{nth}-0-{:08x}", nth.wrapping_mul(0x9e37_79b9)).into(),
+                );
+            }
+            Some(("forged".to_owned(), forged))
+        } else {
+            previous
+        };
         if nth.is_multiple_of(rt.reuse_every)
-            && let Some((of, theirs)) = previous
+            && let Some((of, theirs)) = swapped
         {
             rt.stats
                 .decode_legs_with_reused_kv_params
@@ -715,15 +752,30 @@ async fn route_inner(
             kv = Some(theirs);
         }
     }
-    let mut dbody = client;
     if kv.as_ref().is_none_or(|v| v.is_null()) {
         rt.stats
             .decode_legs_without_kv_params
             .fetch_add(1, Ordering::Relaxed);
     }
-    if let Some(kv) = kv {
-        dbody.insert("kv_transfer_params".into(), kv);
-    }
+    // Prefill's params as it wrote them, unless a fault swapped them.
+    let answered = serde_json::from_slice::<
+        std::collections::HashMap<String, Box<serde_json::value::RawValue>>,
+    >(&pbody)
+    .ok()
+    .and_then(|mut m| m.remove("kv_transfer_params"));
+    let raw = match (&kv, &answered) {
+        (Some(v), Some(a))
+            if serde_json::from_str::<serde_json::Value>(a.get())
+                .ok()
+                .as_ref()
+                == Some(v) =>
+        {
+            Some(a.get().to_owned())
+        }
+        (Some(v), _) => Some(v.to_string()),
+        (None, _) => None,
+    };
+    let dbody = body_with_params_last(&client, raw.as_deref());
     if rejected {
         rt.stats
             .decode_legs_after_prefill_rejection
@@ -735,15 +787,7 @@ async fn route_inner(
         trace_id: trace.trace_id,
         span_id: span.id,
     };
-    let leg = rt
-        .send(
-            &rt.decode,
-            route,
-            serde_json::to_vec(&dbody).unwrap_or_default(),
-            &x,
-            &tp,
-        )
-        .await;
+    let leg = rt.send(&rt.decode, route, dbody, &x, &tp).await;
     match leg {
         Leg::Resp(r) => {
             let (parts, inner) = r.into_parts();

@@ -171,15 +171,15 @@ impl Tracker {
         if let Some(rid) = &ids.rid {
             if let Some(name) = &ids.remote_request_id {
                 if ids.kv_leg == Some(KvLeg::Decode) {
+                    // The other request first: reasons are cut at their end, and ids behind
+                    // vllm-router are over 100 bytes.
                     handoff = self.issued_kv.judge(name, rid).map(|(breach, other)| {
                         let reason = match breach {
-                            ProtocolBreach::ForeignKvHandoff => format!(
-                                "decode leg names KV {} that prefill issued to {other}",
-                                clip_id(name)
-                            ),
+                            ProtocolBreach::ForeignKvHandoff => {
+                                format!("decode leg reads the KV prefill issued to {other}")
+                            }
                             _ => format!(
-                                "decode leg names KV {} that no prefill answer issued \
-                                 (prefill issued {other} to this request)",
+                                "decode leg names KV that no prefill answer issued: {}",
                                 clip_id(name)
                             ),
                         };
