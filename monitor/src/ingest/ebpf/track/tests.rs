@@ -1184,6 +1184,28 @@ fn a_decode_leg_naming_kv_prefill_did_not_issue_to_it_is_a_breach() {
     // Only the router's dispatch carries it when the router is watched here.
     let marked = s.out.iter().filter(|e| e.protocol_breach.is_some()).count();
     assert_eq!(marked, 2);
+    // Prefill answered g with the KV it issued to f before f's own answer left: both were
+    // handed the same KV, and each one's decode leg names the other.
+    let g = vllm_round(
+        &mut s,
+        70,
+        "g",
+        Some("cmpl-f-0-77777777"),
+        "cmpl-f-0-77777777",
+    );
+    assert_eq!(g.protocol_breach, None, "nobody else holds it yet");
+    let f = vllm_round(
+        &mut s,
+        80,
+        "f",
+        Some("cmpl-f-0-77777777"),
+        "cmpl-f-0-77777777",
+    );
+    assert_eq!(f.protocol_breach, Some(ProtocolBreach::ForeignKvHandoff));
+    assert_eq!(
+        f.reason.as_deref(),
+        Some("decode leg reads the KV prefill issued to cmpl-g-0")
+    );
 
     // Without the router on this node, decode's receipt carries it, judged from what prefill
     // answered here.

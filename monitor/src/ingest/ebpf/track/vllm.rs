@@ -78,34 +78,44 @@ impl TransferNames {
     }
 }
 
-/// The KV prefill's answers issued: each `remote_request_id` with the request (rid) it answered,
-/// and each request's latest, bounded (oldest forgotten first: a decode leg naming forgotten KV
-/// is not judged).
+/// The KV prefill's answers issued: each `remote_request_id` with the requests (rids) answers
+/// named it for, in the order seen, and each request's latest, bounded (oldest forgotten first:
+/// a decode leg naming forgotten KV is not judged).
 #[derive(Debug, Default)]
 pub(super) struct IssuedKv {
-    owner: HashMap<String, String>,
+    owner: HashMap<String, Vec<String>>,
     latest: HashMap<String, String>,
     order: VecDeque<(String, String)>,
 }
 
 impl IssuedKv {
     const MAX: usize = 16_384;
+    /// Requests remembered per KV name: one on a correct deployment; more are the breach.
+    const MAX_SHARERS: usize = 4;
 
     fn issue(&mut self, name: &str, rid: &str) {
         let name = clip_id(name);
-        // The first answer to name it owns it: a later answer naming it again for another
-        // request hands that request KV it does not own, which its decode leg then shows.
-        if !self.owner.contains_key(name) {
-            if self.order.len() >= Self::MAX
-                && let Some((old, old_rid)) = self.order.pop_front()
-            {
-                self.owner.remove(&old);
-                if self.latest.get(&old_rid).is_some_and(|n| *n == old) {
-                    self.latest.remove(&old_rid);
+        // KV is one request's: answers naming it for two requests hand both the same KV, and
+        // which of them prefill computed it for is not on the wire (their answers may leave in
+        // either order), so each one's decode leg is judged against the other.
+        match self.owner.get_mut(name) {
+            Some(rids) => {
+                if rids.len() < Self::MAX_SHARERS && !rids.iter().any(|r| r == rid) {
+                    rids.push(rid.to_owned());
                 }
             }
-            self.owner.insert(name.to_owned(), rid.to_owned());
-            self.order.push_back((name.to_owned(), rid.to_owned()));
+            None => {
+                if self.order.len() >= Self::MAX
+                    && let Some((old, old_rid)) = self.order.pop_front()
+                {
+                    self.owner.remove(&old);
+                    if self.latest.get(&old_rid).is_some_and(|n| *n == old) {
+                        self.latest.remove(&old_rid);
+                    }
+                }
+                self.owner.insert(name.to_owned(), vec![rid.to_owned()]);
+                self.order.push_back((name.to_owned(), rid.to_owned()));
+            }
         }
         if self.latest.len() < 2 * Self::MAX || self.latest.contains_key(rid) {
             self.latest.insert(rid.to_owned(), name.to_owned());
@@ -118,13 +128,15 @@ impl IssuedKv {
         self.latest.remove(rid);
     }
 
-    /// What a decode leg of `rid` naming KV `name` breaks, with the request the KV was issued to
-    /// (foreign) or the KV this request was issued (unissued).
+    /// What a decode leg of `rid` naming KV `name` breaks, with another request the KV was
+    /// issued to (foreign: the first such) or the KV this request was issued (unissued).
     fn judge(&self, name: &str, rid: &str) -> Option<(ProtocolBreach, String)> {
         let name = clip_id(name);
         match self.owner.get(name) {
-            Some(owner) if owner == rid => None,
-            Some(owner) => Some((ProtocolBreach::ForeignKvHandoff, owner.clone())),
+            Some(rids) => rids
+                .iter()
+                .find(|r| *r != rid)
+                .map(|other| (ProtocolBreach::ForeignKvHandoff, other.clone())),
             None => self
                 .latest
                 .get(rid)
