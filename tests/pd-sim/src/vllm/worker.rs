@@ -1931,7 +1931,12 @@ pub async fn run(role: Role, a: WorkerArgs, v: VllmArgs) -> anyhow::Result<()> {
         register_with_bootstrap(
             &w,
             &format!("http://{host}:{}/register", b.port()),
-            &format!("tcp://{}:{}", w.a.host, side.port()),
+            // `--advertise-kv-port` puts a tap in front of the ROUTER.
+            &format!(
+                "tcp://{}:{}",
+                w.a.host,
+                w.a.advertise_kv_port.unwrap_or(side.port())
+            ),
         )
         .await?;
     }
