@@ -87,7 +87,9 @@ async fn mooncake_pulls_once_per_request_with_vllms_frames() {
     let (p, d) = settled(&client, &c, 4).await;
     assert_eq!(d.len(), 4, "{d:?}");
     for dr in &d {
-        let t = dr["transfer_id"].as_str().expect("decode knows the transfer");
+        let t = dr["transfer_id"]
+            .as_str()
+            .expect("decode knows the transfer");
         assert!(t.starts_with("xfer-") && t.len() == 41, "{t}");
         let pr = by_transfer(&p, t);
         // One request, one transfer id on both legs; prefill was pulled by decode's internal id.
@@ -111,7 +113,11 @@ async fn mooncake_pulls_once_per_request_with_vllms_frames() {
     let down = tap.down.lock().unwrap().clone();
     assert_eq!((up.len(), down.len()), (4, 4), "{up:?} {down:?}");
     for (i, (m, a)) in up.iter().zip(&down).enumerate() {
-        assert_eq!((m.len(), a.len()), (1, 1), "one frame each way, no delimiter");
+        assert_eq!(
+            (m.len(), a.len()),
+            (1, 1),
+            "one frame each way, no delimiter"
+        );
         let meta = XferMetadata::decode(&m[0]).unwrap();
         assert_eq!(meta.req_blocks.len(), 1);
         let rb = &meta.req_blocks[0];
@@ -126,7 +132,10 @@ async fn mooncake_pulls_once_per_request_with_vllms_frames() {
         let ans = XferResponse::decode(&a[0]).unwrap();
         assert_eq!(ans.status, Status::Finish);
         assert_eq!(ans.ok_reqs, Some(vec![rb.decode_request_id.clone()]));
-        assert_eq!((ans.err_reqs.as_ref(), ans.layout_id), (None, meta.layout_id));
+        assert_eq!(
+            (ans.err_reqs.as_ref(), ans.layout_id),
+            (None, meta.layout_id)
+        );
     }
     let ps = get_json(&client, &format!("{}/sim/stats", c.prefill)).await;
     assert_eq!(ps["worker"]["kv_transfers"], 4, "{ps}");
@@ -184,7 +193,10 @@ async fn mooncake_handoff_after_reject_pulls_the_refused_transfer() {
     let down = tap.down.lock().unwrap().clone();
     let ans = XferResponse::decode(&down[0][0]).unwrap();
     assert_eq!(ans.status, Status::Finish);
-    assert_eq!(ans.err_reqs, Some(vec![dr["internal_id"].as_str().unwrap().to_owned()]));
+    assert_eq!(
+        ans.err_reqs,
+        Some(vec![dr["internal_id"].as_str().unwrap().to_owned()])
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -214,13 +226,20 @@ async fn mooncake_pull_error_fails_decode_and_the_blocks_expire() {
     }
     assert_eq!(dr["outcome"], "kv-failed");
     let ans = XferResponse::decode(&tap.down.lock().unwrap()[0][0]).unwrap();
-    assert_eq!(ans.err_reqs, Some(vec![dr["internal_id"].as_str().unwrap().to_owned()]));
+    assert_eq!(
+        ans.err_reqs,
+        Some(vec![dr["internal_id"].as_str().unwrap().to_owned()])
+    );
     assert_eq!(ans.ok_reqs, None);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mooncake_cluster_serves_openai_load() {
-    let c = Cluster::start("correct", &["--flavour", "vllm", "--kv-connector", "mooncake"]).await;
+    let c = Cluster::start(
+        "correct",
+        &["--flavour", "vllm", "--kv-connector", "mooncake"],
+    )
+    .await;
     let s = tokio::task::block_in_place(|| {
         run_load(
             &c.router,
@@ -324,10 +343,18 @@ async fn real_vllm_router_drives_mooncake_pulls() {
         let pr = by_transfer(&p, dr["transfer_id"].as_str().unwrap());
         assert!(pr["transfer_id"].as_str().unwrap().starts_with("xfer-"));
         assert_eq!(pr["pull_request_id"], dr["internal_id"]);
-        assert_eq!((&pr["pull_ok"], &dr["pull_ok"]), (&json!(true), &json!(true)));
+        assert_eq!(
+            (&pr["pull_ok"], &dr["pull_ok"]),
+            (&json!(true), &json!(true))
+        );
     }
     assert_eq!(tap.up.lock().unwrap().len(), 2);
     let refused = p.iter().find(|r| r["status"] == 400).expect("the refusal");
-    assert!(refused["transfer_id"].as_str().unwrap().starts_with("xfer-"));
+    assert!(
+        refused["transfer_id"]
+            .as_str()
+            .unwrap()
+            .starts_with("xfer-")
+    );
     assert_eq!(refused["pull_status"], Value::Null);
 }

@@ -202,8 +202,11 @@ type LayoutKey = (String, i64, i64, i64, i64, i64);
 /// engine and its workers by tp and pp rank.
 #[derive(Default)]
 struct Registry {
-    workers: BTreeMap<i64, (String, BTreeMap<i64, BTreeMap<i64, String>>)>,
+    workers: BTreeMap<i64, (String, WorkerAddrs)>,
 }
+
+/// `{tp_rank: {pp_rank: worker_addr}}` (`EngineEntry.worker_addr`).
+type WorkerAddrs = BTreeMap<i64, BTreeMap<i64, String>>;
 
 /// How a decode's Mooncake pull ended.
 #[derive(Default)]

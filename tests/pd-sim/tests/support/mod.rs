@@ -448,17 +448,20 @@ pub fn run_interop(python: &str, extra: &[&str]) -> serde_json::Value {
 pub struct DuplexTap {
     pub port: u16,
     upstream: Arc<Mutex<Option<SocketAddr>>>,
-    pub up: Arc<Mutex<Vec<Vec<Bytes>>>>,
-    pub down: Arc<Mutex<Vec<Vec<Bytes>>>>,
+    pub up: Frames,
+    pub down: Frames,
 }
+
+/// ZMTP messages as a tap saw them, each a list of frames.
+pub type Frames = Arc<Mutex<Vec<Vec<Bytes>>>>;
 
 impl DuplexTap {
     pub async fn start() -> DuplexTap {
         let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = l.local_addr().unwrap().port();
         let upstream: Arc<Mutex<Option<SocketAddr>>> = Arc::default();
-        let (up, down): (Arc<Mutex<Vec<Vec<Bytes>>>>, Arc<Mutex<Vec<Vec<Bytes>>>>) =
-            (Arc::default(), Arc::default());
+        let up: Frames = Arc::default();
+        let down: Frames = Arc::default();
         let (to, u2, d2) = (upstream.clone(), up.clone(), down.clone());
         tokio::spawn(async move {
             while let Ok((client, _)) = l.accept().await {
@@ -484,7 +487,7 @@ impl DuplexTap {
     async fn pump(
         mut r: tokio::net::tcp::OwnedReadHalf,
         mut w: tokio::net::tcp::OwnedWriteHalf,
-        into: Arc<Mutex<Vec<Vec<Bytes>>>>,
+        into: Frames,
     ) {
         let mut dec = pd_sim::zmtp::StreamDecoder::default();
         let mut buf = vec![0u8; 64 * 1024];
@@ -509,7 +512,11 @@ impl DuplexTap {
 
     /// A vLLM mooncake cluster whose prefill registers this tap as its sender's address, the tap
     /// forwarding to prefill's real ROUTER.
-    pub async fn mooncake_cluster(mode: &str, prefill_args: &str, extra: &[&str]) -> (DuplexTap, Cluster) {
+    pub async fn mooncake_cluster(
+        mode: &str,
+        prefill_args: &str,
+        extra: &[&str],
+    ) -> (DuplexTap, Cluster) {
         let tap = DuplexTap::start().await;
         let adv = format!("--advertise-kv-port {} {prefill_args}", tap.port);
         let mut args = vec![
