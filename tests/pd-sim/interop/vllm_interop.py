@@ -1,6 +1,6 @@
 """pd-sim's vLLM flavour judged by vLLM 0.34.0's own code.
 
-Usage: vllm_interop.py PREFILL_HTTP PREFILL_SIDE_PORT MAX_MODEL_LEN
+Usage: vllm_interop.py PREFILL_HTTP PREFILL_SIDE_PORT MAX_MODEL_LEN [MOONCAKE_JSON]
 
 Against a running pd-sim prefill (`--flavour vllm`):
 - the NIXL handshake: a ZMQ REQ sends vLLM's `(GET_META_MSG, 0, 0)`; the reply is read with
@@ -13,7 +13,13 @@ Against a running pd-sim prefill (`--flavour vllm`):
   shape pd-sim's `remote_request_id` has (and the id itself with randomization off);
 - error bodies: vLLM's `TokenizeParams` raises the refusal and `create_error_response`
   builds the body, rendered by Starlette's `JSONResponse`: byte-equal to pd-sim's;
-- `/metrics`: the `vllm:cache_config_info` labels are `CacheConfig.metrics_info()`'s keys.
+- `/metrics`: the `vllm:cache_config_info` labels are `CacheConfig.metrics_info()`'s keys;
+- mooncake (MOONCAKE_JSON: frames a test captured off a pd-sim `--kv-connector mooncake`
+  cluster, hex, with the legs' params and the bootstrap server's URL): every pull decodes with
+  `Decoder(MooncakeXferMetadata)`, every answer with `Decoder(MooncakeXferResponse)`, and
+  vLLM's `Encoder` writes the same bytes back; a pull is no `MooncakeLeaseHeartbeat`;
+  `MooncakeConnectorMetadata.add_new_req` takes both legs' params; the bootstrap server takes
+  a `RegisterWorkerPayload` and its `/query` validates as `dict[int, EngineEntry]`.
 
 Prints one JSON line with what it checked; exits non-zero on the first difference.
 """
@@ -192,7 +198,91 @@ def main():
         fail("cache_config_info labels", keys, want)
     checked.append("cache_config_info")
 
+    if len(sys.argv) > 4:
+        check_mooncake(sys.argv[4])
+        checked.append("mooncake")
+
     print(json.dumps({"ok": True, "checked": checked}))
+
+
+def check_mooncake(path):
+    import msgspec
+    import pydantic
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import (
+        mooncake_connector as mc,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_utils import (
+        EngineEntry,
+        RegisterWorkerPayload,
+    )
+
+    cap = json.load(open(path))
+    enc = msgspec.msgpack.Encoder()
+    meta_dec = msgspec.msgpack.Decoder(mc.MooncakeXferMetadata)
+    resp_dec = msgspec.msgpack.Decoder(mc.MooncakeXferResponse)
+    hb_dec = msgspec.msgpack.Decoder(mc.MooncakeLeaseHeartbeat)
+    if not cap["pulls"] or len(cap["pulls"]) != len(cap["answers"]):
+        fail("mooncake frames", cap)
+    for i, h in enumerate(cap["pulls"]):
+        b = bytes.fromhex(h)
+        try:
+            m = meta_dec.decode(b)
+        except msgspec.DecodeError as e:
+            fail(f"MooncakeXferMetadata #{i}", str(e), h)
+        if enc.encode(m) != b:
+            fail(f"MooncakeXferMetadata #{i} bytes", enc.encode(m).hex(), h)
+        if hb_dec.decode(b).lease_transfer_ids:
+            fail("a pull read as a heartbeat", h)
+        for rid, (tid, blocks) in m.req_blocks.items():
+            if rid != cap["decode_request_ids"][i] or tid != cap["transfer_ids"][i]:
+                fail("req_blocks", (rid, tid), (cap["decode_request_ids"][i], cap["transfer_ids"][i]))
+            if not all(isinstance(x, int) for g in blocks for x in g):
+                fail("block ids", blocks)
+        # The first pull to a peer carries the layout, later ones only its id.
+        if bool(m.kv_caches_base_addr) != (i == 0) or m.layout_id % 2 != 1:
+            fail(f"layout of pull #{i}", (m.kv_caches_base_addr, m.layout_id))
+    for i, h in enumerate(cap["answers"]):
+        b = bytes.fromhex(h)
+        try:
+            r = resp_dec.decode(b)
+        except msgspec.DecodeError as e:
+            fail(f"MooncakeXferResponse #{i}", str(e), h)
+        if enc.encode(r) != b:
+            fail(f"MooncakeXferResponse #{i} bytes", enc.encode(r).hex(), h)
+        if r.status != mc.MooncakeXferResponseStatus.FINISH or r.ok_reqs != [
+            cap["decode_request_ids"][i]
+        ]:
+            fail(f"answer #{i}", r)
+    # The legs' params, read by the connector's metadata as the scheduler hands them over.
+    md = mc.MooncakeConnectorMetadata()
+    md.add_new_req("d-req", [[1, 2]], cap["decode_params"])
+    pull = md.reqs_to_recv[cap["decode_params"]["remote_engine_id"]]["d-req"]
+    if (pull.transfer_id, pull.remote_bootstrap_addr) != (
+        cap["decode_params"]["transfer_id"],
+        cap["bootstrap"],
+    ):
+        fail("decode leg params", pull)
+    md.add_new_req("p-req", [[1]], cap["prefill_params"], load_remote_cache=False)
+    if md.reqs_to_send["p-req"] != (cap["prefill_params"]["transfer_id"], [[1]]):
+        fail("prefill leg params", md.reqs_to_send)
+    # The bootstrap server: vLLM's registration payload, and /query as FastAPI's model reads it.
+    reg = RegisterWorkerPayload(
+        engine_id="interop-engine", dp_rank=7, tp_rank=0, pp_rank=0, addr="tcp://127.0.0.1:1"
+    ).model_dump()
+    status, body = post(cap["bootstrap"] + "/register", reg, "interop")
+    if status != 200 or json.loads(body) != {"status": "ok"}:
+        fail("register", (status, body))
+    reg["addr"] = "tcp://127.0.0.1:2"
+    status, body = post(cap["bootstrap"] + "/register", reg, "interop")
+    if status != 400 or "already registered" not in json.loads(body)["detail"]:
+        fail("register conflict", (status, body))
+    with urllib.request.urlopen(cap["bootstrap"] + "/query", timeout=30) as r:
+        q = pydantic.TypeAdapter(dict[int, EngineEntry]).validate_python(json.load(r))
+    if q[0].engine_id != cap["decode_params"]["remote_engine_id"] or q[7].worker_addr != {
+        0: {0: "tcp://127.0.0.1:1"}
+    }:
+        fail("query", q)
 
 
 if __name__ == "__main__":

@@ -62,9 +62,19 @@ pub struct ClusterArgs {
     /// vLLM flavour: prefill's side-channel port (`kv_transfer_params.remote_port`).
     #[arg(long, default_value_t = 5600)]
     pub prefill_side_channel_port: u16,
-    /// vLLM flavour: decode's side-channel port (every NIXL worker binds one).
+    /// vLLM flavour: decode's side-channel port (every NIXL worker binds one; a Mooncake
+    /// decode binds none).
     #[arg(long, default_value_t = 5601)]
     pub decode_side_channel_port: u16,
+    /// vLLM flavour: the KV connector of workers and router. `mooncake`: prefill hosts the
+    /// Mooncake bootstrap server on `--bootstrap-port` and its sender ROUTER on
+    /// `--prefill-side-channel-port`; the router sends `transfer_id`s; decode pulls.
+    #[arg(long, value_enum, default_value_t = crate::vllm::KvConnector::Nixl)]
+    pub kv_connector: crate::vllm::KvConnector,
+    /// vLLM flavour, mooncake: `VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT` of both workers (how
+    /// long prefill holds a pull for a request it never prefilled, e.g. one it refused), s.
+    #[arg(long, default_value_t = 480)]
+    pub mooncake_abort_request_timeout_secs: u64,
     /// Bind every port ephemerally (tests); the READY line tells which ports were taken.
     #[arg(long)]
     pub ephemeral: bool,
@@ -186,6 +196,9 @@ pub async fn run(a: ClusterArgs) -> anyhow::Result<()> {
             f.as_str(),
             if vllm { "vLLM" } else { "SGLang" }
         );
+    }
+    if !vllm && a.kv_connector != crate::vllm::KvConnector::Nixl {
+        anyhow::bail!("--kv-connector is a vLLM flavour flag");
     }
     if vllm {
         return run_vllm(a).await;
@@ -438,6 +451,10 @@ async fn run_vllm(a: ClusterArgs) -> anyhow::Result<()> {
             len.div_ceil(16).to_string(),
             "--block-size".into(),
             "16".into(),
+            "--kv-connector".into(),
+            a.kv_connector.as_str().into(),
+            "--mooncake-abort-request-timeout-secs".into(),
+            a.mooncake_abort_request_timeout_secs.to_string(),
         ];
         v.extend(common.clone());
         v.extend(split(extra));
@@ -452,6 +469,10 @@ async fn run_vllm(a: ClusterArgs) -> anyhow::Result<()> {
             &a.prefill_args,
         );
         pargs.extend(a.faults.to_args());
+        pargs.extend([
+            "--disaggregation-bootstrap-port".into(),
+            port(a.bootstrap_port).to_string(),
+        ]);
         procs.push(start("prefill", "prefill", pargs).await?);
         let dargs = worker(
             a.decode_port,
@@ -480,7 +501,12 @@ async fn run_vllm(a: ClusterArgs) -> anyhow::Result<()> {
             url(0),
             "--decode".into(),
             url(1),
+            "--kv-connector".into(),
+            a.kv_connector.as_str().into(),
         ];
+        if let Some(b) = procs[0].ready["bootstrap_port"].as_u64() {
+            rargs.extend(["--bootstrap-port".into(), b.to_string()]);
+        }
         rargs.extend(common.clone());
         rargs.extend(split(&a.router_args));
         procs.push(start("router", "router", rargs).await?);
@@ -501,6 +527,8 @@ async fn run_vllm(a: ClusterArgs) -> anyhow::Result<()> {
             ("decode_side_channel_port", "decode", "side_channel_port"),
             ("prefill_max_model_len", "prefill", "max_model_len"),
             ("decode_max_model_len", "decode", "max_model_len"),
+            ("kv_connector", "prefill", "kv_connector"),
+            ("bootstrap_port", "prefill", "bootstrap_port"),
         ],
         ("side channel port", "side_channel_port"),
     )?;

@@ -55,6 +55,12 @@
 //! - `forged-kv-params`: prefill's 200 names a `remote_request_id` it never issued
 //!   (`cmpl-forged-<16 hex>`): decode reads and notifies an id prefill does not hold
 //!   (`vllm:nixl_num_notifications_after_expiry`). Record: `fault: injected-forged-kv-params`.
+//! - `mooncake-pull-error` (`--kv-connector mooncake`): prefill answers a hit pull as vLLM does
+//!   when its transfer engine fails the batch (`mooncake_connector.py:1944-1985`): `FINISH`
+//!   with decode's id in `err_reqs` and `err_msg: "Mooncake transfer engine returned -1"`.
+//!   Decode fails the request (500, `kv_load_failure_policy: fail`); prefill keeps the blocks
+//!   until their lease ends. Which pulls are hit follows from the transfer id. Prefill's
+//!   record: `fault: injected-mooncake-pull-error`.
 
 use std::net::{IpAddr, SocketAddr};
 
@@ -72,6 +78,7 @@ pub enum Fault {
     StubIntake,
     StaleKvParams,
     ForgedKvParams,
+    MooncakePullError,
 }
 
 impl Fault {
@@ -85,6 +92,7 @@ impl Fault {
             Fault::StubIntake => "stub-intake",
             Fault::StaleKvParams => "stale-kv-params",
             Fault::ForgedKvParams => "forged-kv-params",
+            Fault::MooncakePullError => "mooncake-pull-error",
         }
     }
 
@@ -99,6 +107,7 @@ impl Fault {
             Fault::StubIntake => "injected-stub-intake",
             Fault::StaleKvParams => "injected-stale-kv-params",
             Fault::ForgedKvParams => "injected-forged-kv-params",
+            Fault::MooncakePullError => "injected-mooncake-pull-error",
         }
     }
 }
@@ -116,7 +125,8 @@ pub enum Holder {
 pub struct FaultArgs {
     /// Isolation breach to inject (repeatable): room-collision, unknown-room,
     /// success-after-abort, stranded-kv, foreign-route-put, stub-intake (SGLang flavour);
-    /// stale-kv-params, forged-kv-params (vLLM flavour, prefill). None by default.
+    /// stale-kv-params, forged-kv-params (vLLM flavour, prefill, NIXL); mooncake-pull-error
+    /// (vLLM flavour, prefill, `--kv-connector mooncake`). None by default.
     #[arg(long = "fault", value_enum)]
     pub faults: Vec<Fault>,
     /// Share (0..=1) of the requests each `--fault` hits.
@@ -134,7 +144,10 @@ pub struct FaultArgs {
 impl FaultArgs {
     /// The vLLM flavour's faults.
     pub fn vllm_only(f: Fault) -> bool {
-        matches!(f, Fault::StaleKvParams | Fault::ForgedKvParams)
+        matches!(
+            f,
+            Fault::StaleKvParams | Fault::ForgedKvParams | Fault::MooncakePullError
+        )
     }
 
     pub fn validate(&self) -> anyhow::Result<()> {

@@ -97,9 +97,16 @@ pub struct RouterArgs {
     /// Prefill worker URL, e.g. http://127.0.0.1:30001
     #[arg(long)]
     pub prefill: String,
-    /// Prefill's bootstrap port, sent to both legs as `bootstrap_port`.
+    /// Prefill's bootstrap port: SGLang flavour, sent to both legs as `bootstrap_port`; vLLM
+    /// flavour with `--kv-connector mooncake`, where the router asks prefill's Mooncake
+    /// bootstrap server (`GET /query`) for its engine id (vllm-router's `--prefill URL PORT`).
     #[arg(long, default_value_t = 8998)]
     pub bootstrap_port: u16,
+    /// vLLM flavour: the workers' KV connector (vllm-router's `--kv-connector`). `mooncake`:
+    /// the router asks prefill's bootstrap server for its engine id at start, makes a
+    /// `transfer_id` per request and builds both legs' `kv_transfer_params` itself.
+    #[arg(long, value_enum, default_value_t = crate::vllm::KvConnector::Nixl)]
+    pub kv_connector: crate::vllm::KvConnector,
     /// Decode worker URL, e.g. http://127.0.0.1:30002
     #[arg(long)]
     pub decode: String,

@@ -897,8 +897,11 @@ async fn vllm_decode_ignoring_cancel_sends_no_abort() {
     )
     .await;
     let client = http_client(8);
-    // A side channel nobody answers on: the handshake fails.
-    let closed = test_harness::free_port().unwrap();
+    // A side channel that accepts and never answers: the handshake fails after
+    // --kv-timeout-ms, long after decode saw its client go (a refused connect could fail
+    // before that, and the request would end as plain kv-failed).
+    let hole = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let closed = hole.local_addr().unwrap().port();
     let body = json!({"prompt": "a b c", "max_tokens": 2, "kv_transfer_params": {
         "do_remote_prefill": true, "do_remote_decode": false, "remote_engine_id": "e",
         "remote_block_ids": [[1]], "remote_request_id": "cmpl-not-held",

@@ -49,6 +49,12 @@ pub struct KvTransferParams {
     pub remote_port: Option<u16>,
     #[serde(default)]
     pub tp_size: Option<u64>,
+    /// Mooncake: the router's id of the transfer, on both legs.
+    #[serde(default)]
+    pub transfer_id: Option<String>,
+    /// Mooncake: prefill's bootstrap server (`http://host:port`), on the decode leg.
+    #[serde(default)]
+    pub remote_bootstrap_addr: Option<String>,
 }
 
 impl KvTransferParams {
@@ -69,6 +75,19 @@ impl KvTransferParams {
             (true, Some(e), Some(r), Some(h), Some(p)) => Some((e, r, h, p)),
             _ => None,
         }
+    }
+
+    /// Mooncake: `(remote_engine_id, remote_bootstrap_addr, transfer_id)`, all non-empty, or
+    /// "Got invalid KVTransferParams" (`mooncake_connector.py:1217-1243`).
+    pub fn mooncake_target(&self) -> Option<(&str, &str, &str)> {
+        fn f(v: &Option<String>) -> Option<&str> {
+            v.as_deref().filter(|s| !s.is_empty())
+        }
+        Some((
+            f(&self.remote_engine_id)?,
+            f(&self.remote_bootstrap_addr)?,
+            f(&self.transfer_id)?,
+        ))
     }
 }
 

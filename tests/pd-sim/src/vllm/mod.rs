@@ -32,15 +32,51 @@
 pub mod api;
 pub mod ids;
 pub mod metrics;
+pub mod mooncake;
 pub mod nixl;
 pub mod router;
 pub mod worker;
 
 use std::path::PathBuf;
 
+/// Which KV connector the workers run (`kv_transfer_config.kv_connector`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum KvConnector {
+    /// NixlConnector: decode reads (`nixl`).
+    #[default]
+    Nixl,
+    /// MooncakeConnector: decode asks, prefill writes (`mooncake`).
+    Mooncake,
+}
+
+impl KvConnector {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            KvConnector::Nixl => "nixl",
+            KvConnector::Mooncake => "mooncake",
+        }
+    }
+}
+
 /// The vLLM flavour's own worker flags (ignored by the SGLang flavour).
 #[derive(clap::Args, Clone, Debug)]
 pub struct VllmArgs {
+    /// vLLM: the KV connector. `nixl`: the NIXL side channel and notifications. `mooncake`:
+    /// prefill hosts the Mooncake bootstrap server on `--disaggregation-bootstrap-port` (8998,
+    /// `VLLM_MOONCAKE_BOOTSTRAP_PORT`) and a ZMQ ROUTER on `--side-channel-port` that decode's
+    /// per-request pulls reach; the router must send `transfer_id`s (`--kv-connector
+    /// mooncake` on the router).
+    #[arg(long, value_enum, default_value_t = KvConnector::Nixl)]
+    pub kv_connector: KvConnector,
+    /// vLLM, mooncake: how long prefill waits for the request a pull names to be ready, and
+    /// how long it remembers an expired transfer (`VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT`, s).
+    #[arg(
+        long,
+        env = "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT",
+        default_value_t = 480
+    )]
+    pub mooncake_abort_request_timeout_secs: u64,
     /// vLLM: the model's context length L. A prompt longer than L is refused (400), so is a
     /// max_tokens above L; a max_tokens that does not fit next to the prompt is clamped.
     #[arg(long, default_value_t = 8192)]
@@ -52,8 +88,9 @@ pub struct VllmArgs {
     /// vLLM: tokens per KV block.
     #[arg(long, default_value_t = 16)]
     pub block_size: u64,
-    /// vLLM: the NIXL side channel's ZMQ ROUTER port (`VLLM_NIXL_SIDE_CHANNEL_PORT`); 0 =
-    /// ephemeral. Default 5600 (prefill) / 5601 (decode).
+    /// vLLM: the NIXL side channel's ZMQ ROUTER port (`VLLM_NIXL_SIDE_CHANNEL_PORT`), or with
+    /// mooncake prefill's sender ROUTER (decode binds none); 0 = ephemeral. Default 5600
+    /// (prefill) / 5601 (decode).
     #[arg(long)]
     pub side_channel_port: Option<u16>,
     /// vLLM: error bodies and length rule: `current` (≥ 0.10.1) or `legacy` (the flat
@@ -63,10 +100,12 @@ pub struct VllmArgs {
     /// vLLM: internal request ids are the engine ids unchanged (no `-<8 hex>` suffix).
     #[arg(long, env = "VLLM_DISABLE_REQUEST_ID_RANDOMIZATION", value_parser = parse_env_bool, num_args = 0..=1, default_missing_value = "1", default_value = "0")]
     pub disable_request_id_randomization: bool,
-    /// vLLM: how long prefill keeps blocks no decode has read (`kv_lease_duration`, 30 s).
+    /// vLLM: how long prefill keeps blocks no decode has read (`kv_lease_duration`, 30 s;
+    /// mooncake: its lease, renewed by heartbeats).
     #[arg(long, default_value_t = 30_000)]
     pub kv_lease_ms: u64,
-    /// vLLM: the simulated UCX read of a request's blocks, µs.
+    /// vLLM: the simulated KV move of a request's blocks (NIXL: decode's UCX read; mooncake:
+    /// prefill's transfer engine write, before it answers the pull), µs.
     #[arg(long, default_value_t = 200)]
     pub kv_read_delay_us: u64,
     /// vLLM: where prefill's notification endpoints live (`<dir>/<engine id>.sock`: decode's

@@ -24,6 +24,16 @@
 //!   with a `remote_request_id` prefill never issued (`cmpl-forged-<n>-0-<8 hex>`); listed the
 //!   same way, with `params_of` `forged`.
 //!
+//! - `--kv-connector mooncake` (as vllm-router 0.1.17 does it, seen on the wire): at start
+//!   `GET http://<prefill host>:<--bootstrap-port>/query` for prefill's engine id (dp rank 0);
+//!   per request a `transfer_id` `xfer-<uuid4>`; still sequential, prefill first. Prefill leg:
+//!   `kv_transfer_params {do_remote_decode: true, do_remote_prefill: false, transfer_id}`;
+//!   decode leg: `{do_remote_decode: false, do_remote_prefill: true, transfer_id,
+//!   remote_bootstrap_addr: "http://<prefill host>:<port>", remote_engine_id}`, built by the
+//!   router (prefill's answered params are not read). A prefill ≥ 400 ends the request as above;
+//!   `handoff-after-reject` still sends decode its leg (and so a pull for the refused transfer),
+//!   `reuse-kv-params` the previous request's decode params (its transfer id).
+//!
 //! Spans (`service.name=vllm-router`, scope `vllm-router`, attributes as vllm-router 0.1.17
 //! exports them with tracing enabled): SERVER `POST /v1/completions` with two CLIENT children
 //! (`vllm.request_phase` = prefill | decode); each leg's `traceparent` carries its CLIENT span.
@@ -47,6 +57,7 @@ use rand::RngExt;
 use serde::Serialize;
 use tokio::net::TcpListener;
 
+use super::KvConnector;
 use crate::http::{HttpClient, http_client};
 use crate::ids::now_ns;
 use crate::router::{Mode, RouterArgs};
@@ -88,6 +99,8 @@ struct Reused {
     request_id: String,
     params_of: String,
     remote_request_id: Option<String>,
+    /// Mooncake: the transfer id decode pulled.
+    transfer_id: Option<String>,
 }
 
 struct Endpoint {
@@ -132,6 +145,8 @@ struct Rt {
     answered: AtomicU64,
     previous: std::sync::Mutex<Option<(String, serde_json::Value)>>,
     reused: std::sync::Mutex<Vec<Reused>>,
+    /// Mooncake: prefill's bootstrap server and engine id.
+    mooncake: Option<(String, String)>,
 }
 
 type Shared = Arc<Rt>;
@@ -151,6 +166,14 @@ pub async fn run(args: RouterArgs) -> anyhow::Result<()> {
     }
     let prefill = Endpoint::parse(&args.prefill)?;
     let decode = Endpoint::parse(&args.decode)?;
+    let client = http_client(1024);
+    let mooncake = match args.kv_connector {
+        KvConnector::Nixl => None,
+        KvConnector::Mooncake => {
+            let boot = format!("http://{}:{}", prefill.host, args.bootstrap_port);
+            Some((boot.clone(), mooncake_engine(&client, &boot).await?))
+        }
+    };
     let listener = TcpListener::bind((args.host.as_str(), args.port)).await?;
     let addr = listener.local_addr()?;
     let exporter = Exporter::start(ExporterConfig {
@@ -163,7 +186,7 @@ pub async fn run(args: RouterArgs) -> anyhow::Result<()> {
         mode: args.mode,
         prefill,
         decode,
-        client: http_client(1024),
+        client,
         timeout: Duration::from_secs(args.request_timeout_secs),
         stats: Stats::default(),
         spans: exporter.sink.clone(),
@@ -171,6 +194,7 @@ pub async fn run(args: RouterArgs) -> anyhow::Result<()> {
         answered: AtomicU64::new(0),
         previous: std::sync::Mutex::new(None),
         reused: std::sync::Mutex::new(Vec::new()),
+        mooncake,
     });
     // As vllm-router does: check the workers and read their metrics at start, then check them
     // every interval (and, when asked, read the metrics every interval of their own).
@@ -228,6 +252,43 @@ pub async fn run(args: RouterArgs) -> anyhow::Result<()> {
         .await?;
     exporter.shutdown(Duration::from_secs(3)).await;
     Ok(())
+}
+
+/// Prefill's engine id from its Mooncake bootstrap server (dp rank 0), asked until it answers
+/// (at most ~30 s: prefill registers its worker after it binds the server).
+async fn mooncake_engine(client: &HttpClient, boot: &str) -> anyhow::Result<String> {
+    let url = format!("{boot}/query");
+    let mut last = String::new();
+    for _ in 0..150 {
+        match crate::http::get(client, &url, Duration::from_secs(5)).await {
+            Ok((s, body)) if s.is_success() => {
+                let q: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+                if let Some(e) = super::mooncake::engine_of_rank0(&q) {
+                    tracing::info!("Got Mooncake engine_ids for {boot}: {{0: {e:?}}}");
+                    return Ok(e);
+                }
+                last = format!("no dp rank 0 in {}", String::from_utf8_lossy(&body));
+            }
+            Ok((s, _)) => last = format!("HTTP {s}"),
+            Err(e) => last = e.to_string(),
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    anyhow::bail!("Failed to query Mooncake bootstrap for {boot}: {last}")
+}
+
+/// `uuid.uuid4()` spelled as Python prints it.
+fn uuid4() -> String {
+    let h = format!("{:032x}", rand::rng().random::<u128>());
+    let variant = ["8", "9", "a", "b"][rand::rng().random_range(0..4)];
+    format!(
+        "{}-{}-4{}-{variant}{}-{}",
+        &h[..8],
+        &h[8..12],
+        &h[13..16],
+        &h[17..20],
+        &h[20..]
+    )
 }
 
 async fn poll_metrics(rt: &Rt) {
@@ -291,6 +352,8 @@ async fn sim_stats(State(rt): State<Shared>) -> Response {
         "mode": rt.mode,
         "router": &rt.stats,
         "reused_kv_params": rt.reused.lock().map(|r| r.clone()).unwrap_or_default(),
+        "kv_connector": if rt.mooncake.is_some() { "mooncake" } else { "nixl" },
+        "mooncake_engine_id": rt.mooncake.as_ref().map(|m| m.1.clone()),
         "prefill_healthy": rt.prefill.healthy.load(Ordering::Relaxed),
         "decode_healthy": rt.decode.healthy.load(Ordering::Relaxed),
         "otlp": &*rt.spans.stats,
@@ -328,7 +391,10 @@ pub fn pd_request_id(prefill: &str, decode: &str) -> String {
 
 /// The prefill leg's body: the client's with `max_tokens`/`min_tokens` 1, no stream, and
 /// the request for a remote decode.
-pub fn prefill_body(client: &serde_json::Map<String, serde_json::Value>) -> Vec<u8> {
+pub fn prefill_body(
+    client: &serde_json::Map<String, serde_json::Value>,
+    transfer_id: Option<&str>,
+) -> Vec<u8> {
     let mut b = client.clone();
     b.insert("max_tokens".into(), 1.into());
     if b.contains_key("max_completion_tokens") {
@@ -337,12 +403,16 @@ pub fn prefill_body(client: &serde_json::Map<String, serde_json::Value>) -> Vec<
     b.insert("min_tokens".into(), 1.into());
     b.insert("stream".into(), false.into());
     b.remove("stream_options");
-    body_with_params_last(
-        &b,
-        Some(
-            r#"{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}"#,
+    // The real router writes the prefill leg's params in this order (mooncake: the transfer id
+    // it made).
+    let kv = match transfer_id {
+        Some(t) => format!(
+            r#"{{"do_remote_decode":true,"do_remote_prefill":false,"transfer_id":{}}}"#,
+            serde_json::Value::from(t)
         ),
-    )
+        None => r#"{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}"#.to_owned(),
+    };
+    body_with_params_last(&b, Some(&kv))
 }
 
 /// A leg's body as vllm-router 0.1.17 writes it: the client's fields, then
@@ -630,6 +700,7 @@ async fn route_inner(
         }
     };
     let x = pd_request_id(&rt.prefill.authority, &rt.decode.authority);
+    let transfer_id = rt.mooncake.as_ref().map(|_| format!("xfer-{}", uuid4()));
     // Prefill first.
     rt.stats.prefill_legs.fetch_add(1, Ordering::Relaxed);
     let mut span = rt.leg_span(server_id, route, "prefill", &rt.prefill);
@@ -638,7 +709,13 @@ async fn route_inner(
         span_id: span.id,
     };
     let leg = rt
-        .send(&rt.prefill, route, prefill_body(&client), &x, &tp)
+        .send(
+            &rt.prefill,
+            route,
+            prefill_body(&client, transfer_id.as_deref()),
+            &x,
+            &tp,
+        )
         .await;
     let (pstatus, pbody) = match leg {
         Leg::Resp(r) => {
@@ -707,11 +784,18 @@ async fn route_inner(
             ),
         );
     }
-    // Decode: the client's body plus what prefill said about its KV (copied as found).
-    let mut kv = parsed
-        .as_ref()
-        .and_then(|m| m.get("kv_transfer_params"))
-        .cloned();
+    // Decode: the client's body plus what prefill said about its KV (copied as found), or
+    // with mooncake the params the router builds.
+    let mut kv = match (&rt.mooncake, &transfer_id) {
+        (Some((boot, engine)), Some(t)) => Some(serde_json::json!({
+            "do_remote_decode": false, "do_remote_prefill": true, "transfer_id": t,
+            "remote_bootstrap_addr": boot, "remote_engine_id": engine,
+        })),
+        _ => parsed
+            .as_ref()
+            .and_then(|m| m.get("kv_transfer_params"))
+            .cloned(),
+    };
     if matches!(rt.mode, Mode::ReuseKvParams | Mode::ForgeKvParams)
         && let Some(own) = kv.clone().filter(|v| !v.is_null())
     {
@@ -745,6 +829,10 @@ async fn route_inner(
                     params_of: of,
                     remote_request_id: theirs
                         .get("remote_request_id")
+                        .and_then(|v| v.as_str())
+                        .map(str::to_owned),
+                    transfer_id: theirs
+                        .get("transfer_id")
                         .and_then(|v| v.as_str())
                         .map(str::to_owned),
                 });
@@ -836,7 +924,7 @@ mod tests {
             r#"{"prompt":"a b","max_tokens":9,"stream":true,"stream_options":{"include_usage":true}}"#,
         )
         .unwrap();
-        let b: serde_json::Value = serde_json::from_slice(&prefill_body(&client)).unwrap();
+        let b: serde_json::Value = serde_json::from_slice(&prefill_body(&client, None)).unwrap();
         assert_eq!(b["max_tokens"], 1);
         assert_eq!(b["min_tokens"], 1);
         assert_eq!(b["stream"], false);

@@ -442,3 +442,95 @@ pub fn run_interop(python: &str, extra: &[&str]) -> serde_json::Value {
     assert!(status.success(), "interop script failed: {out}");
     serde_json::from_str(out.trim().lines().last().unwrap_or("")).unwrap()
 }
+
+/// A TCP proxy that decodes the ZMTP stream both ways (after each side's greeting and READY):
+/// `up` what the connecting side sent, `down` what the listening side answered, in order.
+pub struct DuplexTap {
+    pub port: u16,
+    upstream: Arc<Mutex<Option<SocketAddr>>>,
+    pub up: Frames,
+    pub down: Frames,
+}
+
+/// ZMTP messages as a tap saw them, each a list of frames.
+pub type Frames = Arc<Mutex<Vec<Vec<Bytes>>>>;
+
+impl DuplexTap {
+    pub async fn start() -> DuplexTap {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = l.local_addr().unwrap().port();
+        let upstream: Arc<Mutex<Option<SocketAddr>>> = Arc::default();
+        let up: Frames = Arc::default();
+        let down: Frames = Arc::default();
+        let (to, u2, d2) = (upstream.clone(), up.clone(), down.clone());
+        tokio::spawn(async move {
+            while let Ok((client, _)) = l.accept().await {
+                let addr = to.lock().unwrap().expect("tap upstream set before traffic");
+                let (u2, d2) = (u2.clone(), d2.clone());
+                tokio::spawn(async move {
+                    let server = TcpStream::connect(addr).await.unwrap();
+                    let (cr, cw) = client.into_split();
+                    let (sr, sw) = server.into_split();
+                    tokio::spawn(Self::pump(sr, cw, d2));
+                    Self::pump(cr, sw, u2).await;
+                });
+            }
+        });
+        DuplexTap {
+            port,
+            upstream,
+            up,
+            down,
+        }
+    }
+
+    async fn pump(
+        mut r: tokio::net::tcp::OwnedReadHalf,
+        mut w: tokio::net::tcp::OwnedWriteHalf,
+        into: Frames,
+    ) {
+        let mut dec = pd_sim::zmtp::StreamDecoder::default();
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            let n = match r.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            };
+            dec.push(&buf[..n]);
+            while let Ok(Some(m)) = dec.next_message() {
+                into.lock().unwrap().push(m);
+            }
+            if w.write_all(&buf[..n]).await.is_err() {
+                break;
+            }
+        }
+    }
+
+    pub fn set_upstream(&self, a: SocketAddr) {
+        *self.upstream.lock().unwrap() = Some(a);
+    }
+
+    /// A vLLM mooncake cluster whose prefill registers this tap as its sender's address, the tap
+    /// forwarding to prefill's real ROUTER.
+    pub async fn mooncake_cluster(
+        mode: &str,
+        prefill_args: &str,
+        extra: &[&str],
+    ) -> (DuplexTap, Cluster) {
+        let tap = DuplexTap::start().await;
+        let adv = format!("--advertise-kv-port {} {prefill_args}", tap.port);
+        let mut args = vec![
+            "--flavour",
+            "vllm",
+            "--kv-connector",
+            "mooncake",
+            "--prefill-args",
+            adv.as_str(),
+        ];
+        args.extend_from_slice(extra);
+        let c = Cluster::start(mode, &args).await;
+        let side = c.ready["prefill_side_channel_port"].as_u64().unwrap() as u16;
+        tap.set_upstream(([127, 0, 0, 1], side).into());
+        (tap, c)
+    }
+}
