@@ -44,6 +44,8 @@ enum Router {
 
 struct Outcome {
     load: Value,
+    /// The workers ran MooncakeConnector (else NIXL).
+    mooncake: bool,
     /// pd-sim's router's `/sim/stats` (its own router only).
     router_stats: Option<Value>,
     /// Per-request records (`/sim/requests`), by request name N.
@@ -115,10 +117,19 @@ fn run_cluster(
             let python =
                 test_harness::router_from_env("PD_SIM_VLLM_ROUTER_PYTHON", "vllm-router 0.1.17");
             let trace = sources.otlp().then_some(otlp_grpc.as_str());
+            let mooncake = cluster_extra
+                .windows(2)
+                .any(|w| w == ["--kv-connector", "mooncake"])
+                .then(|| {
+                    cluster.ready["bootstrap_port"]
+                        .as_u64()
+                        .and_then(|p| u16::try_from(p).ok())
+                        .expect("pd-sim names prefill's bootstrap port")
+                });
             let r = VllmRouter::start(
                 &python,
-                &cluster.prefill,
-                &cluster.decode,
+                (&cluster.prefill, &cluster.decode),
+                mooncake,
                 trace,
                 &dir.path().join("router.log"),
             )
@@ -226,6 +237,9 @@ fn run_cluster(
     drop(cluster);
     let o = Outcome {
         load,
+        mooncake: cluster_extra
+            .windows(2)
+            .any(|w| w == ["--kv-connector", "mooncake"]),
         router_stats,
         prefill,
         decode,
@@ -299,7 +313,22 @@ fn assert_silent_and_seeing(o: &Outcome, sources: Sources, requests: u64) {
         .filter(|r| r["status"].as_u64().is_some_and(|s| s >= 400))
         .count() as u64;
     assert_eq!(prefill_rejections, rejected);
-    if sources.ebpf() {
+    if sources.ebpf() && o.mooncake {
+        assert_eq!(events(o, "ebpf", "prefill", "rejected"), prefill_rejections);
+        // MooncakeConnector: decode pulls each request's KV with one message over ZeroMQ and
+        // prefill answers it: the transfer, per request, as eBPF saw it.
+        let ok = o.load["ok"].as_u64().unwrap();
+        assert_eq!(events(o, "ebpf", "transfer", "admitted"), ok);
+        assert_eq!(events(o, "ebpf", "transfer", "completed"), ok);
+        assert_eq!(
+            metric_sum(
+                &o.metrics,
+                "revenant_ebpf_vllm_transfers_unattributed_total",
+                &[]
+            ),
+            0.0
+        );
+    } else if sources.ebpf() {
         assert_eq!(events(o, "ebpf", "prefill", "rejected"), prefill_rejections);
         // NIXL moves KV by one-sided reads: no per-request message crosses a socket, and the
         // engines' one handshake over ZeroMQ names no request.
@@ -310,6 +339,8 @@ fn assert_silent_and_seeing(o: &Outcome, sources: Sources, requests: u64) {
             metric_sum(&o.metrics, "revenant_ebpf_vllm_nixl_handshakes_total", &[]) >= 1.0,
             "the NIXL handshake between the engines was seen"
         );
+    }
+    if sources.ebpf() {
         // Both legs of every answered request, on the router and at the workers.
         assert_eq!(
             events(o, "ebpf", "decode", "completed"),
@@ -377,10 +408,16 @@ fn sim_vllm_router_correct_zero_alerts() {
 /// request name) in an `activity-after-rejection` finding; no request is notified twice and
 /// nothing else is.
 fn handoff(sources: Sources) -> Outcome {
+    handoff_with(sources, &[], "activity-after-rejection")
+}
+
+/// [`handoff`], each handed-off request caught by `rule`.
+fn handoff_with(sources: Sources, cluster_extra: &[&str], rule: &str) -> Outcome {
     let _g = serial();
-    let o = run(
+    let o = run_cluster(
         Router::Sim("handoff-after-reject"),
         sources,
+        cluster_extra,
         &[
             "--rate",
             "500",
@@ -414,8 +451,8 @@ fn handoff(sources: Sources) -> Outcome {
         *per_incident
             .entry(n["incident_key"].as_str().unwrap_or("").to_string())
             .or_default() += 1;
-        let f = notifications::finding(n, "activity-after-rejection")
-            .unwrap_or_else(|| panic!("a notification without the breach: {n}"));
+        let f = notifications::finding(n, rule)
+            .unwrap_or_else(|| panic!("a notification without {rule}: {n}"));
         let rid = f["attempt"]["rid"]
             .as_str()
             .unwrap_or_else(|| panic!("finding names no attempt: {n}"));
@@ -678,6 +715,48 @@ fn real_vllm_router_forwarding_another_requests_kv_caught_once_each() {
         ),
         alerted.len() as f64
     );
+}
+
+/// The workers on vLLM's MooncakeConnector (decode pulls each request's KV over ZeroMQ with the
+/// router's `transfer_id`), the real vllm-router 0.1.17 with `--kv-connector mooncake` in
+/// front: nothing is reported, and every request's pull and its answer were read.
+#[test]
+#[ignore = "needs vllm-router 0.1.17 (PD_SIM_VLLM_ROUTER_PYTHON) and root; cargo xtask test runs it"]
+fn real_vllm_router_mooncake_zero_alerts_and_every_pull_read() {
+    let _g = serial();
+    let o = run_cluster(
+        Router::Real,
+        Sources::Both,
+        &["--kv-connector", "mooncake"],
+        CORRECT_LOAD,
+    );
+    assert_silent_and_seeing(&o, Sources::Both, 1200);
+}
+
+/// MooncakeConnector behind the older router bug: decode gets the refused request's leg and
+/// pulls KV prefill never computed; prefill holds the pull until its abort timeout (480 s in
+/// vLLM, 8 s here), so decode holds the leg of a refused request past the 6 s it may take.
+/// Each such request is caught once, from eBPF.
+#[test]
+fn vllm_mooncake_handoff_after_reject_caught_once_per_request() {
+    let o = handoff_with(
+        Sources::Ebpf,
+        &[
+            "--kv-connector",
+            "mooncake",
+            "--mooncake-abort-request-timeout-secs",
+            "8",
+        ],
+        "orphaned-leg",
+    );
+    assert_eq!(
+        common::sources_of_rule(&o.notifications, "orphaned-leg")
+            .keys()
+            .collect::<Vec<_>>(),
+        ["ebpf"]
+    );
+    // Decode pulled the refused transfers: eBPF read those pulls too.
+    assert!(events(&o, "ebpf", "transfer", "admitted") >= o.load["ok"].as_u64().unwrap());
 }
 
 /// The capacity check for vLLM, from the wire: a prefill whose KV cache holds fewer tokens than

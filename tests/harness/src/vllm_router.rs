@@ -23,13 +23,15 @@ pub struct VllmRouter {
 
 impl VllmRouter {
     /// `python` is the interpreter of a venv with vllm-router (`PD_SIM_VLLM_ROUTER_PYTHON`);
-    /// `trace` the OTLP/gRPC endpoint (`host:port`) its spans go to, none for no tracing. Its
-    /// stdout goes to `log`, stderr to `log` with the extension `err`. Returns once its
-    /// `/health` answers 200 (at most 60 s).
+    /// `trace` the OTLP/gRPC endpoint (`host:port`) its spans go to, none for no tracing;
+    /// `mooncake` prefill's bootstrap port when the workers run MooncakeConnector
+    /// (`--kv-connector mooncake`, `--prefill URL PORT`), none for NIXL. Its stdout goes to
+    /// `log`, stderr to `log` with the extension `err`. Returns once its `/health` answers 200
+    /// (at most 60 s).
     pub fn start(
         python: &Path,
-        prefill: &str,
-        decode: &str,
+        (prefill, decode): (&str, &str),
+        mooncake: Option<u16>,
         trace: Option<&str>,
         log: &Path,
     ) -> Result<VllmRouter> {
@@ -48,7 +50,12 @@ impl VllmRouter {
                 &prom.to_string(),
             ])
             .args(["--vllm-pd-disaggregation", "--policy", "round_robin"])
-            .args(["--prefill", prefill, "--decode", decode])
+            .args(["--prefill", prefill]);
+        if let Some(port) = mooncake {
+            cmd.arg(port.to_string())
+                .args(["--kv-connector", "mooncake"]);
+        }
+        cmd.args(["--decode", decode])
             .stdin(Stdio::null())
             .stdout(File::create(log)?)
             .stderr(File::create(&err_log)?);

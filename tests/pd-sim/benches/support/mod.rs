@@ -505,8 +505,8 @@ pub fn start_row(
             return RealRouter::Vllm(
                 test_harness::VllmRouter::start(
                     bin,
-                    &cluster.prefill,
-                    &cluster.decode,
+                    (&cluster.prefill, &cluster.decode),
+                    None,
                     trace,
                     &dir.join("vllm-router.log"),
                 )

@@ -376,9 +376,15 @@ impl Tracker {
             ctl,
             Control::NixlHandshake | Control::MooncakePull { .. } | Control::MooncakeStatus { .. }
         ) {
-            // Reported by its sender, by its receiver only when the sending socket is not one
-            // this node watches.
-            let report = dir == 1 || self.peer_of(peer) != Peer::Member;
+            // Reported by its sender; by its receiver only when neither the sending socket nor a
+            // process of the sender's kind is watched on this node (vLLM's engine core, which
+            // sends it, is a child of the watched API server).
+            let sender_role = match sender {
+                Sender::Prefill => Role::Prefill,
+                Sender::Decode => Role::Decode,
+            };
+            let report =
+                dir == 1 || (self.peer_of(peer) != Peer::Member && !self.has_role(sender_role));
             self.vllm_transfer(tgid, ts, ctl, report, out);
             return;
         }

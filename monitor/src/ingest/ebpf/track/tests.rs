@@ -1264,6 +1264,9 @@ fn mooncake_connector_pulls_and_answers_are_the_transfer() {
     );
     s.io(PREFILL, 7, syscall::RECVFROM, &leg, 65536);
     // vLLM's engine core serves no HTTP: its role is unknown, its messages say who sent them.
+    // This node's engine core is decode's; the prefill it pulls from is on another node (no
+    // prefill process watched here, so decode's end reports prefill's answer).
+    s.t.set_role(PREFILL, Role::Unknown);
     s.t.set_role(UNKNOWN, Role::Unknown);
     s.connect(UNKNOWN, 9, "10.0.0.9:17001");
     let pull = (0..PULL_HEX.len())
