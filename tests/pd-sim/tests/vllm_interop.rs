@@ -9,7 +9,7 @@
 //!
 //! Needs `PD_SIM_VLLM_PYTHON`: a Python with `vllm==0.34.0` importable (`cargo xtask test`
 //! builds `target/vllm-venv`: the wheel with `--no-deps` over the SGLang venv's torch), e.g.
-//!   PD_SIM_VLLM_PYTHON=$PWD/target/vllm-venv/bin/python cargo test -p pd-sim --release --test vllm_interop
+//!   PD_SIM_VLLM_PYTHON=$PWD/target/vllm-venv/bin/python cargo test -p pd-sim --release --test vllm_interop -- --ignored
 //! Without it the test says so loudly and passes.
 
 mod support;
@@ -20,14 +20,12 @@ use std::time::{Duration, Instant};
 use support::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs PD_SIM_VLLM_PYTHON pointing at a Python with vllm==0.34.0; cargo xtask test runs it"]
 async fn vllm_code_accepts_pd_sims_wire() {
-    let Ok(python) = std::env::var("PD_SIM_VLLM_PYTHON") else {
-        eprintln!(
-            "\n*** vllm_interop SKIPPED: PD_SIM_VLLM_PYTHON is unset; pd-sim's vLLM wire was NOT \
-             checked against vLLM's code (cargo xtask test sets it) ***\n"
-        );
-        return;
-    };
+    let python = std::env::var("PD_SIM_VLLM_PYTHON").expect(
+        "set PD_SIM_VLLM_PYTHON to a Python with vllm==0.34.0 importable (cargo xtask test \
+         builds target/vllm-venv and sets it)",
+    );
     let c = Cluster::start("correct", &["--flavour", "vllm", "--no-router"]).await;
     let scratch = test_harness::ScratchDir::new("vllm-interop").unwrap();
     let mooncake_json = scratch.path().join("mooncake.json");

@@ -47,7 +47,7 @@ const PORTS: &[(&str, u16, u16)] = &[
 const PROFILE: &[(&str, u32, bool)] = &[
     ("e2e/pd_sim_revenant", 400, true),
     ("e2e/cluster_pd", 250, true),
-    ("e2e/vllm_pd", 120, true),
+    ("e2e/vllm_pd", 300, true),
     ("e2e/sglang_harness --ignored", 300, true),
     ("pd-sim/modes", 120, true),
     ("pd-sim/smg_1_13 --ignored", 120, true),
@@ -57,6 +57,7 @@ const PROFILE: &[(&str, u32, bool)] = &[
     ("pd-sim/vllm_real_router --ignored", 60, true),
     ("pd-sim/interop --ignored", 30, false),
     ("pd-sim/sglang_interop --ignored", 30, false),
+    ("pd-sim/vllm_interop --ignored", 30, false),
     ("revenant/ebpf_real_router --ignored", 90, true),
     ("revenant/build_without_ebpf", 300, false),
     ("revenant/cluster_faults", 200, false),
@@ -88,6 +89,7 @@ const REAL_COMPONENTS: &[&str] = &[
     "pd-sim/vllm_real_router",
     "e2e/sglang_harness",
     "pd-sim/sglang_interop",
+    "pd-sim/vllm_interop",
 ];
 
 /// Executables whose own work is a build: they run at the lowest CPU priority.
