@@ -176,6 +176,10 @@ pub fn fault_visible(f: Fault, w: Witness) -> bool {
         Fault::ForeignRoutePut => w.ebpf(),
         // The refused room's stub moves on the wire and in the simulator's spans alike.
         Fault::StubIntake => true,
+        // vLLM's handoff faults: no span carries `kv_transfer_params`.
+        Fault::StaleKvParams | Fault::ForgedKvParams => w.ebpf(),
+        // A failed transfer breaks no invariant.
+        Fault::MooncakePullError => false,
     }
 }
 

@@ -34,8 +34,7 @@
 use std::net::SocketAddr;
 
 use super::rooms::{Judge, RoomAt, RoomMessage};
-use super::vllm::HandoffBreach;
-use super::{Answer, Endpoint, Proto, Tracker, Worker, canonical};
+use super::{Answer, Endpoint, HandoffBreach, Proto, Tracker, Worker, canonical};
 use crate::event::{
     BootstrapRoom, Kind, LifecycleEvent, Peer, ProtocolBreach, Source, Stage, truncate_reason,
 };

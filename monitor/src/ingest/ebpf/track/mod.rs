@@ -183,6 +183,14 @@ struct Connection {
     streamed: bool,
 }
 
+/// A vLLM decode leg whose `kv_transfer_params` name KV prefill did not issue to its request
+/// (judged in [`vllm`], marked on the leg's event in [`lifecycle`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct HandoffBreach {
+    breach: crate::event::ProtocolBreach,
+    reason: String,
+}
+
 #[derive(Debug, Clone, Copy)]
 struct Worker {
     role: Role,

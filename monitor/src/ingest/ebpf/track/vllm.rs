@@ -30,7 +30,7 @@ use std::collections::VecDeque;
 use foldhash::HashMap;
 
 use super::lifecycle::PathKind;
-use super::{Endpoint, Tracker};
+use super::{Endpoint, HandoffBreach, Tracker};
 use crate::event::{Kind, LifecycleEvent, ProtocolBreach, Stage};
 use crate::ingest::ebpf::json_ids::{BodyWindow, KvLeg, RequestIds, ResponseInfo};
 use crate::ingest::ebpf::procs::Role;
@@ -145,12 +145,6 @@ impl IssuedKv {
     }
 }
 
-/// A decode leg whose `kv_transfer_params` name KV prefill did not issue to its request.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) struct HandoffBreach {
-    pub breach: ProtocolBreach,
-    pub reason: String,
-}
 
 /// The last capacity a worker reported, per worker key.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
