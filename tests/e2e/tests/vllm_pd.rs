@@ -610,35 +610,29 @@ fn router_swapped(o: &Outcome) -> Handoffs {
         .collect()
 }
 
+/// pd-sim's router in `mode` swaps one decode leg's params in nine; each such request is
+/// caught once (naming whose KV it read when `foreign`).
+fn swapped_params_caught(mode: &'static str, sources: Sources, foreign: bool) {
+    let _g = serial();
+    let o = run(Router::Sim(mode), sources, HANDOFF_FAULT_LOAD);
+    let expected = router_swapped(&o);
+    assert!(expected.values().all(|owner| owner.is_some() == foreign));
+    assert_handoffs_caught(&o, &expected);
+}
+
 /// A router that hands one decode leg in nine the previous request's `kv_transfer_params`:
 /// decode reads another request's KV cache. Each such request is caught once, from eBPF (no
 /// span carries the params), naming the request whose KV it read.
 #[test]
 fn vllm_decode_legs_given_another_requests_kv_caught_once_each() {
-    let _g = serial();
-    let o = run(
-        Router::Sim("reuse-kv-params"),
-        Sources::Ebpf,
-        HANDOFF_FAULT_LOAD,
-    );
-    let expected = router_swapped(&o);
-    assert!(expected.values().all(Option::is_some));
-    assert_handoffs_caught(&o, &expected);
+    swapped_params_caught("reuse-kv-params", Sources::Ebpf, true);
 }
 
 /// A router that hands one decode leg in nine KV prefill never issued (stale or forged
-/// params): each such request is caught once.
+/// params): each such request is caught once, and with both witnesses nothing else is said.
 #[test]
 fn vllm_decode_legs_given_unissued_kv_caught_once_each() {
-    let _g = serial();
-    let o = run(
-        Router::Sim("forge-kv-params"),
-        Sources::Both,
-        HANDOFF_FAULT_LOAD,
-    );
-    let expected = router_swapped(&o);
-    assert!(expected.values().all(Option::is_none));
-    assert_handoffs_caught(&o, &expected);
+    swapped_params_caught("forge-kv-params", Sources::Both, false);
 }
 
 /// The real vllm-router 0.1.17 forwards what prefill answers: a prefill that answers a request

@@ -145,7 +145,6 @@ impl IssuedKv {
     }
 }
 
-
 /// The last capacity a worker reported, per worker key.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub(super) struct WorkerCapacity {
