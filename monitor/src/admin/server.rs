@@ -333,6 +333,37 @@ mod tests {
         (status, ct, json)
     }
 
+    /// The pages sit behind the same token as `/api`: without it, 401 and no page.
+    #[tokio::test]
+    async fn pages_need_the_token_as_the_api_does() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("token");
+        std::fs::write(&path, "s3cret-token-of-some-length\n").unwrap();
+        let mut s = state();
+        s.access.token = Some(Arc::new(crate::access::BearerToken::load(path).unwrap()));
+        for page in ["/requests/never-seen", "/incidents", "/api/violations"] {
+            let call = |auth: Option<&str>| {
+                let mut req = Request::get(page);
+                if let Some(a) = auth {
+                    req = req.header(header::AUTHORIZATION, a);
+                }
+                router(s.clone()).oneshot(req.body(Body::empty()).unwrap())
+            };
+            let open = call(None).await.unwrap();
+            assert_eq!(open.status(), StatusCode::UNAUTHORIZED, "{page}");
+            let body = axum::body::to_bytes(open.into_body(), 1 << 20)
+                .await
+                .unwrap();
+            assert!(!String::from_utf8_lossy(&body).contains("<svg"), "{page}");
+            let wrong = call(Some("Bearer nope")).await.unwrap();
+            assert_eq!(wrong.status(), StatusCode::UNAUTHORIZED, "{page}");
+            let right = call(Some("Bearer s3cret-token-of-some-length"))
+                .await
+                .unwrap();
+            assert_ne!(right.status(), StatusCode::UNAUTHORIZED, "{page}");
+        }
+    }
+
     /// Every error is JSON `{"error": …}`; `/` and unknown paths list the endpoints.
     #[tokio::test]
     async fn errors_are_json_and_unknown_paths_list_the_endpoints() {
