@@ -162,6 +162,9 @@ def measure(revenant, caps):
                "--", revenant, "run", "--ebpf", "on", "--node", "caps",
                "--pid", f"prefill={fakes[0].pid}", "--pid", f"decode={fakes[1].pid}",
                "--pid", f"router={router.pid}",
+               # Only the three fakes: a serving process elsewhere on the machine (another
+               # test's router or worker) must not be watched by command-line convention.
+               "--no-sglang-conventions",
                "--otlp-grpc", "off", "--otlp-http", "off", "--admin", "127.0.0.1:0",
                "--alerts-jsonl", alerts, "--spool-dir", os.path.join(work, "spool"),
                "--ready-file", ready, "--group-wait", "0s"]
