@@ -3,13 +3,13 @@
 //! control-message reader on every message.
 //!
 //! Holds: no panic; a message keeps at most `KEEP_PARTS` parts of at most `KEEP_BYTES` each
-//! (payloads are never kept) and counts at least the parts it keeps. And splitting does not
+//! (`KEEP_MSGPACK_BYTES` for a first part that is a MessagePack map; payloads are never kept) and counts at least the parts it keeps. And splitting does not
 //! matter: the bytes of all feeds, given as one syscall, give the same messages as the same
 //! bytes in the input's chunks continuing that syscall.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use revenant::ingest::ebpf::zmtp::{self, KEEP_BYTES, KEEP_PARTS, ZmtpStream};
+use revenant::ingest::ebpf::zmtp::{self, KEEP_BYTES, KEEP_MSGPACK_BYTES, KEEP_PARTS, ZmtpStream};
 use revenant_fuzz::{Op, stream_ops};
 
 fn stream_for(first: Option<&[u8]>) -> ZmtpStream {
@@ -64,9 +64,16 @@ fuzz_target!(|data: &[u8]| {
             "{} parts kept",
             msg.parts.len()
         );
-        assert!(msg.parts.iter().all(|p| p.len() <= KEEP_BYTES));
+        // The first part keeps more when it is a MessagePack map (vLLM's connectors).
+        assert!(
+            msg.parts
+                .iter()
+                .enumerate()
+                .all(|(i, p)| p.len() <= if i == 0 { KEEP_MSGPACK_BYTES } else { KEEP_BYTES })
+        );
         assert!(msg.part_count as usize >= msg.parts.len());
         let _ = zmtp::control(msg, zmtp::Sender::Prefill);
         let _ = zmtp::control(msg, zmtp::Sender::Decode);
+        let _ = zmtp::vllm_control(msg);
     }
 });
