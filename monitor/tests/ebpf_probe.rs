@@ -775,7 +775,7 @@ fn a_metrics_connection_is_captured_whole_and_its_page_read() {
     let mut conn = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
     conn.set_read_timeout(Some(Duration::from_secs(10)))
         .unwrap();
-    let mut scrape = |conn: &mut std::net::TcpStream| {
+    let scrape = |conn: &mut std::net::TcpStream| {
         conn.write_all(b"GET /metrics HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n")
             .unwrap();
         let mut got = Vec::new();
