@@ -371,6 +371,10 @@ impl Tracker {
             }
             return;
         };
+        let sender_role = match sender {
+            Sender::Prefill => Role::Prefill,
+            Sender::Decode => Role::Decode,
+        };
         if matches!(
             ctl,
             Control::NixlHandshake | Control::MooncakePull { .. } | Control::MooncakeStatus { .. }
@@ -378,10 +382,6 @@ impl Tracker {
             // Reported by its sender; by its receiver only when neither the sending socket nor a
             // process of the sender's kind is watched on this node (vLLM's engine core, which
             // sends it, is a child of the watched API server).
-            let sender_role = match sender {
-                Sender::Prefill => Role::Prefill,
-                Sender::Decode => Role::Decode,
-            };
             let report =
                 dir == 1 || (self.peer_of(peer) != Peer::Member && !self.has_role(sender_role));
             self.vllm_transfer(tgid, ts, ctl, report, out);
@@ -391,10 +391,6 @@ impl Tracker {
         // Each message is reported once, by its sender; by its receiver only when the sender's
         // role is not watched here. A message that breaks its room's protocol is reported by
         // the end that judged it, even where the other end reports the message itself.
-        let sender_role = match sender {
-            Sender::Prefill => Role::Prefill,
-            Sender::Decode => Role::Decode,
-        };
         if dir != 1 && self.has_role(sender_role) && breach.is_none() {
             return;
         }

@@ -250,8 +250,9 @@ struct OwnSockets {
     local_ips: Vec<IpAddr>,
 }
 
-/// New ZMTP connections held for the source between two drains.
-const MAX_ZMTP_OPENED: usize = 4096;
+/// Connections held for the source between two drains, per kind of capture change (new ZMTP
+/// connections, connections that carried a `/metrics` request).
+const MAX_CAPTURE_CHANGES: usize = 4096;
 
 /// Own sockets remembered (about 4 MiB at most).
 const MAX_OWN_SOCKETS: usize = 65_536;
@@ -502,7 +503,7 @@ impl Tracker {
         self.stats.gap_bytes += gap_bytes;
         self.stats.http_desyncs += desyncs;
         self.stats.zmtp_desyncs += zmtp_desyncs;
-        if zmtp_opened && self.zmtp_opened.len() < MAX_ZMTP_OPENED {
+        if zmtp_opened && self.zmtp_opened.len() < MAX_CAPTURE_CHANGES {
             self.zmtp_opened.push((tgid, d.fd));
         }
         let ts = d.hdr.ts_ns;
@@ -542,7 +543,7 @@ impl Tracker {
             HttpEvent::RequestHead(head) => {
                 if !conn.streamed && path_kind(&head.path) == PathKind::Metrics {
                     conn.streamed = true;
-                    if self.metrics_conns.len() < MAX_ZMTP_OPENED {
+                    if self.metrics_conns.len() < MAX_CAPTURE_CHANGES {
                         self.metrics_conns.push((tgid, fd));
                     }
                 }

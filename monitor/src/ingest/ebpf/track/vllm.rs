@@ -218,12 +218,13 @@ impl Tracker {
         (ids, handoff)
     }
 
-    /// A vLLM KV-connector message (see [`crate::ingest::ebpf::zmtp::vllm_control`]): the NIXL handshake is counted
-    /// (it pairs engines, it names no request); a MooncakeConnector pull is the transfer
-    /// `admitted` for each request it names, prefill's answer `completed` (`ok_reqs`) or
-    /// `aborted` (`err_reqs`). A request is named by its leg's rid, learnt from the legs'
-    /// `transfer_id`; a pull for a transfer no leg here named is counted, not reported (its
-    /// request is not known).
+    /// A vLLM KV-connector message (see [`crate::ingest::ebpf::zmtp::vllm_control`]), `report`ed
+    /// by this end or not: the NIXL handshake is counted (it pairs engines, it names no
+    /// request); a MooncakeConnector pull is the transfer `admitted` for each request it names,
+    /// prefill's answer `completed` (`ok_reqs`) or `aborted` (`err_reqs`). A request is named by
+    /// its leg's rid, learnt from the legs' `transfer_id`; one no leg here named is counted, not
+    /// reported (its request is not known). Both counts are kept by the reporting end only, so
+    /// a message both ends of this node read counts once.
     pub(super) fn vllm_transfer(
         &mut self,
         tgid: u32,
@@ -233,17 +234,18 @@ impl Tracker {
         out: &mut Vec<LifecycleEvent>,
     ) {
         let mut emit = |t: &mut Self, rid: Option<String>, kind: Kind, what: &str| {
+            if !report {
+                return;
+            }
             let Some(rid) = rid else {
                 t.stats.vllm_transfers_unattributed += 1;
                 return;
             };
-            if report {
-                let mut e = t
-                    .event(ts, Stage::Transfer, kind, tgid)
-                    .with_rid(rid.as_str());
-                e.detail = Some(format!("zmtp mooncake {what}").into());
-                out.push(e);
-            }
+            let mut e = t
+                .event(ts, Stage::Transfer, kind, tgid)
+                .with_rid(rid.as_str());
+            e.detail = Some(format!("zmtp mooncake {what}").into());
+            out.push(e);
         };
         match ctl {
             Control::NixlHandshake => self.stats.vllm_nixl_handshakes += u64::from(report),
