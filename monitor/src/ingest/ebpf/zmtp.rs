@@ -559,6 +559,27 @@ fn parse_room(b: &[u8]) -> Option<u64> {
     std::str::from_utf8(b).ok()?.parse().ok()
 }
 
+/// Bytes vLLM 0.34's own msgspec encoder wrote (`MooncakeXferMetadata` for decode request
+/// `cmpl-req-7-0-1a2b3c4d` and transfer `5f0c7e1a-…`, `MooncakeXferResponse` FINISH and ERROR
+/// for it, `MooncakeLeaseHeartbeat`, NIXL's `(GET_META_MSG, 0, 0)`), for the tests here and the
+/// tracker's.
+#[cfg(test)]
+pub(crate) mod vllm_bytes {
+    pub(crate) fn hex(s: &str) -> Vec<u8> {
+        (0..s.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
+            .collect()
+    }
+
+    pub(crate) const PULL: &str = "88af72656d6f74655f686f73746e616d65a93132372e302e302e31ab72656d6f74655f706f7274cd4269ae72656d6f74655f74705f73697a6501ae72656d6f74655f74705f72616e6b00aa7265715f626c6f636b7381b5636d706c2d7265712d372d302d316132623363346492d92435663063376531612d396437622d346133362d386634622d3266366439613063316531319193010203b36b765f6361636865735f626173655f6164647291cf0000002098a67800aa626c6f636b5f6c656e7391ce00010000ad6b765f626c6f636b5f6c656e7391ce00010000";
+    pub(crate) const FINISH: &str =
+        "82a673746174757300a76f6b5f7265717391b5636d706c2d7265712d372d302d3161326233633464";
+    pub(crate) const ERROR: &str = "83a673746174757302a86572725f7265717391b5636d706c2d7265712d372d302d3161326233633464a76572725f6d7367a4626f6f6d";
+    pub(crate) const HEARTBEAT: &str = "81b26c656173655f7472616e736665725f69647391a27431";
+    pub(crate) const GET_META: &str = "93c40c6765745f6d6574615f6d73670000";
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -910,21 +931,7 @@ mod tests {
         assert_eq!(s.desyncs, 1);
     }
 
-    fn hex(s: &str) -> Vec<u8> {
-        (0..s.len())
-            .step_by(2)
-            .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
-            .collect()
-    }
-
-    // Bytes vLLM 0.34's own msgspec encoder wrote (`MooncakeXferMetadata`,
-    // `MooncakeXferResponse`, `MooncakeLeaseHeartbeat`, NIXL's `(GET_META_MSG, 0, 0)`).
-    const PULL: &str = "88af72656d6f74655f686f73746e616d65a93132372e302e302e31ab72656d6f74655f706f7274cd4269ae72656d6f74655f74705f73697a6501ae72656d6f74655f74705f72616e6b00aa7265715f626c6f636b7381b5636d706c2d7265712d372d302d316132623363346492d92435663063376531612d396437622d346133362d386634622d3266366439613063316531319193010203b36b765f6361636865735f626173655f6164647291cf0000002098a67800aa626c6f636b5f6c656e7391ce00010000ad6b765f626c6f636b5f6c656e7391ce00010000";
-    const FINISH: &str =
-        "82a673746174757300a76f6b5f7265717391b5636d706c2d7265712d372d302d3161326233633464";
-    const ERROR: &str = "83a673746174757302a86572725f7265717391b5636d706c2d7265712d372d302d3161326233633464a76572725f6d7367a4626f6f6d";
-    const HEARTBEAT: &str = "81b26c656173655f7472616e736665725f69647391a27431";
-    const GET_META: &str = "93c40c6765745f6d6574615f6d73670000";
+    use super::vllm_bytes::*;
 
     #[test]
     fn vllm_connector_messages_say_who_sent_them() {

@@ -1,6 +1,7 @@
 use super::*;
 use crate::event::{BootstrapRoom, ProtocolBreach, Source, Stage};
 use crate::ingest::ebpf::record::{Conn, DataPiece, Record};
+use crate::ingest::ebpf::zmtp::vllm_bytes;
 use monitor_common::{Header, kind, syscall};
 use proptest::prelude::*;
 
@@ -983,10 +984,6 @@ fn rid_kinds(s: &Sim) -> Vec<(Stage, Kind, Option<String>)> {
         .collect()
 }
 
-/// NIXL's handshake as decode's REQ socket writes it: an empty delimiter, then msgspec's
-/// `(b"get_meta_msg", pp_rank, tp_rank)` (`nixl/base_worker.py`).
-const NIXL_GET_META: &[u8] = b"\x93\xc4\x0cget_meta_msg\x00\x00";
-
 #[test]
 fn vllm_pair_is_one_attempt_named_as_vllm_names_it() {
     let mut s = Sim::new();
@@ -1014,7 +1011,8 @@ fn vllm_pair_is_one_attempt_named_as_vllm_names_it() {
         DECODE,
         9,
         syscall::SENDTO,
-        &zmtp_wire(&[b"", NIXL_GET_META]),
+        // An empty delimiter, then msgspec's `(b"get_meta_msg", pp_rank, tp_rank)`.
+        &zmtp_wire(&[b"", &vllm_bytes::hex(vllm_bytes::GET_META)]),
         4096,
     );
     let ok = vllm_ok(None);
@@ -1269,12 +1267,9 @@ fn mooncake_connector_pulls_and_answers_are_the_transfer() {
     s.t.set_role(PREFILL, Role::Unknown);
     s.t.set_role(UNKNOWN, Role::Unknown);
     s.connect(UNKNOWN, 9, "10.0.0.9:17001");
-    let pull = (0..PULL_HEX.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&PULL_HEX[i..i + 2], 16).unwrap())
-        .collect::<Vec<_>>();
+    let pull = vllm_bytes::hex(vllm_bytes::PULL);
     s.io(UNKNOWN, 9, syscall::SENDTO, &zmtp_wire(&[&pull]), 4096);
-    let finish = b"\x82\xa6status\x00\xa7ok_reqs\x91\xb5cmpl-req-7-0-1a2b3c4d";
+    let finish = vllm_bytes::hex(vllm_bytes::FINISH);
     let mut wire = vec![0xFF, 0, 0, 0, 0, 0, 0, 0, 1, 0x7F, 3, 1];
     wire.resize(64, 0);
     s.io(UNKNOWN, 9, syscall::RECVFROM, &wire, 4096);
@@ -1282,7 +1277,7 @@ fn mooncake_connector_pulls_and_answers_are_the_transfer() {
         UNKNOWN,
         9,
         syscall::RECVFROM,
-        &zmtp_wire(&[finish])[64..],
+        &zmtp_wire(&[&finish])[64..],
         4096,
     );
     let transfer_events: Vec<_> = s
@@ -1306,10 +1301,6 @@ fn mooncake_connector_pulls_and_answers_are_the_transfer() {
     assert!(s2.out.is_empty());
     assert_eq!(s2.t.stats.vllm_transfers_unattributed, 1);
 }
-
-/// vLLM 0.34's `MooncakeXferMetadata` for decode request `cmpl-req-7-0-1a2b3c4d` and transfer
-/// `5f0c7e1a-…`, as its msgspec encoder writes it.
-const PULL_HEX: &str = "88af72656d6f74655f686f73746e616d65a93132372e302e302e31ab72656d6f74655f706f7274cd4269ae72656d6f74655f74705f73697a6501ae72656d6f74655f74705f72616e6b00aa7265715f626c6f636b7381b5636d706c2d7265712d372d302d316132623363346492d92435663063376531612d396437622d346133362d386634622d3266366439613063316531319193010203b36b765f6361636865735f626173655f6164647291cf0000002098a67800aa626c6f636b5f6c656e7391ce00010000ad6b765f626c6f636b5f6c656e7391ce00010000";
 
 #[test]
 fn vllm_leg_params_give_unknown_workers_their_roles() {
