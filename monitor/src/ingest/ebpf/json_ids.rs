@@ -43,8 +43,10 @@ pub struct BodyWindow {
 #[derive(Default, Clone)]
 struct CacheLine {
     /// The body's last bytes before the current push (the sample's name may straddle pushes);
-    /// a newline stands for the body's start.
-    carry: Vec<u8>,
+    /// a newline stands for the body's start. Kept in place: every body's every push goes by
+    /// here, and an allocation per push would cost the busiest path.
+    carry: [u8; SAMPLE_EDGE],
+    carry_len: u8,
     /// The sample line collected so far, from its name, until its newline.
     line: Option<Vec<u8>>,
     found: Option<CacheConfig>,
@@ -52,6 +54,8 @@ struct CacheLine {
 
 /// A sample's name at the start of a line.
 const CACHE_SAMPLE: &[u8] = b"\nvllm:cache_config_info{";
+/// Bytes of a sample's name that can lie before a push.
+const SAMPLE_EDGE: usize = CACHE_SAMPLE.len() - 1;
 /// Longest sample line read (every CacheConfig field is a label: about 1 KB in vLLM 0.34).
 const MAX_CACHE_LINE: usize = 8192;
 
@@ -61,7 +65,8 @@ impl CacheLine {
             return;
         }
         if body_start {
-            self.carry = b"\n".to_vec();
+            self.carry[0] = b'\n';
+            self.carry_len = 1;
         }
         loop {
             if let Some(line) = &mut self.line {
@@ -80,30 +85,35 @@ impl CacheLine {
                         if line.len() > MAX_CACHE_LINE {
                             self.line = None;
                         }
-                        self.carry.clear();
+                        self.carry_len = 0;
                         return;
                     }
                 }
             }
             // A name that starts in the carry and ends in `data`.
-            let edge_len = data.len().min(CACHE_SAMPLE.len() - 1);
-            let mut edge = std::mem::take(&mut self.carry);
-            let carried = edge.len();
-            edge.extend_from_slice(&data[..edge_len]);
-            let start = match CACHE_SAMPLE_FINDER.find(&edge) {
+            let carried = usize::from(self.carry_len);
+            let edge_len = data.len().min(SAMPLE_EDGE);
+            let mut joined = [0u8; 2 * SAMPLE_EDGE];
+            joined[..carried].copy_from_slice(&self.carry[..carried]);
+            joined[carried..carried + edge_len].copy_from_slice(&data[..edge_len]);
+            let edge = &joined[..carried + edge_len];
+            self.carry_len = 0;
+            let start = match CACHE_SAMPLE_FINDER.find(edge) {
                 Some(q) if q < carried => Some(q + CACHE_SAMPLE.len() - carried),
                 _ => CACHE_SAMPLE_FINDER
                     .find(data)
                     .map(|p| p + CACHE_SAMPLE.len()),
             };
             let Some(after) = start else {
-                let keep = data.len().min(CACHE_SAMPLE.len() - 1);
-                if keep == CACHE_SAMPLE.len() - 1 {
-                    self.carry = data[data.len() - keep..].to_vec();
+                // The last bytes of carry and `data` together (all of `edge` when `data` is
+                // shorter than a name).
+                let tail = if data.len() >= SAMPLE_EDGE {
+                    &data[data.len() - SAMPLE_EDGE..]
                 } else {
-                    let from = edge.len() - (CACHE_SAMPLE.len() - 1).min(edge.len());
-                    self.carry = edge[from..].to_vec();
-                }
+                    &edge[edge.len() - SAMPLE_EDGE.min(edge.len())..]
+                };
+                self.carry[..tail.len()].copy_from_slice(tail);
+                self.carry_len = tail.len() as u8;
                 return;
             };
             self.line = Some(CACHE_SAMPLE[1..].to_vec());
@@ -113,7 +123,7 @@ impl CacheLine {
 
     /// Bytes went by uncaptured: a line with a hole is not read.
     fn gap(&mut self) {
-        self.carry.clear();
+        self.carry_len = 0;
         self.line = None;
     }
 }
