@@ -5,8 +5,6 @@
 
 mod support;
 
-use std::path::PathBuf;
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use pd_sim::http::{HttpClient, http_client};
@@ -267,41 +265,6 @@ async fn mooncake_cluster_serves_openai_load() {
     assert_eq!(ps["worker"]["pull_errors"], 0, "{ps}");
 }
 
-fn vllm_router() -> PathBuf {
-    test_harness::router_from_env("PD_SIM_VLLM_ROUTER", "vllm-router 0.1.17")
-}
-
-/// vllm-router 0.1.17 with `--kv-connector mooncake` in front of the workers.
-fn start_real_router(
-    bin: &PathBuf,
-    c: &Cluster,
-    log: &std::path::Path,
-) -> (test_harness::Proc, String) {
-    let port = test_harness::free_port().unwrap();
-    let prom = test_harness::free_port().unwrap();
-    let out = std::fs::File::create(log).unwrap();
-    let err = out.try_clone().unwrap();
-    let boot = c.ready["bootstrap_port"].as_u64().unwrap().to_string();
-    let mut cmd = Command::new(bin);
-    cmd.args(["--host", "127.0.0.1", "--port", &port.to_string()])
-        .args([
-            "--prometheus-host",
-            "127.0.0.1",
-            "--prometheus-port",
-            &prom.to_string(),
-        ])
-        .args(["--vllm-pd-disaggregation", "--kv-connector", "mooncake"])
-        .args(["--prefill", &c.prefill, &boot, "--decode", &c.decode])
-        .args(["--policy", "round_robin"])
-        .stdin(Stdio::null())
-        .stdout(out)
-        .stderr(err);
-    let proc = tokio::task::block_in_place(|| test_harness::Proc::spawn("vllm-router", &mut cmd))
-        .unwrap()
-        .with_grace(Duration::from_secs(3));
-    (proc, format!("http://127.0.0.1:{port}"))
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs vllm-router 0.1.17 (PD_SIM_VLLM_ROUTER); cargo xtask test runs it"]
 async fn real_vllm_router_drives_mooncake_pulls() {
@@ -309,7 +272,12 @@ async fn real_vllm_router_drives_mooncake_pulls() {
     let (tap, c) = DuplexTap::mooncake_cluster("correct", "", &["--no-router"]).await;
     let scratch = test_harness::ScratchDir::new("vllm-router-mooncake").unwrap();
     let log = scratch.path().join("vllm-router.log");
-    let (_router, url) = start_real_router(&bin, &c, &log);
+    let (_router, url) = start_vllm_router(
+        &bin,
+        &c,
+        Some(c.ready["bootstrap_port"].as_u64().unwrap()),
+        &log,
+    );
     let client = http_client(8);
     let deadline = Instant::now() + Duration::from_secs(60);
     while get(&client, &format!("{url}/health")).await.map(|r| r.0) != Ok(200) {

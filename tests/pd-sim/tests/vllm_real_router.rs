@@ -6,49 +6,11 @@
 
 mod support;
 
-use std::path::PathBuf;
-use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use pd_sim::http::{HttpClient, http_client};
 use serde_json::{Value, json};
 use support::*;
-
-fn vllm_router() -> PathBuf {
-    test_harness::router_from_env("PD_SIM_VLLM_ROUTER", "vllm-router 0.1.17")
-}
-
-/// `vllm-router --vllm-pd-disaggregation` in front of the cluster's workers; dropped, stopped.
-fn start_router(bin: &PathBuf, c: &Cluster, log: &std::path::Path) -> (test_harness::Proc, String) {
-    let port = test_harness::free_port().unwrap();
-    let prom = test_harness::free_port().unwrap();
-    let out = std::fs::File::create(log).unwrap();
-    let err = out.try_clone().unwrap();
-    let mut cmd = Command::new(bin);
-    cmd.args(["--host", "127.0.0.1", "--port", &port.to_string()])
-        .args([
-            "--prometheus-host",
-            "127.0.0.1",
-            "--prometheus-port",
-            &prom.to_string(),
-        ])
-        .args([
-            "--vllm-pd-disaggregation",
-            "--prefill",
-            &c.prefill,
-            "--decode",
-            &c.decode,
-        ])
-        .args(["--policy", "round_robin"])
-        .stdin(Stdio::null())
-        .stdout(out)
-        .stderr(err);
-    // Forked from this long-lived worker thread (the child's PDEATHSIG follows the thread).
-    let proc = tokio::task::block_in_place(|| test_harness::Proc::spawn("vllm-router", &mut cmd))
-        .unwrap()
-        .with_grace(Duration::from_secs(3));
-    (proc, format!("http://127.0.0.1:{port}"))
-}
 
 async fn post(
     client: &HttpClient,
@@ -87,7 +49,7 @@ async fn real_vllm_router_passes_a_400_through_and_hands_kv_params_to_decode() {
     let c = Cluster::start("correct", &["--flavour", "vllm", "--no-router"]).await;
     let scratch = test_harness::ScratchDir::new("vllm-router").unwrap();
     let log = scratch.path().join("vllm-router.log");
-    let (_router, url) = start_router(&bin, &c, &log);
+    let (_router, url) = start_vllm_router(&bin, &c, None, &log);
     let client = http_client(8);
     eventually("vllm-router healthy", Duration::from_secs(60), async || {
         matches!(get(&client, &format!("{url}/health")).await, Ok((200, _))).then_some(())
@@ -205,7 +167,7 @@ async fn real_vllm_router_turns_a_prefill_503_into_500() {
     .await;
     let scratch = test_harness::ScratchDir::new("vllm-router-503").unwrap();
     let log = scratch.path().join("vllm-router.log");
-    let (_router, url) = start_router(&bin, &c, &log);
+    let (_router, url) = start_vllm_router(&bin, &c, None, &log);
     let client = http_client(8);
     eventually("vllm-router healthy", Duration::from_secs(60), async || {
         matches!(get(&client, &format!("{url}/health")).await, Ok((200, _))).then_some(())
@@ -245,7 +207,7 @@ async fn real_vllm_router_forwards_stale_kv_params_from_prefill() {
     .await;
     let scratch = test_harness::ScratchDir::new("vllm-router-stale").unwrap();
     let log = scratch.path().join("vllm-router.log");
-    let (_router, url) = start_router(&bin, &c, &log);
+    let (_router, url) = start_vllm_router(&bin, &c, None, &log);
     let client = http_client(8);
     eventually("vllm-router healthy", Duration::from_secs(60), async || {
         matches!(get(&client, &format!("{url}/health")).await, Ok((200, _))).then_some(())

@@ -534,3 +534,48 @@ impl DuplexTap {
         (tap, c)
     }
 }
+
+/// The real vllm-router 0.1.17 (`PD_SIM_VLLM_ROUTER`; the tests that call this must run against
+/// the real binary, so it panics with what to set when it is missing).
+pub fn vllm_router() -> std::path::PathBuf {
+    test_harness::router_from_env("PD_SIM_VLLM_ROUTER", "vllm-router 0.1.17")
+}
+
+/// `vllm-router --vllm-pd-disaggregation` in front of the cluster's workers, with
+/// `--kv-connector mooncake` and prefill's bootstrap port when `mooncake` names it; its output
+/// to `log`; dropped, stopped. Returns it and its URL.
+pub fn start_vllm_router(
+    bin: &std::path::Path,
+    c: &Cluster,
+    mooncake: Option<u64>,
+    log: &std::path::Path,
+) -> (test_harness::Proc, String) {
+    let port = test_harness::free_port().unwrap();
+    let prom = test_harness::free_port().unwrap();
+    let out = std::fs::File::create(log).unwrap();
+    let err = out.try_clone().unwrap();
+    let mut cmd = Command::new(bin);
+    cmd.args(["--host", "127.0.0.1", "--port", &port.to_string()])
+        .args([
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            &prom.to_string(),
+        ])
+        .arg("--vllm-pd-disaggregation")
+        .args(["--prefill", &c.prefill]);
+    if let Some(boot) = mooncake {
+        cmd.arg(boot.to_string())
+            .args(["--kv-connector", "mooncake"]);
+    }
+    cmd.args(["--decode", &c.decode])
+        .args(["--policy", "round_robin"])
+        .stdin(Stdio::null())
+        .stdout(out)
+        .stderr(err);
+    // Forked from this long-lived worker thread (the child's PDEATHSIG follows the thread).
+    let proc = tokio::task::block_in_place(|| test_harness::Proc::spawn("vllm-router", &mut cmd))
+        .unwrap()
+        .with_grace(Duration::from_secs(3));
+    (proc, format!("http://127.0.0.1:{port}"))
+}
