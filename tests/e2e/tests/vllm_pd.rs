@@ -101,6 +101,9 @@ fn run_cluster(
         Router::Real => cluster_args.push("--no-router".into()),
     }
     cluster_args.extend(cluster_extra.iter().map(|s| s.to_string()));
+    let mooncake = cluster_extra
+        .windows(2)
+        .any(|w| w == ["--kv-connector", "mooncake"]);
     if sources.otlp() {
         cluster_args.extend(["--otlp-endpoint".into(), format!("http://{otlp_http}")]);
     }
@@ -117,19 +120,16 @@ fn run_cluster(
             let python =
                 test_harness::router_from_env("PD_SIM_VLLM_ROUTER_PYTHON", "vllm-router 0.1.17");
             let trace = sources.otlp().then_some(otlp_grpc.as_str());
-            let mooncake = cluster_extra
-                .windows(2)
-                .any(|w| w == ["--kv-connector", "mooncake"])
-                .then(|| {
-                    cluster.ready["bootstrap_port"]
-                        .as_u64()
-                        .and_then(|p| u16::try_from(p).ok())
-                        .expect("pd-sim names prefill's bootstrap port")
-                });
+            let bootstrap = mooncake.then(|| {
+                cluster.ready["bootstrap_port"]
+                    .as_u64()
+                    .and_then(|p| u16::try_from(p).ok())
+                    .expect("pd-sim names prefill's bootstrap port")
+            });
             let r = VllmRouter::start(
                 &python,
                 (&cluster.prefill, &cluster.decode),
-                mooncake,
+                bootstrap,
                 trace,
                 &dir.path().join("router.log"),
             )
@@ -237,9 +237,7 @@ fn run_cluster(
     drop(cluster);
     let o = Outcome {
         load,
-        mooncake: cluster_extra
-            .windows(2)
-            .any(|w| w == ["--kv-connector", "mooncake"]),
+        mooncake,
         router_stats,
         prefill,
         decode,
