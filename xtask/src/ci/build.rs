@@ -45,73 +45,154 @@ pub fn cargo() -> String {
     std::env::var("CARGO").unwrap_or_else(|_| "cargo".into())
 }
 
+/// One artifact of the build, reported as soon as cargo has written it.
+#[derive(Debug, Clone)]
+pub enum Artifact {
+    /// The `revenant` binary.
+    Revenant(PathBuf),
+    /// The `pd-sim` binary.
+    PdSim(PathBuf),
+    Test(TestExe),
+}
+
 pub fn build() -> Result<Built> {
-    let out = crate::cargo::command()
-        .arg("test")
-        .args(SELECTION)
-        .args(["--no-run", "--message-format", "json-render-diagnostics"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .output()
-        .context("running cargo test --no-run")?;
-    if !out.status.success() {
-        bail!("the build failed ({})", out.status);
-    }
+    build_reporting(false, &[], |_| {})
+}
+
+/// The build, `on` called with each executable as it lands, so that the test executables can
+/// start while the rest still compiles. `first`: test targets built before everything else
+/// (with the two binaries), in a first cargo run over the same packages and profile, whose
+/// artifacts the second reuses as they are (cargo resolves the same features for both: both
+/// build test targets, so both activate the dev-dependencies); cargo's own order would leave
+/// them to the end. `nice`: the compilers run below the tests' priority (a test that judges
+/// timing keeps the CPU it would have on a quiet machine).
+pub fn build_reporting(nice: bool, first: &[&str], mut on: impl FnMut(Artifact)) -> Result<Built> {
     let (mut revenant, mut pd_sim, mut tests) = (None, None, Vec::new());
-    for line in out.stdout.split(|b| *b == b'\n') {
-        let Ok(v) = serde_json::from_slice::<Value>(line) else {
-            continue;
-        };
-        if v["reason"] != "compiler-artifact" {
-            continue;
+    let mut runs: Vec<Vec<String>> = Vec::new();
+    if !first.is_empty() {
+        let mut run: Vec<String> = SELECTION
+            .iter()
+            .filter(|a| **a != "--all-targets")
+            .map(|a| a.to_string())
+            .collect();
+        run.extend(["--bin", "revenant", "--bin", "pd-sim"].map(String::from));
+        for t in first {
+            run.extend(["--test".to_owned(), t.to_string()]);
         }
-        let Some(exe) = v["executable"].as_str().map(PathBuf::from) else {
-            continue;
-        };
-        let target = v["target"]["name"].as_str().unwrap_or_default().to_owned();
-        let kind = v["target"]["kind"][0]
-            .as_str()
-            .unwrap_or_default()
-            .to_owned();
-        if v["profile"]["test"] != true {
-            match (kind.as_str(), target.as_str()) {
-                ("bin", "revenant") => revenant = Some(exe),
-                ("bin", "pd-sim") => pd_sim = Some(exe),
-                _ => {}
+        runs.push(run);
+    }
+    runs.push(SELECTION.iter().map(|a| a.to_string()).collect());
+    for selection in &runs {
+        let mut found = |a: Artifact| {
+            match &a {
+                Artifact::Revenant(p) => revenant = Some(p.clone()),
+                Artifact::PdSim(p) => pd_sim = Some(p.clone()),
+                Artifact::Test(t) => {
+                    // The second run reports again what the first made.
+                    if tests
+                        .iter()
+                        .any(|o: &TestExe| o.name == t.name && o.kind == t.kind)
+                    {
+                        return;
+                    }
+                    tests.push(t.clone());
+                }
             }
-            continue;
-        }
-        let manifest_dir = v["manifest_path"]
-            .as_str()
-            .map(PathBuf::from)
-            .and_then(|p| p.parent().map(PathBuf::from))
-            .ok_or_else(|| anyhow!("an artifact without manifest_path: {v}"))?;
-        let package = manifest_dir
-            .file_name()
-            .and_then(|n| n.to_str())
-            .map(|d| package_of(&v).unwrap_or(d).to_owned())
-            .unwrap_or_default();
-        let short = if kind == "lib" {
-            "lib".to_owned()
-        } else {
-            target.clone()
+            on(a);
         };
-        tests.push(TestExe {
-            name: format!("{package}/{short}"),
-            package,
-            target,
-            kind,
-            exe,
-            manifest_dir,
-        });
+        cargo_test_no_run(selection, nice, &mut found)?;
     }
     tests.sort_by(|a, b| a.name.cmp(&b.name));
-    tests.dedup_by(|a, b| a.name == b.name && a.kind == b.kind);
     Ok(Built {
         revenant: revenant.ok_or_else(|| anyhow!("the build made no revenant binary"))?,
         pd_sim: pd_sim.ok_or_else(|| anyhow!("the build made no pd-sim binary"))?,
         tests,
     })
+}
+
+/// One `cargo test --no-run` over `selection`, each executable it announces handed to `on`.
+fn cargo_test_no_run(selection: &[String], nice: bool, on: &mut dyn FnMut(Artifact)) -> Result<()> {
+    let mut cmd = crate::cargo::command();
+    cmd.arg("test")
+        .args(selection)
+        .args(["--no-run", "--message-format", "json-render-diagnostics"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
+    if nice {
+        use std::os::unix::process::CommandExt as _;
+        // SAFETY: nice(2) is async-signal-safe; the child only lowers its own priority, which
+        // cargo and every compiler it starts inherit.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::nice(10);
+                Ok(())
+            })
+        };
+    }
+    let mut child = cmd.spawn().context("running cargo test --no-run")?;
+    let stdout = child.stdout.take().expect("piped stdout");
+    for line in std::io::BufRead::split(std::io::BufReader::new(stdout), b'\n') {
+        let line = line.context("reading cargo's messages")?;
+        if let Some(artifact) = artifact(&line)? {
+            on(artifact);
+        }
+    }
+    let status = child.wait().context("waiting for cargo")?;
+    if !status.success() {
+        bail!(
+            "the build failed ({status}): cargo test {}",
+            selection.join(" ")
+        );
+    }
+    Ok(())
+}
+
+/// The executable one line of cargo's JSON messages announces, if any.
+fn artifact(line: &[u8]) -> Result<Option<Artifact>> {
+    let Ok(v) = serde_json::from_slice::<Value>(line) else {
+        return Ok(None);
+    };
+    if v["reason"] != "compiler-artifact" {
+        return Ok(None);
+    }
+    let Some(exe) = v["executable"].as_str().map(PathBuf::from) else {
+        return Ok(None);
+    };
+    let target = v["target"]["name"].as_str().unwrap_or_default().to_owned();
+    let kind = v["target"]["kind"][0]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    if v["profile"]["test"] != true {
+        return Ok(match (kind.as_str(), target.as_str()) {
+            ("bin", "revenant") => Some(Artifact::Revenant(exe)),
+            ("bin", "pd-sim") => Some(Artifact::PdSim(exe)),
+            _ => None,
+        });
+    }
+    let manifest_dir = v["manifest_path"]
+        .as_str()
+        .map(PathBuf::from)
+        .and_then(|p| p.parent().map(PathBuf::from))
+        .ok_or_else(|| anyhow!("an artifact without manifest_path: {v}"))?;
+    let package = manifest_dir
+        .file_name()
+        .and_then(|n| n.to_str())
+        .map(|d| package_of(&v).unwrap_or(d).to_owned())
+        .unwrap_or_default();
+    let short = if kind == "lib" {
+        "lib".to_owned()
+    } else {
+        target.clone()
+    };
+    Ok(Some(Artifact::Test(TestExe {
+        name: format!("{package}/{short}"),
+        package,
+        target,
+        kind,
+        exe,
+        manifest_dir,
+    })))
 }
 
 /// The package name in a `package_id` (`path+file:///…/monitor#revenant@0.1.0`, or the older

@@ -2,21 +2,24 @@
 //! says what each stage runs and how long it takes.
 //!
 //! ```text
-//! setup ─► build (one: cargo test --release --no-run, every target) ─┬─ product: chart ─► privileges ─► image
-//!                                                                     ├─ tests ×2: the test executables, longest first
-//!                                                                     ├─ venvs ─► (the real-component tests join the queue)
-//!                                                                     └─ fuzz (lowest priority): build ─► replay ─► fixed-seed runs
+//! setup ─► build (one: cargo test --release --no-run, every target, below the tests' priority)
+//!            ├─ tests ×2: each test executable joins the queue as the build makes it (with both
+//!            │            binaries); the lanes take the longest first
+//!            ├─ venvs ─► (the real-component tests join the queue)
+//!            └─ (built) ─┬─ product: chart ─► privileges ─► image
+//!                        └─ fuzz (lowest priority): build ─► replay ─► fixed-seed runs
 //! ```
 //!
-//! After the one build the stages run side by side. Each gets a range of loopback ports of its
-//! own ([`test_harness::PORTS_ENV`], below the kernel's ephemeral range), so no two stages ever
-//! race for a port. Test executables run as cargo would run them (`exec`), each with its output
-//! in `target/ci/logs/`; at most one of those that load the machine ([`PROFILE`]: the
+//! The stages run side by side, and the tests start before the build ends: the long end-to-end
+//! runs mostly wait, and the compilers take what they leave. Each stage gets a range of loopback
+//! ports of its own ([`test_harness::PORTS_ENV`], below the kernel's ephemeral range), so no two
+//! stages ever race for a port. Test executables run as cargo would run them (`exec`), each with
+//! its output in `target/ci/logs/`; at most one of those that load the machine ([`PROFILE`]: the
 //! end-to-end runs under eBPF, the real SGLang) runs at a time, so their timing stays what a
-//! quiet machine gives. Builds that only fill idle time (the fuzz targets, the build without
-//! eBPF) run at the lowest CPU priority. The timings are printed at the end and written to
-//! `target/ci/timings.json`; the wall time each executable took is kept in
-//! `target/ci/durations.json` to order the next run's queue.
+//! quiet machine gives. Builds that only fill idle time (the rest of the main build once tests
+//! run, the fuzz targets, the build without eBPF) run below the tests' priority. The timings are
+//! printed at the end and written to `target/ci/timings.json`; the wall time each executable took
+//! is kept in `target/ci/durations.json` to order the next run's queue.
 
 pub mod build;
 mod exec;
@@ -28,7 +31,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Result, anyhow, bail};
 
-use build::{Built, TestExe};
+use build::TestExe;
 use exec::{Invocation, Ran};
 
 /// Loopback port ranges, one per stage that runs side by side (`REVENANT_TEST_PORTS`), all
@@ -42,8 +45,11 @@ const PORTS: &[(&str, u16, u16)] = &[
 
 /// Test executables that take long or load the machine: expected wall seconds on 2 cores (the
 /// queue runs the longest first; `target/ci/durations.json` replaces these once measured), and
-/// whether it is heavy (at most one heavy executable runs at a time). Unlisted ones are light
-/// and short.
+/// whether it is heavy: it pushes load through several processes or judges timing that load
+/// would skew, so at most one heavy executable runs at a time. The rest may run beside one: the
+/// long ones among them mostly wait (real routers' timeouts, revenant's windows) and use a few
+/// seconds of CPU in a minute; every eBPF test watches its own processes by pid, so none sees
+/// another's traffic. Unlisted ones are light and short.
 const PROFILE: &[(&str, u32, bool)] = &[
     ("e2e/pd_sim_revenant", 400, true),
     ("e2e/cluster_pd", 250, true),
@@ -51,14 +57,14 @@ const PROFILE: &[(&str, u32, bool)] = &[
     ("e2e/sglang_harness --ignored", 300, true),
     ("pd-sim/modes", 120, true),
     ("pd-sim/smg_1_13 --ignored", 120, true),
-    ("pd-sim/real_router --ignored", 90, true),
-    ("pd-sim/e2e_real_router --ignored", 90, true),
-    ("pd-sim/e2e_capacity --ignored", 90, true),
-    ("pd-sim/vllm_real_router --ignored", 60, true),
+    ("pd-sim/real_router --ignored", 90, false),
+    ("pd-sim/e2e_real_router --ignored", 90, false),
+    ("pd-sim/e2e_capacity --ignored", 90, false),
+    ("pd-sim/vllm_real_router --ignored", 60, false),
     ("pd-sim/interop --ignored", 30, false),
     ("pd-sim/sglang_interop --ignored", 30, false),
     ("pd-sim/vllm_interop --ignored", 30, false),
-    ("revenant/ebpf_real_router --ignored", 90, true),
+    ("revenant/ebpf_real_router --ignored", 90, false),
     ("revenant/build_without_ebpf", 300, false),
     ("revenant/cluster_faults", 200, false),
     ("revenant/cluster_equivalence", 150, true),
@@ -171,18 +177,23 @@ struct Queue {
 
 struct QueueState {
     pending: Vec<Job>,
+    /// The build is still running: more jobs may come.
+    building: bool,
     /// The real components' environment once their venvs are ready (or why they are not).
     venvs: Option<std::result::Result<Vec<(String, PathBuf)>, String>>,
+    /// What every test executable is given: the binaries (`REVENANT_BIN`, `PD_SIM_BIN`).
+    common: Vec<(String, PathBuf)>,
     heavy_running: bool,
     results: Vec<Ran>,
 }
 
 impl Queue {
-    /// The next job this lane may run now, waiting until there is one; `None` when all are taken.
+    /// The next job this lane may run now, waiting until there is one; `None` when all are
+    /// taken and the build will bring no more.
     fn take(&self) -> Option<(Job, Vec<(String, PathBuf)>)> {
         let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
         loop {
-            if s.pending.is_empty() {
+            if s.pending.is_empty() && !s.building {
                 return None;
             }
             let venvs_ready = s.venvs.is_some();
@@ -195,14 +206,30 @@ impl Queue {
                 if job.heavy {
                     s.heavy_running = true;
                 }
-                let env = match (&s.venvs, job.real) {
-                    (Some(Ok(env)), true) => env.clone(),
-                    _ => Vec::new(),
-                };
+                let mut env = s.common.clone();
+                if let (Some(Ok(venv)), true) = (&s.venvs, job.real) {
+                    env.extend(venv.iter().cloned());
+                }
                 return Some((job, env));
             }
             s = self.changed.wait(s).unwrap_or_else(|p| p.into_inner());
         }
+    }
+
+    /// Jobs the build has just made, queued longest first among those waiting.
+    fn add(&self, jobs: Vec<Job>) {
+        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        s.pending.extend(jobs);
+        s.pending
+            .sort_by(|a, b| b.expected.cmp(&a.expected).then(a.label.cmp(&b.label)));
+        self.changed.notify_all();
+    }
+
+    /// The build ended (made everything, or failed): no more jobs will come.
+    fn built(&self) {
+        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        s.building = false;
+        self.changed.notify_all();
     }
 
     fn done(&self, job: &Job, ran: Ran) {
@@ -250,38 +277,91 @@ fn measured() -> BTreeMap<String, u32> {
         .unwrap_or_default()
 }
 
-fn jobs(built: &Built) -> Vec<Job> {
-    let measured = measured();
+/// The jobs of one test executable: its tests, and its ignored ones where they need the real
+/// components.
+fn jobs(exe: &TestExe, measured: &BTreeMap<String, u32>) -> Vec<Job> {
     let mut jobs = Vec::new();
-    for exe in &built.tests {
-        let mut add = |args: Vec<String>, real: bool| {
-            let label = if args.is_empty() {
-                exe.name.clone()
-            } else {
-                format!("{} {}", exe.name, args.join(" "))
-            };
-            let profile = PROFILE.iter().find(|(n, _, _)| *n == label);
-            jobs.push(Job {
-                exe: exe.clone(),
-                expected: measured
-                    .get(&label)
-                    .copied()
-                    .or(profile.map(|p| p.1))
-                    .unwrap_or(10),
-                heavy: profile.is_some_and(|p| p.2),
-                nice: NICE.contains(&exe.name.as_str()),
-                args,
-                real,
-                label,
-            });
+    let mut add = |args: Vec<String>, real: bool| {
+        let label = if args.is_empty() {
+            exe.name.clone()
+        } else {
+            format!("{} {}", exe.name, args.join(" "))
         };
-        add(Vec::new(), false);
-        if exe.kind == "test" && REAL_COMPONENTS.contains(&exe.name.as_str()) {
-            add(vec!["--ignored".into()], true);
-        }
+        let profile = PROFILE.iter().find(|(n, _, _)| *n == label);
+        jobs.push(Job {
+            exe: exe.clone(),
+            expected: measured
+                .get(&label)
+                .copied()
+                .or(profile.map(|p| p.1))
+                .unwrap_or(10),
+            heavy: profile.is_some_and(|p| p.2),
+            nice: NICE.contains(&exe.name.as_str()),
+            args,
+            real,
+            label,
+        });
+    };
+    add(Vec::new(), false);
+    if exe.kind == "test" && REAL_COMPONENTS.contains(&exe.name.as_str()) {
+        add(vec!["--ignored".into()], true);
     }
-    jobs.sort_by(|a, b| b.expected.cmp(&a.expected).then(a.label.cmp(&b.label)));
     jobs
+}
+
+/// The test targets of the heavy executables (`PROFILE`): they bound the tests' stage, so the
+/// build makes them first.
+fn heavy_targets() -> Vec<&'static str> {
+    let mut names: Vec<&str> = PROFILE
+        .iter()
+        .filter(|(_, _, heavy)| *heavy)
+        .filter_map(|(label, _, _)| label.split_whitespace().next()?.split_once('/'))
+        .map(|(_, target)| target)
+        .filter(|t| *t != "lib")
+        .collect();
+    names.sort_unstable();
+    names.dedup();
+    names
+}
+
+/// Hands the build's executables to the queue as they land: the test executables once both
+/// binaries they may start (`REVENANT_BIN`, `PD_SIM_BIN`) exist.
+struct Feeder<'a> {
+    queue: &'a Queue,
+    measured: BTreeMap<String, u32>,
+    revenant: Option<PathBuf>,
+    pd_sim: Option<PathBuf>,
+    waiting: Vec<TestExe>,
+}
+
+impl Feeder<'_> {
+    fn take(&mut self, a: build::Artifact) {
+        match a {
+            build::Artifact::Revenant(p) => self.revenant = Some(p),
+            build::Artifact::PdSim(p) => self.pd_sim = Some(p),
+            build::Artifact::Test(t) => self.waiting.push(t),
+        }
+        let (Some(revenant), Some(pd_sim)) = (&self.revenant, &self.pd_sim) else {
+            return;
+        };
+        if self.waiting.is_empty() {
+            return;
+        }
+        {
+            let mut s = self.queue.state.lock().unwrap_or_else(|p| p.into_inner());
+            if s.common.is_empty() {
+                s.common = vec![
+                    ("REVENANT_BIN".into(), revenant.clone()),
+                    ("PD_SIM_BIN".into(), pd_sim.clone()),
+                ];
+            }
+        }
+        let jobs = std::mem::take(&mut self.waiting)
+            .iter()
+            .flat_map(|t| jobs(t, &self.measured))
+            .collect();
+        self.queue.add(jobs);
+    }
 }
 
 /// The whole suite: what `.ci/run` runs.
@@ -294,23 +374,14 @@ pub fn run() -> Result<()> {
     // SAFETY: no other thread exists yet.
     unsafe { std::env::set_var(test_harness::PORTS_ENV, ports("xtask")) };
     t.step("main", "setup", crate::setup::run)?;
-    let built = t.step("main", "build", build::build)?;
-    eprintln!(
-        "xtask: {} test executables; revenant {}, pd-sim {}",
-        built.tests.len(),
-        built.revenant.display(),
-        built.pd_sim.display()
-    );
     // The OpenTelemetry venv a test and the image stage use: cached, ready before they start.
     let otlp_python = t.step("main", "otlp venv", crate::venv::otlp_python)?;
-    let common: Vec<(String, PathBuf)> = vec![
-        ("REVENANT_BIN".into(), built.revenant.clone()),
-        ("PD_SIM_BIN".into(), built.pd_sim.clone()),
-    ];
     let queue = Queue {
         state: Mutex::new(QueueState {
-            pending: jobs(&built),
+            pending: Vec::new(),
+            building: true,
             venvs: None,
+            common: Vec::new(),
             heavy_running: false,
             results: Vec::new(),
         }),
@@ -320,18 +391,16 @@ pub fn run() -> Result<()> {
     let _ = std::fs::remove_dir_all(&logs);
     let mut lane_errors = Vec::new();
     std::thread::scope(|s| {
-        let product = s.spawn(|| {
-            t.step("product", "chart", || crate::chart::run(&built.revenant))?;
-            t.step("product", "privileges", || {
-                crate::chart::privileges(&built.revenant)
-            })?;
-            t.step("product", "image", || {
-                let built = crate::image::build(&built.revenant)?;
-                crate::image::test(&built, &otlp_python)?;
-                eprintln!("xtask: image {} ({}) tested", built.reference, built.id);
-                Ok(())
+        // The lanes start each test executable as soon as the build has made it (and the two
+        // binaries): the long end-to-end runs mostly wait, and overlap the rest of the build,
+        // which runs below their priority.
+        let lanes: Vec<_> = ["tests-1", "tests-2"]
+            .into_iter()
+            .map(|lane| {
+                let (queue, logs, t) = (&queue, &logs, &t);
+                s.spawn(move || test_lane(lane, queue, logs, t))
             })
-        });
+            .collect();
         let venvs = s.spawn(|| {
             let r = t.step("venvs", "real-component venvs", || {
                 crate::venv::real_components()
@@ -339,19 +408,53 @@ pub fn run() -> Result<()> {
             });
             queue.venvs(r.map_err(|e| format!("{e:#}")));
         });
-        let fuzz = s.spawn(|| {
+        let mut feeder = Feeder {
+            queue: &queue,
+            measured: measured(),
+            revenant: None,
+            pd_sim: None,
+            waiting: Vec::new(),
+        };
+        let built = t.step("main", "build", || {
+            build::build_reporting(true, &heavy_targets(), |a| feeder.take(a))
+        });
+        queue.built();
+        let built = match built {
+            Ok(b) => b,
+            Err(e) => {
+                lane_errors.push(format!("build: {e:#}"));
+                let _ = venvs.join();
+                for h in lanes {
+                    let _ = h.join();
+                }
+                return;
+            }
+        };
+        eprintln!(
+            "xtask: {} test executables; revenant {}, pd-sim {}",
+            built.tests.len(),
+            built.revenant.display(),
+            built.pd_sim.display()
+        );
+        let (revenant, t, otlp_python) = (built.revenant, &t, &otlp_python);
+        let product = s.spawn(move || {
+            t.step("product", "chart", || crate::chart::run(&revenant))?;
+            t.step("product", "privileges", || {
+                crate::chart::privileges(&revenant)
+            })?;
+            t.step("product", "image", || {
+                let built = crate::image::build(&revenant)?;
+                crate::image::test(&built, &otlp_python)?;
+                eprintln!("xtask: image {} ({}) tested", built.reference, built.id);
+                Ok(())
+            })
+        });
+        let fuzz = s.spawn(move || {
             t.step("fuzz", "fuzz targets", || {
                 crate::setup::fuzz_tools()?;
                 crate::fuzz::ci(crate::fuzz::CI_RUNS).map(|_| ())
             })
         });
-        let lanes: Vec<_> = ["tests-1", "tests-2"]
-            .into_iter()
-            .map(|lane| {
-                let (queue, common, logs, t) = (&queue, &common, &logs, &t);
-                s.spawn(move || test_lane(lane, queue, common, logs, t))
-            })
-            .collect();
         for (name, h) in [("product", product), ("fuzz", fuzz)] {
             if let Err(e) = h.join().unwrap_or_else(|_| Err(anyhow!("panicked"))) {
                 lane_errors.push(format!("{name}: {e:#}"));
@@ -397,12 +500,11 @@ pub fn run() -> Result<()> {
 }
 
 /// One lane of test executables: takes jobs until none is left.
-fn test_lane(lane: &str, queue: &Queue, common: &[(String, PathBuf)], logs: &Path, t: &Timings) {
+fn test_lane(lane: &str, queue: &Queue, logs: &Path, t: &Timings) {
     let ports = ports(lane);
-    while let Some((job, venv_env)) = queue.take() {
-        let mut env = common.to_vec();
+    while let Some((job, given)) = queue.take() {
+        let mut env = given;
         env.push((test_harness::PORTS_ENV.into(), PathBuf::from(&ports)));
-        env.extend(venv_env);
         let start = t.t0.elapsed();
         let ran = match (job.real, queue.venv_error()) {
             (true, Some(e)) => Ran {
@@ -554,7 +656,9 @@ mod tests {
         Queue {
             state: Mutex::new(QueueState {
                 pending: jobs,
+                building: false,
                 venvs: None,
+                common: Vec::new(),
                 heavy_running: false,
                 results: Vec::new(),
             }),
@@ -604,6 +708,68 @@ mod tests {
             assert_eq!(waiter.join().unwrap().as_deref(), Some("heavy-b"));
         });
         assert!(q.take().is_none());
+    }
+
+    fn exe(name: &str) -> TestExe {
+        job(name, false, false, 10).exe
+    }
+
+    #[test]
+    fn lanes_wait_for_the_build_and_its_binaries_and_stop_when_it_ends() {
+        let q = queue(Vec::new());
+        q.state.lock().unwrap().building = true;
+        let mut feeder = Feeder {
+            queue: &q,
+            measured: BTreeMap::from([("e2e/slow".to_owned(), 300)]),
+            revenant: None,
+            pd_sim: None,
+            waiting: Vec::new(),
+        };
+        std::thread::scope(|s| {
+            let lane = s.spawn(|| {
+                let mut taken = Vec::new();
+                while let Some((j, env)) = q.take() {
+                    taken.push((j.label, env.len()));
+                }
+                taken
+            });
+            // A test executable before the binaries waits for them; none is handed out yet.
+            feeder.take(build::Artifact::Test(exe("e2e/slow")));
+            std::thread::sleep(Duration::from_millis(50));
+            assert_eq!(q.state.lock().unwrap().pending.len(), 0);
+            feeder.take(build::Artifact::Revenant(PathBuf::from("/t/revenant")));
+            feeder.take(build::Artifact::PdSim(PathBuf::from("/t/pd-sim")));
+            feeder.take(build::Artifact::Test(exe("revenant/cli")));
+            std::thread::sleep(Duration::from_millis(50));
+            q.built();
+            let taken = lane.join().unwrap();
+            // Both, each given the two binaries; the lane ended only once the build did.
+            let labels: Vec<&str> = taken.iter().map(|(l, _)| l.as_str()).collect();
+            assert_eq!(labels, ["e2e/slow", "revenant/cli"]);
+            assert!(taken.iter().all(|(_, env)| *env == 2), "{taken:?}");
+        });
+        let common = q.state.lock().unwrap().common.clone();
+        assert_eq!(
+            common,
+            vec![
+                ("REVENANT_BIN".to_owned(), PathBuf::from("/t/revenant")),
+                ("PD_SIM_BIN".to_owned(), PathBuf::from("/t/pd-sim")),
+            ]
+        );
+    }
+
+    #[test]
+    fn the_heavy_targets_built_first_are_test_targets_of_the_workspace() {
+        let root = test_harness::workspace_root();
+        let names = heavy_targets();
+        assert!(names.contains(&"pd_sim_revenant"), "{names:?}");
+        for name in names {
+            // `cargo test --test NAME` fails the whole build when no package has NAME.
+            let found = ["monitor/tests", "tests/pd-sim/tests", "tests/e2e/tests"]
+                .iter()
+                .any(|d| root.join(d).join(format!("{name}.rs")).is_file());
+            assert!(found, "PROFILE names {name}, which is no test target");
+        }
     }
 
     #[test]
