@@ -270,6 +270,9 @@ fn pages_render_in_a_real_browser() {
         4242,
         EVIL,
     );
+    // Every finding the two requests make, so the pages below see a set that no longer
+    // changes: each request's activity after its refusal at once (critical), and its decode leg,
+    // which never ends, once orphaned-leg's 6 s window has passed (warning).
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let (code, v) = rv.admin_json("/api/violations").unwrap();
@@ -280,12 +283,8 @@ fn pages_render_in_a_real_browser() {
             .iter()
             .filter_map(|x| x["rule"].as_str())
             .collect();
-        if rules
-            .iter()
-            .filter(|r| **r == "activity-after-rejection")
-            .count()
-            >= 2
-        {
+        let count = |rule: &str| rules.iter().filter(|r| **r == rule).count();
+        if count("activity-after-rejection") >= 2 && count("orphaned-leg") >= 2 {
             break;
         }
         assert!(
@@ -354,6 +353,18 @@ fn pages_render_in_a_real_browser() {
         &profile,
         &format!("{base}/incidents?severity=warning"),
         &out.join("incidents-warning.png"),
+    );
+    assert_eq!(
+        dom.matches("<tr class=\"incident\" data-rule=\"orphaned-leg\" data-severity=\"warning\">")
+            .count(),
+        2,
+        "{dom}"
+    );
+    assert!(!dom.contains("data-severity=\"critical\""), "{dom}");
+    let dom = chromium(
+        &profile,
+        &format!("{base}/incidents?severity=info"),
+        &out.join("incidents-info.png"),
     );
     assert!(dom.contains("No incident matches"), "{dom}");
     let dom = chromium(

@@ -279,7 +279,7 @@ async fn concurrent_no_cancel_retries_503_with_new_rooms_under_one_request_id() 
     for room in &storm_rooms {
         // On the wire: destinations and a 5-frame ABORT to prefill, its ABORT_ACK back.
         assert!(to_prefill.destination_rooms().contains(room));
-        let aborts = to_prefill.aborts(*room);
+        let aborts = to_prefill.aborts_seen(*room).await;
         assert_eq!(aborts.len(), 1, "{aborts:?}");
         assert_eq!(aborts[0].len(), 5, "{aborts:?}");
         assert!(to_decode.rooms_with_verb(b"ABORT_ACK").contains(room));
@@ -400,7 +400,7 @@ async fn concurrent_cancel_keeps_the_decode_leg_of_a_streamed_refusal() {
     assert!(u(dr, "destinations_ns") > 0);
     assert!(to_prefill.destination_rooms().contains(&room));
     assert_eq!(
-        to_prefill.aborts(room).len(),
+        to_prefill.aborts_seen(room).await.len(),
         1,
         "the waiting timeout's ABORT"
     );
@@ -638,7 +638,7 @@ async fn a_non_streamed_decode_request_whose_client_leaves_is_aborted_at_the_nex
     assert_eq!(p[0]["aborts_received"], 1, "{p}");
     assert_eq!(p[0]["abort_acks_sent"], 1, "{p}");
     assert_eq!(to_prefill.destination_rooms(), vec![room]);
-    let aborts = to_prefill.aborts(room);
+    let aborts = to_prefill.aborts_seen(room).await;
     assert_eq!(aborts.len(), 1, "ABORT seen on the wire");
     // Destinations were published: the ABORT is armed, it carries a generation.
     assert_eq!(aborts[0].len(), 5, "{aborts:?}");
@@ -1173,7 +1173,7 @@ async fn prefill_complete_bootstraps_then_readiness_then_destinations_then_succe
         .filter(|r| r["request_id"] == "pc-rej")
         .collect();
     let room = u(&p[0], "room");
-    let aborts = to_prefill.aborts(room);
+    let aborts = to_prefill.aborts_seen(room).await;
     assert_eq!(aborts.len(), 1, "{aborts:?}");
     assert_eq!(
         aborts[0].len(),

@@ -120,11 +120,12 @@ fn cargo_test_no_run(selection: &[String], nice: bool, on: &mut dyn FnMut(Artifa
         .stderr(Stdio::inherit());
     if nice {
         use std::os::unix::process::CommandExt as _;
-        // SAFETY: nice(2) is async-signal-safe; the child only lowers its own priority, which
+        // SAFETY: nice(2) is async-signal-safe; the child only lowers its own priority (to the
+        // lowest: the compilers take only what the tests leave), which
         // cargo and every compiler it starts inherit.
         unsafe {
             cmd.pre_exec(|| {
-                libc::nice(10);
+                libc::nice(19);
                 Ok(())
             })
         };

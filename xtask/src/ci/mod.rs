@@ -54,6 +54,8 @@ const PROFILE: &[(&str, u32, bool)] = &[
     ("e2e/pd_sim_revenant", 400, true),
     ("e2e/cluster_pd", 250, true),
     ("e2e/vllm_pd", 300, true),
+    // The real vllm-router at up to 500 requests/s: load, as its simulated twin is.
+    ("e2e/vllm_pd --ignored", 90, true),
     ("e2e/sglang_harness --ignored", 300, true),
     ("pd-sim/modes", 120, true),
     ("pd-sim/smg_1_13 --ignored", 120, true),
@@ -75,7 +77,7 @@ const PROFILE: &[(&str, u32, bool)] = &[
     ("revenant/alert_delivery", 90, false),
     ("revenant/prometheus_e2e", 90, false),
     ("revenant/alertmanager_e2e", 60, false),
-    // Headless Chromium loads the pages six times (a browser start each).
+    // Headless Chromium loads the pages seven times (a browser start each).
     ("revenant/pages_browser", 30, false),
     ("revenant/order_property", 60, true),
     ("revenant/cancel_property", 60, true),

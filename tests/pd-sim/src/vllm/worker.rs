@@ -381,18 +381,29 @@ impl Worker {
         Ok(made)
     }
 
-    /// Decode → prefill: `"<id>:1"` to the engine's notification endpoint.
-    fn notify(&self, engine: &str, remote_request_id: &str) -> bool {
+    /// Decode → prefill: `"<id>:1"` to the engine's notification endpoint. NIXL delivers its
+    /// notifications; the endpoint's datagram queue holds only a few (`net.unix.max_dgram_qlen`),
+    /// so a full one is waited on (up to the KV timeout), not counted as lost.
+    async fn notify(&self, engine: &str, remote_request_id: &str) -> bool {
         let path = nixl::notify_path(&self.v.notify_dir(), engine);
         let msg = nixl::notification(remote_request_id, 1);
-        match self.notifier.try_send_to(msg.as_bytes(), &path) {
-            Ok(_) => {
+        let timeout = Duration::from_millis(self.a.kv_timeout_ms.unwrap_or(VLLM_KV_TIMEOUT_MS));
+        match tokio::time::timeout(timeout, self.notifier.send_to(msg.as_bytes(), &path)).await {
+            Ok(Ok(_)) => {
                 bump(&self.stats.notifications_sent);
                 true
             }
-            Err(e) => {
+            Ok(Err(e)) => {
                 bump(&self.stats.notifications_failed);
                 tracing::warn!(error = %e, engine, "NIXL notification failed");
+                false
+            }
+            Err(_) => {
+                bump(&self.stats.notifications_failed);
+                tracing::warn!(
+                    engine,
+                    "NIXL notification timed out: the endpoint's queue stayed full"
+                );
                 false
             }
         }
@@ -452,17 +463,23 @@ impl Drop for Live {
         bump(&self.w.stats.cancelled);
         let now = now_ns();
         let gone = self.conn.as_ref().and_then(ClientConn::gone_ns);
-        let released = self
-            .pulling
-            .take()
-            .is_some_and(|(engine, rid)| self.w.notify(&engine, &rid));
+        if let Some((engine, rid)) = self.pulling.take()
+            && let Ok(rt) = tokio::runtime::Handle::try_current()
+        {
+            // Released blocks are notified as a read would be; the send may wait, and a drop
+            // cannot, so it goes on without this request.
+            let (w, id) = (self.w.clone(), self.id.clone());
+            rt.spawn(async move {
+                if w.notify(&engine, &rid).await {
+                    let now = now_ns();
+                    w.record(&id, |r| r.kv_done_ns = now);
+                }
+            });
+        }
         self.w.record(&self.id, |r| {
             r.outcome = "cancelled";
             r.ended_ns = now;
             r.client_gone_ns = gone.unwrap_or(0);
-            if released {
-                r.kv_done_ns = now;
-            }
         });
     }
 }
@@ -748,7 +765,7 @@ async fn serve_request(
                     tokio::time::sleep(Duration::from_micros(w.v.kv_read_delay_us)).await;
                 }
                 live.pulling = None;
-                let sent = w.notify(&engine, &rid);
+                let sent = w.notify(&engine, &rid).await;
                 w.stats
                     .prompt_tokens_external
                     .fetch_add(p.prompt_tokens, Ordering::Relaxed);

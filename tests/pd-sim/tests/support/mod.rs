@@ -287,6 +287,19 @@ impl ZmtpTap {
             .collect()
     }
 
+    /// [`Self::aborts`] once at least one is on the wire, or after 10 s: an ABORT travels after
+    /// the answer a test has just read, and the tap records it a moment later.
+    pub async fn aborts_seen(&self, room: u64) -> Vec<Vec<Bytes>> {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            let a = self.aborts(room);
+            if !a.is_empty() || std::time::Instant::now() > deadline {
+                return a;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    }
+
     pub fn rooms_with_verb(&self, verb: &[u8]) -> Vec<u64> {
         self.messages
             .lock()
