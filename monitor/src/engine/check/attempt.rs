@@ -9,7 +9,7 @@
 use crate::engine::identity::{Owner, Resolved};
 use crate::engine::rules::predicate::{Breach, Known};
 use crate::engine::rules::{RuleSlots, Scope, Shape};
-use crate::engine::state::{Candidates, NodeId, Slot};
+use crate::engine::state::{Candidates, Hits, NodeId, Slot};
 use crate::event::{Kind, LifecycleEvent, Stage};
 use crate::violation::Violation;
 
@@ -23,6 +23,8 @@ pub(super) struct OnAttempt<'e> {
     pub e: &'e LifecycleEvent,
     /// Attempt specs the event matches.
     pub hit: u64,
+    /// Request specs the event matches.
+    pub request_hit: u64,
     pub slot: Slot,
     /// Attempt specs whose kept slots the event changed.
     pub changed_specs: u64,
@@ -40,10 +42,11 @@ impl Checker {
         a: u32,
         resolved: Resolved,
         e: &LifecycleEvent,
+        hits: Hits,
         node: NodeId,
         out: &mut Vec<Violation>,
     ) {
-        let hit = self.attempt_index.matching(e);
+        let hit = hits.attempt;
         let slot = Slot::from_event(e, node);
         let changed_specs = self.store.fold_attempt_slots(a, hit, slot);
         let facts_changed = self.note_activity(a, e);
@@ -51,6 +54,7 @@ impl Checker {
             a,
             e,
             hit,
+            request_hit: hits.request,
             slot,
             changed_specs,
             facts_changed,

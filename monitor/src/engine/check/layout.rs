@@ -85,9 +85,9 @@ impl ReactingRules {
 pub(super) struct Layout {
     pub rules: Vec<CompiledRule>,
     pub attempt_specs: Vec<SlotSpec>,
-    pub attempt_index: SpecIndex,
     pub request_specs: Vec<SlotSpec>,
-    pub request_index: SpecIndex,
+    /// The specs of both an event matches.
+    pub index: SpecIndex,
     /// Request slots that hold triggers (request-level events only update those).
     pub request_trigger_mask: u64,
     pub rule_reacts: Vec<Reactions>,
@@ -138,9 +138,8 @@ impl Layout {
             })
             .fold(0u64, |m, (ri, _)| m | 1 << ri);
         Layout {
-            attempt_index: SpecIndex::new(&attempt.specs),
+            index: SpecIndex::new(&attempt.specs, &request.specs),
             attempt_specs: attempt.specs,
-            request_index: SpecIndex::new(&request.specs),
             request_specs: request.specs,
             request_trigger_mask,
             rule_reacts,
