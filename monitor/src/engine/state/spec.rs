@@ -191,11 +191,17 @@ impl Compiled {
     }
 }
 
-/// The specs an event matches, in the attempt layout and in the request layout.
+/// The specs an event matches, in the attempt layout and in the request layout, and the table
+/// row that decided them.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Hits {
     pub attempt: u64,
     pub request: u64,
+    /// The row (see [`SpecIndex::attempt_rows`]): what depends only on the outright attempt
+    /// specs can be precomputed per row.
+    pub row: usize,
+    /// The attempt specs matched beyond the row's outright ones (a condition judged per event).
+    pub attempt_conditional: u64,
 }
 
 /// One table row: per layout, the specs that match outright and those that still need a
@@ -287,7 +293,8 @@ impl SpecIndex {
     pub fn matching(&self, e: &LifecycleEvent) -> Hits {
         let n = self.classes.count();
         let class = self.classes.of_status(e.status);
-        let row = &self.rows[key(e.stage, e.kind, e.source, e.to) * n + class];
+        let index = key(e.stage, e.kind, e.source, e.to) * n + class;
+        let row = &self.rows[index];
         let conditional = |mut rest: u64, specs: &[Vec<Compiled>]| {
             let mut hit = 0;
             while rest != 0 {
@@ -302,12 +309,20 @@ impl SpecIndex {
         let mut hits = Hits {
             attempt: row.attempt,
             request: row.request,
+            row: index,
+            attempt_conditional: 0,
         };
         if row.attempt_conditional | row.request_conditional != 0 {
-            hits.attempt |= conditional(row.attempt_conditional, &self.attempt);
+            hits.attempt_conditional = conditional(row.attempt_conditional, &self.attempt);
+            hits.attempt |= hits.attempt_conditional;
             hits.request |= conditional(row.request_conditional, &self.request);
         }
         hits
+    }
+
+    /// Per row, in row order, the attempt specs its events match outright.
+    pub fn attempt_rows(&self) -> impl Iterator<Item = u64> + '_ {
+        self.rows.iter().map(|r| r.attempt)
     }
 }
 
@@ -377,11 +392,12 @@ mod tests {
                                     e.to = to;
                                     e.peer = peer;
                                     e.protocol_breach = breach;
-                                    let want = Hits {
-                                        attempt: matching_specs(&a.specs, &e),
-                                        request: matching_specs(&r.specs, &e),
-                                    };
-                                    assert_eq!(index.matching(&e), want, "{e:?}");
+                                    let hits = index.matching(&e);
+                                    let want = (
+                                        matching_specs(&a.specs, &e),
+                                        matching_specs(&r.specs, &e),
+                                    );
+                                    assert_eq!((hits.attempt, hits.request), want, "{e:?}");
                                 }
                             }
                         }
@@ -425,14 +441,8 @@ mod tests {
                 let mut e = LifecycleEvent::new(1, Stage::Decode, Kind::Completed, Source::Ebpf);
                 e.status = status;
                 let want = matching_specs(&specs, &e);
-                assert_eq!(
-                    index.matching(&e),
-                    Hits {
-                        attempt: want,
-                        request: want
-                    },
-                    "{status:?}"
-                );
+                let hits = index.matching(&e);
+                assert_eq!((hits.attempt, hits.request), (want, want), "{status:?}");
             }
         }
     }
