@@ -3,7 +3,8 @@
 //!
 //! The baseline is checked out in a git worktree of its own under `target/bench-guard/` and built
 //! there with its own target directory (so neither build invalidates the other's); the candidate
-//! is this working tree, built with the usual `target/`. Then, per build:
+//! is this working tree, built with the usual `target/`. The worktree stays for the next run
+//! (a later run moves it to its commit; `git worktree remove` it when done). Then, per build:
 //! - the engine's instructions per event: `engine_profile` under callgrind, counting only inside
 //!   `Checker::observe` (deterministic, so one run each is the figure);
 //! - `revenant check` on one generated replay file (the baseline's generator: a newer build reads
