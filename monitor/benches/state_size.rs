@@ -1,18 +1,22 @@
 //! Memory per live attempt and per tombstone, measured with a counting allocator (heap bytes
-//! really allocated, not estimated). Run: `cargo bench -p revenant --bench state_size`.
+//! really allocated, not estimated), and how many allocations the engine makes per observed
+//! event. Run: `cargo bench -p revenant --bench state_size`.
 
 use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicIsize, Ordering};
+use std::sync::atomic::{AtomicIsize, AtomicUsize, Ordering};
 
 use revenant::engine::check::{Checker, CheckerConfig, RuleSet};
 use revenant::engine::workload::{Mix, attempt_events};
 
 struct Counting;
 static LIVE_BYTES: AtomicIsize = AtomicIsize::new(0);
+/// Allocations and reallocations made.
+static ALLOCATIONS: AtomicUsize = AtomicUsize::new(0);
 
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, l: Layout) -> *mut u8 {
         LIVE_BYTES.fetch_add(l.size() as isize, Ordering::Relaxed);
+        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
         unsafe { System.alloc(l) }
     }
     unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
@@ -21,6 +25,7 @@ unsafe impl GlobalAlloc for Counting {
     }
     unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
         LIVE_BYTES.fetch_add(new as isize - l.size() as isize, Ordering::Relaxed);
+        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
         unsafe { System.realloc(p, l, new) }
     }
 }
@@ -52,9 +57,11 @@ fn main() {
     }
     all.sort_by_key(|e| e.time_ns);
     let before = LIVE_BYTES.load(Ordering::Relaxed);
+    let allocations = ALLOCATIONS.load(Ordering::Relaxed);
     for e in &all {
         checker.observe(e);
     }
+    let allocations = ALLOCATIONS.load(Ordering::Relaxed) - allocations;
     let live_bytes = LIVE_BYTES.load(Ordering::Relaxed) - before;
     let s = checker.stats();
     println!(
@@ -63,6 +70,14 @@ fn main() {
         s.live_requests,
         live_bytes,
         live_bytes as f64 / s.live_attempts as f64
+    );
+    // Per-attempt state (its solo request's ids, a rejection's reason) and table growth are
+    // allocations too; anything above that is an allocation per event.
+    println!(
+        "allocations while observing: {allocations} for {} events -> {:.3} per event, {:.2} per attempt",
+        all.len(),
+        allocations as f64 / all.len() as f64,
+        allocations as f64 / s.live_attempts as f64
     );
     drop(all);
     // Heap that is not the engine's (the tails kept for later), for the whole-heap figure below.

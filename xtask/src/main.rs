@@ -1,11 +1,13 @@
 //! Developer tasks: `cargo xtask test` runs every test the project has, installing what the tests
 //! need first (idempotently), exactly as CI does (`.ci/run` calls it; `ci`, `docs/testing.md`);
-//! `cargo xtask fuzz` runs the fuzz targets for longer.
+//! `cargo xtask fuzz` runs the fuzz targets for longer; `cargo xtask bench-guard` compares the
+//! engine's cost with a baseline commit's.
 
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod bench_guard;
 mod cargo;
 mod chart;
 mod ci;
@@ -68,6 +70,10 @@ enum Task {
         #[arg(long)]
         test: bool,
     },
+    /// What the engine costs against a baseline commit: instructions per event (callgrind) and
+    /// `revenant check` events per CPU second, both builds measured in one sitting, with the
+    /// ratios. A benchmark: `test` does not run it. Needs valgrind.
+    BenchGuard(bench_guard::BenchGuardArgs),
     /// Run the whole test suite as CI does: one release build, then side by side the chart and
     /// image checks, every test executable, the tests against real routers and SGLang, and
     /// every fuzz target's corpus and a short run (docs/testing.md).
@@ -148,6 +154,13 @@ fn main() -> ExitCode {
                 }
             }
         }
+        Task::BenchGuard(args) => match bench_guard::run(&args) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("xtask: bench-guard failed: {e:#}");
+                ExitCode::FAILURE
+            }
+        },
         // Setup comes first in both: building `revenant` builds the kernel programs.
         Task::Test { args } => {
             let result = if args.is_empty() {

@@ -9,7 +9,7 @@
 use crate::engine::identity::{Owner, Resolved};
 use crate::engine::rules::predicate::{Breach, Known};
 use crate::engine::rules::{RuleSlots, Scope, Shape};
-use crate::engine::state::{Candidates, NodeId, Slot};
+use crate::engine::state::{Candidates, Hits, NodeId, Slot, SlotRead};
 use crate::event::{Kind, LifecycleEvent, Stage};
 use crate::violation::Violation;
 
@@ -23,6 +23,8 @@ pub(super) struct OnAttempt<'e> {
     pub e: &'e LifecycleEvent,
     /// Attempt specs the event matches.
     pub hit: u64,
+    /// Request specs the event matches.
+    pub request_hit: u64,
     pub slot: Slot,
     /// Attempt specs whose kept slots the event changed.
     pub changed_specs: u64,
@@ -40,10 +42,11 @@ impl Checker {
         a: u32,
         resolved: Resolved,
         e: &LifecycleEvent,
+        hits: Hits,
         node: NodeId,
         out: &mut Vec<Violation>,
     ) {
-        let hit = self.attempt_index.matching(e);
+        let hit = hits.attempt;
         let slot = Slot::from_event(e, node);
         let changed_specs = self.store.fold_attempt_slots(a, hit, slot);
         let facts_changed = self.note_activity(a, e);
@@ -51,6 +54,7 @@ impl Checker {
             a,
             e,
             hit,
+            request_hit: hits.request,
             slot,
             changed_specs,
             facts_changed,
@@ -59,13 +63,14 @@ impl Checker {
         };
         // Most rules have nothing to do with most events: only those that do are visited, in
         // rule order.
-        let mut reacting = self.reacting.of_event(hit, facts_changed, resolved.merged);
+        let mut reacting = self.reacting.of_event(hits, facts_changed, resolved.merged);
+        let open = self.never_after_open(a, reacting, hit);
         while reacting != 0 {
             let ri = reacting.trailing_zeros() as usize;
             reacting &= reacting - 1;
             let slots = self.rules[ri].slots;
             match (&self.rules[ri].rule.shape, self.rules[ri].rule.scope) {
-                (Shape::NeverAfter(rule), Scope::Attempt) => {
+                (Shape::NeverAfter(rule), Scope::Attempt) if open & (1 << ri) != 0 => {
                     let s = self.store.attempt_slots(a);
                     let cands = self.never_after_candidates(
                         &s,
@@ -79,6 +84,8 @@ impl Checker {
                         self.report_never_after(ri, &mut on, current, pair, &cands, out);
                     }
                 }
+                // No trigger, kept or current: nothing to pair (`never_after_open`).
+                (Shape::NeverAfter(_), Scope::Attempt) => {}
                 (Shape::NeverAfter(_), Scope::Request) => {
                     self.request_rule_on_attempt(ri, slots, &mut on, out)
                 }
@@ -127,6 +134,30 @@ impl Checker {
         if e.kind.is_terminal() || self.store.attempt(a).ended() {
             self.settle(a);
         }
+    }
+
+    /// Of the attempt-scope never-after rules among `reacting`, those that may pair anything on
+    /// this event: the event is a trigger, or the attempt kept one. Nearly every attempt never
+    /// sees a trigger (a rejection), and most events are some rule's forbidden event: one read
+    /// of the attempt's slots answers for every rule, where each rule's own look would read
+    /// them again (`never_after_candidates` makes the same test and finds nothing).
+    #[inline(always)]
+    fn never_after_open(&self, a: u32, reacting: u64, hit: u64) -> u64 {
+        let mut rules = reacting & self.reacting.attempt_never_after();
+        if rules == 0 {
+            return 0;
+        }
+        let s = self.store.attempt_slots(a);
+        let mut open = 0;
+        while rules != 0 {
+            let ri = rules.trailing_zeros() as usize;
+            rules &= rules - 1;
+            let k = self.rules[ri].slots.trigger;
+            if hit & (1 << k) != 0 || s.any_set(k, self.attempt_specs[k].keep) {
+                open |= 1 << ri;
+            }
+        }
+        open
     }
 
     /// Folds the event's facts into attempt `a` (activity time, input length, worker, open and

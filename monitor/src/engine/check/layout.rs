@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use crate::engine::rules::{self, CompiledRule, RuleSet, Scope, Shape};
-use crate::engine::state::{SlotLayout, SlotSpec, SpecIndex};
+use crate::engine::state::{Hits, SlotLayout, SlotSpec, SpecIndex};
 
 /// Which events of an attempt a compiled rule has anything to do with.
 #[derive(Debug, Clone, Copy)]
@@ -18,12 +18,16 @@ pub(super) struct Reactions {
     pub always: bool,
 }
 
-/// The rules an attempt's event may concern, as bit sets over rule indices: one OR per spec the
-/// event matches instead of a test per rule.
+/// The rules an attempt's event may concern, as bit sets over rule indices: one read of its
+/// spec-index row's rules (and rarely an OR per spec matched on a condition) instead of a test
+/// per rule.
 #[derive(Debug, Clone)]
 pub(super) struct ReactingRules {
     /// Per attempt spec, the rules whose [`Reactions::specs`] name it.
     by_spec: [u64; SlotLayout::MAX],
+    /// Per spec-index row, the rules of the specs it matches outright (`by_spec` ORed over them
+    /// once, when the rules are compiled).
+    by_row: Box<[u64]>,
     /// Rules that react to every event ([`Reactions::always`]).
     always: u64,
     /// Rules that react to a new fact ([`Reactions::predicate`]).
@@ -34,9 +38,10 @@ pub(super) struct ReactingRules {
 }
 
 impl ReactingRules {
-    fn of(rules: &[CompiledRule], reacts: &[Reactions]) -> ReactingRules {
+    fn of(rules: &[CompiledRule], reacts: &[Reactions], index: &SpecIndex) -> ReactingRules {
         let mut m = ReactingRules {
             by_spec: [0; SlotLayout::MAX],
+            by_row: Box::default(),
             always: 0,
             predicate: 0,
             remerge: 0,
@@ -58,26 +63,42 @@ impl ReactingRules {
                 m.remerge |= bit;
             }
         }
+        m.by_row = index
+            .attempt_rows()
+            .map(|specs| m.of_specs(specs))
+            .collect();
         m
     }
 
-    /// The rules that have anything to do with an event matching attempt specs `hit`, which
+    /// The attempt-scope never-after rules.
+    #[inline(always)]
+    pub fn attempt_never_after(&self) -> u64 {
+        self.remerge
+    }
+
+    /// The rules whose reactions name one of `specs`.
+    #[inline(always)]
+    fn of_specs(&self, mut specs: u64) -> u64 {
+        let mut rules = 0;
+        while specs != 0 {
+            rules |= self.by_spec[specs.trailing_zeros() as usize];
+            specs &= specs - 1;
+        }
+        rules
+    }
+
+    /// The rules that have anything to do with an event matching attempt specs `hits`, which
     /// raised a fact (`facts_changed`) or merged two attempts (`merged`).
     #[inline(always)]
-    pub fn of_event(&self, hit: u64, facts_changed: bool, merged: bool) -> u64 {
-        let mut rules = self.always;
+    pub fn of_event(&self, hits: Hits, facts_changed: bool, merged: bool) -> u64 {
+        let mut rules = self.always | self.by_row[hits.row];
         if facts_changed {
             rules |= self.predicate;
         }
         if merged {
             rules |= self.remerge;
         }
-        let mut specs = hit;
-        while specs != 0 {
-            rules |= self.by_spec[specs.trailing_zeros() as usize];
-            specs &= specs - 1;
-        }
-        rules
+        rules | self.of_specs(hits.attempt_conditional)
     }
 }
 
@@ -85,9 +106,9 @@ impl ReactingRules {
 pub(super) struct Layout {
     pub rules: Vec<CompiledRule>,
     pub attempt_specs: Vec<SlotSpec>,
-    pub attempt_index: SpecIndex,
     pub request_specs: Vec<SlotSpec>,
-    pub request_index: SpecIndex,
+    /// The specs of both an event matches.
+    pub index: SpecIndex,
     /// Request slots that hold triggers (request-level events only update those).
     pub request_trigger_mask: u64,
     pub rule_reacts: Vec<Reactions>,
@@ -126,7 +147,8 @@ impl Layout {
             .map(|r| r.rule.horizon())
             .fold(Duration::ZERO, Duration::max);
         let rule_reacts: Vec<Reactions> = rules.iter().map(reacts).collect();
-        let reacting = ReactingRules::of(&rules, &rule_reacts);
+        let index = SpecIndex::new(&attempt.specs, &request.specs);
+        let reacting = ReactingRules::of(&rules, &rule_reacts, &index);
         let deadline_rules = rules
             .iter()
             .enumerate()
@@ -138,9 +160,8 @@ impl Layout {
             })
             .fold(0u64, |m, (ri, _)| m | 1 << ri);
         Layout {
-            attempt_index: SpecIndex::new(&attempt.specs),
+            index,
             attempt_specs: attempt.specs,
-            request_index: SpecIndex::new(&request.specs),
             request_specs: request.specs,
             request_trigger_mask,
             rule_reacts,

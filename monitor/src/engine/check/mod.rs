@@ -178,9 +178,9 @@ const SWEEP_PER_TICK: usize = 4096;
 pub struct Checker {
     rules: Vec<CompiledRule>,
     attempt_specs: Vec<SlotSpec>,
-    attempt_index: SpecIndex,
     request_specs: Vec<SlotSpec>,
-    request_index: SpecIndex,
+    /// The attempt and request specs an event matches, looked up once per event.
+    index: SpecIndex,
     /// Request slots that hold triggers (request-level events only update those).
     request_trigger_mask: u64,
     /// Per rule, which attempt events it has anything to do.
@@ -215,9 +215,8 @@ impl Checker {
         let Layout {
             rules,
             attempt_specs,
-            attempt_index,
             request_specs,
-            request_index,
+            index,
             request_trigger_mask,
             rule_reacts,
             reacting,
@@ -253,9 +252,8 @@ impl Checker {
         Checker {
             rules,
             attempt_specs,
-            attempt_index,
             request_specs,
-            request_index,
+            index,
             request_trigger_mask,
             rule_reacts,
             reacting,
@@ -320,22 +318,23 @@ impl Checker {
                 self.check_never(e, None, &mut out);
             }
         } else {
+            let hits = self.index.matching(e);
             // A request-level event that may trigger a request-scope rule needs the request's
             // record; other ones leave a request solo in its attempt.
-            let request_trigger = !e.ids.names_attempt()
-                && self.request_index.matching(e) & self.request_trigger_mask != 0;
+            let request_trigger =
+                !e.ids.names_attempt() && hits.request & self.request_trigger_mask != 0;
             self.store.set_clock(self.stats.watermark_ns, e.time_ns);
             let resolved = self.store.resolve(&e.ids, e.time_ns, request_trigger);
             let request = resolved.request;
             match resolved.attempt {
                 Some(AttemptAt::Live(a)) => {
                     self.stats.events_attempt += 1;
-                    self.observe_attempt(a, resolved, e, node, &mut out);
+                    self.observe_attempt(a, resolved, e, hits, node, &mut out);
                 }
                 Some(AttemptAt::Tomb(seq)) => {
                     self.stats.events_attempt += 1;
                     self.stats.events_on_tombstones += 1;
-                    self.observe_tombstone(seq, resolved.request, e, node, &mut out);
+                    self.observe_tombstone(seq, resolved.request, e, hits.attempt, node, &mut out);
                     if let Some(room_owner) = resolved.collision {
                         self.report_collision(room_owner, e, &mut out);
                     }
@@ -343,7 +342,7 @@ impl Checker {
                 None => match resolved.request {
                     Some(r) => {
                         self.stats.events_request_only += 1;
-                        self.observe_request_level(r, e, node, &mut out);
+                        self.observe_request_level(r, e, hits.request, node, &mut out);
                     }
                     // Not a trigger (resolving would have made a record): nothing to judge.
                     None if resolved.solo => {

@@ -21,10 +21,11 @@ impl Checker {
         &mut self,
         r: u32,
         e: &LifecycleEvent,
+        request_hit: u64,
         node: NodeId,
         out: &mut Vec<Violation>,
     ) {
-        let hit = self.request_index.matching(e) & self.request_trigger_mask;
+        let hit = request_hit & self.request_trigger_mask;
         if hit != 0 {
             let slot = Slot::from_event(e, node);
             self.store.fold_request_slots(r, hit, slot);
@@ -59,7 +60,7 @@ impl Checker {
         out: &mut Vec<Violation>,
     ) {
         let (a, e, hit, slot) = (on.a, on.e, on.hit, on.slot);
-        let as_trigger = self.request_index.matching(e) & (1 << slots.trigger) != 0;
+        let as_trigger = on.request_hit & (1 << slots.trigger) != 0;
         let (r, linked) = match on.request {
             Some(r) => (r, on.linked),
             // A solo request (no record) holds its attempt's history already, and cannot

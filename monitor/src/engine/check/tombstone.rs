@@ -19,13 +19,13 @@ impl Checker {
         seq: u64,
         request: Option<u32>,
         e: &LifecycleEvent,
+        hit: u64,
         node: NodeId,
         out: &mut Vec<Violation>,
     ) {
         let Some(ti) = self.store.tomb_index(seq) else {
             return;
         };
-        let hit = self.attempt_index.matching(e);
         let slot = Slot::from_event(e, node);
         let map = self.store.tomb_slot_map().to_vec();
         let mut kept = self.store.tomb_slots_of(ti);

@@ -22,7 +22,7 @@ pub use slot::{
     Candidates, Cell, Keep, NODE_LOCAL, NodeId, Slot, SlotEvent, SlotRead, fold_all, fold_each,
     fold_into, fold_specs_full,
 };
-pub use spec::{SlotLayout, SlotSpec, SpecIndex, matching_specs};
+pub use spec::{Hits, SlotLayout, SlotSpec, SpecIndex, matching_specs};
 
 /// The fired bits a tombstone keeps: one per rule judged on tombstones (attempt-scope
 /// `never_after` and `distinct` rules), compacted into one word.
