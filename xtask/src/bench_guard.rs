@@ -125,6 +125,12 @@ fn checkout(root: &Path, tree: &Path, commit: &str) -> Result<()> {
         git(tree, &["checkout", "--quiet", "--detach", commit])?;
         return Ok(());
     }
+    // A folder left from a worktree git no longer knows (removed by hand, or a clean that kept
+    // it) would make `worktree add` fail: forget stale registrations, then start it afresh.
+    git(root, &["worktree", "prune"])?;
+    if tree.exists() {
+        std::fs::remove_dir_all(tree)?;
+    }
     std::fs::create_dir_all(tree.parent().expect("under target/"))?;
     let path = tree.to_str().ok_or_else(|| anyhow!("non-UTF-8 path"))?;
     git(
