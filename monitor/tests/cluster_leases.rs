@@ -72,8 +72,7 @@ fn owned(m: &Member) -> f64 {
 /// `max`.
 fn spread(live: &[&Member], min: f64, max: f64) -> bool {
     let each: Vec<f64> = live.iter().map(|m| owned(m)).collect();
-    each.iter().sum::<f64>() == f64::from(PARTITIONS)
-        && each.iter().all(|n| *n >= min && *n <= max)
+    each.iter().sum::<f64>() == f64::from(PARTITIONS) && each.iter().all(|n| *n >= min && *n <= max)
 }
 
 /// The incidents notified in a checker's `alerts.jsonl`: (rule, incident key).
@@ -98,7 +97,10 @@ fn slices(dir: &Path, events: &[LifecycleEvent]) -> Vec<(std::path::PathBuf, usi
     let n = events.len();
     (0..4)
         .map(|i| {
-            let (lo, hi) = (events[i * n / 4].time_ns, events.get((i + 1) * n / 4).map(|e| e.time_ns));
+            let (lo, hi) = (
+                events[i * n / 4].time_ns,
+                events.get((i + 1) * n / 4).map(|e| e.time_ns),
+            );
             let part: Vec<LifecycleEvent> = events
                 .iter()
                 .filter(|e| e.time_ns >= lo && hi.is_none_or(|h| e.time_ns < h))

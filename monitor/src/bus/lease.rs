@@ -104,7 +104,9 @@ impl Fence {
         let d = mono_ns(deadline);
         let _ = self
             .0
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| (v != 0).then_some(d));
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| {
+                (v != 0).then_some(d)
+            });
     }
 }
 
@@ -435,7 +437,10 @@ impl Leases {
         self.held.retain(|k, h| {
             let ok = h.valid_until > now;
             if !ok {
-                tracing::warn!(partition = k, "partition lease expired before it was renewed: no longer judged here");
+                tracing::warn!(
+                    partition = k,
+                    "partition lease expired before it was renewed: no longer judged here"
+                );
             }
             ok
         });
@@ -561,7 +566,10 @@ impl Leases {
         for k in extra {
             self.held.remove(&k);
             self.stats.released.fetch_add(1, Relaxed);
-            tracing::info!(partition = k, "partition lease given up (rebalancing): no longer renewed");
+            tracing::info!(
+                partition = k,
+                "partition lease given up (rebalancing): no longer renewed"
+            );
         }
         true
     }
@@ -575,7 +583,9 @@ impl Leases {
         {
             Ok(()) => tracing::info!(partition = k, "partition lease released"),
             // Not deleted: it expires after the TTL, and is taken then.
-            Err(e) => tracing::warn!(partition = k, error = %e, "partition lease not released (it expires)"),
+            Err(e) => {
+                tracing::warn!(partition = k, error = %e, "partition lease not released (it expires)")
+            }
         }
     }
 

@@ -381,7 +381,9 @@ async fn checker_async(
         pause_file: pause_file.clone(),
         recovery_window,
         recovery: Arc::new(Mutex::new(Some(recovery))),
-        events_jsonl: claimed.events_jsonl.map(|w| SharedTap(Arc::new(Mutex::new(Box::new(w))))),
+        events_jsonl: claimed
+            .events_jsonl
+            .map(|w| SharedTap(Arc::new(Mutex::new(Box::new(w))))),
         violations: vtx,
         pinned,
     };
@@ -392,6 +394,8 @@ async fn checker_async(
     // without judging more (its fence was revoked with the change), and a new one reads its
     // partitions again from the recovery window.
     let mut signal = std::pin::pin!(shutdown::signal());
+    // Closed when nothing can change the set any more (a pin's sender is kept for the life).
+    let mut changes_open = true;
     let failure = loop {
         let own = ownership.borrow_and_update().clone();
         if current.as_ref().is_none_or(|g| g.epoch != own.epoch) && own.epoch > 0 {
@@ -412,9 +416,13 @@ async fn checker_async(
                 break None;
             }
             e = partitions_failed => break Some(e),
-            r = ownership.changed() => if r.is_err() {
-                // Pinned: the set never changes.
-                std::future::pending::<()>().await;
+            r = ownership.changed(), if changes_open => if r.is_err() {
+                // The lease loop ended before any signal: nothing renews the leases, so this
+                // checker would soon judge nothing; a failure (exit 1, restarted).
+                changes_open = false;
+                if !pinned {
+                    break Some("the partition lease loop stopped".into());
+                }
             },
         }
     };
@@ -490,11 +498,7 @@ impl EventTap for SharedTap {
             .batch(batch, arrival_ns)
     }
 
-    fn tick(
-        &mut self,
-        engine: &crate::engine::check::Checker,
-        now_ns: u64,
-    ) -> std::io::Result<()> {
+    fn tick(&mut self, engine: &crate::engine::check::Checker, now_ns: u64) -> std::io::Result<()> {
         self.0
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -591,8 +595,12 @@ impl GenerationEnv {
         }
         let mut partitions: JoinSet<Result<(), String>> = JoinSet::new();
         for k in parts {
-            let (stream, tx, ctx, bus) =
-                (self.stream.clone(), tx.clone(), ctx.clone(), self.bus.clone());
+            let (stream, tx, ctx, bus) = (
+                self.stream.clone(),
+                tx.clone(),
+                ctx.clone(),
+                self.bus.clone(),
+            );
             let (recovering, recovery) = (recovering.clone(), self.recovery.clone());
             let subject = crate::bus::batcher::subject(&bus.stream, k);
             let stop = shutdown.at(Phase::StopSources);
