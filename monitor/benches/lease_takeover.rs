@@ -165,7 +165,7 @@ fn main() {
     let nats = Nats::single().expect("nats-server -js (cargo xtask setup)");
     let dir = ScratchDir::new("bench-lease-takeover").unwrap();
     let mut events = workload::stream(&Mix {
-        attempts: 400 * a.kills,
+        attempts: 400 * a.kills as u64,
         reject_every: 5,
         spacing_ns: 300_000,
         ..Mix::default()
