@@ -258,6 +258,9 @@ fn main() {
     let (cpu_a, rss_a) = cpu_rss(agent.pid());
     let (cpu_c, rss_c) = cpu_rss(checker.pid());
     let cpu_n = nats_cpu(&nats) - nats_cpu0;
+    // Request- and worker-level events go to every partition: what the stream carries over
+    // what the agent routed is the broadcast's cost.
+    let on_bus = metric(&aadmin, "revenant_agent_events_published_total");
     agent.stop(libc::SIGTERM, Duration::from_secs(30));
     checker.stop(libc::SIGTERM, Duration::from_secs(30));
     let published = published_at.unwrap_or(observed);
@@ -291,6 +294,10 @@ fn main() {
             n as f64 / published.as_secs_f64()
         );
     }
+    println!(
+        "  events on the bus: {on_bus:.0} for {n} routed ({:.3}× with the broadcast copies)",
+        on_bus / n as f64
+    );
     println!(
         "  agent: {:.2} CPU s per million events, peak RSS {:.0} MiB",
         cpu_a / (n as f64 / 1e6),

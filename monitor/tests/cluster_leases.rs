@@ -1,11 +1,12 @@
-//! Checkers that share a stream's partitions through leases (`bus::lease`), on a real
-//! `nats-server` on loopback, with a short `--lease-ttl`:
+//! Checkers that share a stream's partitions through leases (`bus::lease`), on three real
+//! `nats-server`s clustered on loopback (R3 stream and buckets), with a short `--lease-ttl`:
 //!
 //! - three checkers split six partitions two each;
 //! - one is killed (SIGKILL) while agents publish: its partitions are taken by the others;
 //! - one is paused (SIGSTOP) past the TTL: the last one takes everything; resumed (SIGCONT), the
 //!   paused one finds its leases gone by its own clock and judges nothing of them;
-//! - a fourth joins under load: the partitions spread again;
+//! - a fourth joins under load, and the NATS server leading the lease bucket is killed: the
+//!   partitions spread again;
 //!
 //! and every breach of the whole load is notified exactly once across the four (the set
 //! `revenant check` finds on the same events), none twice.
@@ -22,7 +23,7 @@ use std::time::{Duration, Instant};
 use revenant::LifecycleEvent;
 use revenant::engine::workload::{self, Mix};
 use support::cluster::{Bus, Member, WAIT, check, write};
-use support::{Nats, ScratchDir};
+use support::{Nats, ScratchDir, http_get};
 
 const PARTITIONS: u32 = 6;
 const TTL: Duration = Duration::from_secs(3);
@@ -57,6 +58,33 @@ fn wait_settled(what: &str, m: &Member) {
         }
         since.elapsed() >= Duration::from_secs(1)
     });
+}
+
+/// The server leading `stream`'s Raft group, by its name.
+fn leader(nats: &mut Nats, stream: &str) -> Option<String> {
+    for n in &mut nats.nodes {
+        if !n.is_running() {
+            continue;
+        }
+        let url = format!(
+            "http://127.0.0.1:{}/jsz?accounts=true&streams=true",
+            n.monitor
+        );
+        let Ok((200, body)) = http_get(&url) else {
+            continue;
+        };
+        let v: serde_json::Value = serde_json::from_str(&body).ok()?;
+        for a in v["account_details"].as_array().into_iter().flatten() {
+            for s in a["stream_detail"].as_array().into_iter().flatten() {
+                if s["name"] == stream
+                    && let Some(l) = s["cluster"]["leader"].as_str()
+                {
+                    return Some(l.to_owned());
+                }
+            }
+        }
+    }
+    None
 }
 
 fn signal(m: &Member, sig: i32) {
@@ -115,7 +143,7 @@ fn slices(dir: &Path, events: &[LifecycleEvent]) -> Vec<(std::path::PathBuf, usi
 
 #[test]
 fn checkers_take_over_each_others_partitions_and_every_breach_is_notified_once() {
-    let nats = Nats::single().unwrap();
+    let mut nats = Nats::cluster3().unwrap();
     let dir = ScratchDir::new("cluster-leases").unwrap();
     let bus = Bus {
         nats: nats.urls(),
@@ -134,6 +162,8 @@ fn checkers_take_over_each_others_partitions_and_every_breach_is_notified_once()
     // One notification per (rule, request), sent at once, none rate-limited: each breach's
     // notification is countable.
     let flags = [
+        "--replicas",
+        "3",
         "--lease-ttl",
         ttl.as_str(),
         "--group-wait",
@@ -201,16 +231,35 @@ fn checkers_take_over_each_others_partitions_and_every_breach_is_notified_once()
         spread(&[&c1, &c2], 3.0, 3.0)
     });
 
-    // A fourth checker joins while the last slice is published: the partitions spread over
-    // three (two each).
+    // A fourth checker joins while the last slice is published, and the server leading the
+    // lease bucket is killed: the partitions spread over three (two each) all the same.
     let mut c3 = start(3);
+    let mut name = None;
+    wait_for("a leader of the lease bucket", || {
+        name = leader(&mut nats, "KV_LEASES_LEASES");
+        name.is_some()
+    });
+    let i = nats
+        .nodes
+        .iter()
+        .position(|n| Some(&n.name) == name.as_ref())
+        .unwrap();
     std::thread::scope(|s| {
         let a = s.spawn(|| publish(3));
+        nats.nodes[i].kill();
         wait_for("the partitions spread over three", || {
             spread(&[&c1, &c2, &c3], 2.0, 2.0)
         });
         a.join().unwrap()
     });
+    eprintln!(
+        "lease bucket leader {} killed: leases lost meanwhile {}",
+        nats.nodes[i].name,
+        [&c1, &c2, &c3]
+            .iter()
+            .map(|m| m.metric("revenant_checker_leases_lost_total"))
+            .sum::<f64>()
+    );
 
     // Every agent stream ended and every partition read again where it was taken: the input
     // is whole; then the live checkers drain together (judging what they hold).

@@ -526,9 +526,8 @@ impl Leases {
             .timed(self.kv_stream.info_with_subjects(format!("{prefix}>")))
             .await?;
         let mut members = vec![self.token.clone()];
-        // Pages of subjects; each page is one more request.
+        // The first page came with the info (a page holds thousands of subjects).
         loop {
-            self.stats.requests.fetch_add(1, Relaxed);
             let next = tokio::time::timeout(self.timing.request, info.next()).await;
             match next {
                 Ok(Some(Ok((subject, _)))) => {
