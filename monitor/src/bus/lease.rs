@@ -3,20 +3,22 @@
 //!
 //! **The bucket.** One key per partition (`p<k>`, its value the holder's token) and one per
 //! live checker (`m.<token>`), in a stream laid out as a key-value bucket whose `max_age` is
-//! the lease's TTL and that keeps one value per key: an entry nobody rewrites is removed by the
-//! server TTL after it was written, and the key is free. Every write of a partition key is a
+//! nine tenths of `--lease-ttl` (the last tenth is the other checkers' look for free keys, so
+//! that a partition is taken within the TTL of its owner's last renewal) and that keeps one
+//! value per key: an entry nobody rewrites is removed by the
+//! server that long after it was written, and the key is free. Every write of a partition key is a
 //! compare-and-set on the key's last revision (`Nats-Expected-Last-Subject-Sequence`):
 //! taking a free key expects "no entry" (or the deletion marker a release left), renewing one
 //! expects the revision this holder last wrote. JetStream decides each of them atomically on
 //! the stream's leader (through its Raft log at R3), so of two checkers racing for one key one
 //! wins and the other is told "wrong last sequence". (JetStream 2.9 has no per-message TTL and
-//! no lock primitive; a bucket whose age limit is the TTL and revision-checked writes are the
+//! no lock primitive; a bucket with an age limit and revision-checked writes are the
 //! lease.)
 //!
 //! **Fencing.** A holder takes the time `t0` on its own monotonic clock before it sends a
-//! write; the server stores the entry at or after `t0`, and removes it no earlier than TTL
-//! after that. The holder counts its lease valid until `t0 + TTL − margin` (a fifth of the
-//! TTL, for the clocks' rates and the time between a check and what it guards), so its
+//! write; the server stores the entry at or after `t0`, and removes it no earlier than the age
+//! limit `A` after that. The holder counts its lease valid until `t0 + A − margin` (a fifth of
+//! `A`, for the clocks' rates and the time between a check and what it guards), so its
 //! validity ends before the entry can be gone, and a successor can only write the key (a
 //! create that expects no entry) after that. A checker judges a partition only while its
 //! [`Fence`] holds: every verdict is checked against it just before it leaves the engine's
@@ -218,10 +220,13 @@ struct Held {
     written: Instant,
 }
 
-/// Timing, all from the TTL.
+/// Timing, all from `--lease-ttl`, the longest a partition goes unjudged after its owner's
+/// last renewal: the bucket removes an entry `expiry` (nine tenths of it) after it was written,
+/// and a free key is found within one look (the last tenth).
 #[derive(Debug, Clone, Copy)]
 struct Timing {
-    ttl: Duration,
+    /// The bucket's age limit.
+    expiry: Duration,
     margin: Duration,
     renew_every: Duration,
     look_every: Duration,
@@ -230,13 +235,15 @@ struct Timing {
 
 impl Timing {
     fn of(ttl: Duration) -> Timing {
+        let look_every = ttl / 10;
+        let expiry = ttl - look_every;
         Timing {
-            ttl,
-            margin: ttl / 5,
-            // Three tries before the fence drops (at 4/5 of the TTL).
-            renew_every: ttl / 4,
-            look_every: ttl / 10,
-            request: (ttl / 5).max(Duration::from_millis(200)),
+            expiry,
+            margin: expiry / 5,
+            // Three tries before the fence drops (at 4/5 of the expiry).
+            renew_every: expiry / 4,
+            look_every,
+            request: (expiry / 5).max(Duration::from_millis(200)),
         }
     }
 }
@@ -294,7 +301,7 @@ impl Leases {
                 description: Some("revenant: checker partition leases".into()),
                 subjects: vec![format!("$KV.{name}.>")],
                 max_messages_per_subject: 1,
-                max_age: cfg.lease_ttl,
+                max_age: Timing::of(cfg.lease_ttl).expiry,
                 storage: stream::StorageType::File,
                 num_replicas: cfg.replicas,
                 allow_rollup: true,
@@ -304,10 +311,11 @@ impl Leases {
             .await
             .map_err(|e| err(&e))?;
         let found = kv_stream.cached_info().config.max_age;
-        if found != cfg.lease_ttl {
+        if found != Timing::of(cfg.lease_ttl).expiry {
             return Err(BusError::LeaseTtl {
                 bucket: name,
-                found,
+                // The TTL whose nine tenths the bucket's age limit is.
+                found: found * 10 / 9,
                 given: cfg.lease_ttl,
             });
         }
@@ -472,7 +480,7 @@ impl Leases {
                         k,
                         Held {
                             revision,
-                            valid_until: sent + self.timing.ttl - self.timing.margin,
+                            valid_until: sent + self.timing.expiry - self.timing.margin,
                             written: sent,
                         },
                     );
@@ -620,7 +628,7 @@ impl Leases {
                         k,
                         Held {
                             revision,
-                            valid_until: sent + self.timing.ttl - self.timing.margin,
+                            valid_until: sent + self.timing.expiry - self.timing.margin,
                             written: sent,
                         },
                     );
@@ -697,6 +705,19 @@ fn share(partitions: u32, members: &[String], me: &str) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_partition_is_free_within_the_ttl_and_its_holder_stops_before_it_is() {
+        for ttl in [1, 3, 15, 600].map(Duration::from_secs) {
+            let t = Timing::of(ttl);
+            // Entry removed at most `expiry` after the last write, found within a look.
+            assert!(t.expiry + t.look_every <= ttl, "{ttl:?}");
+            // The holder's validity ends before the server can remove its entry.
+            assert!(t.expiry - t.margin < t.expiry);
+            // At least three renewals fit in the validity.
+            assert!(t.renew_every * 3 <= t.expiry - t.margin, "{ttl:?}");
+        }
+    }
 
     #[test]
     fn shares_add_up_to_the_partitions_and_differ_by_at_most_one() {

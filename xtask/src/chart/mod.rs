@@ -85,7 +85,7 @@ const EXTRA_CASES: &[(&str, &[&str])] = &[
     ),
     (
         // Cluster mode on an existing NATS, partitions not a multiple of the replicas, the
-        // chart's configuration merged into each replica's file.
+        // chart's configuration in the checkers' one file.
         "cluster-external-nats",
         &[
             "mode=cluster",
