@@ -1,14 +1,22 @@
-//! `revenant checker`: cluster mode's checking tier. Consumes the partitions it owns from
-//! JetStream (one durable pull consumer each, created when missing, like the stream), feeds the
-//! same engine task `run` drives (the engine is unchanged: it sees `EventBatch`es), and sends
-//! what it finds through the same alert dispatcher, sinks and spool. No source of its own: OTLP
-//! and eBPF stay off.
+//! `revenant checker`: cluster mode's checking tier. Consumes the partitions it holds the
+//! leases of (`bus::lease`; or those it is pinned to with `--owned-partitions`) from JetStream
+//! (one durable pull consumer each), feeds the same engine task `run` drives (the engine is
+//! unchanged: it sees `EventBatch`es), and sends what it finds through the same alert
+//! dispatcher, sinks and spool. No source of its own: OTLP and eBPF stay off.
 //!
 //! prepare → claim (alert spool, files) → bind (admin) → start outputs → connect, stream,
-//! consumers, notification claims → engine → each partition read again from `recovery_window`
-//! before where its consumer had come, then live → ready → wait → drain (consumers stop and
-//! leave what they did not take unacknowledged for the next checker, the engine judges only as
-//! far as every agent's stream provably came, then the dispatcher).
+//! notification claims, lease bucket → ready → for each partition set the leases give (a
+//! generation): consumers, a fresh engine, each partition read again from `recovery_window`
+//! before where its consumer had come, then live; verdicts pass only while the generation's
+//! fence holds → wait → drain (consumers stop and leave what they did not take unacknowledged
+//! for the next checker, the engine judges only as far as every agent's stream provably came,
+//! then the dispatcher, then the leases are released).
+//!
+//! A new set means a new engine: the engine has one watermark and no notion of partitions, so
+//! a partition taken mid-run (whose events are older than that watermark) or one given up
+//! (whose attempts it still holds) cannot be added to or taken out of it; reading every
+//! partition of the new set again is what a restart does, and the notification claims keep
+//! what the earlier generation sent from being sent again.
 //!
 //! The engine's watermark waits for the slowest agent stream it reads (`bus::progress`): a
 //! backlog, an agent's outbox held back while NATS was away, a restart's replay are judged as
