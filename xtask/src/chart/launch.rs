@@ -10,7 +10,6 @@ use anyhow::{Context, Result, anyhow, bail, ensure};
 use serde_json::Value;
 
 use super::checks::{checker_file, component, kind, one, probes_use, strings};
-use super::tools::Tools;
 
 /// The rendered command line, run by the real binary with the rendered configuration files:
 /// every flag exists, every file loads, the admin server answers. Addresses move to loopback
@@ -279,11 +278,10 @@ pub(super) fn start_member(
 
 /// Cluster mode's rendered command lines run by the real binary against a real
 /// `nats-server -js` on loopback (three clustered servers when the stream is R3): the agent, then
-/// every checker replica (each with its pod's `--config` file), all running together, each
+/// every checker replica (all with the one `--config` file), all running together, each
 /// `/readyz` 200.
 pub(super) fn cluster_starts(
     revenant: &Path,
-    tools: &Tools,
     docs: &[Value],
     out: &Path,
     case: &str,
