@@ -4,7 +4,7 @@
 //! `nats-server -js` (R1, file storage) or a three-node cluster (R3).
 //!
 //! Run: `cargo bench -p revenant --bench cluster_throughput -- [--events 1000000]
-//!       [--batch-events 512] [--partitions 4] [--replicas 1|3] [--catch-up]`
+//!       [--batch-events 512] [--partitions 4] [--replicas 1|3] [--catch-up] [--receipts]`
 //! (`REVENANT_BIN=path` runs another build of `revenant` under the same driver.)
 //!
 //! The events are the synthetic PD stream of `engine::workload` (ten events per attempt, one
@@ -14,6 +14,9 @@
 //! (`revenant_events_total`); the agent publishes and the checker consumes at the same time.
 //! Also printed: when the agent had published everything, and when the checker had taken every
 //! event off the bus (handed to its engine's channel, which holds up to 1024 batches).
+//!
+//! `--receipts`: every attempt also has the router's receipt of its request (request-level, so
+//! sent to every partition): what broadcasting costs the bus at this partition count.
 //!
 //! `--catch-up`: the checker starts only once the agent has published everything, as after an
 //! outage of the checker tier; the clock runs from the checker's start until its engine has
@@ -37,6 +40,7 @@ struct Args {
     partitions: u32,
     replicas: usize,
     catch_up: bool,
+    receipts: bool,
 }
 
 fn args() -> Args {
@@ -46,6 +50,7 @@ fn args() -> Args {
         partitions: 4,
         replicas: 1,
         catch_up: false,
+        receipts: false,
     };
     let v: Vec<String> = std::env::args().collect();
     let mut i = 1;
@@ -58,6 +63,11 @@ fn args() -> Args {
             "--replicas" => a.replicas = next.parse().expect("--replicas 1|3"),
             "--catch-up" => {
                 a.catch_up = true;
+                i += 1;
+                continue;
+            }
+            "--receipts" => {
+                a.receipts = true;
                 i += 1;
                 continue;
             }
@@ -137,6 +147,7 @@ fn main() {
     let attempts = a.events / 10;
     let events = workload::stream(&Mix {
         attempts,
+        receipts: a.receipts,
         spacing_ns: 10_000,
         ..Mix::default()
     });
@@ -166,7 +177,10 @@ fn main() {
         let mut c = Command::new(bin());
         c.arg("checker");
         common(&mut c);
-        c.args(["--watermark-clock", "event", "--allowed-lateness", "1s"])
+        // Pinned to every partition: the throughput of one checker, with no lease to wait for.
+        let all: Vec<String> = (0..a.partitions).map(|k| k.to_string()).collect();
+        c.args(["--owned-partitions", &all.join(",")])
+            .args(["--watermark-clock", "event", "--allowed-lateness", "1s"])
             .arg("--alerts-jsonl")
             .arg(dir.path().join("alerts.jsonl"));
         c
@@ -255,6 +269,9 @@ fn main() {
     let (cpu_a, rss_a) = cpu_rss(agent.pid());
     let (cpu_c, rss_c) = cpu_rss(checker.pid());
     let cpu_n = nats_cpu(&nats) - nats_cpu0;
+    // Request- and worker-level events go to every partition: what the stream carries over
+    // what the agent routed is the broadcast's cost.
+    let on_bus = metric(&aadmin, "revenant_agent_events_published_total");
     agent.stop(libc::SIGTERM, Duration::from_secs(30));
     checker.stop(libc::SIGTERM, Duration::from_secs(30));
     let published = published_at.unwrap_or(observed);
@@ -288,6 +305,10 @@ fn main() {
             n as f64 / published.as_secs_f64()
         );
     }
+    println!(
+        "  events on the bus: {on_bus:.0} for {n} routed ({:.3}× with the broadcast copies)",
+        on_bus / n as f64
+    );
     println!(
         "  agent: {:.2} CPU s per million events, peak RSS {:.0} MiB",
         cpu_a / (n as f64 / 1e6),

@@ -170,6 +170,9 @@ pub struct PartitionCtx {
     pub metrics: Arc<Metrics>,
     /// The lowest partition this checker owns: the one broadcast events are taken from.
     pub first_owned: u32,
+    /// Whether this checker still holds the leases of its partitions (`lease`): once it does
+    /// not, it acknowledges nothing and pulls nothing more.
+    pub fence: super::lease::Fence,
 }
 
 /// Hands one message's batch to the engine: decoded, skipped if taken before, broadcast copies
@@ -231,8 +234,14 @@ pub async fn reopen(
     stream: &async_nats::jetstream::stream::Stream,
     bus: &super::BusConfig,
     k: u32,
+    fence: &super::lease::Fence,
 ) -> Option<async_nats::jetstream::consumer::PullConsumer> {
     tokio::time::sleep(RETRY).await;
+    if !fence.holds() {
+        // Not created again by a checker that lost the partition: its next owner deleted it
+        // to create it afresh, and must find its own.
+        return None;
+    }
     match tokio::time::timeout(
         Duration::from_secs(5),
         super::ensure_consumer(stream, bus, k),
@@ -269,6 +278,11 @@ pub async fn run_partition(
     poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut idle = true;
     loop {
+        if !ctx.fence.holds() {
+            // The partition is another checker's now (or about to be): what was pulled and
+            // not acknowledged is redelivered to it.
+            return;
+        }
         let pull = match &mut messages {
             Some(s) => s,
             None => {
@@ -287,7 +301,7 @@ pub async fn run_partition(
                         tracing::warn!(partition = k, error = %e, "consumer not reachable; retrying");
                         tokio::select! {
                             () = &mut stop => return,
-                            c = reopen(&stream, &bus, k) => if let Some(c) = c { consumer = c },
+                            c = reopen(&stream, &bus, k, &ctx.fence) => if let Some(c) = c { consumer = c },
                         }
                         continue;
                     }
@@ -311,7 +325,7 @@ pub async fn run_partition(
                     messages = None;
                     tokio::select! {
                         () = &mut stop => return,
-                        c = reopen(&stream, &bus, k) => if let Some(c) = c { consumer = c },
+                        c = reopen(&stream, &bus, k, &ctx.fence) => if let Some(c) = c { consumer = c },
                     }
                     continue;
                 }
@@ -332,6 +346,9 @@ pub async fn run_partition(
         if let Some(p) = pending {
             ctx.streams.lock().set_caught_up(k, p == 0, now_unix_ns());
         }
+        if !ctx.fence.holds() {
+            return;
+        }
         if let Err(e) = msg.ack().await {
             tracing::warn!(partition = k, error = %e, "ack failed (the batch will be redelivered and recognised)");
         }
@@ -346,7 +363,7 @@ pub async fn run_partition(
 /// messages read; nothing when the consumer had delivered nothing yet.
 pub async fn recover(
     stream: &async_nats::jetstream::stream::Stream,
-    durable: &async_nats::jetstream::consumer::PullConsumer,
+    resume: super::Resume,
     subject: String,
     k: u32,
     window: Duration,
@@ -355,15 +372,11 @@ pub async fn recover(
 ) -> Result<u64, String> {
     use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, pull};
     let err = |what: &str, e: &dyn std::fmt::Display| format!("partition {k}: {what}: {e}");
-    let info = durable
-        .get_info()
-        .await
-        .map_err(|e| err("consumer info", &e))?;
-    let upto = info.delivered.stream_sequence;
+    let upto = resume.delivered;
     if upto == 0 {
         return Ok(0);
     }
-    let anchor = match info.ack_floor.stream_sequence {
+    let anchor = match resume.ack_floor {
         0 => upto,
         a => a,
     };

@@ -18,12 +18,15 @@
 //!   watermark's bound).
 //! - [`consumer`]: the checker's consumers, the hand-off to the engine, the start-up replay.
 //! - [`claims`]: each violation notified once across checker lives and replicas.
+//! - [`lease`]: which checker judges which partition (leases renewed in a key-value bucket,
+//!   spread evenly, fenced by the holder's own clock).
 //!
 //! The engine knows nothing of this: the checker feeds it the same `EventBatch`es `run` does.
 
 pub mod batcher;
 pub mod claims;
 pub mod consumer;
+pub mod lease;
 pub mod partition;
 pub mod progress;
 pub mod publisher;
@@ -73,6 +76,11 @@ pub struct BusConfig {
     /// the watermark wait for that agent.
     #[serde(with = "duration")]
     pub agent_silence: Duration,
+    /// How long a checker's partition lease lasts unrenewed (`lease`): a partition whose owner
+    /// stopped is taken by another checker about this long after its last renewal. The same on
+    /// every checker of a stream (the lease bucket records it).
+    #[serde(with = "duration")]
+    pub lease_ttl: Duration,
 }
 
 impl Default for BusConfig {
@@ -89,6 +97,7 @@ impl Default for BusConfig {
             owned: None,
             recovery_window: None,
             agent_silence: Duration::from_secs(30),
+            lease_ttl: Duration::from_secs(15),
         }
     }
 }
@@ -117,6 +126,8 @@ pub enum BusConfigError {
         heartbeat = batcher::HEARTBEAT * 2
     )]
     AgentSilence(Duration),
+    #[error("--lease-ttl must be between 1s and 10m, got {0:?}")]
+    LeaseTtl(Duration),
 }
 
 impl BusConfig {
@@ -144,6 +155,9 @@ impl BusConfig {
         }
         if self.agent_silence < batcher::HEARTBEAT * 2 {
             return Err(BusConfigError::AgentSilence(self.agent_silence));
+        }
+        if !(Duration::from_secs(1)..=Duration::from_secs(600)).contains(&self.lease_ttl) {
+            return Err(BusConfigError::LeaseTtl(self.lease_ttl));
         }
         if let Some(owned) = &self.owned {
             if owned.is_empty() {
@@ -212,6 +226,15 @@ pub enum BusError {
     },
     #[error("consumer {name}: {message}")]
     Consumer { name: String, message: String },
+    #[error(
+        "lease bucket {bucket} was created with a TTL of {found:?}, this checker has --lease-ttl {given:?}: \
+         give every checker of a stream the same --lease-ttl (or delete the stream KV_{bucket} while no checker runs)"
+    )]
+    LeaseTtl {
+        bucket: String,
+        found: Duration,
+        given: Duration,
+    },
 }
 
 /// Connects (in the background: an unreachable server is retried, not an error) and returns the
@@ -300,6 +323,80 @@ pub async fn ensure_consumer(
         })
 }
 
+/// How far a partition's durable consumer had come when this checker took the partition:
+/// what [`consumer::recover`] reads again up to, and from before.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Resume {
+    /// The last stream sequence it had delivered (0: nothing yet).
+    pub delivered: u64,
+    /// The last stream sequence acknowledged with everything before it (0: none).
+    pub ack_floor: u64,
+}
+
+/// Partition `k`'s durable consumer as a checker finds it when it starts on the partition.
+pub async fn resume_of(
+    consumer: &async_nats::jetstream::consumer::PullConsumer,
+) -> Result<Resume, BusError> {
+    let mut c = consumer.clone();
+    let info = c.info().await.map_err(|e| BusError::Consumer {
+        name: consumer.cached_info().name.clone(),
+        message: e.to_string(),
+    })?;
+    Ok(Resume {
+        delivered: info.delivered.stream_sequence,
+        ack_floor: info.ack_floor.stream_sequence,
+    })
+}
+
+/// Partition `k`'s durable consumer for a checker that has just taken its lease: where the
+/// previous incarnation had come is read, then it is deleted and created again to deliver from
+/// after its acknowledgement floor. Deleting it ends every pull the previous owner may still
+/// have open on it (a paused process's, say), so nothing of the partition is delivered to a
+/// checker that no longer holds it and left waiting there for the acknowledgement timeout.
+pub async fn take_over_consumer(
+    stream: &async_nats::jetstream::stream::Stream,
+    cfg: &BusConfig,
+    k: u32,
+) -> Result<(async_nats::jetstream::consumer::PullConsumer, Resume), BusError> {
+    use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, pull};
+    use async_nats::jetstream::context::ConsumerInfoErrorKind;
+    let name = format!("{}-p{k}", cfg.stream);
+    let err = |e: &dyn std::fmt::Display| BusError::Consumer {
+        name: name.clone(),
+        message: e.to_string(),
+    };
+    let resume = match stream.consumer_info(&name).await {
+        Ok(info) => {
+            stream.delete_consumer(&name).await.map_err(|e| err(&e))?;
+            Resume {
+                delivered: info.delivered.stream_sequence,
+                ack_floor: info.ack_floor.stream_sequence,
+            }
+        }
+        Err(e) if e.kind() == ConsumerInfoErrorKind::NotFound => Resume::default(),
+        Err(e) => return Err(err(&e)),
+    };
+    let deliver_policy = match resume.ack_floor {
+        0 => DeliverPolicy::All,
+        a => DeliverPolicy::ByStartSequence {
+            start_sequence: a + 1,
+        },
+    };
+    let c = stream
+        .create_consumer(pull::Config {
+            durable_name: Some(name.clone()),
+            filter_subject: batcher::subject(&cfg.stream, k),
+            ack_policy: AckPolicy::Explicit,
+            deliver_policy,
+            ack_wait: Duration::from_secs(30),
+            max_ack_pending: 4096,
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| err(&e))?;
+    Ok((c, resume))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -329,6 +426,13 @@ mod tests {
             Err(BusConfigError::AgentSilence(Duration::from_millis(900)))
         );
         c.agent_silence = Duration::from_secs(1);
+        c.validate().unwrap();
+        c.lease_ttl = Duration::from_millis(500);
+        assert_eq!(
+            c.validate(),
+            Err(BusConfigError::LeaseTtl(Duration::from_millis(500)))
+        );
+        c.lease_ttl = Duration::from_secs(3);
         c.validate().unwrap();
         c.stream = "a.b".into();
         assert!(matches!(c.validate(), Err(BusConfigError::Stream(_))));

@@ -14,6 +14,9 @@ pub struct Mix {
     pub reject_every: u64,
     pub spacing_ns: u64,
     pub epoch_ns: u64,
+    /// Each attempt also has the router's receipt of its request, which names the request only
+    /// (request-level: in cluster mode it goes to every partition).
+    pub receipts: bool,
 }
 
 impl Default for Mix {
@@ -23,6 +26,7 @@ impl Default for Mix {
             reject_every: 100,
             spacing_ns: 1_000,
             epoch_ns: 1_795_986_920_000_000_000,
+            receipts: false,
         }
     }
 }
@@ -57,6 +61,13 @@ pub fn attempt_events(mix: &Mix, i: u64) -> Vec<LifecycleEvent> {
         ev(MS, Stage::Prefill, Kind::Received, Source::Ebpf),
         ev(MS, Stage::Decode, Kind::Received, Source::Ebpf),
     ];
+    if mix.receipts {
+        v.insert(
+            0,
+            LifecycleEvent::new(t0, Stage::Router, Kind::Received, Source::Otlp)
+                .with_request_id(request_id.as_str()),
+        );
+    }
     if mix.reject_every > 0 && i.is_multiple_of(mix.reject_every) {
         v.push(
             ev(2 * MS, Stage::Prefill, Kind::Rejected, Source::Otlp)

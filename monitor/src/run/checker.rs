@@ -1,14 +1,22 @@
-//! `revenant checker`: cluster mode's checking tier. Consumes the partitions it owns from
-//! JetStream (one durable pull consumer each, created when missing, like the stream), feeds the
-//! same engine task `run` drives (the engine is unchanged: it sees `EventBatch`es), and sends
-//! what it finds through the same alert dispatcher, sinks and spool. No source of its own: OTLP
-//! and eBPF stay off.
+//! `revenant checker`: cluster mode's checking tier. Consumes the partitions it holds the
+//! leases of (`bus::lease`; or those it is pinned to with `--owned-partitions`) from JetStream
+//! (one durable pull consumer each), feeds the same engine task `run` drives (the engine is
+//! unchanged: it sees `EventBatch`es), and sends what it finds through the same alert
+//! dispatcher, sinks and spool. No source of its own: OTLP and eBPF stay off.
 //!
 //! prepare → claim (alert spool, files) → bind (admin) → start outputs → connect, stream,
-//! consumers, notification claims → engine → each partition read again from `recovery_window`
-//! before where its consumer had come, then live → ready → wait → drain (consumers stop and
-//! leave what they did not take unacknowledged for the next checker, the engine judges only as
-//! far as every agent's stream provably came, then the dispatcher).
+//! notification claims, lease bucket → ready → for each partition set the leases give (a
+//! generation): consumers, a fresh engine, each partition read again from `recovery_window`
+//! before where its consumer had come, then live; verdicts pass only while the generation's
+//! fence holds → wait → drain (consumers stop and leave what they did not take unacknowledged
+//! for the next checker, the engine judges only as far as every agent's stream provably came,
+//! then the dispatcher, then the leases are released).
+//!
+//! A new set means a new engine: the engine has one watermark and no notion of partitions, so
+//! a partition taken mid-run (whose events are older than that watermark) or one given up
+//! (whose attempts it still holds) cannot be added to or taken out of it; reading every
+//! partition of the new set again is what a restart does, and the notification claims keep
+//! what the earlier generation sent from being sent again.
 //!
 //! The engine's watermark waits for the slowest agent stream it reads (`bus::progress`): a
 //! backlog, an agent's outbox held back while NATS was away, a restart's replay are judged as
@@ -34,9 +42,10 @@ use crate::admin::timeline::TimelineTap;
 use crate::alert::AlertPipeline;
 use crate::bus::claims::Claims;
 use crate::bus::consumer::{self, CheckerStats, PartitionCtx, SharedStreams};
+use crate::bus::lease::{self, Fence, LeaseStats, Leases, Ownership};
 use crate::bus::progress::{ProgressClock, Streams};
 use crate::bus::{BusConfig, BusConfigError};
-use crate::engine::check::CheckerConfig;
+use crate::engine::check::{CheckerConfig, RuleSet};
 use crate::ingest::ebpf::HoldWindows;
 
 use crate::pipeline::taps::{EngineMetrics, Observed};
@@ -48,10 +57,16 @@ use crate::violation::Violation;
 pub struct CheckerArgs {
     #[command(flatten, next_help_heading = "Cluster mode (NATS JetStream)")]
     pub bus: BusArgs,
-    /// The partitions this checker consumes, comma-separated (`0,2`); the others belong to
-    /// other checker replicas [default: all].
+    /// Pins this checker to these partitions, comma-separated (`0,2`), with no lease: the
+    /// operator owns the split [default: the partitions are shared with the stream's other
+    /// checkers through leases].
     #[arg(long, value_name = "LIST", value_delimiter = ',')]
     pub owned_partitions: Option<Vec<u32>>,
+    /// How long a partition lease lasts unrenewed: a partition whose checker stopped is taken
+    /// by another about this long after the last renewal. The same on every checker of a
+    /// stream [default: 15s].
+    #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
+    pub lease_ttl: Option<Duration>,
     /// What moves the engine's watermark besides the events: `wall` (live traffic: deadlines
     /// are judged as the clock passes them) or `event` (recorded events replayed through the
     /// cluster: judged on event time only, as `revenant check` does) [default: wall].
@@ -114,6 +129,9 @@ fn prepare(
     if let Some(v) = args.agent_silence {
         bus.agent_silence = v;
     }
+    if let Some(v) = args.lease_ttl {
+        bus.lease_ttl = v;
+    }
     bus.validate()?;
     let violations_out = match &args.violations_jsonl {
         None => None,
@@ -167,6 +185,8 @@ async fn checker_async(
         cfg,
         memory,
         checker,
+        rules,
+        engine_config,
         mut alert,
         admin,
         access,
@@ -217,32 +237,35 @@ async fn checker_async(
         &mut bound,
     );
 
-    // The bus: connect, the stream and one consumer per owned partition, each retried until
-    // NATS answers (readiness says why meanwhile).
+    // The bus: connect, the stream, the notification claims and (unless pinned) the lease
+    // bucket, each retried until NATS answers (readiness says why meanwhile).
     let nats = shared.readiness.register("nats", ComponentKind::Source);
     let client = crate::bus::connect(&bus, "revenant-checker")
         .await
         .map_err(|e| RunError::Receiver(e.to_string()))?;
     let js = async_nats::jetstream::new(client.clone());
     let url = bus.nats.clone().unwrap_or_default();
+    let lease_stats = lease::register(&shared.metrics);
+    let pinned = bus.owned.is_some();
     let mut setup = None;
     let mut stop_wait = std::pin::pin!(shutdown::signal());
     'setup: loop {
         let attempt = async {
             let stream = crate::bus::ensure_stream(&js, &bus).await?;
-            let mut cs = Vec::new();
-            for k in &owned {
-                cs.push((*k, crate::bus::ensure_consumer(&stream, &bus, *k).await?));
-            }
             claims
                 .open(&client, &js, &bus, bus.retention.max(recovery_window * 2))
                 .await?;
-            Ok::<_, crate::bus::BusError>((stream, cs))
+            let leases = if pinned {
+                None
+            } else {
+                Some(Leases::open(&js, &bus, &cfg.node_name(), lease_stats.clone()).await?)
+            };
+            Ok::<_, crate::bus::BusError>((stream, leases))
         };
         tokio::select! {
             r = tokio::time::timeout(Duration::from_secs(5), attempt) => match r {
                 Ok(Ok(done)) => { setup = Some(done); break 'setup; }
-                Ok(Err(e @ crate::bus::BusError::Partitions { .. })) => {
+                Ok(Err(e @ (crate::bus::BusError::Partitions { .. } | crate::bus::BusError::LeaseTtl { .. }))) => {
                     return Err(RunError::Bus(e));
                 }
                 Ok(Err(e)) => {
@@ -258,7 +281,7 @@ async fn checker_async(
         }
         tokio::time::sleep(Duration::from_secs(1)).await;
     }
-    let Some((stream, consumers)) = setup else {
+    let Some((stream, leases)) = setup else {
         // Stopped before NATS ever answered.
         return Ok(());
     };
@@ -266,71 +289,34 @@ async fn checker_async(
     nats.ready();
     bound.insert("nats".into(), url.clone().into());
     bound.insert("stream".into(), bus.stream.clone().into());
-    bound.insert(
-        "partitions".into(),
-        serde_json::Value::from(owned.iter().map(|k| u64::from(*k)).collect::<Vec<_>>()),
-    );
-
-    let (tx, rx) = event_channel(cfg.channel_capacity());
-    let ctx = PartitionCtx {
-        streams: streams.clone(),
-        stats: stats.clone(),
-        metrics: shared.metrics.clone(),
-        first_owned: owned.first().copied().unwrap_or(0),
+    // Which partitions this checker judges: a pin (fixed, the operator's split), or the leases
+    // it holds, which change as checkers come and go.
+    let (ownership, _pin, lease_loop) = match leases {
+        None => {
+            bound.insert(
+                "partitions".into(),
+                serde_json::Value::from(owned.iter().map(|k| u64::from(*k)).collect::<Vec<_>>()),
+            );
+            lease_stats.owned.store(owned.len() as u64, Relaxed);
+            let (tx, rx) = tokio::sync::watch::channel(Ownership {
+                epoch: 1,
+                partitions: owned.clone(),
+                fence: Fence::always(),
+            });
+            (rx, Some(tx), None)
+        }
+        Some((leases, rx)) => {
+            bound.insert("partitions".into(), "leased".into());
+            bound.insert("lease_ttl".into(), format!("{:?}", bus.lease_ttl).into());
+            tracing::info!(token = leases.token(), ttl = ?bus.lease_ttl, "sharing the partitions through leases");
+            let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+            let task = tokio::spawn(leases.run(async move {
+                let _ = stop_rx.await;
+            }));
+            (rx, None, Some((stop_tx, task)))
+        }
     };
-    // Each partition: read again from before where its consumer had come (readiness waits for
-    // every one), then live.
-    let recovery = shared.readiness.register("recovery", ComponentKind::Source);
-    let recovering = Arc::new(std::sync::atomic::AtomicUsize::new(consumers.len()));
-    stats.recovering.store(consumers.len() as u64, Relaxed);
-    if consumers.is_empty() {
-        recovery.ready();
-    }
-    let recovery = Arc::new(Mutex::new(Some(recovery)));
-    let mut partitions: JoinSet<Result<(), String>> = JoinSet::new();
-    for (k, mut c) in consumers {
-        let (stream, tx, ctx, bus) = (stream.clone(), tx.clone(), ctx.clone(), bus.clone());
-        let (recovering, recovery) = (recovering.clone(), recovery.clone());
-        let subject = crate::bus::batcher::subject(&bus.stream, k);
-        let stop = shutdown.at(Phase::StopSources);
-        partitions.spawn(async move {
-            let mut stop = std::pin::pin!(stop);
-            let started = std::time::Instant::now();
-            // NATS may go away while a partition is read again: try again once it answers (what
-            // was already fed is recognised and skipped), the checker keeps running meanwhile.
-            let read = loop {
-                tokio::select! {
-                    r = consumer::recover(&stream, &c, subject.clone(), k, recovery_window, &tx, &ctx) => match r {
-                        Ok(read) => break read,
-                        Err(e) => tracing::warn!(
-                            partition = k, error = %e,
-                            "reading the partition again failed; retrying"
-                        ),
-                    },
-                    () = &mut stop => return Ok(()),
-                }
-                tokio::select! {
-                    r = consumer::reopen(&stream, &bus, k) => if let Some(fresh) = r { c = fresh },
-                    () = &mut stop => return Ok(()),
-                }
-            };
-            if read > 0 {
-                tracing::info!(
-                    partition = k, messages = read, took = ?started.elapsed(),
-                    "partition read again from {recovery_window:?} before where its consumer had come"
-                );
-            }
-            ctx.stats.recovering.fetch_sub(1, Relaxed);
-            if recovering.fetch_sub(1, Relaxed) == 1
-                && let Some(h) = recovery.lock().unwrap_or_else(|p| p.into_inner()).take()
-            {
-                h.ready();
-            }
-            consumer::run_partition(stream, bus, c, k, tx, ctx, stop).await;
-            Ok(())
-        });
-    }
-    drop(tx);
+
     // Readiness and the streams' view follow the connection; silent agent streams are given
     // up on.
     let watch = {
@@ -381,60 +367,105 @@ async fn checker_async(
         ViolationSender::new(outputs.alerts.sender.clone(), shared.metrics.clone()),
         violations_out,
     ));
-    let mut taps: Vec<Box<dyn EventTap>> = vec![
-        Box::new(TimelineTap(shared.timeline.clone())),
-        Box::new(Observed(shared.metrics.clone())),
-        Box::new(EngineMetrics(shared.metrics.clone())),
-        Box::new(memory::MemoryTap {
-            account: shared.memory.clone(),
+    let recovery = shared.readiness.register("recovery", ComponentKind::Source);
+    let env = GenerationEnv {
+        stream,
+        bus: bus.clone(),
+        clock,
+        streams: streams.clone(),
+        stats: stats.clone(),
+        lease_stats: lease_stats.clone(),
+        shared: EngineShared {
+            metrics: shared.metrics.clone(),
+            readiness: shared.readiness.clone(),
+            recent: shared.recent.clone(),
             timeline: shared.timeline.clone(),
-            violations: shared.recent.clone(),
-            readiness: Some(shared.readiness.clone()),
-            watch: MemoryWatch::default(),
-        }),
-    ];
-    if let Some(w) = claimed.events_jsonl {
-        taps.push(Box::new(w));
-    }
-    let engine = tokio::spawn(
-        EngineTask {
-            engine: checker,
-            events: rx,
-            violations: ViolationSender::new(vtx, shared.metrics.clone()),
-            taps,
-            lateness: cfg.engine.allowed_lateness(),
-            pause_file,
-            clock,
-            upstream: Some(Arc::new(streams.clone())),
-        }
-        .run(shutdown.at(Phase::CloseEngine)),
-    );
-    announce_ready(&bound, ready_file.as_ref())?;
-    let failure = tokio::select! {
-        _ = shutdown::signal() => {
-            tracing::info!("shutting down: draining (a second signal exits at once)");
-            None
-        }
-        e = shutdown::first_failure(&mut partitions) => Some(e),
+            memory: shared.memory.clone(),
+        },
+        rules: rules.clone(),
+        engine_config: engine_config.clone(),
+        lateness: cfg.engine.allowed_lateness(),
+        channel_capacity: cfg.channel_capacity(),
+        pause_file: pause_file.clone(),
+        recovery_window,
+        recovery: Arc::new(Mutex::new(Some(recovery))),
+        events_jsonl: claimed
+            .events_jsonl
+            .map(|w| SharedTap(Arc::new(Mutex::new(Box::new(w))))),
+        violations: vtx,
+        pinned,
     };
+    let mut ownership = ownership;
+    let mut current: Option<Generation> = None;
+    announce_ready(&bound, ready_file.as_ref())?;
+    // Each change of the partition set: the running generation (consumers, engine) is dropped
+    // without judging more (its fence was revoked with the change), and a new one reads its
+    // partitions again from the recovery window.
+    let mut signal = std::pin::pin!(shutdown::signal());
+    // Closed when nothing can change the set any more (a pin's sender is kept for the life).
+    let mut changes_open = true;
+    let failure = loop {
+        let own = ownership.borrow_and_update().clone();
+        if current.as_ref().is_none_or(|g| g.epoch != own.epoch) && own.epoch > 0 {
+            if let Some(old) = current.take() {
+                old.abandon().await;
+            }
+            current = Some(env.start(&own, &shutdown));
+        }
+        let partitions_failed = async {
+            match current.as_mut() {
+                Some(g) => shutdown::first_failure(&mut g.partitions).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            _ = &mut signal => {
+                tracing::info!("shutting down: draining (a second signal exits at once)");
+                break None;
+            }
+            e = partitions_failed => break Some(e),
+            r = ownership.changed(), if changes_open => if r.is_err() {
+                // The lease loop ended before any signal: nothing renews the leases, so this
+                // checker would soon judge nothing; a failure (exit 1, restarted).
+                changes_open = false;
+                if !pinned {
+                    break Some("the partition lease loop stopped".into());
+                }
+            },
+        }
+    };
+    drop(env);
     tokio::spawn(force_exit_on_signal());
 
     let drain = Drain::start(cfg.drain_timeout());
     shutdown.advance(Phase::StopSources);
-    shutdown::join_within(
-        &mut partitions,
-        drain.source_grace(),
-        "shutdown: a partition consumer did not stop in time",
-    )
-    .await;
+    let (engine, filter) = match current {
+        Some(mut g) => {
+            shutdown::join_within(
+                &mut g.partitions,
+                drain.source_grace(),
+                "shutdown: a partition consumer did not stop in time",
+            )
+            .await;
+            (Some(g.engine), Some(g.filter))
+        }
+        None => (None, None),
+    };
     let _ = watch.await;
+    // The leases are kept (renewed) while the engine judges what it has, then released.
     shutdown.advance(Phase::CloseEngine);
     let remaining = drain.remaining().max(Duration::from_millis(100));
-    let totals = match tokio::time::timeout(remaining, engine).await {
-        Err(_) => return Err(RunError::DrainTimeout(drain.budget())),
-        Ok(Err(e)) => return Err(RunError::Receiver(format!("checker task: {e}"))),
-        Ok(Ok(r)) => r.map_err(RunError::Output)?,
+    let totals = match engine {
+        None => Default::default(),
+        Some(engine) => match tokio::time::timeout(remaining, engine).await {
+            Err(_) => return Err(RunError::DrainTimeout(drain.budget())),
+            Ok(Err(e)) => return Err(RunError::Receiver(format!("checker task: {e}"))),
+            Ok(Ok(r)) => r.map_err(RunError::Output)?,
+        },
     };
+    if let Some(f) = filter {
+        let _ = f.await;
+    }
     match forward.await {
         Ok(Ok(())) => {}
         Ok(Err(e)) => return Err(RunError::Output(e)),
@@ -446,6 +477,12 @@ async fn checker_async(
         Ok(r) => r,
         Err(e) => return Err(RunError::Receiver(format!("alert dispatcher: {e}"))),
     };
+    // The leases were renewed while the engine judged and the dispatcher delivered (and
+    // recorded its claims); released now, the next owners need not wait for the TTL.
+    if let Some((stop, task)) = lease_loop {
+        let _ = stop.send(());
+        let _ = tokio::time::timeout(Duration::from_secs(5), task).await;
+    }
     shutdown.advance(Phase::StopAdmin);
     if let Some(t) = outputs.admin {
         let _ = tokio::time::timeout(Duration::from_secs(2), t).await;
@@ -454,5 +491,262 @@ async fn checker_async(
     match failure {
         Some(e) => Err(RunError::Receiver(e)),
         None => Ok(()),
+    }
+}
+
+/// An event tap shared by the engines of successive generations (`--events-jsonl`).
+#[derive(Clone)]
+struct SharedTap(Arc<Mutex<Box<dyn EventTap>>>);
+
+impl EventTap for SharedTap {
+    fn batch(&mut self, batch: &crate::event::EventBatch, arrival_ns: u64) -> std::io::Result<()> {
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .batch(batch, arrival_ns)
+    }
+
+    fn tick(&mut self, engine: &crate::engine::check::Checker, now_ns: u64) -> std::io::Result<()> {
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .tick(engine, now_ns)
+    }
+}
+
+/// What each generation's engine reports through (the process's, shared by all).
+struct EngineShared {
+    metrics: Arc<crate::telemetry::Metrics>,
+    readiness: crate::telemetry::Readiness,
+    recent: Arc<crate::telemetry::RecentViolations>,
+    timeline: Arc<crate::admin::RecentEvents>,
+    memory: Arc<crate::telemetry::MemoryAccount>,
+}
+
+/// What every generation is built from.
+struct GenerationEnv {
+    stream: async_nats::jetstream::stream::Stream,
+    bus: BusConfig,
+    clock: WatermarkClock,
+    streams: SharedStreams,
+    stats: Arc<CheckerStats>,
+    lease_stats: Arc<LeaseStats>,
+    shared: EngineShared,
+    rules: RuleSet,
+    engine_config: CheckerConfig,
+    lateness: Duration,
+    channel_capacity: usize,
+    pause_file: Option<PathBuf>,
+    recovery_window: Duration,
+    /// The readiness of the first generation's reading again (later ones are counted only).
+    recovery: Arc<Mutex<Option<crate::telemetry::ReadyHandle>>>,
+    events_jsonl: Option<SharedTap>,
+    /// Into the violation output (JSON lines, then the dispatcher).
+    violations: tokio::sync::mpsc::Sender<Violation>,
+    pinned: bool,
+}
+
+/// One partition set's consumers and engine, judging under one fence.
+struct Generation {
+    epoch: u64,
+    partitions: JoinSet<Result<(), String>>,
+    engine: tokio::task::JoinHandle<std::io::Result<crate::pipeline::EngineTotals>>,
+    filter: tokio::task::JoinHandle<()>,
+    fence: Fence,
+}
+
+impl Generation {
+    /// Stops it without judging anything more: what it held is judged by whoever holds each
+    /// partition next (this checker's next generation included), from the recovery window.
+    async fn abandon(mut self) {
+        self.fence.revoke();
+        self.partitions.abort_all();
+        while self.partitions.join_next().await.is_some() {}
+        self.engine.abort();
+        let _ = self.engine.await;
+        self.filter.abort();
+        let _ = self.filter.await;
+    }
+}
+
+impl GenerationEnv {
+    /// A fresh engine for `own`'s partitions, each read again from the recovery window before
+    /// where its consumer had come, then live; its verdicts pass only while `own.fence` holds.
+    fn start(&self, own: &Ownership, shutdown: &Shutdown) -> Generation {
+        let parts = own.partitions.clone();
+        self.lease_stats.owned.store(parts.len() as u64, Relaxed);
+        *self.streams.lock() = Streams::new(
+            match self.clock {
+                WatermarkClock::Wall => ProgressClock::Wall,
+                WatermarkClock::Event => ProgressClock::Event,
+            },
+            &parts,
+        );
+        tracing::info!(partitions = ?parts, epoch = own.epoch, "judging partitions");
+        let (tx, rx) = event_channel(self.channel_capacity);
+        let ctx = PartitionCtx {
+            streams: self.streams.clone(),
+            stats: self.stats.clone(),
+            metrics: self.shared.metrics.clone(),
+            first_owned: parts.first().copied().unwrap_or(0),
+            fence: own.fence.clone(),
+        };
+        let recovering = Arc::new(std::sync::atomic::AtomicUsize::new(parts.len()));
+        self.stats.recovering.store(parts.len() as u64, Relaxed);
+        let ready = |recovery: &Arc<Mutex<Option<crate::telemetry::ReadyHandle>>>| {
+            if let Some(h) = recovery.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                h.ready();
+            }
+        };
+        if parts.is_empty() {
+            ready(&self.recovery);
+        }
+        let mut partitions: JoinSet<Result<(), String>> = JoinSet::new();
+        for k in parts {
+            let (stream, tx, ctx, bus) = (
+                self.stream.clone(),
+                tx.clone(),
+                ctx.clone(),
+                self.bus.clone(),
+            );
+            let (recovering, recovery) = (recovering.clone(), self.recovery.clone());
+            let subject = crate::bus::batcher::subject(&bus.stream, k);
+            let stop = shutdown.at(Phase::StopSources);
+            let (window, pinned) = (self.recovery_window, self.pinned);
+            partitions.spawn(async move {
+                let mut stop = std::pin::pin!(stop);
+                let started = std::time::Instant::now();
+                // The consumer: a pinned checker goes on from where its consumer had come; a
+                // checker that has just taken the lease deletes and creates it again (the
+                // previous owner's pulls end with it). NATS may be away: tried until it answers.
+                let (mut c, mut resume) = loop {
+                    if !ctx.fence.holds() {
+                        std::future::pending::<()>().await;
+                    }
+                    let r = if pinned {
+                        match crate::bus::ensure_consumer(&stream, &bus, k).await {
+                            Ok(c) => Ok((c, None)),
+                            Err(e) => Err(e),
+                        }
+                    } else {
+                        crate::bus::take_over_consumer(&stream, &bus, k)
+                            .await
+                            .map(|(c, r)| (c, Some(r)))
+                    };
+                    match r {
+                        Ok(done) => break done,
+                        Err(e) => tracing::warn!(partition = k, error = %e, "consumer not opened; retrying"),
+                    }
+                    tokio::select! {
+                        () = tokio::time::sleep(Duration::from_secs(1)) => {}
+                        () = &mut stop => return Ok(()),
+                    }
+                };
+                // Read again from before where the consumer had come (what was already fed is
+                // recognised and skipped when tried again), the checker running meanwhile.
+                let read = loop {
+                    let attempt = async {
+                        let r = match resume {
+                            Some(r) => r,
+                            None => crate::bus::resume_of(&c).await.map_err(|e| e.to_string())?,
+                        };
+                        resume = Some(r);
+                        consumer::recover(&stream, r, subject.clone(), k, window, &tx, &ctx).await
+                    };
+                    tokio::select! {
+                        r = attempt => match r {
+                            Ok(read) => break read,
+                            Err(e) => tracing::warn!(
+                                partition = k, error = %e,
+                                "reading the partition again failed; retrying"
+                            ),
+                        },
+                        () = &mut stop => return Ok(()),
+                    }
+                    tokio::select! {
+                        r = consumer::reopen(&stream, &bus, k, &ctx.fence) => if let Some(fresh) = r { c = fresh },
+                        () = &mut stop => return Ok(()),
+                    }
+                };
+                if read > 0 {
+                    tracing::info!(
+                        partition = k, messages = read, took = ?started.elapsed(),
+                        "partition read again from {window:?} before where its consumer had come"
+                    );
+                }
+                ctx.stats.recovering.fetch_sub(1, Relaxed);
+                if recovering.fetch_sub(1, Relaxed) == 1 {
+                    ready(&recovery);
+                }
+                let fence = ctx.fence.clone();
+                consumer::run_partition(stream, bus, c, k, tx, ctx, &mut stop).await;
+                if !fence.holds() {
+                    // Lost: the ownership change that follows ends this generation.
+                    std::future::pending::<()>().await;
+                }
+                Ok(())
+            });
+        }
+        drop(tx);
+        // Verdicts leave only while the fence holds: checked here, for each one, just before it
+        // reaches the output.
+        let (gtx, mut grx) = tokio::sync::mpsc::channel::<Violation>(self.channel_capacity.max(16));
+        let filter = {
+            let (fence, out, stats) = (
+                own.fence.clone(),
+                self.violations.clone(),
+                self.lease_stats.clone(),
+            );
+            tokio::spawn(async move {
+                while let Some(v) = grx.recv().await {
+                    if !fence.holds() {
+                        stats.fenced_verdicts.fetch_add(1, Relaxed);
+                        continue;
+                    }
+                    if out.send(v).await.is_err() {
+                        break;
+                    }
+                }
+            })
+        };
+        let shared = &self.shared;
+        let mut taps: Vec<Box<dyn EventTap>> = vec![
+            Box::new(TimelineTap(shared.timeline.clone())),
+            Box::new(Observed(shared.metrics.clone())),
+            Box::new(EngineMetrics(shared.metrics.clone())),
+            Box::new(memory::MemoryTap {
+                account: shared.memory.clone(),
+                timeline: shared.timeline.clone(),
+                violations: shared.recent.clone(),
+                readiness: Some(shared.readiness.clone()),
+                watch: MemoryWatch::default(),
+            }),
+        ];
+        if let Some(w) = &self.events_jsonl {
+            taps.push(Box::new(w.clone()));
+        }
+        let engine = tokio::spawn(
+            EngineTask {
+                engine: crate::engine::check::Checker::new(
+                    self.rules.clone(),
+                    self.engine_config.clone(),
+                ),
+                events: rx,
+                violations: ViolationSender::new(gtx, shared.metrics.clone()),
+                taps,
+                lateness: self.lateness,
+                pause_file: self.pause_file.clone(),
+                clock: self.clock,
+                upstream: Some(Arc::new(self.streams.clone())),
+            }
+            .run(shutdown.at(Phase::CloseEngine)),
+        );
+        Generation {
+            epoch: own.epoch,
+            partitions,
+            engine,
+            filter,
+            fence: own.fence.clone(),
+        }
     }
 }

@@ -81,6 +81,7 @@ pub async fn run_async(p: Prepared) -> Result<(), RunError> {
         ready_file,
         pause_file,
         given,
+        ..
     } = p;
     let shutdown = Shutdown::new();
     let shared = Shared::new(&admin, &memory, access);

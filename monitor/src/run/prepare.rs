@@ -23,6 +23,10 @@ pub struct Prepared {
     pub memory: MemoryPlan,
     pub normalizer: Normalizer,
     pub checker: Checker,
+    /// What `checker` was built from: `revenant checker` builds a fresh engine whenever the
+    /// partitions it judges change.
+    pub rules: RuleSet,
+    pub engine_config: CheckerConfig,
     /// The alert configuration; `external_url` is filled in once the admin server is bound.
     pub alert: AlertConfig,
     pub admin: AdminArgs,
@@ -109,7 +113,9 @@ pub fn prepare_for(args: &RunArgs, role: Role) -> Result<Prepared, RunConfigErro
     warn_about_pointless_settings(&cfg, &admin, &alert, role, &args.given);
     Ok(Prepared {
         memory,
-        checker: Checker::new(rules, ccfg),
+        checker: Checker::new(rules.clone(), ccfg.clone()),
+        rules,
+        engine_config: ccfg,
         normalizer,
         alert,
         admin,

@@ -178,6 +178,22 @@ impl Member {
         Member::start(&format!("checker {}", dir.display()), dir, c)
     }
 
+    /// `revenant checker` with no pin: it shares the stream's partitions with the other
+    /// checkers through leases; judging on event time, violations to `violations.jsonl`,
+    /// alerts to `alerts.jsonl`.
+    pub fn checker_shared(bus: &Bus, dir: &Path, extra: &[&str]) -> Member {
+        let mut c = Command::new(BIN);
+        c.arg("checker");
+        bus.args(&mut c);
+        c.args(["--watermark-clock", "event", "--allowed-lateness", LATENESS])
+            .arg("--violations-jsonl")
+            .arg(dir.join("violations.jsonl"))
+            .arg("--alerts-jsonl")
+            .arg(dir.join("alerts.jsonl"))
+            .args(extra);
+        Member::start(&format!("checker {}", dir.display()), dir, c)
+    }
+
     /// `revenant agent --node NODE` with no live source, publishing `replay` if given.
     pub fn agent(bus: &Bus, dir: &Path, node: &str, replay: Option<&Path>) -> Member {
         let mut c = Command::new(BIN);

@@ -1,6 +1,6 @@
 //! What a rendered chart must hold, read from the manifests: valid for the oldest and newest
 //! Kubernetes, checkov's findings exactly the accepted ones, least privilege per mode, the
-//! PrometheusRule, cluster mode's partitions owned once, and values it cannot honour refused.
+//! PrometheusRule, cluster mode's checkers alike (partitions shared through leases), and values it cannot honour refused.
 
 use std::collections::BTreeSet;
 use std::path::Path;
@@ -339,41 +339,24 @@ pub(super) fn is_cluster(docs: &[Value]) -> bool {
         .any(|s| s["metadata"]["labels"]["app.kubernetes.io/component"] == "checker")
 }
 
-/// The checkers' per-replica `--config` files, `(pod name, bus.owned, the whole file)`.
-pub(super) fn checker_files(
-    tools: &Tools,
-    docs: &[Value],
-) -> Result<Vec<(String, Vec<u64>, String)>> {
+/// The checkers' one `--config` file (every replica reads it) and the replica count.
+pub(super) fn checker_file(docs: &[Value]) -> Result<(String, u64)> {
     let sts = component(docs, "StatefulSet", "checker")?;
-    let name = sts["metadata"]["name"].as_str().unwrap_or_default();
     let replicas = sts["spec"]["replicas"]
         .as_u64()
         .ok_or_else(|| anyhow!("the checker StatefulSet names no replica count"))?;
     let cm = component(docs, "ConfigMap", "checker")?;
     let data = cm["data"].as_object().cloned().unwrap_or_default();
     ensure!(
-        data.len() as u64 == replicas,
-        "{} checker files for {replicas} replicas",
+        data.len() == 1,
+        "the checker ConfigMap holds {} files, not one for every replica",
         data.len()
     );
-    let mut files = Vec::new();
-    for k in 0..replicas {
-        let pod = format!("{name}-{k}");
-        let body = data
-            .get(&format!("{pod}.yaml"))
-            .and_then(Value::as_str)
-            .ok_or_else(|| anyhow!("no --config file for checker pod {pod}"))?;
-        let cfg = to_json(tools, body)?;
-        let owned = cfg
-            .first()
-            .map(|c| c["bus"]["owned"].as_array().cloned().unwrap_or_default())
-            .unwrap_or_default()
-            .iter()
-            .filter_map(Value::as_u64)
-            .collect();
-        files.push((pod, owned, body.to_string()));
-    }
-    Ok(files)
+    let body = data
+        .get("checker.yaml")
+        .and_then(Value::as_str)
+        .ok_or_else(|| anyhow!("no checker.yaml in the checker ConfigMap"))?;
+    Ok((body.to_string(), replicas))
 }
 
 /// Cluster mode: agent and checkers agree on the bus, every partition is owned by exactly one
@@ -408,23 +391,28 @@ pub(super) fn cluster_holds(tools: &Tools, docs: &[Value], case: &str) -> Result
         .unwrap_or_default()
         .parse()
         .context("--partitions")?;
-    let mut owners = vec![Vec::new(); partitions as usize];
-    for (pod, owned, _) in checker_files(tools, docs)? {
-        ensure!(!owned.is_empty(), "{case}: {pod} owns no partition");
-        for p in owned {
-            ensure!(
-                p < partitions,
-                "{case}: {pod} owns partition {p} of {partitions}"
-            );
-            owners[p as usize].push(pod.clone());
-        }
-    }
-    for (p, o) in owners.iter().enumerate() {
-        ensure!(o.len() == 1, "{case}: partition {p} owned by {o:?}");
-    }
+    ensure!(partitions >= 1, "{case}: --partitions {partitions}");
+    // No replica is pinned: the partitions are shared through leases, so the pods are alike
+    // and the StatefulSet scales with its replica count alone.
+    let (body, _) = checker_file(docs)?;
+    let cfg = to_json(tools, &body)?;
     ensure!(
-        args.contains(&"--config=/etc/revenant/checker/$(POD_NAME).yaml"),
-        "{case}: the checker does not read its pod's file: {args:?}"
+        cfg.first().is_none_or(|c| c["bus"]["owned"].is_null()),
+        "{case}: the checkers' file pins partitions: {body}"
+    );
+    ensure!(
+        args.contains(&"--config=/etc/revenant/checker/checker.yaml"),
+        "{case}: the checkers do not read the one shared file: {args:?}"
+    );
+    ensure!(
+        flag(&args, "--lease-ttl").is_some(),
+        "{case}: the checker has no --lease-ttl: {args:?}"
+    );
+    let pdb = component(docs, "PodDisruptionBudget", "checker")?;
+    ensure!(
+        pdb["spec"]["maxUnavailable"] == 1,
+        "{case}: the checkers' PodDisruptionBudget allows {} away",
+        pdb["spec"]["maxUnavailable"]
     );
     let env = c["env"].as_array().cloned().unwrap_or_default();
     ensure!(
@@ -558,8 +546,8 @@ pub(super) fn bad_values_are_refused(tools: &Tools, chart: &Path) -> Result<()> 
         ),
         ("mode=agents", "mode must be all-in-one or cluster"),
         (
-            "mode=cluster,checker.replicas=5",
-            "checker.replicas must be 1..bus.partitions (4)",
+            "mode=cluster,checker.replicas=0",
+            "checker.replicas must be at least 1",
         ),
         (
             "mode=cluster,bus.partitions=0",
@@ -567,7 +555,7 @@ pub(super) fn bad_values_are_refused(tools: &Tools, chart: &Path) -> Result<()> 
         ),
         (
             "mode=cluster,config.bus.owned[0]=1",
-            "config.bus.owned is set by the chart",
+            "config.bus.owned pins checkers to partitions",
         ),
         (
             "mode=cluster,nats.replicas=2",

@@ -9,8 +9,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, anyhow, bail, ensure};
 use serde_json::Value;
 
-use super::checks::{checker_files, component, kind, one, probes_use, strings};
-use super::tools::Tools;
+use super::checks::{checker_file, component, kind, one, probes_use, strings};
 
 /// The rendered command line, run by the real binary with the rendered configuration files:
 /// every flag exists, every file loads, the admin server answers. Addresses move to loopback
@@ -279,11 +278,10 @@ pub(super) fn start_member(
 
 /// Cluster mode's rendered command lines run by the real binary against a real
 /// `nats-server -js` on loopback (three clustered servers when the stream is R3): the agent, then
-/// every checker replica (each with its pod's `--config` file), all running together, each
+/// every checker replica (all with the one `--config` file), all running together, each
 /// `/readyz` 200.
 pub(super) fn cluster_starts(
     revenant: &Path,
-    tools: &Tools,
     docs: &[Value],
     out: &Path,
     case: &str,
@@ -342,10 +340,16 @@ pub(super) fn cluster_starts(
     let checker =
         &component(docs, "StatefulSet", "checker")?["spec"]["template"]["spec"]["containers"][0];
     let mut checkers = Vec::new();
-    for (pod, owned, body) in checker_files(tools, docs)? {
+    let sts_name = component(docs, "StatefulSet", "checker")?["metadata"]["name"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    let (body, replicas) = checker_file(docs)?;
+    for k in 0..replicas {
+        let pod = format!("{sts_name}-{k}");
         let dir = base.join(&pod);
         write_files(&dir)?;
-        std::fs::write(dir.join(format!("{pod}.yaml")), body)?;
+        std::fs::write(dir.join("checker.yaml"), &body)?;
         let args = local_args(
             &strings(&checker["args"]),
             &dir,
@@ -354,25 +358,15 @@ pub(super) fn cluster_starts(
             &pki,
             case,
         )?;
-        let (proc, announced) =
-            start_member(revenant, &dir, "checker", &args).with_context(|| {
-                format!(
-                    "{case}: {pod} (partitions {owned:?}): revenant checker {}",
-                    args.join(" ")
-                )
-            })?;
+        let (proc, announced) = start_member(revenant, &dir, "checker", &args)
+            .with_context(|| format!("{case}: {pod}: revenant checker {}", args.join(" ")))?;
         let admin = announced["admin"].as_str().unwrap_or_default();
         access_holds(&args, admin, &dir, &pki, &format!("{case} {pod}"))?;
-        // What the replica consumes, as it announces it: its file's partitions.
-        let consumed: Vec<u64> = announced["partitions"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(Value::as_u64)
-            .collect();
+        // No pin: the replica shares the partitions with the others through leases.
         ensure!(
-            consumed == owned,
-            "{case}: {pod} consumes partitions {consumed:?}, its file says {owned:?}"
+            announced["partitions"] == "leased",
+            "{case}: {pod} announces partitions {}, not leased ones",
+            announced["partitions"]
         );
         checkers.push(proc);
     }

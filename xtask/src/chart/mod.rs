@@ -85,7 +85,7 @@ const EXTRA_CASES: &[(&str, &[&str])] = &[
     ),
     (
         // Cluster mode on an existing NATS, partitions not a multiple of the replicas, the
-        // chart's configuration merged into each replica's file.
+        // chart's configuration in the checkers' one file.
         "cluster-external-nats",
         &[
             "mode=cluster",
@@ -138,7 +138,7 @@ pub fn run(revenant: &Path) -> Result<()> {
         rules_check(&tools, &docs, &out, case)?;
         let started = if is_cluster(&docs) {
             cluster_holds(&tools, &docs, case)?;
-            cluster_starts(revenant, &tools, &docs, &out, case)?;
+            cluster_starts(revenant, &docs, &out, case)?;
             "revenant agent and checkers on nats-server -js"
         } else {
             starts(revenant, &docs, &out, case)?;
@@ -160,7 +160,7 @@ pub fn run(revenant: &Path) -> Result<()> {
         let docs = to_json(&tools, &rendered)?;
         if is_cluster(&docs) {
             cluster_holds(&tools, &docs, case)?;
-            cluster_starts(revenant, &tools, &docs, &out, case)?;
+            cluster_starts(revenant, &docs, &out, case)?;
         } else {
             starts(revenant, &docs, &out, case)?;
         }
