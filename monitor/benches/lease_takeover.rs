@@ -161,6 +161,12 @@ fn pct(v: &[f64], p: f64) -> f64 {
 }
 
 fn main() {
+    // `cargo test --all-targets` runs bench binaries without `--bench`: no measurement there
+    // (the takeover guarantees themselves are tested in tests/cluster_leases.rs).
+    if !std::env::args().any(|a| a == "--bench") {
+        println!("lease_takeover: run with `cargo bench -p revenant --bench lease_takeover`");
+        return;
+    }
     let a = args();
     let nats = Nats::single().expect("nats-server -js (cargo xtask setup)");
     let dir = ScratchDir::new("bench-lease-takeover").unwrap();
