@@ -469,7 +469,7 @@ pub fn run() -> Result<()> {
             })?;
             t.step("product", "image", || {
                 let built = crate::image::build(&revenant)?;
-                crate::image::test(&built, &otlp_python)?;
+                crate::image::test(&built, otlp_python)?;
                 eprintln!("xtask: image {} ({}) tested", built.reference, built.id);
                 Ok(())
             })
