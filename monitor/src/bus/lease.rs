@@ -234,6 +234,17 @@ struct Timing {
 }
 
 impl Timing {
+    /// The lease a write sent at `sent` and stored as `revision` gives: provably ours until the
+    /// age limit after `sent` less the margin (the server stores it no earlier than `sent`, so it
+    /// cannot expire, and no successor can take the key, before then).
+    fn held(&self, revision: u64, sent: Instant) -> Held {
+        Held {
+            revision,
+            valid_until: sent + self.expiry - self.margin,
+            written: sent,
+        }
+    }
+
     fn of(ttl: Duration) -> Timing {
         let look_every = ttl / 10;
         let expiry = ttl - look_every;
@@ -476,14 +487,7 @@ impl Leases {
             .await;
             match r {
                 Ok(Ok(revision)) => {
-                    self.held.insert(
-                        k,
-                        Held {
-                            revision,
-                            valid_until: sent + self.timing.expiry - self.timing.margin,
-                            written: sent,
-                        },
-                    );
+                    self.held.insert(k, self.timing.held(revision, sent));
                 }
                 Ok(Err(e)) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {
                     // Either an earlier renewal of ours was stored but its answer lost (the
@@ -624,14 +628,7 @@ impl Leases {
             .await
             {
                 Ok(Ok(revision)) => {
-                    self.held.insert(
-                        k,
-                        Held {
-                            revision,
-                            valid_until: sent + self.timing.expiry - self.timing.margin,
-                            written: sent,
-                        },
-                    );
+                    self.held.insert(k, self.timing.held(revision, sent));
                     self.stats.acquired.fetch_add(1, Relaxed);
                     tracing::info!(partition = k, "partition lease taken: judged here from now");
                     changed = true;

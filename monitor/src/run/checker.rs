@@ -31,14 +31,13 @@ use std::time::Duration;
 
 use tokio::task::JoinSet;
 
+use super::RunArgs;
 use super::bind::{bind, claim};
 use super::bus_args::BusArgs;
 use super::kit::{self, RunError, Shared, announce_ready, force_exit_on_signal};
 use super::report::report_totals;
 use super::shutdown::{self, Drain, Phase, Shutdown};
 use super::start::{announce_rules, start_outputs};
-use super::{RunArgs, memory};
-use crate::admin::timeline::TimelineTap;
 use crate::alert::AlertPipeline;
 use crate::bus::claims::Claims;
 use crate::bus::consumer::{self, CheckerStats, PartitionCtx, SharedStreams};
@@ -48,9 +47,8 @@ use crate::bus::{BusConfig, BusConfigError};
 use crate::engine::check::{CheckerConfig, RuleSet};
 use crate::ingest::ebpf::HoldWindows;
 
-use crate::pipeline::taps::{EngineMetrics, Observed};
 use crate::pipeline::{EngineTask, EventTap, ViolationSender, WatermarkClock, event_channel};
-use crate::telemetry::{ComponentKind, MemoryWatch};
+use crate::telemetry::ComponentKind;
 use crate::violation::Violation;
 
 #[derive(Debug, clap::Args)]
@@ -710,18 +708,13 @@ impl GenerationEnv {
             })
         };
         let shared = &self.shared;
-        let mut taps: Vec<Box<dyn EventTap>> = vec![
-            Box::new(TimelineTap(shared.timeline.clone())),
-            Box::new(Observed(shared.metrics.clone())),
-            Box::new(EngineMetrics(shared.metrics.clone())),
-            Box::new(memory::MemoryTap {
-                account: shared.memory.clone(),
-                timeline: shared.timeline.clone(),
-                violations: shared.recent.clone(),
-                readiness: Some(shared.readiness.clone()),
-                watch: MemoryWatch::default(),
-            }),
-        ];
+        let mut taps = super::kit::engine_taps(
+            &shared.metrics,
+            &shared.readiness,
+            &shared.recent,
+            &shared.timeline,
+            &shared.memory,
+        );
         if let Some(w) = &self.events_jsonl {
             taps.push(Box::new(w.clone()));
         }

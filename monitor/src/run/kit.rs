@@ -14,12 +14,39 @@ use tokio::task::JoinHandle;
 use super::shutdown::{Phase, Shutdown};
 use super::{memory, shutdown};
 use crate::access::Access;
+use crate::admin::timeline::TimelineTap;
 use crate::admin::{AdminArgs, AdminServer, AdminState, RecentEvents, RecentEventsLimits};
 use crate::exit::Exit;
+use crate::pipeline::EventTap;
+use crate::pipeline::taps::{EngineMetrics, Observed};
 use crate::telemetry::logging::LogArgs;
 use crate::telemetry::{
-    ComponentKind, MemoryAccount, Metrics, Readiness, RecentViolations, console,
+    ComponentKind, MemoryAccount, MemoryWatch, Metrics, Readiness, RecentViolations, console,
 };
+
+/// The taps every engine has, in `run` and in a checker's every generation: the request
+/// timeline, the event and engine metrics, and the memory bookkeeping (which reports pressure
+/// through readiness).
+pub(super) fn engine_taps(
+    metrics: &Arc<Metrics>,
+    readiness: &Readiness,
+    recent: &Arc<RecentViolations>,
+    timeline: &Arc<RecentEvents>,
+    memory: &Arc<MemoryAccount>,
+) -> Vec<Box<dyn EventTap>> {
+    vec![
+        Box::new(TimelineTap(timeline.clone())),
+        Box::new(Observed(metrics.clone())),
+        Box::new(EngineMetrics(metrics.clone())),
+        Box::new(memory::MemoryTap {
+            account: memory.clone(),
+            timeline: timeline.clone(),
+            violations: recent.clone(),
+            readiness: Some(readiness.clone()),
+            watch: MemoryWatch::default(),
+        }),
+    ]
+}
 
 /// The frame of every long-running command: logging (and revenant's own traces, if asked for)
 /// set up from `log`; `prepare`, which reads and checks every setting and binds nothing (its
@@ -155,6 +182,17 @@ pub(super) struct Shared {
 }
 
 impl Shared {
+    /// The taps every engine of this process has ([`engine_taps`]).
+    pub(super) fn engine_taps(&self) -> Vec<Box<dyn EventTap>> {
+        engine_taps(
+            &self.metrics,
+            &self.readiness,
+            &self.recent,
+            &self.timeline,
+            &self.memory,
+        )
+    }
+
     pub(super) fn new(admin: &AdminArgs, plan: &memory::MemoryPlan, access: Access) -> Shared {
         let metrics = Arc::new(Metrics::new());
         let account = Arc::new(plan.account());

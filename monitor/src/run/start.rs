@@ -7,11 +7,10 @@ use std::time::Duration;
 use tokio::task::{JoinHandle, JoinSet};
 
 use super::bind::{Bound, ebpf_state};
+use super::coverage;
 use super::kit::{Shared, serve_admin};
 use super::shutdown::{Phase, Shutdown};
-use super::{coverage, memory};
 use crate::admin::AdminServer;
-use crate::admin::timeline::TimelineTap;
 use crate::alert::{AlertConfig, AlertPipeline, OpenedAlerts};
 use crate::config::RunConfig;
 use crate::event::Source;
@@ -19,9 +18,9 @@ use crate::ingest::ebpf::{EbpfStart, HoldWindows};
 use crate::ingest::otlp::{self, Ingest, OtlpStats};
 use crate::ingest::replay::{RunHeader, rules_fingerprint};
 use crate::normalize::Normalizer;
-use crate::pipeline::taps::{EngineMetrics, Observed, ReplayWriter, SourceActivity};
+use crate::pipeline::taps::{ReplayWriter, SourceActivity};
 use crate::pipeline::{EngineTask, EngineTotals, EventSender, EventTap};
-use crate::telemetry::{ComponentKind, MemoryWatch, ReadyHandle};
+use crate::telemetry::{ComponentKind, ReadyHandle};
 
 /// The windows the enabled rules give a held leg, for the eBPF source to compare with each SGLang
 /// worker's own timeouts.
@@ -297,22 +296,15 @@ pub(super) fn engine_taps(
     sources: &Sources,
     replay: Option<ReplayWriter>,
 ) -> Vec<Box<dyn EventTap>> {
-    let mut taps: Vec<Box<dyn EventTap>> = vec![
-        Box::new(TimelineTap(shared.timeline.clone())),
+    let mut taps = shared.engine_taps();
+    // Which sources are live: only `run` has sources of its own.
+    taps.insert(
+        1,
         Box::new(SourceActivity {
             otlp: sources.otlp_ready.clone(),
             ebpf: sources.ebpf_ready.clone(),
         }),
-        Box::new(Observed(shared.metrics.clone())),
-        Box::new(EngineMetrics(shared.metrics.clone())),
-        Box::new(memory::MemoryTap {
-            account: shared.memory.clone(),
-            timeline: shared.timeline.clone(),
-            violations: shared.recent.clone(),
-            readiness: Some(shared.readiness.clone()),
-            watch: MemoryWatch::default(),
-        }),
-    ];
+    );
     if let Some(w) = replay {
         taps.push(Box::new(w));
     }
