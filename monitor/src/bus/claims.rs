@@ -1,12 +1,17 @@
 //! Notifications sent once across checker lives and replicas (`alert::claims`), kept in a
-//! JetStream key-value bucket, `<stream>_NOTIFIED`: one key per notification sent (its
-//! incident and why it was notified), kept as long as a restarted checker may find the breach
-//! again (twice the recovery window, at least the stream's retention).
+//! JetStream key-value bucket, `<stream>_NOTIFIED`: one key per notification (its incident and
+//! why it was notified), kept as long as a restarted checker may find the breach again (twice
+//! the recovery window, at least the stream's retention).
 //!
 //! A checker that starts reads its partitions again from before where the last one stopped
-//! (`consumer::recover`), so its engine finds again what an earlier life found, and its
-//! dispatcher opens those incidents again: their notifications are looked up here before they
-//! are spooled, and only the ones not found are sent. A lookup that cannot be answered (NATS
+//! (`consumer::recover`), and one that takes over a partition reads it again while the
+//! partition's last owner may still be sending what it found there: both find the same
+//! breaches. Before a notification is spooled its key is created with `claimed <life>` (only if
+//! absent: JetStream decides it atomically, so of two checkers exactly one creates it); after
+//! the spool has it the value becomes `spooled <life>`. A checker that finds the key already
+//! there reads it: its own life's claim (an earlier create whose answer was lost) is its own; a
+//! `spooled` one was sent; another life's `claimed` one is being sent (or its claimer died
+//! between claim and spool) and is asked about again. A claim that cannot be answered (NATS
 //! disconnected, or no answer within [`CLAIM_TIMEOUT`]) is counted and left to the dispatcher,
 //! which asks again and sends after `alert::claims::CLAIM_HOLD`: a repeat is better than a loss.
 
@@ -22,7 +27,7 @@ use prometheus_client::encoding::DescriptorEncoder;
 use tokio::sync::OnceCell;
 
 use super::{BusConfig, BusError};
-use crate::alert::claims::{ClaimFuture, NotificationClaims};
+use crate::alert::claims::{Claim, ClaimFuture, NotificationClaims};
 use crate::telemetry::metrics::{Metrics, counters};
 
 /// How long one lookup or record may take.
@@ -37,6 +42,7 @@ pub fn bucket(stream: &str) -> String {
 struct ClaimStats {
     new: AtomicU64,
     sent_before: AtomicU64,
+    pending: AtomicU64,
     unavailable: AtomicU64,
     unrecorded: AtomicU64,
 }
@@ -50,11 +56,13 @@ impl Collector for ClaimCollector {
         counters(
             &mut enc,
             "revenant_checker_notification_claims",
-            "Notifications looked up before spooling (new: sent; sent_before: another checker life or replica sent it, skipped; \
-             unavailable: the bucket did not answer, held and asked again) and recorded after (unrecorded: the record failed, a restart may send it again)",
+            "Notifications claimed before spooling (new: this checker sends it; sent_before: another checker life or replica sent it, skipped; \
+             pending: another checker claimed it and has not spooled it yet, asked again; unavailable: the bucket did not answer, held and asked again) \
+             and marked spooled after (unrecorded: the mark failed, another checker may send it again after a minute)",
             [
                 ("new", &s.new),
                 ("sent_before", &s.sent_before),
+                ("pending", &s.pending),
                 ("unavailable", &s.unavailable),
                 ("unrecorded", &s.unrecorded),
             ]
@@ -68,6 +76,10 @@ impl Collector for ClaimCollector {
 pub struct Claims {
     store: OnceCell<(kv::Store, async_nats::Client)>,
     stats: Arc<ClaimStats>,
+    /// `claimed <life>`: this process life's claim.
+    claimed: bytes::Bytes,
+    /// `spooled <life>`.
+    spooled: bytes::Bytes,
 }
 
 impl Claims {
@@ -75,9 +87,12 @@ impl Claims {
     pub fn new(metrics: &Metrics) -> Arc<Claims> {
         let stats = Arc::new(ClaimStats::default());
         metrics.register_collector(ClaimCollector(stats.clone()));
+        let life = super::life_token();
         Arc::new(Claims {
             store: OnceCell::new(),
             stats,
+            claimed: format!("{CLAIMED}{life}").into(),
+            spooled: format!("{SPOOLED}{life}").into(),
         })
     }
 
@@ -131,69 +146,96 @@ impl Claims {
             .map(|(s, _)| s)
     }
 
-    async fn sent_before_one(&self, key: &str) -> Option<bool> {
+    async fn claim_one(&self, key: &str) -> Claim {
         let Some(store) = self.reachable() else {
             self.stats.unavailable.fetch_add(1, Relaxed);
-            return None;
+            return Claim::Unknown;
         };
-        match tokio::time::timeout(CLAIM_TIMEOUT, store.get(key)).await {
-            Ok(Ok(found)) => {
-                let c = if found.is_some() {
-                    &self.stats.sent_before
-                } else {
-                    &self.stats.new
-                };
-                c.fetch_add(1, Relaxed);
-                Some(found.is_some())
+        let claim = match tokio::time::timeout(CLAIM_TIMEOUT, async {
+            match store.create(key, self.claimed.clone()).await {
+                Ok(_) => Ok(Claim::Ours),
+                Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => {
+                    match store.get(key).await {
+                        Ok(Some(v)) => Ok(self.holder(&v)),
+                        // Gone between the create and the read (aged out): ask again.
+                        Ok(None) => Ok(Claim::Unknown),
+                        Err(e) => Err(e.to_string()),
+                    }
+                }
+                Err(e) => Err(e.to_string()),
             }
+        })
+        .await
+        {
+            Ok(Ok(c)) => c,
             Ok(Err(e)) => {
-                self.stats.unavailable.fetch_add(1, Relaxed);
-                tracing::warn!(error = %e, "notification claim lookup failed: held");
-                None
+                tracing::warn!(error = %e, "notification claim failed: held");
+                Claim::Unknown
             }
             Err(_) => {
-                self.stats.unavailable.fetch_add(1, Relaxed);
-                tracing::warn!("notification claim lookup timed out: held");
-                None
+                tracing::warn!("notification claim timed out: held");
+                Claim::Unknown
             }
+        };
+        let counter = match claim {
+            Claim::Ours => &self.stats.new,
+            Claim::SentBefore => &self.stats.sent_before,
+            Claim::Pending => &self.stats.pending,
+            Claim::Unknown => &self.stats.unavailable,
+        };
+        counter.fetch_add(1, Relaxed);
+        claim
+    }
+
+    /// Who holds a key, from its value.
+    fn holder(&self, value: &[u8]) -> Claim {
+        if value == self.claimed.as_ref() {
+            Claim::Ours
+        } else if value.starts_with(CLAIMED.as_bytes()) {
+            Claim::Pending
+        } else {
+            // `spooled <life>`, or a bucket written before claims had states ("1").
+            Claim::SentBefore
         }
     }
 
-    async fn record_one(&self, key: &str) {
+    async fn mark_spooled(&self, key: &str) {
         let Some(store) = self.reachable() else {
             self.stats.unrecorded.fetch_add(1, Relaxed);
             tracing::warn!(
-                "notification claim not recorded (NATS away): a restart may send it again"
+                "notification not marked spooled (NATS away): another checker may send it again"
             );
             return;
         };
-        // Only if absent (JetStream decides it atomically): of two processes racing on one key,
-        // one records it and the other finds it there.
-        match tokio::time::timeout(CLAIM_TIMEOUT, store.create(key, "1".into())).await {
+        match tokio::time::timeout(CLAIM_TIMEOUT, store.put(key, self.spooled.clone())).await {
             Ok(Ok(_)) => {}
-            Ok(Err(e)) if e.kind() == kv::CreateErrorKind::AlreadyExists => {}
             Ok(Err(e)) => {
                 self.stats.unrecorded.fetch_add(1, Relaxed);
-                tracing::warn!(error = %e, "notification claim not recorded: a restart may send it again");
+                tracing::warn!(error = %e, "notification not marked spooled: another checker may send it again");
             }
             Err(_) => {
                 self.stats.unrecorded.fetch_add(1, Relaxed);
                 tracing::warn!(
-                    "notification claim not recorded in time: a restart may send it again"
+                    "notification not marked spooled in time: another checker may send it again"
                 );
             }
         }
     }
 }
 
+/// The value's prefix while a claimer has not spooled its notification.
+const CLAIMED: &str = "claimed ";
+/// The value's prefix once it has.
+const SPOOLED: &str = "spooled ";
+
 impl NotificationClaims for Claims {
-    fn sent_before<'a>(&'a self, keys: &'a [String]) -> ClaimFuture<'a, Vec<Option<bool>>> {
-        Box::pin(join_all(keys.iter().map(|k| self.sent_before_one(k))))
+    fn claim<'a>(&'a self, keys: &'a [String]) -> ClaimFuture<'a, Vec<Claim>> {
+        Box::pin(join_all(keys.iter().map(|k| self.claim_one(k))))
     }
 
-    fn record<'a>(&'a self, keys: &'a [String]) -> ClaimFuture<'a, ()> {
+    fn spooled<'a>(&'a self, keys: &'a [String]) -> ClaimFuture<'a, ()> {
         Box::pin(async move {
-            join_all(keys.iter().map(|k| self.record_one(k))).await;
+            join_all(keys.iter().map(|k| self.mark_spooled(k))).await;
         })
     }
 }

@@ -125,6 +125,8 @@ pub struct Ownership {
 #[derive(Debug, Default)]
 pub struct LeaseStats {
     pub owned: AtomicU64,
+    /// The stream's partitions (what the checkers together should hold).
+    pub partitions: AtomicU64,
     pub acquired: AtomicU64,
     pub released: AtomicU64,
     pub lost_expired: AtomicU64,
@@ -149,6 +151,12 @@ impl Collector for LeaseCollector {
             "revenant_checker_owned_partitions",
             "Partitions this checker holds the lease of (or is pinned to) and judges",
             s.owned.load(Relaxed) as i64,
+        )?;
+        gauge(
+            &mut enc,
+            "revenant_checker_stream_partitions",
+            "Partitions of the stream this checker reads (the checkers of a stream together hold them all)",
+            s.partitions.load(Relaxed) as i64,
         )?;
         gauge(
             &mut enc,
@@ -331,12 +339,7 @@ impl Leases {
             });
         }
         let store = js.get_key_value(&name).await.map_err(|e| err(&e))?;
-        // Unique per process life (a restarted checker is a new member).
-        let token = format!(
-            "{:08x}{:016x}",
-            std::process::id(),
-            crate::event::now_unix_ns()
-        );
+        let token = super::life_token();
         let value = bytes::Bytes::from(format!("{token} {node} {}", std::process::id()));
         let fence = Fence::until(Instant::now());
         fence.revoke();

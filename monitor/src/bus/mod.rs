@@ -237,6 +237,21 @@ pub enum BusError {
     },
 }
 
+/// A token unique to this process life (a restarted checker is a new member and a new
+/// claimer): the pid and the start time.
+pub(crate) fn life_token() -> String {
+    static TOKEN: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    TOKEN
+        .get_or_init(|| {
+            format!(
+                "{:08x}{:016x}",
+                std::process::id(),
+                crate::event::now_unix_ns()
+            )
+        })
+        .clone()
+}
+
 /// Connects (in the background: an unreachable server is retried, not an error) and returns the
 /// client.
 pub async fn connect(cfg: &BusConfig, name: &str) -> Result<async_nats::Client, BusError> {

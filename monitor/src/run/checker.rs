@@ -244,6 +244,9 @@ async fn checker_async(
     let js = async_nats::jetstream::new(client.clone());
     let url = bus.nats.clone().unwrap_or_default();
     let lease_stats = lease::register(&shared.metrics);
+    lease_stats
+        .partitions
+        .store(u64::from(bus.partitions), Relaxed);
     let pinned = bus.owned.is_some();
     let mut setup = None;
     let mut stop_wait = std::pin::pin!(shutdown::signal());

@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use super::delivery::SinkQueue;
 use super::{DispatchReport, Dispatcher};
-use crate::alert::claims::{CLAIM_HOLD, NotificationClaims};
+use crate::alert::claims::{CLAIM_HOLD, Claim, NotificationClaims};
 use crate::alert::events::{AlertRateLimited, AlertSentBefore, AlertSpooled};
 use crate::alert::flood::Release;
 use crate::alert::notification::Notification;
@@ -29,8 +29,8 @@ impl Dispatcher {
             .await;
     }
 
-    /// Asks again about the notifications whose claims could not be looked up; `last`: the
-    /// dispatcher is stopping, and what still cannot be looked up is sent.
+    /// Claims again the notifications whose claims were not settled; `last`: the dispatcher is
+    /// stopping, and what is still unsettled is sent.
     pub(super) async fn retry_unconfirmed(
         &mut self,
         last: bool,
@@ -116,14 +116,16 @@ impl Dispatcher {
         if let Some(c) = &self.claims
             && !spooled_keys.is_empty()
         {
-            c.record(&spooled_keys).await;
+            c.spooled(&spooled_keys).await;
         }
     }
 
-    /// The notifications the claims do not know as sent before, with their claim keys (`None`
-    /// for those never claimed); those sent before are counted and dropped here; those that
-    /// cannot be looked up are held in `unconfirmed` (since when they were released) until
-    /// [`CLAIM_HOLD`] has passed or `last`, then sent.
+    /// The notifications this process holds the right to send, with their claim keys (`None`
+    /// for those never claimed); those another process sent are counted and dropped here; those
+    /// whose claims are not settled (the store away, or another process between its claim and
+    /// its spool) are held in `unconfirmed` (since when they were released) until
+    /// [`CLAIM_HOLD`] has passed, then sent; when `last`, those the store did not answer about
+    /// are sent and those another process holds are left to it.
     async fn unclaimed(
         &mut self,
         claims: &dyn NotificationClaims,
@@ -133,27 +135,37 @@ impl Dispatcher {
     ) -> (Vec<Notification>, Vec<Option<String>>) {
         let keys: Vec<Option<String>> = notes.iter().map(|(n, _)| n.claim_key()).collect();
         let asked: Vec<String> = keys.iter().flatten().cloned().collect();
-        let mut before = claims.sent_before(&asked).await.into_iter();
+        let mut found = claims.claim(&asked).await.into_iter();
         let mut kept = (
             Vec::with_capacity(notes.len()),
             Vec::with_capacity(notes.len()),
         );
         for ((n, since), k) in notes.into_iter().zip(keys) {
             if k.is_some() {
-                match before.next().flatten() {
-                    Some(true) => {
+                match found.next().unwrap_or(Claim::Unknown) {
+                    Claim::SentBefore => {
                         report.sent_before += 1;
                         AlertSentBefore { rule: n.rule() }.emit(&self.metrics);
                         continue;
                     }
-                    Some(false) => {}
-                    None if last || since.elapsed() >= CLAIM_HOLD => {
+                    Claim::Ours => {}
+                    // Stopping: its claimer (alive a moment ago) sends it.
+                    Claim::Pending if last => {
                         tracing::warn!(
-                            rule = n.rule(), held = ?since.elapsed(),
-                            "notification claim could not be looked up: sending it (it may repeat one another checker sent)"
+                            rule = n.rule(),
+                            "stopping while another checker holds a notification's claim: left to it"
+                        );
+                        report.sent_before += 1;
+                        AlertSentBefore { rule: n.rule() }.emit(&self.metrics);
+                        continue;
+                    }
+                    unsettled if last || since.elapsed() >= CLAIM_HOLD => {
+                        tracing::warn!(
+                            rule = n.rule(), held = ?since.elapsed(), claim = ?unsettled,
+                            "notification claim not settled: sending it (it may repeat one another checker sent)"
                         );
                     }
-                    None => {
+                    _ => {
                         self.unconfirmed.push((n, since));
                         continue;
                     }

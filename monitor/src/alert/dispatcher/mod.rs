@@ -85,6 +85,10 @@ pub struct DispatchReport {
     pub undelivered_at_exit: usize,
 }
 
+/// How long a stopping dispatcher asks again about claims not settled yet (another checker
+/// between its claim and its spool; the claims' store briefly away) before it decides them.
+const SETTLE_AT_STOP: Duration = Duration::from_secs(2);
+
 /// Violations taken from the channel per spool group commit.
 const INTAKE_BATCH: usize = 512;
 
@@ -324,6 +328,13 @@ impl Dispatcher {
         );
         self.spool_and_enqueue(held, &names, &queues, &mut report)
             .await;
+        // Claims another checker holds settle within its spool write: give them a moment.
+        let settle = Instant::now() + SETTLE_AT_STOP;
+        while !self.unconfirmed.is_empty() && Instant::now() < settle {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            self.retry_unconfirmed(false, &names, &queues, &mut report)
+                .await;
+        }
         self.retry_unconfirmed(true, &names, &queues, &mut report)
             .await;
         AlertsPending { count: 0 }.emit(&self.metrics);

@@ -286,31 +286,42 @@ async fn late_corroboration_is_reposted_merged_not_notified_again() {
     assert_eq!(report.deduplicated, 0);
 }
 
-/// In-memory claims shared by two dispatchers, as two lives of one checker share the bucket.
+/// In-memory claims shared by dispatchers, as lives and replicas of a checker share the
+/// bucket: per key, whether its claimer has marked it spooled.
 #[derive(Default)]
 struct MemoryClaims {
-    sent: Mutex<std::collections::BTreeSet<String>>,
-    /// Bytes in the spool's files when each key was recorded (records come after the spool).
-    spooled_at_record: Mutex<Vec<usize>>,
+    keys: Mutex<std::collections::BTreeMap<String, bool>>,
+    /// Bytes in the spool's files when each batch was marked spooled (marks come after the
+    /// spool).
+    spooled_at_mark: Mutex<Vec<usize>>,
     spool_dir: Mutex<Option<std::path::PathBuf>>,
-    /// The store cannot be reached: every lookup answers "unknown".
+    /// The store cannot be reached: every claim answers "unknown".
     away: std::sync::atomic::AtomicBool,
 }
 
 impl crate::alert::claims::NotificationClaims for MemoryClaims {
-    fn sent_before<'a>(
+    fn claim<'a>(
         &'a self,
         keys: &'a [String],
-    ) -> crate::alert::claims::ClaimFuture<'a, Vec<Option<bool>>> {
-        let sent = self.sent.lock().unwrap();
+    ) -> crate::alert::claims::ClaimFuture<'a, Vec<crate::alert::claims::Claim>> {
+        use crate::alert::claims::Claim;
+        let mut held = self.keys.lock().unwrap();
         let away = self.away.load(std::sync::atomic::Ordering::SeqCst);
         let r = keys
             .iter()
-            .map(|k| (!away).then(|| sent.contains(k)))
+            .map(|k| match (away, held.get(k)) {
+                (true, _) => Claim::Unknown,
+                (false, None) => {
+                    held.insert(k.clone(), false);
+                    Claim::Ours
+                }
+                (false, Some(true)) => Claim::SentBefore,
+                (false, Some(false)) => Claim::Pending,
+            })
             .collect();
         Box::pin(async move { r })
     }
-    fn record<'a>(&'a self, keys: &'a [String]) -> crate::alert::claims::ClaimFuture<'a, ()> {
+    fn spooled<'a>(&'a self, keys: &'a [String]) -> crate::alert::claims::ClaimFuture<'a, ()> {
         let dir = self.spool_dir.lock().unwrap().clone();
         let bytes: u64 = dir.map_or(0, |d| {
             std::fs::read_dir(d)
@@ -318,14 +329,17 @@ impl crate::alert::claims::NotificationClaims for MemoryClaims {
                 .map(|e| e.unwrap().metadata().unwrap().len())
                 .sum()
         });
-        self.spooled_at_record.lock().unwrap().push(bytes as usize);
-        self.sent.lock().unwrap().extend(keys.iter().cloned());
+        self.spooled_at_mark.lock().unwrap().push(bytes as usize);
+        let mut held = self.keys.lock().unwrap();
+        for k in keys {
+            held.insert(k.clone(), true);
+        }
         Box::pin(async {})
     }
 }
 
 /// A second life that finds the same breaches again sends none of the notifications the first
-/// sent, and only the new one; each key is recorded once the spool holds its notification.
+/// sent, and only the new one; each key is marked spooled once the spool holds its notification.
 #[tokio::test]
 async fn notifications_claimed_by_an_earlier_life_are_not_sent_again() {
     let claims = Arc::new(MemoryClaims::default());
@@ -366,23 +380,24 @@ async fn notifications_claimed_by_an_earlier_life_are_not_sent_again() {
     assert_eq!((r2.notified, r2.sent_before), (1, 2), "{r2:?}");
     assert_eq!(sent2.len(), 1);
     assert!(!sent1.contains(&sent2[0]));
-    assert_eq!(claims.sent.lock().unwrap().len(), 3);
-    let at_record = claims.spooled_at_record.lock().unwrap().clone();
+    assert_eq!(claims.keys.lock().unwrap().len(), 3);
+    assert!(claims.keys.lock().unwrap().values().all(|spooled| *spooled));
+    let at_mark = claims.spooled_at_mark.lock().unwrap().clone();
     assert_eq!(
-        at_record.len(),
+        at_mark.len(),
         2,
-        "one record per intake batch that spooled: {at_record:?}"
+        "one mark per intake batch that spooled: {at_mark:?}"
     );
     assert!(
-        at_record.iter().all(|n| *n > 0),
-        "a key recorded before its notification was spooled: {at_record:?}"
+        at_mark.iter().all(|n| *n > 0),
+        "a key marked spooled before its notification was spooled: {at_mark:?}"
     );
 }
 
-/// While the claims cannot be looked up, released notifications wait (none sent) and are asked
-/// about again each tick: once the store answers, the one sent before is dropped and the new one
-/// sent. What still cannot be looked up when the dispatcher stops is sent (a repeat is better
-/// than a loss).
+/// While the claims cannot be answered, released notifications wait (none sent) and are claimed
+/// again each tick: once the store answers, the one sent before is dropped and the new one
+/// sent. What is still unsettled when the dispatcher stops is sent (a repeat is better than a
+/// loss).
 #[tokio::test]
 async fn notifications_wait_for_claims_that_cannot_be_looked_up() {
     use std::sync::atomic::Ordering::SeqCst;
@@ -448,4 +463,103 @@ async fn notifications_wait_for_claims_that_cannot_be_looked_up() {
     let report = handle.await.unwrap();
     assert_eq!((report.notified, report.sent_before), (1, 0), "{report:?}");
     assert_eq!(delivered(&rec).len(), 1, "held at stop and never sent");
+}
+
+/// A notification another process has claimed but not yet marked spooled (it is between its
+/// claim and its spool) is held, not sent: once that process marks it, it counts as sent
+/// before. Two checkers that find one breach at once send it once.
+#[tokio::test]
+async fn a_notification_claimed_elsewhere_waits_for_its_claimer() {
+    let claims = Arc::new(MemoryClaims::default());
+    let dir = tempfile::tempdir().unwrap();
+    let flood = FloodConfig {
+        group_wait: Duration::ZERO,
+        ..FloodConfig::default()
+    };
+    let (d, rec) = recording(dir.path(), flood, Arc::new(Metrics::new()));
+    let (tx, rx) = mpsc::channel(16);
+    let handle = tokio::spawn(d.with_claims(claims.clone()).run(rx));
+    let found = finding("activity-after-rejection", "req-9", Severity::Critical);
+    let key = {
+        // The other checker's claim, from the notification this one is about to make.
+        let dir2 = tempfile::tempdir().unwrap();
+        let (d2, rec2) = recording(
+            dir2.path(),
+            FloodConfig {
+                group_wait: Duration::ZERO,
+                ..FloodConfig::default()
+            },
+            Arc::new(Metrics::new()),
+        );
+        let (tx2, rx2) = mpsc::channel(1);
+        let h2 = tokio::spawn(d2.run(rx2));
+        tx2.send(found.clone()).await.unwrap();
+        drop(tx2);
+        h2.await.unwrap();
+        let key = rec2.delivered.lock().unwrap()[0].claim_key().unwrap();
+        claims.keys.lock().unwrap().insert(key.clone(), false);
+        key
+    };
+    tx.send(found).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        rec.delivered.lock().unwrap().is_empty(),
+        "sent while another checker held its claim"
+    );
+    claims.keys.lock().unwrap().insert(key, true);
+    drop(tx);
+    let report = handle.await.unwrap();
+    assert_eq!((report.notified, report.sent_before), (0, 1), "{report:?}");
+    assert!(rec.delivered.lock().unwrap().is_empty());
+}
+
+/// Two checkers that find the same breaches at the same moment (a partition's old owner still
+/// sending what it found while its successor reads the partition again) send each once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_dispatchers_finding_the_same_breaches_at_once_send_each_once() {
+    let claims = Arc::new(MemoryClaims::default());
+    let flood = || FloodConfig {
+        group_wait: Duration::ZERO,
+        ..FloodConfig::default()
+    };
+    let (dir_a, dir_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let (a, rec_a) = recording(dir_a.path(), flood(), Arc::new(Metrics::new()));
+    let (b, rec_b) = recording(dir_b.path(), flood(), Arc::new(Metrics::new()));
+    let (tx_a, rx_a) = mpsc::channel(64);
+    let (tx_b, rx_b) = mpsc::channel(64);
+    let ha = tokio::spawn(a.with_claims(claims.clone()).run(rx_a));
+    let hb = tokio::spawn(b.with_claims(claims.clone()).run(rx_b));
+    let found: Vec<Violation> = (0..40)
+        .map(|i| {
+            finding(
+                "activity-after-rejection",
+                &format!("req-{i}"),
+                Severity::Critical,
+            )
+        })
+        .collect();
+    for f in &found {
+        tokio::join!(async { tx_a.send(f.clone()).await.unwrap() }, async {
+            tx_b.send(f.clone()).await.unwrap()
+        });
+    }
+    drop((tx_a, tx_b));
+    let (ra, rb) = (ha.await.unwrap(), hb.await.unwrap());
+    let mut sent: Vec<String> = [rec_a, rec_b]
+        .iter()
+        .flat_map(|r| {
+            r.delivered
+                .lock()
+                .unwrap()
+                .iter()
+                .filter_map(Notification::claim_key)
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    sent.sort();
+    let n = sent.len();
+    sent.dedup();
+    assert_eq!(n, sent.len(), "a notification sent by both");
+    assert_eq!(n, found.len(), "{ra:?} {rb:?}");
+    assert_eq!(ra.sent_before + rb.sent_before, found.len() as u64);
 }
