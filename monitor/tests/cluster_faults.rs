@@ -457,6 +457,7 @@ fn a_killed_checker_is_replaced_and_every_notification_goes_out_once() {
     // Every agent stream ended (its last batches taken): the input is whole.
     wait_for("the second checker at the end of every stream", || {
         second.metric("revenant_checker_recovering_partitions") == 0.0
+            && second.metric("revenant_checker_partitions_behind") == 0.0
             && second.metric("revenant_checker_agent_streams") == 0.0
             && second.metric("revenant_checker_messages_total") > 0.0
     });

@@ -130,14 +130,20 @@ impl Collector for CheckerCollector {
             "Partitions still being read again at start",
             s.recovering.load(Relaxed) as i64,
         )?;
-        let (live, lag) = {
+        let (live, behind, lag) = {
             let st = self.streams.lock();
             let now = now_unix_ns();
             let lag = st
                 .bound(now)
                 .map_or(f64::NAN, |b| now.saturating_sub(b) as f64 / 1e9);
-            (st.live(), lag)
+            (st.live(), st.behind(), lag)
         };
+        gauge(
+            &mut enc,
+            "revenant_checker_partitions_behind",
+            "Partitions this checker judges whose consumer is not known to be caught up (messages pending at its last look, not read yet, or NATS away)",
+            behind as i64,
+        )?;
         gauge(
             &mut enc,
             "revenant_checker_agent_streams",

@@ -197,6 +197,12 @@ impl Streams {
         }
     }
 
+    /// Owned partitions not known to be caught up with (their consumer had messages pending
+    /// at its last look, has not looked yet, or NATS is away).
+    pub fn behind(&self) -> usize {
+        self.caught_up.values().filter(|c| !**c).count()
+    }
+
     /// The streams that hold the watermark back.
     pub fn live(&self) -> usize {
         self.streams.values().filter(|s| !s.done).count()
@@ -358,12 +364,16 @@ mod tests {
     fn with_no_stream_the_wall_clock_bounds_only_once_every_partition_is_caught_up() {
         let mut s = Streams::new(ProgressClock::Wall, &[0, 1]);
         s.set_connected(true);
+        assert_eq!(s.behind(), 2);
         s.set_caught_up(0, true, 0);
         assert_eq!(s.bound(NOW), None);
+        assert_eq!(s.behind(), 1);
         s.set_caught_up(1, true, 0);
         assert_eq!(s.bound(NOW), Some(NOW));
+        assert_eq!(s.behind(), 0);
         s.set_connected(false);
         assert_eq!(s.bound(NOW), None, "disconnected: nothing is caught up");
+        assert_eq!(s.behind(), 2);
     }
 
     #[test]

@@ -252,6 +252,7 @@ fn run(mode: &str, load_args: &[&str], fault: Fault) -> Outcome {
     while checkers.iter().any(|c| {
         metric(&c.admin, "revenant_checker_agent_streams") != 0.0
             || metric(&c.admin, "revenant_checker_recovering_partitions") != 0.0
+            || metric(&c.admin, "revenant_checker_partitions_behind") != 0.0
     }) || checkers
         .iter()
         .map(|c| metric(&c.admin, "revenant_checker_messages_total"))
