@@ -229,7 +229,7 @@ impl Shape {
     }
 
     /// The matcher lists of this shape, by the key each is written under.
-    fn matchers(&self) -> Vec<(&'static str, &[crate::engine::matcher::Matcher])> {
+    pub fn matchers(&self) -> Vec<(&'static str, &[crate::engine::matcher::Matcher])> {
         match self {
             Shape::NeverAfter(s) => vec![("trigger", &s.trigger), ("forbidden", &s.forbidden)],
             Shape::MustFollow(s) => vec![
