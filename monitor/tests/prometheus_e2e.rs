@@ -289,7 +289,13 @@ async fn prometheus_scrapes_and_every_dashboard_query_has_data() {
         .as_array()
         .map(|a| a.len())
         .unwrap_or(0);
-    assert_eq!(n, 13, "{rules}");
+    let written = std::fs::read_to_string(workspace_root().join("dashboards/revenant-alerts.yaml"))
+        .unwrap()
+        .lines()
+        .filter(|l| l.trim_start().starts_with("- alert:"))
+        .count();
+    assert!(written >= 13, "the rules file lost its rules: {written}");
+    assert_eq!(n, written, "{rules}");
     assert!(
         !receiver.alerts().is_empty(),
         "the webhook received nothing"
