@@ -212,6 +212,7 @@ async fn agent_async(
         ..
     } = p;
     let shutdown = Shutdown::new();
+    shutdown::listen();
     let shared = Shared::new(&admin, &memory, access);
     let stats = Arc::new(AgentStats::default());
     publisher::register(&shared.metrics, stats.clone());

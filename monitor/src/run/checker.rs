@@ -194,6 +194,7 @@ async fn checker_async(
         ..
     } = p;
     let shutdown = Shutdown::new();
+    shutdown::listen();
     let shared = Shared::new(&admin, &memory, access);
     let header = announce_rules(&shared, &checker, &cfg);
     let stats = Arc::new(CheckerStats::default());

@@ -264,7 +264,10 @@ pub(super) fn announce_ready(
 /// webhook holds it for the dispatcher's drain timeout). Exits with 1 at once; what the spool
 /// holds stays there for the next start, queued events are not checked.
 pub(super) async fn force_exit_on_signal() {
-    shutdown::signal().await;
+    // The next one after those already counted (the drain may have begun on one, or on a
+    // failure).
+    let seen = *shutdown::listen().borrow();
+    shutdown::received(seen + 1).await;
     console::say(
         console::Level::Warn,
         "second signal: exiting without finishing the drain; undelivered alerts stay in the spool",

@@ -84,6 +84,7 @@ pub async fn run_async(p: Prepared) -> Result<(), RunError> {
         ..
     } = p;
     let shutdown = Shutdown::new();
+    shutdown::listen();
     let shared = Shared::new(&admin, &memory, access);
     log_memory_plan(&memory, &cfg, &admin);
     let header = announce_rules(&shared, &checker, &cfg);

@@ -132,47 +132,99 @@ pub async fn join_within<T: 'static>(
     failure
 }
 
-/// Ctrl-C (SIGINT), SIGTERM or SIGHUP: each starts the same drain. SIGHUP is a stop, not a
-/// reload (revenant reads its configuration once): a closed terminal or a supervisor's hang-up
-/// must not kill it without draining.
-pub async fn signal() {
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{SignalKind, signal};
-        let listen = |kind: SignalKind, name: &str| match signal(kind) {
-            Ok(s) => Some(s),
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot listen for {name}; it will not stop revenant gracefully");
-                None
+/// Stop signals received since [`listen`] (the count only grows).
+static RECEIVED: std::sync::OnceLock<watch::Receiver<u32>> = std::sync::OnceLock::new();
+
+/// Listens for Ctrl-C (SIGINT), SIGTERM and SIGHUP from now on, for the rest of the process,
+/// and counts them. Called once the runtime runs, before anything is announced ready: a signal
+/// that comes between two waits (after start-up's, before the main loop's) is counted, not
+/// lost (once tokio listens for a signal, its default action no longer ends the process).
+/// SIGHUP is a stop, not a reload (revenant reads its configuration once): a closed terminal or
+/// a supervisor's hang-up must not kill it without draining.
+pub fn listen() -> watch::Receiver<u32> {
+    RECEIVED
+        .get_or_init(|| {
+            let (tx, rx) = watch::channel(0u32);
+            #[cfg(unix)]
+            {
+                use tokio::signal::unix::{SignalKind, signal};
+                // Registered here, synchronously: from this call on no delivery is missed.
+                let listen = |kind: SignalKind, name: &'static str| match signal(kind) {
+                    Ok(s) => Some((s, name)),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "cannot listen for {name}; it will not stop revenant gracefully");
+                        None
+                    }
+                };
+                let mut kinds: Vec<_> = [
+                    (SignalKind::interrupt(), "SIGINT"),
+                    (SignalKind::terminate(), "SIGTERM"),
+                    (SignalKind::hangup(), "SIGHUP"),
+                ]
+                .into_iter()
+                .filter_map(|(k, n)| listen(k, n))
+                .collect();
+                tokio::spawn(async move {
+                    while !kinds.is_empty() {
+                        let next = kinds.iter_mut().map(|(s, name)| {
+                            Box::pin(async move {
+                                s.recv().await;
+                                *name
+                            })
+                        });
+                        let (name, _, _) = futures_util::future::select_all(next).await;
+                        tracing::info!(signal = name, "signal received");
+                        tx.send_modify(|n| *n += 1);
+                    }
+                });
             }
-        };
-        let mut term = listen(SignalKind::terminate(), "SIGTERM");
-        let mut hup = listen(SignalKind::hangup(), "SIGHUP");
-        let name = tokio::select! {
-            _ = tokio::signal::ctrl_c() => "SIGINT",
-            () = recv(term.as_mut()) => "SIGTERM",
-            () = recv(hup.as_mut()) => "SIGHUP",
-        };
-        tracing::info!(signal = name, "signal received");
-    }
-    #[cfg(not(unix))]
-    let _ = tokio::signal::ctrl_c().await;
+            #[cfg(not(unix))]
+            tokio::spawn(async move {
+                while tokio::signal::ctrl_c().await.is_ok() {
+                    tracing::info!(signal = "Ctrl-C", "signal received");
+                    tx.send_modify(|n| *n += 1);
+                }
+            });
+            rx
+        })
+        .clone()
 }
 
-/// The next delivery of `s`; never, when revenant could not listen for it.
-#[cfg(unix)]
-async fn recv(s: Option<&mut tokio::signal::unix::Signal>) {
-    match s {
-        Some(s) => {
-            s.recv().await;
-        }
-        None => std::future::pending().await,
-    }
+/// Once the `n`th stop signal since [`listen`] has come (at once if it already has).
+pub async fn received(n: u32) {
+    let mut rx = listen();
+    let _ = rx.wait_for(|c| *c >= n).await;
+}
+
+/// A stop signal (SIGINT, SIGTERM or SIGHUP): each starts the same drain.
+pub async fn signal() {
+    received(1).await;
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A signal that comes while nothing waits (between start-up's wait and the main loop's) is
+    /// counted from `listen` on and ends the next wait at once. (Listening only while waiting
+    /// lost it: the process, its default action replaced by tokio's handler, never stopped.)
+    #[cfg(unix)]
+    #[tokio::test]
+    async fn a_signal_before_anyone_waits_is_not_lost() {
+        let before = *listen().borrow();
+        // SIGHUP, a stop for revenant: counted by the listener, harmless to the test process.
+        assert_eq!(unsafe { libc::raise(libc::SIGHUP) }, 0);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        tokio::time::timeout(Duration::from_secs(5), received(before + 1))
+            .await
+            .expect("the signal raised before anyone waited was lost");
+        assert!(
+            tokio::time::timeout(Duration::from_millis(100), received(before + 2))
+                .await
+                .is_err(),
+            "one signal counted twice"
+        );
+    }
 
     #[tokio::test]
     async fn phases_only_move_forward_and_wake_later_watchers() {
