@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! setup ─► build (one: cargo test --release --no-run, every target, below the tests' priority)
-//!            ├─ tests ×3: each test executable joins the queue as the build makes it (with both
+//!            ├─ tests ×2: each test executable joins the queue as the build makes it (with both
 //!            │            binaries); the lanes take the longest first
 //!            ├─ venvs ─► (the real-component tests join the queue)
 //!            ├─ (both binaries made) ─► fuzz (lowest priority): build ─► replay ─► fixed-seed runs
@@ -14,9 +14,9 @@
 //! runs mostly wait, and the compilers take what they leave. Each stage gets a range of loopback
 //! ports of its own ([`test_harness::PORTS_ENV`], below the kernel's ephemeral range), so no two
 //! stages ever race for a port. Test executables run as cargo would run them (`exec`), each with
-//! its output in `target/ci/logs/`; at most two of those that load the machine ([`PROFILE`]: the
-//! end-to-end runs under eBPF, the real SGLang), which mostly wait, run at a time, and those
-//! whose timing any other load would skew run with none beside them. Builds that only fill idle time (the rest of the main build once tests
+//! its output in `target/ci/logs/`; at most one of those that load the machine ([`PROFILE`]: the
+//! end-to-end runs under eBPF, the real SGLang) runs at a time, so their timing stays what a
+//! quiet machine gives. Builds that only fill idle time (the rest of the main build once tests
 //! run, the fuzz targets, the build without eBPF) run below the tests' priority. The timings are
 //! printed at the end and written to `target/ci/timings.json`; the wall time each executable took
 //! is kept in `target/ci/durations.json` to order the next run's queue.
@@ -41,79 +41,52 @@ const PORTS: &[(&str, u16, u16)] = &[
     ("tests-1", 12000, 13999),
     ("tests-2", 14000, 15999),
     ("fuzz", 16000, 17999),
-    ("tests-3", 18000, 19999),
 ];
-
-/// How much of the machine a test executable takes, for the queue: at most [`LOAD_LIMIT`] of
-/// load runs at a time, light ones beside it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Load {
-    /// Short, or mostly waiting: runs whenever a lane is free.
-    Light,
-    /// Pushes load through several processes (a PD cluster, eBPF, real routers) yet spends most
-    /// of its wall time waiting on windows and timeouts (well under a core on average): two may
-    /// run side by side.
-    Heavy,
-    /// Judges timing that any other load would skew, or is CPU-bound: runs with no heavy one
-    /// beside it.
-    Alone,
-}
-
-impl Load {
-    fn weight(self) -> u8 {
-        match self {
-            Load::Light => 0,
-            Load::Heavy => 1,
-            Load::Alone => LOAD_LIMIT,
-        }
-    }
-}
-
-/// The load that may run at once: two heavy executables, or one that must run alone.
-const LOAD_LIMIT: u8 = 2;
 
 /// Test executables that take long or load the machine: expected wall seconds on 2 cores (the
 /// queue runs the longest first; `target/ci/durations.json` replaces these once measured), and
-/// their [`Load`]. The heavy ones were measured side by side in pairs (`pd_sim_revenant` beside
-/// `cluster_pd`: 214 s and 219 s, as alone, 0.56 cores between them). Unlisted ones are light
-/// and short; every eBPF test watches its own processes by pid, so none sees another's traffic.
-const PROFILE: &[(&str, u32, Load)] = &[
-    ("e2e/pd_sim_revenant", 400, Load::Heavy),
-    ("e2e/cluster_pd", 250, Load::Heavy),
-    ("e2e/vllm_pd", 300, Load::Heavy),
+/// whether it is heavy: it pushes load through several processes or judges timing that load
+/// would skew, so at most one heavy executable runs at a time. The rest may run beside one: the
+/// long ones among them mostly wait (real routers' timeouts, revenant's windows) and use a few
+/// seconds of CPU in a minute; every eBPF test watches its own processes by pid, so none sees
+/// another's traffic. Unlisted ones are light and short.
+const PROFILE: &[(&str, u32, bool)] = &[
+    ("e2e/pd_sim_revenant", 400, true),
+    ("e2e/cluster_pd", 250, true),
+    ("e2e/vllm_pd", 300, true),
     // The real vllm-router at up to 500 requests/s: load, as its simulated twin is.
-    ("e2e/vllm_pd --ignored", 90, Load::Heavy),
-    ("e2e/sglang_harness --ignored", 300, Load::Heavy),
-    ("pd-sim/modes", 120, Load::Heavy),
-    ("pd-sim/smg_1_13 --ignored", 120, Load::Heavy),
-    ("pd-sim/real_router --ignored", 90, Load::Light),
-    ("pd-sim/e2e_real_router --ignored", 90, Load::Light),
-    ("pd-sim/e2e_capacity --ignored", 90, Load::Light),
-    ("pd-sim/vllm_real_router --ignored", 60, Load::Light),
-    ("pd-sim/interop --ignored", 30, Load::Light),
-    ("pd-sim/sglang_interop --ignored", 30, Load::Light),
-    ("pd-sim/vllm_interop --ignored", 30, Load::Light),
+    ("e2e/vllm_pd --ignored", 90, true),
+    ("e2e/sglang_harness --ignored", 300, true),
+    ("pd-sim/modes", 120, true),
+    ("pd-sim/smg_1_13 --ignored", 120, true),
+    ("pd-sim/real_router --ignored", 90, false),
+    ("pd-sim/e2e_real_router --ignored", 90, false),
+    ("pd-sim/e2e_capacity --ignored", 90, false),
+    ("pd-sim/vllm_real_router --ignored", 60, false),
+    ("pd-sim/interop --ignored", 30, false),
+    ("pd-sim/sglang_interop --ignored", 30, false),
+    ("pd-sim/vllm_interop --ignored", 30, false),
     // Its decode leg outlives orphaned-leg's window by little: prefill's answer must come on
     // time, which another heavy run beside it does not guarantee.
-    ("revenant/ebpf_real_router --ignored", 90, Load::Alone),
-    ("revenant/build_without_ebpf", 300, Load::Light),
-    ("revenant/cluster_faults", 200, Load::Light),
+    ("revenant/ebpf_real_router --ignored", 90, true),
+    ("revenant/build_without_ebpf", 300, false),
+    ("revenant/cluster_faults", 200, false),
     // Four checkers, three NATS servers and agents, with a 3 s lease TTL: kept off a loaded
     // machine so that its takeovers are what the leases give.
-    ("revenant/cluster_leases", 60, Load::Alone),
-    ("revenant/cluster_equivalence", 150, Load::Heavy),
-    ("revenant/ebpf_sim", 120, Load::Alone),
-    ("revenant/run_ebpf", 90, Load::Alone),
-    ("revenant/ebpf_probe", 90, Load::Alone),
-    ("revenant/otlp_e2e", 90, Load::Light),
-    ("revenant/alert_delivery", 90, Load::Light),
-    ("revenant/prometheus_e2e", 90, Load::Light),
-    ("revenant/alertmanager_e2e", 60, Load::Light),
+    ("revenant/cluster_leases", 60, true),
+    ("revenant/cluster_equivalence", 150, true),
+    ("revenant/ebpf_sim", 120, true),
+    ("revenant/run_ebpf", 90, true),
+    ("revenant/ebpf_probe", 90, true),
+    ("revenant/otlp_e2e", 90, false),
+    ("revenant/alert_delivery", 90, false),
+    ("revenant/prometheus_e2e", 90, false),
+    ("revenant/alertmanager_e2e", 60, false),
     // Headless Chromium loads the pages seven times (a browser start each).
-    ("revenant/pages_browser", 30, Load::Light),
-    ("revenant/order_property", 60, Load::Alone),
-    ("revenant/cancel_property", 60, Load::Alone),
-    ("revenant/lib", 60, Load::Light),
+    ("revenant/pages_browser", 30, false),
+    ("revenant/order_property", 60, true),
+    ("revenant/cancel_property", 60, true),
+    ("revenant/lib", 60, false),
 ];
 
 /// Executables whose ignored tests need the real components' venvs (`--ignored`): pd-sim's
@@ -197,7 +170,7 @@ struct Job {
     args: Vec<String>,
     /// Needs the real components' venvs (waits for them).
     real: bool,
-    load: Load,
+    heavy: bool,
     nice: bool,
     expected: u32,
     label: String,
@@ -217,8 +190,7 @@ struct QueueState {
     venvs: Option<std::result::Result<Vec<(String, PathBuf)>, String>>,
     /// What every test executable is given: the binaries (`REVENANT_BIN`, `PD_SIM_BIN`).
     common: Vec<(String, PathBuf)>,
-    /// The load of the jobs running now (sum of their [`Load::weight`]).
-    load: u8,
+    heavy_running: bool,
     results: Vec<Ran>,
 }
 
@@ -235,10 +207,12 @@ impl Queue {
             let pick = s
                 .pending
                 .iter()
-                .position(|j| (!j.real || venvs_ready) && s.load + j.load.weight() <= LOAD_LIMIT);
+                .position(|j| (!j.real || venvs_ready) && (!j.heavy || !s.heavy_running));
             if let Some(i) = pick {
                 let job = s.pending.remove(i);
-                s.load += job.load.weight();
+                if job.heavy {
+                    s.heavy_running = true;
+                }
                 let mut env = s.common.clone();
                 if let (Some(Ok(venv)), true) = (&s.venvs, job.real) {
                     env.extend(venv.iter().cloned());
@@ -267,7 +241,9 @@ impl Queue {
 
     fn done(&self, job: &Job, ran: Ran) {
         let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        s.load -= job.load.weight();
+        if job.heavy {
+            s.heavy_running = false;
+        }
         s.results.push(ran);
         self.changed.notify_all();
     }
@@ -326,7 +302,7 @@ fn jobs(exe: &TestExe, measured: &BTreeMap<String, u32>) -> Vec<Job> {
                 .copied()
                 .or(profile.map(|p| p.1))
                 .unwrap_or(10),
-            load: profile.map_or(Load::Light, |p| p.2),
+            heavy: profile.is_some_and(|p| p.2),
             nice: NICE.contains(&exe.name.as_str()),
             args,
             real,
@@ -345,7 +321,7 @@ fn jobs(exe: &TestExe, measured: &BTreeMap<String, u32>) -> Vec<Job> {
 fn heavy_targets() -> Vec<&'static str> {
     let mut names: Vec<&str> = PROFILE
         .iter()
-        .filter(|(_, _, load)| *load != Load::Light)
+        .filter(|(_, _, heavy)| *heavy)
         .filter_map(|(label, _, _)| label.split_whitespace().next()?.split_once('/'))
         .map(|(_, target)| target)
         .filter(|t| *t != "lib")
@@ -418,7 +394,7 @@ pub fn run() -> Result<()> {
             building: true,
             venvs: None,
             common: Vec::new(),
-            load: 0,
+            heavy_running: false,
             results: Vec::new(),
         }),
         changed: Condvar::new(),
@@ -430,7 +406,7 @@ pub fn run() -> Result<()> {
         // The lanes start each test executable as soon as the build has made it (and the two
         // binaries): the long end-to-end runs mostly wait, and overlap the rest of the build,
         // which runs below their priority.
-        let lanes: Vec<_> = ["tests-1", "tests-2", "tests-3"]
+        let lanes: Vec<_> = ["tests-1", "tests-2"]
             .into_iter()
             .map(|lane| {
                 let (queue, logs, t) = (&queue, &logs, &t);
@@ -676,7 +652,7 @@ pub fn filtered(args: &[String]) -> Result<()> {
 mod tests {
     use super::*;
 
-    fn job(label: &str, load: Load, real: bool, expected: u32) -> Job {
+    fn job(label: &str, heavy: bool, real: bool, expected: u32) -> Job {
         Job {
             exe: TestExe {
                 name: label.into(),
@@ -688,7 +664,7 @@ mod tests {
             },
             args: Vec::new(),
             real,
-            load,
+            heavy,
             nice: false,
             expected,
             label: label.into(),
@@ -702,7 +678,7 @@ mod tests {
                 building: false,
                 venvs: None,
                 common: Vec::new(),
-                load: 0,
+                heavy_running: false,
                 results: Vec::new(),
             }),
             changed: Condvar::new(),
@@ -721,23 +697,18 @@ mod tests {
     }
 
     #[test]
-    fn two_heavy_jobs_at_a_time_one_alone_and_real_ones_wait_for_their_venvs() {
+    fn one_heavy_job_at_a_time_and_real_ones_wait_for_their_venvs() {
         let q = queue(vec![
-            job("heavy-a", Load::Heavy, false, 400),
-            job("alone", Load::Alone, false, 350),
-            job("heavy-b", Load::Heavy, false, 300),
-            job("heavy-c", Load::Heavy, false, 200),
-            job("real", Load::Light, true, 100),
-            job("light", Load::Light, false, 10),
+            job("heavy-a", true, false, 300),
+            job("heavy-b", true, false, 200),
+            job("real", false, true, 100),
+            job("light", false, false, 10),
         ]);
         let (a, _) = q.take().unwrap();
         assert_eq!(a.label, "heavy-a");
-        // The one that must run alone waits for heavy-a; heavy-b may run beside heavy-a.
+        // heavy-b must wait for heavy-a, the real one for its venvs: the light one is next.
         let (b, _) = q.take().unwrap();
-        assert_eq!(b.label, "heavy-b");
-        // Two heavy ones run: heavy-c and the alone one wait, the real one for its venvs.
-        let (l, _) = q.take().unwrap();
-        assert_eq!(l.label, "light");
+        assert_eq!(b.label, "light");
         std::thread::scope(|s| {
             let waiter = s.spawn(|| q.take().map(|(j, env)| (j.label, env)));
             std::thread::sleep(Duration::from_millis(50));
@@ -749,29 +720,17 @@ mod tests {
                 vec![("PD_SIM_SMG".to_owned(), PathBuf::from("/x/smg"))]
             );
         });
-        // heavy-a ends: heavy-c (not the alone one: heavy-b still runs) takes its place.
         std::thread::scope(|s| {
             let waiter = s.spawn(|| q.take().map(|(j, _)| j.label));
             std::thread::sleep(Duration::from_millis(50));
             q.done(&a, ran("heavy-a"));
-            assert_eq!(waiter.join().unwrap().as_deref(), Some("heavy-c"));
-        });
-        // The alone one waits until no heavy one runs.
-        let c = job("heavy-c", Load::Heavy, false, 200);
-        std::thread::scope(|s| {
-            let waiter = s.spawn(|| q.take().map(|(j, _)| j.label));
-            std::thread::sleep(Duration::from_millis(50));
-            q.done(&b, ran("heavy-b"));
-            std::thread::sleep(Duration::from_millis(50));
-            assert!(!waiter.is_finished(), "alone started beside heavy-c");
-            q.done(&c, ran("heavy-c"));
-            assert_eq!(waiter.join().unwrap().as_deref(), Some("alone"));
+            assert_eq!(waiter.join().unwrap().as_deref(), Some("heavy-b"));
         });
         assert!(q.take().is_none());
     }
 
     fn exe(name: &str) -> TestExe {
-        job(name, Load::Light, false, 10).exe
+        job(name, false, false, 10).exe
     }
 
     #[test]
@@ -838,7 +797,7 @@ mod tests {
 
     #[test]
     fn failed_venvs_are_reported_to_the_jobs_that_need_them() {
-        let q = queue(vec![job("real", Load::Light, true, 100)]);
+        let q = queue(vec![job("real", false, true, 100)]);
         q.venvs(Err("pip failed".into()));
         let (j, env) = q.take().unwrap();
         assert_eq!(j.label, "real");
