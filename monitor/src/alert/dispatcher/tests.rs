@@ -338,6 +338,39 @@ impl crate::alert::claims::NotificationClaims for MemoryClaims {
     }
 }
 
+/// A dispatcher over a fresh spool in `dir` that releases every notification at once (one per
+/// finding), claiming through `claims` when given, running: its input, its end, what it
+/// delivered.
+fn running(
+    dir: &std::path::Path,
+    claims: Option<Arc<MemoryClaims>>,
+) -> (
+    mpsc::Sender<Violation>,
+    tokio::task::JoinHandle<DispatchReport>,
+    Arc<Recorder>,
+) {
+    let flood = FloodConfig {
+        group_wait: Duration::ZERO,
+        ..FloodConfig::default()
+    };
+    let (mut d, rec) = recording(dir, flood, Arc::new(Metrics::new()));
+    if let Some(c) = claims {
+        d = d.with_claims(c);
+    }
+    let (tx, rx) = mpsc::channel(64);
+    (tx, tokio::spawn(d.run(rx)), rec)
+}
+
+/// The claim keys of the notifications `rec` was delivered, in order.
+fn delivered_keys(rec: &Recorder) -> Vec<String> {
+    rec.delivered
+        .lock()
+        .unwrap()
+        .iter()
+        .filter_map(Notification::claim_key)
+        .collect()
+}
+
 /// A second life that finds the same breaches again sends none of the notifications the first
 /// sent, and only the new one; each key is marked spooled once the spool holds its notification.
 #[tokio::test]
@@ -346,27 +379,12 @@ async fn notifications_claimed_by_an_earlier_life_are_not_sent_again() {
     let life = |claims: Arc<MemoryClaims>, findings: Vec<Violation>| async move {
         let dir = tempfile::tempdir().unwrap();
         *claims.spool_dir.lock().unwrap() = Some(dir.path().to_path_buf());
-        let flood = FloodConfig {
-            group_wait: Duration::ZERO,
-            ..FloodConfig::default()
-        };
-        let (d, rec) = recording(dir.path(), flood, Arc::new(Metrics::new()));
-        let d = d.with_claims(claims);
-        let (tx, rx) = mpsc::channel(16);
-        let handle = tokio::spawn(d.run(rx));
+        let (tx, handle, rec) = running(dir.path(), Some(claims));
         for f in findings {
             tx.send(f).await.unwrap();
         }
         drop(tx);
-        let report = handle.await.unwrap();
-        let keys: Vec<String> = rec
-            .delivered
-            .lock()
-            .unwrap()
-            .iter()
-            .filter_map(Notification::claim_key)
-            .collect();
-        (report, keys)
+        (handle.await.unwrap(), delivered_keys(&rec))
     };
     let first = vec![
         finding("orphaned-leg", "req-1", Severity::Warning),
@@ -404,29 +422,15 @@ async fn notifications_wait_for_claims_that_cannot_be_looked_up() {
     let claims = Arc::new(MemoryClaims::default());
     let life = |claims: Arc<MemoryClaims>| {
         let dir = tempfile::tempdir().unwrap();
-        let flood = FloodConfig {
-            group_wait: Duration::ZERO,
-            ..FloodConfig::default()
-        };
-        let (d, rec) = recording(dir.path(), flood, Arc::new(Metrics::new()));
-        let (tx, rx) = mpsc::channel(16);
-        let handle = tokio::spawn(d.with_claims(claims).run(rx));
+        let (tx, handle, rec) = running(dir.path(), Some(claims));
         (dir, tx, handle, rec)
-    };
-    let delivered = |rec: &Recorder| {
-        rec.delivered
-            .lock()
-            .unwrap()
-            .iter()
-            .filter_map(Notification::claim_key)
-            .collect::<Vec<_>>()
     };
     let known = finding("orphaned-leg", "req-1", Severity::Warning);
     let (_dir, tx, handle, rec) = life(claims.clone());
     tx.send(known.clone()).await.unwrap();
     drop(tx);
     assert_eq!(handle.await.unwrap().notified, 1);
-    let known_key = delivered(&rec).pop().unwrap();
+    let known_key = delivered_keys(&rec).pop().unwrap();
 
     claims.away.store(true, SeqCst);
     let (_dir, tx, handle, rec) = life(claims.clone());
@@ -441,14 +445,14 @@ async fn notifications_wait_for_claims_that_cannot_be_looked_up() {
     );
     claims.away.store(false, SeqCst);
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
-    while delivered(&rec).is_empty() {
+    while delivered_keys(&rec).is_empty() {
         assert!(std::time::Instant::now() < deadline, "never sent");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     drop(tx);
     let report = handle.await.unwrap();
     assert_eq!((report.notified, report.sent_before), (1, 1), "{report:?}");
-    let sent = delivered(&rec);
+    let sent = delivered_keys(&rec);
     assert_eq!(sent.len(), 1);
     assert_ne!(sent[0], known_key);
 
@@ -462,7 +466,7 @@ async fn notifications_wait_for_claims_that_cannot_be_looked_up() {
     drop(tx);
     let report = handle.await.unwrap();
     assert_eq!((report.notified, report.sent_before), (1, 0), "{report:?}");
-    assert_eq!(delivered(&rec).len(), 1, "held at stop and never sent");
+    assert_eq!(delivered_keys(&rec).len(), 1, "held at stop and never sent");
 }
 
 /// A notification another process has claimed but not yet marked spooled (it is between its
@@ -472,31 +476,16 @@ async fn notifications_wait_for_claims_that_cannot_be_looked_up() {
 async fn a_notification_claimed_elsewhere_waits_for_its_claimer() {
     let claims = Arc::new(MemoryClaims::default());
     let dir = tempfile::tempdir().unwrap();
-    let flood = FloodConfig {
-        group_wait: Duration::ZERO,
-        ..FloodConfig::default()
-    };
-    let (d, rec) = recording(dir.path(), flood, Arc::new(Metrics::new()));
-    let (tx, rx) = mpsc::channel(16);
-    let handle = tokio::spawn(d.with_claims(claims.clone()).run(rx));
+    let (tx, handle, rec) = running(dir.path(), Some(claims.clone()));
     let found = finding("activity-after-rejection", "req-9", Severity::Critical);
     let key = {
         // The other checker's claim, from the notification this one is about to make.
         let dir2 = tempfile::tempdir().unwrap();
-        let (d2, rec2) = recording(
-            dir2.path(),
-            FloodConfig {
-                group_wait: Duration::ZERO,
-                ..FloodConfig::default()
-            },
-            Arc::new(Metrics::new()),
-        );
-        let (tx2, rx2) = mpsc::channel(1);
-        let h2 = tokio::spawn(d2.run(rx2));
+        let (tx2, h2, rec2) = running(dir2.path(), None);
         tx2.send(found.clone()).await.unwrap();
         drop(tx2);
         h2.await.unwrap();
-        let key = rec2.delivered.lock().unwrap()[0].claim_key().unwrap();
+        let key = delivered_keys(&rec2).remove(0);
         claims.keys.lock().unwrap().insert(key.clone(), false);
         key
     };
@@ -518,17 +507,9 @@ async fn a_notification_claimed_elsewhere_waits_for_its_claimer() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_dispatchers_finding_the_same_breaches_at_once_send_each_once() {
     let claims = Arc::new(MemoryClaims::default());
-    let flood = || FloodConfig {
-        group_wait: Duration::ZERO,
-        ..FloodConfig::default()
-    };
     let (dir_a, dir_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let (a, rec_a) = recording(dir_a.path(), flood(), Arc::new(Metrics::new()));
-    let (b, rec_b) = recording(dir_b.path(), flood(), Arc::new(Metrics::new()));
-    let (tx_a, rx_a) = mpsc::channel(64);
-    let (tx_b, rx_b) = mpsc::channel(64);
-    let ha = tokio::spawn(a.with_claims(claims.clone()).run(rx_a));
-    let hb = tokio::spawn(b.with_claims(claims.clone()).run(rx_b));
+    let (tx_a, ha, rec_a) = running(dir_a.path(), Some(claims.clone()));
+    let (tx_b, hb, rec_b) = running(dir_b.path(), Some(claims.clone()));
     let found: Vec<Violation> = (0..40)
         .map(|i| {
             finding(
@@ -547,14 +528,7 @@ async fn two_dispatchers_finding_the_same_breaches_at_once_send_each_once() {
     let (ra, rb) = (ha.await.unwrap(), hb.await.unwrap());
     let mut sent: Vec<String> = [rec_a, rec_b]
         .iter()
-        .flat_map(|r| {
-            r.delivered
-                .lock()
-                .unwrap()
-                .iter()
-                .filter_map(Notification::claim_key)
-                .collect::<Vec<_>>()
-        })
+        .flat_map(|r| delivered_keys(r))
         .collect();
     sent.sort();
     let n = sent.len();
