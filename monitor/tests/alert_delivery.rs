@@ -732,13 +732,9 @@ fn run_on_spool(
 }
 
 fn jsonl_ids(path: &std::path::Path) -> Vec<String> {
-    std::fs::read_to_string(path)
-        .unwrap_or_default()
-        .lines()
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            v["id"].as_str().unwrap().to_string()
-        })
+    test_harness::read_jsonl_so_far(path)
+        .iter()
+        .map(|v| v["id"].as_str().unwrap().to_string())
         .collect()
 }
 

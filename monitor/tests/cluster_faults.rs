@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use revenant::engine::workload::{self, Mix};
 use revenant::{LifecycleEvent, RuleSet};
 use support::cluster::{
-    Bus, Member, WAIT, check, key_list, keys, wait_batches_taken, wait_metric, write,
+    Bus, Member, WAIT, check, key_list, keys, notified, wait_batches_taken, wait_metric, write,
 };
 use support::{Nats, ScratchDir, http_get};
 
@@ -351,22 +351,6 @@ impl Halves {
     fn publish_late(&self, bus: &Bus) -> Member {
         self.publish(bus, "late", "node-b", self.late)
     }
-}
-
-fn notified(path: &Path) -> Vec<(String, String)> {
-    std::fs::read_to_string(path)
-        .unwrap_or_default()
-        .lines()
-        .filter(|l| !l.trim().is_empty())
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
-        .filter(|n| n["type"] == "incident")
-        .map(|n| {
-            (
-                n["rule"].as_str().unwrap().to_owned(),
-                n["incident_key"].as_str().unwrap().to_owned(),
-            )
-        })
-        .collect()
 }
 
 #[test]

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use revenant::LifecycleEvent;
 use revenant::engine::workload::{self, Mix};
-use support::cluster::{Bus, Member, WAIT, check, write};
+use support::cluster::{Bus, Member, WAIT, check, notified, write};
 use support::{Nats, ScratchDir, http_get};
 
 const PARTITIONS: u32 = 6;
@@ -103,23 +103,6 @@ fn owned(m: &Member) -> f64 {
 fn spread(live: &[&Member], min: f64, max: f64) -> bool {
     let each: Vec<f64> = live.iter().map(|m| owned(m)).collect();
     each.iter().sum::<f64>() == f64::from(PARTITIONS) && each.iter().all(|n| *n >= min && *n <= max)
-}
-
-/// The incidents notified in a checker's `alerts.jsonl`: (rule, incident key).
-fn notified(path: &Path) -> Vec<(String, String)> {
-    std::fs::read_to_string(path)
-        .unwrap_or_default()
-        .lines()
-        .filter(|l| !l.trim().is_empty())
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
-        .filter(|n| n["type"] == "incident")
-        .map(|n| {
-            (
-                n["rule"].as_str().unwrap().to_owned(),
-                n["incident_key"].as_str().unwrap().to_owned(),
-            )
-        })
-        .collect()
 }
 
 /// The load in four consecutive slices by event time, each published by its own agent.

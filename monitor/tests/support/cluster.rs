@@ -340,3 +340,17 @@ pub fn wait_metric(what: &str, admins: &[&str], name: &str, at_least: f64) {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// The incidents notified in a checker's `alerts.jsonl` so far: (rule, incident key).
+pub fn notified(path: &Path) -> Vec<(String, String)> {
+    test_harness::read_jsonl_so_far(path)
+        .into_iter()
+        .filter(|n| n["type"] == "incident")
+        .map(|n| {
+            (
+                n["rule"].as_str().unwrap().to_owned(),
+                n["incident_key"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect()
+}

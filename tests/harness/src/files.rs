@@ -21,13 +21,20 @@ pub fn read_jsonl(path: &Path) -> Result<Vec<Value>> {
         .collect()
 }
 
-/// Every parseable JSON line of a file still being written (a line being written is skipped,
-/// read it next time).
+/// Every complete line of a JSON Lines file still being written (missing file: none). The
+/// text after the last newline is a line being written: it is left for the next read. A
+/// complete line that is not JSON is a defect of the writer and panics, naming the file.
 pub fn read_jsonl_so_far(path: &Path) -> Vec<Value> {
-    std::fs::read_to_string(path)
-        .unwrap_or_default()
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let complete = text.rfind('\n').map_or("", |end| &text[..end]);
+    complete
         .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
+        .filter(|l| !l.trim().is_empty() && !l.starts_with('#'))
+        .map(|l| {
+            serde_json::from_str(l).unwrap_or_else(|e| {
+                panic!("{}: a line that is not JSON ({e}): {l}", path.display())
+            })
+        })
         .collect()
 }
 
@@ -128,5 +135,25 @@ mod tests {
         std::fs::write(&p, "{\"a\":1}\n{\"b\"").unwrap();
         assert!(read_jsonl(&p).is_err());
         assert_eq!(read_jsonl_so_far(&p), vec![serde_json::json!({"a": 1})]);
+    }
+
+    #[test]
+    fn a_line_still_being_written_is_left_for_the_next_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("a.jsonl");
+        // A writer caught mid-line: the prefix here happens to be JSON on its own.
+        std::fs::write(&p, "{\"a\":1}\n12").unwrap();
+        assert_eq!(read_jsonl_so_far(&p), vec![serde_json::json!({"a": 1})]);
+        std::fs::write(&p, "{\"a\":1}\n123\n").unwrap();
+        assert_eq!(read_jsonl_so_far(&p).len(), 2);
+    }
+
+    #[test]
+    #[should_panic(expected = "a line that is not JSON")]
+    fn a_complete_line_that_is_not_json_is_a_defect() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("a.jsonl");
+        std::fs::write(&p, "{\"a\":1\n").unwrap();
+        read_jsonl_so_far(&p);
     }
 }
