@@ -4,7 +4,7 @@
 //! the SHA-256 of the embedded object.
 //!
 //! With the `ebpf` feature (the default) it needs what `cargo xtask setup` installs: the nightly
-//! toolchain with rust-src and `bpf-linker`. Without it (`--no-default-features`, for `revenant
+//! toolchain with rust-src and `bpf-linker`. Without it (`--no-default-features --features runtime`, for `revenant
 //! check` and CI pipelines) the object is empty, nothing BPF is built, and `revenant run` says
 //! the build has no eBPF source.
 
@@ -51,7 +51,8 @@ fn build_object(object: &Path) -> anyhow::Result<()> {
         return Err(anyhow!(
             "bpf-linker not found on PATH: run `cargo xtask setup` first (it installs LLVM 22, \
              bpf-linker and nightly rust-src), or build without the eBPF source: \
-             `cargo build -p revenant --no-default-features` (enough for `revenant check`)"
+             `cargo build -p revenant --no-default-features --features runtime` (enough for \
+             `revenant check`)"
         ));
     }
     let ebpf = aya_build::Package {

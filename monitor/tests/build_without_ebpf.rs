@@ -1,6 +1,6 @@
-//! `revenant` builds without the eBPF toolchain (`--no-default-features`: no `ebpf` feature) for
-//! `check` and CI pipelines: with `bpf-linker` off `PATH`, the build succeeds, `check` gives the
-//! verdicts the default build gives, `--version` says there is no eBPF object, `run --ebpf on` is
+//! `revenant` builds without the eBPF toolchain (`--no-default-features --features runtime`: no
+//! `ebpf` feature) for `check` and CI pipelines: with `bpf-linker` off `PATH`, the build
+//! succeeds, `check` gives the verdicts the default build gives, `--version` says there is no eBPF object, `run --ebpf on` is
 //! refused (exit 2) and `run` (`--ebpf auto`) says in `/readyz` why it has no eBPF source.
 //!
 //! The build goes to `target/no-ebpf` (its own target directory: the default build's binary is
@@ -60,6 +60,8 @@ fn a_build_without_the_ebpf_feature_needs_no_bpf_linker_and_checks() {
             "-p",
             "revenant",
             "--no-default-features",
+            "--features",
+            "runtime",
             "--bin",
             "revenant",
         ])

@@ -4,9 +4,11 @@
 //! It imports only the shared vocabulary (`event`, `violation`).
 
 pub mod build;
+#[cfg(feature = "runtime")]
 pub mod console;
 pub mod events;
 pub mod exposition;
+#[cfg(feature = "runtime")]
 pub mod logging;
 pub mod memory;
 pub mod metrics;

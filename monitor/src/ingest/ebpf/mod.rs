@@ -8,19 +8,26 @@
 //! holds the flags and the `ebpf` config section, `metrics` the source's counters and its drop
 //! publisher.
 
+#[cfg(feature = "runtime")]
 pub mod config;
 pub mod http;
 pub mod json_ids;
+#[cfg(feature = "runtime")]
 pub mod loader;
+#[cfg(feature = "runtime")]
 pub mod metrics;
 pub mod msgpack;
 pub mod procs;
 pub mod record;
+#[cfg(feature = "runtime")]
 pub mod source;
 pub mod track;
 pub mod zmtp;
 
+#[cfg(feature = "runtime")]
 pub use config::{EbpfArgs, EbpfMode, EbpfOptions, EbpfStart};
+#[cfg(feature = "runtime")]
 pub use loader::{CaptureConfig, LoadError, Probes};
 pub use procs::{Discovery, PidRule, Role, WatchRule};
+#[cfg(feature = "runtime")]
 pub use source::{EbpfConfig, EbpfSource, EbpfStats, HoldWindows};
