@@ -7,7 +7,7 @@
 //!            │            binaries); the lanes take the longest first
 //!            ├─ venvs ─► (the real-component tests join the queue)
 //!            ├─ (both binaries made) ─► fuzz (lowest priority): build ─► replay ─► fixed-seed runs
-//!            └─ (both binaries made) ─► product: chart ─► privileges ─► image
+//!            └─ (built) ─► product: chart ─► privileges ─► image
 //! ```
 //!
 //! The stages run side by side, and the tests start before the build ends: the long end-to-end
@@ -355,9 +355,8 @@ fn heavy_targets() -> Vec<&'static str> {
 /// binaries they may start (`REVENANT_BIN`, `PD_SIM_BIN`) exist.
 struct Feeder<'a> {
     queue: &'a Queue,
-    /// Told once both binaries exist (the heavy tests can start), with `revenant`'s path: the
-    /// cue of the fuzz and product stages.
-    binaries_made: Option<std::sync::mpsc::Sender<PathBuf>>,
+    /// Told once both binaries exist (the heavy tests can start): the fuzz stage's cue.
+    binaries_made: Option<std::sync::mpsc::Sender<()>>,
     measured: BTreeMap<String, u32>,
     revenant: Option<PathBuf>,
     pd_sim: Option<PathBuf>,
@@ -375,7 +374,7 @@ impl Feeder<'_> {
             return;
         };
         if let Some(cue) = self.binaries_made.take() {
-            let _ = cue.send(revenant.clone());
+            let _ = cue.send(());
         }
         if self.waiting.is_empty() {
             return;
@@ -443,36 +442,14 @@ pub fn run() -> Result<()> {
         });
         // The fuzz targets' build (another toolchain, its own target directory) starts once the
         // main build has made what the heavy tests need, and shares the rest of it at the same
-        // lowest priority: left to the end, it was the run's last minutes. The product stage
-        // needs only the `revenant` binary: it starts then too (after the build's end, it was
-        // the run's last minute and a half).
-        let (cue, binaries_made) = std::sync::mpsc::channel::<PathBuf>();
-        let (product_cue, product_start) = std::sync::mpsc::channel::<PathBuf>();
+        // lowest priority: left to the end, it was the run's last minutes.
+        let (cue, binaries_made) = std::sync::mpsc::channel();
         let tf = &t;
         let fuzz = s.spawn(move || {
-            if let Ok(revenant) = binaries_made.recv() {
-                let _ = product_cue.send(revenant);
-            }
+            let _ = binaries_made.recv();
             tf.step("fuzz", "fuzz targets", || {
                 crate::setup::fuzz_tools()?;
                 crate::fuzz::ci(crate::fuzz::CI_RUNS).map(|_| ())
-            })
-        });
-        let otlp_python = &otlp_python;
-        let product = s.spawn(move || {
-            // No binary: the build failed, and says so.
-            let Ok(revenant) = product_start.recv() else {
-                return Ok(());
-            };
-            tf.step("product", "chart", || crate::chart::run(&revenant))?;
-            tf.step("product", "privileges", || {
-                crate::chart::privileges(&revenant)
-            })?;
-            tf.step("product", "image", || {
-                let built = crate::image::build(&revenant)?;
-                crate::image::test(&built, otlp_python)?;
-                eprintln!("xtask: image {} ({}) tested", built.reference, built.id);
-                Ok(())
             })
         });
         let mut feeder = Feeder {
@@ -487,15 +464,11 @@ pub fn run() -> Result<()> {
             build::build_reporting(true, &heavy_targets(), |a| feeder.take(a))
         });
         queue.built();
-        // The stages' cue goes with it: a build that failed before making both binaries lets
-        // them end.
-        drop(feeder);
         let built = match built {
             Ok(b) => b,
             Err(e) => {
                 lane_errors.push(format!("build: {e:#}"));
                 let _ = venvs.join();
-                let _ = product.join();
                 for h in lanes {
                     let _ = h.join();
                 }
@@ -508,6 +481,19 @@ pub fn run() -> Result<()> {
             built.revenant.display(),
             built.pd_sim.display()
         );
+        let (revenant, t, otlp_python) = (built.revenant, &t, &otlp_python);
+        let product = s.spawn(move || {
+            t.step("product", "chart", || crate::chart::run(&revenant))?;
+            t.step("product", "privileges", || {
+                crate::chart::privileges(&revenant)
+            })?;
+            t.step("product", "image", || {
+                let built = crate::image::build(&revenant)?;
+                crate::image::test(&built, otlp_python)?;
+                eprintln!("xtask: image {} ({}) tested", built.reference, built.id);
+                Ok(())
+            })
+        });
         for (name, h) in [("product", product), ("fuzz", fuzz)] {
             if let Err(e) = h.join().unwrap_or_else(|_| Err(anyhow!("panicked"))) {
                 lane_errors.push(format!("{name}: {e:#}"));
@@ -825,11 +811,7 @@ mod tests {
             feeder.take(build::Artifact::Revenant(PathBuf::from("/t/revenant")));
             assert!(binaries_made.try_recv().is_err(), "one binary is not both");
             feeder.take(build::Artifact::PdSim(PathBuf::from("/t/pd-sim")));
-            assert_eq!(
-                binaries_made.try_recv().ok(),
-                Some(PathBuf::from("/t/revenant")),
-                "the fuzz and product stages' cue"
-            );
+            assert!(binaries_made.try_recv().is_ok(), "the fuzz stage's cue");
             feeder.take(build::Artifact::Test(exe("revenant/cli")));
             std::thread::sleep(Duration::from_millis(50));
             q.built();
