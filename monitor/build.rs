@@ -4,9 +4,9 @@
 //! the SHA-256 of the embedded object.
 //!
 //! With the `ebpf` feature (the default) it needs what `cargo xtask setup` installs: the nightly
-//! toolchain with rust-src and `bpf-linker`. Without it (`--no-default-features --features runtime`, for `revenant
-//! check` and CI pipelines) the object is empty, nothing BPF is built, and `revenant run` says
-//! the build has no eBPF source.
+//! toolchain with rust-src and `bpf-linker`. Without it (`--no-default-features --features
+//! runtime`, for `revenant check` and CI pipelines) the object is empty, nothing BPF is built,
+//! and `revenant run` says the build has no eBPF source.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -1,7 +1,8 @@
 //! `revenant` builds without the eBPF toolchain (`--no-default-features --features runtime`: no
 //! `ebpf` feature) for `check` and CI pipelines: with `bpf-linker` off `PATH`, the build
-//! succeeds, `check` gives the verdicts the default build gives, `--version` says there is no eBPF object, `run --ebpf on` is
-//! refused (exit 2) and `run` (`--ebpf auto`) says in `/readyz` why it has no eBPF source.
+//! succeeds, `check` gives the verdicts the default build gives, `--version` says there is no
+//! eBPF object, `run --ebpf on` is refused (exit 2) and `run` (`--ebpf auto`) says in `/readyz`
+//! why it has no eBPF source.
 //!
 //! The build goes to `target/no-ebpf` (its own target directory: the default build's binary is
 //! left alone); the first one compiles the dependencies again (minutes on 2 cores), later ones

@@ -46,11 +46,11 @@ const PORTS: &[(&str, u16, u16)] = &[
 /// Test executables that take long or load the machine: expected wall seconds on 2 cores (the
 /// queue runs the longest first; `target/ci/durations.json` replaces these once measured), and
 /// whether it is heavy: it pushes load through several processes or judges timing that load
-/// would skew, so at most one heavy executable runs at a time (or a measured pair, [`HEAVY_PAIRS`]).
-/// The rest may run beside one: the
-/// long ones among them mostly wait (real routers' timeouts, revenant's windows) and use a few
-/// seconds of CPU in a minute; every eBPF test watches its own processes by pid, so none sees
-/// another's traffic. Unlisted ones are light and short.
+/// would skew, so at most one heavy executable runs at a time (or a measured pair,
+/// [`HEAVY_PAIRS`]). The rest may run beside one: the long ones among them mostly wait (real
+/// routers' timeouts, revenant's windows) and use a few seconds of CPU in a minute; every eBPF
+/// test watches its own processes by pid, so none sees another's traffic. Unlisted ones are
+/// light and short.
 const PROFILE: &[(&str, u32, bool)] = &[
     ("e2e/pd_sim_revenant", 400, true),
     ("e2e/cluster_pd", 250, true),
