@@ -20,8 +20,8 @@ use tokio::sync::Notify;
 
 use super::bind::{Bound, bind};
 use super::bus_args::BusArgs;
-use super::kit::{self, RunError, Shared, announce_ready, force_exit_on_signal, serve_admin};
-use super::shutdown::{self, Drain, Phase, Shutdown};
+use super::kit::{self, RunError, announce_ready, force_exit_on_signal, serve_admin};
+use super::shutdown::{self, Drain, Phase};
 use super::start::start_sources;
 use super::{RunArgs, coverage};
 use crate::ingest::ebpf::HoldWindows;
@@ -211,9 +211,7 @@ async fn agent_async(
         given,
         ..
     } = p;
-    let shutdown = Shutdown::new();
-    shutdown::listen();
-    let shared = Shared::new(&admin, &memory, access);
+    let (shutdown, shared) = kit::begin(&admin, &memory, access);
     let stats = Arc::new(AgentStats::default());
     publisher::register(&shared.metrics, stats.clone());
     if let Some(path) = &ready_file {

@@ -34,7 +34,7 @@ use tokio::task::JoinSet;
 use super::RunArgs;
 use super::bind::{bind, claim};
 use super::bus_args::BusArgs;
-use super::kit::{self, RunError, Shared, announce_ready, force_exit_on_signal};
+use super::kit::{self, RunError, announce_ready, force_exit_on_signal};
 use super::report::report_totals;
 use super::shutdown::{self, Drain, Phase, Shutdown};
 use super::start::{announce_rules, start_outputs};
@@ -193,9 +193,7 @@ async fn checker_async(
         given,
         ..
     } = p;
-    let shutdown = Shutdown::new();
-    shutdown::listen();
-    let shared = Shared::new(&admin, &memory, access);
+    let (shutdown, shared) = kit::begin(&admin, &memory, access);
     let header = announce_rules(&shared, &checker, &cfg);
     let stats = Arc::new(CheckerStats::default());
     let owned = bus.owned_partitions();

@@ -214,6 +214,19 @@ impl Shared {
     }
 }
 
+/// The first step of every command that serves, inside its runtime: the shutdown its parts
+/// follow, with the process's signals listened for from here on (one that comes while it
+/// starts is not missed), and what every component reports to.
+pub(super) fn begin(
+    admin: &AdminArgs,
+    plan: &memory::MemoryPlan,
+    access: Access,
+) -> (Shutdown, Shared) {
+    let shutdown = Shutdown::new();
+    shutdown::listen();
+    (shutdown, Shared::new(admin, plan, access))
+}
+
 /// Serves the admin API on `server` until the shutdown reaches it, registered (and ready) in
 /// the readiness report.
 pub(super) fn serve_admin(

@@ -51,7 +51,7 @@ use crate::alert::AlertPipeline;
 use crate::pipeline::{EngineTask, EngineTotals, ViolationSender, event_channel};
 
 use bind::{bind, claim};
-use kit::{Shared, announce_ready, force_exit_on_signal};
+use kit::{announce_ready, force_exit_on_signal};
 use report::{log_memory_plan, report_counters, report_totals};
 use start::{
     Outputs, Sources, announce_rules, engine_taps, hold_windows, start_engine, start_outputs,
@@ -83,9 +83,7 @@ pub async fn run_async(p: Prepared) -> Result<(), RunError> {
         given,
         ..
     } = p;
-    let shutdown = Shutdown::new();
-    shutdown::listen();
-    let shared = Shared::new(&admin, &memory, access);
+    let (shutdown, shared) = kit::begin(&admin, &memory, access);
     log_memory_plan(&memory, &cfg, &admin);
     let header = announce_rules(&shared, &checker, &cfg);
     let claimed = claim(&cfg, &alert, ready_file.as_ref(), &header.line())?;
