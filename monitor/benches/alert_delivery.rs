@@ -127,7 +127,7 @@ fn hot_path() {
 
 fn main() {
     // `cargo test --all-targets` runs bench binaries without `--bench`: no measurement there
-    // (the delivery guarantees themselves are tested in tests/alert_delivery.rs).
+    // (the delivery guarantees themselves are tested in tests/suite/alert_delivery.rs).
     if !std::env::args().any(|a| a == "--bench") {
         println!("alert_delivery: run with `cargo bench -p revenant --bench alert_delivery`");
         return;

@@ -4,7 +4,7 @@ against SGLang 0.5.23's own builders and parsers.
 Usage: python zmq_interop.py PREFILL_HTTP PREFILL_BOOTSTRAP_PORT DECODE_HTTP [--require-sglang]
 
 PREFILL_* is a standalone `pd-sim prefill` run with `--max-req-input-len 100`, DECODE_HTTP a
-standalone `pd-sim decode` (see tests/interop.rs, which starts both). This script plays:
+standalone `pd-sim decode` (see tests/suite/zmq_interop.rs, which starts both). This script plays:
 
 1. the decode in front of pd-sim's prefill: both `GET /route`, the 20-frame registration and
    the 10-frame destinations (built by SGLang's `build_receiver_registration_message` /

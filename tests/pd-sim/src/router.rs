@@ -1100,7 +1100,7 @@ async fn route_inner(
                     if pstatus != StatusCode::SERVICE_UNAVAILABLE {
                         // smg 0.3.2 joins both legs: a decode 5xx (its KV never came) wins
                         // over prefill's 4xx and is retried with a new room, as observed with
-                        // the real router in front of this simulator (tests/real_router.rs).
+                        // the real router in front of this simulator (tests/suite/sglang_router.rs).
                         let prefill_err = buffered(prefill_resp).await;
                         let decoded = d.await.unwrap_or(Leg::Failed("decode task failed".into()));
                         span.events.push(ev("Received concurrent requests", vec![]));

@@ -60,11 +60,11 @@ const PROFILE: &[(&str, u32, bool)] = &[
     ("e2e/sglang_harness --ignored", 300, true),
     ("pd-sim/modes", 120, true),
     ("pd-sim/smg_1_13 --ignored", 120, true),
-    ("pd-sim/real_router --ignored", 90, false),
+    ("pd-sim/sglang_router --ignored", 90, false),
     ("pd-sim/e2e_real_router --ignored", 90, false),
     ("pd-sim/e2e_capacity --ignored", 90, false),
     ("pd-sim/vllm_real_router --ignored", 60, false),
-    ("pd-sim/interop --ignored", 30, false),
+    ("pd-sim/zmq_interop --ignored", 30, false),
     ("pd-sim/sglang_interop --ignored", 30, false),
     ("pd-sim/vllm_interop --ignored", 30, false),
     // Its decode leg outlives orphaned-leg's window by little: prefill's answer must come on
@@ -112,8 +112,8 @@ fn heavy_fits(job: &str, running: &[String]) -> bool {
 /// Executables whose ignored tests need the real components' venvs (`--ignored`): pd-sim's
 /// real-router tests, revenant's `ebpf_real_router`, the end-to-end `vllm_pd` and SGLang.
 const REAL_COMPONENTS: &[&str] = &[
-    "pd-sim/real_router",
-    "pd-sim/interop",
+    "pd-sim/sglang_router",
+    "pd-sim/zmq_interop",
     "pd-sim/e2e_real_router",
     "pd-sim/e2e_capacity",
     "pd-sim/smg_1_13",
@@ -304,16 +304,81 @@ fn measured() -> BTreeMap<String, u32> {
         .unwrap_or_default()
 }
 
+/// Test executables that hold several test files as modules (`monitor/tests/suite`,
+/// `tests/pd-sim/tests/suite`: compiled and linked once instead of once per file). Each module is a job of its own, labelled as its own
+/// executable would be (`revenant/binary`), so the queue orders, times and profiles it as one.
+const SUITES: &[&str] = &["revenant/suite", "pd-sim/suite"];
+
 /// The jobs of one test executable: its tests, and its ignored ones where they need the real
-/// components.
+/// components; a suite's, one pair per module.
 fn jobs(exe: &TestExe, measured: &BTreeMap<String, u32>) -> Vec<Job> {
+    if !SUITES.contains(&exe.name.as_str()) {
+        return module_jobs(exe, &exe.name, Vec::new(), measured);
+    }
+    match suite_modules(exe) {
+        Ok(modules) => modules
+            .into_iter()
+            .flat_map(|(module, names)| {
+                let label = match module {
+                    Some(m) => format!("{}/{m}", exe.package),
+                    None => exe.name.clone(),
+                };
+                let mut filter = vec!["--exact".to_owned()];
+                filter.extend(names);
+                module_jobs(exe, &label, filter, measured)
+            })
+            .collect(),
+        Err(e) => {
+            // Every test still runs, in one job: only the queue's order is lost.
+            eprintln!(
+                "xtask: listing {}'s tests failed ({e:#}); it runs as one job",
+                exe.name
+            );
+            module_jobs(exe, &exe.name, Vec::new(), measured)
+        }
+    }
+}
+
+/// A suite's tests by module (the first segment of each test's path; `None` for tests at the
+/// crate's root), from the executable's own `--list`.
+fn suite_modules(exe: &TestExe) -> Result<BTreeMap<Option<String>, Vec<String>>> {
+    let out = std::process::Command::new(&exe.exe)
+        .args(["--list", "--format", "terse"])
+        .current_dir(&exe.manifest_dir)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .map_err(|e| anyhow!("running {} --list: {e}", exe.exe.display()))?;
+    if !out.status.success() {
+        bail!("{} --list exited with {}", exe.exe.display(), out.status);
+    }
+    let listed = String::from_utf8_lossy(&out.stdout);
+    let modules = modules_of(&listed);
+    if modules.is_empty() {
+        bail!("{} --list named no test", exe.exe.display());
+    }
+    Ok(modules)
+}
+
+/// Test names grouped by module, from libtest's `--list --format terse` (`cli::name: test`).
+fn modules_of(listed: &str) -> BTreeMap<Option<String>, Vec<String>> {
+    let mut modules: BTreeMap<Option<String>, Vec<String>> = BTreeMap::new();
+    for name in listed.lines().filter_map(|l| l.strip_suffix(": test")) {
+        let module = name.split_once("::").map(|(m, _)| m.to_owned());
+        modules.entry(module).or_default().push(name.to_owned());
+    }
+    modules
+}
+
+/// The jobs of one executable's tests (`filter`: the arguments that select them, empty for all)
+/// under `label`: the tests, and the ignored ones where they need the real components.
+fn module_jobs(
+    exe: &TestExe,
+    label: &str,
+    filter: Vec<String>,
+    measured: &BTreeMap<String, u32>,
+) -> Vec<Job> {
     let mut jobs = Vec::new();
-    let mut add = |args: Vec<String>, real: bool| {
-        let label = if args.is_empty() {
-            exe.name.clone()
-        } else {
-            format!("{} {}", exe.name, args.join(" "))
-        };
+    let mut add = |label: String, args: Vec<String>, real: bool| {
         let profile = PROFILE.iter().find(|(n, _, _)| *n == label);
         jobs.push(Job {
             exe: exe.clone(),
@@ -323,15 +388,17 @@ fn jobs(exe: &TestExe, measured: &BTreeMap<String, u32>) -> Vec<Job> {
                 .or(profile.map(|p| p.1))
                 .unwrap_or(10),
             heavy: profile.is_some_and(|p| p.2),
-            nice: NICE.contains(&exe.name.as_str()),
+            nice: NICE.contains(&label.as_str()),
             args,
             real,
             label,
         });
     };
-    add(Vec::new(), false);
-    if exe.kind == "test" && REAL_COMPONENTS.contains(&exe.name.as_str()) {
-        add(vec!["--ignored".into()], true);
+    add(label.to_owned(), filter.clone(), false);
+    if exe.kind == "test" && REAL_COMPONENTS.contains(&label) {
+        let mut args = vec!["--ignored".to_owned()];
+        args.extend(filter);
+        add(format!("{label} --ignored"), args, true);
     }
     jobs
 }
@@ -843,6 +910,76 @@ mod tests {
                 .any(|d| root.join(d).join(format!("{name}.rs")).is_file());
             assert!(found, "PROFILE names {name}, which is no test target");
         }
+    }
+
+    #[test]
+    fn a_suites_tests_are_grouped_by_module_as_libtest_lists_them() {
+        let listed = "cli::a: test\ncli::nested::b: test\nrun_cli::a: test\nat_root: test\n\
+                      cli::bench_like: benchmark\n";
+        let modules = modules_of(listed);
+        assert_eq!(
+            modules,
+            BTreeMap::from([
+                (None, vec!["at_root".to_owned()]),
+                (
+                    Some("cli".to_owned()),
+                    vec!["cli::a".to_owned(), "cli::nested::b".to_owned()]
+                ),
+                (Some("run_cli".to_owned()), vec!["run_cli::a".to_owned()]),
+            ])
+        );
+    }
+
+    /// Each suite's folder (`SUITES`): where its `main.rs` and modules are.
+    const SUITE_DIRS: &[&str] = &["monitor/tests/suite", "tests/pd-sim/tests/suite"];
+
+    #[test]
+    fn every_file_of_a_suite_is_one_of_its_modules_and_no_name_ends_another() {
+        assert_eq!(SUITE_DIRS.len(), SUITES.len());
+        for dir in SUITE_DIRS {
+            let dir = test_harness::workspace_root().join(dir);
+            let main = std::fs::read_to_string(dir.join("main.rs")).unwrap();
+            let declared: Vec<&str> = main
+                .lines()
+                .filter_map(|l| l.strip_prefix("mod ")?.strip_suffix(';'))
+                .collect();
+            let mut files: Vec<String> = std::fs::read_dir(&dir)
+                .unwrap()
+                .map(|e| e.unwrap().path())
+                .filter(|p| p.file_name().is_some_and(|n| n != "main.rs"))
+                .map(|p| p.file_stem().unwrap().to_string_lossy().into_owned())
+                .collect();
+            files.sort();
+            // A file without its `mod` line would never be compiled, its tests never run.
+            for f in &files {
+                assert!(
+                    declared.contains(&f.as_str()),
+                    "{} is not a module of {}",
+                    f,
+                    dir.display()
+                );
+            }
+            // `-- NAME::` (by hand) must select one module: no name may end another.
+            for a in &files {
+                for b in files.iter().filter(|b| *b != a) {
+                    assert!(
+                        !b.ends_with(a.as_str()),
+                        "`{a}::` also selects `{b}::` in {}",
+                        dir.display()
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_suite_that_cannot_be_listed_still_runs_whole() {
+        let mut suite = exe(SUITES[0]);
+        suite.exe = PathBuf::from("/nonexistent/suite");
+        let jobs = jobs(&suite, &BTreeMap::new());
+        assert_eq!(jobs.len(), 1);
+        assert_eq!(jobs[0].label, SUITES[0]);
+        assert!(jobs[0].args.is_empty());
     }
 
     #[test]

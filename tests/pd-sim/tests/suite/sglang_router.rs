@@ -1,9 +1,9 @@
 //! The real sglang-router 0.3.2 (`smg`) in front of the simulator's prefill and decode.
 //! Needs the wheel, so it is ignored by default; run it with:
 //!   python3 -m venv /tmp/smgvenv && /tmp/smgvenv/bin/pip install sglang-router==0.3.2
-//!   PD_SIM_SMG=/tmp/smgvenv/bin/smg cargo test -p pd-sim --test real_router -- --ignored
+//!   PD_SIM_SMG=/tmp/smgvenv/bin/smg cargo test -p pd-sim --test suite -- --ignored sglang_router::
 
-mod support;
+use crate::support;
 
 use std::collections::HashSet;
 use std::process::{Child, Command, Stdio};

@@ -9,10 +9,10 @@
 //!
 //! Needs `PD_SIM_VLLM_PYTHON`: a Python with `vllm==0.34.0` importable (`cargo xtask test`
 //! builds `target/vllm-venv`: the wheel with `--no-deps` over the SGLang venv's torch), e.g.
-//!   PD_SIM_VLLM_PYTHON=$PWD/target/vllm-venv/bin/python cargo test -p pd-sim --release --test vllm_interop -- --ignored
+//!   PD_SIM_VLLM_PYTHON=$PWD/target/vllm-venv/bin/python cargo test -p pd-sim --release --test suite -- --ignored vllm_interop::
 //! Without it the test says so loudly and passes.
 
-mod support;
+use crate::support;
 
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};

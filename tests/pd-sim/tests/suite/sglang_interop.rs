@@ -9,9 +9,9 @@
 //! Ignored by default: it needs a Python with `sglang==0.5.23` (which brings pyzmq, numpy,
 //! msgspec, torch; nothing else is needed to import the modules it uses), e.g.
 //!   PD_SIM_SGLANG_PYTHON=/path/to/sglang-venv/bin/python \
-//!     cargo test -p pd-sim --test sglang_interop -- --ignored
+//!     cargo test -p pd-sim --test suite -- --ignored sglang_interop::
 
-mod support;
+use crate::support;
 
 use support::run_interop;
 

@@ -3,7 +3,7 @@
 //! engine pair) and notifications, the length rules and error bodies, the HTTP shapes,
 //! cancellation at decode, and the OTLP spans.
 
-mod support;
+use crate::support;
 
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;

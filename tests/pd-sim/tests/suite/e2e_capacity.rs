@@ -11,7 +11,7 @@
 //! Needs the revenant binary next to this test (`cargo build -p revenant`), so it is ignored by
 //! default; `cargo xtask test` runs it.
 
-mod support;
+use crate::support;
 
 use std::collections::BTreeSet;
 use std::time::Duration;

@@ -4,7 +4,7 @@
 //! `OTEL_EXPORTER_OTLP_*` environment (as a deployment would), curl, and `openssl s_client`.
 //! The PKI is made for each test with `openssl` in a temporary directory.
 
-mod support;
+use crate::support;
 
 use std::path::Path;
 use std::process::{Command, Stdio};

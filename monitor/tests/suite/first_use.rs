@@ -3,7 +3,7 @@
 //! and over whatever file it is given, blindness that shows in `/readyz`, `/metrics` and the log,
 //! and the commands for CI (`config validate`, `rules validate`, `completions`).
 
-mod support;
+use crate::support;
 
 use std::collections::BTreeSet;
 use std::io::Write as _;

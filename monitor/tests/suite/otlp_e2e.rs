@@ -5,7 +5,7 @@
 //! Everything is bounded: readiness is a file revenant writes once it listens, every wait has a
 //! deadline, and the child is stopped with SIGTERM (then killed) whatever happens.
 
-mod support;
+use crate::support;
 
 use std::process::Command;
 use std::time::{Duration, Instant};

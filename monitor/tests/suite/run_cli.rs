@@ -1,8 +1,9 @@
 //! The `revenant run` binary's contract: what it validates before it binds a port, its exit codes,
-//! its standard error (human and JSON), its signals. Run: `cargo test -p revenant --test run_cli`.
+//! its standard error (human and JSON), its signals. Run: `cargo test -p revenant --test suite --
+//! run_cli::`.
 
-mod support;
-mod traffic;
+use crate::support;
+use crate::traffic;
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};

@@ -2,9 +2,9 @@
 //! Ignored by default: `cargo xtask test` creates target/xtask-venv-vllm-router and runs them
 //! with `PD_SIM_VLLM_ROUTER` set (they fail, never skip, without it); by hand:
 //!   python3 -m venv target/xtask-venv-vllm-router && target/xtask-venv-vllm-router/bin/pip install vllm-router==0.1.17
-//!   PD_SIM_VLLM_ROUTER=target/xtask-venv-vllm-router/bin/vllm-router cargo test -p pd-sim --test vllm_real_router -- --ignored
+//!   PD_SIM_VLLM_ROUTER=target/xtask-venv-vllm-router/bin/vllm-router cargo test -p pd-sim --test suite -- --ignored vllm_real_router::
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

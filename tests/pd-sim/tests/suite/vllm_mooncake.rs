@@ -3,7 +3,7 @@
 //! `--kv-connector mooncake`). Frames are read off a tap in front of prefill's sender ROUTER,
 //! so what is checked is what a monitor would see.
 
-mod support;
+use crate::support;
 
 use std::time::{Duration, Instant};
 

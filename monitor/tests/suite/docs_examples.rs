@@ -4,7 +4,7 @@
 //! block is YAML with the keys Grafana reads. Both tools come from `cargo xtask setup`; the test
 //! fails when they are missing.
 
-mod support;
+use crate::support;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -5,7 +5,7 @@
 //! alerting rules load in Prometheus and pass `promtool test rules`. Also exercises the admin
 //! endpoints over HTTP. Run: `cargo test -p revenant --test prometheus_e2e`.
 
-mod support;
+use crate::support;
 
 use std::process::Command;
 use std::sync::Arc;

@@ -3,8 +3,8 @@
 //! spool, and incidents (findings of one request as one notification, escalation as one update,
 //! no grouping with a group wait of 0). Run: `cargo test -p revenant --test alert_delivery`.
 
-mod support;
-mod traffic;
+use crate::support;
+use crate::traffic;
 
 use std::collections::HashSet;
 use std::io::BufRead;
@@ -293,7 +293,12 @@ async fn sigkill_mid_delivery_loses_nothing() {
     let (addr, server) = rx.serve_any().await;
     let child = |produce: usize| {
         let mut c = Command::new(std::env::current_exe().unwrap());
-        c.args(["--exact", "spool_child", "--nocapture", "--test-threads=1"])
+        let spool_child = match module_path!().split_once("::") {
+            // libtest names a test by its path without the crate's name.
+            Some((_crate, module)) => format!("{module}::spool_child"),
+            None => "spool_child".to_owned(),
+        };
+        c.args(["--exact", &spool_child, "--nocapture", "--test-threads=1"])
             .env("REVENANT_TEST_SPOOL", dir.path())
             .env("REVENANT_TEST_URL", format!("http://{addr}/hook"))
             .env("REVENANT_TEST_PRODUCE", produce.to_string())

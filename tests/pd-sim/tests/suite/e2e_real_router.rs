@@ -5,7 +5,7 @@
 //! Needs the wheel and the revenant binary, so it is ignored by default; `cargo xtask test` runs
 //! it with PD_SIM_SMG set (and builds revenant first). By hand:
 //!   cargo build -p revenant && PD_SIM_SMG=target/xtask-venv/bin/smg \
-//!     cargo test -p pd-sim --test e2e_real_router -- --ignored
+//!     cargo test -p pd-sim --test suite -- --ignored e2e_real_router::
 //!
 //! What the real router does (observed, and asserted through the simulator's own accounting):
 //! it sends the same `/generate` to prefill and decode at once with a fresh `bootstrap_room`;
@@ -19,7 +19,7 @@
 //! at its waiting timeout it sends ABORT, which prefill acknowledges. What revenant must make of
 //! those frames is its own parsing (these tests assert its verdicts).
 
-mod support;
+use crate::support;
 
 use std::collections::{BTreeSet, HashSet};
 use std::path::PathBuf;

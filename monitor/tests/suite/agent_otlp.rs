@@ -2,7 +2,7 @@
 //! them, well past what its event channel's share of `--memory-budget` holds at once (each
 //! batch it takes off the channel is credited back, as the engine task does in `run`).
 
-mod support;
+use crate::support;
 
 use support::cluster::{Bus, Member};
 use support::{Nats, ScratchDir, http_post, workspace_root};

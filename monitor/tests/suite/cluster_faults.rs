@@ -14,7 +14,7 @@
 //! - A partition's durable consumer deleted under a running checker: it is created again, and
 //!   what it delivers again is recognised.
 
-mod support;
+use crate::support;
 
 use std::path::Path;
 use std::time::{Duration, Instant};

@@ -3,8 +3,8 @@
 //! `promtool check metrics` (from `cargo xtask setup`; the test fails when it is missing).
 //! Run: `cargo test -p revenant --test metrics_exposition`.
 
-mod support;
-mod traffic;
+use crate::support;
+use crate::traffic;
 
 use std::collections::BTreeSet;
 use std::io::{Read, Write};

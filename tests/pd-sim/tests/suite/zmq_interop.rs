@@ -4,10 +4,10 @@
 //!
 //! With pyzmq alone (`cargo xtask test` sets PD_SIM_PYTHON to such a venv):
 //!   python3 -m venv /tmp/zmqvenv && /tmp/zmqvenv/bin/pip install pyzmq
-//!   PD_SIM_PYTHON=/tmp/zmqvenv/bin/python cargo test -p pd-sim --test interop -- --ignored
-//! The same script against SGLang's own code: `tests/sglang_interop.rs`.
+//!   PD_SIM_PYTHON=/tmp/zmqvenv/bin/python cargo test -p pd-sim --test suite -- --ignored zmq_interop::
+//! The same script against SGLang's own code: `tests/suite/sglang_interop.rs`.
 
-mod support;
+use crate::support;
 
 use support::run_interop;
 

@@ -5,7 +5,7 @@
 //! resolved).
 //! Run: `cargo test -p revenant --test alertmanager_e2e`.
 
-mod support;
+use crate::support;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -2,7 +2,7 @@
 //! and whose KV their decode read: `stale-kv-params` and `forged-kv-params` at prefill (they
 //! work behind any router), `reuse-kv-params` in pd-sim's router.
 
-mod support;
+use crate::support;
 
 use std::collections::HashMap;
 use std::time::Duration;
