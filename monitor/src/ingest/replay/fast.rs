@@ -233,17 +233,13 @@ impl<'a> Parser<'a> {
     /// followed by a fraction or an exponent (serde reads those as floats and refuses them).
     fn integer(&mut self) -> Option<u64> {
         self.ws();
-        let bytes = self.s.as_bytes();
-        let start = self.i;
-        let mut n = 0u64;
-        while let Some(&b @ b'0'..=b'9') = bytes.get(self.i) {
-            n = n.checked_mul(10)?.checked_add(u64::from(b - b'0'))?;
-            self.i += 1;
-        }
-        let digits = self.i - start;
-        if digits == 0 || (digits > 1 && bytes[start] == b'0') {
+        let bytes = &self.s.as_bytes()[self.i..];
+        let digits = bytes.iter().take_while(|b| b.is_ascii_digit()).count();
+        if digits > 1 && bytes[0] == b'0' {
             return None;
         }
+        let n = decimal(&bytes[..digits])?;
+        self.i += digits;
         match self.peek() {
             Some(b'.' | b'e' | b'E') => None,
             _ => Some(n),
@@ -294,19 +290,44 @@ impl<'a> Parser<'a> {
         let s = self.string()?;
         // The spellings every writer uses, hex and decimal digits, folded directly; any other
         // through `FromStr`.
-        let fold = |digits: &str, radix: u32| {
-            digits.bytes().try_fold(0u64, |n, b| {
-                let d = (b as char).to_digit(radix)?;
-                n.checked_mul(u64::from(radix))?.checked_add(u64::from(d))
-            })
-        };
         let folded = match s.strip_prefix("0x") {
-            Some(hex) if !hex.is_empty() => fold(hex, 16),
-            None if !s.is_empty() => fold(s, 10),
-            _ => None,
+            Some(h) => hex(h.as_bytes()),
+            None if s.bytes().all(|b| b.is_ascii_digit()) => decimal(s.as_bytes()),
+            None => None,
         };
         folded.or_else(|| s.parse::<BootstrapRoom>().ok().map(|r| r.0))
     }
+}
+
+/// The value of 1 to 20 decimal digits (leading zeros allowed), `None` if it exceeds a `u64`.
+fn decimal(digits: &[u8]) -> Option<u64> {
+    // Up to 19 digits cannot overflow: checked arithmetic only for the last of 20.
+    let (head, last) = match digits.len() {
+        1..=19 => (digits, None),
+        20 => (&digits[..19], Some(digits[19])),
+        _ => return None,
+    };
+    let n = head.iter().fold(0u64, |n, &d| n * 10 + u64::from(d - b'0'));
+    match last {
+        None => Some(n),
+        Some(d) => n.checked_mul(10)?.checked_add(u64::from(d - b'0')),
+    }
+}
+
+/// The value of 1 to 16 hex digits (either case), `None` for anything else.
+fn hex(digits: &[u8]) -> Option<u64> {
+    if !(1..=16).contains(&digits.len()) {
+        return None;
+    }
+    digits.iter().try_fold(0u64, |n, &b| {
+        let d = match b {
+            b'0'..=b'9' => b - b'0',
+            b'a'..=b'f' => b - b'a' + 10,
+            b'A'..=b'F' => b - b'A' + 10,
+            _ => return None,
+        };
+        Some(n << 4 | u64::from(d))
+    })
 }
 
 /// How many bytes at the start of `bytes` may stand in a string as they are: up to the first
