@@ -3,7 +3,8 @@
 //!
 //! Holds: no panic; bad lines are reported with a message and their 1-based line number, in
 //! order; every event read is written back in the replay format and reads back equal (a file
-//! recorded by `run` checks the same as the events `run` saw).
+//! recorded by `run` checks the same as the events `run` saw); the fast decoder gives every line
+//! the result serde gives it, event or message.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
@@ -29,6 +30,15 @@ fuzz_target!(|data: &[u8]| {
         },
     )
     .expect("reading from memory cannot fail");
+    for line in data.split(|&b| b == b'\n') {
+        if let Ok(line) = std::str::from_utf8(line) {
+            assert_eq!(
+                replay::parse_line(line),
+                replay::parse_line_serde(line),
+                "{line:?}"
+            );
+        }
+    }
     for e in &events {
         let line = serde_json::to_string(&ReplayRecord::from_event(e)).expect("serializable");
         match replay::parse_line(&line) {

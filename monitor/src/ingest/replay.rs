@@ -23,6 +23,9 @@ use crate::event::{
     Ids, Kind, LifecycleEvent, Peer, ProtocolBreach, Source, Stage, truncate_reason,
 };
 
+mod fast;
+use fast::Fields;
+
 /// One line of the replay format, as written on disk.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -141,11 +144,32 @@ pub fn rules_fingerprint<'a>(
 }
 
 /// Parses one line. Empty lines and `#` comments give `Ok(None)`.
+///
+/// Lines in the shape the format's writers produce are decoded by a hand-written decoder
+/// (`fast`), several times cheaper than serde; any other line by serde ([`parse_line_serde`]),
+/// whose messages say what is wrong where. Both give the same result for every line.
 pub fn parse_line(line: &str) -> Result<Option<LifecycleEvent>, String> {
     let t = line.trim();
     if t.is_empty() || t.starts_with('#') {
         return Ok(None);
     }
+    match fast::decode(t) {
+        Some(fields) => into_event(fields).map(Some),
+        None => parse_record(t).map(Some),
+    }
+}
+
+/// [`parse_line`] by serde alone: the reference the fast decoder is held to.
+pub fn parse_line_serde(line: &str) -> Result<Option<LifecycleEvent>, String> {
+    let t = line.trim();
+    if t.is_empty() || t.starts_with('#') {
+        return Ok(None);
+    }
+    parse_record(t).map(Some)
+}
+
+/// One trimmed, non-comment line through serde.
+fn parse_record(t: &str) -> Result<LifecycleEvent, String> {
     let r: ReplayRecord = serde_json::from_str(t).map_err(|e| {
         // The line number is the file's (the caller's); within one line only the column counts.
         let full = e.to_string();
@@ -153,43 +177,63 @@ pub fn parse_line(line: &str) -> Result<Option<LifecycleEvent>, String> {
         let message = full.strip_suffix(&position).unwrap_or(&full);
         format!("{message} (column {})", e.column())
     })?;
-    r.into_event().map(Some)
+    r.into_event()
+}
+
+/// What a line's fields mean, whichever decoder read them.
+fn into_event(f: Fields<'_>) -> Result<LifecycleEvent, String> {
+    let time_ns = match (f.time, f.time_unix_nano) {
+        (Some(_), Some(_)) => {
+            return Err("give either `time` or `time_unix_nano`, not both".into());
+        }
+        (None, Some(ns)) => ns,
+        (Some(s), None) => parse_rfc3339(s)?,
+        (None, None) => return Err("missing `time` (RFC 3339) or `time_unix_nano`".into()),
+    };
+    if f.to.is_some() && !matches!(f.kind, Kind::Dispatched | Kind::Cancelled) {
+        return Err("`to` is only meaningful on `dispatched` and `cancelled` events".into());
+    }
+    let mut e = LifecycleEvent::new(time_ns, f.stage, f.kind, f.source.unwrap_or(Source::Replay));
+    e.ids = f.ids;
+    e.node = f.node.map(Into::into);
+    e.pid = f.pid;
+    e.worker = f.worker.map(Into::into);
+    e.status = f.status;
+    e.reason = f.reason.map(|r| truncate_reason(r).into());
+    e.detail = f.detail.map(|r| truncate_reason(r).into());
+    e.to = f.to;
+    e.peer = f.peer;
+    e.protocol_breach = f.protocol_breach;
+    e.input_tokens = f.input_tokens;
+    e.context_tokens = f.context_tokens;
+    e.max_input_tokens = f.max_input_tokens;
+    e.max_total_tokens = f.max_total_tokens;
+    Ok(e)
 }
 
 impl ReplayRecord {
     pub fn into_event(self) -> Result<LifecycleEvent, String> {
-        let time_ns = match (&self.time, self.time_unix_nano) {
-            (Some(_), Some(_)) => {
-                return Err("give either `time` or `time_unix_nano`, not both".into());
-            }
-            (None, Some(ns)) => ns,
-            (Some(s), None) => parse_rfc3339(s)?,
-            (None, None) => return Err("missing `time` (RFC 3339) or `time_unix_nano`".into()),
-        };
-        if self.to.is_some() && !matches!(self.kind, Kind::Dispatched | Kind::Cancelled) {
-            return Err("`to` is only meaningful on `dispatched` and `cancelled` events".into());
-        }
-        let mut e = LifecycleEvent::new(
-            time_ns,
-            self.stage,
-            self.kind,
-            self.source.unwrap_or(Source::Replay),
-        );
-        e.ids = self.ids;
-        e.node = self.node.map(Into::into);
-        e.pid = self.pid;
-        e.worker = self.worker.map(Into::into);
-        e.status = self.status;
-        e.reason = self.reason.as_deref().map(|r| truncate_reason(r).into());
-        e.detail = self.detail.as_deref().map(|r| truncate_reason(r).into());
-        e.to = self.to;
-        e.peer = self.peer;
-        e.protocol_breach = self.protocol_breach;
-        e.input_tokens = self.input_tokens;
-        e.context_tokens = self.context_tokens;
-        e.max_input_tokens = self.max_input_tokens;
-        e.max_total_tokens = self.max_total_tokens;
-        Ok(e)
+        into_event(Fields {
+            time: self.time.as_deref(),
+            time_unix_nano: self.time_unix_nano,
+            stage: self.stage,
+            kind: self.kind,
+            ids: self.ids,
+            node: self.node.as_deref(),
+            pid: self.pid,
+            source: self.source,
+            status: self.status,
+            reason: self.reason.as_deref(),
+            detail: self.detail.as_deref(),
+            to: self.to,
+            peer: self.peer,
+            protocol_breach: self.protocol_breach,
+            input_tokens: self.input_tokens,
+            context_tokens: self.context_tokens,
+            max_input_tokens: self.max_input_tokens,
+            max_total_tokens: self.max_total_tokens,
+            worker: self.worker.as_deref(),
+        })
     }
 
     pub fn from_event(e: &LifecycleEvent) -> ReplayRecord {
@@ -235,26 +279,26 @@ pub fn read_events(
     let mut raw = Vec::new();
     let mut input = input;
     loop {
-        raw.clear();
-        // Lines that are not UTF-8 are reported, not fatal.
-        let n = input.read_until(b'\n', &mut raw)?;
-        if n == 0 {
-            return Ok(());
-        }
-        line_no += 1;
-        // A UTF-8 byte order mark (editors on Windows write one) is not part of the first line.
-        let raw = match raw.strip_prefix(b"\xEF\xBB\xBF") {
-            Some(rest) if line_no == 1 => rest,
-            _ => &raw[..],
+        // A line that lies whole in the reader's buffer is decoded where it lies; only one cut
+        // by the buffer's end is copied out first.
+        let chunk = input.fill_buf()?;
+        let parsed = match memchr::memchr(b'\n', chunk) {
+            Some(i) => {
+                line_no += 1;
+                let parsed = parse_raw_line(&chunk[..i], line_no);
+                input.consume(i + 1);
+                parsed
+            }
+            None => {
+                raw.clear();
+                if input.read_until(b'\n', &mut raw)? == 0 {
+                    return Ok(());
+                }
+                line_no += 1;
+                parse_raw_line(&raw, line_no)
+            }
         };
-        let Ok(line) = std::str::from_utf8(raw) else {
-            on_error(ReplayError::Line {
-                line: line_no,
-                message: "not valid UTF-8".into(),
-            });
-            continue;
-        };
-        match parse_line(line) {
+        match parsed {
             Ok(Some(e)) => on_event(e),
             Ok(None) => {}
             Err(message) => on_error(ReplayError::Line {
@@ -263,6 +307,18 @@ pub fn read_events(
             }),
         }
     }
+}
+
+/// [`parse_line`] of line `line_no`'s bytes: a byte order mark skipped on line 1, and bytes that
+/// are not UTF-8 an error (of the line, not of the file).
+pub fn parse_raw_line(raw: &[u8], line_no: u64) -> Result<Option<LifecycleEvent>, String> {
+    // A UTF-8 byte order mark (editors on Windows write one) is not part of the first line.
+    let raw = match raw.strip_prefix(b"\xEF\xBB\xBF") {
+        Some(rest) if line_no == 1 => rest,
+        _ => raw,
+    };
+    let line = std::str::from_utf8(raw).map_err(|_| "not valid UTF-8".to_owned())?;
+    parse_line(line)
 }
 
 #[cfg(test)]
@@ -379,5 +435,271 @@ mod tests {
         )
         .unwrap_err();
         assert!(err.contains("stranger"), "{err}");
+    }
+
+    /// Lines of every shape the fast decoder gives up on, and some it reads: both decoders must
+    /// give the same event or the same message.
+    #[test]
+    fn the_fast_decoder_agrees_with_serde_on_awkward_lines() {
+        let base = r#""time_unix_nano":1,"stage":"router","kind":"dispatched""#;
+        let lines = [
+            format!("{{{base}}}"),
+            format!("{{ {base} , \"to\" : \"decode\" }}"),
+            format!("{{\t{base},\r\n\"to\":\"decode\"}}"),
+            format!("{{{base},\"to\":\"decode\",\"to\":\"prefill\"}}"),
+            format!("{{{base},\"pid\":null}}"),
+            format!("{{{base},\"time\":null}}"),
+            format!("{{{base},\"ids\":null}}"),
+            format!("{{{base},\"node\":\"a\\\"b\"}}"),
+            format!("{{{base},\"node\":\"\\u00e9\"}}"),
+            format!("{{{base},\"node\":\"é ü\"}}"),
+            format!("{{{base},\"node\":\"a\tb\"}}"),
+            format!("{{{base},\"node\":\"\"}}"),
+            format!("{{{base},\"reason\":\"{}\"}}", "é".repeat(100)),
+            format!("{{{base},\"n\\u006fde\":\"a\"}}"),
+            format!("{{{base},\"pid\":01}}"),
+            format!("{{{base},\"pid\":0}}"),
+            format!("{{{base},\"pid\":-1}}"),
+            format!("{{{base},\"pid\":-0}}"),
+            format!("{{{base},\"pid\":1.0}}"),
+            format!("{{{base},\"pid\":1e3}}"),
+            format!("{{{base},\"pid\":1E3}}"),
+            format!("{{{base},\"pid\":4294967295}}"),
+            format!("{{{base},\"pid\":4294967296}}"),
+            format!("{{{base},\"status\":65536}}"),
+            format!("{{{base},\"input_tokens\":18446744073709551615}}"),
+            format!("{{{base},\"input_tokens\":18446744073709551616}}"),
+            format!("{{{base},\"input_tokens\":\"5\"}}"),
+            format!("{{{base},\"pid\":12x}}"),
+            format!("{{{base},}}"),
+            format!("{{{base}}},"),
+            format!("{{{base}}} x"),
+            format!("{{{base}}}{{}}"),
+            format!("{{{base}"),
+            format!("{{{base},\"colour\":1}}"),
+            format!("{{{base},\"source\":\"ebpf\"}}"),
+            format!("{{{base},\"source\":\"EBPF\"}}"),
+            format!("{{{base},\"peer\":\"foreign\",\"protocol_breach\":\"repeated-readiness\"}}"),
+            format!("{{{base},\"protocol_breach\":\"repeated_readiness\"}}"),
+            format!("{{{base},\"to\":{{\"decode\":null}}}}"),
+            format!("{{{base},\"ids\":{{}}}}"),
+            format!("{{{base},\"ids\":{{\"rid\":\"r\",\"rid\":\"s\"}}}}"),
+            format!("{{{base},\"ids\":{{\"room\":1}}}}"),
+            format!("{{{base},\"ids\":{{\"bootstrap_room\":-3}}}}"),
+            format!("{{{base},\"ids\":{{\"bootstrap_room\":1.5}}}}"),
+            format!("{{{base},\"ids\":{{\"bootstrap_room\":18446744073709551616}}}}"),
+            format!("{{{base},\"ids\":{{\"bootstrap_room\":\"0X1F\"}}}}"),
+            format!("{{{base},\"ids\":{{\"bootstrap_room\":\"0x\"}}}}"),
+            format!("{{{base},\"ids\":{{\"bootstrap_room\":\"0x+f\"}}}}"),
+            format!("{{{base},\"ids\":{{\"bootstrap_room\":\"0x10000000000000000\"}}}}"),
+            format!("{{{base},\"ids\":{{\"bootstrap_room\":\"0xffffffffffffffff\"}}}}"),
+            format!("{{{base},\"ids\":{{\"bootstrap_room\":\" 12 \"}}}}"),
+            format!("{{{base},\"ids\":{{\"bootstrap_room\":\"+12\"}}}}"),
+            format!("{{{base},\"ids\":{{\"bootstrap_room\":\"007\"}}}}"),
+            format!("{{{base},\"ids\":{{\"bootstrap_room\":\"12\",\"bootstrap_room_hex\":\"0xc\"}}}}"),
+            format!("{{{base},\"ids\":{{\"bootstrap_room\":\"12\",\"bootstrap_room_hex\":\"0xd\"}}}}"),
+            format!("{{{base},\"ids\":{{\"bootstrap_room_hex\":13}}}}"),
+            format!("{{{base},\"ids\":{{\"bootstrap_room\":true}}}}"),
+            r#"{"time":"2026-10-26T10:00:00.000000123Z","stage":"prefill","kind":"rejected"}"#.into(),
+            r#"{"time":"2026-10-26 10:00:00Z","stage":"prefill","kind":"rejected"}"#.into(),
+            r#"{"time":"1969-12-31T23:59:59Z","stage":"prefill","kind":"rejected"}"#.into(),
+            r#"{"time":"2026-10-26T10:00:00Z","time_unix_nano":1,"stage":"prefill","kind":"rejected"}"#.into(),
+            r#"{"time_unix_nano":1,"stage":"prefill","kind":"rejected","to":"decode"}"#.into(),
+            r#"{"time_unix_nano":1,"stage":"prefill"}"#.into(),
+            r#"{"stage":"prefill","kind":"rejected"}"#.into(),
+            r#"[1,"prefill","rejected"]"#.into(),
+            r#"{}"#.into(),
+            "\u{feff}{\"time_unix_nano\":1,\"stage\":\"prefill\",\"kind\":\"rejected\"}".into(),
+            "not json".into(),
+        ];
+        for line in &lines {
+            assert_eq!(parse_line(line), parse_line_serde(line), "{line}");
+        }
+    }
+
+    /// The shape every writer produces is the fast decoder's: were it to give up on them, reading
+    /// would silently fall back to the slow path.
+    #[test]
+    fn the_fast_decoder_reads_what_the_writers_write() {
+        let e = LifecycleEvent::new(42, Stage::Router, Kind::Dispatched, Source::Ebpf)
+            .with_room(9_066_467_638_188_682_269)
+            .with_to(Stage::Decode)
+            .with_request_id("r")
+            .with_trace_id("t")
+            .with_rid("rid-1")
+            .with_node("n")
+            .with_worker("http://w:1")
+            .with_status(200)
+            .with_reason("fine")
+            .with_peer(Peer::Member)
+            .with_protocol_breach(ProtocolBreach::ForeignKvHandoff)
+            .with_input_tokens(7);
+        let line = serde_json::to_string(&ReplayRecord::from_event(&e)).unwrap();
+        assert!(fast::decode(&line).is_some(), "{line}");
+        assert_eq!(parse_line(&line).unwrap().unwrap(), e);
+        let spans = r#"{"time":"2026-10-26T10:00:00.000000123Z","stage":"prefill","kind":"rejected","ids":{"bootstrap_room":"0x314783f6bef71155"},"status":400,"reason":"exceeds max tokens"}"#;
+        assert!(fast::decode(spans).is_some());
+        for e in crate::engine::workload::stream(&crate::engine::workload::Mix {
+            attempts: 200,
+            ..Default::default()
+        }) {
+            let line = serde_json::to_string(&ReplayRecord::from_event(&e)).unwrap();
+            assert!(fast::decode(&line).is_some(), "{line}");
+            assert_eq!(parse_line(&line).unwrap().unwrap(), e);
+        }
+    }
+
+    mod agreement {
+        use super::super::{parse_line, parse_line_serde};
+        use proptest::prelude::*;
+
+        fn quoted(s: &str) -> String {
+            format!("\"{s}\"")
+        }
+
+        /// A value as writers spell them, and as they do not.
+        fn value() -> impl Strategy<Value = String> {
+            prop_oneof![
+                any::<u64>().prop_map(|n| n.to_string()),
+                (0u64..70_000).prop_map(|n| n.to_string()),
+                prop::sample::select(vec![
+                    "0",
+                    "01",
+                    "-1",
+                    "1.5",
+                    "1e3",
+                    "null",
+                    "true",
+                    "[]",
+                    "{}",
+                    "18446744073709551616",
+                    "4294967296",
+                    "65536",
+                ])
+                .prop_map(String::from),
+                prop::sample::select(vec![
+                    "router",
+                    "prefill",
+                    "transfer",
+                    "decode",
+                    "received",
+                    "dispatched",
+                    "admitted",
+                    "rejected",
+                    "work",
+                    "completed",
+                    "aborted",
+                    "cancelled",
+                    "capacity",
+                    "ebpf",
+                    "otlp",
+                    "replay",
+                    "member",
+                    "foreign",
+                    "unattributed",
+                    "repeated-readiness",
+                    "surplus-decode-owner",
+                    "Router",
+                    "",
+                    "2026-10-26T10:00:00.000000123Z",
+                    "2026-10-26T10:00:00Z",
+                    "0x1f",
+                    "0X1F",
+                    "12",
+                    " 12",
+                    "+12",
+                    "0x",
+                    "0xffffffffffffffff",
+                    "0x10000000000000000",
+                ])
+                .prop_map(quoted),
+                "[ -~é\\t]{0,10}".prop_map(|s| quoted(&s)),
+                ids(),
+            ]
+        }
+
+        fn ids() -> impl Strategy<Value = String> {
+            let key = prop::sample::select(vec![
+                "request_id",
+                "trace_id",
+                "rid",
+                "bootstrap_room",
+                "bootstrap_room_hex",
+                "room",
+            ]);
+            let value = prop_oneof![
+                any::<u64>().prop_map(|n| n.to_string()),
+                any::<u64>().prop_map(|n| quoted(&n.to_string())),
+                any::<u64>().prop_map(|n| quoted(&format!("{n:#x}"))),
+                (0u64..4).prop_map(|n| quoted(&format!("{n:#x}"))),
+                (0u64..4).prop_map(|n| n.to_string()),
+                "[ -~]{0,6}".prop_map(|s| quoted(&s)),
+                Just("null".to_owned()),
+            ];
+            prop::collection::vec((key, value), 0..4).prop_map(|kv| {
+                let fields: Vec<String> = kv.iter().map(|(k, v)| format!("\"{k}\":{v}")).collect();
+                format!("{{{}}}", fields.join(","))
+            })
+        }
+
+        fn key() -> impl Strategy<Value = String> {
+            prop_oneof![
+                8 => prop::sample::select(vec![
+                    "time", "time_unix_nano", "stage", "kind", "ids", "node", "pid", "source",
+                    "status", "reason", "detail", "to", "peer", "protocol_breach",
+                    "input_tokens", "context_tokens", "max_input_tokens", "max_total_tokens",
+                    "worker",
+                ])
+                .prop_map(String::from),
+                1 => "[a-z_]{1,6}",
+            ]
+        }
+
+        /// A line: fields usually led by a valid time, stage and kind, then mutated a little.
+        fn line() -> impl Strategy<Value = String> {
+            let head = prop::sample::select(vec![
+                r#""time_unix_nano":5,"stage":"router","kind":"dispatched","#,
+                r#""time_unix_nano":5,"stage":"decode","kind":"work","#,
+                r#""time":"2026-10-26T10:00:00Z","stage":"prefill","kind":"rejected","#,
+                "",
+            ]);
+            let fields = prop::collection::vec((key(), value()), 0..5);
+            let ws = prop::sample::select(vec!["", "", "", " ", "\t", "\r\n "]);
+            let edit = prop_oneof![
+                4 => Just(None),
+                1 => (any::<prop::sample::Index>(), prop::sample::select(vec![
+                    "", "\"", "\\", "{", "}", ",", ":", " ", "0", "-", ".", "x", "\u{1}", "é",
+                ]))
+                .prop_map(Some),
+            ];
+            (head, fields, ws, edit).prop_map(|(head, fields, ws, edit)| {
+                let body: Vec<String> = fields
+                    .iter()
+                    .map(|(k, v)| format!("{ws}\"{k}\"{ws}:{ws}{v}{ws}"))
+                    .collect();
+                let mut line = format!("{{{head}{}}}", body.join(","));
+                if head.ends_with(',') && fields.is_empty() {
+                    line = line.replacen(",}", "}", 1);
+                }
+                if let Some((at, with)) = edit {
+                    // Replace one character (or delete it: `with` empty).
+                    let chars: Vec<char> = line.chars().collect();
+                    let at = at.index(chars.len());
+                    let mut out: String = chars[..at].iter().collect();
+                    out.push_str(with);
+                    out.extend(&chars[at + 1..]);
+                    line = out;
+                }
+                line
+            })
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(4096))]
+            #[test]
+            fn both_decoders_give_the_same_result(line in line()) {
+                prop_assert_eq!(parse_line(&line), parse_line_serde(&line), "{}", line);
+            }
+        }
     }
 }

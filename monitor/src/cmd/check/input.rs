@@ -1,5 +1,5 @@
 //! One input of `revenant check`: a file (or standard input) read line by line into events, in
-//! the replay format (`ingest::replay::parse_line`), with the bounds an offline tool given any
+//! the replay format (`ingest::replay::parse_raw_line`), with the bounds an offline tool given any
 //! file needs:
 //! - a gzip stream (by its magic bytes, whatever the name) is decompressed as it is read;
 //! - binary data (a NUL byte or invalid UTF-8 in the first bytes, another compression format) is
@@ -164,43 +164,33 @@ impl EventReader {
         on_bad: &mut dyn FnMut(&Path, BadLine),
     ) -> Result<Option<LifecycleEvent>, ReadError> {
         while !self.done {
-            let Some(fits) = self.next_line().inspect_err(|_| self.done = true)? else {
-                self.done = true;
-                break;
-            };
-            self.line_no += 1;
-            let line = self.line_no;
-            if !fits {
-                self.bad += 1;
-                on_bad(
-                    &self.path,
-                    BadLine {
-                        line,
-                        message: format!(
+            let chunk = self.input.fill_buf().inspect_err(|_| self.done = true)?;
+            let parsed = match memchr::memchr(b'\n', chunk) {
+                // A line that lies whole in the buffer is decoded there, not copied out first;
+                // one cut by the buffer's end, or too long, goes through `next_line`.
+                Some(i) if i <= self.max_line => {
+                    self.line_no += 1;
+                    let parsed = decode(&chunk[..i], self.line_no);
+                    self.input.consume(i + 1);
+                    parsed
+                }
+                _ => {
+                    let Some(fits) = self.next_line().inspect_err(|_| self.done = true)? else {
+                        self.done = true;
+                        break;
+                    };
+                    self.line_no += 1;
+                    if fits {
+                        decode(&self.buf, self.line_no)
+                    } else {
+                        Err(format!(
                             "longer than {} bytes (--max-line-bytes): skipped, not an event",
                             self.max_line
-                        ),
-                    },
-                );
-                continue;
-            }
-            // A UTF-8 byte order mark (editors on Windows write one) is not part of line 1.
-            let raw = match self.buf.strip_prefix(b"\xEF\xBB\xBF") {
-                Some(rest) if line == 1 => rest,
-                _ => &self.buf[..],
+                        ))
+                    }
+                }
             };
-            let Ok(text) = std::str::from_utf8(raw) else {
-                self.bad += 1;
-                on_bad(
-                    &self.path,
-                    BadLine {
-                        line,
-                        message: "not valid UTF-8".into(),
-                    },
-                );
-                continue;
-            };
-            match replay::parse_line(text) {
+            match parsed {
                 Ok(Some(e)) => {
                     self.events += 1;
                     return Ok(Some(e));
@@ -208,19 +198,32 @@ impl EventReader {
                 Ok(None) => {}
                 Err(message) => {
                     self.bad += 1;
-                    let message = match looks_like_a_violation(text) {
-                        true => format!(
-                            "this is a violation (what `revenant check` prints) or an expected \
-                             verdict, not an event ({message})"
-                        ),
-                        false => message,
-                    };
+                    let line = self.line_no;
                     on_bad(&self.path, BadLine { line, message });
                 }
             }
         }
         Ok(None)
     }
+}
+
+/// Line `line`'s event, or why it is none; a line that is a violation says so.
+fn decode(raw: &[u8], line: u64) -> Result<Option<LifecycleEvent>, String> {
+    replay::parse_raw_line(raw, line).map_err(|message| {
+        let text = std::str::from_utf8(raw).unwrap_or_default();
+        // As the parser read it: a byte order mark is part of any line but the first.
+        let text = match text.strip_prefix('\u{feff}') {
+            Some(rest) if line == 1 => rest,
+            _ => text,
+        };
+        match looks_like_a_violation(text) {
+            true => format!(
+                "this is a violation (what `revenant check` prints) or an expected verdict, not \
+                 an event ({message})"
+            ),
+            false => message,
+        }
+    })
 }
 
 /// Whether `line` is a JSON object shaped like a violation or an expected verdict: a `rule`,
