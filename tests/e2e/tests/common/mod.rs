@@ -87,6 +87,20 @@ pub fn report(
         metric_sum(metrics, "revenant_events_total", &[("source", "otlp")]),
         metric_sum(metrics, "revenant_events_total", &[("source", "ebpf")]),
     );
+    // What the eBPF source says of its own coverage (kernel map and ring-buffer counters,
+    // desyncs, gaps, evicted connections): a run that saw too few events says here whether it
+    // knew it was blind. Printed, not judged: `assert_no_loss` judges the drops.
+    let ebpf: Vec<String> = metrics
+        .iter()
+        .filter(|s| s.name.starts_with("revenant_ebpf_") && s.value > 0.0)
+        .map(|s| {
+            let labels: Vec<String> = s.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
+            format!("{}{{{}}} {}", s.name, labels.join(","), s.value)
+        })
+        .collect();
+    if !ebpf.is_empty() {
+        eprintln!("{name}: eBPF source: {}", ebpf.join("; "));
+    }
 }
 
 /// How many `activity-after-rejection` findings carry each combination of evidence sources
