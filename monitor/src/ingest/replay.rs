@@ -149,23 +149,23 @@ pub fn rules_fingerprint<'a>(
 /// (`fast`), several times cheaper than serde; any other line by serde ([`parse_line_serde`]),
 /// whose messages say what is wrong where. Both give the same result for every line.
 pub fn parse_line(line: &str) -> Result<Option<LifecycleEvent>, String> {
-    let t = line.trim();
-    if t.is_empty() || t.starts_with('#') {
-        return Ok(None);
-    }
-    match fast::decode(t) {
-        Some(fields) => into_event(fields).map(Some),
-        None => parse_record(t).map(Some),
-    }
+    content(line)
+        .map(|t| match fast::decode(t) {
+            Some(fields) => into_event(fields),
+            None => parse_record(t),
+        })
+        .transpose()
 }
 
 /// [`parse_line`] by serde alone: the reference the fast decoder is held to.
 pub fn parse_line_serde(line: &str) -> Result<Option<LifecycleEvent>, String> {
+    content(line).map(parse_record).transpose()
+}
+
+/// A line's content, trimmed; `None` for an empty line or a `#` comment.
+fn content(line: &str) -> Option<&str> {
     let t = line.trim();
-    if t.is_empty() || t.starts_with('#') {
-        return Ok(None);
-    }
-    parse_record(t).map(Some)
+    (!t.is_empty() && !t.starts_with('#')).then_some(t)
 }
 
 /// One trimmed, non-comment line through serde.

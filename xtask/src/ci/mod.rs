@@ -50,10 +50,10 @@ const PORTS: &[(&str, u16, u16)] = &[
 /// mostly wait on their windows: they kept every verdict side by side on one VM of this kind,
 /// but on another that needed 1.36 times the CPU time for the whole run, `pd_sim_revenant`'s
 /// revenant fell behind beside `cluster_pd` (its kernel ring buffer full at 137 requests/s, and
-/// eBPF's lead on room collisions lost). The rest may run beside one: the long ones among them mostly wait (real
-/// routers' timeouts, revenant's windows) and use a few seconds of CPU in a minute; every eBPF
-/// test watches its own processes by pid, so none sees another's traffic. Unlisted ones are
-/// light and short.
+/// eBPF's lead on room collisions lost). The rest may run beside one: the long ones among them
+/// mostly wait (real routers' timeouts, revenant's windows) and use a few seconds of CPU in a
+/// minute; every eBPF test watches its own processes by pid, so none sees another's traffic.
+/// Unlisted ones are light and short.
 const PROFILE: &[(&str, u32, bool)] = &[
     ("e2e/pd_sim_revenant", 400, true),
     ("e2e/cluster_pd", 250, true),
@@ -290,8 +290,9 @@ fn measured() -> BTreeMap<String, u32> {
 }
 
 /// Test executables that hold several test files as modules (`monitor/tests/suite`,
-/// `tests/pd-sim/tests/suite`: compiled and linked once instead of once per file). Each module is a job of its own, labelled as its own
-/// executable would be (`revenant/binary`), so the queue orders, times and profiles it as one.
+/// `tests/pd-sim/tests/suite`: compiled and linked once instead of once per file). Each module is
+/// a job of its own, labelled as its own executable would be (`revenant/binary`), so the queue
+/// orders, times and profiles it as one.
 const SUITES: &[&str] = &["revenant/suite", "pd-sim/suite"];
 
 /// The jobs of one test executable: its tests, and its ignored ones where they need the real
@@ -363,6 +364,8 @@ fn module_jobs(
     measured: &BTreeMap<String, u32>,
 ) -> Vec<Job> {
     let mut jobs = Vec::new();
+    // Its ignored tests too: they are the same build's work.
+    let nice = NICE.contains(&label);
     let mut add = |label: String, args: Vec<String>, real: bool| {
         let profile = PROFILE.iter().find(|(n, _, _)| *n == label);
         jobs.push(Job {
@@ -373,7 +376,7 @@ fn module_jobs(
                 .or(profile.map(|p| p.1))
                 .unwrap_or(10),
             heavy: profile.is_some_and(|p| p.2),
-            nice: NICE.contains(&label.as_str()),
+            nice,
             args,
             real,
             label,
