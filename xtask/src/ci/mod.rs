@@ -4,7 +4,8 @@
 //! ```text
 //! setup ─► build (one: cargo test --release --no-run, every target, below the tests' priority)
 //!            ├─ tests ×2: each test executable joins the queue as the build makes it (with both
-//!            │            binaries); the lanes take the longest first
+//!            │            binaries); the lanes take the heavy ones first, then the longest
+//!            ├─ builds: the test executables whose work is a build (lowest priority)
 //!            ├─ venvs ─► (the real-component tests join the queue)
 //!            ├─ (both binaries made) ─► fuzz (lowest priority): build ─► replay ─► fixed-seed runs
 //!            └─ (built) ─► product: chart ─► privileges ─► image
@@ -41,6 +42,7 @@ const PORTS: &[(&str, u16, u16)] = &[
     ("tests-1", 12000, 13999),
     ("tests-2", 14000, 15999),
     ("fuzz", 16000, 17999),
+    ("builds", 18000, 19999),
 ];
 
 /// Test executables that take long or load the machine: expected wall seconds on 2 cores (the
@@ -180,6 +182,15 @@ struct Job {
     label: String,
 }
 
+/// What a lane runs: test executables, or the executables whose own work is a build
+/// ([`NICE`]), which run below the tests' priority in a lane of their own so that their minutes
+/// of compiling never hold a test lane.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum LaneKind {
+    Tests,
+    Builds,
+}
+
 /// The queue the test lanes take jobs from, longest first.
 struct Queue {
     state: Mutex<QueueState>,
@@ -200,19 +211,25 @@ struct QueueState {
 }
 
 impl Queue {
-    /// The next job this lane may run now, waiting until there is one; `None` when all are
-    /// taken and the build will bring no more.
-    fn take(&self) -> Option<(Job, Vec<(String, PathBuf)>)> {
+    /// The next job a lane of `kind` may run now, waiting until there is one; `None` when all
+    /// of its kind are taken and the build will bring no more.
+    ///
+    /// A heavy job goes first whenever none runs: the heavy ones run one after another, so
+    /// their chain is the tests' critical path, and the light ones fill the other lane beside
+    /// it (taken longest first, a long light job would hold the chain up for its whole run).
+    fn take(&self, kind: LaneKind) -> Option<(Job, Vec<(String, PathBuf)>)> {
         let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
         loop {
-            if s.pending.is_empty() && !s.building {
+            let mine = |j: &Job| j.nice == (kind == LaneKind::Builds);
+            if !s.pending.iter().any(mine) && !s.building {
                 return None;
             }
             let venvs_ready = s.venvs.is_some();
-            let pick = s
-                .pending
-                .iter()
-                .position(|j| (!j.real || venvs_ready) && (!j.heavy || !s.heavy_running));
+            let may = |j: &Job| mine(j) && (!j.real || venvs_ready);
+            let heavy = (!s.heavy_running)
+                .then(|| s.pending.iter().position(|j| may(j) && j.heavy))
+                .flatten();
+            let pick = heavy.or_else(|| s.pending.iter().position(|j| may(j) && !j.heavy));
             if let Some(i) = pick {
                 let job = s.pending.remove(i);
                 if job.heavy {
@@ -481,13 +498,17 @@ pub fn run() -> Result<()> {
         // The lanes start each test executable as soon as the build has made it (and the two
         // binaries): the long end-to-end runs mostly wait, and overlap the rest of the build,
         // which runs below their priority.
-        let lanes: Vec<_> = ["tests-1", "tests-2"]
-            .into_iter()
-            .map(|lane| {
-                let (queue, logs, t) = (&queue, &logs, &t);
-                s.spawn(move || test_lane(lane, queue, logs, t))
-            })
-            .collect();
+        let lanes: Vec<_> = [
+            ("tests-1", LaneKind::Tests),
+            ("tests-2", LaneKind::Tests),
+            ("builds", LaneKind::Builds),
+        ]
+        .into_iter()
+        .map(|(lane, kind)| {
+            let (queue, logs, t) = (&queue, &logs, &t);
+            s.spawn(move || test_lane(lane, kind, queue, logs, t))
+        })
+        .collect();
         let venvs = s.spawn(|| {
             let r = t.step("venvs", "real-component venvs", || {
                 crate::venv::real_components()
@@ -594,9 +615,9 @@ pub fn run() -> Result<()> {
 }
 
 /// One lane of test executables: takes jobs until none is left.
-fn test_lane(lane: &str, queue: &Queue, logs: &Path, t: &Timings) {
+fn test_lane(lane: &str, kind: LaneKind, queue: &Queue, logs: &Path, t: &Timings) {
     let ports = ports(lane);
-    while let Some((job, given)) = queue.take() {
+    while let Some((job, given)) = queue.take(kind) {
         let mut env = given;
         env.push((test_harness::PORTS_ENV.into(), PathBuf::from(&ports)));
         let start = t.t0.elapsed();
@@ -779,13 +800,13 @@ mod tests {
             job("real", false, true, 100),
             job("light", false, false, 10),
         ]);
-        let (a, _) = q.take().unwrap();
+        let (a, _) = q.take(LaneKind::Tests).unwrap();
         assert_eq!(a.label, "heavy-a");
         // heavy-b must wait for heavy-a, the real one for its venvs: the light one is next.
-        let (b, _) = q.take().unwrap();
+        let (b, _) = q.take(LaneKind::Tests).unwrap();
         assert_eq!(b.label, "light");
         std::thread::scope(|s| {
-            let waiter = s.spawn(|| q.take().map(|(j, env)| (j.label, env)));
+            let waiter = s.spawn(|| q.take(LaneKind::Tests).map(|(j, env)| (j.label, env)));
             std::thread::sleep(Duration::from_millis(50));
             q.venvs(Ok(vec![("PD_SIM_SMG".into(), PathBuf::from("/x/smg"))]));
             let (label, env) = waiter.join().unwrap().unwrap();
@@ -796,12 +817,48 @@ mod tests {
             );
         });
         std::thread::scope(|s| {
-            let waiter = s.spawn(|| q.take().map(|(j, _)| j.label));
+            let waiter = s.spawn(|| q.take(LaneKind::Tests).map(|(j, _)| j.label));
             std::thread::sleep(Duration::from_millis(50));
             q.done(&a, ran("heavy-a"));
             assert_eq!(waiter.join().unwrap().as_deref(), Some("heavy-b"));
         });
-        assert!(q.take().is_none());
+        assert!(q.take(LaneKind::Tests).is_none());
+    }
+
+    #[test]
+    fn a_heavy_job_goes_before_longer_light_ones_whenever_none_runs() {
+        let q = queue(vec![
+            job("light-long", false, false, 500),
+            job("heavy-a", true, false, 200),
+            job("heavy-b", true, false, 100),
+            job("light-short", false, false, 10),
+        ]);
+        let (a, _) = q.take(LaneKind::Tests).unwrap();
+        assert_eq!(a.label, "heavy-a", "the heavy chain starts at once");
+        let (b, _) = q.take(LaneKind::Tests).unwrap();
+        assert_eq!(
+            b.label, "light-long",
+            "beside a heavy one: the longest light one"
+        );
+        q.done(&a, ran("heavy-a"));
+        let (c, _) = q.take(LaneKind::Tests).unwrap();
+        assert_eq!(c.label, "heavy-b");
+    }
+
+    #[test]
+    fn build_jobs_have_a_lane_of_their_own() {
+        let mut build = job("revenant/build_without_ebpf", false, false, 600);
+        build.nice = true;
+        let q = queue(vec![build, job("light", false, false, 10)]);
+        let (j, _) = q.take(LaneKind::Tests).unwrap();
+        assert_eq!(j.label, "light", "a test lane never takes a build");
+        assert!(
+            q.take(LaneKind::Tests).is_none(),
+            "nothing left for a test lane once the build has ended"
+        );
+        let (j, _) = q.take(LaneKind::Builds).unwrap();
+        assert_eq!(j.label, "revenant/build_without_ebpf");
+        assert!(q.take(LaneKind::Builds).is_none());
     }
 
     fn exe(name: &str) -> TestExe {
@@ -824,7 +881,7 @@ mod tests {
         std::thread::scope(|s| {
             let lane = s.spawn(|| {
                 let mut taken = Vec::new();
-                while let Some((j, env)) = q.take() {
+                while let Some((j, env)) = q.take(LaneKind::Tests) {
                     taken.push((j.label, env.len()));
                 }
                 taken
@@ -944,7 +1001,7 @@ mod tests {
     fn failed_venvs_are_reported_to_the_jobs_that_need_them() {
         let q = queue(vec![job("real", false, true, 100)]);
         q.venvs(Err("pip failed".into()));
-        let (j, env) = q.take().unwrap();
+        let (j, env) = q.take(LaneKind::Tests).unwrap();
         assert_eq!(j.label, "real");
         assert!(env.is_empty());
         assert_eq!(q.venv_error().as_deref(), Some("pip failed"));
