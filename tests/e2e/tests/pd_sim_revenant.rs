@@ -331,6 +331,11 @@ fn handed_off(o: &Outcome) -> BTreeMap<u64, String> {
 /// Every rejected-and-handed-off request yields exactly one notification (one incident: the
 /// request's findings, its `activity-after-rejection` finding about that request's attempt among
 /// them), and no request is notified twice.
+///
+/// At 500 requests/s: the four simulator processes at 1000/s took nearly both cores of a slower
+/// VM of this kind, and with the CI's builds beside them revenant's reader fell seconds behind
+/// and the kernel ring overflowed (counted, so the no-loss check failed). What revenant sustains
+/// at 1000/s is a benchmark's figure (`detection_latency`), not this test's verdict.
 fn handoff(sources: Sources) -> Outcome {
     let _g = serial();
     let o = run(
@@ -338,9 +343,9 @@ fn handoff(sources: Sources) -> Outcome {
         sources,
         &[
             "--rate",
-            "1000",
+            "500",
             "--requests",
-            "4000",
+            "3000",
             "--over-capacity-share",
             "0.05",
         ],

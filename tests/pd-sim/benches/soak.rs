@@ -152,6 +152,9 @@ struct Point {
     drops: u64,
     /// The box's 1-minute load average: what else competes for the cores.
     loadavg: f64,
+    /// revenant's own estimate of each bounded structure (`revenant_memory_estimated_bytes`),
+    /// bytes: beside RSS, it says whether a rise is one of them filling or something outside.
+    estimated: BTreeMap<String, u64>,
 }
 
 /// `VmRSS` of a process, KiB.
@@ -319,6 +322,7 @@ fn sample_loop(
             violations: log.seen,
             drops: drops(&m),
             loadavg: loadavg(),
+            estimated: estimated(&m),
         };
         eprintln!("{}", line(&p));
         (last_t, last_cpu, last_events) = (t_s, cpu, events);
@@ -327,15 +331,28 @@ fn sample_loop(
     points
 }
 
+/// `revenant_memory_estimated_bytes` by structure.
+fn estimated(m: &[Sample]) -> BTreeMap<String, u64> {
+    m.iter()
+        .filter(|s| s.name == "revenant_memory_estimated_bytes")
+        .filter_map(|s| Some((s.labels.get("structure")?.clone(), s.value as u64)))
+        .collect()
+}
+
+fn mib(bytes: u64) -> f64 {
+    bytes as f64 / (1024.0 * 1024.0)
+}
+
 fn header() -> String {
-    "| t (min) | RSS (MiB) | CPU (% of a core) | events checked | events/s | live attempts | tombstones | violations | drops | load avg (1 min) |\n| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |".into()
+    "| t (min) | RSS (MiB) | estimated (MiB) | CPU (% of a core) | events checked | events/s | live attempts | tombstones | violations | drops | load avg (1 min) |\n| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |".into()
 }
 
 fn line(p: &Point) -> String {
     format!(
-        "| {:.1} | {:.1} | {:.1} | {} | {:.0} | {} | {} | {} | {} | {:.2} |",
+        "| {:.1} | {:.1} | {:.1} | {:.1} | {} | {:.0} | {} | {} | {} | {} | {:.2} |",
         p.t_s / 60.0,
         p.rss_kib as f64 / 1024.0,
+        mib(p.estimated.values().sum()),
         p.cpu_pct,
         p.events,
         p.events_per_s,
@@ -580,6 +597,36 @@ fn main() {
                 p.tombstones,
                 p.drops
             );
+        }
+    }
+
+    // Where memory went over the last third: RSS beside revenant's estimate of each bounded
+    // structure, so that a rise is either one of them filling or something none of them counts.
+    if let (Some(first), Some(last)) = (points.get(points.len() * 2 / 3), points.last()) {
+        println!();
+        println!(
+            "memory over the last third ({:.1}–{:.1} min), MiB:",
+            first.t_s / 60.0,
+            last.t_s / 60.0
+        );
+        println!("| what | at its start | at the end | change |");
+        println!("| --- | ---: | ---: | ---: |");
+        let row = |what: &str, a: f64, b: f64| {
+            println!("| {what} | {a:.1} | {b:.1} | {:+.1} |", b - a);
+        };
+        row(
+            "RSS",
+            first.rss_kib as f64 / 1024.0,
+            last.rss_kib as f64 / 1024.0,
+        );
+        let structures: std::collections::BTreeSet<&String> = first
+            .estimated
+            .keys()
+            .chain(last.estimated.keys())
+            .collect();
+        for k in structures {
+            let at = |p: &Point| mib(p.estimated.get(k).copied().unwrap_or(0));
+            row(&format!("estimated: {k}"), at(first), at(last));
         }
     }
 

@@ -60,23 +60,29 @@ pub fn build() -> Result<Built> {
 }
 
 /// The build, `on` called with each executable as it lands, so that the test executables can
-/// start while the rest still compiles. `first`: test targets built before everything else
-/// (with the two binaries), in a first cargo run over the same packages and profile, whose
-/// artifacts the second reuses as they are (cargo resolves the same features for both: both
-/// build test targets, so both activate the dev-dependencies); cargo's own order would leave
-/// them to the end. `nice`: the compilers run below the tests' priority (a test that judges
-/// timing keeps the CPU it would have on a quiet machine).
-pub fn build_reporting(nice: bool, first: &[&str], mut on: impl FnMut(Artifact)) -> Result<Built> {
+/// start while the rest still compiles. `waves`: test targets built before everything else, each
+/// wave in a cargo run of its own (the first with the two binaries) over the same packages and
+/// profile, whose artifacts the later runs reuse as they are (cargo resolves the same features
+/// for every run: each builds test targets, so each activates the dev-dependencies); cargo's own
+/// order would leave them to the end. `nice`: the compilers run below the tests' priority (a
+/// test that judges timing keeps the CPU it would have on a quiet machine).
+pub fn build_reporting(
+    nice: bool,
+    waves: &[Vec<&str>],
+    mut on: impl FnMut(Artifact),
+) -> Result<Built> {
     let (mut revenant, mut pd_sim, mut tests) = (None, None, Vec::new());
     let mut runs: Vec<Vec<String>> = Vec::new();
-    if !first.is_empty() {
+    for (i, wave) in waves.iter().enumerate() {
         let mut run: Vec<String> = SELECTION
             .iter()
             .filter(|a| **a != "--all-targets")
             .map(|a| a.to_string())
             .collect();
-        run.extend(["--bin", "revenant", "--bin", "pd-sim"].map(String::from));
-        for t in first {
+        if i == 0 {
+            run.extend(["--bin", "revenant", "--bin", "pd-sim"].map(String::from));
+        }
+        for t in wave {
             run.extend(["--test".to_owned(), t.to_string()]);
         }
         runs.push(run);

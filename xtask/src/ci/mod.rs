@@ -408,19 +408,34 @@ fn module_jobs(
     jobs
 }
 
-/// The test targets of the heavy executables (`PROFILE`): they bound the tests' stage, so the
-/// build makes them first.
-fn heavy_targets() -> Vec<&'static str> {
-    let mut names: Vec<&str> = PROFILE
+/// The test targets of the heavy executables (`PROFILE`), in the waves the build makes them
+/// before everything else: first the one the queue runs first (the longest expected, `measured`
+/// where a run measured it), alone with the two binaries, so that the heavy chain, the tests'
+/// critical path, starts as early as the binaries allow; then the rest of them, ready before the
+/// first has run (minutes), ahead of the rest of the build.
+fn heavy_targets(measured: &BTreeMap<String, u32>) -> Vec<Vec<&'static str>> {
+    let mut heavy: Vec<(&str, u32)> = PROFILE
         .iter()
         .filter(|(_, _, heavy)| *heavy)
-        .filter_map(|(label, _, _)| label.split_whitespace().next()?.split_once('/'))
-        .map(|(_, target)| target)
-        .filter(|t| *t != "lib")
+        .filter_map(|(label, expected, _)| {
+            let (_, target) = label.split_whitespace().next()?.split_once('/')?;
+            let expected = measured.get(*label).copied().unwrap_or(*expected);
+            Some((target, expected))
+        })
+        .filter(|(t, _)| *t != "lib")
         .collect();
-    names.sort_unstable();
-    names.dedup();
-    names
+    heavy.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(b.0)));
+    let mut names: Vec<&str> = Vec::new();
+    for (t, _) in heavy {
+        if !names.contains(&t) {
+            names.push(t);
+        }
+    }
+    match names.split_first() {
+        Some((first, rest)) if !rest.is_empty() => vec![vec![*first], rest.to_vec()],
+        Some((first, _)) => vec![vec![*first]],
+        None => Vec::new(),
+    }
 }
 
 /// Hands the build's executables to the queue as they land: the test executables once both
@@ -536,8 +551,9 @@ pub fn run() -> Result<()> {
             pd_sim: None,
             waiting: Vec::new(),
         };
+        let waves = heavy_targets(&feeder.measured);
         let built = t.step("main", "build", || {
-            build::build_reporting(true, &heavy_targets(), |a| feeder.take(a))
+            build::build_reporting(true, &waves, |a| feeder.take(a))
         });
         queue.built();
         let built = match built {
@@ -916,8 +932,24 @@ mod tests {
     #[test]
     fn the_heavy_targets_built_first_are_test_targets_of_the_workspace() {
         let root = test_harness::workspace_root();
-        let names = heavy_targets();
-        assert!(names.contains(&"pd_sim_revenant"), "{names:?}");
+        let waves = heavy_targets(&BTreeMap::new());
+        assert_eq!(
+            waves[0],
+            ["pd_sim_revenant"],
+            "the longest expected, alone: {waves:?}"
+        );
+        // Measured durations reorder the waves.
+        let measured = BTreeMap::from([("e2e/cluster_pd".to_owned(), 900)]);
+        assert_eq!(heavy_targets(&measured)[0], ["cluster_pd"]);
+        let names: Vec<&str> = waves.concat();
+        let mut unique = names.clone();
+        unique.sort_unstable();
+        unique.dedup();
+        assert_eq!(
+            unique.len(),
+            names.len(),
+            "a target in two waves: {waves:?}"
+        );
         for name in names {
             // `cargo test --test NAME` fails the whole build when no package has NAME.
             let found = ["monitor/tests", "tests/pd-sim/tests", "tests/e2e/tests"]
