@@ -241,7 +241,8 @@ pub mod capture {
     pub const EDGES: u32 = 0;
     /// Up to [`super::MAX_CAPTURE`] bytes at each end: a control channel whose writes batch
     /// many small messages (ZeroMQ writes up to 8 KiB of them at once), every one of which
-    /// counts. User space sets it once it has seen the connection's protocol.
+    /// counts. The kernel sets it on a syscall that starts with a ZMTP greeting, user space
+    /// once the tracker has read one.
     pub const WHOLE: u32 = 1;
     /// Every byte of each non-vectored syscall, up to [`super::MAX_STREAM_PIECES`] records of
     /// [`super::MAX_CAPTURE`] bytes in order (vectored ones as [`WHOLE`]): an HTTP connection

@@ -272,6 +272,7 @@ fn data_exit(ctx: &TracePointContext) -> Result<u32, u32> {
     }
     if mode == capture::EDGES {
         mark_metrics_request(tgid, call.fd);
+        mark_zmtp_greeting(tgid, call.fd);
     }
     flush(HEAD);
     if has_tail {
@@ -312,6 +313,29 @@ fn mark_metrics_request(tgid: u32, fd: u32) {
     if SOCKS.insert(&sock_key(tgid, fd), &mode, BPF_EXIST).is_ok() {
         count(counter::METRICS_MARKED, 1);
     }
+}
+
+/// A ZMTP greeting starts the syscall just gathered (the signature: `FF`, eight bytes, `7F`):
+/// the connection is a ZeroMQ control channel, where every message counts, so its later
+/// syscalls are captured whole ([`capture::WHOLE`]). User space marks it too once the tracker
+/// reads the greeting, but only a ring buffer's latency later: the first batch a peer writes
+/// right behind its greeting would go by in the head and tail windows, and the stream would be
+/// out of sync from its first message.
+#[inline(always)]
+fn mark_zmtp_greeting(tgid: u32, fd: u32) {
+    let Some(g) = GATHER.get_ptr(HEAD) else {
+        return;
+    };
+    // SAFETY: as in `begin`.
+    let g = unsafe { &*g };
+    if (g.h.len as usize) < 10 || g.data[0] != 0xFF || g.data[9] != 0x7F {
+        return;
+    }
+    /// `BPF_EXIST`: update the socket's entry, never create one.
+    const BPF_EXIST: u64 = 2;
+    let mut mode = 0;
+    store(&mut mode, capture::WHOLE);
+    let _ = SOCKS.insert(&sock_key(tgid, fd), &mode, BPF_EXIST);
 }
 
 /// One syscall of a [`capture::STREAM`] socket, shared with [`stream_step`].

@@ -746,6 +746,78 @@ fn a_zmtp_connection_is_captured_whole() {
     assert_eq!(stats.kernel(counter::RINGBUF_DROPS), 0);
 }
 
+/// A peer writes its first batch right behind its greeting, before user space could have read
+/// the greeting from the ring: the kernel marks the socket itself on the syscall that reads the
+/// greeting, so that batch is captured whole too. The source is not drained between the greeting
+/// and the batch here, so only the kernel can have marked the socket; with the default 512-byte
+/// head and tail windows the ~6 KB batch would give three or four of its 20 rooms.
+#[test]
+fn a_batch_right_behind_the_greeting_is_captured_whole() {
+    let port = free_port();
+    let script = fixture("fake_zmtp.py").display().to_string();
+    let mut prefill = Fake::spawn(&[script.clone(), "prefill".into(), port.to_string()])
+        .expect("the fake prefill could not bind its port");
+    let mut src = start_source(EbpfConfig {
+        capture: CaptureConfig::default(),
+        discovery: Discovery {
+            pids: vec![revenant::ingest::ebpf::PidRule {
+                role: Role::Prefill,
+                pid: prefill.pid(),
+            }],
+            watch: vec![],
+            conventions: false,
+        },
+        ..Default::default()
+    });
+    let mut decode = Fake::spawn(&[script, "decode".into(), port.to_string(), "20".into()])
+        .expect("the fake decode could not start");
+    wait_watched(&mut src, &[prefill.pid()]);
+    prefill.go();
+    decode.expect_line("GREETED");
+    // The prefill's first read took the greeting (and READY) alone: the batch is not sent yet.
+    let first = prefill.expect_line("FIRST");
+    let n: usize = first["FIRST ".len()..].parse().unwrap();
+    assert!(
+        (10..=92).contains(&n),
+        "a first read of {n} bytes is not the greeting alone"
+    );
+    decode.go();
+    decode.expect_line("SENT");
+    decode.go();
+    prefill.expect_line("DONE");
+    let mut events = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let rooms = |events: &[LifecycleEvent]| -> Vec<u64> {
+        let mut r: Vec<u64> = events
+            .iter()
+            .filter(|e| e.stage == Stage::Transfer && e.kind == Kind::Admitted)
+            .filter_map(|e| e.ids.bootstrap_room.map(|r| r.0))
+            .collect();
+        r.sort_unstable();
+        r.dedup();
+        r
+    };
+    while rooms(&events).len() < 20 {
+        assert!(
+            Instant::now() < deadline,
+            "destinations read: {:?}",
+            rooms(&events)
+        );
+        src.drain(&mut events);
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(rooms(&events), (1000..1020).collect::<Vec<_>>());
+    src.rescan();
+    let stats = src.stats();
+    assert_eq!(
+        stats
+            .zmtp_desyncs
+            .load(std::sync::atomic::Ordering::Relaxed),
+        0
+    );
+    assert_eq!(stats.kernel(counter::RINGBUF_DROPS), 0);
+}
+
 /// vLLM's `/metrics` is tens of KB written in one syscall, and its `vllm:cache_config_info`
 /// sample lies in the middle, beyond the edge windows. The kernel switches a connection to
 /// `capture::STREAM` on the syscall that reads the `GET /metrics` request, so the very first

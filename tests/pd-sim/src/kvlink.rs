@@ -143,9 +143,9 @@ async fn writer(to: SocketAddr, mut rx: mpsc::Receiver<(Bytes, u64)>, stats: Arc
     let mut out = BytesMut::with_capacity(64 * 1024);
     while let Some((first, mut n)) = rx.recv().await {
         out.extend_from_slice(&first);
-        // Coalesce whatever is already queued into one write: at high rates this is the
-        // difference between one syscall per message and one per batch.
-        while out.len() < 256 * 1024 {
+        // Coalesce whatever is already queued: at high rates this is the difference between one
+        // syscall per message and one per batch.
+        while out.len() < 64 * 1024 {
             match rx.try_recv() {
                 Ok((m, k)) => {
                     out.extend_from_slice(&m);
@@ -154,7 +154,7 @@ async fn writer(to: SocketAddr, mut rx: mpsc::Receiver<(Bytes, u64)>, stats: Arc
                 Err(_) => break,
             }
         }
-        if let Err(e) = stream.write_all(&out).await {
+        if let Err(e) = write_batched(&mut stream, &out).await {
             tracing::warn!(%to, error = %e, "KV link write failed");
             stats.messages_lost.fetch_add(n, Ordering::Relaxed);
             rx.close();
@@ -166,6 +166,21 @@ async fn writer(to: SocketAddr, mut rx: mpsc::Receiver<(Bytes, u64)>, stats: Arc
         stats.messages_sent.fetch_add(n, Ordering::Relaxed);
         out.clear();
     }
+}
+
+/// libzmq's batch (`ZMQ_OUT_BATCH_SIZE` and `ZMQ_IN_BATCH_SIZE`, 8 KiB by default): its stream
+/// engine sends the encoded stream in writes of at most this much and reads at most this much a
+/// time (a message body larger than it goes in one syscall of its own, which the peer reads
+/// straight into the message). SGLang's and vLLM's ZeroMQ sockets keep the default, so the
+/// simulator's syscalls on a ZMTP connection are the size theirs are.
+const ZMQ_BATCH: usize = 8 * 1024;
+
+/// Writes `out` as libzmq would: in writes of at most [`ZMQ_BATCH`].
+async fn write_batched(stream: &mut TcpStream, out: &[u8]) -> std::io::Result<()> {
+    for chunk in out.chunks(ZMQ_BATCH) {
+        stream.write_all(chunk).await?;
+    }
+    Ok(())
 }
 
 /// Accept PUSH peers and hand each complete message to `on_message`.
@@ -191,7 +206,7 @@ where
                 stats.bad_connections.fetch_add(1, Ordering::Relaxed);
                 return;
             }
-            let mut reader = tokio::io::BufReader::with_capacity(64 * 1024, sock);
+            let mut reader = tokio::io::BufReader::with_capacity(ZMQ_BATCH, sock);
             loop {
                 match zmtp::read_message(&mut reader).await {
                     Ok(Some(parts)) => {
