@@ -169,13 +169,14 @@ async fn writer(to: SocketAddr, mut rx: mpsc::Receiver<(Bytes, u64)>, stats: Arc
 }
 
 /// libzmq's batch (`ZMQ_OUT_BATCH_SIZE` and `ZMQ_IN_BATCH_SIZE`, 8 KiB by default): its stream
-/// engine sends the encoded stream in writes of at most this much and reads at most this much a
-/// time (a message body larger than it goes in one syscall of its own, which the peer reads
-/// straight into the message). SGLang's and vLLM's ZeroMQ sockets keep the default, so the
-/// simulator's syscalls on a ZMTP connection are the size theirs are.
+/// engine sends the encoded stream in writes of at most this much and reads at most this much at
+/// a time (only a message body larger than a batch goes in a syscall of its own, which the peer
+/// reads straight into the message). SGLang's and vLLM's ZeroMQ sockets keep the default, so the
+/// simulator's syscalls on a ZMTP connection are no larger than theirs.
 const ZMQ_BATCH: usize = 8 * 1024;
 
-/// Writes `out` as libzmq would: in writes of at most [`ZMQ_BATCH`].
+/// Writes `out` in writes of at most [`ZMQ_BATCH`] (a body larger than a batch too, where
+/// libzmq would write it in one syscall: the simulator's messages are far smaller).
 async fn write_batched(stream: &mut TcpStream, out: &[u8]) -> std::io::Result<()> {
     for chunk in out.chunks(ZMQ_BATCH) {
         stream.write_all(chunk).await?;
