@@ -61,7 +61,8 @@ pub fn build() -> Result<Built> {
 
 /// The build, `on` called with each executable as it lands, so that the test executables can
 /// start while the rest still compiles. `waves`: test targets built before everything else, each
-/// wave in a cargo run of its own (the first with the two binaries) over the same packages and
+/// wave in a cargo run of its own (the first with the two binaries: it must hold an integration
+/// test of `revenant` and one of `pd-sim`) over the same packages and
 /// profile, whose artifacts the later runs reuse as they are (cargo resolves the same features
 /// for every run: each builds test targets, so each activates the dev-dependencies); cargo's own
 /// order would leave them to the end. `nice`: the compilers run below the tests' priority (a
@@ -73,15 +74,15 @@ pub fn build_reporting(
 ) -> Result<Built> {
     let (mut revenant, mut pd_sim, mut tests) = (None, None, Vec::new());
     let mut runs: Vec<Vec<String>> = Vec::new();
-    for (i, wave) in waves.iter().enumerate() {
+    for wave in waves {
+        // No `--bin`: in `cargo test` it builds a binary's unit tests; cargo builds the binaries
+        // themselves for their packages' integration tests (`CARGO_BIN_EXE_*`), and the first
+        // wave holds one of each package whose binary the tests run.
         let mut run: Vec<String> = SELECTION
             .iter()
             .filter(|a| **a != "--all-targets")
             .map(|a| a.to_string())
             .collect();
-        if i == 0 {
-            run.extend(["--bin", "revenant", "--bin", "pd-sim"].map(String::from));
-        }
         for t in wave {
             run.extend(["--test".to_owned(), t.to_string()]);
         }

@@ -408,33 +408,55 @@ fn module_jobs(
     jobs
 }
 
+/// The packages whose binaries the tests run (`REVENANT_BIN`, `PD_SIM_BIN`). `cargo test`
+/// builds a package's binaries as binaries (not as their own unit tests) only for its integration
+/// tests (`CARGO_BIN_EXE_*`), so the first wave holds one heavy test target of each.
+const BINARY_PACKAGES: &[&str] = &["revenant", "pd-sim"];
+
 /// The test targets of the heavy executables (`PROFILE`), in the waves the build makes them
 /// before everything else: first the one the queue runs first (the longest expected, `measured`
-/// where a run measured it), alone with the two binaries, so that the heavy chain, the tests'
-/// critical path, starts as early as the binaries allow; then the rest of them, ready before the
-/// first has run (minutes), ahead of the rest of the build.
+/// where a run measured it) with the two binaries (and so with the first heavy target of each of
+/// their packages), so that the heavy chain, the tests' critical path, starts as early as the
+/// binaries allow; then the rest of them, ready before the first has run (minutes), ahead of the
+/// rest of the build.
 fn heavy_targets(measured: &BTreeMap<String, u32>) -> Vec<Vec<&'static str>> {
-    let mut heavy: Vec<(&str, u32)> = PROFILE
+    let mut heavy: Vec<(&str, &str, u32)> = PROFILE
         .iter()
         .filter(|(_, _, heavy)| *heavy)
         .filter_map(|(label, expected, _)| {
-            let (_, target) = label.split_whitespace().next()?.split_once('/')?;
+            let (package, target) = label.split_whitespace().next()?.split_once('/')?;
             let expected = measured.get(*label).copied().unwrap_or(*expected);
-            Some((target, expected))
+            Some((package, target, expected))
         })
-        .filter(|(t, _)| *t != "lib")
+        .filter(|(_, t, _)| *t != "lib")
         .collect();
-    heavy.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(b.0)));
-    let mut names: Vec<&str> = Vec::new();
-    for (t, _) in heavy {
-        if !names.contains(&t) {
-            names.push(t);
+    heavy.sort_by(|a, b| b.2.cmp(&a.2).then(a.1.cmp(b.1)));
+    let mut chain: Vec<(&str, &str)> = Vec::new();
+    for (package, target, _) in heavy {
+        if !chain.iter().any(|(_, t)| *t == target) {
+            chain.push((package, target));
         }
     }
-    match names.split_first() {
-        Some((first, rest)) if !rest.is_empty() => vec![vec![*first], rest.to_vec()],
-        Some((first, _)) => vec![vec![*first]],
-        None => Vec::new(),
+    let Some(&(_, first)) = chain.first() else {
+        return Vec::new();
+    };
+    let mut wave: Vec<&str> = vec![first];
+    for package in BINARY_PACKAGES {
+        if let Some(&(_, t)) = chain.iter().find(|(p, _)| p == package)
+            && !wave.contains(&t)
+        {
+            wave.push(t);
+        }
+    }
+    let rest: Vec<&str> = chain
+        .iter()
+        .map(|(_, t)| *t)
+        .filter(|t| !wave.contains(t))
+        .collect();
+    if rest.is_empty() {
+        vec![wave]
+    } else {
+        vec![wave, rest]
     }
 }
 
@@ -933,14 +955,23 @@ mod tests {
     fn the_heavy_targets_built_first_are_test_targets_of_the_workspace() {
         let root = test_harness::workspace_root();
         let waves = heavy_targets(&BTreeMap::new());
-        assert_eq!(
-            waves[0],
-            ["pd_sim_revenant"],
-            "the longest expected, alone: {waves:?}"
-        );
+        // The longest expected first, with one heavy target of each package whose binary the
+        // tests run (so that cargo builds those binaries in the first wave).
+        assert_eq!(waves[0][0], "pd_sim_revenant", "{waves:?}");
+        for package in BINARY_PACKAGES {
+            let of_package = |t: &&str| {
+                PROFILE.iter().any(|(l, _, _)| {
+                    l.split_whitespace().next() == Some(format!("{package}/{t}").as_str())
+                })
+            };
+            assert!(
+                waves[0].iter().any(of_package),
+                "no {package} target in the first wave: {waves:?}"
+            );
+        }
         // Measured durations reorder the waves.
         let measured = BTreeMap::from([("e2e/cluster_pd".to_owned(), 900)]);
-        assert_eq!(heavy_targets(&measured)[0], ["cluster_pd"]);
+        assert_eq!(heavy_targets(&measured)[0][0], "cluster_pd");
         let names: Vec<&str> = waves.concat();
         let mut unique = names.clone();
         unique.sort_unstable();
