@@ -667,17 +667,14 @@ fn bootstrap_writers_are_attributed_by_their_connections() {
     assert_eq!(s.kernel(counter::CONNECTING_FULL), 0);
 }
 
-/// libzmq batches queued control messages into one write (up to 8 KiB). Once the tracker has
-/// seen a connection's ZMTP greeting, the kernel captures that socket's syscalls whole (up to
-/// 4 KiB at each end), so every one of 20 destinations messages sent in one ~6 KB write is read,
-/// where the default 512-byte head and tail windows would keep three or four.
-#[test]
-fn a_zmtp_connection_is_captured_whole() {
+/// `fake_zmtp.py`'s prefill (listening, watched by a fresh eBPF source) and its decode
+/// (connecting, 20 destinations to send), neither started yet.
+fn zmtp_pair() -> (Fake, Fake, EbpfSource) {
     let port = free_port();
     let script = fixture("fake_zmtp.py").display().to_string();
-    let mut prefill = Fake::spawn(&[script.clone(), "prefill".into(), port.to_string()])
+    let prefill = Fake::spawn(&[script.clone(), "prefill".into(), port.to_string()])
         .expect("the fake prefill could not bind its port");
-    let mut src = start_source(EbpfConfig {
+    let src = start_source(EbpfConfig {
         capture: CaptureConfig::default(),
         discovery: Discovery {
             pids: vec![revenant::ingest::ebpf::PidRule {
@@ -689,8 +686,53 @@ fn a_zmtp_connection_is_captured_whole() {
         },
         ..Default::default()
     });
-    let mut decode = Fake::spawn(&[script, "decode".into(), port.to_string(), "20".into()])
+    let decode = Fake::spawn(&[script, "decode".into(), port.to_string(), "20".into()])
         .expect("the fake decode could not start");
+    (prefill, decode, src)
+}
+
+/// Drains `src` until the 20 rooms of `fake_zmtp.py`'s batch are read (10 s at most), then
+/// checks that the stream never lost sync and the kernel dropped nothing.
+fn read_all_twenty_rooms(src: &mut EbpfSource, events: &mut Vec<LifecycleEvent>) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let rooms = |events: &[LifecycleEvent]| -> Vec<u64> {
+        let mut r: Vec<u64> = events
+            .iter()
+            .filter(|e| e.stage == Stage::Transfer && e.kind == Kind::Admitted)
+            .filter_map(|e| e.ids.bootstrap_room.map(|r| r.0))
+            .collect();
+        r.sort_unstable();
+        r.dedup();
+        r
+    };
+    while rooms(events).len() < 20 {
+        assert!(
+            Instant::now() < deadline,
+            "destinations read: {:?}",
+            rooms(events)
+        );
+        src.drain(events);
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(rooms(events), (1000..1020).collect::<Vec<_>>());
+    src.rescan();
+    let stats = src.stats();
+    assert_eq!(
+        stats
+            .zmtp_desyncs
+            .load(std::sync::atomic::Ordering::Relaxed),
+        0
+    );
+    assert_eq!(stats.kernel(counter::RINGBUF_DROPS), 0);
+}
+
+/// libzmq batches queued control messages into one write (up to 8 KiB). Once the tracker has
+/// seen a connection's ZMTP greeting, the kernel captures that socket's syscalls whole (up to
+/// 4 KiB at each end), so every one of 20 destinations messages sent in one ~6 KB write is read,
+/// where the default 512-byte head and tail windows would keep three or four.
+#[test]
+fn a_zmtp_connection_is_captured_whole() {
+    let (mut prefill, mut decode, mut src) = zmtp_pair();
     let mut events = Vec::new();
     wait_watched(&mut src, &[prefill.pid()]);
     prefill.go();
@@ -714,36 +756,7 @@ fn a_zmtp_connection_is_captured_whole() {
     decode.expect_line("SENT");
     decode.go();
     prefill.expect_line("DONE");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let rooms = |events: &[LifecycleEvent]| -> Vec<u64> {
-        let mut r: Vec<u64> = events
-            .iter()
-            .filter(|e| e.stage == Stage::Transfer && e.kind == Kind::Admitted)
-            .filter_map(|e| e.ids.bootstrap_room.map(|r| r.0))
-            .collect();
-        r.sort_unstable();
-        r.dedup();
-        r
-    };
-    while rooms(&events).len() < 20 {
-        assert!(
-            Instant::now() < deadline,
-            "destinations read: {:?}",
-            rooms(&events)
-        );
-        src.drain(&mut events);
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    assert_eq!(rooms(&events), (1000..1020).collect::<Vec<_>>());
-    src.rescan();
-    let stats = src.stats();
-    assert_eq!(
-        stats
-            .zmtp_desyncs
-            .load(std::sync::atomic::Ordering::Relaxed),
-        0
-    );
-    assert_eq!(stats.kernel(counter::RINGBUF_DROPS), 0);
+    read_all_twenty_rooms(&mut src, &mut events);
 }
 
 /// A peer writes its first batch right behind its greeting, before user space could have read
@@ -753,24 +766,7 @@ fn a_zmtp_connection_is_captured_whole() {
 /// head and tail windows the ~6 KB batch would give three or four of its 20 rooms.
 #[test]
 fn a_batch_right_behind_the_greeting_is_captured_whole() {
-    let port = free_port();
-    let script = fixture("fake_zmtp.py").display().to_string();
-    let mut prefill = Fake::spawn(&[script.clone(), "prefill".into(), port.to_string()])
-        .expect("the fake prefill could not bind its port");
-    let mut src = start_source(EbpfConfig {
-        capture: CaptureConfig::default(),
-        discovery: Discovery {
-            pids: vec![revenant::ingest::ebpf::PidRule {
-                role: Role::Prefill,
-                pid: prefill.pid(),
-            }],
-            watch: vec![],
-            conventions: false,
-        },
-        ..Default::default()
-    });
-    let mut decode = Fake::spawn(&[script, "decode".into(), port.to_string(), "20".into()])
-        .expect("the fake decode could not start");
+    let (mut prefill, mut decode, mut src) = zmtp_pair();
     wait_watched(&mut src, &[prefill.pid()]);
     prefill.go();
     decode.expect_line("GREETED");
@@ -786,36 +782,7 @@ fn a_batch_right_behind_the_greeting_is_captured_whole() {
     decode.go();
     prefill.expect_line("DONE");
     let mut events = Vec::new();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let rooms = |events: &[LifecycleEvent]| -> Vec<u64> {
-        let mut r: Vec<u64> = events
-            .iter()
-            .filter(|e| e.stage == Stage::Transfer && e.kind == Kind::Admitted)
-            .filter_map(|e| e.ids.bootstrap_room.map(|r| r.0))
-            .collect();
-        r.sort_unstable();
-        r.dedup();
-        r
-    };
-    while rooms(&events).len() < 20 {
-        assert!(
-            Instant::now() < deadline,
-            "destinations read: {:?}",
-            rooms(&events)
-        );
-        src.drain(&mut events);
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    assert_eq!(rooms(&events), (1000..1020).collect::<Vec<_>>());
-    src.rescan();
-    let stats = src.stats();
-    assert_eq!(
-        stats
-            .zmtp_desyncs
-            .load(std::sync::atomic::Ordering::Relaxed),
-        0
-    );
-    assert_eq!(stats.kernel(counter::RINGBUF_DROPS), 0);
+    read_all_twenty_rooms(&mut src, &mut events);
 }
 
 /// vLLM's `/metrics` is tens of KB written in one syscall, and its `vllm:cache_config_info`
