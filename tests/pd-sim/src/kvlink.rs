@@ -168,7 +168,9 @@ async fn writer(to: SocketAddr, mut rx: mpsc::Receiver<(Bytes, u64)>, stats: Arc
     }
 }
 
-/// libzmq's batch (`ZMQ_OUT_BATCH_SIZE` and `ZMQ_IN_BATCH_SIZE`, 8 KiB by default): its stream
+/// libzmq's batch (`ZMQ_OUT_BATCH_SIZE` and `ZMQ_IN_BATCH_SIZE`, 8 KiB by default:
+/// `in_batch_size (8192), out_batch_size (8192)` in `options_t`'s constructor, libzmq
+/// `src/options.cpp`; pyzmq, which SGLang's and vLLM's sockets use, links it): its stream
 /// engine sends the encoded stream in writes of at most this much and reads at most this much at
 /// a time (only a message body larger than a batch goes in a syscall of its own, which the peer
 /// reads straight into the message). SGLang's and vLLM's ZeroMQ sockets keep the default, so the
