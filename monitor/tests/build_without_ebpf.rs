@@ -4,9 +4,13 @@
 //! eBPF object, `run --ebpf on` is refused (exit 2) and `run` (`--ebpf auto`) says in `/readyz`
 //! why it has no eBPF source.
 //!
-//! The build goes to `target/no-ebpf` (its own target directory: the default build's binary is
-//! left alone); the first one compiles the dependencies again (minutes on 2 cores), later ones
-//! only `revenant`.
+//! The build shares the intermediate artifacts of the build this test executable came from
+//! (cargo's `build-dir`: the same profile, the whole workspace selected and test targets built,
+//! so cargo resolves the dependencies' features as that build did and compiles none of them
+//! again) and puts its binary in a target directory of its own (`no-ebpf/` beside them), so the
+//! default build's binary is left alone. Only `revenant` itself is compiled, without the
+//! optimizer: seconds, where a target directory of its own compiled every dependency again
+//! (minutes on 2 cores). It waits for cargo's lock while another build holds that directory.
 
 mod support;
 
@@ -43,6 +47,16 @@ fn path_without_bpf_linker(scratch: &Path) -> std::ffi::OsString {
     std::env::join_paths(dirs).unwrap()
 }
 
+/// The build directory this executable was built in (`<dir>/<profile>/deps/<this>`): the
+/// dependencies it holds were compiled for the whole workspace's tests, in this profile.
+fn build_dir() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    exe.ancestors()
+        .nth(3)
+        .unwrap_or_else(|| panic!("{} is not in <dir>/<profile>/deps", exe.display()))
+        .to_path_buf()
+}
+
 #[test]
 fn a_build_without_the_ebpf_feature_needs_no_bpf_linker_and_checks() {
     let scratch = tempfile::tempdir().unwrap();
@@ -51,30 +65,42 @@ fn a_build_without_the_ebpf_feature_needs_no_bpf_linker_and_checks() {
         std::env::split_paths(&path).all(|d| !d.join("bpf-linker").exists()),
         "bpf-linker still on PATH"
     );
-    let target = root().join("target/no-ebpf");
+    let build_dir = build_dir();
+    let target = build_dir.join("no-ebpf");
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let log = scratch.path().join("build.log");
-    let mut build = Command::new(cargo)
-        .current_dir(root())
+    let mut cmd = Command::new(cargo);
+    cmd.current_dir(root())
+        // `cargo test --no-run` over the workspace, as the build that made this executable: the
+        // same packages and dev-dependencies, so the same features for every dependency.
         .args([
-            "build",
-            "-p",
-            "revenant",
-            "--no-default-features",
-            "--features",
-            "runtime",
-            "--bin",
-            "revenant",
+            "test",
+            "--no-run",
+            "--workspace",
+            "--exclude",
+            "monitor-ebpf",
         ])
+        .args(["--no-default-features", "--features", "revenant/runtime"])
+        // An integration test of `revenant` makes cargo build its binary (`CARGO_BIN_EXE_*`).
+        .args(["--test", "build_without_ebpf"])
+        .arg("--config")
+        .arg(format!(
+            "build.build-dir={:?}",
+            build_dir.display().to_string()
+        ))
+        .args(["--config", "profile.release.package.revenant.opt-level=0"])
         .arg("--target-dir")
         .arg(&target)
         .env("PATH", &path)
         .env_remove("CARGO_TARGET_DIR")
+        .env_remove("CARGO_BUILD_BUILD_DIR")
         .stdin(Stdio::null())
         .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&log).unwrap())
-        .spawn()
-        .unwrap();
+        .stderr(std::fs::File::create(&log).unwrap());
+    if !cfg!(debug_assertions) {
+        cmd.arg("--release");
+    }
+    let mut build = cmd.spawn().unwrap();
     let deadline = Instant::now() + Duration::from_secs(40 * 60);
     let status = loop {
         if let Some(s) = build.try_wait().unwrap() {
@@ -88,7 +114,13 @@ fn a_build_without_the_ebpf_feature_needs_no_bpf_linker_and_checks() {
         std::thread::sleep(Duration::from_millis(200));
     };
     assert!(status.success(), "build failed:\n{}", tail(&log, 40));
-    let bin = target.join("debug/revenant");
+    let bin = target
+        .join(if cfg!(debug_assertions) {
+            "debug"
+        } else {
+            "release"
+        })
+        .join("revenant");
 
     let o = Command::new(&bin).arg("--version").output().unwrap();
     let version = String::from_utf8_lossy(&o.stdout);
