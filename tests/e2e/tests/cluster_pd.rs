@@ -37,7 +37,15 @@ struct Member {
     dir: PathBuf,
 }
 
-fn start(name: &str, dir: &Path, mut c: Command) -> Member {
+/// A member started, not yet ready.
+struct Starting {
+    name: String,
+    proc: Proc,
+    dir: PathBuf,
+}
+
+/// Starts a member (on the calling thread: a member dies with the thread that forked it).
+fn spawn(name: &str, dir: &Path, mut c: Command) -> Starting {
     std::fs::create_dir_all(dir).unwrap();
     c.arg("--ready-file")
         .arg(dir.join("ready"))
@@ -47,7 +55,20 @@ fn start(name: &str, dir: &Path, mut c: Command) -> Member {
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(dir.join("stderr")).unwrap());
-    let mut proc = Proc::spawn(name, &mut c).unwrap();
+    Starting {
+        name: name.into(),
+        proc: Proc::spawn(name, &mut c).unwrap(),
+        dir: dir.into(),
+    }
+}
+
+/// Waits until a started member has written its ready file.
+fn ready(s: Starting) -> Member {
+    let Starting {
+        name,
+        mut proc,
+        dir,
+    } = s;
     let deadline = Instant::now() + WAIT;
     loop {
         if let Ok(t) = std::fs::read_to_string(dir.join("ready"))
@@ -56,7 +77,7 @@ fn start(name: &str, dir: &Path, mut c: Command) -> Member {
             return Member {
                 proc,
                 admin: v["admin"].as_str().unwrap().to_owned(),
-                dir: dir.into(),
+                dir,
             };
         }
         if let Some(s) = proc.exited() {
@@ -72,6 +93,13 @@ fn metric(admin: &str, name: &str) -> f64 {
         Ok((200, body)) => metric_sum(&parse_metrics(&body), name, &[]),
         _ => -1.0,
     }
+}
+
+fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64()
 }
 
 fn stop(m: &mut Member) {
@@ -150,32 +178,37 @@ fn run(mode: &str, load_args: &[&str], fault: Fault) -> Outcome {
         .args(["--allowed-lateness", "2s", "--rate-limit", "0"])
         .arg("--alerts-jsonl")
         .arg(d.join("alerts.jsonl"));
-        start(&format!("checker {i} ({life})"), &d, c)
+        spawn(&format!("checker {i} ({life})"), &d, c)
     };
-    let mut checkers: Vec<Member> = (0..owned.len()).map(|i| start_checker(i, 1)).collect();
+    // The members of a kind start together, then each is waited for: an agent's start is mostly
+    // the kernel verifying its probes.
+    let starting: Vec<Starting> = (0..owned.len()).map(|i| start_checker(i, 1)).collect();
+    let mut checkers: Vec<Member> = starting.into_iter().map(ready).collect();
     // Every life's alerts file, the killed ones' too.
     let mut alert_files: Vec<PathBuf> = checkers
         .iter()
         .map(|c| c.dir.join("alerts.jsonl"))
         .collect();
-    let mut agents: Vec<Member> = cluster
+    let start_agent = |role: &str, pid: u32| {
+        let d = dir.path().join(format!("agent-{role}"));
+        let mut c = Command::new(&b.revenant);
+        c.arg("agent");
+        bus(&mut c);
+        c.args(["--node", &format!("{role}-node"), "--ebpf", "on"])
+            .arg("--no-sglang-conventions")
+            .args(["--pid", &format!("{role}={pid}")])
+            .args(["--otlp-grpc", "off", "--otlp-http", "off"]);
+        if role == "prefill" {
+            c.args(["--clock-offset", "20ms"]);
+        }
+        spawn(&format!("agent {role}"), &d, c)
+    };
+    let starting: Vec<Starting> = cluster
         .pids
         .iter()
-        .map(|(role, pid)| {
-            let d = dir.path().join(format!("agent-{role}"));
-            let mut c = Command::new(&b.revenant);
-            c.arg("agent");
-            bus(&mut c);
-            c.args(["--node", &format!("{role}-node"), "--ebpf", "on"])
-                .arg("--no-sglang-conventions")
-                .args(["--pid", &format!("{role}={pid}")])
-                .args(["--otlp-grpc", "off", "--otlp-http", "off"]);
-            if role == "prefill" {
-                c.args(["--clock-offset", "20ms"]);
-            }
-            start(&format!("agent {role}"), &d, c)
-        })
+        .map(|(role, pid)| start_agent(role, *pid))
         .collect();
+    let mut agents: Vec<Member> = starting.into_iter().map(ready).collect();
     let load = {
         let (pd_sim, router) = (b.pd_sim.clone(), cluster.router.clone());
         let args: Vec<String> = load_args.iter().map(|s| s.to_string()).collect();
@@ -198,7 +231,7 @@ fn run(mode: &str, load_args: &[&str], fault: Fault) -> Outcome {
             std::thread::sleep(Duration::from_secs(4));
             checkers[0].proc.stop(libc::SIGKILL, Duration::ZERO);
             std::thread::sleep(Duration::from_secs(2));
-            checkers[0] = start_checker(0, 2);
+            checkers[0] = ready(start_checker(0, 2));
             alert_files.push(checkers[0].dir.join("alerts.jsonl"));
         }
         Fault::NatsOutage => {
@@ -218,21 +251,25 @@ fn run(mode: &str, load_args: &[&str], fault: Fault) -> Outcome {
         .unwrap()
         .unwrap_or_else(|e| panic!("{e:#}"))
         .expect("not interrupted");
-    // The agents are quiet once nothing more arrives; then every deadline (500 ms window, 50 ms
-    // skew) is past the checkers' watermark (2 s lateness) after a few seconds.
+    let load_end = unix_now();
+    // The agents are quiet once nothing more arrives for 2 s: the decode legs a router cancels
+    // end after its answer, and an agent stopped before a leg's end leaves that leg open for
+    // the checkers (orphaned-leg, 6 s later).
     let mut last = -1.0;
+    let mut since = Instant::now();
     let deadline = Instant::now() + WAIT;
     loop {
         let routed: f64 = agents
             .iter()
             .map(|a| metric(&a.admin, "revenant_agent_events_total"))
             .sum();
-        if routed == last {
+        if routed != last {
+            (last, since) = (routed, Instant::now());
+        } else if since.elapsed() >= Duration::from_secs(2) {
             break;
         }
-        last = routed;
         assert!(Instant::now() < deadline, "agents never quiet");
-        std::thread::sleep(Duration::from_secs(2));
+        std::thread::sleep(Duration::from_millis(250));
     }
     let rooms = cluster.prefill_rooms().unwrap();
     let mut published = 0.0;
@@ -265,7 +302,21 @@ fn run(mode: &str, load_args: &[&str], fault: Fault) -> Outcome {
         );
         std::thread::sleep(Duration::from_millis(50));
     }
-    std::thread::sleep(Duration::from_secs(4));
+    // Then every checker's watermark passes every deadline a run could still miss: the load's
+    // end plus the longest default window short of the 330 s ones (orphaned-leg's 6 s), so a
+    // silent result covers the whole load.
+    let judged = load_end + 7.0;
+    let deadline = Instant::now() + WAIT;
+    while checkers
+        .iter()
+        .any(|c| metric(&c.admin, "revenant_checker_watermark_timestamp_seconds") < judged)
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the checkers' watermarks did not pass {judged} within {WAIT:?}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
     for c in &mut checkers {
         stop(c);
     }
