@@ -212,12 +212,14 @@ fn show(events: &[&LifecycleEvent]) -> String {
 #[ignore = "needs PD_SIM_SMG (sglang-router 0.3.2); `cargo xtask test` runs it as root"]
 fn real_smg_prefill_400_with_live_decode_leg_is_flagged_from_ebpf_alone() {
     let t0 = Instant::now();
-    // Decode waits 6 s for KV: far past the 500 ms cancellation window. One attempt: smg retries
+    // Decode waits 7 s for KV: far past the 500 ms cancellation window, and a second past
+    // orphaned-leg's 6 s (a leg ending at 6 s raced the rule's deadline, which comes the few
+    // milliseconds prefill takes to refuse after decode took the leg). One attempt: smg retries
     // a decode 5xx with a new room, which would only repeat the same story.
     let s = setup(
         Workers::ByPidRoleUnknown,
         "",
-        "--kv-timeout-ms 6000",
+        "--kv-timeout-ms 7000",
         &[
             "--retry-max-retries",
             "1",
@@ -296,7 +298,8 @@ fn real_smg_prefill_400_with_live_decode_leg_is_flagged_from_ebpf_alone() {
 }
 
 /// smg retries a prefill 503, each time with a new `bootstrap_room`, under one
-/// `x-request-id` (it waits for each attempt's decode leg first: 6 s here, so ~20 s in all). From the kernel's view that must be one request with several attempts:
+/// `x-request-id` (it waits for each attempt's decode leg first: 7 s here, a second past
+/// orphaned-leg's window so that every attempt's leg is judged open, so ~22 s in all). From the kernel's view that must be one request with several attempts:
 /// one rejection per room, every violation naming the same request and sharing one
 /// fingerprint per rule (so the storm notifies once).
 #[test]
@@ -306,7 +309,7 @@ fn real_smg_503_retry_storm_is_one_request_with_several_attempts() {
     let s = setup(
         Workers::FromRouterTraffic,
         "--overload-share 1.0",
-        "--kv-timeout-ms 6000",
+        "--kv-timeout-ms 7000",
         &[
             "--retry-max-retries",
             "3",
