@@ -968,7 +968,6 @@ mod tests {
 
     #[test]
     fn the_heavy_targets_built_first_are_test_targets_of_the_workspace() {
-        let root = test_harness::workspace_root();
         let waves = heavy_targets(&BTreeMap::new());
         // The longest expected first, with one heavy target of each package whose binary the
         // tests run (so that cargo builds those binaries in the first wave).
@@ -998,10 +997,10 @@ mod tests {
         );
         for name in names {
             // `cargo test --test NAME` fails the whole build when no package has NAME.
-            let found = TEST_DIRS
-                .iter()
-                .any(|d| root.join(d).join(format!("{name}.rs")).is_file());
-            assert!(found, "PROFILE names {name}, which is no test target");
+            assert!(
+                is_test_target(name),
+                "PROFILE names {name}, which is no test target"
+            );
         }
     }
 
