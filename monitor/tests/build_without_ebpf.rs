@@ -47,14 +47,11 @@ fn path_without_bpf_linker(scratch: &Path) -> std::ffi::OsString {
     std::env::join_paths(dirs).unwrap()
 }
 
-/// The build directory this executable was built in (`<dir>/<profile>/deps/<this>`): the
-/// dependencies it holds were compiled for the whole workspace's tests, in this profile.
-fn build_dir() -> PathBuf {
+/// The profile and build directory this executable was built in (`<dir>/<profile>/deps/<this>`):
+/// the dependencies it holds were compiled for the whole workspace's tests, in this profile.
+fn built_in() -> test_harness::BuildProfile {
     let exe = std::env::current_exe().unwrap();
-    exe.ancestors()
-        .nth(3)
-        .unwrap_or_else(|| panic!("{} is not in <dir>/<profile>/deps", exe.display()))
-        .to_path_buf()
+    test_harness::BuildProfile::of(&exe).unwrap_or_else(|e| panic!("{e:#}"))
 }
 
 #[test]
@@ -65,7 +62,8 @@ fn a_build_without_the_ebpf_feature_needs_no_bpf_linker_and_checks() {
         std::env::split_paths(&path).all(|d| !d.join("bpf-linker").exists()),
         "bpf-linker still on PATH"
     );
-    let build_dir = build_dir();
+    let profile = built_in();
+    let build_dir = &profile.target_dir;
     let target = build_dir.join("no-ebpf");
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let log = scratch.path().join("build.log");
@@ -88,7 +86,12 @@ fn a_build_without_the_ebpf_feature_needs_no_bpf_linker_and_checks() {
             "build.build-dir={:?}",
             build_dir.display().to_string()
         ))
-        .args(["--config", "profile.release.package.revenant.opt-level=0"])
+        .args(["--profile", &profile.name])
+        .arg("--config")
+        .arg(format!(
+            "profile.{}.package.revenant.opt-level=0",
+            profile.name
+        ))
         .arg("--target-dir")
         .arg(&target)
         .env("PATH", &path)
@@ -97,9 +100,6 @@ fn a_build_without_the_ebpf_feature_needs_no_bpf_linker_and_checks() {
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(&log).unwrap());
-    if !cfg!(debug_assertions) {
-        cmd.arg("--release");
-    }
     let mut build = cmd.spawn().unwrap();
     let deadline = Instant::now() + Duration::from_secs(40 * 60);
     let status = loop {
@@ -114,13 +114,7 @@ fn a_build_without_the_ebpf_feature_needs_no_bpf_linker_and_checks() {
         std::thread::sleep(Duration::from_millis(200));
     };
     assert!(status.success(), "build failed:\n{}", tail(&log, 40));
-    let bin = target
-        .join(if cfg!(debug_assertions) {
-            "debug"
-        } else {
-            "release"
-        })
-        .join("revenant");
+    let bin = target.join(&profile.dir).join("revenant");
 
     let o = Command::new(&bin).arg("--version").output().unwrap();
     let version = String::from_utf8_lossy(&o.stdout);

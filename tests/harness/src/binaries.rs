@@ -165,36 +165,66 @@ fn build_pd_sim() -> Result<PathBuf> {
         }
         return Ok(p);
     }
-    // target/<profile>/deps/<this test>
-    let exe = std::env::current_exe()?;
-    let profile_dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .ok_or_else(|| anyhow!("test binary not under target/<profile>/deps"))?;
-    let target_dir = profile_dir
-        .parent()
-        .ok_or_else(|| anyhow!("no target dir above {}", profile_dir.display()))?;
-    let release = profile_dir.file_name().is_some_and(|n| n == "release");
+    let profile = BuildProfile::of(&std::env::current_exe()?)?;
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let mut cmd = Command::new(&cargo);
     scrub_cargo_env(&mut cmd);
-    cmd.args(["build", "-p", "pd-sim", "--bin", "pd-sim", "--target-dir"])
-        .arg(target_dir)
+    cmd.args(["build", "-p", "pd-sim", "--bin", "pd-sim", "--profile"])
+        .arg(&profile.name)
+        .arg("--target-dir")
+        .arg(&profile.target_dir)
         .current_dir(workspace_root());
-    if release {
-        cmd.arg("--release");
-    }
     let status = cmd
         .status()
         .with_context(|| format!("cannot run {cargo} to build pd-sim"))?;
     if !status.success() {
         bail!("`cargo build -p pd-sim` failed: {status}");
     }
-    let bin = profile_dir.join("pd-sim");
+    let bin = profile.target_dir.join(&profile.dir).join("pd-sim");
     if !bin.exists() {
         bail!("pd-sim not found at {} after building it", bin.display());
     }
     Ok(bin)
+}
+
+/// The cargo profile a test executable was built in, read from where it lies
+/// (`<target dir>/<profile's directory>/deps/<executable>`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BuildProfile {
+    pub target_dir: PathBuf,
+    /// The profile's directory in the target directory: `debug` for `dev`, else its name.
+    pub dir: String,
+    /// The profile's name, for `cargo --profile`.
+    pub name: String,
+}
+
+impl BuildProfile {
+    pub fn of(exe: &Path) -> Result<BuildProfile> {
+        let mut up = exe.ancestors().skip(1);
+        let (deps, profile_dir, target_dir) = (up.next(), up.next(), up.next());
+        let (Some(deps), Some(profile_dir), Some(target_dir)) = (deps, profile_dir, target_dir)
+        else {
+            bail!("{} is not in <target>/<profile>/deps", exe.display());
+        };
+        if deps.file_name().is_none_or(|n| n != "deps") {
+            bail!("{} is not in <target>/<profile>/deps", exe.display());
+        }
+        let dir = profile_dir
+            .file_name()
+            .and_then(|n| n.to_str())
+            .ok_or_else(|| anyhow!("no profile directory above {}", exe.display()))?
+            .to_owned();
+        let name = if dir == "debug" {
+            "dev".into()
+        } else {
+            dir.clone()
+        };
+        Ok(BuildProfile {
+            target_dir: target_dir.to_path_buf(),
+            dir,
+            name,
+        })
+    }
 }
 
 /// The system programs the end-to-end tests run, with the Debian package of each: `cargo xtask
@@ -250,4 +280,27 @@ pub fn router_from_env(var: &str, what: &str) -> std::path::PathBuf {
     let p = std::path::PathBuf::from(p);
     assert!(p.is_file(), "{var}={} does not exist", p.display());
     p
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_build_profile_is_read_from_where_the_executable_lies() {
+        let p = BuildProfile::of(Path::new("/w/target/ci/deps/suite-0123")).unwrap();
+        assert_eq!(p.target_dir, Path::new("/w/target"));
+        assert_eq!((p.dir.as_str(), p.name.as_str()), ("ci", "ci"));
+        let p = BuildProfile::of(Path::new("/w/target/debug/deps/suite-0123")).unwrap();
+        assert_eq!(
+            (p.dir.as_str(), p.name.as_str()),
+            ("debug", "dev"),
+            "dev builds live in debug/"
+        );
+        let err = BuildProfile::of(Path::new("/w/target/ci/revenant")).unwrap_err();
+        assert!(
+            err.to_string().contains("not in <target>/<profile>/deps"),
+            "{err}"
+        );
+    }
 }

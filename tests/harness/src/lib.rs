@@ -21,8 +21,8 @@ pub mod sglang;
 mod vllm_router;
 
 pub use binaries::{
-    Binaries, SYSTEM_TOOLS, on_path, pd_sim_bin, router_from_env, system_bin, workspace_bin,
-    workspace_root,
+    Binaries, BuildProfile, SYSTEM_TOOLS, on_path, pd_sim_bin, router_from_env, system_bin,
+    workspace_bin, workspace_root,
 };
 pub use cluster::{Cluster, FAULT_VERDICT_WINDOWS, fault_verdict_window, run_load, run_load_quiet};
 pub use eventually::eventually;

@@ -1,8 +1,10 @@
-//! The one build every stage shares: `cargo test --release --no-run` over the whole workspace
+//! The one build every stage shares: `cargo test --profile ci --no-run` over the whole workspace
 //! (all targets), whose artifacts are the test executables, the benches (run once in test mode)
 //! and the `revenant` and `pd-sim` binaries the end-to-end tests, the chart and the image use.
 //! One profile and one package selection, so cargo resolves features once and compiles every
-//! crate once; the binaries that ship are the ones tested.
+//! crate once. The `ci` profile is the release profile without ThinLTO across each crate's
+//! codegen units (`Cargo.toml` says what that saves and costs): the code that ships, compiled
+//! as it ships but for that one pass.
 
 use std::path::PathBuf;
 use std::process::Stdio;
@@ -13,7 +15,8 @@ use serde_json::Value;
 /// `cargo test` arguments of the one build (and of every later cargo call that must find it
 /// fresh).
 pub const SELECTION: &[&str] = &[
-    "--release",
+    "--profile",
+    "ci",
     "--workspace",
     "--exclude",
     "monitor-ebpf",
