@@ -655,28 +655,29 @@ fn room_collisions_caught_once_each() {
 /// for 15 s: decode gives up and prefill keeps the room (stranded-kv), or prefill aborts and
 /// decode keeps waiting for its KV (held-decode-slot). The rules' windows follow the deployment's
 /// own timeouts (SGLang's 300 s by default, plus 30 s); this cluster's workers are held past
-/// timeouts of 0, so the windows are patched to 10 s, as docs/advancement.md says to (every
-/// other request ends in milliseconds). Each hold
+/// timeouts of 0, so the windows are patched to 4 s, as docs/advancement.md says to (every
+/// other request ends in milliseconds), and each hold lasts 8 s: it ends 4 s past its deadline.
+/// Each hold
 /// is one notification of its rule, from eBPF (the holding side's spans only come once it lets
 /// go, too late to count); everything else stays silent.
 #[test]
 fn stranded_kv_and_held_decode_slots_caught_once_each() {
     let _g = serial();
-    // The windows are 10 s: judged once the watermark (the allowed lateness behind) passes them.
-    let settle = |r: &Revenant, _: &Cluster| judged_beyond(r, Duration::from_secs(11));
+    // The windows are 4 s: judged once the watermark (the allowed lateness behind) passes them.
+    let settle = |r: &Revenant, _: &Cluster| judged_beyond(r, Duration::from_secs(5));
     let rules = "rules:
   - name: stranded-kv
     must_follow:
       trigger: [{stage: [decode], kind: [aborted, cancelled, rejected]}, {stage: [transfer], kind: [cancelled]}]
       given: [{stage: [prefill], kind: [received, admitted, work]}]
       expect: [{stage: [prefill], kind: [completed, aborted, cancelled, rejected]}, {stage: [transfer], kind: [completed]}]
-      within: 10s
+      within: 4s
   - name: held-decode-slot
     must_follow:
       trigger: [{stage: [prefill], kind: [aborted]}]
       given: [{stage: [decode], kind: [received, admitted, work]}]
       expect: [{stage: [decode], kind: [work, completed, aborted, cancelled, rejected]}, {stage: [transfer], kind: [completed]}]
-      within: 10s
+      within: 4s
 ";
     let o = run_with_rules(
         "correct",
@@ -686,7 +687,7 @@ fn stranded_kv_and_held_decode_slots_caught_once_each() {
             "--fault-rate",
             "0.02",
             "--fault-hold-ms",
-            "15000",
+            "8000",
         ],
         Sources::Both,
         &["--rate", "500", "--requests", "3000"],

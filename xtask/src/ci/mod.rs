@@ -2,9 +2,10 @@
 //! says what each stage runs and how long it takes.
 //!
 //! ```text
-//! setup ─► build (one: cargo test --release --no-run, every target, below the tests' priority)
+//! setup ─► build (one: cargo test --profile ci --no-run, every target, below the tests' priority)
 //!            ├─ tests ×2: each test executable joins the queue as the build makes it (with both
 //!            │            binaries); the lanes take the heavy ones first, then the longest
+//!            ├─ timed: the executables that judge timers of seconds with little CPU, one at a time
 //!            ├─ builds: the test executables whose work is a build (lowest priority)
 //!            ├─ venvs ─► (the real-component tests join the queue)
 //!            ├─ (both binaries made) ─► fuzz (lowest priority): build ─► replay ─► fixed-seed runs
@@ -17,7 +18,8 @@
 //! stages ever race for a port. Test executables run as cargo would run them (`exec`), each with
 //! its output in `target/ci/logs/`; at most one of those that load the machine ([`PROFILE`]: the
 //! end-to-end runs under eBPF, the real SGLang) runs at a time, so their timing stays what a
-//! quiet machine gives. Builds that only fill idle time (the rest of the main build once tests
+//! quiet machine gives; those that judge timers with a fraction of a core run beside it, in a
+//! lane of their own. Builds that only fill idle time (the rest of the main build once tests
 //! run, the fuzz targets, the build without eBPF) run below the tests' priority. The timings are
 //! printed at the end and written to `target/ci/timings.json`; the wall time each executable took
 //! is kept in `target/ci/durations.json` to order the next run's queue.
@@ -43,59 +45,88 @@ const PORTS: &[(&str, u16, u16)] = &[
     ("tests-2", 14000, 15999),
     ("fuzz", 16000, 17999),
     ("builds", 18000, 19999),
+    ("timed", 20000, 21999),
 ];
+
+/// How a test executable loads the machine, which decides what may run beside it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Load {
+    /// Short, or mostly waiting on little work: runs beside anything.
+    Light,
+    /// Pushes load through several processes, or judges timing that load would skew: at most
+    /// one heavy job at a time, in a test lane, with light ones beside it and no timed one.
+    Heavy,
+    /// Heavy, at rates that leave room for a timed job beside it.
+    HeavyWithRoom,
+    /// Judges timers of seconds (a real router's retries and timeouts, a checker's leases) with
+    /// a fraction of a core: one at a time in a lane of their own, beside light jobs or a
+    /// [`Load::HeavyWithRoom`] one, so that they leave the heavy chain (the tests' critical
+    /// path).
+    Timed,
+}
+
+use Load::{Heavy, HeavyWithRoom, Light, Timed};
+
+impl Load {
+    fn heavy(self) -> bool {
+        matches!(self, Heavy | HeavyWithRoom)
+    }
+}
 
 /// Test executables that take long or load the machine: expected wall seconds on 2 cores (the
 /// queue runs the longest first; `target/ci/durations.json` replaces these once measured), and
-/// whether it is heavy: it pushes load through several processes or judges timing that load
-/// would skew, so at most one heavy executable runs at a time. Not even the two longest, which
-/// mostly wait on their windows: they kept every verdict side by side on one VM of this kind,
-/// but on another that needed 1.36 times the CPU time for the whole run, `pd_sim_revenant`'s
-/// revenant fell behind beside `cluster_pd` (its kernel ring buffer full at 137 requests/s, and
-/// eBPF's lead on room collisions lost). The rest may run beside one: the long ones among them
-/// mostly wait (real routers' timeouts, revenant's windows) and use a few seconds of CPU in a
-/// minute; every eBPF test watches its own processes by pid, so none sees another's traffic.
-/// Unlisted ones are light and short.
-const PROFILE: &[(&str, u32, bool)] = &[
-    ("e2e/pd_sim_revenant", 400, true),
-    ("e2e/cluster_pd", 250, true),
-    ("e2e/vllm_pd", 300, true),
+/// their [`Load`]. Heavy ones never run side by side. Not even the two longest, which mostly
+/// wait on their windows: they kept every verdict side by side on one VM of this kind, but on
+/// another that needed 1.36 times the CPU time for the whole run, `pd_sim_revenant`'s revenant
+/// fell behind beside `cluster_pd` (its kernel ring buffer full at 137 requests/s, and eBPF's
+/// lead on room collisions lost). Nor a timed one beside a heavy one at hundreds of requests a
+/// second: beside the timed ones, `pd_sim_revenant`'s revenant lost 71 000 of its 84 000 kernel
+/// records at 1 000 requests/s (ring buffer full), while `cluster_pd` (50–200 requests/s) kept
+/// every verdict beside them, and they theirs. The light ones may run beside any: the long ones
+/// among them mostly wait (real routers' timeouts, revenant's windows) and use a few seconds of
+/// CPU in a minute; every eBPF test watches its own processes by pid, so none sees another's
+/// traffic. Unlisted ones are light and short.
+const PROFILE: &[(&str, u32, Load)] = &[
+    ("e2e/pd_sim_revenant", 220, Heavy),
+    ("e2e/cluster_pd", 210, HeavyWithRoom),
+    ("e2e/vllm_pd", 100, Heavy),
     // The real vllm-router at up to 500 requests/s: load, as its simulated twin is.
-    ("e2e/vllm_pd --ignored", 90, true),
-    ("e2e/sglang_harness --ignored", 300, true),
-    ("pd-sim/modes", 120, true),
-    ("pd-sim/smg_1_13 --ignored", 120, true),
-    ("pd-sim/sglang_router --ignored", 90, false),
-    ("pd-sim/e2e_real_router --ignored", 90, false),
-    ("pd-sim/e2e_capacity --ignored", 90, false),
-    ("pd-sim/vllm_real_router --ignored", 60, false),
-    ("pd-sim/zmq_interop --ignored", 30, false),
+    ("e2e/vllm_pd --ignored", 70, Heavy),
+    ("e2e/sglang_harness --ignored", 115, Heavy),
+    // smg's retries, its cancelled decode legs and revenant's 6 s windows: 31 CPU s in 97 s.
+    ("pd-sim/smg_1_13 --ignored", 100, Timed),
+    ("pd-sim/modes", 15, Timed),
+    ("pd-sim/sglang_router --ignored", 90, Light),
+    ("pd-sim/e2e_real_router --ignored", 90, Light),
+    ("pd-sim/e2e_capacity --ignored", 90, Light),
+    ("pd-sim/vllm_real_router --ignored", 60, Light),
+    ("pd-sim/zmq_interop --ignored", 30, Light),
     // SGLang's and vLLM's own Python modules: most of a core for their 15 s (12–13 CPU s).
     // Beside them, `e2e/vllm_pd`'s revenant fell behind its ring at 500 requests/s (9 509
     // records dropped).
-    ("pd-sim/sglang_interop --ignored", 30, true),
-    ("pd-sim/vllm_interop --ignored", 30, true),
-    // The real router's retries and a decode leg held 7 s: its verdicts hang on the simulator's
-    // and smg's timers, which another heavy run beside it would delay.
-    ("revenant/ebpf_real_router --ignored", 90, true),
-    ("revenant/build_without_ebpf", 300, false),
-    ("revenant/cluster_faults", 200, false),
-    // Four checkers, three NATS servers and agents, with a 3 s lease TTL: kept off a loaded
-    // machine so that its takeovers are what the leases give.
-    ("revenant/cluster_leases", 60, true),
-    ("revenant/cluster_equivalence", 150, true),
-    ("revenant/ebpf_sim", 120, true),
-    ("revenant/run_ebpf", 90, true),
-    ("revenant/ebpf_probe", 90, true),
-    ("revenant/otlp_e2e", 90, false),
-    ("revenant/alert_delivery", 90, false),
-    ("revenant/prometheus_e2e", 90, false),
-    ("revenant/alertmanager_e2e", 60, false),
+    ("pd-sim/sglang_interop --ignored", 15, Heavy),
+    ("pd-sim/vllm_interop --ignored", 15, Heavy),
+    // The real router's retries and a decode leg held 7 s against a 6 s window: its verdicts
+    // hang on the simulator's and smg's timers (13 CPU s in 55 s).
+    ("revenant/ebpf_real_router --ignored", 60, Timed),
+    ("revenant/build_without_ebpf", 300, Light),
+    ("revenant/cluster_faults", 200, Light),
+    // Four checkers, three NATS servers and agents, with a 3 s lease TTL: its takeovers must
+    // be what the leases give (6 CPU s in 31 s).
+    ("revenant/cluster_leases", 35, Timed),
+    ("revenant/cluster_equivalence", 30, Heavy),
+    ("revenant/ebpf_sim", 10, Heavy),
+    ("revenant/run_ebpf", 10, Heavy),
+    ("revenant/ebpf_probe", 20, Heavy),
+    ("revenant/otlp_e2e", 90, Light),
+    ("revenant/alert_delivery", 90, Light),
+    ("revenant/prometheus_e2e", 90, Light),
+    ("revenant/alertmanager_e2e", 60, Light),
     // Headless Chromium loads the pages seven times (a browser start each).
-    ("revenant/pages_browser", 30, false),
-    ("revenant/order_property", 60, true),
-    ("revenant/cancel_property", 60, true),
-    ("revenant/lib", 60, false),
+    ("revenant/pages_browser", 30, Light),
+    ("revenant/order_property", 60, Heavy),
+    ("revenant/cancel_property", 60, Heavy),
+    ("revenant/lib", 60, Light),
 ];
 
 /// Executables whose ignored tests need the real components' venvs (`--ignored`): pd-sim's
@@ -179,19 +210,30 @@ struct Job {
     args: Vec<String>,
     /// Needs the real components' venvs (waits for them).
     real: bool,
-    heavy: bool,
+    load: Load,
     nice: bool,
     expected: u32,
     label: String,
 }
 
-/// What a lane runs: test executables, or the executables whose own work is a build
-/// ([`NICE`]), which run below the tests' priority in a lane of their own so that their minutes
-/// of compiling never hold a test lane.
+/// What a lane runs: heavy and light test executables; the timed ones ([`Load::Timed`]); or
+/// the executables whose own work is a build ([`NICE`]), which run below the tests' priority in
+/// a lane of their own so that their minutes of compiling never hold a test lane.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum LaneKind {
     Tests,
+    Timed,
     Builds,
+}
+
+impl LaneKind {
+    fn runs(self, job: &Job) -> bool {
+        match self {
+            LaneKind::Builds => job.nice,
+            LaneKind::Timed => !job.nice && job.load == Timed,
+            LaneKind::Tests => !job.nice && job.load != Timed,
+        }
+    }
 }
 
 /// The queue the test lanes take jobs from, longest first.
@@ -208,8 +250,10 @@ struct QueueState {
     venvs: Option<std::result::Result<Vec<(String, PathBuf)>, String>>,
     /// What every test executable is given: the binaries (`REVENANT_BIN`, `PD_SIM_BIN`).
     common: Vec<(String, PathBuf)>,
-    /// A heavy job is running.
-    heavy_running: bool,
+    /// The heavy job running, if one is.
+    heavy_running: Option<Load>,
+    /// A timed job is running.
+    timed_running: bool,
     results: Vec<Ran>,
 }
 
@@ -220,23 +264,35 @@ impl Queue {
     /// A heavy job goes first whenever none runs: the heavy ones run one after another, so
     /// their chain is the tests' critical path, and the light ones fill the other lane beside
     /// it (taken longest first, a long light job would hold the chain up for its whole run).
+    /// A timed job waits while a heavy one without room runs, and such a heavy one while a
+    /// timed one runs ([`Load`]).
     fn take(&self, kind: LaneKind) -> Option<(Job, Vec<(String, PathBuf)>)> {
         let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
         loop {
-            let mine = |j: &Job| j.nice == (kind == LaneKind::Builds);
+            let mine = |j: &Job| kind.runs(j);
             if !s.pending.iter().any(mine) && !s.building {
                 return None;
             }
             let venvs_ready = s.venvs.is_some();
-            let may = |j: &Job| mine(j) && (!j.real || venvs_ready);
-            let heavy = (!s.heavy_running)
-                .then(|| s.pending.iter().position(|j| may(j) && j.heavy))
-                .flatten();
-            let pick = heavy.or_else(|| s.pending.iter().position(|j| may(j) && !j.heavy));
+            let may = |j: &Job| {
+                mine(j)
+                    && (!j.real || venvs_ready)
+                    && match j.load {
+                        Light => true,
+                        Heavy => s.heavy_running.is_none() && !s.timed_running,
+                        HeavyWithRoom => s.heavy_running.is_none(),
+                        Timed => matches!(s.heavy_running, None | Some(HeavyWithRoom)),
+                    }
+            };
+            let heavy = s.pending.iter().position(|j| may(j) && j.load.heavy());
+            let pick = heavy.or_else(|| s.pending.iter().position(|j| may(j) && !j.load.heavy()));
             if let Some(i) = pick {
                 let job = s.pending.remove(i);
-                if job.heavy {
-                    s.heavy_running = true;
+                if job.load.heavy() {
+                    s.heavy_running = Some(job.load);
+                }
+                if job.load == Timed {
+                    s.timed_running = true;
                 }
                 let mut env = s.common.clone();
                 if let (Some(Ok(venv)), true) = (&s.venvs, job.real) {
@@ -266,8 +322,11 @@ impl Queue {
 
     fn done(&self, job: &Job, ran: Ran) {
         let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        if job.heavy {
-            s.heavy_running = false;
+        if job.load.heavy() {
+            s.heavy_running = None;
+        }
+        if job.load == Timed {
+            s.timed_running = false;
         }
         s.results.push(ran);
         self.changed.notify_all();
@@ -395,7 +454,7 @@ fn module_jobs(
                 .copied()
                 .or(profile.map(|p| p.1))
                 .unwrap_or(10),
-            heavy: profile.is_some_and(|p| p.2),
+            load: profile.map_or(Light, |p| p.2),
             nice,
             args,
             real,
@@ -425,7 +484,7 @@ const BINARY_PACKAGES: &[&str] = &["revenant", "pd-sim"];
 fn heavy_targets(measured: &BTreeMap<String, u32>) -> Vec<Vec<&'static str>> {
     let mut heavy: Vec<(&str, &str, u32)> = PROFILE
         .iter()
-        .filter(|(_, _, heavy)| *heavy)
+        .filter(|(_, _, load)| *load != Light)
         .filter_map(|(label, expected, _)| {
             let (package, target) = label.split_whitespace().next()?.split_once('/')?;
             let expected = measured.get(*label).copied().unwrap_or(*expected);
@@ -538,7 +597,8 @@ pub fn run() -> Result<()> {
             building: true,
             venvs: None,
             common: Vec::new(),
-            heavy_running: false,
+            heavy_running: None,
+            timed_running: false,
             results: Vec::new(),
         }),
         changed: Condvar::new(),
@@ -553,6 +613,7 @@ pub fn run() -> Result<()> {
         let lanes: Vec<_> = [
             ("tests-1", LaneKind::Tests),
             ("tests-2", LaneKind::Tests),
+            ("timed", LaneKind::Timed),
             ("builds", LaneKind::Builds),
         ]
         .into_iter()
@@ -801,7 +862,7 @@ pub fn filtered(args: &[String]) -> Result<()> {
 mod tests {
     use super::*;
 
-    fn job(label: &str, heavy: bool, real: bool, expected: u32) -> Job {
+    fn job(label: &str, load: Load, real: bool, expected: u32) -> Job {
         Job {
             exe: TestExe {
                 name: label.into(),
@@ -813,7 +874,7 @@ mod tests {
             },
             args: Vec::new(),
             real,
-            heavy,
+            load,
             nice: false,
             expected,
             label: label.into(),
@@ -827,7 +888,8 @@ mod tests {
                 building: false,
                 venvs: None,
                 common: Vec::new(),
-                heavy_running: false,
+                heavy_running: None,
+                timed_running: false,
                 results: Vec::new(),
             }),
             changed: Condvar::new(),
@@ -848,10 +910,10 @@ mod tests {
     #[test]
     fn one_heavy_job_at_a_time_and_real_ones_wait_for_their_venvs() {
         let q = queue(vec![
-            job("heavy-a", true, false, 300),
-            job("heavy-b", true, false, 200),
-            job("real", false, true, 100),
-            job("light", false, false, 10),
+            job("heavy-a", Heavy, false, 300),
+            job("heavy-b", Heavy, false, 200),
+            job("real", Light, true, 100),
+            job("light", Light, false, 10),
         ]);
         let (a, _) = q.take(LaneKind::Tests).unwrap();
         assert_eq!(a.label, "heavy-a");
@@ -881,10 +943,10 @@ mod tests {
     #[test]
     fn a_heavy_job_goes_before_longer_light_ones_whenever_none_runs() {
         let q = queue(vec![
-            job("light-long", false, false, 500),
-            job("heavy-a", true, false, 200),
-            job("heavy-b", true, false, 100),
-            job("light-short", false, false, 10),
+            job("light-long", Light, false, 500),
+            job("heavy-a", Heavy, false, 200),
+            job("heavy-b", Heavy, false, 100),
+            job("light-short", Light, false, 10),
         ]);
         let (a, _) = q.take(LaneKind::Tests).unwrap();
         assert_eq!(a.label, "heavy-a", "the heavy chain starts at once");
@@ -899,10 +961,63 @@ mod tests {
     }
 
     #[test]
+    fn timed_jobs_run_one_at_a_time_in_their_own_lane_beside_a_heavy_one_with_room() {
+        let q = queue(vec![
+            job("heavy", Heavy, false, 300),
+            job("roomy", HeavyWithRoom, false, 200),
+            job("timed-a", Timed, false, 100),
+            job("timed-b", Timed, false, 50),
+            job("light", Light, false, 10),
+        ]);
+        let (heavy, _) = q.take(LaneKind::Tests).unwrap();
+        assert_eq!(heavy.label, "heavy");
+        std::thread::scope(|s| {
+            let timed = s.spawn(|| q.take(LaneKind::Timed).map(|(j, _)| j));
+            std::thread::sleep(Duration::from_millis(50));
+            assert!(
+                !timed.is_finished(),
+                "nothing timed beside a heavy job without room"
+            );
+            let (l, _) = q.take(LaneKind::Tests).unwrap();
+            assert_eq!(l.label, "light", "a test lane never takes a timed job");
+            q.done(&heavy, ran("heavy"));
+            // The timed lane and a test lane race for the freed machine: either way the
+            // heavy job with room and the longest timed one end up side by side.
+            let (roomy, _) = q.take(LaneKind::Tests).unwrap();
+            assert_eq!(roomy.label, "roomy");
+            let timed = timed.join().unwrap().unwrap();
+            assert_eq!(timed.label, "timed-a", "the longest timed one");
+            q.done(&roomy, ran("roomy"));
+            q.done(&timed, ran("timed-a"));
+        });
+        let (t, _) = q.take(LaneKind::Timed).unwrap();
+        assert_eq!(t.label, "timed-b");
+        assert!(q.take(LaneKind::Timed).is_none());
+        assert!(q.take(LaneKind::Tests).is_none());
+    }
+
+    #[test]
+    fn a_heavy_job_without_room_waits_for_the_timed_one() {
+        let q = queue(vec![
+            job("heavy", Heavy, false, 300),
+            job("timed", Timed, false, 100),
+        ]);
+        let (t, _) = q.take(LaneKind::Timed).unwrap();
+        assert_eq!(t.label, "timed");
+        std::thread::scope(|s| {
+            let heavy = s.spawn(|| q.take(LaneKind::Tests).map(|(j, _)| j.label));
+            std::thread::sleep(Duration::from_millis(50));
+            assert!(!heavy.is_finished(), "a heavy job without room waits");
+            q.done(&t, ran("timed"));
+            assert_eq!(heavy.join().unwrap().as_deref(), Some("heavy"));
+        });
+    }
+
+    #[test]
     fn build_jobs_have_a_lane_of_their_own() {
-        let mut build = job("revenant/build_without_ebpf", false, false, 600);
+        let mut build = job("revenant/build_without_ebpf", Light, false, 600);
         build.nice = true;
-        let q = queue(vec![build, job("light", false, false, 10)]);
+        let q = queue(vec![build, job("light", Light, false, 10)]);
         let (j, _) = q.take(LaneKind::Tests).unwrap();
         assert_eq!(j.label, "light", "a test lane never takes a build");
         assert!(
@@ -915,7 +1030,7 @@ mod tests {
     }
 
     fn exe(name: &str) -> TestExe {
-        job(name, false, false, 10).exe
+        job(name, Light, false, 10).exe
     }
 
     #[test]
@@ -1076,7 +1191,7 @@ mod tests {
 
     #[test]
     fn failed_venvs_are_reported_to_the_jobs_that_need_them() {
-        let q = queue(vec![job("real", false, true, 100)]);
+        let q = queue(vec![job("real", Light, true, 100)]);
         q.venvs(Err("pip failed".into()));
         let (j, env) = q.take(LaneKind::Tests).unwrap();
         assert_eq!(j.label, "real");
