@@ -264,8 +264,9 @@ impl Queue {
     /// A heavy job goes first whenever none runs: the heavy ones run one after another, so
     /// their chain is the tests' critical path, and the light ones fill the other lane beside
     /// it (taken longest first, a long light job would hold the chain up for its whole run).
-    /// A timed job waits while a heavy one without room runs, and such a heavy one while a
-    /// timed one runs ([`Load`]).
+    /// A timed job waits while a heavy one without room runs or could start, and such a heavy
+    /// one while a timed one runs; with timed jobs waiting, a heavy one with room goes first
+    /// ([`Load`]).
     fn take(&self, kind: LaneKind) -> Option<(Job, Vec<(String, PathBuf)>)> {
         let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
         loop {
@@ -274,17 +275,34 @@ impl Queue {
                 return None;
             }
             let venvs_ready = s.venvs.is_some();
+            let ready = |j: &Job| !j.real || venvs_ready;
+            // The heavy chain goes first: with none running, a timed job waits for a heavy one
+            // that could start (that one may need the machine to itself).
+            let heavy_waiting =
+                s.heavy_running.is_none() && s.pending.iter().any(|j| j.load.heavy() && ready(j));
+            let timed_waiting = s.pending.iter().any(|j| j.load == Timed && ready(j));
             let may = |j: &Job| {
                 mine(j)
-                    && (!j.real || venvs_ready)
+                    && ready(j)
                     && match j.load {
                         Light => true,
                         Heavy => s.heavy_running.is_none() && !s.timed_running,
                         HeavyWithRoom => s.heavy_running.is_none(),
-                        Timed => matches!(s.heavy_running, None | Some(HeavyWithRoom)),
+                        Timed => match s.heavy_running {
+                            Some(load) => load == HeavyWithRoom,
+                            None => !heavy_waiting,
+                        },
                     }
             };
-            let heavy = s.pending.iter().position(|j| may(j) && j.load.heavy());
+            // With timed jobs waiting, a heavy one with room goes first: they run beside it.
+            let heavy = timed_waiting
+                .then(|| {
+                    s.pending
+                        .iter()
+                        .position(|j| may(j) && j.load == HeavyWithRoom)
+                })
+                .flatten()
+                .or_else(|| s.pending.iter().position(|j| may(j) && j.load.heavy()));
             let pick = heavy.or_else(|| s.pending.iter().position(|j| may(j) && !j.load.heavy()));
             if let Some(i) = pick {
                 let job = s.pending.remove(i);
@@ -475,26 +493,31 @@ fn module_jobs(
 /// tests (`CARGO_BIN_EXE_*`), so the first wave holds one heavy test target of each.
 const BINARY_PACKAGES: &[&str] = &["revenant", "pd-sim"];
 
-/// The test targets of the heavy executables (`PROFILE`), in the waves the build makes them
-/// before everything else: first the one the queue runs first (the longest expected, `measured`
-/// where a run measured it) with the two binaries (and so with the first heavy target of each of
-/// their packages), so that the heavy chain, the tests' critical path, starts as early as the
-/// binaries allow; then the rest of them, ready before the first has run (minutes), ahead of the
-/// rest of the build.
+/// The test targets of the heavy and timed executables (`PROFILE`), in the waves the build
+/// makes them before everything else: first the one the queue runs first (a heavy one with room,
+/// which the timed ones run beside, then the longest expected, `measured` where a run measured
+/// it) with the two binaries (and so with the first such target of each of their packages), so
+/// that the heavy chain, the tests' critical path, starts as early as the binaries allow; then
+/// the rest of them, ready before the first has run (minutes), ahead of the rest of the build.
 fn heavy_targets(measured: &BTreeMap<String, u32>) -> Vec<Vec<&'static str>> {
-    let mut heavy: Vec<(&str, &str, u32)> = PROFILE
+    let mut heavy: Vec<(&str, &str, u32, Load)> = PROFILE
         .iter()
         .filter(|(_, _, load)| *load != Light)
-        .filter_map(|(label, expected, _)| {
+        .filter_map(|(label, expected, load)| {
             let (package, target) = label.split_whitespace().next()?.split_once('/')?;
             let expected = measured.get(*label).copied().unwrap_or(*expected);
-            Some((package, target, expected))
+            Some((package, target, expected, *load))
         })
-        .filter(|(_, t, _)| *t != "lib" && is_test_target(t))
+        .filter(|(_, t, _, _)| *t != "lib" && is_test_target(t))
         .collect();
-    heavy.sort_by(|a, b| b.2.cmp(&a.2).then(a.1.cmp(b.1)));
+    heavy.sort_by(|a, b| {
+        (a.3 != HeavyWithRoom)
+            .cmp(&(b.3 != HeavyWithRoom))
+            .then(b.2.cmp(&a.2))
+            .then(a.1.cmp(b.1))
+    });
     let mut chain: Vec<(&str, &str)> = Vec::new();
-    for (package, target, _) in heavy {
+    for (package, target, _, _) in heavy {
         if !chain.iter().any(|(_, t)| *t == target) {
             chain.push((package, target));
         }
@@ -969,47 +992,60 @@ mod tests {
             job("timed-b", Timed, false, 50),
             job("light", Light, false, 10),
         ]);
-        let (heavy, _) = q.take(LaneKind::Tests).unwrap();
-        assert_eq!(heavy.label, "heavy");
+        let (roomy, _) = q.take(LaneKind::Tests).unwrap();
+        assert_eq!(
+            roomy.label, "roomy",
+            "with timed jobs waiting, the heavy one with room goes first"
+        );
+        let (timed, _) = q.take(LaneKind::Timed).unwrap();
+        assert_eq!(timed.label, "timed-a", "beside it, the longest timed one");
+        let (light, _) = q.take(LaneKind::Tests).unwrap();
+        assert_eq!(
+            light.label, "light",
+            "one heavy job at a time; no timed one in a test lane"
+        );
+        q.done(&roomy, ran("roomy"));
         std::thread::scope(|s| {
-            let timed = s.spawn(|| q.take(LaneKind::Timed).map(|(j, _)| j));
+            let heavy = s.spawn(|| q.take(LaneKind::Tests).map(|(j, _)| j));
+            std::thread::sleep(Duration::from_millis(50));
+            assert!(
+                !heavy.is_finished(),
+                "a heavy job without room waits for the timed one"
+            );
+            q.done(&timed, ran("timed-a"));
+            let heavy = heavy.join().unwrap().unwrap();
+            assert_eq!(heavy.label, "heavy");
+            let timed = s.spawn(|| q.take(LaneKind::Timed).map(|(j, _)| j.label));
             std::thread::sleep(Duration::from_millis(50));
             assert!(
                 !timed.is_finished(),
                 "nothing timed beside a heavy job without room"
             );
-            let (l, _) = q.take(LaneKind::Tests).unwrap();
-            assert_eq!(l.label, "light", "a test lane never takes a timed job");
             q.done(&heavy, ran("heavy"));
-            // The timed lane and a test lane race for the freed machine: either way the
-            // heavy job with room and the longest timed one end up side by side.
-            let (roomy, _) = q.take(LaneKind::Tests).unwrap();
-            assert_eq!(roomy.label, "roomy");
-            let timed = timed.join().unwrap().unwrap();
-            assert_eq!(timed.label, "timed-a", "the longest timed one");
-            q.done(&roomy, ran("roomy"));
-            q.done(&timed, ran("timed-a"));
+            assert_eq!(timed.join().unwrap().as_deref(), Some("timed-b"));
         });
-        let (t, _) = q.take(LaneKind::Timed).unwrap();
-        assert_eq!(t.label, "timed-b");
-        assert!(q.take(LaneKind::Timed).is_none());
         assert!(q.take(LaneKind::Tests).is_none());
     }
 
     #[test]
-    fn a_heavy_job_without_room_waits_for_the_timed_one() {
+    fn a_timed_job_waits_for_a_heavy_one_that_could_start() {
         let q = queue(vec![
             job("heavy", Heavy, false, 300),
             job("timed", Timed, false, 100),
         ]);
-        let (t, _) = q.take(LaneKind::Timed).unwrap();
-        assert_eq!(t.label, "timed");
         std::thread::scope(|s| {
-            let heavy = s.spawn(|| q.take(LaneKind::Tests).map(|(j, _)| j.label));
+            let timed = s.spawn(|| q.take(LaneKind::Timed).map(|(j, _)| j.label));
             std::thread::sleep(Duration::from_millis(50));
-            assert!(!heavy.is_finished(), "a heavy job without room waits");
-            q.done(&t, ran("timed"));
-            assert_eq!(heavy.join().unwrap().as_deref(), Some("heavy"));
+            assert!(!timed.is_finished(), "the heavy chain goes first");
+            let (heavy, _) = q.take(LaneKind::Tests).unwrap();
+            assert_eq!(heavy.label, "heavy");
+            std::thread::sleep(Duration::from_millis(50));
+            assert!(
+                !timed.is_finished(),
+                "and runs without a timed job beside it"
+            );
+            q.done(&heavy, ran("heavy"));
+            assert_eq!(timed.join().unwrap().as_deref(), Some("timed"));
         });
     }
 
@@ -1084,9 +1120,10 @@ mod tests {
     #[test]
     fn the_heavy_targets_built_first_are_test_targets_of_the_workspace() {
         let waves = heavy_targets(&BTreeMap::new());
-        // The longest expected first, with one heavy target of each package whose binary the
-        // tests run (so that cargo builds those binaries in the first wave).
-        assert_eq!(waves[0][0], "pd_sim_revenant", "{waves:?}");
+        // The heavy one with room first (the timed ones run beside it), with one heavy or
+        // timed target of each package whose binary the tests run (so that cargo builds those
+        // binaries in the first wave).
+        assert_eq!(waves[0][0], "cluster_pd", "{waves:?}");
         for package in BINARY_PACKAGES {
             let of_package = |t: &&str| {
                 PROFILE.iter().any(|(l, _, _)| {
@@ -1098,9 +1135,10 @@ mod tests {
                 "no {package} target in the first wave: {waves:?}"
             );
         }
-        // Measured durations reorder the waves.
-        let measured = BTreeMap::from([("e2e/cluster_pd".to_owned(), 900)]);
-        assert_eq!(heavy_targets(&measured)[0][0], "cluster_pd");
+        // Measured durations reorder the rest.
+        assert_eq!(waves[1][0], "pd_sim_revenant", "{waves:?}");
+        let measured = BTreeMap::from([("e2e/vllm_pd".to_owned(), 900)]);
+        assert_eq!(heavy_targets(&measured)[1][0], "vllm_pd");
         let names: Vec<&str> = waves.concat();
         let mut unique = names.clone();
         unique.sort_unstable();
