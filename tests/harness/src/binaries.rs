@@ -201,8 +201,7 @@ pub struct BuildProfile {
 impl BuildProfile {
     pub fn of(exe: &Path) -> Result<BuildProfile> {
         let mut up = exe.ancestors().skip(1);
-        let (deps, profile_dir, target_dir) = (up.next(), up.next(), up.next());
-        let (Some(deps), Some(profile_dir), Some(target_dir)) = (deps, profile_dir, target_dir)
+        let (Some(deps), Some(profile_dir), Some(target_dir)) = (up.next(), up.next(), up.next())
         else {
             bail!("{} is not in <target>/<profile>/deps", exe.display());
         };
