@@ -609,9 +609,11 @@ fn success_after_abort_caught_once_each_with_both_witnesses() {
 }
 
 /// `--fault room-collision`: for 2 % of the attempts the router reuses the room of another
-/// request's attempt that just ended. Each reused room is one room-collision notification, from
-/// eBPF (the legs' x-request-id and the body's room; SGLang-shaped spans name no request id);
-/// everything else stays silent, the reused rooms' own requests included.
+/// request's attempt that just ended. Each reused room is one room-collision notification with
+/// eBPF's evidence (the legs' x-request-id and the body's room; SGLang-shaped spans name no
+/// request id, though the router's span and the workers' continuing its trace join the second
+/// request to the room: when the spans find it first, the wire's legs corroborate it within the
+/// notification's hold); everything else stays silent, the reused rooms' own requests included.
 #[test]
 fn room_collisions_caught_once_each() {
     let _g = serial();

@@ -1,5 +1,6 @@
 //! From a finding to a [`Violation`]: its evidence, fingerprint and summary, and for
-//! never-after rules the sources already reported (so each new source corroborates once).
+//! never-after and distinct rules the sources already reported (so each new source corroborates
+//! once).
 
 use std::fmt;
 
@@ -36,17 +37,18 @@ pub(super) struct Finding<'a> {
     /// For a finding that is one event and names no attempt (`never`): that event's time, part
     /// of the fingerprint, so each such event is an incident of its own.
     pub instance: Option<u64>,
-    /// Set on a follow-up that corroborates an emitted never-after violation.
+    /// Set on a follow-up that corroborates an emitted violation (never-after, distinct).
     pub corroboration: Option<Corroboration>,
 }
 
-/// A new source's event that proves an already reported never-after breach again, and the
-/// event it breaches with.
+/// A new source's event that proves an already reported breach again, and the event it
+/// breaches with (a never-after breach is a pair; a distinct rule's collision is the one event
+/// that shows the second value, and has no partner).
 pub(super) struct Corroboration {
     role: EvidenceRole,
     event: SlotEvent,
     reason: Option<String>,
-    partner: SlotEvent,
+    partner: Option<SlotEvent>,
 }
 
 impl<'a> Finding<'a> {
@@ -110,7 +112,7 @@ impl Finding<'static> {
             role,
             event,
             reason,
-            partner,
+            partner: Some(partner),
         });
         self
     }
@@ -146,8 +148,11 @@ fn template_event(ev: SlotEvent) -> TemplateEvent {
 
 impl Checker {
     /// The event showed a second request on the room of attempt `at` (live or a tombstone; see
-    /// `Resolved::collision`): every `distinct` rule reports it, once per attempt. No request: the two are the finding,
-    /// and the room names it (its fingerprint), whichever request came first.
+    /// `Resolved::collision`): every `distinct` rule reports it, once per attempt, and once more
+    /// per source that sees it later (a corroborating follow-up: the notification held for a
+    /// second witness gets it, whichever witness was first, an eBPF reader behind a loaded
+    /// node's spans included). No request: the two are the finding, and the room names it (its
+    /// fingerprint), whichever request came first.
     #[cold]
     pub(super) fn report_collision(
         &mut self,
@@ -156,6 +161,7 @@ impl Checker {
         out: &mut Vec<Violation>,
     ) {
         let (first, second) = self.store.take_collided_with();
+        let source = source_bit(e.source);
         for ri in 0..self.rules.len() {
             let Shape::Distinct(rule) = &self.rules[ri].rule.shape else {
                 continue;
@@ -163,36 +169,57 @@ impl Checker {
             let alias = rule.alias;
             let bit = 1u64 << ri;
             // The owner's fired bits, marked here once: a live attempt, or a tombstone still kept.
-            let attempt = match at {
-                AttemptAt::Live(a) => {
-                    if self.store.attempt(a).fired & bit != 0 {
-                        self.stats.repeats += 1;
-                        continue;
-                    }
-                    self.store.mark_fired(a, bit);
-                    self.attempt_aliases(a)
-                }
+            let (owner, fired, attempt) = match at {
+                AttemptAt::Live(a) => (
+                    Owner::Attempt(a),
+                    self.store.attempt(a).fired & bit != 0,
+                    self.attempt_aliases(a),
+                ),
                 AttemptAt::Tomb(seq) => {
                     let Some(ti) = self.store.tomb_index(seq) else {
                         continue;
                     };
-                    if self.store.tomb_fired(ti) & bit != 0 {
-                        self.stats.repeats += 1;
-                        continue;
-                    }
-                    self.store.add_tomb_fired(ti, bit);
-                    event_aliases(e)
+                    (
+                        Owner::Tomb(seq),
+                        self.store.tomb_fired(ti) & bit != 0,
+                        event_aliases(e),
+                    )
                 }
             };
+            if fired && self.store.reported(owner, ri) & source != 0 {
+                self.stats.repeats += 1;
+                continue;
+            }
+            match at {
+                AttemptAt::Live(a) => self.store.mark_fired(a, bit),
+                AttemptAt::Tomb(seq) => {
+                    if let Some(ti) = self.store.tomb_index(seq) {
+                        self.store.add_tomb_fired(ti, bit);
+                    }
+                }
+            }
+            self.store.add_reported(owner, ri, source);
+            let offender = slot_event(e);
+            let offender_reason = e.reason.as_deref().map(str::to_owned);
+            let corroboration = fired.then(|| {
+                self.stats.corroborations += 1;
+                Corroboration {
+                    role: EvidenceRole::Offender,
+                    event: offender,
+                    reason: offender_reason.clone(),
+                    partner: None,
+                }
+            });
             let f = Finding {
                 attempt,
-                offender: Some(slot_event(e)),
-                offender_reason: e.reason.as_deref().map(str::to_owned),
+                offender: Some(offender),
+                offender_reason,
                 collision: Some(Collision {
                     alias,
                     first: first.as_deref().map(String::from).unwrap_or_default(),
                     second: second.as_deref().map(String::from).unwrap_or_default(),
                 }),
+                corroboration,
                 ..Finding::new(ri, e.time_ns)
             };
             out.push(self.violation(f));
@@ -305,7 +332,7 @@ impl Checker {
                 _ => EvidenceRole::Trigger,
             };
             push(c.role, Some(c.event), c.reason.clone());
-            push(partner_role, Some(c.partner), None);
+            push(partner_role, c.partner, None);
         }
         // The same event may be both in the original pair and the corroborating one.
         evidence.sort_by_key(|e| e.time_ns);

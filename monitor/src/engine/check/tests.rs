@@ -575,8 +575,8 @@ fn room_collisions_are_caught_once_whichever_request_arrives_first() {
 /// a worker's span (its rid, the room and the trace id, no x-request-id), and only then the
 /// wire's legs (the eBPF reader behind on a loaded node, well within the allowed lateness). The
 /// worker's span joins the two requests through the room: that join is the collision, caught
-/// once, with the same summary as when the wire comes first; a leg of the same request on its
-/// own room, named the same ways, stays silent.
+/// once, with the same summary as when the wire comes first, and the wire's legs corroborate
+/// it once; a leg of the same request on its own room, named the same ways, stays silent.
 #[test]
 fn a_room_collision_revealed_by_a_join_through_the_room_is_caught_once() {
     let t = 1_795_986_925 * S;
@@ -654,8 +654,25 @@ fn a_room_collision_revealed_by_a_join_through_the_room_is_caught_once() {
     let mut late_wire = first(21);
     late_wire.extend(second(21));
     let v = run(&late_wire);
-    let collisions: Vec<_> = v.iter().filter(|v| v.rule == "room-collision").collect();
+    let (collisions, follow_ups): (Vec<_>, Vec<_>) = v
+        .iter()
+        .filter(|v| v.rule == "room-collision")
+        .partition(|v| !v.corroborates);
     assert_eq!(collisions.len(), 1, "{v:#?}");
+    assert_eq!(collisions[0].evidence[0].source, Source::Otlp);
+    // The wire's legs of the second request come later and show it again: one follow-up, from
+    // the witness that had not reported it (the one a notification held for corroboration waits
+    // for).
+    assert_eq!(follow_ups.len(), 1, "{v:#?}");
+    assert_eq!(
+        follow_ups[0]
+            .evidence
+            .iter()
+            .map(|e| e.source)
+            .collect::<Vec<_>>(),
+        [Source::Ebpf]
+    );
+    assert_eq!(follow_ups[0].attempt, collisions[0].attempt);
     assert_eq!(collisions[0].attempt.bootstrap_room, Some(21));
     assert!(
         collisions[0].summary.contains("request_id req-a and req-b"),

@@ -393,7 +393,14 @@ impl Store {
             (Some(c), Some(f)) => {
                 linked = true;
                 collided = guard && self.requests_collide(c, f);
-                self.join(c, f)
+                // Joined into the room's request, a collided room keeps its first request id:
+                // the other request's legs, when they come (from a witness behind the one that
+                // found the join), show the collision again and corroborate it.
+                if collided {
+                    self.join(f, c)
+                } else {
+                    self.join(c, f)
+                }
             }
             (Some(c), None) => c,
             (None, Some(f)) => match (attempt, f) {
