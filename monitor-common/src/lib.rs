@@ -150,10 +150,15 @@ pub struct ConnEvent {
     pub family: u16,
     /// Peer port, host byte order.
     pub port: u16,
-    pub _pad: u32,
+    /// `accept`: the listening socket's fd, so that user space can tell which of the process's
+    /// listeners (which local address) the connection came in on; [`NO_FD`] for `connect`.
+    pub listener_fd: u32,
     /// Peer address: IPv4 in the first 4 bytes, or IPv6.
     pub addr: [u8; 16],
 }
+
+/// [`ConnEvent::listener_fd`] of a `connect`.
+pub const NO_FD: u32 = u32::MAX;
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

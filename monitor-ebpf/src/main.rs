@@ -20,8 +20,8 @@ use aya_ebpf::{
 };
 use monitor_common::{
     ActiveCall, CloseEvent, ConnEvent, DataHeader, Header, LocalEvent, MAX_CAPTURE, MAX_IOVECS,
-    MAX_STREAM_PIECES, ProcEvent, capture, counter, inet_sock_set_state as sk, kind, sock_key,
-    syscall, watch,
+    MAX_STREAM_PIECES, NO_FD, ProcEvent, capture, counter, inet_sock_set_state as sk, kind,
+    sock_key, syscall, watch,
 };
 
 /// Leading payload bytes captured per syscall; set by the loader, at most [`MAX_CAPTURE`].
@@ -635,6 +635,8 @@ fn sock_exit(ctx: &TracePointContext) -> Result<u32, u32> {
         hdr: header(k, pid_tgid),
         fd,
         ret: ret as i32,
+        // `accept`'s first argument is the listening socket.
+        listener_fd: if k == kind::ACCEPT { call.fd } else { NO_FD },
         ..Default::default()
     };
     if call.ptr != 0 {

@@ -94,9 +94,51 @@ impl Fake {
     }
 
     fn go(&mut self) {
+        self.send_line("go");
+    }
+
+    fn send_line(&mut self, line: &str) {
         let stdin = self.stdin.as_mut().unwrap();
-        stdin.write_all(b"go\n").unwrap();
+        stdin.write_all(format!("{line}\n").as_bytes()).unwrap();
         stdin.flush().unwrap();
+    }
+}
+
+/// A connection to `to` from a socket with `SO_REUSEADDR`, so that another process's socket
+/// with it may take the same local port for a connection elsewhere.
+fn connect_sharing_its_port(to: std::net::SocketAddr) -> std::net::TcpStream {
+    use std::os::fd::FromRawFd;
+    let std::net::SocketAddr::V4(to) = to else {
+        panic!("an IPv4 listener")
+    };
+    // SAFETY: plain socket calls on a descriptor this function owns until it hands it over.
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+        assert!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
+        let one: libc::c_int = 1;
+        let set = libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_REUSEADDR,
+            (&one as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        );
+        assert_eq!(set, 0, "SO_REUSEADDR: {}", std::io::Error::last_os_error());
+        let sin = libc::sockaddr_in {
+            sin_family: libc::AF_INET as libc::sa_family_t,
+            sin_port: to.port().to_be(),
+            sin_addr: libc::in_addr {
+                s_addr: u32::from_ne_bytes(to.ip().octets()),
+            },
+            sin_zero: [0; 8],
+        };
+        let rc = libc::connect(
+            fd,
+            (&sin as *const libc::sockaddr_in).cast(),
+            std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t,
+        );
+        assert_eq!(rc, 0, "connect: {}", std::io::Error::last_os_error());
+        std::net::TcpStream::from_raw_fd(fd)
     }
 }
 
@@ -579,7 +621,9 @@ fn drops_are_counted_and_degrade_coverage() {
 /// Writes to a bootstrap server are attributed by the kernel's report of every connection a
 /// watched process opens: this test process (watched as prefill) serves `PUT /route`, writes
 /// one itself (a member's), and a python3 started before the watch, so not followed into as a
-/// child, writes another (foreign).
+/// child, writes two more (foreign): one from a port of its own, one from the port of a
+/// connection this process holds open to another of its listeners (a port is shared by
+/// connections to different destinations; the source knows which listener the write came in on).
 #[test]
 fn bootstrap_writers_are_attributed_by_their_connections() {
     use std::io::Read;
@@ -591,11 +635,18 @@ fn bootstrap_writers_are_attributed_by_their_connections() {
         "PUT /route HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
         body.len()
     );
-    // The outsider: waits for a line on stdin, then writes and reads the answer.
+    // The outsider: twice, waits for a line on stdin (`go`, or a local port to share), then
+    // writes and reads the answer.
     let script = format!(
-        "import socket, sys\nsys.stdout.write('READY\\n'); sys.stdout.flush()\nsys.stdin.readline()\n\
-         s = socket.create_connection(('127.0.0.1', {}))\ns.sendall({:?}.encode())\ns.recv(100)\n\
-         sys.stdout.write('DONE %d\\n' % s.getsockname()[1]); sys.stdout.flush()\n",
+        "import socket, sys\nsys.stdout.write('READY\\n'); sys.stdout.flush()\n\
+         for _ in range(2):\n  \
+           line = sys.stdin.readline().strip()\n  \
+           s = socket.socket()\n  \
+           if line != 'go':\n    \
+             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n    \
+             s.bind(('127.0.0.1', int(line)))\n  \
+           s.connect(('127.0.0.1', {}))\n  s.sendall({:?}.encode())\n  s.recv(100)\n  \
+           sys.stdout.write('DONE %d\\n' % s.getsockname()[1]); sys.stdout.flush()\n",
         addr.port(),
         put
     );
@@ -638,6 +689,18 @@ fn bootstrap_writers_are_attributed_by_their_connections() {
     outsider.go();
     let foreign_peer = serve(&listener);
     outsider.expect_line("DONE");
+    // The outsider's again, from the port of our open connection to another listener.
+    let elsewhere = TcpListener::bind("127.0.0.1:0").unwrap();
+    let ours = connect_sharing_its_port(elsewhere.local_addr().unwrap());
+    let _held = elsewhere.accept().unwrap();
+    let shared = ours.local_addr().unwrap();
+    outsider.send_line(&shared.port().to_string());
+    let sharing_peer = serve(&listener);
+    assert_eq!(
+        sharing_peer, shared,
+        "the outsider wrote from our connection's port"
+    );
+    outsider.expect_line("DONE");
     let mut events = Vec::new();
     let deadline = Instant::now() + Duration::from_secs(10);
     let writes = |events: &[LifecycleEvent]| {
@@ -647,10 +710,10 @@ fn bootstrap_writers_are_attributed_by_their_connections() {
             .filter_map(|e| Some((e.worker.as_deref()?.to_string(), e.peer?)))
             .collect::<Vec<_>>()
     };
-    while writes(&events).len() < 2 {
+    while writes(&events).len() < 3 {
         assert!(
             Instant::now() < deadline,
-            "two writes expected, got {:?}",
+            "three writes expected, got {:?}",
             writes(&events)
         );
         src.drain(&mut events);
@@ -660,11 +723,19 @@ fn bootstrap_writers_are_attributed_by_their_connections() {
         writes(&events),
         vec![
             (own_peer.to_string(), revenant::Peer::Member),
-            (foreign_peer.to_string(), revenant::Peer::Foreign)
+            (foreign_peer.to_string(), revenant::Peer::Foreign),
+            (sharing_peer.to_string(), revenant::Peer::Foreign)
         ]
     );
     let s = src.stats();
     assert_eq!(s.kernel(counter::CONNECTING_FULL), 0);
+    assert_eq!(
+        s.accepts_unplaced
+            .load(std::sync::atomic::Ordering::Relaxed),
+        0,
+        "every accept's listener is found"
+    );
+    drop(ours);
 }
 
 /// `fake_zmtp.py`'s prefill (listening, watched by a fresh eBPF source) and its decode

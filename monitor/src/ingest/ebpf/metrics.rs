@@ -114,6 +114,11 @@ impl Collector for EbpfCollector {
                 "HTTP connections that carried a /metrics scrape, whose answers the kernel then captures whole (up to 128 KiB per syscall) so vLLM's vllm:cache_config_info is read wherever it lies",
                 s.metrics_captured_whole.load(Relaxed),
             ),
+            (
+                "revenant_ebpf_accepts_unplaced",
+                "Accepted connections whose listener was not found in /proc: whether their peer is a watched process is judged by its address alone (a foreign writer sharing a port with a watched connection to elsewhere reads as watched)",
+                s.accepts_unplaced.load(Relaxed),
+            ),
         ] {
             counter_metric(&mut enc, name, help, v)?;
         }

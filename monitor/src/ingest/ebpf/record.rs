@@ -5,7 +5,9 @@
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
-use monitor_common::{CloseEvent, ConnEvent, DataHeader, Header, LocalEvent, ProcEvent, kind};
+use monitor_common::{
+    CloseEvent, ConnEvent, DataHeader, Header, LocalEvent, NO_FD, ProcEvent, kind,
+};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Record<'a> {
@@ -59,6 +61,11 @@ pub struct Conn {
     pub fd: u32,
     /// Peer address when the kernel saw one.
     pub peer: Option<SocketAddr>,
+    /// An accepted connection: the fd of the listening socket it came in on.
+    pub listener_fd: Option<u32>,
+    /// An accepted connection: the address it came in on (its listener's, which may be a
+    /// wildcard), when the source knows that listener; the kernel's record does not say.
+    pub local: Option<SocketAddr>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -126,6 +133,9 @@ pub fn decode(buf: &[u8]) -> Result<Record<'_>, RecordError> {
                 hdr: c.hdr,
                 fd: c.fd,
                 peer: socket_addr(c.family, &c.addr, c.port),
+                listener_fd: (hdr.kind == kind::ACCEPT && c.listener_fd != NO_FD)
+                    .then_some(c.listener_fd),
+                local: None,
             };
             Ok(if hdr.kind == kind::CONNECT {
                 Record::Connect(conn)
@@ -233,6 +243,13 @@ mod tests {
             panic!()
         };
         assert_eq!(conn.peer, Some("127.0.0.1:8998".parse().unwrap()));
+        assert_eq!(conn.listener_fd, None, "a connect has no listener");
+        c.hdr.kind = kind::ACCEPT;
+        c.listener_fd = 4;
+        let Record::Accept(conn) = decode(&bytes_of(&c)).unwrap() else {
+            panic!()
+        };
+        assert_eq!((conn.fd, conn.listener_fd, conn.local), (9, Some(4), None));
     }
 
     #[test]

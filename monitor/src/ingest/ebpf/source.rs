@@ -116,6 +116,9 @@ pub struct EbpfStats {
     pub zmtp_captured_whole: AtomicU64,
     /// HTTP connections carrying `/metrics` scrapes whose syscalls the kernel captures whole.
     pub metrics_captured_whole: AtomicU64,
+    /// Accepted connections whose listener (the local address they came in on) was not found
+    /// in /proc: their peer is attributed by its address alone.
+    pub accepts_unplaced: AtomicU64,
     pub watched_processes: AtomicU64,
     /// Connections the tracker currently holds state for.
     pub connections: AtomicU64,
@@ -177,6 +180,11 @@ struct Inner {
     last_losses: u64,
     last_listener_scan: Option<Instant>,
     listeners_stale: bool,
+    /// The address of each listening socket of the watched processes, by (pid, fd): an
+    /// accepted connection's record names the listener's fd, not the address it came in on.
+    listener_addrs: HashMap<(u32, u32), SocketAddr>,
+    /// Listeners looked for in /proc since the last scan and not found there (read once each).
+    listener_misses: HashSet<(u32, u32)>,
     /// `/server_info` findings already handled (bounded by [`MAX_LEARNED_LOGGED`]).
     learned_logged: HashSet<Learned>,
 }
@@ -200,6 +208,8 @@ impl EbpfSource {
             last_losses: 0,
             last_listener_scan: None,
             listeners_stale: true,
+            listener_addrs: HashMap::new(),
+            listener_misses: HashSet::new(),
             learned_logged: HashSet::new(),
         };
         src.rescan();
@@ -368,13 +378,14 @@ impl Inner {
             };
             if entry.listen {
                 self.tracker.add_local_listener(entry.local.port(), role);
+                self.listener_addrs.insert((pid, fd), entry.local);
                 continue;
             }
             if let Err(e) = self.probes.track_socket(pid, fd) {
                 tracing::warn!(pid, fd, error = %e, "eBPF: cannot track an existing socket");
             }
             // Connections opened before it was watched: the kernel never reported them.
-            self.tracker.add_own_socket(pid, entry.local);
+            self.tracker.add_own_socket(pid, entry.local, entry.remote);
             self.tracker
                 .add_existing_socket(pid, fd, Some(entry.remote));
         }
@@ -430,12 +441,38 @@ impl Inner {
         self.listeners_stale = false;
         let table = procs::NetTables::of(self.watched.keys().copied());
         let watched: Vec<(u32, Role)> = self.watched.iter().map(|(p, r)| (*p, *r)).collect();
+        self.listener_addrs.clear();
+        self.listener_misses.clear();
         for (pid, role) in watched {
-            for (_, inode) in procs::socket_fds(pid) {
+            for (fd, inode) in procs::socket_fds(pid) {
                 if let Some(e) = table.get(&inode).filter(|e| e.listen) {
                     self.tracker.add_local_listener(e.local.port(), role);
+                    self.listener_addrs.insert((pid, fd), e.local);
                 }
             }
+        }
+    }
+
+    /// Where an accepted connection came in on: its listener's address, read from /proc (the
+    /// accepting process's sockets again for a listener opened since the last scan, once).
+    fn place_accept(&mut self, c: &mut record::Conn) {
+        let Some(fd) = c.listener_fd else { return };
+        if c.peer.is_none() {
+            return;
+        }
+        let key = (c.hdr.tgid, fd);
+        if !self.listener_addrs.contains_key(&key) && self.listener_misses.insert(key) {
+            let pid = c.hdr.tgid;
+            let table = procs::NetTables::of([pid]);
+            for (fd, inode) in procs::socket_fds(pid) {
+                if let Some(e) = table.get(&inode).filter(|e| e.listen) {
+                    self.listener_addrs.insert((pid, fd), e.local);
+                }
+            }
+        }
+        c.local = self.listener_addrs.get(&key).copied();
+        if c.local.is_none() {
+            self.stats.accepts_unplaced.fetch_add(1, Relaxed);
         }
     }
 
@@ -496,7 +533,10 @@ impl Inner {
                     );
                 }
             }
-            Ok(rec) => {
+            Ok(mut rec) => {
+                if let Record::Accept(c) = &mut rec {
+                    self.place_accept(c);
+                }
                 if let Record::Connect(c) = &rec
                     && c.peer.is_some_and(|p| p.ip().is_loopback())
                 {

@@ -115,16 +115,20 @@ impl Tracker {
         None
     }
 
-    /// Who the peer of a connection this node accepted is (see [`Peer`]): a watched process on
-    /// this node when its socket is one of theirs; foreign when it is on this node (loopback, or
-    /// an address this node's watched sockets use) and none of theirs, which only the kernel's
-    /// report of every watched connection can tell; across nodes, only an address that names the
-    /// host of a known worker attributes it.
-    pub(super) fn peer_of(&self, peer: Option<SocketAddr>) -> Peer {
+    /// Who the peer of a connection this node accepted (on `local`, when known) is (see
+    /// [`Peer`]): a watched process on this node when its socket is one of theirs and went to
+    /// this end (a port is shared by connections to different destinations: another process's
+    /// connection may use the port of a watched one's at the same time); foreign when it is on
+    /// this node (loopback, or an address this node's watched sockets use) and none of theirs,
+    /// which only the kernel's report of every watched connection can tell; across nodes, only
+    /// an address that names the host of a known worker attributes it.
+    pub(super) fn peer_of(&self, peer: Option<SocketAddr>, local: Option<SocketAddr>) -> Peer {
         let Some(p) = peer.map(canonical) else {
             return Peer::Unattributed;
         };
-        if self.own.by_addr.contains_key(&p) {
+        if let Some(conns) = self.own.by_addr.get(&p)
+            && local.is_none_or(|l| conns.iter().any(|(r, _)| super::arrived_at(*r, l)))
+        {
             return Peer::Member;
         }
         let ip = p.ip();
@@ -252,7 +256,7 @@ impl Tracker {
             // it; only the accepting end knows the connection came from outside.
             (Role::Prefill, false, PathKind::Route) if is_write(&head.method) => self
                 .event(start, Stage::Transfer, Kind::Received, at.tgid)
-                .with_peer(self.peer_of(at.peer)),
+                .with_peer(self.peer_of(at.peer, at.local)),
             // Decode asking prefill's bootstrap server where to fetch KV: the handshake.
             (Role::Decode, true, PathKind::Route) => {
                 self.event(start, Stage::Transfer, Kind::Received, at.tgid)
@@ -346,7 +350,7 @@ impl Tracker {
 
     pub(super) fn on_zmtp(
         &mut self,
-        (tgid, peer): (u32, Option<SocketAddr>),
+        (tgid, peer, local): (u32, Option<SocketAddr>, Option<SocketAddr>),
         role: Role,
         dir: usize,
         ts: u64,
@@ -382,8 +386,8 @@ impl Tracker {
             // Reported by its sender; by its receiver only when neither the sending socket nor a
             // process of the sender's kind is watched on this node (vLLM's engine core, which
             // sends it, is a child of the watched API server).
-            let report =
-                dir == 1 || (self.peer_of(peer) != Peer::Member && !self.has_role(sender_role));
+            let report = dir == 1
+                || (self.peer_of(peer, local) != Peer::Member && !self.has_role(sender_role));
             self.vllm_transfer(tgid, ts, ctl, report, out);
             return;
         }
@@ -510,6 +514,7 @@ impl Tracker {
             role,
             client: matches!(&conn.streams[1].proto, Proto::Http(h) if h.side == Side::Requests),
             peer: conn.peer,
+            local: conn.local,
         };
         for p in conn.pending.drain(..) {
             if p.status.is_some() || path_kind(&p.head.path) != PathKind::Generate {

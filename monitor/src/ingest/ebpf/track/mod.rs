@@ -170,11 +170,15 @@ struct Endpoint {
     /// This end writes the requests.
     client: bool,
     peer: Option<SocketAddr>,
+    /// This end's address, when known (accepted connections whose listener the source knew).
+    local: Option<SocketAddr>,
 }
 
 #[derive(Debug, Default)]
 struct Connection {
     peer: Option<SocketAddr>,
+    /// An accepted connection: the address it came in on, when the source knew its listener.
+    local: Option<SocketAddr>,
     last_ns: u64,
     /// [ingress, egress]
     streams: [Stream; 2],
@@ -232,19 +236,23 @@ pub struct Tracker {
     pub stats: TrackStats,
 }
 
-/// Local addresses of the TCP connections watched processes opened (the kernel reports each
-/// once established, discovery the ones that existed before), so that the accepting end of a
-/// connection on this node can tell whether its peer is a watched process. Entries are never
-/// removed when a socket closes (a writer may close before its request is read): the oldest go
-/// once the table is full, and an address reused by another process afterwards reads as the
-/// watched one's (a missed alert, never a false one).
+/// The TCP connections watched processes opened (the kernel reports each once established,
+/// discovery the ones that existed before), by local address, each with the address it went to,
+/// so that the accepting end of a connection on this node can tell whether its peer is a watched
+/// process. One local address may carry several connections at once (a port is shared by
+/// connections to different destinations), so the accepting end matches its own address too when
+/// it knows it. Entries are never removed when a socket closes (a writer may close before its
+/// request is read): the oldest go once the table is full, and a connection another process
+/// opens later between the same two addresses reads as the watched one's (a missed alert, never
+/// a false one).
 #[derive(Debug, Default)]
 struct OwnSockets {
     /// The kernel reports the local address of every connection a watched process opens. Off,
     /// a peer on this node cannot be told apart from a watched one: it is unattributed.
     complete: bool,
-    by_addr: HashMap<SocketAddr, u32>,
-    order: VecDeque<SocketAddr>,
+    /// Local address → (the address it connected to, the process).
+    by_addr: HashMap<SocketAddr, Vec<(SocketAddr, u32)>>,
+    order: VecDeque<(SocketAddr, SocketAddr)>,
     /// The addresses this node's watched sockets use (besides loopback): a peer there is on
     /// this node.
     local_ips: Vec<IpAddr>,
@@ -269,16 +277,32 @@ fn canonical(a: SocketAddr) -> SocketAddr {
     }
 }
 
+/// Whether a connection that went to `remote` is one that came in on `local` (a listener's
+/// address: a wildcard one takes any address of the port).
+fn arrived_at(remote: SocketAddr, local: SocketAddr) -> bool {
+    let (remote, local) = (canonical(remote), canonical(local));
+    remote.port() == local.port() && (local.ip().is_unspecified() || remote.ip() == local.ip())
+}
+
 impl OwnSockets {
-    fn add(&mut self, tgid: u32, local: SocketAddr) {
-        let local = canonical(local);
-        if self.by_addr.insert(local, tgid).is_none() {
-            if self.order.len() >= MAX_OWN_SOCKETS
-                && let Some(old) = self.order.pop_front()
-            {
-                self.by_addr.remove(&old);
+    fn add(&mut self, tgid: u32, local: SocketAddr, remote: SocketAddr) {
+        let (local, remote) = (canonical(local), canonical(remote));
+        let conns = self.by_addr.entry(local).or_default();
+        match conns.iter_mut().find(|(r, _)| *r == remote) {
+            Some(c) => c.1 = tgid,
+            None => {
+                conns.push((remote, tgid));
+                if self.order.len() >= MAX_OWN_SOCKETS
+                    && let Some((l, r)) = self.order.pop_front()
+                    && let Some(old) = self.by_addr.get_mut(&l)
+                {
+                    old.retain(|(x, _)| *x != r);
+                    if old.is_empty() {
+                        self.by_addr.remove(&l);
+                    }
+                }
+                self.order.push_back((local, remote));
             }
-            self.order.push_back(local);
         }
         let ip = local.ip();
         if !ip.is_loopback()
@@ -320,10 +344,10 @@ impl Tracker {
         self.own.complete = complete;
     }
 
-    /// A connection watched process `tgid` holds uses `local` on this node (found in /proc for
-    /// sockets that existed before it was watched).
-    pub fn add_own_socket(&mut self, tgid: u32, local: SocketAddr) {
-        self.own.add(tgid, local);
+    /// A connection watched process `tgid` holds goes from `local` on this node to `remote`
+    /// (found in /proc for sockets that existed before it was watched).
+    pub fn add_own_socket(&mut self, tgid: u32, local: SocketAddr, remote: SocketAddr) {
+        self.own.add(tgid, local, remote);
     }
 
     /// Records the kernel lost so far (ring buffer or syscall table full): read before each
@@ -428,7 +452,7 @@ impl Tracker {
             Record::Connect(c) | Record::Accept(c) => self.on_conn(c),
             Record::Close { hdr, fd } => self.close(hdr.tgid, *fd, hdr.ts_ns, out),
             Record::Data(d) => self.on_data(d, out),
-            Record::Local { hdr, local, .. } => self.own.add(hdr.tgid, *local),
+            Record::Local { hdr, local, remote } => self.own.add(hdr.tgid, *local, *remote),
             Record::Exec { .. } | Record::Exit { .. } | Record::Fork { .. } => {}
         }
         self.stats.events += (out.len() - before) as u64;
@@ -437,7 +461,9 @@ impl Tracker {
     fn on_conn(&mut self, c: &Conn) {
         // A reused fd number is a new connection.
         self.conns.remove(&(c.hdr.tgid, c.fd));
-        self.conn_mut(c.hdr.tgid, c.fd, c.hdr.ts_ns).peer = c.peer;
+        let conn = self.conn_mut(c.hdr.tgid, c.fd, c.hdr.ts_ns);
+        conn.peer = c.peer;
+        conn.local = c.local;
     }
 
     fn on_data(&mut self, d: &DataPiece<'_>, out: &mut Vec<LifecycleEvent>) {
@@ -510,9 +536,12 @@ impl Tracker {
         for ev in http_events {
             self.on_http((tgid, d.fd), role, dir, ts, ev, out);
         }
-        let peer = self.conns.get(&(tgid, d.fd)).and_then(|c| c.peer);
+        let (peer, local) = self
+            .conns
+            .get(&(tgid, d.fd))
+            .map_or((None, None), |c| (c.peer, c.local));
         for m in zmtp_msgs {
-            self.on_zmtp((tgid, peer), role, dir, ts, &m, out);
+            self.on_zmtp((tgid, peer, local), role, dir, ts, &m, out);
         }
     }
 
@@ -538,6 +567,7 @@ impl Tracker {
             role,
             client: requests == (dir == 1),
             peer: conn.peer,
+            local: conn.local,
         };
         match ev {
             HttpEvent::RequestHead(head) => {

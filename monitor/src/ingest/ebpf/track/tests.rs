@@ -58,6 +58,8 @@ impl Sim {
                 hdr,
                 fd,
                 peer: Some(peer.parse().unwrap()),
+                listener_fd: None,
+                local: None,
             }),
             &mut self.out,
         );
@@ -70,6 +72,8 @@ impl Sim {
                 hdr,
                 fd,
                 peer: Some("127.0.0.1:40000".parse().unwrap()),
+                listener_fd: Some(3),
+                local: None,
             }),
             &mut self.out,
         );
@@ -655,6 +659,8 @@ fn connections_are_bounded() {
                 hdr,
                 fd,
                 peer: None,
+                listener_fd: Some(3),
+                local: None,
             }),
             &mut out,
         );
@@ -689,6 +695,8 @@ fn a_full_connection_table_evicts_the_oldest_in_batches() {
                 hdr,
                 fd,
                 peer: None,
+                listener_fd: Some(3),
+                local: None,
             }),
             out,
         );
@@ -1434,13 +1442,21 @@ fn a_long_metrics_page_is_read_whole_once_its_connection_is_streamed() {
 type Write<'a> = (Stage, Kind, Option<Peer>, Option<&'a str>, Option<&'a str>);
 
 impl Sim {
+    /// A connection accepted on a listener the source did not find.
     fn accept_from(&mut self, tgid: u32, fd: u32, peer: &str) {
+        self.accept_at(tgid, fd, peer, None);
+    }
+
+    /// A connection accepted on the listener at `local`, when the source found it.
+    fn accept_at(&mut self, tgid: u32, fd: u32, peer: &str, local: Option<&str>) {
         let hdr = self.hdr(kind::ACCEPT, tgid);
         self.t.on_record(
             &Record::Accept(Conn {
                 hdr,
                 fd,
                 peer: Some(peer.parse().unwrap()),
+                listener_fd: Some(3),
+                local: local.map(|l| l.parse().unwrap()),
             }),
             &mut self.out,
         );
@@ -1539,7 +1555,11 @@ fn a_prefill_registering_itself_is_a_member_in_every_spelling() {
     s.established(PREFILL, "127.0.0.1:45001", "127.0.0.1:8998");
     s.accept_from(PREFILL, 21, "[::ffff:127.0.0.1]:45001");
     s.io(PREFILL, 21, syscall::READ, &route_put(), 4096);
-    s.t.add_own_socket(PREFILL, "127.0.0.1:45002".parse().unwrap());
+    s.t.add_own_socket(
+        PREFILL,
+        "127.0.0.1:45002".parse().unwrap(),
+        "127.0.0.1:8998".parse().unwrap(),
+    );
     s.accept_from(PREFILL, 22, "127.0.0.1:45002");
     s.io(PREFILL, 22, syscall::READ, &route_put(), 4096);
     let peers: Vec<_> = s.out.iter().map(|e| e.peer).collect();
@@ -1620,6 +1640,44 @@ fn a_write_from_an_unwatched_process_on_this_node_is_foreign() {
                 Some("127.0.0.1:47002"),
                 Some("POST /register_dp_rank body_bytes=36")
             )
+        ]
+    );
+}
+
+/// A port is shared by connections to different destinations: a process revenant does not
+/// watch may write to the bootstrap server from the port of a watched connection to elsewhere,
+/// even one still open. Where the source knows the listener the write came in on, only a watched
+/// connection to that listener (a wildcard one: to its port) makes the writer a member; where it
+/// does not, the address alone does (a missed alert, never a false one).
+#[test]
+fn a_writer_sharing_the_port_of_a_watched_connection_to_elsewhere_is_foreign() {
+    let mut s = attributing();
+    // Decode's connection to the transfer engine, and the router's to the bootstrap server, from
+    // one port; the prefill's own registration from another.
+    s.established(DECODE, "127.0.0.1:45030", "127.0.0.1:17000");
+    s.established(ROUTER, "127.0.0.1:45031", "127.0.0.1:17000");
+    s.established(PREFILL, "127.0.0.1:45031", "127.0.0.1:8998");
+    for (fd, peer, local) in [
+        (60, "127.0.0.1:45030", Some("127.0.0.1:8998")),
+        (61, "127.0.0.1:45031", Some("127.0.0.1:8998")),
+        (62, "127.0.0.1:45031", Some("0.0.0.0:8998")),
+        (63, "127.0.0.1:45030", Some("[::]:8998")),
+        (64, "127.0.0.1:45030", Some("127.0.0.1:17000")),
+        (65, "127.0.0.1:45030", None),
+    ] {
+        s.accept_at(PREFILL, fd, peer, local);
+        s.io(PREFILL, fd, syscall::READ, &route_put(), 4096);
+    }
+    let peers: Vec<_> = s.out.iter().map(|e| e.peer).collect();
+    assert_eq!(
+        peers,
+        vec![
+            Some(Peer::Foreign),
+            Some(Peer::Member),
+            Some(Peer::Member),
+            Some(Peer::Foreign),
+            Some(Peer::Member),
+            Some(Peer::Member)
         ]
     );
 }
