@@ -161,19 +161,23 @@ fuzz_target!(|data: &[u8]| {
             match op & 7 {
                 0 | 1 => {
                     let peer = input.u8().and_then(|b| PEERS.get(b as usize % 7));
+                    let accept = op & 7 == 1;
+                    // An accept's listener address, as the source finds it (or not).
+                    let local = input
+                        .u8()
+                        .filter(|_| accept)
+                        .and_then(|b| PEERS.get(b as usize % 9));
                     let conn = Conn {
-                        hdr: hdr(if op & 7 == 0 {
-                            kind::CONNECT
-                        } else {
-                            kind::ACCEPT
-                        }),
+                        hdr: hdr(if accept { kind::ACCEPT } else { kind::CONNECT }),
                         fd,
                         peer: peer.map(|s| s.parse::<SocketAddr>().unwrap()),
+                        listener_fd: accept.then_some(fd + 10),
+                        local: local.map(|s| s.parse::<SocketAddr>().unwrap()),
                     };
-                    let rec = if op & 7 == 0 {
-                        Record::Connect(conn)
-                    } else {
+                    let rec = if accept {
                         Record::Accept(conn)
+                    } else {
+                        Record::Connect(conn)
                     };
                     t.on_record(&rec, &mut out);
                 }
