@@ -42,8 +42,119 @@ const MIN_BUCKETS: usize = 1024;
 
 #[derive(Default)]
 pub struct Table {
-    buckets: Vec<Bucket>,
+    buckets: Buckets,
     len: usize,
+}
+
+/// A table's bucket array: on the heap while small; from a mapping of its own once it spans
+/// huge pages, asked to be backed by them (see [`advise_huge_pages`]) and unmapped when the
+/// table is rebuilt. Advice given to a block of the allocator's outlives the block: the range
+/// went back to the allocator's heap, still marked for huge pages, and small objects placed
+/// there later were faulted in 2 MiB at a time, memory no estimate counts. A pointer and a
+/// length either way, so that a probe reads it as it would a `Vec`'s.
+struct Buckets {
+    ptr: std::ptr::NonNull<Bucket>,
+    len: usize,
+    /// From `mmap` (else a `Vec`'s block of capacity `len`).
+    mapped: bool,
+}
+
+// SAFETY: `Buckets` owns its block exclusively, as a `Vec` does.
+unsafe impl Send for Buckets {}
+// SAFETY: shared references only read it.
+unsafe impl Sync for Buckets {}
+
+impl Default for Buckets {
+    fn default() -> Self {
+        Buckets::heap(Vec::new())
+    }
+}
+
+/// Bucket arrays from this size on get a mapping of their own (the size of a huge page).
+const MAPPED_FROM_BYTES: usize = 2 << 20;
+
+impl Buckets {
+    fn heap(v: Vec<Bucket>) -> Buckets {
+        let mut v = std::mem::ManuallyDrop::new(v.into_boxed_slice());
+        Buckets {
+            ptr: std::ptr::NonNull::from(&mut v[..]).cast(),
+            len: v.len(),
+            mapped: false,
+        }
+    }
+
+    /// `n` empty buckets.
+    fn new(n: usize) -> Buckets {
+        let bytes = n * std::mem::size_of::<Bucket>();
+        #[cfg(target_os = "linux")]
+        if bytes >= MAPPED_FROM_BYTES {
+            // SAFETY: a fresh private anonymous mapping, owned by the value returned; the
+            // kernel zero-fills it, and a zeroed bucket is an empty one (`fp` 0).
+            let p = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    bytes,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                    -1,
+                    0,
+                )
+            };
+            if p != libc::MAP_FAILED
+                && let Some(ptr) = std::ptr::NonNull::new(p.cast::<Bucket>())
+            {
+                // Before the first touch: each 2 MiB of it is then faulted in as a huge page.
+                advise_huge_pages(p as usize, bytes);
+                return Buckets {
+                    ptr,
+                    len: n,
+                    mapped: true,
+                };
+            }
+        }
+        Buckets::heap(vec![Bucket::default(); n])
+    }
+}
+
+impl std::ops::Deref for Buckets {
+    type Target = [Bucket];
+    #[inline]
+    fn deref(&self) -> &[Bucket] {
+        // SAFETY: `len` initialised buckets live at `ptr` (a boxed slice's, or a zero-filled
+        // mapping's) for as long as `self` does.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl std::ops::DerefMut for Buckets {
+    #[inline]
+    fn deref_mut(&mut self) -> &mut [Bucket] {
+        // SAFETY: as in `deref`, and `&mut self` makes the access exclusive.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl Drop for Buckets {
+    fn drop(&mut self) {
+        if self.mapped {
+            // SAFETY: the mapping `new` made, of this size, unmapped once.
+            #[cfg(target_os = "linux")]
+            unsafe {
+                libc::munmap(
+                    self.ptr.as_ptr().cast(),
+                    self.len * std::mem::size_of::<Bucket>(),
+                );
+            }
+        } else {
+            // SAFETY: the boxed slice `heap` leaked, rebuilt once.
+            drop(unsafe {
+                Box::from_raw(std::ptr::slice_from_raw_parts_mut(
+                    self.ptr.as_ptr(),
+                    self.len,
+                ))
+            });
+        }
+    }
 }
 
 impl Table {
@@ -61,7 +172,7 @@ impl Table {
     }
 
     pub fn capacity_bytes(&self) -> usize {
-        self.buckets.capacity() * std::mem::size_of::<Bucket>()
+        self.buckets.len() * std::mem::size_of::<Bucket>()
     }
 
     /// The bucket of fingerprint `fp` whose value `accept` takes (`Ok`), or the empty bucket
@@ -181,20 +292,6 @@ impl Table {
         self.len += 1;
     }
 
-    /// An empty bucket array of `n`; large ones asked to be backed by huge pages.
-    fn buckets(n: usize) -> Vec<Bucket> {
-        let mut v = Vec::with_capacity(n);
-        let bytes = n * std::mem::size_of::<Bucket>();
-        advise_huge_pages(v.as_ptr() as usize, bytes, false);
-        v.resize(n, Bucket::default());
-        // The allocator may hand out memory already mapped with small pages (glibc serves
-        // a freed large block again from its heap, e.g. the previous table after a resize),
-        // which the advice alone does not convert: measured, the benchmark's tables got no
-        // huge page at all. Collapse them now that they are populated.
-        advise_huge_pages(v.as_ptr() as usize, bytes, true);
-        v
-    }
-
     /// Drops every entry for which `keep` says no (a full pass; callers amortise it).
     pub fn retain(&mut self, mut keep: impl FnMut(u32) -> bool) {
         let n = self.buckets.len();
@@ -206,9 +303,9 @@ impl Table {
     }
 
     fn rebuild(&mut self, n: usize, mut keep: impl FnMut(&Bucket) -> bool) {
-        let old = std::mem::replace(&mut self.buckets, Self::buckets(n));
+        let old = std::mem::replace(&mut self.buckets, Buckets::new(n));
         self.len = 0;
-        for b in old {
+        for &b in old.iter() {
             if b.fp != 0 && keep(&b) {
                 self.place(b);
             }
@@ -218,33 +315,20 @@ impl Table {
 
 /// Every event probes this table at a random place: with 4 KiB pages each probe is also a
 /// TLB miss once the table outgrows the TLB's reach (a few MiB). Asking for transparent huge
-/// pages (the kernel's `madvise` mode) removes most of those; `collapse` (Linux 6.1+)
-/// converts pages already mapped small, synchronously. Advisory: errors (older kernels, no
-/// huge page free) are ignored, and other systems skip it.
-fn advise_huge_pages(start: usize, len: usize, collapse: bool) {
-    #[cfg(target_os = "linux")]
-    {
-        /// From linux/mman.h (the libc crate defines it for glibc targets only).
-        const MADV_COLLAPSE: libc::c_int = 25;
-        const HUGE: usize = 2 << 20;
-        let from = (start + HUGE - 1) & !(HUGE - 1);
-        let to = (start + len) & !(HUGE - 1);
-        let advice = if collapse {
-            MADV_COLLAPSE
-        } else {
-            libc::MADV_HUGEPAGE
-        };
-        if to > from {
-            // SAFETY: madvise only advises the kernel about pages inside our own allocation
-            // (rounded inwards to huge-page boundaries); neither advice changes their
-            // contents (a collapse copies them into a huge page).
-            unsafe {
-                libc::madvise(from as *mut libc::c_void, to - from, advice);
-            }
+/// pages (the kernel's `madvise` mode) before the mapping is touched removes most of those.
+/// Advisory: errors (older kernels, no huge page free) are ignored.
+#[cfg(target_os = "linux")]
+fn advise_huge_pages(start: usize, len: usize) {
+    const HUGE: usize = 2 << 20;
+    let from = (start + HUGE - 1) & !(HUGE - 1);
+    let to = (start + len) & !(HUGE - 1);
+    if to > from {
+        // SAFETY: madvise only advises the kernel about pages inside our own mapping (rounded
+        // inwards to huge-page boundaries); the advice does not change their contents.
+        unsafe {
+            libc::madvise(from as *mut libc::c_void, to - from, libc::MADV_HUGEPAGE);
         }
     }
-    #[cfg(not(target_os = "linux"))]
-    let _ = (start, len, collapse);
 }
 
 #[cfg(test)]
@@ -265,6 +349,38 @@ pub(crate) fn with_fp_mask<R>(mask: u32, f: impl FnOnce() -> R) -> R {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A table that grows past a huge page moves its buckets to a mapping of their own, keeps
+    /// every entry through the move, the growth and the shrink back to the heap.
+    #[test]
+    fn large_tables_keep_their_entries_in_a_mapping_of_their_own() {
+        // Keys as identity makes them: hashes, spread over the whole range (splitmix64).
+        let key = |i: u64| {
+            let mut z = i.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^ (z >> 31)
+        };
+        let verify = |i: u64| move |v: u32| v as u64 == i;
+        let mut t = Table::default();
+        let n = 400_000u64;
+        for i in 0..n {
+            assert_eq!(t.insert(key(i), i as u32, verify(i)), None);
+        }
+        assert!(t.buckets.mapped, "{} bytes", t.capacity_bytes());
+        assert!(t.capacity_bytes() >= MAPPED_FROM_BYTES);
+        for i in (0..n).step_by(7) {
+            assert_eq!(t.find(key(i), verify(i)), Some(i as u32));
+        }
+        for i in 0..n - 1000 {
+            assert!(t.remove_if(key(i), i as u32));
+        }
+        assert_eq!(t.len(), 1000);
+        assert!(!t.buckets.mapped, "shrunk to the heap");
+        for i in n - 1000..n {
+            assert_eq!(t.find(key(i), verify(i)), Some(i as u32));
+        }
+    }
 
     #[test]
     fn equal_fingerprints_are_told_apart_through_growth_removal_and_retain() {
