@@ -124,14 +124,25 @@ fn connect_sharing_its_port(to: std::net::SocketAddr) -> std::net::TcpStream {
             std::mem::size_of::<libc::c_int>() as libc::socklen_t,
         );
         assert_eq!(set, 0, "SO_REUSEADDR: {}", std::io::Error::last_os_error());
-        let sin = libc::sockaddr_in {
+        let sin = |port: u16| libc::sockaddr_in {
             sin_family: libc::AF_INET as libc::sa_family_t,
-            sin_port: to.port().to_be(),
+            sin_port: port.to_be(),
             sin_addr: libc::in_addr {
                 s_addr: u32::from_ne_bytes(to.ip().octets()),
             },
             sin_zero: [0; 8],
         };
+        // Bound before the connect: a port the connect picks for an unbound socket may already
+        // be shared with other sockets that lack SO_REUSEADDR, and the outsider's bind to it
+        // would then fail.
+        let local = sin(0);
+        let rc = libc::bind(
+            fd,
+            (&local as *const libc::sockaddr_in).cast(),
+            std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t,
+        );
+        assert_eq!(rc, 0, "bind: {}", std::io::Error::last_os_error());
+        let sin = sin(to.port());
         let rc = libc::connect(
             fd,
             (&sin as *const libc::sockaddr_in).cast(),
@@ -666,8 +677,23 @@ fn bootstrap_writers_are_attributed_by_their_connections() {
     };
     let mut src = start_source(cfg);
     wait_watched(&mut src, &[me]);
+    // Bounded: a writer that never comes fails the test instead of hanging it.
+    listener.set_nonblocking(true).unwrap();
     let serve = |listener: &TcpListener| {
-        let (mut conn, peer) = listener.accept().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let (mut conn, peer) = loop {
+            match listener.accept() {
+                Ok(accepted) => break accepted,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    assert!(Instant::now() < deadline, "no writer came within 20 s");
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                Err(e) => panic!("accept: {e}"),
+            }
+        };
+        conn.set_nonblocking(false).unwrap();
+        conn.set_read_timeout(Some(Duration::from_secs(20)))
+            .unwrap();
         let mut got = Vec::new();
         let mut buf = [0u8; 1024];
         while !got.ends_with(body.as_bytes()) {
