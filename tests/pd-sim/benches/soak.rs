@@ -142,6 +142,9 @@ struct Point {
     /// Seconds since the load started.
     t_s: f64,
     rss_kib: u64,
+    /// Of the RSS, what sits in transparent huge pages (`AnonHugePages` of
+    /// `/proc/PID/smaps_rollup`), KiB: a 2 MiB page faulted in for a small object counts whole.
+    huge_kib: u64,
     /// CPU over the interval before it, % of one core.
     cpu_pct: f64,
     events: u64,
@@ -164,6 +167,18 @@ fn rss_kib(pid: u32) -> Result<u64> {
         .find_map(|l| l.strip_prefix("VmRSS:"))
         .and_then(|v| v.split_whitespace().next()?.parse().ok())
         .ok_or_else(|| anyhow!("/proc/{pid}/status has no VmRSS"))
+}
+
+/// `AnonHugePages` of a process, KiB (0 where the kernel does not report it).
+fn huge_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup"))
+        .ok()
+        .and_then(|text| {
+            text.lines()
+                .find_map(|l| l.strip_prefix("AnonHugePages:"))
+                .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        })
+        .unwrap_or(0)
 }
 
 /// `utime + stime` of a process, seconds.
@@ -314,6 +329,7 @@ fn sample_loop(
         let p = Point {
             t_s,
             rss_kib: rss,
+            huge_kib: huge_kib(pid),
             cpu_pct: (cpu - last_cpu) / dt * 100.0,
             events,
             events_per_s: (events - last_events.min(events)) as f64 / dt,
@@ -344,14 +360,15 @@ fn mib(bytes: u64) -> f64 {
 }
 
 fn header() -> String {
-    "| t (min) | RSS (MiB) | estimated (MiB) | CPU (% of a core) | events checked | events/s | live attempts | tombstones | violations | drops | load avg (1 min) |\n| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |".into()
+    "| t (min) | RSS (MiB) | huge pages (MiB) | estimated (MiB) | CPU (% of a core) | events checked | events/s | live attempts | tombstones | violations | drops | load avg (1 min) |\n| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |".into()
 }
 
 fn line(p: &Point) -> String {
     format!(
-        "| {:.1} | {:.1} | {:.1} | {:.1} | {} | {:.0} | {} | {} | {} | {} | {:.2} |",
+        "| {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {} | {:.0} | {} | {} | {} | {} | {:.2} |",
         p.t_s / 60.0,
         p.rss_kib as f64 / 1024.0,
+        p.huge_kib as f64 / 1024.0,
         mib(p.estimated.values().sum()),
         p.cpu_pct,
         p.events,
@@ -618,6 +635,11 @@ fn main() {
             "RSS",
             first.rss_kib as f64 / 1024.0,
             last.rss_kib as f64 / 1024.0,
+        );
+        row(
+            "of it in huge pages",
+            first.huge_kib as f64 / 1024.0,
+            last.huge_kib as f64 / 1024.0,
         );
         let structures: std::collections::BTreeSet<&String> = first
             .estimated
