@@ -1,4 +1,4 @@
-//! `cargo xtask bench-guard --baseline COMMIT`: what a change costs the engine, against a
+//! `cargo xtask bench-guard --baseline COMMIT`: what a change costs, against a
 //! baseline commit, measured the same way on both builds in one sitting.
 //!
 //! The baseline is checked out in a git worktree of its own under `target/bench-guard/` and built
@@ -9,7 +9,10 @@
 //!   `Checker::observe` (deterministic, so one run each is the figure);
 //! - `revenant check` on one generated replay file (the baseline's generator: a newer build reads
 //!   what an older one wrote), CPU seconds per run, the two builds alternated round by round so
-//!   that the machine's drift falls on both alike.
+//!   that the machine's drift falls on both alike;
+//! - the OTLP pipeline: each build's `otlp_load` bench against the `revenant run` built beside it,
+//!   spans per second acknowledged and revenant's CPU seconds per million spans, the builds
+//!   alternated the same way.
 //!
 //! It prints each figure with its ratio, candidate over baseline. It is a benchmark, not a test:
 //! `cargo xtask test` does not run it.
@@ -39,6 +42,10 @@ pub struct BenchGuardArgs {
     /// Rounds of the replay measurement; each round runs the baseline, then the candidate.
     #[arg(long, default_value_t = 3)]
     pub rounds: u32,
+    /// Seconds each `otlp_load` run measures, after its 3 s warm-up (0: skip the OTLP
+    /// measurement).
+    #[arg(long, default_value_t = 10)]
+    pub otlp_seconds: u64,
     /// Rules left out of both builds' engine runs (`REVENANT_BENCH_DISABLE`), e.g. to measure
     /// what some rules cost.
     #[arg(long, default_value = "")]
@@ -55,6 +62,8 @@ struct Build {
     profile: PathBuf,
     gen_events: PathBuf,
     revenant: PathBuf,
+    /// The `otlp_load` bench executable (it starts the `revenant` built beside it).
+    otlp_load: PathBuf,
 }
 
 pub fn run(args: &BenchGuardArgs) -> Result<()> {
@@ -105,6 +114,9 @@ pub fn run(args: &BenchGuardArgs) -> Result<()> {
     if args.replay_attempts > 0 {
         replay(&baseline, &candidate, args, &guard_dir)?;
     }
+    if args.otlp_seconds > 0 {
+        otlp(&baseline, &candidate, args)?;
+    }
 
     let ratio = cand.per_event() / base.per_event();
     if let Some(limit) = args.fail_above
@@ -143,19 +155,25 @@ fn checkout(root: &Path, tree: &Path, commit: &str) -> Result<()> {
 /// `cargo build --release` of the binaries measured, in `tree` with `target_dir`.
 fn build(name: &'static str, tree: &Path, target_dir: &Path) -> Result<Build> {
     eprintln!("bench-guard: building the {name} in {}", tree.display());
-    let status = cargo::command()
+    let out = cargo::command()
         .current_dir(tree)
         .env("CARGO_TARGET_DIR", target_dir)
         .args(["build", "--release", "-p", "revenant", "--bin", "revenant"])
         .args(["--example", "engine_profile", "--example", "gen_events"])
-        .status()?;
-    ensure!(status.success(), "building the {name} failed");
+        .args(["--bench", "otlp_load"])
+        .args(["--message-format", "json-render-diagnostics"])
+        .stderr(Stdio::inherit())
+        .output()?;
+    ensure!(out.status.success(), "building the {name} failed");
+    let otlp_load = cargo::executable_of(&out.stdout, "otlp_load")
+        .ok_or_else(|| anyhow!("cargo named no otlp_load executable for the {name}"))?;
     let release = target_dir.join("release");
     Ok(Build {
         name,
         profile: release.join("examples/engine_profile"),
         gen_events: release.join("examples/gen_events"),
         revenant: release.join("revenant"),
+        otlp_load,
     })
 }
 
@@ -251,6 +269,76 @@ fn replay(baseline: &Build, candidate: &Build, args: &BenchGuardArgs, dir: &Path
     Ok(())
 }
 
+/// One `otlp_load` run's figures.
+#[derive(Debug, PartialEq)]
+struct OtlpRun {
+    spans_per_s: f64,
+    cpu_s_per_million: f64,
+}
+
+/// Each build's `otlp_load` against its own `revenant run`, alternated per round; the medians of
+/// spans/s acknowledged and of revenant's CPU seconds per million spans.
+fn otlp(baseline: &Build, candidate: &Build, args: &BenchGuardArgs) -> Result<()> {
+    let mut runs = [Vec::new(), Vec::new()];
+    for round in 0..args.rounds {
+        for (i, b) in [baseline, candidate].iter().enumerate() {
+            eprintln!(
+                "bench-guard: otlp_load, round {}/{}, {}",
+                round + 1,
+                args.rounds,
+                b.name
+            );
+            let out = Command::new(&b.otlp_load)
+                .args(["--bench", "--seconds", &args.otlp_seconds.to_string()])
+                .stderr(Stdio::null())
+                .output()?;
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            ensure!(
+                out.status.success(),
+                "otlp_load of the {} failed ({}):\n{stdout}",
+                b.name,
+                out.status
+            );
+            runs[i].push(otlp_figures(&stdout).ok_or_else(|| {
+                anyhow!("otlp_load of the {} printed no figures:\n{stdout}", b.name)
+            })?);
+        }
+    }
+    let [base, cand] = runs.map(|v| {
+        let (mut rate, mut cpu): (Vec<f64>, Vec<f64>) = v
+            .iter()
+            .map(|r| (r.spans_per_s, r.cpu_s_per_million))
+            .unzip();
+        (median(&mut rate), median(&mut cpu))
+    });
+    println!(
+        "OTLP (otlp_load, {} s measured per run, {} rounds alternated, median):",
+        args.otlp_seconds, args.rounds
+    );
+    println!(" spans/s acknowledged:");
+    print!("{}", report_lines("", base.0, cand.0, 0));
+    println!(" revenant CPU s per million spans:");
+    print!("{}", report_lines("", base.1, cand.1, 2));
+    Ok(())
+}
+
+/// The figures of `otlp_load`'s report: "sustained: N spans/s acknowledged" and "… = X CPU s
+/// per million spans".
+fn otlp_figures(stdout: &str) -> Option<OtlpRun> {
+    let spans_per_s = stdout.lines().find_map(|l| {
+        let rest = l.trim_start().strip_prefix("sustained:")?;
+        rest.split_whitespace().next()?.parse().ok()
+    })?;
+    let cpu_s_per_million = stdout.lines().find_map(|l| {
+        let (before, _) = l.split_once(" CPU s per million spans")?;
+        before.rsplit(' ').next()?.parse().ok()
+    })?;
+    Some(OtlpRun {
+        spans_per_s,
+        cpu_s_per_million,
+    })
+}
+
 /// Runs `cmd` and returns the CPU seconds (user + system) it used. `revenant check` exits 1
 /// when it found violations, which the workload has: any exit counts, a signal does not.
 fn child_cpu_s(cmd: &mut Command) -> Result<f64> {
@@ -343,6 +431,7 @@ mod tests {
                 attempts: 100_000,
                 replay_attempts: 100_000,
                 rounds: 3,
+                otlp_seconds: 10,
                 disable: String::new(),
                 fail_above: None,
             }
@@ -380,6 +469,35 @@ mod tests {
         let stdout = "996200 events in 0.694 s = 1435446 events/s wall, 1500000 events per CPU second, 1000 violations\n";
         assert_eq!(profile_events(stdout), Some(996_200));
         assert_eq!(profile_events("nothing\n"), None);
+    }
+
+    #[test]
+    fn reads_otlp_load_and_cargo_output() {
+        let report = "otlp_load: 4 connections, 1000 spans/export, channel capacity 16, 10 s measured after 3 s warmup\n  sustained:          326412 spans/s acknowledged (3264120 spans total)\n  refused (retried):  12 UNAVAILABLE answers\n  revenant CPU:       16.12 s over 10.0 s = 4.94 CPU s per million spans\n  generator CPU:      5.00 s (same machine, shares the cores)\n";
+        assert_eq!(
+            otlp_figures(report),
+            Some(OtlpRun {
+                spans_per_s: 326_412.0,
+                cpu_s_per_million: 4.94,
+            })
+        );
+        assert_eq!(otlp_figures("otlp_load: nothing measured\n"), None);
+        let messages = concat!(
+            r#"{"reason":"compiler-artifact","target":{"name":"revenant","kind":["bin"]},"executable":"/t/release/revenant"}"#,
+            "\n",
+            r#"{"reason":"compiler-artifact","target":{"name":"otlp_load","kind":["bench"]},"executable":"/t/release/deps/otlp_load-0123abcd"}"#,
+            "\n",
+            r#"{"reason":"build-finished","success":true}"#,
+            "\n"
+        );
+        assert_eq!(
+            cargo::executable_of(messages.as_bytes(), "otlp_load"),
+            Some(PathBuf::from("/t/release/deps/otlp_load-0123abcd"))
+        );
+        assert_eq!(
+            cargo::executable_of(messages.as_bytes(), "gen_events"),
+            None
+        );
     }
 
     #[test]

@@ -30,3 +30,13 @@ pub fn scrub(cmd: &mut Command) {
         }
     }
 }
+
+/// The executable cargo's JSON messages (`--message-format json…`) name for the target `name`
+/// (a bench's or a test's path carries a hash).
+pub fn executable_of(messages: &[u8], name: &str) -> Option<std::path::PathBuf> {
+    messages
+        .split(|b| *b == b'\n')
+        .filter_map(|l| serde_json::from_slice::<serde_json::Value>(l).ok())
+        .filter(|v| v["reason"] == "compiler-artifact" && v["target"]["name"] == name)
+        .find_map(|v| v["executable"].as_str().map(std::path::PathBuf::from))
+}

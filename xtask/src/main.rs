@@ -70,9 +70,9 @@ enum Task {
         #[arg(long)]
         test: bool,
     },
-    /// What the engine costs against a baseline commit: instructions per event (callgrind) and
-    /// `revenant check` events per CPU second, both builds measured in one sitting, with the
-    /// ratios. A benchmark: `test` does not run it. Needs valgrind.
+    /// What a change costs against a baseline commit: the engine's instructions per event
+    /// (callgrind), `revenant check` events per CPU second and the OTLP pipeline's spans/s and
+    /// CPU per span, both builds measured in one sitting, with the ratios. A benchmark: `test` does not run it. Needs valgrind.
     BenchGuard(bench_guard::BenchGuardArgs),
     /// Run the whole test suite as CI does: one release build, then side by side the chart and
     /// image checks, every test executable, the tests against real routers and SGLang, and
@@ -192,10 +192,6 @@ fn release_revenant() -> anyhow::Result<std::path::PathBuf> {
         out.status.success(),
         "cargo build --release -p revenant failed"
     );
-    out.stdout
-        .split(|b| *b == b'\n')
-        .filter_map(|l| serde_json::from_slice::<serde_json::Value>(l).ok())
-        .filter(|v| v["reason"] == "compiler-artifact" && v["target"]["name"] == "revenant")
-        .find_map(|v| v["executable"].as_str().map(std::path::PathBuf::from))
+    cargo::executable_of(&out.stdout, "revenant")
         .ok_or_else(|| anyhow::anyhow!("cargo built no revenant binary"))
 }
