@@ -230,6 +230,29 @@ fn callgrind_total(file: &str) -> Option<u64> {
     line.split_whitespace().nth(1)?.parse().ok()
 }
 
+/// `measure` run `rounds` times on each build, the baseline first in every round so that the
+/// machine's drift falls on both alike; each build's results in order.
+fn alternated<T>(
+    baseline: &Build,
+    candidate: &Build,
+    rounds: u32,
+    what: &str,
+    mut measure: impl FnMut(&Build) -> Result<T>,
+) -> Result<[Vec<T>; 2]> {
+    let mut results = [Vec::new(), Vec::new()];
+    for round in 0..rounds {
+        for (i, b) in [baseline, candidate].into_iter().enumerate() {
+            eprintln!(
+                "bench-guard: {what}, round {}/{rounds}, {}",
+                round + 1,
+                b.name
+            );
+            results[i].push(measure(b)?);
+        }
+    }
+    Ok(results)
+}
+
 /// `revenant check` on one generated file, the builds alternated per round; CPU seconds (user +
 /// system of the child) per run, the median of each build's.
 fn replay(baseline: &Build, candidate: &Build, args: &BenchGuardArgs, dir: &Path) -> Result<()> {
@@ -240,25 +263,16 @@ fn replay(baseline: &Build, candidate: &Build, args: &BenchGuardArgs, dir: &Path
     ensure!(out.status.success(), "gen_events failed");
     let events = out.stdout.iter().filter(|&&b| b == b'\n').count() as u64;
     std::fs::write(&file, &out.stdout)?;
-    let mut cpu = [Vec::new(), Vec::new()];
-    for round in 0..args.rounds {
-        for (i, b) in [baseline, candidate].iter().enumerate() {
-            eprintln!(
-                "bench-guard: revenant check, round {}/{}, {}",
-                round + 1,
-                args.rounds,
-                b.name
-            );
-            cpu[i].push(child_cpu_s(
-                Command::new(&b.revenant)
-                    .arg("check")
-                    .arg("--events")
-                    .arg(&file)
-                    .stdout(Stdio::null())
-                    .stderr(Stdio::null()),
-            )?);
-        }
-    }
+    let cpu = alternated(baseline, candidate, args.rounds, "revenant check", |b| {
+        child_cpu_s(
+            Command::new(&b.revenant)
+                .arg("check")
+                .arg("--events")
+                .arg(&file)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null()),
+        )
+    })?;
     let [base, cand] = cpu.map(|mut v| median(&mut v));
     println!(
         "revenant check, {events}-event file, {} rounds alternated (events per CPU second, median):",
@@ -279,31 +293,21 @@ struct OtlpRun {
 /// Each build's `otlp_load` against its own `revenant run`, alternated per round; the medians of
 /// spans/s acknowledged and of revenant's CPU seconds per million spans.
 fn otlp(baseline: &Build, candidate: &Build, args: &BenchGuardArgs) -> Result<()> {
-    let mut runs = [Vec::new(), Vec::new()];
-    for round in 0..args.rounds {
-        for (i, b) in [baseline, candidate].iter().enumerate() {
-            eprintln!(
-                "bench-guard: otlp_load, round {}/{}, {}",
-                round + 1,
-                args.rounds,
-                b.name
-            );
-            let out = Command::new(&b.otlp_load)
-                .args(["--bench", "--seconds", &args.otlp_seconds.to_string()])
-                .stderr(Stdio::null())
-                .output()?;
-            let stdout = String::from_utf8_lossy(&out.stdout);
-            ensure!(
-                out.status.success(),
-                "otlp_load of the {} failed ({}):\n{stdout}",
-                b.name,
-                out.status
-            );
-            runs[i].push(otlp_figures(&stdout).ok_or_else(|| {
-                anyhow!("otlp_load of the {} printed no figures:\n{stdout}", b.name)
-            })?);
-        }
-    }
+    let runs = alternated(baseline, candidate, args.rounds, "otlp_load", |b| {
+        let out = Command::new(&b.otlp_load)
+            .args(["--bench", "--seconds", &args.otlp_seconds.to_string()])
+            .stderr(Stdio::null())
+            .output()?;
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        ensure!(
+            out.status.success(),
+            "otlp_load of the {} failed ({}):\n{stdout}",
+            b.name,
+            out.status
+        );
+        otlp_figures(&stdout)
+            .ok_or_else(|| anyhow!("otlp_load of the {} printed no figures:\n{stdout}", b.name))
+    })?;
     let [base, cand] = runs.map(|v| {
         let (mut rate, mut cpu): (Vec<f64>, Vec<f64>) = v
             .iter()

@@ -72,7 +72,8 @@ enum Task {
     },
     /// What a change costs against a baseline commit: the engine's instructions per event
     /// (callgrind), `revenant check` events per CPU second and the OTLP pipeline's spans/s and
-    /// CPU per span, both builds measured in one sitting, with the ratios. A benchmark: `test` does not run it. Needs valgrind.
+    /// CPU per span, both builds measured in one sitting, with the ratios. A benchmark: `test`
+    /// does not run it. Needs valgrind.
     BenchGuard(bench_guard::BenchGuardArgs),
     /// Run the whole test suite as CI does: one release build, then side by side the chart and
     /// image checks, every test executable, the tests against real routers and SGLang, and

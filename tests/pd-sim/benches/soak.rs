@@ -162,23 +162,21 @@ struct Point {
 
 /// `VmRSS` of a process, KiB.
 fn rss_kib(pid: u32) -> Result<u64> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-    text.lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next()?.parse().ok())
-        .ok_or_else(|| anyhow!("/proc/{pid}/status has no VmRSS"))
+    proc_kib(pid, "status", "VmRSS:")
 }
 
 /// `AnonHugePages` of a process, KiB (0 where the kernel does not report it).
 fn huge_kib(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup"))
-        .ok()
-        .and_then(|text| {
-            text.lines()
-                .find_map(|l| l.strip_prefix("AnonHugePages:"))
-                .and_then(|v| v.split_whitespace().next()?.parse().ok())
-        })
-        .unwrap_or(0)
+    proc_kib(pid, "smaps_rollup", "AnonHugePages:").unwrap_or(0)
+}
+
+/// The `key` line's figure (kB) of `/proc/PID/file`.
+fn proc_kib(pid: u32, file: &str, key: &str) -> Result<u64> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/{file}"))?;
+    text.lines()
+        .find_map(|l| l.strip_prefix(key))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .ok_or_else(|| anyhow!("/proc/{pid}/{file} has no {key}"))
 }
 
 /// `utime + stime` of a process, seconds.
