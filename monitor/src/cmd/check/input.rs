@@ -78,27 +78,55 @@ pub enum ReadError {
     Io(#[from] std::io::Error),
 }
 
+/// What one line (or the input's end) gave.
+enum Item {
+    Event(LifecycleEvent),
+    Bad(BadLine),
+    /// The input cannot be read any further: the last item.
+    Failed(ReadError),
+}
+
+/// Items decoded per chunk sent from the decoding thread: enough that the hand-over costs
+/// nothing per event, few enough that a file waiting in the merge holds little.
+const CHUNK_ITEMS: usize = 1024;
+/// Chunks decoded ahead of the merge, per input.
+const CHUNKS_AHEAD: usize = 2;
+
 /// One input, read into events as the merge asks for them.
+///
+/// Reading and decoding happen on a thread of the input's own, a few chunks ahead of the merge:
+/// decoding costs about twice what checking an event does, so the checker's thread no longer
+/// waits for it, and several inputs decode on several cores. The thread starts at the first
+/// read and ends at the input's end, at its first read error, or when the reader is dropped
+/// (its next chunk has nowhere to go).
 pub struct EventReader {
     /// As given on the command line (`-` for standard input).
     pub path: PathBuf,
-    input: Box<dyn BufRead>,
-    max_line: usize,
-    line_no: u64,
-    buf: Vec<u8>,
+    state: State,
     /// Events read.
     pub events: u64,
     /// Lines that were not events.
     pub bad: u64,
-    /// Set once the end (or an error that ends it) was reached.
-    done: bool,
+}
+
+enum State {
+    /// Opened, not read yet.
+    Idle(Box<Lines>),
+    Reading {
+        chunks: std::sync::mpsc::Receiver<Vec<Item>>,
+        chunk: std::vec::IntoIter<Item>,
+        /// Never joined: a thread blocked reading standard input would hold the process; it
+        /// ends by itself once `chunks` is dropped.
+        _thread: Option<std::thread::JoinHandle<()>>,
+    },
+    Done,
 }
 
 impl EventReader {
     /// Wraps `raw` (a file or standard input), recognising gzip and binary data from its first
     /// bytes.
-    pub fn new(path: &Path, raw: Box<dyn Read>, max_line: usize) -> Result<Self, ReadError> {
-        let mut input: Box<dyn BufRead> = Box::new(BufReader::with_capacity(1 << 20, raw));
+    pub fn new(path: &Path, raw: Box<dyn Read + Send>, max_line: usize) -> Result<Self, ReadError> {
+        let mut input: Box<dyn BufRead + Send> = Box::new(BufReader::with_capacity(1 << 20, raw));
         match sniff(input.fill_buf()?) {
             Sniffed::Text => {}
             Sniffed::Gzip => {
@@ -116,14 +144,119 @@ impl EventReader {
         }
         Ok(EventReader {
             path: path.to_path_buf(),
-            input,
-            max_line,
-            line_no: 0,
-            buf: Vec::with_capacity(4096),
+            state: State::Idle(Box::new(Lines {
+                input,
+                max_line,
+                line_no: 0,
+                buf: Vec::with_capacity(4096),
+                done: false,
+            })),
             events: 0,
             bad: 0,
-            done: false,
         })
+    }
+
+    /// The next event; each line that is not one goes to `on_bad` (and is counted) and is
+    /// skipped. `Ok(None)` at the end.
+    pub fn next_event(
+        &mut self,
+        on_bad: &mut dyn FnMut(&Path, BadLine),
+    ) -> Result<Option<LifecycleEvent>, ReadError> {
+        loop {
+            let item = match &mut self.state {
+                State::Done => return Ok(None),
+                State::Idle(_) => {
+                    let State::Idle(lines) = std::mem::replace(&mut self.state, State::Done) else {
+                        unreachable!("matched above")
+                    };
+                    let (chunks, thread) = lines.spawn();
+                    self.state = State::Reading {
+                        chunks,
+                        chunk: Vec::new().into_iter(),
+                        _thread: thread,
+                    };
+                    continue;
+                }
+                State::Reading { chunks, chunk, .. } => match chunk.next() {
+                    Some(item) => item,
+                    None => match chunks.recv() {
+                        Ok(next) => {
+                            *chunk = next.into_iter();
+                            continue;
+                        }
+                        // The thread ended after its last chunk.
+                        Err(_) => {
+                            self.state = State::Done;
+                            return Ok(None);
+                        }
+                    },
+                },
+            };
+            match item {
+                Item::Event(e) => {
+                    self.events += 1;
+                    return Ok(Some(e));
+                }
+                Item::Bad(bad) => {
+                    self.bad += 1;
+                    on_bad(&self.path, bad);
+                }
+                Item::Failed(e) => {
+                    self.state = State::Done;
+                    return Err(e);
+                }
+            }
+        }
+    }
+}
+
+/// The reading and decoding half of an input, which runs on its own thread.
+struct Lines {
+    input: Box<dyn BufRead + Send>,
+    max_line: usize,
+    line_no: u64,
+    buf: Vec<u8>,
+    /// Set once the end (or an error that ends it) was reached.
+    done: bool,
+}
+
+impl Lines {
+    /// Decodes on a new thread, [`CHUNKS_AHEAD`] chunks ahead of the receiver.
+    #[allow(clippy::type_complexity)]
+    fn spawn(
+        mut self: Box<Self>,
+    ) -> (
+        std::sync::mpsc::Receiver<Vec<Item>>,
+        Option<std::thread::JoinHandle<()>>,
+    ) {
+        let (tx, rx) = std::sync::mpsc::sync_channel(CHUNKS_AHEAD);
+        let spawned = std::thread::Builder::new()
+            .name("check-input".into())
+            .spawn(move || {
+                loop {
+                    let mut chunk = Vec::with_capacity(CHUNK_ITEMS);
+                    while chunk.len() < CHUNK_ITEMS {
+                        match self.next_item() {
+                            Some(item) => chunk.push(item),
+                            None => break,
+                        }
+                    }
+                    let last = chunk.len() < CHUNK_ITEMS;
+                    // A receiver that is gone wants no more.
+                    if (!chunk.is_empty() && tx.send(chunk).is_err()) || last {
+                        return;
+                    }
+                }
+            });
+        match spawned {
+            Ok(thread) => (rx, Some(thread)),
+            Err(e) => {
+                // No thread to read on: the input ends with the reason.
+                let (tx, rx) = std::sync::mpsc::sync_channel(1);
+                let _ = tx.send(vec![Item::Failed(ReadError::Io(e))]);
+                (rx, None)
+            }
+        }
     }
 
     /// The next line into `buf` (newline excluded), or `None` at the end. A line longer than the
@@ -157,14 +290,16 @@ impl EventReader {
         }
     }
 
-    /// The next event; each line that is not one goes to `on_bad` (and is counted) and is
-    /// skipped. `Ok(None)` at the end.
-    pub fn next_event(
-        &mut self,
-        on_bad: &mut dyn FnMut(&Path, BadLine),
-    ) -> Result<Option<LifecycleEvent>, ReadError> {
+    /// The next event or bad line, the error that ends the input, or `None` at its end.
+    fn next_item(&mut self) -> Option<Item> {
         while !self.done {
-            let chunk = self.input.fill_buf().inspect_err(|_| self.done = true)?;
+            let chunk = match self.input.fill_buf() {
+                Ok(chunk) => chunk,
+                Err(e) => {
+                    self.done = true;
+                    return Some(Item::Failed(e.into()));
+                }
+            };
             let parsed = match memchr::memchr(b'\n', chunk) {
                 // A line that lies whole in the buffer is decoded there, not copied out first;
                 // one cut by the buffer's end, or too long, goes through `next_line`.
@@ -175,9 +310,16 @@ impl EventReader {
                     parsed
                 }
                 _ => {
-                    let Some(fits) = self.next_line().inspect_err(|_| self.done = true)? else {
-                        self.done = true;
-                        break;
+                    let fits = match self.next_line() {
+                        Ok(Some(fits)) => fits,
+                        Ok(None) => {
+                            self.done = true;
+                            break;
+                        }
+                        Err(e) => {
+                            self.done = true;
+                            return Some(Item::Failed(e.into()));
+                        }
                     };
                     self.line_no += 1;
                     if fits {
@@ -191,19 +333,15 @@ impl EventReader {
                 }
             };
             match parsed {
-                Ok(Some(e)) => {
-                    self.events += 1;
-                    return Ok(Some(e));
-                }
+                Ok(Some(e)) => return Some(Item::Event(e)),
                 Ok(None) => {}
                 Err(message) => {
-                    self.bad += 1;
                     let line = self.line_no;
-                    on_bad(&self.path, BadLine { line, message });
+                    return Some(Item::Bad(BadLine { line, message }));
                 }
             }
         }
-        Ok(None)
+        None
     }
 }
 
@@ -288,6 +426,118 @@ mod tests {
         .unwrap();
         let (_, bad) = drain(&mut r);
         assert!(bad[0].message.starts_with("this is a violation"), "{bad:?}");
+    }
+
+    #[test]
+    fn events_and_bad_lines_keep_their_order_across_chunks() {
+        // Several chunks' worth, a bad line every 97th: the decoding thread's hand-over must
+        // neither reorder, lose nor repeat anything.
+        let lines = 5 * CHUNK_ITEMS + 3;
+        let text: String = (1..=lines)
+            .map(|n| match n % 97 {
+                0 => "{\"stage\":\"router\"}\n".to_owned(),
+                _ => format!(
+                    "{{\"time_unix_nano\":{n},\"stage\":\"router\",\"kind\":\"received\"}}\n"
+                ),
+            })
+            .collect();
+        let mut r = reader(Box::leak(text.into_bytes().into_boxed_slice()), 1 << 20).unwrap();
+        let (events, bad) = drain(&mut r);
+        let times: Vec<u64> = events.iter().map(|e| e.time_ns).collect();
+        let expected: Vec<u64> = (1..=lines as u64).filter(|n| n % 97 != 0).collect();
+        assert_eq!(times, expected);
+        let bad_lines: Vec<u64> = bad.iter().map(|b| b.line).collect();
+        assert_eq!(
+            bad_lines,
+            (1..=lines as u64)
+                .filter(|n| n % 97 == 0)
+                .collect::<Vec<_>>()
+        );
+        assert_eq!(
+            (r.events, r.bad),
+            (expected.len() as u64, bad_lines.len() as u64)
+        );
+        assert!(
+            r.next_event(&mut |_, b| panic!("{b:?}")).unwrap().is_none(),
+            "ended stays ended"
+        );
+    }
+
+    /// Reads `lines` good lines, then fails.
+    struct FailsAfter {
+        lines: Vec<u8>,
+        at: usize,
+    }
+
+    impl Read for FailsAfter {
+        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+            if self.at == self.lines.len() {
+                return Err(std::io::Error::other("disk on fire"));
+            }
+            let n = buf.len().min(self.lines.len() - self.at);
+            buf[..n].copy_from_slice(&self.lines[self.at..self.at + n]);
+            self.at += n;
+            Ok(n)
+        }
+    }
+
+    #[test]
+    fn a_read_error_comes_after_the_events_before_it_and_ends_the_input() {
+        let lines: Vec<u8> = (1..=3000u64)
+            .flat_map(|n| {
+                format!("{{\"time_unix_nano\":{n},\"stage\":\"router\",\"kind\":\"received\"}}\n")
+                    .into_bytes()
+            })
+            .collect();
+        let mut r = EventReader::new(
+            Path::new("t.jsonl"),
+            Box::new(FailsAfter { lines, at: 0 }),
+            1 << 20,
+        )
+        .unwrap();
+        let mut n = 0;
+        let err = loop {
+            match r.next_event(&mut |_, b| panic!("{b:?}")) {
+                Ok(Some(e)) => {
+                    n += 1;
+                    assert_eq!(e.time_ns, n);
+                }
+                Ok(None) => panic!("ended without the error"),
+                Err(e) => break e,
+            }
+        };
+        assert_eq!(n, 3000);
+        assert!(err.to_string().contains("disk on fire"), "{err}");
+        assert!(r.next_event(&mut |_, _| {}).unwrap().is_none());
+    }
+
+    #[test]
+    fn a_reader_dropped_half_way_lets_its_thread_go() {
+        let text: String = (1..=20 * CHUNK_ITEMS)
+            .map(|n| {
+                format!("{{\"time_unix_nano\":{n},\"stage\":\"router\",\"kind\":\"received\"}}\n")
+            })
+            .collect();
+        let mut r = reader(Box::leak(text.into_bytes().into_boxed_slice()), 1 << 20).unwrap();
+        assert!(r.next_event(&mut |_, _| {}).unwrap().is_some());
+        let State::Reading {
+            chunks,
+            _thread: Some(thread),
+            ..
+        } = std::mem::replace(&mut r.state, State::Done)
+        else {
+            panic!("reading on a thread after the first event")
+        };
+        // The thread is blocked on a full channel (20 chunks, 2 ahead) until the receiver goes;
+        // then its send fails and it returns.
+        drop(chunks);
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || tx.send(thread.join().is_ok()).unwrap());
+        assert_eq!(
+            rx.recv_timeout(std::time::Duration::from_secs(10)),
+            Ok(true),
+            "the decoding thread did not end"
+        );
     }
 
     #[test]

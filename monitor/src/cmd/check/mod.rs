@@ -15,11 +15,11 @@ mod input;
 mod merge;
 mod report;
 
-use std::cell::Cell;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::rc::Rc;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::time::Duration;
 
 use crate::engine::check::{Checker, CheckerConfig, RuleSet};
@@ -31,15 +31,16 @@ use crate::violation::Violation;
 use input::{BadLine, EventReader, ReadError};
 use merge::{FileIndex, Merge};
 
-/// A reader that ends (reads 0 bytes) once `gone` is set.
+/// A reader that ends (reads 0 bytes) once `gone` is set (an input's decoding thread reads
+/// through it).
 struct UntilGone {
-    inner: Box<dyn Read>,
-    gone: Rc<Cell<bool>>,
+    inner: Box<dyn Read + Send>,
+    gone: Arc<AtomicBool>,
 }
 
 impl Read for UntilGone {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        if self.gone.get() {
+        if self.gone.load(Relaxed) {
             return Ok(0);
         }
         self.inner.read(buf)
@@ -140,7 +141,7 @@ pub enum InputError {
 fn open_inputs(
     paths: &[PathBuf],
     max_line: usize,
-    wrap: impl Fn(Box<dyn Read>) -> UntilGone,
+    wrap: impl Fn(Box<dyn Read + Send>) -> UntilGone,
     refused: &mut Vec<InputError>,
 ) -> Result<Vec<EventReader>, InputError> {
     if paths.is_empty() {
@@ -151,8 +152,8 @@ fn open_inputs(
     }
     let mut readers = Vec::with_capacity(paths.len());
     for p in paths {
-        let r: Box<dyn Read> = if p.as_os_str() == "-" {
-            Box::new(std::io::stdin().lock())
+        let r: Box<dyn Read + Send> = if p.as_os_str() == "-" {
+            Box::new(std::io::stdin())
         } else {
             Box::new(std::fs::File::open(p).map_err(|source| InputError::Open {
                 path: p.clone(),
@@ -193,7 +194,7 @@ fn read_header(path: &Path) -> Option<replay::RunHeader> {
 struct Output<'a> {
     out: std::io::BufWriter<std::io::StdoutLock<'a>>,
     write_failed: Option<std::io::Error>,
-    reader_gone: Rc<Cell<bool>>,
+    reader_gone: Arc<AtomicBool>,
     corroborations: bool,
     format: Format,
     /// `--report`: what the HTML report is drawn from.
@@ -218,7 +219,7 @@ impl Output<'_> {
         };
         if let Err(e) = res {
             if e.kind() == std::io::ErrorKind::BrokenPipe {
-                self.reader_gone.set(true);
+                self.reader_gone.store(true, Relaxed);
             }
             self.write_failed.get_or_insert(e);
         }
@@ -408,7 +409,7 @@ fn check_stream(
     let reader_gone = out.reader_gone.clone();
     let mut on_bad = |path: &Path, bad: BadLine| {
         // Input cut short once standard output is gone: its last line is no error.
-        if reader_gone.get() {
+        if reader_gone.load(Relaxed) {
             return;
         }
         totals.bad_lines += 1;
@@ -426,7 +427,7 @@ fn check_stream(
     let reader_gone = out.reader_gone.clone();
     let mut read_errors = 0u64;
     let mut on_error = |path: &Path, e: ReadError| {
-        if reader_gone.get() {
+        if reader_gone.load(Relaxed) {
             return;
         }
         read_errors += 1;
@@ -472,7 +473,7 @@ fn check_stream(
                 shown[i] - BAD_LINES_SHOWN
             ));
         }
-        if r.events == 0 && !out.reader_gone.get() {
+        if r.events == 0 && !out.reader_gone.load(Relaxed) {
             console::write_line(&format!(
                 "revenant: warning: no events read from {} (empty, or only comments{})",
                 r.path.display(),
@@ -510,8 +511,8 @@ pub fn run(args: CheckArgs) -> ExitCode {
     };
     let paths: Vec<PathBuf> = args.events.iter().chain(&args.files).cloned().collect();
     // Once standard output is gone (`| head`), reading on is pointless: the input ends there.
-    let reader_gone = Rc::new(Cell::new(false));
-    let until_gone = |r: Box<dyn Read>| UntilGone {
+    let reader_gone = Arc::new(AtomicBool::new(false));
+    let until_gone = |r: Box<dyn Read + Send>| UntilGone {
         inner: r,
         gone: reader_gone.clone(),
     };
