@@ -8,8 +8,8 @@
 //! - the engine's instructions per event: `engine_profile` under callgrind, counting only inside
 //!   `Checker::observe` (deterministic, so one run each is the figure);
 //! - `revenant check` on one generated replay file (the baseline's generator: a newer build reads
-//!   what an older one wrote), CPU seconds per run, the two builds alternated round by round so
-//!   that the machine's drift falls on both alike;
+//!   what an older one wrote), CPU seconds and wall seconds per run, the two builds alternated
+//!   round by round so that the machine's drift falls on both alike;
 //! - the OTLP pipeline: each build's `otlp_load` bench against the `revenant run` built beside it,
 //!   spans per second acknowledged and revenant's CPU seconds per million spans, the builds
 //!   alternated the same way.
@@ -254,7 +254,8 @@ fn alternated<T>(
 }
 
 /// `revenant check` on one generated file, the builds alternated per round; CPU seconds (user +
-/// system of the child) per run, the median of each build's.
+/// system of the child) and wall seconds per run, the median of each build's. Both matter:
+/// `check` decodes on threads of its own, so wall time falls where CPU time does not.
 fn replay(baseline: &Build, candidate: &Build, args: &BenchGuardArgs, dir: &Path) -> Result<()> {
     let file = dir.join(format!("events-{}.jsonl", args.replay_attempts));
     let out = Command::new(&baseline.gen_events)
@@ -263,8 +264,8 @@ fn replay(baseline: &Build, candidate: &Build, args: &BenchGuardArgs, dir: &Path
     ensure!(out.status.success(), "gen_events failed");
     let events = out.stdout.iter().filter(|&&b| b == b'\n').count() as u64;
     std::fs::write(&file, &out.stdout)?;
-    let cpu = alternated(baseline, candidate, args.rounds, "revenant check", |b| {
-        child_cpu_s(
+    let runs = alternated(baseline, candidate, args.rounds, "revenant check", |b| {
+        child_usage(
             Command::new(&b.revenant)
                 .arg("check")
                 .arg("--events")
@@ -273,13 +274,20 @@ fn replay(baseline: &Build, candidate: &Build, args: &BenchGuardArgs, dir: &Path
                 .stderr(Stdio::null()),
         )
     })?;
-    let [base, cand] = cpu.map(|mut v| median(&mut v));
+    let [base, cand] = runs.map(|v| {
+        let (mut cpu, mut wall): (Vec<f64>, Vec<f64>) =
+            v.iter().map(|u| (u.cpu_s, u.wall_s)).unzip();
+        (median(&mut cpu), median(&mut wall))
+    });
     println!(
-        "revenant check, {events}-event file, {} rounds alternated (events per CPU second, median):",
+        "revenant check, {events}-event file, {} rounds alternated (median):",
         args.rounds
     );
     let rate = |s: f64| events as f64 / s;
-    print!("{}", report_lines("", rate(base), rate(cand), 0));
+    println!(" events per CPU second:");
+    print!("{}", report_lines("", rate(base.0), rate(cand.0), 0));
+    println!(" events per second (wall):");
+    print!("{}", report_lines("", rate(base.1), rate(cand.1), 0));
     Ok(())
 }
 
@@ -343,9 +351,19 @@ fn otlp_figures(stdout: &str) -> Option<OtlpRun> {
     })
 }
 
-/// Runs `cmd` and returns the CPU seconds (user + system) it used. `revenant check` exits 1
-/// when it found violations, which the workload has: any exit counts, a signal does not.
-fn child_cpu_s(cmd: &mut Command) -> Result<f64> {
+/// What one run of a child cost.
+struct Usage {
+    /// User + system.
+    cpu_s: f64,
+    /// From spawn to exit.
+    wall_s: f64,
+}
+
+/// Runs `cmd` and returns the CPU seconds (user + system) and wall seconds it used. `revenant
+/// check` exits 1 when it found violations, which the workload has: any exit counts, a signal
+/// does not.
+fn child_usage(cmd: &mut Command) -> Result<Usage> {
+    let start = std::time::Instant::now();
     let child = cmd.spawn()?;
     let pid = child.id() as libc::pid_t;
     let mut status = 0;
@@ -360,7 +378,10 @@ fn child_cpu_s(cmd: &mut Command) -> Result<f64> {
     );
     // SAFETY: wait4 succeeded, so it filled the buffer (zeroed before in any case).
     let usage = unsafe { usage.assume_init() };
-    Ok(tv_s(usage.ru_utime) + tv_s(usage.ru_stime))
+    Ok(Usage {
+        cpu_s: tv_s(usage.ru_utime) + tv_s(usage.ru_stime),
+        wall_s: start.elapsed().as_secs_f64(),
+    })
 }
 
 fn tv_s(t: libc::timeval) -> f64 {
