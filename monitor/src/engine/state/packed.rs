@@ -8,7 +8,7 @@
 //! window, a status above 1023) is [`WIDE`]: its owner keeps full slots elsewhere.
 //! Full 12-byte slots, 13 per attempt, would be a third of an attempt's memory.
 
-use super::slot::OCCUPIED;
+use super::slot::{KeepMasks, OCCUPIED, fold_each_split};
 use super::{Cell, Keep, NodeId, Slot, SlotLayout, fold_each};
 
 /// The base word of a row whose slots are kept unpacked by its owner.
@@ -130,6 +130,19 @@ pub fn fold_specs(
     keep: impl Fn(usize) -> Keep,
     new: Slot,
 ) -> Result<u64, Unpackable> {
+    fold_specs_split(row, specs, KeepMasks::NONE, keep, new)
+}
+
+/// [`fold_specs`], folding the single-slot specs of `masks` (those of `keep`) without
+/// dispatching on their keep ([`fold_each_split`]).
+#[inline]
+pub fn fold_specs_split(
+    row: &mut [u64],
+    specs: u64,
+    masks: KeepMasks,
+    keep: impl Fn(usize) -> Keep,
+    new: Slot,
+) -> Result<u64, Unpackable> {
     if !new.is_set() || specs == 0 {
         return Ok(0);
     }
@@ -149,7 +162,7 @@ pub fn fold_specs(
     };
     // SAFETY: `Word` is `repr(transparent)` over `u64`.
     let cells = unsafe { &mut *(&mut row[1..] as *mut [u64] as *mut [Word]) };
-    Ok(fold_each(cells, specs, keep, Word(w)))
+    Ok(fold_each_split(cells, specs, masks, keep, Word(w)))
 }
 
 /// [`fold_specs`] for the one spec `k`: true if its slot(s) changed (the tests' handle).

@@ -21,6 +21,7 @@ use std::collections::HashMap;
 use foldhash::fast::FixedState;
 
 use super::mapped::{self, MAPPED_MAX, Stop};
+use super::slot::KeepMasks;
 use super::{Keep, Slot, SlotLayout, Slots, fold_specs_full, packed};
 use crate::engine::mem::NO_INDEX;
 use crate::engine::mem::stable_hash::stable_hasher;
@@ -79,6 +80,8 @@ pub struct SlotRows {
     slab: Vec<Box<[u64]>>,
     classes: Vec<Class>,
     keeps: Vec<Keep>,
+    /// `keeps`' single-slot specs, folded without a look at their keep.
+    masks: KeepMasks,
     /// Full slots of wide rows, by owner.
     wide: HashMap<u32, Box<[Slot]>, FixedState>,
 }
@@ -116,6 +119,7 @@ impl SlotRows {
                     end: 0,
                 })
                 .collect(),
+            masks: KeepMasks::of(&keeps),
             keeps,
             wide: HashMap::with_hasher(stable_hasher()),
         }
@@ -316,7 +320,7 @@ impl SlotRows {
         let at = r.index as usize & (CHUNK_WORDS - 1);
         let row = &mut chunk[at..at + width];
         let keeps = &self.keeps;
-        match packed::fold_specs(row, specs, |k| keeps[k], slot) {
+        match packed::fold_specs_split(row, specs, self.masks, |k| keeps[k], slot) {
             Ok(changed) => changed,
             Err(packed::Unpackable) => {
                 self.wide.insert(id, packed::unpack_row(row).into());

@@ -73,47 +73,48 @@ pub fn fold_into<C: Cell>(slots: &mut [C], k: usize, keep: Keep, new: C) -> bool
     match keep {
         Keep::Earliest | Keep::Latest => slots[k].fold(new, keep),
         Keep::PairTail => false,
-        Keep::EarliestPerNode | Keep::LatestPerNode => {
-            if !new.is_set() {
-                return false;
-            }
-            let single = if keep == Keep::EarliestPerNode {
-                Keep::Earliest
-            } else {
-                Keep::Latest
-            };
-            for i in [k, k + 1] {
-                if slots[i].is_set() && slots[i].node() == new.node() {
-                    return slots[i].fold(new, single);
-                }
-            }
-            for i in [k, k + 1] {
-                if !slots[i].is_set() {
-                    slots[i] = new;
-                    return true;
-                }
-            }
-            // A third node: replace the less extreme of the two if the new one is more extreme.
-            let (a, b) = (slots[k].order(), slots[k + 1].order());
-            let weaker = match keep {
-                Keep::EarliestPerNode => {
-                    if a >= b {
-                        k
-                    } else {
-                        k + 1
-                    }
-                }
-                _ => {
-                    if a <= b {
-                        k
-                    } else {
-                        k + 1
-                    }
-                }
-            };
-            slots[weaker].fold(new, single)
+        Keep::EarliestPerNode => fold_pair(slots, k, Keep::Earliest, new),
+        Keep::LatestPerNode => fold_pair(slots, k, Keep::Latest, new),
+    }
+}
+
+/// [`fold_into`] for a per-node pair `k, k + 1` keeping the `single` (earliest or latest) of
+/// each node.
+#[inline(always)]
+fn fold_pair<C: Cell>(slots: &mut [C], k: usize, single: Keep, new: C) -> bool {
+    if !new.is_set() {
+        return false;
+    }
+    for i in [k, k + 1] {
+        if slots[i].is_set() && slots[i].node() == new.node() {
+            return slots[i].fold(new, single);
         }
     }
+    for i in [k, k + 1] {
+        if !slots[i].is_set() {
+            slots[i] = new;
+            return true;
+        }
+    }
+    // A third node: replace the less extreme of the two if the new one is more extreme.
+    let (a, b) = (slots[k].order(), slots[k + 1].order());
+    let weaker = match single {
+        Keep::Earliest => {
+            if a >= b {
+                k
+            } else {
+                k + 1
+            }
+        }
+        _ => {
+            if a <= b {
+                k
+            } else {
+                k + 1
+            }
+        }
+    };
+    slots[weaker].fold(new, single)
 }
 
 /// [`fold_into`] for every spec whose bit is set in `specs` (`keep` gives each spec's keep);
@@ -134,6 +135,101 @@ pub fn fold_each<C: Cell>(
         }
     }
     changed
+}
+
+/// The specs of each keep but [`Keep::PairTail`], as bit sets: [`fold_each_split`] folds them
+/// in one tight loop per keep, where [`fold_each`] looks up and dispatches on every spec's
+/// keep.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct KeepMasks {
+    earliest: u64,
+    latest: u64,
+    earliest_pairs: u64,
+    latest_pairs: u64,
+}
+
+impl KeepMasks {
+    /// No spec split off: everything goes through [`fold_each`].
+    pub const NONE: KeepMasks = KeepMasks {
+        earliest: 0,
+        latest: 0,
+        earliest_pairs: 0,
+        latest_pairs: 0,
+    };
+
+    /// The masks of `keeps`, indexed by spec.
+    pub fn of(keeps: &[Keep]) -> KeepMasks {
+        let mut m = KeepMasks::NONE;
+        for (k, keep) in keeps.iter().enumerate().take(u64::BITS as usize) {
+            match keep {
+                Keep::Earliest => m.earliest |= 1 << k,
+                Keep::Latest => m.latest |= 1 << k,
+                Keep::EarliestPerNode => m.earliest_pairs |= 1 << k,
+                Keep::LatestPerNode => m.latest_pairs |= 1 << k,
+                Keep::PairTail => {}
+            }
+        }
+        m
+    }
+}
+
+/// [`fold_each`] with the specs of `masks` folded without looking up their keep: the same
+/// slots change (a single spec touches only its own slot, a pair only itself and its tail, so
+/// the order specs are folded in does not matter).
+#[inline(always)]
+pub fn fold_each_split<C: Cell>(
+    cells: &mut [C],
+    specs: u64,
+    masks: KeepMasks,
+    keep: impl Fn(usize) -> Keep,
+    new: C,
+) -> u64 {
+    if !new.is_set() {
+        return 0;
+    }
+    let (order, mut changed) = (new.order(), 0u64);
+    let mut bits = specs & masks.earliest;
+    while bits != 0 {
+        let k = bits.trailing_zeros() as usize;
+        bits &= bits - 1;
+        let c = &mut cells[k];
+        if !c.is_set() || order < c.order() {
+            *c = new;
+            changed |= 1 << k;
+        }
+    }
+    let mut bits = specs & masks.latest;
+    while bits != 0 {
+        let k = bits.trailing_zeros() as usize;
+        bits &= bits - 1;
+        let c = &mut cells[k];
+        if !c.is_set() || order > c.order() {
+            *c = new;
+            changed |= 1 << k;
+        }
+    }
+    let mut bits = specs & masks.earliest_pairs;
+    while bits != 0 {
+        let k = bits.trailing_zeros() as usize;
+        bits &= bits - 1;
+        if fold_pair(cells, k, Keep::Earliest, new) {
+            changed |= 1 << k;
+        }
+    }
+    let mut bits = specs & masks.latest_pairs;
+    while bits != 0 {
+        let k = bits.trailing_zeros() as usize;
+        bits &= bits - 1;
+        if fold_pair(cells, k, Keep::Latest, new) {
+            changed |= 1 << k;
+        }
+    }
+    // Pair tails (never matched on their own) and specs past the masks.
+    let rest = specs & !(masks.earliest | masks.latest | masks.earliest_pairs | masks.latest_pairs);
+    if rest == 0 {
+        return changed;
+    }
+    changed | fold_each(cells, rest, keep, new)
 }
 
 /// [`fold_each`] on full slots, `keeps` indexed by spec.
