@@ -128,6 +128,7 @@ impl Store {
     /// both are judged live. No decision taken on arrival can tell, when the later one comes
     /// first, whether the earlier one exists: deciding it would mean holding events back until
     /// the watermark passes them.
+    #[inline]
     pub(super) fn compact_if_stale(&mut self, i: u32) -> bool {
         let now = self.event_ns.max(self.watermark_ns);
         match self.stale_at(i as usize, now) {

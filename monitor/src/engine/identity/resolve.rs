@@ -56,6 +56,9 @@ impl Store {
     /// [`Self::guard_room_request_ids`]). Judged before the event merges anything: a merge
     /// (the second request's attempt, first seen by its rid, found again through the room)
     /// would join the two requests and hide the collision.
+    ///
+    /// Inline: every event asks, and most name no request id (nothing to compare).
+    #[inline]
     fn room_collision(&mut self, ids: &Ids, at: Option<AttemptAt>) -> Option<AttemptAt> {
         if !self.room_request_ids_distinct {
             return None;
@@ -64,6 +67,11 @@ impl Store {
         else {
             return None;
         };
+        self.room_request_id_differs(theirs, at)
+    }
+
+    /// [`Self::room_collision`] for an event naming room `at` with request id `theirs`.
+    fn room_request_id_differs(&mut self, theirs: &str, at: AttemptAt) -> Option<AttemptAt> {
         if !self.with_room_request_id(at, |ours| ours.is_some_and(|ours| ours != theirs)) {
             return None;
         }
@@ -260,6 +268,7 @@ impl Store {
     }
 
     /// The request of an event's attempt, for an event naming no request.
+    #[inline]
     fn request_at(&mut self, attempt: Option<AttemptAt>, time_ns: u64) -> Option<RequestAt> {
         match attempt {
             Some(AttemptAt::Live(i)) if self.attempts[i as usize].request.is_solo() => {

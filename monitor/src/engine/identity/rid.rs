@@ -36,6 +36,20 @@ impl Rid {
         ])
     }
 
+    /// Whether `s` is the hex form of `h` (as `Self::hex(s) == Some(h)`), eight digits at a
+    /// time: another rid (a decode leg's, looked at against the prefill leg's) differs in its
+    /// first eight, and the other 24 are not parsed.
+    pub(super) fn hex_is(s: &str, h: [u64; 2]) -> bool {
+        let Ok(b) = <&[u8; 32]>::try_from(s.as_bytes()) else {
+            return false;
+        };
+        (0..4).all(|i| {
+            let chunk: [u8; 8] = b[i * 8..i * 8 + 8].try_into().expect("8 bytes");
+            let want = (h[i / 2] >> (32 * (1 - i % 2))) as u32;
+            hex8(u64::from_le_bytes(chunk)) == Some(want)
+        })
+    }
+
     pub fn is_none(&self) -> bool {
         matches!(self, Rid::None)
     }
@@ -62,7 +76,7 @@ impl Rid {
         match self {
             Rid::None => false,
             Rid::Text(t) => **t == *s,
-            Rid::Hex(h) => Self::hex(s) == Some(*h),
+            Rid::Hex(h) => Self::hex_is(s, *h),
         }
     }
 
@@ -116,6 +130,25 @@ mod tests {
             assert_eq!(Rid::hex(s), plain(&b), "{s}");
         }
         assert_eq!(Rid::hex("0123"), None);
+    }
+
+    #[test]
+    fn hex_is_agrees_with_parsing() {
+        let h = Rid::hex("0123456789abcdeffedcba9876543210").unwrap();
+        let base = *b"0123456789abcdeffedcba9876543210";
+        assert!(Rid::hex_is(std::str::from_utf8(&base).unwrap(), h));
+        // One digit changed (or made invalid) at every position, and other lengths.
+        for pos in 0..32 {
+            for byte in [b'0', b'f', b'A', b'g', b' '] {
+                let mut b = base;
+                b[pos] = byte;
+                let s = std::str::from_utf8(&b).unwrap();
+                assert_eq!(Rid::hex_is(s, h), Rid::hex(s) == Some(h), "{s}");
+            }
+        }
+        for s in ["", "0123", "0123456789abcdeffedcba98765432100"] {
+            assert!(!Rid::hex_is(s, h));
+        }
     }
 
     #[test]

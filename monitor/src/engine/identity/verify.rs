@@ -98,7 +98,7 @@ impl Verifier<'_> {
     pub(super) fn rid_is_first(&self, a: u32, rid: &str) -> bool {
         let at = &self.attempts[a as usize];
         if at.flags & RID_HEX != 0 {
-            Rid::hex(rid) == Some(at.rid_hex)
+            Rid::hex_is(rid, at.rid_hex)
         } else if at.flags & RID_TEXT != 0 {
             self.rid_texts.get(&a).is_some_and(|t| **t == *rid)
         } else {

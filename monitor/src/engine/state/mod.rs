@@ -60,11 +60,13 @@ impl Slots<'_> {
 }
 
 impl SlotRead for Slots<'_> {
+    #[inline]
     fn slot(&self, k: usize) -> Slot {
         self.get(k)
     }
 
     /// On a packed row, without unpacking: an empty slot is a zero word.
+    #[inline]
     fn any_set(&self, k: usize, keep: Keep) -> bool {
         match self {
             Slots::Packed(row) => row[1 + k] != 0 || (keep.is_pair() && row[2 + k] != 0),
