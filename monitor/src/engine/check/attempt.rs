@@ -8,12 +8,13 @@
 
 use crate::engine::identity::{Owner, Resolved};
 use crate::engine::rules::predicate::{Breach, Known};
-use crate::engine::rules::{RuleSlots, Scope, Shape};
+use crate::engine::rules::{RuleSlots, Shape};
 use crate::engine::state::{Candidates, Hits, NodeId, Slot, SlotRead};
 use crate::event::{Kind, LifecycleEvent, Stage};
 use crate::violation::Violation;
 
 use super::Checker;
+use super::layout::Step;
 use super::never_after::Current;
 use super::report::{Finding, slot_event};
 
@@ -68,9 +69,13 @@ impl Checker {
         while reacting != 0 {
             let ri = reacting.trailing_zeros() as usize;
             reacting &= reacting - 1;
-            let slots = self.rules[ri].slots;
-            match (&self.rules[ri].rule.shape, self.rules[ri].rule.scope) {
-                (Shape::NeverAfter(rule), Scope::Attempt) if open & (1 << ri) != 0 => {
+            // The step is the shape's (`layout::reacts`): the `else` arms below never run.
+            match self.rule_reacts[ri].step {
+                Step::AttemptNeverAfter if open & (1 << ri) != 0 => {
+                    let Shape::NeverAfter(rule) = &self.rules[ri].rule.shape else {
+                        continue;
+                    };
+                    let slots = self.rules[ri].slots;
                     let s = self.store.attempt_slots(a);
                     let cands = self.never_after_candidates(
                         &s,
@@ -85,27 +90,30 @@ impl Checker {
                     }
                 }
                 // No trigger, kept or current: nothing to pair (`never_after_open`).
-                (Shape::NeverAfter(_), Scope::Attempt) => {}
-                (Shape::NeverAfter(_), Scope::Request) => {
+                Step::AttemptNeverAfter => {}
+                Step::RequestNeverAfter => {
+                    let slots = self.rules[ri].slots;
                     self.request_rule_on_attempt(ri, slots, &mut on, out)
                 }
-                (Shape::MustFollow(rule), _) => {
-                    if hit & (1 << slots.trigger) != 0 {
-                        let trigger = self.store.attempt_slots(a).get(slots.trigger);
-                        if let Some(due) = rule.due(trigger, self.skew_ns) {
-                            self.schedule(a, due);
-                        }
+                Step::Deadline => {
+                    let trigger = self.rules[ri].slots.trigger;
+                    if hit & (1 << trigger) == 0 {
+                        continue;
+                    }
+                    let ev = self.store.attempt_slots(a).get(trigger);
+                    let due = match &self.rules[ri].rule.shape {
+                        Shape::MustFollow(rule) => rule.due(ev, self.skew_ns),
+                        Shape::RequiresBefore(rule) => rule.due(ev),
+                        _ => None,
+                    };
+                    if let Some(due) = due {
+                        self.schedule(a, due);
                     }
                 }
-                (Shape::RequiresBefore(rule), _) => {
-                    if hit & (1 << slots.trigger) != 0 {
-                        let ev = self.store.attempt_slots(a).get(slots.trigger);
-                        if let Some(due) = rule.due(ev) {
-                            self.schedule(a, due);
-                        }
-                    }
-                }
-                (Shape::Predicate(p), _) if hit & self.rule_reacts[ri].specs != 0 => {
+                Step::Predicate if hit & self.rule_reacts[ri].specs != 0 => {
+                    let Shape::Predicate(p) = &self.rules[ri].rule.shape else {
+                        continue;
+                    };
                     let known = Known {
                         input_tokens: Some(self.store.attempt(a).input_tokens as u64)
                             .filter(|&n| n > 0),
@@ -118,11 +126,13 @@ impl Checker {
                     }
                 }
                 // A new fact (the input length) may make an earlier admission a breach.
-                (Shape::Predicate(_), _) => self.rejudge_earliest(ri, slots, &on),
-                // Reacts to no slot: judged below, from what resolving found.
-                (Shape::Distinct(_), _) => {}
-                // Judged on the event alone, whatever it names (`never.rs`).
-                (Shape::Never(_), _) => {}
+                Step::Predicate => {
+                    let slots = self.rules[ri].slots;
+                    self.rejudge_earliest(ri, slots, &on)
+                }
+                // Reacts to no slot: distinct rules are judged below, from what resolving
+                // found; never rules on the event alone, whatever it names (`never.rs`).
+                Step::None => {}
             }
         }
         if let Some(room_owner) = resolved.collision {

@@ -16,6 +16,25 @@ pub(super) struct Reactions {
     pub predicate: bool,
     /// Every event (request-scope rules: linking and request-level triggers matter).
     pub always: bool,
+    /// What the rule does with an event it reacts to.
+    pub step: Step,
+}
+
+/// What a rule does with an attempt's event it reacts to, by its shape and scope: one byte
+/// read per rule visited, where matching on the rule's shape reads the rule's record (the
+/// shape's payload is read only by the step taken).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Step {
+    /// Attempt-scope never-after: look for a breaching pair.
+    AttemptNeverAfter,
+    /// Request-scope never-after: bring the event into the request.
+    RequestNeverAfter,
+    /// Must-follow or requires-before: arm the deadline on a trigger.
+    Deadline,
+    /// Judge the event, or judge earlier ones again on a new fact.
+    Predicate,
+    /// Judged elsewhere (distinct: from resolving; never: on the event alone).
+    None,
 }
 
 /// The rules an attempt's event may concern, as bit sets over rule indices: one read of its
@@ -215,26 +234,31 @@ fn tombstone_slots(rules: &[CompiledRule], attempt: &SlotLayout) -> (Vec<usize>,
 
 fn reacts(r: &CompiledRule) -> Reactions {
     let k = r.slots;
-    let specs = |specs| Reactions {
+    let specs = |specs, step| Reactions {
         specs,
         predicate: false,
         always: false,
+        step,
     };
     match (&r.rule.shape, r.rule.scope) {
-        (Shape::NeverAfter(_), Scope::Attempt) => specs((1 << k.trigger) | (1 << k.other)),
+        (Shape::NeverAfter(_), Scope::Attempt) => {
+            specs((1 << k.trigger) | (1 << k.other), Step::AttemptNeverAfter)
+        }
         // Linking an attempt to its request, or a request-level trigger, matters too.
         (Shape::NeverAfter(_), Scope::Request) => Reactions {
             always: true,
-            ..specs(0)
+            ..specs(0, Step::RequestNeverAfter)
         },
-        (Shape::MustFollow(_) | Shape::RequiresBefore(_), _) => specs(1 << k.trigger),
+        (Shape::MustFollow(_) | Shape::RequiresBefore(_), _) => {
+            specs(1 << k.trigger, Step::Deadline)
+        }
         // Judged from what resolving the event found (see `Resolved::collision`).
-        (Shape::Distinct(_), _) => specs(0),
+        (Shape::Distinct(_), _) => specs(0, Step::None),
         (Shape::Predicate(_), _) => Reactions {
             predicate: true,
-            ..specs(k.stage_mask())
+            ..specs(k.stage_mask(), Step::Predicate)
         },
         // Judged on every event apart from the attempt's rules (`never.rs`): no slot.
-        (Shape::Never(_), _) => specs(0),
+        (Shape::Never(_), _) => specs(0, Step::None),
     }
 }

@@ -193,13 +193,36 @@ impl TimerQueue {
         self.min().map(|(e, _)| e)
     }
 
+    /// The earliest entry, removed. One look at the five queue heads finds it (as
+    /// [`Self::min`] does) and the earliest due of the other heads: the next due is the smaller
+    /// of that and the new head of the one popped, with no second look at all five.
     pub fn pop(&mut self) -> Option<Entry> {
-        let (e, from) = self.min()?;
-        match from {
-            From::Run(i) => self.runs[i].pop_front(),
-            From::Heap => self.heap.pop().map(|r| r.0),
+        let mut best = self.heap.peek().map(|r| (r.0, From::Heap));
+        let mut others = u64::MAX;
+        for (i, r) in self.runs.iter().enumerate() {
+            let Some(&f) = r.front() else { continue };
+            match &best {
+                Some((b, _)) if f >= *b => others = others.min(f.0),
+                _ => {
+                    if let Some((b, _)) = &best {
+                        others = others.min(b.0);
+                    }
+                    best = Some((f, From::Run(i)));
+                }
+            }
+        }
+        let (e, from) = best?;
+        let head = match from {
+            From::Run(i) => {
+                self.runs[i].pop_front();
+                self.runs[i].front().map_or(u64::MAX, |f| f.0)
+            }
+            From::Heap => {
+                self.heap.pop();
+                self.heap.peek().map_or(u64::MAX, |r| r.0.0)
+            }
         };
-        self.refresh_next_due();
+        self.next_due = others.min(head);
         Some(e)
     }
 
