@@ -99,7 +99,9 @@ impl Attempt {
 }
 
 impl Store {
-    #[inline]
+    /// Inline always: the checker reads an attempt's slots several times per event and per
+    /// deadline, and the row's class and encoding tests fold into the caller.
+    #[inline(always)]
     pub fn attempt_slots(&self, a: u32) -> Slots<'_> {
         self.attempt_rows.view(self.attempts[a as usize].row(), a)
     }
