@@ -92,6 +92,9 @@ const CHUNK_ITEMS: usize = 1024;
 /// Chunks decoded ahead of the merge, per input.
 const CHUNKS_AHEAD: usize = 2;
 
+/// Decoded chunks, in the order of the input's lines.
+type Chunks = std::sync::mpsc::Receiver<Vec<Item>>;
+
 /// One input, read into events as the merge asks for them.
 ///
 /// Reading and decoding happen on a thread of the input's own, a few chunks ahead of the merge:
@@ -113,7 +116,7 @@ enum State {
     /// Opened, not read yet.
     Idle(Box<Lines>),
     Reading {
-        chunks: std::sync::mpsc::Receiver<Vec<Item>>,
+        chunks: Chunks,
         chunk: std::vec::IntoIter<Item>,
         /// Never joined: a thread blocked reading standard input would hold the process; it
         /// ends by itself once `chunks` is dropped.
@@ -222,25 +225,14 @@ struct Lines {
 
 impl Lines {
     /// Decodes on a new thread, [`CHUNKS_AHEAD`] chunks ahead of the receiver.
-    #[allow(clippy::type_complexity)]
-    fn spawn(
-        mut self: Box<Self>,
-    ) -> (
-        std::sync::mpsc::Receiver<Vec<Item>>,
-        Option<std::thread::JoinHandle<()>>,
-    ) {
+    fn spawn(mut self: Box<Self>) -> (Chunks, Option<std::thread::JoinHandle<()>>) {
         let (tx, rx) = std::sync::mpsc::sync_channel(CHUNKS_AHEAD);
         let spawned = std::thread::Builder::new()
             .name("check-input".into())
             .spawn(move || {
                 loop {
                     let mut chunk = Vec::with_capacity(CHUNK_ITEMS);
-                    while chunk.len() < CHUNK_ITEMS {
-                        match self.next_item() {
-                            Some(item) => chunk.push(item),
-                            None => break,
-                        }
-                    }
+                    chunk.extend(std::iter::from_fn(|| self.next_item()).take(CHUNK_ITEMS));
                     let last = chunk.len() < CHUNK_ITEMS;
                     // A receiver that is gone wants no more.
                     if (!chunk.is_empty() && tx.send(chunk).is_err()) || last {

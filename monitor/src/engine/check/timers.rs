@@ -178,25 +178,14 @@ impl TimerQueue {
     }
 
     fn min(&self) -> Option<(Entry, From)> {
-        let mut best = self.heap.peek().map(|r| (r.0, From::Heap));
-        for (i, r) in self.runs.iter().enumerate() {
-            if let Some(&f) = r.front()
-                && best.as_ref().is_none_or(|(b, _)| f < *b)
-            {
-                best = Some((f, From::Run(i)));
-            }
-        }
-        best
+        self.heads().map(|(e, from, _)| (e, from))
     }
 
-    pub fn peek(&self) -> Option<Entry> {
-        self.min().map(|(e, _)| e)
-    }
-
-    /// The earliest entry, removed. One look at the five queue heads finds it (as
-    /// [`Self::min`] does) and the earliest due of the other heads: the next due is the smaller
-    /// of that and the new head of the one popped, with no second look at all five.
-    pub fn pop(&mut self) -> Option<Entry> {
+    /// The earliest entry (ties to the heap, then to the first run), where it is, and the
+    /// earliest due of the other heads (`u64::MAX` if none): one look at the queue's heads.
+    /// Inlined always, so that [`Self::min`] does not pay for the other heads' due.
+    #[inline(always)]
+    fn heads(&self) -> Option<(Entry, From, u64)> {
         let mut best = self.heap.peek().map(|r| (r.0, From::Heap));
         let mut others = u64::MAX;
         for (i, r) in self.runs.iter().enumerate() {
@@ -211,7 +200,18 @@ impl TimerQueue {
                 }
             }
         }
-        let (e, from) = best?;
+        best.map(|(e, from)| (e, from, others))
+    }
+
+    pub fn peek(&self) -> Option<Entry> {
+        self.min().map(|(e, _)| e)
+    }
+
+    /// The earliest entry, removed. One look at the queue's heads ([`Self::heads`]) finds it
+    /// and the earliest due of the others: the next due is the smaller of that and the new head
+    /// of the one popped, with no second look at them all.
+    pub fn pop(&mut self) -> Option<Entry> {
+        let (e, from, others) = self.heads()?;
         let head = match from {
             From::Run(i) => {
                 self.runs[i].pop_front();
