@@ -344,6 +344,16 @@ fn smg_1_13_in_front_of_sglang_0_5_23() {
         }
     }
 
+    // The stub prefill serves a request before its refusal, as a prefill in service has: its
+    // status socket to decode is then connected (SGLang keeps one per decode endpoint,
+    // `CommonKVManager._connect`), so the stub's Success does not wait on a TCP and ZMTP
+    // handshake. A correct request through the <= 0.5.20 prefill: no alert.
+    let (r, _) = post(
+        &format!("{}/generate", s.smg_stub.url),
+        &body(&s.model, "/generate", 17, false),
+    );
+    assert_eq!(r.status, 200, "stub prefill, 17 words: {}", r.body);
+
     // ---- refused requests, in parallel (decode holds their rooms for seconds) ----
     let fixed = s.smg_fixed.url.clone();
     let stub = s.smg_stub.url.clone();
@@ -711,6 +721,29 @@ fn smg_1_13_in_front_of_sglang_0_5_23() {
     // decode's memory before prefill answered.
     assert!(*success_ns < ts(stub_answer), "Success after the 400");
     let stub_decode_answer = of_room(&d, "answered", room_stub);
+    // Which crossed the wire first, the Success or the 400? The truth stamps the Success
+    // after decode read it and the 400's head before SGLang's HTTP server had it: when the
+    // first is earlier, the Success was on the wire first. Otherwise the truth cannot say
+    // (both stamps come milliseconds off the wire, on a busy machine either order).
+    let success_read = frames(&d, "zmq_recv", room_stub)
+        .into_iter()
+        .find(|(_, f)| f.len() == 3 && f[1] == "4")
+        .map(|(t, _)| t)
+        .expect("decode read no Success for the stub");
+    let stub_head = events(&sp, "http_answered")
+        .find(|r| {
+            r["status"] == 400
+                && r["rooms"]
+                    .as_array()
+                    .is_some_and(|a| a.contains(&json!(room_stub)))
+        })
+        .and_then(|r| r["head_ns"].as_u64())
+        .expect("the stub prefill's 400 head");
+    let stub_order = if success_read < stub_head {
+        StubOrder::SuccessFirst
+    } else {
+        StubOrder::Unpinned
+    };
 
     // ---- OTLP, as SGLang's tracing module exported it ----
     std::thread::sleep(Duration::from_millis(1500));
@@ -788,7 +821,7 @@ fn smg_1_13_in_front_of_sglang_0_5_23() {
     assert_eq!(thread["attributes"]["reason"], sched_msg(100).as_str());
 
     // ---- revenant's verdicts ----
-    let verdicts = judge(&s, &p, &sp, &d);
+    let verdicts = judge(&s, &p, &sp, &d, stub_order);
     eprintln!("{verdicts}");
 
     // ---- what was measured ----
@@ -817,8 +850,9 @@ fn smg_1_13_in_front_of_sglang_0_5_23() {
         );
     }
     eprintln!(
-        "stub: Success on the wire {:.1} ms before prefill's 400; decode answered {:?}",
+        "stub: Success sent {:.1} ms before prefill's scheduler answered, read by decode {:.1} ms before the 400's head ({stub_order:?}); decode answered {:?}",
         ms(*success_ns, ts(stub_answer)),
+        ms(success_read, stub_head),
         stub_decode_answer
             .first()
             .map(|a| a["finish_reason"].clone())
@@ -834,10 +868,26 @@ fn smg_1_13_in_front_of_sglang_0_5_23() {
     );
 }
 
+/// The order in which the refused stub's Success and prefill's 400 crossed the wire, as far as
+/// the ground truth can tell.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum StubOrder {
+    /// Decode read the Success before the 400's head left prefill's HTTP server.
+    SuccessFirst,
+    /// Within the stamps' reach of the wire: either order.
+    Unpinned,
+}
+
 /// What revenant said about the run, against SGLang's ground truth: live with both witnesses
 /// (its violations and incident notifications), then each witness alone (`revenant check` on the
 /// recorded events of that source). Returns a summary to print.
-fn judge(s: &Setup, prefill: &[Value], stub: &[Value], decode: &[Value]) -> String {
+fn judge(
+    s: &Setup,
+    prefill: &[Value],
+    stub: &[Value],
+    decode: &[Value],
+    stub_order: StubOrder,
+) -> String {
     let room = |t: &[Value], words: u64| {
         *rooms_of(t, words)
             .iter()
@@ -848,22 +898,6 @@ fn judge(s: &Setup, prefill: &[Value], stub: &[Value], decode: &[Value]) -> Stri
     let tokenizer_streamed = room(decode, 202);
     let scheduler_streamed = room(prefill, 102);
     let stub_room = room(stub, 101);
-    let must: BTreeMap<u64, (&str, Vec<&str>)> = [
-        // smg keeps decode's leg of a refusal streamed inside a 200: decode reserved KV for
-        // the room and held its leg until its waiting timeout.
-        (tokenizer_streamed, ("orphaned-leg", vec![])),
-        (scheduler_streamed, ("orphaned-leg", vec![])),
-        // <= 0.5.20: the refused request's stub KV landed at decode before prefill's 400.
-        (
-            stub_room,
-            (
-                "advanced-before-rejection",
-                vec!["activity-after-rejection", "orphaned-leg"],
-            ),
-        ),
-    ]
-    .into_iter()
-    .collect();
     // Judged once revenant's watermark passed the slowest deadline: decode's abort at its
     // waiting timeout, exported then, plus the window and run's 15 s allowed lateness.
     let rv = &s.revenant;
@@ -887,6 +921,64 @@ fn judge(s: &Setup, prefill: &[Value], stub: &[Value], decode: &[Value]) -> Stri
     }
     rv.wait_quiet(Duration::from_secs(2), Duration::from_secs(60), None)
         .unwrap_or_else(|e| panic!("{e:#}\n{}", rv.log_tail(30)));
+    // <= 0.5.20: the refused request's stub KV landed at decode. Its Success (the wire's
+    // evidence of that, seen once by eBPF) crossed the wire before prefill's 400
+    // (`advanced-before-rejection`) or, when the 400 won the race, after it
+    // (`activity-after-rejection`); the order eBPF saw must agree with the truth's where the
+    // truth can tell. Decode's work on the stub after the 400 is activity after it too.
+    let events = rv.events();
+    let ebpf_at = |stage: &str, kind: &str| -> Vec<u64> {
+        events
+            .iter()
+            .filter(|e| {
+                e["source"] == "ebpf"
+                    && e["stage"] == stage
+                    && e["kind"] == kind
+                    && e["ids"]["bootstrap_room"] == stub_room.to_string().as_str()
+            })
+            .filter_map(|e| e["time_unix_nano"].as_u64())
+            .collect()
+    };
+    let (success, refusal) = (
+        ebpf_at("transfer", "completed"),
+        ebpf_at("prefill", "rejected"),
+    );
+    assert!(
+        success.len() == 1 && refusal.len() == 1,
+        "eBPF on the stub's room: Success at {success:?}, 400 at {refusal:?}"
+    );
+    let success_first = success[0] < refusal[0];
+    assert!(
+        success_first || stub_order == StubOrder::Unpinned,
+        "eBPF saw the 400 {:.1} ms before a Success decode read before the 400's head",
+        ms(refusal[0], success[0])
+    );
+    let stub_rule = if success_first {
+        "advanced-before-rejection"
+    } else {
+        "activity-after-rejection"
+    };
+    let must: BTreeMap<u64, (&str, Vec<&str>)> = [
+        // smg keeps decode's leg of a refusal streamed inside a 200: decode reserved KV for
+        // the room and held its leg until its waiting timeout.
+        (tokenizer_streamed, ("orphaned-leg", vec![])),
+        (scheduler_streamed, ("orphaned-leg", vec![])),
+        // Either rule is true of the stub whichever its trigger: the pages landed before the
+        // Success went out (Mooncake writes first), and decode worked on it after the 400.
+        (
+            stub_room,
+            (
+                stub_rule,
+                vec![
+                    "advanced-before-rejection",
+                    "activity-after-rejection",
+                    "orphaned-leg",
+                ],
+            ),
+        ),
+    ]
+    .into_iter()
+    .collect();
     let (_, list) = rv.admin_json("/api/violations?limit=100000").unwrap();
     let live = by_room(list["violations"].as_array().unwrap());
     let mut summary = format!("revenant live (eBPF + OTLP): {live:?}\n");
@@ -904,7 +996,6 @@ fn judge(s: &Setup, prefill: &[Value], stub: &[Value], decode: &[Value]) -> Stri
         assert_eq!(n, 1, "room {room} ({rule}): {n} notifications: {alerts:#?}");
     }
     // Each witness alone: the same events, one source at a time, through `revenant check`.
-    let events = rv.events();
     for (source, cannot_see) in [
         ("ebpf", vec![]),
         // SGLang never ends (so never exports) the root span of a request its tokenizer

@@ -13,10 +13,12 @@ Records (`role`, `pid` of the HTTP process):
 - `http_answered`: the same ids, `status`, `error_code` (the code of an error a 200 stream
   carries: `data: {"error": {..., "code": N}}`, or a chunk whose `meta_info.finish_reason` is
   an abort with a `status_code`; 0 when none) and `complete` (false when the response never
-  finished, e.g. the client went away), at the time the answer ended.
+  finished, e.g. the client went away), at the time the answer ended; `head_ns`: when the
+  response's status line was handed to the server (0 when none was), before it reached the wire.
 """
 
 import json
+import time
 
 GENERATE_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
 
@@ -98,11 +100,13 @@ class HttpTruth:
                 return buffered.pop(0)
             return await receive()
 
-        state = {"status": 0, "error_code": 0, "carry": b"", "done": False}
+        state = {"status": 0, "error_code": 0, "carry": b"", "done": False, "head_ns": 0}
 
         async def observe(message):
             if message["type"] == "http.response.start":
                 state["status"] = message["status"]
+                # Stamped before the server has it: the head reaches the wire after this.
+                state["head_ns"] = time.time_ns()
             elif message["type"] == "http.response.body":
                 if state["status"] == 200 and not state["error_code"]:
                     lines = (state["carry"] + message.get("body", b"")).split(b"\n")
@@ -118,6 +122,7 @@ class HttpTruth:
                         "http_answered",
                         status=state["status"],
                         error_code=state["error_code"],
+                        head_ns=state["head_ns"],
                         complete=True,
                         **ids,
                     )
@@ -131,6 +136,7 @@ class HttpTruth:
                     "http_answered",
                     status=state["status"],
                     error_code=state["error_code"],
+                    head_ns=state["head_ns"],
                     complete=False,
                     **ids,
                 )
