@@ -1,7 +1,7 @@
 //! eBPF ground truth: what really crosses the wire between router, prefill, transfer and decode.
 //!
 //! `loader` talks to the kernel and `source` runs it (ring-buffer drain, rescans, batches into
-//! the pipeline); everything else is pure and testable without root: `record` decodes
+//! the pipeline), `sock_diag` asks the kernel for listening sockets; everything else is pure and testable without root: `record` decodes
 //! ring-buffer records, `procs` finds the serving processes and their roles, `track`
 //! reassembles per-connection byte streams and maps what crossed the wire to `LifecycleEvent`s,
 //! `http`/`zmtp` parse the streams, `json_ids` pulls the few ids kept out of bodies. `config`
@@ -19,6 +19,8 @@ pub mod metrics;
 pub mod msgpack;
 pub mod procs;
 pub mod record;
+#[cfg(feature = "runtime")]
+pub mod sock_diag;
 #[cfg(feature = "runtime")]
 pub mod source;
 pub mod track;

@@ -20,6 +20,7 @@ use tokio::sync::mpsc::{Sender, error::TrySendError};
 use super::loader::{CaptureConfig, LoadError, Probes};
 use super::procs::{self, Discovery, Role};
 use super::record::{self, Record};
+use super::sock_diag;
 use super::track::{Clock, Learned, Tracker, TrackerLimits};
 use crate::event::EventBatch;
 
@@ -185,9 +186,20 @@ struct Inner {
     listener_addrs: HashMap<(u32, u32), SocketAddr>,
     /// Listeners looked for in /proc since the last scan and not found there (read once each).
     listener_misses: HashSet<(u32, u32)>,
+    /// What the last walk of the watched processes' fds saw: the listening sockets of their
+    /// namespaces and the processes with their roles. While both stay the same, the fds say
+    /// the same, and a scan does not walk them again.
+    last_walk: Option<ListenerWalk>,
+    /// A namespace's listeners were read from /proc because socket diagnostics were refused
+    /// (logged once).
+    sock_diag_refused: bool,
     /// `/server_info` findings already handled (bounded by [`MAX_LEARNED_LOGGED`]).
     learned_logged: HashSet<Learned>,
 }
+
+/// What a walk of the watched processes' fds depends on: the listening socket inodes of their
+/// namespaces (sorted) and the processes with their roles (by pid).
+type ListenerWalk = (Vec<u64>, Vec<(u32, Role)>);
 
 /// Distinct `/server_info` findings remembered, so each is logged once.
 const MAX_LEARNED_LOGGED: usize = 4096;
@@ -210,6 +222,8 @@ impl EbpfSource {
             listeners_stale: true,
             listener_addrs: HashMap::new(),
             listener_misses: HashSet::new(),
+            last_walk: None,
+            sock_diag_refused: false,
             learned_logged: HashSet::new(),
         };
         src.rescan();
@@ -435,22 +449,67 @@ impl Inner {
         self.refresh_counters();
     }
 
-    /// Ports that watched processes listen on (servers bind well after they exec).
+    /// Ports that watched processes listen on (servers bind well after they exec). The
+    /// namespaces' listening sockets are cheap to ask for; which process holds which is a
+    /// readlink per fd (thousands on a busy server), done only when the listeners or the
+    /// watched processes changed since the last walk.
     fn scan_listeners(&mut self) {
         self.last_listener_scan = Some(Instant::now());
         self.listeners_stale = false;
-        let table = procs::NetTables::of(self.watched.keys().copied());
-        let watched: Vec<(u32, Role)> = self.watched.iter().map(|(p, r)| (*p, *r)).collect();
+        let pids: Vec<u32> = self.watched.keys().copied().collect();
+        let listening = self.listeners_of(pids);
+        let mut watched: Vec<(u32, Role)> = self.watched.iter().map(|(p, r)| (*p, *r)).collect();
+        watched.sort_unstable_by_key(|(p, _)| *p);
+        let mut inodes: Vec<u64> = listening.keys().copied().collect();
+        inodes.sort_unstable();
+        let walk = (inodes, watched);
+        if self.last_walk.as_ref() == Some(&walk) {
+            return;
+        }
         self.listener_addrs.clear();
         self.listener_misses.clear();
-        for (pid, role) in watched {
+        for &(pid, role) in &walk.1 {
             for (fd, inode) in procs::socket_fds(pid) {
-                if let Some(e) = table.get(&inode).filter(|e| e.listen) {
-                    self.tracker.add_local_listener(e.local.port(), role);
-                    self.listener_addrs.insert((pid, fd), e.local);
+                if let Some(local) = listening.get(&inode) {
+                    self.tracker.add_local_listener(local.port(), role);
+                    self.listener_addrs.insert((pid, fd), *local);
                 }
             }
         }
+        self.last_walk = Some(walk);
+    }
+
+    /// Listening sockets (inode → address) of the network namespaces of `pids`, each asked
+    /// once: from the kernel's socket diagnostics, or from `/proc/PID/net/tcp{,6}` when those
+    /// are refused (entering another namespace needs `CAP_SYS_ADMIN`).
+    fn listeners_of(&mut self, pids: impl IntoIterator<Item = u32>) -> HashMap<u64, SocketAddr> {
+        let mut out = HashMap::new();
+        let mut namespaces = HashSet::new();
+        for pid in pids {
+            if procs::netns_of(pid).is_some_and(|ns| !namespaces.insert(ns)) {
+                continue;
+            }
+            match sock_diag::listening_in(pid) {
+                Ok(l) => out.extend(l),
+                Err(e) => {
+                    if !std::mem::replace(&mut self.sock_diag_refused, true) {
+                        tracing::info!(
+                            pid,
+                            error = %e,
+                            "eBPF: socket diagnostics refused; listening ports read from /proc/PID/net/tcp (slower on a busy node)"
+                        );
+                    }
+                    let table = procs::tcp_table(std::path::Path::new(&format!("/proc/{pid}")));
+                    out.extend(
+                        table
+                            .into_iter()
+                            .filter(|(_, e)| e.listen)
+                            .map(|(inode, e)| (inode, e.local)),
+                    );
+                }
+            }
+        }
+        out
     }
 
     /// Where an accepted connection came in on: its listener's address, read from /proc (the
@@ -463,10 +522,10 @@ impl Inner {
         let key = (c.hdr.tgid, fd);
         if !self.listener_addrs.contains_key(&key) && self.listener_misses.insert(key) {
             let pid = c.hdr.tgid;
-            let table = procs::NetTables::of([pid]);
+            let listening = self.listeners_of([pid]);
             for (fd, inode) in procs::socket_fds(pid) {
-                if let Some(e) = table.get(&inode).filter(|e| e.listen) {
-                    self.listener_addrs.insert((pid, fd), e.local);
+                if let Some(local) = listening.get(&inode) {
+                    self.listener_addrs.insert((pid, fd), *local);
                 }
             }
         }
