@@ -258,3 +258,72 @@ fn a_worker_timeout_longer_than_the_rule_window_is_named() {
     assert!(rv.stop().success(), "{}", rv.stderr());
     drop((long, stock));
 }
+
+/// A signal that comes in while the kernel verifies a probe makes `BPF_PROG_LOAD` give up with
+/// EAGAIN; the load is tried again, so a SIGSTOP/SIGCONT (a debugger, a job-control shell) at
+/// start-up does not fail it. Four stops 300 ms apart from the start of the load (which takes
+/// about 0.8 s here, two workers verifying most of it): fewer than the attempts a program gets,
+/// so the load must succeed; without the retry a stop lands in a verification and revenant
+/// exits.
+#[test]
+fn signals_while_the_probes_load_do_not_fail_it() {
+    assert!(
+        unsafe { libc::geteuid() } == 0,
+        "this test loads eBPF probes and must run as root (CI does); it is not skipped"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("stderr");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_revenant"))
+        .args([
+            "run",
+            "--ebpf",
+            "on",
+            "--otlp-grpc",
+            "off",
+            "--otlp-http",
+            "off",
+        ])
+        .args(["--admin", "127.0.0.1:0", "--spool-dir"])
+        .arg(dir.path().join("spool"))
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let pid = child.id() as libc::pid_t;
+    let text = || std::fs::read_to_string(&log).unwrap_or_default();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    // The budget is logged just before the probes load.
+    while !text().contains("memory budget split") {
+        assert!(child.try_wait().unwrap().is_none(), "{}", text());
+        assert!(
+            Instant::now() < deadline,
+            "no start-up within 30 s:\n{}",
+            text()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    for _ in 0..4 {
+        std::thread::sleep(Duration::from_millis(280));
+        // SAFETY: signals to our own child, not reaped before `try_wait` sees it exit.
+        unsafe { libc::kill(pid, libc::SIGSTOP) };
+        std::thread::sleep(Duration::from_millis(20));
+        unsafe { libc::kill(pid, libc::SIGCONT) };
+    }
+    loop {
+        let t = text();
+        if t.contains("eBPF probes attached") {
+            assert!(!t.contains("kernel rejected"), "{t}");
+            break;
+        }
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("revenant exited ({status}) while its probes loaded:\n{t}");
+        }
+        assert!(
+            Instant::now() < deadline,
+            "probes not attached within 30 s:\n{t}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    unsafe { libc::kill(pid, libc::SIGTERM) };
+    assert!(child.wait().unwrap().success(), "{}", text());
+}

@@ -267,6 +267,8 @@ struct RunResult {
     wall_s: f64,
     rules: std::collections::BTreeMap<String, u64>,
     otlp_dropped: u64,
+    /// `revenant_dropped_items_total`, every reason.
+    revenant_dropped: u64,
 }
 
 fn stat(url: &str) -> Value {
@@ -412,6 +414,12 @@ fn one_run(
             hwm_mib: proc_hwm_mib(p),
         })
     });
+    // What revenant lost on the way (ring buffer, channels, budgets): its verdicts are only
+    // as good as what reached them.
+    let revenant_dropped = rev
+        .metrics()
+        .map(|m| test_harness::metric_sum(&m, "revenant_dropped_items_total", &[]) as u64)
+        .unwrap_or(0);
     let violations_seen = rev
         .admin_json("/api/violations?limit=1")
         .map(|(_, v)| v["total_seen"].as_u64().unwrap_or(0))
@@ -485,6 +493,7 @@ fn one_run(
         wall_s,
         rules,
         otlp_dropped,
+        revenant_dropped,
     }
 }
 
@@ -513,7 +522,7 @@ fn report(r: &RunResult) {
     println!(
         "{deploy:<7} {mode:<21} target {rate:>6}/s achieved {ach:>7.0}/s sent {sent} ok {ok} errors {err} | due {due} violations {v} notified {n} {rules:?} | \
          latency p50 {p50:.1} ms p99 {p99:.1} ms max {max:.1} ms (dispatcher accept p50 {i50:.1} p99 {i99:.1}) | \
-         {costs} in {wall:.1} s | spans dropped/failed at pd-sim {drop}",
+         {costs} in {wall:.1} s | spans dropped/failed at pd-sim {drop} | dropped by revenant {lost}",
         deploy = format!("{:?}", r.deploy).to_lowercase(),
         mode = r.mode,
         rate = r.target_rate,
@@ -533,6 +542,7 @@ fn report(r: &RunResult) {
         costs = costs.join(", "),
         wall = r.wall_s,
         drop = r.otlp_dropped,
+        lost = r.revenant_dropped,
     );
 }
 

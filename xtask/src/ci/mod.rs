@@ -116,7 +116,7 @@ const PROFILE: &[(&str, u32, Load)] = &[
     ("revenant/cluster_leases", 35, Timed),
     ("revenant/cluster_equivalence", 30, Heavy),
     ("revenant/ebpf_sim", 10, Heavy),
-    ("revenant/run_ebpf", 10, Heavy),
+    ("revenant/run_ebpf", 14, Heavy),
     ("revenant/ebpf_probe", 20, Heavy),
     ("revenant/otlp_e2e", 90, Light),
     ("revenant/alert_delivery", 90, Light),

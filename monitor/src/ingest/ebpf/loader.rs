@@ -493,6 +493,7 @@ fn attach_all(
         let handles: Vec<_> = (0..workers)
             .map(|_| {
                 s.spawn(|| {
+                    block_signals();
                     let mut done = Vec::new();
                     loop {
                         let next = queue.lock().unwrap_or_else(|p| p.into_inner()).next();
@@ -526,11 +527,54 @@ fn attach_tracepoint(
             program: name,
             source,
         })?;
-    prog.load()
-        .map_err(|source| classify_program_error(name, source))?;
+    retry_interrupted(|| prog.load()).map_err(|source| classify_program_error(name, source))?;
     prog.attach(category, name)
         .map_err(|source| classify_program_error(name, source))?;
     Ok(())
+}
+
+/// Blocks every signal that can be blocked on this thread (an attach worker, which ends with
+/// the load): the kernel hands a process-directed signal to a thread that does not block it,
+/// so a SIGTERM or SIGHUP at start-up does not cut a verification short here. SIGSTOP cannot
+/// be blocked ([`retry_interrupted`]).
+fn block_signals() {
+    // SAFETY: a zeroed sigset_t is filled by sigfillset before use; pthread_sigmask changes
+    // this thread's mask only.
+    unsafe {
+        let mut all: libc::sigset_t = std::mem::zeroed();
+        libc::sigfillset(&mut all);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &all, std::ptr::null_mut());
+    }
+}
+
+/// Times a program load is tried while the verifier is interrupted.
+const LOAD_ATTEMPTS: usize = 10;
+
+/// Runs a program load again when the kernel's verifier gave up because a signal came in
+/// (`BPF_PROG_LOAD` fails with EAGAIN while a signal is pending; a verification takes up to a
+/// second here): a SIGSTOP/SIGCONT or a terminal's SIGWINCH at start-up must not fail it.
+/// libbpf does the same.
+fn retry_interrupted(
+    load: impl FnMut() -> Result<(), aya::programs::ProgramError>,
+) -> Result<(), aya::programs::ProgramError> {
+    retry_while(load, |e| {
+        matches!(e, aya::programs::ProgramError::LoadError { io_error, .. }
+            if io_error.raw_os_error() == Some(libc::EAGAIN))
+    })
+}
+
+/// `f` again while its error `again` says so, [`LOAD_ATTEMPTS`] times at most.
+fn retry_while<E>(
+    mut f: impl FnMut() -> Result<(), E>,
+    again: impl Fn(&E) -> bool,
+) -> Result<(), E> {
+    let mut attempt = 1;
+    loop {
+        match f() {
+            Err(e) if again(&e) && attempt < LOAD_ATTEMPTS => attempt += 1,
+            other => return other,
+        }
+    }
 }
 
 /// Every `(field, offset)` is where the tracefs `format` says.
@@ -607,6 +651,48 @@ fn classify_program_error(program: &'static str, source: aya::programs::ProgramE
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A verification a signal cut short is run again; a rejection is not, and the attempts
+    /// end.
+    #[test]
+    fn a_load_interrupted_by_a_signal_is_tried_again() {
+        let interrupted = |e: &io::Error| e.raw_os_error() == Some(libc::EAGAIN);
+        let err = io::Error::from_raw_os_error;
+        let mut calls = 0;
+        retry_while(
+            || {
+                calls += 1;
+                if calls < 3 {
+                    Err(err(libc::EAGAIN))
+                } else {
+                    Ok(())
+                }
+            },
+            interrupted,
+        )
+        .unwrap();
+        assert_eq!(calls, 3);
+        let mut calls = 0;
+        let e = retry_while(
+            || {
+                calls += 1;
+                Err(err(libc::EACCES))
+            },
+            interrupted,
+        );
+        assert!(e.is_err());
+        assert_eq!(calls, 1, "a rejection is final");
+        let mut calls = 0;
+        let e = retry_while(
+            || {
+                calls += 1;
+                Err(err(libc::EAGAIN))
+            },
+            interrupted,
+        );
+        assert!(e.is_err());
+        assert_eq!(calls, LOAD_ATTEMPTS);
+    }
 
     const FORK_FORMAT: &str = "name: sched_process_fork\nID: 366\nformat:\n\
         \tfield:unsigned short common_type;\toffset:0;\tsize:2;\tsigned:0;\n\
