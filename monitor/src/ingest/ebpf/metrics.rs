@@ -100,6 +100,11 @@ impl Collector for EbpfCollector {
                 s.zmtp_desyncs.load(Relaxed),
             ),
             (
+                "revenant_ebpf_answers_lost",
+                "Requests left unanswered because the kernel lost their answers (after a loss, a connection with two requests waiting: the older ones' answers were lost, and are not paired with another's)",
+                s.answers_lost.load(Relaxed),
+            ),
+            (
                 "revenant_ebpf_room_states_evicted",
                 "Rooms whose KV-transfer control-channel protocol state was forgotten because the bounded room table was full (their protocol breaches after that go unseen)",
                 s.room_states_evicted.load(Relaxed),

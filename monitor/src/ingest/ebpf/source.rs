@@ -113,6 +113,8 @@ pub struct EbpfStats {
     pub zmtp_desyncs: AtomicU64,
     /// Rooms whose control-channel protocol state the tracker forgot (table full).
     pub room_states_evicted: AtomicU64,
+    /// Requests whose answers were among the records the kernel lost.
+    pub answers_lost: AtomicU64,
     /// ZMTP connections whose syscalls the kernel captures whole.
     pub zmtp_captured_whole: AtomicU64,
     /// HTTP connections carrying `/metrics` scrapes whose syscalls the kernel captures whole.
@@ -559,6 +561,7 @@ impl Inner {
         self.stats
             .room_states_evicted
             .store(t.room_states_evicted, Relaxed);
+        self.stats.answers_lost.store(t.answers_lost, Relaxed);
         self.stats
             .connections
             .store(self.tracker.conn_count() as u64, Relaxed);

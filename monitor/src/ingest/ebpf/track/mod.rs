@@ -66,6 +66,9 @@ pub struct TrackStats {
     /// Rooms whose control-channel protocol state was forgotten because the table was full
     /// (their breaches after that go unseen).
     pub room_states_evicted: u64,
+    /// Requests left unanswered because the kernel lost their answers: after a loss, a second
+    /// request waiting on a connection says the first one's answer was among the lost records.
+    pub answers_lost: u64,
     pub events: u64,
 }
 
@@ -110,11 +113,14 @@ struct Pending {
     work_emitted: bool,
     /// Answers that waited for the request body (and its ids) to end.
     deferred: Vec<Answer>,
+    /// The kernel's lost-record count when the request's head was read.
+    losses_at_read: u64,
 }
 
 impl Pending {
-    fn new(head: RequestHead, start_ns: u64) -> Pending {
+    fn new(head: RequestHead, start_ns: u64, losses_at_read: u64) -> Pending {
         Pending {
+            losses_at_read,
             head,
             start_ns,
             ended: false,
@@ -125,6 +131,37 @@ impl Pending {
             deferred: Vec::new(),
         }
     }
+}
+
+/// An answer's head arrived on a connection. Routers and the servers behind them do not
+/// pipeline: a client sends its next request once the previous one is answered, so one
+/// connection has at most one request waiting for its answer's head. Two or more after the
+/// kernel lost records (`losses` grew since the oldest was read) mean the older ones' answers
+/// were lost: pairing this answer with the oldest would give one request another's status (a
+/// 400 to a request that was served). The older ones are dropped, unanswered, and counted; the
+/// answer is the newest's. Without losses nothing changes.
+fn drop_lost_answers(pending: &mut std::collections::VecDeque<Pending>, losses: u64) -> u64 {
+    let waiting = || pending.iter().filter(|p| p.status.is_none());
+    let Some(oldest) = waiting().next() else {
+        return 0;
+    };
+    if oldest.losses_at_read == losses {
+        return 0;
+    }
+    let lost = waiting().count().saturating_sub(1);
+    if lost == 0 {
+        return 0;
+    }
+    let mut left = lost;
+    pending.retain(|p| {
+        if left > 0 && p.status.is_none() {
+            left -= 1;
+            false
+        } else {
+            true
+        }
+    });
+    lost as u64
 }
 
 /// The first bytes of an answer's body end the request without output: an error event, or a
@@ -555,6 +592,7 @@ impl Tracker {
         out: &mut Vec<LifecycleEvent>,
     ) {
         let max_pending = self.limits.max_pending;
+        let losses = self.kernel_losses;
         let Some(conn) = self.conns.get_mut(&(tgid, fd)) else {
             return;
         };
@@ -581,9 +619,10 @@ impl Tracker {
                     conn.pending.pop_front();
                     self.stats.pending_dropped += 1;
                 }
-                conn.pending.push_back(Pending::new(head, ts));
+                conn.pending.push_back(Pending::new(head, ts, losses));
             }
             HttpEvent::ResponseHead(h) => {
+                self.stats.answers_lost += drop_lost_answers(&mut conn.pending, losses);
                 if let Some(p) = conn.pending.iter_mut().find(|p| p.status.is_none()) {
                     p.status = Some((h.status, ts));
                 }

@@ -2091,3 +2091,49 @@ fn destinations_before_readiness_under_prefill_complete() {
     );
     assert_eq!(breaches(&s).len(), 1);
 }
+
+/// On one keep-alive connection prefill reads request A; the kernel loses A's 200 (the ring
+/// was full) and says so; prefill reads request B and answers it 400. The 400 is B's: paired
+/// with the oldest request waiting, A would be "rejected" after being served. A is left
+/// unanswered and counted. Without a reported loss the same bytes pair in order, as HTTP/1.1
+/// without pipelining does.
+#[test]
+fn after_a_loss_an_answer_goes_to_the_newest_request_waiting_on_its_connection() {
+    let bad = b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}";
+    let play = |losses_after_a: u64| {
+        let mut s = Sim::new();
+        s.accept(PREFILL, 7);
+        s.io(
+            PREFILL,
+            7,
+            syscall::RECVFROM,
+            &generate_request(10, 41, "CANARY-a"),
+            65536,
+        );
+        // A's answer is among the lost records.
+        s.t.set_kernel_losses(losses_after_a);
+        s.io(
+            PREFILL,
+            7,
+            syscall::RECVFROM,
+            &generate_request(10, 42, "CANARY-b"),
+            65536,
+        );
+        s.io(PREFILL, 7, syscall::SENDTO, bad, 4096);
+        s
+    };
+    let s = play(3);
+    assert_eq!(
+        s.kinds(),
+        vec![
+            (Stage::Prefill, Kind::Received, Some(41)),
+            (Stage::Prefill, Kind::Received, Some(42)),
+            (Stage::Prefill, Kind::Rejected, Some(42)),
+        ]
+    );
+    assert_eq!(s.t.stats.answers_lost, 1);
+    // No loss reported: two requests waiting is not read as a loss.
+    let s = play(0);
+    assert_eq!(s.kinds()[2], (Stage::Prefill, Kind::Rejected, Some(41)));
+    assert_eq!(s.t.stats.answers_lost, 0);
+}
