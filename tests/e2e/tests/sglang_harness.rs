@@ -111,6 +111,16 @@ fn frames(truth: &[Value], event: &str, room: u64) -> Vec<(u64, Vec<Value>)> {
         .collect()
 }
 
+/// When the room's Success status was sent or read (`event`): prefill's Mooncake status message
+/// `[room, status, rank]` with `KVPoll.Success` = `"4"` (SGLang 0.5.23
+/// `disaggregation/common/conn.py` `_encode_kv_status_message`, line 739).
+fn success_status(truth: &[Value], event: &str, room: u64) -> Option<u64> {
+    frames(truth, event, room)
+        .into_iter()
+        .find(|(_, f)| f.len() == 3 && f[1] == "4")
+        .map(|(t, _)| t)
+}
+
 fn ts(r: &Value) -> u64 {
     r["ts_ns"].as_u64().unwrap_or(0)
 }
@@ -710,26 +720,24 @@ fn smg_1_13_in_front_of_sglang_0_5_23() {
     let landed = one(of_room(&d, "kv_landed", room_stub), "stub KV at decode");
     assert_eq!(landed["landed_tokens"], 1);
     assert_eq!(landed["kv_digest"], sent["kv_digest"]);
-    let success = frames(&sp, "zmq_send", room_stub);
-    let (success_ns, _) = success
-        .iter()
-        .find(|(_, f)| f.len() == 3 && f[1] == "4")
-        .unwrap_or_else(|| panic!("stub prefill sent no Success: {success:?}"));
+    let success_ns = success_status(&sp, "zmq_send", room_stub).unwrap_or_else(|| {
+        panic!(
+            "stub prefill sent no Success: {:?}",
+            frames(&sp, "zmq_send", room_stub)
+        )
+    });
     let stub_answer = one(of_room(&sp, "answered", room_stub), "stub answer");
     assert_eq!(stub_answer["finish_reason"]["status_code"], 400);
     // Mooncake writes the pages before the status frame goes out, so the stub's KV was in
     // decode's memory before prefill answered.
-    assert!(*success_ns < ts(stub_answer), "Success after the 400");
+    assert!(success_ns < ts(stub_answer), "Success after the 400");
     let stub_decode_answer = of_room(&d, "answered", room_stub);
     // Which crossed the wire first, the Success or the 400? The truth stamps the Success
     // after decode read it and the 400's head before SGLang's HTTP server had it: when the
     // first is earlier, the Success was on the wire first. Otherwise the truth cannot say
     // (both stamps come milliseconds off the wire, on a busy machine either order).
-    let success_read = frames(&d, "zmq_recv", room_stub)
-        .into_iter()
-        .find(|(_, f)| f.len() == 3 && f[1] == "4")
-        .map(|(t, _)| t)
-        .expect("decode read no Success for the stub");
+    let success_read =
+        success_status(&d, "zmq_recv", room_stub).expect("decode read no Success for the stub");
     let stub_head = events(&sp, "http_answered")
         .find(|r| {
             r["status"] == 400
@@ -851,7 +859,7 @@ fn smg_1_13_in_front_of_sglang_0_5_23() {
     }
     eprintln!(
         "stub: Success sent {:.1} ms before prefill's scheduler answered, read by decode {:.1} ms before the 400's head ({stub_order:?}); decode answered {:?}",
-        ms(*success_ns, ts(stub_answer)),
+        ms(success_ns, ts(stub_answer)),
         ms(success_read, stub_head),
         stub_decode_answer
             .first()

@@ -656,42 +656,33 @@ mod tests {
     /// end.
     #[test]
     fn a_load_interrupted_by_a_signal_is_tried_again() {
-        let interrupted = |e: &io::Error| e.raw_os_error() == Some(libc::EAGAIN);
         let err = io::Error::from_raw_os_error;
-        let mut calls = 0;
-        retry_while(
-            || {
-                calls += 1;
-                if calls < 3 {
-                    Err(err(libc::EAGAIN))
-                } else {
-                    Ok(())
-                }
-            },
-            interrupted,
-        )
-        .unwrap();
-        assert_eq!(calls, 3);
-        let mut calls = 0;
-        let e = retry_while(
-            || {
-                calls += 1;
-                Err(err(libc::EACCES))
-            },
-            interrupted,
-        );
-        assert!(e.is_err());
-        assert_eq!(calls, 1, "a rejection is final");
-        let mut calls = 0;
-        let e = retry_while(
-            || {
-                calls += 1;
+        // (succeeded, calls) when the n-th call answers `answer(n)`.
+        let run = |answer: &dyn Fn(usize) -> Result<(), io::Error>| {
+            let mut calls = 0;
+            let r = retry_while(
+                || {
+                    calls += 1;
+                    answer(calls)
+                },
+                |e| e.raw_os_error() == Some(libc::EAGAIN),
+            );
+            (r.is_ok(), calls)
+        };
+        let twice_interrupted = |n| {
+            if n < 3 {
                 Err(err(libc::EAGAIN))
-            },
-            interrupted,
+            } else {
+                Ok(())
+            }
+        };
+        assert_eq!(run(&twice_interrupted), (true, 3));
+        assert_eq!(
+            run(&|_| Err(err(libc::EACCES))),
+            (false, 1),
+            "a rejection is final"
         );
-        assert!(e.is_err());
-        assert_eq!(calls, LOAD_ATTEMPTS);
+        assert_eq!(run(&|_| Err(err(libc::EAGAIN))), (false, LOAD_ATTEMPTS));
     }
 
     const FORK_FORMAT: &str = "name: sched_process_fork\nID: 366\nformat:\n\

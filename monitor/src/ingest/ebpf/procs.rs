@@ -402,6 +402,16 @@ pub fn netns_of(pid: u32) -> Option<u64> {
         .ok()
 }
 
+/// One process of each network namespace `pids` are in, in order (a process whose namespace
+/// cannot be read stands for itself): a namespace's tables are read once, through any of its
+/// processes.
+pub fn one_per_namespace(pids: impl IntoIterator<Item = u32>) -> Vec<u32> {
+    let mut seen = std::collections::HashSet::new();
+    pids.into_iter()
+        .filter(|&pid| netns_of(pid).is_none_or(|ns| seen.insert(ns)))
+        .collect()
+}
+
 /// Socket inode -> TCP entry over the network namespaces of some processes. Each namespace's
 /// table is read once, through one of its processes (`/proc/PID/net/tcp{,6}`: the table of the
 /// namespace that process is in, not revenant's own); socket inodes are unique across
@@ -409,29 +419,16 @@ pub fn netns_of(pid: u32) -> Option<u64> {
 #[derive(Debug, Default)]
 pub struct NetTables {
     entries: HashMap<u64, TcpEntry>,
-    /// Namespaces read already.
-    seen: std::collections::HashSet<u64>,
 }
 
 impl NetTables {
     /// The tables of the namespaces of `pids`.
     pub fn of(pids: impl IntoIterator<Item = u32>) -> NetTables {
-        let mut t = NetTables::default();
-        for pid in pids {
-            t.add(pid);
+        let mut entries = HashMap::new();
+        for pid in one_per_namespace(pids) {
+            entries.extend(tcp_table(Path::new(&format!("/proc/{pid}"))));
         }
-        t
-    }
-
-    /// Adds the table of `pid`'s namespace unless it is there already.
-    pub fn add(&mut self, pid: u32) {
-        if let Some(ns) = netns_of(pid)
-            && !self.seen.insert(ns)
-        {
-            return;
-        }
-        self.entries
-            .extend(tcp_table(Path::new(&format!("/proc/{pid}"))));
+        NetTables { entries }
     }
 
     pub fn get(&self, inode: &u64) -> Option<&TcpEntry> {

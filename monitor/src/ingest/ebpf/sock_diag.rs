@@ -14,11 +14,11 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::time::Duration;
 
-const NETLINK_SOCK_DIAG: libc::c_int = 4;
+/// `linux/sock_diag.h` and `netinet/tcp.h` values libc does not carry.
 const SOCK_DIAG_BY_FAMILY: u16 = 20;
-const NLMSG_ERROR: u16 = 2;
-const NLMSG_DONE: u16 = 3;
 const TCP_LISTEN: u32 = 10;
+const NLMSG_ERROR: u16 = libc::NLMSG_ERROR as u16;
+const NLMSG_DONE: u16 = libc::NLMSG_DONE as u16;
 const NLMSG_HDR: usize = 16;
 /// `struct inet_diag_req_v2`: family, protocol, ext, pad, states, then a 48-byte socket id.
 const REQ_LEN: usize = 56;
@@ -71,7 +71,7 @@ fn open() -> io::Result<OwnedFd> {
         libc::socket(
             libc::AF_NETLINK,
             libc::SOCK_DGRAM | libc::SOCK_CLOEXEC,
-            NETLINK_SOCK_DIAG,
+            libc::NETLINK_SOCK_DIAG,
         )
     };
     if fd < 0 {

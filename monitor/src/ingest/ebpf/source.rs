@@ -458,10 +458,9 @@ impl Inner {
     fn scan_listeners(&mut self) {
         self.last_listener_scan = Some(Instant::now());
         self.listeners_stale = false;
-        let pids: Vec<u32> = self.watched.keys().copied().collect();
-        let listening = self.listeners_of(pids);
         let mut watched: Vec<(u32, Role)> = self.watched.iter().map(|(p, r)| (*p, *r)).collect();
         watched.sort_unstable_by_key(|(p, _)| *p);
+        let listening = self.listeners_of(watched.iter().map(|(p, _)| *p));
         let mut inodes: Vec<u64> = listening.keys().copied().collect();
         inodes.sort_unstable();
         let walk = (inodes, watched);
@@ -486,11 +485,7 @@ impl Inner {
     /// are refused (entering another namespace needs `CAP_SYS_ADMIN`).
     fn listeners_of(&mut self, pids: impl IntoIterator<Item = u32>) -> HashMap<u64, SocketAddr> {
         let mut out = HashMap::new();
-        let mut namespaces = HashSet::new();
-        for pid in pids {
-            if procs::netns_of(pid).is_some_and(|ns| !namespaces.insert(ns)) {
-                continue;
-            }
+        for pid in procs::one_per_namespace(pids) {
             match sock_diag::listening_in(pid) {
                 Ok(l) => out.extend(l),
                 Err(e) => {

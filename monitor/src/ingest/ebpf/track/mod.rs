@@ -134,7 +134,8 @@ impl Pending {
 }
 
 /// An answer's head arrived on a connection. Routers and the servers behind them do not
-/// pipeline: a client sends its next request once the previous one is answered, so one
+/// pipeline: a client sends its next request once the previous one is answered (smg and
+/// vllm-router send through hyper, which never pipelines HTTP/1: hyperium/hyper#2596), so one
 /// connection has at most one request waiting for its answer's head. Two or more after the
 /// kernel lost records (`losses` grew since the oldest was read) mean the older ones' answers
 /// were lost: pairing this answer with the oldest would give one request another's status (a
