@@ -27,7 +27,7 @@ pub mod batcher;
 pub mod claims;
 pub mod consumer;
 pub mod lease;
-pub mod partition;
+pub use crate::engine::partition;
 pub mod progress;
 pub mod publisher;
 pub mod spool;

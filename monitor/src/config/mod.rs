@@ -107,6 +107,11 @@ pub struct EngineConfig {
     /// and tombstones derive from it [default: 512MiB].
     #[serde(deserialize_with = "deserialize_size_option")]
     pub memory_budget: Option<u64>,
+    /// How many checkers judge, each on a thread of its own with its share of the memory
+    /// budget: a number from 1 to 64, or `auto` (one per core this process may use, at most 8)
+    /// [default: 1].
+    #[serde(deserialize_with = "deserialize_shards_option")]
+    pub shards: Option<EngineShards>,
 }
 
 impl EngineConfig {
@@ -121,6 +126,78 @@ impl EngineConfig {
     pub fn allowed_lateness(&self) -> Duration {
         self.allowed_lateness.unwrap_or(DEFAULT_ALLOWED_LATENESS)
     }
+
+    /// The number of checkers, `auto` resolved.
+    pub fn shards(&self) -> usize {
+        self.shards.unwrap_or_default().count()
+    }
+}
+
+/// How many checkers judge (`engine.shards`, `--engine-shards`). One checker takes well over
+/// a million events per second; shards are for a node whose input comes near that.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EngineShards {
+    /// One per core this process may use (its CPU affinity and cgroup quota), at most
+    /// [`EngineShards::AUTO_MAX`].
+    Auto,
+    Count(usize),
+}
+
+impl Default for EngineShards {
+    fn default() -> Self {
+        EngineShards::Count(1)
+    }
+}
+
+impl EngineShards {
+    pub const MAX: usize = 64;
+    pub const AUTO_MAX: usize = 8;
+
+    pub fn count(self) -> usize {
+        match self {
+            EngineShards::Count(n) => n,
+            EngineShards::Auto => std::thread::available_parallelism()
+                .map_or(1, usize::from)
+                .min(EngineShards::AUTO_MAX),
+        }
+    }
+}
+
+/// Why a shard count cannot be read.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid shard count `{0}`: expected `auto` or a number from 1 to 64")]
+pub struct ShardsError(pub String);
+
+impl std::str::FromStr for EngineShards {
+    type Err = ShardsError;
+
+    fn from_str(text: &str) -> Result<EngineShards, ShardsError> {
+        let t = text.trim();
+        if t == "auto" {
+            return Ok(EngineShards::Auto);
+        }
+        match t.parse::<usize>() {
+            Ok(n) if (1..=EngineShards::MAX).contains(&n) => Ok(EngineShards::Count(n)),
+            _ => Err(ShardsError(text.into())),
+        }
+    }
+}
+
+fn deserialize_shards_option<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> Result<Option<EngineShards>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Shards {
+        Count(u64),
+        Text(String),
+    }
+    match Option::<Shards>::deserialize(d)? {
+        None => Ok(None),
+        Some(Shards::Count(n)) => n.to_string().parse().map(Some),
+        Some(Shards::Text(t)) => t.parse().map(Some),
+    }
+    .map_err(serde::de::Error::custom)
 }
 
 /// The admin server (`/metrics`, `/readyz`, `/api/...`).

@@ -1,5 +1,6 @@
 //! The async loop around the sans-IO engine: batches in, taps, `observe`, violations out; a
 //! `tick` once a second on wall time so deadline rules fire without traffic; on close, the drain.
+//! The engine is one checker on this task, or shards on threads of their own ([`super::shards`]).
 
 use std::future::Future;
 use std::path::PathBuf;
@@ -9,7 +10,9 @@ use std::time::Duration;
 use crate::event::now_unix_ns;
 
 use crate::engine::check::Checker;
+use crate::engine::check::metrics::CheckerSnapshot;
 
+use super::shards::{Engine, ShardPool};
 use super::{EventReceiver, EventTap, ViolationSender};
 
 /// Counts of the engine task, reported at shutdown.
@@ -34,7 +37,7 @@ pub enum WatermarkClock {
 
 /// Everything the loop owns.
 pub struct EngineTask {
-    pub engine: Checker,
+    pub engine: Engine,
     pub events: EventReceiver,
     pub violations: ViolationSender,
     pub taps: Vec<Box<dyn EventTap>>,
@@ -67,13 +70,73 @@ impl EngineTask {
     /// Runs until `close` resolves and the channel is drained (or every sender is gone). After
     /// `close` new batches are refused (senders see "closed" and answer UNAVAILABLE) while what is
     /// queued is still checked. Dropping `self` at the end closes the dispatcher's input.
-    pub async fn run(mut self, close: impl Future<Output = ()>) -> std::io::Result<EngineTotals> {
-        let mut totals = EngineTotals::default();
+    pub async fn run(self, close: impl Future<Output = ()>) -> std::io::Result<EngineTotals> {
+        let EngineTask {
+            mut engine,
+            events,
+            violations,
+            taps,
+            lateness,
+            pause_file,
+            clock,
+            upstream,
+        } = self;
         // Input from several agent streams (cluster mode): an event's time says nothing of
         // what other streams still have on the way, so only the upstream bound, at each tick,
         // moves the watermark; ticks come more often for it.
-        let every = if self.upstream.is_some() {
-            self.engine.watermark_from_ticks_only();
+        if upstream.is_some() {
+            engine.watermark_from_ticks_only();
+        }
+        let judge = match engine {
+            Engine::One(c) => Judge::One(c),
+            Engine::Shards(cs) => Judge::Shards(ShardPool::start(
+                cs,
+                violations.clone(),
+                (lateness / 4).min(Duration::from_secs(2)),
+            )?),
+        };
+        let mut task = Running {
+            judge,
+            events,
+            violations,
+            taps,
+            totals: EngineTotals::default(),
+        };
+        task.serve(close, lateness, pause_file, clock, upstream)
+            .await?;
+        let mut totals = task.totals;
+        if let Judge::Shards(pool) = &task.judge {
+            totals.violations += pool.delivered();
+        }
+        Ok(totals)
+    }
+}
+
+/// The checker, or the shards.
+enum Judge {
+    One(Box<Checker>),
+    Shards(ShardPool),
+}
+
+/// The task once started.
+struct Running {
+    judge: Judge,
+    events: EventReceiver,
+    violations: ViolationSender,
+    taps: Vec<Box<dyn EventTap>>,
+    totals: EngineTotals,
+}
+
+impl Running {
+    async fn serve(
+        &mut self,
+        close: impl Future<Output = ()>,
+        lateness: Duration,
+        pause_file: Option<PathBuf>,
+        clock: WatermarkClock,
+        upstream: Option<Arc<dyn Upstream>>,
+    ) -> std::io::Result<()> {
+        let every = if upstream.is_some() {
             UPSTREAM_TICK
         } else {
             Duration::from_secs(1)
@@ -83,7 +146,7 @@ impl EngineTask {
         let mut close = std::pin::pin!(close);
         let mut closed = false;
         loop {
-            if let Some(p) = &self.pause_file
+            if let Some(p) = &pause_file
                 && p.exists()
             {
                 tokio::time::sleep(Duration::from_millis(20)).await;
@@ -101,34 +164,34 @@ impl EngineTask {
                 },
                 _ = tick.tick() => {
                     let now = now_unix_ns();
-                    let watermark = match (&self.upstream, self.clock) {
+                    let watermark = match (&upstream, clock) {
                         (Some(u), _) => {
                             // What the bound covers was in the queue when it was read (a batch
                             // is queued before its progress counts): observe the queue after
                             // reading it, so the bound never runs ahead of what the engine saw.
                             let bound = u.bound(now);
                             while let Ok(b) = self.events.try_recv() {
-                                self.observe(b, &mut totals)?;
+                                self.observe(b).await?;
                             }
                             bound
                         }
                         (None, WatermarkClock::Wall) => Some(now),
-                        (None, WatermarkClock::Event) => Some(self.engine.stats().max_event_ns),
+                        (None, WatermarkClock::Event) => Some(self.newest_event_ns()),
                     };
-                    self.tick(watermark, now, &mut totals)?;
+                    self.tick(watermark, now, false).await?;
                     continue;
                 }
             };
-            self.observe(batch, &mut totals)?;
+            self.observe(batch).await?;
         }
         // Nothing more will arrive. `run` (and a checker replaying recorded events): move the
         // watermark past the lateness window so that every deadline the received events can
         // still prove is judged. A live checker judges only as far as its input provably came:
         // the rest is its successor's, which reads the log again from before that point.
         let now = now_unix_ns();
-        let lateness = self.lateness.as_nanos() as u64;
-        let max_event = self.engine.stats().max_event_ns;
-        let end = match (&self.upstream, self.clock) {
+        let lateness = lateness.as_nanos() as u64;
+        let max_event = self.newest_event_ns();
+        let end = match (&upstream, clock) {
             (Some(u), WatermarkClock::Wall) => u.bound(now),
             (Some(u), WatermarkClock::Event) => {
                 Some(max_event.max(u.newest()).saturating_add(lateness))
@@ -136,46 +199,56 @@ impl EngineTask {
             (None, WatermarkClock::Wall) => Some(max_event.max(now).saturating_add(lateness)),
             (None, WatermarkClock::Event) => Some(max_event.saturating_add(lateness)),
         };
-        self.tick(end, now, &mut totals)?;
-        Ok(totals)
+        self.tick(end, now, true).await
     }
 
-    fn observe(
-        &mut self,
-        batch: crate::event::EventBatch,
-        totals: &mut EngineTotals,
-    ) -> std::io::Result<()> {
+    /// The newest event time the engine was given.
+    fn newest_event_ns(&self) -> u64 {
+        match &self.judge {
+            Judge::One(c) => c.stats().max_event_ns,
+            Judge::Shards(pool) => pool.newest_ns(),
+        }
+    }
+
+    async fn observe(&mut self, batch: crate::event::EventBatch) -> std::io::Result<()> {
+        let totals = &mut self.totals;
         totals.batches += 1;
         totals.events += batch.len() as u64;
         let arrival_ns = now_unix_ns();
         let span = tracing::info_span!("checker.batch", events = batch.len());
-        let _entered = span.enter();
         for t in &mut self.taps {
-            t.batch(&batch, arrival_ns)?;
+            span.in_scope(|| t.batch(&batch, arrival_ns))?;
         }
-        for e in &batch {
-            for v in self.engine.observe(e) {
-                totals.violations += 1;
-                self.violations.offer(v);
+        match &mut self.judge {
+            Judge::One(engine) => {
+                let _entered = span.enter();
+                for e in &batch {
+                    for v in engine.observe(e) {
+                        totals.violations += 1;
+                        self.violations.offer(v);
+                    }
+                }
             }
+            Judge::Shards(pool) => pool.observe(batch).await?,
         }
         Ok(())
     }
 
     /// Judges deadlines up to `watermark` (`None`: holds it), then lets the taps publish and
-    /// flush.
-    fn tick(
-        &mut self,
-        watermark: Option<u64>,
-        now: u64,
-        totals: &mut EngineTotals,
-    ) -> std::io::Result<()> {
-        for v in watermark.map(|w| self.engine.tick(w)).unwrap_or_default() {
-            totals.violations += 1;
-            self.violations.offer(v);
-        }
+    /// flush; `last`: nothing more will come.
+    async fn tick(&mut self, watermark: Option<u64>, now: u64, last: bool) -> std::io::Result<()> {
+        let snapshot = match &mut self.judge {
+            Judge::One(engine) => {
+                for v in watermark.map(|w| engine.tick(w)).unwrap_or_default() {
+                    self.totals.violations += 1;
+                    self.violations.offer(v);
+                }
+                CheckerSnapshot::of(engine, now)
+            }
+            Judge::Shards(pool) => pool.tick(watermark, now, last).await?,
+        };
         for t in &mut self.taps {
-            t.tick(&self.engine, now)?;
+            t.tick(&snapshot, now)?;
         }
         Ok(())
     }
@@ -200,7 +273,7 @@ mod tests {
             self.0.lock().unwrap().0 += batch.len() as u64;
             Ok(())
         }
-        fn tick(&mut self, _: &Checker, _: u64) -> std::io::Result<()> {
+        fn tick(&mut self, _: &CheckerSnapshot, _: u64) -> std::io::Result<()> {
             self.0.lock().unwrap().1 += 1;
             Ok(())
         }
@@ -212,7 +285,10 @@ mod tests {
         let (vtx, _vrx) = tokio::sync::mpsc::channel(16);
         let seen = Seen::default();
         let task = EngineTask {
-            engine: Checker::new(RuleSet::embedded_defaults(), CheckerConfig::default()),
+            engine: Engine::One(Box::new(Checker::new(
+                RuleSet::embedded_defaults(),
+                CheckerConfig::default(),
+            ))),
             events: rx,
             violations: ViolationSender::new(vtx, Arc::new(Metrics::new())),
             taps: vec![Box::new(seen.clone())],
@@ -259,7 +335,10 @@ mod tests {
         let (vtx, mut vrx) = tokio::sync::mpsc::channel(16);
         let upstream = Arc::new(Held(Mutex::new(Some(S))));
         let task = EngineTask {
-            engine: Checker::new(RuleSet::embedded_defaults(), CheckerConfig::default()),
+            engine: Engine::One(Box::new(Checker::new(
+                RuleSet::embedded_defaults(),
+                CheckerConfig::default(),
+            ))),
             events: rx,
             violations: ViolationSender::new(vtx, Arc::new(Metrics::new())),
             taps: vec![],

@@ -8,6 +8,7 @@
 //! counted drop ([`ViolationSender::offer`]); nothing is lost without a count.
 
 pub mod engine_task;
+pub mod shards;
 pub mod taps;
 
 use std::sync::Arc;
@@ -18,6 +19,7 @@ use crate::telemetry::Metrics;
 use crate::violation::Violation;
 
 pub use engine_task::{EngineTask, EngineTotals, Upstream, WatermarkClock};
+pub use shards::Engine;
 pub use taps::EventTap;
 
 pub use crate::event::EventBatch;
@@ -33,6 +35,7 @@ pub fn event_channel(capacity: usize) -> (EventSender, EventReceiver) {
 }
 
 /// The engine task's end of the violation channel: never blocks the engine.
+#[derive(Clone)]
 pub struct ViolationSender {
     tx: mpsc::Sender<Violation>,
     metrics: Arc<Metrics>,

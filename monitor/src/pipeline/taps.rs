@@ -12,7 +12,7 @@ use std::io::Write;
 use std::path::Path;
 use std::sync::Arc;
 
-use crate::engine::check::Checker;
+use crate::engine::check::metrics::CheckerSnapshot;
 use crate::event::Source;
 use crate::ingest::replay::ReplayRecord;
 use crate::telemetry::events::EventsObserved;
@@ -26,8 +26,9 @@ pub trait EventTap: Send {
     /// One batch, before the engine observes it; `arrival_ns` is its wall-clock arrival.
     fn batch(&mut self, batch: &EventBatch, arrival_ns: u64) -> std::io::Result<()>;
 
-    /// Once a second, after the engine's tick, and once at the end of the drain.
-    fn tick(&mut self, _engine: &Checker, _now_ns: u64) -> std::io::Result<()> {
+    /// Once a second, after the engine's tick, and once at the end of the drain, with the
+    /// engine's counters (the shards' summed).
+    fn tick(&mut self, _engine: &CheckerSnapshot, _now_ns: u64) -> std::io::Result<()> {
         Ok(())
     }
 }
@@ -80,8 +81,8 @@ impl EventTap for EngineMetrics {
         Ok(())
     }
 
-    fn tick(&mut self, engine: &Checker, now_ns: u64) -> std::io::Result<()> {
-        crate::engine::check::metrics::publish(&self.0, engine, now_ns);
+    fn tick(&mut self, engine: &CheckerSnapshot, _: u64) -> std::io::Result<()> {
+        self.0.publish(engine.clone());
         Ok(())
     }
 }
@@ -126,7 +127,7 @@ impl EventTap for ReplayWriter {
         Ok(())
     }
 
-    fn tick(&mut self, _: &Checker, _: u64) -> std::io::Result<()> {
+    fn tick(&mut self, _: &CheckerSnapshot, _: u64) -> std::io::Result<()> {
         self.out.flush()
     }
 }

@@ -53,6 +53,10 @@ pub struct RunArgs {
     /// (counted) or refusing at its share [default: 512MiB].
     #[arg(long, value_name = "SIZE", value_parser = crate::config::parse_size, help_heading = "Capacity")]
     pub memory_budget: Option<u64>,
+    /// Checkers judging side by side, each on a thread of its own with its share of the memory
+    /// budget: 1 to 64, or `auto` (one per core this process may use, at most 8) [default: 1].
+    #[arg(long, value_name = "N|auto", help_heading = "Checker")]
+    pub engine_shards: Option<crate::config::EngineShards>,
     /// How long shutdown may take to drain queued events through the checker [default: 10s].
     #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration, help_heading = "Configuration")]
     pub drain_timeout: Option<Duration>,

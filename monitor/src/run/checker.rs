@@ -384,6 +384,7 @@ async fn checker_async(
         },
         rules: rules.clone(),
         engine_config: engine_config.clone(),
+        shards: cfg.engine.shards(),
         lateness: cfg.engine.allowed_lateness(),
         channel_capacity: cfg.channel_capacity(),
         pause_file: pause_file.clone(),
@@ -506,7 +507,11 @@ impl EventTap for SharedTap {
             .batch(batch, arrival_ns)
     }
 
-    fn tick(&mut self, engine: &crate::engine::check::Checker, now_ns: u64) -> std::io::Result<()> {
+    fn tick(
+        &mut self,
+        engine: &crate::engine::check::metrics::CheckerSnapshot,
+        now_ns: u64,
+    ) -> std::io::Result<()> {
         self.0
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -534,6 +539,8 @@ struct GenerationEnv {
     shared: EngineShared,
     rules: RuleSet,
     engine_config: CheckerConfig,
+    /// Checkers each generation's engine is split over.
+    shards: usize,
     lateness: Duration,
     channel_capacity: usize,
     pause_file: Option<PathBuf>,
@@ -722,10 +729,7 @@ impl GenerationEnv {
         }
         let engine = tokio::spawn(
             EngineTask {
-                engine: crate::engine::check::Checker::new(
-                    self.rules.clone(),
-                    self.engine_config.clone(),
-                ),
+                engine: crate::pipeline::Engine::new(&self.rules, &self.engine_config, self.shards),
                 events: rx,
                 violations: ViolationSender::new(gtx, shared.metrics.clone()),
                 taps,

@@ -40,7 +40,7 @@ pub const AGENT: &[NotHere] = &[
         why: "the agent sends no alerts, the checkers do (give it to `revenant checker`)",
     },
     NotHere {
-        ids: &["rules", "clock_skew", "allowed_lateness"],
+        ids: &["rules", "clock_skew", "allowed_lateness", "engine_shards"],
         why: "the agent judges nothing, the checkers run the rules (give it to `revenant checker`)",
     },
     NotHere {

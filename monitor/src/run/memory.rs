@@ -9,7 +9,8 @@ use std::time::Instant;
 
 use crate::admin::RecentEvents;
 use crate::admin::timeline::TIMELINE_EVENT_BYTES;
-use crate::engine::check::{BYTES_PER_ATTEMPT_AND_REQUEST, BudgetCaps, Checker};
+use crate::engine::check::metrics::CheckerSnapshot;
+use crate::engine::check::{BYTES_PER_ATTEMPT_AND_REQUEST, BudgetCaps};
 use crate::normalize::sglang::{TreeConfig, cost};
 use crate::pipeline::{EventBatch, EventTap};
 use crate::telemetry::memory::{MemoryAccount, MemoryWatch, Structure};
@@ -145,13 +146,13 @@ impl EventTap for MemoryTap {
         Ok(())
     }
 
-    fn tick(&mut self, engine: &Checker, _: u64) -> std::io::Result<()> {
+    fn tick(&mut self, engine: &CheckerSnapshot, _: u64) -> std::io::Result<()> {
         let a = &self.account;
-        let stats = engine.stats();
-        let tombs = engine.tombstone_bytes() as u64;
+        let stats = &engine.stats;
+        let tombs = engine.tombstone_bytes;
         a.set_used(
             Structure::Attempts,
-            (engine.state_bytes() as u64).saturating_sub(tombs),
+            engine.state_bytes.saturating_sub(tombs),
         );
         a.set_used(Structure::Tombstones, tombs);
         // Request records are charged to the attempts' share, so their evictions count there.

@@ -48,7 +48,7 @@ use std::time::Duration;
 use tokio::task::JoinHandle;
 
 use crate::alert::AlertPipeline;
-use crate::pipeline::{EngineTask, EngineTotals, ViolationSender, event_channel};
+use crate::pipeline::{Engine, EngineTask, EngineTotals, ViolationSender, event_channel};
 
 use bind::{bind, claim};
 use kit::{announce_ready, force_exit_on_signal};
@@ -75,6 +75,8 @@ pub async fn run_async(p: Prepared) -> Result<(), RunError> {
         memory,
         normalizer,
         checker,
+        rules,
+        engine_config,
         mut alert,
         admin,
         access,
@@ -104,9 +106,18 @@ pub async fn run_async(p: Prepared) -> Result<(), RunError> {
     if let Some(why) = sources.blind.take() {
         coverage::no_source(&shared.readiness, why);
     }
+    let engine = match cfg.engine.shards() {
+        1 => Engine::One(Box::new(checker)),
+        n => Engine::new(&rules, &engine_config, n),
+    };
+    tracing::info!(
+        shards = engine.shards(),
+        "engine: {} checker(s), each on a thread of its own with its share of the memory budget",
+        engine.shards()
+    );
     let engine = start_engine(
         EngineTask {
-            engine: checker,
+            engine,
             events: rx,
             violations: ViolationSender::new(outputs.alerts.sender.clone(), shared.metrics.clone()),
             taps: engine_taps(&shared, &sources, replay),

@@ -48,6 +48,9 @@ pub fn apply(cfg: &mut RunConfig, args: &RunArgs) -> Result<(), RunConfigError> 
     if let Some(v) = args.memory_budget {
         cfg.engine.memory_budget = Some(v);
     }
+    if let Some(v) = args.engine_shards {
+        cfg.engine.shards = Some(v);
+    }
     if args.rules.is_some() {
         cfg.engine.rules = args.rules.clone();
     }

@@ -49,10 +49,12 @@ const ENGINE_LAYERS: &[(&str, u32)] = &[
     ("mem", 0),
     ("matcher", 0),
     ("workload", 0),
+    ("partition", 0),
     ("state", 1),
     ("identity", 2),
     ("rules", 2),
     ("check", 3),
+    ("shard", 4),
 ];
 
 fn rank(table: &[(&str, u32)], name: &str) -> Option<u32> {

@@ -19,6 +19,7 @@ mod alertmanager_e2e;
 mod binary;
 mod cluster_faults;
 mod docs_examples;
+mod engine_shards;
 mod first_use;
 mod layering;
 mod metrics_exposition;

@@ -5,8 +5,22 @@
 use prometheus_client::encoding::DescriptorEncoder;
 
 use super::{Checker, CheckerStats};
-use crate::telemetry::metrics::{Metrics, Snapshot, counter, counters, gauge};
+use crate::telemetry::metrics::{Snapshot, counter, counters, gauge};
 use crate::violation::Severity;
+
+/// What became of the rid-only events a split engine's router held until an event linked their
+/// rid to a room ([`crate::engine::shard`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ShardWaits {
+    /// Released to the room's shard when an event linked their rid to it.
+    pub linked: u64,
+    /// Released to the rid's own shard when the wait ran out.
+    pub unlinked: u64,
+    /// Released to the rid's own shard early, the waiting room being full.
+    pub evicted: u64,
+    /// Waiting now.
+    pub waiting: u64,
+}
 
 /// What the checker reported at its last publication.
 #[derive(Debug, Clone, Default)]
@@ -15,6 +29,12 @@ pub struct CheckerSnapshot {
     /// (rule, severity, violations so far) for each enabled rule.
     pub per_rule: Vec<(String, Severity, u64)>,
     pub state_bytes: u64,
+    /// Of `state_bytes`, the tombstone tables'.
+    pub tombstone_bytes: u64,
+    /// Checkers summed into this snapshot (the engine's shards).
+    pub shards: u64,
+    /// What became of the rid-only events that waited for their room (a split engine only).
+    pub waits: ShardWaits,
     /// Wall clock (unix ns) at publication: the watermark delay is measured against it.
     pub published_at_ns: u64,
 }
@@ -31,15 +51,24 @@ impl CheckerSnapshot {
             stats: checker.stats(),
             per_rule,
             state_bytes: checker.state_bytes() as u64,
+            tombstone_bytes: checker.tombstone_bytes() as u64,
+            shards: 1,
+            waits: ShardWaits::default(),
             published_at_ns: now_ns,
         }
     }
-}
 
-/// Publishes the checker's own counters and state size; its driver calls this on each tick (or
-/// at least once per scrape interval). Rendering reads the last snapshot.
-pub fn publish(metrics: &Metrics, checker: &Checker, now_ns: u64) {
-    metrics.publish(CheckerSnapshot::of(checker, now_ns));
+    /// Adds another shard's snapshot (of a checker with the same rules) to this one.
+    pub fn absorb(&mut self, o: &CheckerSnapshot) {
+        self.stats.absorb(&o.stats);
+        for (mine, theirs) in self.per_rule.iter_mut().zip(&o.per_rule) {
+            mine.2 += theirs.2;
+        }
+        self.state_bytes += o.state_bytes;
+        self.tombstone_bytes += o.tombstone_bytes;
+        self.shards += o.shards;
+        self.published_at_ns = self.published_at_ns.max(o.published_at_ns);
+    }
 }
 
 impl Snapshot for CheckerSnapshot {
@@ -145,6 +174,31 @@ impl Snapshot for CheckerSnapshot {
         )?;
         gauge(
             &mut enc,
+            "revenant_checker_shards",
+            "Checkers judging side by side (engine.shards), each on a thread of its own",
+            s.shards as f64,
+        )?;
+        if s.shards > 1 {
+            let w = &s.waits;
+            counters(
+                &mut enc,
+                "revenant_checker_shard_waits",
+                "Events naming only a rid whose room was not known yet, held by the split engine's router, by how their wait ended (unlinked and evicted ones were judged on the rid's own shard: if their room comes later, one checker would have merged what two shards judge apart)",
+                [
+                    ([("outcome", "linked")], w.linked),
+                    ([("outcome", "unlinked")], w.unlinked),
+                    ([("outcome", "evicted")], w.evicted),
+                ],
+            )?;
+            gauge(
+                &mut enc,
+                "revenant_checker_shard_waiting_events",
+                "Events the split engine's router holds until their rid's room is known",
+                w.waiting as f64,
+            )?;
+        }
+        gauge(
+            &mut enc,
             "revenant_checker_watermark_timestamp_seconds",
             "Event-time watermark (unix seconds): events older than this are late",
             st.watermark_ns as f64 / 1e9,
@@ -178,6 +232,7 @@ impl Snapshot for CheckerSnapshot {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::telemetry::metrics::Metrics;
 
     #[test]
     fn renders_the_last_snapshot() {

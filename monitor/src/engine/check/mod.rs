@@ -291,6 +291,21 @@ impl Checker {
         self.events_move_watermark = false;
     }
 
+    /// Moves the watermark as an event at `newest_ns` would have (nothing if it is not newer than
+    /// every event seen): a shard of a split engine follows the newest event of the whole input
+    /// before each of its own, so that its watermark, its deadlines and its late events are those
+    /// of one checker fed everything ([`super::shard`]).
+    pub fn follow(&mut self, newest_ns: u64) -> Vec<Violation> {
+        let mut out = Vec::new();
+        if newest_ns > self.stats.max_event_ns {
+            self.stats.max_event_ns = newest_ns;
+            if self.events_move_watermark {
+                self.advance(newest_ns.saturating_sub(self.lateness_ns), &mut out);
+            }
+        }
+        out
+    }
+
     /// Feeds one event; returns the violations it proves (each (rule, attempt) at most once).
     pub fn observe(&mut self, e: &LifecycleEvent) -> Vec<Violation> {
         let mut out = Vec::new();

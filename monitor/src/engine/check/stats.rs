@@ -47,6 +47,59 @@ pub struct CheckerStats {
 /// Per-rule violation counts, index-aligned with [`Checker::rules`].
 pub type RuleCounts = Vec<u64>;
 
+impl CheckerStats {
+    /// Adds another shard's counters to these (the engine split over several checkers): counts
+    /// and sizes add up; the watermark is the one every shard has passed, the newest event the
+    /// newest any has seen. Requests whose request-level events went to every shard count once
+    /// per shard in `live_requests` and `request_records`.
+    pub fn absorb(&mut self, o: &CheckerStats) {
+        let CheckerStats {
+            events,
+            events_attempt,
+            events_request_only,
+            events_unattributed,
+            capacity_reports,
+            events_on_tombstones,
+            events_late,
+            violations,
+            repeats,
+            corroborations,
+            timers_fired,
+            worker_dedup_full,
+            workers_untracked,
+            correlate,
+            live_attempts,
+            live_requests,
+            request_records,
+            tombstones,
+            wide_slot_rows,
+            watermark_ns,
+            max_event_ns,
+        } = o;
+        self.events += events;
+        self.events_attempt += events_attempt;
+        self.events_request_only += events_request_only;
+        self.events_unattributed += events_unattributed;
+        self.capacity_reports += capacity_reports;
+        self.events_on_tombstones += events_on_tombstones;
+        self.events_late += events_late;
+        self.violations += violations;
+        self.repeats += repeats;
+        self.corroborations += corroborations;
+        self.timers_fired += timers_fired;
+        self.worker_dedup_full += worker_dedup_full;
+        self.workers_untracked += workers_untracked;
+        self.correlate.absorb(correlate);
+        self.live_attempts += live_attempts;
+        self.live_requests += live_requests;
+        self.request_records += request_records;
+        self.tombstones += tombstones;
+        self.wide_slot_rows += wide_slot_rows;
+        self.watermark_ns = self.watermark_ns.min(*watermark_ns);
+        self.max_event_ns = self.max_event_ns.max(*max_event_ns);
+    }
+}
+
 impl Checker {
     pub fn stats(&self) -> CheckerStats {
         let mut s = self.stats.clone();

@@ -962,3 +962,37 @@ fn a_deadline_holds_its_attempt_whichever_arrived_first() {
         assert!(unknown_room(&first, 1), "{first:?}");
     }
 }
+
+/// A shard of a split engine follows the whole input's newest event: its deadlines pass, and
+/// its events count as late, where one checker's would, though its own events are older.
+#[test]
+fn following_the_newest_event_moves_the_watermark_as_that_event_would() {
+    const S: u64 = 1_000_000_000;
+    let transfer =
+        || LifecycleEvent::new(10 * S, Stage::Transfer, Kind::Received, Source::Ebpf).with_room(7);
+    let decode =
+        || LifecycleEvent::new(11 * S, Stage::Decode, Kind::Work, Source::Ebpf).with_room(7);
+    // One checker given an event 100 s later (another attempt's): the transfer no router
+    // dispatched is judged, and the room's next event is late.
+    let mut one = Checker::new(RuleSet::embedded_defaults(), CheckerConfig::default());
+    one.observe(&transfer());
+    let found = one.observe(&ev(110 * S, Stage::Router, Kind::Dispatched).with_room(8));
+    assert_eq!(
+        found.iter().map(|v| v.rule.as_str()).collect::<Vec<_>>(),
+        ["unknown-room"]
+    );
+    one.observe(&decode());
+    // A shard that saw only room 7's events, told of the newest time before each.
+    let mut shard = Checker::new(RuleSet::embedded_defaults(), CheckerConfig::default());
+    shard.observe(&transfer());
+    let found = shard.follow(110 * S);
+    assert_eq!(
+        found.iter().map(|v| v.rule.as_str()).collect::<Vec<_>>(),
+        ["unknown-room"]
+    );
+    assert!(shard.follow(110 * S).is_empty(), "nothing newer");
+    shard.observe(&decode());
+    assert_eq!(shard.stats().events_late, one.stats().events_late);
+    assert_eq!(shard.stats().events_late, 1);
+    assert_eq!(shard.watermark_ns(), one.watermark_ns());
+}

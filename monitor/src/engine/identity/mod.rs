@@ -103,6 +103,42 @@ pub struct CorrelateStats {
     pub requests_adopted: u64,
 }
 
+impl CorrelateStats {
+    /// Adds another shard's counters to these.
+    pub fn absorb(&mut self, o: &CorrelateStats) {
+        let CorrelateStats {
+            attempts_created,
+            attempts_merged,
+            alias_conflicts,
+            compacted_ended,
+            evicted_ttl,
+            evicted_cap,
+            tombstones_expired,
+            tombstones_evicted_cap,
+            requests_created,
+            requests_merged,
+            requests_expired,
+            requests_evicted_cap,
+            requests_materialized,
+            requests_adopted,
+        } = o;
+        self.attempts_created += attempts_created;
+        self.attempts_merged += attempts_merged;
+        self.alias_conflicts += alias_conflicts;
+        self.compacted_ended += compacted_ended;
+        self.evicted_ttl += evicted_ttl;
+        self.evicted_cap += evicted_cap;
+        self.tombstones_expired += tombstones_expired;
+        self.tombstones_evicted_cap += tombstones_evicted_cap;
+        self.requests_created += requests_created;
+        self.requests_merged += requests_merged;
+        self.requests_expired += requests_expired;
+        self.requests_evicted_cap += requests_evicted_cap;
+        self.requests_materialized += requests_materialized;
+        self.requests_adopted += requests_adopted;
+    }
+}
+
 #[derive(Debug, Clone, Copy)]
 pub struct StoreLimits {
     pub max_attempts: usize,

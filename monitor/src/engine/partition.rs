@@ -53,14 +53,23 @@ pub fn rid_partition(rid: &str, partitions: u32) -> u32 {
     (fnv1a(b'r', rid.as_bytes()) % u64::from(partitions.max(1))) as u32
 }
 
+/// A rid's key in the link tables: its 64-bit hash, the same in every process.
+fn rid_key(rid: &str) -> u64 {
+    use std::hash::BuildHasher;
+    foldhash::fast::FixedState::with_seed(0x7265_7665_6e61_6e74).hash_one(rid)
+}
+
 /// The agent's router: the partition count and the rid → room links its node's events gave,
 /// bounded (two generations of at most `max_links` each; the older one is dropped whole when the
 /// newer fills, and a lookup that hits the older one moves the link forward).
 pub struct Partitioner {
     partitions: u32,
     max_links: usize,
-    young: HashMap<Box<str>, u64, RandomState>,
-    old: HashMap<Box<str>, u64, RandomState>,
+    /// Keyed by the rid's 64-bit hash ([`rid_key`]): no copy of the rid is kept, and a
+    /// lookup compares one word (a collision among the links kept, about 2^-28 at 2^18
+    /// links, would route one rid-only event by another rid's room).
+    young: HashMap<u64, u64, RandomState>,
+    old: HashMap<u64, u64, RandomState>,
     /// Links forgotten when a generation was dropped.
     pub links_forgotten: u64,
 }
@@ -80,8 +89,8 @@ impl Partitioner {
         self.partitions
     }
 
-    fn remember(&mut self, rid: &str, room: u64) {
-        if let Some(r) = self.young.get_mut(rid) {
+    fn remember(&mut self, rid: u64, room: u64) {
+        if let Some(r) = self.young.get_mut(&rid) {
             *r = room;
             return;
         }
@@ -92,14 +101,16 @@ impl Partitioner {
             table.clear();
             self.old = std::mem::replace(&mut self.young, table);
         }
-        self.young.insert(rid.into(), room);
+        self.young.insert(rid, room);
     }
 
-    fn room_of(&mut self, rid: &str) -> Option<u64> {
-        if let Some(r) = self.young.get(rid) {
+    /// The room this rid was last seen with, if that link is still remembered.
+    pub fn room_of(&mut self, rid: &str) -> Option<u64> {
+        let rid = rid_key(rid);
+        if let Some(r) = self.young.get(&rid) {
             return Some(*r);
         }
-        let r = self.old.remove(rid)?;
+        let r = self.old.remove(&rid)?;
         self.remember(rid, r);
         Some(r)
     }
@@ -110,7 +121,7 @@ impl Partitioner {
         match (ids.bootstrap_room, ids.rid.as_deref()) {
             (Some(room), rid) => {
                 if let Some(rid) = rid {
-                    self.remember(rid, room.0);
+                    self.remember(rid_key(rid), room.0);
                 }
                 Route::One(room_partition(room.0, self.partitions))
             }
