@@ -55,6 +55,21 @@ const ROOMS_IN_USE_NS: u64 = 60_000_000_000;
 /// Most events waiting for their rid's room at once; beyond it the oldest rid's go on (counted).
 const MAX_WAITING: usize = 1 << 16;
 
+/// An event the router sends on: one of the batch's, by its index, or one that waited.
+#[derive(Debug, Clone, Copy)]
+pub enum Sent<'a> {
+    Batch(usize, &'a LifecycleEvent),
+    Waited(&'a LifecycleEvent),
+}
+
+impl<'a> Sent<'a> {
+    pub fn event(self) -> &'a LifecycleEvent {
+        match self {
+            Sent::Batch(_, e) | Sent::Waited(e) => e,
+        }
+    }
+}
+
 /// Splits batches over the shards.
 pub struct ShardRouter {
     partitioner: Partitioner,
@@ -105,16 +120,15 @@ impl ShardRouter {
     }
 
     /// Routes each event of `batch`: `deliver(route, newest_before_ns, event)`, where
-    /// `newest_before_ns` is the newest event time of the whole input before it. Every shard's
-    /// thread routes the whole input with a router of its own (they agree: the routing depends
-    /// on the input alone) and observes what is its own. Rid-only events may wait (see the
-    /// module documentation); those whose wait ran out by the newest event time go on.
+    /// `newest_before_ns` is the newest event time of the whole input before it. Rid-only events
+    /// may wait (see the module documentation); those whose wait ran out by the newest event
+    /// time go on.
     pub fn route(
         &mut self,
         batch: &[LifecycleEvent],
-        mut deliver: impl FnMut(Route, u64, &LifecycleEvent),
+        mut deliver: impl FnMut(Route, u64, Sent<'_>),
     ) {
-        for event in batch {
+        for (index, event) in batch.iter().enumerate() {
             let newest_before_ns = self.newest_ns;
             self.newest_ns = self.newest_ns.max(event.time_ns);
             let ids = &event.ids;
@@ -132,12 +146,12 @@ impl ShardRouter {
                 _ => None,
             };
             let route = self.partitioner.route(event);
-            deliver(route, newest_before_ns, event);
+            deliver(route, newest_before_ns, Sent::Batch(index, event));
             if let Some(events) = linked {
                 self.stats.linked += events.len() as u64;
                 self.waiting_events -= events.len();
                 for e in &events {
-                    deliver(route, self.newest_ns, e);
+                    deliver(route, self.newest_ns, Sent::Waited(e));
                 }
             }
         }
@@ -146,7 +160,7 @@ impl ShardRouter {
 
     /// Sends on what waited for its room longer than the hold by `now_ns` (event time, or the
     /// driver's clock when no event comes).
-    pub fn release(&mut self, now_ns: u64, mut deliver: impl FnMut(Route, u64, &LifecycleEvent)) {
+    pub fn release(&mut self, now_ns: u64, mut deliver: impl FnMut(Route, u64, Sent<'_>)) {
         while let Some((since, _)) = self.queue.front()
             && since.saturating_add(self.hold_ns) <= now_ns
         {
@@ -159,7 +173,7 @@ impl ShardRouter {
     }
 
     /// Sends on everything that waits (the end of the input).
-    pub fn release_all(&mut self, mut deliver: impl FnMut(Route, u64, &LifecycleEvent)) {
+    pub fn release_all(&mut self, mut deliver: impl FnMut(Route, u64, Sent<'_>)) {
         while let Some((_, rid)) = self.queue.pop_front() {
             if let Some(events) = self.waiting.remove(&rid) {
                 self.stats.unlinked += events.len() as u64;
@@ -172,11 +186,7 @@ impl ShardRouter {
         self.room_seen_ns > 0 && self.room_seen_ns.saturating_add(ROOMS_IN_USE_NS) >= self.newest_ns
     }
 
-    fn wait(
-        &mut self,
-        event: &LifecycleEvent,
-        deliver: &mut impl FnMut(Route, u64, &LifecycleEvent),
-    ) {
+    fn wait(&mut self, event: &LifecycleEvent, deliver: &mut impl FnMut(Route, u64, Sent<'_>)) {
         let rid: &str = event.ids.rid.as_deref().expect("a rid-only event");
         match self.waiting.get_mut(rid) {
             Some(list) => list.push(event.clone()),
@@ -200,12 +210,12 @@ impl ShardRouter {
     fn send_on(
         &mut self,
         events: Vec<LifecycleEvent>,
-        deliver: &mut impl FnMut(Route, u64, &LifecycleEvent),
+        deliver: &mut impl FnMut(Route, u64, Sent<'_>),
     ) {
         self.waiting_events -= events.len();
         for e in &events {
             let route = self.partitioner.route(e);
-            deliver(route, self.newest_ns, e);
+            deliver(route, self.newest_ns, Sent::Waited(e));
         }
     }
 }
@@ -391,11 +401,11 @@ mod tests {
         event: LifecycleEvent,
     }
 
-    fn collect(out: &mut [Vec<Routed>]) -> impl FnMut(Route, u64, &LifecycleEvent) + '_ {
+    fn collect(out: &mut [Vec<Routed>]) -> impl FnMut(Route, u64, Sent<'_>) + '_ {
         move |route, newest_before_ns, e| {
             let routed = || Routed {
                 newest_before_ns,
-                event: e.clone(),
+                event: e.event().clone(),
             };
             match route {
                 Route::One(k) => out[k as usize].push(routed()),

@@ -89,11 +89,11 @@ impl EngineTask {
         }
         let judge = match engine {
             Engine::One(c) => Judge::One(c),
-            Engine::Shards(cs) => Judge::Shards(ShardPool::start(
+            Engine::Shards(cs) => Judge::Shards(Box::new(ShardPool::start(
                 cs,
                 violations.clone(),
                 (lateness / 4).min(Duration::from_secs(2)),
-            )?),
+            )?)),
         };
         let mut task = Running {
             judge,
@@ -115,7 +115,7 @@ impl EngineTask {
 /// The checker, or the shards.
 enum Judge {
     One(Box<Checker>),
-    Shards(ShardPool),
+    Shards(Box<ShardPool>),
 }
 
 /// The task once started.

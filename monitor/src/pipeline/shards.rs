@@ -1,10 +1,8 @@
 //! The engine the engine task drives: one checker on the task's own thread, or the engine split
 //! over shards ([`crate::engine::shard`]), each shard a checker on a thread of its own.
 //!
-//! With shards the task hands every batch (the taps have seen it) to every shard through a
-//! bounded channel, shared, not copied; each shard's thread routes it with a router of its own
-//! (they agree: routing depends on the input alone) and observes its part, so the task's own
-//! thread does no per-event work. A shard that falls behind holds the task, which holds the
+//! With shards the task routes each batch (the taps have seen it) and hands every shard the
+//! batch, shared, not copied, with the indices of its part, through a bounded channel. A shard that falls behind holds the task, which holds the
 //! event channel, which the sources answer as they answer a slow engine. A tick goes to every
 //! shard behind what they were given and waits for all of them: the deadlines are judged at one
 //! watermark, and the taps get the shards' counters summed. Each shard hands its violations
@@ -18,7 +16,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::engine::check::metrics::CheckerSnapshot;
 use crate::engine::check::{Checker, CheckerConfig, RuleSet};
-use crate::engine::shard::{Route, ShardMerge, ShardRouter};
+use crate::engine::shard::{Route, Sent, ShardMerge, ShardRouter};
 use crate::event::EventBatch;
 use crate::violation::Violation;
 
@@ -74,15 +72,40 @@ impl Engine {
 
 /// What a shard is asked to do.
 enum Work {
-    Events(Arc<EventBatch>),
-    /// Send on the rid-only events whose wait ran out by the watermark (all of them if `last`),
-    /// judge deadlines up to it (if any), then answer with the counters.
+    /// A batch and the shard's part of it (and of the events that waited for their room).
+    Events(Arc<EventBatch>, Vec<Item>),
+    /// Judge deadlines up to the watermark (if any), then answer with the counters.
     Tick {
         watermark: Option<u64>,
         now_ns: u64,
-        last: bool,
         reply: oneshot::Sender<CheckerSnapshot>,
     },
+}
+
+/// One event for a shard, with the newest event time of the whole input before it.
+enum Item {
+    /// The batch's event at this index.
+    At(u32, u64),
+    /// An event that waited for its room.
+    Own(Box<crate::event::LifecycleEvent>, u64),
+}
+
+/// Each shard's part of what the router sends on.
+fn parts(n: usize, events: usize) -> Vec<Vec<Item>> {
+    (0..n).map(|_| Vec::with_capacity(events / n + 1)).collect()
+}
+
+fn collect(parts: &mut [Vec<Item>]) -> impl FnMut(Route, u64, Sent<'_>) + '_ {
+    move |route, newest_before_ns, sent| {
+        let item = || match sent {
+            Sent::Batch(i, _) => Item::At(i as u32, newest_before_ns),
+            Sent::Waited(e) => Item::Own(Box::new(e.clone()), newest_before_ns),
+        };
+        match route {
+            Route::One(k) => parts[k as usize].push(item()),
+            Route::All => parts.iter_mut().for_each(|p| p.push(item())),
+        }
+    }
 }
 
 /// Where the shards' findings go: through the merge, to the dispatcher.
@@ -110,7 +133,7 @@ impl Delivery {
 
 /// The running shards.
 pub(super) struct ShardPool {
-    newest_ns: u64,
+    router: ShardRouter,
     queues: Vec<mpsc::Sender<Work>>,
     threads: Vec<JoinHandle<()>>,
     delivery: Delivery,
@@ -132,7 +155,7 @@ impl ShardPool {
         };
         let n = checkers.len();
         let mut pool = ShardPool {
-            newest_ns: 0,
+            router: ShardRouter::new(n, hold.as_nanos() as u64),
             queues: Vec::with_capacity(n),
             threads: Vec::with_capacity(n),
             delivery,
@@ -140,9 +163,8 @@ impl ShardPool {
         for (k, checker) in checkers.into_iter().enumerate() {
             let (tx, rx) = mpsc::channel(SHARD_QUEUE);
             let shard = Shard {
-                me: k as u32,
+                me: k as u16,
                 checker,
-                router: ShardRouter::new(n, hold.as_nanos() as u64),
                 out: pool.delivery.clone(),
             };
             let thread = std::thread::Builder::new()
@@ -156,7 +178,7 @@ impl ShardPool {
 
     /// The newest event time given so far.
     pub(super) fn newest_ns(&self) -> u64 {
-        self.newest_ns
+        self.router.newest_ns()
     }
 
     /// Violations the shards handed on so far.
@@ -164,14 +186,20 @@ impl ShardPool {
         self.delivery.delivered.load(Ordering::Relaxed)
     }
 
-    /// Hands `batch` to every shard.
+    /// Routes `batch` and hands each shard the batch with its part.
     pub(super) async fn observe(&mut self, batch: EventBatch) -> std::io::Result<()> {
-        if let Some(t) = batch.iter().map(|e| e.time_ns).max() {
-            self.newest_ns = self.newest_ns.max(t);
-        }
-        let batch = Arc::new(batch);
-        for (k, q) in self.queues.iter().enumerate() {
-            q.send(Work::Events(batch.clone()))
+        let mut parts = parts(self.queues.len(), batch.len());
+        self.router.route(&batch, collect(&mut parts));
+        self.send(Arc::new(batch), parts).await
+    }
+
+    async fn send(&mut self, batch: Arc<EventBatch>, parts: Vec<Vec<Item>>) -> std::io::Result<()> {
+        for (k, part) in parts.into_iter().enumerate() {
+            if part.is_empty() {
+                continue;
+            }
+            self.queues[k]
+                .send(Work::Events(batch.clone(), part))
                 .await
                 .map_err(|_| stopped(k))?;
         }
@@ -187,13 +215,19 @@ impl ShardPool {
         now_ns: u64,
         last: bool,
     ) -> std::io::Result<CheckerSnapshot> {
+        let mut released = parts(self.queues.len(), 0);
+        if last {
+            self.router.release_all(collect(&mut released));
+        } else if let Some(w) = watermark {
+            self.router.release(w, collect(&mut released));
+        }
+        self.send(Arc::new(Vec::new()), released).await?;
         let mut replies = Vec::with_capacity(self.queues.len());
         for (k, q) in self.queues.iter().enumerate() {
             let (reply, rx) = oneshot::channel();
             q.send(Work::Tick {
                 watermark,
                 now_ns,
-                last,
                 reply,
             })
             .await
@@ -204,12 +238,12 @@ impl ShardPool {
         for (k, rx) in replies.into_iter().enumerate() {
             let snap = rx.await.map_err(|_| stopped(k))?;
             match &mut sum {
-                // Every shard's router holds the same waiting events: the first one's count.
                 Some(s) => s.absorb(&snap),
                 None => sum = Some(snap),
             }
         }
         let mut sum = sum.unwrap_or_default();
+        sum.waits = self.router.waits();
         let merge = self
             .delivery
             .merge
@@ -241,11 +275,10 @@ fn stopped(k: usize) -> std::io::Error {
     ))
 }
 
-/// One shard's thread: its checker and its router.
+/// One shard's thread: its checker.
 struct Shard {
-    me: u32,
+    me: u16,
     checker: Checker,
-    router: ShardRouter,
     out: Delivery,
 }
 
@@ -253,43 +286,31 @@ impl Shard {
     fn judge(mut self, mut queue: mpsc::Receiver<Work>) {
         let mut found = Vec::new();
         while let Some(work) = queue.blocking_recv() {
-            let Shard {
-                me,
-                checker,
-                router,
-                out,
-            } = &mut self;
-            let mut mine =
-                |route: Route, newest_before_ns: u64, e: &crate::event::LifecycleEvent| {
-                    if route == Route::All || route == Route::One(*me) {
-                        found.extend(checker.follow(newest_before_ns));
-                        found.extend(checker.observe(e));
-                    }
-                };
             match work {
-                Work::Events(batch) => router.route(&batch, &mut mine),
+                Work::Events(batch, items) => {
+                    for item in &items {
+                        let (newest_before_ns, e) = match item {
+                            Item::At(i, n) => (*n, &batch[*i as usize]),
+                            Item::Own(e, n) => (*n, &**e),
+                        };
+                        found.extend(self.checker.follow(newest_before_ns));
+                        found.extend(self.checker.observe(e));
+                    }
+                }
                 Work::Tick {
                     watermark,
                     now_ns,
-                    last,
                     reply,
                 } => {
-                    if last {
-                        router.release_all(&mut mine);
-                    } else if let Some(w) = watermark {
-                        router.release(w, &mut mine);
-                    }
                     if let Some(w) = watermark {
-                        found.extend(checker.tick(w));
+                        found.extend(self.checker.tick(w));
                     }
-                    out.deliver(*me as u16, std::mem::take(&mut found));
-                    let mut snap = CheckerSnapshot::of(checker, now_ns);
-                    snap.waits = router.waits();
-                    let _ = reply.send(snap);
+                    self.out.deliver(self.me, std::mem::take(&mut found));
+                    let _ = reply.send(CheckerSnapshot::of(&self.checker, now_ns));
                     continue;
                 }
             }
-            out.deliver(*me as u16, std::mem::take(&mut found));
+            self.out.deliver(self.me, std::mem::take(&mut found));
         }
     }
 }
