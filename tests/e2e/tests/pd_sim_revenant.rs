@@ -41,10 +41,10 @@ fn run_with(
     load_args: &[&str],
     settle: &dyn Fn(&Revenant, &Cluster),
 ) -> Outcome {
-    run_with_rules(mode, cluster_args, sources, load_args, settle, None)
+    run_with_rules(mode, cluster_args, sources, load_args, settle, None, &[])
 }
 
-/// [`run_with`], revenant given `rules` (a rules file's YAML) when some.
+/// [`run_with`], revenant given `rules` (a rules file's YAML) when some, and `revenant_args`.
 fn run_with_rules(
     mode: &str,
     cluster_args: &[&str],
@@ -52,6 +52,7 @@ fn run_with_rules(
     load_args: &[&str],
     settle: &dyn Fn(&Revenant, &Cluster),
     rules: Option<&str>,
+    revenant_args: &[&str],
 ) -> Outcome {
     let t0 = Instant::now();
     if sources.ebpf() {
@@ -113,6 +114,7 @@ fn run_with_rules(
     } else {
         args.extend(["--ebpf".into(), "off".into()]);
     }
+    args.extend(revenant_args.iter().map(|a| a.to_string()));
     if let Some(yaml) = rules {
         let path = dir.path().join("rules.yaml");
         std::fs::write(&path, yaml).unwrap();
@@ -179,10 +181,6 @@ fn run_with_rules(
 /// 5 s; pd-sim's send theirs within 200 ms and the kernel's evidence arrives in milliseconds, so
 /// 5 s is ample, and every judgment below comes 10 s sooner than under the default.
 const LATENESS: &str = "5s";
-
-fn run(mode: &str, sources: Sources, load_args: &[&str]) -> Outcome {
-    run_with(mode, &[], sources, load_args, &|_, _| {})
-}
 
 /// Waits (at most 90 s) until revenant's watermark is `beyond` past now: every deadline of a
 /// rule due by then (the end of the load plus the longest grace or window that matters to the
@@ -337,9 +335,15 @@ fn handed_off(o: &Outcome) -> BTreeMap<u64, String> {
 /// and the kernel ring overflowed (counted, so the no-loss check failed). What revenant sustains
 /// at 1000/s is a benchmark's figure (`detection_latency`), not this test's verdict.
 fn handoff(sources: Sources) -> Outcome {
+    handoff_judged_by(sources, &[])
+}
+
+/// [`handoff`], revenant given `revenant_args`.
+fn handoff_judged_by(sources: Sources, revenant_args: &[&str]) -> Outcome {
     let _g = serial();
-    let o = run(
+    let o = run_with_rules(
         "handoff-after-reject",
+        &[],
         sources,
         &[
             "--rate",
@@ -349,6 +353,9 @@ fn handoff(sources: Sources) -> Outcome {
             "--over-capacity-share",
             "0.05",
         ],
+        &|_, _| {},
+        None,
+        revenant_args,
     );
     report(&format!("handoff/{sources:?}"), &o);
     assert_eq!(o.load["errors"], 0, "{}", o.load);
@@ -456,6 +463,21 @@ fn handoff_after_reject_caught_once_per_request_with_both_sources_merged() {
         "every notification's evidence should show both sources: {by:?}; corroborations seen: {}",
         metric_sum(&o.metrics, "revenant_alerts_corroborated_total", &[])
     );
+}
+
+/// The engine split over two shards (`--engine-shards 2`) with both witnesses: every handed-off
+/// rejection caught, once per request, with both sources' evidence, as one checker does; the
+/// checker's metrics say two shards judged.
+#[test]
+fn handoff_after_reject_caught_once_per_request_on_two_engine_shards() {
+    let o = handoff_judged_by(Sources::Both, &["--engine-shards", "2"]);
+    assert_eq!(
+        metric_sum(&o.metrics, "revenant_checker_shards", &[]),
+        2.0,
+        "two shards judged"
+    );
+    let by = sources_of(&o);
+    assert_eq!(by.keys().collect::<Vec<_>>(), ["ebpf+otlp"], "{by:?}");
 }
 
 /// `--fault unknown-room`: decode also publishes, for 2 % of its legs, destinations (SGLang's
@@ -695,6 +717,7 @@ fn stranded_kv_and_held_decode_slots_caught_once_each() {
         &["--rate", "500", "--requests", "3000"],
         &settle,
         Some(rules),
+        &[],
     );
     report("stranded-kv/Both", &o);
     assert_eq!(o.load["errors"], 0, "{}", o.load);

@@ -87,7 +87,7 @@ impl Load {
 /// CPU in a minute; every eBPF test watches its own processes by pid, so none sees another's
 /// traffic. Unlisted ones are light and short.
 const PROFILE: &[(&str, u32, Load)] = &[
-    ("e2e/pd_sim_revenant", 220, Heavy),
+    ("e2e/pd_sim_revenant", 240, Heavy),
     ("e2e/cluster_pd", 210, HeavyWithRoom),
     ("e2e/vllm_pd", 100, Heavy),
     // The real vllm-router at up to 500 requests/s: load, as its simulated twin is.
