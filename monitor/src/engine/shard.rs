@@ -1,5 +1,5 @@
-//! The engine split over several checkers, one per core (`revenant run --engine-shards`), by
-//! cluster mode's split ([`super::partition`]): an event that names an attempt goes to the
+//! The engine split over several checkers, each on a core of its own (`revenant run
+//! --engine-shards`), by cluster mode's split ([`super::partition`]): an event that names an attempt goes to the
 //! shard of its room (or rid), one that names none to every shard, so that each attempt is
 //! judged whole by one checker and each request-level fact is next to every attempt it concerns.
 //!
@@ -18,9 +18,10 @@
 //!   input before it ([`ShardRouter::route`]); the shard calls [`Checker::follow`] with it
 //!   before observing the event. Its deadlines pass, and its events count as late, exactly where
 //!   one checker's would.
-//! - **One fingerprint per request and rule.** One checker pins a request's fingerprint alias
-//!   at its first finding; shards pin their own. The merge keeps the first fingerprint it passed
-//!   for each (rule, request alias) and gives it to the request's later findings of that rule.
+//! - **One fingerprint alias per request.** One checker pins the alias a request's fingerprints
+//!   are made of at its first finding, whatever the rule; shards would pin their own. The merge
+//!   pins it at the first finding of the request it passes (under each of the request's ids)
+//!   and makes every later finding's fingerprint of it.
 //! - **One finding per identity.** What no attempt owns can be found on several shards: a
 //!   `never` rule on an event sent to every shard, a capacity predicate on a request-level event,
 //!   a request-scope rule whose request has attempts on two shards. [`ShardMerge`] lets each
@@ -249,7 +250,7 @@ impl ShardMerge {
 
     /// Whether `v`, found by `shard`, goes on: no other shard reported its identity. A shard's
     /// own findings always go on (one checker's repeats are its own business). Its fingerprint
-    /// becomes the one the request's first finding of the rule had.
+    /// is made of the alias pinned at its request's first finding.
     pub fn admit(&mut self, shard: u16, v: &mut Violation) -> bool {
         self.pin_fingerprint(v);
         let (index, scope) = self

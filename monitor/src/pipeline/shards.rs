@@ -2,11 +2,12 @@
 //! over shards ([`crate::engine::shard`]), each shard a checker on a thread of its own.
 //!
 //! With shards the task routes each batch (the taps have seen it) and hands every shard the
-//! batch, shared, not copied, with the indices of its part, through a bounded channel. A shard that falls behind holds the task, which holds the
-//! event channel, which the sources answer as they answer a slow engine. A tick goes to every
-//! shard behind what they were given and waits for all of them: the deadlines are judged at one
-//! watermark, and the taps get the shards' counters summed. Each shard hands its violations
-//! through the merge (one finding per identity across shards) straight to the dispatcher.
+//! batch, shared, not copied, with the indices of its part, through a bounded channel. A shard
+//! that falls behind holds the task, which holds the event channel, which the sources answer as
+//! they answer a slow engine. A tick goes to every shard behind what they were given and waits
+//! for all of them: the deadlines are judged at one watermark, and the taps get the shards'
+//! counters summed. Each shard hands its violations through the merge (one finding per identity
+//! across shards) straight to the dispatcher.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
