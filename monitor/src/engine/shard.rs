@@ -111,10 +111,6 @@ impl ShardRouter {
         }
     }
 
-    pub fn shards(&self) -> usize {
-        self.partitioner.partitions() as usize
-    }
-
     /// The newest event time routed so far.
     pub fn newest_ns(&self) -> u64 {
         self.newest_ns

@@ -8,7 +8,6 @@
 //! attempt of whichever shard reported first, so for those the rule, fingerprint and request
 //! must be the same.
 
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -16,34 +15,11 @@ use revenant::engine::check::CheckerConfig;
 use revenant::engine::partition::room_partition;
 use revenant::engine::rules::Scope;
 use revenant::engine::workload::{self, Mix};
-use revenant::ingest::replay;
 use revenant::pipeline::{Engine, EngineTask, ViolationSender, WatermarkClock, event_channel};
 use revenant::telemetry::Metrics;
-use revenant::{Kind, LifecycleEvent, RuleSet, Source, Stage, Violation};
+use revenant::{LifecycleEvent, RuleSet, Violation};
 
-fn scenario_files() -> Vec<PathBuf> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/scenarios");
-    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|e| e == "jsonl"))
-        .collect();
-    v.sort();
-    assert!(v.len() >= 20, "scenario files missing: {v:?}");
-    v
-}
-
-fn load(path: &Path) -> Vec<LifecycleEvent> {
-    let text = std::fs::read(path).unwrap();
-    let mut events = Vec::new();
-    replay::read_events(
-        &text[..],
-        |e| events.push(e),
-        |e| panic!("{}: {e}", path.display()),
-    )
-    .unwrap();
-    events
-}
+use crate::support::inputs::{load, request_level_stream, scenario_files};
 
 /// Every violation the engine task emits for `events`, sent in batches of `batch`, with `shards`
 /// checkers; each as its JSON, sorted.
@@ -170,58 +146,6 @@ fn sharded_engines_judge_every_scenario_as_one_checker() {
         );
     }
     assert!(found > 40, "the scenarios hold violations: {found}");
-}
-
-/// Requests of one or two attempts with request-level router events around them: failures of
-/// the whole request (some followed by an attempt's activity), retries in other rooms, and
-/// capacity reports (worker-level: every shard) that some prompts exceed.
-fn request_level_stream(requests: u64) -> Vec<LifecycleEvent> {
-    const MS: u64 = 1_000_000;
-    let mut v = Vec::new();
-    for i in 0..requests {
-        let t0 = 1_795_986_920_000_000_000 + i * 3 * MS;
-        let q = format!("gen-{i}");
-        let rooms: Vec<u64> = (0..1 + i % 2).map(|a| i * 1_000_003 + a * 7 + 1).collect();
-        v.push(
-            LifecycleEvent::new(t0, Stage::Router, Kind::Received, Source::Otlp)
-                .with_request_id(q.as_str()),
-        );
-        for (a, room) in rooms.iter().enumerate() {
-            let t = t0 + a as u64 * 10 * MS;
-            for to in [Stage::Prefill, Stage::Decode] {
-                v.push(
-                    LifecycleEvent::new(t, Stage::Router, Kind::Dispatched, Source::Ebpf)
-                        .with_request_id(q.as_str())
-                        .with_room(*room)
-                        .with_to(to),
-                );
-            }
-            v.push(
-                LifecycleEvent::new(t + MS, Stage::Prefill, Kind::Received, Source::Ebpf)
-                    .with_room(*room),
-            );
-            if i % 3 == 0 {
-                v.push(
-                    LifecycleEvent::new(t + 2 * MS, Stage::Prefill, Kind::Rejected, Source::Otlp)
-                        .with_room(*room)
-                        .with_status(503),
-                );
-            }
-            v.push(
-                LifecycleEvent::new(t + 4 * MS, Stage::Decode, Kind::Work, Source::Ebpf)
-                    .with_room(*room),
-            );
-        }
-        if i % 5 == 0 {
-            v.push(
-                LifecycleEvent::new(t0 + 3 * MS, Stage::Router, Kind::Completed, Source::Otlp)
-                    .with_request_id(q.as_str())
-                    .with_status(502),
-            );
-        }
-    }
-    v.sort_by_key(|e| e.time_ns);
-    v
 }
 
 #[test]

@@ -7,25 +7,17 @@
 //! order, once lateness covers the whole file.
 
 use std::collections::BTreeSet;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use revenant::engine::check::{Checker, CheckerConfig, RuleSet};
-use revenant::ingest::replay;
 use revenant::{BootstrapRoom, LifecycleEvent, Violation};
 
-fn scenario_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/scenarios")
-}
+use crate::support::inputs::{load, scenario_dir, scenario_files};
 
+/// The scenario files, none of them named as the expected verdicts' files must not be.
 fn scenarios() -> Vec<PathBuf> {
-    let mut v: Vec<_> = std::fs::read_dir(scenario_dir())
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|e| e == "jsonl"))
-        .collect();
-    v.sort();
-    assert!(v.len() >= 8, "scenario files missing: {v:?}");
+    let v = scenario_files();
     for p in &v {
         assert!(
             !p.to_string_lossy().ends_with(".expected.jsonl"),
@@ -35,18 +27,6 @@ fn scenarios() -> Vec<PathBuf> {
         );
     }
     v
-}
-
-fn load(path: &Path) -> Vec<LifecycleEvent> {
-    let text = std::fs::read(path).unwrap();
-    let mut events = Vec::new();
-    replay::read_events(
-        &text[..],
-        |e| events.push(e),
-        |e| panic!("{}: {e}", path.display()),
-    )
-    .unwrap();
-    events
 }
 
 fn run(events: &[LifecycleEvent], cfg: CheckerConfig) -> Vec<Violation> {

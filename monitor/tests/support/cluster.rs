@@ -9,7 +9,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use revenant::engine::rules::Scope;
-use revenant::ingest::replay::{self, ReplayRecord};
+use revenant::ingest::replay::ReplayRecord;
 use revenant::{LifecycleEvent, RuleSet};
 use test_harness::{Proc, http_get, metric_sum, parse_metrics, tail};
 
@@ -21,18 +21,6 @@ pub const WAIT: Duration = Duration::from_secs(60);
 /// A violation's identity: rule and what broke it (attempt scope: room, else rid, and worker;
 /// request scope: the request id), as in `scenarios.rs`.
 pub type Key = (String, Option<u64>, Option<String>, Option<String>);
-
-pub fn load(path: &Path) -> Vec<LifecycleEvent> {
-    let text = std::fs::read(path).unwrap();
-    let mut events = Vec::new();
-    replay::read_events(
-        &text[..],
-        |e| events.push(e),
-        |e| panic!("{}: {e}", path.display()),
-    )
-    .unwrap();
-    events
-}
 
 pub fn write(path: &Path, events: &[LifecycleEvent]) {
     let mut f = std::io::BufWriter::new(std::fs::File::create(path).unwrap());

@@ -2,13 +2,15 @@
 //! loopback, bounded waits, metrics), this crate's `revenant run` under a fresh directory, and
 //! one module per kind of test: `alerts` (violations and a recording webhook receiver, shared
 //! with the alert_delivery bench), `prometheus` (Prometheus and Alertmanager servers), `ebpf`
-//! (the live eBPF source and checker in-process) and `otlp_venv` (real OTLP exports from the
+//! (the live eBPF source and checker in-process), `inputs` (the scenario files and a generated
+//! request-level stream) and `otlp_venv` (real OTLP exports from the
 //! Python SDK). System programs come from `cargo xtask setup`: a test installs nothing.
 #![allow(dead_code)]
 
 pub mod alerts;
 pub mod cluster;
 pub mod ebpf;
+pub mod inputs;
 pub mod otlp_venv;
 pub mod prometheus;
 
