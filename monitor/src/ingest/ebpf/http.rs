@@ -27,7 +27,7 @@ pub const FIRST_BODY_BYTES: usize = 1024;
 pub enum HttpEvent {
     RequestHead(RequestHead),
     ResponseHead(ResponseHead),
-    /// First body bytes of the current message (for a streamed response: tokens are flowing),
+    /// First body bytes of the current answer (for a streamed response: tokens are flowing),
     /// and up to [`FIRST_BODY_BYTES`] of them: whether they are output or an abort that ends the
     /// stream at once is in its first event.
     BodyStarted {
@@ -224,59 +224,30 @@ impl HttpStream {
     fn feed_head(&mut self, data: &[u8], out: &mut Vec<HttpEvent>) -> usize {
         let prev = self.head.len();
         let take = data.len().min((MAX_HEAD + 4).saturating_sub(prev)).max(1);
-        self.head.extend_from_slice(&data[..take]);
-        let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
-        let parsed = match self.side {
-            Side::Requests | Side::Unknown => {
-                let mut req = httparse::Request::new(&mut headers);
-                match req.parse(&self.head) {
-                    Ok(httparse::Status::Complete(n)) => {
-                        let head = request_head(&req);
-                        let framing = body_framing(req.headers, false, false);
-                        Some((n, HttpEvent::RequestHead(head), framing))
-                    }
-                    Ok(httparse::Status::Partial) => None,
-                    Err(_) => {
-                        self.desync(out);
-                        return data.len();
-                    }
-                }
+        // A head that arrives whole (the usual case) is read where it lies: only one split
+        // across syscalls is gathered, so a message's bytes are not copied once more.
+        if prev > 0 {
+            self.head.extend_from_slice(&data[..take]);
+        }
+        let bytes = if prev == 0 { &data[..take] } else { &self.head };
+        match parse_head(self.side, bytes) {
+            HeadRead::Broken => {
+                self.desync(out);
+                data.len()
             }
-            Side::Responses => {
-                let mut resp = httparse::Response::new(&mut headers);
-                match resp.parse(&self.head) {
-                    Ok(httparse::Status::Complete(n)) => {
-                        let status = resp.code.unwrap_or(0);
-                        let sse = header(resp.headers, "content-type").is_some_and(|v| {
-                            v.to_ascii_lowercase().starts_with("text/event-stream")
-                        });
-                        let no_body = status < 200 || status == 204 || status == 304;
-                        let framing = body_framing(resp.headers, true, no_body);
-                        Some((
-                            n,
-                            HttpEvent::ResponseHead(ResponseHead { status, sse }),
-                            framing,
-                        ))
-                    }
-                    Ok(httparse::Status::Partial) => None,
-                    Err(_) => {
-                        self.desync(out);
-                        return data.len();
-                    }
+            HeadRead::Partial => {
+                if prev == 0 {
+                    self.head.extend_from_slice(&data[..take]);
                 }
-            }
-        };
-        match parsed {
-            None => {
                 if self.head.len() > MAX_HEAD {
                     self.desync(out);
                 }
                 take
             }
-            Some((n, ev, framing)) => {
+            HeadRead::Complete(n, ev, framing) => {
                 out.push(ev);
                 self.head.clear();
-                self.body = BodyWindow::default();
+                self.body = BodyWindow::for_side(self.side);
                 self.body_started = false;
                 match framing {
                     None | Some(Body::Length(0)) => self.finish(out),
@@ -418,13 +389,59 @@ impl HttpStream {
         if data.is_empty() {
             return;
         }
-        if !self.body_started {
+        // Only an answer's first bytes tell anything (output flowing, or an abort).
+        if !self.body_started && self.side == Side::Responses {
             self.body_started = true;
             out.push(HttpEvent::BodyStarted {
                 first: data[..data.len().min(FIRST_BODY_BYTES)].to_vec(),
             });
         }
         self.body.push(data);
+    }
+}
+
+/// What the bytes gathered for a message's head read as.
+enum HeadRead {
+    /// The head ends `n` bytes in.
+    Complete(usize, HttpEvent, Option<Body>),
+    Partial,
+    Broken,
+}
+
+fn parse_head(side: Side, bytes: &[u8]) -> HeadRead {
+    let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    match side {
+        Side::Requests | Side::Unknown => {
+            let mut req = httparse::Request::new(&mut headers);
+            match req.parse(bytes) {
+                Ok(httparse::Status::Complete(n)) => {
+                    let head = request_head(&req);
+                    let framing = body_framing(req.headers, false, false);
+                    HeadRead::Complete(n, HttpEvent::RequestHead(head), framing)
+                }
+                Ok(httparse::Status::Partial) => HeadRead::Partial,
+                Err(_) => HeadRead::Broken,
+            }
+        }
+        Side::Responses => {
+            let mut resp = httparse::Response::new(&mut headers);
+            match resp.parse(bytes) {
+                Ok(httparse::Status::Complete(n)) => {
+                    let status = resp.code.unwrap_or(0);
+                    let sse = header(resp.headers, "content-type")
+                        .is_some_and(|v| v.to_ascii_lowercase().starts_with("text/event-stream"));
+                    let no_body = status < 200 || status == 204 || status == 304;
+                    let framing = body_framing(resp.headers, true, no_body);
+                    HeadRead::Complete(
+                        n,
+                        HttpEvent::ResponseHead(ResponseHead { status, sse }),
+                        framing,
+                    )
+                }
+                Ok(httparse::Status::Partial) => HeadRead::Partial,
+                Err(_) => HeadRead::Broken,
+            }
+        }
     }
 }
 

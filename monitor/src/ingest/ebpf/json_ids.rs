@@ -35,6 +35,21 @@ pub struct BodyWindow {
     carry_len: u8,
     /// vLLM's `vllm:cache_config_info` sample, looked for in every byte that goes by.
     cache_line: CacheLine,
+    /// What this body can hold (every body's bytes pass here: a scan a body cannot need is
+    /// skipped).
+    reads: Reads,
+}
+
+/// What a [`BodyWindow`] looks for beyond its ends.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+enum Reads {
+    /// Both below: a body whose side is unknown.
+    #[default]
+    Everything,
+    /// A request's `"n"` keys (its sample count).
+    Requests,
+    /// An answer's `vllm:cache_config_info` sample (`/metrics`).
+    Answers,
 }
 
 /// The `vllm:cache_config_info` sample of a Prometheus answer, found wherever it lies: the
@@ -140,9 +155,27 @@ impl std::fmt::Debug for BodyWindow {
 }
 
 impl BodyWindow {
+    /// A window for the bodies one side of a connection writes: requests (read for ids and
+    /// sample counts) or answers (read for outcomes and capacity).
+    pub fn for_side(side: super::http::Side) -> BodyWindow {
+        let reads = match side {
+            super::http::Side::Requests => Reads::Requests,
+            super::http::Side::Responses => Reads::Answers,
+            super::http::Side::Unknown => Reads::Everything,
+        };
+        BodyWindow {
+            reads,
+            ..BodyWindow::default()
+        }
+    }
+
     pub fn push(&mut self, data: &[u8]) {
-        self.cache_line.push(data, self.len == 0);
-        self.count_n_keys(data);
+        if self.reads != Reads::Requests {
+            self.cache_line.push(data, self.len == 0);
+        }
+        if self.reads != Reads::Answers {
+            self.count_n_keys(data);
+        }
         self.len += data.len() as u64;
         if self.head.len() < WINDOW {
             let n = (WINDOW - self.head.len()).min(data.len());
@@ -198,26 +231,22 @@ impl BodyWindow {
     /// given, as a batch's per-prompt `sampling_params` may): 1 when the body names none.
     /// `None` when that cannot be told: bytes were not captured, or a `"n"` of the body was
     /// not read as a key with a count (it fell in the middle the windows drop, its value is an
-    /// object or was cut, or it is a string value).
-    fn samples(&self) -> Option<u32> {
-        if self.gaps {
+    /// object or was cut, or it is a string value). `parts` are [`Self::parts`]' keys.
+    fn samples(&self, parts: &[Keys<'_>]) -> Option<u32> {
+        if self.gaps || self.reads == Reads::Answers {
             return None;
         }
-        let tail = self.tail();
-        let whole_in_head = self.len == self.head.len() as u64;
-        let parts = [
-            Some((0u64, self.head.as_slice())),
-            (!whole_in_head).then(|| (self.len - tail.len() as u64, tail)),
-        ];
+        let tail_base = self.len - self.tail().len() as u64;
         let mut read: Vec<u64> = Vec::new();
         let mut n = 1u32;
-        for (base, part) in parts.into_iter().flatten() {
-            for at in value_positions(part, &N) {
+        for (i, keys) in parts.iter().enumerate() {
+            let base = if i == 0 { 0 } else { tail_base };
+            for at in keys.values(N) {
                 let off = base + at as u64;
                 if read.contains(&off) {
                     continue;
                 }
-                let (Value::Str(v) | Value::Scalar(v)) = parse_value(&part[at..])?;
+                let (Value::Str(v) | Value::Scalar(v)) = parse_value(&keys.buf[at..])?;
                 n = n.max(sample_count(&v)?);
                 read.push(off);
                 if read.len() > self.n_keys as usize {
@@ -238,30 +267,37 @@ impl BodyWindow {
         std::iter::once(self.head.as_slice()).chain((!whole_in_head).then(|| self.tail()))
     }
 
+    /// The keys of each of [`Self::parts`], found once for every lookup of the body.
+    fn keyed_parts(&self) -> Vec<Keys<'_>> {
+        self.parts().map(Keys::of).collect()
+    }
+
     /// Ids of a request body (`rid`, `bootstrap_*`).
     pub fn request_ids(&self) -> RequestIds {
         let mut ids = RequestIds::default();
-        for part in self.parts() {
+        let parts = self.keyed_parts();
+        for part in &parts {
             if ids.rid.is_none() {
-                ids.rid = find_string(part, &RID);
+                ids.rid = part.find_string(RID);
             }
             // The router appends these last: the tail's occurrence wins.
-            if let Some(v) =
-                find_value(part, &BOOTSTRAP_ROOM).and_then(|v| v.parse::<BootstrapRoom>().ok())
+            if let Some(v) = part
+                .find_value(BOOTSTRAP_ROOM)
+                .and_then(|v| v.parse::<BootstrapRoom>().ok())
             {
                 ids.bootstrap_room = Some(v.0);
             }
-            if let Some(v) = find_string(part, &BOOTSTRAP_HOST) {
+            if let Some(v) = part.find_string(BOOTSTRAP_HOST) {
                 ids.bootstrap_host = Some(v);
             }
-            if let Some(v) = find_value(part, &BOOTSTRAP_PORT).and_then(|v| v.parse().ok()) {
+            if let Some(v) = part.find_value(BOOTSTRAP_PORT).and_then(|v| v.parse().ok()) {
                 ids.bootstrap_port = Some(v);
             }
             if ids.remote_request_id.is_none() {
-                ids.remote_request_id = find_string(part, &REMOTE_REQUEST_ID);
+                ids.remote_request_id = part.find_string(REMOTE_REQUEST_ID);
             }
             if ids.transfer_id.is_none() {
-                ids.transfer_id = find_string(part, &TRANSFER_ID);
+                ids.transfer_id = part.find_string(TRANSFER_ID);
             }
             if ids.kv_leg.is_none() {
                 ids.kv_leg = kv_leg(part);
@@ -273,25 +309,25 @@ impl BodyWindow {
                 ids.batch = batch_size(part);
             }
         }
-        ids.samples = self.samples();
+        ids.samples = self.samples(&parts);
         ids
     }
 
     /// What a response body tells: token counts and, for errors, a short message.
     pub fn response_info(&self) -> ResponseInfo {
         let mut info = ResponseInfo::default();
-        for part in self.parts() {
+        for part in &self.keyed_parts() {
             if info.prompt_tokens.is_none() {
-                info.prompt_tokens = find_value(part, &PROMPT_TOKENS).and_then(|v| v.parse().ok());
+                info.prompt_tokens = part.find_value(PROMPT_TOKENS).and_then(|v| v.parse().ok());
             }
             if info.disaggregation_mode.is_none() {
-                info.disaggregation_mode = find_string(part, &DISAGGREGATION_MODE);
+                info.disaggregation_mode = part.find_string(DISAGGREGATION_MODE);
             }
             if info.remote_request_id.is_none() {
-                info.remote_request_id = find_string(part, &REMOTE_REQUEST_ID);
+                info.remote_request_id = part.find_string(REMOTE_REQUEST_ID);
             }
             if info.max_model_len.is_none() {
-                info.max_model_len = find_value(part, &MAX_MODEL_LEN).and_then(|v| v.parse().ok());
+                info.max_model_len = part.find_value(MAX_MODEL_LEN).and_then(|v| v.parse().ok());
             }
             // The last finish reason in the body is the answer's: a stream's earlier chunks
             // carry `null`, its final one the reason.
@@ -302,9 +338,10 @@ impl BodyWindow {
                 info.stream_error = Some(code);
             }
             if info.message.is_none() {
-                info.message = find_string(part, &MESSAGE)
-                    .or_else(|| find_string(part, &DETAIL))
-                    .or_else(|| find_string(part, &ERROR));
+                info.message = part
+                    .find_string(MESSAGE)
+                    .or_else(|| part.find_string(DETAIL))
+                    .or_else(|| part.find_string(ERROR));
             }
         }
         info
@@ -315,10 +352,21 @@ impl BodyWindow {
     /// the captured bytes held it (a connection that carried a scrape is captured whole), else
     /// as far as a window kept it.
     pub fn vllm_cache_config(&self) -> Option<CacheConfig> {
+        if self.reads == Reads::Requests {
+            return None;
+        }
         self.cache_line
             .found
             .or_else(|| self.parts().find_map(cache_config_in))
     }
+}
+
+/// The first bytes of an answer's body end the request without output: an error event (or a
+/// body that is an error object), or a `finish_reason` that is an abort.
+pub fn first_event_ends(first: &[u8]) -> bool {
+    let keys = Keys::of(first);
+    stream_error(&keys).or_else(|| flat_error(&keys)).is_some()
+        || matches!(finish_reason(&keys), Some(Finish::Abort { .. }))
 }
 
 /// What vLLM's `vllm:cache_config_info` says about its KV cache.
@@ -388,11 +436,11 @@ pub enum KvLeg {
     Decode,
 }
 
-fn kv_leg(part: &[u8]) -> Option<KvLeg> {
-    let is_true = |k: &Finder<'_>| find_value(part, k).is_some_and(|v| v == "true");
-    if is_true(&DO_REMOTE_DECODE) {
+fn kv_leg(part: &Keys<'_>) -> Option<KvLeg> {
+    let is_true = |k: Key| part.find_value(k).is_some_and(|v| v == "true");
+    if is_true(DO_REMOTE_DECODE) {
         Some(KvLeg::Prefill)
-    } else if is_true(&DO_REMOTE_PREFILL) {
+    } else if is_true(DO_REMOTE_PREFILL) {
         Some(KvLeg::Decode)
     } else {
         None
@@ -539,14 +587,14 @@ pub enum Finish {
 
 /// The last non-null `finish_reason` of `part`: a string, or the `type` (and `status_code`) of
 /// an object.
-fn finish_reason(part: &[u8]) -> Option<Finish> {
+fn finish_reason(part: &Keys<'_>) -> Option<Finish> {
     let mut found = None;
-    for at in value_positions(part, &FINISH_REASON) {
-        let v = &part[at..];
+    for at in part.values(FINISH_REASON) {
+        let v = &part.buf[at..];
         let (name, status) = match v.first() {
             Some(b'{') => {
-                let obj = object_prefix(v);
-                (find_string(obj, &TYPE), find_status(obj, &STATUS_CODE))
+                let obj = Keys::of(object_prefix(v));
+                (obj.find_string(TYPE), find_status(&obj, STATUS_CODE))
             }
             _ => match parse_value(v) {
                 Some(Value::Str(s)) => (Some(s), None),
@@ -567,12 +615,12 @@ fn finish_reason(part: &[u8]) -> Option<Finish> {
 /// The status of the last error event in `part`: SGLang streams a refusal inside its HTTP 200
 /// as `data: {"error": {"message": .., "code": 400, ..}}` (`http_server.py`, and the OpenAI
 /// endpoints' `create_streaming_error_response`), vLLM its later errors the same way.
-fn stream_error(part: &[u8]) -> Option<u16> {
-    value_positions(part, &ERROR)
+fn stream_error(part: &Keys<'_>) -> Option<u16> {
+    part.values(ERROR)
+        .rev()
         // A key at the very end of the window has no value yet: `get`, not an index.
-        .filter(|&at| part.get(at) == Some(&b'{'))
-        .filter_map(|at| find_status(object_prefix(&part[at..]), &CODE))
-        .last()
+        .filter(|&at| part.buf.get(at) == Some(&b'{'))
+        .find_map(|at| find_status(&Keys::of(object_prefix(&part.buf[at..])), CODE))
 }
 
 /// How one request of a batch answer ended, as its own part of the body says.
@@ -599,9 +647,12 @@ impl BodyWindow {
                 found.push((i, o));
             }
         };
-        let outcome = |part: &[u8]| SubOutcome {
-            finish: finish_reason(part),
-            stream_error: stream_error(part),
+        let outcome = |part: &[u8]| {
+            let keys = Keys::of(part);
+            SubOutcome {
+                finish: finish_reason(&keys),
+                stream_error: stream_error(&keys),
+            }
         };
         for part in self.parts() {
             let start = part.iter().position(|b| !b.is_ascii_whitespace());
@@ -619,7 +670,10 @@ impl BodyWindow {
                 .split(|b| *b == b'\n')
                 .filter(|l| l.starts_with(b"data: "))
             {
-                if let Some(i) = find_value(event, &INDEX).and_then(|v| v.parse().ok()) {
+                if let Some(i) = Keys::of(event)
+                    .find_value(INDEX)
+                    .and_then(|v| v.parse().ok())
+                {
                     note(i, outcome(event));
                 }
             }
@@ -647,9 +701,9 @@ fn top_level_spans(v: &[u8]) -> Vec<&[u8]> {
 }
 
 /// `bootstrap_room` as a list of rooms (a batch whose prompts each name theirs).
-fn room_list(part: &[u8]) -> Option<Vec<u64>> {
-    let at = value_positions(part, &BOOTSTRAP_ROOM).last()?;
-    let v = &part[at..];
+fn room_list(part: &Keys<'_>) -> Option<Vec<u64>> {
+    let at = part.values(BOOTSTRAP_ROOM).next_back()?;
+    let v = &part.buf[at..];
     if v.first() != Some(&b'[') {
         return None;
     }
@@ -664,10 +718,10 @@ fn room_list(part: &[u8]) -> Option<Vec<u64>> {
 
 /// The prompts of a batch body: `text` or `prompt` a list (of strings), `input_ids` a list of
 /// lists; `None` for a single prompt, or a list not captured whole.
-fn batch_size(part: &[u8]) -> Option<u32> {
-    for (key, nested) in [(&TEXT, false), (&PROMPT, false), (&INPUT_IDS, true)] {
-        for at in value_positions(part, key) {
-            let v = &part[at..];
+fn batch_size(part: &Keys<'_>) -> Option<u32> {
+    for (key, nested) in [(TEXT, false), (PROMPT, false), (INPUT_IDS, true)] {
+        for at in part.values(key) {
+            let v = &part.buf[at..];
             if v.first() != Some(&b'[') {
                 continue;
             }
@@ -755,15 +809,15 @@ fn for_each_top_level_comma(inner: &[u8], mut f: impl FnMut(usize)) {
 /// The status of a body that is itself an error object, the OpenAI shape
 /// (`{"object": "error", "message": …, "code": 500}`, SGLang's `create_error_response`, vLLM's
 /// older answers): an error whatever status line carried it.
-fn flat_error(part: &[u8]) -> Option<u16> {
-    (find_string(part, &OBJECT).as_deref() == Some("error"))
-        .then(|| find_status(part, &CODE))
+fn flat_error(part: &Keys<'_>) -> Option<u16> {
+    (part.find_string(OBJECT).as_deref() == Some("error"))
+        .then(|| find_status(part, CODE))
         .flatten()
 }
 
 /// An HTTP status as an error object names it (a number from 100 to 599).
-fn find_status(obj: &[u8], key: &Finder<'_>) -> Option<u16> {
-    match find(obj, key)? {
+fn find_status(obj: &Keys<'_>, key: Key) -> Option<u16> {
+    match obj.find(key)? {
         Value::Scalar(s) => s.parse().ok().filter(|c| (100..600).contains(c)),
         Value::Str(_) => None,
     }
@@ -806,41 +860,100 @@ fn object_prefix(v: &[u8]) -> &[u8] {
 /// Longest error or finish-reason object read.
 const MAX_OBJECT: usize = 2048;
 
-/// Searchers for the keys revenant reads, built once: building one per search cost more than
-/// the search itself on the short bodies of a busy server (a quarter of the reader's CPU).
-macro_rules! keys {
-    ($($name:ident = $key:literal;)*) => {
-        $(static $name: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new($key));)*
-    };
+/// Searchers for the byte strings looked for outside keys, built once: building one per search
+/// cost more than the search itself on the short bodies of a busy server.
+static CACHE_CONFIG_INFO: LazyLock<Finder<'static>> =
+    LazyLock::new(|| Finder::new(b"vllm:cache_config_info"));
+static CACHE_SAMPLE_FINDER: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(CACHE_SAMPLE));
+static N_KEY: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"n\""));
+
+/// A key revenant reads out of a body ([`key_named`] names them all).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Key(u8);
+
+const RID: Key = Key(0);
+const BOOTSTRAP_ROOM: Key = Key(1);
+const BOOTSTRAP_HOST: Key = Key(2);
+const BOOTSTRAP_PORT: Key = Key(3);
+const PROMPT_TOKENS: Key = Key(4);
+const DISAGGREGATION_MODE: Key = Key(5);
+const MESSAGE: Key = Key(6);
+const DETAIL: Key = Key(7);
+const ERROR: Key = Key(8);
+const REMOTE_REQUEST_ID: Key = Key(9);
+const TRANSFER_ID: Key = Key(10);
+const DO_REMOTE_DECODE: Key = Key(11);
+const DO_REMOTE_PREFILL: Key = Key(12);
+const MAX_MODEL_LEN: Key = Key(13);
+const FINISH_REASON: Key = Key(14);
+const TYPE: Key = Key(15);
+const STATUS_CODE: Key = Key(16);
+const TEXT: Key = Key(17);
+const OBJECT: Key = Key(18);
+const INDEX: Key = Key(19);
+const INPUT_IDS: Key = Key(20);
+const PROMPT: Key = Key(21);
+const CODE: Key = Key(22);
+const N: Key = Key(23);
+
+/// The longest key [`key_named`] knows.
+const MAX_KEY_NAME: usize = 19;
+
+/// Calls `f` with the index of every `"` of `buf`, in order. Word by word: a byte equal to `"`
+/// is a zero byte of `word ^ QUOTES`, found exactly (no carry crosses bytes, as in the
+/// classic `haszero` test that also flags a byte above a zero).
+fn for_each_quote(buf: &[u8], mut f: impl FnMut(usize)) {
+    const QUOTES: u64 = u64::from_ne_bytes([b'"'; 8]);
+    const LOW7: u64 = 0x7f7f_7f7f_7f7f_7f7f;
+    let mut chunks = buf.chunks_exact(8);
+    let mut base = 0;
+    for chunk in &mut chunks {
+        let x = u64::from_le_bytes(chunk.try_into().expect("chunks of eight"));
+        let x = x ^ QUOTES;
+        let mut zeros = !(((x & LOW7) + LOW7) | x | LOW7);
+        while zeros != 0 {
+            f(base + (zeros.trailing_zeros() / 8) as usize);
+            zeros &= zeros - 1;
+        }
+        base += 8;
+    }
+    for (i, &b) in chunks.remainder().iter().enumerate() {
+        if b == b'"' {
+            f(base + i);
+        }
+    }
 }
-keys! {
-    RID = b"rid";
-    BOOTSTRAP_ROOM = b"bootstrap_room";
-    BOOTSTRAP_HOST = b"bootstrap_host";
-    BOOTSTRAP_PORT = b"bootstrap_port";
-    PROMPT_TOKENS = b"prompt_tokens";
-    DISAGGREGATION_MODE = b"disaggregation_mode";
-    MESSAGE = b"message";
-    DETAIL = b"detail";
-    ERROR = b"error";
-    REMOTE_REQUEST_ID = b"remote_request_id";
-    TRANSFER_ID = b"transfer_id";
-    DO_REMOTE_DECODE = b"do_remote_decode";
-    DO_REMOTE_PREFILL = b"do_remote_prefill";
-    MAX_MODEL_LEN = b"max_model_len";
-    CACHE_CONFIG_INFO = b"vllm:cache_config_info";
-    CACHE_SAMPLE_FINDER = b"\nvllm:cache_config_info{";
-    FINISH_REASON = b"finish_reason";
-    TYPE = b"type";
-    STATUS_CODE = b"status_code";
-    TEXT = b"text";
-    OBJECT = b"object";
-    INDEX = b"index";
-    INPUT_IDS = b"input_ids";
-    PROMPT = b"prompt";
-    CODE = b"code";
-    N = b"n";
-    N_KEY = b"\"n\"";
+
+/// The [`Key`] named `name`, if revenant reads it: a match the compiler turns into a switch
+/// on the length, then a few compares (most keys a body holds are not read).
+fn key_named(name: &[u8]) -> Option<Key> {
+    Some(match name {
+        b"rid" => RID,
+        b"bootstrap_room" => BOOTSTRAP_ROOM,
+        b"bootstrap_host" => BOOTSTRAP_HOST,
+        b"bootstrap_port" => BOOTSTRAP_PORT,
+        b"prompt_tokens" => PROMPT_TOKENS,
+        b"disaggregation_mode" => DISAGGREGATION_MODE,
+        b"message" => MESSAGE,
+        b"detail" => DETAIL,
+        b"error" => ERROR,
+        b"remote_request_id" => REMOTE_REQUEST_ID,
+        b"transfer_id" => TRANSFER_ID,
+        b"do_remote_decode" => DO_REMOTE_DECODE,
+        b"do_remote_prefill" => DO_REMOTE_PREFILL,
+        b"max_model_len" => MAX_MODEL_LEN,
+        b"finish_reason" => FINISH_REASON,
+        b"type" => TYPE,
+        b"status_code" => STATUS_CODE,
+        b"text" => TEXT,
+        b"object" => OBJECT,
+        b"index" => INDEX,
+        b"input_ids" => INPUT_IDS,
+        b"prompt" => PROMPT,
+        b"code" => CODE,
+        b"n" => N,
+        _ => return None,
+    })
 }
 
 /// A sample count as JSON gives it: an integer (or an integral float, which SGLang's and the
@@ -856,57 +969,84 @@ fn sample_count(v: &str) -> Option<u32> {
     Some(n.max(1))
 }
 
-/// The last string value of `key` in a structural position.
-fn find_string(buf: &[u8], key: &Finder<'_>) -> Option<String> {
-    match find(buf, key)? {
-        Value::Str(s) => Some(s),
-        Value::Scalar(_) => None,
-    }
-}
-
-/// The last value of `key` as text, string or number alike.
-fn find_value(buf: &[u8], key: &Finder<'_>) -> Option<String> {
-    match find(buf, key)? {
-        Value::Str(s) | Value::Scalar(s) => Some(s),
-    }
-}
-
 enum Value {
     Str(String),
     Scalar(String),
 }
 
-fn find(buf: &[u8], finder: &Finder<'_>) -> Option<Value> {
-    value_positions(buf, finder)
-        .filter_map(|j| parse_value(&buf[j..]))
-        .last()
+/// The keys [`key_named`] knows that stand in structural positions in one captured part
+/// (`"key":` after `{`, `,` or a gap, its opening quote unescaped), found in one pass.
+struct Keys<'a> {
+    buf: &'a [u8],
+    /// Each key found and where its value starts, in the order of the part.
+    at: Vec<(Key, u32)>,
 }
 
-/// Where each value of `key` starts, for every `"key":` in a structural position.
-fn value_positions<'a>(buf: &'a [u8], finder: &'a Finder<'_>) -> impl Iterator<Item = usize> + 'a {
-    let key = finder.needle();
-    finder.find_iter(buf).filter_map(move |pos| {
-        // `"key"` with the opening quote unescaped and in a structural position.
-        if pos == 0 || buf[pos - 1] != b'"' || buf.get(pos + key.len()) != Some(&b'"') {
-            return None;
-        }
-        let q = pos - 1;
-        if q > 0 && buf[q - 1] == b'\\' {
-            return None;
-        }
-        let before = buf[..q].iter().rev().find(|b| !b.is_ascii_whitespace());
-        // After a gap the context is unknown; a quote inside a string would be escaped anyway.
-        if !matches!(before, Some(b'{') | Some(b',') | Some(&GAP)) {
-            return None;
-        }
-        let mut j = pos + key.len() + 1;
+impl<'a> Keys<'a> {
+    /// One pass over the part's quotes, eight bytes at a time: the parts read are a few
+    /// hundred bytes on a busy server's short requests and answers, where a search's setup
+    /// costs more than the search.
+    fn of(buf: &'a [u8]) -> Keys<'a> {
+        let mut at = Vec::new();
+        for_each_quote(buf, |q| {
+            let before = buf[..q].iter().rev().find(|b| !b.is_ascii_whitespace());
+            // An escaped quote follows its backslash, never `{` or `,`. After a gap the context
+            // is unknown; a quote inside a string would be escaped anyway.
+            if matches!(before, Some(b'{' | b',' | &GAP))
+                && let Some(found) = Self::key_at(buf, q)
+            {
+                at.push(found);
+            }
+        });
+        Keys { buf, at }
+    }
+
+    /// The key whose opening quote is at `q`, with where its value starts, when a `:` follows.
+    fn key_at(buf: &[u8], q: usize) -> Option<(Key, u32)> {
+        let name = &buf[q + 1..];
+        let len = name[..name.len().min(MAX_KEY_NAME + 1)]
+            .iter()
+            .position(|&b| b == b'"')?;
+        let key = key_named(&name[..len])?;
+        let mut j = q + len + 2;
         j += ws(&buf[j..]);
         if buf.get(j) != Some(&b':') {
             return None;
         }
         j += 1;
-        Some(j + ws(&buf[j..]))
-    })
+        j += ws(&buf[j..]);
+        // A part is at most a window (or an object cut from one): offsets fit in 32 bits.
+        Some((key, j as u32))
+    }
+
+    /// Where each value of `key` starts, in the order of the part.
+    fn values(&self, key: Key) -> impl DoubleEndedIterator<Item = usize> + '_ {
+        self.at
+            .iter()
+            .filter_map(move |&(k, v)| (k == key).then_some(v as usize))
+    }
+
+    /// The last value of `key` that reads as a value.
+    fn find(&self, key: Key) -> Option<Value> {
+        self.values(key)
+            .rev()
+            .find_map(|j| parse_value(&self.buf[j..]))
+    }
+
+    /// The last string value of `key`.
+    fn find_string(&self, key: Key) -> Option<String> {
+        match self.find(key)? {
+            Value::Str(s) => Some(s),
+            Value::Scalar(_) => None,
+        }
+    }
+
+    /// The last value of `key` as text, string or number alike.
+    fn find_value(&self, key: Key) -> Option<String> {
+        match self.find(key)? {
+            Value::Str(s) | Value::Scalar(s) => Some(s),
+        }
+    }
 }
 
 fn ws(b: &[u8]) -> usize {
@@ -979,10 +1119,12 @@ mod tests {
     /// panic (found by the http_stream fuzz target).
     #[test]
     fn an_error_key_at_the_end_of_the_window_has_no_status() {
-        assert_eq!(stream_error(br#"data: {"error":"#), None);
-        assert_eq!(stream_error(br#"data: {"error": "#), None);
+        assert_eq!(stream_error(&Keys::of(br#"data: {"error":"#)), None);
+        assert_eq!(stream_error(&Keys::of(br#"data: {"error": "#)), None);
         assert_eq!(
-            stream_error(br#"data: {"error": {"message": "x", "code": 400}}"#),
+            stream_error(&Keys::of(
+                br#"data: {"error": {"message": "x", "code": 400}}"#
+            )),
             Some(400)
         );
     }
@@ -1354,5 +1496,108 @@ data: [DONE]
             let _ = w.response_info();
             let _ = w.vllm_cache_config();
         }
+
+        /// The one-pass key index finds exactly the values a search per key finds: every
+        /// `"key":` whose opening quote is unescaped and follows `{`, `,` or a gap.
+        #[test]
+        fn keys_are_found_where_a_search_per_key_finds_them(
+            pieces in proptest::collection::vec(
+                prop_oneof![
+                    Just(&b"{"[..]), Just(&b","[..]), Just(&b":"[..]), Just(&b" "[..]),
+                    Just(&b"\""[..]), Just(&b"\\"[..]), Just(&b"\0"[..]), Just(&b"rid"[..]),
+                    Just(&b"n"[..]), Just(&b"code"[..]), Just(&b"bootstrap_room"[..]),
+                    Just(&b"12"[..]), Just(&b"x"[..]), Just(&b"\n"[..]),
+                    Just(&br#"{"rid":"#[..]), Just(&br#","n" : "#[..]), Just(&br#"\"code":"#[..]),
+                    Just(&br#", "bootstrap_room": "#[..]), Just(&br#""text""#[..]),
+                    Just(&br#"{"finish_reason":{"type":"#[..]),
+                ],
+                0..80,
+            )
+        ) {
+            let buf: Vec<u8> = pieces.concat();
+            let keys = Keys::of(&buf);
+            for (key, name) in NAMED {
+                let found: Vec<usize> = keys.values(key).collect();
+                prop_assert_eq!(found, search_per_key(&buf, name.as_bytes()), "{}", name);
+            }
+        }
+
+        #[test]
+        fn every_quote_is_found_in_order(buf in proptest::collection::vec(
+            prop_oneof![Just(b'"'), Just(b'a'), Just(0u8), Just(0xa2u8), Just(0x22u8 ^ 0x80)],
+            0..70,
+        )) {
+            let mut found = Vec::new();
+            for_each_quote(&buf, |q| found.push(q));
+            let expected: Vec<usize> = (0..buf.len()).filter(|&i| buf[i] == b'"').collect();
+            prop_assert_eq!(found, expected);
+        }
+    }
+
+    /// The definition [`Keys::of`] is held to: each occurrence of the key's bytes between two
+    /// quotes, the opening one unescaped and after `{`, `,` or a gap (whitespace aside), then
+    /// `:`.
+    fn search_per_key(buf: &[u8], key: &[u8]) -> Vec<usize> {
+        let mut out = Vec::new();
+        for pos in memchr::memmem::find_iter(buf, key) {
+            if pos == 0 || buf[pos - 1] != b'"' || buf.get(pos + key.len()) != Some(&b'"') {
+                continue;
+            }
+            let q = pos - 1;
+            if q > 0 && buf[q - 1] == b'\\' {
+                continue;
+            }
+            let before = buf[..q].iter().rev().find(|b| !b.is_ascii_whitespace());
+            if !matches!(before, Some(b'{') | Some(b',') | Some(&GAP)) {
+                continue;
+            }
+            let mut j = pos + key.len() + 1;
+            j += ws(&buf[j..]);
+            if buf.get(j) != Some(&b':') {
+                continue;
+            }
+            j += 1;
+            out.push(j + ws(&buf[j..]));
+        }
+        out
+    }
+
+    /// Every key [`key_named`] knows, with its name.
+    const NAMED: [(Key, &str); 24] = [
+        (RID, "rid"),
+        (BOOTSTRAP_ROOM, "bootstrap_room"),
+        (BOOTSTRAP_HOST, "bootstrap_host"),
+        (BOOTSTRAP_PORT, "bootstrap_port"),
+        (PROMPT_TOKENS, "prompt_tokens"),
+        (DISAGGREGATION_MODE, "disaggregation_mode"),
+        (MESSAGE, "message"),
+        (DETAIL, "detail"),
+        (ERROR, "error"),
+        (REMOTE_REQUEST_ID, "remote_request_id"),
+        (TRANSFER_ID, "transfer_id"),
+        (DO_REMOTE_DECODE, "do_remote_decode"),
+        (DO_REMOTE_PREFILL, "do_remote_prefill"),
+        (MAX_MODEL_LEN, "max_model_len"),
+        (FINISH_REASON, "finish_reason"),
+        (TYPE, "type"),
+        (STATUS_CODE, "status_code"),
+        (TEXT, "text"),
+        (OBJECT, "object"),
+        (INDEX, "index"),
+        (INPUT_IDS, "input_ids"),
+        (PROMPT, "prompt"),
+        (CODE, "code"),
+        (N, "n"),
+    ];
+
+    #[test]
+    fn every_key_is_named_as_its_constant_says() {
+        for (i, (key, name)) in NAMED.iter().enumerate() {
+            assert_eq!(key.0 as usize, i, "{name}");
+            assert_eq!(key_named(name.as_bytes()), Some(*key));
+        }
+        assert_eq!(key_named(b"rids"), None);
+        assert_eq!(key_named(b""), None);
+        assert_eq!(NAMED.iter().map(|(_, k)| k.len()).max(), Some(MAX_KEY_NAME));
     }
 }

@@ -14,7 +14,7 @@ use foldhash::{HashMap, HashMapExt};
 use std::net::{IpAddr, SocketAddr};
 
 use super::http::{HttpEvent, HttpStream, RequestHead, Side, detect};
-use super::json_ids::{BodyWindow, Finish, RequestIds, SubOutcome};
+use super::json_ids::{self, BodyWindow, Finish, RequestIds, SubOutcome};
 use super::procs::Role;
 use super::record::{Conn, DataPiece, Record};
 use super::zmtp::{self, ZmtpStream};
@@ -163,15 +163,6 @@ fn drop_lost_answers(pending: &mut std::collections::VecDeque<Pending>, losses: 
         }
     });
     lost as u64
-}
-
-/// The first bytes of an answer's body end the request without output: an error event, or a
-/// `finish_reason` that is an abort.
-fn ends_at_once(first: &[u8]) -> bool {
-    let mut w = BodyWindow::default();
-    w.push(first);
-    let info = w.response_info();
-    info.stream_error.is_some() || matches!(info.finish, Some(Finish::Abort { .. }))
 }
 
 /// What a worker's answer (or the first bytes of it) means for the request it answers.
@@ -642,7 +633,7 @@ impl Tracker {
                 let status = conn.pending[i].status.map(|s| s.0);
                 // A body whose first event already ends the request (an abort, an error event:
                 // SGLang streams a failed or refused request this way) carries no output.
-                if status.is_some_and(|s| s < 400) && !ends_at_once(&first) {
+                if status.is_some_and(|s| s < 400) && !json_ids::first_event_ends(&first) {
                     self.answer(&at, i, Answer::new(Kind::Work, ts, status), out);
                 }
             }
