@@ -22,7 +22,10 @@ const MAX_VALUE: usize = 256;
 #[derive(Default, Clone)]
 pub struct BodyWindow {
     head: Vec<u8>,
+    /// The last bytes, once the body outgrew the head ([`Self::tail_split`]); until then the
+    /// tail is the head, and is not copied.
     tail: Vec<u8>,
+    tail_split: bool,
     /// Body bytes seen or skipped so far.
     pub len: u64,
     /// Some bytes were not captured.
@@ -177,10 +180,15 @@ impl BodyWindow {
             self.count_n_keys(data);
         }
         self.len += data.len() as u64;
-        if self.head.len() < WINDOW {
-            let n = (WINDOW - self.head.len()).min(data.len());
-            self.head.extend_from_slice(&data[..n]);
+        let room = WINDOW - self.head.len().min(WINDOW);
+        if !self.tail_split && data.len() <= room {
+            // Most bodies: the head holds all of it, and so is the tail too.
+            self.head.extend_from_slice(data);
+            return;
         }
+        self.split_tail();
+        let n = room.min(data.len());
+        self.head.extend_from_slice(&data[..n]);
         let keep = data.len().min(WINDOW);
         self.tail.extend_from_slice(&data[data.len() - keep..]);
         if self.tail.len() > 2 * WINDOW {
@@ -198,10 +206,23 @@ impl BodyWindow {
         self.gaps = true;
         self.carry_len = 0;
         self.cache_line.gap();
+        if !self.tail_split && self.head.len() < WINDOW {
+            self.head.push(GAP);
+            return;
+        }
+        self.split_tail();
         if self.head.len() < WINDOW {
             self.head.push(GAP);
         }
         self.tail.push(GAP);
+    }
+
+    /// The body outgrows the head: the tail becomes its own copy, from the head's bytes.
+    fn split_tail(&mut self) {
+        if !self.tail_split {
+            self.tail_split = true;
+            self.tail = self.head.clone();
+        }
     }
 
     /// Counts the `"n"` of `data`, those that start in the previous push's last bytes too.
@@ -258,7 +279,12 @@ impl BodyWindow {
     }
 
     fn tail(&self) -> &[u8] {
-        &self.tail[self.tail.len().saturating_sub(WINDOW)..]
+        let tail = if self.tail_split {
+            &self.tail
+        } else {
+            &self.head
+        };
+        &tail[tail.len().saturating_sub(WINDOW)..]
     }
 
     /// Head, then tail; a body that fits in the head whole is scanned once.
@@ -1520,6 +1546,29 @@ data: [DONE]
                 let found: Vec<usize> = keys.values(key).collect();
                 prop_assert_eq!(found, search_per_key(&buf, name.as_bytes()), "{}", name);
             }
+        }
+
+        /// The head is the body's first [`WINDOW`] bytes and the tail its last, a gap a
+        /// single [`GAP`] byte, however the body arrived.
+        #[test]
+        fn the_ends_are_the_first_and_last_bytes(
+            pushes in proptest::collection::vec(
+                (proptest::collection::vec(1u8..=255, 0..6000), 0u64..3),
+                0..8,
+            )
+        ) {
+            let mut w = BodyWindow::default();
+            let mut stream = Vec::new();
+            for (bytes, gap) in &pushes {
+                w.push(bytes);
+                stream.extend_from_slice(bytes);
+                w.skip(*gap);
+                if *gap > 0 {
+                    stream.push(GAP);
+                }
+            }
+            prop_assert_eq!(&w.head[..], &stream[..stream.len().min(WINDOW)]);
+            prop_assert_eq!(w.tail(), &stream[stream.len().saturating_sub(WINDOW)..]);
         }
 
         #[test]

@@ -289,7 +289,7 @@ impl Tracker {
     /// The worker stage whose answers this end reports: a worker its own; the router those of
     /// workers it knows, but (`remote_only`) only of workers not watched on this node, which
     /// report themselves.
-    fn answering_stage(&self, at: &Endpoint, remote_only: bool) -> Option<Stage> {
+    pub(super) fn answering_stage(&self, at: &Endpoint, remote_only: bool) -> Option<Stage> {
         match (at.role, at.client) {
             (Role::Prefill | Role::Decode, false) => at.role.stage(),
             (Role::Router, true) => self

@@ -18,7 +18,7 @@ use super::json_ids::{self, BodyWindow, Finish, RequestIds, SubOutcome};
 use super::procs::Role;
 use super::record::{Conn, DataPiece, Record};
 use super::zmtp::{self, ZmtpStream};
-use crate::event::{Kind, LifecycleEvent, truncate_reason};
+use crate::event::{Kind, LifecycleEvent, Stage, truncate_reason};
 
 pub use clock::Clock;
 pub use lifecycle::{Learned, trace_id_of};
@@ -631,9 +631,19 @@ impl Tracker {
                 };
                 conn.pending[i].work_emitted = true;
                 let status = conn.pending[i].status.map(|s| s.0);
+                let generate = path_kind(&conn.pending[i].head.path) == PathKind::Generate;
+                // Only decode's output is reported (`response_event`), and a stage already
+                // known stays: an answer that cannot be reported is not read.
+                let reported = generate
+                    && self
+                        .answering_stage(&at, true)
+                        .is_none_or(|s| s == Stage::Decode);
                 // A body whose first event already ends the request (an abort, an error event:
                 // SGLang streams a failed or refused request this way) carries no output.
-                if status.is_some_and(|s| s < 400) && !json_ids::first_event_ends(&first) {
+                if reported
+                    && status.is_some_and(|s| s < 400)
+                    && !json_ids::first_event_ends(&first)
+                {
                     self.answer(&at, i, Answer::new(Kind::Work, ts, status), out);
                 }
             }
