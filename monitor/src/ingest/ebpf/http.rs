@@ -415,8 +415,9 @@ fn parse_head(side: Side, bytes: &[u8]) -> HeadRead {
             let mut req = httparse::Request::new(&mut headers);
             match req.parse(bytes) {
                 Ok(httparse::Status::Complete(n)) => {
-                    let head = request_head(&req);
-                    let framing = body_framing(req.headers, false, false);
+                    let known = Headers::of(req.headers);
+                    let head = request_head(&req, &known);
+                    let framing = body_framing(&known, false, false);
                     HeadRead::Complete(n, HttpEvent::RequestHead(head), framing)
                 }
                 Ok(httparse::Status::Partial) => HeadRead::Partial,
@@ -428,10 +429,14 @@ fn parse_head(side: Side, bytes: &[u8]) -> HeadRead {
             match resp.parse(bytes) {
                 Ok(httparse::Status::Complete(n)) => {
                     let status = resp.code.unwrap_or(0);
-                    let sse = header(resp.headers, "content-type")
-                        .is_some_and(|v| v.to_ascii_lowercase().starts_with("text/event-stream"));
+                    let known = Headers::of(resp.headers);
+                    let sse = text(known.content_type).is_some_and(|v| {
+                        v.as_bytes()
+                            .get(..17)
+                            .is_some_and(|p| p.eq_ignore_ascii_case(b"text/event-stream"))
+                    });
                     let no_body = status < 200 || status == 204 || status == 304;
-                    let framing = body_framing(resp.headers, true, no_body);
+                    let framing = body_framing(&known, true, no_body);
                     HeadRead::Complete(
                         n,
                         HttpEvent::ResponseHead(ResponseHead { status, sse }),
@@ -445,11 +450,40 @@ fn parse_head(side: Side, bytes: &[u8]) -> HeadRead {
     }
 }
 
-fn header<'a>(headers: &'a [httparse::Header<'a>], name: &str) -> Option<&'a str> {
-    headers
-        .iter()
-        .find(|h| h.name.eq_ignore_ascii_case(name))
-        .and_then(|h| std::str::from_utf8(h.value).ok())
+/// The headers revenant reads, the first of each name, found in one pass over the head.
+#[derive(Default)]
+struct Headers<'a> {
+    request_id: Option<&'a [u8]>,
+    traceparent: Option<&'a [u8]>,
+    content_length: Option<&'a [u8]>,
+    content_type: Option<&'a [u8]>,
+    transfer_encoding: Option<&'a [u8]>,
+}
+
+impl<'a> Headers<'a> {
+    fn of(headers: &[httparse::Header<'a>]) -> Headers<'a> {
+        let mut known = Headers::default();
+        for h in headers {
+            let slot = match h.name.len() {
+                12 if h.name.eq_ignore_ascii_case("x-request-id") => &mut known.request_id,
+                11 if h.name.eq_ignore_ascii_case("traceparent") => &mut known.traceparent,
+                14 if h.name.eq_ignore_ascii_case("content-length") => &mut known.content_length,
+                12 if h.name.eq_ignore_ascii_case("content-type") => &mut known.content_type,
+                17 if h.name.eq_ignore_ascii_case("transfer-encoding") => {
+                    &mut known.transfer_encoding
+                }
+                _ => continue,
+            };
+            slot.get_or_insert(h.value);
+        }
+        known
+    }
+}
+
+/// A header's value as text, trimmed; none when it is not UTF-8.
+fn text(value: Option<&[u8]>) -> Option<&str> {
+    value
+        .and_then(|v| std::str::from_utf8(v).ok())
         .map(str::trim)
 }
 
@@ -461,29 +495,31 @@ fn bounded(s: &str) -> String {
     s[..end].to_owned()
 }
 
-fn request_head(req: &httparse::Request<'_, '_>) -> RequestHead {
+fn request_head(req: &httparse::Request<'_, '_>, known: &Headers<'_>) -> RequestHead {
     let path = req.path.unwrap_or("");
     let path = path.split('?').next().unwrap_or("");
     RequestHead {
         method: bounded(req.method.unwrap_or("")),
         path: bounded(path),
-        request_id: header(req.headers, "x-request-id").map(bounded),
-        traceparent: header(req.headers, "traceparent").map(bounded),
-        content_length: header(req.headers, "content-length").and_then(|v| v.parse().ok()),
+        request_id: text(known.request_id).map(bounded),
+        traceparent: text(known.traceparent).map(bounded),
+        content_length: text(known.content_length).and_then(|v| v.parse().ok()),
     }
 }
 
 /// How the body of a message is delimited (RFC 9112 §6.3), `None` for no body.
-fn body_framing(headers: &[httparse::Header<'_>], response: bool, no_body: bool) -> Option<Body> {
+fn body_framing(known: &Headers<'_>, response: bool, no_body: bool) -> Option<Body> {
     if no_body {
         return None;
     }
-    if header(headers, "transfer-encoding")
-        .is_some_and(|v| v.to_ascii_lowercase().contains("chunked"))
-    {
+    if text(known.transfer_encoding).is_some_and(|v| {
+        v.as_bytes()
+            .windows(7)
+            .any(|w| w.eq_ignore_ascii_case(b"chunked"))
+    }) {
         return Some(Body::Chunked(Chunk::Size(Vec::new())));
     }
-    if let Some(len) = header(headers, "content-length") {
+    if let Some(len) = text(known.content_length) {
         return len.parse().ok().map(Body::Length).or(Some(Body::Length(0)));
     }
     if response {
@@ -505,6 +541,34 @@ mod tests {
             s.feed(b, true, &mut out);
         }
         (s, out)
+    }
+
+    /// Header names in any case, the first of a repeated one, `chunked` anywhere in the
+    /// transfer codings, an event stream's media type with parameters.
+    #[test]
+    fn headers_are_read_in_any_case_and_the_first_wins() {
+        let req = b"POST /generate HTTP/1.1\r\nx-REQUEST-id: first\r\nX-Request-Id: second\r\nTRACEPARENT: 00-abc\r\nContent-Length: 2\r\n\r\n{}";
+        let (_, out) = run(&[req]);
+        let Some(HttpEvent::RequestHead(h)) = out.first() else {
+            panic!("{out:?}");
+        };
+        assert_eq!(h.request_id.as_deref(), Some("first"));
+        assert_eq!(h.traceparent.as_deref(), Some("00-abc"));
+        assert_eq!(h.content_length, Some(2));
+        assert!(matches!(out.last(), Some(HttpEvent::End { .. })));
+
+        let mut s = HttpStream::default();
+        let mut out = Vec::new();
+        s.feed(b"HTTP/1.1 200 OK\r\nContent-Type: Text/Event-Stream; charset=utf-8\r\nTransfer-Encoding: gzip, Chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n", true, &mut out);
+        let Some(HttpEvent::ResponseHead(h)) = out.first() else {
+            panic!("{out:?}");
+        };
+        assert!(h.sse);
+        assert!(
+            out.iter()
+                .any(|e| matches!(e, HttpEvent::End { body } if body.len == 5)),
+            "{out:?}"
+        );
     }
 
     #[test]

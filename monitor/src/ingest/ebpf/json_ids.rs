@@ -9,6 +9,7 @@
 use std::sync::LazyLock;
 
 use memchr::memmem::Finder;
+use smallvec::SmallVec;
 
 use crate::event::BootstrapRoom;
 
@@ -1004,8 +1005,9 @@ enum Value {
 /// (`"key":` after `{`, `,` or a gap, its opening quote unescaped), found in one pass.
 struct Keys<'a> {
     buf: &'a [u8],
-    /// Each key found and where its value starts, in the order of the part.
-    at: Vec<(Key, u32)>,
+    /// Each key found and where its value starts, in the order of the part (inline: a part
+    /// holds a few of the keys read, and this is built for every part of every body).
+    at: SmallVec<[(Key, u32); 16]>,
 }
 
 impl<'a> Keys<'a> {
@@ -1013,7 +1015,7 @@ impl<'a> Keys<'a> {
     /// hundred bytes on a busy server's short requests and answers, where a search's setup
     /// costs more than the search.
     fn of(buf: &'a [u8]) -> Keys<'a> {
-        let mut at = Vec::new();
+        let mut at = SmallVec::new();
         for_each_quote(buf, |q| {
             let before = buf[..q].iter().rev().find(|b| !b.is_ascii_whitespace());
             // An escaped quote follows its backslash, never `{` or `,`. After a gap the context

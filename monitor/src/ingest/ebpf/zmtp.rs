@@ -37,10 +37,31 @@ pub struct Message {
     pub truncated: bool,
 }
 
+/// A frame's head as its bytes arrive: the flags, then a size of 1 or 8 bytes. Kept in place:
+/// every frame of every message has one.
+#[derive(Debug, Default)]
+struct FrameHead {
+    bytes: [u8; 9],
+    len: u8,
+}
+
+impl FrameHead {
+    fn len(&self) -> usize {
+        usize::from(self.len)
+    }
+
+    /// Appends `data` (at most what the head still lacks).
+    fn extend(&mut self, data: &[u8]) {
+        let at = self.len();
+        self.bytes[at..at + data.len()].copy_from_slice(data);
+        self.len += data.len() as u8;
+    }
+}
+
 #[derive(Debug)]
 enum State {
     Greeting(usize),
-    FrameHead(Vec<u8>),
+    FrameHead(FrameHead),
     FrameBody {
         remaining: u64,
         command: bool,
@@ -88,7 +109,7 @@ impl ZmtpStream {
             if !syscall_start || data.is_empty() || data[0] & !0x07 != 0 {
                 return;
             }
-            self.state = State::FrameHead(Vec::new());
+            self.state = State::FrameHead(FrameHead::default());
             self.msg = Message::default();
         }
         while !data.is_empty() {
@@ -99,33 +120,33 @@ impl ZmtpStream {
                     *rem -= n;
                     data = &data[n..];
                     if *rem == 0 {
-                        self.state = State::FrameHead(Vec::new());
+                        self.state = State::FrameHead(FrameHead::default());
                     }
                 }
                 State::FrameHead(h) => {
-                    let need = if h.is_empty() {
+                    let need = if h.len() == 0 {
                         2
-                    } else if h[0] & 0x02 != 0 {
+                    } else if h.bytes[0] & 0x02 != 0 {
                         9
                     } else {
                         2
                     };
                     let n = (need - h.len()).min(data.len());
-                    h.extend_from_slice(&data[..n]);
+                    h.extend(&data[..n]);
                     data = &data[n..];
-                    if h[0] & !0x07 != 0 {
+                    if h.bytes[0] & !0x07 != 0 {
                         self.lose_sync();
                         return;
                     }
-                    let need = if h[0] & 0x02 != 0 { 9 } else { 2 };
+                    let need = if h.bytes[0] & 0x02 != 0 { 9 } else { 2 };
                     if h.len() < need {
                         continue;
                     }
-                    let flags = h[0];
+                    let flags = h.bytes[0];
                     let size = if flags & 0x02 != 0 {
-                        u64::from_be_bytes(h[1..9].try_into().expect("8 bytes"))
+                        u64::from_be_bytes(h.bytes[1..9].try_into().expect("8 bytes"))
                     } else {
-                        h[1] as u64
+                        u64::from(h.bytes[1])
                     };
                     if size > MAX_FRAME {
                         self.lose_sync();
@@ -233,7 +254,7 @@ impl ZmtpStream {
         let State::FrameBody { command, more, .. } = self.state else {
             return;
         };
-        self.state = State::FrameHead(Vec::new());
+        self.state = State::FrameHead(FrameHead::default());
         if command {
             return;
         }
