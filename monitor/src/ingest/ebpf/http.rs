@@ -247,7 +247,11 @@ impl HttpStream {
             HeadRead::Complete(n, ev, framing) => {
                 out.push(ev);
                 self.head.clear();
-                self.body = BodyWindow::for_side(self.side);
+                self.body = match self.side {
+                    Side::Responses => BodyWindow::for_answer(),
+                    Side::Requests => BodyWindow::for_request(),
+                    Side::Unknown => BodyWindow::default(),
+                };
                 self.body_started = false;
                 match framing {
                     None | Some(Body::Length(0)) => self.finish(out),

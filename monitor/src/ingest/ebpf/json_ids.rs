@@ -159,16 +159,18 @@ impl std::fmt::Debug for BodyWindow {
 }
 
 impl BodyWindow {
-    /// A window for the bodies one side of a connection writes: requests (read for ids and
-    /// sample counts) or answers (read for outcomes and capacity).
-    pub fn for_side(side: super::http::Side) -> BodyWindow {
-        let reads = match side {
-            super::http::Side::Requests => Reads::Requests,
-            super::http::Side::Responses => Reads::Answers,
-            super::http::Side::Unknown => Reads::Everything,
-        };
+    /// A window for a request's body: read for ids and sample counts.
+    pub fn for_request() -> BodyWindow {
         BodyWindow {
-            reads,
+            reads: Reads::Requests,
+            ..BodyWindow::default()
+        }
+    }
+
+    /// A window for an answer's body: read for outcomes and capacity.
+    pub fn for_answer() -> BodyWindow {
+        BodyWindow {
+            reads: Reads::Answers,
             ..BodyWindow::default()
         }
     }

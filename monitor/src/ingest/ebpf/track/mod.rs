@@ -810,7 +810,14 @@ impl Tracker {
             p.deferred.push(a);
             return;
         }
-        let (head, ids) = (p.head.clone(), p.ids.clone());
-        self.response_event(at, &head, &ids, a, out);
+        // Read in place: every answer passes here, and its request's head and ids are only read.
+        let Some(p) = self
+            .conns
+            .get(&(at.tgid, at.fd))
+            .and_then(|c| c.pending.get(i))
+        else {
+            return;
+        };
+        self.response_event(at, &p.head, &p.ids, a, out);
     }
 }
