@@ -363,7 +363,7 @@ impl BodyWindow {
             if let Some(f) = finish_reason(part) {
                 info.finish = Some(f);
             }
-            if let Some(code) = stream_error(part).or_else(|| flat_error(part)) {
+            if let Some(code) = error_status(part) {
                 info.stream_error = Some(code);
             }
             if info.message.is_none() {
@@ -394,8 +394,13 @@ impl BodyWindow {
 /// body that is an error object), or a `finish_reason` that is an abort.
 pub fn first_event_ends(first: &[u8]) -> bool {
     let keys = Keys::of(first);
-    stream_error(&keys).or_else(|| flat_error(&keys)).is_some()
-        || matches!(finish_reason(&keys), Some(Finish::Abort { .. }))
+    error_status(&keys).is_some() || matches!(finish_reason(&keys), Some(Finish::Abort { .. }))
+}
+
+/// The status of an error `part` reports: its last error event, else the part itself being an
+/// error object.
+fn error_status(part: &Keys<'_>) -> Option<u16> {
+    stream_error(part).or_else(|| flat_error(part))
 }
 
 /// What vLLM's `vllm:cache_config_info` says about its KV cache.

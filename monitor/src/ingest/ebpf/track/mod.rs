@@ -799,25 +799,15 @@ impl Tracker {
     /// Emits an answer to pending request `i`, or parks it until that request's body (and so
     /// its ids) has been seen.
     fn answer(&mut self, at: &Endpoint, i: usize, a: Answer, out: &mut Vec<LifecycleEvent>) {
-        let Some(p) = self
-            .conns
-            .get_mut(&(at.tgid, at.fd))
-            .and_then(|c| c.pending.get_mut(i))
-        else {
+        let key = (at.tgid, at.fd);
+        let Some(p) = self.conns.get(&key).and_then(|c| c.pending.get(i)) else {
             return;
         };
-        if !p.ended {
-            p.deferred.push(a);
-            return;
-        }
         // Read in place: every answer passes here, and its request's head and ids are only read.
-        let Some(p) = self
-            .conns
-            .get(&(at.tgid, at.fd))
-            .and_then(|c| c.pending.get(i))
-        else {
-            return;
-        };
-        self.response_event(at, &p.head, &p.ids, a, out);
+        if p.ended {
+            self.response_event(at, &p.head, &p.ids, a, out);
+        } else if let Some(p) = self.conns.get_mut(&key).and_then(|c| c.pending.get_mut(i)) {
+            p.deferred.push(a);
+        }
     }
 }
